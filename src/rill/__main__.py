@@ -1,0 +1,5 @@
+"""`python -m rill` runs the command line."""
+
+from rill.cli import main
+
+raise SystemExit(main())

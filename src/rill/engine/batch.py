@@ -1,0 +1,58 @@
+"""The boundary between the scheduler and a model runner: what to compute in one step.
+
+A *row* is a logical KV-cache row: one sequence's keys and values for positions
+``[0, max_len)``. The scheduler owns which request holds which row and how many tokens of it
+are valid; the runner owns the tensors (and may place rows physically as it likes, e.g.
+keeping decode rows contiguous so attention reads a view).
+
+This module is pure: no torch import, so the scheduler can be tested without a model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence
+
+
+@dataclass(slots=True)
+class RowWork:
+    """Tokens to feed for one row in one step.
+
+    Attributes:
+        row: the logical KV row the tokens' keys/values are written to.
+        token_ids: the tokens to feed; one for a decode step, several for a prefill chunk.
+        start: tokens already valid in the row before this step; ``token_ids[i]`` sits at
+            position ``start + i``. Positions past ``start + len(token_ids)`` are garbage.
+        need_logits: whether the logits after the last token of ``token_ids`` are wanted
+            (False for a prefill chunk that is not the prompt's last).
+    """
+
+    row: int
+    token_ids: list[int]
+    start: int
+    need_logits: bool = True
+
+
+class ModelRunner(Protocol):
+    """What the engine core needs from a model backend.
+
+    Attributes:
+        num_rows: how many logical KV rows exist (concurrent sequences plus cache entries).
+        max_len: tokens per row (the engine's context length).
+        kv_bytes_per_token: KV memory of one token over all layers.
+        vocab_size: width of the logits rows.
+    """
+
+    num_rows: int
+    max_len: int
+    kv_bytes_per_token: int
+    vocab_size: int
+
+    def forward(self, work: Sequence[RowWork]) -> Any:
+        """Run one step; return float32 logits ``[n, vocab_size]`` (a torch tensor), one row per
+        item with ``need_logits``, in the order of ``work``."""
+        ...
+
+    def copy_row(self, src: int, dst: int, num_tokens: int) -> None:
+        """Copy the first ``num_tokens`` positions of row ``src`` into row ``dst``."""
+        ...

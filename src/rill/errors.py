@@ -1,0 +1,158 @@
+"""The one exception tree of rill.
+
+Every layer raises these; each protocol maps them to its own wire errors in one table
+(looked up by MRO so the most specific class wins). Unexpected exceptions never reach a
+client as text: protocols answer them with a generic message.
+
+    RillError
+    ├── ConfigError                 bad setting or broken model folder (startup)
+    │   └── ModelLoadError          checkpoint missing files / unsupported architecture
+    ├── InvalidRequest              a field of a request is invalid; .field names it
+    │   └── ContextLengthExceeded   prompt (+ generation) longer than the context
+    ├── RequestRejected             admission refused; .retryable
+    │   ├── QueueFull               waiting queue over its bound (retryable)
+    │   ├── MemoryPressure          request can never fit in the KV budget
+    │   ├── RateLimited             token bucket empty (retryable, .retry_after_s)
+    │   └── ModelNotReady           model still loading (retryable)
+    ├── RequestNotFound             control action for an unknown or finished request
+    ├── RequestTimeout              per-request time limit reached
+    └── EngineError
+        ├── GenerationError         one request failed; others continue
+        └── EngineDead              the engine loop crashed; nothing more can run
+"""
+
+from __future__ import annotations
+
+
+class RillError(Exception):
+    """Base of every error rill raises on purpose.
+
+    Attributes:
+        code: a short stable machine name (``snake_case``) that protocols may put on the wire.
+        retryable: whether the same request may succeed if sent again later.
+    """
+
+    code = "internal_error"
+    retryable = False
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(message)
+        self.message = message or self.__class__.__doc__ or self.code
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class ConfigError(RillError):
+    """A setting is invalid or a required resource is missing at startup."""
+
+    code = "config_error"
+
+
+class ModelLoadError(ConfigError):
+    """A model folder cannot be loaded (missing file, unsupported architecture, bad weights)."""
+
+    code = "model_loading_error"
+
+
+class InvalidRequest(RillError):
+    """A request field is invalid.
+
+    Attributes:
+        field: the offending field's name as the engine knows it (``temperature``), or None.
+    """
+
+    code = "invalid_request"
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class ContextLengthExceeded(InvalidRequest):
+    """The prompt (plus the tokens asked for) does not fit in the model's context."""
+
+    code = "context_length_exceeded"
+
+    def __init__(self, num_prompt_tokens: int, max_context_tokens: int, message: str | None = None) -> None:
+        super().__init__(
+            message
+            or f"prompt has {num_prompt_tokens} tokens but the model's context holds at most {max_context_tokens}",
+            field="prompt",
+        )
+        self.num_prompt_tokens = num_prompt_tokens
+        self.max_context_tokens = max_context_tokens
+
+
+class RequestRejected(RillError):
+    """Admission was refused before the request started."""
+
+    code = "rejected"
+    retryable = True
+
+
+class QueueFull(RequestRejected):
+    """The waiting queue is at its bound; retry later."""
+
+    code = "queue_full"
+    retryable = True
+
+    def __init__(self, message: str = "", retry_after_s: float = 1.0) -> None:
+        super().__init__(message or "the server's waiting queue is full; retry later")
+        self.retry_after_s = retry_after_s
+
+
+class MemoryPressure(RequestRejected):
+    """The request can never fit in the KV cache memory budget."""
+
+    code = "memory_pressure"
+    retryable = False
+
+
+class RateLimited(RequestRejected):
+    """A rate limit was hit; ``retry_after_s`` says when a token will be available."""
+
+    code = "rate_limited"
+    retryable = True
+
+    def __init__(self, message: str = "", retry_after_s: float = 1.0) -> None:
+        super().__init__(message or f"rate limit reached; retry in {retry_after_s:.2f} s")
+        self.retry_after_s = retry_after_s
+
+
+class ModelNotReady(RequestRejected):
+    """The model is still loading."""
+
+    code = "model_loading"
+    retryable = True
+
+
+class RequestNotFound(RillError):
+    """A control action named a request that is unknown or already finished."""
+
+    code = "request_not_found"
+
+
+class RequestTimeout(RillError):
+    """The request ran past its time limit."""
+
+    code = "timeout"
+    retryable = True
+
+
+class EngineError(RillError):
+    """The engine failed."""
+
+    code = "engine_error"
+
+
+class GenerationError(EngineError):
+    """One request failed inside the engine; other requests continue."""
+
+    code = "generation_error"
+
+
+class EngineDead(EngineError):
+    """The engine loop has crashed; no request can run until restart."""
+
+    code = "engine_dead"
