@@ -1,0 +1,103 @@
+"""EngineClient: the async face of the engine that every protocol adapter talks to.
+
+Adapters call ``await client.generate(GenerateRequest)`` and iterate the returned
+``RequestStream``; controls go through the stream or the client by request id. The
+in-process implementation (``InprocClient``) runs the synchronous ``EngineCore`` in one
+dedicated thread; commands cross into it through a thread-safe queue and each engine step's
+outputs come back to the event loop in one ``call_soon_threadsafe`` hop.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from rill.frontend.stream import RequestStream
+from rill.types import EngineStats, GenerateRequest, ModelInfo, RequestId, SamplingParams
+
+
+class MetricsSink(Protocol):
+    """Receives per-request figures when a request ends (implemented by frontend.metrics)."""
+
+    def observe_request(
+        self,
+        *,
+        protocol: str,
+        finish_reason: str,
+        queue_s: float | None,
+        ttft_s: float | None,
+        inter_token_s: list[float],
+        e2e_s: float,
+        num_prompt_tokens: int,
+        num_generated_tokens: int,
+    ) -> None:
+        """Record one finished request."""
+        ...
+
+
+class EngineClient(Protocol):
+    """What a protocol adapter may ask of the engine.
+
+    ``generate`` raises ``InvalidRequest`` / ``ContextLengthExceeded`` (bad input),
+    ``QueueFull`` (retryable), ``ModelNotReady`` (still loading) or ``EngineDead``. Control
+    calls by id raise ``RequestNotFound`` for unknown or finished requests; ``modify``
+    raises ``InvalidRequest`` and changes nothing when a value is invalid.
+    """
+
+    model_info: ModelInfo | None
+
+    def is_ready(self) -> bool:
+        """True once the model is loaded and the engine thread runs."""
+        ...
+
+    def load_progress(self) -> tuple[float, float | None]:
+        """Loading progress in percent (0–100) and the estimated seconds left (None if unknown)."""
+        ...
+
+    async def wait_ready(self) -> None:
+        """Return once the model is loaded (raise ``EngineDead`` if loading failed)."""
+        ...
+
+    async def generate(self, request: GenerateRequest) -> RequestStream:
+        """Tokenize (applying the chat template for ``messages``), validate, and submit."""
+        ...
+
+    def abort(self, request_id: RequestId) -> None:
+        """Cancel a request; a no-op if it already finished."""
+        ...
+
+    def pause(self, request_id: RequestId) -> None:
+        """Pause a running request (``PAUSED`` event follows)."""
+        ...
+
+    def resume(self, request_id: RequestId) -> None:
+        """Resume a paused request (``RESUMED`` event follows)."""
+        ...
+
+    def modify(self, request_id: RequestId, patch: dict[str, Any]) -> SamplingParams:
+        """Apply a sampling-parameter patch from the next token on; return the new params."""
+        ...
+
+    def regenerate(self, request_id: RequestId) -> None:
+        """Restart the request from its prompt (``REGENERATING`` event follows)."""
+        ...
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text`` with the model's tokenizer."""
+        ...
+
+    def decode(self, token_ids: list[int]) -> str:
+        """Text of ``token_ids`` (special tokens skipped)."""
+        ...
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        """The prompt text the chat template makes of ``messages`` (``InvalidRequest`` if the
+        model has no template or the template rejects them)."""
+        ...
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the engine's gauges and counters."""
+        ...
+
+    async def shutdown(self) -> None:
+        """Cancel everything and stop the engine thread."""
+        ...
