@@ -1,0 +1,103 @@
+"""The ``rill`` command line: ``serve``, ``demo-model``, ``check-config``, ``client …`` and more.
+
+Subcommands owned by other packages register themselves: a module listed in ``PLUGINS``
+that exists exposes ``register(subparsers)`` and sets ``func`` on its parser(s); a module
+under ``rill.clients`` exposing ``register(client_subparsers)`` adds ``rill client NAME``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import importlib.util
+import logging
+import pkgutil
+import sys
+
+from rill import __version__, config
+from rill.errors import ConfigError, RillError
+
+PLUGINS = ("rill.bench", "rill.feedback")
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    cfg = config.load(_config_flags(args))
+    logging.basicConfig(level=cfg.http.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from rill.server import serve
+
+    try:
+        asyncio.run(serve(cfg))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def _cmd_check_config(args: argparse.Namespace) -> int:
+    import dataclasses
+    import json
+
+    cfg = config.load(_config_flags(args))
+    print(json.dumps(dataclasses.asdict(cfg), indent=2))
+    return 0
+
+
+def _cmd_demo_model(args: argparse.Namespace) -> int:
+    from rill.demo import ensure_demo_model
+
+    path = ensure_demo_model(progress=True)
+    print(path)
+    return 0
+
+
+def _config_flags(args: argparse.Namespace) -> dict:
+    return {k: v for k, v in vars(args).items() if k == "config" or "." in k}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full argument parser (also used to render ``--help``)."""
+    parser = argparse.ArgumentParser(prog="rill", description="rill: a streaming LLM inference server")
+    parser.add_argument("--version", action="version", version=f"rill {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="start the server (all protocols, one process)")
+    config.add_arguments(serve)
+    serve.set_defaults(func=_cmd_serve)
+
+    check = sub.add_parser("check-config", help="print the effective configuration and exit")
+    config.add_arguments(check)
+    check.set_defaults(func=_cmd_check_config)
+
+    demo = sub.add_parser("demo-model", help="build (once) and print the folder of the demo model")
+    demo.set_defaults(func=_cmd_demo_model)
+
+    client = sub.add_parser("client", help="command-line clients for each protocol")
+    client_sub = client.add_subparsers(dest="client", required=True)
+    import rill.clients
+
+    for info in pkgutil.iter_modules(rill.clients.__path__):
+        module = importlib.import_module(f"rill.clients.{info.name}")
+        if hasattr(module, "register"):
+            module.register(client_sub)
+
+    for name in PLUGINS:
+        if importlib.util.find_spec(name) is not None:
+            module = importlib.import_module(name)
+            if hasattr(module, "register"):
+                module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``rill`` script; returns the process exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ConfigError, RillError) as exc:
+        print(f"rill: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,285 @@
+"""Server configuration: frozen per-area dataclasses and the one loader.
+
+Precedence: command-line flags > ``RILL_*`` environment variables > a TOML config file
+(``--config``) > defaults. ``load()`` is the only place in rill that reads ``os.environ``
+for settings; deeper code receives these objects.
+
+Every field's ``help`` metadata becomes its ``--flag`` help in ``rill serve --help``. A field
+named ``kv_cache_memory`` is the flag ``--kv-cache-memory``, the environment variable
+``RILL_KV_CACHE_MEMORY`` and the TOML key ``kv_cache_memory`` (top level or in the section
+named after its area, e.g. ``[engine]``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, get_args, get_origin, get_type_hints
+
+from rill.errors import ConfigError
+
+
+def _f(default: Any, help: str, **extra: Any) -> Any:
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help, **extra})
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Model and engine settings (the only part the engine sees)."""
+
+    model: str | None = _f(None, "model folder (Hugging Face layout); default: the demo model, built on first use")
+    served_model_name: str | None = _f(None, "model name shown to clients (default: the folder name)")
+    dtype: str = _f("auto", "float32, bfloat16 or auto (bfloat16 where the CPU has native bf16)")
+    device: str = _f("cpu", "torch device: cpu, cuda, cuda:1, ...")
+    kv_cache_memory: str = _f("2GiB", "KV cache memory budget: bytes or a size such as 512MiB or 4GiB")
+    max_model_len: int | None = _f(None, "context length per sequence (default: the model's, at most 4096)")
+    max_num_seqs: int = _f(64, "most sequences generating at once")
+    max_num_batched_tokens: int = _f(2048, "token budget of one engine step (prefill chunks + decodes)")
+    max_queue: int = _f(1024, "bound of the waiting queue; requests over it are refused (retryable)")
+    num_threads: int | None = _f(None, "torch intra-op threads (default: all cores)")
+
+
+@dataclass(frozen=True)
+class HttpConfig:
+    """HTTP listener, keys and limits."""
+
+    host: str = _f("127.0.0.1", "HTTP host to bind")
+    port: int = _f(8000, "HTTP port")
+    api_key: list[str] = _f([], "API key clients must send as 'Authorization: Bearer KEY' (repeatable)", repeat=True)
+    api_key_file: str | None = _f(None, "file with one API key per line")
+    max_body_bytes: int = _f(4 * 1024 * 1024, "largest HTTP request body accepted")
+    max_tokens_cap: int | None = _f(None, "upper bound for max_tokens of any request")
+    cors_origins: list[str] = _f([], "allowed CORS origins (repeatable; '*' for any)", repeat=True)
+    request_timeout_s: float | None = _f(None, "per-request time limit in seconds")
+    rate_limit_tokens_per_s: float | None = _f(None, "per-key and per-connection generation rate limit (tokens/s)")
+    rate_limit_burst: int = _f(2048, "token-bucket burst size for the rate limit")
+    data_dir: str = _f("data", "folder for feedback, recordings and other durable data")
+    log_level: str = _f("info", "log level: debug, info, warning, error")
+
+
+@dataclass(frozen=True)
+class UdsConfig:
+    """Framed JSON over a Unix domain socket."""
+
+    socket: str = _f("/tmp/rill.sock", "Unix socket path for the framed-JSON protocol")
+    no_socket: bool = _f(False, "do not open the Unix socket")
+    socket_mode: str = _f("0600", "file mode of the Unix socket (octal)")
+    max_frame_bytes: int = _f(1024 * 1024, "largest frame accepted on the Unix socket")
+    uds_protocol: str = _f("framed", "framed (uint32-LE length + JSON) or newline (debug)")
+    uds_one_request: bool = _f(False, "close each Unix-socket connection after one request")
+
+
+@dataclass(frozen=True)
+class BatchWsConfig:
+    """Batch WebSocket /ws continuation cache."""
+
+    batch_cache_max_entries: int = _f(256, "most kept generations for continuation by request_id")
+    batch_cache_max_tokens: int = _f(262144, "most tokens kept for continuation in total")
+    batch_cache_ttl_s: float = _f(600.0, "seconds a kept generation stays continuable")
+
+
+@dataclass(frozen=True)
+class ChatConfig:
+    """Multimodal chat WebSocket /ws/chat."""
+
+    chat_max_active: int = _f(4, "most /ws/chat replies generating at once")
+    chat_max_queue: int = _f(64, "most /ws/chat requests waiting")
+    record: bool = _f(False, "store every chat (request, reply text, reply audio) in the data folder")
+    ref_audio: str | None = _f(None, "WAV file served by /api/default_ref_audio")
+
+
+@dataclass(frozen=True)
+class EvergreenConfig:
+    """Evergreen sessions over gRPC."""
+
+    grpc_port: int = _f(50051, "gRPC port for Evergreen sessions (0 disables)")
+    evergreen_file_root: list[str] = _f([], "folder file:// refs may be read from (repeatable)", repeat=True)
+    evergreen_max_depth: int = _f(32, "deepest node nesting allowed in a session")
+    evergreen_max_nodes: int = _f(10000, "most nodes in a session")
+    evergreen_max_bytes: int = _f(64 * 1024 * 1024, "most content bytes in a session")
+    evergreen_max_actions: int = _f(64, "most open actions in a session")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything ``rill serve`` needs, by area."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    http: HttpConfig = field(default_factory=HttpConfig)
+    uds: UdsConfig = field(default_factory=UdsConfig)
+    batch_ws: BatchWsConfig = field(default_factory=BatchWsConfig)
+    chat: ChatConfig = field(default_factory=ChatConfig)
+    evergreen: EvergreenConfig = field(default_factory=EvergreenConfig)
+
+    def api_keys(self) -> set[str]:
+        """Keys from ``--api-key`` and ``--api-key-file`` (empty set: no auth)."""
+        keys = set(self.http.api_key)
+        if self.http.api_key_file:
+            try:
+                text = Path(self.http.api_key_file).read_text()
+            except OSError as exc:
+                raise ConfigError(f"cannot read --api-key-file {self.http.api_key_file}: {exc.strerror}") from exc
+            keys |= {line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")}
+        return keys
+
+
+AREAS: dict[str, type] = {
+    "engine": EngineConfig,
+    "http": HttpConfig,
+    "uds": UdsConfig,
+    "batch_ws": BatchWsConfig,
+    "chat": ChatConfig,
+    "evergreen": EvergreenConfig,
+}
+
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]i?[bB]?|[bB])?\s*$")
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "ki": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
+          "mi": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "gi": 1024**3, "t": 1000**4, "tb": 1000**4,
+          "tib": 1024**4, "ti": 1024**4}
+
+
+def parse_size(text: str | int, name: str = "size") -> int:
+    """Parse ``4GiB``, ``512MiB``, ``1.5G`` or a plain byte count into bytes."""
+    if isinstance(text, int):
+        return text
+    match = _SIZE_RE.match(str(text))
+    if not match:
+        raise ConfigError(f"{name}: cannot parse size {text!r} (use bytes or e.g. 512MiB, 4GiB)")
+    number, unit = match.groups()
+    return int(float(number) * _UNITS[(unit or "").lower()])
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add one flag per config field (defaults suppressed, so only given flags override)."""
+    parser.add_argument("--config", help="TOML config file (flags and RILL_* variables override it)")
+    for area, cls in AREAS.items():
+        group = parser.add_argument_group(area)
+        hints = get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            kind = _base_type(hints[f.name])
+            help_text = f"{f.metadata.get('help', '')} (default: {_default_of(f)})"
+            if kind is bool:
+                group.add_argument(flag, dest=f"{area}.{f.name}", action="store_true", default=argparse.SUPPRESS, help=help_text)
+            elif f.metadata.get("repeat"):
+                group.add_argument(flag, dest=f"{area}.{f.name}", action="append", default=argparse.SUPPRESS, help=help_text)
+            else:
+                group.add_argument(flag, dest=f"{area}.{f.name}", default=argparse.SUPPRESS, help=help_text)
+
+
+def load(args: argparse.Namespace | Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None) -> ServerConfig:
+    """Build the effective config from flags, environment and an optional TOML file."""
+    flag_values = dict(vars(args)) if isinstance(args, argparse.Namespace) else dict(args or {})
+    env = os.environ if env is None else env
+    config_file = flag_values.pop("config", None) or env.get("RILL_CONFIG")
+    file_values = _read_toml(config_file) if config_file else {}
+    areas: dict[str, Any] = {}
+    for area, cls in AREAS.items():
+        hints = get_type_hints(cls)
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            raw, source = _pick(area, f.name, flag_values, env, file_values)
+            if source is not None:
+                values[f.name] = _convert(raw, hints[f.name], f"{source} {f.name}")
+        areas[area] = cls(**values)
+    config = ServerConfig(**areas)
+    validate(config)
+    return config
+
+
+def validate(config: ServerConfig) -> None:
+    """Cross-field checks; raise ``ConfigError`` naming the field and value."""
+    e = config.engine
+    if e.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, not {e.dtype!r}")
+    parse_size(e.kv_cache_memory, "kv_cache_memory")
+    for name in ("max_num_seqs", "max_num_batched_tokens", "max_queue"):
+        if getattr(e, name) < 1:
+            raise ConfigError(f"{name} must be >= 1, not {getattr(e, name)}")
+    if e.max_model_len is not None and e.max_model_len < 16:
+        raise ConfigError(f"max_model_len must be >= 16, not {e.max_model_len}")
+    if not (0 <= config.http.port < 65536):
+        raise ConfigError(f"port must be in 0..65535, not {config.http.port}")
+    if config.uds.uds_protocol not in ("framed", "newline"):
+        raise ConfigError(f"uds_protocol must be framed or newline, not {config.uds.uds_protocol!r}")
+    try:
+        int(config.uds.socket_mode, 8)
+    except ValueError as exc:
+        raise ConfigError(f"socket_mode must be an octal mode such as 0600, not {config.uds.socket_mode!r}") from exc
+
+
+def _pick(area: str, name: str, flags: Mapping[str, Any], env: Mapping[str, str], file: Mapping[str, Any]) -> tuple[Any, str | None]:
+    if f"{area}.{name}" in flags:
+        return flags[f"{area}.{name}"], "flag"
+    if name in flags:
+        return flags[name], "flag"
+    env_name = "RILL_" + name.upper()
+    if env_name in env:
+        return env[env_name], "environment variable"
+    section = file.get(area)
+    if isinstance(section, dict) and name in section:
+        return section[name], "config file"
+    if name in file:
+        return file[name], "config file"
+    return None, None
+
+
+def _read_toml(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh)
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
+
+
+def _base_type(hint: Any) -> Any:
+    args = [a for a in get_args(hint) if a is not type(None)]
+    if get_origin(hint) is list:
+        return list
+    if args:
+        return _base_type(args[0])
+    return hint
+
+
+def _convert(raw: Any, hint: Any, where: str) -> Any:
+    kind = _base_type(hint)
+    if raw is None:
+        return None
+    try:
+        if kind is bool:
+            if isinstance(raw, bool):
+                return raw
+            text = str(raw).strip().lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off", ""):
+                return False
+            raise ValueError(raw)
+        if kind is list:
+            if isinstance(raw, str):
+                return [part.strip() for part in raw.split(",") if part.strip()]
+            return [str(item) for item in raw]
+        if kind is int:
+            return int(raw)
+        if kind is float:
+            return float(raw)
+        return str(raw)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: cannot use {raw!r} as {getattr(kind, '__name__', kind)}") from exc
+
+
+def _default_of(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        return f.default_factory()  # type: ignore[misc]
+    return None

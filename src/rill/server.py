@@ -1,0 +1,141 @@
+"""Composition root of ``rill serve``: config → engine client → protocol adapters → listeners.
+
+One process, one asyncio loop, one engine thread. Each protocol package's ``adapter`` module
+may expose:
+
+* ``routes(deps) -> list[starlette.routing.BaseRoute]`` — HTTP and WebSocket routes on the
+  shared HTTP port;
+* ``async start(deps) -> Callable[[], Awaitable[None]]`` — a listener of its own (Unix
+  socket, gRPC); the returned coroutine function stops it.
+
+``/health`` lives here: 503 while the model loads, 200 when ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import importlib.util
+import logging
+import signal
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from rill.config import ServerConfig
+from rill.frontend.client import EngineClient
+
+log = logging.getLogger("rill.server")
+
+PROTOCOLS = ("openai_http", "generate_ws", "batch_ws", "chat_ws", "evergreen", "framed_uds")
+
+
+@dataclass
+class Deps:
+    """What adapters receive: settings, the engine client and shared services."""
+
+    config: ServerConfig
+    client: EngineClient
+    metrics: Any = None
+    api_keys: set[str] = field(default_factory=set)
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+def _adapter(name: str) -> Any | None:
+    module_name = f"rill.protocols.{name}.adapter"
+    if importlib.util.find_spec(f"rill.protocols.{name}") is None:
+        return None
+    if importlib.util.find_spec(module_name) is None:
+        return None
+    return importlib.import_module(module_name)
+
+
+def protocol_adapters() -> dict[str, Any]:
+    """The protocol adapter modules present in this build, by protocol name."""
+    return {name: mod for name in PROTOCOLS if (mod := _adapter(name)) is not None}
+
+
+async def health(request: Request) -> JSONResponse:
+    """200 ``{"status": "ok"}`` when the model is ready; 503 with progress while loading."""
+    client: EngineClient = request.app.state.deps.client
+    if client.is_ready():
+        return JSONResponse({"status": "ok", "model": client.model_info.name if client.model_info else None})
+    progress, eta = client.load_progress()
+    error = getattr(client, "load_error", None)
+    if error is not None:
+        return JSONResponse({"status": "error", "error": "model failed to load"}, status_code=503)
+    return JSONResponse({"status": "loading", "progress": round(progress, 1), "eta_seconds": eta}, status_code=503)
+
+
+def build_app(deps: Deps) -> Starlette:
+    """The Starlette app with /health and every protocol's routes."""
+    routes: list[Any] = [Route("/health", health, methods=["GET"])]
+    for adapter in protocol_adapters().values():
+        if hasattr(adapter, "routes"):
+            routes.extend(adapter.routes(deps))
+    app: Starlette = Starlette(routes=routes)
+    app.state.deps = deps
+    middleware = _optional("rill.middleware")
+    if middleware is not None:
+        return middleware.wrap(app, deps)
+    return app
+
+
+def _optional(module_name: str) -> Any | None:
+    if importlib.util.find_spec(module_name) is None:
+        return None
+    return importlib.import_module(module_name)
+
+
+def make_deps(config: ServerConfig, client: EngineClient) -> Deps:
+    """Deps with the metrics registry (when the metrics module exists) and the API keys."""
+    metrics_mod = _optional("rill.frontend.metrics")
+    metrics = metrics_mod.Metrics(client) if metrics_mod is not None else None
+    if metrics is not None and hasattr(client, "set_metrics_sink"):
+        client.set_metrics_sink(metrics)
+    return Deps(config=config, client=client, metrics=metrics, api_keys=config.api_keys())
+
+
+async def serve(config: ServerConfig, client: EngineClient | None = None, ready: asyncio.Event | None = None) -> None:
+    """Run every front-end until SIGINT/SIGTERM; the model loads in the background."""
+    import uvicorn
+
+    from rill.frontend.inproc import InprocClient
+
+    if client is None:
+        client = InprocClient.start(config.engine)
+    deps = make_deps(config, client)
+    app = build_app(deps)
+    stoppers: list[Callable[[], Awaitable[None]]] = []
+    for name, adapter in protocol_adapters().items():
+        if hasattr(adapter, "start"):
+            stopper = await adapter.start(deps)
+            if stopper is not None:
+                stoppers.append(stopper)
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=config.http.host, port=config.http.port, log_level=config.http.log_level,
+                       ws_max_size=config.http.max_body_bytes, timeout_graceful_shutdown=2, lifespan="off")
+    )
+    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
+    log.info("rill listening on http://%s:%d", config.http.host, config.http.port)
+    try:
+        serve_task = asyncio.create_task(server.serve())
+        if ready is not None:
+            while not server.started and not serve_task.done():
+                await asyncio.sleep(0.01)
+            ready.set()
+        await serve_task
+    finally:
+        for stop in stoppers:
+            with contextlib.suppress(Exception):
+                await stop()
+        await client.shutdown()
