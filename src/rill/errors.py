@@ -15,6 +15,7 @@ client as text: protocols answer them with a generic message.
     │   ├── RateLimited             token bucket empty (retryable, .retry_after_s)
     │   └── ModelNotReady           model still loading (retryable)
     ├── RequestNotFound             control action for an unknown or finished request
+    ├── CacheMiss                   a required cached prefix was evicted
     ├── RequestTimeout              per-request time limit reached
     └── EngineError
         ├── GenerationError         one request failed; others continue
@@ -131,6 +132,12 @@ class RequestNotFound(RillError):
     """A control action named a request that is unknown or already finished."""
 
     code = "request_not_found"
+
+
+class CacheMiss(RillError):
+    """A continuation asked for a cached prefix that was evicted from the KV cache."""
+
+    code = "cache_miss"
 
 
 class RequestTimeout(RillError):

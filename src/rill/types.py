@@ -155,6 +155,9 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] = {}
     deadline_s: float | None = None
+    require_cached_prefix_tokens: int | None = None
+    """If set, the engine finishes it with ``rill.errors.CacheMiss`` unless at least
+    this many leading prompt tokens are still in its prefix cache (batch /ws continuation)."""
 
 
 class TopLogprob(msgspec.Struct, array_like=True):
@@ -245,7 +248,7 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     device: str
     quantization: str | None = None
     has_chat_template: bool = False
-    modalities: list[str] = ["text"]
+    modalities: list[str] = msgspec.field(default_factory=lambda: ["text"])
 
 
 class EngineStats(msgspec.Struct, kw_only=True):
