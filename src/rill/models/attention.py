@@ -1,0 +1,144 @@
+"""Attention over a contiguous per-row KV cache for one engine step.
+
+A step packs every token of every scheduled row into one flat batch of ``N`` tokens: first the
+decode tokens (one per row; their rows are physical rows ``0..B-1`` in that order, so their
+keys are a *view* ``cache[:B, :, :L]``), then the prefill chunks (several tokens each, any
+physical row). Linear layers run on the packed ``[N, hidden]`` tensor; only attention splits
+into the two groups.
+
+GQA is computed without repeating keys: the ``g`` query heads that share one KV head are
+folded into the query-length dimension, so SDPA sees ``num_kv_heads`` heads and a query
+length of ``g`` (decode) or ``T * g`` (prefill).
+
+The runner builds a ``StepBatch`` once per step; layers only index into it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class PrefillLayout:
+    """How the prefill chunks of a step are laid out for one padded attention call.
+
+    Attributes:
+        num_chunks: P, the number of prefill chunks.
+        max_chunk_len: T, tokens in the longest chunk (others are right-padded to it).
+        key_len: keys each chunk attends over (max of ``start + len``).
+        row_slice: ``(first, last + 1)`` physical rows when the chunks' rows are consecutive
+            and in order (then keys are a view), else None.
+        rows: physical rows ``[P]`` (used to gather keys when ``row_slice`` is None).
+        pad_index: ``[P * T]`` indices into the packed prefill tokens (padding points at a
+            chunk's last token), or None when no padding is needed.
+        unpad_index: ``[N_p]`` indices into the padded ``P * T`` layout, or None.
+        masks: per sliding window (None = full attention), a bool mask ``[P, 1, T * g, key_len]``
+            (True = attend); folded query index ``t * g + j`` is chunk token ``t``.
+    """
+
+    num_chunks: int
+    max_chunk_len: int
+    key_len: int
+    row_slice: tuple[int, int] | None
+    rows: torch.Tensor
+    pad_index: torch.Tensor | None
+    unpad_index: torch.Tensor | None
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class StepBatch:
+    """Packed inputs of one cached step (built by the runner, read by every layer).
+
+    Attributes:
+        input_ids: ``[N]`` token ids, decode tokens first, then each prefill chunk in turn.
+        positions: ``[N]`` absolute position of each token in its row.
+        write_rows: ``[N]`` physical KV row each token's keys/values are written to.
+        num_decode: B, decode tokens at the front of the batch (rows ``0..B-1``).
+        decode_len: keys the decode rows attend over (max of their lengths after this step).
+        decode_masks: per sliding window, a bool mask ``[B, 1, 1, decode_len]`` or None when
+            every decode row has exactly ``decode_len`` keys and no window applies.
+        prefill: layout of the prefill chunks, or None when the step has none.
+        logits_index: ``[M]`` packed positions whose logits are wanted, or None for none.
+        cos, sin: ``[N, 1, head_dim]`` RoPE rows in the activation dtype (set by the model).
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    write_rows: torch.Tensor
+    num_decode: int
+    decode_len: int
+    decode_masks: dict[int | None, torch.Tensor | None]
+    prefill: PrefillLayout | None
+    logits_index: torch.Tensor | None
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+
+
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: StepBatch
+) -> None:
+    """Store the step's keys/values ``[N, kv_heads, head_dim]`` at (row, position) in the caches."""
+    k_cache[batch.write_rows, :, batch.positions] = k
+    v_cache[batch.write_rows, :, batch.positions] = v
+
+
+def cached_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: StepBatch,
+    window: int | None,
+) -> torch.Tensor:
+    """Attend the step's queries ``[N, heads, head_dim]`` over the caches; return ``[N, heads * head_dim]``.
+
+    The step's own keys must already be written (``write_kv``).
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    num_decode = batch.num_decode
+    outputs = []
+    if num_decode:
+        length = batch.decode_len
+        q_d = q[:num_decode].view(num_decode, num_kv_heads, group, head_dim)
+        out_d = F.scaled_dot_product_attention(
+            q_d,
+            k_cache[:num_decode, :, :length],
+            v_cache[:num_decode, :, :length],
+            attn_mask=batch.decode_masks[window],
+        )  # [B, kv_heads, g, head_dim]
+        outputs.append(out_d.reshape(num_decode, num_heads * head_dim))
+    if batch.prefill is not None:
+        outputs.append(_prefill_attention(q[num_decode:], k_cache, v_cache, batch.prefill, window))
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+
+def _prefill_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: PrefillLayout, window: int | None
+) -> torch.Tensor:
+    # q: [N_p, heads, head_dim] packed prefill queries.
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    chunks, max_len, key_len = layout.num_chunks, layout.max_chunk_len, layout.key_len
+    if layout.pad_index is not None:
+        q = q.index_select(0, layout.pad_index)
+    # [P*T, heads, hd] -> [P, kv_heads, T*g, hd]: query index t*g + j for head kv*g + j.
+    q = q.view(chunks, max_len, num_kv_heads, group, head_dim).transpose(1, 2)
+    q = q.reshape(chunks, num_kv_heads, max_len * group, head_dim)
+    if layout.row_slice is not None:
+        first, last = layout.row_slice
+        keys, values = k_cache[first:last, :, :key_len], v_cache[first:last, :, :key_len]
+    else:
+        keys = k_cache[:, :, :key_len].index_select(0, layout.rows)
+        values = v_cache[:, :, :key_len].index_select(0, layout.rows)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=layout.masks[window])
+    out = out.view(chunks, num_kv_heads, max_len, group, head_dim).transpose(1, 2)
+    out = out.reshape(chunks * max_len, num_heads * head_dim)
+    if layout.unpad_index is not None:
+        out = out.index_select(0, layout.unpad_index)
+    return out

@@ -1,0 +1,256 @@
+"""Model configuration: a Hugging Face ``config.json`` dict → ``ModelConfig``.
+
+Owns the mapping from the four supported Hugging Face architectures (Llama, Mistral, Qwen2,
+Qwen3) to one set of flags the model code reads (biases, q/k norms, sliding windows, RoPE).
+Both spellings of RoPE settings are read: ``rope_theta`` + ``rope_scaling`` (older files) and
+``rope_parameters`` (what transformers 5.x ``save_pretrained`` writes).
+
+Imports only the standard library, torch (for dtype names) and ``rill.errors``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rill.errors import ModelLoadError
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+"""Hugging Face ``architectures`` names this package can load."""
+
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "dynamic")
+"""RoPE variants implemented. ``dynamic`` equals ``default`` up to ``max_position_embeddings``,
+which is why a dynamic-RoPE model's context is capped there (see ``ModelConfig.max_context_tokens``)."""
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Generation defaults copied from generation_config.json when present (sampling fields only).
+_GENERATION_KEYS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "do_sample",
+    "max_new_tokens",
+    "max_length",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Everything the model, the runner and the engine need to know about a checkpoint.
+
+    Attributes:
+        architecture: the Hugging Face class name, e.g. ``"LlamaForCausalLM"``.
+        hidden_size, num_layers, num_heads, num_kv_heads, head_dim, intermediate_size,
+        vocab_size: the model's shape.
+        max_position_embeddings: the trained context from ``config.json``.
+        dtype: torch dtype name of the loaded weights (``"float32"``, ``"bfloat16"``).
+        device: torch device string (``"cpu"``, ``"cuda:0"``).
+        tie_word_embeddings: the LM head shares the input embedding matrix.
+        eos_token_ids: every end-of-sequence id (config.json and generation_config.json).
+        generation_defaults: sampling defaults from generation_config.json (may be empty).
+        rms_norm_eps: epsilon of every RMSNorm.
+        rope_theta: RoPE base.
+        rope_scaling: normalised RoPE parameters (``rope_type`` plus its fields).
+        has_qkv_bias: q/k/v projections have a bias (Qwen2; Llama/Qwen3 ``attention_bias``).
+        has_o_bias: the output projection has a bias (Llama/Qwen3 ``attention_bias``).
+        has_qk_norm: RMSNorm over ``head_dim`` on queries and keys before RoPE (Qwen3).
+        sliding_windows: per layer, the attention window in tokens or None for full attention.
+        bos_token_id, pad_token_id: special ids from config.json (may be None).
+        hf_config: the raw ``config.json`` dict (for saving and for reference tests).
+    """
+
+    architecture: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    dtype: str = "float32"
+    device: str = "cpu"
+    tie_word_embeddings: bool = False
+    eos_token_ids: tuple[int, ...] = ()
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default"})
+    has_qkv_bias: bool = False
+    has_o_bias: bool = False
+    has_qk_norm: bool = False
+    sliding_windows: tuple[int | None, ...] = ()
+    bos_token_id: int | None = None
+    pad_token_id: int | None = None
+    hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The weights' dtype as a ``torch.dtype``."""
+        return _DTYPES[self.dtype]
+
+    @property
+    def num_query_groups(self) -> int:
+        """Query heads per KV head (1 for plain multi-head attention)."""
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def max_context_tokens(self) -> int:
+        """The longest context this implementation serves faithfully.
+
+        ``max_position_embeddings``; for ``dynamic`` RoPE it is also a hard cap, since past it
+        the frequencies would change with the sequence length.
+        """
+        return self.max_position_embeddings
+
+    def kv_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
+        """Bytes of keys plus values for one token over all layers in ``dtype`` (default: the model's)."""
+        itemsize = torch.empty((), dtype=dtype or self.torch_dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
+    def with_runtime(self, dtype: str, device: str) -> "ModelConfig":
+        """Return a copy with the runtime dtype and device filled in."""
+        values = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        return ModelConfig(**(values | {"dtype": dtype, "device": device}))
+
+
+def dtype_name(dtype: str | torch.dtype) -> str:
+    """Normalise ``"bfloat16"`` / ``torch.bfloat16`` / ``"bf16"`` to a dtype name; raise ValueError."""
+    if isinstance(dtype, torch.dtype):
+        dtype = str(dtype).removeprefix("torch.")
+    aliases = {"bf16": "bfloat16", "fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16"}
+    name = aliases.get(dtype, dtype)
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported dtype '{dtype}'; use one of auto, {', '.join(_DTYPES)}")
+    return name
+
+
+def parse_config(
+    hf: dict[str, Any], generation: dict[str, Any] | None = None, *, source: str = "config.json"
+) -> ModelConfig:
+    """Build a ``ModelConfig`` from a ``config.json`` dict (and optional ``generation_config.json``).
+
+    Raises:
+        ModelLoadError: unsupported architecture, activation, RoPE type, or a missing field;
+            the message names ``source``.
+    """
+    architecture = _architecture(hf, source)
+    act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
+    if act not in ("silu", "swish"):
+        raise ModelLoadError(f"{source}: hidden_act '{act}' is not supported (only silu)")
+    if hf.get("mlp_bias"):
+        raise ModelLoadError(f"{source}: mlp_bias=true is not supported")
+    try:
+        hidden_size = int(hf["hidden_size"])
+        num_heads = int(hf["num_attention_heads"])
+        num_layers = int(hf["num_hidden_layers"])
+        vocab_size = int(hf["vocab_size"])
+        intermediate_size = int(hf["intermediate_size"])
+    except KeyError as exc:
+        raise ModelLoadError(f"{source}: required field {exc.args[0]!r} is missing") from exc
+    num_kv_heads = int(hf.get("num_key_value_heads") or num_heads)
+    if num_heads % num_kv_heads:
+        raise ModelLoadError(f"{source}: num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
+    head_dim = int(hf.get("head_dim") or hidden_size // num_heads)
+    rope_theta, rope_scaling = _rope(hf, source)
+    generation = generation or {}
+    is_qwen2 = architecture == "Qwen2ForCausalLM"
+    has_attention_bias = bool(hf.get("attention_bias", False)) and architecture != "MistralForCausalLM"
+    return ModelConfig(
+        architecture=architecture,
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        intermediate_size=intermediate_size,
+        vocab_size=vocab_size,
+        max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        # generate() stops on generation_config's ids when that file names them, else config's.
+        eos_token_ids=_eos_ids(generation.get("eos_token_id", hf.get("eos_token_id"))),
+        generation_defaults={k: generation[k] for k in _GENERATION_KEYS if generation.get(k) is not None},
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        has_qkv_bias=is_qwen2 or has_attention_bias,
+        has_o_bias=has_attention_bias and not is_qwen2,
+        has_qk_norm=architecture == "Qwen3ForCausalLM",
+        sliding_windows=_sliding_windows(hf, architecture, num_layers),
+        bos_token_id=_first_id(hf.get("bos_token_id")),
+        pad_token_id=_first_id(hf.get("pad_token_id")),
+        hf_config=dict(hf),
+    )
+
+
+def _architecture(hf: dict[str, Any], source: str) -> str:
+    names = hf.get("architectures") or []
+    for name in names:
+        if name in SUPPORTED_ARCHITECTURES:
+            return name
+    shown = ", ".join(names) if names else f"none (model_type={hf.get('model_type')!r})"
+    raise ModelLoadError(
+        f"{source}: unsupported architecture {shown}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+def _rope(hf: dict[str, Any], source: str) -> tuple[float, dict[str, Any]]:
+    # transformers 5 writes "rope_parameters" (with rope_theta inside); older files have
+    # top-level "rope_theta" and an optional "rope_scaling" whose type key may be "type".
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    if "rope_type" not in params and "type" in params:
+        params["rope_type"] = params.pop("type")
+    params.setdefault("rope_type", "default")
+    rope_theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_type = params["rope_type"]
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelLoadError(
+            f"{source}: RoPE type '{rope_type}' is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ModelLoadError(f"{source}: partial_rotary_factor is not supported")
+    needed = {"llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+              "linear": ("factor",), "dynamic": ("factor",)}.get(rope_type, ())
+    missing = [name for name in needed if name not in params]
+    if missing:
+        raise ModelLoadError(f"{source}: RoPE type '{rope_type}' needs {', '.join(missing)}")
+    return rope_theta, params
+
+
+def _sliding_windows(hf: dict[str, Any], architecture: str, num_layers: int) -> tuple[int | None, ...]:
+    window = hf.get("sliding_window")
+    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not hf.get("use_sliding_window", False):
+        window = None
+    if window is None:
+        return (None,) * num_layers
+    layer_types = hf.get("layer_types")
+    if layer_types is None and architecture != "MistralForCausalLM":
+        start = int(hf.get("max_window_layers", 0))
+        layer_types = ["sliding_attention" if i >= start else "full_attention" for i in range(num_layers)]
+    if layer_types is None:
+        return (int(window),) * num_layers
+    return tuple(int(window) if kind == "sliding_attention" else None for kind in layer_types)
+
+
+def _eos_ids(value: Any) -> tuple[int, ...]:
+    ids: list[int] = []
+    for token_id in value if isinstance(value, list) else [value]:
+        if token_id is not None and int(token_id) not in ids:
+            ids.append(int(token_id))
+    return tuple(ids)
+
+
+def _first_id(value: Any) -> int | None:
+    if isinstance(value, list):
+        return int(value[0]) if value else None
+    return None if value is None else int(value)

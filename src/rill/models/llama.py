@@ -1,0 +1,297 @@
+"""One decoder-only transformer for the Llama family: Llama (incl. Llama 3 RoPE), Mistral,
+Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm).
+
+Weights are stored fused: ``qkv`` (q, k, v projections stacked) and ``gate_up`` (gate and up
+projections stacked), so each block runs three large matmuls plus the output and down
+projections. ``fuse_hf_state_dict`` / ``LlamaModel.to_hf_state_dict`` convert from/to the
+Hugging Face tensor names.
+
+Two entry points:
+
+* ``model(input_ids [B, T]) -> logits [B, T, V]``: cache-free causal forward; autograd works
+  (used for training and as a reference).
+* ``model.forward_step(batch, kv_caches) -> float32 logits [M, V]``: one engine step over a
+  contiguous per-row KV cache (see ``rill.models.attention``).
+
+Imports torch and ``rill.models`` only.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rill.models.attention import StepBatch, cached_attention, write_kv
+from rill.models.config import ModelConfig
+from rill.models.rope import apply_rope, cos_sin_table, inverse_frequencies
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in float32 and scaled in the input dtype (as transformers)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalise over the last dimension."""
+        return self.weight * _rms(x, self.eps)
+
+
+def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    # Unweighted RMS norm in float32, rounded back to x's dtype before the weight multiplies,
+    # which is the order transformers uses (so float32 parity is exact and bf16 rounds the same).
+    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention + SwiGLU MLP block with fused projections."""
+
+    def __init__(self, config: ModelConfig, window: int | None) -> None:
+        super().__init__()
+        hd = config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, hd
+        self.window = window
+        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        qkv_size = (config.num_heads + 2 * config.num_kv_heads) * hd
+        self.qkv = nn.Linear(config.hidden_size, qkv_size, bias=config.has_qkv_bias)
+        self.o_proj = nn.Linear(config.num_heads * hd, config.hidden_size, bias=config.has_o_bias)
+        self.q_norm = RMSNorm(hd, config.rms_norm_eps) if config.has_qk_norm else None
+        self.k_norm = RMSNorm(hd, config.rms_norm_eps) if config.has_qk_norm else None
+        self.post_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.gate_up = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Norm + fused QKV + q/k norm + RoPE on ``x [..., hidden]``.
+
+        Returns ``q [..., heads, hd]``, ``k`` and ``v [..., kv_heads, hd]``; ``cos/sin`` broadcast
+        as ``[..., 1, hd]``.
+        """
+        qkv = self.qkv(self.input_norm(x))
+        num_qk = self.num_heads + self.num_kv_heads
+        qk = qkv[..., : num_qk * self.head_dim].unflatten(-1, (num_qk, self.head_dim))
+        v = qkv[..., num_qk * self.head_dim :].unflatten(-1, (self.num_kv_heads, self.head_dim))
+        if self.q_norm is not None:
+            # One norm over q and k heads together, then each gets its own weight.
+            weight = torch.cat(
+                (self.q_norm.weight.expand(self.num_heads, -1), self.k_norm.weight.expand(self.num_kv_heads, -1))
+            )
+            qk = weight * _rms(qk, self.q_norm.eps)
+        qk = apply_rope(qk, cos, sin)
+        return qk[..., : self.num_heads, :], qk[..., self.num_heads :, :], v
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """Post-attention norm + SwiGLU MLP (without the residual)."""
+        gate, up = self.gate_up(self.post_norm(x)).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Cache-free block on ``x [B, T, hidden]``; ``mask`` [T, T] bool or None for plain causal."""
+        q, k, v = self.project(x, cos, sin)  # [B, T, heads, hd]
+        attn = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=mask,
+            is_causal=mask is None,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )  # [B, heads, T, hd]
+        x = x + self.o_proj(attn.transpose(1, 2).flatten(2))
+        return x + self.mlp(x)
+
+    def forward_step(
+        self, x: torch.Tensor, batch: StepBatch, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> torch.Tensor:
+        """Cached block on packed tokens ``x [N, hidden]`` (see ``rill.models.attention``)."""
+        q, k, v = self.project(x, batch.cos, batch.sin)  # [N, heads, hd]
+        write_kv(k_cache, v_cache, k, v, batch)
+        x = x + self.o_proj(cached_attention(q, k_cache, v_cache, batch, self.window))
+        return x + self.mlp(x)
+
+
+class LlamaModel(nn.Module):
+    """Llama-family causal LM (Llama, Mistral, Qwen2, Qwen3) with fused projections.
+
+    Args:
+        config: the parsed configuration; ``config.dtype``/``device`` are not applied here
+            (call ``.to()``); the loader does.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        windows = config.sliding_windows or (None,) * config.num_layers
+        self.layers = nn.ModuleList(DecoderLayer(config, windows[i]) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.inv_freq = inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
+        # Plain attributes, not buffers: derived data that must not enter state_dict.
+        self._rope_cos = torch.empty(0, device="cpu")
+        self._rope_sin = torch.empty(0, device="cpu")
+
+    @property
+    def windows(self) -> set[int | None]:
+        """The distinct attention windows of the layers (None = full attention)."""
+        return {layer.window for layer in self.layers}
+
+    def lm_weight(self) -> torch.Tensor:
+        """The LM head matrix ``[vocab, hidden]`` (the embedding when tied)."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def rope_rows(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return ``cos, sin [*positions.shape, 1, hd]`` in ``dtype`` for integer ``positions``."""
+        needed = int(positions.max()) + 1 if positions.numel() else 1
+        self.ensure_rope(needed)
+        cos = self._rope_cos.index_select(0, positions.flatten()).view(*positions.shape, 1, -1)
+        sin = self._rope_sin.index_select(0, positions.flatten()).view(*positions.shape, 1, -1)
+        return cos.to(dtype), sin.to(dtype)
+
+    def ensure_rope(self, length: int) -> None:
+        """Make the float32 cos/sin table cover positions ``[0, length)`` (grows by doubling)."""
+        device = self.embed_tokens.weight.device
+        if self._rope_cos.shape[0] >= length and self._rope_cos.device == device:
+            return
+        size = max(length, self.config.max_position_embeddings, 2 * self._rope_cos.shape[0])
+        self._rope_cos, self._rope_sin = cos_sin_table(self.inv_freq.to(device), size)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Cache-free causal forward: ``input_ids [B, T]`` → logits ``[B, T, vocab]`` in the model dtype."""
+        num_tokens = input_ids.shape[1]
+        x = self.embed_tokens(input_ids)
+        positions = torch.arange(num_tokens, device=input_ids.device)
+        cos, sin = self.rope_rows(positions, x.dtype)  # [T, 1, hd]
+        masks = {window: _window_mask(num_tokens, window, x.device) for window in self.windows}
+        for layer in self.layers:
+            x = layer(x, cos, sin, masks[layer.window])
+        return F.linear(self.norm(x), self.lm_weight())
+
+    def forward_step(self, batch: StepBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """One cached step; returns float32 logits ``[M, vocab]`` for ``batch.logits_index``.
+
+        ``kv_caches[i]`` is layer ``i``'s ``(keys, values)``, each ``[rows, kv_heads, max_len, hd]``.
+        """
+        x = self.embed_tokens(batch.input_ids)  # [N, hidden]
+        batch.cos, batch.sin = self.rope_rows(batch.positions, x.dtype)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            x = layer.forward_step(x, batch, k_cache, v_cache)
+        if batch.logits_index is None:
+            return x.new_empty((0, self.config.vocab_size), dtype=torch.float32)
+        if batch.logits_index.numel() != x.shape[0]:
+            x = x.index_select(0, batch.logits_index)
+        return F.linear(self.norm(x), self.lm_weight()).float()
+
+    def to_hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """Return the weights under Hugging Face names (projections unfused), sharing no storage."""
+        return unfuse_state_dict(self.state_dict(), self.config)
+
+
+def _window_mask(num_tokens: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+    # Plain causal attention needs no mask (SDPA's is_causal); a window adds a lower bound.
+    if window is None or window >= num_tokens:
+        return None
+    q = torch.arange(num_tokens, device=device)[:, None]
+    k = torch.arange(num_tokens, device=device)[None, :]
+    return (k <= q) & (k > q - window)
+
+
+_LAYER_RENAMES = {  # our name -> Hugging Face name, inside one layer
+    "input_norm.weight": "input_layernorm.weight",
+    "post_norm.weight": "post_attention_layernorm.weight",
+    "o_proj.weight": "self_attn.o_proj.weight",
+    "o_proj.bias": "self_attn.o_proj.bias",
+    "q_norm.weight": "self_attn.q_norm.weight",
+    "k_norm.weight": "self_attn.k_norm.weight",
+    "down.weight": "mlp.down_proj.weight",
+}
+_FUSED = {
+    "qkv.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "qkv.bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+    "gate_up.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+}
+
+
+def expected_hf_names(config: ModelConfig) -> list[str]:
+    """The Hugging Face tensor names a checkpoint of ``config`` must contain."""
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not config.tie_word_embeddings:
+        names.append("lm_head.weight")
+    for i in range(config.num_layers):
+        for ours, theirs in _LAYER_RENAMES.items():
+            if _has_param(config, ours):
+                names.append(f"model.layers.{i}.{theirs}")
+        for ours, parts in _FUSED.items():
+            if _has_param(config, ours):
+                names.extend(f"model.layers.{i}.{part}" for part in parts)
+    return names
+
+
+def _has_param(config: ModelConfig, name: str) -> bool:
+    if name == "qkv.bias":
+        return config.has_qkv_bias
+    if name == "o_proj.bias":
+        return config.has_o_bias
+    if name in ("q_norm.weight", "k_norm.weight"):
+        return config.has_qk_norm
+    return True
+
+
+def fuse_hf_state_dict(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Map Hugging Face tensors to this model's names, concatenating q/k/v and gate/up.
+
+    Missing names raise ``KeyError`` listing them; extra names (e.g. rotary buffers) are ignored.
+    """
+    missing = [name for name in expected_hf_names(config) if name not in tensors]
+    if missing:
+        raise KeyError(missing)
+    out = {"embed_tokens.weight": tensors["model.embed_tokens.weight"], "norm.weight": tensors["model.norm.weight"]}
+    if not config.tie_word_embeddings:
+        out["lm_head.weight"] = tensors["lm_head.weight"]
+    for i in range(config.num_layers):
+        prefix = f"model.layers.{i}."
+        for ours, theirs in _LAYER_RENAMES.items():
+            if _has_param(config, ours):
+                out[f"layers.{i}.{ours}"] = tensors[prefix + theirs]
+        for ours, parts in _FUSED.items():
+            if _has_param(config, ours):
+                out[f"layers.{i}.{ours}"] = torch.cat([tensors[prefix + part] for part in parts])
+    return out
+
+
+def unfuse_state_dict(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Inverse of ``fuse_hf_state_dict``: this model's state dict → Hugging Face names."""
+    hd = config.head_dim
+    qkv_sizes = [config.num_heads * hd, config.num_kv_heads * hd, config.num_kv_heads * hd]
+    split_sizes = {"qkv.weight": qkv_sizes, "qkv.bias": qkv_sizes, "gate_up.weight": [config.intermediate_size] * 2}
+    out = {"model.embed_tokens.weight": state["embed_tokens.weight"], "model.norm.weight": state["norm.weight"]}
+    if not config.tie_word_embeddings:
+        out["lm_head.weight"] = state["lm_head.weight"]
+    for i in range(config.num_layers):
+        prefix = f"model.layers.{i}."
+        for ours, theirs in _LAYER_RENAMES.items():
+            if f"layers.{i}.{ours}" in state:
+                out[prefix + theirs] = state[f"layers.{i}.{ours}"]
+        for ours, parts in _FUSED.items():
+            if f"layers.{i}.{ours}" in state:
+                pieces = state[f"layers.{i}.{ours}"].split(split_sizes[ours])
+                out.update((prefix + part, piece) for part, piece in zip(parts, pieces))
+    return {name: tensor.detach().clone().contiguous() for name, tensor in out.items()}
+
+
+def init_weights(model: LlamaModel, initializer_range: float, seed: int | None = None) -> None:
+    """Random init as transformers does: normal(0, range) for matrices, zero biases, unit norms."""
+    generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name.endswith(".bias"):
+                param.zero_()
+            else:
+                values = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, initializer_range, generator=generator)
+                param.copy_(values)
