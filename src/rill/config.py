@@ -60,6 +60,7 @@ class HttpConfig:
     request_timeout_s: float | None = _f(None, "per-request time limit in seconds")
     rate_limit_tokens_per_s: float | None = _f(None, "per-key and per-connection generation rate limit (tokens/s)")
     rate_limit_burst: int = _f(2048, "token-bucket burst size for the rate limit")
+    sse_keepalive_s: float = _f(5.0, "seconds without output after which an SSE stream gets a keep-alive comment")
     data_dir: str = _f("data", "folder for feedback, recordings and other durable data")
     log_level: str = _f("info", "log level: debug, info, warning, error")
 
