@@ -1,0 +1,250 @@
+"""Build the demo model folder and cache it: corpus → tokenizer → training → Hugging Face files.
+
+``build_demo_model(folder)`` writes a complete folder (``config.json``, ``model.safetensors``,
+``generation_config.json``, ``tokenizer.json``, ``tokenizer_config.json``, a README model card
+and ``rill_demo.json`` with the training figures). ``ensure_demo_model()`` returns the cached
+folder, building it first if needed: the build happens in a temporary sibling folder that is
+renamed into place only when complete, under an exclusive ``flock`` so that two processes
+never train at once (the second waits, then finds the folder built). A killed build leaves
+at most a ``.tmp-*`` folder, removed by the next build.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from tqdm import tqdm
+
+from rill.demo import corpus
+from rill.demo import tokenizer as tk
+from rill.demo.train import ProgressFn, TrainConfig, TrainResult, pack_documents, split_holdout, train
+
+DEMO_NAME = "rill-demo-v1"
+"""Folder name of the demo model; bump the version when the recipe changes."""
+DEFAULT_TIME_BUDGET_S = 240.0
+REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "rill_demo.json")
+MAX_CONTEXT_TOKENS = 1024
+GENERATION_CONFIG = {"do_sample": True, "temperature": 0.8, "top_p": 0.95, "max_new_tokens": 256}
+# About 7M parameters: small enough for a few minutes of 2-core CPU training, large
+# enough to learn the corpus's grammar. GQA with 2 KV heads exercises the engine's GQA path.
+DEFAULT_MODEL = {
+    "hidden_size": 256,
+    "intermediate_size": 768,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+}
+# Share of the progress bar given to each stage (training gets the rest).
+_STAGE_SHARES = {"corpus": 2.0, "tokenizer": 3.0, "saving": 2.0}
+
+
+def cache_root() -> Path:
+    """``$RILL_CACHE_DIR``, else ``$XDG_CACHE_HOME/rill``, else ``~/.cache/rill``."""
+    if os.environ.get("RILL_CACHE_DIR"):
+        return Path(os.environ["RILL_CACHE_DIR"]).expanduser()
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "rill"
+    return Path.home() / ".cache" / "rill"
+
+
+def demo_model_dir() -> Path:
+    """Where the demo model lives (it may not be built yet): ``<cache root>/models/rill-demo-v1``."""
+    return cache_root() / "models" / DEMO_NAME
+
+
+def is_complete(folder: Path) -> bool:
+    """True when ``folder`` holds every file of a finished build."""
+    return all((folder / name).is_file() for name in REQUIRED_FILES)
+
+
+def ensure_demo_model(progress: bool = True, time_budget_s: float | None = None, folder: Path | None = None) -> Path:
+    """Return the demo model folder, building it first (once, atomically) if it is missing.
+
+    Args:
+        progress: show a progress bar on stderr while building.
+        time_budget_s: build time budget (default ``DEFAULT_TIME_BUDGET_S``).
+        folder: where the model lives (default ``demo_model_dir()``).
+    """
+    folder = Path(folder) if folder is not None else demo_model_dir()
+    if is_complete(folder):
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive_lock(folder.parent / f".{folder.name}.lock", progress):
+        if is_complete(folder):  # another process built it while we waited
+            return folder
+        _remove_leftovers(folder)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
+        try:
+            build_demo_model(tmp, time_budget_s=time_budget_s or DEFAULT_TIME_BUDGET_S, progress=progress)
+            tmp.rename(folder)  # atomic: the folder appears complete or not at all
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return folder
+
+
+@contextlib.contextmanager
+def _exclusive_lock(path: Path, progress: bool) -> Iterator[None]:
+    # flock is released by the kernel when the holder dies, so a killed build never
+    # leaves a stale lock behind.
+    with open(path, "a+b") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if progress:
+                print(f"rill: another process is building the demo model; waiting for it ({path})", file=sys.stderr)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _remove_leftovers(folder: Path) -> None:
+    # Called with the lock held: any temp folder is from a killed build; a folder at the
+    # final path that is not complete was not made by us (renames are atomic): move it away.
+    for stale in folder.parent.glob(f".{folder.name}.tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    if folder.exists():
+        shutil.rmtree(folder)
+
+
+def model_config(vocab_size: int, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The ``config.json`` dict of the demo model (``overrides`` replace any field)."""
+    hidden = (overrides or {}).get("hidden_size", DEFAULT_MODEL["hidden_size"])
+    heads = (overrides or {}).get("num_attention_heads", DEFAULT_MODEL["num_attention_heads"])
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        **DEFAULT_MODEL,
+        "head_dim": hidden // heads,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": MAX_CONTEXT_TOKENS,
+        "tie_word_embeddings": True,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "initializer_range": 0.02,
+        "bos_token_id": tk.SPECIAL_TOKENS.index(tk.BOS),
+        "eos_token_id": tk.SPECIAL_TOKENS.index(tk.EOS),
+        "pad_token_id": tk.SPECIAL_TOKENS.index(tk.PAD),
+        "use_cache": True,
+    }
+    config.update(overrides or {})
+    return config
+
+
+def build_demo_model(
+    folder: str | Path,
+    *,
+    time_budget_s: float | None = DEFAULT_TIME_BUDGET_S,
+    steps: int | None = None,
+    seed: int = 0,
+    progress: bool = True,
+    model_overrides: dict[str, Any] | None = None,
+    train_overrides: dict[str, Any] | None = None,
+    corpus_bytes: int = corpus.DEFAULT_TARGET_BYTES,
+) -> Path:
+    """Generate the corpus, train tokenizer and model, and write a Hugging Face folder.
+
+    Args:
+        folder: output folder (created; existing files are overwritten). Not atomic: use
+            ``ensure_demo_model`` for the cached copy.
+        time_budget_s: wall-clock budget for the whole build; training gets what the other
+            stages leave. None: ``steps`` alone limits training.
+        steps: at most this many training steps.
+        seed: seeds the corpus, the initial weights and the batch order.
+        progress: show a tqdm bar (stages corpus, tokenizer, training with loss, saving).
+        model_overrides: ``config.json`` fields replacing the defaults (tests use a tiny model).
+        train_overrides: ``TrainConfig`` fields replacing the defaults.
+        corpus_bytes: how much text to generate.
+    """
+    from rill.models import build_model, save_checkpoint  # torch-heavy; imported when building
+
+    start = time.monotonic()
+    folder = Path(folder)
+    bar = tqdm(total=100.0, desc="rill demo model: corpus", unit="%", disable=not progress,
+               file=sys.stderr, bar_format="{desc}{percentage:3.0f}%|{bar}| {elapsed}<{remaining}{postfix}")
+    with bar:
+        docs = corpus.documents(seed, corpus_bytes)
+        bar.update(_STAGE_SHARES["corpus"])
+        bar.set_description("rill demo model: tokenizer")
+        tokenizer = tk.train_tokenizer(docs)
+        ids = [e.ids for e in tokenizer.encode_batch(docs, add_special_tokens=False)]
+        tokens = pack_documents(ids, tokenizer.token_to_id(tk.BOS), tokenizer.token_to_id(tk.EOS))
+        bar.update(_STAGE_SHARES["tokenizer"])
+        config = model_config(tokenizer.get_vocab_size(), model_overrides)
+        model = build_model(config, "float32", "cpu", seed=seed)
+        budget = None if time_budget_s is None else max(1.0, time_budget_s - (time.monotonic() - start) - 3.0)
+        train_config = TrainConfig(**({"steps": steps, "time_budget_s": budget, "seed": seed} | (train_overrides or {})))
+        train_tokens, holdout = split_holdout(tokens, min_tokens=train_config.seq_len + 1)
+        result = train(model, train_tokens, train_config, _training_progress(bar), holdout)
+        bar.set_description("rill demo model: saving")
+        _save(folder, model, config, tokenizer, result, train_config, save_checkpoint)
+        bar.update(bar.total - bar.n)
+        bar.set_postfix_str(f"loss {result.train_loss:.3f}")
+    return folder
+
+
+def _training_progress(bar: tqdm) -> ProgressFn:
+    start = bar.n  # corpus and tokenizer shares are done
+    share = bar.total - sum(_STAGE_SHARES.values())
+
+    def report(fraction: float, step: int, loss: float) -> None:
+        bar.set_description("rill demo model: training")
+        bar.set_postfix_str(f"step {step} loss {loss:.3f}", refresh=False)
+        bar.update(start + share * fraction - bar.n)
+
+    return report
+
+
+def _save(folder: Path, model: torch.nn.Module, config: dict[str, Any], tokenizer: Any,
+          result: TrainResult, train_config: TrainConfig, save_checkpoint: Any) -> None:
+    ids = tk.special_token_ids(tokenizer)
+    generation = {"bos_token_id": ids[tk.BOS], "eos_token_id": [ids[tk.EOS], ids[tk.END]],
+                  "pad_token_id": ids[tk.PAD], **GENERATION_CONFIG}
+    save_checkpoint(model, config, folder, generation)
+    tk.save_tokenizer(tokenizer, folder, MAX_CONTEXT_TOKENS)
+    num_params = sum(p.numel() for p in model.parameters())
+    stats = {
+        "name": DEMO_NAME,
+        "num_parameters": num_params,
+        "num_steps": result.num_steps,
+        "num_training_tokens": result.num_tokens,
+        "train_loss": round(result.train_loss, 4),
+        "eval_loss": round(result.eval_loss, 4),
+        "training_s": round(result.elapsed_s, 1),
+        "seq_len": train_config.seq_len,
+        "batch_size": train_config.batch_size,
+        "peak_lr": train_config.peak_lr,
+        "seed": train_config.seed,
+    }
+    (folder / "rill_demo.json").write_text(json.dumps(stats, indent=2) + "\n")
+    (folder / "README.md").write_text(_model_card(stats))
+
+
+def _model_card(stats: dict[str, Any]) -> str:
+    return (
+        f"# {DEMO_NAME}\n\n"
+        "A tiny Llama-architecture model built on this machine by `rill demo-model` so that\n"
+        "`rill serve` works without downloading anything. It writes short, simple stories\n"
+        "and answers chats with them. It knows nothing else.\n\n"
+        "Training text: stories and chats generated by `rill.demo.corpus` (code of the rill\n"
+        "project, no external data), so the weights are covered by rill's license (Apache-2.0).\n\n"
+        f"* parameters: {stats['num_parameters']:,}\n"
+        f"* training: {stats['num_steps']} steps, {stats['num_training_tokens']:,} tokens,"
+        f" {stats['training_s']} s on CPU\n"
+        f"* final loss: train {stats['train_loss']}, held-out {stats['eval_loss']}\n"
+    )
