@@ -1,0 +1,189 @@
+"""Text ⇄ typed messages for ``/generate``, and the protocol's one error table.
+
+``decode`` turns a WebSocket text frame into a ``messages.ClientMessage`` or raises
+``InvalidMessage`` (an ``InvalidRequest`` whose ``field`` is the JSON path of the bad value,
+e.g. ``parameters.temperature``). ``encode`` never fails for a valid struct. ``error_message``
+maps any exception to the spec's ``error`` message: rill's own errors by MRO through
+``ERROR_TABLE``, anything else to a generic ``internal_error`` that leaks nothing.
+
+Pure: msgspec, ``rill.errors`` and this package's messages; no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import msgspec
+
+from rill.errors import (
+    CacheMiss,
+    ContextLengthExceeded,
+    EngineDead,
+    GenerationError,
+    InvalidRequest,
+    MemoryPressure,
+    ModelLoadError,
+    ModelNotReady,
+    QueueFull,
+    RateLimited,
+    RequestNotFound,
+    RequestTimeout,
+    RillError,
+)
+from rill.protocols.generate_ws import messages as m
+
+
+class InvalidMessage(InvalidRequest):
+    """A client message is not valid JSON or does not match the spec's schema."""
+
+
+class Unauthorized(RillError):
+    """No API key, or a wrong one, was sent while the server requires one."""
+
+    code = "unauthorized"
+
+
+@dataclass(frozen=True)
+class WireError:
+    """How one exception class appears on the wire.
+
+    Attributes:
+        error: the spec's ``error`` code.
+        recoverable: whether the socket stays usable (a new ``config`` may follow).
+        recovery_action: what the client should do next.
+        http_status: status of ``POST /v1/generate`` for this error.
+        is_public: whether ``str(exc)`` may be shown; otherwise ``generic`` is sent.
+        generic: the message used when ``is_public`` is False.
+    """
+
+    error: str
+    recoverable: bool
+    recovery_action: str | None
+    http_status: int
+    is_public: bool = True
+    generic: str = ""
+
+
+# Most specific class first does not matter: lookup walks the exception's MRO.
+ERROR_TABLE: dict[type[BaseException], WireError] = {
+    InvalidRequest: WireError("invalid_request", True, "fix_request", 400),
+    ContextLengthExceeded: WireError("context_length_exceeded", True, "shorten_prompt", 400),
+    RequestNotFound: WireError("invalid_request", True, "send_config", 400),
+    MemoryPressure: WireError("memory_pressure", True, "retry", 503),
+    QueueFull: WireError("rate_limited", True, "retry", 429),
+    RateLimited: WireError("rate_limited", True, "retry", 429),
+    ModelNotReady: WireError("model_loading_error", True, "retry", 503),
+    ModelLoadError: WireError("model_loading_error", False, None, 503, False, "the model failed to load"),
+    RequestTimeout: WireError("timeout", True, "retry", 504),
+    Unauthorized: WireError("unauthorized", False, "fix_request", 401),
+    CacheMiss: WireError("internal_error", True, "retry", 500, False, "internal error; the generation was dropped"),
+    GenerationError: WireError("internal_error", True, "retry", 500, False, "internal error; the generation failed"),
+    EngineDead: WireError("internal_error", False, "reconnect", 503, False, "the engine stopped; reconnect later"),
+    RillError: WireError("internal_error", True, "retry", 500, False, "internal error"),
+    BaseException: WireError("internal_error", False, "reconnect", 500, False, "internal error"),
+}
+
+
+def wire_error(exc: BaseException) -> WireError:
+    """The table entry of ``exc``'s most specific class."""
+    for cls in type(exc).__mro__:
+        if cls in ERROR_TABLE:
+            return ERROR_TABLE[cls]
+    return ERROR_TABLE[BaseException]
+
+
+def error_message(exc: BaseException, request_id: str | None = None, generated_text: str | None = None) -> m.Error:
+    """The ``error`` message a client receives for ``exc``.
+
+    Args:
+        exc: what went wrong.
+        request_id: the generation it concerns (None before any ``init``).
+        generated_text: the partial text when the error cut a generation short.
+    """
+    entry = wire_error(exc)
+    msg = m.Error(
+        error=entry.error,
+        message=str(exc) if entry.is_public else entry.generic,
+        recoverable=entry.recoverable,
+        recovery_action=entry.recovery_action,
+        request_id=request_id,
+    )
+    if isinstance(exc, InvalidRequest) and exc.field:
+        msg.field = exc.field
+    if isinstance(exc, ContextLengthExceeded):
+        msg.prompt_tokens = exc.num_prompt_tokens
+        msg.max_context_tokens = exc.max_context_tokens
+    retry_after_s = getattr(exc, "retry_after_s", None)
+    if isinstance(exc, (RateLimited, QueueFull)) and isinstance(retry_after_s, (int, float)):
+        msg.retry_after_seconds = round(float(retry_after_s), 3)
+    if generated_text is not None:
+        msg.generated_text = generated_text
+    return msg
+
+
+_decoder = msgspec.json.Decoder(m.ClientMessage)
+_rest_decoder = msgspec.json.Decoder(m.RestRequest)
+_encoder = msgspec.json.Encoder()
+_UNKNOWN_RE = re.compile(r"unknown field `([^`]+)`")
+_MISSING_RE = re.compile(r"missing required field `([^`]+)`")
+_PATH_RE = re.compile(r"- at `\$\.?([^`]*)`")
+
+
+def _field_of(text: str) -> str | None:
+    # msgspec names the path ("- at `$.parameters.top_p`") and, for unknown or missing
+    # fields, the name itself; join them so the client sees e.g. "parameters.foo".
+    path_match = _PATH_RE.search(text)
+    path = re.sub(r"\[\d+\]", "", path_match.group(1)) if path_match else ""
+    name_match = _UNKNOWN_RE.search(text) or _MISSING_RE.search(text)
+    if name_match:
+        return f"{path}.{name_match.group(1)}" if path else name_match.group(1)
+    return path or None
+
+
+def _invalid(exc: msgspec.DecodeError) -> InvalidMessage:
+    text = str(exc)
+    if not isinstance(exc, msgspec.ValidationError):
+        return InvalidMessage(f"message is not valid JSON: {text}")
+    field = _field_of(text)
+    if field == "type":
+        text = "'type' must be one of config, control, feedback" + (f" ({text})" if "Invalid value" in text else "")
+    return InvalidMessage(f"invalid message: {text}", field=field)
+
+
+def decode(text: str | bytes) -> m.ClientMessage:
+    """Parse one client frame. Raises ``InvalidMessage`` naming the bad field."""
+    try:
+        return _decoder.decode(text)
+    except msgspec.DecodeError as exc:  # ValidationError subclasses DecodeError
+        raise _invalid(exc) from exc
+
+
+def decode_rest(body: bytes) -> m.RestRequest:
+    """Parse a ``POST /v1/generate`` body. Raises ``InvalidMessage`` naming the bad field."""
+    try:
+        return _rest_decoder.decode(body)
+    except msgspec.DecodeError as exc:
+        raise _invalid(exc) from exc
+
+
+def _finite(value: float | None) -> float | None:
+    # JSON has no NaN/Infinity; a clock glitch must not produce an unparseable frame.
+    return value if value is None or math.isfinite(value) else None
+
+
+def encode(msg: m.ServerMessage | m.RestResponse) -> str:
+    """One server message as a JSON text frame."""
+    return _encoder.encode(msg).decode()
+
+
+def encode_sse(msg: m.ServerMessage) -> bytes:
+    """One server message as a Server-Sent Events ``data:`` event (same JSON as the socket)."""
+    return b"data: " + _encoder.encode(msg) + b"\n\n"
+
+
+def round_ms(seconds: float | None) -> float | None:
+    """Seconds → milliseconds rounded to 0.01 ms (None stays None)."""
+    value = _finite(seconds)
+    return None if value is None else round(value * 1000.0, 2)

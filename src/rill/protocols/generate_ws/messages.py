@@ -1,0 +1,230 @@
+"""Wire messages of the ``/generate`` WebSocket (``shared/specs/generate-websocket.md``).
+
+One msgspec struct per message; field names are exactly the spec's (the codec renames
+nothing). Client messages form a tagged union on ``"type"``. Optional server fields default
+to ``msgspec.UNSET`` so they are left out of the JSON unless the client asked for them.
+
+Pure: imports msgspec and the standard library only.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import UNSET, Meta, UnsetType
+
+# --------------------------------------------------------------------------- client → server
+
+
+class Parameters(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+    """Generation parameters of ``config`` and ``control``/``modify``; every field optional.
+
+    A field left out keeps its current value (the server default for ``config``). Unknown
+    names are refused so a typo never passes silently. Values are range-checked by the
+    session (``rill.types.SamplingParams.validate``), which names the bad field.
+    """
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    logit_bias: dict[int, float] | None = None
+    logprobs: int | None = None
+    num_beams: int | None = None
+    length_penalty: float | None = None
+    early_stopping: bool | None = None
+
+    def to_patch(self) -> dict[str, Any]:
+        """The fields the client set, as a sampling-parameter patch."""
+        return {name: value for name in self.__struct_fields__ if (value := getattr(self, name)) is not None}
+
+
+class Options(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """What the server should put in its replies (``config.options``)."""
+
+    stream: bool = True
+    echo_prompt: bool = False
+    include_token_ids: bool = False
+    include_logprobs: bool = False
+    include_timing: bool = False
+
+
+class Config(msgspec.Struct, tag_field="type", tag="config", kw_only=True):
+    """Client → server: start a generation. Must be the first message, and again after a
+    ``completion`` or a recoverable ``error`` to start the next one (spec §1)."""
+
+    prompt: str
+    model: str | None = None
+    parameters: Parameters | None = None
+    options: Options | None = None
+
+
+class Control(msgspec.Struct, tag_field="type", tag="control", kw_only=True, forbid_unknown_fields=True):
+    """Client → server: steer the running generation (spec §2–3). ``parameters`` only with
+    ``modify``."""
+
+    action: Literal["stop", "pause", "resume", "regenerate", "modify"]
+    parameters: Parameters | None = None
+
+
+class Feedback(msgspec.Struct, tag_field="type", tag="feedback", kw_only=True, forbid_unknown_fields=True):
+    """Client → server: a rating of a generation (spec §4). It concerns the current or last
+    generation of the socket unless ``request_id`` names an earlier one."""
+
+    rating: Annotated[float, Meta(ge=-1, le=1)]
+    text: Annotated[str, Meta(max_length=65536)] | None = None
+    position: Annotated[int, Meta(ge=0)] | None = None
+    request_id: str | None = None
+
+
+ClientMessage = Config | Control | Feedback
+
+
+class RestRequest(Parameters, kw_only=True, forbid_unknown_fields=True):
+    """``POST /v1/generate`` body: the spec's flat REST shape (``prompt`` plus parameters at
+    the top level), with the ``config.options`` flags accepted at the top level too."""
+
+    prompt: str
+    model: str | None = None
+    stream: bool = False
+    echo_prompt: bool = False
+    include_token_ids: bool = False
+    include_logprobs: bool = False
+    include_timing: bool = False
+
+    def to_config(self) -> Config:
+        """The equivalent WebSocket ``config`` message."""
+        params = Parameters(**{name: getattr(self, name) for name in Parameters.__struct_fields__})
+        options = Options(stream=self.stream, echo_prompt=self.echo_prompt, include_token_ids=self.include_token_ids,
+                          include_logprobs=self.include_logprobs, include_timing=self.include_timing)
+        return Config(prompt=self.prompt, model=self.model, parameters=params, options=options)
+
+
+# --------------------------------------------------------------------------- server → client
+
+
+class ModelInfoWire(msgspec.Struct, kw_only=True):
+    """``init.model_info``: ``max_tokens`` is the context length, as in the spec's example."""
+
+    max_tokens: int
+    dtype: str
+    quantization: str | None = None
+    architecture: str | None = None
+    vocab_size: int | None = None
+    version: str | UnsetType = UNSET
+
+
+class Init(msgspec.Struct, tag_field="type", tag="init", kw_only=True):
+    """Server → client: a generation starts (again, after ``regenerate``)."""
+
+    request_id: str
+    model: str
+    model_info: ModelInfoWire | UnsetType = UNSET
+
+
+class TokenLogprobWire(msgspec.Struct, kw_only=True):
+    """One entry of ``token.logprobs``: the chosen token first, then the alternatives."""
+
+    token: str
+    logprob: float
+    token_id: int
+
+
+class TokenTiming(msgspec.Struct, kw_only=True):
+    """``token.timing``: milliseconds for this token and since the ``config`` arrived."""
+
+    token_ms: float
+    total_ms: float
+
+
+class Token(msgspec.Struct, tag_field="type", tag="token", kw_only=True):
+    """Server → client: one generated token with the cumulative ``generated_text``."""
+
+    token: str
+    generated_text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    token_id: int | UnsetType = UNSET
+    logprobs: list[TokenLogprobWire] | UnsetType = UNSET
+    timing: TokenTiming | UnsetType = UNSET
+    request_id: str | UnsetType = UNSET
+
+
+class UsageWire(msgspec.Struct, kw_only=True):
+    """Token counts of a generation."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionTiming(msgspec.Struct, kw_only=True):
+    """``completion.timing`` in milliseconds since the ``config`` arrived."""
+
+    first_token_ms: float | None
+    total_ms: float
+
+
+class Completion(msgspec.Struct, tag_field="type", tag="completion", kw_only=True):
+    """Server → client: the generation ended (``stop``, ``length`` or ``cancelled``)."""
+
+    generated_text: str
+    finish_reason: str
+    usage: UsageWire
+    request_id: str | UnsetType = UNSET
+    timing: CompletionTiming | UnsetType = UNSET
+
+
+class Error(msgspec.Struct, tag_field="type", tag="error", kw_only=True):
+    """Server → client: something failed (spec §4). Extra fields say what exactly:
+    ``field`` (invalid_request), both lengths (context_length_exceeded),
+    ``retry_after_seconds`` (rate_limited), ``generated_text`` (the partial text, mid-stream)."""
+
+    error: str
+    message: str
+    recoverable: bool
+    recovery_action: str | None = None
+    request_id: str | None = None
+    field: str | UnsetType = UNSET
+    prompt_tokens: int | UnsetType = UNSET
+    max_context_tokens: int | UnsetType = UNSET
+    retry_after_seconds: float | UnsetType = UNSET
+    generated_text: str | UnsetType = UNSET
+
+
+class Status(msgspec.Struct, tag_field="type", tag="status", kw_only=True):
+    """Server → client: progress of a long operation, or the answer to a control or
+    feedback message (``operation`` names it: ``model_loading``, ``paused``, ``resumed``,
+    ``modified``, ``regenerating``, ``feedback_received``)."""
+
+    operation: str
+    message: str | UnsetType = UNSET
+    request_id: str | UnsetType = UNSET
+    progress: float | UnsetType = UNSET
+    eta_seconds: float | None | UnsetType = UNSET
+    parameters: dict[str, Any] | UnsetType = UNSET
+    feedback_id: int | UnsetType = UNSET
+
+
+ServerMessage = Init | Token | Completion | Error | Status
+
+
+class RestResponse(msgspec.Struct, kw_only=True):
+    """``POST /v1/generate`` answer when ``stream`` is false (the spec's REST shape)."""
+
+    id: str
+    model: str
+    generated_text: str
+    finish_reason: str
+    usage: UsageWire
+    timing: CompletionTiming | UnsetType = UNSET

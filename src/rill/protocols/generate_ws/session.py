@@ -1,0 +1,502 @@
+"""Sans-I/O state of one ``/generate`` connection (or one ``POST /v1/generate`` request).
+
+Message sequence (``shared/specs/generate-websocket.md``)::
+
+    client: config ─────────────▶ server: [status model_loading]* → init → token* → completion
+    client: control pause ──────▶ server: status paused      (no token until resumed)
+    client: control resume ─────▶ server: status resumed
+    client: control modify ─────▶ server: status modified {parameters now in force}
+    client: control regenerate ─▶ server: status regenerating → init → token* → completion
+    client: control stop ───────▶ server: completion {finish_reason: cancelled}
+    client: feedback ───────────▶ server: status feedback_received   (stored first)
+    after completion or a recoverable error: a new config starts the next generation.
+
+The session turns each input into a list of actions for the adapter (``Send``, ``Start``,
+``Abort``, ``Pause``, ``Resume``, ``Modify``, ``Regenerate``, ``StoreFeedback``, ``Close``);
+it never awaits, reads no clock (``now`` is passed in, monotonic seconds) and imports no
+engine. Statuses answering pause/resume/modify/regenerate are sent when the engine's event
+arrives, so "no token between paused and resumed" holds by construction.
+"""
+
+from __future__ import annotations
+
+import enum
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import msgspec
+
+from rill.errors import InvalidRequest, RillError
+from rill.protocols.generate_ws import codec
+from rill.protocols.generate_ws import messages as m
+from rill.types import GenerateRequest, ModelInfo, RequestEvent, RequestOutput, SamplingParams
+
+PROTOCOL = "generate_ws"
+DEFAULT_TOP_LOGPROBS = 5  # alternatives sent with include_logprobs when parameters.logprobs is unset
+MAX_REMEMBERED_GENERATIONS = 32  # earlier generations feedback may still name by request_id
+
+
+class State(enum.Enum):
+    """Where the connection is; see ``TRANSITIONS``."""
+
+    AWAIT_CONFIG = "await_config"  # nothing received yet
+    STARTING = "starting"  # config accepted; waiting for the model / admission
+    GENERATING = "generating"
+    PAUSED = "paused"  # pause sent to the engine (status follows with the event)
+    IDLE = "idle"  # last generation ended; config or feedback may follow
+
+
+# Which client message is legal in which state; anything else gets an invalid_request error.
+TRANSITIONS: dict[State, dict[str, tuple[str, ...]]] = {
+    State.AWAIT_CONFIG: {"config": ()},
+    State.STARTING: {"control": ("stop",), "feedback": ()},
+    State.GENERATING: {"control": ("stop", "pause", "modify", "regenerate"), "feedback": ()},
+    State.PAUSED: {"control": ("stop", "resume", "modify", "regenerate"), "feedback": ()},
+    State.IDLE: {"config": (), "feedback": ()},
+}
+
+
+# ------------------------------------------------------------------------------- actions
+
+
+@dataclass(frozen=True)
+class Send:
+    """Send one message to the client."""
+
+    message: m.ServerMessage
+
+
+@dataclass(frozen=True)
+class Start:
+    """Wait for the model, admit (rate limits) and submit ``request``; then call
+    ``on_started`` or ``on_error``."""
+
+    request: GenerateRequest
+
+
+@dataclass(frozen=True)
+class Abort:
+    """Stop the current generation (or cancel its start)."""
+
+
+@dataclass(frozen=True)
+class Pause:
+    """Pause the current generation in the engine."""
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Resume the current generation in the engine."""
+
+
+@dataclass(frozen=True)
+class Modify:
+    """Apply a validated sampling patch to the current generation."""
+
+    patch: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Regenerate:
+    """Restart the current generation from its prompt."""
+
+
+@dataclass(frozen=True)
+class StoreFeedback:
+    """Store a feedback record durably, then call ``on_feedback_stored``."""
+
+    record: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Close:
+    """Close the connection (after a fatal error)."""
+
+    code: int = 1011
+    reason: str = ""
+
+
+Action = Send | Start | Abort | Pause | Resume | Modify | Regenerate | StoreFeedback | Close
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the session needs to know about the server and the model."""
+
+    model_name: str
+    model_info: ModelInfo | None = None
+    max_tokens_cap: int | None = None
+    version: str | None = None
+
+
+@dataclass
+class Generation:
+    """Presentation state of one generation (the text so far lives here, not in the engine)."""
+
+    request_id: str
+    prompt: str
+    options: m.Options
+    sampling: SamplingParams
+    started_at: float
+    text: str = ""
+    num_prompt_tokens: int = 0
+    num_completion_tokens: int = 0
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    pending_modified: list[SamplingParams] = field(default_factory=list)
+    is_finished: bool = False
+
+    @property
+    def visible_text(self) -> str:
+        """``generated_text`` as the client sees it (with the prompt when echoing)."""
+        return self.prompt + self.text if self.options.echo_prompt else self.text
+
+
+def _new_request_id() -> str:
+    return f"gen_{uuid.uuid4().hex[:16]}"
+
+
+class GenerateSession:
+    """State machine of one connection; every method returns the actions to perform."""
+
+    def __init__(self, limits: Limits, token_text: Callable[[int], str] = str,
+                 new_request_id: Callable[[], str] = _new_request_id) -> None:
+        """``token_text`` names a token id for logprob alternatives (the adapter passes the
+        tokenizer's decode); ``new_request_id`` makes generation ids."""
+        self.limits = limits
+        self.state = State.AWAIT_CONFIG
+        self.gen: Generation | None = None
+        self._token_text = token_text
+        self._new_request_id = new_request_id
+        self._history: OrderedDict[str, Generation] = OrderedDict()
+
+    # ------------------------------------------------------------------ client messages
+    def receive(self, msg: m.ClientMessage, now: float) -> list[Action]:
+        """One decoded client message → actions."""
+        kind = {m.Config: "config", m.Control: "control", m.Feedback: "feedback"}[type(msg)]
+        allowed = TRANSITIONS[self.state]
+        if kind not in allowed or (kind == "control" and msg.action not in allowed[kind]):  # type: ignore[union-attr]
+            return self._refuse(kind, msg)
+        handler = {"config": self._on_config, "control": self._on_control, "feedback": self._on_feedback}[kind]
+        try:
+            return handler(msg, now)
+        except InvalidRequest as exc:
+            return [Send(codec.error_message(exc, self._current_id()))]
+
+    def on_invalid(self, exc: RillError) -> list[Action]:
+        """A frame that failed to decode: an ``invalid_request`` error; nothing else changes."""
+        return [Send(codec.error_message(exc, self._current_id()))]
+
+    def _refuse(self, kind: str, msg: m.ClientMessage) -> list[Action]:
+        if self.state is State.AWAIT_CONFIG:
+            text = f"the first message must be a config message, not {kind}"
+            field_name: str | None = "type"
+        elif kind == "config":
+            text, field_name = "a generation is running; stop it (or wait for its completion) before sending config", "type"
+        elif self.state in (State.IDLE,):
+            text = f"control '{msg.action}' needs a running generation; none is running"  # type: ignore[union-attr]
+            field_name = "action"
+        elif self.state is State.STARTING:
+            text = f"control '{msg.action}' needs a running generation; it has not started yet"  # type: ignore[union-attr]
+            field_name = "action"
+        elif msg.action == "pause":  # type: ignore[union-attr]
+            text, field_name = "the generation is already paused", "action"
+        elif msg.action == "resume":  # type: ignore[union-attr]
+            text, field_name = "the generation is not paused; nothing to resume", "action"
+        else:
+            text, field_name = f"control '{msg.action}' is not valid while {self.state.value}", "action"  # type: ignore[union-attr]
+        return [Send(codec.error_message(InvalidRequest(text, field=field_name), self._current_id()))]
+
+    def _on_config(self, msg: m.Config, now: float) -> list[Action]:
+        if not msg.prompt:
+            raise InvalidRequest("'prompt' must not be empty", field="prompt")
+        options = msg.options or m.Options()
+        patch = msg.parameters.to_patch() if msg.parameters is not None else {}
+        if options.include_logprobs and "logprobs" not in patch:
+            patch["logprobs"] = DEFAULT_TOP_LOGPROBS
+        sampling = self._validated(SamplingParams(), patch)
+        self.gen = Generation(request_id=self._new_request_id(), prompt=msg.prompt, options=options,
+                              sampling=sampling, started_at=now)
+        self.state = State.STARTING
+        request = GenerateRequest(prompt=msg.prompt, sampling=sampling, request_id=self.gen.request_id,
+                                  protocol=PROTOCOL)
+        return [Start(request)]
+
+    def _validated(self, base: SamplingParams, patch: dict[str, Any]) -> SamplingParams:
+        try:
+            params = base.updated(patch)
+        except InvalidRequest as exc:
+            if exc.field and not exc.field.startswith("parameters."):
+                exc.field = f"parameters.{exc.field}"
+            raise
+        info = self.limits.model_info
+        if info is not None:
+            try:
+                params.validate(vocab_size=info.vocab_size)
+            except InvalidRequest as exc:
+                raise InvalidRequest(exc.message, field=f"parameters.{exc.field}") from exc
+        cap = self.limits.max_tokens_cap
+        if cap is not None and params.max_tokens > cap:
+            raise InvalidRequest(f"'max_tokens' must be <= {cap} on this server", field="parameters.max_tokens")
+        return params
+
+    def _on_control(self, msg: m.Control, now: float) -> list[Action]:
+        assert self.gen is not None  # TRANSITIONS allow control only with a generation
+        if msg.action != "modify" and msg.parameters is not None:
+            raise InvalidRequest(f"'parameters' is only valid with action 'modify', not '{msg.action}'",
+                                 field="parameters")
+        if msg.action == "stop":
+            return self._on_stop()
+        if msg.action == "pause":
+            self.state = State.PAUSED
+            return [Pause()]
+        if msg.action == "resume":
+            self.state = State.GENERATING
+            return [Resume()]
+        if msg.action == "regenerate":
+            return [Regenerate()]
+        if msg.parameters is None or not msg.parameters.to_patch():
+            raise InvalidRequest("'modify' needs 'parameters' with at least one field", field="parameters")
+        patch = msg.parameters.to_patch()
+        params = self._validated(self.gen.sampling, patch)
+        self.gen.sampling = params
+        self.gen.pending_modified.append(params)
+        return [Modify(patch)]
+
+    def _on_stop(self) -> list[Action]:
+        assert self.gen is not None
+        if self.state is not State.STARTING:
+            return [Abort()]  # the engine's final output (cancelled) makes the completion
+        # Not submitted yet: nothing reaches the engine, answer at once.
+        self.state = State.IDLE
+        self.gen.is_finished = True
+        self._remember(self.gen)
+        return [Abort(), Send(self._completion("cancelled", self.gen.started_at))]
+
+    def _on_feedback(self, msg: m.Feedback, now: float) -> list[Action]:
+        gen = self._history.get(msg.request_id) if msg.request_id else self.gen
+        if msg.request_id and self.gen is not None and msg.request_id == self.gen.request_id:
+            gen = self.gen
+        if gen is None:
+            raise InvalidRequest(f"unknown request_id '{msg.request_id}' for feedback on this connection",
+                                 field="request_id")
+        record = {
+            "request_id": gen.request_id,
+            "rating": msg.rating,
+            "text": msg.text,
+            "position": msg.position,
+            "model": self.limits.model_name,
+            "prompt": gen.prompt,
+            "generated_text": gen.text,
+            "is_generation_finished": gen.is_finished,
+        }
+        return [StoreFeedback(record)]
+
+    def on_feedback_stored(self, request_id: str, feedback_id: int) -> list[Action]:
+        """The store committed the record: acknowledge it."""
+        return [Send(m.Status(operation="feedback_received", request_id=request_id, feedback_id=feedback_id,
+                              message="feedback stored"))]
+
+    # ------------------------------------------------------------------ engine side
+    def loading_status(self, progress: float, eta_s: float | None) -> list[Action]:
+        """Model still loading: a ``status`` the adapter sends every ~0.5 s."""
+        return [Send(m.Status(operation="model_loading", progress=round(max(0.0, min(100.0, progress)), 1),
+                              eta_seconds=None if eta_s is None else round(eta_s, 1),
+                              message="loading the model; the generation starts when it is ready"))]
+
+    def on_started(self, num_prompt_tokens: int) -> list[Action]:
+        """The engine accepted the request: send ``init``."""
+        assert self.gen is not None
+        self.gen.num_prompt_tokens = num_prompt_tokens
+        self.state = State.GENERATING
+        return [Send(self._init())]
+
+    def _init(self) -> m.Init:
+        assert self.gen is not None
+        info = self.limits.model_info
+        msg = m.Init(request_id=self.gen.request_id, model=self.limits.model_name)
+        if info is not None:
+            msg.model_info = m.ModelInfoWire(max_tokens=info.max_context_tokens, dtype=info.dtype,
+                                             quantization=info.quantization, architecture=info.architecture,
+                                             vocab_size=info.vocab_size)
+            if self.limits.version:
+                msg.model_info.version = self.limits.version
+        return msg
+
+    def on_output(self, out: RequestOutput, now: float) -> list[Action]:
+        """One engine delta → statuses, tokens and, at the end, the completion or error."""
+        gen = self.gen
+        if gen is None or gen.is_finished:
+            return []
+        before, after = self._event_statuses(out.events)
+        actions: list[Action] = [Send(s) for s in before]
+        actions += [Send(t) for t in self._tokens(out, now)]
+        actions += [Send(s) for s in after]
+        if out.usage.prompt_tokens:
+            gen.num_prompt_tokens = out.usage.prompt_tokens
+        gen.num_completion_tokens = out.usage.completion_tokens or gen.num_completion_tokens
+        if out.finished:
+            actions += self._on_finished(out, now)
+        return actions
+
+    def _event_statuses(self, events: list[RequestEvent]) -> tuple[list[m.ServerMessage], list[m.ServerMessage]]:
+        """Statuses to send before and after this delta's tokens.
+
+        A merged delta loses the order of tokens and events; tokens after a pause are
+        impossible, so statuses go after the tokens unless the delta ends resumed (then
+        the tokens may be post-resume) or restarted (tokens belong to the new run).
+        """
+        gen = self.gen
+        assert gen is not None
+        statuses: list[m.ServerMessage] = []
+        is_restart = False
+        for event in events:
+            if event is RequestEvent.PAUSED:
+                statuses.append(m.Status(operation="paused", request_id=gen.request_id))
+            elif event is RequestEvent.RESUMED:
+                statuses.append(m.Status(operation="resumed", request_id=gen.request_id))
+            elif event is RequestEvent.MODIFIED:
+                params = gen.pending_modified.pop(0) if gen.pending_modified else gen.sampling
+                statuses.append(m.Status(operation="modified", request_id=gen.request_id,
+                                         parameters=msgspec.structs.asdict(params)))
+            elif event is RequestEvent.REGENERATING:
+                is_restart = True
+                gen.text, gen.first_token_at, gen.last_token_at, gen.num_completion_tokens = "", None, None, 0
+                statuses.append(m.Status(operation="regenerating", request_id=gen.request_id))
+                statuses.append(self._init())
+        pause_events = [e for e in events if e in (RequestEvent.PAUSED, RequestEvent.RESUMED)]
+        if is_restart or (pause_events and pause_events[-1] is RequestEvent.RESUMED):
+            return statuses, []
+        return [], statuses
+
+    def _tokens(self, out: RequestOutput, now: float) -> list[m.Token]:
+        gen = self.gen
+        assert gen is not None
+        pieces = _split_text(out.text, out.token_texts, len(out.token_ids))
+        num_new = len(pieces)
+        if num_new == 0:
+            gen.text += out.text
+            return []
+        previous_at = gen.last_token_at if gen.last_token_at is not None else gen.started_at
+        token_ms = codec.round_ms((now - previous_at) / num_new)
+        if gen.first_token_at is None:
+            gen.first_token_at = now
+        gen.last_token_at = now
+        messages: list[m.Token] = []
+        opts = gen.options
+        want_logprobs = out.logprobs is not None and (opts.include_logprobs or gen.sampling.logprobs is not None)
+        for i, piece in enumerate(pieces):
+            gen.text += piece
+            if not opts.stream:
+                continue
+            is_last = out.finished and i == num_new - 1
+            tok = m.Token(token=piece, generated_text=gen.visible_text, finished=is_last,
+                          finish_reason=_wire_finish(out.finish_reason) if is_last else None)
+            if opts.include_token_ids and i < len(out.token_ids):
+                tok.token_id = out.token_ids[i]
+            if want_logprobs and out.logprobs is not None and i < len(out.logprobs):
+                tok.logprobs = self._logprobs(out.logprobs[i], piece)
+            if opts.include_timing:
+                tok.timing = m.TokenTiming(token_ms=token_ms or 0.0, total_ms=codec.round_ms(now - gen.started_at) or 0.0)
+            messages.append(tok)
+        return messages
+
+    def _logprobs(self, lp: Any, chosen_text: str) -> list[m.TokenLogprobWire]:
+        entries = [m.TokenLogprobWire(token=chosen_text, logprob=lp.logprob, token_id=lp.token_id)]
+        for alt in lp.top:
+            if alt.token_id != lp.token_id:
+                entries.append(m.TokenLogprobWire(token=self._token_text(alt.token_id), logprob=alt.logprob,
+                                                  token_id=alt.token_id))
+        return entries
+
+    def _on_finished(self, out: RequestOutput, now: float) -> list[Action]:
+        gen = self.gen
+        assert gen is not None
+        gen.is_finished = True
+        self._remember(gen)
+        self.state = State.IDLE
+        if out.finish_reason == "error":
+            exc = out.error if isinstance(out.error, BaseException) else RillError("generation failed")
+            return self._error_actions(exc)
+        return [Send(self._completion(_wire_finish(out.finish_reason) or "stop", now))]
+
+    def _completion(self, finish_reason: str, now: float) -> m.Completion:
+        gen = self.gen
+        assert gen is not None
+        usage = m.UsageWire(prompt_tokens=gen.num_prompt_tokens, completion_tokens=gen.num_completion_tokens,
+                            total_tokens=gen.num_prompt_tokens + gen.num_completion_tokens)
+        msg = m.Completion(generated_text=gen.visible_text, finish_reason=finish_reason, usage=usage,
+                           request_id=gen.request_id)
+        if gen.options.include_timing:
+            first = None if gen.first_token_at is None else gen.first_token_at - gen.started_at
+            msg.timing = m.CompletionTiming(first_token_ms=codec.round_ms(first),
+                                            total_ms=codec.round_ms(now - gen.started_at) or 0.0)
+        return msg
+
+    def on_error(self, exc: BaseException) -> list[Action]:
+        """Starting or running the generation failed (admission, timeout, engine): send the
+        error with the partial text; close the socket when it is not recoverable."""
+        if self.gen is not None and not self.gen.is_finished:
+            self.gen.is_finished = True
+            self._remember(self.gen)
+        if self.state is not State.AWAIT_CONFIG:
+            self.state = State.IDLE
+        return self._error_actions(exc)
+
+    def _error_actions(self, exc: BaseException) -> list[Action]:
+        gen = self.gen
+        has_started = gen is not None and (gen.text != "" or gen.num_completion_tokens > 0)
+        msg = codec.error_message(exc, self._current_id(), gen.visible_text if gen is not None and has_started else None)
+        if not msg.recoverable:
+            return [Send(msg), Close(1011 if msg.error != "unauthorized" else 1008, msg.error)]
+        return [Send(msg)]
+
+    def on_disconnect(self) -> list[Action]:
+        """The client went away: abort whatever is running."""
+        if self.state in (State.STARTING, State.GENERATING, State.PAUSED):
+            self.state = State.IDLE
+            return [Abort()]
+        return []
+
+    @property
+    def is_running(self) -> bool:
+        """True while a generation is starting, generating or paused."""
+        return self.state in (State.STARTING, State.GENERATING, State.PAUSED)
+
+    # ------------------------------------------------------------------ helpers
+    def _current_id(self) -> str | None:
+        return self.gen.request_id if self.gen is not None else None
+
+    def _remember(self, gen: Generation) -> None:
+        self._history[gen.request_id] = gen
+        while len(self._history) > MAX_REMEMBERED_GENERATIONS:
+            self._history.popitem(last=False)
+
+
+def _wire_finish(reason: str | None) -> str | None:
+    # Engine reasons are already the spec's words (stop, length, cancelled); "error" never
+    # reaches a completion (it becomes an error message).
+    return reason
+
+
+def _split_text(text: str, token_texts: list[str], num_tokens: int) -> list[str]:
+    """Per-token pieces whose concatenation is exactly ``text``.
+
+    ``token_texts`` usually concatenate to ``text``; where the detokenizer held text back
+    or a stop string was cut they do not, so each piece is taken only while it keeps the
+    running concatenation a prefix of ``text`` and the last piece takes the remainder.
+    """
+    count = max(num_tokens, len(token_texts))
+    if count == 0:
+        return [text] if text else []
+    pieces: list[str] = []
+    done = ""
+    for i in range(count - 1):
+        candidate = done + (token_texts[i] if i < len(token_texts) else "")
+        piece = candidate[len(done):] if text.startswith(candidate) else ""
+        pieces.append(piece)
+        done += piece
+    pieces.append(text[len(done):])
+    return pieces

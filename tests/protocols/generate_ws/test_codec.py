@@ -1,0 +1,82 @@
+"""Codec of /generate: golden decode vectors, encoding, and the error table."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from rill import errors
+from rill.protocols.generate_ws import codec
+from rill.protocols.generate_ws import messages as m
+
+VECTORS = json.loads((Path(__file__).parent / "vectors" / "decode.json").read_text())
+
+
+@pytest.mark.parametrize("case", VECTORS, ids=[c["name"] for c in VECTORS])
+def test_decode_vectors(case: dict) -> None:
+    if "expected" in case:
+        msg = codec.decode(case["input"])
+        assert json.loads(msgspec.json.encode(msg)) == case["expected"]
+    else:
+        with pytest.raises(codec.InvalidMessage) as info:
+            codec.decode(case["input"])
+        assert info.value.field == case["error_field"]
+        assert info.value.message
+
+
+def test_decode_rest_flat_shape_becomes_config() -> None:
+    req = codec.decode_rest(b'{"prompt": "Write", "max_tokens": 200, "temperature": 0.7, "stream": false}')
+    config = req.to_config()
+    assert config.prompt == "Write"
+    assert config.parameters is not None and config.parameters.to_patch() == {"max_tokens": 200, "temperature": 0.7}
+    assert config.options == m.Options(stream=False)
+
+
+def test_decode_rest_names_unknown_field() -> None:
+    with pytest.raises(codec.InvalidMessage) as info:
+        codec.decode_rest(b'{"prompt": "x", "maxtokens": 3}')
+    assert info.value.field == "maxtokens"
+
+
+def test_encode_token_omits_unrequested_fields_but_keeps_null_finish_reason() -> None:
+    text = codec.encode(m.Token(token=" the", generated_text="Once the"))
+    assert json.loads(text) == {"type": "token", "token": " the", "generated_text": "Once the", "finished": False,
+                                "finish_reason": None}
+
+
+def test_encode_sse_is_one_data_event() -> None:
+    data = codec.encode_sse(m.Status(operation="paused"))
+    assert data == b'data: {"type":"status","operation":"paused"}\n\n'
+
+
+ERROR_CASES = [
+    (errors.InvalidRequest("'temperature' must be >= 0", field="temperature"), "invalid_request", True,
+     {"field": "temperature"}),
+    (errors.ContextLengthExceeded(100, 64), "context_length_exceeded", True, {"prompt_tokens": 100, "max_context_tokens": 64}),
+    (errors.MemoryPressure("too big"), "memory_pressure", True, {}),
+    (errors.RateLimited(retry_after_s=2.5), "rate_limited", True, {"retry_after_seconds": 2.5}),
+    (errors.QueueFull(), "rate_limited", True, {"retry_after_seconds": 1.0}),
+    (errors.RequestTimeout("too slow"), "timeout", True, {}),
+    (errors.ModelLoadError("missing config.json in /secret/path"), "model_loading_error", False, {}),
+    (errors.ModelNotReady(), "model_loading_error", True, {}),
+    (errors.GenerationError("kernel at 0xdead"), "internal_error", True, {}),
+    (errors.EngineDead("thread died: KeyError"), "internal_error", False, {}),
+    (errors.RequestNotFound("req gone"), "invalid_request", True, {}),
+    (codec.Unauthorized("key"), "unauthorized", False, {}),
+    (RuntimeError("/etc/passwd"), "internal_error", False, {}),
+]
+
+
+@pytest.mark.parametrize("exc,code,recoverable,extra", ERROR_CASES, ids=[c[1] + "-" + type(c[0]).__name__ for c in ERROR_CASES])
+def test_error_table(exc: BaseException, code: str, recoverable: bool, extra: dict) -> None:
+    msg = json.loads(codec.encode(codec.error_message(exc, "gen_1", "partial")))
+    assert msg["type"] == "error" and msg["error"] == code and msg["recoverable"] is recoverable
+    assert msg["request_id"] == "gen_1" and msg["generated_text"] == "partial"
+    assert "recovery_action" in msg
+    for key, value in extra.items():
+        assert msg[key] == value
+    if not codec.wire_error(exc).is_public:  # internals never reach the client
+        assert str(exc) not in msg["message"]

@@ -1,0 +1,280 @@
+"""Session of /generate: transitions, token/completion shaping, controls, errors (no sockets)."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from rill.errors import GenerationError, MemoryPressure, RequestTimeout
+from rill.protocols.generate_ws import codec
+from rill.protocols.generate_ws import messages as m
+from rill.protocols.generate_ws import session as s
+from rill.types import ModelInfo, RequestEvent, RequestOutput, TokenLogprob, TopLogprob, Usage
+
+INFO = ModelInfo(name="tiny", architecture="LlamaForCausalLM", max_context_tokens=128, vocab_size=1000,
+                 dtype="float32", device="cpu")
+
+
+def new_session(cap: int | None = None) -> s.GenerateSession:
+    ids = iter(f"gen_{i}" for i in range(100))
+    return s.GenerateSession(s.Limits(model_name="tiny", model_info=INFO, max_tokens_cap=cap),
+                             token_text=lambda i: f"<{i}>", new_request_id=lambda: next(ids))
+
+
+def config(**kw: object) -> m.Config:
+    return codec.decode(msgspec.json.encode({"type": "config", "prompt": "Hi", **kw}))  # type: ignore[return-value]
+
+
+def control(action: str, **kw: object) -> m.Control:
+    return codec.decode(msgspec.json.encode({"type": "control", "action": action, **kw}))  # type: ignore[return-value]
+
+
+def sent(actions: list[s.Action]) -> list[dict]:
+    return [msgspec.json.decode(codec.encode(a.message)) for a in actions if isinstance(a, s.Send)]
+
+
+def out(*texts: str, events: list[RequestEvent] = (), finished: bool = False, reason: str | None = None,
+        n: int = 0, error: object = None) -> RequestOutput:
+    return RequestOutput(request_id="gen_0", text="".join(texts), token_ids=[7 + i for i in range(len(texts))],
+                         token_texts=list(texts), events=list(events), finished=finished, finish_reason=reason,
+                         usage=Usage(prompt_tokens=2, completion_tokens=n), error=error)
+
+
+def started(sess: s.GenerateSession, **kw: object) -> list[dict]:
+    actions = sess.receive(config(**kw), now=10.0)
+    assert [type(a) for a in actions] == [s.Start]
+    return sent(sess.on_started(2))
+
+
+@pytest.mark.parametrize("first", [{"type": "control", "action": "stop"}, {"type": "feedback", "rating": 1}])
+def test_anything_before_config_is_invalid_request(first: dict) -> None:
+    sess = new_session()
+    [err] = sent(sess.receive(codec.decode(msgspec.json.encode(first)), now=0.0))
+    assert err["error"] == "invalid_request" and err["field"] == "type" and err["recoverable"] is True
+    assert "first message must be a config" in err["message"]
+    assert sess.state is s.State.AWAIT_CONFIG
+
+
+def test_config_starts_a_generate_request() -> None:
+    sess = new_session()
+    [start] = sess.receive(config(parameters={"max_tokens": 5, "temperature": 0.0, "seed": 3}), now=0.0)
+    assert isinstance(start, s.Start)
+    req = start.request
+    assert req.prompt == "Hi" and req.protocol == "generate_ws" and req.request_id == "gen_0"
+    assert (req.sampling.max_tokens, req.sampling.temperature, req.sampling.seed) == (5, 0.0, 3)
+    [init] = sent(sess.on_started(2))
+    assert init == {"type": "init", "request_id": "gen_0", "model": "tiny",
+                    "model_info": {"max_tokens": 128, "dtype": "float32", "quantization": None,
+                                   "architecture": "LlamaForCausalLM", "vocab_size": 1000}}
+
+
+@pytest.mark.parametrize("params,field", [({"temperature": -1}, "parameters.temperature"),
+                                          ({"top_p": 0}, "parameters.top_p"),
+                                          ({"max_tokens": 99}, "parameters.max_tokens"),
+                                          ({"logit_bias": {"5000": 1}}, "parameters.logit_bias")])
+def test_invalid_config_names_the_field(params: dict, field: str) -> None:
+    sess = new_session(cap=50)
+    [err] = sent(sess.receive(config(parameters=params), now=0.0))
+    assert err["error"] == "invalid_request" and err["field"] == field
+    assert sess.state is s.State.AWAIT_CONFIG
+
+
+def test_empty_prompt_is_refused() -> None:
+    [err] = sent(new_session().receive(config(prompt=""), now=0.0))
+    assert err["field"] == "prompt"
+
+
+def test_tokens_and_completion_with_every_option() -> None:
+    sess = new_session()
+    started(sess, options={"echo_prompt": True, "include_token_ids": True, "include_timing": True,
+                           "include_logprobs": True})
+    lp = TokenLogprob(token_id=7, logprob=-0.25, top=[TopLogprob(7, -0.25), TopLogprob(9, -2.0)])
+    delta = out(" a", " b", n=2)
+    delta.logprobs = [lp, TokenLogprob(token_id=8, logprob=-1.0)]
+    first, second = sent(sess.on_output(delta, now=10.5))
+    assert first["token"] == " a" and first["generated_text"] == "Hi a" and first["token_id"] == 7
+    assert first["logprobs"] == [{"token": " a", "logprob": -0.25, "token_id": 7},
+                                 {"token": "<9>", "logprob": -2.0, "token_id": 9}]
+    assert first["timing"] == {"token_ms": 250.0, "total_ms": 500.0}
+    assert second["generated_text"] == "Hi a b" and second["finished"] is False
+    last, completion = sent(sess.on_output(out(" c", finished=True, reason="length", n=3), now=11.0))
+    assert last["finished"] is True and last["finish_reason"] == "length"
+    assert completion == {"type": "completion", "generated_text": "Hi a b c", "finish_reason": "length",
+                          "usage": {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5},
+                          "request_id": "gen_0", "timing": {"first_token_ms": 500.0, "total_ms": 1000.0}}
+    assert sess.state is s.State.IDLE
+
+
+def test_plain_tokens_have_no_optional_fields() -> None:
+    sess = new_session()
+    started(sess)
+    [tok] = sent(sess.on_output(out(" a", n=1), now=11.0))
+    assert tok == {"type": "token", "token": " a", "generated_text": " a", "finished": False, "finish_reason": None}
+
+
+def test_stream_false_sends_only_the_completion() -> None:
+    sess = new_session()
+    started(sess, options={"stream": False})
+    assert sent(sess.on_output(out(" a", n=1), now=11.0)) == []
+    [completion] = sent(sess.on_output(out(" b", finished=True, reason="stop", n=2), now=12.0))
+    assert completion["generated_text"] == " a b" and completion["finish_reason"] == "stop"
+
+
+def test_pause_resume_statuses_bracket_no_tokens() -> None:
+    sess = new_session()
+    started(sess)
+    assert sess.receive(control("pause"), now=11.0) == [s.Pause()]
+    [err] = sent(sess.receive(control("pause"), now=11.0))
+    assert err["error"] == "invalid_request" and "already paused" in err["message"]
+    # A token made before the pause took effect arrives with the PAUSED event: token first.
+    msgs = sent(sess.on_output(out(" a", events=[RequestEvent.PAUSED], n=1), now=11.1))
+    assert [x["type"] for x in msgs] == ["token", "status"] and msgs[1]["operation"] == "paused"
+    assert sess.receive(control("resume"), now=12.0) == [s.Resume()]
+    msgs = sent(sess.on_output(out(" b", events=[RequestEvent.RESUMED], n=2), now=12.1))
+    assert [x.get("operation", x["type"]) for x in msgs] == ["resumed", "token"]
+
+
+def test_resume_when_not_paused_is_refused() -> None:
+    sess = new_session()
+    started(sess)
+    [err] = sent(sess.receive(control("resume"), now=11.0))
+    assert err["error"] == "invalid_request" and "not paused" in err["message"]
+
+
+def test_modify_valid_and_invalid() -> None:
+    sess = new_session()
+    started(sess, parameters={"temperature": 0.8})
+    [err] = sent(sess.receive(control("modify", parameters={"temperature": -2}), now=11.0))
+    assert err["error"] == "invalid_request" and err["field"] == "parameters.temperature"
+    assert sess.gen is not None and sess.gen.sampling.temperature == 0.8  # nothing changed
+    assert sess.receive(control("modify", parameters={"temperature": 0.0}), now=11.0) == [s.Modify({"temperature": 0.0})]
+    msgs = sent(sess.on_output(out(" a", events=[RequestEvent.MODIFIED], n=1), now=11.1))
+    assert msgs[0]["type"] == "token"
+    assert msgs[1]["operation"] == "modified" and msgs[1]["parameters"]["temperature"] == 0.0
+
+
+def test_modify_needs_parameters_and_parameters_need_modify() -> None:
+    sess = new_session()
+    started(sess)
+    assert sent(sess.receive(control("modify"), now=11.0))[0]["field"] == "parameters"
+    assert sent(sess.receive(control("stop", parameters={"top_k": 1}), now=11.0))[0]["field"] == "parameters"
+
+
+def test_regenerate_sends_status_and_fresh_init_and_resets_text() -> None:
+    sess = new_session()
+    started(sess)
+    sess.on_output(out(" a", " b", n=2), now=11.0)
+    assert sess.receive(control("regenerate"), now=11.0) == [s.Regenerate()]
+    msgs = sent(sess.on_output(out(" x", events=[RequestEvent.REGENERATING], n=1), now=11.5))
+    assert [x.get("operation", x["type"]) for x in msgs] == ["regenerating", "init", "token"]
+    assert msgs[1]["request_id"] == "gen_0" and msgs[2]["generated_text"] == " x"
+
+
+def test_stop_is_answered_by_the_cancelled_completion() -> None:
+    sess = new_session()
+    started(sess)
+    sess.on_output(out(" a", n=1), now=11.0)
+    assert sess.receive(control("stop"), now=11.0) == [s.Abort()]
+    [completion] = sent(sess.on_output(out(finished=True, reason="cancelled", n=1), now=11.2))
+    assert completion["finish_reason"] == "cancelled" and completion["generated_text"] == " a"
+
+
+def test_stop_before_start_answers_at_once() -> None:
+    sess = new_session()
+    sess.receive(config(), now=0.0)
+    actions = sess.receive(control("stop"), now=0.1)
+    assert actions[0] == s.Abort()
+    assert sent(actions)[0]["finish_reason"] == "cancelled"
+    assert sess.state is s.State.IDLE
+
+
+@pytest.mark.parametrize("action", ["stop", "pause", "resume", "modify", "regenerate"])
+def test_control_when_nothing_runs_is_a_clear_error(action: str) -> None:
+    sess = new_session()
+    started(sess)
+    sess.on_output(out(" a", finished=True, reason="stop", n=1), now=11.0)
+    [err] = sent(sess.receive(control(action), now=12.0))
+    assert err["error"] == "invalid_request" and "none is running" in err["message"]
+
+
+def test_config_while_generating_is_refused_and_keeps_the_generation() -> None:
+    sess = new_session()
+    started(sess)
+    [err] = sent(sess.receive(config(), now=11.0))
+    assert err["error"] == "invalid_request" and sess.state is s.State.GENERATING
+
+
+def test_engine_error_mid_stream_carries_partial_text_then_recovery() -> None:
+    sess = new_session()
+    started(sess)
+    sess.on_output(out(" a", n=1), now=11.0)
+    [err] = sent(sess.on_output(out(finished=True, reason="error", n=1, error=GenerationError("0xdead")), now=11.1))
+    assert err["error"] == "internal_error" and err["generated_text"] == " a" and err["recoverable"] is True
+    assert "0xdead" not in err["message"]
+    assert isinstance(sess.receive(config(), now=12.0)[0], s.Start)  # the recovery flow
+
+
+def test_timeout_error_carries_partial_text() -> None:
+    sess = new_session()
+    started(sess)
+    sess.on_output(out(" a", n=1), now=11.0)
+    [err] = sent(sess.on_error(RequestTimeout("late")))
+    assert err["error"] == "timeout" and err["generated_text"] == " a" and err["request_id"] == "gen_0"
+
+
+def test_admission_error_has_no_partial_text_and_is_recoverable() -> None:
+    sess = new_session()
+    sess.receive(config(), now=0.0)
+    [err] = sent(sess.on_error(MemoryPressure("big")))
+    assert err["error"] == "memory_pressure" and "generated_text" not in err
+    assert sess.state is s.State.IDLE
+
+
+def test_fatal_error_closes() -> None:
+    sess = new_session()
+    sess.receive(config(), now=0.0)
+    actions = sess.on_error(RuntimeError("x"))
+    assert isinstance(actions[-1], s.Close) and actions[-1].code == 1011
+
+
+def test_feedback_for_current_and_earlier_generations() -> None:
+    sess = new_session()
+    started(sess)
+    sess.on_output(out(" a", finished=True, reason="stop", n=1), now=11.0)
+    fb = codec.decode(b'{"type":"feedback","rating":-0.5,"text":"meh","position":1}')
+    [store] = sess.receive(fb, now=12.0)
+    assert isinstance(store, s.StoreFeedback)
+    assert store.record | {} == {"request_id": "gen_0", "rating": -0.5, "text": "meh", "position": 1, "model": "tiny",
+                                 "prompt": "Hi", "generated_text": " a", "is_generation_finished": True}
+    [ack] = sent(sess.on_feedback_stored("gen_0", 7))
+    assert ack["operation"] == "feedback_received" and ack["feedback_id"] == 7
+    sess.receive(config(), now=13.0)
+    named = codec.decode(b'{"type":"feedback","rating":1,"request_id":"gen_0"}')
+    assert sess.receive(named, now=14.0)[0].record["generated_text"] == " a"  # type: ignore[union-attr]
+    unknown = codec.decode(b'{"type":"feedback","rating":1,"request_id":"gen_x"}')
+    assert sent(sess.receive(unknown, now=14.0))[0]["field"] == "request_id"
+
+
+def test_loading_status() -> None:
+    [st] = sent(new_session().loading_status(67.04, 3.46))
+    assert st["operation"] == "model_loading" and st["progress"] == 67.0 and st["eta_seconds"] == 3.5
+
+
+def test_disconnect_aborts_a_running_generation() -> None:
+    sess = new_session()
+    assert sess.on_disconnect() == []
+    started(sess)
+    assert sess.on_disconnect() == [s.Abort()]
+
+
+@pytest.mark.parametrize("text,token_texts,n,expected", [
+    ("ab", ["a", "b"], 2, ["a", "b"]),
+    ("ab", ["a", "bSTOP"], 2, ["a", "b"]),  # stop string cut
+    ("é", ["", "é"], 2, ["", "é"]),  # held-back UTF-8
+    ("xy", ["q", "r"], 2, ["", "xy"]),  # nothing matches: the last token takes it all
+    ("", [], 0, []),
+    ("tail", [], 0, ["tail"]),
+])
+def test_split_text_pieces_concatenate_to_text(text: str, token_texts: list[str], n: int, expected: list[str]) -> None:
+    pieces = s._split_text(text, token_texts, n)
+    assert pieces == expected and "".join(pieces) == text
