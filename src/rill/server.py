@@ -101,8 +101,14 @@ def make_deps(config: ServerConfig, client: EngineClient) -> Deps:
     return Deps(config=config, client=client, metrics=metrics, api_keys=config.api_keys())
 
 
-async def serve(config: ServerConfig, client: EngineClient | None = None, ready: asyncio.Event | None = None) -> None:
-    """Run every front-end until SIGINT/SIGTERM; the model loads in the background."""
+async def serve(
+    config: ServerConfig,
+    client: EngineClient | None = None,
+    ready: asyncio.Event | None = None,
+    stop: asyncio.Event | None = None,
+) -> None:
+    """Run every front-end until SIGINT/SIGTERM (or ``stop`` is set); the model loads in the
+    background. ``ready`` is set once the HTTP port listens (tests use both events)."""
     import uvicorn
 
     from rill.frontend.inproc import InprocClient
@@ -127,6 +133,12 @@ async def serve(config: ServerConfig, client: EngineClient | None = None, ready:
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
     log.info("rill listening on http://%s:%d", config.http.host, config.http.port)
+    if stop is not None:
+        async def _watch_stop() -> None:
+            await stop.wait()
+            server.should_exit = True
+
+        stop_task = asyncio.create_task(_watch_stop())
     try:
         serve_task = asyncio.create_task(server.serve())
         if ready is not None:
@@ -135,7 +147,9 @@ async def serve(config: ServerConfig, client: EngineClient | None = None, ready:
             ready.set()
         await serve_task
     finally:
-        for stop in stoppers:
+        if stop is not None:
+            stop_task.cancel()
+        for stopper in stoppers:
             with contextlib.suppress(Exception):
-                await stop()
+                await stopper()
         await client.shutdown()

@@ -1,0 +1,464 @@
+"""EngineCore: one step = apply commands → schedule → model forward → sample → outputs.
+
+A plain synchronous object: no threads, no asyncio, no protocol knowledge. The in-process
+client drives it from one engine thread (``apply`` commands between steps, then ``step``).
+Every command takes effect at the next token, because commands are only applied between
+steps. Detokenization and stop strings run here, in the output stage of the step, so a
+stop string ends the request (and frees its row) in the very step that produced it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from rill.engine.batch import ModelRunner, RowWork
+from rill.engine.beam import Beam, BeamSearch
+from rill.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from rill.engine.kv_cache import EmptyRow, KVManager
+from rill.engine.request import (
+    AbortCommand,
+    AddCommand,
+    Command,
+    ModifyCommand,
+    PauseCommand,
+    RegenerateCommand,
+    Request,
+    RequestStatus,
+    ResumeCommand,
+)
+from rill.engine.sampler import Sampler
+from rill.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from rill.errors import GenerationError, RequestTimeout, RillError
+from rill.types import EngineStats, FinishReason, RequestEvent, RequestOutput, Usage
+
+log = logging.getLogger("rill.engine")
+
+
+@dataclass(frozen=True)
+class CoreConfig:
+    """Scheduling limits of one engine."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    min_prefill_chunk_tokens: int = 16
+
+
+class EngineCore:
+    """The engine: requests in, ``RequestOutput`` deltas out, one ``step()`` at a time."""
+
+    def __init__(self, runner: ModelRunner, tokenizer: Any, config: CoreConfig = CoreConfig(), clock: Callable[[], float] = time.monotonic) -> None:
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.config = config
+        self.clock = clock
+        self.max_len = runner.max_len
+        self.kv = KVManager(runner.num_rows, runner.max_len, runner.kv_bytes_per_token)
+        self.scheduler = Scheduler(self.kv, runner.copy_row, min(config.max_num_seqs, runner.num_rows), config.max_num_batched_tokens)
+        self.scheduler.prefill_chunk_tokens = min(256, config.max_num_batched_tokens)
+        num_keys = runner.num_rows + 2 * config.max_num_seqs
+        self.sampler = Sampler(runner.vocab_size, num_keys, device=getattr(runner, "device", "cpu"))
+        self.free_keys = list(range(num_keys - 1, -1, -1))
+        self.requests: dict[str, Request] = {}
+        self.touched: dict[str, Request] = {}
+        self.deadlines: dict[str, Request] = {}
+        self.stats_counters = EngineStats()
+        self._decode_step_s: float | None = None
+        self._prefill_token_s: float | None = None
+        self._seq_no = 0
+
+    # -- commands ---------------------------------------------------------------------------
+    def apply(self, command: Command) -> None:
+        """Apply one command (the client calls this between steps)."""
+        handler = self._handlers[type(command)]
+        handler(self, command)
+
+    def _add(self, cmd: AddCommand) -> None:
+        request = cmd.request
+        self._seq_no += 1
+        request.seq_no = self._seq_no
+        self.requests[request.request_id] = request
+        if request.deadline is not None:
+            self.deadlines[request.request_id] = request
+        request.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_ids)
+        request.stop_matcher = StopStringMatcher(list(request.params.stop)) if request.params.stop else None
+        request.pending_events.append(RequestEvent.QUEUED)
+        self.touched[request.request_id] = request
+        self.scheduler.enqueue(request)
+
+    def _abort(self, cmd: AbortCommand) -> None:
+        request = self.requests.get(cmd.request_id)
+        if request is None or request.is_finished:
+            return
+        if cmd.error is not None:
+            self._finish(request, "error", error=cmd.error)
+        else:
+            self._finish(request, "cancelled")
+
+    def _pause(self, cmd: PauseCommand) -> None:
+        request = self.requests.get(cmd.request_id)
+        if request is None or request.is_finished:
+            return
+        if request.status is not RequestStatus.PAUSED:
+            self.scheduler.pause(request)
+        self._event(request, RequestEvent.PAUSED)
+
+    def _resume(self, cmd: ResumeCommand) -> None:
+        request = self.requests.get(cmd.request_id)
+        if request is None or request.is_finished:
+            return
+        if request.status is RequestStatus.PAUSED:
+            self.scheduler.resume(request)
+        self._event(request, RequestEvent.RESUMED)
+
+    def _modify(self, cmd: ModifyCommand) -> None:
+        request = self.requests.get(cmd.request_id)
+        if request is None or request.is_finished:
+            return
+        old_stop = request.params.stop
+        request.params = cmd.params
+        if request.sampler_key is not None and not request.is_beam:
+            self.sampler.update(request.sampler_key, cmd.params)
+        if list(cmd.params.stop) != list(old_stop):
+            held = request.stop_matcher.flush() if request.stop_matcher else ""
+            request.stop_matcher = StopStringMatcher(list(cmd.params.stop)) if cmd.params.stop else None
+            if held:
+                self._emit_text(request, held)
+        if request.beam is not None:
+            request.beam.max_tokens = cmd.params.max_tokens
+        self._event(request, RequestEvent.MODIFIED)
+
+    def _regenerate(self, cmd: RegenerateCommand) -> None:
+        request = self.requests.get(cmd.request_id)
+        if request is None or request.is_finished:
+            return
+        num_prompt = len(request.prompt_ids)
+        if request.is_beam:
+            self.scheduler.preempt(request)  # beam rows are dropped; the prompt's row stays cached
+            request.num_beam_tokens_emitted = 0
+        request.output_ids = []
+        request.num_output_tokens_counted = 0
+        request.first_token_time = None
+        request.detokenizer.reset(request.prompt_ids)
+        request.stop_matcher = StopStringMatcher(list(request.params.stop)) if request.params.stop else None
+        if request.sampler_key is not None:
+            self.sampler.reset(request.sampler_key, request.prompt_ids)
+        if request.row is not None:
+            reused = min(request.num_computed, num_prompt - 1)
+            request.num_computed = reused
+            self.kv.num_query_tokens += num_prompt
+            self.kv.num_hit_tokens += reused
+        self._clear_pending_tokens(request)
+        if request.status is RequestStatus.PAUSED:
+            self.scheduler.resume(request)
+        self._event(request, RequestEvent.REGENERATING)
+
+    _handlers: dict[type, Callable[["EngineCore", Any], None]] = {
+        AddCommand: _add,
+        AbortCommand: _abort,
+        PauseCommand: _pause,
+        ResumeCommand: _resume,
+        ModifyCommand: _modify,
+        RegenerateCommand: _regenerate,
+    }
+
+    # -- the step ---------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        """True when a step would compute something or has outputs to deliver."""
+        return bool(self.scheduler.running) or self.scheduler.num_waiting > 0 or bool(self.touched)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step and return the outputs it produced."""
+        now = self.clock()
+        self._check_deadlines(now)
+        plan = self.scheduler.schedule()
+        for request, error in plan.failed:
+            self._finish(request, "error", error=error)
+        for request in plan.preempted:
+            self.stats_counters.num_preemptions_total += 1
+            self._event(request, RequestEvent.PREEMPTED)
+        if not plan.is_empty:
+            try:
+                self._run(plan)
+            except Exception:  # one bad step must not kill the engine: fail its requests only
+                log.exception("engine step failed; failing the %d requests of the step", len(plan.scheduled))
+                for item in plan.scheduled:
+                    if not item.request.is_finished:
+                        self._finish(item.request, "error", error=GenerationError("internal error while generating"))
+        return self._collect_outputs()
+
+    def _run(self, plan: SchedulerOutput) -> None:
+        for item in plan.scheduled:
+            self._on_scheduled(item.request)
+        work: list[RowWork] = [w for item in plan.scheduled for w in item.work]
+        t0 = time.perf_counter()
+        logits = self.runner.forward(work)
+        self._sample_and_advance(plan.scheduled, logits)
+        self._update_costs(plan, time.perf_counter() - t0)
+        self.stats_counters.num_steps_total += 1
+        self.stats_counters.last_batch_size = len(plan.scheduled)
+
+    def _on_scheduled(self, request: Request) -> None:
+        if request.sampler_key is None and not request.is_beam:
+            if not self.free_keys:
+                raise RuntimeError("no sampler key left")
+            request.sampler_key = self.free_keys.pop()
+            self.sampler.add(request.sampler_key, request.params, request.prompt_ids, set(request.eos_token_ids))
+            for token in request.output_ids:  # recompute after preemption keeps penalty history
+                self.sampler.record(request.sampler_key, token)
+        if not request.is_scheduled_once:
+            request.is_scheduled_once = True
+            self.stats_counters.prompt_tokens_total += len(request.prompt_ids)
+            self._event(request, RequestEvent.SCHEDULED)
+
+    def _sample_and_advance(self, scheduled: list[ScheduledRequest], logits: torch.Tensor) -> None:
+        sample_rows: list[int] = []
+        sample_reqs: list[Request] = []
+        beam_items: list[tuple[Request, int, int]] = []
+        index = 0
+        for item in scheduled:
+            request = item.request
+            if request.beam is not None and request.beam.beams:
+                beam_items.append((request, index, len(item.work)))
+                index += len(item.work)
+                for beam in request.beam.beams:
+                    beam.num_computed += 1
+                continue
+            work = item.work[0]
+            request.num_computed += len(work.token_ids)
+            if work.need_logits:
+                if request.is_beam:
+                    beam_items.append((request, index, 1))
+                else:
+                    sample_rows.append(index)
+                    sample_reqs.append(request)
+                index += 1
+        now = self.clock()
+        if sample_reqs:
+            rows = logits if len(sample_rows) == logits.shape[0] else logits[sample_rows]
+            result = self.sampler.sample(rows, [r.sampler_key for r in sample_reqs])
+            for request, token, logprob in zip(sample_reqs, result.token_ids, result.logprobs):
+                self._on_token(request, token, logprob, now)
+        for request, start, count in beam_items:
+            self._beam_step(request, logits[start : start + count], now)
+
+    # -- per-token output stage ------------------------------------------------------------
+    def _on_token(self, request: Request, token: int, logprob: Any, now: float) -> None:
+        if request.is_finished:
+            return
+        self._mark_prefill_done(request)
+        request.output_ids.append(token)
+        request.num_output_tokens_counted += 1
+        self.stats_counters.generation_tokens_total += 1
+        if request.first_token_time is None:
+            request.first_token_time = now
+        request.last_token_time = now
+        params = request.params
+        if token in request.eos_token_ids and not params.ignore_eos:
+            self._finish(request, "stop")
+            return
+        if token in params.stop_token_ids:
+            self._finish(request, "stop", stop_reason=token)
+            return
+        text = request.detokenizer.push(token)
+        matched = None
+        if request.stop_matcher is not None:
+            text, matched = request.stop_matcher.feed(text)
+        request.pending_token_ids.append(token)
+        request.pending_token_texts.append(text)
+        request.pending_text += text
+        if params.logprobs is not None and logprob is not None:
+            request.pending_logprobs.append(logprob)
+        self.touched[request.request_id] = request
+        if matched is not None:
+            self._finish(request, "stop", stop_reason=matched, flush=False)
+        elif len(request.output_ids) >= params.max_tokens or request.num_tokens >= self.max_len:
+            self._finish(request, "length")
+
+    def _mark_prefill_done(self, request: Request) -> None:
+        if not request.is_prefill_reported:
+            request.is_prefill_reported = True
+            self._event(request, RequestEvent.PREFILL_DONE)
+
+    def _beam_step(self, request: Request, logits: torch.Tensor, now: float) -> None:
+        if request.is_finished:
+            return
+        self._mark_prefill_done(request)
+        params = request.params
+        search = request.beam
+        if search is None:
+            search = request.beam = BeamSearch(params.num_beams, params.length_penalty, params.early_stopping,
+                                               request.eos_token_ids if not params.ignore_eos else frozenset(), params.max_tokens)
+            search.beams = [Beam(row=request.row, prompt_ids=request.prompt_ids, num_computed=request.num_computed)]
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        new = search.step(logprobs)
+        beams, copies, unused = search.plan_rows(new, request.spare_rows)
+        for src, dst, num_tokens in copies:
+            self.runner.copy_row(src, dst, num_tokens)
+        for beam in beams:
+            self.kv.live[beam.row] = beam
+        for row in unused:
+            self.kv.live[row] = EmptyRow()
+        request.spare_rows = unused
+        request.row = beams[0].row if beams else request.row
+        if request.first_token_time is None:
+            request.first_token_time = now
+        request.last_token_time = now
+        self.stats_counters.generation_tokens_total += 1
+        if search.is_done or not beams or beams[0].num_computed + 1 >= self.max_len:
+            best = search.finish()
+            self._emit_beam_tokens(request, [t for t in best if t not in search.eos_token_ids])
+            request.output_ids = list(best)
+            request.num_output_tokens_counted = len(best)
+            reason: FinishReason = "stop" if best and best[-1] in search.eos_token_ids else "length"
+            self._finish(request, reason)
+            return
+        agreed = search.agreed_len()
+        self._emit_beam_tokens(request, [t for t in beams[0].tokens[:agreed] if t not in search.eos_token_ids])
+
+    def _emit_beam_tokens(self, request: Request, tokens: list[int]) -> None:
+        for token in tokens[request.num_beam_tokens_emitted :]:
+            text = request.detokenizer.push(token)
+            request.pending_token_ids.append(token)
+            request.pending_token_texts.append(text)
+            request.pending_text += text
+        request.num_beam_tokens_emitted = max(request.num_beam_tokens_emitted, len(tokens))
+        self.touched[request.request_id] = request
+
+    def _emit_text(self, request: Request, text: str) -> None:
+        request.pending_text += text
+        if request.pending_token_texts:
+            request.pending_token_texts[-1] += text
+        self.touched[request.request_id] = request
+
+    # -- finishing ----------------------------------------------------------------------------
+    def _finish(self, request: Request, reason: FinishReason, stop_reason: Any = None, error: Any = None, flush: bool = True) -> None:
+        if flush and request.detokenizer is not None:
+            tail = request.detokenizer.flush()
+            matched = None
+            if request.stop_matcher is not None:
+                tail, matched = request.stop_matcher.feed(tail)
+                if matched is None:
+                    tail += request.stop_matcher.flush()
+                else:
+                    reason, stop_reason = "stop", matched
+            if tail:
+                self._emit_text(request, tail)
+        request.finish_reason = reason
+        request.stop_reason = stop_reason
+        request.error = error
+        if request.status is not RequestStatus.FINISHED:
+            self.scheduler.remove(request)
+            self.scheduler.release(request)
+            for row in request.spare_rows:
+                self.kv.drop(row)
+            request.spare_rows = []
+        request.status = RequestStatus.FINISHED
+        if request.sampler_key is not None:
+            self.sampler.remove(request.sampler_key)
+            self.free_keys.append(request.sampler_key)
+            request.sampler_key = None
+        finished = self.stats_counters.requests_finished_total
+        finished[reason] = finished.get(reason, 0) + 1
+        self.touched[request.request_id] = request
+
+    def _check_deadlines(self, now: float) -> None:
+        for request in list(self.deadlines.values()):
+            if request.is_finished:
+                self.deadlines.pop(request.request_id, None)
+            elif now >= request.deadline:
+                self._finish(request, "error", error=RequestTimeout("the request reached its time limit"))
+
+    def _event(self, request: Request, event: RequestEvent) -> None:
+        request.pending_events.append(event)
+        self.touched[request.request_id] = request
+
+    def _clear_pending_tokens(self, request: Request) -> None:
+        request.pending_text = ""
+        request.pending_token_ids = []
+        request.pending_token_texts = []
+        request.pending_logprobs = []
+
+    def _collect_outputs(self) -> list[RequestOutput]:
+        outputs = []
+        for request in self.touched.values():
+            finished = request.is_finished
+            outputs.append(
+                RequestOutput(
+                    request_id=request.request_id,
+                    text=request.pending_text,
+                    token_ids=request.pending_token_ids,
+                    token_texts=request.pending_token_texts,
+                    logprobs=request.pending_logprobs if request.params.logprobs is not None else None,
+                    events=request.pending_events,
+                    finished=finished,
+                    finish_reason=request.finish_reason if finished else None,
+                    stop_reason=request.stop_reason if finished else None,
+                    error=request.error if finished else None,
+                    usage=Usage(prompt_tokens=len(request.prompt_ids), completion_tokens=request.num_output_tokens_counted,
+                                cached_tokens=request.num_cached_prompt_tokens),
+                    arrival_time=request.arrival_time,
+                    first_token_time=request.first_token_time,
+                    last_token_time=request.last_token_time,
+                )
+            )
+            request.pending_text = ""
+            request.pending_token_ids = []
+            request.pending_token_texts = []
+            request.pending_logprobs = []
+            request.pending_events = []
+            if finished:
+                self.requests.pop(request.request_id, None)
+        self.touched = {}
+        return outputs
+
+    # -- adaptive prefill chunk ------------------------------------------------------------------
+    def _update_costs(self, plan: SchedulerOutput, elapsed_s: float) -> None:
+        """Learn the cost of a decode step and of a prefill token, then cap prefill chunks
+        that run beside decodes so such a step costs about two decode steps."""
+        alpha = 0.2
+        if plan.num_prefill_tokens == 0 and plan.num_decode_tokens:
+            self._decode_step_s = elapsed_s if self._decode_step_s is None else (1 - alpha) * self._decode_step_s + alpha * elapsed_s
+        elif plan.num_prefill_tokens >= 8:
+            base = self._decode_step_s if plan.num_decode_tokens and self._decode_step_s else 0.0
+            per_token = max(elapsed_s - base, 1e-6) / plan.num_prefill_tokens
+            self._prefill_token_s = per_token if self._prefill_token_s is None else (1 - alpha) * self._prefill_token_s + alpha * per_token
+        if self._decode_step_s and self._prefill_token_s:
+            chunk = int(self._decode_step_s / self._prefill_token_s)
+            self.scheduler.prefill_chunk_tokens = max(self.config.min_prefill_chunk_tokens, min(chunk, self.config.max_num_batched_tokens))
+        s = self.stats_counters
+        s.last_step_ms = elapsed_s * 1000
+        s.step_ms_ewma = s.last_step_ms if s.step_ms_ewma == 0 else 0.9 * s.step_ms_ewma + 0.1 * s.last_step_ms
+
+    # -- stats ----------------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        """A snapshot of gauges and counters (cheap; called by /metrics)."""
+        s = self.stats_counters
+        bpt = self.kv.bytes_per_token
+        used = self.kv.used_tokens()
+        cached = self.kv.cached_tokens()
+        capacity_tokens = self.kv.num_rows * self.kv.max_len
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=self.scheduler.num_waiting,
+            num_paused=len(self.scheduler.paused),
+            kv_capacity_bytes=capacity_tokens * bpt,
+            kv_used_bytes=used * bpt,
+            kv_cached_bytes=cached * bpt,
+            kv_capacity_tokens=capacity_tokens,
+            kv_used_tokens=used,
+            prefix_cache_queries_tokens=self.kv.num_query_tokens,
+            prefix_cache_hits_tokens=self.kv.num_hit_tokens,
+            prompt_tokens_total=s.prompt_tokens_total,
+            generation_tokens_total=s.generation_tokens_total,
+            num_steps_total=s.num_steps_total,
+            num_preemptions_total=s.num_preemptions_total,
+            last_batch_size=s.last_batch_size,
+            last_step_ms=s.last_step_ms,
+            step_ms_ewma=s.step_ms_ewma,
+            requests_finished_total=dict(s.requests_finished_total),
+        )

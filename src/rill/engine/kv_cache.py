@@ -1,0 +1,203 @@
+"""KV row bookkeeping with prefix reuse and a fixed memory budget. Pure Python, no torch.
+
+The runner holds ``num_rows`` rows of ``max_len`` tokens each (contiguous per-row caches
+measured fastest on this CPU; see engine-notes §7–8). This module decides which row a
+sequence uses and what the rows hold:
+
+* a *live* row belongs to one running, prefilling or paused sequence;
+* a *cached* row holds the valid tokens of a finished sequence and can be reused by a later
+  prompt that starts with the same tokens (prefix cache), or evicted (LRU) when a row is
+  needed;
+* a *free* row holds nothing.
+
+"Used" memory counts only live rows' valid tokens, so "all KV memory is free" means no live
+row, while cached rows stay reusable until evicted.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class RowHolder(Protocol):
+    """What the manager needs to know of a live row's owner."""
+
+    num_computed: int
+
+    def token_at(self, start: int, stop: int) -> list[int]:
+        """Tokens ``[start, stop)`` of the holder's sequence."""
+        ...
+
+
+class EmptyRow:
+    """Holder of a reserved row that holds nothing yet (e.g. beam rows before the fork)."""
+
+    num_computed = 0
+
+    def token_at(self, start: int, stop: int) -> list[int]:
+        """An empty row holds no tokens."""
+        return []
+
+
+@dataclass(slots=True)
+class Acquired:
+    """Result of ``KVManager.acquire``: the row, how many leading tokens are already valid,
+    and a copy the runner must perform first (``(src_row, num_tokens)``) if any."""
+
+    row: int
+    num_cached_tokens: int
+    copy_from: tuple[int, int] | None = None
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix (slice comparisons run in C; binary search)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+class KVManager:
+    """Which row holds what; prefix matching; LRU eviction; usage counters."""
+
+    def __init__(self, num_rows: int, max_len: int, bytes_per_token: int, min_reuse_tokens: int = 1) -> None:
+        self.num_rows = num_rows
+        self.max_len = max_len
+        self.bytes_per_token = bytes_per_token
+        self.min_reuse_tokens = min_reuse_tokens
+        self.free_rows: list[int] = list(range(num_rows - 1, -1, -1))  # pop() gives the lowest row
+        self.cached: OrderedDict[int, list[int]] = OrderedDict()  # row -> valid tokens; oldest first
+        self.live: dict[int, RowHolder] = {}
+        self.num_query_tokens = 0
+        self.num_hit_tokens = 0
+
+    # -- capacity ------------------------------------------------------------------------
+    @property
+    def num_available_rows(self) -> int:
+        """Rows a new sequence could get now (free or evictable)."""
+        return len(self.free_rows) + len(self.cached)
+
+    @property
+    def num_live_rows(self) -> int:
+        """Rows owned by live sequences."""
+        return len(self.live)
+
+    def used_tokens(self) -> int:
+        """Valid tokens held by live rows."""
+        return sum(holder.num_computed for holder in self.live.values())
+
+    def cached_tokens(self) -> int:
+        """Valid tokens held by cached (evictable) rows."""
+        return sum(len(tokens) for tokens in self.cached.values())
+
+    # -- matching ------------------------------------------------------------------------
+    def best_match(self, token_ids: list[int], limit: int) -> tuple[int | None, int, bool]:
+        """Longest reusable prefix of ``token_ids`` (at most ``limit`` tokens) over cached and
+        live rows: ``(row, length, is_cached_row)``; ``(None, 0, False)`` when none."""
+        best_row, best_len, best_cached = None, 0, False
+        if not token_ids or limit <= 0:
+            return best_row, best_len, best_cached
+        first = token_ids[0]
+        for row, tokens in self.cached.items():
+            if tokens and tokens[0] == first:
+                n = min(common_prefix_len(tokens, token_ids), limit)
+                if n > best_len:
+                    best_row, best_len, best_cached = row, n, True
+        for row, holder in self.live.items():
+            valid = holder.num_computed
+            if valid <= best_len:
+                continue
+            head = holder.token_at(0, min(valid, limit))
+            if head and head[0] == first:
+                n = min(common_prefix_len(head, token_ids), limit)
+                if n > best_len:
+                    best_row, best_len, best_cached = row, n, False
+        if best_len < self.min_reuse_tokens:
+            return None, 0, False
+        return best_row, best_len, best_cached
+
+    def pending_overlap(self, token_ids: list[int]) -> int:
+        """Tokens of ``token_ids`` that a live row will hold once its prefill advances, beyond
+        what it holds now (used to wait for a sibling's prefill rather than compute twice)."""
+        best = 0
+        first = token_ids[0] if token_ids else None
+        for holder in self.live.values():
+            head = holder.token_at(0, len(token_ids))
+            if head and head[0] == first:
+                n = common_prefix_len(head, token_ids)
+                best = max(best, n - holder.num_computed)
+        return best
+
+    # -- acquire / release ---------------------------------------------------------------
+    def acquire(self, holder: RowHolder, token_ids: list[int]) -> Acquired | None:
+        """Give ``holder`` a row for ``token_ids``, reusing the longest cached prefix.
+
+        At least one token is always left to compute, because its logits are needed.
+        Returns None when no row is free or evictable.
+        """
+        if self.num_available_rows == 0:
+            return None
+        limit = len(token_ids) - 1
+        src, length, src_is_cached = self.best_match(token_ids, limit)
+        self.num_query_tokens += len(token_ids)
+        if src is not None and src_is_cached and (length >= len(self.cached[src]) or not self._spare_row(exclude=src)):
+            # The prompt extends the whole cached sequence (or no other row is left): take it over.
+            del self.cached[src]
+            self.live[src] = holder
+            self.num_hit_tokens += length
+            return Acquired(src, length)
+        row = self._take_row(exclude=src)
+        self.live[row] = holder
+        if src is None:
+            return Acquired(row, 0)
+        self.num_hit_tokens += length
+        if src_is_cached:
+            self.cached.move_to_end(src)
+        return Acquired(row, length, copy_from=(src, length))
+
+    def acquire_empty(self) -> int | None:
+        """A reserved row with no reuse (beam forks); None when none is available."""
+        if self.num_available_rows == 0:
+            return None
+        row = self._take_row(exclude=None)
+        self.live[row] = EmptyRow()
+        return row
+
+    def release(self, row: int, valid_tokens: list[int]) -> None:
+        """A live row's owner is done; keep its valid tokens as a cache entry (or free it)."""
+        self.live.pop(row, None)
+        if valid_tokens:
+            self.cached[row] = valid_tokens
+        else:
+            self.free_rows.append(row)
+
+    def drop(self, row: int) -> None:
+        """A live row's content is worthless (e.g. a dead beam): free it."""
+        self.live.pop(row, None)
+        self.free_rows.append(row)
+
+    def touch(self, row: int) -> None:
+        """Mark a cached row as recently used."""
+        if row in self.cached:
+            self.cached.move_to_end(row)
+
+    def _spare_row(self, exclude: int | None) -> bool:
+        return bool(self.free_rows) or any(r != exclude for r in self.cached)
+
+    def _take_row(self, exclude: int | None) -> int:
+        if self.free_rows:
+            return self.free_rows.pop()
+        for row in self.cached:  # oldest first
+            if row != exclude:
+                del self.cached[row]
+                return row
+        raise RuntimeError("no row available")  # callers check num_available_rows first

@@ -1,0 +1,148 @@
+"""Per-request engine state and the commands that steer requests.
+
+A request's tokens are ``all_ids = prompt_ids + output_ids``; ``num_computed`` of them have
+keys/values in the request's KV row. There are no separate prefill and decode phases (vLLM
+v1's rule): each step feeds ``all_ids[num_computed:]`` (or a chunk of it), and when that
+reaches the end, the logits sample the next token. Prefix reuse, chunked prefill,
+recompute after preemption and regenerate all fall out of moving ``num_computed``.
+
+Imports: stdlib and rill.types only (no torch).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from rill.types import RequestEvent, RequestId, SamplingParams, TokenLogprob
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in the engine."""
+
+    WAITING = "waiting"  # in the waiting queue (new, preempted, or resumed without KV)
+    RUNNING = "running"  # scheduled every step
+    PAUSED = "paused"  # out of the batch; keeps its row unless memory is needed
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """Mutable state of one request inside the engine (owned by the engine thread)."""
+
+    request_id: RequestId
+    prompt_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int]
+    arrival_time: float
+    seq_no: int
+    priority: int = 0
+    protocol: str = "other"
+    deadline: float | None = None
+    require_cached_prefix_tokens: int | None = None
+    output_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    row: int | None = None
+    num_computed: int = 0
+    sampler_key: int | None = None
+    num_cached_prompt_tokens: int = 0
+    is_scheduled_once: bool = False
+    is_prefill_reported: bool = False
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    # Per-request output stage (detokenizer, stop matcher), created by the core.
+    detokenizer: Any = None
+    stop_matcher: Any = None
+    beam: Any = None  # BeamSearch state for num_beams > 1
+    spare_rows: list[int] = field(default_factory=list)  # rows reserved for beams not yet forked
+    num_beam_tokens_emitted: int = 0  # agreed beam tokens already streamed (survives a restart)
+    # What the next RequestOutput will carry.
+    pending_text: str = ""
+    pending_token_ids: list[int] = field(default_factory=list)
+    pending_token_texts: list[str] = field(default_factory=list)
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    pending_events: list[RequestEvent] = field(default_factory=list)
+    num_output_tokens_counted: int = 0  # includes eos (usage), unlike output token ids sent
+    finish_reason: Any = None
+    stop_reason: Any = None
+    error: Any = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        """Prompt followed by the generated tokens (a new list)."""
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        """Length of ``all_ids``."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_at(self, start: int, stop: int) -> list[int]:
+        """``all_ids[start:stop]`` without building the whole list."""
+        num_prompt = len(self.prompt_ids)
+        if stop <= num_prompt:
+            return self.prompt_ids[start:stop]
+        if start >= num_prompt:
+            return self.output_ids[start - num_prompt : stop - num_prompt]
+        return self.prompt_ids[start:] + self.output_ids[: stop - num_prompt]
+
+    @property
+    def is_finished(self) -> bool:
+        """True once a final output has been produced."""
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def is_beam(self) -> bool:
+        """True for beam-search requests."""
+        return self.params.num_beams > 1
+
+
+# ---- commands: cross from the event loop into the engine thread -----------------------
+
+
+@dataclass(frozen=True, slots=True)
+class AddCommand:
+    """Admit a new request."""
+
+    request: Request
+
+
+@dataclass(frozen=True, slots=True)
+class AbortCommand:
+    """Cancel a request (client stop, disconnect, timeout)."""
+
+    request_id: RequestId
+    error: Any = None  # a RillError to finish with instead of "cancelled"
+
+
+@dataclass(frozen=True, slots=True)
+class PauseCommand:
+    """Take a request out of the batch."""
+
+    request_id: RequestId
+
+
+@dataclass(frozen=True, slots=True)
+class ResumeCommand:
+    """Put a paused request back."""
+
+    request_id: RequestId
+
+
+@dataclass(frozen=True, slots=True)
+class ModifyCommand:
+    """Replace a request's sampling parameters (already validated)."""
+
+    request_id: RequestId
+    params: SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class RegenerateCommand:
+    """Drop the generation and restart from the prompt."""
+
+    request_id: RequestId
+
+
+Command = AddCommand | AbortCommand | PauseCommand | ResumeCommand | ModifyCommand | RegenerateCommand

@@ -1,0 +1,240 @@
+"""The scheduler: which requests run this step, with how many tokens each.
+
+vLLM v1's rule at nano-vllm's size: no prefill or decode phase, each request catches
+``num_computed`` up to its token count under a per-step token budget. Decodes (one token
+each) are scheduled first, so running streams keep producing tokens; prefill chunks fill
+what is left. While decodes run, a prefill chunk is capped by ``prefill_chunk_tokens``, which
+the core sets from measured costs so that a step with a chunk takes at most about twice a
+plain decode step (inter-token latency at most doubles while a long prompt is prefilled).
+
+Admission takes waiting requests by ``(priority, arrival)``. A new request needs a KV row:
+a free or cached one (LRU eviction), else a paused request's row (its KV is dropped and
+recomputed on resume), else a running request of strictly lower priority is preempted
+(recompute). Pure Python: no torch.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import Callable
+
+from rill.engine.batch import RowWork
+from rill.engine.kv_cache import KVManager
+from rill.engine.request import Request, RequestStatus
+
+# A waiting prompt sharing at least this many not-yet-computed tokens with a prompt being
+# prefilled waits for it (n > 1, identical system prompts) instead of computing them twice.
+MIN_SHARED_PREFILL_TOKENS = 16
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's work in a step (several items for a beam search)."""
+
+    request: Request
+    work: list[RowWork]
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """The plan of one step."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    failed: list[tuple[Request, Exception]] = field(default_factory=list)
+    num_decode_tokens: int = 0
+    num_prefill_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        """True when nothing is to be computed."""
+        return not self.scheduled
+
+
+class Scheduler:
+    """Waiting queue, running list and paused set over one ``KVManager``."""
+
+    def __init__(
+        self,
+        kv: KVManager,
+        copy_row: Callable[[int, int, int], None],
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+    ) -> None:
+        self.kv = kv
+        self.copy_row = copy_row
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.prefill_chunk_tokens = max_num_batched_tokens
+        self.waiting: list[tuple[int, int, Request]] = []  # heap; stale entries skipped lazily
+        self.running: list[Request] = []
+        self.paused: dict[str, Request] = {}
+
+    # -- membership -----------------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        """Requests in the waiting queue."""
+        return sum(1 for _, _, r in self.waiting if r.status is RequestStatus.WAITING)
+
+    def enqueue(self, request: Request) -> None:
+        """Put a request into the waiting queue (new, preempted or resumed without KV)."""
+        request.status = RequestStatus.WAITING
+        heapq.heappush(self.waiting, (request.priority, request.seq_no, request))
+
+    def remove(self, request: Request) -> None:
+        """Take a request out of every collection (it finished); its row is released by the caller."""
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        self.paused.pop(request.request_id, None)
+        # Waiting entries are dropped lazily when popped (status no longer WAITING).
+
+    def pause(self, request: Request) -> None:
+        """Move a running or waiting request to the paused set."""
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        request.status = RequestStatus.PAUSED
+        self.paused[request.request_id] = request
+
+    def resume(self, request: Request) -> None:
+        """Move a paused request back: to running if it kept its row, else to waiting."""
+        self.paused.pop(request.request_id, None)
+        if request.row is not None and len(self.running) < self.max_num_seqs:
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+        else:
+            self.enqueue(request)
+
+    # -- the step plan ----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step: decodes first, then prefill chunks, then admissions."""
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        prefilling: list[Request] = []
+        for request in self.running:
+            if request.beam is not None and request.beam.beams:
+                items = [RowWork(b.row, [b.tokens[-1]], b.num_computed) for b in request.beam.beams]
+                out.scheduled.append(ScheduledRequest(request, items))
+                out.num_decode_tokens += len(items)
+                budget -= len(items)
+            elif request.num_tokens - request.num_computed == 1:
+                item = RowWork(request.row, request.token_at(request.num_computed, request.num_tokens), request.num_computed)
+                out.scheduled.append(ScheduledRequest(request, [item]))
+                out.num_decode_tokens += 1
+                budget -= 1
+            else:
+                prefilling.append(request)
+        chunk_cap = self.prefill_chunk_tokens if out.num_decode_tokens else self.max_num_batched_tokens
+        prefill_budget = max(0, min(budget, chunk_cap))
+        for request in prefilling:
+            if prefill_budget <= 0:
+                break
+            prefill_budget -= self._schedule_chunk(request, prefill_budget, out)
+        self._admit(out, prefill_budget)
+        return out
+
+    def _schedule_chunk(self, request: Request, budget: int, out: SchedulerOutput) -> int:
+        remaining = request.num_tokens - request.num_computed
+        n = min(remaining, budget)
+        start = request.num_computed
+        item = RowWork(request.row, request.token_at(start, start + n), start, need_logits=(n == remaining))
+        out.scheduled.append(ScheduledRequest(request, [item]))
+        out.num_prefill_tokens += n
+        return n
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        deferred: list[tuple[int, int, Request]] = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            entry = heapq.heappop(self.waiting)
+            request = entry[2]
+            if request.status is not RequestStatus.WAITING:
+                continue  # stale: finished, paused or already running
+            tokens = request.all_ids
+            if self.kv.pending_overlap(tokens) >= MIN_SHARED_PREFILL_TOKENS:
+                deferred.append(entry)
+                continue
+            error = self._check_cached_prefix(request, tokens)
+            if error is not None:
+                out.failed.append((request, error))
+                continue
+            if not self._make_room(request, out):
+                heapq.heappush(self.waiting, entry)
+                break
+            self._place(request, tokens)
+            budget -= self._schedule_chunk(request, budget, out)
+        for entry in deferred:
+            heapq.heappush(self.waiting, entry)
+
+    def _check_cached_prefix(self, request: Request, tokens: list[int]) -> Exception | None:
+        need = request.require_cached_prefix_tokens
+        if not need:
+            return None
+        _, length, _ = self.kv.best_match(tokens, len(tokens) - 1)
+        if length >= min(need, len(tokens) - 1):
+            return None
+        from rill.errors import CacheMiss
+
+        return CacheMiss(f"the cached state of '{request.request_id}' was evicted ({length} of {need} tokens left)")
+
+    def _rows_needed(self, request: Request) -> int:
+        return request.params.num_beams if request.is_beam else 1
+
+    def _make_room(self, request: Request, out: SchedulerOutput) -> bool:
+        need = self._rows_needed(request)
+        while self.kv.num_available_rows < need:
+            victim = self._pick_victim(request)
+            if victim is None:
+                return False
+            self.preempt(victim)
+            out.preempted.append(victim)
+        return True
+
+    def _pick_victim(self, incoming: Request) -> Request | None:
+        held = [r for r in self.paused.values() if r.row is not None]
+        if held:
+            return min(held, key=lambda r: r.seq_no)  # oldest pause first
+        candidates = [r for r in self.running if r.priority > incoming.priority]
+        if not candidates:
+            return None
+        return max(candidates, key=lambda r: (r.priority, r.seq_no))
+
+    def preempt(self, request: Request) -> None:
+        """Drop a request's KV (it is recomputed later); running ones go back to waiting."""
+        self._release_rows(request)
+        request.num_computed = 0
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+            self.enqueue(request)
+
+    def _release_rows(self, request: Request) -> None:
+        if request.beam is not None:
+            for beam in request.beam.beams:
+                self.kv.drop(beam.row)
+            for row in getattr(request, "spare_rows", []):
+                self.kv.drop(row)
+            request.beam.beams = []
+            request.spare_rows = []
+            request.output_ids = []
+            request.beam = None  # restarts from the prompt after recompute
+        if request.row is not None and request.row in self.kv.live:
+            self.kv.release(request.row, request.token_at(0, request.num_computed))
+        request.row = None
+
+    def release(self, request: Request) -> None:
+        """Give back a finished request's rows (its valid tokens stay as a cache entry)."""
+        self._release_rows(request)
+
+    def _place(self, request: Request, tokens: list[int]) -> None:
+        acquired = self.kv.acquire(request, tokens)
+        assert acquired is not None  # _make_room guaranteed a row
+        if acquired.copy_from is not None:
+            src, num_tokens = acquired.copy_from
+            self.copy_row(src, acquired.row, num_tokens)
+        request.row = acquired.row
+        request.num_computed = acquired.num_cached_tokens
+        if not request.is_scheduled_once:
+            request.num_cached_prompt_tokens = min(acquired.num_cached_tokens, len(request.prompt_ids))
+        if request.is_beam:
+            request.spare_rows = [row for _ in range(request.params.num_beams - 1) if (row := self.kv.acquire_empty()) is not None]
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)

@@ -1,0 +1,409 @@
+"""InprocClient: the engine in a dedicated thread of this process, behind ``EngineClient``.
+
+The engine thread loads the model (so ``/health`` answers 503 with progress meanwhile),
+then loops: take commands from a thread-safe inbox (blocking only when idle), apply them,
+run one step, and hand the step's outputs to the event loop in ONE
+``call_soon_threadsafe`` hop. The event loop routes each output to its ``RequestStream``
+and records per-request figures for metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from rill.config import EngineConfig, parse_size
+from rill.engine.request import (
+    AbortCommand,
+    AddCommand,
+    ModifyCommand,
+    PauseCommand,
+    RegenerateCommand,
+    Request,
+    ResumeCommand,
+)
+from rill.errors import (
+    ContextLengthExceeded,
+    EngineDead,
+    InvalidRequest,
+    MemoryPressure,
+    ModelLoadError,
+    ModelNotReady,
+    QueueFull,
+    RequestNotFound,
+    RillError,
+)
+from rill.frontend.client import MetricsSink
+from rill.frontend.stream import RequestStream
+from rill.types import EngineStats, GenerateRequest, ModelInfo, RequestEvent, RequestId, RequestOutput, SamplingParams
+
+log = logging.getLogger("rill.client")
+
+_STOP = object()
+DEFAULT_MAX_CONTEXT = 4096
+
+
+@dataclass
+class _Track:
+    """Per-request timing the client keeps for metrics."""
+
+    protocol: str
+    arrival: float
+    is_queued: bool = True
+    scheduled_at: float | None = None
+    last_token_at: float | None = None
+    inter_token_s: list[float] = field(default_factory=list)
+
+
+class Engine:
+    """A loaded model ready to step: core, tokenizer and model facts (built in the engine thread)."""
+
+    def __init__(self, config: EngineConfig, progress: Callable[[float, str], None] | None = None) -> None:
+        import torch
+
+        from rill.engine.core import CoreConfig, EngineCore
+        from rill.engine.runner import TorchModelRunner
+        from rill.models.loader import load_model
+        from rill.models.tokenizer import Tokenizer
+
+        report = progress or (lambda pct, stage: None)
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        path = Path(config.model) if config.model else self._demo_model(report)
+        report(60.0, "loading tokenizer")
+        self.tokenizer = Tokenizer.from_folder(path)
+        report(65.0, "loading weights")
+        loaded = load_model(path, dtype=config.dtype, device=config.device)
+        mc = loaded.config
+        max_len = min(config.max_model_len or min(mc.max_context_tokens, DEFAULT_MAX_CONTEXT), mc.max_context_tokens)
+        budget = parse_size(config.kv_cache_memory, "kv_cache_memory")
+        row_bytes = mc.kv_bytes_per_token() * max_len
+        num_rows = min(budget // row_bytes, config.max_num_seqs + max(8, config.max_num_seqs // 2))
+        if num_rows < 1:
+            raise ModelLoadError(
+                f"--kv-cache-memory {config.kv_cache_memory} holds no sequence of {max_len} tokens "
+                f"({row_bytes} bytes each); raise it or lower --max-model-len")
+        report(90.0, "allocating KV cache")
+        self.runner = TorchModelRunner(loaded, num_rows=int(num_rows), max_len=max_len)
+        self.core = EngineCore(self.runner, self.tokenizer, CoreConfig(max_num_seqs=config.max_num_seqs,
+                                                                       max_num_batched_tokens=config.max_num_batched_tokens))
+        eos = set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids)
+        self.eos_token_ids = frozenset(eos)
+        self.generation_defaults = dict(mc.generation_defaults)
+        self.model_info = ModelInfo(
+            name=config.served_model_name or path.name,
+            architecture=mc.architecture,
+            max_context_tokens=max_len,
+            vocab_size=mc.vocab_size,
+            dtype=mc.dtype,
+            device=mc.device,
+            has_chat_template=self.tokenizer.has_chat_template,
+        )
+        report(100.0, "ready")
+
+    @staticmethod
+    def _demo_model(report: Callable[[float, str], None]) -> Path:
+        from rill.demo import ensure_demo_model
+
+        report(1.0, "building the demo model (first run only)")
+        return ensure_demo_model(progress=True)
+
+
+class InprocClient:
+    """``EngineClient`` running ``EngineCore`` in one dedicated thread of this process."""
+
+    def __init__(self, config: EngineConfig, loop: asyncio.AbstractEventLoop) -> None:
+        self.config = config
+        self.loop = loop
+        self.model_info: ModelInfo | None = None
+        self.engine: Engine | None = None
+        self.load_error: BaseException | None = None
+        self._progress = 0.0
+        self._load_started = time.monotonic()
+        self._ready = asyncio.Event()
+        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._streams: dict[RequestId, RequestStream] = {}
+        self._params: dict[RequestId, SamplingParams] = {}
+        self._tracks: dict[RequestId, _Track] = {}
+        self._num_queued = 0
+        self._metrics: MetricsSink | None = None
+        self._thread: threading.Thread | None = None
+        self._is_dead = False
+
+    # -- lifecycle -------------------------------------------------------------------------
+    @classmethod
+    def start(cls, config: EngineConfig, engine: Engine | None = None) -> "InprocClient":
+        """Create the client on the running loop and start the engine thread (which loads the
+        model unless a ready ``engine`` is given)."""
+        client = cls(config, asyncio.get_running_loop())
+        client._thread = threading.Thread(target=client._thread_main, args=(engine,), name="rill-engine", daemon=True)
+        client._thread.start()
+        return client
+
+    def set_metrics_sink(self, sink: MetricsSink) -> None:
+        """Receive per-request figures when requests end."""
+        self._metrics = sink
+
+    def is_ready(self) -> bool:
+        """True once the model is loaded and the engine runs."""
+        return self.engine is not None and not self._is_dead
+
+    def load_progress(self) -> tuple[float, float | None]:
+        """Loading progress in percent and a rough ETA in seconds."""
+        if self.is_ready():
+            return 100.0, 0.0
+        elapsed = time.monotonic() - self._load_started
+        pct = self._progress
+        eta = elapsed * (100.0 - pct) / pct if pct > 1.0 else None
+        return pct, eta
+
+    async def wait_ready(self) -> None:
+        """Return once the model is loaded; raise ``EngineDead`` if loading failed."""
+        await self._ready.wait()
+        if self.engine is None:
+            raise EngineDead("the model failed to load")
+
+    async def shutdown(self) -> None:
+        """Cancel every request and stop the engine thread."""
+        for request_id in list(self._streams):
+            self.abort(request_id)
+        self._inbox.put(_STOP)
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 10)
+
+    # -- requests ----------------------------------------------------------------------------
+    async def generate(self, request: GenerateRequest) -> RequestStream:
+        """Tokenize, validate and submit; see ``EngineClient.generate``."""
+        engine = self._require_engine()
+        prompt_ids = self._prompt_ids(engine, request)
+        params = request.sampling.validate(vocab_size=engine.model_info.vocab_size)
+        max_len = engine.model_info.max_context_tokens
+        if len(prompt_ids) >= max_len:
+            raise ContextLengthExceeded(len(prompt_ids), max_len,
+                                        f"prompt has {len(prompt_ids)} tokens but the context holds {max_len} "
+                                        f"(at most {max_len - 1} prompt tokens leave room for one new token)")
+        if not prompt_ids:
+            raise InvalidRequest("the prompt is empty", field="prompt")
+        if params.num_beams > engine.runner.num_rows:
+            raise MemoryPressure(f"num_beams={params.num_beams} needs more KV rows than the cache has ({engine.runner.num_rows})")
+        if self._num_queued >= self.config.max_queue:
+            raise QueueFull(f"the waiting queue is full ({self.config.max_queue} requests); retry later", retry_after_s=1.0)
+        request_id = request.request_id or f"req-{uuid.uuid4().hex}"
+        if request_id in self._streams:
+            raise InvalidRequest(f"request_id '{request_id}' is already running", field="request_id")
+        now = time.monotonic()
+        deadline = now + request.deadline_s if request.deadline_s else None
+        engine_request = Request(
+            request_id=request_id, prompt_ids=prompt_ids, params=params, eos_token_ids=engine.eos_token_ids,
+            arrival_time=now, seq_no=0, priority=request.priority, protocol=request.protocol, deadline=deadline,
+            require_cached_prefix_tokens=request.require_cached_prefix_tokens,
+        )
+        stream = RequestStream(self, request_id, prompt_ids, params, on_close=self._forget)
+        self._streams[request_id] = stream
+        self._params[request_id] = params
+        self._tracks[request_id] = _Track(protocol=request.protocol, arrival=now)
+        self._num_queued += 1
+        self._inbox.put(AddCommand(engine_request))
+        return stream
+
+    def _prompt_ids(self, engine: Engine, request: GenerateRequest) -> list[int]:
+        given = [x for x in (request.prompt, request.prompt_token_ids, request.messages) if x is not None]
+        if len(given) != 1:
+            raise InvalidRequest("give exactly one of prompt, prompt_token_ids or messages", field="prompt")
+        if request.prompt_token_ids is not None:
+            vocab = engine.model_info.vocab_size
+            bad = next((t for t in request.prompt_token_ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise InvalidRequest(f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})", field="prompt_token_ids")
+            return list(request.prompt_token_ids)
+        if request.messages is not None:
+            messages = [_message_dict(m) for m in request.messages]
+            return engine.tokenizer.encode_chat(messages, add_generation_prompt=request.add_generation_prompt,
+                                                **request.chat_template_kwargs)
+        return engine.tokenizer.encode(request.prompt or "")
+
+    def _require_engine(self) -> Engine:
+        if self._is_dead:
+            raise EngineDead("the engine has stopped")
+        if self.engine is None:
+            if self.load_error is not None:
+                raise EngineDead("the model failed to load")
+            raise ModelNotReady("the model is still loading")
+        return self.engine
+
+    # -- controls ----------------------------------------------------------------------------
+    def _live(self, request_id: RequestId) -> RequestStream:
+        stream = self._streams.get(request_id)
+        if stream is None or stream.is_finished:
+            raise RequestNotFound(f"no running request '{request_id}'")
+        return stream
+
+    def abort(self, request_id: RequestId) -> None:
+        """Cancel a request; no-op when it already finished."""
+        if request_id in self._streams:
+            self._inbox.put(AbortCommand(request_id))
+
+    def abort_with(self, request_id: RequestId, error: RillError) -> None:
+        """End a request with an error (e.g. a protocol-level timeout)."""
+        if request_id in self._streams:
+            self._inbox.put(AbortCommand(request_id, error=error))
+
+    def pause(self, request_id: RequestId) -> None:
+        """Pause a running request."""
+        self._live(request_id)
+        self._inbox.put(PauseCommand(request_id))
+
+    def resume(self, request_id: RequestId) -> None:
+        """Resume a paused request."""
+        self._live(request_id)
+        self._inbox.put(ResumeCommand(request_id))
+
+    def modify(self, request_id: RequestId, patch: dict[str, Any]) -> SamplingParams:
+        """Validate ``patch`` against the current parameters and apply it from the next token."""
+        self._live(request_id)
+        engine = self._require_engine()
+        params = self._params[request_id].updated(patch)
+        params.validate(vocab_size=engine.model_info.vocab_size)
+        self._params[request_id] = params
+        self._inbox.put(ModifyCommand(request_id, params))
+        return params
+
+    def regenerate(self, request_id: RequestId) -> None:
+        """Restart a request from its prompt."""
+        self._live(request_id)
+        self._inbox.put(RegenerateCommand(request_id))
+
+    def _forget(self, request_id: RequestId) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None and stream.is_finished:
+            self._streams.pop(request_id, None)
+
+    # -- tokenizer ---------------------------------------------------------------------------
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``."""
+        return self._require_engine().tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, token_ids: list[int]) -> str:
+        """Text of ``token_ids``."""
+        return self._require_engine().tokenizer.decode(token_ids)
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        """The prompt the chat template makes of ``messages``."""
+        return self._require_engine().tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+
+    def stats(self) -> EngineStats:
+        """Engine gauges and counters (a consistent snapshot taken without stopping the engine)."""
+        if self.engine is None:
+            return EngineStats(num_waiting=self._num_queued)
+        return self.engine.core.stats()
+
+    # -- engine thread -----------------------------------------------------------------------
+    def _thread_main(self, engine: Engine | None) -> None:
+        try:
+            if engine is None:
+                engine = Engine(self.config, progress=self._set_progress)
+        except BaseException as exc:  # reported by /health and generate(); the server keeps answering
+            log.exception("model failed to load")
+            self.load_error = exc
+            self.loop.call_soon_threadsafe(self._ready.set)
+            return
+        self.model_info = engine.model_info
+        self.engine = engine
+        self.loop.call_soon_threadsafe(self._ready.set)
+        try:
+            self._loop(engine)
+        except BaseException:
+            log.exception("engine loop crashed")
+            self._is_dead = True
+            self.loop.call_soon_threadsafe(self._fail_all)
+
+    def _set_progress(self, pct: float, stage: str) -> None:
+        self._progress = pct
+        log.info("loading: %.0f%% %s", pct, stage)
+
+    def _loop(self, engine: Engine) -> None:
+        core = engine.core
+        inbox = self._inbox
+        while True:
+            if not core.has_work():
+                command = inbox.get()
+                if command is _STOP:
+                    return
+                core.apply(command)
+            while True:
+                try:
+                    command = inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if command is _STOP:
+                    return
+                core.apply(command)
+            outputs = core.step()
+            if outputs:
+                self.loop.call_soon_threadsafe(self._dispatch, outputs)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        """Route one step's outputs to their streams (runs on the event loop)."""
+        now = time.monotonic()
+        for output in outputs:
+            track = self._tracks.get(output.request_id)
+            if track is not None:
+                self._track(track, output, now)
+            stream = self._streams.get(output.request_id)
+            if stream is not None:
+                stream.put(output)
+            if output.finished:
+                # The stream keeps the final output for its reader; controls now raise RequestNotFound.
+                self._params.pop(output.request_id, None)
+                self._streams.pop(output.request_id, None)
+
+    def _track(self, track: _Track, output: RequestOutput, now: float) -> None:
+        if track.is_queued and (RequestEvent.SCHEDULED in output.events or output.finished):
+            track.is_queued = False
+            self._num_queued -= 1
+            if RequestEvent.SCHEDULED in output.events:
+                track.scheduled_at = now
+        if output.token_ids and output.last_token_time is not None:
+            if track.last_token_at is not None:
+                gap = (output.last_token_time - track.last_token_at) / len(output.token_ids)
+                track.inter_token_s.extend([gap] * len(output.token_ids))
+            track.last_token_at = output.last_token_time
+        if RequestEvent.REGENERATING in output.events or RequestEvent.PAUSED in output.events:
+            track.last_token_at = None  # a pause or restart is not inter-token latency
+        if output.finished:
+            self._tracks.pop(output.request_id, None)
+            if self._metrics is not None:
+                try:
+                    self._metrics.observe_request(
+                        protocol=track.protocol,
+                        finish_reason=output.finish_reason or "error",
+                        queue_s=(track.scheduled_at - track.arrival) if track.scheduled_at else None,
+                        ttft_s=(output.first_token_time - track.arrival) if output.first_token_time else None,
+                        inter_token_s=track.inter_token_s,
+                        e2e_s=now - track.arrival,
+                        num_prompt_tokens=output.usage.prompt_tokens,
+                        num_generated_tokens=output.usage.completion_tokens,
+                    )
+                except Exception:  # metrics must never break a stream
+                    log.exception("metrics sink failed")
+
+    def _fail_all(self) -> None:
+        for request_id, stream in list(self._streams.items()):
+            stream.put(RequestOutput(request_id=request_id, finished=True, finish_reason="error",
+                                     error=EngineDead("the engine stopped")))
+        self._streams.clear()
+
+
+def _message_dict(message: Any) -> dict[str, Any]:
+    import msgspec
+
+    if isinstance(message, dict):
+        return message
+    return {k: v for k, v in msgspec.structs.asdict(message).items() if v is not None}

@@ -1,0 +1,169 @@
+"""Shared fixtures: tiny random-init model folders and a real server on loopback.
+
+Tests never download anything: checkpoints are written here with ``transformers``'
+``save_pretrained`` (a test-only dependency) through ``rill.testing.checkpoints``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small random-init Llama checkpoint with a tokenizer and a chat template."""
+    from rill.testing.checkpoints import make_checkpoint
+
+    return make_checkpoint(tmp_path_factory.mktemp("models") / "tiny-llama", arch="llama")
+
+
+def free_port() -> int:
+    """A TCP port that is free on loopback right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class LiveServer:
+    """A ``rill serve`` running in a background thread of the test process."""
+
+    port: int
+    config: Any
+    thread: threading.Thread
+    loop: asyncio.AbstractEventLoop
+    stop_event: asyncio.Event
+    state: dict
+
+    @property
+    def url(self) -> str:
+        """Base HTTP URL."""
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def ws_url(self) -> str:
+        """Base WebSocket URL."""
+        return f"ws://127.0.0.1:{self.port}"
+
+    @property
+    def client(self) -> Any:
+        """The server's ``InprocClient`` (for engine stats in assertions)."""
+        return self.state["client"]
+
+    def call(self, fn: Any, *args: Any) -> Any:
+        """Run ``fn(*args)`` on the server's event loop and return its result."""
+        done = threading.Event()
+        box: dict = {}
+
+        def run() -> None:
+            try:
+                box["value"] = fn(*args)
+            except BaseException as exc:  # re-raised in the test thread
+                box["error"] = exc
+            done.set()
+
+        self.loop.call_soon_threadsafe(run)
+        done.wait(30)
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
+
+    def stats(self) -> Any:
+        """``EngineStats`` read on the server loop."""
+        return self.call(self.client.stats)
+
+    def wait_idle(self, timeout_s: float = 10.0) -> Any:
+        """Wait until the engine has no running or waiting request and no live KV; return stats.
+
+        Polls engine state (not a sleep that hides a race): returns as soon as it holds and
+        fails the test if it never does.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            stats = self.stats()
+            if stats.num_running == 0 and stats.num_waiting == 0 and stats.kv_used_bytes == 0:
+                return stats
+            if time.monotonic() > deadline:
+                raise AssertionError(f"engine not idle after {timeout_s} s: {stats}")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        """Stop the server and join its thread."""
+        self.loop.call_soon_threadsafe(self.stop_event.set)
+        self.thread.join(30)
+
+
+def start_server(model_dir: Path, wait_ready: bool = True, **overrides: Any) -> LiveServer:
+    """Start ``rill serve`` on a free port with ``overrides`` (``area.field`` or field names)."""
+    from rill import config as config_mod
+    from rill.frontend.inproc import InprocClient
+    from rill.server import serve
+
+    port = free_port()
+    args: dict[str, Any] = {
+        "engine.model": str(model_dir),
+        "engine.dtype": "float32",
+        "engine.kv_cache_memory": "256MiB",
+        "engine.max_model_len": 1024,
+        "http.port": port,
+        "http.log_level": "warning",
+        "uds.no_socket": True,
+        "evergreen.grpc_port": 0,
+    }
+    args.update(overrides)
+    cfg = config_mod.load(args, env={})
+    state: dict = {}
+    started = threading.Event()
+
+    def run() -> None:
+        async def main() -> None:
+            state["loop"] = asyncio.get_running_loop()
+            state["stop"] = asyncio.Event()
+            ready = asyncio.Event()
+            client = InprocClient.start(cfg.engine)
+            state["client"] = client
+            task = asyncio.create_task(serve(cfg, client=client, ready=ready, stop=state["stop"]))
+            waiter = asyncio.create_task(ready.wait())
+            await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            started.set()
+            await task
+
+        try:
+            asyncio.run(main())
+        except BaseException as exc:  # surfaced by the start check below
+            state["error"] = exc
+            started.set()
+
+    thread = threading.Thread(target=run, name=f"rill-server-{port}", daemon=True)
+    thread.start()
+    if not started.wait(60) or "error" in state:
+        raise RuntimeError(f"server did not start: {state.get('error')}")
+    server = LiveServer(port, cfg, thread, state["loop"], state["stop"], state)
+    if wait_ready:
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{server.url}/health").status_code != 200:
+            if time.monotonic() > deadline:
+                raise RuntimeError("server never became ready")
+            time.sleep(0.05)
+    return server
+
+
+@pytest.fixture(scope="session")
+def server(tiny_model_dir: Path) -> LiveServer:
+    """One shared server on the tiny model for the whole session (tests must leave it idle)."""
+    live = start_server(tiny_model_dir)
+    yield live
+    live.stop()
