@@ -1,0 +1,364 @@
+"""Per-connection state machines of the Unix-socket protocol (sans-I/O).
+
+Framed mode, one connection (``FramedSession``)::
+
+    client                                server
+    {"id","prompt",…}          ──▶        Start(GenerateRequest)           IDLE → ACTIVE
+                               ◀──        token* (stream) … eos            ACTIVE → IDLE
+    {"event":"cancel","id"}    ──▶        Abort; later eos "cancelled"     ACTIVE
+    {"id","prompt"} (2nd)      ──▶        error E_PROTO_BUSY, close        ACTIVE → CLOSED
+    {"type":"metrics"}         ──▶        metrics frame, close             * → CLOSED
+    bad frame / JSON / field   ──▶        error E_PROTO_*, close           * → CLOSED
+
+The spec's ``RECV_REQ → PREFILL → DECODE → STREAM → DONE|ERRORED`` collapses to IDLE (=
+RECV_REQ), ACTIVE (prefill, decode and streaming happen in the engine) and CLOSED. After
+``eos`` the connection takes the next request, as uma-serve's code does; with
+``one_request`` (``--uds-one-request``) it closes instead, as Phase-1 of the spec says.
+
+Newline mode (``NewlineSession``): each input line is a prompt; raw token text goes out and a
+blank line ends each answer. Lines that arrive while one runs wait their turn.
+
+Sessions return ``Action`` lists; the adapter performs them in order. No ``await``, no clock,
+no engine import.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Union
+
+from rill.errors import GenerationError, InvalidRequest, RillError
+from rill.protocols.framed_uds import codec
+from rill.protocols.framed_uds.messages import (
+    Cancel,
+    ClientMessage,
+    Eos,
+    Error,
+    MetricsQuery,
+    Request,
+    ServerMessage,
+    Token,
+)
+from rill.types import GenerateRequest, RequestOutput
+
+
+# -- actions -------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    """Write one server message (framed mode) or raw bytes (newline mode)."""
+
+    message: ServerMessage | bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Start:
+    """Submit ``request`` to the engine and feed its outputs to ``on_output``; if the engine
+    refuses it, call ``on_start_failed``."""
+
+    request: GenerateRequest
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    """Cancel the running request in the engine (its final output still comes back)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SendMetrics:
+    """Send the metrics frame built by ``codec.metrics_snapshot`` from the engine's stats."""
+
+
+@dataclass(frozen=True, slots=True)
+class Close:
+    """Flush what was sent, stop any running request, close the connection."""
+
+
+Action = Union[Send, Start, Abort, SendMetrics, Close]
+
+
+@dataclass(frozen=True, slots=True)
+class SessionLimits:
+    """Per-connection settings (from ``UdsConfig`` and ``HttpConfig``)."""
+
+    max_tokens_cap: int | None = None
+    one_request: bool = False
+
+
+class State(enum.Enum):
+    """Connection states (see the module docstring)."""
+
+    IDLE = "RECV_REQ"
+    ACTIVE = "ACTIVE"
+    CLOSED = "CLOSED"
+
+
+# -- token events --------------------------------------------------------------------------
+
+def token_pieces(output: RequestOutput, last_token_id: int) -> list[tuple[str, int]]:
+    """Split one output delta into ``(text, token_id)`` pairs whose texts join to ``output.text``.
+
+    Usually ``token_texts`` already do. Where the detokenizer held text back (an incomplete
+    UTF-8 character) or cut a stop string, pieces are kept while they agree with ``text``, the
+    rest of ``text`` goes on the next token and later tokens get ``""``. Text with no token in
+    the delta (a final flush) is attributed to ``last_token_id``.
+    """
+    ids, texts, text = output.token_ids, output.token_texts, output.text
+    if len(texts) == len(ids) and "".join(texts) == text:
+        return list(zip(texts, ids))
+    pieces: list[tuple[str, int]] = []
+    pos = 0
+    if len(texts) == len(ids):
+        for piece, token_id in zip(texts, ids):
+            if not text.startswith(piece, pos):
+                break
+            pieces.append((piece, token_id))
+            pos += len(piece)
+    rest = ids[len(pieces):]
+    if rest:
+        pieces.append((text[pos:], rest[0]))
+        pieces.extend(("", token_id) for token_id in rest[1:])
+    elif pos < len(text):
+        pieces.append((text[pos:], last_token_id))
+    return pieces
+
+
+@dataclass(slots=True)
+class _Running:
+    """The request in flight on a framed connection."""
+
+    wire_id: str
+    is_streaming: bool
+    metadata: dict[str, Any] | None
+    last_token_id: int = -1
+    text_parts: list[str] | None = None  # stream: false collects the completion here
+
+
+# -- framed mode ---------------------------------------------------------------------------
+
+class FramedSession:
+    """Sans-I/O state of one framed-JSON connection.
+
+    Calling order: ``receive`` for each decoded client message (``on_protocol_error`` for a
+    frame that failed to decode); after a ``Start``, ``on_output`` for each output of that
+    request or ``on_start_failed`` if the engine refused it; ``on_disconnect`` when the peer
+    is gone. Every method returns the actions to perform, in order.
+    """
+
+    def __init__(self, limits: SessionLimits = SessionLimits()) -> None:
+        self.limits = limits
+        self.state = State.IDLE
+        self.running: _Running | None = None
+        self.num_requests = 0
+
+    def receive(self, message: ClientMessage) -> list[Action]:
+        """Handle one client message."""
+        if self.state is State.CLOSED:
+            return []
+        handler = _HANDLERS[(self.state, type(message))]
+        return handler(self, message)
+
+    def on_protocol_error(self, exc: BaseException, wire_id: str | None = None) -> list[Action]:
+        """A frame broke a framing, JSON or schema rule: send the error, then close."""
+        if self.state is State.CLOSED:
+            return []
+        return self._fail(exc, wire_id, self.running.metadata if self.running and self.running.wire_id == wire_id else None)
+
+    def on_start_failed(self, exc: BaseException) -> list[Action]:
+        """The engine refused the request just started (bad input, queue full, …)."""
+        running = self.running
+        assert running is not None, "on_start_failed without a running request"
+        self.state, self.running = State.IDLE, None  # nothing runs: no Abort
+        return self._fail(exc, running.wire_id, running.metadata)
+
+    def on_output(self, output: RequestOutput) -> list[Action]:
+        """Turn one output delta of the running request into events."""
+        running = self.running
+        if self.state is not State.ACTIVE or running is None:
+            return []  # outputs racing a close
+        actions: list[Action] = []
+        pieces = token_pieces(output, running.last_token_id)
+        if output.token_ids:
+            running.last_token_id = output.token_ids[-1]
+        if running.text_parts is not None:
+            running.text_parts.append(output.text)
+        else:
+            actions.extend(Send(Token(id=running.wire_id, text=text, token_id=token_id, metadata=running.metadata))
+                           for text, token_id in pieces)
+        if output.finished:
+            actions.extend(self._finish(output, running))
+        return actions
+
+    def on_disconnect(self) -> list[Action]:
+        """The peer closed the connection: stop the running request at once."""
+        was_active = self.state is State.ACTIVE
+        self.state, self.running = State.CLOSED, None
+        return [Abort()] if was_active else []
+
+    # -- handlers --------------------------------------------------------------------------
+    def _start(self, request: Request) -> list[Action]:
+        try:
+            generate = codec.build_request(request, self.limits.max_tokens_cap)
+        except InvalidRequest as exc:
+            return self._fail(exc, request.id, request.metadata)
+        self.num_requests += 1
+        self.running = _Running(request.id, request.stream, request.metadata, text_parts=None if request.stream else [])
+        self.state = State.ACTIVE
+        return [Start(generate)]
+
+    def _busy(self, request: Request) -> list[Action]:
+        running = self.running
+        assert running is not None
+        busy = codec.Busy(f"request '{running.wire_id}' is still running on this connection; "
+                          "send the next request after its eos (or open another connection)")
+        return self._fail(busy, request.id, request.metadata)
+
+    def _cancel(self, cancel: Cancel) -> list[Action]:
+        # Best effort, as the spec says: a cancel for a request that already ended (it may
+        # cross its eos on the wire) or for another id changes nothing.
+        if self.running is not None and cancel.id == self.running.wire_id:
+            return [Abort()]
+        return []
+
+    def _ignore(self, _message: Any) -> list[Action]:
+        return []
+
+    def _metrics(self, _query: MetricsQuery) -> list[Action]:
+        was_active = self.state is State.ACTIVE
+        self.state, self.running = State.CLOSED, None
+        return ([Abort()] if was_active else []) + [SendMetrics(), Close()]
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _finish(self, output: RequestOutput, running: _Running) -> list[Action]:
+        self.running = None
+        reason = output.finish_reason or "stop"
+        text = "".join(running.text_parts) if running.text_parts is not None else None
+        if reason == "error":
+            exc = output.error if isinstance(output.error, RillError) else GenerationError("generation failed")
+            self.state = State.CLOSED
+            return [Send(_error(exc, running.wire_id, running.metadata)),
+                    Send(Eos(id=running.wire_id, reason="error", text=text, metadata=running.metadata)), Close()]
+        actions: list[Action] = [Send(Eos(id=running.wire_id, reason=reason, text=text, metadata=running.metadata))]
+        if self.limits.one_request:
+            self.state = State.CLOSED
+            actions.append(Close())
+        else:
+            self.state = State.IDLE
+        return actions
+
+    def _fail(self, exc: BaseException, wire_id: str | None, metadata: dict[str, Any] | None) -> list[Action]:
+        was_active = self.state is State.ACTIVE
+        self.state, self.running = State.CLOSED, None
+        return ([Abort()] if was_active else []) + [Send(_error(exc, wire_id, metadata)), Close()]
+
+
+def _error(exc: BaseException, wire_id: str | None, metadata: dict[str, Any] | None) -> Error:
+    return Error(code=codec.error_code(exc), message=codec.error_message(exc), id=wire_id, metadata=metadata)
+
+
+_Handler = Callable[[FramedSession, Any], list[Action]]
+
+_HANDLERS: dict[tuple[State, type], _Handler] = {
+    (State.IDLE, Request): FramedSession._start,
+    (State.IDLE, Cancel): FramedSession._ignore,
+    (State.IDLE, MetricsQuery): FramedSession._metrics,
+    (State.ACTIVE, Request): FramedSession._busy,
+    (State.ACTIVE, Cancel): FramedSession._cancel,
+    (State.ACTIVE, MetricsQuery): FramedSession._metrics,
+}
+"""(state, message type) → handler: the legal moves of a framed connection."""
+
+
+# -- newline mode --------------------------------------------------------------------------
+
+class NewlineSession:
+    """Sans-I/O state of one newline-mode connection (a debugging aid).
+
+    Calling order: ``receive_line`` per input line, ``on_end_of_input`` at EOF (answers to
+    lines already received are still written), ``on_output`` / ``on_start_failed`` as in
+    framed mode, ``on_disconnect`` if writing fails.
+    """
+
+    def __init__(self, limits: SessionLimits = SessionLimits()) -> None:
+        self.limits = limits
+        self.state = State.IDLE
+        self.is_input_done = False
+        self._queue: deque[str] = deque()
+        self.num_requests = 0
+
+    def receive_line(self, line: bytes) -> list[Action]:
+        """One input line: start it now or queue it behind the running one."""
+        if self.state is State.CLOSED:
+            return []
+        try:
+            prompt = line.decode("utf-8")
+        except UnicodeDecodeError:
+            return self._fail(codec.InvalidJson("input line is not valid UTF-8"))
+        if not prompt.strip():
+            return []
+        self._queue.append(prompt)
+        return self._next() if self.state is State.IDLE else []
+
+    def on_end_of_input(self) -> list[Action]:
+        """The client sent EOF: finish what was asked, then close."""
+        self.is_input_done = True
+        return [Close()] if self.state is State.IDLE else []
+
+    def on_output(self, output: RequestOutput) -> list[Action]:
+        """Raw text of the running answer; a blank line and the next prompt when it ends."""
+        if self.state is not State.ACTIVE:
+            return []
+        actions: list[Action] = [Send(output.text.encode("utf-8"))] if output.text else []
+        if not output.finished:
+            return actions
+        self.state = State.IDLE
+        if output.finish_reason == "error":
+            exc = output.error if isinstance(output.error, RillError) else GenerationError("generation failed")
+            return actions + self._fail(exc)
+        return actions + [Send(b"\n\n")] + self._next()
+
+    def on_start_failed(self, exc: BaseException) -> list[Action]:
+        """The engine refused the current line (or the input broke a limit)."""
+        if self.state is State.CLOSED:
+            return []
+        self.state = State.IDLE  # nothing runs: no Abort
+        return self._fail(exc)
+
+    def on_protocol_error(self, exc: BaseException) -> list[Action]:
+        """The input broke a limit (a line over ``max_frame_bytes``): error line, then close."""
+        return [] if self.state is State.CLOSED else self._fail(exc)
+
+    def on_disconnect(self) -> list[Action]:
+        """The peer is gone: stop the running request."""
+        was_active = self.state is State.ACTIVE
+        self.state = State.CLOSED
+        self._queue.clear()
+        return [Abort()] if was_active else []
+
+    def _next(self) -> list[Action]:
+        if not self._queue:
+            if self.is_input_done or (self.limits.one_request and self.num_requests):
+                self.state = State.CLOSED
+                return [Close()]
+            return []
+        if self.limits.one_request and self.num_requests:
+            self.state = State.CLOSED
+            return [Close()]
+        prompt = self._queue.popleft()
+        try:
+            generate = codec.build_request(Request(id=f"line-{self.num_requests}", prompt=prompt),
+                                           self.limits.max_tokens_cap)
+        except InvalidRequest as exc:
+            return self._fail(exc)
+        self.num_requests += 1
+        self.state = State.ACTIVE
+        return [Start(generate)]
+
+    def _fail(self, exc: BaseException) -> list[Action]:
+        was_active = self.state is State.ACTIVE
+        self.state = State.CLOSED
+        self._queue.clear()
+        line = f"error: {codec.error_code(exc)}: {codec.error_message(exc)}\n".encode("utf-8")
+        return ([Abort()] if was_active else []) + [Send(line), Close()]
