@@ -1,0 +1,96 @@
+"""Text ⇄ messages for the batch WebSocket ``/ws``, and its one error table.
+
+Pure: no I/O, no await, no engine or frontend import. ``decode`` returns a ``BatchRequest``
+or raises ``InvalidRequest`` whose text names what is wrong; ``encode_events`` and
+``encode_socket_error`` never fail. ``error_text`` maps every ``rill.errors`` class to the
+text of an ERROR event (looked up by MRO, most specific class first); unexpected exceptions
+become a generic text, never ``str(exc)``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import msgspec
+
+from rill.errors import (
+    CacheMiss,
+    ContextLengthExceeded,
+    EngineDead,
+    EngineError,
+    InvalidRequest,
+    MemoryPressure,
+    ModelNotReady,
+    QueueFull,
+    RateLimited,
+    RequestRejected,
+    RequestTimeout,
+    RillError,
+)
+from rill.protocols.batch_ws.messages import BatchRequest, ServerEvent, SocketError
+
+# Texts the source project puts on the wire; kept as prefixes so clients matching them work.
+INVALID_JSON = "Invalid JSON received"
+INVALID_PAYLOAD = "Invalid prompts or generation_config"
+BINARY_FRAME = "Binary frames are not supported; send the batch as a JSON text frame"
+GENERIC_ERROR = "Something broke"
+CANCELLED = "the generation was cancelled"
+
+_decoder = msgspec.json.Decoder(BatchRequest)
+_encoder = msgspec.json.Encoder()
+
+
+def decode(text: str | bytes) -> BatchRequest:
+    """Parse one client text frame.
+
+    Raises:
+        InvalidRequest: the frame is not JSON (``Invalid JSON received: …``) or not a valid
+            batch (``Invalid prompts or generation_config: … - at `$.prompts[0].request_id```).
+    """
+    try:
+        return _decoder.decode(text)
+    except msgspec.ValidationError as exc:  # subclass of DecodeError: check it first
+        raise InvalidRequest(f"{INVALID_PAYLOAD}: {exc}") from exc
+    except msgspec.DecodeError as exc:
+        raise InvalidRequest(f"{INVALID_JSON}: {exc}") from exc
+
+
+def encode_events(events: Sequence[ServerEvent]) -> str:
+    """One server frame: the JSON array of ``events`` (all of one batch)."""
+    return _encoder.encode(list(events)).decode()
+
+
+def encode_socket_error(text: str) -> str:
+    """A frame-level error: ``[{"error": text}]``."""
+    return _encoder.encode([SocketError(error=text)]).decode()
+
+
+def _same(exc: RillError) -> str:
+    return str(exc)
+
+
+# NOTE: one table per protocol (STYLE §6.8). Errors whose own text is written for clients
+# pass through; engine failures get fixed texts so internals never leak.
+ERROR_TABLE: list[tuple[type[BaseException], Callable[[RillError], str]]] = [
+    (ContextLengthExceeded, _same),
+    (InvalidRequest, _same),
+    (QueueFull, lambda exc: "the server's waiting queue is full; retry later"),
+    (RateLimited, _same),
+    (MemoryPressure, lambda exc: "the prompt can never fit in the server's KV cache memory"),
+    (ModelNotReady, lambda exc: "the model is still loading; retry later"),
+    (RequestRejected, lambda exc: "the server refused the request; retry later"),
+    (CacheMiss, _same),
+    (RequestTimeout, lambda exc: "the request ran past the server's time limit"),
+    (EngineDead, lambda exc: "the engine stopped; no generation can run until the server restarts"),
+    (EngineError, lambda exc: "generation failed"),
+]
+
+
+def error_text(exc: BaseException) -> str:
+    """The ERROR event text for ``exc`` (the most specific table entry wins by MRO)."""
+    table = dict(ERROR_TABLE)
+    for cls in type(exc).__mro__:
+        render = table.get(cls)
+        if render is not None:
+            return render(exc)  # type: ignore[arg-type]
+    return GENERIC_ERROR

@@ -1,0 +1,443 @@
+"""Sans-I/O state of one batch ``/ws`` connection, and the shared continuation store.
+
+Pure: no I/O, no await, no clock (``now`` is passed in, monotonic seconds), no engine or
+frontend import. The adapter feeds it decoded messages and engine outputs; it answers with
+actions (``Send``, ``SendError``, ``Start``, ``Abort``) that the adapter performs in order.
+
+Per prompt (keyed by a session-made engine request id, ``PromptKey``)::
+
+    receive ─▶ ACCEPTED ─▶ Start ─┬─▶ on_start_failed ─▶ ERROR                       (done)
+                                  └─▶ on_outputs: STARTED ─▶ INITIALIZED ─▶ PROGRESS* ─┬▶ COMPLETE (done)
+                                                                                      └▶ ERROR    (done)
+
+Event arrays: every ``Send`` holds events of one batch only, in the batch's prompt order, and
+one call of ``on_outputs`` (one engine step's outputs, drained together) yields at most one
+array per event type and batch, in the order STARTED, INITIALIZED, PROGRESS, COMPLETE, ERROR.
+With ``stream_response`` false, INITIALIZED and PROGRESS are not sent.
+
+Continuation: when a prompt ends on ``max_new_tokens`` (not eos), its token ids are kept in
+the ``ContinuationStore`` under its ``request_id``; a later prompt with that id continues it
+(the new ``prompt`` is ignored, as in the source project). An entry dropped by the store's
+bounds or TTL leaves a tombstone, so the next use of that id gets an ERROR saying so instead
+of silently starting over; the use after that starts afresh.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Union
+
+import msgspec
+
+from rill.errors import CacheMiss, InvalidRequest
+from rill.protocols.batch_ws import codec
+from rill.protocols.batch_ws.messages import (
+    Accepted,
+    BatchRequest,
+    Complete,
+    Error,
+    GenerationConfig,
+    Initialized,
+    Progress,
+    ServerEvent,
+    Started,
+)
+from rill.types import GenerateRequest, RequestEvent, RequestOutput, SamplingParams
+
+PromptKey = str
+"""The engine request id the session gives one prompt of one message (unique per server)."""
+
+PROTOCOL = "batch_ws"
+
+
+# -- actions ---------------------------------------------------------------------------------
+class Send(msgspec.Struct, frozen=True):
+    """Send one frame: the JSON array of ``events`` (all of one batch)."""
+
+    events: list[ServerEvent]
+
+
+class SendError(msgspec.Struct, frozen=True):
+    """Send a frame-level error ``[{"error": text}]``; the socket stays open."""
+
+    text: str
+
+
+class Start(msgspec.Struct, frozen=True):
+    """Submit ``request`` to the engine and stream its outputs back under ``key``."""
+
+    key: PromptKey
+    request: GenerateRequest
+
+
+class Abort(msgspec.Struct, frozen=True):
+    """Cancel the engine request of ``key`` (frees its KV memory at once)."""
+
+    key: PromptKey
+
+
+Action = Union[Send, SendError, Start, Abort]
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-connection bounds and server-wide caps the session applies.
+
+    ``max_tokens_cap``: upper bound for ``max_new_tokens`` (None: none).
+    ``max_inflight_prompts``: most prompts generating at once on one socket.
+    """
+
+    max_tokens_cap: int | None = None
+    max_inflight_prompts: int = 256
+
+
+# -- continuation store ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class Kept:
+    """A generation that ended without eos and may be continued.
+
+    ``token_ids``: prompt plus generated ids (the next request's prompt);
+    ``text``: prompt text plus generated text (INITIALIZED text of the continuation);
+    ``config``: the generation_config it ran with, used when the next message sends none.
+    """
+
+    token_ids: list[int]
+    text: str
+    config: GenerationConfig | None
+    expires_at: float
+
+
+@dataclass(frozen=True)
+class Evicted:
+    """A kept generation was dropped before it was continued (``reason``: expired or evicted)."""
+
+    reason: str
+
+
+ScopedId = tuple[str, str]  # (scope, request_id): scope separates API keys
+
+
+class ContinuationStore:
+    """Bounded map ``(scope, request_id) → Kept`` shared by every connection; pure.
+
+    Bounds: ``max_entries`` entries, ``max_tokens`` kept token ids in total, ``ttl_s``
+    seconds per entry; the oldest entries go first. Dropped ids are remembered (ids only,
+    the newest ``max(1024, 4 * max_entries)``) so their next use can be told what happened. It also tracks which ids are generating
+    right now (``is_busy``) so that one id never runs twice at once.
+    """
+
+    def __init__(self, max_entries: int, max_tokens: int, ttl_s: float) -> None:
+        self.max_entries = max_entries
+        self.max_tokens = max_tokens
+        self.ttl_s = ttl_s
+        self.num_tokens = 0
+        self._entries: OrderedDict[ScopedId, Kept] = OrderedDict()
+        self._tombstones: OrderedDict[ScopedId, tuple[str, float]] = OrderedDict()
+        self._max_tombstones = max(1024, 4 * max_entries)
+        self._busy: set[ScopedId] = set()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def is_busy(self, key: ScopedId) -> bool:
+        """True while a prompt with this id is generating."""
+        return key in self._busy
+
+    def claim(self, key: ScopedId, now: float) -> Kept | Evicted | None:
+        """Mark ``key`` busy and take its kept generation, its tombstone, or None."""
+        self._busy.add(key)
+        self._expire(now)
+        kept = self._entries.pop(key, None)
+        if kept is not None:
+            self.num_tokens -= len(kept.token_ids)
+            return kept
+        tomb = self._tombstones.pop(key, None)
+        return Evicted(tomb[0]) if tomb is not None else None
+
+    def release(self, key: ScopedId) -> None:
+        """The prompt with this id finished (whatever the outcome)."""
+        self._busy.discard(key)
+
+    def keep(self, key: ScopedId, token_ids: list[int], text: str, config: GenerationConfig | None, now: float) -> None:
+        """Keep a generation for continuation, evicting the oldest entries over the bounds."""
+        self._expire(now)
+        self._tombstones.pop(key, None)
+        if len(token_ids) > self.max_tokens or self.max_entries < 1:
+            self._bury(key, "evicted", now)
+            return
+        self._entries[key] = Kept(list(token_ids), text, config, now + self.ttl_s)
+        self.num_tokens += len(token_ids)
+        while len(self._entries) > self.max_entries or self.num_tokens > self.max_tokens:
+            old_key, old = self._entries.popitem(last=False)
+            self.num_tokens -= len(old.token_ids)
+            self._bury(old_key, "evicted", now)
+
+    def _expire(self, now: float) -> None:
+        # Entries are in insertion order and share one TTL, so expired ones are at the front.
+        while self._entries:
+            key, kept = next(iter(self._entries.items()))
+            if kept.expires_at > now:
+                break
+            self._entries.popitem(last=False)
+            self.num_tokens -= len(kept.token_ids)
+            self._bury(key, "expired", kept.expires_at)
+
+    def _bury(self, key: ScopedId, reason: str, when: float) -> None:
+        self._tombstones[key] = (reason, when)
+        self._tombstones.move_to_end(key)
+        while len(self._tombstones) > self._max_tombstones:
+            self._tombstones.popitem(last=False)
+
+
+# -- per-connection session --------------------------------------------------------------------
+@dataclass
+class _Batch:
+    only_new_tokens: bool
+    stream_response: bool
+    config: GenerationConfig | None  # as sent (None when empty): kept for continuations
+    received_at: float
+    prompts: list["_Prompt"] = field(default_factory=list)
+    num_open: int = 0
+
+
+@dataclass
+class _Prompt:
+    key: PromptKey
+    batch: _Batch
+    index: int  # position in the message's prompts: event arrays follow it
+    request_id: str
+    initial_text: str  # prompt text (+ earlier generations, for a continuation)
+    config: GenerationConfig | None
+    prompt_token_ids: list[int] | None = None
+    generated_ids: list[int] = field(default_factory=list)
+    generated_text: list[str] = field(default_factory=list)
+    is_started: bool = False
+    is_initialized: bool = False
+    is_done: bool = False
+
+
+_ORDER = ("STARTED", "INITIALIZED", "PROGRESS", "COMPLETE", "ERROR")
+
+
+class BatchSession:
+    """State of one ``/ws`` connection: open batches, their prompts and event grouping.
+
+    Call ``receive`` for each decoded message, perform its actions in order (report failed
+    ``Start``s to ``on_start_failed``, successful ones to ``on_submitted``), feed engine
+    outputs to ``on_outputs`` in groups (one drain of all streams per wake-up), and call
+    ``on_disconnect`` when the socket goes away.
+    """
+
+    def __init__(self, store: ContinuationStore, defaults: GenerationConfig, limits: Limits,
+                 key_prefix: str, scope: str = "") -> None:
+        self.store = store
+        self.defaults = defaults
+        self.limits = limits
+        self.scope = scope
+        self._key_prefix = key_prefix
+        self._num_keys = 0
+        self._prompts: dict[PromptKey, _Prompt] = {}
+
+    @property
+    def num_open_prompts(self) -> int:
+        """Prompts of this socket not finished yet."""
+        return len(self._prompts)
+
+    def default_sampling(self) -> SamplingParams:
+        """The sampling of a message without generation_config (``InvalidRequest`` if the
+        server's defaults are invalid)."""
+        return self._sampling(None)
+
+    # -- client → server ---------------------------------------------------------------------
+    def receive(self, msg: BatchRequest, now: float) -> list[Action]:
+        """Accept a batch: ACCEPTED for every prompt, then a ``Start`` per runnable prompt.
+
+        Raises:
+            InvalidRequest: the batch as a whole is unusable (duplicate ids, bad config, too
+                many prompts in flight); nothing of it was accepted — send ``SendError``.
+        """
+        self._check_batch(msg)
+        config = msg.generation_config if _is_given(msg.generation_config) else None
+        fresh_sampling = self._sampling(config)
+        batch = _Batch(msg.only_new_tokens, msg.stream_response, config, now)
+        actions: list[Action] = [Send([Accepted(request_id=p.request_id) for p in msg.prompts])]
+        errors: list[ServerEvent] = []
+        for index, item in enumerate(msg.prompts):
+            scoped = (self.scope, item.request_id)
+            if self.store.is_busy(scoped):
+                errors.append(Error(request_id=item.request_id, error=codec.error_text(InvalidRequest(
+                    f"request_id {item.request_id!r} is still generating; wait for its COMPLETE or use another id"))))
+                continue
+            kept = self.store.claim(scoped, now)
+            if isinstance(kept, Evicted) or (kept is None and item.prompt is None):
+                self.store.release(scoped)
+                exc = _evicted_error(item.request_id, kept.reason, self.store.ttl_s) if kept else InvalidRequest(
+                    f"'prompt' is required: there is no kept generation to continue for request_id {item.request_id!r}")
+                errors.append(Error(request_id=item.request_id, error=codec.error_text(exc)))
+                continue
+            key = self._new_key()
+            if kept is None:
+                prompt = _Prompt(key, batch, index, item.request_id, item.prompt or "", config)
+                request = GenerateRequest(prompt=item.prompt, sampling=fresh_sampling, request_id=key, protocol=PROTOCOL)
+            else:
+                run_config = config if config is not None else kept.config
+                prompt = _Prompt(key, batch, index, item.request_id, kept.text, run_config,
+                                 prompt_token_ids=kept.token_ids)
+                request = GenerateRequest(
+                    prompt_token_ids=kept.token_ids, sampling=self._sampling(run_config), request_id=key,
+                    protocol=PROTOCOL, require_cached_prefix_tokens=_required_cached(kept.token_ids))
+            batch.prompts.append(prompt)
+            batch.num_open += 1
+            self._prompts[key] = prompt
+            actions.append(Start(key, request))
+        if errors:
+            actions.insert(1, Send(errors))
+        return actions
+
+    def on_submitted(self, key: PromptKey, prompt_token_ids: list[int]) -> None:
+        """The engine took the request of ``key``; remember its prompt ids for continuation."""
+        prompt = self._prompts.get(key)
+        if prompt is not None:
+            prompt.prompt_token_ids = list(prompt_token_ids)
+
+    def on_start_failed(self, failures: list[tuple[PromptKey, BaseException]], now: float) -> list[Action]:
+        """The engine refused these requests at submission: one ERROR array per batch."""
+        grouped: dict[int, tuple[_Batch, list[ServerEvent]]] = {}
+        for key, exc in failures:
+            prompt = self._prompts.get(key)
+            if prompt is None:
+                continue
+            self._finish(prompt)
+            grouped.setdefault(id(prompt.batch), (prompt.batch, []))[1].append(
+                Error(request_id=prompt.request_id, error=codec.error_text(exc)))
+        return [Send(events) for _, events in grouped.values()]
+
+    # -- engine → client ---------------------------------------------------------------------
+    def on_outputs(self, outputs: list[tuple[PromptKey, RequestOutput]], now: float) -> list[Action]:
+        """Turn one drain of engine outputs into event arrays (see the module docstring)."""
+        per_batch: dict[int, tuple[_Batch, dict[str, list[tuple[int, ServerEvent]]]]] = {}
+        for key, output in outputs:
+            prompt = self._prompts.get(key)
+            if prompt is None:
+                continue
+            arrays = per_batch.setdefault(id(prompt.batch), (prompt.batch, {name: [] for name in _ORDER}))[1]
+            for name, event in self._events_of(prompt, output, now):
+                arrays[name].append((prompt.index, event))
+        actions: list[Action] = []
+        for _, arrays in per_batch.values():
+            for name in _ORDER:
+                if arrays[name]:
+                    actions.append(Send([event for _, event in sorted(arrays[name], key=lambda pair: pair[0])]))
+        return actions
+
+    def on_disconnect(self) -> list[Action]:
+        """The socket is gone: abort every open prompt and free its id."""
+        actions: list[Action] = [Abort(key) for key in self._prompts]
+        for prompt in list(self._prompts.values()):
+            self._finish(prompt)
+        return actions
+
+    # -- internals -----------------------------------------------------------------------------
+    def _check_batch(self, msg: BatchRequest) -> None:
+        seen: set[str] = set()
+        for item in msg.prompts:
+            if item.request_id in seen:
+                raise InvalidRequest(f"{codec.INVALID_PAYLOAD}: request_id {item.request_id!r} appears twice in prompts")
+            seen.add(item.request_id)
+        limit = self.limits.max_inflight_prompts
+        if len(self._prompts) + len(msg.prompts) > limit:
+            raise InvalidRequest(
+                f"too many prompts in flight on this socket: {len(self._prompts)} running + "
+                f"{len(msg.prompts)} new > {limit}; wait for some to complete")
+
+    def _sampling(self, config: GenerationConfig | None) -> SamplingParams:
+        cfg = (config or GenerationConfig()).filled_from(self.defaults)
+        max_tokens = cfg.max_new_tokens
+        if self.limits.max_tokens_cap is not None and max_tokens is not None:
+            max_tokens = min(max_tokens, self.limits.max_tokens_cap)
+        params = SamplingParams(max_tokens=max_tokens, repetition_penalty=cfg.repetition_penalty,
+                                num_beams=cfg.num_beams, length_penalty=cfg.length_penalty)
+        if cfg.num_beams == 1 and cfg.do_sample:
+            # NOTE: sampling fields only matter when sampling; HF ignores them otherwise, so do we.
+            params.temperature, params.top_p, params.top_k = cfg.temperature, cfg.top_p, cfg.top_k
+        else:
+            params.temperature = 0.0
+        try:
+            return params.validate()
+        except InvalidRequest as exc:
+            text = str(exc).replace("'max_tokens'", "'max_new_tokens'")
+            raise InvalidRequest(f"{codec.INVALID_PAYLOAD}: generation_config {text}", field=exc.field) from exc
+
+    def _events_of(self, prompt: _Prompt, output: RequestOutput, now: float) -> list[tuple[str, ServerEvent]]:
+        batch, rid = prompt.batch, prompt.request_id
+        events: list[tuple[str, ServerEvent]] = []
+        is_failure = output.finished and output.finish_reason in ("error", "cancelled")
+        wants_start = RequestEvent.SCHEDULED in output.events or RequestEvent.PREFILL_DONE in output.events
+        # Engines may fold lifecycle events into the first token; never let a token or a
+        # COMPLETE come before STARTED/INITIALIZED.
+        if not prompt.is_started and (wants_start or output.token_ids or (output.finished and not is_failure)):
+            prompt.is_started = True
+            events.append(("STARTED", Started(request_id=rid)))
+        if not prompt.is_initialized and prompt.is_started and (
+                RequestEvent.PREFILL_DONE in output.events or output.token_ids or (output.finished and not is_failure)):
+            prompt.is_initialized = True
+            if batch.stream_response:
+                events.append(("INITIALIZED", Initialized(request_id=rid, text="" if batch.only_new_tokens else prompt.initial_text)))
+        if output.token_ids or output.text:
+            prompt.generated_ids.extend(output.token_ids)
+            prompt.generated_text.append(output.text)
+            if batch.stream_response:
+                events.append(("PROGRESS", Progress(request_id=rid, text=output.text)))
+        if output.finished:
+            events.append(self._final_event(prompt, output, now))
+        return events
+
+    def _final_event(self, prompt: _Prompt, output: RequestOutput, now: float) -> tuple[str, ServerEvent]:
+        self._finish(prompt)
+        rid = prompt.request_id
+        if output.finish_reason in ("error", "cancelled"):
+            if output.finish_reason == "cancelled":
+                return "ERROR", Error(request_id=rid, error=codec.CANCELLED)
+            exc = output.error
+            if isinstance(exc, CacheMiss):
+                exc = _evicted_error(rid, "evicted", self.store.ttl_s)
+            return "ERROR", Error(request_id=rid, error=codec.error_text(exc) if exc is not None else codec.GENERIC_ERROR)
+        generated = "".join(prompt.generated_text)
+        if output.finish_reason == "length" and prompt.prompt_token_ids is not None:
+            self.store.keep((self.scope, rid), prompt.prompt_token_ids + prompt.generated_ids,
+                            prompt.initial_text + generated, prompt.config, now)
+        return "COMPLETE", Complete(
+            request_id=rid,
+            text=generated if prompt.batch.only_new_tokens else prompt.initial_text + generated,
+            is_eos=output.finish_reason == "stop",
+            new_tokens_count=len(prompt.generated_ids),
+            execution_time=round(now - prompt.batch.received_at, 6),
+        )
+
+    def _finish(self, prompt: _Prompt) -> None:
+        if prompt.is_done:
+            return
+        prompt.is_done = True
+        prompt.batch.num_open -= 1
+        self._prompts.pop(prompt.key, None)
+        self.store.release((self.scope, prompt.request_id))
+
+    def _new_key(self) -> PromptKey:
+        self._num_keys += 1
+        return f"{self._key_prefix}-{self._num_keys}"
+
+
+def _is_given(config: GenerationConfig | None) -> bool:
+    # The source project treats an empty generation_config like a missing one.
+    return config is not None and any(getattr(config, name) is not None for name in config.__struct_fields__)
+
+
+def _required_cached(token_ids: list[int]) -> int:
+    # The last kept token was sampled but never fed to the model, so its KV does not exist.
+    return max(0, len(token_ids) - 1)
+
+
+def _evicted_error(request_id: str, reason: str, ttl_s: float) -> CacheMiss:
+    why = f"expired after {ttl_s:g} s" if reason == "expired" else "was evicted to make room"
+    return CacheMiss(f"the kept generation of request_id {request_id!r} {why}; send it again with its prompt to start over")
