@@ -1,0 +1,375 @@
+"""Starlette routes of the protocol: WebSocket ``/generate`` and ``POST /v1/generate``
+(JSON, or Server-Sent Events with ``"stream": true``).
+
+The only module of the package with I/O. It receives and decodes frames, asks the session
+what to do, performs the actions (engine calls, sends, feedback writes) and pumps the
+engine's ``RequestStream``. It makes no protocol decisions.
+
+API keys (when configured): ``Authorization: Bearer KEY`` or, for browsers, ``?api_key=KEY``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+from pathlib import Path
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import BaseRoute, Route, WebSocketRoute
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from rill import __version__
+from rill.errors import EngineDead, InvalidRequest, ModelLoadError, RequestTimeout, RillError
+from rill.feedback import FeedbackStore
+from rill.frontend.stream import RequestStream
+from rill.protocols.generate_ws import codec, ratelimit
+from rill.protocols.generate_ws import messages as m
+from rill.protocols.generate_ws import session as s
+
+log = logging.getLogger("rill.protocols.generate_ws")
+
+LOADING_STATUS_PERIOD_S = 0.5
+MAX_TRACKED_KEYS = 10000  # per-key buckets kept; the oldest is dropped past this
+
+
+class _Gone(Exception):
+    """The client went away; stop sending."""
+
+
+class GenerateService:
+    """Shared state of the protocol: settings, per-key rate buckets, the feedback store."""
+
+    def __init__(self, deps: Any) -> None:
+        self.deps = deps
+        self.client = deps.client
+        self.http = deps.config.http
+        self._key_buckets: dict[str, ratelimit.TokenBucket] = {}
+        self._feedback: FeedbackStore | None = None
+
+    # -------------------------------------------------------------- shared services
+    def limits(self) -> s.Limits:
+        """What the session knows of the model (refreshed once it has loaded)."""
+        info = self.client.model_info
+        name = self.deps.config.engine.served_model_name or (info.name if info else None)
+        if name is None:
+            name = Path(self.deps.config.engine.model).name if self.deps.config.engine.model else "rill-demo"
+        return s.Limits(model_name=name, model_info=info, max_tokens_cap=self.http.max_tokens_cap, version=__version__)
+
+    def feedback_store(self) -> FeedbackStore:
+        """The store, opened on first use."""
+        if self._feedback is None:
+            self._feedback = FeedbackStore(self.http.data_dir)
+        return self._feedback
+
+    def buckets(self, api_key: str | None, conn_bucket: ratelimit.TokenBucket | None) -> list[ratelimit.TokenBucket]:
+        """The buckets a generation draws from: its key's (if any) and its connection's."""
+        rate = self.http.rate_limit_tokens_per_s
+        if rate is None:
+            return []
+        buckets = [conn_bucket] if conn_bucket is not None else []
+        key = api_key or ""
+        if key:
+            bucket = self._key_buckets.get(key)
+            if bucket is None:
+                if len(self._key_buckets) >= MAX_TRACKED_KEYS:
+                    self._key_buckets.pop(next(iter(self._key_buckets)))
+                bucket = self._key_buckets[key] = ratelimit.TokenBucket(rate, self.http.rate_limit_burst, time.monotonic())
+            buckets.append(bucket)
+        return buckets
+
+    def new_conn_bucket(self) -> ratelimit.TokenBucket | None:
+        """A per-connection bucket (None when no rate limit is set)."""
+        rate = self.http.rate_limit_tokens_per_s
+        return None if rate is None else ratelimit.TokenBucket(rate, self.http.rate_limit_burst, time.monotonic())
+
+    def authorize(self, headers: Any, query: Any) -> tuple[bool, str | None]:
+        """Check the API key; returns (ok, key)."""
+        keys = self.deps.api_keys
+        auth = headers.get("authorization", "")
+        key = auth[7:].strip() if auth.lower().startswith("bearer ") else query.get("api_key")
+        if not keys:
+            return True, key
+        ok = key is not None and any(hmac.compare_digest(key.encode(), k.encode()) for k in keys)
+        return ok, key
+
+    def token_text(self, token_id: int) -> str:
+        """Text of one token (for logprob alternatives)."""
+        try:
+            return self.client.decode([token_id])
+        except Exception:  # noqa: BLE001 - a name for an alternative is cosmetic
+            return ""
+
+    # -------------------------------------------------------------- endpoints
+    async def websocket(self, ws: WebSocket) -> None:
+        """``/generate``: one connection, many generations in turn."""
+        await ws.accept()
+        ok, key = self.authorize(ws.headers, ws.query_params)
+        send_lock = asyncio.Lock()
+        state = {"closed": False}
+
+        async def send(msg: m.ServerMessage) -> None:
+            if state["closed"]:
+                raise _Gone
+            async with send_lock:
+                try:
+                    await ws.send_text(codec.encode(msg))
+                except Exception as exc:  # noqa: BLE001 - any send failure means the peer is gone
+                    state["closed"] = True
+                    raise _Gone from exc
+
+        async def close(code: int, reason: str) -> None:
+            if not state["closed"]:
+                state["closed"] = True
+                with contextlib.suppress(Exception):
+                    await ws.close(code, reason)
+
+        conn = _Connection(self, send, close, key)
+        if not ok:
+            await conn.perform(conn.session.on_error(codec.Unauthorized(
+                "a valid API key is required: send 'Authorization: Bearer KEY' or '?api_key=KEY'")))
+            return
+        try:
+            while not state["closed"]:
+                text = await ws.receive_text()
+                await conn.handle_text(text)
+        except (WebSocketDisconnect, _Gone):
+            pass
+        except RuntimeError:  # receive after the socket closed
+            pass
+        finally:
+            state["closed"] = True
+            await conn.shutdown()
+
+    async def rest(self, request: Request) -> Response:
+        """``POST /v1/generate``: the spec's REST shape; SSE of the socket's messages with
+        ``"stream": true``."""
+        ok, key = self.authorize(request.headers, request.query_params)
+        if not ok:
+            return _json_error(codec.Unauthorized("a valid API key is required: send 'Authorization: Bearer KEY'"))
+        body = await request.body()
+        if len(body) > self.http.max_body_bytes:
+            return _json_error(InvalidRequest(f"request body over {self.http.max_body_bytes} bytes"), 413)
+        try:
+            rest_req = codec.decode_rest(body)
+        except InvalidRequest as exc:
+            return _json_error(exc)
+        if rest_req.stream:
+            return StreamingResponse(self._sse(rest_req, key), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await self._rest_once(rest_req, key)
+
+    async def _rest_once(self, rest_req: m.RestRequest, key: str | None) -> Response:
+        sent: list[m.ServerMessage] = []
+
+        async def collect(msg: m.ServerMessage) -> None:
+            sent.append(msg)
+
+        conn = _Connection(self, collect, _no_close, key)
+        try:
+            await conn.handle_message(rest_req.to_config())
+            await conn.wait()
+        finally:
+            await conn.shutdown()
+        init = next((x for x in sent if isinstance(x, m.Init)), None)
+        for msg in sent:
+            if isinstance(msg, m.Completion):
+                response = m.RestResponse(id=msg.request_id or (init.request_id if init else ""),
+                                          model=init.model if init else conn.session.limits.model_name,
+                                          generated_text=msg.generated_text, finish_reason=msg.finish_reason,
+                                          usage=msg.usage, timing=msg.timing)
+                return Response(codec.encode(response), media_type="application/json")
+            if isinstance(msg, m.Error):
+                status = _HTTP_STATUS.get(msg.error, 500)
+                headers = {"Retry-After": str(max(1, round(msg.retry_after_seconds)))} \
+                    if isinstance(msg.retry_after_seconds, float) else None
+                return Response(codec.encode(msg), status_code=status, media_type="application/json", headers=headers)
+        return _json_error(RillError("the generation ended without a result"))
+
+    async def _sse(self, rest_req: m.RestRequest, key: str | None) -> AsyncIterator[bytes]:
+        queue: asyncio.Queue[m.ServerMessage | None] = asyncio.Queue()
+
+        async def enqueue(msg: m.ServerMessage) -> None:
+            queue.put_nowait(msg)  # unbounded but short: one generation's messages
+
+        conn = _Connection(self, enqueue, _no_close, key)
+
+        async def drive() -> None:
+            try:
+                await conn.handle_message(rest_req.to_config())
+                await conn.wait()
+            finally:
+                queue.put_nowait(None)
+
+        driver = asyncio.create_task(drive())
+        try:
+            while (msg := await queue.get()) is not None:
+                yield codec.encode_sse(msg)
+        finally:
+            # Client disconnect cancels this generator: stop the generation at once.
+            driver.cancel()
+            with contextlib.suppress(BaseException):
+                await driver
+            await conn.shutdown()
+
+
+_HTTP_STATUS = {entry.error: entry.http_status for entry in codec.ERROR_TABLE.values()}
+_HTTP_STATUS["internal_error"] = 500
+
+
+async def _no_close(code: int, reason: str) -> None:
+    return None
+
+
+def _json_error(exc: BaseException, status: int | None = None) -> Response:
+    msg = codec.error_message(exc)
+    return Response(codec.encode(msg), status_code=status or codec.wire_error(exc).http_status,
+                    media_type="application/json")
+
+
+class _Connection:
+    """One connection's session plus the running generation's task and stream."""
+
+    def __init__(self, service: GenerateService, send: Callable[[m.ServerMessage], Awaitable[None]],
+                 close: Callable[[int, str], Awaitable[None]], api_key: str | None) -> None:
+        self.service = service
+        self.session = s.GenerateSession(service.limits(), token_text=service.token_text)
+        self._send = send
+        self._close = close
+        self.api_key = api_key
+        self.stream: RequestStream | None = None
+        self.task: asyncio.Task[None] | None = None
+        self._conn_bucket = service.new_conn_bucket()
+
+    async def handle_text(self, text: str) -> None:
+        """One text frame from the client."""
+        try:
+            msg = codec.decode(text)
+        except InvalidRequest as exc:
+            await self.perform(self.session.on_invalid(exc))
+            return
+        await self.handle_message(msg)
+
+    async def handle_message(self, msg: m.ClientMessage) -> None:
+        """One decoded client message."""
+        await self.perform(self.session.receive(msg, time.monotonic()))
+
+    async def perform(self, actions: list[s.Action]) -> None:
+        """Carry out the session's actions in order."""
+        for action in actions:
+            if isinstance(action, s.Send):
+                await self._send(action.message)
+            elif isinstance(action, s.Start):
+                self.task = asyncio.create_task(self._run(action.request))
+            elif isinstance(action, s.StoreFeedback):
+                await self._store_feedback(action.record)
+            elif isinstance(action, s.Close):
+                await self._close(action.code, action.reason)
+            else:
+                await self._control(action)
+
+    async def _control(self, action: s.Action) -> None:
+        stream = self.stream
+        if isinstance(action, s.Abort):
+            if stream is not None:
+                stream.abort()
+            elif self.task is not None:
+                self.task.cancel()  # still waiting for the model or admission
+            return
+        if stream is None:
+            return
+        try:
+            if isinstance(action, s.Pause):
+                stream.pause()
+            elif isinstance(action, s.Resume):
+                stream.resume()
+            elif isinstance(action, s.Modify):
+                stream.modify(action.patch)
+            elif isinstance(action, s.Regenerate):
+                stream.regenerate()
+        except RillError as exc:  # e.g. the request finished meanwhile, or the engine refused a value
+            await self.perform(self.session.on_invalid(exc))
+
+    async def _store_feedback(self, record: dict[str, Any]) -> None:
+        hint = self.api_key[-4:] if self.api_key else None
+        try:
+            feedback_id = await asyncio.to_thread(self.service.feedback_store().add, record, s.PROTOCOL, hint)
+        except Exception:  # noqa: BLE001 - never leak storage internals
+            log.exception("storing feedback failed")
+            await self.perform(self.session.on_invalid(RillError("feedback could not be stored")))
+            return
+        await self.perform(self.session.on_feedback_stored(record["request_id"], feedback_id))
+
+    async def _wait_ready(self) -> None:
+        client = self.service.client
+        while not client.is_ready():
+            if getattr(client, "load_error", None) is not None:
+                raise ModelLoadError("the model failed to load")
+            progress, eta_s = client.load_progress()
+            await self.perform(self.session.loading_status(progress, eta_s))
+            try:
+                await asyncio.wait_for(asyncio.shield(client.wait_ready()), LOADING_STATUS_PERIOD_S)
+            except asyncio.TimeoutError:
+                continue
+            except EngineDead as exc:
+                raise ModelLoadError("the model failed to load") from exc
+        self.session.limits = self.service.limits()
+
+    async def _run(self, request: Any) -> None:
+        buckets = self.service.buckets(self.api_key, self._conn_bucket)
+        reserved, num_used = 0.0, 0
+        stream: RequestStream | None = None
+        try:
+            await self._wait_ready()
+            reserved = ratelimit.reserve(buckets, request.sampling.max_tokens, time.monotonic())
+            timeout_s = self.service.http.request_timeout_s
+            try:
+                async with asyncio.timeout(timeout_s):
+                    stream = await self.service.client.generate(request)
+                    self.stream = stream
+                    await self.perform(self.session.on_started(len(stream.prompt_token_ids)))
+                    async for output in stream:
+                        num_used = output.usage.completion_tokens
+                        await self.perform(self.session.on_output(output, time.monotonic()))
+            except TimeoutError as exc:
+                if stream is not None:
+                    await stream.aclose()
+                raise RequestTimeout(f"the generation ran past the server's time limit of {timeout_s:g} s") from exc
+        except _Gone:
+            return  # the peer left; the finally below aborts the request
+        except Exception as exc:  # noqa: BLE001 - mapped by the codec's table; unknown ones leak nothing
+            if not isinstance(exc, RillError):
+                log.exception("generation %s failed", request.request_id)
+            with contextlib.suppress(_Gone):
+                await self.perform(self.session.on_error(exc))
+        finally:
+            self.stream = None
+            if stream is not None:
+                await stream.aclose()
+            ratelimit.release(buckets, reserved, num_used, time.monotonic())
+
+    async def wait(self) -> None:
+        """Wait for the running generation (REST)."""
+        if self.task is not None:
+            with contextlib.suppress(_Gone, asyncio.CancelledError):
+                await self.task
+
+    async def shutdown(self) -> None:
+        """The connection ends: abort and forget whatever runs."""
+        self.session.on_disconnect()
+        task = self.task
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+
+
+def routes(deps: Any) -> list[BaseRoute]:
+    """``/generate`` (WebSocket) and ``POST /v1/generate``."""
+    service = GenerateService(deps)
+    deps.extras["generate_ws"] = service
+    return [WebSocketRoute("/generate", service.websocket), Route("/v1/generate", service.rest, methods=["POST"])]
