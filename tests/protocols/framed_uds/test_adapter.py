@@ -1,0 +1,295 @@
+"""Tests of rill.protocols.framed_uds.adapter over a real Unix socket, with a scripted engine.
+
+(End-to-end tests against a real server with a real model are in test_e2e.py.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import stat
+import struct
+from pathlib import Path
+
+import pytest
+
+from rill.errors import ConfigError
+from rill.protocols.framed_uds import adapter
+from rill.server import Deps
+
+from .conftest import FramedClient, uds_config
+from .fakes import FakeEngineClient
+
+
+async def test_streamed_request(make_listener) -> None:
+    listener = await make_listener()
+    conn = await listener.connect()
+    await conn.send({"id": "r1", "prompt": "Hello there", "max_tokens": 5, "metadata": {"k": 1}})
+    events = await conn.until_end()
+    assert [e["event"] for e in events] == ["token"] * 5 + ["eos"]
+    assert all(e["id"] == "r1" and e["metadata"] == {"k": 1} for e in events)
+    assert [e["token_id"] for e in events[:-1]] == [100, 101, 102, 103, 104]
+    assert events[-1]["reason"] == "length"
+    request = listener.client.requests[0]
+    assert request.protocol == "framed_uds" and request.sampling.temperature == 0.0
+    await conn.close()
+
+
+async def test_socket_file_mode_defaults_to_0600_and_can_be_widened(make_listener, sock_path: Path) -> None:
+    await make_listener()
+    assert stat.S_IMODE(os.stat(sock_path).st_mode) == 0o600
+    assert stat.S_ISSOCK(os.stat(sock_path).st_mode)
+
+
+async def test_socket_mode_option(sock_path: Path, fake_client: FakeEngineClient) -> None:
+    stop = await adapter.start(Deps(config=uds_config(sock_path, **{"uds.socket_mode": "0660"}), client=fake_client))
+    try:
+        assert stat.S_IMODE(os.stat(sock_path).st_mode) == 0o660
+    finally:
+        await stop()
+    assert not sock_path.exists()  # the stopper removes its socket file
+
+
+async def test_no_socket_opens_nothing(sock_path: Path, fake_client: FakeEngineClient) -> None:
+    assert await adapter.start(Deps(config=uds_config(sock_path, **{"uds.no_socket": True}), client=fake_client)) is None
+    assert not sock_path.exists()
+
+
+async def test_stale_socket_file_is_replaced(sock_path: Path, make_listener) -> None:
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dead.bind(str(sock_path))
+    dead.close()  # the file stays, nobody listens: what a killed server leaves behind
+    assert sock_path.exists()
+    listener = await make_listener()
+    conn = await listener.connect()
+    await conn.send({"id": "r1", "prompt": "hi", "max_tokens": 1})
+    assert (await conn.until_end())[-1]["event"] == "eos"
+    await conn.close()
+
+
+async def test_live_socket_makes_startup_fail_clearly(make_listener, sock_path: Path,
+                                                      fake_client: FakeEngineClient) -> None:
+    await make_listener()
+    with pytest.raises(ConfigError, match="another server is already listening"):
+        await adapter.start(Deps(config=uds_config(sock_path), client=fake_client))
+    conn = await FramedClient.connect(str(sock_path))  # the live server is untouched
+    await conn.send({"id": "r1", "prompt": "hi", "max_tokens": 1})
+    assert (await conn.until_end())[-1]["event"] == "eos"
+    await conn.close()
+
+
+async def test_path_that_is_not_a_socket_is_refused(sock_path: Path, fake_client: FakeEngineClient) -> None:
+    sock_path.write_text("precious")
+    with pytest.raises(ConfigError, match="not a socket"):
+        await adapter.start(Deps(config=uds_config(sock_path), client=fake_client))
+    assert sock_path.read_text() == "precious"
+
+
+async def test_frame_one_byte_at_a_time(make_listener) -> None:
+    listener = await make_listener()
+    conn = await listener.connect()
+    payload = b'{"id":"slow","prompt":"one byte at a time","max_tokens":2}'
+    for byte in struct.pack("<I", len(payload)) + payload:
+        await conn.send_raw(bytes([byte]))
+    events = await conn.until_end()
+    assert [e["event"] for e in events] == ["token", "token", "eos"]
+    await conn.close()
+
+
+async def test_oversize_header_rejected_without_the_payload(make_listener) -> None:
+    listener = await make_listener(**{"uds.max_frame_bytes": 1024})
+    conn = await listener.connect()
+    await conn.send_raw(struct.pack("<I", 1025))  # header only: the payload is never sent
+    event = await conn.recv()
+    assert event is not None and event["event"] == "error" and event["code"] == "E_PROTO_FRAME_TOO_LARGE"
+    assert await conn.is_closed()
+    assert listener.client.requests == []
+
+
+async def test_zero_length_frame(make_listener) -> None:
+    listener = await make_listener()
+    conn = await listener.connect()
+    await conn.send_raw(b"\x00\x00\x00\x00")
+    assert (await conn.recv())["code"] == "E_PROTO_INVALID_LEN"
+    assert await conn.is_closed()
+
+
+async def test_invalid_json(make_listener) -> None:
+    listener = await make_listener()
+    conn = await listener.connect()
+    await conn.send_raw(struct.pack("<I", 9) + b'{"id": "x')
+    event = await conn.recv()
+    assert event["event"] == "error" and event["code"] == "E_PROTO_INVALID_JSON"
+    assert await conn.is_closed()
+
+
+async def test_missing_prompt(make_listener) -> None:
+    listener = await make_listener()
+    conn = await listener.connect()
+    await conn.send({"id": "bad1"})
+    event = await conn.recv()
+    assert event == {"event": "error", "code": "E_PROTO_BAD_REQUEST", "message": "missing required field 'prompt'",
+                     "id": "bad1"}
+    assert await conn.is_closed()
+
+
+async def test_request_while_busy(make_listener) -> None:
+    listener = await make_listener()
+    conn = await listener.connect()
+    await conn.send({"id": "r1", "prompt": "long", "max_tokens": 10_000})
+    assert (await conn.recv())["event"] == "token"
+    await conn.send({"id": "r2", "prompt": "again"})
+    events = await conn.until_end()
+    assert events[-1]["event"] == "error" and events[-1]["code"] == "E_PROTO_BUSY" and events[-1]["id"] == "r2"
+    assert all(e["event"] == "token" and e["id"] == "r1" for e in events[:-1])
+    assert await conn.is_closed()
+    await _until_engine_idle(listener.client)  # the running request was stopped too
+
+
+async def test_cancel(make_listener) -> None:
+    listener = await make_listener()
+    conn = await listener.connect()
+    await conn.send({"id": "c1", "prompt": "a long story", "max_tokens": 200})
+    first = [await conn.recv(), await conn.recv()]
+    assert [e["event"] for e in first] == ["token", "token"]
+    await conn.send({"event": "cancel", "id": "c1"})
+    events = first + await conn.until_end()
+    eos = [e for e in events if e["event"] == "eos"]
+    assert len(eos) == 1 and eos[0]["reason"] == "cancelled" and eos[0]["id"] == "c1"
+    assert len([e for e in events if e["event"] == "token"]) < 200
+    await conn.send({"event": "cancel", "id": "c1"})  # late cancel: ignored, connection usable
+    await conn.send({"id": "c2", "prompt": "next", "max_tokens": 1})
+    assert [e["event"] for e in await conn.until_end()] == ["token", "eos"]
+    await conn.close()
+
+
+async def test_stream_false(make_listener) -> None:
+    listener = await make_listener()
+    conn = await listener.connect()
+    await conn.send({"id": "ns", "prompt": "hi", "max_tokens": 3, "stream": False, "metadata": {"a": "b"}})
+    events = await conn.until_end()
+    assert events == [{"event": "eos", "id": "ns", "reason": "length", "text": "tok0 tok1 tok2 ", "metadata": {"a": "b"}}]
+    await conn.close()
+
+
+async def test_two_sequential_requests_on_one_connection(make_listener) -> None:
+    listener = await make_listener()
+    conn = await listener.connect()
+    for request_id in ("s0", "s1"):
+        await conn.send({"id": request_id, "prompt": "hi", "max_tokens": 2})
+        events = await conn.until_end()
+        assert [e["event"] for e in events] == ["token", "token", "eos"]
+        assert {e["id"] for e in events} == {request_id}
+    await conn.close()
+
+
+async def test_one_request_option_closes_after_eos(make_listener) -> None:
+    listener = await make_listener(**{"uds.uds_one_request": True})
+    conn = await listener.connect()
+    await conn.send({"id": "r", "prompt": "hi", "max_tokens": 1})
+    assert [e["event"] for e in await conn.until_end()] == ["token", "eos"]
+    assert await conn.is_closed()
+
+
+async def test_metrics_frame(make_listener) -> None:
+    listener = await make_listener()
+    busy = await listener.connect()
+    await busy.send({"id": "r", "prompt": "hi", "max_tokens": 3})
+    await busy.until_end()
+    conn = await listener.connect()
+    await conn.send({"type": "metrics"})
+    frame = await conn.recv()
+    assert frame["event"] == "metrics" and set(frame) == {"event", "metrics"}
+    metrics = frame["metrics"]
+    assert metrics["tokens_generated_total"] == 3 and metrics["active_sessions"] == 2
+    assert metrics["batch_calls_total"] >= 3
+    assert await conn.is_closed()
+    other = await listener.connect()
+    await other.send({"event": "metrics"})
+    assert (await other.recv())["event"] == "metrics"
+    await busy.close()
+
+
+async def test_generation_error(make_listener) -> None:
+    listener = await make_listener()
+    conn = await listener.connect()
+    await conn.send({"id": "f", "prompt": "FAIL", "max_tokens": 10})
+    events = [e async for e in _all(conn)]
+    assert [e["event"] for e in events] == ["token", "token", "error", "eos"]
+    assert events[2]["code"] == "E_RUNTIME_DECODE" and events[3]["reason"] == "error"
+
+
+async def test_prompt_too_large(make_listener) -> None:
+    listener = await make_listener()
+    conn = await listener.connect()
+    await conn.send({"id": "big", "prompt": "word " * 100})
+    event = await conn.recv()
+    assert event["code"] == "E_LIMIT_PROMPT_TOO_LARGE" and event["id"] == "big"
+    assert "prompt too large" in event["message"]
+    assert await conn.is_closed()
+
+
+async def test_disconnect_mid_stream_frees_the_request(make_listener) -> None:
+    listener = await make_listener()
+    conn = await listener.connect()
+    await conn.send({"id": "d", "prompt": "hi", "max_tokens": 10_000})
+    assert (await conn.recv())["event"] == "token"
+    assert listener.client.stats().kv_used_bytes > 0
+    await conn.close()
+    await _until_engine_idle(listener.client)
+    assert listener.client.stats().kv_used_bytes == 0
+
+
+async def test_slo_request_overtakes_queued_ones(make_listener, fake_client: FakeEngineClient) -> None:
+    fake_client.max_num_seqs = 1
+    listener = await make_listener()
+    conns = [await listener.connect() for _ in range(4)]
+    await conns[0].send({"id": "busy", "prompt": "busy", "max_tokens": 10})
+    assert (await conns[0].recv())["event"] == "token"  # the only slot is taken
+    await conns[1].send({"id": "q1", "prompt": "q1", "max_tokens": 1})
+    await conns[2].send({"id": "q2", "prompt": "q2", "max_tokens": 1})
+    await _until(lambda: len(fake_client.waiting) == 2)
+    await conns[3].send({"id": "slo", "prompt": "slo", "max_tokens": 1, "slo": {"target_ttft_ms": 100}})
+    for conn in conns:
+        await conn.until_end()
+    assert fake_client.first_token_order == ["busy", "slo", "q1", "q2"]
+
+
+async def test_stopper_ends_live_connections(sock_path: Path, fake_client: FakeEngineClient) -> None:
+    stop = await adapter.start(Deps(config=uds_config(sock_path), client=fake_client))
+    conn = await FramedClient.connect(str(sock_path))
+    await conn.send({"id": "r", "prompt": "hi", "max_tokens": 10_000})
+    assert (await conn.recv())["event"] == "token"
+    await stop()
+    while (event := await conn.recv()) is not None:
+        assert event["event"] == "token"
+    await _until_engine_idle(fake_client)
+    assert not sock_path.exists()
+
+
+async def test_newline_mode(make_listener) -> None:
+    listener = await make_listener(**{"uds.uds_protocol": "newline", "http.max_tokens_cap": 2})
+    reader, writer = await asyncio.open_unix_connection(str(listener.path))
+    writer.write(b"first\nsecond\n")
+    writer.write_eof()  # like `printf 'first\nsecond\n' | nc -U`: the answers still come
+    assert await reader.read() == b"tok0 tok1 \n\ntok0 tok1 \n\n"
+    writer.close()
+
+
+async def _all(conn: FramedClient):
+    while (event := await conn.recv()) is not None:
+        yield event
+
+
+async def _until(predicate, limit: int = 10_000) -> None:
+    # Polls state changed by the fake engine's step loop; bounded by steps, not by time.
+    for _ in range(limit):
+        if predicate():
+            return
+        await asyncio.sleep(0.001)
+    raise AssertionError("condition never held")
+
+
+async def _until_engine_idle(client: FakeEngineClient) -> None:
+    await _until(lambda: not client.running and not client.waiting)
