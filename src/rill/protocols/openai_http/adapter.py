@@ -1,0 +1,326 @@
+"""Starlette routes of the OpenAI-compatible API, ``/metrics``, and their engine I/O.
+
+Routes: ``GET /v1/models`` (and ``/v1/models/{model}``), ``POST /v1/completions``,
+``POST /v1/chat/completions``, ``GET /metrics``.
+
+One request, start to end:
+
+1. read the body; ``codec`` parses it and checks the model name (503 while loading);
+2. tokenize here (chat: render the template first) so the default ``max_tokens`` can be
+   "what remains of the context" and an over-long prompt is a 400 naming both lengths;
+3. submit one engine request per choice; if any submission fails (queue full, ...) the
+   others are closed and the client gets the error with its status, before any byte of
+   a 200 is sent;
+4. ``_Responder`` writes the SSE stream or the JSON body, while a watcher task waits for
+   the ASGI ``http.disconnect`` message: a client that goes away closes every
+   ``RequestStream`` at once, which aborts its requests in the engine (their KV is freed in
+   the next step) — not only at the next failed write.
+
+Protocol decisions live in ``codec`` and ``session``; this module only moves bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator, Callable
+
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Route
+from starlette.types import Receive, Scope, Send
+
+from rill.errors import ModelNotReady, RillError
+from rill.frontend.stream import RequestStream
+from rill.protocols._shared import sse
+from rill.protocols.openai_http import codec
+from rill.protocols.openai_http.messages import ModelCard, ModelList
+from rill.protocols.openai_http.session import Kind, ResponseSession
+from rill.types import GenerateRequest, RequestOutput
+
+log = logging.getLogger("rill.openai_http")
+
+_JSON = "application/json"
+
+
+def routes(deps: Any) -> list[BaseRoute]:
+    """The API's routes on the shared HTTP port (mounted by ``rill.server.build_app``)."""
+    api = OpenAIApi(deps)
+    return [
+        Route("/v1/models", api.list_models, methods=["GET"]),
+        Route("/v1/models/{model:path}", api.get_model, methods=["GET"]),
+        Route("/v1/completions", api.completions, methods=["POST"]),
+        Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
+        Route("/metrics", api.metrics, methods=["GET"]),
+    ]
+
+
+def error_response(exc: BaseException) -> Response:
+    """An OpenAI error JSON response for ``exc`` (unexpected errors are logged, not shown)."""
+    if not isinstance(exc, RillError):
+        log.error("unexpected error in the OpenAI API", exc_info=exc)
+    wire = codec.error_for(exc)
+    return Response(wire.body, status_code=wire.status, headers=wire.headers, media_type=_JSON)
+
+
+class OpenAIApi:
+    """Endpoint handlers bound to one server's ``Deps``."""
+
+    def __init__(self, deps: Any) -> None:
+        self.deps = deps
+        self.client = deps.client
+        self.created = int(time.time())
+
+    # -- models and metrics ------------------------------------------------------------
+    async def list_models(self, request: Request) -> Response:
+        """``GET /v1/models``: the one served model."""
+        try:
+            served = self._served()
+        except RillError as exc:
+            return error_response(exc)
+        return Response(codec.encode(ModelList(data=[self._card(served)])), media_type=_JSON)
+
+    async def get_model(self, request: Request) -> Response:
+        """``GET /v1/models/{model}``: the served model, or 404 for any other name."""
+        try:
+            served = self._served()
+            codec.check_model(request.path_params["model"], served)
+        except RillError as exc:
+            return error_response(exc)
+        return Response(codec.encode(self._card(served)), media_type=_JSON)
+
+    async def metrics(self, request: Request) -> Response:
+        """``GET /metrics``: Prometheus text format."""
+        metrics = self.deps.metrics
+        if metrics is None:
+            return error_response(codec.RouteNotFound("metrics are not enabled on this server"))
+        return Response(metrics.render(), media_type=metrics_content_type())
+
+    # -- generation ----------------------------------------------------------------------
+    async def completions(self, request: Request) -> Response:
+        """``POST /v1/completions``."""
+        return await self._generate(request, Kind.COMPLETION)
+
+    async def chat_completions(self, request: Request) -> Response:
+        """``POST /v1/chat/completions``."""
+        return await self._generate(request, Kind.CHAT)
+
+    async def _generate(self, request: Request, kind: Kind) -> Response:
+        try:
+            body = await request.body()
+        except ClientDisconnect:
+            return Response(status_code=499)  # nobody is listening; nothing was started
+        response_id = ("chatcmpl-" if kind is Kind.CHAT else "cmpl-") + uuid.uuid4().hex
+        try:
+            served = self._served()
+            req: Any = codec.decode_chat(body) if kind is Kind.CHAT else codec.decode_completion(body)
+            codec.check_model(req.model, served)
+            prompts = self._chat_prompt(req, served) if kind is Kind.CHAT else self._completion_prompts(req)
+            requests = codec.generate_requests(req, prompts, served, response_id)
+            streams = await self._submit(requests)
+        except Exception as exc:
+            return error_response(exc)
+        if kind is Kind.CHAT:
+            logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        else:
+            logprobs = req.logprobs
+        session = ResponseSession(
+            kind=kind, response_id=response_id, created=int(time.time()), model=served.name,
+            num_choices=len(streams), n=req.n or 1, logprobs=logprobs, token_text=_token_texts(self.client),
+            include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        )
+        return _Responder(session, streams, is_streaming=bool(req.stream),
+                          keepalive_s=self.deps.config.http.sse_keepalive_s)
+
+    def _completion_prompts(self, req: Any) -> list[list[int]]:
+        return [p if isinstance(p, list) else self.client.encode(p) for p in codec.completion_prompts(req)]
+
+    def _chat_prompt(self, req: Any, served: codec.ServedModel) -> list[list[int]]:
+        messages = codec.template_messages(codec.chat_messages(req, served))
+        add_generation_prompt = req.add_generation_prompt is not False
+        text = self.client.render_chat(messages, add_generation_prompt=add_generation_prompt,
+                                       **codec.template_kwargs(req))
+        # The template already wrote any BOS / special tokens into the text.
+        return [self.client.encode(text, add_special_tokens=False)]
+
+    async def _submit(self, requests: list[GenerateRequest]) -> list[RequestStream]:
+        streams: list[RequestStream] = []
+        try:
+            for req in requests:
+                streams.append(await self.client.generate(req))
+        except BaseException:
+            await _close_all(streams)  # all choices or none: a refused n=4 leaves nothing behind
+            raise
+        return streams
+
+    def _served(self) -> codec.ServedModel:
+        info = self.client.model_info
+        if not self.client.is_ready() or info is None:
+            raise ModelNotReady("the model is still loading; GET /health shows the progress")
+        return codec.ServedModel(
+            name=info.name,
+            max_context_tokens=info.max_context_tokens,
+            vocab_size=info.vocab_size,
+            has_chat_template=info.has_chat_template,
+            max_tokens_cap=self.deps.config.http.max_tokens_cap,
+            modalities=tuple(info.modalities),
+        )
+
+    def _card(self, served: codec.ServedModel) -> ModelCard:
+        return ModelCard(id=served.name, created=self.created, max_model_len=served.max_context_tokens)
+
+
+def metrics_content_type() -> str:
+    """Content type of ``/metrics`` (imported lazily: metrics is optional)."""
+    from rill.frontend.metrics import CONTENT_TYPE
+
+    return CONTENT_TYPE
+
+
+def _token_texts(client: Any) -> Callable[[int], str]:
+    cache: dict[int, str] = {}
+
+    def token_text(token_id: int) -> str:
+        if token_id not in cache:
+            cache[token_id] = client.decode([token_id])
+        return cache[token_id]
+
+    return token_text
+
+
+class _Responder(Response):
+    """Writes one generation response while watching for the client going away.
+
+    Not a ``StreamingResponse``: that one only notices a disconnect when a write fails (or
+    polls); here a watcher task awaits ``http.disconnect`` and the streams are closed the
+    moment it arrives, also during a long prefill when nothing is being written.
+    """
+
+    def __init__(self, session: ResponseSession, streams: list[RequestStream], *, is_streaming: bool,
+                 keepalive_s: float) -> None:
+        super().__init__(status_code=200)
+        self.session = session
+        self.streams = streams
+        self.is_streaming = is_streaming
+        self.keepalive_s = keepalive_s if keepalive_s and keepalive_s > 0 else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        work = asyncio.create_task(self._write_stream(send) if self.is_streaming else self._write_body(send))
+        watcher = asyncio.create_task(_wait_for_disconnect(receive))
+        try:
+            done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if work in done and not work.cancelled() and work.exception() is not None:
+                exc = work.exception()
+                if not isinstance(exc, OSError):  # a write to a closed socket is a disconnect
+                    log.error("error while writing a response", exc_info=exc)
+        finally:
+            # Abort first: the engine should drop the requests before anything else happens.
+            await _close_all(self.streams)
+            for task in (work, watcher):
+                task.cancel()
+            await asyncio.gather(work, watcher, return_exceptions=True)
+
+    async def _write_stream(self, send: Send) -> None:
+        headers = [(b"content-type", sse.MEDIA_TYPE.encode())]
+        headers += [(k.lower().encode(), v.encode()) for k, v in sse.HEADERS.items()]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        session = self.session
+        await _send_body(send, b"".join(session.start()))
+        try:
+            async for item in _merge(self.streams, self.keepalive_s):
+                if item is None:
+                    await _send_body(send, sse.KEEP_ALIVE)
+                    continue
+                events = session.on_output(*item)
+                if events:
+                    await _send_body(send, b"".join(events))
+                if session.failed is not None:
+                    break
+        except (asyncio.CancelledError, OSError):
+            raise
+        except Exception as exc:  # the status is sent already: report it in the stream
+            log.error("error while streaming a response", exc_info=exc)
+            await _send_body(send, b"".join(session.fail(exc)))
+        await _send_body(send, b"".join(session.end()), more=False)
+
+    async def _write_body(self, send: Send) -> None:
+        session = self.session
+        try:
+            async for item in _merge(self.streams, None):
+                assert item is not None  # no keep-alive ticks without a timeout
+                session.on_output(*item)
+                if session.failed is not None:
+                    break
+            if session.failed is not None:
+                raise session.failed
+            body, status, headers = session.body(), 200, {}
+        except (asyncio.CancelledError, OSError):
+            raise
+        except Exception as exc:
+            if not isinstance(exc, RillError):
+                log.error("error while building a response", exc_info=exc)
+            wire = codec.error_for(exc)
+            body, status, headers = wire.body, wire.status, wire.headers
+        raw_headers = [(b"content-type", _JSON.encode()), (b"content-length", str(len(body)).encode())]
+        raw_headers += [(k.lower().encode(), v.encode()) for k, v in headers.items()]
+        await send({"type": "http.response.start", "status": status, "headers": raw_headers})
+        await _send_body(send, body, more=False)
+
+
+async def _send_body(send: Send, body: bytes, more: bool = True) -> None:
+    if body or not more:
+        await send({"type": "http.response.body", "body": body, "more_body": more})
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _close_all(streams: list[RequestStream]) -> None:
+    for stream in streams:
+        with contextlib.suppress(Exception):
+            await stream.aclose()
+
+
+async def _merge(streams: list[RequestStream], idle_s: float | None) -> AsyncIterator[tuple[int, RequestOutput] | None]:
+    """Outputs of all streams as ``(choice index, output)`` in arrival order, until all finish.
+
+    Yields ``None`` after ``idle_s`` seconds without output (the caller sends a keep-alive).
+    Only one ``__anext__`` per stream is outstanding, so each stream keeps coalescing
+    deltas while the client is slow instead of queueing them here.
+    """
+    pending: dict[asyncio.Future[RequestOutput], int] = {
+        asyncio.ensure_future(_next(stream)): i for i, stream in enumerate(streams)
+    }
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, timeout=idle_s, return_when=asyncio.FIRST_COMPLETED)
+            if not done:
+                yield None
+                continue
+            for future in sorted(done, key=lambda f: pending[f]):
+                index = pending.pop(future)
+                output = future.result()
+                if output is None:
+                    continue
+                yield index, output
+                if not output.finished:
+                    pending[asyncio.ensure_future(_next(streams[index]))] = index
+    finally:
+        for future in pending:
+            future.cancel()
+
+
+async def _next(stream: RequestStream) -> RequestOutput | None:
+    try:
+        return await stream.__anext__()
+    except StopAsyncIteration:
+        return None
+
+

@@ -1,0 +1,415 @@
+"""Pure translation between OpenAI's HTTP wire format and rill's neutral types.
+
+Request side: ``decode_*`` turns a body into a typed request (or ``InvalidRequest`` naming
+the field), ``*_generate_requests`` turns it into one ``GenerateRequest`` per choice.
+Error side: ``ERROR_TABLE`` maps every ``rill.errors`` class (looked up by MRO, so the most
+specific class wins) to an HTTP status and OpenAI error ``type``; ``error_for`` renders the
+status, headers and ``{"error": {...}}`` body. Unexpected exceptions get a generic message:
+their text never reaches a client.
+
+No I/O, no engine, no clock: tokenizing and timing are the adapter's job.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from rill.errors import (
+    CacheMiss,
+    ContextLengthExceeded,
+    EngineDead,
+    EngineError,
+    InvalidRequest,
+    MemoryPressure,
+    ModelNotReady,
+    QueueFull,
+    RateLimited,
+    RequestNotFound,
+    RequestRejected,
+    RequestTimeout,
+    RillError,
+)
+from rill.protocols.openai_http.messages import (
+    ChatCompletionRequest,
+    ChatMessageIn,
+    CompletionRequest,
+    ErrorDetail,
+    ErrorResponse,
+)
+from rill.types import ChatMessage, GenerateRequest, SamplingParams
+
+PROTOCOL = "openai_http"
+"""``GenerateRequest.protocol`` of every request of this API (labels metrics)."""
+
+MAX_N = 128
+"""Most choices (``n``) per request, as OpenAI allows."""
+
+MAX_LOGPROBS = 20
+"""Most alternatives per token for ``logprobs`` / ``top_logprobs`` (OpenAI's chat bound)."""
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+class ModelNotFound(InvalidRequest):
+    """The request names a model this server does not serve (HTTP 404)."""
+
+    code = "model_not_found"
+
+    def __init__(self, requested: str, served: str) -> None:
+        super().__init__(f"The model '{requested}' does not exist; this server serves '{served}'", field="model")
+
+
+class Unauthorized(RillError):
+    """No API key or a wrong one (HTTP 401)."""
+
+    code = "invalid_api_key"
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(message or "Missing or invalid API key: send 'Authorization: Bearer <key>'")
+
+
+class BodyTooLarge(InvalidRequest):
+    """The request body is over the configured limit (HTTP 413)."""
+
+    code = "request_too_large"
+
+    def __init__(self, limit_bytes: int) -> None:
+        super().__init__(f"Request body is larger than the limit of {limit_bytes} bytes", field=None)
+        self.limit_bytes = limit_bytes
+
+
+class RouteNotFound(RillError):
+    """No such path on this server (HTTP 404)."""
+
+    code = "not_found"
+
+
+class RequestCancelled(RillError):
+    """The server cancelled the request before it finished (e.g. while shutting down)."""
+
+    code = "cancelled"
+    retryable = True
+
+
+@dataclass(frozen=True)
+class WireError:
+    """An error as sent: HTTP status, extra headers and the JSON body bytes."""
+
+    status: int
+    body: bytes
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+ERROR_TABLE: dict[type[BaseException], tuple[int, str]] = {
+    # class: (HTTP status, OpenAI error type); the most specific class in the MRO wins.
+    ModelNotFound: (404, "invalid_request_error"),
+    BodyTooLarge: (413, "invalid_request_error"),
+    ContextLengthExceeded: (400, "invalid_request_error"),
+    InvalidRequest: (400, "invalid_request_error"),
+    Unauthorized: (401, "invalid_request_error"),
+    RouteNotFound: (404, "invalid_request_error"),
+    QueueFull: (429, "rate_limit_error"),
+    RateLimited: (429, "rate_limit_error"),
+    MemoryPressure: (400, "invalid_request_error"),
+    ModelNotReady: (503, "service_unavailable_error"),
+    RequestRejected: (503, "service_unavailable_error"),
+    RequestCancelled: (503, "service_unavailable_error"),
+    RequestNotFound: (404, "invalid_request_error"),
+    CacheMiss: (400, "invalid_request_error"),
+    RequestTimeout: (504, "timeout_error"),
+    EngineDead: (503, "server_error"),
+    EngineError: (500, "server_error"),
+    RillError: (500, "server_error"),
+}
+
+_GENERIC_MESSAGE = "The server had an error while processing your request"
+
+_encoder = msgspec.json.Encoder()
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    """JSON bytes of a response struct."""
+    return _encoder.encode(message)
+
+
+def error_detail(exc: BaseException) -> tuple[int, ErrorDetail]:
+    """HTTP status and OpenAI ``error`` object for ``exc`` (generic text for non-rill errors)."""
+    for cls in type(exc).__mro__:
+        if cls in ERROR_TABLE:
+            status, kind = ERROR_TABLE[cls]
+            break
+    else:
+        return 500, ErrorDetail(message=_GENERIC_MESSAGE, type="server_error", code="internal_error")
+    assert isinstance(exc, RillError)  # only rill classes are in the table
+    param = getattr(exc, "field", None)
+    return status, ErrorDetail(message=exc.message, type=kind, param=param, code=exc.code)
+
+
+def error_for(exc: BaseException) -> WireError:
+    """The complete HTTP error for ``exc``, with ``Retry-After`` for retryable refusals."""
+    status, detail = error_detail(exc)
+    headers = {}
+    retry_after_s = getattr(exc, "retry_after_s", None)
+    if retry_after_s is None and isinstance(exc, ModelNotReady):
+        retry_after_s = 1.0  # loading progress lives on /health; a second is a fair poll
+    if retry_after_s is not None and status in (429, 503):
+        headers["Retry-After"] = str(max(1, math.ceil(retry_after_s)))  # RFC 9110: whole seconds
+    return WireError(status=status, body=encode(ErrorResponse(error=detail)), headers=headers)
+
+
+def error_event_data(exc: BaseException) -> bytes:
+    """The ``{"error": {...}}`` JSON sent as an SSE event when a stream fails mid-way."""
+    _, detail = error_detail(exc)
+    return encode(ErrorResponse(error=detail))
+
+
+# ----------------------------------------------------------------------------- requests
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What the codec needs to know about the served model and the server's limits."""
+
+    name: str
+    max_context_tokens: int
+    vocab_size: int | None = None
+    has_chat_template: bool = True
+    max_tokens_cap: int | None = None
+    modalities: tuple[str, ...] = ("text",)
+
+
+_completion_decoder = msgspec.json.Decoder(CompletionRequest)
+_chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
+
+
+def decode_completion(body: bytes) -> CompletionRequest:
+    """Parse a ``/v1/completions`` body; ``InvalidRequest`` names the bad field."""
+    req = _decode(_completion_decoder, body)
+    _reject_unsupported(echo=bool(req.echo), suffix=req.suffix is not None)
+    if req.best_of is not None and req.best_of != (req.n or 1):
+        raise InvalidRequest("'best_of' is not supported (only best_of == n)", field="best_of")
+    if req.prompt is None:
+        raise InvalidRequest("'prompt' is required", field="prompt")
+    return req
+
+
+def decode_chat(body: bytes) -> ChatCompletionRequest:
+    """Parse a ``/v1/chat/completions`` body; ``InvalidRequest`` names the bad field."""
+    req = _decode(_chat_decoder, body)
+    if not req.messages:
+        raise InvalidRequest("'messages' must be a non-empty list", field="messages")
+    fmt = (req.response_format or {}).get("type", "text")
+    if fmt != "text":
+        raise InvalidRequest(f"response_format type '{fmt}' is not supported (only 'text')", field="response_format")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise InvalidRequest("'top_logprobs' needs 'logprobs' set to true", field="top_logprobs")
+    return req
+
+
+def _decode(decoder: msgspec.json.Decoder, body: bytes) -> Any:
+    if not body.strip():
+        raise InvalidRequest("request body is empty; send a JSON object")
+    try:
+        return decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        return _raise_invalid(text, _field_of(text))
+    except msgspec.DecodeError as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
+
+
+def _raise_invalid(text: str, name: str | None) -> Any:
+    raise InvalidRequest(f"invalid request: {text}", field=name)
+
+
+def _field_of(text: str) -> str | None:
+    # msgspec ends its messages with "- at `$.field[0].sub`"; keep the top-level field name.
+    marker = "`$."
+    if marker not in text:
+        return None
+    return text.split(marker, 1)[1].split("`", 1)[0].split("[", 1)[0].split(".", 1)[0]
+
+
+def _reject_unsupported(**flags: bool) -> None:
+    for name, is_set in flags.items():
+        if is_set:
+            raise InvalidRequest(f"'{name}' is not supported by this server", field=name)
+
+
+def check_model(requested: str | None, served: ServedModel) -> None:
+    """Raise ``ModelNotFound`` unless ``requested`` is absent or the served model's name."""
+    if requested not in (None, "", served.name):
+        raise ModelNotFound(requested, served.name)
+
+
+def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
+    """The prompts of a completions request: strings, or lists of token ids."""
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return list(prompt)
+        if all(_is_token_id(t) for t in prompt):
+            return [list(prompt)]
+        if all(isinstance(p, list) and p and all(_is_token_id(t) for t in p) for p in prompt):
+            return [list(p) for p in prompt]
+    raise InvalidRequest(
+        "'prompt' must be a string, a list of strings, a list of token ids or a list of token-id lists",
+        field="prompt",
+    )
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def chat_messages(req: ChatCompletionRequest, served: ServedModel) -> list[ChatMessage]:
+    """The request's messages as neutral ``ChatMessage``s (text parts joined into strings).
+
+    Raises ``InvalidRequest`` when the model has no chat template, or a message holds a
+    content part the model cannot take (e.g. an image for a text-only model).
+    """
+    if not served.has_chat_template:
+        raise InvalidRequest(
+            f"model '{served.name}' has no chat template, so /v1/chat/completions cannot format "
+            "messages; use /v1/completions with a plain prompt",
+            field="messages",
+        )
+    return [_chat_message(i, m, served) for i, m in enumerate(req.messages or [])]
+
+
+def _chat_message(index: int, msg: ChatMessageIn, served: ServedModel) -> ChatMessage:
+    content: str | list[dict[str, Any]] | None = msg.content
+    if isinstance(content, list):
+        kinds = {str(part.get("type")) for part in content}
+        if kinds <= {"text"}:
+            # Most chat templates expect a string; text-only part lists are joined as OpenAI does.
+            content = "\n".join(str(part.get("text", "")) for part in content)
+        else:
+            unknown = sorted(k for k in kinds - {"text"} if k.split("_", 1)[0] not in served.modalities)
+            if unknown:
+                raise InvalidRequest(
+                    f"messages[{index}] has content of type {', '.join(unknown)}, which model "
+                    f"'{served.name}' cannot take (it takes {', '.join(served.modalities)})",
+                    field="messages",
+                )
+    return ChatMessage(role=msg.role, content=content, name=msg.name, tool_calls=msg.tool_calls,
+                       tool_call_id=msg.tool_call_id)
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as plain dicts for a chat template (``None`` fields left out)."""
+    return [{k: v for k, v in msgspec.structs.asdict(m).items() if v is not None} for m in messages]
+
+
+def template_kwargs(req: ChatCompletionRequest) -> dict[str, Any]:
+    """Extra variables for the chat template: ``chat_template_kwargs`` plus ``tools``."""
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.tools:
+        kwargs.setdefault("tools", req.tools)
+    return kwargs
+
+
+def resolve_max_tokens(req: CompletionRequest | ChatCompletionRequest, num_prompt_tokens: int,
+                       served: ServedModel) -> int:
+    """The number of tokens to generate at most.
+
+    ``max_completion_tokens`` (the newer name) wins over ``max_tokens``. When neither is set
+    the default is what remains of the context after the prompt. Either way the result is
+    clamped to what remains of the context and to ``--max-tokens-cap``: a request never
+    fails for asking too much, it ends with ``finish_reason: length``. A prompt that leaves
+    no room at all is ``ContextLengthExceeded`` naming both lengths.
+    """
+    room = served.max_context_tokens - num_prompt_tokens
+    if room < 1:
+        raise ContextLengthExceeded(
+            num_prompt_tokens, served.max_context_tokens,
+            f"prompt has {num_prompt_tokens} tokens but the model's context holds at most "
+            f"{served.max_context_tokens} (prompt and completion together)",
+        )
+    asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    if asked is not None and asked < 1:
+        raise InvalidRequest(f"'{name}' must be >= 1", field=name)
+    limit = room if asked is None else min(asked, room)
+    if served.max_tokens_cap is not None:
+        limit = min(limit, served.max_tokens_cap)
+    return max(1, limit)
+
+
+def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int,
+                    served: ServedModel) -> SamplingParams:
+    """Neutral sampling parameters of one choice (``seed`` is the request's, not per choice)."""
+    n = 1 if req.n is None else req.n
+    if not 1 <= n <= MAX_N:
+        raise InvalidRequest(f"'n' must be in [1, {MAX_N}]", field="n")
+    if isinstance(req, ChatCompletionRequest):
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        logprobs_field = "top_logprobs"
+    else:
+        logprobs, logprobs_field = req.logprobs, "logprobs"
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise InvalidRequest(f"'{logprobs_field}' must be in [0, {MAX_LOGPROBS}]", field=logprobs_field)
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    params = SamplingParams(
+        temperature=_or(req.temperature, 1.0),
+        top_p=_or(req.top_p, 1.0),
+        top_k=max(0, _or(req.top_k, 0)),  # OpenAI-style clients send -1 for "off"
+        min_p=_or(req.min_p, 0.0),
+        presence_penalty=_or(req.presence_penalty, 0.0),
+        frequency_penalty=_or(req.frequency_penalty, 0.0),
+        repetition_penalty=_or(req.repetition_penalty, 1.0),
+        seed=req.seed,
+        max_tokens=max_tokens,
+        min_tokens=min(_or(req.min_tokens, 0), max_tokens),
+        stop=stop,
+        stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=bool(req.ignore_eos),
+        logit_bias=dict(req.logit_bias or {}),
+        logprobs=logprobs,
+    )
+    try:
+        return params.validate(vocab_size=served.vocab_size, max_logprobs=MAX_LOGPROBS)
+    except InvalidRequest as exc:
+        if exc.field == "logprobs" and logprobs_field != "logprobs":
+            raise InvalidRequest(str(exc).replace("'logprobs'", f"'{logprobs_field}'"), field=logprobs_field) from exc
+        raise
+
+
+def _or(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+def generate_requests(
+    req: CompletionRequest | ChatCompletionRequest,
+    prompts_token_ids: list[list[int]],
+    served: ServedModel,
+    response_id: str,
+    deadline_s: float | None = None,
+) -> list[GenerateRequest]:
+    """One ``GenerateRequest`` per choice: for each prompt, ``n`` choices in a row.
+
+    Choice ``k`` belongs to prompt ``k // n``. With a ``seed``, choice ``i`` of a prompt
+    gets ``seed + i`` so that the ``n`` choices differ yet repeat between runs.
+    """
+    n = 1 if req.n is None else req.n
+    out: list[GenerateRequest] = []
+    for ids in prompts_token_ids:
+        max_tokens = resolve_max_tokens(req, len(ids), served)
+        base = sampling_params(req, max_tokens, served)
+        for i in range(n):
+            sampling = base if base.seed is None or i == 0 else msgspec.structs.replace(base, seed=(base.seed + i) % 2**63)
+            out.append(GenerateRequest(
+                prompt_token_ids=ids,
+                sampling=sampling,
+                request_id=f"{response_id}-{len(out)}",
+                protocol=PROTOCOL,
+                deadline_s=deadline_s,
+            ))
+    return out

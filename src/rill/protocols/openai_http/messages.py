@@ -1,0 +1,253 @@
+"""Wire messages of the OpenAI-compatible HTTP API, named exactly as on the wire.
+
+Requests are decoded leniently as OpenAI's own server does: unknown fields are ignored (SDKs
+add new ones often) and ``null`` means "absent". Responses follow the shapes of the OpenAI
+API reference (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``), including
+``usage.prompt_tokens_details.cached_tokens``. Extensions beyond OpenAI's fields are the
+sampling knobs vLLM also accepts (``top_k``, ``min_p``, ``repetition_penalty``,
+``min_tokens``, ``ignore_eos``, ``stop_token_ids``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+# ---------------------------------------------------------------------------- requests
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    """``stream_options``: ``include_usage`` adds a last chunk with usage and no choices."""
+
+    include_usage: bool | None = False
+
+
+class _CommonRequest(msgspec.Struct, kw_only=True):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    n: int | None = 1
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = False
+    user: str | None = None
+
+
+class CompletionRequest(_CommonRequest, kw_only=True):
+    """``POST /v1/completions`` body.
+
+    ``prompt`` is a string, a list of strings (one completion per prompt), a list of token
+    ids, or a list of token-id lists; ``logprobs`` asks for the chosen token's logprob plus
+    that many alternatives.
+    """
+
+    prompt: Any = None
+    logprobs: int | None = None
+    echo: bool | None = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ChatMessageIn(msgspec.Struct, kw_only=True):
+    """One message of a chat request; ``content`` is text or a list of content parts."""
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+
+class ChatCompletionRequest(_CommonRequest, kw_only=True):
+    """``POST /v1/chat/completions`` body.
+
+    ``logprobs: true`` asks for per-token logprobs, ``top_logprobs`` for that many
+    alternatives per token. ``tools`` and ``chat_template_kwargs`` are handed to the
+    model's chat template.
+    """
+
+    messages: list[ChatMessageIn] | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool | None = True
+
+
+# ---------------------------------------------------------------------------- responses
+
+
+class ErrorDetail(msgspec.Struct, kw_only=True):
+    """The ``error`` object: ``type`` is the class of error, ``param`` the offending field."""
+
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(msgspec.Struct, kw_only=True):
+    """OpenAI's error body: ``{"error": {...}}`` (also sent as an SSE event mid-stream)."""
+
+    error: ErrorDetail
+
+
+class ModelCard(msgspec.Struct, kw_only=True):
+    """One entry of ``GET /v1/models``; ``max_model_len`` is a vLLM-style extension."""
+
+    id: str
+    object: str = "model"
+    created: int = 0
+    owned_by: str = "rill"
+    max_model_len: int | None = None
+
+
+class ModelList(msgspec.Struct, kw_only=True):
+    """``GET /v1/models`` body."""
+
+    object: str = "list"
+    data: list[ModelCard] = []
+
+
+class PromptTokensDetails(msgspec.Struct, kw_only=True):
+    """``usage.prompt_tokens_details``: prompt tokens served from the prefix cache."""
+
+    cached_tokens: int = 0
+
+
+class UsageInfo(msgspec.Struct, kw_only=True):
+    """``usage`` of a response: token counts over all choices (each prompt counted once)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionLogprobs(msgspec.Struct, kw_only=True):
+    """Legacy completions ``logprobs``: parallel lists, one entry per generated token."""
+
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float]] | None = None
+    text_offset: list[int] = []
+
+
+class CompletionChoice(msgspec.Struct, kw_only=True):
+    """One choice of a completion (or a chunk of one, when streaming)."""
+
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class Completion(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """``/v1/completions`` body, and each streamed chunk (same ``object`` in both cases).
+
+    Chunks omit ``usage`` except the last one when ``stream_options.include_usage`` is set.
+    """
+
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    system_fingerprint: str | None = None
+    usage: UsageInfo | None = None
+
+
+class TopLogprobOut(msgspec.Struct, kw_only=True):
+    """One alternative token of a chat ``logprobs.content`` entry."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(msgspec.Struct, kw_only=True):
+    """One generated token of a chat ``logprobs.content`` list."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprobOut] = []
+
+
+class ChatLogprobs(msgspec.Struct, kw_only=True):
+    """Chat ``logprobs``: one entry per generated token."""
+
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatMessageOut(msgspec.Struct, kw_only=True):
+    """The assistant message of a non-streamed chat choice."""
+
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(msgspec.Struct, kw_only=True):
+    """One choice of a chat completion."""
+
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletion(msgspec.Struct, kw_only=True):
+    """``/v1/chat/completions`` body (not streamed)."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+    system_fingerprint: str | None = None
+
+
+class ChatDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What a chunk adds to a chat choice: the role once (first chunk), then content."""
+
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(msgspec.Struct, kw_only=True):
+    """One choice of a streamed chat chunk."""
+
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One SSE chunk of a streamed chat completion (``object: chat.completion.chunk``)."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    system_fingerprint: str | None = None
+    usage: UsageInfo | None = None

@@ -1,0 +1,241 @@
+"""Per-request response state of the OpenAI API (pure): engine outputs in, bytes out.
+
+One ``ResponseSession`` lives for one HTTP request with ``num_choices`` engine requests
+behind it (``n`` per prompt). The adapter feeds it every ``RequestOutput`` with the choice
+index it belongs to, in arrival order, and writes what it returns:
+
+    streamed:      start() → on_output(i, out)* → end()        (SSE event bytes)
+    not streamed:  on_output(i, out)* → body()                 (one JSON document)
+
+A choice's failure (``finish_reason`` ``error``, or ``cancelled`` while the client is still
+there) sets ``failed``; the adapter then stops, sends ``end()`` (streamed: an error event,
+then ``[DONE]``) or an error response (not streamed). Token strings for logprobs come from
+``token_text`` (the client's ``decode([id])``), passed in so this module stays pure.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Callable
+
+from rill.errors import GenerationError, RillError
+from rill.protocols._shared import sse
+from rill.protocols.openai_http import codec
+from rill.protocols.openai_http.messages import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatDelta,
+    ChatLogprobs,
+    ChatMessageOut,
+    ChatTokenLogprob,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    PromptTokensDetails,
+    TopLogprobOut,
+    UsageInfo,
+)
+from rill.types import RequestOutput, TokenLogprob, Usage
+
+FINISH_REASONS = {"stop": "stop", "length": "length"}
+"""Engine finish reasons a client may see, in OpenAI's words (eos, stop string and stop
+token are all ``stop``; max tokens and a full context are ``length``)."""
+
+
+class Kind(enum.Enum):
+    """Which endpoint the session answers (decides the response shapes)."""
+
+    COMPLETION = "text_completion"
+    CHAT = "chat.completion"
+
+
+@dataclass
+class _Choice:
+    text: list[str] = field(default_factory=list)
+    num_chars: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: Usage = field(default_factory=Usage)
+
+
+class ResponseSession:
+    """Builds the chunks or the body of one OpenAI response from engine outputs.
+
+    Args:
+        kind: completions or chat completions.
+        response_id: ``cmpl-…`` / ``chatcmpl-…``, the same in every chunk.
+        created: Unix seconds, the same in every chunk.
+        model: the served model name.
+        num_choices: engine requests behind this response; choice ``k`` is for prompt ``k // n``.
+        n: choices per prompt.
+        include_usage: send a last chunk with usage (``stream_options.include_usage``).
+        logprobs: None, or how many alternatives per token the client asked for.
+        token_text: the text of one token id (for logprobs).
+    """
+
+    def __init__(self, *, kind: Kind, response_id: str, created: int, model: str, num_choices: int,
+                 n: int = 1, include_usage: bool = False, logprobs: int | None = None,
+                 token_text: Callable[[int], str] = str) -> None:
+        self.kind = kind
+        self.response_id = response_id
+        self.created = created
+        self.model = model
+        self.n = n
+        self.include_usage = include_usage
+        self.logprobs = logprobs
+        self.token_text = token_text
+        self.choices = [_Choice() for _ in range(num_choices)]
+        self.failed: BaseException | None = None
+
+    @property
+    def is_done(self) -> bool:
+        """True once every choice finished or one failed."""
+        return self.failed is not None or all(c.finish_reason is not None for c in self.choices)
+
+    # -- streaming -----------------------------------------------------------------------
+    def start(self) -> list[bytes]:
+        """First events of a stream: for chat, one chunk per choice announcing the role."""
+        if self.kind is not Kind.CHAT:
+            return []
+        return [self._chat_chunk(ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content="")))
+                for i in range(len(self.choices))]
+
+    def on_output(self, index: int, out: RequestOutput) -> list[bytes]:
+        """Record one output of choice ``index``; return the SSE events to send (if streaming).
+
+        Returns an empty list when there is nothing new to show (e.g. only lifecycle events).
+        Callers that do not stream ignore the return value.
+        """
+        if self.failed is not None:
+            return []
+        choice = self.choices[index]
+        choice.usage = out.usage
+        failed = out.finished and out.finish_reason not in FINISH_REASONS
+        # A coalesced output may carry tokens and the failure together: show the tokens first.
+        events = self._append(index, out, None if failed else FINISH_REASONS.get(out.finish_reason or ""))
+        if failed:
+            self.failed = _failure(out)
+            events.append(sse.encode_event(codec.error_event_data(self.failed)))
+        return events
+
+    def _append(self, index: int, out: RequestOutput, finish: str | None) -> list[bytes]:
+        choice = self.choices[index]
+        offset = choice.num_chars
+        choice.text.append(out.text)
+        choice.num_chars += len(out.text)
+        if out.logprobs:
+            choice.logprobs.extend(out.logprobs)
+        choice.finish_reason = finish
+        if not out.text and not out.logprobs and finish is None:
+            return []
+        if self.kind is Kind.CHAT:
+            delta = ChatDelta(content=out.text) if out.text or finish is None else ChatDelta()
+            chunk = ChatChunkChoice(index=index, delta=delta, logprobs=self._chat_logprobs(out.logprobs),
+                                    finish_reason=finish)
+            return [self._chat_chunk(chunk)]
+        choice_chunk = CompletionChoice(index=index, text=out.text, finish_reason=finish,
+                                        logprobs=self._completion_logprobs(out.logprobs, offset))
+        return [sse.encode_event(codec.encode(self._completion([choice_chunk])))]
+
+    def end(self) -> list[bytes]:
+        """Last events of a stream: the error (if failed) or the usage chunk, then ``[DONE]``."""
+        events: list[bytes] = []
+        if self.failed is None and self.include_usage:
+            if self.kind is Kind.CHAT:
+                events.append(self._chat_chunk(None, usage=self.usage()))
+            else:
+                events.append(sse.encode_event(codec.encode(self._completion([], usage=self.usage()))))
+        events.append(sse.DONE)
+        return events
+
+    def fail(self, exc: BaseException) -> list[bytes]:
+        """Fail the response from outside (e.g. the engine died); return the error event."""
+        if self.failed is not None:
+            return []
+        self.failed = exc
+        return [sse.encode_event(codec.error_event_data(exc))]
+
+    # -- not streaming ---------------------------------------------------------------------
+    def body(self) -> bytes:
+        """The whole JSON response, once ``is_done`` and not ``failed``."""
+        if self.kind is Kind.CHAT:
+            choices = [
+                ChatChoice(index=i, message=ChatMessageOut(content="".join(c.text)),
+                           logprobs=self._chat_logprobs(c.logprobs), finish_reason=c.finish_reason)
+                for i, c in enumerate(self.choices)
+            ]
+            return codec.encode(ChatCompletion(id=self.response_id, object="chat.completion", created=self.created,
+                                               model=self.model, choices=choices, usage=self.usage()))
+        choices_out = [
+            CompletionChoice(index=i, text="".join(c.text), finish_reason=c.finish_reason,
+                             logprobs=self._completion_logprobs(c.logprobs, 0))
+            for i, c in enumerate(self.choices)
+        ]
+        return codec.encode(self._completion(choices_out, usage=self.usage()))
+
+    def usage(self) -> UsageInfo:
+        """Token counts over all choices; each prompt's tokens are counted once, not ``n`` times."""
+        firsts = self.choices[:: max(1, self.n)]
+        prompt = sum(c.usage.prompt_tokens for c in firsts)
+        cached = sum(c.usage.cached_tokens for c in firsts)
+        completion = sum(c.usage.completion_tokens for c in self.choices)
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+    # -- shapes ------------------------------------------------------------------------------
+    def _completion(self, choices: list[CompletionChoice], usage: UsageInfo | None = None) -> Completion:
+        return Completion(id=self.response_id, object="text_completion", created=self.created, model=self.model,
+                          choices=choices, usage=usage)
+
+    def _chat_chunk(self, choice: ChatChunkChoice | None, usage: UsageInfo | None = None) -> bytes:
+        chunk = ChatCompletionChunk(id=self.response_id, object="chat.completion.chunk", created=self.created,
+                                    model=self.model, choices=[choice] if choice else [], usage=usage)
+        return sse.encode_event(codec.encode(chunk))
+
+    def _completion_logprobs(self, logprobs: list[TokenLogprob] | None, offset: int) -> CompletionLogprobs | None:
+        if self.logprobs is None or logprobs is None:
+            return None
+        out = CompletionLogprobs(top_logprobs=[])
+        for lp in logprobs:
+            token = self.token_text(lp.token_id)
+            out.tokens.append(token)
+            out.token_logprobs.append(lp.logprob)
+            out.text_offset.append(offset)
+            offset += len(token)
+            # As vLLM does: the top alternatives plus the chosen token, most likely first.
+            top = {token: lp.logprob}
+            for alt in lp.top[: self.logprobs]:
+                top.setdefault(self.token_text(alt.token_id), alt.logprob)
+            assert out.top_logprobs is not None
+            out.top_logprobs.append(dict(sorted(top.items(), key=lambda kv: -kv[1])))
+        return out
+
+    def _chat_logprobs(self, logprobs: list[TokenLogprob] | None) -> ChatLogprobs | None:
+        if self.logprobs is None or logprobs is None:
+            return None
+        content = []
+        for lp in logprobs:
+            token = self.token_text(lp.token_id)
+            # OpenAI's top_logprobs are the N most likely tokens at the position, which may
+            # or may not include the chosen one: merge it in, sort, keep N.
+            ranked = sorted([(lp.token_id, lp.logprob)] + [(a.token_id, a.logprob) for a in lp.top],
+                            key=lambda kv: -kv[1])[: self.logprobs]
+            top = [_top(self.token_text(tid), value) for tid, value in ranked]
+            content.append(ChatTokenLogprob(token=token, logprob=lp.logprob, bytes=list(token.encode()),
+                                            top_logprobs=top))
+        return ChatLogprobs(content=content)
+
+
+def _top(token: str, logprob: float) -> TopLogprobOut:
+    return TopLogprobOut(token=token, logprob=logprob, bytes=list(token.encode()))
+
+
+def _failure(out: RequestOutput) -> RillError:
+    if out.finish_reason == "cancelled":
+        return codec.RequestCancelled("the request was cancelled by the server before it finished")
+    if isinstance(out.error, RillError):
+        return out.error
+    return GenerationError("generation failed")
