@@ -62,7 +62,8 @@ class StepBatch:
         decode_masks: per sliding window, a bool mask ``[B, 1, 1, decode_len]`` or None when
             every decode row has exactly ``decode_len`` keys and no window applies.
         prefill: layout of the prefill chunks, or None when the step has none.
-        logits_index: ``[M]`` packed positions whose logits are wanted, or None for none.
+        logits_index: ``[M]`` packed positions whose logits are wanted (may be empty), or
+            None for every token in packed order.
         cos, sin: ``[N, 1, head_dim]`` RoPE rows in the activation dtype (set by the model).
     """
 

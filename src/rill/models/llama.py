@@ -180,9 +180,9 @@ class LlamaModel(nn.Module):
         batch.cos, batch.sin = self.rope_rows(batch.positions, x.dtype)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = layer.forward_step(x, batch, k_cache, v_cache)
-        if batch.logits_index is None:
-            return x.new_empty((0, self.config.vocab_size), dtype=torch.float32)
-        if batch.logits_index.numel() != x.shape[0]:
+        if batch.logits_index is not None:
+            if not batch.logits_index.numel():
+                return x.new_empty((0, self.config.vocab_size), dtype=torch.float32)
             x = x.index_select(0, batch.logits_index)
         return F.linear(self.norm(x), self.lm_weight()).float()
 

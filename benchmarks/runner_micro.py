@@ -1,0 +1,88 @@
+"""Micro-benchmark of ``TorchModelRunner``: decode steps at B = 1, 8, 32 and one 32×128 prefill.
+
+Builds (once, cached under ``--folder``) the engine-notes' model100m shape with random weights,
+loads it in bf16 (or ``--dtype``) and times the runner alone: no sampling, no scheduler.
+Decode contexts are ~256 tokens (the cached rows are filled by a prefill first; rows get
+slightly different lengths, as in a real batch, so the length mask is exercised).
+
+    .venv/bin/python benchmarks/runner_micro.py [--dtype bfloat16] [--steps 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from rill.engine.batch import RowWork
+from rill.engine.runner import TorchModelRunner
+from rill.models import load_model
+
+
+def _time(fn, repeats: int) -> list[float]:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def main() -> None:
+    """Parse arguments, build or reuse the checkpoint, print one line per measurement."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--folder", default="/tmp/rill-bench/model100m")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    folder = Path(args.folder)
+    if not (folder / "config.json").exists():
+        from rill.testing.checkpoints import make_checkpoint
+
+        make_checkpoint(folder, "llama", preset="100m", seed=0)
+    loaded = load_model(folder, dtype=args.dtype)
+    runner = TorchModelRunner(loaded, num_rows=40, max_len=args.context + 2 * args.steps + 8)
+    vocab = loaded.config.vocab_size
+    generator = torch.Generator().manual_seed(0)
+
+    def prompt(n: int) -> list[int]:
+        return torch.randint(8, vocab, (n,), generator=generator).tolist()
+
+    prefill = [RowWork(row=i, token_ids=prompt(128), start=0) for i in range(32)]
+    runner.forward(prefill[:2])  # warm-up
+    times = _time(lambda: runner.forward(prefill), 2)
+    print(f"prefill 32x128: {min(times) * 1e3:.0f} ms ({32 * 128 / min(times):.0f} tok/s)")
+
+    # Fill rows to ~context tokens (lengths differ by a few tokens per row).
+    lengths = [args.context - (i % 5) for i in range(32)]
+    for i in range(0, 32, 8):
+        runner.forward([RowWork(row=r, token_ids=prompt(lengths[r]), start=0) for r in range(i, i + 8)])
+    for batch_size in (1, 8, 32):
+        rows = list(range(batch_size))
+        step = [0]
+
+        def decode() -> None:
+            work = [RowWork(row=r, token_ids=[5], start=lengths[r] + step[0]) for r in rows]
+            runner.forward(work).argmax(-1).tolist()
+            step[0] += 1
+
+        decode()
+        step[0] = 0
+        times = _time(decode, args.steps)
+        median = statistics.median(times)
+        print(
+            f"decode B={batch_size:2d}: median {median * 1e3:6.1f} ms/step, min {min(times) * 1e3:6.1f}"
+            f" -> {batch_size / median:6.0f} tok/s"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,211 @@
+"""``TorchModelRunner``: the PyTorch ``ModelRunner`` over a contiguous per-row KV cache.
+
+The cache is one tensor ``[layers, 2, rows, kv_heads, max_len, head_dim]`` in the model dtype;
+layer ``l``'s keys are the view ``[l, 0]``. Logical rows (the scheduler's) map to physical
+rows. Before each step the rows being decoded are swapped into physical rows ``0..B-1`` so
+decode attention reads a strided view ``[:B, :, :len]`` of the cache and never gathers it
+(engine-notes §7: this beat paged attention on CPU). Prefill chunks stay where they are.
+
+Each step is one forward: all decode tokens and all prefill chunks are packed into one flat
+batch (``rill.models.attention.StepBatch``); the LM head runs only on positions whose logits
+are wanted.
+
+Imports torch, ``rill.engine.batch`` and ``rill.models``; nothing of the frontend or protocols.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from rill.engine.batch import RowWork
+from rill.models.attention import PrefillLayout, StepBatch
+from rill.models.loader import LoadedModel
+
+
+class TorchModelRunner:
+    """Runs steps of a ``LoadedModel`` over ``num_rows`` KV rows of ``max_len`` tokens each.
+
+    Attributes:
+        num_rows: logical KV rows.
+        max_len: tokens per row.
+        kv_bytes_per_token: bytes of keys and values of one token over all layers.
+        vocab_size: width of the returned logits.
+        kv_capacity_bytes: size of the whole cache.
+    """
+
+    def __init__(self, loaded_model: LoadedModel, num_rows: int, max_len: int) -> None:
+        if num_rows < 1 or max_len < 1:
+            raise ValueError(f"num_rows ({num_rows}) and max_len ({max_len}) must be >= 1")
+        config = loaded_model.config
+        self.model = loaded_model.model
+        self.config = config
+        self.num_rows = num_rows
+        self.max_len = max_len
+        self.vocab_size = config.vocab_size
+        self.kv_bytes_per_token = config.kv_bytes_per_token()
+        self.device = torch.device(config.device)
+        shape = (config.num_layers, 2, num_rows, config.num_kv_heads, max_len, config.head_dim)
+        # Zeros, not empty: masked-out positions still enter SDPA's matmul (as 0 * value).
+        self._kv = torch.zeros(shape, dtype=config.torch_dtype, device=self.device)
+        self.kv_capacity_bytes = self._kv.numel() * self._kv.element_size()
+        self._caches = [(self._kv[layer, 0], self._kv[layer, 1]) for layer in range(config.num_layers)]
+        self._physical = list(range(num_rows))  # logical row -> physical row
+        self._logical = list(range(num_rows))  # physical row -> logical row
+        self._lengths = [0] * num_rows  # per logical row: positions written (for swap copies)
+        self._windows = sorted(self.model.windows, key=lambda w: -1 if w is None else w)
+        self._group = config.num_heads // config.num_kv_heads
+        self.model.ensure_rope(max_len)
+
+    @torch.inference_mode()
+    def forward(self, work: Sequence[RowWork]) -> torch.Tensor:
+        """Run one step; return float32 logits ``[n, vocab_size]`` for the items with
+        ``need_logits``, in the order of ``work``.
+
+        Items with one token are decoded together; longer items are prefill chunks. Every
+        item's keys/values are written at positions ``start .. start + len - 1`` of its row.
+        """
+        if not work:
+            return torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
+        self._check(work)
+        decode = [item for item in work if len(item.token_ids) == 1]
+        self._place_decode_rows([item.row for item in decode])
+        batch = self._build_batch(work, decode)
+        logits = self.model.forward_step(batch, self._caches)
+        for item in work:
+            self._lengths[item.row] = item.start + len(item.token_ids)
+        return logits
+
+    def copy_row(self, src: int, dst: int, num_tokens: int) -> None:
+        """Copy positions ``[0, num_tokens)`` of logical row ``src`` into logical row ``dst``."""
+        if not (0 <= src < self.num_rows and 0 <= dst < self.num_rows):
+            raise ValueError(f"row out of range: src={src}, dst={dst}, num_rows={self.num_rows}")
+        if not 0 <= num_tokens <= self.max_len:
+            raise ValueError(f"num_tokens {num_tokens} outside [0, {self.max_len}]")
+        if src != dst and num_tokens:
+            with torch.inference_mode():
+                cache = self._kv[:, :, :, :, :num_tokens]
+                cache[:, :, self._physical[dst]] = cache[:, :, self._physical[src]]
+        self._lengths[dst] = num_tokens
+
+    def _check(self, work: Sequence[RowWork]) -> None:
+        seen: set[int] = set()
+        for item in work:
+            if not 0 <= item.row < self.num_rows or item.row in seen:
+                raise ValueError(f"row {item.row} is out of range or scheduled twice in one step")
+            if not item.token_ids or item.start < 0 or item.start + len(item.token_ids) > self.max_len:
+                raise ValueError(
+                    f"row {item.row}: {len(item.token_ids)} tokens at start {item.start} do not fit in max_len {self.max_len}"
+                )
+            seen.add(item.row)
+
+    def _place_decode_rows(self, rows: list[int]) -> None:
+        """Swap rows so the given logical rows occupy physical rows ``0..len(rows)-1``."""
+        num_decode = len(rows)
+        wanted = set(rows)
+        movers = [self._physical[row] for row in rows if self._physical[row] >= num_decode]
+        if not movers:
+            return
+        holes = [p for p in range(num_decode) if self._logical[p] not in wanted]
+        involved = [self._logical[p] for p in movers + holes]
+        num_tokens = max(self._lengths[row] for row in involved)
+        if num_tokens:
+            cache = self._kv[:, :, :, :, :num_tokens]
+            src = torch.tensor(movers, device=self.device)
+            dst = torch.tensor(holes, device=self.device)
+            parked = cache[:, :, dst].clone()
+            cache[:, :, dst] = cache[:, :, src]
+            cache[:, :, src] = parked
+        for mover, hole in zip(movers, holes):
+            moved, evicted = self._logical[mover], self._logical[hole]
+            self._logical[hole], self._logical[mover] = moved, evicted
+            self._physical[moved], self._physical[evicted] = hole, mover
+
+    def _build_batch(self, work: Sequence[RowWork], decode: list[RowWork]) -> StepBatch:
+        """Pack the step's tokens (decode rows in physical order, then prefill chunks)."""
+        decode.sort(key=lambda item: self._physical[item.row])
+        prefill = [item for item in work if len(item.token_ids) > 1]
+        ids = [item.token_ids[0] for item in decode]
+        positions = [item.start for item in decode]
+        rows = list(range(len(decode)))
+        last_index = {id(item): i for i, item in enumerate(decode)}
+        for item in prefill:
+            n = len(item.token_ids)
+            ids.extend(item.token_ids)
+            positions.extend(range(item.start, item.start + n))
+            rows.extend([self._physical[item.row]] * n)
+            last_index[id(item)] = len(ids) - 1
+        wanted = [last_index[id(item)] for item in work if item.need_logits]
+        if wanted == list(range(len(ids))):
+            logits_index = None  # every token, in packed order: no gather
+        else:
+            logits_index = torch.tensor(wanted, dtype=torch.long, device=self.device)
+        packed = torch.tensor([ids, positions, rows], dtype=torch.long, device=self.device)
+        decode_len = max((item.start + 1 for item in decode), default=0)
+        return StepBatch(
+            input_ids=packed[0],
+            positions=packed[1],
+            write_rows=packed[2],
+            num_decode=len(decode),
+            decode_len=decode_len,
+            decode_masks=self._decode_masks(decode, decode_len),
+            prefill=self._prefill_layout(prefill) if prefill else None,
+            logits_index=logits_index,
+        )
+
+    def _decode_masks(self, decode: list[RowWork], decode_len: int) -> dict[int | None, torch.Tensor | None]:
+        if not decode:
+            return {}
+        is_uniform = all(item.start + 1 == decode_len for item in decode)
+        lengths = None
+        masks: dict[int | None, torch.Tensor | None] = {}
+        for window in self._windows:
+            is_windowed = window is not None and window < decode_len
+            if is_uniform and not is_windowed:
+                masks[window] = None
+                continue
+            if lengths is None:
+                lengths = torch.tensor([item.start + 1 for item in decode], device=self.device)[:, None]
+                keys = torch.arange(decode_len, device=self.device)[None, :]
+                full = keys < lengths
+            mask = full & (keys >= lengths - window) if is_windowed else full
+            masks[window] = mask[:, None, None, :]  # [B, 1, 1, L]
+        return masks
+
+    def _prefill_layout(self, prefill: list[RowWork]) -> PrefillLayout:
+        sizes = [len(item.token_ids) for item in prefill]
+        num_chunks, max_chunk = len(prefill), max(sizes)
+        key_len = max(item.start + n for item, n in zip(prefill, sizes))
+        physical = [self._physical[item.row] for item in prefill]
+        is_consecutive = physical == list(range(physical[0], physical[0] + num_chunks))
+        pad_index = unpad_index = None
+        if any(n != max_chunk for n in sizes):
+            pad, unpad, offset = [], [], 0
+            for chunk, n in enumerate(sizes):
+                pad.extend(offset + min(t, n - 1) for t in range(max_chunk))
+                unpad.extend(chunk * max_chunk + t for t in range(n))
+                offset += n
+            pad_index = torch.tensor(pad, device=self.device)
+            unpad_index = torch.tensor(unpad, device=self.device)
+        starts = torch.tensor([item.start for item in prefill], device=self.device)[:, None]
+        last = torch.tensor([n - 1 for n in sizes], device=self.device)[:, None]
+        # Query position per (chunk, t); padding repeats the chunk's last token.
+        query_pos = starts + torch.minimum(torch.arange(max_chunk, device=self.device)[None, :], last)
+        keys = torch.arange(key_len, device=self.device)[None, None, :]
+        causal = keys <= query_pos[:, :, None]  # [P, T, L]
+        masks = {}
+        for window in self._windows:
+            mask = causal if window is None else causal & (keys > query_pos[:, :, None] - window)
+            # Fold the query-head group: query index t * g + j.
+            masks[window] = mask[:, None].repeat_interleave(self._group, dim=2)  # [P, 1, T*g, L]
+        return PrefillLayout(
+            num_chunks=num_chunks,
+            max_chunk_len=max_chunk,
+            key_len=key_len,
+            row_slice=(physical[0], physical[0] + num_chunks) if is_consecutive else None,
+            rows=torch.tensor(physical, device=self.device),
+            pad_index=pad_index,
+            unpad_index=unpad_index,
+            masks=masks,
+        )
