@@ -1,0 +1,320 @@
+"""Tests for rill.engine.sampler: semantics of every parameter, seeds, state, and the kernels."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from rill.engine.sampler import Sampler, inverse_cdf, keep_thresholds
+from rill.types import SamplingParams
+
+# A crafted 16-token distribution: probs 0.3, 0.25, 0.2, 0.1, 0.05, then 11 tokens sharing 0.1.
+CRAFTED = torch.log(torch.tensor([0.3, 0.25, 0.2, 0.1, 0.05] + [0.1 / 11] * 11))
+
+
+def make(vocab: int = 16, rows: int = 64, **kw) -> Sampler:
+    """A sampler; kw go to the constructor."""
+    return Sampler(vocab, rows, **kw)
+
+
+def draw_many(params: SamplingParams, logits: torch.Tensor, num_rows: int = 200, steps: int = 10) -> np.ndarray:
+    """Tokens from ``num_rows`` seeded rows with the same params over ``steps`` steps."""
+    s = make(logits.shape[-1], num_rows)
+    for k in range(num_rows):
+        s.add(k, SamplingParams(**{**_fields(params), "seed": k}), [], set())
+    batch = logits.expand(num_rows, -1)
+    return np.array([s.sample(batch, list(range(num_rows))).token_ids for _ in range(steps)]).ravel()
+
+
+def _fields(p: SamplingParams) -> dict:
+    return {f: getattr(p, f) for f in p.__struct_fields__}
+
+
+def one(s: Sampler, logits: torch.Tensor, key: int = 0) -> int:
+    """Sample one row."""
+    return s.sample(logits[None], [key]).token_ids[0]
+
+
+# ----- greedy ---------------------------------------------------------------------------------
+
+
+def test_greedy_is_argmax():
+    torch.manual_seed(0)
+    s = make(1000, 8)
+    for k in range(8):
+        s.add(k, SamplingParams(temperature=0.0), [], set())
+    for _ in range(5):
+        x = torch.randn(8, 1000)
+        assert s.sample(x, list(range(8))).token_ids == x.argmax(-1).tolist()
+
+
+def test_top_k_one_and_tiny_temperature_are_greedy():
+    torch.manual_seed(1)
+    s = make(500, 4)
+    s.add(0, SamplingParams(top_k=1, temperature=1.5), [], set())
+    s.add(1, SamplingParams(temperature=1e-3, seed=3), [], set())  # sampled, but the limit is argmax
+    s.add(2, SamplingParams(temperature=1e-7), [], set())  # below GREEDY_TEMPERATURE
+    for _ in range(20):
+        x = torch.randn(3, 500)
+        out = s.sample(x, [0, 1, 2]).token_ids
+        assert out[0] == x[0].argmax().item() and out[2] == x[2].argmax().item()
+        top2 = x[1].topk(2).values
+        if top2[0] - top2[1] > 0.05:  # a gap of 0.05 is 50 nats at T=1e-3
+            assert out[1] == x[1].argmax().item()
+
+
+# ----- filters --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("params", "allowed"),
+    [
+        (SamplingParams(top_k=3), {0, 1, 2}),
+        (SamplingParams(top_p=0.6), {0, 1, 2}),  # 0.3 + 0.25 < 0.6 <= 0.75
+        (SamplingParams(min_p=0.5), {0, 1, 2}),  # p >= 0.15
+        (SamplingParams(top_k=3, top_p=0.5), {0, 1}),  # top-p on the renormalised top-3 (0.75)
+        (SamplingParams(top_p=0.9, min_p=0.4), {0, 1, 2}),  # min-p (p >= 0.12) cuts tokens top-p keeps
+        (SamplingParams(top_k=4, temperature=0.5), {0, 1, 2, 3}),
+    ],
+)
+def test_filters_never_pick_excluded_tokens(params, allowed):
+    tokens = draw_many(params, CRAFTED)
+    assert set(tokens.tolist()) == allowed  # every allowed token shows up in 2000 draws
+
+
+def test_filters_with_fallback_to_full_sort():
+    # num_candidates=2 forces the top-p rows through the full-sort path.
+    s = make(16, 100, num_candidates=2)
+    for k in range(100):
+        s.add(k, SamplingParams(top_p=0.6, seed=k), [], set())
+    tokens = {t for _ in range(5) for t in s.sample(CRAFTED.expand(100, -1), list(range(100))).token_ids}
+    assert tokens == {0, 1, 2}
+
+
+def test_temperature_sampling_matches_softmax():
+    torch.manual_seed(2)
+    logits = torch.randn(40) * 1.5  # 40 tokens: padded to one 128-wide block
+    temperature = 0.8
+    tokens = draw_many(SamplingParams(temperature=temperature), logits, num_rows=250, steps=80)
+    expected = torch.softmax(logits / temperature, -1).double().numpy() * len(tokens)
+    observed = np.bincount(tokens, minlength=40)
+    big = expected >= 5
+    chi2 = (((observed - expected) ** 2 / expected)[big]).sum()
+    dof = big.sum() - 1
+    assert chi2 < dof + 5 * math.sqrt(2 * dof), (chi2, dof)  # fixed seeds: deterministic
+
+
+# ----- seeds ----------------------------------------------------------------------------------
+
+
+def _seeded_params() -> list[SamplingParams]:
+    return [
+        SamplingParams(seed=11, temperature=0.9, top_p=0.9),
+        SamplingParams(seed=12, temperature=1.2, top_k=20, top_p=0.8, repetition_penalty=1.3),
+        SamplingParams(seed=13, temperature=0.7, min_p=0.05, frequency_penalty=0.5, presence_penalty=0.3),
+        SamplingParams(seed=14, temperature=1.0, logit_bias={5: 3.0}),
+    ]
+
+
+def _step_logits(step: int, n: int, vocab: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(n, vocab, generator=g) * 3
+
+
+def test_seeded_rows_identical_alone_and_in_a_mixed_batch():
+    vocab, steps = 2048, 50
+    seeded = _seeded_params()
+    alone = []
+    for p in seeded:
+        s = make(vocab, 4, num_candidates=64)
+        s.add(2, p, [1, 2, 3], {0})
+        alone.append([one(s, _step_logits(t, 1, vocab)[0], key=2) for t in range(steps)])
+    # In the batch the seeded rows sit among 28 unseeded rows with other settings (a larger
+    # top_k changes the candidate set size; greedy and penalised rows change the plan).
+    s = make(vocab, 64, num_candidates=300)
+    keys = list(range(63, 31, -1))  # 32 keys, in an unusual order
+    positions = [3, 10, 17, 31]
+    for i, key in enumerate(keys):
+        if i in positions:
+            s.add(key, seeded[positions.index(i)], [1, 2, 3], {0})
+        else:
+            s.add(key, SamplingParams(temperature=[0.0, 0.5, 1.3][i % 3], top_k=[0, 400, 7][i % 3],
+                                      top_p=[1.0, 0.95][i % 2], presence_penalty=0.2 * (i % 2)), [4, 5], {0})
+    batch = [[] for _ in seeded]
+    for t in range(steps):
+        x = torch.randn(32, vocab) * 3
+        for j, pos in enumerate(positions):
+            x[pos] = _step_logits(t, 1, vocab)[0]
+        out = s.sample(x, keys).token_ids
+        for j, pos in enumerate(positions):
+            batch[j].append(out[pos])
+    assert batch == alone
+
+
+def test_reset_restarts_the_seeded_sequence():
+    s = make(300, 2)
+    s.add(1, SamplingParams(seed=5, top_p=0.95, frequency_penalty=0.4), [7, 8], {0})
+    first = [one(s, _step_logits(t, 1, 300)[0], key=1) for t in range(20)]
+    s.reset(1, [7, 8])
+    assert s.history(1) == []
+    again = [one(s, _step_logits(t, 1, 300)[0], key=1) for t in range(20)]
+    assert again == first
+
+
+# ----- logits processing ----------------------------------------------------------------------
+
+
+def test_penalties_follow_the_formulas():
+    s = make(8, 4)
+    s.add(3, SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25), [1, 2], {7})
+    for tok in (3, 3, 4):
+        s.record(3, tok)
+    raw = torch.tensor([1.0, 2.0, -2.0, 4.0, -1.0, 3.0, 0.5, -0.5])
+    got = s._processed_logits(raw[None], [3])[0]
+    want = raw.clone()
+    for t in (1, 2, 3, 4):  # prompt + output: positive divided, negative multiplied
+        want[t] = want[t] / 2.0 if want[t] > 0 else want[t] * 2.0
+    want[3] -= 0.5 + 0.25 * 2  # output counts: 3 twice, 4 once
+    want[4] -= 0.5 + 0.25 * 1
+    np.testing.assert_array_equal(got, want.numpy())
+    assert raw[3] == 4.0  # the caller's logits are not modified
+
+
+def test_penalty_state_built_when_enabled_mid_stream():
+    s = make(8, 2)
+    s.add(0, SamplingParams(temperature=0.0), [6], set())
+    for _ in range(3):
+        one(s, torch.tensor([0.0, 0, 0, 5, 0, 0, 0, 0]))  # picks 3 three times
+    s.update(0, SamplingParams(temperature=0.0, frequency_penalty=2.0, repetition_penalty=2.0))
+    got = s._processed_logits(torch.ones(1, 8), [0])[0]
+    np.testing.assert_allclose(got, [1, 1, 1, 0.5 - 6.0, 1, 1, 0.5, 1])
+
+
+def test_logit_bias_forces_a_token():
+    s = make(16, 2)
+    s.add(0, SamplingParams(logit_bias={9: 100.0}, seed=1), [], set())
+    s.add(1, SamplingParams(logit_bias={9: 100.0}, temperature=0.0), [], set())
+    for _ in range(20):
+        assert s.sample(CRAFTED.expand(2, -1), [0, 1]).token_ids == [9, 9]
+
+
+def test_min_tokens_blocks_eos_and_stop_ids_until_reached():
+    logits = torch.tensor([0.0, 1.0, 9.0, 8.0, 2.0])  # eos 2 best, stop id 3 next
+    s = make(5, 2)
+    s.add(0, SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[3]), [], {2})
+    assert [one(s, logits) for _ in range(4)] == [4, 4, 4, 2]
+
+
+def test_ignore_eos_masks_eos_always():
+    s = make(5, 2)
+    s.add(0, SamplingParams(ignore_eos=True, seed=0, top_k=2), [], {2})
+    logits = torch.tensor([0.0, 1.0, 9.0, 8.0, 2.0])
+    assert 2 not in [one(s, logits) for _ in range(30)]
+
+
+def test_all_banned_row_falls_back_to_raw_argmax():
+    logits = torch.full((2, 6), -math.inf)
+    logits[:, 4] = 0.0  # only eos is possible, and min_tokens bans it
+    s = make(6, 2)
+    s.add(0, SamplingParams(temperature=0.0, min_tokens=2), [], {4})
+    s.add(1, SamplingParams(min_tokens=2, seed=1, top_p=0.5), [], {4})
+    assert s.sample(logits, [0, 1]).token_ids == [4, 4]
+
+
+# ----- logprobs -------------------------------------------------------------------------------
+
+
+def test_logprobs_are_raw_log_softmax_with_top_n():
+    torch.manual_seed(3)
+    vocab = 3000
+    s = make(vocab, 4)
+    s.add(0, SamplingParams(logprobs=5, repetition_penalty=1.5, temperature=0.7, seed=0), list(range(50)), set())
+    s.add(1, SamplingParams(logprobs=0, temperature=0.0, logit_bias={17: 50.0}), [], set())
+    s.add(2, SamplingParams(), [], set())
+    s.add(3, SamplingParams(logprobs=2, temperature=0.0), [], set())
+    x = torch.randn(4, vocab) * 2
+    out = s.sample(x, [0, 1, 2, 3])
+    ref = torch.log_softmax(x.double(), -1)
+    assert out.logprobs[2] is None
+    for row, n in ((0, 5), (1, 0), (3, 2)):
+        lp = out.logprobs[row]
+        assert lp.token_id == out.token_ids[row]
+        assert lp.logprob == pytest.approx(ref[row, lp.token_id].item(), abs=1e-5)
+        vals, ids = ref[row].topk(n)
+        assert [t.token_id for t in lp.top] == ids.tolist()
+        np.testing.assert_allclose([t.logprob for t in lp.top], vals.numpy(), atol=1e-5)
+    assert out.token_ids[1] == 17  # the bias moved the choice, not the logprob
+    assert out.logprobs[1].logprob == pytest.approx(ref[1, 17].item(), abs=1e-5)
+
+
+# ----- state ----------------------------------------------------------------------------------
+
+
+def test_update_takes_effect_on_the_next_call():
+    s = make(16, 2)
+    s.add(0, SamplingParams(seed=3), [], set())
+    one(s, CRAFTED)
+    s.update(0, SamplingParams(temperature=0.0, logit_bias={12: 10.0}))
+    assert one(s, CRAFTED) == 12
+    s.update(0, SamplingParams(temperature=0.0))
+    assert one(s, CRAFTED) == 0
+    assert len(s.history(0)) == 3
+
+
+def test_remove_then_add_clears_history():
+    s = make(8, 2)
+    p = SamplingParams(temperature=0.0, frequency_penalty=1.0)
+    s.add(1, p, [], set())
+    for _ in range(4):
+        s.record(1, 5)
+    s.remove(1)
+    with pytest.raises(KeyError):
+        s.sample(torch.zeros(1, 8), [1])
+    s.add(1, p, [], set())
+    assert s.history(1) == []
+    np.testing.assert_array_equal(s._processed_logits(torch.zeros(1, 8), [1]), np.zeros((1, 8)))
+    with pytest.raises(ValueError):
+        s.add(1, p, [], set())
+
+
+# ----- kernels --------------------------------------------------------------------------------
+
+
+def _reference_keep(p: np.ndarray, top_k: int, top_p: float, min_p: float) -> set[int]:
+    order = np.argsort(-p, kind="stable")
+    keep = set(order[:top_k].tolist()) if top_k else set(range(len(p)))
+    q = np.where([i in keep for i in range(len(p))], p, 0.0)
+    if top_p < 1.0:
+        q_sorted = np.sort(q)[::-1] / q.sum()
+        cut = np.searchsorted(np.cumsum(q_sorted), top_p)  # first index reaching top_p
+        keep &= {i for i in range(len(p)) if q[i] / q.sum() >= q_sorted[min(cut, len(p) - 1)]}
+    return {i for i in keep if p[i] >= min_p * p.max()}
+
+
+@pytest.mark.parametrize("num_candidates", [1, 8, 1024])
+def test_keep_thresholds_match_a_sort_based_reference(num_candidates):
+    rng = np.random.default_rng(4)
+    f, width = 60, 256
+    w = np.exp(rng.standard_normal((f, width)) * rng.uniform(0.1, 3, (f, 1))).astype(np.float32)
+    w /= w.max(axis=1, keepdims=True)
+    top_k = rng.choice([0, 1, 5, 40], f)
+    top_p = rng.choice([1.0, 0.5, 0.9, 0.99], f).astype(np.float32)
+    min_p = rng.choice([0.0, 0.05, 0.3], f).astype(np.float32)
+    thr = keep_thresholds(w, top_k, top_p, min_p, num_candidates)
+    for r in range(f):
+        got = set(np.nonzero(w[r] >= thr[r])[0].tolist())
+        assert got == _reference_keep(w[r].astype(np.float64), top_k[r], float(top_p[r]), float(min_p[r])), r
+
+
+def test_inverse_cdf_edges_and_zero_weights():
+    w = np.zeros((3, 256), np.float32)
+    w[:, [5, 130, 200]] = [1.0, 2.0, 1.0]
+    u = np.array([0.0, 0.5, np.nextafter(1.0, 0.0)])
+    assert inverse_cdf(w, u).tolist() == [5, 130, 200]
+    rng = np.random.default_rng(5)
+    w = (rng.random((4, 256)) < 0.1).astype(np.float32)
+    tokens = inverse_cdf(np.repeat(w, 500, 0), rng.random(2000))
+    assert np.all(np.repeat(w, 500, 0)[np.arange(2000), tokens] > 0)
