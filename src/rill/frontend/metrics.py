@@ -17,11 +17,22 @@ from __future__ import annotations
 import logging
 from typing import Any, Iterable
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 log = logging.getLogger("rill.metrics")
+
+# ``*_created`` timestamp series double the output and no dashboard reads them (vLLM drops
+# them too). The switch is process-wide; this module is rill's only prometheus_client user.
+disable_created_metrics()
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 """Content type of the text exposition format served at ``/metrics``."""

@@ -119,7 +119,8 @@ class OpenAIApi:
             req: Any = codec.decode_chat(body) if kind is Kind.CHAT else codec.decode_completion(body)
             codec.check_model(req.model, served)
             prompts = self._chat_prompt(req, served) if kind is Kind.CHAT else self._completion_prompts(req)
-            requests = codec.generate_requests(req, prompts, served, response_id)
+            requests = codec.generate_requests(req, prompts, served, response_id,
+                                               deadline_s=self.deps.config.http.request_timeout_s)
             streams = await self._submit(requests)
         except Exception as exc:
             return error_response(exc)
