@@ -230,8 +230,6 @@ def _plain(value: Any) -> Any:
     """Rebuild ``value`` from plain JSON-like types; anything else becomes ``"<TypeName>"``."""
     if value is None or type(value) in (str, int, float, bool):
         return value
-    if isinstance(value, bool):
-        return bool(value)
     if isinstance(value, str):
         return str.__str__(value)  # subclasses (enums) may carry methods
     if isinstance(value, int):
