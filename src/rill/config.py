@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import os
 import re
 import tomllib
@@ -127,7 +128,8 @@ class ServerConfig:
                 text = Path(self.http.api_key_file).read_text()
             except OSError as exc:
                 raise ConfigError(f"cannot read --api-key-file {self.http.api_key_file}: {exc.strerror}") from exc
-            keys |= {line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")}
+            lines = (line.strip() for line in text.splitlines())
+            keys |= {line for line in lines if line and not line.startswith("#")}
         return keys
 
 
@@ -231,6 +233,8 @@ def load(args: argparse.Namespace | Mapping[str, Any] | None = None, env: Mappin
     env = os.environ if env is None else env
     config_file = flag_values.pop("config", None) or env.get("RILL_CONFIG")
     file_values = _read_toml(config_file) if config_file else {}
+    if config_file:
+        _check_file_keys(config_file, file_values)
     areas: dict[str, Any] = {}
     for area, cls in AREAS.items():
         hints = get_type_hints(cls)
@@ -238,7 +242,7 @@ def load(args: argparse.Namespace | Mapping[str, Any] | None = None, env: Mappin
         for f in dataclasses.fields(cls):
             raw, source = _pick(area, f.name, flag_values, env, file_values)
             if source is not None:
-                values[f.name] = _convert(raw, hints[f.name], f"{source} {f.name}")
+                values[f.name] = _convert(raw, hints[f.name], source)
         areas[area] = cls(**values)
     config = ServerConfig(**areas)
     validate(config)
@@ -256,8 +260,19 @@ def validate(config: ServerConfig) -> None:
             raise ConfigError(f"{name} must be >= 1, not {getattr(e, name)}")
     if e.max_model_len is not None and e.max_model_len < 16:
         raise ConfigError(f"max_model_len must be >= 16, not {e.max_model_len}")
-    if not (0 <= config.http.port < 65536):
-        raise ConfigError(f"port must be in 0..65535, not {config.http.port}")
+    h = config.http
+    if not (0 <= h.port < 65536):
+        raise ConfigError(f"port must be in 0..65535, not {h.port}")
+    if h.max_body_bytes < 1:
+        raise ConfigError(f"max_body_bytes must be >= 1, not {h.max_body_bytes}")
+    if h.max_tokens_cap is not None and h.max_tokens_cap < 1:
+        raise ConfigError(f"max_tokens_cap must be >= 1, not {h.max_tokens_cap}")
+    if h.request_timeout_s is not None and h.request_timeout_s <= 0:
+        raise ConfigError(f"request_timeout_s must be > 0, not {h.request_timeout_s}")
+    if h.sse_keepalive_s < 0:
+        raise ConfigError(f"sse_keepalive_s must be >= 0 (0 disables keep-alives), not {h.sse_keepalive_s}")
+    if h.log_level.lower() not in ("critical", "error", "warning", "info", "debug", "trace"):
+        raise ConfigError(f"log_level must be debug, info, warning or error, not {h.log_level!r}")
     if config.uds.uds_protocol not in ("framed", "newline"):
         raise ConfigError(f"uds_protocol must be framed or newline, not {config.uds.uds_protocol!r}")
     try:
@@ -267,19 +282,42 @@ def validate(config: ServerConfig) -> None:
 
 
 def _pick(area: str, name: str, flags: Mapping[str, Any], env: Mapping[str, str], file: Mapping[str, Any]) -> tuple[Any, str | None]:
+    # The second item names where the value came from, as the user wrote it, for errors.
+    flag = "--" + name.replace("_", "-")
     if f"{area}.{name}" in flags:
-        return flags[f"{area}.{name}"], "flag"
+        return flags[f"{area}.{name}"], f"flag {flag}"
     if name in flags:
-        return flags[name], "flag"
+        return flags[name], f"flag {flag}"
     env_name = "RILL_" + name.upper()
     if env_name in env:
-        return env[env_name], "environment variable"
+        return env[env_name], f"environment variable {env_name}"
     section = file.get(area)
     if isinstance(section, dict) and name in section:
-        return section[name], "config file"
+        return section[name], f"config file key [{area}] {name}"
     if name in file:
-        return file[name], "config file"
+        return file[name], f"config file key {name}"
     return None, None
+
+
+def _check_file_keys(path: str, values: Mapping[str, Any]) -> None:
+    """Refuse unknown keys and sections: a typo in a config file must not pass silently."""
+    every_field = {f.name for cls in AREAS.values() for f in dataclasses.fields(cls)}
+    for key, value in values.items():
+        if key in AREAS:
+            if not isinstance(value, dict):
+                raise ConfigError(f"config file {path}: [{key}] must be a table of settings")
+            known = {f.name for f in dataclasses.fields(AREAS[key])}
+            for name in value:
+                if name not in known:
+                    raise ConfigError(f"config file {path}: unknown setting '{name}' in [{key}]{_did_you_mean(name, known)}")
+        elif key not in every_field:
+            what = "section" if isinstance(value, dict) else "setting"
+            raise ConfigError(f"config file {path}: unknown {what} '{key}'{_did_you_mean(key, every_field | set(AREAS))}")
+
+
+def _did_you_mean(name: str, known: set[str]) -> str:
+    close = difflib.get_close_matches(name, sorted(known), n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
 
 
 def _read_toml(path: str) -> dict[str, Any]:
@@ -305,6 +343,8 @@ def _convert(raw: Any, hint: Any, where: str) -> Any:
     kind = _base_type(hint)
     if raw is None:
         return None
+    if isinstance(raw, str) and not raw.strip() and type(None) in get_args(hint):
+        return None  # RILL_MAX_TOKENS_CAP= (empty) means "unset" for an optional setting
     try:
         if kind is bool:
             if isinstance(raw, bool):
@@ -320,8 +360,12 @@ def _convert(raw: Any, hint: Any, where: str) -> Any:
                 return [part.strip() for part in raw.split(",") if part.strip()]
             return [str(item) for item in raw]
         if kind is int:
+            if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
+                raise ValueError(raw)  # int(2.7) would silently become 2, int(True) 1
             return int(raw)
         if kind is float:
+            if isinstance(raw, bool):
+                raise ValueError(raw)
             return float(raw)
         return str(raw)
     except (TypeError, ValueError) as exc:

@@ -1,0 +1,127 @@
+"""The config loader: precedence flags > RILL_* environment > TOML file > defaults, and errors.
+
+Flags are given both as ``load()`` mappings and through the real ``rill serve`` argument
+parser, so the dest names the CLI produces are covered too.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rill import config
+from rill.cli import _config_flags, build_parser
+from rill.errors import ConfigError
+
+
+def _toml(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "rill.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_defaults_without_any_source() -> None:
+    cfg = config.load({}, env={})
+    assert cfg.http.port == 8000 and cfg.http.api_key == [] and cfg.engine.max_queue == 1024
+    assert cfg.api_keys() == set()
+
+
+def test_precedence_flag_over_env_over_file(tmp_path: Path) -> None:
+    path = _toml(tmp_path, "port = 7001\nmax_queue = 11\nhost = '0.0.0.0'\n[http]\nmax_tokens_cap = 99\n")
+    file_only = config.load({"config": path}, env={})
+    assert (file_only.http.port, file_only.engine.max_queue, file_only.http.host) == (7001, 11, "0.0.0.0")
+    assert file_only.http.max_tokens_cap == 99  # from the [http] section
+
+    env = {"RILL_PORT": "7002", "RILL_MAX_QUEUE": "22"}
+    with_env = config.load({"config": path}, env=env)
+    assert (with_env.http.port, with_env.engine.max_queue, with_env.http.host) == (7002, 22, "0.0.0.0")
+
+    with_flags = config.load({"config": path, "http.port": "7003"}, env=env)
+    assert (with_flags.http.port, with_flags.engine.max_queue, with_flags.http.host) == (7003, 22, "0.0.0.0")
+
+
+def test_precedence_through_the_cli_parser(tmp_path: Path) -> None:
+    path = _toml(tmp_path, "[http]\nport = 7001\napi_key = ['from-file']\ncors_origins = ['https://a.example']\n")
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--config", path, "--api-key", "k1", "--api-key", "k2", "--max-queue", "5"])
+    cfg = config.load(_config_flags(args), env={"RILL_PORT": "7100", "RILL_API_KEY": "from-env"})
+    assert cfg.http.port == 7100  # env beats the file
+    assert cfg.http.api_key == ["k1", "k2"]  # repeated flag beats env and file
+    assert cfg.engine.max_queue == 5
+    assert cfg.http.cors_origins == ["https://a.example"]
+
+
+def test_config_file_from_the_environment(tmp_path: Path) -> None:
+    path = _toml(tmp_path, "max_body_bytes = 1234\n")
+    assert config.load({}, env={"RILL_CONFIG": path}).http.max_body_bytes == 1234
+
+
+def test_env_conversions() -> None:
+    cfg = config.load({}, env={"RILL_API_KEY": "a, b,,c", "RILL_NO_SOCKET": "yes", "RILL_SSE_KEEPALIVE_S": "0.5",
+                               "RILL_MAX_TOKENS_CAP": ""})
+    assert cfg.http.api_key == ["a", "b", "c"]
+    assert cfg.uds.no_socket is True and cfg.http.sse_keepalive_s == 0.5
+    assert cfg.http.max_tokens_cap is None  # empty means unset for an optional setting
+    assert config.load({}, env={"RILL_NO_SOCKET": "off"}).uds.no_socket is False
+
+
+def test_api_keys_from_flags_and_file(tmp_path: Path) -> None:
+    key_file = tmp_path / "keys.txt"
+    key_file.write_text("# team keys\n  alpha  \n\n   # indented comment\nbeta\n")
+    cfg = config.load({"http.api_key": ["gamma"], "http.api_key_file": str(key_file)}, env={})
+    assert cfg.api_keys() == {"alpha", "beta", "gamma"}
+    missing = config.load({"http.api_key_file": str(tmp_path / "nope")}, env={})
+    with pytest.raises(ConfigError, match="api-key-file"):
+        missing.api_keys()
+
+
+@pytest.mark.parametrize(
+    ("source", "value", "message"),
+    [
+        ("env", {"RILL_PORT": "eighty"}, "RILL_PORT"),
+        ("env", {"RILL_NO_SOCKET": "maybe"}, "RILL_NO_SOCKET"),
+        ("flags", {"http.max_body_bytes": "0"}, "max_body_bytes"),
+        ("flags", {"http.max_tokens_cap": "0"}, "max_tokens_cap"),
+        ("flags", {"http.port": "70000"}, "port"),
+        ("flags", {"http.log_level": "loud"}, "log_level"),
+        ("flags", {"engine.dtype": "int3"}, "dtype"),
+        ("flags", {"http.sse_keepalive_s": "-1"}, "sse_keepalive_s"),
+    ],
+)
+def test_bad_values_name_the_setting(source: str, value: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        if source == "env":
+            config.load({}, env=value)
+        else:
+            config.load(value, env={})
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("max_tokens_cap = 2.7\n", "max_tokens_cap: cannot use 2.7"),  # not silently 2
+        ("port = true\n", "port: cannot use True"),
+        ("[http]\ncors_origin = ['x']\n", "unknown setting 'cors_origin' in \\[http\\] \\(did you mean 'cors_origins'"),
+        ("[engin]\nmax_queue = 3\n", "unknown section 'engin' \\(did you mean 'engine'"),
+        ("porrt = 1\n", "unknown setting 'porrt'"),
+        ("http = 3\n", "must be a table"),
+        ("port = \n", "not valid TOML"),
+    ],
+)
+def test_bad_config_files_are_refused(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        config.load({"config": _toml(tmp_path, text)}, env={})
+
+
+def test_missing_config_file() -> None:
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        config.load({"config": "/nonexistent/rill.toml"}, env={})
+
+
+def test_every_field_has_a_flag_and_help() -> None:
+    help_text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()  # type: ignore[union-attr]
+    for cls in config.AREAS.values():
+        for f in config.dataclasses.fields(cls):
+            assert "--" + f.name.replace("_", "-") in help_text
+            assert f.metadata.get("help")
