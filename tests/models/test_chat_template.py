@@ -218,6 +218,18 @@ def test_bad_inputs() -> None:
     with pytest.raises(InvalidRequest, match="reserved") as info:
         render_chat_template("x", [{"role": "user", "content": "x"}], messages=[])
     assert info.value.field == "chat_template_kwargs"
+    with pytest.raises(InvalidRequest, match="reserved"):
+        render_chat_template("x", [{"role": "user", "content": "x"}], template_kwargs={"add_generation_prompt": 1})
+    with pytest.raises(InvalidRequest, match="'tools' must be a list"):
+        render_chat_template("x", [{"role": "user", "content": "x"}], tools={"name": "f"})
+
+
+def test_client_kwargs_mapping_accepts_any_name() -> None:
+    template = "{{ special_tokens }}{{ source }}{{ template_kwargs }}{{ documents | length }}{{ enable_thinking }}"
+    client = {"special_tokens": "S", "source": "R", "template_kwargs": "T", "documents": [{"text": "d"}],
+              "enable_thinking": True}
+    assert render_chat_template(template, [{"role": "user", "content": ""}], template_kwargs=client,
+                                enable_thinking=False) == "SRT1False"  # explicit kwargs win
 
 
 def test_templates_are_compiled_once() -> None:

@@ -179,6 +179,12 @@ def test_save_pretrained_writes_chat_template_jinja(chatml_folder: Path) -> None
         "<|im_start|>assistant\n<think>\n\n</think>\n\n")
     with pytest.raises(InvalidRequest, match="Unknown role tool"):
         tokenizer.apply_chat_template([{"role": "tool", "content": "x"}])
+    client_kwargs = {"enable_thinking": False, "tools": None}
+    with pytest.raises(InvalidRequest, match="reserved"):
+        tokenizer.encode_chat(MESSAGES, chat_template_kwargs=client_kwargs)
+    del client_kwargs["tools"]
+    assert tokenizer.encode_chat(MESSAGES, chat_template_kwargs=client_kwargs) == tokenizer.encode(
+        tokenizer.apply_chat_template(MESSAGES, enable_thinking=False), add_special_tokens=False)
 
 
 def test_encode_chat_has_a_single_bos(llama3_folder: Path) -> None:

@@ -40,7 +40,7 @@ NO_TEMPLATE_MESSAGE = (
 )
 
 # Names the renderer passes itself; template kwargs may not replace them.
-RESERVED_NAMES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+RESERVED_NAMES = frozenset({"messages", "tools", "add_generation_prompt"})
 
 # Reasoning text is passed under several names; templates read one of them.
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -159,7 +159,8 @@ def render_chat_template(
     tools: Sequence[Any] | None = None,
     documents: Sequence[Any] | None = None,
     special_tokens: Mapping[str, str] | None = None,
-    **template_kwargs: Any,
+    template_kwargs: Mapping[str, Any] | None = None,
+    **kwargs: Any,
 ) -> str:
     """Render ``messages`` with the template ``source`` and return the prompt text.
 
@@ -170,24 +171,33 @@ def render_chat_template(
             passed through unchanged.
         add_generation_prompt: ask the template to open an assistant turn at the end.
         tools: JSON schemas of tools, passed as ``tools`` (None when absent).
-        documents: retrieval documents, passed as ``documents``.
-        special_tokens: ``bos_token``, ``eos_token``... as strings; ``template_kwargs`` win
-            over them when both name the same variable.
-        template_kwargs: any other variables (``enable_thinking``...).
+        documents: retrieval documents, passed as ``documents`` (may also come in the kwargs).
+        special_tokens: ``bos_token``, ``eos_token``... as strings; the kwargs win over them
+            when both name the same variable.
+        template_kwargs: variables from a client (``chat_template_kwargs``); a mapping, so any
+            key is safe to pass.
+        kwargs: more variables (``enable_thinking``...); they win over ``template_kwargs``.
 
     Raises:
-        InvalidRequest: no template, empty or malformed messages, a reserved kwarg name, or
-            any template failure; ``raise_exception`` messages are passed through verbatim.
+        InvalidRequest: no template, empty or malformed messages or tools, a reserved
+            variable name (``messages``, ``tools``, ``add_generation_prompt``), or any
+            template failure; ``raise_exception`` messages are passed through verbatim.
     """
     if source is None:
         raise InvalidRequest(NO_TEMPLATE_MESSAGE, field="messages")
     if not messages:
         raise InvalidRequest("messages must contain at least one message", field="messages")
-    clash = RESERVED_NAMES.intersection(template_kwargs)
+    variables = {**(template_kwargs or {}), **kwargs}
+    clash = RESERVED_NAMES.intersection(variables)
     if clash:
         raise InvalidRequest(f"chat template kwarg '{sorted(clash)[0]}' is reserved", field="chat_template_kwargs")
+    if documents is None:
+        documents = variables.pop("documents", None)
+    for name, value in (("tools", tools), ("documents", documents)):
+        if value is not None and not isinstance(value, (list, tuple)):
+            raise InvalidRequest(f"'{name}' must be a list", field=name)
     template = compile_template(source)
-    variables = {**(special_tokens or {}), **template_kwargs}
+    variables = {**(special_tokens or {}), **variables}
     context = {
         "messages": _plain_messages(messages),
         "tools": _plain(list(tools)) if tools is not None else None,

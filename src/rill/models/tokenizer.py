@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -199,12 +199,15 @@ class Tokenizer:
         /,
         add_generation_prompt: bool = True,
         tools: Sequence[Any] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
         **template_kwargs: Any,
     ) -> str:
         """Render ``messages`` (dicts or ``ChatMessage`` structs) to the prompt text.
 
-        The model's special tokens are template variables; ``template_kwargs`` (e.g.
-        ``enable_thinking=False``, ``documents=[...]``) are passed on and override them.
+        The model's special tokens are template variables. ``chat_template_kwargs`` (a
+        client's mapping: any key is safe, reserved ones raise ``InvalidRequest``) and then
+        ``template_kwargs`` (e.g. ``enable_thinking=False``, ``documents=[...]``) add to
+        and override them.
 
         Raises:
             InvalidRequest: no chat template, or the template failed (see ``chat_template``).
@@ -215,7 +218,7 @@ class Tokenizer:
             add_generation_prompt=add_generation_prompt,
             tools=tools,
             special_tokens=self.special_tokens,
-            **template_kwargs,
+            template_kwargs={**(chat_template_kwargs or {}), **template_kwargs},
         )
 
     def encode_chat(
@@ -224,6 +227,7 @@ class Tokenizer:
         /,
         add_generation_prompt: bool = True,
         tools: Sequence[Any] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
         **template_kwargs: Any,
     ) -> list[int]:
         """Token ids of the rendered chat, as ``transformers.apply_chat_template(tokenize=True)``.
@@ -231,7 +235,7 @@ class Tokenizer:
         The template writes every special token it wants (``{{ bos_token }}`` included), so the
         text is encoded without the post-processor: no second BOS is added.
         """
-        text = self.apply_chat_template(messages, add_generation_prompt, tools, **template_kwargs)
+        text = self.apply_chat_template(messages, add_generation_prompt, tools, chat_template_kwargs, **template_kwargs)
         return self.encode(text, add_special_tokens=False)
 
     def __repr__(self) -> str:
