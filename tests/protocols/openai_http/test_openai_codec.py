@@ -1,0 +1,231 @@
+"""``codec`` (pure): request decoding and validation, ``GenerateRequest`` building, error table."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rill import errors
+from rill.protocols._shared import sse
+from rill.protocols.openai_http import codec
+from rill.protocols.openai_http.messages import ChatCompletionRequest, CompletionRequest
+
+SERVED = codec.ServedModel(name="m", max_context_tokens=100, vocab_size=1000)
+
+
+def _completion(**fields: object) -> CompletionRequest:
+    return codec.decode_completion(json.dumps({"prompt": "x", **fields}).encode())
+
+
+def _chat(**fields: object) -> ChatCompletionRequest:
+    return codec.decode_chat(json.dumps({"messages": [{"role": "user", "content": "hi"}], **fields}).encode())
+
+
+# -- decoding ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    ("body", "field", "words"),
+    [
+        (b"", None, "empty"),
+        (b"[1, 2]", None, "object"),
+        (b'{"prompt": "x", "temperature": "hot"}', "temperature", "float"),
+        (b'{"prompt": "x", "stop": 5}', "stop", ""),
+        (b'{"prompt": "x", "logit_bias": {"abc": 1}}', "logit_bias", ""),
+        (b'{"prompt": "x", "stream_options": {"include_usage": "yes"}}', "stream_options", ""),
+        (b'{"prompt": "x", "echo": true}', "echo", "not supported"),
+        (b'{"prompt": "x", "suffix": "s"}', "suffix", "not supported"),
+        (b'{"prompt": "x", "best_of": 3}', "best_of", "best_of"),
+        (b'{"model": "m"}', "prompt", "required"),
+        (b'{"prompt": "x"', None, "JSON"),
+    ],
+)
+def test_completion_decode_errors_name_the_field(body: bytes, field: str | None, words: str) -> None:
+    with pytest.raises(errors.InvalidRequest) as caught:
+        codec.decode_completion(body)
+    assert caught.value.field == field
+    assert words in caught.value.message
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [
+        ({"messages": []}, "messages"),
+        ({"messages": [{"content": "no role"}]}, "messages"),
+        ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, "response_format"),
+        ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ],
+)
+def test_chat_decode_errors_name_the_field(fields: dict, field: str) -> None:
+    with pytest.raises(errors.InvalidRequest) as caught:
+        codec.decode_chat(json.dumps(fields).encode())
+    assert caught.value.field == field
+
+
+def test_unknown_fields_and_nulls_are_accepted() -> None:
+    req = codec.decode_completion(b'{"prompt": "x", "temperature": null, "user": "u", "some_new_field": {"a": 1}}')
+    assert req.temperature is None
+
+
+@pytest.mark.parametrize(
+    ("prompt", "expected"),
+    [("hi", ["hi"]), (["a", "b"], ["a", "b"]), ([1, 2, 3], [[1, 2, 3]]), ([[1], [2, 3]], [[1], [2, 3]])],
+)
+def test_prompt_shapes(prompt: object, expected: list) -> None:
+    assert codec.completion_prompts(_completion(prompt=prompt)) == expected
+
+
+@pytest.mark.parametrize("prompt", [[], [1, "a"], [[1], []], [-1], [True], 5])
+def test_bad_prompt_shapes(prompt: object) -> None:
+    with pytest.raises(errors.InvalidRequest) as caught:
+        codec.completion_prompts(_completion(prompt=prompt))
+    assert caught.value.field == "prompt"
+
+
+def test_model_check() -> None:
+    codec.check_model(None, SERVED)
+    codec.check_model("m", SERVED)
+    with pytest.raises(codec.ModelNotFound) as caught:
+        codec.check_model("gpt-4", SERVED)
+    assert "gpt-4" in caught.value.message and "'m'" in caught.value.message
+
+
+# -- max tokens and sampling ---------------------------------------------------------------
+
+def test_max_tokens_default_is_what_remains_of_the_context() -> None:
+    assert codec.resolve_max_tokens(_completion(), 30, SERVED) == 70
+    assert codec.resolve_max_tokens(_completion(max_tokens=10), 30, SERVED) == 10
+    assert codec.resolve_max_tokens(_completion(max_tokens=500), 30, SERVED) == 70  # clamped, not refused
+    assert codec.resolve_max_tokens(_chat(max_tokens=9, max_completion_tokens=4), 30, SERVED) == 4
+    capped = codec.ServedModel(name="m", max_context_tokens=100, max_tokens_cap=16)
+    assert codec.resolve_max_tokens(_completion(), 30, capped) == 16
+    assert codec.resolve_max_tokens(_completion(max_tokens=50), 30, capped) == 16
+
+
+def test_prompt_filling_the_context_names_both_lengths() -> None:
+    with pytest.raises(errors.ContextLengthExceeded) as caught:
+        codec.resolve_max_tokens(_completion(), 100, SERVED)
+    assert "100 tokens" in caught.value.message and "at most 100" in caught.value.message
+    assert caught.value.num_prompt_tokens == 100 and caught.value.max_context_tokens == 100
+    with pytest.raises(errors.InvalidRequest) as zero:
+        codec.resolve_max_tokens(_completion(max_tokens=0), 5, SERVED)
+    assert zero.value.field == "max_tokens"
+
+
+def test_sampling_mapping() -> None:
+    params = codec.sampling_params(_completion(temperature=0, top_k=-1, stop="END", logit_bias={"5": 2.5},
+                                               logprobs=3, seed=9, min_tokens=2), 8, SERVED)
+    assert (params.temperature, params.top_k, params.stop, params.logit_bias) == (0, 0, ["END"], {5: 2.5})
+    assert (params.logprobs, params.seed, params.max_tokens, params.min_tokens) == (3, 9, 8, 2)
+    assert codec.sampling_params(_chat(logprobs=True, top_logprobs=4), 8, SERVED).logprobs == 4
+    assert codec.sampling_params(_chat(logprobs=True), 8, SERVED).logprobs == 0
+    assert codec.sampling_params(_chat(), 8, SERVED).logprobs is None
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"n": 0}, "n"),
+        ({"n": 1000}, "n"),
+        ({"logprobs": 50}, "logprobs"),
+        ({"logit_bias": {"5000": 1}}, "logit_bias"),
+        ({"stop": [""]}, "stop"),
+        ({"seed": -1}, "seed"),
+    ],
+)
+def test_bad_sampling_values_name_the_field(fields: dict, field: str) -> None:
+    with pytest.raises(errors.InvalidRequest) as caught:
+        codec.sampling_params(_completion(**fields), 8, SERVED)
+    assert caught.value.field == field
+
+
+def test_chat_top_logprobs_errors_use_the_chat_field_name() -> None:
+    with pytest.raises(errors.InvalidRequest) as caught:
+        codec.sampling_params(_chat(logprobs=True, top_logprobs=21), 8, SERVED)
+    assert caught.value.field == "top_logprobs" and "top_logprobs" in caught.value.message
+
+
+def test_generate_requests_one_per_choice_with_seeds() -> None:
+    reqs = codec.generate_requests(_completion(n=2, seed=5), [[1, 2], [3]], SERVED, "cmpl-x", deadline_s=30.0)
+    assert [r.request_id for r in reqs] == ["cmpl-x-0", "cmpl-x-1", "cmpl-x-2", "cmpl-x-3"]
+    assert [r.sampling.seed for r in reqs] == [5, 6, 5, 6]
+    assert [r.prompt_token_ids for r in reqs] == [[1, 2], [1, 2], [3], [3]]
+    assert [r.sampling.max_tokens for r in reqs] == [98, 98, 99, 99]
+    assert {r.protocol for r in reqs} == {"openai_http"} and {r.deadline_s for r in reqs} == {30.0}
+    unseeded = codec.generate_requests(_completion(n=2), [[1]], SERVED, "c")
+    assert [r.sampling.seed for r in unseeded] == [None, None]
+
+
+# -- chat messages -----------------------------------------------------------------------
+
+def test_chat_text_parts_are_joined_and_none_fields_dropped() -> None:
+    req = _chat(messages=[{"role": "system", "content": "be brief"},
+                          {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])
+    messages = codec.chat_messages(req, SERVED)
+    assert [m.content for m in messages] == ["be brief", "a\nb"]
+    assert codec.template_messages(messages) == [{"role": "system", "content": "be brief"},
+                                                  {"role": "user", "content": "a\nb"}]
+    assert codec.template_kwargs(_chat(tools=[{"type": "function"}], chat_template_kwargs={"x": 1})) == {
+        "x": 1, "tools": [{"type": "function"}]}
+
+
+def test_chat_content_the_model_cannot_take() -> None:
+    req = _chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:"}}]}])
+    with pytest.raises(errors.InvalidRequest) as caught:
+        codec.chat_messages(req, SERVED)
+    assert "image_url" in caught.value.message and caught.value.field == "messages"
+    vision = codec.ServedModel(name="m", max_context_tokens=100, modalities=("text", "image"))
+    assert isinstance(codec.chat_messages(req, vision)[0].content, list)
+
+
+def test_chat_without_template_is_a_clear_400() -> None:
+    bare = codec.ServedModel(name="m", max_context_tokens=100, has_chat_template=False)
+    with pytest.raises(errors.InvalidRequest) as caught:
+        codec.chat_messages(_chat(), bare)
+    assert "no chat template" in caught.value.message and "/v1/completions" in caught.value.message
+
+
+# -- errors ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    ("exc", "status", "kind", "code"),
+    [
+        (errors.InvalidRequest("bad", field="top_p"), 400, "invalid_request_error", "invalid_request"),
+        (errors.ContextLengthExceeded(200, 100), 400, "invalid_request_error", "context_length_exceeded"),
+        (codec.Unauthorized(), 401, "invalid_request_error", "invalid_api_key"),
+        (codec.ModelNotFound("x", "m"), 404, "invalid_request_error", "model_not_found"),
+        (codec.BodyTooLarge(10), 413, "invalid_request_error", "request_too_large"),
+        (errors.QueueFull(retry_after_s=0.2), 429, "rate_limit_error", "queue_full"),
+        (errors.RateLimited(retry_after_s=3.5), 429, "rate_limit_error", "rate_limited"),
+        (errors.MemoryPressure("too big"), 400, "invalid_request_error", "memory_pressure"),
+        (errors.ModelNotReady(), 503, "service_unavailable_error", "model_loading"),
+        (errors.RequestTimeout(), 504, "timeout_error", "timeout"),
+        (errors.GenerationError("x"), 500, "server_error", "generation_error"),
+        (errors.EngineDead(), 503, "server_error", "engine_dead"),
+        (ValueError("internal detail"), 500, "server_error", "internal_error"),
+    ],
+)
+def test_error_table(exc: Exception, status: int, kind: str, code: str) -> None:
+    wire = codec.error_for(exc)
+    body = json.loads(wire.body)["error"]
+    assert (wire.status, body["type"], body["code"]) == (status, kind, code)
+    assert set(body) == {"message", "type", "param", "code"}
+    assert "internal detail" not in body["message"]
+
+
+def test_retry_after_is_whole_seconds_rounded_up() -> None:
+    assert codec.error_for(errors.QueueFull(retry_after_s=0.2)).headers == {"Retry-After": "1"}
+    assert codec.error_for(errors.RateLimited(retry_after_s=3.5)).headers == {"Retry-After": "4"}
+    assert codec.error_for(errors.ModelNotReady()).headers == {"Retry-After": "1"}
+    assert codec.error_for(errors.InvalidRequest("x")).headers == {}
+    assert json.loads(codec.error_for(errors.InvalidRequest("bad", field="top_p")).body)["error"]["param"] == "top_p"
+
+
+def test_sse_framing() -> None:
+    assert sse.encode_event('{"a":1}') == b'data: {"a":1}\n\n'
+    assert sse.encode_event("a\nb", event="x") == b"event: x\ndata: a\ndata: b\n\n"
+    assert sse.encode_comment("keep-alive") == sse.KEEP_ALIVE
+    assert sse.DONE == b"data: [DONE]\n\n"

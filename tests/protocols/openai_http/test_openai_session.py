@@ -1,0 +1,70 @@
+"""``ResponseSession`` (pure) driven by golden vectors: engine outputs in, SSE bytes or JSON out.
+
+``vectors/session.json`` holds each case's outputs (``[choice index, RequestOutput]``) and the
+exact events (streamed) or body (not streamed) expected; it doubles as documentation of the
+wire shapes. Token strings come from ``token_text`` = ``"<id>"``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from rill.errors import EngineDead
+from rill.protocols.openai_http.session import Kind, ResponseSession
+from rill.types import RequestOutput
+
+CASES = json.loads((Path(__file__).parent / "vectors" / "session.json").read_text())
+
+
+def _session(case: dict[str, Any]) -> ResponseSession:
+    return ResponseSession(kind=Kind.CHAT if case["kind"] == "chat" else Kind.COMPLETION, response_id="id-1",
+                           created=1, model="m", num_choices=case["num_choices"], n=case["n"],
+                           include_usage=case["include_usage"], logprobs=case["logprobs"],
+                           token_text=lambda token_id: f"<{token_id}>")
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
+def test_session_vectors(case: dict[str, Any]) -> None:
+    session = _session(case)
+    events: list[bytes] = session.start() if case["stream"] else []
+    for index, output in case["outputs"]:
+        produced = session.on_output(index, msgspec.convert(output, RequestOutput))
+        if case["stream"]:
+            events += produced
+        if session.failed is not None:
+            break
+    if case["stream"]:
+        events += session.end()
+        assert [e.decode() for e in events] == case["expected"]
+    elif session.failed is not None:
+        assert case["expected"] == {"failed": type(session.failed).__name__}
+    else:
+        assert session.is_done
+        assert json.loads(session.body()) == case["expected"]
+
+
+def test_outputs_with_nothing_to_show_produce_no_event() -> None:
+    session = _session({"kind": "completion", "num_choices": 1, "n": 1, "include_usage": False, "logprobs": None})
+    assert session.on_output(0, RequestOutput(request_id="r", events=[])) == []
+    assert not session.is_done
+
+
+def test_outside_failure_is_reported_once() -> None:
+    session = _session({"kind": "chat", "num_choices": 2, "n": 2, "include_usage": True, "logprobs": None})
+    (event,) = session.fail(EngineDead("the engine stopped"))
+    assert json.loads(event.decode()[len("data: "):])["error"]["code"] == "engine_dead"
+    assert session.fail(EngineDead()) == []
+    assert session.on_output(0, RequestOutput(request_id="r", text="late")) == []
+    assert session.end() == [b"data: [DONE]\n\n"]  # no usage chunk after a failure
+
+
+def test_unexpected_failure_text_is_not_shown() -> None:
+    session = _session({"kind": "completion", "num_choices": 1, "n": 1, "include_usage": False, "logprobs": None})
+    (event,) = session.fail(RuntimeError("secret detail /etc/passwd"))
+    error = json.loads(event.decode()[len("data: "):])["error"]
+    assert "secret" not in error["message"] and error["code"] == "internal_error"
