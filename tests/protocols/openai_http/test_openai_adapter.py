@@ -232,16 +232,26 @@ async def test_429_queue_full_with_retry_after(fake: FakeClient) -> None:
 
 
 async def test_503_while_loading(fake: FakeClient) -> None:
-    fake.ready = False
+    fake.ready, info, fake.model_info = False, fake.model_info, None
     async with live_app(fake) as url, httpx.AsyncClient(base_url=url) as http:
         e = _error(await http.post("/v1/completions", json={"prompt": "x"}), 503)
         assert e["code"] == "model_loading"
         assert (await http.get("/v1/models")).status_code == 503
         health = await http.get("/health")
         assert health.status_code == 503 and health.json()["status"] == "loading"
-        fake.ready = True
+        fake.ready, fake.model_info = True, info
         assert (await http.get("/health")).status_code == 200
         assert (await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})).status_code == 200
+
+
+async def test_503_when_the_engine_is_dead_or_failed_to_load(fake: FakeClient) -> None:
+    fake.ready = False  # model_info is set: it was loaded, then the engine stopped
+    async with live_app(fake) as url, httpx.AsyncClient(base_url=url) as http:
+        e = _error(await http.post("/v1/completions", json={"prompt": "x"}), 503)
+        assert e["code"] == "engine_dead" and "restart" in e["message"]
+        fake.model_info, fake.load_error = None, RuntimeError("bad weights")  # type: ignore[attr-defined]
+        e = _error(await http.get("/v1/models"), 503)
+        assert e["code"] == "engine_dead" and "failed to load" in e["message"] and "weights" not in e["message"]
 
 
 async def test_401_without_key_when_keys_are_set(fake: FakeClient, tmp_path: Any) -> None:

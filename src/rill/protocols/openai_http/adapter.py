@@ -33,7 +33,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 from starlette.types import Receive, Scope, Send
 
-from rill.errors import ModelNotReady, RillError
+from rill.errors import EngineDead, ModelNotReady, RillError
 from rill.frontend.stream import RequestStream
 from rill.protocols._shared import sse
 from rill.protocols.openai_http import codec
@@ -160,6 +160,11 @@ class OpenAIApi:
     def _served(self) -> codec.ServedModel:
         info = self.client.model_info
         if not self.client.is_ready() or info is None:
+            # Not ready is not always "loading": tell a failed load or a dead engine apart.
+            if getattr(self.client, "load_error", None) is not None:
+                raise EngineDead("the model failed to load; see the server log")
+            if info is not None:
+                raise EngineDead("the engine has stopped; the server needs a restart")
             raise ModelNotReady("the model is still loading; GET /health shows the progress")
         return codec.ServedModel(
             name=info.name,
