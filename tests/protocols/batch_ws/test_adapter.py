@@ -1,0 +1,216 @@
+"""Batch /ws against a real server on loopback (tiny random model), with a plain websockets client.
+
+Random weights give gibberish: these tests assert event order, counts, equality between
+runs and errors, never wording.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+from websockets.asyncio.client import connect
+
+SPEC_PROMPT = "[INST] Generate a very long poem about 1000 cats [/INST]\n\n"
+SPEC_CONFIG = {"num_beams": 1, "do_sample": True, "temperature": 1, "top_p": 1, "top_k": 50,
+               "max_new_tokens": 100, "repetition_penalty": 1, "length_penalty": 1}
+GREEDY = {"do_sample": False, "num_beams": 1}
+TERMINAL = ("COMPLETE", "ERROR")
+RECV_LIMIT_S = 60  # a hang fails the test instead of blocking the run; never a pass condition
+
+
+async def recv_array(ws: Any) -> list[dict]:
+    frame = json.loads(await asyncio.wait_for(ws.recv(), RECV_LIMIT_S))
+    assert isinstance(frame, list) and frame, frame
+    return frame
+
+
+async def run_batch(ws: Any, payload: dict) -> list[list[dict]]:
+    """Send one batch and collect its frames until every request_id ended."""
+    await ws.send(json.dumps(payload))
+    open_ids = {p["request_id"] for p in payload["prompts"]}
+    frames: list[list[dict]] = []
+    while open_ids:
+        frame = await recv_array(ws)
+        frames.append(frame)
+        for event in frame:
+            assert "type" in event, frame
+            if event["type"] in TERMINAL:
+                open_ids.discard(event["request_id"])
+    return frames
+
+
+def events_of(frames: list[list[dict]], request_id: str) -> list[dict]:
+    return [e for frame in frames for e in frame if e.get("request_id") == request_id]
+
+
+def by_type(frames: list[list[dict]], kind: str) -> dict[str, dict]:
+    return {e["request_id"]: e for frame in frames for e in frame if e["type"] == kind}
+
+
+SPEC_CASES = [("/ws", True, True), ("/ws", True, False), ("/api/ws", False, True), ("/api/ws", False, False)]
+
+
+async def test_spec_example_event_sequence(server: Any) -> None:
+    # The four flag combinations run at once on four sockets (they share the engine's batch).
+    results = await asyncio.gather(*(spec_example(server, *case) for case in SPEC_CASES))
+    for (path, stream_response, only_new_tokens), (rid, frames) in zip(SPEC_CASES, results):
+        check_spec_sequence(rid, frames, stream_response, only_new_tokens)
+    server.wait_idle()
+
+
+async def spec_example(server: Any, path: str, stream_response: bool, only_new_tokens: bool) -> tuple[str, list]:
+    # The spec's payload, with a request_id of its own per case: reusing one would (rightly)
+    # continue the previous case's generation.
+    rid = f"2835f3c5-{stream_response}-{only_new_tokens}"
+    payload = {"prompts": [{"request_id": rid, "prompt": SPEC_PROMPT}], "only_new_tokens": only_new_tokens,
+               "stream_response": stream_response, "generation_config": SPEC_CONFIG}
+    async with connect(server.ws_url + path) as ws:
+        return rid, await run_batch(ws, payload)
+
+
+def check_spec_sequence(rid: str, frames: list[list[dict]], stream_response: bool, only_new_tokens: bool) -> None:
+    assert all(len(frame) == 1 for frame in frames)  # one prompt: one element per array
+    events = events_of(frames, rid)
+    kinds = [e["type"] for e in events]
+    if stream_response:
+        assert kinds[:3] == ["ACCEPTED", "STARTED", "INITIALIZED"]
+        assert set(kinds[3:-1]) <= {"PROGRESS"} and kinds[-1] == "COMPLETE"
+        assert events[2]["text"] == ("" if only_new_tokens else SPEC_PROMPT)
+    else:
+        assert kinds == ["ACCEPTED", "STARTED", "COMPLETE"]
+    complete = events[-1]
+    assert set(complete) == {"request_id", "type", "text", "is_eos", "new_tokens_count", "execution_time"}
+    assert 1 <= complete["new_tokens_count"] <= 100
+    assert complete["is_eos"] == (complete["new_tokens_count"] < 100)
+    assert complete["execution_time"] > 0
+    streamed = "".join(e["text"] for e in events if e["type"] == "PROGRESS")
+    prefix = "" if only_new_tokens else SPEC_PROMPT
+    assert complete["text"].startswith(prefix)
+    if stream_response:
+        assert complete["text"] == prefix + streamed
+
+
+async def test_batch_runs_concurrently_and_progress_arrays_group_prompts(server: Any) -> None:
+    ids = ["a", "b", "c"]
+    payload = {"prompts": [{"request_id": rid, "prompt": f"Story {rid}:"} for rid in ids],
+               "generation_config": {**GREEDY, "max_new_tokens": 12}}
+    async with connect(server.ws_url + "/ws") as ws:
+        frames = await run_batch(ws, payload)
+    assert [e["request_id"] for e in frames[0]] == ids and {e["type"] for e in frames[0]} == {"ACCEPTED"}
+    for frame in frames:
+        assert len({e["type"] for e in frame}) == 1  # one event type per array
+        order = [ids.index(e["request_id"]) for e in frame]
+        assert order == sorted(order)  # prompt order inside every array
+    # Real batching: some engine step produced a token for several prompts at once.
+    assert max(len(f) for f in frames if f[0]["type"] == "PROGRESS") > 1
+    for rid in ids:
+        kinds = [e["type"] for e in events_of(frames, rid)]
+        assert kinds[:3] == ["ACCEPTED", "STARTED", "INITIALIZED"] and kinds[-1] == "COMPLETE"
+    server.wait_idle()
+
+
+async def test_several_messages_in_flight_on_one_socket(server: Any) -> None:
+    first = {"prompts": [{"request_id": "m1", "prompt": "One"}], "generation_config": {**GREEDY, "max_new_tokens": 30}}
+    second = {"prompts": [{"request_id": "m2", "prompt": "Two"}], "stream_response": False,
+              "generation_config": {**GREEDY, "max_new_tokens": 5}}
+    async with connect(server.ws_url + "/ws") as ws:
+        await ws.send(json.dumps(first))
+        await ws.send(json.dumps(second))
+        done: dict[str, dict] = {}
+        while len(done) < 2:
+            frame = await recv_array(ws)
+            assert len({e["request_id"] for e in frame}) == len(frame)
+            done.update({e["request_id"]: e for e in frame if e["type"] in TERMINAL})
+    assert done["m1"]["type"] == done["m2"]["type"] == "COMPLETE"
+    server.wait_idle()
+
+
+async def test_socket_level_errors_keep_the_socket_usable(server: Any) -> None:
+    async with connect(server.ws_url + "/ws") as ws:
+        await ws.send("{not json")
+        assert (await recv_array(ws))[0]["error"].startswith("Invalid JSON received")
+        await ws.send(json.dumps({"prompts": []}))
+        error = (await recv_array(ws))[0]
+        assert set(error) == {"error"} and "$.prompts" in error["error"]
+        await ws.send(json.dumps({"prompts": [{"request_id": "x", "prompt": "a"}], "generation_config": {"top_p": 7}}))
+        assert "'top_p'" in (await recv_array(ws))[0]["error"]
+        await ws.send(b"\x00\x01")
+        assert "text frame" in (await recv_array(ws))[0]["error"]
+        frames = await run_batch(ws, {"prompts": [{"request_id": "ok", "prompt": "Hello"}],
+                                      "generation_config": {**GREEDY, "max_new_tokens": 3}})
+    assert by_type(frames, "COMPLETE")["ok"]["new_tokens_count"] >= 1
+    server.wait_idle()
+
+
+async def test_prompt_longer_than_context_errors_alone(server: Any) -> None:
+    max_context = server.client.model_info.max_context_tokens
+    long_prompt = "cats and dogs " * max_context  # several tokens per repetition: well past the context
+    payload = {"prompts": [{"request_id": "short1", "prompt": "Hello"}, {"request_id": "long", "prompt": long_prompt},
+                           {"request_id": "short2", "prompt": "World"}],
+               "generation_config": {**GREEDY, "max_new_tokens": 8}}
+    async with connect(server.ws_url + "/ws") as ws:
+        frames = await run_batch(ws, payload)
+    assert [e["request_id"] for e in frames[0]] == ["short1", "long", "short2"]  # all ACCEPTED
+    assert [e["type"] for e in events_of(frames, "long")] == ["ACCEPTED", "ERROR"]
+    assert "context" in by_type(frames, "ERROR")["long"]["error"]
+    complete = by_type(frames, "COMPLETE")
+    assert set(complete) == {"short1", "short2"}
+    server.wait_idle()
+
+
+async def test_continuation_equals_one_longer_greedy_run(server: Any) -> None:
+    prompts = {"c1": "Once upon a time", "c2": "The little robot"}
+    hits_before = server.stats().prefix_cache_hits_tokens
+    async with connect(server.ws_url + "/ws") as ws:
+        first = by_type(await run_batch(ws, {"prompts": [{"request_id": k, "prompt": v} for k, v in prompts.items()],
+                                             "generation_config": {**GREEDY, "max_new_tokens": 10}}), "COMPLETE")
+        # The same ids again: the new prompt text is ignored, generation goes on.
+        second = by_type(await run_batch(ws, {"prompts": [{"request_id": k, "prompt": "ignored"} for k in prompts],
+                                              "generation_config": {**GREEDY, "max_new_tokens": 10}}), "COMPLETE")
+        single = by_type(await run_batch(ws, {"prompts": [{"request_id": "ref-" + k, "prompt": v} for k, v in prompts.items()],
+                                              "generation_config": {**GREEDY, "max_new_tokens": 20}}), "COMPLETE")
+    for key in prompts:
+        assert not first[key]["is_eos"] and first[key]["new_tokens_count"] == 10
+        assert second[key]["new_tokens_count"] == 10
+        assert first[key]["text"] + second[key]["text"] == single["ref-" + key]["text"]
+    # The continuation reused the kept KV instead of recomputing the prefix.
+    assert server.stats().prefix_cache_hits_tokens - hits_before >= 2 * 10
+    server.wait_idle()
+
+
+async def test_streamed_beam_search_equals_unstreamed(server: Any) -> None:
+    config = {"num_beams": 3, "length_penalty": 1.0, "max_new_tokens": 12, "do_sample": False}
+    prompts = [{"request_id": "beam1", "prompt": "In the morning"}, {"request_id": "beam2", "prompt": "A quiet"}]
+    async with connect(server.ws_url + "/ws") as ws:
+        streamed = await run_batch(ws, {"prompts": prompts, "generation_config": config})
+        plain = await run_batch(ws, {"prompts": [{**p, "request_id": p["request_id"] + "-plain"} for p in prompts],
+                                     "stream_response": False, "generation_config": config})
+    streamed_complete, plain_complete = by_type(streamed, "COMPLETE"), by_type(plain, "COMPLETE")
+    for p in prompts:
+        rid = p["request_id"]
+        progress = "".join(e["text"] for e in events_of(streamed, rid) if e["type"] == "PROGRESS")
+        assert progress == streamed_complete[rid]["text"] == plain_complete[rid + "-plain"]["text"]
+        assert streamed_complete[rid]["new_tokens_count"] == plain_complete[rid + "-plain"]["new_tokens_count"]
+    server.wait_idle()
+
+
+async def test_disconnect_mid_batch_frees_kv_of_every_prompt(server: Any) -> None:
+    before = server.stats()
+    cancelled_before = before.requests_finished_total.get("cancelled", 0)
+    payload = {"prompts": [{"request_id": f"d{i}", "prompt": f"Tell me about {i}"} for i in range(3)],
+               "generation_config": {**GREEDY, "max_new_tokens": 400}}
+    ws = await connect(server.ws_url + "/ws")
+    await ws.send(json.dumps(payload))
+    seen: set[str] = set()
+    while len(seen) < 3:  # every prompt is generating (holds KV) ...
+        seen |= {e["request_id"] for e in await recv_array(ws) if e["type"] == "PROGRESS"}
+    running = server.stats()
+    assert running.kv_used_bytes > 0
+    ws.transport.abort()  # ... then the client vanishes without a close handshake
+    # Off the loop: the abort only reaches the socket once this loop runs again.
+    stats = await asyncio.to_thread(server.wait_idle)
+    assert stats.kv_used_bytes == 0 and stats.num_running == 0
+    assert stats.requests_finished_total.get("cancelled", 0) - cancelled_before == 3, (before, stats)
