@@ -246,3 +246,13 @@ def test_defaults_fill_missing_fields() -> None:
     bad = BatchSession(ContinuationStore(4, 100, 1.0), GenerationConfig(**{**msgspec.structs.asdict(defaults), "top_p": 5.0}), Limits(), "k")
     with pytest.raises(errors.InvalidRequest, match="top_p"):
         bad.default_sampling()
+
+
+def test_continuation_that_fills_the_context_says_so() -> None:
+    session = make_session()
+    receive(session, {"prompts": [{"request_id": "a", "prompt": "x"}]})
+    finish_with_length(session, "k-1", [1, 2], [3, 4], 1.0)
+    receive(session, {"prompts": [{"request_id": "a"}]}, 2.0)
+    actions = session.on_start_failed([("k-2", errors.ContextLengthExceeded(4, 4))], 2.0)
+    assert render(actions)[0][1][0]["error"] == (
+        "request_id 'a' cannot continue: its text so far (4 tokens) already fills the model's context of 4 tokens")

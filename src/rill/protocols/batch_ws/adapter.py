@@ -83,7 +83,7 @@ class _Connection:
         self.client = shared.client
         # NOTE: continuations are scoped by the credentials presented, so one API key can
         # never continue (and read) another key's generation by guessing its request_id.
-        scope = ws.headers.get("authorization", "")
+        scope = _credential(ws)
         self.session = BatchSession(shared.store, shared.defaults, shared.limits, f"bws-{uuid.uuid4().hex[:12]}", scope)
         self.slots: dict[PromptKey, RequestOutput] = {}
         self.wake = asyncio.Event()
@@ -183,3 +183,11 @@ class _Connection:
         async with self.send_lock:
             if self.ws.application_state is WebSocketState.CONNECTED:
                 await self.ws.send_text(text)
+
+
+def _credential(ws: WebSocket) -> str:
+    """The API key the client presented (``Authorization: Bearer`` or ``?api_key=``), or ''."""
+    header = ws.headers.get("authorization", "")
+    if header[:7].lower() == "bearer ":
+        return header[7:].strip()
+    return ws.query_params.get("api_key", "") or header

@@ -30,7 +30,7 @@ from typing import Union
 
 import msgspec
 
-from rill.errors import CacheMiss, InvalidRequest
+from rill.errors import CacheMiss, ContextLengthExceeded, InvalidRequest
 from rill.protocols.batch_ws import codec
 from rill.protocols.batch_ws.messages import (
     Accepted,
@@ -215,6 +215,7 @@ class _Prompt:
     is_started: bool = False
     is_initialized: bool = False
     is_done: bool = False
+    is_continuation: bool = False  # goes on from a kept generation
 
 
 _ORDER = ("STARTED", "INITIALIZED", "PROGRESS", "COMPLETE", "ERROR")
@@ -283,7 +284,7 @@ class BatchSession:
             else:
                 run_config = config if config is not None else kept.config
                 prompt = _Prompt(key, batch, index, item.request_id, kept.text, run_config,
-                                 prompt_token_ids=kept.token_ids)
+                                 prompt_token_ids=kept.token_ids, is_continuation=True)
                 request = GenerateRequest(
                     prompt_token_ids=kept.token_ids, sampling=self._sampling(run_config), request_id=key,
                     protocol=PROTOCOL, require_cached_prefix_tokens=_required_cached(kept.token_ids))
@@ -309,6 +310,10 @@ class BatchSession:
             if prompt is None:
                 continue
             self._finish(prompt)
+            if isinstance(exc, ContextLengthExceeded) and prompt.is_continuation:
+                exc = ContextLengthExceeded(exc.num_prompt_tokens, exc.max_context_tokens, (
+                    f"request_id {prompt.request_id!r} cannot continue: its text so far ({exc.num_prompt_tokens} tokens) "
+                    f"already fills the model's context of {exc.max_context_tokens} tokens"))
             grouped.setdefault(id(prompt.batch), (prompt.batch, []))[1].append(
                 Error(request_id=prompt.request_id, error=codec.error_text(exc)))
         return [Send(events) for _, events in grouped.values()]
