@@ -128,6 +128,16 @@ async def test_missing_prompt(uds_server: LiveServer) -> None:
     assert await conn.is_closed()
 
 
+async def test_prompt_too_large(uds_server: LiveServer) -> None:
+    prompt = "".join("qzxj7#@!%^&*()"[(i * 7) % 14] for i in range(3000))  # ~1 token per character
+    conn = await connect(uds_server)
+    await conn.send({"id": "big", "prompt": prompt, "max_tokens": 4})
+    event = await conn.recv()
+    assert event["event"] == "error" and event["code"] == "E_LIMIT_PROMPT_TOO_LARGE" and event["id"] == "big"
+    assert event["message"].startswith("prompt too large")
+    assert await conn.is_closed()
+
+
 async def test_request_while_busy(uds_server: LiveServer) -> None:
     conn = await connect(uds_server)
     # Both frames in one write: the second arrives while the first is certainly running.
