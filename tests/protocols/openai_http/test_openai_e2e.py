@@ -10,6 +10,7 @@ only behaviour is asserted (event order, counts, equality between runs, errors).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +113,27 @@ def test_keys_and_limits_on_a_served_instance(tiny_model_dir: Path) -> None:
         assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
     finally:
         live.stop()
+
+
+async def test_429_when_the_queue_is_full(tiny_model_dir: Path) -> None:
+    # One sequence at a time and one waiting: a third request can only be refused.
+    live = await asyncio.to_thread(start_server, tiny_model_dir, **{"engine.max_num_seqs": 1, "engine.max_queue": 1})
+    body = {"prompt": "a long story", "max_tokens": 500, "ignore_eos": True, "stream": True}
+    try:
+        async with httpx.AsyncClient(base_url=live.url, timeout=60) as http, contextlib.AsyncExitStack() as stack:
+            statuses = []
+            for _ in range(3):
+                response = await stack.enter_async_context(http.stream("POST", "/v1/completions", json=body))
+                statuses.append(response.status_code)
+            assert statuses[0] == 200 and statuses[2] == 429
+            refused = response
+            await refused.aread()
+            assert refused.headers["retry-after"].isdigit()
+            assert refused.json()["error"]["code"] == "queue_full"
+            assert refused.json()["error"]["type"] == "rate_limit_error"
+        await asyncio.to_thread(live.wait_idle)
+    finally:
+        await asyncio.to_thread(live.stop)
 
 
 async def test_hundred_disconnects_leave_no_running_request_and_no_kv(server: LiveServer) -> None:
