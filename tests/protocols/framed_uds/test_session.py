@@ -232,3 +232,9 @@ def test_newline_line_too_long_while_running_aborts_and_closes() -> None:
     assert actions == [Abort(), Send(b"error: E_PROTO_FRAME_TOO_LARGE: frame of 99 bytes exceeds the limit of 8 bytes\n"),
                        Close()]
     assert session.on_protocol_error(FrameTooLarge(99, 8)) == []
+
+
+def test_request_timeout_becomes_the_deadline() -> None:
+    session = FramedSession(SessionLimits(request_timeout_s=2.5))
+    assert started(session).request.deadline_s == 2.5
+    assert started(FramedSession()).request.deadline_s is None

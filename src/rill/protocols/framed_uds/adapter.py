@@ -122,7 +122,8 @@ class UdsListener:
         self.deps = deps
         self.config = deps.config.uds
         self.limits = SessionLimits(max_tokens_cap=deps.config.http.max_tokens_cap,
-                                    one_request=self.config.uds_one_request)
+                                    one_request=self.config.uds_one_request,
+                                    request_timeout_s=deps.config.http.request_timeout_s)
         self.connections: set[Connection] = set()
         self._server: asyncio.AbstractServer | None = None
         self._inode: int | None = None
@@ -141,6 +142,8 @@ class UdsListener:
             self._server.close()
         for connection in list(self.connections):
             await connection.close()
+        if self._server is not None:
+            await self._server.wait_closed()
         with contextlib.suppress(OSError):
             if os.stat(self.config.socket).st_ino == self._inode:  # never remove a successor's socket
                 os.unlink(self.config.socket)

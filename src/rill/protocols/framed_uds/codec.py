@@ -191,11 +191,13 @@ def slo_priority(slo: Slo | None) -> int:
     return -1 - max(0, SLO_HORIZON_MS - math.ceil(slo.target_ttft_ms))
 
 
-def build_request(request: Request, max_tokens_cap: int | None = None) -> GenerateRequest:
+def build_request(request: Request, max_tokens_cap: int | None = None,
+                  request_timeout_s: float | None = None) -> GenerateRequest:
     """The engine request for a wire ``Request``.
 
     Defaults of the spec: temperature 0.0, top_p 1.0, top_k 0 (off), ``max_tokens`` the
-    server's limit. ``max_tokens_cap`` (``--max-tokens-cap``) bounds ``max_tokens``.
+    server's limit. ``max_tokens_cap`` (``--max-tokens-cap``) bounds ``max_tokens``;
+    ``request_timeout_s`` (``--request-timeout-s``) becomes the request's time limit.
 
     Raises:
         InvalidRequest: a sampling field is out of range (``field`` names it).
@@ -210,7 +212,7 @@ def build_request(request: Request, max_tokens_cap: int | None = None) -> Genera
         max_tokens=max_tokens,
     ).validate()
     return GenerateRequest(prompt=request.prompt, sampling=sampling, priority=slo_priority(request.slo),
-                           protocol=PROTOCOL_NAME)
+                           protocol=PROTOCOL_NAME, deadline_s=request_timeout_s)
 
 
 # -- encoding ------------------------------------------------------------------------------

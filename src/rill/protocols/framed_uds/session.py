@@ -85,6 +85,7 @@ class SessionLimits:
 
     max_tokens_cap: int | None = None
     one_request: bool = False
+    request_timeout_s: float | None = None
 
 
 class State(enum.Enum):
@@ -200,7 +201,8 @@ class FramedSession:
     # -- handlers --------------------------------------------------------------------------
     def _start(self, request: Request) -> list[Action]:
         try:
-            generate = codec.build_request(request, self.limits.max_tokens_cap)
+            generate = codec.build_request(request, self.limits.max_tokens_cap,
+                                           self.limits.request_timeout_s)
         except InvalidRequest as exc:
             return self._fail(exc, request.id, request.metadata)
         self.num_requests += 1
@@ -349,7 +351,8 @@ class NewlineSession:
         prompt = self._queue.popleft()
         try:
             generate = codec.build_request(Request(id=f"line-{self.num_requests}", prompt=prompt),
-                                           self.limits.max_tokens_cap)
+                                           self.limits.max_tokens_cap,
+                                           self.limits.request_timeout_s)
         except InvalidRequest as exc:
             return self._fail(exc)
         self.num_requests += 1
