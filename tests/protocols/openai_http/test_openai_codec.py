@@ -65,6 +65,8 @@ def test_chat_decode_errors_name_the_field(fields: dict, field: str) -> None:
 def test_unknown_fields_and_nulls_are_accepted() -> None:
     req = codec.decode_completion(b'{"prompt": "x", "temperature": null, "user": "u", "some_new_field": {"a": 1}}')
     assert req.temperature is None
+    chat = codec.decode_chat(b'{"messages": [{"role": "user", "content": "x"}], "logprobs": false, "top_logprobs": 0}')
+    assert codec.sampling_params(chat, 4, SERVED).logprobs is None
 
 
 @pytest.mark.parametrize(

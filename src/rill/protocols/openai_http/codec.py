@@ -206,7 +206,7 @@ def decode_chat(body: bytes) -> ChatCompletionRequest:
     fmt = (req.response_format or {}).get("type", "text")
     if fmt != "text":
         raise InvalidRequest(f"response_format type '{fmt}' is not supported (only 'text')", field="response_format")
-    if req.top_logprobs is not None and not req.logprobs:
+    if req.top_logprobs and not req.logprobs:  # 0 or null without logprobs is harmless
         raise InvalidRequest("'top_logprobs' needs 'logprobs' set to true", field="top_logprobs")
     return req
 
