@@ -1,0 +1,150 @@
+"""``TorchModelRunner``: row copies, mixed decode + prefill steps, logits selection, row swaps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from rill.engine.batch import RowWork
+from rill.engine.runner import TorchModelRunner
+from rill.models import load_model
+
+ATOL = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models run fastest on one thread, and the CPU is shared; restore afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen2 (q/k/v biases, GQA) checkpoint."""
+    from rill.testing.checkpoints import make_checkpoint
+
+    return make_checkpoint(tmp_path_factory.mktemp("runner"), "qwen2")
+
+
+@pytest.fixture(scope="module")
+def loaded(model_dir: Path):
+    return load_model(model_dir, dtype="float32")
+
+
+def _runner(loaded, num_rows: int = 8, max_len: int = 64) -> TorchModelRunner:
+    return TorchModelRunner(loaded, num_rows=num_rows, max_len=max_len)
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(8, 800, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_attributes(loaded) -> None:
+    runner = _runner(loaded, num_rows=3, max_len=32)
+    config = loaded.config
+    assert (runner.num_rows, runner.max_len, runner.vocab_size) == (3, 32, config.vocab_size)
+    assert runner.kv_bytes_per_token == 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4
+    assert runner.kv_capacity_bytes == 3 * 32 * runner.kv_bytes_per_token
+
+
+def test_copy_row_then_fork(loaded) -> None:
+    """A copied prefix continues exactly like the source, and forks diverge independently."""
+    prompt = _prompt(11, seed=0)
+    runner = _runner(loaded)
+    runner.forward([RowWork(row=0, token_ids=prompt, start=0)])
+    runner.copy_row(0, 5, len(prompt))
+    same = runner.forward([RowWork(row=0, token_ids=[42], start=11), RowWork(row=5, token_ids=[42], start=11)])
+    torch.testing.assert_close(same[0], same[1], atol=ATOL, rtol=0)
+    runner.copy_row(5, 2, 12)
+    forks = runner.forward([RowWork(row=2, token_ids=[7], start=12), RowWork(row=5, token_ids=[9], start=12)])
+    fresh = _runner(loaded)
+    expected = fresh.forward([
+        RowWork(row=0, token_ids=prompt + [42, 7], start=0),
+        RowWork(row=1, token_ids=prompt + [42, 9], start=0),
+    ])
+    torch.testing.assert_close(forks, expected, atol=ATOL, rtol=0)
+
+
+def _prime(runner: TorchModelRunner) -> None:
+    # Rows 0 and 1 hold prompts; row 2 holds the first chunk of a prompt.
+    runner.forward([
+        RowWork(row=0, token_ids=_prompt(13, 1), start=0),
+        RowWork(row=1, token_ids=_prompt(4, 2), start=0),
+        RowWork(row=2, token_ids=_prompt(6, 3), start=0, need_logits=False),
+    ])
+
+
+def test_mixed_step_equals_separate_runs(loaded) -> None:
+    """Decodes and prefill chunks with different starts in one step = each item run alone."""
+    step = [
+        RowWork(row=1, token_ids=[11], start=4),
+        RowWork(row=2, token_ids=_prompt(9, 4), start=6),
+        RowWork(row=0, token_ids=[12], start=13),
+        RowWork(row=4, token_ids=_prompt(5, 5), start=0),
+        RowWork(row=6, token_ids=_prompt(3, 6), start=0, need_logits=False),
+    ]
+    together = _runner(loaded)
+    _prime(together)
+    mixed = together.forward(step)
+    alone = _runner(loaded)
+    _prime(alone)
+    separate = [alone.forward([item]) for item in step]
+    assert mixed.shape == (4, loaded.config.vocab_size)
+    torch.testing.assert_close(mixed, torch.cat(separate), atol=ATOL, rtol=0)
+    # The next step sees the same caches: decode every row once more.
+    follow = [RowWork(row=r, token_ids=[3], start=s) for r, s in [(0, 14), (1, 5), (2, 15), (4, 5), (6, 3)]]
+    torch.testing.assert_close(together.forward(follow), alone.forward(follow), atol=ATOL, rtol=0)
+
+
+def test_logits_only_where_needed(loaded) -> None:
+    runner = _runner(loaded)
+    none = runner.forward([RowWork(row=3, token_ids=_prompt(5, 7), start=0, need_logits=False)])
+    assert none.shape == (0, loaded.config.vocab_size) and none.dtype == torch.float32
+    assert runner.forward([]).shape == (0, loaded.config.vocab_size)
+
+
+def test_decode_set_changes_swap_rows_without_loss(loaded) -> None:
+    """Rows join and leave the decode set in every step; each row's logits match a solo run."""
+    prompts = {row: _prompt(3 + 2 * row, 10 + row) for row in (1, 3, 6, 7)}
+    shared, solo = _runner(loaded), _runner(loaded)
+    for runner in (shared, solo):
+        runner.forward([RowWork(row=row, token_ids=p, start=0, need_logits=False) for row, p in prompts.items()])
+    lengths = {row: len(p) for row, p in prompts.items()}
+    schedule = [[7], [3, 7], [1, 6], [6, 3, 1, 7], [1], [7, 6]]
+    for rows in schedule:
+        work = [RowWork(row=row, token_ids=[row + 20], start=lengths[row]) for row in rows]
+        got = shared.forward(work)
+        expected = torch.cat([solo.forward([item]) for item in work])
+        torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+        for row in rows:
+            lengths[row] += 1
+
+
+def test_invalid_work_is_refused(loaded) -> None:
+    runner = _runner(loaded, num_rows=2, max_len=8)
+    with pytest.raises(ValueError, match="scheduled twice"):
+        runner.forward([RowWork(row=0, token_ids=[1], start=0), RowWork(row=0, token_ids=[2], start=1)])
+    with pytest.raises(ValueError, match="do not fit"):
+        runner.forward([RowWork(row=1, token_ids=[1, 2, 3], start=6)])
+    with pytest.raises(ValueError, match="out of range"):
+        runner.copy_row(0, 2, 1)
+
+
+def test_bfloat16_runner_tracks_the_reference(model_dir: Path) -> None:
+    """bf16 through the runner stays close to the bf16 cache-free forward (smoke test)."""
+    loaded = load_model(model_dir, dtype="bfloat16")
+    runner = _runner(loaded)
+    prompt = _prompt(20, 11)
+    logits = runner.forward([RowWork(row=4, token_ids=prompt[:12], start=0, need_logits=False)])
+    steps = [runner.forward([RowWork(row=4, token_ids=[token], start=12 + i)]) for i, token in enumerate(prompt[12:])]
+    with torch.no_grad():
+        reference = loaded.model(torch.tensor([prompt])).float()[0, 12:]
+    ours = torch.cat(steps)
+    assert logits.shape[0] == 0
+    assert (ours.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.75
+    assert (torch.log_softmax(ours, -1) - torch.log_softmax(reference, -1)).abs().max() < 0.5
