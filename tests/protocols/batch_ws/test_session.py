@@ -256,3 +256,14 @@ def test_continuation_that_fills_the_context_says_so() -> None:
     actions = session.on_start_failed([("k-2", errors.ContextLengthExceeded(4, 4))], 2.0)
     assert render(actions)[0][1][0]["error"] == (
         "request_id 'a' cannot continue: its text so far (4 tokens) already fills the model's context of 4 tokens")
+
+
+def test_beam_continuation_recomputes_instead_of_requiring_cached_kv() -> None:
+    # The engine keeps no row of a finished beam request, so requiring cached KV would
+    # always fail; the kept ids are exact, so recomputing them continues correctly.
+    session = make_session()
+    receive(session, {"prompts": [{"request_id": "a", "prompt": "x"}], "generation_config": {"num_beams": 2}})
+    finish_with_length(session, "k-1", [1, 2], [3], 1.0)
+    start = receive(session, {"prompts": [{"request_id": "a"}]}, 2.0)[1]
+    assert start.request.prompt_token_ids == [1, 2, 3] and start.request.require_cached_prefix_tokens is None
+    assert start.request.sampling.num_beams == 2  # the kept config applies when none is sent

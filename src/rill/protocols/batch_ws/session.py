@@ -99,13 +99,16 @@ class Kept:
 
     ``token_ids``: prompt plus generated ids (the next request's prompt);
     ``text``: prompt text plus generated text (INITIALIZED text of the continuation);
-    ``config``: the generation_config it ran with, used when the next message sends none.
+    ``config``: the generation_config it ran with, used when the next message sends none;
+    ``num_cached_tokens``: leading ids the engine's prefix cache should still hold (fewer
+    are reported as evicted).
     """
 
     token_ids: list[int]
     text: str
     config: GenerationConfig | None
     expires_at: float
+    num_cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -159,14 +162,21 @@ class ContinuationStore:
         """The prompt with this id finished (whatever the outcome)."""
         self._busy.discard(key)
 
-    def keep(self, key: ScopedId, token_ids: list[int], text: str, config: GenerationConfig | None, now: float) -> None:
-        """Keep a generation for continuation, evicting the oldest entries over the bounds."""
+    def keep(self, key: ScopedId, token_ids: list[int], text: str, config: GenerationConfig | None, now: float,
+             num_cached_tokens: int | None = None) -> None:
+        """Keep a generation for continuation, evicting the oldest entries over the bounds.
+
+        ``num_cached_tokens`` defaults to all but the last id (sampled, never fed back, so it
+        has no KV).
+        """
         self._expire(now)
         self._tombstones.pop(key, None)
         if len(token_ids) > self.max_tokens or self.max_entries < 1:
             self._bury(key, "evicted", now)
             return
-        self._entries[key] = Kept(list(token_ids), text, config, now + self.ttl_s)
+        if num_cached_tokens is None:
+            num_cached_tokens = len(token_ids) - 1
+        self._entries[key] = Kept(list(token_ids), text, config, now + self.ttl_s, max(0, num_cached_tokens))
         self.num_tokens += len(token_ids)
         while len(self._entries) > self.max_entries or self.num_tokens > self.max_tokens:
             old_key, old = self._entries.popitem(last=False)
@@ -216,6 +226,7 @@ class _Prompt:
     is_initialized: bool = False
     is_done: bool = False
     is_continuation: bool = False  # goes on from a kept generation
+    is_beam: bool = False
 
 
 _ORDER = ("STARTED", "INITIALIZED", "PROGRESS", "COMPLETE", "ERROR")
@@ -287,7 +298,8 @@ class BatchSession:
                                  prompt_token_ids=kept.token_ids, is_continuation=True)
                 request = GenerateRequest(
                     prompt_token_ids=kept.token_ids, sampling=self._sampling(run_config), request_id=key,
-                    protocol=PROTOCOL, require_cached_prefix_tokens=_required_cached(kept.token_ids))
+                    protocol=PROTOCOL, require_cached_prefix_tokens=kept.num_cached_tokens or None)
+            prompt.is_beam = request.sampling.num_beams > 1
             batch.prompts.append(prompt)
             batch.num_open += 1
             self._prompts[key] = prompt
@@ -410,8 +422,11 @@ class BatchSession:
             return "ERROR", Error(request_id=rid, error=codec.error_text(exc) if exc is not None else codec.GENERIC_ERROR)
         generated = "".join(prompt.generated_text)
         if output.finish_reason == "length" and prompt.prompt_token_ids is not None:
+            # NOTE: the engine drops every row of a finished beam request, so nothing of it is
+            # cached: a beam continuation recomputes its (kept, exact) ids instead of failing.
+            num_cached = 0 if prompt.is_beam else None
             self.store.keep((self.scope, rid), prompt.prompt_token_ids + prompt.generated_ids,
-                            prompt.initial_text + generated, prompt.config, now)
+                            prompt.initial_text + generated, prompt.config, now, num_cached)
         return "COMPLETE", Complete(
             request_id=rid,
             text=generated if prompt.batch.only_new_tokens else prompt.initial_text + generated,
@@ -436,11 +451,6 @@ class BatchSession:
 def _is_given(config: GenerationConfig | None) -> bool:
     # The source project treats an empty generation_config like a missing one.
     return config is not None and any(getattr(config, name) is not None for name in config.__struct_fields__)
-
-
-def _required_cached(token_ids: list[int]) -> int:
-    # The last kept token was sampled but never fed to the model, so its KV does not exist.
-    return max(0, len(token_ids) - 1)
 
 
 def _evicted_error(request_id: str, reason: str, ttl_s: float) -> CacheMiss:
