@@ -124,12 +124,20 @@ class OpenAIApi:
             streams = await self._submit(requests)
         except Exception as exc:
             return error_response(exc)
+        try:
+            return self._responder(kind, req, served.name, response_id, streams)
+        except BaseException:
+            await _close_all(streams)  # submitted requests must never outlive a failed handler
+            raise
+
+    def _responder(self, kind: Kind, req: Any, model: str, response_id: str,
+                   streams: list[RequestStream]) -> "_Responder":
         if kind is Kind.CHAT:
             logprobs = (req.top_logprobs or 0) if req.logprobs else None
         else:
             logprobs = req.logprobs
         session = ResponseSession(
-            kind=kind, response_id=response_id, created=int(time.time()), model=served.name,
+            kind=kind, response_id=response_id, created=int(time.time()), model=model,
             num_choices=len(streams), n=req.n or 1, logprobs=logprobs, token_text=_token_texts(self.client),
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
         )
