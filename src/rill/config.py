@@ -85,6 +85,7 @@ class BatchWsConfig:
     batch_cache_max_entries: int = _f(256, "most kept generations for continuation by request_id")
     batch_cache_max_tokens: int = _f(262144, "most tokens kept for continuation in total")
     batch_cache_ttl_s: float = _f(600.0, "seconds a kept generation stays continuable")
+    batch_max_inflight_prompts: int = _f(256, "most prompts generating at once on one /ws socket")
 
 
 @dataclass(frozen=True)
