@@ -18,7 +18,8 @@ from torch import nn
 from rill.demo import build as demo_build
 from rill.demo import corpus, stories
 from rill.demo import tokenizer as tk
-from rill.demo.train import TrainConfig, pack_documents, train
+from rill.demo import train as train_module
+from rill.demo.train import ThreadTuner, TrainConfig, pack_documents, train
 
 TINY_MODEL = {
     "hidden_size": 64,
@@ -162,6 +163,24 @@ def test_training_loop_lowers_loss_and_respects_limits():
     assert 0 < quick.num_steps and quick.elapsed_s < 2.0
     with pytest.raises(ValueError):
         train(Bigram(16), tokens, TrainConfig(steps=None, time_budget_s=None))
+
+
+def test_thread_tuner_probes_each_count_then_uses_the_fastest(monkeypatch):
+    now = [0.0]
+    monkeypatch.setattr(train_module.time, "perf_counter", lambda: now[0])
+    cost_s = {2: 1.0, 1: 0.25}  # an overloaded machine: one thread is faster
+    tuner, used = ThreadTuner([2, 1]), []
+    old_threads = torch.get_num_threads()
+    try:
+        for _ in range(45):
+            tuner.begin()
+            used.append(tuner.current)
+            now[0] += cost_s[tuner.current]
+            tuner.end()
+    finally:
+        torch.set_num_threads(old_threads)
+    assert used[:5] == [2, 2, 2, 1, 1]  # warm-up step, then two timed steps each
+    assert set(used[5:40]) == {1} and used[40:45] == [1, 2, 2, 1, 1]
 
 
 # ---------------------------------------------------------------- tiny real builds

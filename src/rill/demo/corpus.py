@@ -129,7 +129,7 @@ def _story_request(rng: random.Random, follow_up: bool) -> tuple[str, str]:
         toy = rng.choice(lx.TOYS)
         subject, text = a(toy), story(rng, thing=toy)
     elif choice < 0.78:
-        place = rng.choice(tuple(lx.PLACES))
+        place = rng.choice(lx.OUTDOOR_PLACES)
         subject, text = f"a day at the {place}", story(rng, place=place, plot="trip")
     elif choice < 0.9:
         theme = rng.choice(tuple(THEMES))

@@ -123,9 +123,15 @@ PLACES = {
               ("threw stones", "walked on the bridge", "splashed in the water", "looked at the fish"),
               ("under the bridge", "near the water", "between the stones", "in the reeds")),
 }
+OUTDOOR_PLACES = tuple(place for place in PLACES if place not in ("house", "school"))
 TOWN_WORDS = ("a small town", "a little village", "a big city", "a quiet forest", "a sunny land")
 SPEECH_VERBS = ("said", "asked", "shouted", "whispered", "replied", "cried", "laughed", "smiled")
 VOWELS = "aeiou"
+
+
+def at(place: str) -> str:
+    """Where one is in a place: "in the house", "at the park"."""
+    return f"in the {place}" if place == "house" else f"at the {place}"
 
 
 def a(word: str) -> str:

@@ -16,8 +16,8 @@ from typing import Callable
 from rill.demo import lexicon as lx
 from rill.demo.lexicon import Character, a
 
-QUESTION_VERBS = ("asked", "asked", "wondered")
-TELL_VERBS = ("said", "said", "said", "shouted", "whispered", "cried")
+QUESTION_VERBS = ("asked",)
+TELL_VERBS = ("said", "said", "said", "shouted", "whispered")
 REPLY_VERBS = ("said", "said", "replied", "replied")
 
 
@@ -98,7 +98,7 @@ def plot_lost(s: Story, hero: Character, place: str, thing: str) -> None:
     s.add(f"{hero.he} {rng.choice(acts)}.", f"{hero.he} {rng.choice(acts)} and had lots of fun.")
     s.add(f"When it was time to go home, {hero.ref} looked for {hero.his} {thing}, but it was gone!")
     s.add(f"{hero.ref} felt very sad.", f"{hero.ref} started to cry.")
-    s.say(hero, f"Where is my {thing}?")
+    s.say(hero, f"Where is my {thing}?", s.rng.choice(("asked", "cried")))
     s.para()
     s.add(f"{helper.intro} saw that {hero.ref} was sad.", f"{helper.intro} came to help.")
     s.say(helper, rng.choice(("Don't be sad. I will help you look for it.", "Let's look for it together.")))
@@ -119,7 +119,7 @@ def plot_share(s: Story, hero: Character, place: str, thing: str) -> None:
     s.add(f"{hero.ref} had a new {thing}.", f"{hero.ref} got a new {thing} for {hero.his} birthday.")
     s.add(f"{hero.he} loved to play with it every day.")
     s.para()
-    s.add(f"One day, {hero.ref} was playing with {hero.his} {thing} at the {place}.")
+    s.add(f"One day, {hero.ref} was playing with {hero.his} {thing} {lx.at(place)}.")
     s.add(f"{friend.intro} came over.", f"{friend.intro} saw the {thing}.")
     s.say(friend, s.rng.choice((f"Can I play with your {thing}?", "Can I play too?")))
     s.add(f"{hero.ref} did not want to share.")
@@ -293,10 +293,10 @@ def plot_surprise(s: Story, hero: Character, place: str, thing: str) -> None:
     """The hero finds a box with a surprise inside."""
     rng, (_, _, spots) = s.rng, lx.PLACES[place]
     elder = lx.make_elder(rng, hero)
-    s.add(f"One day, {hero.ref} was playing at the {place}.")
+    s.add(f"One day, {hero.ref} was playing {lx.at(place)}.")
     s.add(f"{hero.he} found a little box {rng.choice(spots)}.")
     s.add(f"{hero.ref} was very curious.")
-    s.say(hero, "What is inside?")
+    s.say(hero, "What is inside?", s.rng.choice(("asked", "wondered")))
     s.add(f"{hero.he} opened the box slowly.")
     s.add(f"Inside, there was {rng.choice(lx.SURPRISES)}!")
     s.para()
@@ -329,6 +329,7 @@ PLOTS: dict[str, Plot] = {
     "truth": plot_mistake, "trying": plot_learn, "surprise": plot_surprise, "race": plot_race,
 }
 THING_PLOTS = ("lost", "sharing", "truth")  # plots in which the toy matters
+INDOOR_PLOTS = ("sharing", "surprise", "truth")  # plots that read well in any place
 
 
 def story(
@@ -345,7 +346,8 @@ def story(
         kind = "girl" if name in lx.GIRL_NAMES else "boy" if name in lx.BOY_NAMES else None
     hero = lx.make_hero(rng, kind=kind, name=name)
     plot = plot or rng.choice(THING_PLOTS if thing else tuple(PLOTS))
-    place = place or rng.choice(tuple(lx.PLACES))
+    if place is None:
+        place = rng.choice(tuple(lx.PLACES) if plot in INDOOR_PLOTS else lx.OUTDOOR_PLACES)
     s = Story(rng)
     open_story(s, hero)
     PLOTS[plot](s, hero, place, lx.make_thing(rng, thing))

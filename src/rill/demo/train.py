@@ -35,7 +35,7 @@ class TrainConfig:
         warmup_steps: linear warm-up length.
         weight_decay, betas, grad_clip: AdamW and gradient-norm clipping settings.
         use_bf16: run the forward under bf16 autocast (None: when the CPU has native bf16).
-        num_threads: torch intra-op threads while training (None: the CPUs this process may use).
+        num_threads: torch intra-op threads while training (None: tuned between all CPUs and 1).
         seed: seeds the window sampler.
     """
 
@@ -121,11 +121,56 @@ def train(
         raise ValueError(f"need more than {config.seq_len + 1} tokens to train, got {len(tokens)}")
     use_bf16 = bf16_is_native() if config.use_bf16 is None else config.use_bf16
     old_threads = torch.get_num_threads()
-    torch.set_num_threads(config.num_threads or len(os.sched_getaffinity(0)))
+    tuner = ThreadTuner([config.num_threads] if config.num_threads else None)
     try:
-        return _run(model, tokens, config, use_bf16, progress, holdout)
+        return _run(model, tokens, config, use_bf16, progress, holdout, tuner)
     finally:
         torch.set_num_threads(old_threads)
+
+
+class ThreadTuner:
+    """Picks the fastest torch thread count while training, and keeps checking.
+
+    On an idle machine all cores are fastest; on a shared, overloaded one a single thread
+    can be several times faster, because every parallel region waits for its slowest,
+    descheduled thread (measured here: 2.5 s against 12 s per step). So the tuner times a
+    few steps with each candidate, uses the fastest, and re-times the others now and then.
+    """
+
+    PROBE_STEPS = 2
+    RECHECK_EVERY = 40
+
+    def __init__(self, candidates: list[int] | None = None) -> None:
+        cpus = len(os.sched_getaffinity(0))
+        self.candidates = candidates or sorted({cpus, 1}, reverse=True)
+        self.times: dict[int, list[float]] = {n: [] for n in self.candidates}
+        self.current = self.candidates[0]
+        self.step = 0
+        self._started = 0.0
+
+    def begin(self) -> None:
+        """Call before a step: sets the thread count this step runs with."""
+        self.current = self._choose()
+        torch.set_num_threads(self.current)
+        self._started = time.perf_counter()
+
+    def end(self) -> None:
+        """Call after the step."""
+        if self.step > 0:  # the first step pays one-off allocation costs
+            times = self.times[self.current]
+            times.append(time.perf_counter() - self._started)
+            del times[: -self.PROBE_STEPS]
+        self.step += 1
+
+    def _choose(self) -> int:
+        if len(self.candidates) == 1:
+            return self.candidates[0]
+        cycle = self.step % self.RECHECK_EVERY
+        # The first steps of every cycle re-time each candidate; the rest use the fastest.
+        probe = (cycle - 1) // self.PROBE_STEPS if cycle >= 1 else len(self.candidates)
+        if probe < len(self.candidates):
+            return self.candidates[probe]
+        return min(self.candidates, key=lambda n: sum(self.times[n]) / max(1, len(self.times[n])))
 
 
 def _run(
@@ -135,6 +180,7 @@ def _run(
     use_bf16: bool,
     progress: ProgressFn | None,
     holdout: torch.Tensor | None,
+    tuner: ThreadTuner,
 ) -> TrainResult:
     generator = torch.Generator().manual_seed(config.seed)
     optimizer = _optimizer(model, config)
@@ -149,13 +195,15 @@ def _run(
         for group in optimizer.param_groups:
             group["lr"] = lr_at(fraction, step, config)
         inputs, targets = _batch(tokens, config, generator)
+        tuner.begin()
         loss = _loss(model, inputs, targets, use_bf16)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        step += 1
         value = loss.item()
+        tuner.end()
+        step += 1
         # Exponential moving average: single-batch losses are noisy at batch 16.
         smoothed = value if math.isnan(smoothed) else 0.95 * smoothed + 0.05 * value
         if progress is not None:
