@@ -46,6 +46,7 @@ class CoreConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     min_prefill_chunk_tokens: int = 16
+    min_reuse_tokens: int = 8  # shorter shared prefixes (a BOS, a common first word) are not worth a copy
 
 
 class EngineCore:
@@ -57,7 +58,7 @@ class EngineCore:
         self.config = config
         self.clock = clock
         self.max_len = runner.max_len
-        self.kv = KVManager(runner.num_rows, runner.max_len, runner.kv_bytes_per_token)
+        self.kv = KVManager(runner.num_rows, runner.max_len, runner.kv_bytes_per_token, min_reuse_tokens=config.min_reuse_tokens)
         self.scheduler = Scheduler(self.kv, runner.copy_row, min(config.max_num_seqs, runner.num_rows), config.max_num_batched_tokens)
         self.scheduler.prefill_chunk_tokens = min(256, config.max_num_batched_tokens)
         num_keys = runner.num_rows + 2 * config.max_num_seqs

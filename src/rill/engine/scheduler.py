@@ -99,7 +99,10 @@ class Scheduler:
     def resume(self, request: Request) -> None:
         """Move a paused request back: to running if it kept its row, else to waiting."""
         self.paused.pop(request.request_id, None)
-        if request.row is not None and len(self.running) < self.max_num_seqs:
+        if request.row is not None and len(self.running) >= self.max_num_seqs:
+            self._release_rows(request)  # the batch is full: wait like a new request (prefix cache keeps its KV)
+            request.num_computed = 0
+        if request.row is not None:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
         else:
@@ -144,7 +147,7 @@ class Scheduler:
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         deferred: list[tuple[int, int, Request]] = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0:
             entry = heapq.heappop(self.waiting)
             request = entry[2]
             if request.status is not RequestStatus.WAITING:
@@ -181,16 +184,36 @@ class Scheduler:
 
     def _make_room(self, request: Request, out: SchedulerOutput) -> bool:
         need = self._rows_needed(request)
+        while len(self.running) >= self.max_num_seqs:
+            victim = self._pick_victim(request, running_only=True)
+            if victim is None:
+                return False
+            self._preempt_in_plan(victim, out)
         while self.kv.num_available_rows < need:
             victim = self._pick_victim(request)
             if victim is None:
                 return False
-            self.preempt(victim)
-            out.preempted.append(victim)
+            self._preempt_in_plan(victim, out)
         return True
 
-    def _pick_victim(self, incoming: Request) -> Request | None:
-        held = [r for r in self.paused.values() if r.row is not None]
+    def _preempt_in_plan(self, victim: Request, out: SchedulerOutput) -> None:
+        """Preempt ``victim`` and drop any work already planned for it in this step."""
+        self.preempt(victim)
+        out.preempted.append(victim)
+        kept = []
+        for item in out.scheduled:
+            if item.request is victim:
+                num = sum(len(w.token_ids) for w in item.work)
+                if item.work[0].need_logits and len(item.work[0].token_ids) == 1:
+                    out.num_decode_tokens -= num
+                else:
+                    out.num_prefill_tokens -= num
+            else:
+                kept.append(item)
+        out.scheduled = kept
+
+    def _pick_victim(self, incoming: Request, running_only: bool = False) -> Request | None:
+        held = [] if running_only else [r for r in self.paused.values() if r.row is not None]
         if held:
             return min(held, key=lambda r: r.seq_no)  # oldest pause first
         candidates = [r for r in self.running if r.priority > incoming.priority]

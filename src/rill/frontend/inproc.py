@@ -226,7 +226,7 @@ class InprocClient:
         if request.messages is not None:
             messages = [_message_dict(m) for m in request.messages]
             return engine.tokenizer.encode_chat(messages, add_generation_prompt=request.add_generation_prompt,
-                                                **request.chat_template_kwargs)
+                                                chat_template_kwargs=request.chat_template_kwargs)
         return engine.tokenizer.encode(request.prompt or "")
 
     def _require_engine(self) -> Engine:
@@ -296,7 +296,8 @@ class InprocClient:
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         """The prompt the chat template makes of ``messages``."""
-        return self._require_engine().tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+        return self._require_engine().tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                                    chat_template_kwargs=kwargs)
 
     def stats(self) -> EngineStats:
         """Engine gauges and counters (a consistent snapshot taken without stopping the engine)."""
