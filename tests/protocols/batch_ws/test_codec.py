@@ -73,3 +73,40 @@ def test_every_error_class_has_a_deliberate_text() -> None:
         if cls is errors.RillError or cls is errors.RequestNotFound:
             continue
         assert any(base in table for base in cls.__mro__), cls
+
+
+def test_fuzz_decode_and_receive_raise_only_documented_errors() -> None:
+    # Mutated payloads: decode gives a BatchRequest or InvalidRequest, and a decoded batch is
+    # either accepted by a session or refused with InvalidRequest; nothing else escapes.
+    import random
+
+    from rill.config import SamplingDefaults
+    from rill.protocols.batch_ws.messages import BatchRequest, GenerationConfig
+    from rill.protocols.batch_ws.session import BatchSession, ContinuationStore, Limits
+
+    defaults = GenerationConfig(**vars(SamplingDefaults()))
+    seed = json.loads(VECTORS["decode"][0]["input"])
+    seed["prompts"].append({"request_id": "b", "prompt": "x"})
+    base = json.dumps(seed).encode()
+    alphabet = b'{}[]",:0123456789-.eEtrufalsn \\/abx\x00\xff'
+    rng = random.Random(0)
+    for _ in range(3000):
+        data = bytearray(base)
+        for _ in range(rng.randint(1, 6)):
+            op, at = rng.random(), rng.randrange(len(data))
+            if op < 0.4:
+                data[at] = rng.choice(alphabet)
+            elif op < 0.7:
+                del data[at]
+            else:
+                data.insert(at, rng.choice(alphabet))
+        try:
+            msg = codec.decode(bytes(data))
+        except errors.InvalidRequest:
+            continue
+        assert isinstance(msg, BatchRequest)
+        session = BatchSession(ContinuationStore(4, 1000, 10.0), defaults, Limits(), "k")
+        try:
+            session.receive(msg, 0.0)
+        except errors.InvalidRequest:
+            pass

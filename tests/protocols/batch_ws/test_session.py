@@ -160,20 +160,6 @@ def test_evicted_entry_is_reported_once_then_the_id_starts_afresh() -> None:
     assert isinstance(again[1], Start) and again[1].request.prompt == "x"
 
 
-def test_token_bound_and_ttl_evict_with_tombstones() -> None:
-    store = ContinuationStore(max_entries=10, max_tokens=5, ttl_s=10.0)
-    store.keep(("", "a"), [1, 2, 3], "abc", None, now=0.0)
-    store.keep(("", "b"), [1, 2, 3], "abc", None, now=1.0)  # 6 tokens > 5: "a" goes
-    assert len(store) == 1 and store.num_tokens == 3
-    assert store.claim(("", "a"), now=2.0).reason == "evicted"
-    store.release(("", "a"))
-    assert store.claim(("", "b"), now=11.5).reason == "expired"  # kept at 1.0, ttl 10
-    store.release(("", "b"))
-    assert store.claim(("", "b"), now=11.6) is None
-    store.keep(("", "big"), list(range(6)), "x", None, now=12.0)  # larger than the whole budget
-    assert len(store) == 0 and store.claim(("", "big"), now=12.0).reason == "evicted"
-
-
 def test_expired_entry_is_reported_with_the_ttl() -> None:
     session = make_session(ContinuationStore(16, 10_000, ttl_s=5.0))
     receive(session, {"prompts": [{"request_id": "a", "prompt": "x"}]})

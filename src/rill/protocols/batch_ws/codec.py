@@ -51,7 +51,7 @@ def decode(text: str | bytes) -> BatchRequest:
         return _decoder.decode(text)
     except msgspec.ValidationError as exc:  # subclass of DecodeError: check it first
         raise InvalidRequest(f"{INVALID_PAYLOAD}: {exc}") from exc
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # bytes input may not be UTF-8
         raise InvalidRequest(f"{INVALID_JSON}: {exc}") from exc
 
 
