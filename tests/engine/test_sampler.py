@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from rill.engine.sampler import Sampler, inverse_cdf, keep_thresholds
+from rill.engine.sampler import Sampler
 from rill.types import SamplingParams
 
 # A crafted 16-token distribution: probs 0.3, 0.25, 0.2, 0.1, 0.05, then 11 tokens sharing 0.1.
@@ -278,43 +278,3 @@ def test_remove_then_add_clears_history():
     np.testing.assert_array_equal(s._processed_logits(torch.zeros(1, 8), [1]), np.zeros((1, 8)))
     with pytest.raises(ValueError):
         s.add(1, p, [], set())
-
-
-# ----- kernels --------------------------------------------------------------------------------
-
-
-def _reference_keep(p: np.ndarray, top_k: int, top_p: float, min_p: float) -> set[int]:
-    order = np.argsort(-p, kind="stable")
-    keep = set(order[:top_k].tolist()) if top_k else set(range(len(p)))
-    q = np.where([i in keep for i in range(len(p))], p, 0.0)
-    if top_p < 1.0:
-        q_sorted = np.sort(q)[::-1] / q.sum()
-        cut = np.searchsorted(np.cumsum(q_sorted), top_p)  # first index reaching top_p
-        keep &= {i for i in range(len(p)) if q[i] / q.sum() >= q_sorted[min(cut, len(p) - 1)]}
-    return {i for i in keep if p[i] >= min_p * p.max()}
-
-
-@pytest.mark.parametrize("num_candidates", [1, 8, 1024])
-def test_keep_thresholds_match_a_sort_based_reference(num_candidates):
-    rng = np.random.default_rng(4)
-    f, width = 60, 256
-    w = np.exp(rng.standard_normal((f, width)) * rng.uniform(0.1, 3, (f, 1))).astype(np.float32)
-    w /= w.max(axis=1, keepdims=True)
-    top_k = rng.choice([0, 1, 5, 40], f)
-    top_p = rng.choice([1.0, 0.5, 0.9, 0.99], f).astype(np.float32)
-    min_p = rng.choice([0.0, 0.05, 0.3], f).astype(np.float32)
-    thr = keep_thresholds(w, top_k, top_p, min_p, num_candidates)
-    for r in range(f):
-        got = set(np.nonzero(w[r] >= thr[r])[0].tolist())
-        assert got == _reference_keep(w[r].astype(np.float64), top_k[r], float(top_p[r]), float(min_p[r])), r
-
-
-def test_inverse_cdf_edges_and_zero_weights():
-    w = np.zeros((3, 256), np.float32)
-    w[:, [5, 130, 200]] = [1.0, 2.0, 1.0]
-    u = np.array([0.0, 0.5, np.nextafter(1.0, 0.0)])
-    assert inverse_cdf(w, u).tolist() == [5, 130, 200]
-    rng = np.random.default_rng(5)
-    w = (rng.random((4, 256)) < 0.1).astype(np.float32)
-    tokens = inverse_cdf(np.repeat(w, 500, 0), rng.random(2000))
-    assert np.all(np.repeat(w, 500, 0)[np.arange(2000), tokens] > 0)

@@ -1,26 +1,23 @@
 """Logits → token ids for every running sequence, with per-request parameters, in one call per step.
 
-Owns the per-sequence sampling state (a row of parameters per *key*, output-token counts for the
-penalties, per-request seeded generators) and turns one step's logits into tokens and logprobs.
-Imports only numpy, torch and ``rill.types``; knows nothing of requests, scheduling or protocols.
+Owns the per-sequence sampling state, keyed by small ints the engine picks (vLLM ``InputBatch``
+style): a row of parameters per key in one preallocated table, output-token counts and prompt
+masks for the penalties, per-request seeded ``torch.Generator``s. ``Sampler.sample`` turns one
+step's logits into tokens (and logprobs) with no per-row Python work over the vocabulary; the
+numpy kernels live in ``rill.engine.sampler_kernels``. Imports numpy, torch and ``rill.types``
+only; knows nothing of requests, scheduling or protocols.
 
-Processing order (vLLM / OpenAI semantics): repetition penalty (prompt + output tokens) →
-presence / frequency penalties (output tokens) → logit_bias → min_tokens / ignore_eos bans →
-temperature (< 1e-5, or top_k == 1, is greedy) → top_k → top_p → min_p → one inverse-CDF draw.
+Processing order (vLLM / OpenAI semantics): repetition penalty (HF, prompt + output tokens) →
+presence / frequency penalties (OpenAI, output tokens) → logit_bias → bans (eos and stop ids while
+fewer than min_tokens outputs; eos always under ignore_eos) → temperature (below
+``GREEDY_TEMPERATURE``, or top_k == 1, is greedy: argmax of the processed logits) → top_k →
+top_p (on the top-k-renormalised mass) → min_p (relative to the top probability) → one uniform
+per row, inverse CDF. A row whose processed logits are all -inf falls back to the raw argmax.
+Logprobs are always of the raw distribution, ``log_softmax(logits)``.
 
-NOTE(sampler): the hot path is numpy, not torch. On this 2-core box numpy's AVX-512 sort and
-partition are 10-15x faster than ``torch.sort`` / ``torch.topk``, elementwise numpy beats torch's
-small ops, and numpy stays single-threaded: torch's intra-op threads stall (1-8 ms per op) when
-another process holds the second core. Logits arrive as a CPU float32 tensor and are read through
-a zero-copy numpy view; seeded draws still come from per-request ``torch.Generator``s.
-
-NOTE(sampler): top-k / top-p / min-p become one *value* threshold per row (keep weights >= thr;
-ties at the cut are kept, as in HF's top-k), and the draw runs over the kept weights in token-id
-order. The result therefore depends neither on how sort/topk order tied values nor on the
-candidate-set size, which varies with the batch: a seeded row gives the same tokens alone or in
-any batch. Thresholds come from the largest ``num_candidates`` weights (``np.partition``); a
-top-p row whose candidates hold less than ``top_p`` of the mass (near-uniform logits) falls back
-to a full sort of that row only.
+Seeds: a seeded row draws exactly one uniform per sampled step from its own generator, and its
+kept set and draw depend only on its own logits (see ``sampler_kernels``), so it gives the same
+tokens alone or in any batch. Unseeded rows share one randomly seeded generator.
 """
 
 from __future__ import annotations
@@ -30,10 +27,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from rill.engine.sampler_kernels import BLOCK, apply_penalties, inverse_cdf, keep_thresholds, top_n
 from rill.types import SamplingParams, TokenLogprob, TopLogprob
 
 GREEDY_TEMPERATURE = 1e-5  # below this a row is greedy (x / T would overflow float32)
-_BLOCK = 128  # inverse-CDF block width: cumsum over block sums, then inside one block
 # Columns of the persistent per-key parameter table.
 _TEMP, _TOP_K, _TOP_P, _MIN_P, _REP, _PRES, _FREQ = range(7)
 
@@ -85,7 +82,8 @@ class Sampler:
         max_rows: keys are ints in ``[0, max_rows)``.
         device: where logits may arrive from; the sampler computes on the CPU and copies logits
             from another device once per step.
-        num_candidates: candidate-set size for top-p / min-p thresholds (see module docstring).
+        num_candidates: how many of the largest weights a top-p row is cut from before it falls
+            back to a full sort (``sampler_kernels.keep_thresholds``).
     """
 
     def __init__(self, vocab_size: int, max_rows: int, device="cpu", *, num_candidates: int = 1024) -> None:
@@ -93,7 +91,7 @@ class Sampler:
         self.max_rows = max_rows
         self.device = torch.device(device)
         self.num_candidates = max(1, num_candidates)
-        self._width = -(-vocab_size // _BLOCK) * _BLOCK  # padded vocab; pad columns weigh 0
+        self._width = -(-vocab_size // BLOCK) * BLOCK  # padded vocab; pad columns weigh 0
         # Persistent per-key parameters, written on add/update only; one gather per step.
         self._table = np.zeros((max_rows, 7), dtype=np.float32)
         self._slots: list[_Slot | None] = [None] * max_rows
@@ -206,7 +204,7 @@ class Sampler:
         n = len(keys)
         if n == 0:
             return SampleOutput([], [])
-        raw = logits.detach().to("cpu", torch.float32).numpy()  # zero-copy for CPU float32
+        raw = np.ascontiguousarray(logits.detach().to("cpu", torch.float32).numpy())  # no copy if CPU f32
         slots = [self._slot(k) for k in keys]
         key_arr = np.asarray(keys, np.int64)
         with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
@@ -277,16 +275,16 @@ class Sampler:
         if self._work.shape[0] < s:
             self._work = np.empty((max(s, 2 * self._work.shape[0]), self._width), dtype=np.float32)
         w = self._work[:s]  # [s, width]
-        np.take(x, rows, axis=0, out=w[:, :vocab], mode="clip")
-        w[:, vocab:] = -np.inf
         prm = self._table[keys]  # [s, 7]
-        w /= prm[:, _TEMP, None]
-        peak = w.max(axis=1)
-        dead = ~np.isfinite(peak)
-        if dead.any():  # all banned (or inf/nan logits): draw a placeholder, replaced by the caller
+        src = x if s == len(x) else x[rows]  # all rows sampled: no gather
+        peak = src.max(axis=1)
+        dead = ~np.isfinite(peak)  # all banned, or inf/nan logits
+        np.subtract(src, peak[:, None], out=w[:, :vocab])
+        w[:, vocab:] = -np.inf
+        w /= prm[:, _TEMP, None]  # (x - max) / T: the row maximum becomes exactly 0
+        if dead.any():  # draw a placeholder; the caller replaces it
             w[dead] = -np.inf
-            w[dead, 0] = peak[dead] = 0.0
-        w -= peak[:, None]
+            w[dead, 0] = 0.0
         np.exp(w, out=w)  # weights in [0, 1], the row maximum is 1
         filtered = np.fromiter((sl.is_filtered for sl in slots), bool, s)
         if filtered.any():
@@ -314,19 +312,17 @@ class Sampler:
         out: list[TokenLogprob | None] = [None] * n
         if not rows:
             return out
-        xr = raw[rows]  # [l, vocab]
+        xr = raw if len(rows) == n else raw[rows]  # [l, vocab]
         peak = xr.max(axis=1)
-        lse = peak + np.log(np.exp(xr - peak[:, None]).sum(axis=1, dtype=np.float64))  # [l]
+        shifted = xr - peak[:, None]
+        lse = peak + np.log(np.einsum("lv->l", np.exp(shifted, out=shifted)).astype(np.float64))
         chosen = (xr[np.arange(len(rows)), tokens[rows]] - lse).tolist()
         num_top = min(max(slots[i].params.logprobs for i in rows), self.vocab_size)
         top_ids: list[list[int]] = [[] for _ in rows]
         top_lps: list[list[float]] = [[] for _ in rows]
         if num_top > 0:
-            idx = np.argpartition(xr, self.vocab_size - num_top, axis=1)[:, -num_top:]
-            val = np.take_along_axis(xr, idx, axis=1)
-            order = np.lexsort((idx, -val), axis=1)  # most likely first, ties by lower id
-            top_ids = np.take_along_axis(idx, order, axis=1).tolist()
-            top_lps = (np.take_along_axis(val, order, axis=1) - lse[:, None]).tolist()
+            ids, values = top_n(xr, num_top)
+            top_ids, top_lps = ids.tolist(), (values - lse[:, None]).tolist()
         for j, i in enumerate(rows):
             k = slots[i].params.logprobs
             top = [TopLogprob(t, lp) for t, lp in zip(top_ids[j][:k], top_lps[j][:k])]
@@ -368,92 +364,3 @@ class _Plan:
             if sl.params.logprobs is not None:
                 plan.logprob_rows.append(i)
         return plan
-
-
-def apply_penalties(x: np.ndarray, counts: np.ndarray, prompt_mask: np.ndarray, rep: np.ndarray,
-                    presence: np.ndarray, frequency: np.ndarray) -> None:
-    """Apply repetition, presence and frequency penalties to logits rows in place.
-
-    Args:
-        x: float32 ``[r, vocab]`` logits, modified in place.
-        counts: ``[r, vocab]`` output-token counts; prompt_mask: ``[r, vocab]`` prompt tokens.
-        rep, presence, frequency: ``[r]`` per-row penalties (1, 0, 0 mean off).
-
-    Repetition (HF): for tokens in prompt or output, positive logits are divided by ``rep``,
-    negative ones multiplied. Then (OpenAI) ``x -= presence * (count > 0) + frequency * count``.
-    """
-    seen_out = counts > 0
-    if (rep != 1.0).any():
-        # Gather/scatter over the seen tokens only: numpy's masked ops (np.where, copyto with
-        # where=) branch per element and cost ~5 ns each on a random sign pattern.
-        rows, cols = np.nonzero(prompt_mask | seen_out)
-        v, r = x[rows, cols], rep[rows]
-        x[rows, cols] = np.where(v > 0, v / r, v * r)
-    if (presence != 0.0).any() or (frequency != 0.0).any():
-        x -= counts * frequency[:, None] + seen_out * presence[:, None]
-
-
-def keep_thresholds(w: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, min_p: np.ndarray, num_candidates: int) -> np.ndarray:
-    """Per-row weight threshold implementing top-k, then top-p, then min-p.
-
-    Args:
-        w: ``[f, width]`` non-negative weights (temperature-scaled ``exp(x - max)``), one row per
-            filtered sequence; zero columns are allowed (padding, banned tokens).
-        top_k: ``[f]`` int (0 = off); top_p: ``[f]`` (1 = off); min_p: ``[f]`` (0 = off).
-        num_candidates: size of the candidate set tried before a full sort.
-    Returns:
-        float32 ``[f]``: keep the tokens with ``w >= thr``. top-p keeps the smallest set of most
-        likely tokens whose mass (renormalised after top-k) reaches ``top_p``; min-p keeps tokens
-        with weight >= ``min_p`` times the row maximum. Tokens tied at a cut are all kept.
-    """
-    f, width = w.shape
-    rows = np.arange(f)
-    has_k, has_p = top_k > 0, top_p < 1.0
-    m = max(int(top_k.max()) + 1 if has_k.any() else 1, num_candidates if (has_p & ~has_k).any() else 1)
-    if m >= width:
-        m, desc = width, np.sort(w, axis=1)[:, ::-1]
-    else:  # the m largest, sorted descending (values only: ties need no order)
-        desc = np.sort(np.partition(w, width - m, axis=1)[:, width - m:], axis=1)[:, ::-1]
-    v_k = np.where(has_k, desc[rows, np.minimum(top_k, m) - 1], 0.0).astype(np.float32)
-    thr = np.maximum(min_p.astype(np.float32) * desc[:, 0], v_k)
-    if not has_p.any():
-        return thr
-    # Cumulative mass in descending order over the top-k set; total is the top-k mass, or the
-    # whole row's mass without top-k. The cut is the first token where it reaches top_p * total.
-    cum = np.cumsum(np.where(desc >= v_k[:, None], desc, 0.0), axis=1, dtype=np.float64)
-    total = np.where(has_k, cum[:, -1], w.sum(axis=1).astype(np.float64))  # per-row pairwise sum
-    cut = (cum < (top_p * total)[:, None]).sum(axis=1)
-    thr = np.where(has_p, np.maximum(thr, desc[rows, np.minimum(cut, m - 1)]), thr)
-    if m < width:
-        # Candidates too few (mass not reached) or top-k ties spilling past them: sort fully.
-        redo = has_p & ((cut >= m) | (has_k & (desc[:, m - 1] >= v_k)))
-        if redo.any():
-            thr[redo] = keep_thresholds(w[redo], top_k[redo], top_p[redo], min_p[redo], width)
-    return thr
-
-
-def inverse_cdf(w: np.ndarray, u: np.ndarray) -> np.ndarray:
-    """Draw one token per row with probability proportional to ``w``, in token-id order.
-
-    Two levels instead of a full-length cumsum: cumulative sums of ``_BLOCK``-wide block sums pick
-    the block, a cumsum inside that block picks the token. Zero-weight tokens are never chosen.
-
-    Args:
-        w: ``[s, width]`` non-negative float32 weights, ``width % _BLOCK == 0``, every row > 0.
-        u: ``[s]`` uniforms in [0, 1).
-    Returns:
-        int64 ``[s]`` token ids.
-    """
-    s, width = w.shape
-    rows = np.arange(s)
-    blocks = w.reshape(s, width // _BLOCK, _BLOCK)
-    cum_b = np.cumsum(blocks.sum(axis=2), axis=1, dtype=np.float64)  # [s, n_blocks]
-    total = cum_b[:, -1:]
-    target = u[:, None] * total
-    # First block whose cumulative sum passes the target; never past the last non-empty block.
-    b = np.minimum((cum_b <= target).sum(axis=1), (cum_b < total).sum(axis=1))
-    base = np.where(b > 0, cum_b[rows, np.maximum(b - 1, 0)], 0.0)
-    cum_t = base[:, None] + np.cumsum(blocks[rows, b], axis=1, dtype=np.float64)  # [s, _BLOCK]
-    # Rounding may leave the in-block sum short of the target: clamp to its last non-zero token.
-    t = np.minimum((cum_t <= target).sum(axis=1), (cum_t < cum_t[:, -1:]).sum(axis=1))
-    return b * _BLOCK + t
