@@ -1,4 +1,4 @@
-"""Sans-I/O state of one batch ``/ws`` connection, and the shared continuation store.
+"""Sans-I/O state of one batch ``/ws`` connection.
 
 Pure: no I/O, no await, no clock (``now`` is passed in, monotonic seconds), no engine or
 frontend import. The adapter feeds it decoded messages and engine outputs; it answers with
@@ -16,7 +16,7 @@ array per event type and batch, in the order STARTED, INITIALIZED, PROGRESS, COM
 With ``stream_response`` false, INITIALIZED and PROGRESS are not sent.
 
 Continuation: when a prompt ends on ``max_new_tokens`` (not eos), its token ids are kept in
-the ``ContinuationStore`` under its ``request_id``; a later prompt with that id continues it
+the shared ``ContinuationStore`` (``store.py``) under its ``request_id``; a later prompt with that id continues it
 (the new ``prompt`` is ignored, as in the source project). An entry dropped by the store's
 bounds or TTL leaves a tombstone, so the next use of that id gets an ERROR saying so instead
 of silently starting over; the use after that starts afresh.
