@@ -64,6 +64,8 @@ class Metrics:
                                ["protocol"], buckets=_QUEUE_BUCKETS, registry=self.registry)
         self.requests = Counter("rill_requests", "Finished requests by protocol and finish reason",
                                 ["protocol", "finish_reason"], registry=self.registry)
+        self.rejected = Counter("rill_requests_rejected", "Requests refused before reaching the engine, by error code",
+                                ["protocol", "code"], registry=self.registry)
         self.registry.register(_EngineCollector(client))
 
     def observe_request(
@@ -88,6 +90,10 @@ class Metrics:
         itl = self.inter_token.labels(protocol)
         for gap in inter_token_s:
             itl.observe(max(0.0, gap))
+
+    def observe_rejection(self, *, protocol: str, code: str) -> None:
+        """Count a request refused before it started (bad field, queue full, loading, ...)."""
+        self.rejected.labels(protocol, code).inc()
 
     def render(self) -> bytes:
         """The registry in Prometheus text format (``CONTENT_TYPE``)."""

@@ -229,6 +229,11 @@ async def test_429_queue_full_with_retry_after(fake: FakeClient) -> None:
         assert e["code"] == "queue_full"
         await asyncio.wait_for(fake.idle.wait(), 5)
         assert len(fake.aborted) == 2  # the two accepted choices were withdrawn
+        await http.post("/v1/completions", json={"prompt": "x", "temperature": -1})
+        metrics = (await http.get("/metrics")).text
+    rejected = {s.labels["code"]: s.value for f in text_string_to_metric_families(metrics) for s in f.samples
+                if s.name == "rill_requests_rejected_total" and s.labels["protocol"] == "openai_http"}
+    assert rejected == {"queue_full": 1, "invalid_request": 1}
 
 
 async def test_503_while_loading(fake: FakeClient) -> None:

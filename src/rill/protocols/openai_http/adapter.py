@@ -123,6 +123,7 @@ class OpenAIApi:
                                                deadline_s=self.deps.config.http.request_timeout_s)
             streams = await self._submit(requests)
         except Exception as exc:
+            self._count_rejection(exc)
             return error_response(exc)
         try:
             return self._responder(kind, req, served.name, response_id, streams)
@@ -143,6 +144,12 @@ class OpenAIApi:
         )
         return _Responder(session, streams, is_streaming=bool(req.stream),
                           keepalive_s=self.deps.config.http.sse_keepalive_s)
+
+    def _count_rejection(self, exc: Exception) -> None:
+        metrics = self.deps.metrics
+        if metrics is not None and hasattr(metrics, "observe_rejection"):
+            code = codec.error_detail(exc)[1].code or "internal_error"
+            metrics.observe_rejection(protocol=codec.PROTOCOL, code=code)
 
     def _completion_prompts(self, req: Any) -> list[list[int]]:
         return [p if isinstance(p, list) else self.client.encode(p) for p in codec.completion_prompts(req)]
