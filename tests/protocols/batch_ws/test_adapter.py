@@ -10,6 +10,7 @@ import asyncio
 import json
 from typing import Any
 
+import httpx
 import pytest
 from websockets.asyncio.client import connect
 
@@ -214,3 +215,6 @@ async def test_disconnect_mid_batch_frees_kv_of_every_prompt(server: Any) -> Non
     stats = await asyncio.to_thread(server.wait_idle)
     assert stats.kv_used_bytes == 0 and stats.num_running == 0
     assert stats.requests_finished_total.get("cancelled", 0) - cancelled_before == 3, (before, stats)
+    # The same figure as Prometheus exposes it.
+    exposition = (await asyncio.to_thread(httpx.get, server.url + "/metrics")).text
+    assert "rill_kv_cache_used_bytes 0.0" in exposition.splitlines()
