@@ -1,0 +1,75 @@
+"""``rill.frontend.metrics``: per-request histograms, scrape-time engine gauges, text format."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from rill.frontend.metrics import Metrics
+from rill.types import EngineStats
+
+
+class _Client:
+    def __init__(self, stats: EngineStats | None) -> None:
+        self.value = stats
+
+    def stats(self) -> EngineStats:
+        if self.value is None:
+            raise RuntimeError("engine not started")
+        return self.value
+
+
+def _samples(metrics: Metrics) -> dict[tuple[str, tuple], float]:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples}
+
+
+def test_request_figures_fill_histograms_and_counters() -> None:
+    metrics = Metrics(_Client(EngineStats()))
+    for reason in ("stop", "length", "stop"):
+        metrics.observe_request(protocol="p", finish_reason=reason, queue_s=0.01, ttft_s=0.2,
+                                inter_token_s=[0.01, 0.02], e2e_s=1.5, num_prompt_tokens=3, num_generated_tokens=3)
+    metrics.observe_request(protocol="p", finish_reason="cancelled", queue_s=None, ttft_s=None, inter_token_s=[],
+                            e2e_s=0.1, num_prompt_tokens=3, num_generated_tokens=0)
+    s = _samples(metrics)
+    p = (("protocol", "p"),)
+    assert s[("rill_time_to_first_token_seconds_count", p)] == 3  # no first token, no TTFT sample
+    assert s[("rill_request_queue_time_seconds_count", p)] == 3
+    assert s[("rill_e2e_request_latency_seconds_count", p)] == 4
+    assert s[("rill_inter_token_latency_seconds_count", p)] == 6
+    assert abs(s[("rill_e2e_request_latency_seconds_sum", p)] - 4.6) < 1e-9
+    assert s[("rill_requests_total", (("finish_reason", "stop"), ("protocol", "p")))] == 2
+    assert s[("rill_requests_total", (("finish_reason", "cancelled"), ("protocol", "p")))] == 1
+    assert not any(name.endswith("_created") for name, _ in s)
+
+
+def test_engine_gauges_are_read_at_scrape_time() -> None:
+    client = _Client(EngineStats(num_running=3, num_waiting=2, num_paused=1, kv_capacity_bytes=1000,
+                                 kv_used_bytes=250, prefix_cache_queries_tokens=40, prefix_cache_hits_tokens=10,
+                                 prompt_tokens_total=40, generation_tokens_total=99))
+    metrics = Metrics(client)
+    s = _samples(metrics)
+    assert (s[("rill_num_requests_running", ())], s[("rill_num_requests_waiting", ())],
+            s[("rill_num_requests_paused", ())]) == (3, 2, 1)
+    assert s[("rill_kv_cache_usage_ratio", ())] == 0.25 and s[("rill_kv_cache_used_bytes", ())] == 250
+    assert s[("rill_kv_cache_capacity_bytes", ())] == 1000
+    assert s[("rill_prefix_cache_hit_ratio", ())] == 0.25
+    assert s[("rill_prefix_cache_hits_total", ())] == 10 and s[("rill_prefix_cache_queries_total", ())] == 40
+    assert s[("rill_prompt_tokens_total", ())] == 40 and s[("rill_generation_tokens_total", ())] == 99
+    client.value = EngineStats(num_running=0)
+    s = _samples(metrics)
+    assert s[("rill_num_requests_running", ())] == 0
+    assert s[("rill_kv_cache_usage_ratio", ())] == 0 and s[("rill_prefix_cache_hit_ratio", ())] == 0  # no 0/0
+
+
+def test_scrape_survives_an_engine_without_stats() -> None:
+    metrics = Metrics(_Client(None))
+    metrics.observe_rejection(protocol="p", code="model_loading")
+    s = _samples(metrics)
+    assert s[("rill_requests_rejected_total", (("code", "model_loading"), ("protocol", "p")))] == 1
+    assert ("rill_num_requests_running", ()) not in s
+
+
+def test_each_server_has_its_own_registry() -> None:
+    a, b = Metrics(_Client(EngineStats())), Metrics(_Client(EngineStats()))
+    a.observe_rejection(protocol="p", code="x")
+    assert ("rill_requests_rejected_total", (("code", "x"), ("protocol", "p"))) not in _samples(b)
