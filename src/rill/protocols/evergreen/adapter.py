@@ -1,0 +1,356 @@
+"""Evergreen's I/O: the ``grpc.aio`` server on ``--grpc-port`` and the ``/evergreen`` WebSocket.
+
+Both transports run the same ``SessionRunner`` around the pure ``EvergreenSession``:
+
+* a reader feeds each inbound ``SessionMessage`` to the session and performs its commands;
+* each started action runs as a task: read its file refs (off the loop), build the request,
+  ``client.generate``, and turn every ``RequestOutput`` into output fragments;
+* an outbox queue carries messages to the writer, then either ``DONE`` (gRPC: status OK
+  after the client half-closed and every action finished) or the exception that aborts the
+  session (gRPC status / WebSocket close code 4000 + status, see ``codec.ws_close``).
+
+Ending: a half-close on gRPC means "no more input" (running actions finish first). A
+cancelled call, a dropped connection, a closed WebSocket or an abort closes every running
+``RequestStream`` at once, which aborts the requests in the engine and frees their KV memory.
+
+This is the only module of the protocol that does I/O.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
+
+from starlette.routing import BaseRoute, WebSocketRoute
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from rill.errors import ConfigError, GenerationError, RillError
+from rill.frontend.stream import RequestStream
+from rill.protocols.evergreen import codec
+from rill.protocols.evergreen.errors import RefDenied, RefNotFound
+from rill.protocols.evergreen.messages import SessionMessage
+from rill.protocols.evergreen.session import (
+    Close,
+    Command,
+    EvergreenSession,
+    Generate,
+    ModelFacts,
+    Send,
+    SessionLimits,
+    is_under,
+)
+
+if TYPE_CHECKING:
+    from rill.server import Deps
+
+log = logging.getLogger("rill.protocols.evergreen")
+
+DONE = object()
+"""Outbox marker: the session ended normally."""
+
+GRPC_GRACE_S = 1.0
+"""Seconds running calls get to finish when the server stops."""
+
+
+def session_limits(deps: "Deps") -> SessionLimits:
+    """The per-session limits and file roots from the server config."""
+    e = deps.config.evergreen
+    roots = tuple(os.path.realpath(r) for r in e.evergreen_file_root)
+    return SessionLimits(max_depth=e.evergreen_max_depth, max_nodes=e.evergreen_max_nodes,
+                         max_bytes=e.evergreen_max_bytes, max_actions=e.evergreen_max_actions,
+                         max_tokens_cap=deps.config.http.max_tokens_cap, file_roots=roots)
+
+
+def model_facts(deps: "Deps") -> ModelFacts:
+    """What the session knows of the model (the model must be loaded)."""
+    info = deps.client.model_info
+    if info is None:
+        return ModelFacts(name=deps.config.engine.served_model_name or "")
+    return ModelFacts(name=info.name, has_chat_template=info.has_chat_template, modalities=tuple(info.modalities))
+
+
+class SessionRunner:
+    """Runs one session: feeds the pure session, runs its generations, fills the outbox."""
+
+    def __init__(self, deps: "Deps") -> None:
+        self.deps = deps
+        self.outbox: asyncio.Queue[Any] = asyncio.Queue()
+        self._session: EvergreenSession | None = None
+        self._tasks: dict[int, asyncio.Task] = {}
+        self._streams: dict[int, RequestStream] = {}
+        self._is_over = False
+
+    async def _ensure_session(self) -> EvergreenSession:
+        if self._session is None:
+            # The session needs the model's name and template: wait for loading to finish.
+            await self.deps.client.wait_ready()
+            self._session = EvergreenSession(session_limits(self.deps), model_facts(self.deps))
+        return self._session
+
+    async def feed(self, message: SessionMessage) -> None:
+        """Hand one inbound message to the session; a broken rule aborts the session."""
+        if self._is_over:
+            return
+        try:
+            session = await self._ensure_session()
+            self._perform(session.receive(message))
+        except Exception as exc:  # every failure aborts the session (spec "Error handling")
+            self.fail(exc)
+
+    async def input_ended(self) -> None:
+        """The client half-closed: no more input will come."""
+        if self._is_over:
+            return
+        try:
+            session = await self._ensure_session()
+            self._perform(session.on_input_end())
+        except Exception as exc:
+            self.fail(exc)
+
+    def fail(self, exc: BaseException) -> None:
+        """Abort the session with ``exc``'s status and cancel every action."""
+        if self._is_over:
+            return
+        if not isinstance(exc, RillError):
+            log.exception("evergreen session failed", exc_info=exc)
+        self._is_over = True
+        self.outbox.put_nowait(exc)
+        self._cancel_all()
+
+    def _perform(self, commands: list[Command]) -> None:
+        for command in commands:
+            if isinstance(command, Send):
+                self.outbox.put_nowait(command.message)
+            elif isinstance(command, Generate):
+                self._tasks[command.action_id] = asyncio.create_task(self._run(command))
+            elif isinstance(command, Close):
+                self._is_over = True
+                self.outbox.put_nowait(DONE)
+
+    async def _run(self, command: Generate) -> None:
+        assert self._session is not None
+        try:
+            refs = await asyncio.to_thread(read_refs, command, self._session.limits.file_roots)
+            request = self._session.request_for(command, refs)
+            stream = await self.deps.client.generate(request)
+            self._streams[command.action_id] = stream
+            async with stream:
+                async for output in stream:
+                    if output.finish_reason == "error":
+                        raise output.error if isinstance(output.error, RillError) else GenerationError(
+                            f"action {command.action_id} failed while generating")
+                    if self._is_over:
+                        return
+                    self._perform(self._session.on_output(command.action_id, output.text, output.finished))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self.fail(exc)
+        finally:
+            self._streams.pop(command.action_id, None)
+            self._tasks.pop(command.action_id, None)
+
+    def _cancel_all(self) -> None:
+        # Close the streams first: aclose() sends the engine abort at once, even before the
+        # cancelled tasks get to run their own cleanup.
+        for stream in list(self._streams.values()):
+            task = asyncio.ensure_future(stream.aclose())
+            task.add_done_callback(_ignore_result)
+        for task in list(self._tasks.values()):
+            task.cancel()
+
+    async def close(self) -> None:
+        """End the session from our side (cancelled call, disconnect): abort everything."""
+        self._is_over = True
+        streams = list(self._streams.values())
+        tasks = list(self._tasks.values())
+        for stream in streams:
+            await stream.aclose()
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(BaseException):
+                await task
+
+
+def _ignore_result(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
+def read_refs(command: Generate, roots: tuple[str, ...]) -> dict[str, bytes]:
+    """Read every file ref of a started action (blocking: run it in a thread).
+
+    Symlinks are resolved and the real path is checked against the roots again, so a link
+    inside a root cannot reach a file outside it.
+
+    Raises:
+        RefDenied: the real path leaves every root.
+        RefNotFound: the file is missing or unreadable.
+    """
+    contents: dict[str, bytes] = {}
+    for ref in command.refs:
+        real = os.path.realpath(ref.path)
+        if not any(is_under(real, root) for root in roots):
+            raise RefDenied(f"ref '{ref.uri}' resolves outside the allowed file roots")
+        try:
+            contents[ref.path] = Path(real).read_bytes()
+        except FileNotFoundError as exc:
+            raise RefNotFound(f"ref '{ref.uri}': no such file") from exc
+        except IsADirectoryError as exc:
+            raise RefNotFound(f"ref '{ref.uri}' is a folder, not a file") from exc
+        except OSError as exc:
+            raise RefNotFound(f"ref '{ref.uri}' cannot be read: {exc.strerror}") from exc
+    return contents
+
+
+# -- gRPC -----------------------------------------------------------------------------------------
+
+
+async def start(deps: "Deps") -> Callable[[], Awaitable[None]] | None:
+    """Start the gRPC server on ``--grpc-port`` (0: disabled); return its async stopper.
+
+    Raises:
+        ConfigError: the port cannot be bound.
+    """
+    port = deps.config.evergreen.grpc_port
+    if not port:
+        return None
+    import grpc
+
+    from rill.protocols.evergreen._pb import evergreen_service_pb2_grpc as service_grpc
+
+    max_bytes = max(deps.config.http.max_body_bytes, 4 * 1024 * 1024)
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_bytes),
+                                      ("grpc.max_send_message_length", max_bytes)])
+    service_grpc.add_EvergreenServiceServicer_to_server(EvergreenServicer(deps), server)
+    address = f"{deps.config.http.host}:{port}"
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise ConfigError(f"cannot listen for gRPC on {address} (--grpc-port): {exc}") from exc
+    if not bound:
+        raise ConfigError(f"cannot listen for gRPC on {address} (--grpc-port)")
+    await server.start()
+    log.info("evergreen gRPC listening on %s", address)
+
+    async def stop() -> None:
+        await server.stop(GRPC_GRACE_S)
+
+    return stop
+
+
+class EvergreenServicer:
+    """``evergreen.v2.EvergreenService``: one ``StartSession`` call is one session."""
+
+    def __init__(self, deps: "Deps") -> None:
+        self.deps = deps
+
+    async def StartSession(self, request_iterator: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:  # noqa: N802
+        """Run one session over a bidirectional stream (see the module docstring)."""
+        import grpc
+
+        if not self._is_authorized(context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                "missing or unknown API key (send metadata 'authorization: Bearer KEY')")
+        runner = SessionRunner(self.deps)
+        reader = asyncio.create_task(self._read(request_iterator, runner))
+        try:
+            while True:
+                item = await runner.outbox.get()
+                if item is DONE:
+                    return
+                if isinstance(item, BaseException):
+                    name, message = codec.status_of(item)
+                    await context.abort(grpc.StatusCode[name], message)
+                yield codec.to_pb(item)
+        finally:
+            reader.cancel()
+            await runner.close()
+
+    @staticmethod
+    async def _read(request_iterator: AsyncIterator[Any], runner: SessionRunner) -> None:
+        try:
+            async for message in request_iterator:
+                await runner.feed(codec.from_pb(message))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the transport failed (e.g. a message over the size limit)
+            runner.fail(exc)
+            return
+        await runner.input_ended()
+
+    def _is_authorized(self, context: Any) -> bool:
+        keys = self.deps.api_keys
+        if not keys:
+            return True
+        for key, value in context.invocation_metadata() or ():
+            if key.lower() == "authorization" and value.startswith("Bearer ") and value[7:].strip() in keys:
+                return True
+        return False
+
+
+# -- WebSocket ------------------------------------------------------------------------------------
+
+
+def routes(deps: "Deps") -> list[BaseRoute]:
+    """The ``/evergreen`` WebSocket: one proto3-JSON ``SessionMessage`` per message."""
+
+    async def endpoint(ws: WebSocket) -> None:
+        await websocket_session(ws, deps)
+
+    return [WebSocketRoute("/evergreen", endpoint)]
+
+
+async def websocket_session(ws: WebSocket, deps: "Deps") -> None:
+    """Run one session over a WebSocket (API keys are checked by the middleware)."""
+    await ws.accept()
+    runner = SessionRunner(deps)
+    reader = asyncio.create_task(_read_ws(ws, runner))
+    try:
+        while True:
+            item = await runner.outbox.get()
+            if item is DONE:
+                await ws.close(1000)
+                return
+            if isinstance(item, BaseException):
+                code, reason = codec.ws_close(item)
+                await ws.close(code, reason)
+                return
+            if item is _DISCONNECTED:
+                return
+            await ws.send_text(codec.encode_json(item))
+    except (WebSocketDisconnect, RuntimeError):
+        return  # the peer went away while we were sending
+    finally:
+        reader.cancel()
+        await runner.close()
+
+
+_DISCONNECTED = object()
+
+
+async def _read_ws(ws: WebSocket, runner: SessionRunner) -> None:
+    while True:
+        try:
+            event = await ws.receive()
+        except RuntimeError:
+            event = {"type": "websocket.disconnect"}
+        if event["type"] == "websocket.disconnect":
+            # A WebSocket has no half-close: the client leaving ends the session and cancels
+            # every action.
+            runner.outbox.put_nowait(_DISCONNECTED)
+            await runner.close()
+            return
+        text = event.get("text")
+        data = text if text is not None else event.get("bytes") or b""
+        try:
+            message = codec.decode_json(data)
+        except RillError as exc:
+            runner.fail(exc)
+            return
+        await runner.feed(message)

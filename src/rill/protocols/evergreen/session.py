@@ -1,0 +1,637 @@
+"""The sans-I/O Evergreen session: the node store, action readiness and output fragments.
+
+One ``EvergreenSession`` per stream. The adapter feeds it and performs what it returns:
+
+    receive(SessionMessage)        -> [Send | Generate | Close]   raises on a broken rule
+    request_for(Generate, refs)    -> GenerateRequest             (after reading file refs)
+    on_output(action_id, text, finished) -> [Send | Generate | Close]
+    on_input_end()                 -> [Close] or raises InputMissing
+
+Rules of the node store (spec "Ordering", "Boundaries", "Mime type"; wire-notes §1.4):
+
+* fragments of a node are keyed by ``(id, seq)``; the first copy wins, later copies are
+  ignored without error (retries);
+* ``continued`` false marks a node's final fragment; any fragment with a larger ``seq``
+  (arriving before or after it) aborts; a node is complete once seq 0..final all arrived;
+* metadata comes from ``seq`` 0 (a leaf's seq 0 must carry it); a later fragment may repeat
+  identical metadata (the README's own example does), different metadata aborts;
+* a node is a leaf (``chunk_fragment``) or a parent (``child_ids``), never both; a parent
+  may stream more ``child_ids`` in later fragments (children in seq order);
+* children may be referenced before they arrive; adding an edge that closes a cycle or
+  makes a path longer than ``max_depth`` links aborts;
+* limits: ``max_nodes`` node ids (referenced ones included), ``max_bytes`` of content
+  (inline data, refs and generated text), ``max_actions`` open actions.
+
+Actions: ``GENERATE`` (input ``prompt`` or ``text``; output ``response`` or ``text``, none
+meaning "not wanted", so nothing runs) is accepted at once and started when its input graph
+is complete (the data-dependency barrier): outputs of earlier actions count as complete when
+those actions finish, so chains and multi-turn conversations need no re-sending.
+
+Pure: no I/O, no ``await``, no clock, no engine import; errors are ``evergreen.errors``.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from dataclasses import dataclass, field
+from typing import Union
+from urllib.parse import unquote, urlsplit
+
+from rill.errors import InvalidRequest
+from rill.protocols.evergreen import codec
+from rill.protocols.evergreen.errors import (
+    InputMissing,
+    NeedsChatTemplate,
+    RefDenied,
+    RuleBroken,
+    SessionLimit,
+    UnknownTarget,
+    UnsupportedInput,
+)
+from rill.protocols.evergreen.messages import (
+    Action,
+    Chunk,
+    ChunkMetadata,
+    GenerateConfig,
+    NodeFragment,
+    SessionMessage,
+)
+from rill.types import ChatMessage, GenerateRequest, SamplingParams
+
+NodeId = str
+ActionId = int
+
+GENERATE = "GENERATE"
+INPUT_NAMES = ("prompt", "text")
+OUTPUT_NAMES = ("response", "text")
+END_OF_TURN = "application/x-protobuf; type=EndOfTurn"
+OUTPUT_METADATA = ChunkMetadata(mimetype="text/plain", role="model")
+"""Metadata of seq 0 of every output node."""
+
+ROLES: dict[str, str] = {
+    "user": "user", "model": "assistant", "assistant": "assistant", "system": "system",
+    "context": "user", "tool": "tool",
+}
+"""``ChunkMetadata.role`` (any case) → chat-template role; an empty role means ``user``."""
+
+TEXT_MIMETYPES = ("application/json", "application/x-latex")
+"""Mimetypes read as text besides ``text/*``."""
+
+MEDIA_PREFIXES = ("image/", "audio/", "video/")
+
+
+@dataclass(frozen=True)
+class SessionLimits:
+    """Per-session bounds and policies (from ``EvergreenConfig`` and ``HttpConfig``)."""
+
+    max_depth: int = 32
+    max_nodes: int = 10000
+    max_bytes: int = 64 * 1024 * 1024
+    max_actions: int = 64
+    max_tokens_cap: int | None = None
+    file_roots: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the session must know of the served model."""
+
+    name: str
+    has_chat_template: bool = True
+    modalities: tuple[str, ...] = ("text",)
+
+
+# -- commands for the adapter -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Send:
+    """Send this message to the client."""
+
+    message: SessionMessage
+
+
+@dataclass(frozen=True)
+class FileRef:
+    """A ``file://`` ref allowed by the roots: ``path`` is normalised and absolute. The adapter
+    must still resolve symlinks and re-check the roots before reading."""
+
+    uri: str
+    path: str
+
+
+@dataclass(frozen=True)
+class TextLeaf:
+    """A text leaf of a prompt: its pieces (inline bytes or file refs) in order."""
+
+    node_id: NodeId
+    role: str
+    pieces: tuple[Union[bytes, FileRef], ...]
+
+
+@dataclass(frozen=True)
+class TurnEnd:
+    """An ``EndOfTurn`` chunk."""
+
+
+PromptItem = Union[TextLeaf, TurnEnd]
+
+
+@dataclass(frozen=True)
+class Generate:
+    """Start action ``action_id``: read ``refs``, then ``request_for`` gives its request."""
+
+    action_id: ActionId
+    items: tuple[PromptItem, ...]
+    config: GenerateConfig
+
+    @property
+    def refs(self) -> list[FileRef]:
+        """Every file ref of the prompt, in order."""
+        return [p for item in self.items if isinstance(item, TextLeaf) for p in item.pieces if isinstance(p, FileRef)]
+
+
+@dataclass(frozen=True)
+class Close:
+    """The session is over: end the stream with OK."""
+
+
+Command = Union[Send, Generate, Close]
+
+
+# -- state ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Node:
+    id: NodeId
+    fragments: dict[int, NodeFragment] = field(default_factory=dict)
+    kind: str | None = None  # "leaf" | "parent" once a fragment says so
+    final_seq: int | None = None
+    max_seq: int = -1
+    children: set[NodeId] = field(default_factory=set)
+    parents: set[NodeId] = field(default_factory=set)
+    output_of: ActionId | None = None  # written by the server for this action
+    output_done: bool = False
+    output_text: list[str] = field(default_factory=list)
+
+    @property
+    def is_complete(self) -> bool:
+        if self.output_of is not None:
+            return self.output_done
+        return self.final_seq is not None and len(self.fragments) == self.final_seq + 1
+
+    def ordered(self) -> list[NodeFragment]:
+        return [self.fragments[seq] for seq in sorted(self.fragments)]
+
+
+@dataclass
+class _Action:
+    id: ActionId
+    input_id: NodeId
+    output_id: NodeId | None
+    config: GenerateConfig
+    is_running: bool = False
+
+
+class EvergreenSession:
+    """State of one Evergreen session (see the module docstring for the rules)."""
+
+    def __init__(self, limits: SessionLimits, model: ModelFacts) -> None:
+        self.limits = limits
+        self.model = model
+        self._nodes: dict[NodeId, _Node] = {}
+        self._waiting: dict[ActionId, _Action] = {}
+        self._running: dict[ActionId, _Action] = {}
+        self._num_actions = 0
+        self._num_bytes = 0
+        self._is_input_ended = False
+
+    # -- inbound ---------------------------------------------------------------------------------
+    def receive(self, message: SessionMessage) -> list[Command]:
+        """Take one client message: store its fragments, accept its actions, start the ready ones.
+
+        Raises:
+            RuleBroken, UnsupportedInput, UnknownTarget, SessionLimit: the session must abort.
+        """
+        if self._is_input_ended:
+            raise RuleBroken("a message arrived after the client ended its input")
+        for fragment in message.node_fragments:
+            self._add_fragment(fragment)
+        for action in message.actions:
+            self._add_action(action)
+        return self._start_ready()
+
+    def on_input_end(self) -> list[Command]:
+        """The client closed its side: finish running actions, then close.
+
+        Raises:
+            InputMissing: an action still waits for a node that can no longer arrive.
+        """
+        self._is_input_ended = True
+        for action in self._waiting.values():
+            missing = self._missing_client_node(action.input_id, set())
+            if missing is not None:
+                raise InputMissing(f"the client ended its input but action {action.id} still waits for node "
+                                   f"'{missing}', which never arrived complete")
+        return self._maybe_close()
+
+    @property
+    def num_open_actions(self) -> int:
+        """Actions accepted and not finished (waiting for inputs or running)."""
+        return len(self._waiting) + len(self._running)
+
+    # -- fragments -------------------------------------------------------------------------------
+    def _node(self, node_id: NodeId) -> _Node:
+        node = self._nodes.get(node_id)
+        if node is None:
+            if len(self._nodes) >= self.limits.max_nodes:
+                raise SessionLimit(f"the session holds {self.limits.max_nodes} nodes, the most allowed "
+                                   "(--evergreen-max-nodes)")
+            node = self._nodes[node_id] = _Node(node_id)
+        return node
+
+    def _add_fragment(self, f: NodeFragment) -> None:
+        if not f.id:
+            raise RuleBroken("a node fragment has an empty id")
+        if f.seq < 0:
+            raise RuleBroken(f"node '{f.id}': seq {f.seq} is negative")
+        node = self._node(f.id)
+        if node.output_of is not None:
+            raise RuleBroken(f"node '{f.id}' is the output of action {node.output_of}; only the server writes it")
+        if f.seq in node.fragments:
+            return  # a retry: the first copy wins, no error (spec "Ordering")
+        if node.final_seq is not None and f.seq > node.final_seq:
+            raise RuleBroken(f"node '{f.id}': fragment seq {f.seq} comes after the final fragment (seq {node.final_seq})")
+        if not f.continued:
+            if f.seq < node.max_seq:
+                raise RuleBroken(f"node '{f.id}': fragment seq {node.max_seq} came before seq {f.seq}, "
+                                 "which is marked final")
+            node.final_seq = f.seq
+        self._set_kind(node, f)
+        self._check_metadata(node, f)
+        self._count_bytes(f)
+        node.fragments[f.seq] = f
+        node.max_seq = max(node.max_seq, f.seq)
+        first = node.fragments.get(0)
+        if node.kind == "leaf" and first is not None and first.chunk_fragment is None:
+            raise RuleBroken(f"node '{f.id}': fragment seq 0 of a leaf must carry chunk metadata with a mimetype")
+        for child_id in f.child_ids:
+            self._add_edge(node, child_id)
+
+    def _set_kind(self, node: _Node, f: NodeFragment) -> None:
+        if f.child_ids and f.chunk_fragment is not None:
+            raise RuleBroken(f"node '{f.id}': a fragment has both child_ids and chunk_fragment "
+                             "(a node is a leaf or a parent, not both)")
+        kind = "parent" if f.child_ids else "leaf" if f.chunk_fragment is not None else None
+        if kind is None:
+            return
+        if node.kind is not None and node.kind != kind:
+            raise RuleBroken(f"node '{f.id}' mixes child_ids and chunk_fragment across fragments "
+                             "(a node is a leaf or a parent, not both)")
+        node.kind = kind
+
+    def _check_metadata(self, node: _Node, f: NodeFragment) -> None:
+        # Fragments may arrive out of order, so seq 0 is compared with every other fragment
+        # whichever of the two comes second.
+        metadata = f.chunk_fragment.metadata if f.chunk_fragment is not None else None
+        if f.seq == 0:
+            if f.chunk_fragment is not None and (metadata is None or not metadata.mimetype):
+                raise RuleBroken(f"node '{f.id}': fragment seq 0 of a leaf must carry metadata with a mimetype")
+            for other in node.fragments.values():
+                self._compare_metadata(f, other)
+        elif metadata is not None and 0 in node.fragments:
+            self._compare_metadata(node.fragments[0], f)
+
+    @staticmethod
+    def _compare_metadata(first: NodeFragment, later: NodeFragment) -> None:
+        later_meta = later.chunk_fragment.metadata if later.chunk_fragment is not None else None
+        if later_meta is None:
+            return
+        first_meta = first.chunk_fragment.metadata if first.chunk_fragment is not None else None
+        if first_meta != later_meta:
+            raise RuleBroken(f"node '{later.id}': fragment seq {later.seq} carries metadata different from "
+                             "seq 0's (metadata is set once, on seq 0)")
+
+    def _count_bytes(self, f: NodeFragment) -> None:
+        chunk = f.chunk_fragment
+        if chunk is not None:
+            self._add_bytes(len(chunk.data or b"") + len((chunk.ref or "").encode()))
+
+    def _add_bytes(self, num_bytes: int) -> None:
+        self._num_bytes += num_bytes
+        if self._num_bytes > self.limits.max_bytes:
+            raise SessionLimit(f"the session holds more than {self.limits.max_bytes} bytes of content "
+                               "(--evergreen-max-bytes)")
+
+    def _add_edge(self, parent: _Node, child_id: NodeId) -> None:
+        if not child_id:
+            raise RuleBroken(f"node '{parent.id}' lists an empty child id")
+        child = self._node(child_id)
+        if child_id in parent.children:
+            return
+        if child_id == parent.id or self._reaches(child_id, parent.id):
+            raise RuleBroken(f"node '{parent.id}' -> '{child_id}' closes a cycle (a node cannot include itself)")
+        depth = self._depth_above(parent.id, {}) + 1 + self._height(child_id, {})
+        if depth > self.limits.max_depth:
+            raise RuleBroken(f"node '{parent.id}' -> '{child_id}' nests {depth} levels deep, more than "
+                             f"{self.limits.max_depth} (--evergreen-max-depth)")
+        parent.children.add(child_id)
+        child.parents.add(parent.id)
+
+    def _reaches(self, start: NodeId, goal: NodeId) -> bool:
+        stack, seen = [start], {start}
+        while stack:
+            for child in self._nodes[stack.pop()].children:
+                if child == goal:
+                    return True
+                if child not in seen:
+                    seen.add(child)
+                    stack.append(child)
+        return False
+
+    def _height(self, node_id: NodeId, memo: dict[NodeId, int]) -> int:
+        # Longest chain of links below node_id (the graph is acyclic: edges are checked on entry).
+        if node_id not in memo:
+            memo[node_id] = max((1 + self._height(c, memo) for c in self._nodes[node_id].children), default=0)
+        return memo[node_id]
+
+    def _depth_above(self, node_id: NodeId, memo: dict[NodeId, int]) -> int:
+        if node_id not in memo:
+            memo[node_id] = max((1 + self._depth_above(p, memo) for p in self._nodes[node_id].parents), default=0)
+        return memo[node_id]
+
+    # -- actions ---------------------------------------------------------------------------------
+    def _add_action(self, action: Action) -> None:
+        action_id = self._num_actions
+        label = f"action {action_id} ({action.name or 'unnamed'})"
+        if action.name != GENERATE:
+            raise RuleBroken(f"{label}: unknown action name '{action.name}' (rill runs {GENERATE})")
+        target = action.target_spec.id if action.target_spec is not None else ""
+        if target and target != self.model.name:
+            raise UnknownTarget(f"{label}: target_spec.id '{target}' is not served here (this server runs "
+                                f"'{self.model.name}'; leave it empty for the default)")
+        config = self._config(action, label)
+        input_id = self._one_param(action.inputs, INPUT_NAMES, "input", label, required=True)
+        output_id = self._one_param(action.outputs, OUTPUT_NAMES, "output", label, required=False)
+        if self.num_open_actions >= self.limits.max_actions:
+            raise SessionLimit(f"{label}: {self.limits.max_actions} actions are already open "
+                               "(--evergreen-max-actions)")
+        assert input_id is not None
+        self._node(input_id)
+        if output_id is not None:
+            self._claim_output(output_id, input_id, action_id, label)
+        self._num_actions += 1
+        if output_id is not None:  # no output wanted: nothing to compute
+            self._waiting[action_id] = _Action(action_id, input_id, output_id, config)
+
+    def _config(self, action: Action, label: str) -> GenerateConfig:
+        merged: dict = {}
+        for any_config in action.configs:
+            config = codec.decode_config(any_config)
+            if config is None:
+                raise RuleBroken(f"{label}: unknown config type '{any_config.type_url}' (rill takes "
+                                 "type.googleapis.com/rill.evergreen.v1.GenerateConfig)")
+            merged.update({k: v for k, v in _fields(config).items() if v is not None and v != ()})
+        return GenerateConfig(**merged)
+
+    @staticmethod
+    def _one_param(params: tuple, names: tuple[str, ...], what: str, label: str, *, required: bool) -> NodeId | None:
+        found = None
+        for param in params:
+            if param.name not in names:
+                raise RuleBroken(f"{label}: unknown {what} name '{param.name}' (use {' or '.join(names)})")
+            if not param.id:
+                raise RuleBroken(f"{label}: {what} '{param.name}' has an empty node id")
+            if found is not None:
+                raise RuleBroken(f"{label}: more than one {what} ({' and '.join(names)} name the same parameter)")
+            found = param.id
+        if found is None and required:
+            raise RuleBroken(f"{label}: no input named {' or '.join(names)}")
+        return found
+
+    def _claim_output(self, output_id: NodeId, input_id: NodeId, action_id: ActionId, label: str) -> None:
+        node = self._node(output_id)
+        if node.fragments or node.output_of is not None or output_id == input_id:
+            raise RuleBroken(f"{label}: output node id '{output_id}' is not new (output ids must not be reused)")
+        if self._reaches(input_id, output_id):
+            raise RuleBroken(f"{label}: output node '{output_id}' is part of the action's own input")
+        node.output_of = action_id
+        node.kind = "leaf"
+
+    def _start_ready(self) -> list[Command]:
+        commands: list[Command] = []
+        for action in list(self._waiting.values()):
+            if self._is_ready(action.input_id, {}):
+                del self._waiting[action.id]
+                self._running[action.id] = action
+                action.is_running = True
+                commands.append(Generate(action.id, tuple(self._flatten(action.input_id)), action.config))
+        return commands
+
+    def _is_ready(self, node_id: NodeId, memo: dict[NodeId, bool]) -> bool:
+        if node_id not in memo:
+            node = self._nodes[node_id]
+            memo[node_id] = node.is_complete and all(self._is_ready(c, memo) for c in node.children)
+        return memo[node_id]
+
+    def _missing_client_node(self, node_id: NodeId, seen: set[NodeId]) -> NodeId | None:
+        # The first incomplete node of the graph that only the client could still complete.
+        if node_id in seen:
+            return None
+        seen.add(node_id)
+        node = self._nodes[node_id]
+        if node.output_of is not None:
+            return None  # a running or waiting action will complete it (or its own check fails)
+        if not node.is_complete:
+            return node_id
+        for child in node.children:
+            missing = self._missing_client_node(child, seen)
+            if missing is not None:
+                return missing
+        return None
+
+    # -- prompt ------------------------------------------------------------------------------------
+    def _flatten(self, root_id: NodeId) -> list[PromptItem]:
+        items: list[PromptItem] = []
+        budget = [self.limits.max_nodes, self.limits.max_bytes]
+        self._flatten_into(root_id, items, budget)
+        return items
+
+    def _flatten_into(self, node_id: NodeId, items: list[PromptItem], budget: list[int]) -> None:
+        node = self._nodes[node_id]
+        budget[0] -= 1
+        if budget[0] < 0:
+            raise SessionLimit(f"the prompt flattens to more than {self.limits.max_nodes} nodes (shared nodes count "
+                               "once per use)")
+        if node.kind == "parent":
+            for f in node.ordered():
+                for child_id in f.child_ids:
+                    self._flatten_into(child_id, items, budget)
+            return
+        if node.output_of is not None:
+            text = "".join(node.output_text).encode()
+            items.append(TextLeaf(node_id, ROLES["model"], (text,)))
+            return
+        if node.kind is None:
+            return  # an empty node contributes nothing
+        metadata = node.fragments[0].chunk_fragment.metadata  # type: ignore[union-attr]
+        assert metadata is not None  # checked on arrival of seq 0
+        item = self._leaf_item(node, metadata)
+        if item is not None:
+            if isinstance(item, TextLeaf):
+                budget[1] -= sum(len(p) for p in item.pieces if isinstance(p, bytes))
+                if budget[1] < 0:
+                    raise SessionLimit(f"the prompt flattens to more than {self.limits.max_bytes} bytes")
+            items.append(item)
+
+    def _leaf_item(self, node: _Node, metadata: ChunkMetadata) -> PromptItem | None:
+        mimetype = metadata.mimetype.strip()
+        main_type = mimetype.split(";", 1)[0].strip().lower()
+        if _normalise_mimetype(mimetype) == _normalise_mimetype(END_OF_TURN):
+            return TurnEnd()
+        if main_type.startswith(MEDIA_PREFIXES):
+            kind = main_type.split("/", 1)[0]
+            raise UnsupportedInput(f"node '{node.id}' has mimetype '{mimetype}': the model '{self.model.name}' "
+                                   f"cannot take {kind} input (it takes {', '.join(self.model.modalities)})")
+        if not (main_type.startswith("text/") or main_type in TEXT_MIMETYPES):
+            raise UnsupportedInput(f"node '{node.id}' has mimetype '{mimetype}', which GENERATE cannot take "
+                                   "(text/* and EndOfTurn only)")
+        role = ROLES.get(metadata.role.lower()) if metadata.role else "user"
+        if role is None:
+            raise UnsupportedInput(f"node '{node.id}' has role '{metadata.role}' (use one of {', '.join(ROLES)})")
+        pieces: list[Union[bytes, FileRef]] = []
+        for f in node.ordered():
+            chunk = f.chunk_fragment
+            if chunk is None:
+                continue
+            if chunk.ref is not None:
+                pieces.append(self.file_ref(chunk.ref, node.id))
+            elif chunk.data:
+                pieces.append(chunk.data)
+        return TextLeaf(node.id, role, tuple(pieces))
+
+    def file_ref(self, uri: str, node_id: NodeId) -> FileRef:
+        """Check a ref against the scheme and ``file_roots`` rules (no file-system access).
+
+        Raises:
+            UnsupportedInput: not a ``file://`` URI (or one naming a remote host).
+            RefDenied: no roots configured, or the path is outside every root.
+        """
+        parts = urlsplit(uri)
+        if parts.scheme != "file":
+            raise UnsupportedInput(f"node '{node_id}': ref '{uri}' has scheme '{parts.scheme or '(none)'}'; "
+                                   "rill reads file:// refs only")
+        if parts.netloc not in ("", "localhost"):
+            raise UnsupportedInput(f"node '{node_id}': ref '{uri}' names host '{parts.netloc}'; "
+                                   "file:// refs must be local (file:///path)")
+        if not self.limits.file_roots:
+            raise RefDenied(f"node '{node_id}': file:// refs are disabled on this server "
+                            "(start it with --evergreen-file-root DIR)")
+        path = posixpath.normpath(unquote(parts.path))
+        if not path.startswith("/"):
+            raise RefDenied(f"node '{node_id}': ref '{uri}' is not an absolute file:///path")
+        if not any(is_under(path, root) for root in self.limits.file_roots):
+            raise RefDenied(f"node '{node_id}': ref '{uri}' is outside the allowed file roots")
+        return FileRef(uri, path)
+
+    def request_for(self, command: Generate, ref_bytes: dict[str, bytes]) -> GenerateRequest:
+        """The engine request of a started action, its refs' contents given by path.
+
+        Raises:
+            InvalidRequest: text that is not UTF-8, an empty prompt, a bad sampling value.
+            NeedsChatTemplate: roles or turns on a model without a chat template.
+        """
+        turns: list[ChatMessage] = []
+        role: str | None = None
+        texts: list[str] = []
+
+        def end_turn() -> None:
+            nonlocal role, texts
+            if role is not None:
+                turns.append(ChatMessage(role=role, content="".join(texts)))
+            role, texts = None, []
+
+        for item in command.items:
+            if isinstance(item, TurnEnd):
+                end_turn()
+                continue
+            if role is not None and item.role != role:
+                end_turn()
+            role = item.role
+            data = b"".join(p if isinstance(p, bytes) else ref_bytes[p.path] for p in item.pieces)
+            try:
+                texts.append(data.decode("utf-8"))
+            except UnicodeDecodeError as exc:
+                raise InvalidRequest(f"node '{item.node_id}': text content is not valid UTF-8") from exc
+        end_turn()
+        if not any(turn.content for turn in turns):
+            raise InvalidRequest(f"action {command.action_id}: the prompt is empty", field="prompt")
+        sampling = self._sampling(command)
+        common = dict(sampling=sampling, protocol=codec.PROTOCOL_NAME)
+        if self.model.has_chat_template:
+            return GenerateRequest(messages=turns, **common)
+        if len(turns) > 1 or turns[0].role != "user":
+            raise NeedsChatTemplate(f"action {command.action_id}: the prompt has roles or several turns, but the "
+                                    f"model '{self.model.name}' has no chat template to render them")
+        return GenerateRequest(prompt=str(turns[0].content), **common)
+
+    def _sampling(self, command: Generate) -> SamplingParams:
+        values = {k: (list(v) if isinstance(v, tuple) else v) for k, v in _fields(command.config).items()
+                  if v is not None and v != ()}
+        params = SamplingParams(**values)
+        cap = self.limits.max_tokens_cap
+        if cap is not None and params.max_tokens > cap:
+            params = SamplingParams(**{**_fields(params), "max_tokens": cap})
+        return params
+
+    # -- outbound ----------------------------------------------------------------------------------
+    def on_output(self, action_id: ActionId, text: str, finished: bool) -> list[Command]:
+        """New text of a running action: a fragment of its output node; when ``finished``,
+        the final fragment, then any action that waited for this output starts.
+
+        Raises:
+            SessionLimit: the generated text pushed the session past ``max_bytes``.
+        """
+        action = self._running[action_id]
+        assert action.output_id is not None
+        node = self._nodes[action.output_id]
+        commands: list[Command] = []
+        if text or finished:
+            self._add_bytes(len(text.encode()))
+            seq = len(node.fragments)
+            chunk = Chunk(metadata=OUTPUT_METADATA if seq == 0 else None, data=text.encode())
+            fragment = NodeFragment(id=node.id, seq=seq, continued=not finished, chunk_fragment=chunk)
+            node.fragments[seq] = fragment
+            node.output_text.append(text)
+            commands.append(Send(SessionMessage(node_fragments=(fragment,))))
+        if finished:
+            node.output_done = True
+            node.final_seq = len(node.fragments) - 1
+            del self._running[action_id]
+            commands.extend(self._start_ready())
+            commands.extend(self._maybe_close())
+        return commands
+
+    def _maybe_close(self) -> list[Command]:
+        if not self._is_input_ended or self._running:
+            return []
+        if self._waiting:
+            stuck = next(iter(self._waiting.values()))
+            raise InputMissing(f"action {stuck.id} waits for outputs of actions that can never run "
+                               "(an action's input includes its own output)")
+        return [Close()]
+
+
+def _fields(struct: object) -> dict:
+    return {name: getattr(struct, name) for name in struct.__struct_fields__}  # type: ignore[attr-defined]
+
+
+def _normalise_mimetype(mimetype: str) -> str:
+    return "".join(mimetype.lower().split())
+
+
+def is_under(path: str, root: str) -> bool:
+    """Whether normalised absolute ``path`` is ``root`` itself or inside it."""
+    root = posixpath.normpath(root)
+    return path == root or path.startswith(root.rstrip("/") + "/")
