@@ -9,9 +9,11 @@ Scenarios, each with one set of logits per step (8 pre-generated, reused round-r
                 min_p 0/0.05, penalties on every 4th row, seeds on odd rows; logits randn*3
   mixed-flat    the same settings on near-uniform logits (randn*0.02, like a random-init model)
 
-Times are per ``sample`` call in milliseconds: the minimum (least disturbed by other processes on
-the shared CPU) and the median; the ratio is naive median / rill median. The naive sampler uses
-torch's intra-op threads, which suffer most when another process holds a core.
+Times are per ``sample`` call in milliseconds: wall-clock minimum and median, and the median CPU
+time of the process (the steadiest figure when other processes load the shared CPU; rill's path
+is single-threaded, so its CPU time is its compute time). The ratio is naive CPU / rill CPU. The
+naive sampler runs torch with ``--threads`` intra-op threads (default 1: with 2 threads, its CPU
+time counts both threads and its wall time collapses whenever another process holds a core).
 """
 
 from __future__ import annotations
@@ -90,19 +92,20 @@ class NaiveSampler:
         return greedy.tolist()
 
 
-def timed(fn, repeats: int) -> tuple[float, float]:
-    """(min, median) milliseconds of ``fn(step)`` over ``repeats`` calls after 3 warm-up calls."""
+def timed(fn, repeats: int) -> tuple[float, float, float]:
+    """(wall min, wall median, CPU median) milliseconds of ``fn(step)`` over ``repeats`` calls."""
     for step in range(3):
         fn(step)
-    times = []
+    walls, cpus = [], []
     for step in range(repeats):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         fn(step)
-        times.append((time.perf_counter() - t0) * 1e3)
-    return min(times), statistics.median(times)
+        walls.append((time.perf_counter() - t0) * 1e3)
+        cpus.append((time.process_time() - c0) * 1e3)
+    return min(walls), statistics.median(walls), statistics.median(cpus)
 
 
-def run(vocab: int, batch: int, scenario: str, repeats: int) -> tuple[float, float, float, float]:
+def run(vocab: int, batch: int, scenario: str, repeats: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """Times of rill and the naive sampler for one configuration."""
     make_params, scale = SCENARIOS[scenario]
     gen = torch.Generator().manual_seed(batch * 7 + vocab)
@@ -116,7 +119,7 @@ def run(vocab: int, batch: int, scenario: str, repeats: int) -> tuple[float, flo
     ours = timed(lambda step: sampler.sample(logits[step % 8], keys), repeats)
     naive = NaiveSampler(vocab, params, prompts)
     theirs = timed(lambda step: naive.sample(logits[step % 8]), max(3, repeats // 4))
-    return (*ours, *theirs)
+    return ours, theirs
 
 
 def main() -> None:
@@ -126,18 +129,19 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--scenario", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
     parser.add_argument("--repeats", type=int, default=40)
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads for the naive sampler")
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__} ({torch.get_num_threads()} threads), numpy {np.__version__}, "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
-    print(f"{'vocab':>6} {'B':>3} {'scenario':<12} {'rill min':>9} {'rill med':>9} {'naive min':>10} {'naive med':>10} {'ratio':>6}")
+    print(f"{'vocab':>6} {'B':>3} {'scenario':<12} | {'rill min':>8} {'med':>7} {'cpu':>7} | "
+          f"{'naive min':>9} {'med':>8} {'cpu':>8} | {'cpu ratio':>9}")
     for vocab in args.vocab:
         for scenario in args.scenario:
             for batch in args.batch:
-                o_min, o_med, n_min, n_med = run(vocab, batch, scenario, args.repeats)
-                print(f"{vocab:>6} {batch:>3} {scenario:<12} {o_min:>9.3f} {o_med:>9.3f} {n_min:>10.2f} {n_med:>10.2f} {n_med / o_med:>5.1f}x", flush=True)
+                (o_min, o_med, o_cpu), (n_min, n_med, n_cpu) = run(vocab, batch, scenario, args.repeats)
+                print(f"{vocab:>6} {batch:>3} {scenario:<12} | {o_min:>8.3f} {o_med:>7.3f} {o_cpu:>7.3f} | "
+                      f"{n_min:>9.2f} {n_med:>8.2f} {n_cpu:>8.2f} | {n_cpu / o_cpu:>8.1f}x", flush=True)
 
 
 if __name__ == "__main__":

@@ -41,12 +41,13 @@ def apply_penalties(x: np.ndarray, counts: np.ndarray, prompt_mask: np.ndarray, 
     # Gather/scatter over the seen tokens only: numpy's masked ops (np.where, copyto with
     # where=) branch per element and cost ~5 ns each on a random sign pattern.
     flat, vocab = x.reshape(-1), x.shape[1]
+    seen = counts > 0  # flatnonzero of a bool array is 20x faster than of a float one
     if (rep != 1.0).any():
-        idx = np.flatnonzero(prompt_mask | (counts > 0))  # 2-D np.nonzero is 10x slower
+        idx = np.flatnonzero(prompt_mask | seen)  # 2-D np.nonzero is 10x slower
         v, r = flat[idx], rep[idx // vocab]
         flat[idx] = np.where(v > 0, v / r, v * r)
     if (presence != 0.0).any() or (frequency != 0.0).any():
-        idx = np.flatnonzero(counts)
+        idx = np.flatnonzero(seen)
         row = idx // vocab
         flat[idx] -= presence[row] + frequency[row] * counts.reshape(-1)[idx]
 
