@@ -8,11 +8,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import pytest
+from starlette.applications import Starlette
+from starlette.testclient import TestClient
 from websockets.asyncio.client import connect
+
+from rill import config
+from rill.errors import GenerationError, QueueFull
+from rill.frontend.stream import RequestStream
+from rill.protocols.batch_ws import adapter
+from rill.types import GenerateRequest, RequestEvent, RequestOutput
 
 SPEC_PROMPT = "[INST] Generate a very long poem about 1000 cats [/INST]\n\n"
 SPEC_CONFIG = {"num_beams": 1, "do_sample": True, "temperature": 1, "top_p": 1, "top_k": 50,
@@ -218,3 +227,82 @@ async def test_disconnect_mid_batch_frees_kv_of_every_prompt(server: Any) -> Non
     # The same figure as Prometheus exposes it.
     exposition = (await asyncio.to_thread(httpx.get, server.url + "/metrics")).text
     assert "rill_kv_cache_used_bytes 0.0" in exposition.splitlines()
+
+
+# -- the adapter against a scripted fake engine client (in-process ASGI, no model) -------------
+class FakeClient:
+    """An EngineClient whose engine steps only when the test says so (``step``)."""
+
+    model_info = None
+
+    def __init__(self) -> None:
+        self.keys: list[str] = []
+        self.streams: dict[str, RequestStream] = {}
+        self.aborted: list[str] = []
+        self.refuse: dict[str, BaseException] = {}
+
+    def is_ready(self) -> bool:
+        return True
+
+    async def generate(self, request: GenerateRequest) -> RequestStream:
+        if request.prompt in self.refuse:
+            raise self.refuse[request.prompt]
+        stream = RequestStream(self, request.request_id, [1, 2], request.sampling)
+        self.keys.append(request.request_id)
+        self.streams[request.request_id] = stream
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    def step(self, outputs: dict[int, dict]) -> None:
+        """One engine step: every output delivered in one loop callback, as InprocClient does."""
+        for index, fields in outputs.items():
+            key = self.keys[index]
+            self.streams[key].put(RequestOutput(request_id=key, **fields))
+
+
+@pytest.fixture
+def fake() -> Any:
+    client = FakeClient()
+    deps = SimpleNamespace(config=config.load({}, env={}), client=client, metrics=None, api_keys=set(),
+                           extras={adapter.DEFAULTS_EXTRA: config.SamplingDefaults()})
+    with TestClient(Starlette(routes=adapter.routes(deps))) as http:
+        yield client, http
+
+
+def test_fake_engine_grouping_refusal_failure_and_disconnect(fake: Any) -> None:
+    client, http = fake
+    client.refuse["busy"] = QueueFull()
+    with http.websocket_connect("/ws") as ws:
+        ws.send_json({"prompts": [{"request_id": "a", "prompt": "x"}, {"request_id": "q", "prompt": "busy"},
+                                  {"request_id": "b", "prompt": "y"}, {"request_id": "c", "prompt": "z"}]})
+        assert [e["type"] for e in ws.receive_json()] == ["ACCEPTED"] * 4
+        assert ws.receive_json() == [{"type": "ERROR", "request_id": "q", "error": "the server's waiting queue is full; retry later"}]
+        first = {"events": [RequestEvent.SCHEDULED, RequestEvent.PREFILL_DONE], "token_ids": [7], "text": "t"}
+        ws.portal.call(client.step, {2: first, 0: first, 1: first})  # delivery order does not matter
+        assert ws.receive_json() == [{"type": "STARTED", "request_id": r} for r in "abc"]
+        assert ws.receive_json() == [{"type": "INITIALIZED", "request_id": r, "text": ""} for r in "abc"]
+        assert ws.receive_json() == [{"type": "PROGRESS", "request_id": r, "text": "t"} for r in "abc"]
+        ws.portal.call(client.step, {1: {"finished": True, "finish_reason": "error", "error": GenerationError("segfault at 0x0")},
+                                     0: {"token_ids": [8], "text": "u"}})
+        assert ws.receive_json() == [{"type": "PROGRESS", "request_id": "a", "text": "u"}]
+        assert ws.receive_json() == [{"type": "ERROR", "request_id": "b", "error": "generation failed"}]
+    # Leaving the block closed the socket: both prompts still open were aborted.
+    assert set(client.aborted) == {client.keys[0], client.keys[2]}
+
+
+def test_fake_engine_slow_reader_gets_merged_progress(fake: Any) -> None:
+    client, http = fake
+    with http.websocket_connect("/api/ws") as ws:
+        ws.send_json({"prompts": [{"request_id": "a", "prompt": "x"}], "stream_response": True})
+        ws.receive_json()  # ACCEPTED
+
+        def two_steps() -> None:  # both land before the adapter's tasks run: one merged delta
+            client.step({0: {"events": [RequestEvent.SCHEDULED], "token_ids": [1], "text": "he"}})
+            client.step({0: {"token_ids": [2], "text": "llo", "finished": True, "finish_reason": "length"}})
+
+        ws.portal.call(two_steps)
+        kinds = [ws.receive_json()[0] for _ in range(4)]
+    assert [e["type"] for e in kinds] == ["STARTED", "INITIALIZED", "PROGRESS", "COMPLETE"]
+    assert kinds[2]["text"] == "hello" and kinds[3]["text"] == "hello" and kinds[3]["new_tokens_count"] == 2
