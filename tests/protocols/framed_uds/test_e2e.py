@@ -15,6 +15,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from rill.protocols.framed_uds import adapter
@@ -126,6 +127,8 @@ async def test_missing_prompt(uds_server: LiveServer) -> None:
     assert event["event"] == "error" and event["code"] == "E_PROTO_BAD_REQUEST" and event["id"] == "bad1"
     assert "prompt" in event["message"]
     assert await conn.is_closed()
+    text = httpx.get(f"{uds_server.url}/metrics").text  # counted like other protocols' refusals
+    assert 'rill_requests_rejected_total{code="E_PROTO_BAD_REQUEST",protocol="framed_uds"}' in text
 
 
 async def test_prompt_too_large(uds_server: LiveServer) -> None:

@@ -12,6 +12,7 @@ from rill.protocols.framed_uds.session import (
     Abort,
     Close,
     FramedSession,
+    Rejected,
     NewlineSession,
     Send,
     SendMetrics,
@@ -88,11 +89,11 @@ def test_second_request_while_busy_is_rejected_and_closes() -> None:
     session = FramedSession()
     started(session)
     actions = session.receive(Request(id="r2", prompt="again", metadata={"m": 1}))
-    assert actions[0] == Abort()
-    assert isinstance(actions[1], Send) and isinstance(actions[1].message, Error)
-    assert actions[1].message.code == "E_PROTO_BUSY" and actions[1].message.id == "r2"
-    assert actions[1].message.metadata == {"m": 1} and "r1" in actions[1].message.message
-    assert actions[2:] == [Close()] and session.state is State.CLOSED
+    assert actions[:2] == [Abort(), Rejected("E_PROTO_BUSY")]
+    assert isinstance(actions[2], Send) and isinstance(actions[2].message, Error)
+    assert actions[2].message.code == "E_PROTO_BUSY" and actions[2].message.id == "r2"
+    assert actions[2].message.metadata == {"m": 1} and "r1" in actions[2].message.message
+    assert actions[3:] == [Close()] and session.state is State.CLOSED
     assert session.on_output(out("late", ids=[1])) == []  # outputs racing the close are dropped
 
 
@@ -111,16 +112,17 @@ def test_metrics_query_sends_the_snapshot_and_closes() -> None:
 def test_protocol_errors_send_error_then_close(exc: Exception, code: str) -> None:
     session = FramedSession()
     actions = session.on_protocol_error(exc, "r7")
-    assert actions == [Send(Error(code=code, message=str(exc), id="r7")), Close()]
+    assert actions == [Rejected(code), Send(Error(code=code, message=str(exc), id="r7")), Close()]
     assert session.on_protocol_error(exc) == []
 
 
 def test_bad_sampling_field_is_a_bad_request_naming_it() -> None:
     session = FramedSession()
     actions = session.receive(Request(id="r1", prompt="x", top_p=3.0))
-    assert isinstance(actions[0], Send) and isinstance(actions[0].message, Error)
-    assert actions[0].message.code == "E_PROTO_BAD_REQUEST" and "top_p" in actions[0].message.message
-    assert actions[1:] == [Close()]
+    assert actions[0] == Rejected("E_PROTO_BAD_REQUEST")
+    assert isinstance(actions[1], Send) and isinstance(actions[1].message, Error)
+    assert actions[1].message.code == "E_PROTO_BAD_REQUEST" and "top_p" in actions[1].message.message
+    assert actions[2:] == [Close()]
 
 
 @pytest.mark.parametrize("exc, code", [(ContextLengthExceeded(900, 64), "E_LIMIT_PROMPT_TOO_LARGE"),
@@ -130,10 +132,11 @@ def test_refused_start_sends_the_mapped_error(exc: Exception, code: str) -> None
     session = FramedSession()
     started(session, metadata={"a": 1})
     actions = session.on_start_failed(exc)
-    assert isinstance(actions[0], Send) and isinstance(actions[0].message, Error)
-    assert (actions[0].message.code, actions[0].message.id, actions[0].message.metadata) == (code, "r1", {"a": 1})
-    assert "/etc" not in actions[0].message.message
-    assert actions[1:] == [Close()]
+    assert actions[0] == Rejected(code)
+    assert isinstance(actions[1], Send) and isinstance(actions[1].message, Error)
+    assert (actions[1].message.code, actions[1].message.id, actions[1].message.metadata) == (code, "r1", {"a": 1})
+    assert "/etc" not in actions[1].message.message
+    assert actions[2:] == [Close()]
 
 
 def test_generation_error_sends_error_then_eos_error_then_closes() -> None:
@@ -207,7 +210,8 @@ def test_newline_errors_are_one_line_then_close() -> None:
     actions = session.on_output(out("", finish="error", error=GenerationError("decode failed")))
     assert actions == [Send(b"error: E_RUNTIME_DECODE: decode failed\n"), Close()]
     bad = NewlineSession()
-    assert bad.receive_line(b"\xff\xfe") == [Send(b"error: E_PROTO_INVALID_JSON: input line is not valid UTF-8\n"),
+    assert bad.receive_line(b"\xff\xfe") == [Rejected("E_PROTO_INVALID_JSON"),
+                                             Send(b"error: E_PROTO_INVALID_JSON: input line is not valid UTF-8\n"),
                                              Close()]
     refused = NewlineSession()
     refused.receive_line(b"x")
@@ -229,7 +233,8 @@ def test_newline_line_too_long_while_running_aborts_and_closes() -> None:
     session = NewlineSession()
     session.receive_line(b"a")
     actions = session.on_protocol_error(FrameTooLarge(99, 8))
-    assert actions == [Abort(), Send(b"error: E_PROTO_FRAME_TOO_LARGE: frame of 99 bytes exceeds the limit of 8 bytes\n"),
+    assert actions == [Abort(), Rejected("E_PROTO_FRAME_TOO_LARGE"),
+                       Send(b"error: E_PROTO_FRAME_TOO_LARGE: frame of 99 bytes exceeds the limit of 8 bytes\n"),
                        Close()]
     assert session.on_protocol_error(FrameTooLarge(99, 8)) == []
 

@@ -34,6 +34,7 @@ from rill.protocols.framed_uds.session import (
     Close,
     FramedSession,
     NewlineSession,
+    Rejected,
     Send,
     SendMetrics,
     SessionLimits,
@@ -245,6 +246,10 @@ class Connection:
         elif isinstance(action, SendMetrics):
             snapshot = codec.metrics_snapshot(self.client.stats(), len(self.listener.connections))
             await self._send(codec.encode(Metrics(metrics=snapshot)))
+        elif isinstance(action, Rejected):
+            metrics = self.listener.deps.metrics
+            if metrics is not None and hasattr(metrics, "observe_rejection"):
+                metrics.observe_rejection(protocol=codec.PROTOCOL_NAME, code=action.code)
         elif isinstance(action, Close):
             await self.close()
 

@@ -72,11 +72,18 @@ class SendMetrics:
 
 
 @dataclass(frozen=True, slots=True)
+class Rejected:
+    """Count a request refused before it reached the engine (``rill_requests_rejected_total``)."""
+
+    code: str
+
+
+@dataclass(frozen=True, slots=True)
 class Close:
     """Flush what was sent, stop any running request, close the connection."""
 
 
-Action = Union[Send, Start, Abort, SendMetrics, Close]
+Action = Union[Send, Start, Abort, SendMetrics, Rejected, Close]
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,9 +258,11 @@ class FramedSession:
         return actions
 
     def _fail(self, exc: BaseException, wire_id: str | None, metadata: dict[str, Any] | None) -> list[Action]:
+        # Every caller refuses a frame or a request before it ran (generation errors end in _finish).
         was_active = self.state is State.ACTIVE
         self.state, self.running = State.CLOSED, None
-        return ([Abort()] if was_active else []) + [Send(_error(exc, wire_id, metadata)), Close()]
+        error = _error(exc, wire_id, metadata)
+        return ([Abort()] if was_active else []) + [Rejected(error.code), Send(error), Close()]
 
 
 def _error(exc: BaseException, wire_id: str | None, metadata: dict[str, Any] | None) -> Error:
@@ -318,7 +327,7 @@ class NewlineSession:
         self.state = State.IDLE
         if output.finish_reason == "error":
             exc = output.error if isinstance(output.error, RillError) else GenerationError("generation failed")
-            return actions + self._fail(exc)
+            return actions + self._fail(exc, is_rejection=False)
         return actions + [Send(b"\n\n")] + self._next()
 
     def on_start_failed(self, exc: BaseException) -> list[Action]:
@@ -359,9 +368,10 @@ class NewlineSession:
         self.state = State.ACTIVE
         return [Start(generate)]
 
-    def _fail(self, exc: BaseException) -> list[Action]:
+    def _fail(self, exc: BaseException, is_rejection: bool = True) -> list[Action]:
         was_active = self.state is State.ACTIVE
         self.state = State.CLOSED
         self._queue.clear()
-        line = f"error: {codec.error_code(exc)}: {codec.error_message(exc)}\n".encode("utf-8")
-        return ([Abort()] if was_active else []) + [Send(line), Close()]
+        code = codec.error_code(exc)
+        line = f"error: {code}: {codec.error_message(exc)}\n".encode("utf-8")
+        return ([Abort()] if was_active else []) + ([Rejected(code)] if is_rejection else []) + [Send(line), Close()]
