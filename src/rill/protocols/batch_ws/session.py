@@ -88,10 +88,12 @@ class Limits:
 
     ``max_tokens_cap``: upper bound for ``max_new_tokens`` (None: none).
     ``max_inflight_prompts``: most prompts generating at once on one socket.
+    ``request_timeout_s``: wall-clock limit per prompt (None: none).
     """
 
     max_tokens_cap: int | None = None
     max_inflight_prompts: int = 256
+    request_timeout_s: float | None = None
 
 
 # -- per-connection session --------------------------------------------------------------------
@@ -185,14 +187,16 @@ class BatchSession:
             key = self._new_key()
             if kept is None:
                 prompt = _Prompt(key, batch, index, item.request_id, item.prompt or "", config)
-                request = GenerateRequest(prompt=item.prompt, sampling=fresh_sampling, request_id=key, protocol=PROTOCOL)
+                request = GenerateRequest(prompt=item.prompt, sampling=fresh_sampling, request_id=key, protocol=PROTOCOL,
+                                          deadline_s=self.limits.request_timeout_s)
             else:
                 run_config = config if config is not None else kept.config
                 prompt = _Prompt(key, batch, index, item.request_id, kept.text, run_config,
                                  prompt_token_ids=kept.token_ids, is_continuation=True)
                 request = GenerateRequest(
                     prompt_token_ids=kept.token_ids, sampling=self._sampling(run_config), request_id=key,
-                    protocol=PROTOCOL, require_cached_prefix_tokens=kept.num_cached_tokens or None)
+                    protocol=PROTOCOL, require_cached_prefix_tokens=kept.num_cached_tokens or None,
+                    deadline_s=self.limits.request_timeout_s)
             prompt.is_beam = request.sampling.num_beams > 1
             batch.prompts.append(prompt)
             batch.num_open += 1
