@@ -72,13 +72,14 @@ def streamed_chains(config: GenerateConfig) -> list[SessionMessage]:
     ]
 
 
-def conversation_turn_1(config: GenerateConfig) -> list[SessionMessage]:
-    """README two-turn conversation, turn 1 (text/plain in place of the video refs)."""
+def conversation_turn_1(config: GenerateConfig, tag: str = "") -> list[SessionMessage]:
+    """README two-turn conversation, turn 1 (text/plain in place of the video refs); ``tag``
+    makes the prompt unique (so no earlier test's cache can serve it)."""
     return [
         msg(Action(name="GENERATE", inputs=(NamedParameter(name="prompt", id="prompt_1"),),
                    outputs=(NamedParameter(name="response", id="response_1"),), configs=(codec.encode_config(config),))),
         msg(parent("prompt_1", "question_1", "video_1")),
-        msg(leaf("question_1", "Write a summary of this video: ")),
+        msg(leaf("question_1", f"Write a summary of this video{tag}: ")),
         msg(leaf("video_1", "A red car overtakes a blue car ", continued=True)),
         msg(leaf("video_1", "on the last lap.", seq=1)),
     ]
