@@ -62,7 +62,8 @@ def session_limits(deps: "Deps") -> SessionLimits:
     roots = tuple(os.path.realpath(r) for r in e.evergreen_file_root)
     return SessionLimits(max_depth=e.evergreen_max_depth, max_nodes=e.evergreen_max_nodes,
                          max_bytes=e.evergreen_max_bytes, max_actions=e.evergreen_max_actions,
-                         max_tokens_cap=deps.config.http.max_tokens_cap, file_roots=roots)
+                         max_tokens_cap=deps.config.http.max_tokens_cap,
+                         request_timeout_s=deps.config.http.request_timeout_s, file_roots=roots)
 
 
 def model_facts(deps: "Deps") -> ModelFacts:
@@ -134,7 +135,9 @@ class SessionRunner:
     async def _run(self, command: Generate) -> None:
         assert self._session is not None
         try:
-            refs = await asyncio.to_thread(read_refs, command, self._session.limits.file_roots)
+            refs = {}
+            if command.refs:  # reading files blocks: off the event loop
+                refs = await asyncio.to_thread(read_refs, command, self._session.limits.file_roots)
             request = self._session.request_for(command, refs)
             stream = await self.deps.client.generate(request)
             self._streams[command.action_id] = stream
@@ -225,8 +228,10 @@ async def start(deps: "Deps") -> Callable[[], Awaitable[None]] | None:
     from rill.protocols.evergreen._pb import evergreen_service_pb2_grpc as service_grpc
 
     max_bytes = max(deps.config.http.max_body_bytes, 4 * 1024 * 1024)
+    # grpc sets SO_REUSEPORT by default, which would let a second server share the port
+    # silently (splitting sessions between two processes): refuse it, as for the HTTP port.
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_bytes),
-                                      ("grpc.max_send_message_length", max_bytes)])
+                                      ("grpc.max_send_message_length", max_bytes), ("grpc.so_reuseport", 0)])
     service_grpc.add_EvergreenServiceServicer_to_server(EvergreenServicer(deps), server)
     address = f"{deps.config.http.host}:{port}"
     try:

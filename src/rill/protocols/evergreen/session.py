@@ -89,6 +89,7 @@ class SessionLimits:
     max_bytes: int = 64 * 1024 * 1024
     max_actions: int = 64
     max_tokens_cap: int | None = None
+    request_timeout_s: float | None = None
     file_roots: tuple[str, ...] = ()
 
 
@@ -568,7 +569,7 @@ class EvergreenSession:
         if not any(turn.content for turn in turns):
             raise InvalidRequest(f"action {command.action_id}: the prompt is empty", field="prompt")
         sampling = self._sampling(command)
-        common = dict(sampling=sampling, protocol=codec.PROTOCOL_NAME)
+        common = dict(sampling=sampling, protocol=codec.PROTOCOL_NAME, deadline_s=self.limits.request_timeout_s)
         if self.model.has_chat_template:
             return GenerateRequest(messages=turns, **common)
         if len(turns) > 1 or turns[0].role != "user":

@@ -1,0 +1,217 @@
+"""The adapter over a real gRPC socket and an in-process WebSocket, with a scripted engine
+client (no model): authentication, engine failures, loading, cancellation, listener errors."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import grpc
+import pytest
+from starlette.applications import Starlette
+from starlette.testclient import TestClient
+from starlette.websockets import WebSocketDisconnect
+
+from rill import config as config_mod
+from rill.clients.evergreen import EvergreenClient, EvergreenError, prompt_message
+from rill.errors import ConfigError, GenerationError, RequestTimeout
+from rill.frontend.stream import RequestStream
+from rill.protocols.evergreen import adapter, codec
+from rill.protocols.evergreen.messages import GenerateConfig
+from rill.server import Deps
+from rill.types import EngineStats, GenerateRequest, ModelInfo, RequestOutput
+
+from tests.conftest import free_port
+
+
+class ScriptedClient:
+    """Yields ``max_tokens`` tokens " t{i}", one per loop turn. The last user message picks a
+    script: ``fail`` (GenerationError after 2 tokens), ``late`` (RequestTimeout), ``boom``
+    (an unexpected exception from ``generate``), ``hold`` (a token only per ``gate.set()``)."""
+
+    def __init__(self, is_ready: bool = True) -> None:
+        self.model_info = ModelInfo(name="fake", architecture="Fake", max_context_tokens=64, vocab_size=100,
+                                    dtype="float32", device="cpu", has_chat_template=True)
+        self.ready = asyncio.Event()
+        if is_ready:
+            self.ready.set()
+        self.requests: list[GenerateRequest] = []
+        self.aborted: list[str] = []
+        self.gate = asyncio.Event()
+        self._aborts: dict[str, asyncio.Event] = {}
+
+    def is_ready(self) -> bool:
+        return self.ready.is_set()
+
+    async def wait_ready(self) -> None:
+        await self.ready.wait()
+
+    async def generate(self, request: GenerateRequest) -> RequestStream:
+        script = str(request.messages[-1].content)
+        if script == "boom":
+            raise RuntimeError("secret /etc/shadow")
+        request_id = f"r{len(self.requests)}"
+        self.requests.append(request)
+        stream = RequestStream(self, request_id, [1], request.sampling)
+        self._aborts[request_id] = asyncio.Event()
+        asyncio.get_running_loop().create_task(self._drive(request_id, script, request, stream))
+        return stream
+
+    async def _drive(self, request_id: str, script: str, request: GenerateRequest, stream: RequestStream) -> None:
+        for i in range(request.sampling.max_tokens):
+            if script == "hold":
+                waiter = asyncio.ensure_future(self.gate.wait())
+                aborted = asyncio.ensure_future(self._aborts[request_id].wait())
+                await asyncio.wait({waiter, aborted}, return_when=asyncio.FIRST_COMPLETED)
+                waiter.cancel()
+                aborted.cancel()
+                self.gate.clear()
+            else:
+                await asyncio.sleep(0)
+            if self._aborts[request_id].is_set():
+                stream.put(RequestOutput(request_id=request_id, finished=True, finish_reason="cancelled"))
+                return
+            if script in ("fail", "late") and i == 2:
+                error = GenerationError("the kernel failed") if script == "fail" else RequestTimeout("too slow")
+                stream.put(RequestOutput(request_id=request_id, finished=True, finish_reason="error", error=error))
+                return
+            last = i == request.sampling.max_tokens - 1
+            stream.put(RequestOutput(request_id=request_id, text=f" t{i}", finished=last,
+                                     finish_reason="length" if last else None))
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+        self._aborts[request_id].set()
+
+    def stats(self) -> EngineStats:
+        return EngineStats()
+
+
+def make_deps(client: Any, **overrides: Any) -> Deps:
+    cfg = config_mod.load({"evergreen.grpc_port": free_port(), "uds.no_socket": True, **overrides}, env={})
+    return Deps(config=cfg, client=client, api_keys=cfg.api_keys())
+
+
+async def started(deps: Deps):
+    stop = await adapter.start(deps)
+    assert stop is not None
+    return stop
+
+
+def address(deps: Deps) -> str:
+    return f"127.0.0.1:{deps.config.evergreen.grpc_port}"
+
+
+async def collect(deps: Deps, prompt: str, max_tokens: int = 4, api_key: str | None = None) -> str:
+    async with EvergreenClient(address(deps), api_key=api_key) as client:
+        return "".join([t async for t in client.generate(prompt, config=GenerateConfig(max_tokens=max_tokens))])
+
+
+async def test_grpc_port_0_disables_the_listener():
+    assert await adapter.start(make_deps(ScriptedClient(), **{"evergreen.grpc_port": 0})) is None
+
+
+async def test_a_port_in_use_is_a_config_error():
+    deps = make_deps(ScriptedClient())
+    stop = await started(deps)
+    try:
+        with pytest.raises(ConfigError, match="--grpc-port"):
+            await adapter.start(deps)
+    finally:
+        await stop()
+
+
+async def test_generate_streams_the_scripted_tokens_and_labels_the_protocol():
+    client = ScriptedClient()
+    deps = make_deps(client)
+    stop = await started(deps)
+    try:
+        assert await collect(deps, "hi", max_tokens=3) == " t0 t1 t2"
+        assert client.requests[0].protocol == "evergreen"
+        assert [(m.role, m.content) for m in client.requests[0].messages] == [("user", "hi")]
+    finally:
+        await stop()
+
+
+async def test_api_keys_are_required_over_grpc_when_configured():
+    deps = make_deps(ScriptedClient(), **{"http.api_key": ["k1"]})
+    stop = await started(deps)
+    try:
+        with pytest.raises(EvergreenError) as info:
+            await collect(deps, "hi")
+        assert info.value.status == "UNAUTHENTICATED"
+        with pytest.raises(EvergreenError):
+            await collect(deps, "hi", api_key="wrong")
+        assert await collect(deps, "hi", max_tokens=1, api_key="k1") == " t0"
+    finally:
+        await stop()
+
+
+@pytest.mark.parametrize("script, status, text", [
+    ("fail", "INTERNAL", "the kernel failed"),
+    ("late", "DEADLINE_EXCEEDED", "too slow"),
+    ("boom", "INTERNAL", "internal server error"),
+])
+async def test_engine_failures_abort_the_session_with_their_status(script, status, text):
+    deps = make_deps(ScriptedClient())
+    stop = await started(deps)
+    try:
+        with pytest.raises(EvergreenError) as info:
+            await collect(deps, script, max_tokens=8)
+        assert (info.value.status, info.value.message) == (status, text)
+        assert "shadow" not in info.value.message
+    finally:
+        await stop()
+
+
+async def test_a_session_waits_for_the_model_to_load():
+    client = ScriptedClient(is_ready=False)
+    deps = make_deps(client)
+    stop = await started(deps)
+    try:
+        task = asyncio.create_task(collect(deps, "hi", max_tokens=2))
+        await asyncio.sleep(0.05)  # let the call reach the server; it must not fail while loading
+        assert not task.done()
+        client.ready.set()
+        assert await task == " t0 t1"
+    finally:
+        await stop()
+
+
+async def test_cancelling_the_call_aborts_the_request_in_the_engine():
+    client = ScriptedClient()
+    deps = make_deps(client)
+    stop = await started(deps)
+    try:
+        async with EvergreenClient(address(deps)) as egc:
+            session = egc.open_session()
+            message, _ = prompt_message("hold", config=GenerateConfig(max_tokens=100))
+            await session.send(message)
+            client.gate.set()
+            await session.receive()
+            session.cancel()
+            for _ in range(1000):  # the abort arrives within a few loop turns, not after a delay
+                if client.aborted:
+                    break
+                await asyncio.sleep(0.001)
+        assert client.aborted == ["r0"]
+    finally:
+        await stop()
+
+
+def test_websocket_runs_a_session_and_a_disconnect_aborts(monkeypatch):
+    client = ScriptedClient()
+    deps = make_deps(client, **{"evergreen.grpc_port": 0})
+    app = Starlette(routes=adapter.routes(deps))
+    with TestClient(app) as http:
+        with http.websocket_connect("/evergreen") as ws:
+            message, output_id = prompt_message("hi", config=GenerateConfig(max_tokens=2))
+            ws.send_text(codec.encode_json(message))
+            replies = [codec.decode_json(ws.receive_text()) for _ in range(2)]
+        assert [f.chunk_fragment.data for r in replies for f in r.node_fragments] == [b" t0", b" t1"]
+        assert replies[-1].node_fragments[-1].continued is False
+        with http.websocket_connect("/evergreen") as ws:
+            ws.send_text("[]")
+            with pytest.raises(WebSocketDisconnect) as info:
+                ws.receive_text()
+        assert info.value.code == 4003
