@@ -278,3 +278,28 @@ def test_remove_then_add_clears_history():
     np.testing.assert_array_equal(s._processed_logits(torch.zeros(1, 8), [1]), np.zeros((1, 8)))
     with pytest.raises(ValueError):
         s.add(1, p, [], set())
+
+
+def test_update_with_a_new_seed_restarts_the_generator():
+    logits = torch.randn(300, generator=torch.Generator().manual_seed(9)) * 0.1
+    fresh = make(300, 1)
+    fresh.add(0, SamplingParams(seed=77), [], set())
+    expected = [one(fresh, logits) for _ in range(10)]
+    s = make(300, 1)
+    s.add(0, SamplingParams(seed=1), [], set())
+    one(s, logits)
+    s.update(0, SamplingParams(seed=77))
+    assert [one(s, logits) for _ in range(10)] == expected
+
+
+def test_input_dtype_shape_and_immutability():
+    s = make(64, 4)
+    s.add(0, SamplingParams(repetition_penalty=1.5, logit_bias={3: 5.0}, seed=0), [1, 2, 3], set())
+    x = torch.randn(1, 64)
+    before = x.clone()
+    s.sample(x, [0])
+    assert torch.equal(x, before)  # processing works on a copy
+    assert 0 <= s.sample(x.to(torch.bfloat16), [0]).token_ids[0] < 64
+    assert len(s.history(0)) == 2
+    with pytest.raises(ValueError):
+        s.sample(torch.randn(2, 64), [0])

@@ -52,7 +52,8 @@ def apply_penalties(x: np.ndarray, counts: np.ndarray, prompt_mask: np.ndarray, 
         flat[idx] -= presence[row] + frequency[row] * counts.reshape(-1)[idx]
 
 
-def keep_thresholds(w: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, min_p: np.ndarray, num_candidates: int) -> np.ndarray:
+def keep_thresholds(w: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, min_p: np.ndarray,
+                    num_candidates: int) -> np.ndarray:
     """Per-row weight threshold implementing top-k, then top-p, then min-p.
 
     Args:
@@ -78,8 +79,8 @@ def keep_thresholds(w: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, min_p: 
     full = has_p & ~has_k & (top_p * total > num_candidates)
     part = np.flatnonzero((has_k | has_p) & ~full)
     if len(part):
-        args = (w, top_k, top_p, min_p, total) if len(part) == len(w) else (a[part] for a in (w, top_k, top_p, min_p, total))
-        thr[part], redo = _cut(*args, num_candidates)
+        args = (w, top_k, top_p, min_p, total)
+        thr[part], redo = _cut(*(args if len(part) == len(w) else (a[part] for a in args)), num_candidates)
         full[part[redo]] = True
     if full.any():
         thr[full] = _cut(w[full], top_k[full], top_p[full], min_p[full], total[full], w.shape[1])[0]
