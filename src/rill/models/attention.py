@@ -106,16 +106,41 @@ def cached_attention(
     if num_decode:
         length = batch.decode_len
         q_d = q[:num_decode].view(num_decode, num_kv_heads, group, head_dim)
-        out_d = F.scaled_dot_product_attention(
-            q_d,
-            k_cache[:num_decode, :, :length],
-            v_cache[:num_decode, :, :length],
-            attn_mask=batch.decode_masks[window],
-        )  # [B, kv_heads, g, head_dim]
+        keys, values = k_cache[:num_decode, :, :length], v_cache[:num_decode, :, :length]
+        mask = batch.decode_masks[window]
+        if q.dtype == torch.float32 or q.device.type != "cpu" or num_decode < BMM_MIN_ROWS:
+            out_d = F.scaled_dot_product_attention(q_d, keys, values, attn_mask=mask)  # [B, kv_heads, g, hd]
+        else:
+            out_d = _decode_attention_bmm(q_d, keys, values, mask)
         outputs.append(out_d.reshape(num_decode, num_heads * head_dim))
     if batch.prefill is not None:
         outputs.append(_prefill_attention(q[num_decode:], k_cache, v_cache, batch.prefill, window))
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+
+BMM_MIN_ROWS = 4
+"""Decode batches at least this large use ``_decode_attention_bmm`` on CPU in bf16/fp16."""
+
+
+def _decode_attention_bmm(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
+) -> torch.Tensor:
+    # NOTE: on CPU, SDPA's flash kernel has a high cost per (row, kv head) work item in bf16;
+    # two batched matmuls over the strided cache view took 1.5 ms instead of 2.4 ms per layer
+    # at B=32, 256 keys (100M model, one thread). Scores come out of the matmul in bf16 (as transformers' eager
+    # attention does); scaling, masking and softmax run in float32.
+    rows, num_kv_heads, group, head_dim = q.shape
+    length = keys.shape[2]
+    flat_keys = keys.reshape(rows * num_kv_heads, length, head_dim)  # a view: row stride = heads * head stride
+    flat_values = values.reshape(rows * num_kv_heads, length, head_dim)
+    scores = torch.bmm(flat_keys, q.reshape(rows * num_kv_heads, group, head_dim).transpose(1, 2))  # [BH, L, g]
+    # One copy turns the scores to float32 and to [BH, g, L], so softmax runs on the last dim.
+    scores = scores.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+    scores = scores.view(rows, num_kv_heads, group, length).mul_(head_dim**-0.5)
+    if mask is not None:
+        scores.masked_fill_(mask.logical_not(), float("-inf"))  # mask: [B, 1, 1, L]
+    probs = torch.softmax(scores, dim=-1).to(q.dtype).view(rows * num_kv_heads, group, length)
+    return torch.bmm(probs, flat_values).view(rows, num_kv_heads, group, head_dim)
 
 
 def _prefill_attention(

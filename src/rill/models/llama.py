@@ -41,9 +41,9 @@ class RMSNorm(nn.Module):
 
 
 def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    # Unweighted RMS norm in float32, rounded back to x's dtype before the weight multiplies,
-    # which is the order transformers uses (so float32 parity is exact and bf16 rounds the same).
-    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+    # Unweighted RMS norm (torch accumulates in float32 for bf16 input), rounded to x's dtype
+    # before the weight multiplies: the order transformers uses, bit for bit in bf16 too.
+    return F.rms_norm(x, (x.shape[-1],), eps=eps)
 
 
 class DecoderLayer(nn.Module):
