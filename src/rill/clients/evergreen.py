@@ -75,12 +75,26 @@ class Session:
         self._call = call
 
     async def send(self, message: SessionMessage) -> None:
-        """Send one message."""
-        await self._call.write(codec.to_pb(message))
+        """Send one message.
+
+        Raises:
+            EvergreenError: the server already ended the session (e.g. a refused API key).
+        """
+        import grpc
+
+        try:
+            await self._call.write(codec.to_pb(message))
+        except grpc.aio.AioRpcError as exc:
+            raise EvergreenError(exc.code().name, exc.details() or "") from exc
 
     async def end_input(self) -> None:
         """Half-close: the server finishes running actions, then ends the session."""
-        await self._call.done_writing()
+        import grpc
+
+        try:
+            await self._call.done_writing()
+        except grpc.aio.AioRpcError as exc:
+            raise EvergreenError(exc.code().name, exc.details() or "") from exc
 
     async def receive(self) -> SessionMessage | None:
         """The next server message, or None once the session ended normally.

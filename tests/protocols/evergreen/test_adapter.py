@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import grpc
 import pytest
 from starlette.applications import Starlette
 from starlette.testclient import TestClient

@@ -4,7 +4,6 @@ between transports and runs, status codes and engine counters, never wording."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import subprocess
@@ -12,7 +11,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-import grpc
 import pytest
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed

@@ -32,22 +32,10 @@ Pure: no I/O, no ``await``, no clock, no engine import; errors are ``evergreen.e
 
 from __future__ import annotations
 
-import posixpath
 from dataclasses import dataclass, field
 from typing import Union
-from urllib.parse import unquote, urlsplit
 
-from rill.errors import InvalidRequest
-from rill.protocols.evergreen import codec
-from rill.protocols.evergreen.errors import (
-    InputMissing,
-    NeedsChatTemplate,
-    RefDenied,
-    RuleBroken,
-    SessionLimit,
-    UnknownTarget,
-    UnsupportedInput,
-)
+from rill.protocols.evergreen.errors import InputMissing, RuleBroken, SessionLimit, UnknownTarget
 from rill.protocols.evergreen.messages import (
     Action,
     Chunk,
@@ -56,7 +44,22 @@ from rill.protocols.evergreen.messages import (
     NodeFragment,
     SessionMessage,
 )
-from rill.types import ChatMessage, GenerateRequest, SamplingParams
+from rill.protocols.evergreen import codec
+from rill.protocols.evergreen.prompt import (
+    ROLES,
+    FileRef,
+    ModelFacts,
+    PromptItem,
+    TextLeaf,
+    TurnEnd,
+    build_request,
+    is_under,
+    leaf_item,
+)
+from rill.types import GenerateRequest
+
+__all__ = ["EvergreenSession", "SessionLimits", "ModelFacts", "Send", "Generate", "Close", "Command", "FileRef",
+           "TextLeaf", "TurnEnd", "PromptItem", "is_under"]
 
 NodeId = str
 ActionId = int
@@ -64,21 +67,8 @@ ActionId = int
 GENERATE = "GENERATE"
 INPUT_NAMES = ("prompt", "text")
 OUTPUT_NAMES = ("response", "text")
-END_OF_TURN = "application/x-protobuf; type=EndOfTurn"
 OUTPUT_METADATA = ChunkMetadata(mimetype="text/plain", role="model")
 """Metadata of seq 0 of every output node."""
-
-ROLES: dict[str, str] = {
-    "user": "user", "model": "assistant", "assistant": "assistant", "system": "system",
-    "context": "user", "tool": "tool",
-}
-"""``ChunkMetadata.role`` (any case) → chat-template role; an empty role means ``user``."""
-
-TEXT_MIMETYPES = ("application/json", "application/x-latex")
-"""Mimetypes read as text besides ``text/*``."""
-
-MEDIA_PREFIXES = ("image/", "audio/", "video/")
-
 
 @dataclass(frozen=True)
 class SessionLimits:
@@ -93,15 +83,6 @@ class SessionLimits:
     file_roots: tuple[str, ...] = ()
 
 
-@dataclass(frozen=True)
-class ModelFacts:
-    """What the session must know of the served model."""
-
-    name: str
-    has_chat_template: bool = True
-    modalities: tuple[str, ...] = ("text",)
-
-
 # -- commands for the adapter -----------------------------------------------------------------
 
 
@@ -110,32 +91,6 @@ class Send:
     """Send this message to the client."""
 
     message: SessionMessage
-
-
-@dataclass(frozen=True)
-class FileRef:
-    """A ``file://`` ref allowed by the roots: ``path`` is normalised and absolute. The adapter
-    must still resolve symlinks and re-check the roots before reading."""
-
-    uri: str
-    path: str
-
-
-@dataclass(frozen=True)
-class TextLeaf:
-    """A text leaf of a prompt: its pieces (inline bytes or file refs) in order."""
-
-    node_id: NodeId
-    role: str
-    pieces: tuple[Union[bytes, FileRef], ...]
-
-
-@dataclass(frozen=True)
-class TurnEnd:
-    """An ``EndOfTurn`` chunk."""
-
-
-PromptItem = Union[TextLeaf, TurnEnd]
 
 
 @dataclass(frozen=True)
@@ -478,113 +433,20 @@ class EvergreenSession:
             return  # an empty node contributes nothing
         metadata = node.fragments[0].chunk_fragment.metadata  # type: ignore[union-attr]
         assert metadata is not None  # checked on arrival of seq 0
-        item = self._leaf_item(node, metadata)
-        if item is not None:
-            if isinstance(item, TextLeaf):
-                budget[1] -= sum(len(p) for p in item.pieces if isinstance(p, bytes))
-                if budget[1] < 0:
-                    raise SessionLimit(f"the prompt flattens to more than {self.limits.max_bytes} bytes")
-            items.append(item)
+        chunks = [f.chunk_fragment for f in node.ordered() if f.chunk_fragment is not None]
+        item = leaf_item(node_id, metadata, chunks, self.model, self.limits.file_roots)
+        if isinstance(item, TextLeaf):
+            budget[1] -= sum(len(p) for p in item.pieces if isinstance(p, bytes))
+            if budget[1] < 0:
+                raise SessionLimit(f"the prompt flattens to more than {self.limits.max_bytes} bytes")
+        items.append(item)
 
-    def _leaf_item(self, node: _Node, metadata: ChunkMetadata) -> PromptItem | None:
-        mimetype = metadata.mimetype.strip()
-        main_type = mimetype.split(";", 1)[0].strip().lower()
-        if _normalise_mimetype(mimetype) == _normalise_mimetype(END_OF_TURN):
-            return TurnEnd()
-        if main_type.startswith(MEDIA_PREFIXES):
-            kind = main_type.split("/", 1)[0]
-            raise UnsupportedInput(f"node '{node.id}' has mimetype '{mimetype}': the model '{self.model.name}' "
-                                   f"cannot take {kind} input (it takes {', '.join(self.model.modalities)})")
-        if not (main_type.startswith("text/") or main_type in TEXT_MIMETYPES):
-            raise UnsupportedInput(f"node '{node.id}' has mimetype '{mimetype}', which GENERATE cannot take "
-                                   "(text/* and EndOfTurn only)")
-        role = ROLES.get(metadata.role.lower()) if metadata.role else "user"
-        if role is None:
-            raise UnsupportedInput(f"node '{node.id}' has role '{metadata.role}' (use one of {', '.join(ROLES)})")
-        pieces: list[Union[bytes, FileRef]] = []
-        for f in node.ordered():
-            chunk = f.chunk_fragment
-            if chunk is None:
-                continue
-            if chunk.ref is not None:
-                pieces.append(self.file_ref(chunk.ref, node.id))
-            elif chunk.data:
-                pieces.append(chunk.data)
-        return TextLeaf(node.id, role, tuple(pieces))
+    def request_for(self, command: "Generate", ref_bytes: dict[str, bytes]) -> GenerateRequest:
+        """The engine request of a started action, its file refs' contents given by path
+        (see ``prompt.build_request`` for the rules and errors)."""
+        return build_request(command.action_id, command.items, command.config, ref_bytes, self.model,
+                             max_tokens_cap=self.limits.max_tokens_cap, deadline_s=self.limits.request_timeout_s)
 
-    def file_ref(self, uri: str, node_id: NodeId) -> FileRef:
-        """Check a ref against the scheme and ``file_roots`` rules (no file-system access).
-
-        Raises:
-            UnsupportedInput: not a ``file://`` URI (or one naming a remote host).
-            RefDenied: no roots configured, or the path is outside every root.
-        """
-        parts = urlsplit(uri)
-        if parts.scheme != "file":
-            raise UnsupportedInput(f"node '{node_id}': ref '{uri}' has scheme '{parts.scheme or '(none)'}'; "
-                                   "rill reads file:// refs only")
-        if parts.netloc not in ("", "localhost"):
-            raise UnsupportedInput(f"node '{node_id}': ref '{uri}' names host '{parts.netloc}'; "
-                                   "file:// refs must be local (file:///path)")
-        if not self.limits.file_roots:
-            raise RefDenied(f"node '{node_id}': file:// refs are disabled on this server "
-                            "(start it with --evergreen-file-root DIR)")
-        path = posixpath.normpath(unquote(parts.path))
-        if not path.startswith("/"):
-            raise RefDenied(f"node '{node_id}': ref '{uri}' is not an absolute file:///path")
-        if not any(is_under(path, root) for root in self.limits.file_roots):
-            raise RefDenied(f"node '{node_id}': ref '{uri}' is outside the allowed file roots")
-        return FileRef(uri, path)
-
-    def request_for(self, command: Generate, ref_bytes: dict[str, bytes]) -> GenerateRequest:
-        """The engine request of a started action, its refs' contents given by path.
-
-        Raises:
-            InvalidRequest: text that is not UTF-8, an empty prompt, a bad sampling value.
-            NeedsChatTemplate: roles or turns on a model without a chat template.
-        """
-        turns: list[ChatMessage] = []
-        role: str | None = None
-        texts: list[str] = []
-
-        def end_turn() -> None:
-            nonlocal role, texts
-            if role is not None:
-                turns.append(ChatMessage(role=role, content="".join(texts)))
-            role, texts = None, []
-
-        for item in command.items:
-            if isinstance(item, TurnEnd):
-                end_turn()
-                continue
-            if role is not None and item.role != role:
-                end_turn()
-            role = item.role
-            data = b"".join(p if isinstance(p, bytes) else ref_bytes[p.path] for p in item.pieces)
-            try:
-                texts.append(data.decode("utf-8"))
-            except UnicodeDecodeError as exc:
-                raise InvalidRequest(f"node '{item.node_id}': text content is not valid UTF-8") from exc
-        end_turn()
-        if not any(turn.content for turn in turns):
-            raise InvalidRequest(f"action {command.action_id}: the prompt is empty", field="prompt")
-        sampling = self._sampling(command)
-        common = dict(sampling=sampling, protocol=codec.PROTOCOL_NAME, deadline_s=self.limits.request_timeout_s)
-        if self.model.has_chat_template:
-            return GenerateRequest(messages=turns, **common)
-        if len(turns) > 1 or turns[0].role != "user":
-            raise NeedsChatTemplate(f"action {command.action_id}: the prompt has roles or several turns, but the "
-                                    f"model '{self.model.name}' has no chat template to render them")
-        return GenerateRequest(prompt=str(turns[0].content), **common)
-
-    def _sampling(self, command: Generate) -> SamplingParams:
-        values = {k: (list(v) if isinstance(v, tuple) else v) for k, v in _fields(command.config).items()
-                  if v is not None and v != ()}
-        params = SamplingParams(**values)
-        cap = self.limits.max_tokens_cap
-        if cap is not None and params.max_tokens > cap:
-            params = SamplingParams(**{**_fields(params), "max_tokens": cap})
-        return params
 
     # -- outbound ----------------------------------------------------------------------------------
     def on_output(self, action_id: ActionId, text: str, finished: bool) -> list[Command]:
@@ -626,13 +488,3 @@ class EvergreenSession:
 
 def _fields(struct: object) -> dict:
     return {name: getattr(struct, name) for name in struct.__struct_fields__}  # type: ignore[attr-defined]
-
-
-def _normalise_mimetype(mimetype: str) -> str:
-    return "".join(mimetype.lower().split())
-
-
-def is_under(path: str, root: str) -> bool:
-    """Whether normalised absolute ``path`` is ``root`` itself or inside it."""
-    root = posixpath.normpath(root)
-    return path == root or path.startswith(root.rstrip("/") + "/")
