@@ -214,3 +214,31 @@ def test_websocket_runs_a_session_and_a_disconnect_aborts(monkeypatch):
             with pytest.raises(WebSocketDisconnect) as info:
                 ws.receive_text()
         assert info.value.code == 4003
+
+
+def test_websocket_speaks_the_typescript_clients_json():
+    # Exactly what actionengine-ts run.ts sends: camelCase, base64 data, metadata on every
+    # fragment, a payload-less close fragment; the reply is read as plain JSON.
+    import base64
+    import json
+
+    deps = make_deps(ScriptedClient(), **{"evergreen.grpc_port": 0})
+    sent = [
+        {"actions": [{"targetSpec": {"id": "fake"}, "name": "GENERATE", "inputs": [{"name": "prompt", "id": "in-1"}],
+                      "outputs": [{"name": "response", "id": "out-1"}]}]},
+        {"nodeFragments": [{"id": "in-1", "chunkFragment": {"metadata": {"mimetype": "text/plain", "role": "user"},
+                                                              "data": base64.b64encode(b"Hi").decode()},
+                            "seq": 0, "continued": True}]},
+        {"nodeFragments": [{"id": "in-1", "seq": 1, "continued": False}]},
+    ]
+    with TestClient(Starlette(routes=adapter.routes(deps))) as http, http.websocket_connect("/evergreen") as ws:
+        for message in sent:
+            ws.send_text(json.dumps(message))
+        replies = []
+        while not replies or replies[-1]["nodeFragments"][0]["continued"]:
+            replies.append(json.loads(ws.receive_text()))
+    fragments = [r["nodeFragments"][0] for r in replies]
+    assert fragments[0]["id"] == "out-1" and fragments[0]["seq"] == 0
+    assert fragments[0]["chunkFragment"]["metadata"] == {"mimetype": "text/plain", "role": "model"}
+    text = "".join(base64.b64decode(f["chunkFragment"]["data"]).decode() for f in fragments)
+    assert text == "".join(f" t{i}" for i in range(256))  # no config: rill's default max_tokens

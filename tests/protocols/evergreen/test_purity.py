@@ -9,7 +9,7 @@ import pytest
 
 import rill.protocols.evergreen as package
 
-PURE_FILES = ["errors.py", "messages.py", "codec.py", "session.py"]
+PURE_FILES = ["errors.py", "prompt.py", "messages.py", "codec.py", "session.py"]
 FORBIDDEN = ("asyncio", "socket", "threading", "selectors", "starlette", "grpc", "torch", "rill.engine",
              "rill.frontend", "rill.server", "os", "pathlib", "io", "open")
 

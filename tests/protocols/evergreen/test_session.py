@@ -408,3 +408,15 @@ def test_turn_end_items_keep_their_place():
     s = new()
     [g] = generates(feed(s, msg(eot("e")), msg(leaf("a", "A")), msg(parent("p", "e", "a", "e")), msg(generate("p"))))
     assert [type(i) for i in g.items] == [TurnEnd, TextLeaf, TurnEnd]
+
+
+def test_the_typescript_clients_flow_metadata_on_every_fragment_and_an_empty_close_fragment():
+    # actionengine-ts run.ts: the action first, then one fragment per chunk (metadata on each,
+    # continued: true), then {id, seq: n, continued: false} with no payload.
+    from rill.protocols.evergreen.messages import NodeFragment
+
+    s = new()
+    assert generates(feed(s, msg(generate("in", "out")), msg(leaf("in", "Hel", continued=True, role="user")),
+                          msg(leaf("in", "lo", seq=1, continued=True, role="user")))) == []
+    [g] = generates(feed(s, msg(NodeFragment(id="in", seq=2, continued=False))))
+    assert [(m.role, m.content) for m in s.request_for(g, {}).messages] == [("user", "Hello")]

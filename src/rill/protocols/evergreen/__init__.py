@@ -5,5 +5,5 @@ WebSocket (one proto3-JSON ``SessionMessage`` per message). See ``shared/specs/e
 Files: the ``.proto`` files and their generated ``_pb/`` modules (``protogen`` regenerates
 them), ``messages`` (wire structs), ``errors`` (the rules a session can break), ``codec``
 (protobuf and JSON ⇄ structs, the error table), ``session`` (sans-I/O node store and action
-readiness), ``adapter`` (gRPC server and WebSocket route, the only modules with I/O).
+readiness), ``prompt`` (flattened input → engine request), ``adapter`` (gRPC server and WebSocket route, the only modules with I/O).
 """
