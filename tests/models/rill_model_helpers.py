@@ -26,6 +26,8 @@ CASES: dict[str, dict[str, Any]] = {
     "llama": dict(arch="llama"),
     "llama-tied": dict(arch="llama", tie_word_embeddings=True),
     "llama3-rope": dict(arch="llama", rope_scaling=LLAMA3_ROPE, rope_theta=500000.0),
+    "llama-linear-rope": dict(arch="llama", rope_scaling={"rope_type": "linear", "factor": 4.0}),
+    "llama-dynamic-rope": dict(arch="llama", rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
     "mistral": dict(arch="mistral", sliding_window=24),
     "mistral-tied": dict(arch="mistral", tie_word_embeddings=True),
     "qwen2": dict(arch="qwen2"),

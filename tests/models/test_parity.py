@@ -102,3 +102,11 @@ def test_cache_free_forward_matches_transformers(checkpoint) -> None:
         ours = loaded.model(ids)
         ref = load_hf(folder)(ids).logits
     assert (ours - ref).abs().max().item() < 1e-4
+
+
+def test_dynamic_rope_context_is_capped(checkpoint) -> None:
+    """Past max_position_embeddings dynamic RoPE changes every frequency: the runner refuses."""
+    loaded = load_model(checkpoint("llama-dynamic-rope"), dtype="float32")
+    assert loaded.config.max_context_tokens == 512
+    with pytest.raises(ValueError, match="dynamic-RoPE"):
+        TorchModelRunner(loaded, num_rows=1, max_len=513)

@@ -39,6 +39,12 @@ class TorchModelRunner:
         if num_rows < 1 or max_len < 1:
             raise ValueError(f"num_rows ({num_rows}) and max_len ({max_len}) must be >= 1")
         config = loaded_model.config
+        if config.rope_scaling.get("rope_type") == "dynamic" and max_len > config.max_position_embeddings:
+            # Past the trained context dynamic NTK RoPE rescales every position with the length.
+            raise ValueError(
+                f"max_len {max_len} exceeds max_position_embeddings {config.max_position_embeddings} "
+                "of a dynamic-RoPE model; use at most that"
+            )
         self.model = loaded_model.model
         self.config = config
         self.num_rows = num_rows

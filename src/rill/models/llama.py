@@ -145,9 +145,10 @@ class LlamaModel(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def rope_rows(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return ``cos, sin [*positions.shape, 1, hd]`` in ``dtype`` for integer ``positions``."""
-        needed = int(positions.max()) + 1 if positions.numel() else 1
-        self.ensure_rope(needed)
+        """Return ``cos, sin [*positions.shape, 1, hd]`` in ``dtype`` for integer ``positions``.
+
+        Positions must be below the table size set by ``ensure_rope`` (no device sync here).
+        """
         cos = self._rope_cos.index_select(0, positions.flatten()).view(*positions.shape, 1, -1)
         sin = self._rope_sin.index_select(0, positions.flatten()).view(*positions.shape, 1, -1)
         return cos.to(dtype), sin.to(dtype)
@@ -164,6 +165,7 @@ class LlamaModel(nn.Module):
         """Cache-free causal forward: ``input_ids [B, T]`` → logits ``[B, T, vocab]`` in the model dtype."""
         num_tokens = input_ids.shape[1]
         x = self.embed_tokens(input_ids)
+        self.ensure_rope(num_tokens)
         positions = torch.arange(num_tokens, device=input_ids.device)
         cos, sin = self.rope_rows(positions, x.dtype)  # [T, 1, hd]
         masks = {window: _window_mask(num_tokens, window, x.device) for window in self.windows}
@@ -174,7 +176,8 @@ class LlamaModel(nn.Module):
     def forward_step(self, batch: StepBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """One cached step; returns float32 logits ``[M, vocab]`` for ``batch.logits_index``.
 
-        ``kv_caches[i]`` is layer ``i``'s ``(keys, values)``, each ``[rows, kv_heads, max_len, hd]``.
+        ``kv_caches[i]`` is layer ``i``'s ``(keys, values)``, each ``[rows, kv_heads, max_len, hd]``;
+        the caller has called ``ensure_rope(max_len)``.
         """
         x = self.embed_tokens(batch.input_ids)  # [N, hidden]
         batch.cos, batch.sin = self.rope_rows(batch.positions, x.dtype)
