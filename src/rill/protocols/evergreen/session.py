@@ -162,6 +162,7 @@ class EvergreenSession:
         self._num_actions = 0
         self._num_bytes = 0
         self._is_input_ended = False
+        self._complete_subtrees: set[NodeId] = set()
 
     # -- inbound ---------------------------------------------------------------------------------
     def receive(self, message: SessionMessage) -> list[Command]:
@@ -386,9 +387,16 @@ class EvergreenSession:
         return commands
 
     def _is_ready(self, node_id: NodeId, memo: dict[NodeId, bool]) -> bool:
+        # Completeness only ever grows (a complete node takes no more fragments, so no more
+        # children), hence whole complete subtrees are remembered for the session: each
+        # check only walks the part of the graph that is still incomplete.
+        if node_id in self._complete_subtrees:
+            return True
         if node_id not in memo:
             node = self._nodes[node_id]
             memo[node_id] = node.is_complete and all(self._is_ready(c, memo) for c in node.children)
+            if memo[node_id]:
+                self._complete_subtrees.add(node_id)
         return memo[node_id]
 
     def _missing_client_node(self, node_id: NodeId, seen: set[NodeId]) -> NodeId | None:
