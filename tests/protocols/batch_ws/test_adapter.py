@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -22,6 +23,23 @@ from rill.errors import GenerationError, QueueFull
 from rill.frontend.stream import RequestStream
 from rill.protocols.batch_ws import adapter
 from rill.types import GenerateRequest, RequestEvent, RequestOutput
+from tests.conftest import start_server
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path) -> Any:
+    """A server of this module's own with one torch thread.
+
+    NOTE: on this shared 2-core machine, two OpenMP threads per engine step made the tiny
+    model ~45x slower under load (step EWMA 345 ms vs 7 ms) than one; see the report.
+    """
+    import torch
+
+    threads_before = torch.get_num_threads()
+    live = start_server(tiny_model_dir, **{"engine.num_threads": 1})
+    yield live
+    live.stop()
+    torch.set_num_threads(threads_before)  # the engine set it process-wide
+
 
 SPEC_PROMPT = "[INST] Generate a very long poem about 1000 cats [/INST]\n\n"
 SPEC_CONFIG = {"num_beams": 1, "do_sample": True, "temperature": 1, "top_p": 1, "top_k": 50,
