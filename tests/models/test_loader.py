@@ -107,7 +107,7 @@ def test_sliding_window_settings() -> None:
 def test_build_and_save_round_trip_through_transformers(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    config = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=32, intermediate_size=64,
+    config = dict(architectures=["Qwen2ForCausalLM"], hidden_size=32, intermediate_size=64,
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
                   tie_word_embeddings=True, initializer_range=0.08)
     model = build_model(config, seed=0)

@@ -23,6 +23,13 @@ from rill.errors import ModelLoadError
 from rill.models.config import ModelConfig, dtype_name, parse_config
 from rill.models.llama import LlamaModel, fuse_hf_state_dict, init_weights, unfuse_state_dict
 
+_MODEL_TYPES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 """Weight files looked for in a model folder, in order."""
 
@@ -131,6 +138,8 @@ def save_checkpoint(
         tensors.pop("lm_head.weight", None)
     dtypes = {tensor.dtype for tensor in tensors.values()}
     config = dict(config)
+    # AutoConfig needs model_type; derive it from the architecture when the caller left it out.
+    config.setdefault("model_type", _MODEL_TYPES[parsed.architecture])
     config.setdefault("dtype", str(dtypes.pop()).removeprefix("torch.") if len(dtypes) == 1 else "float32")
     save_file({name: tensor.cpu() for name, tensor in tensors.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
