@@ -420,3 +420,9 @@ def test_the_typescript_clients_flow_metadata_on_every_fragment_and_an_empty_clo
                           msg(leaf("in", "lo", seq=1, continued=True, role="user")))) == []
     [g] = generates(feed(s, msg(NodeFragment(id="in", seq=2, continued=False))))
     assert [(m.role, m.content) for m in s.request_for(g, {}).messages] == [("user", "Hello")]
+
+
+def test_media_the_model_takes_is_still_refused_with_a_clear_reason():
+    s = EvergreenSession(SessionLimits(), ModelFacts(name="vlm", modalities=("text", "image")))
+    with pytest.raises(UnsupportedInput, match="'image/png': Evergreen GENERATE does not pass image input"):
+        feed(s, msg(leaf("p", "x", mimetype="image/png")), msg(generate("p")))

@@ -95,6 +95,9 @@ def leaf_item(node_id: str, metadata: ChunkMetadata, chunks: list[Chunk], model:
         return TurnEnd()
     if main_type.startswith(MEDIA_PREFIXES):
         kind = main_type.split("/", 1)[0]
+        if kind in model.modalities:  # the model could, but this protocol does not pass media on yet
+            raise UnsupportedInput(f"node '{node_id}' has mimetype '{mimetype}': Evergreen GENERATE does not "
+                                   f"pass {kind} input to the model yet")
         raise UnsupportedInput(f"node '{node_id}' has mimetype '{mimetype}': the model '{model.name}' "
                                f"cannot take {kind} input (it takes {', '.join(model.modalities)})")
     if not (main_type.startswith("text/") or main_type in TEXT_MIMETYPES):
