@@ -26,12 +26,13 @@ import numpy as np
 BLOCK = 128  # block width of the two-level prefix sums; widths passed in are multiples of it
 
 
-def apply_penalties(x: np.ndarray, counts: np.ndarray, prompt_mask: np.ndarray, rep: np.ndarray,
-                    presence: np.ndarray, frequency: np.ndarray) -> None:
-    """Apply repetition, presence and frequency penalties to logits rows in place.
+def apply_penalties(x: np.ndarray, rows: np.ndarray, counts: np.ndarray, prompt_mask: np.ndarray,
+                    rep: np.ndarray, presence: np.ndarray, frequency: np.ndarray) -> None:
+    """Apply repetition, presence and frequency penalties to some rows of ``x``, in place.
 
     Args:
-        x: C-contiguous float32 ``[r, vocab]`` logits, modified in place.
+        x: C-contiguous float32 ``[n, vocab]`` logits; rows ``rows`` are modified.
+        rows: ``[r]`` row indices into ``x``.
         counts: ``[r, vocab]`` output-token counts; prompt_mask: ``[r, vocab]`` prompt tokens.
         rep, presence, frequency: ``[r]`` per-row penalties (1, 0, 0 mean off).
 
@@ -44,27 +45,31 @@ def apply_penalties(x: np.ndarray, counts: np.ndarray, prompt_mask: np.ndarray, 
     seen = counts > 0  # flatnonzero of a bool array is 20x faster than of a float one
     if (rep != 1.0).any():
         idx = np.flatnonzero(prompt_mask | seen)  # 2-D np.nonzero is 10x slower
-        v, r = flat[idx], rep[idx // vocab]
-        flat[idx] = np.where(v > 0, v / r, v * r)
+        row, col = np.divmod(idx, vocab)
+        at, r = rows[row] * vocab + col, rep[row]
+        v = flat[at]
+        flat[at] = np.where(v > 0, v / r, v * r)
     if (presence != 0.0).any() or (frequency != 0.0).any():
         idx = np.flatnonzero(seen)
-        row = idx // vocab
-        flat[idx] -= presence[row] + frequency[row] * counts.reshape(-1)[idx]
+        row, col = np.divmod(idx, vocab)
+        flat[rows[row] * vocab + col] -= presence[row] + frequency[row] * counts.reshape(-1)[idx]
 
 
 def keep_thresholds(w: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, min_p: np.ndarray,
-                    num_candidates: int) -> np.ndarray:
+                    num_candidates: int, scratch: np.ndarray | None = None) -> np.ndarray:
     """Per-row weight threshold implementing top-k, then top-p, then min-p.
 
     Args:
-        w: ``[f, width]`` weights in [0, 1] (temperature-scaled ``exp(x - max)``), one row per
-            filtered sequence; zero columns are allowed (padding, banned tokens).
+        w: ``[f, width]`` weights in [0, 1] (temperature-scaled ``exp(x - max)``), ``width`` a
+            multiple of ``BLOCK``; zero columns are allowed (padding, banned tokens).
         top_k: ``[f]`` int (0 = off); top_p: ``[f]`` (1 = off); min_p: ``[f]`` (0 = off).
         num_candidates: size of the candidate set tried before a full sort.
+        scratch: optional C-contiguous float32 ``[f, width]`` workspace, overwritten.
     Returns:
         float32 ``[f]``: keep the tokens with ``w >= thr``. top-p keeps the smallest set of most
         likely tokens whose mass (renormalised after top-k) reaches ``top_p``; min-p keeps tokens
         with weight >= ``min_p`` times the row maximum. Tokens tied at a cut are all kept.
+        Rows with no filter get 0.
 
     Cuts come from the m largest weights (m = the largest top_k + 1, or ``num_candidates`` when a
     row has top-p without top-k) found with ``np.partition``, ~2.7x cheaper than a full sort.
@@ -74,32 +79,40 @@ def keep_thresholds(w: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, min_p: 
     """
     has_k, has_p = top_k > 0, top_p < 1.0
     thr = min_p.astype(np.float32) * w.max(axis=1)  # final for min-p-only rows
+    if not (has_k | has_p).any():
+        return thr
+    scratch = np.empty_like(w) if scratch is None else scratch
     total = np.einsum("fv->f", w).astype(np.float64)  # the row's mass
     # m candidates weigh at most m: top-p rows that need more mass skip straight to a full sort.
     full = has_p & ~has_k & (top_p * total > num_candidates)
     part = np.flatnonzero((has_k | has_p) & ~full)
     if len(part):
-        args = (w, top_k, top_p, min_p, total)
-        thr[part], redo = _cut(*(args if len(part) == len(w) else (a[part] for a in args)), num_candidates)
+        thr[part], redo = _cut(w, part, top_k, top_p, min_p, total, num_candidates, scratch)
         full[part[redo]] = True
     if full.any():
-        thr[full] = _cut(w[full], top_k[full], top_p[full], min_p[full], total[full], w.shape[1])[0]
+        rows = np.flatnonzero(full)
+        thr[rows] = _cut(w, rows, top_k, top_p, min_p, total, w.shape[1], scratch)[0]
     return thr
 
 
-def _cut(w: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, min_p: np.ndarray, total: np.ndarray,
-         num_candidates: int) -> tuple[np.ndarray, np.ndarray]:
-    # keep_thresholds on the m largest weights of each row; also returns the rows whose cut
-    # cannot be decided from them (top-p mass not reached, or top-k ties spilling past them).
-    f, width = w.shape
+def _cut(w: np.ndarray, sel: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, min_p: np.ndarray,
+         total: np.ndarray, num_candidates: int, scratch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    # keep_thresholds for rows ``sel`` from their m largest weights; also returns the rows whose
+    # cut cannot be decided from them (top-p mass not reached, or top-k ties spilling past them).
+    width = w.shape[1]
+    top_k, top_p, min_p, total = top_k[sel], top_p[sel], min_p[sel], total[sel]
+    f = len(sel)
     rows = np.arange(f)
     has_k, has_p = top_k > 0, top_p < 1.0
     m = max(int(top_k.max()) + 1 if has_k.any() else 1, num_candidates if (has_p & ~has_k).any() else 1)
     m = min(-(-m // BLOCK) * BLOCK, width)  # whole blocks, so prefix sums match a full sort's
+    cand = np.take(w, sel, axis=0, out=scratch[:f], mode="clip")
     if m == width:
-        desc = np.sort(w, axis=1)[:, ::-1]
+        cand.sort(axis=1)
+        desc = cand[:, ::-1]
     else:  # the m largest, sorted descending (values only: ties need no order)
-        desc = np.sort(np.partition(w, width - m, axis=1)[:, width - m:], axis=1)[:, ::-1]
+        cand.partition(width - m, axis=1)
+        desc = np.sort(cand[:, width - m:], axis=1)[:, ::-1]
     v_k = np.where(has_k, desc[rows, np.minimum(top_k, m) - 1], 0.0).astype(np.float32)
     thr = np.maximum(min_p.astype(np.float32) * desc[:, 0], v_k)
     if not has_p.any():
@@ -163,12 +176,18 @@ def _first_past(blocks: np.ndarray, cum_b: np.ndarray, target: np.ndarray, stric
     return np.where(b < nb, bb * width + t, nb * width)
 
 
-def top_n(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+def top_n(x: np.ndarray, k: int, scratch: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The ``k`` largest entries of each row of C-contiguous ``x`` ``[l, v]``: ids and values
-    ``[l, k]``, largest first, ties by lower id (2x faster than ``np.argpartition``)."""
+    ``[l, k]``, largest first, ties by lower id (2x faster than ``np.argpartition``).
+    ``scratch``: optional float32 ``[l, v]`` workspace, overwritten."""
     l, v = x.shape
-    kth = np.partition(x, v - k, axis=1)[:, v - k]
-    flat = np.flatnonzero(x >= kth[:, None])  # k or more per row (ties at the k-th value)
+    if scratch is None:
+        part = x.copy()
+    else:
+        part = scratch
+        np.copyto(part, x)
+    part.partition(v - k, axis=1)
+    flat = np.flatnonzero(x >= part[:, v - k, None])  # k or more per row (ties at the k-th value)
     row, col = np.divmod(flat, v)
     val = x.reshape(-1)[flat]
     order = np.lexsort((col, -val, row))
