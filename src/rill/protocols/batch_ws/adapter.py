@@ -23,7 +23,7 @@ from starlette.routing import BaseRoute, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from rill import config as rill_config
-from rill.errors import ConfigError, InvalidRequest
+from rill.errors import ConfigError, InvalidRequest, RillError
 from rill.frontend.client import EngineClient
 from rill.frontend.stream import RequestStream
 from rill.protocols.batch_ws import codec
@@ -136,8 +136,8 @@ class _Connection:
                 try:
                     stream = await self.client.generate(action.request)
                 except Exception as exc:  # noqa: BLE001 - reported per prompt via the error table
-                    if not isinstance(exc, (InvalidRequest,)):
-                        log.info("batch /ws request %s refused: %r", action.key, exc)
+                    if not isinstance(exc, RillError):  # a bug: keep the traceback, tell the client nothing of it
+                        log.error("batch /ws request %s failed at submission", action.key, exc_info=exc)
                     failures.append((action.key, exc))
                     continue
                 self.session.on_submitted(action.key, stream.prompt_token_ids)
