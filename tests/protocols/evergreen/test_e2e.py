@@ -44,10 +44,19 @@ def files(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def live(tiny_model_dir, files):
-    server = start_server(tiny_model_dir, **{"evergreen.grpc_port": free_port(),
+    """This module's server: gRPC on, one file root, one torch thread.
+
+    NOTE: one OpenMP thread per engine step is many times faster than two on this shared
+    2-core machine under load (as batch_ws's tests measured).
+    """
+    import torch
+
+    threads_before = torch.get_num_threads()
+    server = start_server(tiny_model_dir, **{"evergreen.grpc_port": free_port(), "engine.num_threads": 1,
                                              "evergreen.evergreen_file_root": [str(files)]})
     yield server
     server.stop()
+    torch.set_num_threads(threads_before)  # the engine sets it process-wide
 
 
 def grpc_address(live) -> str:
@@ -237,6 +246,15 @@ async def test_aborts_over_grpc_carry_status_and_rule(live, messages, status, wo
         await run_grpc(live, messages)
     assert info.value.status == status
     assert words in info.value.message
+
+
+async def test_aborts_before_the_engine_count_as_rejections(live):
+    import httpx
+
+    with pytest.raises(EvergreenError):
+        await run_grpc(live, [msg(generate(name="DANCE"))])
+    metrics = httpx.get(f"{live.url}/metrics").text
+    assert 'rill_requests_rejected_total{code="session_rule_broken",protocol="evergreen"}' in metrics
 
 
 async def test_missing_file_under_a_root_is_not_found(live, files):

@@ -100,7 +100,7 @@ class SessionRunner:
             session = await self._ensure_session()
             self._perform(session.receive(message))
         except Exception as exc:  # every failure aborts the session (spec "Error handling")
-            self.fail(exc)
+            self.fail(exc, is_rejection=True)
 
     async def input_ended(self) -> None:
         """The client half-closed: no more input will come."""
@@ -110,14 +110,22 @@ class SessionRunner:
             session = await self._ensure_session()
             self._perform(session.on_input_end())
         except Exception as exc:
-            self.fail(exc)
+            self.fail(exc, is_rejection=True)
 
-    def fail(self, exc: BaseException) -> None:
-        """Abort the session with ``exc``'s status and cancel every action."""
+    def fail(self, exc: BaseException, is_rejection: bool = False) -> None:
+        """Abort the session with ``exc``'s status and cancel every action.
+
+        ``is_rejection``: the failure came before the engine saw the request (a broken rule,
+        a bad input, admission refused); it is counted in ``rill_requests_rejected_total``.
+        """
         if self._is_over:
             return
         if not isinstance(exc, RillError):
             log.exception("evergreen session failed", exc_info=exc)
+        metrics = self.deps.metrics
+        if is_rejection and metrics is not None and hasattr(metrics, "observe_rejection"):
+            code = exc.code if isinstance(exc, RillError) else RillError.code
+            metrics.observe_rejection(protocol=codec.PROTOCOL_NAME, code=code)
         self._is_over = True
         self.outbox.put_nowait(exc)
         self._cancel_all()
@@ -134,6 +142,7 @@ class SessionRunner:
 
     async def _run(self, command: Generate) -> None:
         assert self._session is not None
+        stream: RequestStream | None = None
         try:
             refs = {}
             if command.refs:  # reading files blocks: off the event loop
@@ -152,7 +161,7 @@ class SessionRunner:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            self.fail(exc)
+            self.fail(exc, is_rejection=stream is None)
         finally:
             self._streams.pop(command.action_id, None)
             self._tasks.pop(command.action_id, None)
