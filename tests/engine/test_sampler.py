@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import random
+import warnings
 
 import numpy as np
 import pytest
@@ -303,3 +305,30 @@ def test_input_dtype_shape_and_immutability():
     assert len(s.history(0)) == 2
     with pytest.raises(ValueError):
         s.sample(torch.randn(2, 64), [0])
+
+
+def test_random_extreme_settings_never_fail():
+    rng = random.Random(0)
+    for _ in range(60):
+        vocab, n = rng.choice([5, 37, 300]), rng.randint(1, 8)
+        s = make(vocab, 8, num_candidates=rng.choice([1, 1024]))
+        keys = rng.sample(range(8), n)
+        params = [SamplingParams(
+            temperature=rng.choice([0.0, 1e-6, 1e-3, 1.0, 100.0]), top_k=rng.choice([0, -1, 1, 10, vocab + 5]),
+            top_p=rng.choice([1.0, 0.5, 1e-6]), min_p=rng.choice([0.0, 0.1, 1.0]),
+            repetition_penalty=rng.choice([1.0, 0.5, 10.0]), frequency_penalty=rng.choice([0.0, -2.0]),
+            logit_bias=rng.choice([{}, {0: -100.0, 1: 100.0}]), seed=rng.choice([None, 7]),
+            min_tokens=rng.choice([0, 3]), stop_token_ids=rng.choice([[], [1]]), ignore_eos=rng.choice([False, True]),
+            logprobs=rng.choice([None, 0, 3])) for _ in keys]
+        for key, p in zip(keys, params):
+            s.add(key, p, [rng.randrange(vocab) for _ in range(5)], {rng.randrange(vocab)})
+        for _ in range(4):
+            x = torch.randn(n, vocab) * rng.choice([0.01, 10.0])
+            x[0, rng.randrange(vocab)] = rng.choice([-math.inf, math.inf, math.nan, 0.0])
+            if rng.random() < 0.3:
+                x[-1] = -math.inf
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                out = s.sample(x, keys)
+            assert all(0 <= t < vocab for t in out.token_ids)
+            assert [lp is None for lp in out.logprobs] == [p.logprobs is None for p in params]
