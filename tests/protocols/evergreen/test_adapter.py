@@ -242,3 +242,20 @@ def test_websocket_speaks_the_typescript_clients_json():
     assert fragments[0]["chunkFragment"]["metadata"] == {"mimetype": "text/plain", "role": "model"}
     text = "".join(base64.b64decode(f["chunkFragment"]["data"]).decode() for f in fragments)
     assert text == "".join(f" t{i}" for i in range(256))  # no config: rill's default max_tokens
+
+
+async def test_stopping_the_server_ends_open_sessions_and_aborts_their_requests():
+    client = ScriptedClient()
+    deps = make_deps(client)
+    stop = await started(deps)
+    async with EvergreenClient(address(deps)) as egc:
+        session = egc.open_session()
+        message, _ = prompt_message("hold", config=GenerateConfig(max_tokens=100))
+        await session.send(message)
+        client.gate.set()
+        await session.receive()
+        await stop()
+        with pytest.raises(EvergreenError):
+            while await session.receive() is not None:
+                pass
+    assert client.aborted == ["r0"]
