@@ -118,6 +118,9 @@ def start_server(model_dir: Path, wait_ready: bool = True, **overrides: Any) -> 
         "engine.dtype": "float32",
         "engine.kv_cache_memory": "256MiB",
         "engine.max_model_len": 1024,
+        # One torch thread: tiny models gain nothing from two, and a loaded 2-core machine
+        # makes two OpenMP threads spin against each other (measured 45x slower).
+        "engine.num_threads": 1,
         "http.port": port,
         "http.log_level": "warning",
         "uds.no_socket": True,

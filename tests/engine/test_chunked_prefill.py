@@ -1,0 +1,92 @@
+"""A long prompt is prefilled in chunks while running streams keep producing a token every step."""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import pytest
+
+from rill.config import EngineConfig
+from rill.engine.request import AbortCommand, AddCommand, Request
+from rill.frontend.inproc import Engine
+from rill.types import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def long_engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
+    """A tiny model whose context holds a 4k-token prompt."""
+    from rill.testing.checkpoints import make_checkpoint
+
+    folder = make_checkpoint(tmp_path_factory.mktemp("long") / "tiny-long", arch="llama", max_position_embeddings=4608)
+    return Engine(EngineConfig(model=str(folder), dtype="float32", kv_cache_memory="64MiB", max_model_len=4608,
+                               max_num_seqs=8, max_num_batched_tokens=2048))
+
+
+def _request(engine: Engine, rid: str, ids: list[int], max_tokens: int) -> Request:
+    return Request(request_id=rid, prompt_ids=ids, params=SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+                   eos_token_ids=engine.eos_token_ids, arrival_time=time.monotonic(), seq_no=0)
+
+
+def test_running_streams_get_a_token_every_step_during_a_4k_prefill(long_engine: Engine) -> None:
+    core = long_engine.core
+    rng = random.Random(7)
+    vocab = long_engine.model_info.vocab_size
+    special = set(long_engine.tokenizer.special_token_ids)
+    long_ids = [t for t in (rng.randrange(vocab) for _ in range(5000)) if t not in special][:4000]
+    streams = [long_engine.tokenizer.encode(f"Story number {i} begins with a small cat") for i in range(4)]
+    for i, ids in enumerate(streams):
+        core.apply(AddCommand(_request(long_engine, f"s{i}", ids, 4000)))
+    tokens: dict[str, list[int]] = {f"s{i}": [] for i in range(4)}
+    for _ in range(3):  # the streams are decoding now
+        for out in core.step():
+            tokens[out.request_id] += out.token_ids
+    core.apply(AddCommand(_request(long_engine, "long", long_ids, 4)))
+    # Pretend a decode step is 10x cheaper than a 2048-token chunk, as on a real CPU, so the
+    # cap is far below the step budget whatever this machine's load does to the timings.
+    core._decode_step_s, core._prefill_token_s = 0.01, 0.001
+    num_prefill_steps = 0
+    long_tokens: list[int] = []
+    while not long_tokens:
+        cap = core.scheduler.prefill_chunk_tokens
+        before = core.requests["long"].num_computed
+        outs = {o.request_id: o for o in core.step()}
+        num_prefill_steps += 1
+        advanced = core.requests["long"].num_computed - before if "long" in core.requests else len(long_ids) - before
+        assert 0 < advanced <= max(cap, 16), (cap, before, advanced, core.scheduler.prefill_chunk_tokens, [(o.request_id, len(o.token_ids), o.events) for o in outs.values()])
+        for rid in tokens:  # every running stream produced exactly one token in this step
+            assert len(outs[rid].token_ids) == 1, (num_prefill_steps, rid)
+            tokens[rid] += outs[rid].token_ids
+        if "long" in outs:
+            long_tokens += outs["long"].token_ids
+    assert num_prefill_steps > 2
+    for rid in tokens:
+        core.apply(AbortCommand(rid))
+    while core.has_work():
+        for out in core.step():
+            (long_tokens if out.request_id == "long" else tokens[out.request_id]).extend(out.token_ids)
+    # Chunking changes nothing in the results: each equals its solo greedy run.
+    solo = {}
+    for rid, ids, n in [("long", long_ids, 4)] + [(f"s{i}", ids, len(tokens[f"s{i}"])) for i, ids in enumerate(streams)]:
+        core.apply(AddCommand(_request(long_engine, rid + "-solo", ids, n)))
+        out_tokens: list[int] = []
+        while core.has_work():
+            for out in core.step():
+                out_tokens += out.token_ids
+        solo[rid] = out_tokens
+    assert long_tokens == solo["long"]
+    for rid in tokens:
+        assert tokens[rid] == solo[rid]
+
+
+def test_chunk_cap_follows_measured_costs(long_engine: Engine) -> None:
+    core = long_engine.core
+    core._decode_step_s, core._prefill_token_s = 0.020, 0.0005
+    from rill.engine.scheduler import SchedulerOutput
+
+    core._update_costs(SchedulerOutput(num_decode_tokens=4), 0.020)
+    assert core.scheduler.prefill_chunk_tokens == 40  # a chunk costs about one more decode step
+    core._prefill_token_s = 1e-6
+    core._update_costs(SchedulerOutput(num_decode_tokens=4), 0.020)
+    assert core.scheduler.prefill_chunk_tokens == core.config.max_num_batched_tokens
