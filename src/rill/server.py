@@ -118,11 +118,20 @@ async def serve(
     deps = make_deps(config, client)
     app = build_app(deps)
     stoppers: list[Callable[[], Awaitable[None]]] = []
-    for name, adapter in protocol_adapters().items():
-        if hasattr(adapter, "start"):
-            stopper = await adapter.start(deps)
-            if stopper is not None:
-                stoppers.append(stopper)
+    try:
+        for adapter in protocol_adapters().values():
+            if hasattr(adapter, "start"):
+                stopper = await adapter.start(deps)
+                if stopper is not None:
+                    stoppers.append(stopper)
+    except BaseException:
+        # A listener that cannot start (socket held by a live server, port in use) ends the
+        # process at once, without leaving the engine thread or other listeners behind.
+        for stopper in stoppers:
+            with contextlib.suppress(Exception):
+                await stopper()
+        await client.shutdown()
+        raise
     server = uvicorn.Server(
         uvicorn.Config(app, host=config.http.host, port=config.http.port, log_level=config.http.log_level,
                        ws_max_size=config.http.max_body_bytes, timeout_graceful_shutdown=2, lifespan="off")
