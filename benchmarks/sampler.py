@@ -62,6 +62,7 @@ class NaiveSampler:
         self.rep, self.presence, self.frequency = col("repetition_penalty"), col("presence_penalty"), col("frequency_penalty")
         self.top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params])[:, None]
         self.is_greedy = torch.tensor([p.temperature < 1e-5 for p in params])
+        self.has_penalties = any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in params)
         self.logprobs = max((p.logprobs or 0) for p in params)
         self.counts = torch.zeros(n, vocab)
         self.prompt_mask = torch.zeros(n, vocab, dtype=torch.bool)
@@ -71,10 +72,11 @@ class NaiveSampler:
 
     def sample(self, logits: torch.Tensor) -> list[int]:
         """One step over all rows."""
-        x = logits.clone()
-        seen = self.counts > 0
-        x = torch.where(seen | self.prompt_mask, torch.where(x > 0, x / self.rep, x * self.rep), x)
-        x = x - self.presence * seen - self.frequency * self.counts
+        x = logits
+        if self.has_penalties:
+            seen = self.counts > 0
+            x = torch.where(seen | self.prompt_mask, torch.where(x > 0, x / self.rep, x * self.rep), x)
+            x = x - self.presence * seen - self.frequency * self.counts
         greedy = x.argmax(-1)
         if self.logprobs:
             torch.log_softmax(logits, -1).topk(self.logprobs)

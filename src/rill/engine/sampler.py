@@ -109,7 +109,11 @@ class Sampler:
     # ----- per-key state -------------------------------------------------------------------
 
     def add(self, key: int, params: SamplingParams, prompt_ids: list[int], eos_token_ids: set[int]) -> None:
-        """Start tracking a sequence under ``key`` (which must be free) with an empty history."""
+        """Start tracking a sequence under ``key`` (which must be free) with an empty history.
+
+        ``prompt_ids`` feed the repetition penalty; ``eos_token_ids`` are the ids banned by
+        min_tokens (with ``params.stop_token_ids``) and by ignore_eos.
+        """
         if self._slots[key] is not None:
             raise ValueError(f"sampler key {key} is already in use")
         slot = _Slot(params=params, eos_ids=set(eos_token_ids), prompt=list(prompt_ids))
