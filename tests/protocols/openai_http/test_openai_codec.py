@@ -231,3 +231,20 @@ def test_sse_framing() -> None:
     assert sse.encode_event("a\nb", event="x") == b"event: x\ndata: a\ndata: b\n\n"
     assert sse.encode_comment("keep-alive") == sse.KEEP_ALIVE
     assert sse.DONE == b"data: [DONE]\n\n"
+
+
+def test_pure_modules_import_no_io_engine_or_frontend() -> None:
+    import ast
+    from pathlib import Path
+
+    import rill.protocols.openai_http as package
+
+    forbidden = ("asyncio", "socket", "threading", "starlette", "uvicorn", "torch", "rill.engine", "rill.frontend")
+    for name in ("messages", "codec", "session"):
+        tree = ast.parse((Path(package.__file__).parent / f"{name}.py").read_text())
+        for node in ast.walk(tree):
+            modules = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            for module in modules:
+                assert not module.startswith(forbidden), f"{name}.py imports {module}"
+            assert not isinstance(node, (ast.Await, ast.AsyncFunctionDef)), f"{name}.py awaits"
