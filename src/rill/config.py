@@ -56,7 +56,8 @@ class HttpConfig:
     api_key: list[str] = _f([], "API key clients must send as 'Authorization: Bearer KEY' (repeatable)", repeat=True)
     api_key_file: str | None = _f(None, "file with one API key per line")
     max_body_bytes: int = _f(4 * 1024 * 1024, "largest HTTP request body accepted")
-    max_tokens_cap: int | None = _f(None, "upper bound for max_tokens of any request")
+    max_tokens_cap: int | None = _f(None, "upper bound for max_tokens of any request (larger asks are clamped; "
+                                          "without max_tokens a request may fill the rest of the context, up to this)")
     cors_origins: list[str] = _f([], "allowed CORS origins (repeatable; '*' for any)", repeat=True)
     request_timeout_s: float | None = _f(None, "per-request time limit in seconds")
     rate_limit_tokens_per_s: float | None = _f(None, "per-key and per-connection generation rate limit (tokens/s)")
