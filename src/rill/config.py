@@ -224,9 +224,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             if kind is bool:
                 group.add_argument(flag, dest=f"{area}.{f.name}", action="store_true", default=argparse.SUPPRESS, help=help_text)
             elif f.metadata.get("repeat"):
-                group.add_argument(flag, dest=f"{area}.{f.name}", action="append", default=argparse.SUPPRESS, help=help_text)
+                group.add_argument(flag, dest=f"{area}.{f.name}", action="append", default=argparse.SUPPRESS,
+                                   metavar=f.name.upper(), help=help_text)
             else:
-                group.add_argument(flag, dest=f"{area}.{f.name}", default=argparse.SUPPRESS, help=help_text)
+                # metavar: without it argparse shows the dest, e.g. HTTP.MAX_TOKENS_CAP
+                group.add_argument(flag, dest=f"{area}.{f.name}", default=argparse.SUPPRESS, metavar=f.name.upper(),
+                                   help=help_text)
 
 
 def load(args: argparse.Namespace | Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None) -> ServerConfig:
