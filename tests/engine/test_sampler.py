@@ -245,9 +245,12 @@ def test_logprobs_are_raw_log_softmax_with_top_n():
         lp = out.logprobs[row]
         assert lp.token_id == out.token_ids[row]
         assert lp.logprob == pytest.approx(ref[row, lp.token_id].item(), abs=1e-5)
-        vals, ids = ref[row].topk(n)
+        others = ref[row].clone()
+        others[lp.token_id] = -math.inf  # top lists the N most likely *other* tokens (rill.types)
+        vals, ids = others.topk(n)
         assert [t.token_id for t in lp.top] == ids.tolist()
         np.testing.assert_allclose([t.logprob for t in lp.top], vals.numpy(), atol=1e-5)
+    assert out.logprobs[3].top[0].token_id == ref[3].topk(2).indices[1]  # greedy: ranks 2 and 3
     assert out.token_ids[1] == 17  # the bias moved the choice, not the logprob
     assert out.logprobs[1].logprob == pytest.approx(ref[1, 17].item(), abs=1e-5)
 
@@ -332,3 +335,7 @@ def test_random_extreme_settings_never_fail():
                 out = s.sample(x, keys)
             assert all(0 <= t < vocab for t in out.token_ids)
             assert [lp is None for lp in out.logprobs] == [p.logprobs is None for p in params]
+            for lp, p in zip(out.logprobs, params):
+                if lp is not None:
+                    assert len(lp.top) == min(p.logprobs, vocab - 1)
+                    assert lp.token_id not in [t.token_id for t in lp.top]

@@ -44,10 +44,11 @@ class SampleOutput:
 
     Attributes:
         token_ids: the chosen token of each row.
-        logprobs: per row, the chosen token's logprob under the raw model distribution and the
-            ``params.logprobs`` most likely tokens of that distribution (sorted, most likely
-            first; the chosen token is listed again when it is among them, as OpenAI's
-            ``top_logprobs`` does); None for rows whose ``params.logprobs`` is None.
+        logprobs: per row, the chosen token's logprob under the raw model distribution and, as
+            ``TokenLogprob.top``, the ``params.logprobs`` most likely *other* tokens of that
+            distribution, most likely first (the chosen token is not repeated, per
+            ``rill.types``; a protocol wanting OpenAI's ``top_logprobs`` merges the chosen token
+            in and keeps N). None for rows whose ``params.logprobs`` is None.
     """
 
     token_ids: list[int]
@@ -331,16 +332,17 @@ class Sampler:
         shifted = np.subtract(xr, peak[:, None], out=self._ws.get("w", (l, vocab), np.float32))
         lse = peak + np.log(np.einsum("lv->l", np.exp(shifted, out=shifted)).astype(np.float64))
         chosen = (xr[np.arange(l), tokens[rows]] - lse).tolist()
-        num_top = min(max(slots[i].params.logprobs for i in rows), vocab)
+        # One more than asked, so that N remain once the chosen token is left out.
+        num_top = min(max(slots[i].params.logprobs for i in rows) + 1, vocab)
         top_ids: list[list[int]] = [[] for _ in rows]
         top_lps: list[list[float]] = [[] for _ in rows]
-        if num_top > 0:
+        if num_top > 1:
             ids, values = top_n(xr, num_top, scratch=self._ws.get("scratch", (l, vocab), np.float32))
             top_ids, top_lps = ids.tolist(), (values - lse[:, None]).tolist()
         for j, i in enumerate(rows):
-            k = slots[i].params.logprobs
-            top = [TopLogprob(t, lp) for t, lp in zip(top_ids[j][:k], top_lps[j][:k])]
-            out[i] = TokenLogprob(token_id=int(tokens[i]), logprob=chosen[j], top=top)
+            tok, k = int(tokens[i]), slots[i].params.logprobs
+            top = [TopLogprob(t, lp) for t, lp in zip(top_ids[j], top_lps[j]) if t != tok][:k]
+            out[i] = TokenLogprob(token_id=tok, logprob=chosen[j], top=top)
         return out
 
 
