@@ -17,7 +17,8 @@ from .fakes import FakeClient
 
 
 async def recv(ws: Any) -> dict:
-    return json.loads(await ws.recv())
+    # A safety net so a missing message fails the test instead of hanging the suite.
+    return json.loads(await asyncio.wait_for(ws.recv(), 60))
 
 
 async def send(ws: Any, **msg: Any) -> None:

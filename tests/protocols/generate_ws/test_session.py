@@ -278,3 +278,14 @@ def test_disconnect_aborts_a_running_generation() -> None:
 def test_split_text_pieces_concatenate_to_text(text: str, token_texts: list[str], n: int, expected: list[str]) -> None:
     pieces = s._split_text(text, token_texts, n)
     assert pieces == expected and "".join(pieces) == text
+
+
+def test_regenerate_delta_merged_with_older_tokens_keeps_them_before_the_restart() -> None:
+    sess = new_session()
+    started(sess)
+    sess.on_output(out(" a", n=1), now=11.0)
+    sess.receive(control("regenerate"), now=11.0)
+    # The stream merged the old run's " b" with the restart and the new run's " x".
+    msgs = sent(sess.on_output(out(" b", " x", events=[RequestEvent.REGENERATING], n=1), now=11.5))
+    assert [m.get("operation", m["type"]) for m in msgs] == ["token", "regenerating", "init", "token"]
+    assert msgs[0]["generated_text"] == " a b" and msgs[3]["generated_text"] == " x"

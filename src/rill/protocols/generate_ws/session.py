@@ -330,8 +330,12 @@ class GenerateSession:
         gen = self.gen
         if gen is None or gen.is_finished:
             return []
+        actions: list[Action] = []
+        if RequestEvent.REGENERATING in out.events:
+            stale, out = _split_at_restart(out)
+            actions += [Send(t) for t in self._tokens(stale, now)]
         before, after = self._event_statuses(out.events)
-        actions: list[Action] = [Send(s) for s in before]
+        actions += [Send(s) for s in before]
         actions += [Send(t) for t in self._tokens(out, now)]
         actions += [Send(s) for s in after]
         if out.usage.prompt_tokens:
@@ -479,6 +483,30 @@ def _wire_finish(reason: str | None) -> str | None:
     # Engine reasons are already the spec's words (stop, length, cancelled); "error" never
     # reaches a completion (it becomes an error message).
     return reason
+
+
+def _split_at_restart(out: RequestOutput) -> tuple[RequestOutput, RequestOutput]:
+    """Split a delta holding a ``REGENERATING`` event into the dropped run's tokens and the
+    new run's.
+
+    The engine drops pending tokens when it restarts, but the stream may have merged an
+    earlier delta (the consumer was behind) with the restart's; the merged usage counts the
+    new run only, so the new run's tokens are the last ``completion_tokens`` of the delta.
+    """
+    num_tokens = len(out.token_ids)
+    num_new = min(num_tokens, out.usage.completion_tokens)
+    cut = num_tokens - num_new
+    if cut == 0:
+        return RequestOutput(request_id=out.request_id, usage=out.usage), out
+    pieces = _split_text(out.text, out.token_texts, num_tokens)
+    old_text, new_text = "".join(pieces[:cut]), "".join(pieces[cut:])
+    logprobs = out.logprobs
+    stale = RequestOutput(request_id=out.request_id, text=old_text, token_ids=out.token_ids[:cut],
+                          token_texts=pieces[:cut], logprobs=logprobs[:cut] if logprobs is not None else None,
+                          usage=out.usage)
+    fresh = msgspec.structs.replace(out, text=new_text, token_ids=out.token_ids[cut:], token_texts=pieces[cut:],
+                                    logprobs=logprobs[cut:] if logprobs is not None else None)
+    return stale, fresh
 
 
 def _split_text(text: str, token_texts: list[str], num_tokens: int) -> list[str]:
