@@ -1,0 +1,79 @@
+"""Decode the ``/ws/chat`` request, encode server messages, and the protocol's error table.
+
+Pure: msgspec, ``rill.errors`` and this package's messages; no I/O.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from rill.errors import (
+    ContextLengthExceeded,
+    EngineDead,
+    EngineError,
+    InvalidRequest,
+    ModelNotReady,
+    QueueFull,
+    RateLimited,
+    RequestRejected,
+    RequestTimeout,
+    RillError,
+)
+from rill.protocols.chat_ws.messages import ChatRequest, Error, ServerMessage
+
+_request_decoder = msgspec.json.Decoder(ChatRequest)
+_encoder = msgspec.json.Encoder()
+
+CLOSE_NORMAL = 1000
+CLOSE_TRY_AGAIN_LATER = 1013
+CLOSE_INTERNAL_ERROR = 1011
+
+GENERIC_ERROR = "Internal server error"
+"""What a client sees for an unexpected exception (details go to the log only)."""
+
+# NOTE: looked up by MRO, so the most specific class wins. A text of None means: say the
+# exception's own message (our messages are written for clients); a fixed text replaces it.
+ERROR_TABLE: dict[type[BaseException], tuple[str | None, int]] = {
+    QueueFull: ("Queue full", CLOSE_TRY_AGAIN_LATER),
+    RateLimited: (None, CLOSE_TRY_AGAIN_LATER),
+    ModelNotReady: ("Service not ready: the model is still loading", CLOSE_TRY_AGAIN_LATER),
+    RequestRejected: (None, CLOSE_NORMAL),
+    ContextLengthExceeded: (None, CLOSE_NORMAL),
+    InvalidRequest: (None, CLOSE_NORMAL),
+    RequestTimeout: (None, CLOSE_NORMAL),
+    EngineDead: ("Engine stopped; the server must be restarted", CLOSE_INTERNAL_ERROR),
+    EngineError: ("Generation failed", CLOSE_NORMAL),
+    RillError: (None, CLOSE_NORMAL),
+}
+
+
+def decode_request(text: str | bytes) -> ChatRequest:
+    """The client's request, validated.
+
+    Raises:
+        InvalidRequest: not JSON, or a field of the wrong type or value (msgspec names its
+            path, e.g. ``$.generation.temperature``), or no messages.
+    """
+    try:
+        request = _request_decoder.decode(text)
+    except msgspec.ValidationError as exc:
+        raise InvalidRequest(f"invalid request: {exc}") from exc
+    except msgspec.DecodeError as exc:
+        raise InvalidRequest(f"invalid request: not valid JSON ({exc})") from exc
+    if not request.messages:
+        raise InvalidRequest("invalid request: 'messages' is empty", field="messages")
+    return request
+
+
+def encode(message: ServerMessage) -> str:
+    """The JSON text frame of a server message."""
+    return _encoder.encode(message).decode("utf-8")
+
+
+def error_for(exc: BaseException) -> tuple[Error, int]:
+    """The ``error`` message and WebSocket close code for an exception (generic when unknown)."""
+    for cls in type(exc).__mro__:
+        if cls in ERROR_TABLE:
+            text, close_code = ERROR_TABLE[cls]
+            return Error(error=text if text is not None else str(exc)), close_code
+    return Error(error=GENERIC_ERROR), CLOSE_INTERNAL_ERROR

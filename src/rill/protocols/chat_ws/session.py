@@ -1,0 +1,288 @@
+"""The sans-I/O state of one ``/ws/chat`` connection: request → engine request, outputs →
+wire messages and speech segments.
+
+States and transitions (one request per connection)::
+
+    QUEUED ──admitted──▶ GENERATING ──text finished──▶ SPEAKING ──speech ended──▶ DONE
+       │                     │  └──────── text finished, no speech ──────────────▶ DONE
+       └──── error ──────────┴──────────── error ──────────────────────────────▶ FAILED
+
+The adapter performs the returned actions in order: ``Send`` a message, ``Speak`` a text
+segment (to the reply's speech stream), ``EndSpeech`` (no more segments), ``Close`` the
+socket. The session never reads a clock, awaits or touches the engine. Pure: msgspec,
+numpy (for PCM), ``rill.types``, ``rill.errors`` and this package.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from rill.errors import InvalidRequest, RillError
+from rill.protocols._shared import b64pcm
+from rill.protocols.chat_ws import codec
+from rill.protocols.chat_ws.messages import (
+    ChatRequest,
+    Chunk,
+    Done,
+    Error,
+    GenerationConfig,
+    Message,
+    PrefillDone,
+    QueueDone,
+    Queued,
+    QueueUpdate,
+    ServerMessage,
+    TextPart,
+)
+from rill.protocols.chat_ws.queue import QueueStatus
+from rill.protocols.chat_ws.segmenter import Segmenter
+from rill.types import ChatMessage, GenerateRequest, RequestEvent, RequestOutput, SamplingParams
+
+PROTOCOL = "chat_ws"
+
+QUEUED, GENERATING, SPEAKING, DONE, FAILED = "QUEUED", "GENERATING", "SPEAKING", "DONE", "FAILED"
+TRANSITIONS: dict[str, frozenset[str]] = {
+    QUEUED: frozenset({GENERATING, FAILED}),
+    GENERATING: frozenset({SPEAKING, DONE, FAILED}),
+    SPEAKING: frozenset({DONE, FAILED}),
+    DONE: frozenset(),
+    FAILED: frozenset(),
+}
+
+
+@dataclass(frozen=True)
+class Send:
+    """Write ``message`` to the client."""
+
+    message: ServerMessage
+
+
+@dataclass(frozen=True)
+class Speak:
+    """Synthesize ``text`` (in order, after every earlier ``Speak``)."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class EndSpeech:
+    """No more segments for this reply."""
+
+
+@dataclass(frozen=True)
+class Close:
+    """Close the connection with ``code``."""
+
+    code: int = codec.CLOSE_NORMAL
+
+
+Action = Send | Speak | EndSpeech | Close
+
+# Which engine modality a media part needs.
+_MODALITY_OF_PART = {"image": "image", "audio": "audio", "video": "video"}
+
+
+def build_generate_request(request: ChatRequest, *, max_tokens_cap: int | None = None,
+                           deadline_s: float | None = None) -> GenerateRequest:
+    """The engine request for a chat whose media parts were already refused or handled.
+
+    Text parts of a content list are joined with newlines; media parts must not remain.
+
+    Raises:
+        InvalidRequest: a generation field is invalid (names it), or a media part remains.
+    """
+    messages = [ChatMessage(role=m.role, content=_text_of(m, i)) for i, m in enumerate(request.messages)]
+    sampling = sampling_params(request.generation, max_tokens_cap)
+    return GenerateRequest(messages=messages, sampling=sampling, protocol=PROTOCOL,
+                           chat_template_kwargs={"enable_thinking": request.enable_thinking}, deadline_s=deadline_s)
+
+
+def _text_of(message: Message, index: int) -> str:
+    if isinstance(message.content, str):
+        return message.content
+    texts: list[str] = []
+    for p, part in enumerate(message.content):
+        if not isinstance(part, TextPart):
+            raise InvalidRequest(f"messages[{index}].content[{p}]: media parts cannot be sent to this model",
+                                 field="messages")
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+_GENERATION_FIELDS: dict[str, str] = {
+    "top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+    "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
+    "min_new_tokens": "min_tokens", "seed": "seed", "stop": "stop", "num_beams": "num_beams",
+}
+
+
+def sampling_params(generation: GenerationConfig, max_tokens_cap: int | None = None) -> SamplingParams:
+    """Engine sampling parameters from the wire ``generation`` object (validated).
+
+    Raises:
+        InvalidRequest: a value is out of range (the message uses the wire name).
+    """
+    if generation.max_new_tokens < 1:
+        raise InvalidRequest("'generation.max_new_tokens' must be >= 1", field="generation.max_new_tokens")
+    fields: dict[str, Any] = {
+        "max_tokens": min(generation.max_new_tokens, max_tokens_cap) if max_tokens_cap else generation.max_new_tokens,
+        "temperature": 0.0 if generation.do_sample is False else generation.temperature,
+        "top_p": generation.top_p,
+        "length_penalty": generation.length_penalty,
+    }
+    for wire, engine in _GENERATION_FIELDS.items():
+        value = getattr(generation, wire)
+        if value is not None:
+            fields[engine] = value
+    try:
+        return SamplingParams(**fields).validate()
+    except InvalidRequest as exc:
+        wire = next((w for w, e in _GENERATION_FIELDS.items() if e == exc.field), exc.field)
+        wire = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}.get(wire or "", wire)
+        raise InvalidRequest(f"generation: {exc}", field=f"generation.{wire}") from exc
+
+
+def refuse_modalities(kinds_and_places: list[tuple[str, str]], model_name: str, model_modalities: list[str]) -> None:
+    """Raise for the first media part the model cannot take (never drop it silently).
+
+    Args:
+        kinds_and_places: ``(kind, where)`` of each decoded media part, e.g. ``("image", "messages[1].content[0]")``.
+        model_name: the served model name, for the message.
+        model_modalities: what the model takes (``ModelInfo.modalities``).
+    """
+    for kind, where in kinds_and_places:
+        modality = _MODALITY_OF_PART[kind]
+        if modality not in model_modalities:
+            raise InvalidRequest(f"{where}: the model '{model_name}' cannot take {modality} input "
+                                 f"(it takes: {', '.join(model_modalities)})", field="messages")
+
+
+class ChatSession:
+    """One chat's presentation state: accumulated text and audio, what was sent, its state.
+
+    Args:
+        request: the decoded client request.
+        is_speaking: speech is on (``tts.enabled`` and a synthesizer is available).
+        segmenter: cuts reply text into speakable segments (reasoning excluded).
+        recording_session_id: put on ``done`` when the chat is recorded.
+    """
+
+    def __init__(self, request: ChatRequest, *, is_speaking: bool, segmenter: Segmenter | None = None,
+                 recording_session_id: str | None = None, keep_audio: bool = False) -> None:
+        self.request = request
+        self.is_streaming = request.streaming
+        self.is_speaking = is_speaking
+        self.state = QUEUED
+        self.text = ""
+        self.input_tokens = 0
+        self.generated_tokens = 0
+        self.recording_session_id = recording_session_id
+        self.audio: list[np.ndarray] = []  # whole reply audio (non-streaming or recorded)
+        self._keep_audio = keep_audio or not request.streaming
+        self._segmenter = segmenter or Segmenter()
+        self._prefill_sent = False
+        self.max_chunk_samples = b64pcm.OUTPUT_SAMPLE_RATE_HZ  # one second of audio per chunk
+
+    # -- queue -------------------------------------------------------------------------
+    def on_queued(self, status: QueueStatus) -> list[Action]:
+        """The chat had to wait: tell the client where it stands."""
+        return [Send(Queued(position=status.position, estimated_wait_s=status.estimated_wait_s,
+                            queue_length=status.queue_length))]
+
+    def on_queue_moved(self, status: QueueStatus) -> list[Action]:
+        """The waiting chat's position changed."""
+        return [Send(QueueUpdate(position=status.position, estimated_wait_s=status.estimated_wait_s,
+                                 queue_length=status.queue_length))]
+
+    def on_admitted(self) -> list[Action]:
+        """The chat may generate now (sent even when it never waited)."""
+        self._go(GENERATING)
+        return [Send(QueueDone())]
+
+    # -- engine ------------------------------------------------------------------------
+    def on_started(self, num_prompt_tokens: int) -> list[Action]:
+        """The engine accepted the request with this many prompt tokens."""
+        self.input_tokens = num_prompt_tokens
+        return []
+
+    def on_output(self, output: RequestOutput) -> list[Action]:
+        """One engine delta → ``prefill_done`` (first time), chunks, speech segments, the end."""
+        actions: list[Action] = []
+        if output.finished and output.finish_reason in ("error", "cancelled"):
+            return self.on_error(output.error if isinstance(output.error, BaseException)
+                                 else RillError("Cancelled"))
+        if not self._prefill_sent and (RequestEvent.PREFILL_DONE in output.events or output.token_ids or output.finished):
+            self._prefill_sent = True
+            actions.append(Send(PrefillDone(input_tokens=self.input_tokens)))
+        self.generated_tokens = max(self.generated_tokens + len(output.token_ids), output.usage.completion_tokens)
+        if output.text:
+            self.text += output.text
+            if self.is_streaming:
+                actions.append(Send(Chunk(text_delta=output.text)))
+            if self.is_speaking:
+                actions += [Speak(s) for s in self._segmenter.feed(output.text)]
+        if output.finished:
+            actions += self._text_finished()
+        return actions
+
+    def _text_finished(self) -> list[Action]:
+        if not self.is_speaking:
+            return self._done()
+        self._go(SPEAKING)
+        return [*(Speak(s) for s in self._segmenter.flush()), EndSpeech()]
+
+    # -- speech ------------------------------------------------------------------------
+    def on_audio(self, samples: np.ndarray) -> list[Action]:
+        """One spoken segment's PCM (24 kHz float32) is ready."""
+        if not len(samples) or self.state in (DONE, FAILED):
+            return []
+        if self._keep_audio:
+            self.audio.append(samples)
+        if self.is_streaming:
+            # NOTE: at most one second per message: a long sentence would otherwise make a
+            # frame over 1 MiB, the default limit of the websockets client.
+            step = self.max_chunk_samples
+            return [Send(Chunk(audio_data=b64pcm.encode(samples[i:i + step]))) for i in range(0, len(samples), step)]
+        return []
+
+    def on_speech_end(self) -> list[Action]:
+        """Every segment was spoken."""
+        return self._done() if self.state == SPEAKING else []
+
+    # -- endings -----------------------------------------------------------------------
+    def _done(self) -> list[Action]:
+        self._go(DONE)
+        audio = None
+        if self.is_speaking and not self.is_streaming:
+            audio = b64pcm.encode(np.concatenate(self.audio) if self.audio else np.zeros(0, np.float32))
+        done = Done(text=self.text, generated_tokens=self.generated_tokens, input_tokens=self.input_tokens,
+                    audio_data=audio)
+        if self.recording_session_id is not None:
+            done.recording_session_id = self.recording_session_id
+        return [Send(done), Close(codec.CLOSE_NORMAL)]
+
+    def on_error(self, exc: BaseException) -> list[Action]:
+        """Anything failed: one ``error`` message (from the error table), then close."""
+        if self.state in (DONE, FAILED):
+            return []
+        self.state = FAILED
+        message, code = codec.error_for(exc)
+        return [Send(message), Close(code)]
+
+    def whole_audio(self) -> np.ndarray:
+        """Every audio sample of the reply so far (kept when recording or not streaming)."""
+        return np.concatenate(self.audio) if self.audio else np.zeros(0, np.float32)
+
+    def _go(self, state: str) -> None:
+        if state not in TRANSITIONS[self.state]:
+            raise RuntimeError(f"chat session: illegal transition {self.state} → {state}")
+        self.state = state
+
+
+def error_message(exc: BaseException) -> Error:
+    """The wire ``error`` for an exception raised before a session exists."""
+    return codec.error_for(exc)[0]
+
