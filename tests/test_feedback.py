@@ -40,3 +40,54 @@ def test_export_without_a_store_says_so(tmp_path: Path) -> None:
     res = subprocess.run([sys.executable, "-m", "rill", "feedback", "export", "--data-dir", str(tmp_path / "none")],
                          capture_output=True, text=True)
     assert res.returncode == 0 and res.stdout == "" and "no feedback stored yet" in res.stderr
+
+
+def test_feedback_survives_sigkill_after_the_ack(tiny_model_dir: Path, tmp_path: Path) -> None:
+    import os
+    import signal
+    import time
+
+    import httpx
+    from websockets.sync.client import connect
+
+    from tests.conftest import free_port
+
+    port, data_dir = free_port(), tmp_path / "data"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rill", "serve", "--model", str(tiny_model_dir), "--port", str(port),
+         "--data-dir", str(data_dir), "--no-socket", "--grpc-port", "0", "--dtype", "float32",
+         "--kv-cache-memory", "64MiB", "--log-level", "warning"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=os.environ | {"HF_HUB_OFFLINE": "1"})
+    try:
+        deadline = time.monotonic() + 90
+        while True:  # poll readiness (a start-up wait, not a timing assertion)
+            assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server never became ready"
+            time.sleep(0.1)
+        with connect(f"ws://127.0.0.1:{port}/generate") as ws:
+            ws.send(json.dumps({"type": "config", "prompt": "Once upon a time", "parameters": {"max_tokens": 2}}))
+            init = json.loads(ws.recv())
+            assert init["type"] == "init"
+            while json.loads(ws.recv())["type"] != "completion":
+                pass
+            ws.send(json.dumps({"type": "feedback", "rating": -1, "text": "kill -9 me", "position": 1}))
+            ack = json.loads(ws.recv())
+            assert ack["type"] == "status" and ack["operation"] == "feedback_received"
+            proc.send_signal(signal.SIGKILL)  # right after the acknowledgement
+        proc.wait(30)
+        assert proc.returncode == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    out = subprocess.run([sys.executable, "-m", "rill", "feedback", "export", "--data-dir", str(data_dir)],
+                         capture_output=True, text=True, check=True).stdout
+    records = [json.loads(line) for line in out.splitlines()]
+    assert [(r["id"], r["rating"], r["text"], r["position"], r["request_id"]) for r in records] == \
+        [(ack["feedback_id"], -1.0, "kill -9 me", 1, ack["request_id"])]
+    assert records[0]["request_id"] == init["request_id"] and records[0]["generated_text"] is not None
