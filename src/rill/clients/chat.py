@@ -1,0 +1,150 @@
+"""Python client of ``/ws/chat``, and ``rill client chat``.
+
+    result = await chat("ws://127.0.0.1:8000/ws/chat", [{"role": "user", "content": "Hello!"}],
+                        say=True, on_text=lambda t: print(t, end=""))
+    result.text, result.audio  # the reply and its speech (float32 mono, 24 kHz)
+
+``rill client chat --prompt TEXT [--system TEXT] [--say] [--out reply.wav] [--url URL]``
+prints the reply as it streams (queue positions go to stderr) and, with ``--say``, writes
+the spoken reply to a WAV file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+DEFAULT_URL = "ws://127.0.0.1:8000/ws/chat"
+SAMPLE_RATE_HZ = 24000
+
+
+class ChatError(Exception):
+    """The server answered with an ``error`` message."""
+
+
+@dataclass
+class ChatResult:
+    """The reply of one chat: text, speech (float32 mono 24 kHz) and token counts."""
+
+    text: str = ""
+    audio: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    input_tokens: int = 0
+    generated_tokens: int = 0
+    recording_session_id: str | None = None
+    messages: list[dict[str, Any]] = field(default_factory=list)
+
+
+async def chat(url: str, messages: list[dict[str, Any]], *, say: bool = False, streaming: bool = True,
+               generation: dict[str, Any] | None = None, language: str | None = None, api_key: str | None = None,
+               on_text: Callable[[str], None] | None = None,
+               on_queue: Callable[[dict[str, Any]], None] | None = None) -> ChatResult:
+    """Send one chat and collect the reply.
+
+    Args:
+        url: the ``/ws/chat`` URL.
+        messages: the conversation (``role`` and ``content``).
+        say: ask for speech (``tts.enabled``).
+        streaming: stream the reply (``False``: everything comes in ``done``).
+        generation: sampling fields (``max_new_tokens``, ``temperature``, ...).
+        language: speech language hint (``tts.language``).
+        api_key: sent as ``Authorization: Bearer``.
+        on_text: called with each text delta as it arrives.
+        on_queue: called with each ``queued`` / ``queue_update`` message.
+
+    Raises:
+        ChatError: the server sent ``error``, or closed before ``done``.
+    """
+    import websockets
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    tts: dict[str, Any] = {"enabled": say}
+    if language:
+        tts["language"] = language
+    request = {"messages": messages, "streaming": streaming, "generation": generation or {}, "tts": tts}
+    result = ChatResult()
+    pieces: list[np.ndarray] = []
+    async with websockets.connect(url, additional_headers=headers, max_size=None) as ws:
+        await ws.send(json.dumps(request))
+        async for raw in ws:
+            msg = json.loads(raw)
+            result.messages.append(msg)
+            kind = msg.get("type")
+            if kind in ("queued", "queue_update") and on_queue is not None:
+                on_queue(msg)
+            elif kind == "chunk":
+                if msg.get("text_delta"):
+                    result.text += msg["text_delta"]
+                    if on_text is not None:
+                        on_text(msg["text_delta"])
+                if msg.get("audio_data"):
+                    pieces.append(np.frombuffer(base64.b64decode(msg["audio_data"]), dtype="<f4"))
+            elif kind == "done":
+                if not streaming and on_text is not None:
+                    on_text(msg["text"])
+                result.text = msg["text"]
+                result.input_tokens = msg["input_tokens"]
+                result.generated_tokens = msg["generated_tokens"]
+                result.recording_session_id = msg.get("recording_session_id")
+                if msg.get("audio_data"):
+                    pieces.append(np.frombuffer(base64.b64decode(msg["audio_data"]), dtype="<f4"))
+                result.audio = np.concatenate(pieces).astype(np.float32) if pieces else result.audio
+                return result
+            elif kind == "error":
+                raise ChatError(msg.get("error", "unknown error"))
+    raise ChatError("the server closed the connection before the reply was done")
+
+
+def register(client_subparsers: Any) -> None:
+    """Add ``rill client chat``."""
+    parser = client_subparsers.add_parser("chat", help="chat over /ws/chat; --say writes the spoken reply to a WAV file")
+    parser.add_argument("--prompt", required=True, help="the user message")
+    parser.add_argument("--system", default=None, help="a system message")
+    parser.add_argument("--say", action="store_true", help="ask for speech and write it to --out")
+    parser.add_argument("--out", default="reply.wav", help="WAV file for the spoken reply (default: reply.wav)")
+    parser.add_argument("--language", default=None, help="speech language, e.g. en, fr, cmn")
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="most tokens in the reply")
+    parser.add_argument("--temperature", type=float, default=None, help="sampling temperature")
+    parser.add_argument("--no-stream", action="store_true", help="get the whole reply at once")
+    parser.add_argument("--url", default=DEFAULT_URL, help=f"server URL (default: {DEFAULT_URL})")
+    parser.add_argument("--api-key", default=None, help="API key (Authorization: Bearer)")
+    parser.set_defaults(func=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
+    messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
+        [{"role": "user", "content": args.prompt}]
+    generation = {k: v for k, v in (("max_new_tokens", args.max_new_tokens), ("temperature", args.temperature))
+                  if v is not None}
+
+    def show_text(delta: str) -> None:
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+
+    def show_queue(msg: dict[str, Any]) -> None:
+        print(f"[queued: position {msg['position']} of {msg['queue_length']}, about {msg['estimated_wait_s']} s]",
+              file=sys.stderr)
+
+    try:
+        result = asyncio.run(chat(args.url, messages, say=args.say, streaming=not args.no_stream, generation=generation,
+                                  language=args.language, api_key=args.api_key, on_text=show_text, on_queue=show_queue))
+    except ChatError as exc:
+        print(f"\nrill client chat: error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"rill client chat: cannot connect to {args.url}: {exc}", file=sys.stderr)
+        return 1
+    print()
+    print(f"[{result.input_tokens} tokens in, {result.generated_tokens} out]", file=sys.stderr)
+    if args.say:
+        import soundfile
+
+        soundfile.write(args.out, result.audio, SAMPLE_RATE_HZ, subtype="FLOAT")
+        print(f"[{len(result.audio) / SAMPLE_RATE_HZ:.1f} s of speech written to {args.out}]", file=sys.stderr)
+    return 0
