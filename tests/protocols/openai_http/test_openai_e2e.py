@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +114,40 @@ def test_keys_and_limits_on_a_served_instance(tiny_model_dir: Path) -> None:
                          headers={"Authorization": "Bearer sesame"})
         assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
     finally:
+        live.stop()
+
+
+def test_503_while_the_model_loads(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Hold the real loader on an event so "loading" lasts exactly as long as the test needs.
+    from rill.frontend import inproc
+
+    release = threading.Event()
+    real_engine = inproc.Engine
+
+    def slow_engine(*args: Any, **kwargs: Any) -> Any:
+        release.wait(60)
+        return real_engine(*args, **kwargs)
+
+    monkeypatch.setattr(inproc, "Engine", slow_engine)
+    live = start_server(tiny_model_dir, wait_ready=False)
+    try:
+        health = httpx.get(f"{live.url}/health")
+        assert health.status_code == 503 and health.json()["status"] == "loading"
+        for response in (httpx.post(f"{live.url}/v1/completions", json={"prompt": "x"}),
+                         httpx.post(f"{live.url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}),
+                         httpx.get(f"{live.url}/v1/models")):
+            assert response.status_code == 503
+            assert response.json()["error"]["code"] == "model_loading"
+            assert response.headers["retry-after"] == "1"
+        release.set()
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{live.url}/health").status_code != 200:  # polls readiness, bounded
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        ok = httpx.post(f"{live.url}/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+    finally:
+        release.set()
         live.stop()
 
 
