@@ -113,6 +113,18 @@ async def test_body_size_limit() -> None:
         assert (await http.post("/v1/echo", content=chunks(5))).status_code == 413  # chunked, over
 
 
+async def test_router_404_and_405_under_v1_become_openai_json() -> None:
+    async with serve() as host, httpx.AsyncClient(base_url=f"http://{host}") as http:
+        missing = await http.post("/v1/embeddings", json={})
+        assert missing.status_code == 404
+        assert missing.json()["error"]["code"] == "not_found" and "/v1/embeddings" in missing.json()["error"]["message"]
+        wrong = await http.delete("/v1/echo")
+        assert wrong.status_code == 405 and wrong.json()["error"]["code"] == "method_not_allowed"
+        assert "GET" in wrong.headers["allow"] and "DELETE" in wrong.json()["error"]["message"]
+        outside = await http.get("/nothing")
+        assert outside.status_code == 404 and outside.text == "Not Found"  # other paths are left alone
+
+
 async def test_cors_when_origins_are_set() -> None:
     overrides = {"http.api_key": ["k1"], "http.cors_origins": ["https://app.example"]}
     async with serve(**overrides) as host, httpx.AsyncClient(base_url=f"http://{host}") as http:

@@ -76,6 +76,8 @@ class Guard:
             limited = await self._read_body(scope, receive, send)
             if limited is None:
                 return
+            if scope.get("path", "").startswith("/v1/"):
+                send = _json_routing_errors(scope, send)
             await self.app(scope, limited, send)
         elif scope["type"] == "websocket":
             if not self._is_authorized(scope, allow_query=True):
@@ -150,6 +152,36 @@ class Guard:
                 if not message.get("more_body", False):
                     break
         await _send_error(send, codec.BodyTooLarge(self.max_body_bytes), {"Connection": "close"})
+
+
+def _json_routing_errors(scope: Scope, send: Send) -> Send:
+    """A ``send`` that turns the router's plain-text 404 / 405 into OpenAI error JSON.
+
+    OpenAI SDKs show the ``error.message`` of a failed call; "Not Found" in plain text
+    would reach users as an unparsed body. Only the router's own text responses are
+    rewritten; a route's JSON 404 (e.g. an unknown model) passes unchanged.
+    """
+    rewriting = False
+
+    async def wrapped(message: Message) -> None:
+        nonlocal rewriting
+        if message["type"] == "http.response.start" and message["status"] in (404, 405):
+            headers = dict(message.get("headers", ()))
+            if headers.get(b"content-type", b"").startswith(b"text/plain"):
+                rewriting = True
+                path, method = scope.get("path", ""), scope.get("method", "")
+                if message["status"] == 404:
+                    exc: Exception = codec.RouteNotFound(f"Unknown path '{path}'")
+                else:
+                    allowed = headers.get(b"allow", b"").decode("latin-1")
+                    exc = codec.MethodNotAllowed(f"Method {method} is not allowed on '{path}' (allowed: {allowed})")
+                await _send_error(send, exc, {"Allow": headers[b"allow"].decode("latin-1")} if b"allow" in headers else {})
+                return
+        if rewriting:
+            return  # the router's plain-text body: already replaced
+        await send(message)
+
+    return wrapped
 
 
 def _header(scope: Scope, name: bytes) -> str | None:

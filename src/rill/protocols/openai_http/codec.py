@@ -89,6 +89,12 @@ class RouteNotFound(RillError):
     code = "not_found"
 
 
+class MethodNotAllowed(RillError):
+    """The path exists but not for this HTTP method (HTTP 405)."""
+
+    code = "method_not_allowed"
+
+
 class RequestCancelled(RillError):
     """The server cancelled the request before it finished (e.g. while shutting down)."""
 
@@ -113,6 +119,7 @@ ERROR_TABLE: dict[type[BaseException], tuple[int, str]] = {
     InvalidRequest: (400, "invalid_request_error"),
     Unauthorized: (401, "invalid_request_error"),
     RouteNotFound: (404, "invalid_request_error"),
+    MethodNotAllowed: (405, "invalid_request_error"),
     QueueFull: (429, "rate_limit_error"),
     RateLimited: (429, "rate_limit_error"),
     MemoryPressure: (400, "invalid_request_error"),
