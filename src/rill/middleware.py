@@ -4,7 +4,8 @@
 
 1. Starlette's ``CORSMiddleware`` when ``--cors-origins`` is set (outermost, so browser
    preflights are answered without a key, and error responses carry CORS headers too);
-2. ``Guard``: API-key check and body-size limit.
+2. ``Guard``: API-key check and body-size limit; under ``/v1/`` it also turns the router's
+   plain-text 404 / 405 into OpenAI error JSON.
 
 Keys: when any key is configured (``--api-key``, ``--api-key-file``), every route but
 ``/health`` needs ``Authorization: Bearer KEY``; WebSockets may instead pass ``?api_key=KEY``
