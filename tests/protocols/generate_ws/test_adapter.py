@@ -145,6 +145,19 @@ async def test_no_token_between_pause_and_resume(make_server: Any) -> None:
         await until(ws, is_type("completion"))
 
 
+async def test_stop_while_paused(make_server: Any) -> None:
+    live = await make_server()
+    async with connect(live.ws) as ws:
+        await send(ws, type="config", prompt="p", parameters={"max_tokens": 10000})
+        await until(ws, is_type("token"))
+        await send(ws, type="control", action="pause")
+        paused = (await until(ws, is_status("paused")))[-1]
+        assert paused["message"] == "generation paused"
+        await send(ws, type="control", action="stop")
+        msgs = await until(ws, is_type("completion"))
+        assert [m["type"] for m in msgs] == ["completion"] and msgs[-1]["finish_reason"] == "cancelled"
+
+
 async def test_invalid_modify_changes_nothing(make_server: Any) -> None:
     live = await make_server()
     async with connect(live.ws) as ws:
@@ -354,6 +367,18 @@ async def test_rest_json(make_server: Any) -> None:
         assert res.status_code == 400 and res.json()["field"] == "parameters.temperature"
         res = await http.post("/v1/generate", content=b"{", headers=headers)
         assert res.status_code == 400 and res.json()["error"] == "invalid_request"
+        res = await http.post("/v1/generate", json={"prompt": "mem: x"}, headers=headers)
+        assert res.status_code == 503 and res.json()["error"] == "memory_pressure"
+
+
+async def test_rest_rate_limited_has_retry_after(make_server: Any) -> None:
+    live = await make_server(rate_limit_tokens_per_s=0.5, rate_limit_burst=10, api_key=["k"])
+    headers = {"Authorization": "Bearer k"}
+    async with httpx.AsyncClient(base_url=live.url, headers=headers) as http:
+        assert (await http.post("/v1/generate", json={"prompt": "p", "max_tokens": 8})).status_code == 200
+        res = await http.post("/v1/generate", json={"prompt": "p", "max_tokens": 8})
+        assert res.status_code == 429 and res.json()["error"] == "rate_limited"
+        assert int(res.headers["Retry-After"]) >= 1
 
 
 async def test_rest_sse_carries_the_socket_messages(make_server: Any) -> None:

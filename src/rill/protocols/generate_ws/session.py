@@ -358,17 +358,19 @@ class GenerateSession:
         is_restart = False
         for event in events:
             if event is RequestEvent.PAUSED:
-                statuses.append(m.Status(operation="paused", request_id=gen.request_id))
+                statuses.append(m.Status(operation="paused", request_id=gen.request_id, message="generation paused"))
             elif event is RequestEvent.RESUMED:
-                statuses.append(m.Status(operation="resumed", request_id=gen.request_id))
+                statuses.append(m.Status(operation="resumed", request_id=gen.request_id, message="generation resumed"))
             elif event is RequestEvent.MODIFIED:
                 params = gen.pending_modified.pop(0) if gen.pending_modified else gen.sampling
                 statuses.append(m.Status(operation="modified", request_id=gen.request_id,
+                                         message="parameters in force from the next token",
                                          parameters=msgspec.structs.asdict(params)))
             elif event is RequestEvent.REGENERATING:
                 is_restart = True
                 gen.text, gen.first_token_at, gen.last_token_at, gen.num_completion_tokens = "", None, None, 0
-                statuses.append(m.Status(operation="regenerating", request_id=gen.request_id))
+                statuses.append(m.Status(operation="regenerating", request_id=gen.request_id,
+                                         message="restarting from the prompt"))
                 statuses.append(self._init())
         pause_events = [e for e in events if e in (RequestEvent.PAUSED, RequestEvent.RESUMED)]
         if is_restart or (pause_events and pause_events[-1] is RequestEvent.RESUMED):
