@@ -1,0 +1,86 @@
+"""Segmenter: sentences as text streams, reasoning never spoken, tags split anywhere."""
+
+from __future__ import annotations
+
+import pytest
+
+from rill.protocols.chat_ws.segmenter import Segmenter, SegmenterLimits
+
+
+def run(deltas: list[str], **kwargs) -> tuple[list[list[str]], list[str]]:
+    seg = Segmenter(**kwargs)
+    return [seg.feed(d) for d in deltas], seg.flush()
+
+
+def all_segments(deltas: list[str], **kwargs) -> list[str]:
+    fed, rest = run(deltas, **kwargs)
+    return [s for group in fed for s in group] + rest
+
+
+def test_sentence_is_returned_once_the_next_character_arrives() -> None:
+    fed, rest = run(["Hello there.", " How are", " you? Fine"])
+    assert fed == [[], ["Hello there."], ["How are you?"]]
+    assert rest == ["Fine"]
+
+
+def test_decimal_point_and_abbreviation_without_space_do_not_cut() -> None:
+    assert all_segments(["Pi is 3.14 and e.g.x is odd. Done"]) == ["Pi is 3.14 and e.g.x is odd.", "Done"]
+
+
+def test_newline_and_cjk_punctuation_cut_at_once() -> None:
+    fed, _ = run(["第一句。第二", "句！", "line one\nline"])
+    assert fed == [["第一句。"], ["第二句！"], ["line one"]]
+
+
+def test_thinking_block_is_never_spoken_even_when_tags_are_split() -> None:
+    deltas = ["Sure. <th", "ink>secret plan. more", " secret.</thi", "nk> The answer is 4. ", "Bye"]
+    segments = all_segments(deltas)
+    assert segments == ["Sure.", "The answer is 4.", "Bye"]
+    assert not any("secret" in s for s in segments)
+
+
+@pytest.mark.parametrize("split", range(1, 30))
+def test_any_split_point_gives_the_same_segments(split: int) -> None:
+    text = "A b. <think>x. y.</think> C d! E"
+    assert all_segments([text[:split], text[split:]]) == ["A b.", "C d!", "E"]
+
+
+def test_reply_starting_inside_thinking_speaks_only_after_close_tag() -> None:
+    assert all_segments(["plan it. ok.</think>", "Answer. "], starts_in_thinking=True) == ["Answer."]
+
+
+def test_unclosed_thinking_is_dropped_at_the_end() -> None:
+    assert all_segments(["Hi. <think>never closed. more"]) == ["Hi."]
+
+
+def test_stray_close_tag_is_removed() -> None:
+    assert all_segments(["Hello </think>world. "]) == ["Hello world."]
+
+
+def test_other_tag_pairs() -> None:
+    assert all_segments(["<reasoning>no.</reasoning>Yes. "]) == ["Yes."]
+
+
+def test_text_without_punctuation_is_cut_at_a_word_boundary() -> None:
+    seg = Segmenter(SegmenterLimits(max_chars=20, min_clause_chars=60))
+    out = seg.feed("one two three four five six seven")
+    assert out == ["one two three four"]
+    assert seg.flush() == ["five six seven"]
+
+
+def test_long_word_is_cut_hard() -> None:
+    seg = Segmenter(SegmenterLimits(max_chars=10))
+    assert seg.feed("abcdefghijklmnop") == ["abcdefghij"]
+
+
+def test_comma_cuts_only_a_long_clause() -> None:
+    seg = Segmenter(SegmenterLimits(max_chars=200, min_clause_chars=10))
+    assert seg.feed("Hi, there is a long clause here, and more") == ["Hi, there is a long clause here,"]
+
+
+def test_segments_without_letters_or_digits_are_skipped() -> None:
+    assert all_segments(["... !!! ", "—. ", "ok. "]) == ["ok."]
+
+
+def test_partial_tag_at_the_end_is_text_when_the_reply_ends() -> None:
+    assert all_segments(["a < b and x <thi"]) == ["a < b and x <thi"]
