@@ -75,3 +75,23 @@ def test_apply_penalties_leaves_unseen_tokens_and_off_rows_alone():
     apply_penalties(x, np.array([0, 2]), counts, prompt, np.array([2.0, 1.0], np.float32),
                     np.array([0.0, 0.5], np.float32), np.array([0.0, 1.0], np.float32))
     np.testing.assert_array_equal(x, [[0.5, -2.0, 2.0], [9.0, 9.0, 9.0], [1.0 - 0.5 - 2.0, -1.0, 2.0]])
+
+
+@pytest.mark.parametrize("k", [2, 12, 13, 40])
+def test_top_n_matches_a_stable_sort(k):
+    rng = np.random.default_rng(7)
+    x = np.round(rng.standard_normal((9, 300)) * 4).astype(np.float32)  # many ties
+    order = np.argsort(-x, axis=1, kind="stable")[:, :k]
+    ids, values = top_n(x, k, scratch=np.empty_like(x))
+    np.testing.assert_array_equal(ids, order)
+    np.testing.assert_array_equal(values, np.take_along_axis(x, order, axis=1))
+
+
+def test_top_n_with_too_few_finite_logits_lists_distinct_ids():
+    x = np.full((2, 6), -np.inf, np.float32)
+    x[0, 4] = 0.0
+    x[1, [1, 3]] = [1.0, 2.0]
+    for k in (4, 20 // 4 + 1, 6):  # both the argmax path and the fallback
+        ids = top_n(x, k)[0]
+        assert ids[0, 0] == 4 and ids[1, :2].tolist() == [3, 1]
+        assert all(len(set(row)) == k for row in ids.tolist())

@@ -178,7 +178,7 @@ def _first_past(blocks: np.ndarray, cum_b: np.ndarray, target: np.ndarray, stric
 
 def top_n(x: np.ndarray, k: int, scratch: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The ``k`` largest entries of each row of C-contiguous ``x`` ``[l, v]``: ids and values
-    ``[l, k]``, largest first, ties by lower id (2x faster than ``np.argpartition``).
+    ``[l, k]``, largest first, ties by lower id (2-3x faster than ``np.argpartition``).
     ``scratch``: optional float32 ``[l, v]`` workspace, overwritten."""
     l, v = x.shape
     if scratch is None:
@@ -186,14 +186,24 @@ def top_n(x: np.ndarray, k: int, scratch: np.ndarray | None = None) -> tuple[np.
     else:
         part = scratch
         np.copyto(part, x)
-    part.partition(v - k, axis=1)
-    flat = np.flatnonzero(x >= part[:, v - k, None])  # k or more per row (ties at the k-th value)
-    row, col = np.divmod(flat, v)
-    val = x.reshape(-1)[flat]
-    order = np.lexsort((col, -val, row))
-    row, col, val = row[order], col[order], val[order]
-    keep = np.arange(len(row)) - np.searchsorted(row, np.arange(l))[row] < k
-    if keep.sum() != l * k:  # NaN logits: comparisons fail; take the slow, NaN-tolerant path
-        col = np.argsort(-x, axis=1, kind="stable")[:, :k]
-        return col, np.take_along_axis(x, col, axis=1)
-    return col[keep].reshape(l, k), val[keep].reshape(l, k)
+    if k <= 12:  # k argmax passes (~0.03 ms each at 32 x 16k) beat one partition (~0.4 ms)
+        rows, ids = np.arange(l), np.empty((l, k), dtype=np.int64)
+        values = np.empty((l, k), dtype=x.dtype)
+        for j in range(k):  # argmax takes the lowest id among ties
+            ids[:, j] = part.argmax(axis=1)
+            values[:, j] = part[rows, ids[:, j]]
+            part[rows, ids[:, j]] = -np.inf
+        if np.isfinite(values).all():  # else ids may repeat (too few finite logits): slow path
+            return ids, values
+    else:
+        part.partition(v - k, axis=1)
+        flat = np.flatnonzero(x >= part[:, v - k, None])  # k or more per row (ties at the k-th)
+        row, col = np.divmod(flat, v)
+        val = x.reshape(-1)[flat]
+        order = np.lexsort((col, -val, row))
+        row, col, val = row[order], col[order], val[order]
+        keep = np.arange(len(row)) - np.searchsorted(row, np.arange(l))[row] < k
+        if keep.sum() == l * k:  # else NaN logits made comparisons fail: slow path
+            return col[keep].reshape(l, k), val[keep].reshape(l, k)
+    ids = np.argsort(-x, axis=1, kind="stable")[:, :k]
+    return ids, np.take_along_axis(x, ids, axis=1)
