@@ -1,0 +1,94 @@
+"""OpenAI-compatible HTTP driver: streaming ``POST /v1/completions`` (or chat) over SSE.
+
+Works against rill and against peers (llama.cpp's ``llama-server``, the transformers floor
+server in ``benchmarks/``): only standard fields plus ``ignore_eos`` (which rill, vLLM and
+llama-server all accept). ``stream_options.include_usage`` asks for the final usage chunk,
+whose ``completion_tokens`` is the token count; without one, token-bearing chunks are counted.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+
+from rill.bench.drivers import BenchError, Options, Target, Timer
+from rill.bench.stats import RequestRecord
+from rill.bench.workload import BenchRequest
+
+SERVER_PROTOCOL = "openai_http"
+
+
+class Driver:
+    """One pooled ``httpx.AsyncClient``; one streaming request per ``run``."""
+
+    name = "openai"
+
+    def __init__(self, target: Target, options: Options) -> None:
+        self.target = target
+        self.options = options
+        self.model = target.model
+        self._http: httpx.AsyncClient | None = None
+
+    async def open(self) -> None:
+        """Create the connection pool and find the model name (``GET /v1/models``) if not given."""
+        headers = {"Authorization": f"Bearer {self.target.api_key}"} if self.target.api_key else {}
+        # No pool limit: the runner bounds concurrency; a pool cap would queue requests
+        # inside httpx and hide that time from TTFT.
+        self._http = httpx.AsyncClient(base_url=self.target.http_url, headers=headers, timeout=httpx.Timeout(None),
+                                       limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
+        if self.model is None:
+            try:
+                response = await self._http.get("/v1/models")
+                data = response.json().get("data") or []
+                self.model = data[0]["id"] if data else "default"
+            except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+                raise BenchError("connect_error", f"GET {self.target.http_url}/v1/models failed: {exc}") from exc
+
+    async def close(self) -> None:
+        """Close the pool."""
+        if self._http is not None:
+            await self._http.aclose()
+
+    def _body(self, request: BenchRequest) -> tuple[str, dict[str, Any]]:
+        body: dict[str, Any] = {"model": self.model, "max_tokens": request.max_tokens, "stream": True,
+                                "temperature": self.options.temperature, "stream_options": {"include_usage": True}}
+        if self.options.ignore_eos:
+            body["ignore_eos"] = True
+        if self.options.openai_endpoint == "chat":
+            body["messages"] = [{"role": "user", "content": request.prompt}]
+            return "/v1/chat/completions", body
+        body["prompt"] = request.prompt
+        return "/v1/completions", body
+
+    async def run(self, request: BenchRequest, timer: Timer) -> RequestRecord:
+        """Stream one completion; tokens are counted per content-bearing chunk."""
+        assert self._http is not None, "open() first"
+        path, body = self._body(request)
+        usage: dict[str, Any] | None = None
+        async with self._http.stream("POST", path, json=body) as response:
+            if response.status_code != 200:
+                text = (await response.aread()).decode("utf-8", "replace")
+                raise BenchError(f"http_{response.status_code}", text)
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue  # SSE comments (keep-alives), event names, blank separators
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    error = chunk["error"] if isinstance(chunk["error"], dict) else {"message": str(chunk["error"])}
+                    raise BenchError(str(error.get("code") or error.get("type") or "stream_error"), str(error.get("message", "")))
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                for choice in chunk.get("choices") or ():
+                    text = choice.get("text")
+                    if text is None:
+                        text = (choice.get("delta") or {}).get("content")
+                    if text:
+                        timer.tokens()
+        if usage is not None:
+            return timer.done(usage.get("completion_tokens"), usage.get("prompt_tokens"))
+        return timer.done()

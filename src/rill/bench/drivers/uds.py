@@ -1,0 +1,65 @@
+"""Framed Unix-socket driver (shared/specs/framed-uds.md: uint32-LE length + JSON).
+
+One connection per request (asyncio unix socket; framing from the protocol's pure
+``framing`` module). Each ``token`` event is one token; ``eos`` ends the request; an
+``error`` event fails it with its ``E_*`` code. The protocol has no ignore-eos, so eos may
+end a generation before ``max_tokens``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from rill.bench.drivers import BenchError, Options, Target, Timer
+from rill.bench.stats import RequestRecord
+from rill.bench.workload import BenchRequest
+from rill.protocols.framed_uds.framing import FrameDecoder, encode_frame
+
+SERVER_PROTOCOL = "framed_uds"
+MAX_EVENT_BYTES = 16 * 1024 * 1024
+
+
+class Driver:
+    """A new unix-socket connection per request."""
+
+    name = "uds"
+
+    def __init__(self, target: Target, options: Options) -> None:
+        self.target = target
+        self.options = options
+
+    async def open(self) -> None:
+        """Nothing is shared between requests."""
+
+    async def close(self) -> None:
+        """Nothing to release."""
+
+    async def run(self, request: BenchRequest, timer: Timer) -> RequestRecord:
+        """Send one request frame; read events until ``eos`` or ``error``."""
+        try:
+            reader, writer = await asyncio.open_unix_connection(self.target.socket)
+        except OSError as exc:
+            raise BenchError("connect_error", f"{self.target.socket}: {exc.strerror or exc}") from exc
+        request_id = f"bench-{request.index}"
+        frame = {"id": request_id, "prompt": request.prompt, "max_tokens": request.max_tokens,
+                 "temperature": self.options.temperature, "stream": True}
+        decoder = FrameDecoder(MAX_EVENT_BYTES)
+        try:
+            writer.write(encode_frame(json.dumps(frame).encode()))
+            await writer.drain()
+            while data := await reader.read(65536):
+                for payload in decoder.feed(data):
+                    event = json.loads(payload)
+                    kind = event.get("event")
+                    if kind == "token":
+                        timer.tokens()
+                    elif kind == "eos":
+                        if event.get("reason") == "error":
+                            raise BenchError("eos_error", "the request ended with reason error")
+                        return timer.done()
+                    elif kind == "error":
+                        raise BenchError(str(event.get("code", "error")), str(event.get("message", "")))
+            raise BenchError("disconnected", "the server closed the socket before eos")
+        finally:
+            writer.close()
