@@ -5,7 +5,7 @@ loads it in bf16 (or ``--dtype``) and times the runner alone: no sampling, no sc
 Decode contexts are ~256 tokens (the cached rows are filled by a prefill first; rows get
 slightly different lengths, as in a real batch, so the length mask is exercised).
 
-    .venv/bin/python benchmarks/runner_micro.py [--dtype bfloat16] [--steps 20]
+    .venv/bin/python benchmarks/runner_micro.py [--dtype bfloat16] [--steps 20] [--compare-hf]
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--compare-hf", action="store_true", help="also time 32x128+128 greedy vs HF generate")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -84,6 +85,32 @@ def main() -> None:
             f"decode B={batch_size:2d}: median {median * 1e3:6.1f} ms/step, min {min(times) * 1e3:6.1f}"
             f" -> {batch_size / median:6.0f} tok/s; cpu {cpu * 1e3:6.1f} ms/step"
         )
+    if args.compare_hf:
+        compare_generate(folder, args.dtype)
+
+
+def compare_generate(folder: Path, dtype: str, num_requests: int = 32, num_prompt: int = 128, num_new: int = 128) -> None:
+    """Greedy 32x128 -> +128 through the runner (argmax only) against transformers' padded-batch
+    ``generate``; prints tokens per second (prefill included) for both."""
+    from transformers import AutoModelForCausalLM
+
+    loaded = load_model(folder, dtype=dtype)
+    prompts = torch.randint(8, loaded.config.vocab_size, (num_requests, num_prompt), generator=torch.Generator().manual_seed(1))
+    runner = TorchModelRunner(loaded, num_rows=num_requests, max_len=num_prompt + num_new)
+    start = time.perf_counter()
+    logits = runner.forward([RowWork(row=i, token_ids=p.tolist(), start=0) for i, p in enumerate(prompts)])
+    for step in range(num_new - 1):
+        tokens = logits.argmax(-1).tolist()
+        logits = runner.forward([RowWork(row=i, token_ids=[t], start=num_prompt + step) for i, t in enumerate(tokens)])
+    ours = num_requests * num_new / (time.perf_counter() - start)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        hf.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False, max_new_tokens=num_new,
+                    eos_token_id=None, pad_token_id=0)
+    theirs = num_requests * num_new / (time.perf_counter() - start)
+    print(f"generate {num_requests}x{num_prompt}+{num_new}: runner {ours:.0f} tok/s, transformers {theirs:.0f} tok/s"
+          f" ({ours / theirs:.2f}x)")
 
 
 if __name__ == "__main__":

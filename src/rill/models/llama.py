@@ -158,7 +158,7 @@ class LlamaModel(nn.Module):
         device = self.embed_tokens.weight.device
         if self._rope_cos.shape[0] >= length and self._rope_cos.device == device:
             return
-        size = max(length, self.config.max_position_embeddings, 2 * self._rope_cos.shape[0])
+        size = max(length, 2 * self._rope_cos.shape[0], 256)
         self._rope_cos, self._rope_sin = cos_sin_table(self.inv_freq.to(device), size)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
