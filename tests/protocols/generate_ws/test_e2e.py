@@ -153,8 +153,12 @@ async def test_regenerate_with_seed_reproduces_the_first_run(server: Any) -> Non
         init = await recv(ws)
         first = tokens_of(await until(ws, lambda m: m["type"] == "token" and len(m["generated_text"]) >= 0))
         first += tokens_of(await until(ws, is_type("token")))
+        hits_before = server.stats().prefix_cache_hits_tokens
         await send(ws, type="control", action="regenerate")
         first += tokens_of(await until(ws, is_status("regenerating")))
+        num_prompt = len(server.call(server.client.encode, PROMPT))
+        # The restart reuses the prompt's KV (all but the last prompt token, which is recomputed).
+        assert server.stats().prefix_cache_hits_tokens - hits_before >= num_prompt - 1
         fresh = await recv(ws)
         assert fresh["type"] == "init" and fresh["request_id"] == init["request_id"]
         second = await until(ws, is_type("completion"))
