@@ -74,15 +74,7 @@ class EspeakSynth:
     def __init__(self) -> None:
         import espeakng_loader
 
-        self._library_path = espeakng_loader.get_library_path()
         self._data_path = espeakng_loader.get_data_path()
-        self._lock = threading.Lock()
-        self._lib: ctypes.CDLL | None = None
-        self._native_rate_hz = 0
-        self._voice: str | None = None
-        self._chunks: list[np.ndarray] = []
-        self._cancel: threading.Event | None = None
-        self._callback = _SYNTH_CALLBACK(self._on_audio)  # kept alive as long as the library may call it
         self.languages = self._list_languages()
 
     def _list_languages(self) -> dict[str, str]:
@@ -122,32 +114,33 @@ class EspeakSynth:
         import soxr
 
         voice = self.voice_for(language)
-        with self._lock:
-            lib = self._library()
-            if voice != self._voice:
-                if lib.espeak_SetVoiceByName(voice.encode()) != _EE_OK:
-                    raise InvalidRequest(f"tts.language: espeak-ng could not load the voice '{voice}'", field="tts.language")
-                self._voice = voice
-            self._chunks, self._cancel = [], cancel
-            data = text.encode("utf-8")
-            lib.espeak_Synth(data, len(data) + 1, 0, _POS_CHARACTER, 0, _ESPEAK_CHARS_UTF8, None, None)
-            pcm16 = np.concatenate(self._chunks) if self._chunks else np.zeros(0, np.int16)
-            self._chunks, self._cancel = [], None
+        pcm16, native_rate_hz = _Espeak.get().speak(text, voice, cancel)
         samples = pcm16.astype(np.float32) / 32768.0
         if not len(samples):
             return samples
-        return soxr.resample(samples, self._native_rate_hz, SAMPLE_RATE_HZ).astype(np.float32)
+        return soxr.resample(samples, native_rate_hz, SAMPLE_RATE_HZ).astype(np.float32)
 
-    def _on_audio(self, wav: ctypes.Array, num_samples: int, events: int) -> int:
-        # Called by espeak_Synth on this same thread for each block; 1 asks it to stop.
-        if num_samples > 0:
-            self._chunks.append(np.ctypeslib.as_array(wav, shape=(num_samples,)).copy())
-        return 1 if self._cancel is not None and self._cancel.is_set() else 0
 
-    def _library(self) -> ctypes.CDLL:
-        if self._lib is not None:
-            return self._lib
-        lib = ctypes.CDLL(self._library_path)
+class _Espeak:
+    """The process's one libespeak-ng: the library keeps global state (voice, callback), so
+    every ``EspeakSynth`` shares this object and its lock."""
+
+    _instance: "_Espeak | None" = None
+    _instance_lock = threading.Lock()
+
+    @classmethod
+    def get(cls) -> "_Espeak":
+        """The shared instance, loading the library on first use."""
+        with cls._instance_lock:
+            if cls._instance is None:
+                cls._instance = cls()
+            return cls._instance
+
+    def __init__(self) -> None:
+        import espeakng_loader
+
+        data_path = espeakng_loader.get_data_path()
+        lib = ctypes.CDLL(espeakng_loader.get_library_path())
         lib.espeak_Initialize.restype = ctypes.c_int
         lib.espeak_Initialize.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
         lib.espeak_SetVoiceByName.argtypes = [ctypes.c_char_p]
@@ -155,13 +148,39 @@ class EspeakSynth:
         lib.espeak_Synth.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_uint, ctypes.c_int, ctypes.c_uint,
                                      ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p]
         lib.espeak_Synth.restype = ctypes.c_int
-        rate = lib.espeak_Initialize(_AUDIO_OUTPUT_SYNCHRONOUS, 0, self._data_path.encode(), 0)
+        rate = lib.espeak_Initialize(_AUDIO_OUTPUT_SYNCHRONOUS, 0, data_path.encode(), 0)
         if rate <= 0:
-            raise RuntimeError(f"espeak-ng failed to initialise with data at {self._data_path}")
+            raise RuntimeError(f"espeak-ng failed to initialise with data at {data_path}")
+        self._callback = _SYNTH_CALLBACK(self._on_audio)  # kept alive as long as the library may call it
         lib.espeak_SetSynthCallback(self._callback)
-        self._native_rate_hz = rate
-        self._lib = lib
-        return lib
+        self.lib = lib
+        self.native_rate_hz = rate
+        self.lock = threading.Lock()
+        self._voice: str | None = None
+        self._chunks: list[np.ndarray] = []
+        self._cancel: threading.Event | None = None
+
+    def speak(self, text: str, voice: str, cancel: threading.Event) -> tuple[np.ndarray, int]:
+        """int16 PCM of ``text`` at the library's own rate, and that rate."""
+        with self.lock:
+            if voice != self._voice:
+                if self.lib.espeak_SetVoiceByName(voice.encode()) != _EE_OK:
+                    raise InvalidRequest(f"tts.language: espeak-ng could not load the voice '{voice}'", field="tts.language")
+                self._voice = voice
+            self._chunks, self._cancel = [], cancel
+            data = text.encode("utf-8")
+            try:
+                self.lib.espeak_Synth(data, len(data) + 1, 0, _POS_CHARACTER, 0, _ESPEAK_CHARS_UTF8, None, None)
+                pcm16 = np.concatenate(self._chunks) if self._chunks else np.zeros(0, np.int16)
+            finally:
+                self._chunks, self._cancel = [], None
+        return pcm16, self.native_rate_hz
+
+    def _on_audio(self, wav: ctypes.Array, num_samples: int, events: int) -> int:
+        # Called by espeak_Synth on the speaking thread for each block; 1 asks it to stop.
+        if num_samples > 0:
+            self._chunks.append(np.ctypeslib.as_array(wav, shape=(num_samples,)).copy())
+        return 1 if self._cancel is not None and self._cancel.is_set() else 0
 
 
 class SpeechService:
