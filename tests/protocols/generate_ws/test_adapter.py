@@ -400,3 +400,12 @@ async def test_rest_sse_disconnect_aborts(make_server: Any) -> None:
                     break
     await eventually(lambda: not live.client.live)
     assert live.client.aborted
+
+
+async def test_rest_json_client_gone_aborts(make_server: Any) -> None:
+    live = await make_server()
+    async with httpx.AsyncClient(base_url=live.url) as http:
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
+            await http.post("/v1/generate", json={"prompt": "W", "max_tokens": 1000000}, timeout=0.3)
+    await eventually(lambda: not live.client.live)
+    assert live.client.aborted == [live.client.requests[0].request_id]

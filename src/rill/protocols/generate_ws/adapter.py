@@ -161,9 +161,9 @@ class GenerateService:
         if rest_req.stream:
             return StreamingResponse(self._sse(rest_req, key), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await self._rest_once(rest_req, key)
+        return await self._rest_once(rest_req, key, request)
 
-    async def _rest_once(self, rest_req: m.RestRequest, key: str | None) -> Response:
+    async def _rest_once(self, rest_req: m.RestRequest, key: str | None, request: Request) -> Response:
         sent: list[m.ServerMessage] = []
 
         async def collect(msg: m.ServerMessage) -> None:
@@ -172,7 +172,8 @@ class GenerateService:
         conn = _Connection(self, collect, _no_close, key)
         try:
             await conn.handle_message(rest_req.to_config())
-            await conn.wait()
+            if conn.task is not None and not await _finished_before_disconnect(conn.task, request):
+                return Response(status_code=499)  # nobody is listening; the finally aborts the generation
         finally:
             await conn.shutdown()
         init = next((x for x in sent if isinstance(x, m.Init)), None)
@@ -215,6 +216,21 @@ class GenerateService:
             with contextlib.suppress(BaseException):
                 await driver
             await conn.shutdown()
+
+
+async def _finished_before_disconnect(task: asyncio.Task[None], request: Request) -> bool:
+    """Wait for ``task``; False if the HTTP client went away first."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.create_task(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    return task.done()
 
 
 _HTTP_STATUS = {entry.error: entry.http_status for entry in codec.ERROR_TABLE.values()}
