@@ -124,7 +124,7 @@ def test_spec_python_example_prints_reply_and_audio(live, capsys: pytest.Capture
     asyncio.run(spec_example.chat_streaming(server_url=ws_url(live), ref_audio_path=None))
     out = capsys.readouterr().out
     assert re.search(r"^Prefill done, \d+ input tokens$", out, re.M)
-    assert "\nFinal: " in out and re.search(r"^Tokens: \d+ in, 256 out$", out, re.M)
+    assert "\nFinal: " in out and re.search(r"^Tokens: \d+ in, \d+ out$", out, re.M)
     seconds = float(re.search(r"^Received ([0-9.]+)s of audio$", out, re.M).group(1))
     assert seconds > 0
     live.wait_idle()

@@ -62,19 +62,26 @@ def test_other_tag_pairs() -> None:
 
 
 def test_text_without_punctuation_is_cut_at_a_word_boundary() -> None:
-    seg = Segmenter(SegmenterLimits(max_chars=20, min_clause_chars=60))
+    seg = Segmenter(SegmenterLimits(max_chars=20, min_clause_chars=60, first_max_chars=20))
     out = seg.feed("one two three four five six seven")
     assert out == ["one two three four"]
     assert seg.flush() == ["five six seven"]
 
 
+def test_first_segment_is_shorter_so_speech_starts_sooner() -> None:
+    seg = Segmenter(SegmenterLimits(max_chars=30, first_max_chars=10, min_clause_chars=100, first_min_clause_chars=100))
+    assert seg.feed("aaa bbb ccc ddd eee fff ggg hhh iii jjj kkk lll ") == ["aaa bbb", "ccc ddd eee fff ggg hhh iii"]
+    seg = Segmenter(SegmenterLimits(first_min_clause_chars=5))
+    assert seg.feed("Well, then more") == ["Well,"]
+
+
 def test_long_word_is_cut_hard() -> None:
-    seg = Segmenter(SegmenterLimits(max_chars=10))
+    seg = Segmenter(SegmenterLimits(max_chars=10, first_max_chars=10))
     assert seg.feed("abcdefghijklmnop") == ["abcdefghij"]
 
 
 def test_comma_cuts_only_a_long_clause() -> None:
-    seg = Segmenter(SegmenterLimits(max_chars=200, min_clause_chars=10))
+    seg = Segmenter(SegmenterLimits(max_chars=200, min_clause_chars=10, first_min_clause_chars=10))
     assert seg.feed("Hi, there is a long clause here, and more") == ["Hi, there is a long clause here,"]
 
 

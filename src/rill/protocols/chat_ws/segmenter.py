@@ -30,10 +30,14 @@ class SegmenterLimits:
     Attributes:
         max_chars: a segment longer than this is cut at its last space (or hard, if none).
         min_clause_chars: a comma cuts a segment only once it is at least this long.
+        first_max_chars, first_min_clause_chars: the same for the first segment, shorter so
+            that the first audio comes sooner (time to first audio is what a listener waits).
     """
 
     max_chars: int = 160
     min_clause_chars: int = 60
+    first_max_chars: int = 60
+    first_min_clause_chars: int = 20
 
 
 class Segmenter:
@@ -49,6 +53,7 @@ class Segmenter:
         self._close_tag: str | None = think_tags[0][1] if starts_in_thinking else None
         self._raw = ""  # text not classified yet: it may end in the start of a tag
         self._speech = ""  # speakable text not cut into segments yet
+        self._num_segments = 0
 
     def feed(self, delta: str) -> list[str]:
         """Add new reply text; return the segments it completed, in order."""
@@ -105,27 +110,39 @@ class Segmenter:
             cut = self._boundary()
             if cut is None:
                 break
-            segments.append(self._speech[:cut])
+            segment = self._speech[:cut]
             self._speech = self._speech[cut:]
-        if final and self._speech:
-            segments.append(self._speech)
+            if _is_speakable(segment):
+                segments.append(segment.strip())
+                self._num_segments += 1
+        if final and _is_speakable(self._speech):
+            segments.append(self._speech.strip())
+            self._num_segments += 1
+        if final:
             self._speech = ""
-        return [s.strip() for s in segments if any(ch.isalnum() for ch in s)]
+        return segments
 
     def _boundary(self) -> int | None:
         text = self._speech
+        first = self._num_segments == 0
+        max_chars = self.limits.first_max_chars if first else self.limits.max_chars
+        min_clause_chars = self.limits.first_min_clause_chars if first else self.limits.min_clause_chars
         for i, ch in enumerate(text):
             if ch == "\n" or ch in _CJK_END:
                 return i + 1
             followed_by_space = i + 1 < len(text) and text[i + 1].isspace()
             if ch in _SENTENCE_END and followed_by_space:
                 return i + 1
-            if ch in _CLAUSE_END and followed_by_space and i + 1 >= self.limits.min_clause_chars:
+            if ch in _CLAUSE_END and followed_by_space and i + 1 >= min_clause_chars:
                 return i + 1
-            if i + 1 >= self.limits.max_chars:
+            if i + 1 >= max_chars:
                 space = text.rfind(" ", 0, i + 1)
                 return space + 1 if space > 0 else i + 1
         return None
+
+
+def _is_speakable(text: str) -> bool:
+    return any(ch.isalnum() for ch in text)
 
 
 def _partial_suffix(text: str, tags: tuple[str, ...]) -> int:
