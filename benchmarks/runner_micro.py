@@ -97,20 +97,22 @@ def compare_generate(folder: Path, dtype: str, num_requests: int = 32, num_promp
     loaded = load_model(folder, dtype=dtype)
     prompts = torch.randint(8, loaded.config.vocab_size, (num_requests, num_prompt), generator=torch.Generator().manual_seed(1))
     runner = TorchModelRunner(loaded, num_rows=num_requests, max_len=num_prompt + num_new)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     logits = runner.forward([RowWork(row=i, token_ids=p.tolist(), start=0) for i, p in enumerate(prompts)])
     for step in range(num_new - 1):
         tokens = logits.argmax(-1).tolist()
         logits = runner.forward([RowWork(row=i, token_ids=[t], start=num_prompt + step) for i, t in enumerate(tokens)])
     ours = num_requests * num_new / (time.perf_counter() - start)
+    ours_cpu = time.process_time() - cpu_start
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     with torch.inference_mode():
         hf.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False, max_new_tokens=num_new,
                     eos_token_id=None, pad_token_id=0)
     theirs = num_requests * num_new / (time.perf_counter() - start)
+    theirs_cpu = time.process_time() - cpu_start
     print(f"generate {num_requests}x{num_prompt}+{num_new}: runner {ours:.0f} tok/s, transformers {theirs:.0f} tok/s"
-          f" ({ours / theirs:.2f}x)")
+          f" ({ours / theirs:.2f}x); cpu s: runner {ours_cpu:.1f}, transformers {theirs_cpu:.1f}")
 
 
 if __name__ == "__main__":

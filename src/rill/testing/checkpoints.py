@@ -54,6 +54,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 TOKENIZER_VOCAB_SIZE = 1024
+"""The BPE trainer's target; the generated text runs out of merges first (840 tokens today)."""
 
 _WORDS = {
     "name": "Ada Ben Cleo Dan Eve Finn Gus Hana Ivo Jun Kai Lea Milo Nia Omar Pia Quin Rosa Sam Tia".split(),
@@ -162,7 +163,7 @@ def make_checkpoint(
         folder: created if missing.
         arch: ``llama``, ``mistral``, ``qwen2`` or ``qwen3``.
         preset: ``"100m"`` for engine-notes' model100m shape (overrides the shape arguments).
-        vocab_size: model vocabulary; default the tokenizer's size (1,024). Larger values pad
+        vocab_size: model vocabulary; default the tokenizer's size (840). Larger values pad
             the tokenizer with filler tokens.
         rope_scaling: e.g. ``{"rope_type": "llama3", "factor": 8.0, ...}`` (Llama only).
         sliding_window: Mistral's window; Qwen2/Qwen3 get ``use_sliding_window`` with it.
