@@ -295,7 +295,9 @@ async def run_levels(engine: str, port: int, args: argparse.Namespace, levels: l
     target, options = Target(port=port), Options(temperature=0.0, ignore_eos=True)
     results: dict[int, Summary] = {}
     for level in levels:
-        requests = synthetic_prompts(num_requests_for(engine, level, args), args.prompt_len, args.max_tokens, args.seed)
+        # A seed per level: no prompt repeats between levels, so no prefix cache answers one.
+        requests = synthetic_prompts(num_requests_for(engine, level, args), args.prompt_len, args.max_tokens,
+                                     args.seed + level)
         summary, _ = await measure("openai", target, options, requests, concurrency=level, num_warmup=1,
                                    request_timeout_s=args.max_duration_s, max_duration_s=args.max_duration_s,
                                    progress=sys.stderr.isatty())

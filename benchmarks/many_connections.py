@@ -68,7 +68,7 @@ async def run_mixed(protocols: list[str], target: Target, args: argparse.Namespa
     began = time.perf_counter()
 
     async def one(name: str) -> tuple[Summary, list[RequestRecord]]:
-        requests = synthetic_prompts(shares[name], args.prompt_len, args.max_tokens, seed=hash(name) % 1000)
+        requests = synthetic_prompts(shares[name], args.prompt_len, args.max_tokens, seed=1 + protocols.index(name))  # no shared prompts
         return await measure(name, target, options, requests, concurrency=shares[name], num_warmup=0,
                              request_timeout_s=args.max_duration_s, max_duration_s=args.max_duration_s)
 
@@ -125,6 +125,12 @@ def main(argv: list[str] | None = None) -> int:
     for name, summary in summaries.items():
         print(f"{name:<12} {summary.num_ok:>5} ok {summary.num_errors:>4} errors {summary.errors_by_type or ''}  "
               f"TTFT p50 {summary.ttft.p50_ms:8.0f} ms  p99 {summary.ttft.p99_ms:8.0f} ms")
+    samples: dict[tuple[str, str], str] = {}
+    for record in records:
+        if record.error is not None:
+            samples.setdefault((record.protocol, record.error), record.error_message or "")
+    for (name, kind), message in samples.items():
+        print(f"  e.g. {name} {kind}: {message}")
     print()
     print(format_report(total))
     mib = 1024 * 1024
@@ -133,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     document = {"connections": args.connections, "protocols": protocols, "model": str(model_dir),
                 "max_tokens": args.max_tokens, "server_rss_idle_bytes": rss_idle, "server_rss_peak_bytes": rss_peak,
                 "server_rss_after_bytes": rss_after, "total": msgspec.to_builtins(total),
-                "by_protocol": {n: msgspec.to_builtins(s) for n, s in summaries.items()}}
+                "by_protocol": {n: msgspec.to_builtins(s) for n, s in summaries.items()},
+                "error_samples": [{"protocol": n, "kind": k, "message": m} for (n, k), m in samples.items()]}
     path = args.out / "many_connections.json"
     path.write_text(msgspec.json.format(msgspec.json.encode(document)).decode() + "\n")
     print(f"figures written to {path}")

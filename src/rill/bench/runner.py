@@ -13,6 +13,7 @@ by ``max_duration_s`` (requests still open then are cancelled, kind ``run_deadli
 from __future__ import annotations
 
 import asyncio
+import errno
 import sys
 import time
 from typing import Callable
@@ -64,10 +65,12 @@ async def _one(driver: Driver, request: BenchRequest, run_start: float, timeout_
 
 def _kind_of(exc: Exception) -> str:
     name = type(exc).__name__
-    if isinstance(exc, (ConnectionError, OSError)) or "Connect" in name:
-        return "connect_error"
-    if "ConnectionClosed" in name:
+    if "ConnectionClosed" in name or isinstance(exc, (ConnectionResetError, BrokenPipeError)):
         return "disconnected"
+    if isinstance(exc, (ConnectionRefusedError, FileNotFoundError)) or "ConnectError" in name:
+        return "connect_error"
+    if isinstance(exc, OSError):
+        return f"os_error_{errno.errorcode.get(exc.errno or 0, exc.errno)}"
     return name
 
 
@@ -175,7 +178,10 @@ async def measure(
     await driver.open()
     try:
         for request in requests[:num_warmup]:
-            warm = await _one(driver, request, time.perf_counter(), request_timeout_s)
+            # Reversed words: the same length, but no prefix a prefix cache could reuse later.
+            warm_request = BenchRequest(index=-1, prompt=" ".join(reversed(request.prompt.split())),
+                                        max_tokens=request.max_tokens)
+            warm = await _one(driver, warm_request, time.perf_counter(), request_timeout_s)
             if warm.error in ("connect_error", "disconnected") or (warm.error or "").startswith("http_404"):
                 raise BenchError(warm.error or "connect_error", warm.error_message or "")
         records, wall_s = await run_load(driver, requests, concurrency=concurrency, rate_per_s=rate_per_s, seed=seed,
