@@ -7,7 +7,8 @@ the same N requests as ``/generate`` WebSocket clients against a server on loopb
 the load generator in a separate process (so it does not share this event loop). Both use
 greedy sampling with ``ignore_eos`` so every request makes exactly ``--max-tokens`` tokens.
 Prints tokens/s, time to first token and inter-token latency (mean, p50, p99) for both, and
-the protocol's overhead as ratios. Without ``--model`` a small random-init checkpoint is
+the protocol's overhead as ratios (medians of ``--repeats`` alternating runs, since a shared
+machine's load drifts). Without ``--model`` a small random-init checkpoint is
 written to a temporary folder (``rill.testing.checkpoints``).
 """
 
@@ -115,7 +116,7 @@ async def _engine_phase(client: Any, concurrency: int, prompt: str, max_tokens: 
     return _summary([r[0] for r in results], [g for r in results for g in r[1]], sum(r[2] for r in results), wall_s)
 
 
-async def _protocol_phase(client: Any, concurrency: int, prompt: str, max_tokens: int) -> dict[str, float]:
+async def _start_server(client: Any) -> tuple[Any, asyncio.Task, str]:
     import uvicorn
 
     from rill.config import ServerConfig
@@ -129,13 +130,14 @@ async def _protocol_phase(client: Any, concurrency: int, prompt: str, max_tokens
     while not server.started:
         await asyncio.sleep(0.01)
     port = server.servers[0].sockets[0].getsockname()[1]
-    url = f"ws://127.0.0.1:{port}/generate"
+    return server, task, f"ws://127.0.0.1:{port}/generate"
+
+
+async def _protocol_phase(url: str, concurrency: int, prompt: str, max_tokens: int) -> dict[str, float]:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, __file__, "--load-only", url, "--concurrency", str(concurrency), "--max-tokens",
         str(max_tokens), "--prompt", prompt, stdout=subprocess.PIPE)
     out, _ = await proc.communicate()
-    server.should_exit = True
-    await task
     if proc.returncode != 0:
         raise SystemExit("the load generator failed")
     return json.loads(out)
@@ -146,10 +148,25 @@ def _print(engine: dict[str, float], proto: dict[str, float], concurrency: int, 
     print(f"{'figure':<16}{'engine':>12}{'/generate':>12}{'ratio':>9}")
     for key, label in (("tokens_per_s", "tokens/s"), ("ttft_mean_ms", "TTFT mean ms"), ("ttft_p50_ms", "TTFT p50 ms"),
                        ("ttft_p99_ms", "TTFT p99 ms"), ("itl_mean_ms", "ITL mean ms"), ("itl_p50_ms", "ITL p50 ms"),
-                       ("itl_p99_ms", "ITL p99 ms")):
+                       ("itl_p99_ms", "ITL p99 ms"), ("server_cpu_ms_per_token", "CPU ms/token")):
         ratio = proto[key] / engine[key] if engine[key] else float("nan")
         print(f"{label:<16}{engine[key]:>12.2f}{proto[key]:>12.2f}{ratio:>9.3f}")
-    print("\nratio = /generate ÷ engine (tokens/s below 1, latencies above 1 are the protocol's overhead)")
+    print("\nratio = /generate ÷ engine (tokens/s below 1, latencies above 1 are the protocol's overhead);")
+    print("CPU ms/token = this process's CPU time per generated token (engine + server, not the load generator)")
+
+
+async def _with_cpu(phase: Any) -> dict[str, float]:
+    """Run a phase and add this process's CPU time per token (engine thread + event loop; the
+    load generator runs elsewhere). Unlike wall-clock figures it barely moves when other
+    processes load the machine."""
+    cpu_start = time.process_time()
+    result = await phase
+    result["server_cpu_ms_per_token"] = 1000 * (time.process_time() - cpu_start) / max(1.0, result["num_tokens"])
+    return result
+
+
+def _median(runs: list[dict[str, float]]) -> dict[str, float]:
+    return {key: statistics.median(run[key] for run in runs) for key in runs[0]}
 
 
 async def _main(args: argparse.Namespace) -> None:
@@ -163,13 +180,22 @@ async def _main(args: argparse.Namespace) -> None:
         model = str(make_checkpoint(tempfile.mkdtemp(prefix="rill-bench-")))
     client = InprocClient.start(EngineConfig(model=model, max_num_seqs=max(64, args.concurrency)))
     await client.wait_ready()
+    server, task, url = await _start_server(client)
+    engine_runs: list[dict[str, float]] = []
+    proto_runs: list[dict[str, float]] = []
     try:
         await _engine_phase(client, min(4, args.concurrency), args.prompt, 4)  # warm-up, not reported
-        engine = await _engine_phase(client, args.concurrency, args.prompt, args.max_tokens)
-        proto = await _protocol_phase(client, args.concurrency, args.prompt, args.max_tokens)
+        for i in range(args.repeats):  # alternate, so drifting machine load hits both sides alike
+            engine_runs.append(await _with_cpu(_engine_phase(client, args.concurrency, args.prompt, args.max_tokens)))
+            proto_runs.append(await _with_cpu(_protocol_phase(url, args.concurrency, args.prompt, args.max_tokens)))
+            print(f"run {i + 1}/{args.repeats}: engine {engine_runs[-1]['tokens_per_s']:.1f} tokens/s, "
+                  f"/generate {proto_runs[-1]['tokens_per_s']:.1f} tokens/s", file=sys.stderr)
     finally:
+        server.should_exit = True
+        await task
         await client.shutdown()
-    _print(engine, proto, args.concurrency, args.max_tokens)
+    print(f"\nmedian of {args.repeats} alternating runs")
+    _print(_median(engine_runs), _median(proto_runs), args.concurrency, args.max_tokens)
 
 
 def main() -> None:
@@ -178,6 +204,7 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="model folder (default: a small random-init checkpoint)")
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3, help="alternating runs of each phase (medians reported)")
     parser.add_argument("--prompt", default="Once upon a time there was a little robot who wanted to paint")
     parser.add_argument("--load-only", default=None, metavar="URL", help=argparse.SUPPRESS)
     args = parser.parse_args()
