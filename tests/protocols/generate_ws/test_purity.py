@@ -9,7 +9,7 @@ import pytest
 
 import rill.protocols.generate_ws as pkg
 
-PURE = ("messages", "codec", "session", "ratelimit")
+PURE = ("messages", "codec", "session", "actions", "deltas", "ratelimit")
 FORBIDDEN = ("asyncio", "socket", "threading", "sqlite3", "starlette", "uvicorn", "websockets", "grpc", "torch",
              "rill.engine", "rill.frontend", "rill.server", "rill.feedback")
 

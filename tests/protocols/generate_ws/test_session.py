@@ -9,6 +9,7 @@ from rill.errors import GenerationError, MemoryPressure, RequestTimeout
 from rill.protocols.generate_ws import codec
 from rill.protocols.generate_ws import messages as m
 from rill.protocols.generate_ws import session as s
+from rill.protocols.generate_ws.deltas import split_text
 from rill.types import ModelInfo, RequestEvent, RequestOutput, TokenLogprob, TopLogprob, Usage
 
 INFO = ModelInfo(name="tiny", architecture="LlamaForCausalLM", max_context_tokens=128, vocab_size=1000,
@@ -276,7 +277,7 @@ def test_disconnect_aborts_a_running_generation() -> None:
     ("tail", [], 0, ["tail"]),
 ])
 def test_split_text_pieces_concatenate_to_text(text: str, token_texts: list[str], n: int, expected: list[str]) -> None:
-    pieces = s._split_text(text, token_texts, n)
+    pieces = split_text(text, token_texts, n)
     assert pieces == expected and "".join(pieces) == text
 
 

@@ -2,6 +2,6 @@
 (JSON or Server-Sent Events). See ``shared/specs/generate-websocket.md``.
 
 Files: ``messages`` (wire structs), ``codec`` (text ⇄ structs, error table), ``session``
-(sans-I/O state machine), ``ratelimit`` (token buckets), ``adapter`` (Starlette routes, the
-only module with I/O).
+(sans-I/O state machine) with its ``actions`` and ``deltas`` (per-token text pieces),
+``ratelimit`` (token buckets), ``adapter`` (Starlette routes, the only module with I/O).
 """

@@ -31,6 +31,19 @@ import msgspec
 from rill.errors import InvalidRequest, RillError
 from rill.protocols.generate_ws import codec
 from rill.protocols.generate_ws import messages as m
+from rill.protocols.generate_ws.actions import (
+    Abort,
+    Action,
+    Close,
+    Modify,
+    Pause,
+    Regenerate,
+    Resume,
+    Send,
+    Start,
+    StoreFeedback,
+)
+from rill.protocols.generate_ws.deltas import split_at_restart, split_text
 from rill.types import GenerateRequest, ModelInfo, RequestEvent, RequestOutput, SamplingParams
 
 PROTOCOL = "generate_ws"
@@ -56,69 +69,6 @@ TRANSITIONS: dict[State, dict[str, tuple[str, ...]]] = {
     State.PAUSED: {"control": ("stop", "resume", "modify", "regenerate"), "feedback": ()},
     State.IDLE: {"config": (), "feedback": ()},
 }
-
-
-# ------------------------------------------------------------------------------- actions
-
-
-@dataclass(frozen=True)
-class Send:
-    """Send one message to the client."""
-
-    message: m.ServerMessage
-
-
-@dataclass(frozen=True)
-class Start:
-    """Wait for the model, admit (rate limits) and submit ``request``; then call
-    ``on_started`` or ``on_error``."""
-
-    request: GenerateRequest
-
-
-@dataclass(frozen=True)
-class Abort:
-    """Stop the current generation (or cancel its start)."""
-
-
-@dataclass(frozen=True)
-class Pause:
-    """Pause the current generation in the engine."""
-
-
-@dataclass(frozen=True)
-class Resume:
-    """Resume the current generation in the engine."""
-
-
-@dataclass(frozen=True)
-class Modify:
-    """Apply a validated sampling patch to the current generation."""
-
-    patch: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class Regenerate:
-    """Restart the current generation from its prompt."""
-
-
-@dataclass(frozen=True)
-class StoreFeedback:
-    """Store a feedback record durably, then call ``on_feedback_stored``."""
-
-    record: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class Close:
-    """Close the connection (after a fatal error)."""
-
-    code: int = 1011
-    reason: str = ""
-
-
-Action = Send | Start | Abort | Pause | Resume | Modify | Regenerate | StoreFeedback | Close
 
 
 @dataclass(frozen=True)
@@ -332,7 +282,7 @@ class GenerateSession:
             return []
         actions: list[Action] = []
         if RequestEvent.REGENERATING in out.events:
-            stale, out = _split_at_restart(out)
+            stale, out = split_at_restart(out)
             actions += [Send(t) for t in self._tokens(stale, now)]
         before, after = self._event_statuses(out.events)
         actions += [Send(s) for s in before]
@@ -380,7 +330,7 @@ class GenerateSession:
     def _tokens(self, out: RequestOutput, now: float) -> list[m.Token]:
         gen = self.gen
         assert gen is not None
-        pieces = _split_text(out.text, out.token_texts, len(out.token_ids))
+        pieces = split_text(out.text, out.token_texts, len(out.token_ids))
         num_new = len(pieces)
         if num_new == 0:
             gen.text += out.text
@@ -485,48 +435,3 @@ def _wire_finish(reason: str | None) -> str | None:
     # Engine reasons are already the spec's words (stop, length, cancelled); "error" never
     # reaches a completion (it becomes an error message).
     return reason
-
-
-def _split_at_restart(out: RequestOutput) -> tuple[RequestOutput, RequestOutput]:
-    """Split a delta holding a ``REGENERATING`` event into the dropped run's tokens and the
-    new run's.
-
-    The engine drops pending tokens when it restarts, but the stream may have merged an
-    earlier delta (the consumer was behind) with the restart's; the merged usage counts the
-    new run only, so the new run's tokens are the last ``completion_tokens`` of the delta.
-    """
-    num_tokens = len(out.token_ids)
-    num_new = min(num_tokens, out.usage.completion_tokens)
-    cut = num_tokens - num_new
-    if cut == 0:
-        return RequestOutput(request_id=out.request_id, usage=out.usage), out
-    pieces = _split_text(out.text, out.token_texts, num_tokens)
-    old_text, new_text = "".join(pieces[:cut]), "".join(pieces[cut:])
-    logprobs = out.logprobs
-    stale = RequestOutput(request_id=out.request_id, text=old_text, token_ids=out.token_ids[:cut],
-                          token_texts=pieces[:cut], logprobs=logprobs[:cut] if logprobs is not None else None,
-                          usage=out.usage)
-    fresh = msgspec.structs.replace(out, text=new_text, token_ids=out.token_ids[cut:], token_texts=pieces[cut:],
-                                    logprobs=logprobs[cut:] if logprobs is not None else None)
-    return stale, fresh
-
-
-def _split_text(text: str, token_texts: list[str], num_tokens: int) -> list[str]:
-    """Per-token pieces whose concatenation is exactly ``text``.
-
-    ``token_texts`` usually concatenate to ``text``; where the detokenizer held text back
-    or a stop string was cut they do not, so each piece is taken only while it keeps the
-    running concatenation a prefix of ``text`` and the last piece takes the remainder.
-    """
-    count = max(num_tokens, len(token_texts))
-    if count == 0:
-        return [text] if text else []
-    pieces: list[str] = []
-    done = ""
-    for i in range(count - 1):
-        candidate = done + (token_texts[i] if i < len(token_texts) else "")
-        piece = candidate[len(done):] if text.startswith(candidate) else ""
-        pieces.append(piece)
-        done += piece
-    pieces.append(text[len(done):])
-    return pieces
