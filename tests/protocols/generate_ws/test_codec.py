@@ -80,3 +80,72 @@ def test_error_table(exc: BaseException, code: str, recoverable: bool, extra: di
         assert msg[key] == value
     if not codec.wire_error(exc).is_public:  # internals never reach the client
         assert str(exc) not in msg["message"]
+
+
+def _mutations(seed: int, count: int) -> list[bytes]:
+    """Seeded random mutations of the golden inputs (flips, cuts, splices, junk)."""
+    import random
+
+    rng = random.Random(seed)
+    bases = [c["input"].encode() for c in VECTORS]
+    out = []
+    for _ in range(count):
+        data = bytearray(rng.choice(bases))
+        for _ in range(rng.randint(1, 4)):
+            op = rng.randrange(4)
+            pos = rng.randrange(len(data) + 1)
+            if op == 0 and data:
+                data[min(pos, len(data) - 1)] = rng.randrange(256)
+            elif op == 1:
+                del data[pos:pos + rng.randint(1, 8)]
+            elif op == 2:
+                data[pos:pos] = rng.choice(bases)[: rng.randint(0, 20)]
+            else:
+                data[pos:pos] = rng.choice([b'"', b"{", b"}", b"[", b"-1e999", b"null", b"\xff", b'"type"', b"1" * 30])
+        out.append(bytes(data))
+    return out
+
+
+def test_decode_raises_only_invalid_message_on_garbage() -> None:
+    from rill.protocols.generate_ws import session as s
+    from rill.types import ModelInfo
+
+    info = ModelInfo(name="t", architecture="a", max_context_tokens=64, vocab_size=100, dtype="float32", device="cpu")
+    for data in _mutations(seed=1, count=3000):
+        for decode in (codec.decode, codec.decode_rest):
+            try:
+                msg = decode(data)
+            except codec.InvalidMessage as exc:
+                assert exc.message
+                continue
+            # Whatever decodes, a fresh session answers with actions, never an exception.
+            sess = s.GenerateSession(s.Limits(model_name="t", model_info=info))
+            config = msg.to_config() if isinstance(msg, m.RestRequest) else msg
+            assert isinstance(sess.receive(config, now=0.0), list)
+
+
+def test_random_parameter_values_never_crash_the_session() -> None:
+    import random
+
+    from rill.protocols.generate_ws import session as s
+    from rill.types import ModelInfo
+
+    rng = random.Random(2)
+    values = [0, 1, -1, 2**63, 2**64 - 1, -(2**63), 0.5, -0.0, 1e308, -1e308, 1e-320, "x", "", [], ["a"], [""], {},
+              {"1": 2.0}, {"-5": 1e9}, {"99999": 1.0}, None, True, False, [1, 2], ["a"] * 20]
+    info = ModelInfo(name="t", architecture="a", max_context_tokens=64, vocab_size=100, dtype="float32", device="cpu")
+    num_started = 0
+    for _ in range(3000):
+        params = {name: rng.choice(values) for name in rng.sample(m.Parameters.__struct_fields__, rng.randint(1, 4))}
+        text = msgspec.json.encode({"type": "config", "prompt": "p", "parameters": params})
+        try:
+            msg = codec.decode(text)
+        except codec.InvalidMessage:
+            continue
+        sess = s.GenerateSession(s.Limits(model_name="t", model_info=info, max_tokens_cap=1000))
+        actions = sess.receive(msg, now=0.0)
+        num_started += isinstance(actions[0], s.Start)
+        if not isinstance(actions[0], s.Start):
+            error = actions[0].message  # type: ignore[union-attr]
+            assert error.error == "invalid_request" and str(error.field).startswith("parameters.")
+    assert num_started > 0

@@ -142,7 +142,9 @@ def _field_of(text: str) -> str | None:
     return path or None
 
 
-def _invalid(exc: msgspec.DecodeError) -> InvalidMessage:
+def _invalid(exc: msgspec.DecodeError | UnicodeDecodeError) -> InvalidMessage:
+    if isinstance(exc, UnicodeDecodeError):
+        return InvalidMessage(f"message is not valid UTF-8 (byte {exc.start})")
     text = str(exc)
     if not isinstance(exc, msgspec.ValidationError):
         return InvalidMessage(f"message is not valid JSON: {text}")
@@ -156,7 +158,8 @@ def decode(text: str | bytes) -> m.ClientMessage:
     """Parse one client frame. Raises ``InvalidMessage`` naming the bad field."""
     try:
         return _decoder.decode(text)
-    except msgspec.DecodeError as exc:  # ValidationError subclasses DecodeError
+    # ValidationError subclasses DecodeError; bad UTF-8 inside a string raises UnicodeDecodeError.
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
         raise _invalid(exc) from exc
 
 
@@ -164,7 +167,7 @@ def decode_rest(body: bytes) -> m.RestRequest:
     """Parse a ``POST /v1/generate`` body. Raises ``InvalidMessage`` naming the bad field."""
     try:
         return _rest_decoder.decode(body)
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
         raise _invalid(exc) from exc
 
 
