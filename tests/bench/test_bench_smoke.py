@@ -13,7 +13,10 @@ from pathlib import Path
 import pytest
 
 from rill.bench.drivers import DRIVERS
+from rill.bench.stats import RequestRecord, percentile, summarize
+from rill.bench.workload import jsonl_prompts, poisson_offsets, synthetic_prompts
 from rill.cli import main
+from rill.errors import ConfigError
 from tests.conftest import LiveServer, free_port, start_server
 
 NUM_REQUESTS = 3
@@ -86,3 +89,46 @@ def test_server_errors_are_counted_by_type(live: LiveServer, tmp_path: Path) -> 
         assert summary["num_ok"] == 0 and sum(summary["errors_by_type"].values()) == NUM_REQUESTS, summary
     kinds = {s["protocol"]: set(s["errors_by_type"]) for s in document["results"]}
     assert kinds == {"openai": {"http_400"}, "generate-ws": {"invalid_request"}, "uds": {"E_PROTO_BAD_REQUEST"}}
+
+
+# -- pure parts (no server) ------------------------------------------------------------------
+
+
+def test_percentiles_interpolate_between_ranks() -> None:
+    assert percentile([], 50) != percentile([], 50)  # NaN
+    assert percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5
+    assert percentile([1.0, 2.0], 99) == pytest.approx(1.99)
+    assert percentile([7.0], 90) == 7.0
+
+
+def test_summary_counts_only_successes_in_throughput() -> None:
+    records = [
+        RequestRecord(index=0, protocol="x", ttft_s=0.1, e2e_s=1.1, itl_s=[0.1] * 10, num_output_tokens=11),
+        RequestRecord(index=1, protocol="x", e2e_s=0.2, num_output_tokens=3, error="http_503"),
+        RequestRecord(index=2, protocol="x", e2e_s=0.2, error="http_503"),
+    ]
+    summary = summarize(records, protocol="x", target="t", wall_s=2.0, concurrency=2)
+    assert (summary.num_ok, summary.num_errors, summary.errors_by_type) == (1, 2, {"http_503": 2})
+    assert summary.output_tokens_per_s == 5.5 and summary.requests_per_s == 0.5
+    assert summary.ttft.p50_ms == pytest.approx(100.0) and summary.tpot.mean_ms == pytest.approx(100.0)
+
+
+def test_workloads_are_reproducible_and_distinct() -> None:
+    first, again = synthetic_prompts(5, 12, 7, seed=3), synthetic_prompts(5, 12, 7, seed=3)
+    assert first == again and len({r.prompt for r in first}) == 5
+    assert all(len(r.prompt.split()) == 12 and r.max_tokens == 7 for r in first)
+    offsets = poisson_offsets(200, 10.0, seed=1)
+    assert offsets == poisson_offsets(200, 10.0, seed=1) and offsets == sorted(offsets) and offsets[0] == 0.0
+    assert 10 < offsets[-1] < 30  # 199 gaps of mean 0.1 s
+
+
+def test_jsonl_prompts_cycle_and_refuse_bad_lines(tmp_path: Path) -> None:
+    good = tmp_path / "p.jsonl"
+    good.write_text('{"prompt": "a", "max_tokens": 3}\n\n{"prompt": "b", "output_len": 5}\n{"prompt": "c"}\n')
+    requests = jsonl_prompts(good, 4, default_max_tokens=9)
+    assert [(r.prompt, r.max_tokens) for r in requests] == [("a", 3), ("b", 5), ("c", 9), ("a", 3)]
+    for text in ('{"prompt": ""}', '{"max_tokens": 3}', "not json", '{"prompt": "a", "max_tokens": 0}'):
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text(text + "\n")
+        with pytest.raises(ConfigError, match="bad.jsonl:1"):
+            jsonl_prompts(bad, 1, 4)

@@ -1,8 +1,10 @@
 """Evergreen driver: one gRPC ``StartSession`` per request over one shared channel.
 
 Uses ``rill.clients.evergreen`` (a GENERATE action on a prompt node, then half-close);
-each output fragment with data is a token-bearing message. An aborted session fails the
-request with its gRPC status name (``RESOURCE_EXHAUSTED``, ``UNAVAILABLE`` …).
+each output fragment with data is a token-bearing message. The protocol reports no token
+count, so the count is the number of fragments: when the client lags, one fragment can hold
+several tokens and the count comes out low. An aborted session fails the request with its
+gRPC status name (``RESOURCE_EXHAUSTED``, ``UNAVAILABLE`` …).
 """
 
 from __future__ import annotations
