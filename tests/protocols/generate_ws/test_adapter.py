@@ -409,3 +409,21 @@ async def test_rest_json_client_gone_aborts(make_server: Any) -> None:
             await http.post("/v1/generate", json={"prompt": "W", "max_tokens": 1000000}, timeout=0.3)
     await eventually(lambda: not live.client.live)
     assert live.client.aborted == [live.client.requests[0].request_id]
+
+
+async def test_rest_sse_keepalive_while_waiting_for_the_model(make_server: Any) -> None:
+    client = FakeClient(is_ready=False)
+    live = await make_server(client=client, sse_keepalive_s=0.05)
+    async with httpx.AsyncClient(base_url=live.url) as http:
+        async with http.stream("POST", "/v1/generate", json={"prompt": "W", "max_tokens": 2, "stream": True}) as res:
+            lines = res.aiter_lines()
+            seen: list[str] = []
+            async for line in lines:
+                seen.append(line)
+                if line.startswith(":"):
+                    break  # a keep-alive comment arrived while nothing else happened
+            client.ready.set()
+            events = [json.loads(x[6:]) for x in seen if x.startswith("data: ")]
+            events += [json.loads(x[6:]) async for x in lines if x.startswith("data: ")]
+    assert {e["operation"] for e in events if e["type"] == "status"} <= {"model_loading"}
+    assert [e["type"] for e in events if e["type"] != "status"] == ["init", "token", "token", "completion"]

@@ -27,6 +27,7 @@ from rill import __version__
 from rill.errors import EngineDead, InvalidRequest, ModelLoadError, RequestTimeout, RillError
 from rill.feedback import FeedbackStore
 from rill.frontend.stream import RequestStream
+from rill.protocols._shared import sse
 from rill.protocols.generate_ws import codec, ratelimit
 from rill.protocols.generate_ws import messages as m
 from rill.protocols.generate_ws import session as s
@@ -159,8 +160,7 @@ class GenerateService:
         except InvalidRequest as exc:
             return _json_error(exc)
         if rest_req.stream:
-            return StreamingResponse(self._sse(rest_req, key), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return StreamingResponse(self._sse(rest_req, key), media_type=sse.MEDIA_TYPE, headers=dict(sse.HEADERS))
         return await self._rest_once(rest_req, key, request)
 
     async def _rest_once(self, rest_req: m.RestRequest, key: str | None, request: Request) -> Response:
@@ -207,8 +207,16 @@ class GenerateService:
                 queue.put_nowait(None)
 
         driver = asyncio.create_task(drive())
+        keepalive_s = self.http.sse_keepalive_s or None
         try:
-            while (msg := await queue.get()) is not None:
+            while True:
+                try:
+                    msg = await asyncio.wait_for(queue.get(), keepalive_s)
+                except TimeoutError:
+                    yield sse.KEEP_ALIVE  # nothing to say for a while (queued, loading): keep proxies from closing
+                    continue
+                if msg is None:
+                    break
                 yield codec.encode_sse(msg)
         finally:
             # Client disconnect cancels this generator: stop the generation at once.

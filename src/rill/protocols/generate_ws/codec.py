@@ -32,6 +32,7 @@ from rill.errors import (
     RequestTimeout,
     RillError,
 )
+from rill.protocols._shared import sse
 from rill.protocols.generate_ws import messages as m
 
 
@@ -183,7 +184,7 @@ def encode(msg: m.ServerMessage | m.RestResponse) -> str:
 
 def encode_sse(msg: m.ServerMessage) -> bytes:
     """One server message as a Server-Sent Events ``data:`` event (same JSON as the socket)."""
-    return b"data: " + _encoder.encode(msg) + b"\n\n"
+    return sse.encode_event(_encoder.encode(msg))
 
 
 def round_ms(seconds: float | None) -> float | None:
