@@ -28,7 +28,7 @@ TINY_MODEL = {
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
 }
-TINY_TRAIN = {"seq_len": 64, "batch_size": 4}
+TINY_TRAIN = {"seq_len": 64, "batch_size": 4, "num_threads": 1}
 
 
 # ---------------------------------------------------------------- corpus
@@ -154,7 +154,7 @@ def test_training_loop_lowers_loss_and_respects_limits():
     tokens = pack_documents([[4, 5, 6, 7, 8, 9] * 20] * 20, bos_id=1, eos_id=2)
     model = Bigram(16)
     seen = []
-    config = TrainConfig(seq_len=32, batch_size=4, steps=30, time_budget_s=None, peak_lr=1e-1, warmup_steps=3, use_bf16=False)
+    config = TrainConfig(seq_len=32, batch_size=4, steps=30, time_budget_s=None, peak_lr=1e-1, warmup_steps=3, use_bf16=False, num_threads=1)
     result = train(model, tokens, config, progress=lambda f, s, l: seen.append((f, s, l)), holdout=tokens[:200])
     assert result.num_steps == 30 and seen[-1][0] == 1.0 and [s for _, s, _ in seen] == list(range(1, 31))
     assert seen[-1][2] < seen[0][2]  # smoothed, so it lags
@@ -186,17 +186,23 @@ def test_thread_tuner_probes_each_count_then_uses_the_fastest(monkeypatch):
 # ---------------------------------------------------------------- tiny real builds
 
 
+REPORTED: list[tuple[float, str]] = []
+
+
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory):
     folder = tmp_path_factory.mktemp("demo") / "tiny"
     return demo_build.build_demo_model(
-        folder, time_budget_s=None, steps=5, progress=False,
+        folder, time_budget_s=None, steps=5, progress=False, report=lambda *event: REPORTED.append(event),
         model_overrides=TINY_MODEL, train_overrides=TINY_TRAIN, corpus_bytes=200_000,
     )
 
 
 def test_tiny_build_writes_a_complete_hf_folder(tiny_folder):
     assert demo_build.is_complete(tiny_folder)
+    percents = [percent for percent, _ in REPORTED]
+    assert percents == sorted(percents) and percents[0] == 0.0 and percents[-1] == 100.0
+    assert [text for _, text in REPORTED if "step" in text][-1].startswith("demo model: training, step 5, loss")
     stats = json.loads((tiny_folder / "rill_demo.json").read_text())
     assert stats["num_steps"] == 5 and stats["train_loss"] > 0
     generation = json.loads((tiny_folder / "generation_config.json").read_text())
@@ -275,6 +281,8 @@ def test_ensure_builds_once_in_a_temp_folder_then_renames(monkeypatch, tmp_path)
     assert len(fake.calls) == 1 and fake.calls[0] != folder and fake.calls[0].parent == folder.parent
     assert demo_build.ensure_demo_model(progress=False) == folder and len(fake.calls) == 1
     assert sorted(p.name for p in folder.parent.iterdir()) == [f".{folder.name}.lock", folder.name]
+    assert folder.stat().st_mode & 0o777 == 0o755
+    assert all(path.stat().st_mode & 0o777 == 0o644 for path in folder.iterdir())
 
 
 def test_failed_build_leaves_nothing_that_looks_complete(monkeypatch, tmp_path):

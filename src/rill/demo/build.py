@@ -20,14 +20,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from tqdm import tqdm
 
 from rill.demo import corpus
 from rill.demo import tokenizer as tk
-from rill.demo.train import ProgressFn, TrainConfig, TrainResult, pack_documents, split_holdout, train
+from rill.demo.train import TrainConfig, TrainResult, pack_documents, split_holdout, train
 
 DEMO_NAME = "rill-demo-v1"
 """Folder name of the demo model; bump the version when the recipe changes."""
@@ -44,8 +44,11 @@ DEFAULT_MODEL = {
     "num_attention_heads": 8,
     "num_key_value_heads": 2,
 }
-# Share of the progress bar given to each stage (training gets the rest).
-_STAGE_SHARES = {"corpus": 2.0, "tokenizer": 3.0, "saving": 2.0}
+
+ReportFn = Callable[[float, str], None]
+"""Progress callback: (percent done in [0, 100], stage description)."""
+# Where each stage ends on the 0-100 progress scale; training takes nearly all the time.
+_CORPUS_END, _TOKENIZER_END, _TRAINING_END = 2.0, 5.0, 98.0
 
 
 def cache_root() -> Path:
@@ -67,13 +70,19 @@ def is_complete(folder: Path) -> bool:
     return all((folder / name).is_file() for name in REQUIRED_FILES)
 
 
-def ensure_demo_model(progress: bool = True, time_budget_s: float | None = None, folder: Path | None = None) -> Path:
+def ensure_demo_model(
+    progress: bool = True,
+    time_budget_s: float | None = None,
+    folder: Path | None = None,
+    report: ReportFn | None = None,
+) -> Path:
     """Return the demo model folder, building it first (once, atomically) if it is missing.
 
     Args:
         progress: show a progress bar on stderr while building.
         time_budget_s: build time budget (default ``DEFAULT_TIME_BUDGET_S``).
         folder: where the model lives (default ``demo_model_dir()``).
+        report: called with (percent, stage text) while building (see ``build_demo_model``).
     """
     folder = Path(folder) if folder is not None else demo_model_dir()
     if is_complete(folder):
@@ -85,7 +94,8 @@ def ensure_demo_model(progress: bool = True, time_budget_s: float | None = None,
         _remove_leftovers(folder)
         tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
         try:
-            build_demo_model(tmp, time_budget_s=time_budget_s or DEFAULT_TIME_BUDGET_S, progress=progress)
+            build_demo_model(tmp, time_budget_s=time_budget_s or DEFAULT_TIME_BUDGET_S, progress=progress, report=report)
+            _make_readable(tmp)
             tmp.rename(folder)  # atomic: the folder appears complete or not at all
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -108,6 +118,14 @@ def _exclusive_lock(path: Path, progress: bool) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _make_readable(folder: Path) -> None:
+    # mkdtemp makes the folder 0700 and safetensors writes 0600; a cache shared through
+    # RILL_CACHE_DIR should be readable by everyone, like any downloaded model.
+    folder.chmod(0o755)
+    for path in folder.iterdir():
+        path.chmod(0o644)
 
 
 def _remove_leftovers(folder: Path) -> None:
@@ -153,6 +171,7 @@ def build_demo_model(
     steps: int | None = None,
     seed: int = 0,
     progress: bool = True,
+    report: ReportFn | None = None,
     model_overrides: dict[str, Any] | None = None,
     train_overrides: dict[str, Any] | None = None,
     corpus_bytes: int = corpus.DEFAULT_TARGET_BYTES,
@@ -166,7 +185,9 @@ def build_demo_model(
             stages leave. None: ``steps`` alone limits training.
         steps: at most this many training steps.
         seed: seeds the corpus, the initial weights and the batch order.
-        progress: show a tqdm bar (stages corpus, tokenizer, training with loss, saving).
+        progress: show a tqdm bar on stderr (stages corpus, tokenizer, training with loss, saving).
+        report: also called with (percent done, stage text) as the build advances, e.g. to
+            feed a server's loading status.
         model_overrides: ``config.json`` fields replacing the defaults (tests use a tiny model).
         train_overrides: ``TrainConfig`` fields replacing the defaults.
         corpus_bytes: how much text to generate.
@@ -175,39 +196,57 @@ def build_demo_model(
 
     start = time.monotonic()
     folder = Path(folder)
-    bar = tqdm(total=100.0, desc="rill demo model: corpus", unit="%", disable=not progress,
-               file=sys.stderr, bar_format="{desc}{percentage:3.0f}%|{bar}| {elapsed}<{remaining}{postfix}")
-    with bar:
+    with _Progress(progress, report) as bar:
+        bar.stage("corpus", 0.0)
         docs = corpus.documents(seed, corpus_bytes)
-        bar.update(_STAGE_SHARES["corpus"])
-        bar.set_description("rill demo model: tokenizer")
+        bar.stage("tokenizer", _CORPUS_END)
         tokenizer = tk.train_tokenizer(docs)
         ids = [e.ids for e in tokenizer.encode_batch(docs, add_special_tokens=False)]
         tokens = pack_documents(ids, tokenizer.token_to_id(tk.BOS), tokenizer.token_to_id(tk.EOS))
-        bar.update(_STAGE_SHARES["tokenizer"])
         config = model_config(tokenizer.get_vocab_size(), model_overrides)
         model = build_model(config, "float32", "cpu", seed=seed)
         budget = None if time_budget_s is None else max(1.0, time_budget_s - (time.monotonic() - start) - 3.0)
         train_config = TrainConfig(**({"steps": steps, "time_budget_s": budget, "seed": seed} | (train_overrides or {})))
         train_tokens, holdout = split_holdout(tokens, min_tokens=train_config.seq_len + 1)
-        result = train(model, train_tokens, train_config, _training_progress(bar), holdout)
-        bar.set_description("rill demo model: saving")
+        bar.stage("training", _TOKENIZER_END)
+        result = train(model, train_tokens, train_config, bar.training, holdout)
+        bar.stage("saving", _TRAINING_END, f"loss {result.train_loss:.3f}")
         _save(folder, model, config, tokenizer, result, train_config, save_checkpoint)
-        bar.update(bar.total - bar.n)
-        bar.set_postfix_str(f"loss {result.train_loss:.3f}")
+        bar.stage("done", 100.0, f"loss {result.train_loss:.3f}")
     return folder
 
 
-def _training_progress(bar: tqdm) -> ProgressFn:
-    start = bar.n  # corpus and tokenizer shares are done
-    share = bar.total - sum(_STAGE_SHARES.values())
+class _Progress:
+    """One tqdm bar for the whole build (stage in the description), plus an optional callback."""
 
-    def report(fraction: float, step: int, loss: float) -> None:
-        bar.set_description("rill demo model: training")
-        bar.set_postfix_str(f"step {step} loss {loss:.3f}", refresh=False)
-        bar.update(start + share * fraction - bar.n)
+    def __init__(self, show: bool, report: ReportFn | None) -> None:
+        self.bar = tqdm(total=100.0, unit="%", disable=not show, file=sys.stderr,
+                        bar_format="{desc}{percentage:3.0f}%|{bar}| {elapsed}<{remaining}{postfix}")
+        self.report = report
+        self.percent = 0.0
 
-    return report
+    def __enter__(self) -> "_Progress":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.bar.close()
+
+    def stage(self, name: str, percent: float, postfix: str = "") -> None:
+        """Enter stage ``name`` at ``percent``."""
+        self.bar.set_description(f"rill demo model: {name}", refresh=False)
+        self._move(percent, postfix, f"demo model: {name}")
+
+    def training(self, fraction: float, step: int, loss: float) -> None:
+        """The training loop's ``ProgressFn``."""
+        percent = _TOKENIZER_END + (_TRAINING_END - _TOKENIZER_END) * fraction
+        self._move(percent, f"step {step} loss {loss:.3f}", f"demo model: training, step {step}, loss {loss:.3f}")
+
+    def _move(self, percent: float, postfix: str, text: str) -> None:
+        self.bar.set_postfix_str(postfix, refresh=False)
+        self.bar.update(percent - self.percent)
+        self.percent = percent
+        if self.report is not None:
+            self.report(percent, text)
 
 
 def _save(folder: Path, model: torch.nn.Module, config: dict[str, Any], tokenizer: Any,
