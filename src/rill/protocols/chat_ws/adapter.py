@@ -197,10 +197,14 @@ class _Chat:
     async def run(self) -> None:
         """Serve the connection; every exit path leaves the queue and frees engine and speech."""
         await self.ws.accept()
-        try:
-            self.request_text = await self.ws.receive_text()
-        except (WebSocketDisconnect, KeyError, RuntimeError):
-            return  # left (or sent a binary frame) before asking anything
+        first = await self.ws.receive()
+        if first["type"] == "websocket.disconnect":
+            return  # left before asking anything
+        # The request is JSON; accept it in a binary frame too (UTF-8), as some clients send that.
+        raw = first.get("text")
+        if raw is None:
+            raw = (first.get("bytes") or b"").decode("utf-8", errors="replace")
+        self.request_text = raw
         watcher = asyncio.create_task(self._watch_disconnect())
         try:
             await self._serve()
