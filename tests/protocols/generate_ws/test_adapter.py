@@ -54,8 +54,9 @@ async def eventually(cond: Any) -> None:
 async def test_basic_flow(make_server: Any) -> None:
     live = await make_server()
     async with connect(live.ws) as ws:
-        await send(ws, type="config", prompt="Write a story", parameters={"max_tokens": 5, "temperature": 0.7},
-                   options={"stream": True})
+        config = {"type": "config", "prompt": "Write a story", "parameters": {"max_tokens": 5, "temperature": 0.7},
+                  "options": {"stream": True}}
+        await ws.send(json.dumps(config).encode())  # a binary frame with the JSON works too
         init = await recv(ws)
         assert init["type"] == "init" and init["model"] == "fake-model" and init["model_info"]["max_tokens"] == 64
         msgs = await until(ws, is_type("completion"))
@@ -77,6 +78,8 @@ async def test_first_message_must_be_config_and_socket_stays_open(make_server: A
         err = await recv(ws)
         assert err["type"] == "error" and err["error"] == "invalid_request" and err["recoverable"] is True
         await ws.send("not json")
+        assert (await recv(ws))["error"] == "invalid_request"
+        await ws.send(b"\xff\xfe binary junk")
         assert (await recv(ws))["error"] == "invalid_request"
         await send(ws, type="config", prompt="x", parameters={"max_tokens": 1})
         assert [m["type"] for m in await until(ws, is_type("completion"))] == ["init", "token", "completion"]

@@ -136,8 +136,12 @@ class GenerateService:
             return
         try:
             while not state["closed"]:
-                text = await ws.receive_text()
-                await conn.handle_text(text)
+                message = await ws.receive()
+                if message["type"] == "websocket.disconnect":
+                    break
+                # Binary frames are accepted too: some clients send their JSON as bytes.
+                data = message.get("text")
+                await conn.handle_text(data if data is not None else message.get("bytes") or b"")
         except (WebSocketDisconnect, _Gone):
             pass
         except RuntimeError:  # receive after the socket closed
@@ -269,8 +273,8 @@ class _Connection:
         self.task: asyncio.Task[None] | None = None
         self._conn_bucket = service.new_conn_bucket()
 
-    async def handle_text(self, text: str) -> None:
-        """One text frame from the client."""
+    async def handle_text(self, text: str | bytes) -> None:
+        """One frame from the client (JSON text, or the same as UTF-8 bytes)."""
         try:
             msg = codec.decode(text)
         except InvalidRequest as exc:
