@@ -76,7 +76,7 @@ async def test_stream_keeps_order_and_close_cancels() -> None:
     service = SpeechService()
     stream = service.open("en")
     for text in ("One.", "Two, three.", "Four five six."):
-        await stream.say(text)
+        stream.say(text)
     stream.end()
     lengths = [len(pcm) async for pcm in stream]
     assert len(lengths) == 3 and lengths[0] < lengths[2]
@@ -84,7 +84,7 @@ async def test_stream_keeps_order_and_close_cancels() -> None:
     assert service.num_open_streams == 0
 
     stream = service.open(None, max_pending=2)
-    await stream.say("A long sentence that is still being spoken when the reply is closed. " * 5)
+    stream.say("A long sentence that is still being spoken when the reply is closed. " * 5)
     await stream.aclose()  # nothing read: the work is cancelled, not left running
     await asyncio.sleep(0)
     assert service.num_open_streams == 0

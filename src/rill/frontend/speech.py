@@ -7,9 +7,11 @@ ship inside the ``espeakng-loader`` wheel, so speech works offline with nothing 
 project's own dependencies. espeak-ng speaks at 22 050 Hz; ``soxr`` resamples to 24 kHz.
 
 espeak-ng keeps global state, so every synthesis of the process runs on one worker thread
-(``SpeechService``). Each reply gets a ``SpeechStream``: segments go in through a bounded
-queue (the producer waits when synthesis lags), audio comes out in order, and ``aclose()``
-stops the synthesis in progress at its next audio block and drops what is still queued.
+(``SpeechService``). Each reply gets a ``SpeechStream``: segments go in without waiting (so
+text streaming never stalls behind speech; the pending text is bounded by the reply
+itself), audio comes out in order through a bounded queue (synthesis runs at most
+``max_pending`` segments ahead of the reader, so a slow client bounds the audio held), and
+``aclose()`` stops the synthesis in progress at its next audio block and drops the rest.
 """
 
 from __future__ import annotations
@@ -228,7 +230,7 @@ class SpeechStream:
 
     ``end()`` says no more text will come; iteration then stops after the last segment.
     ``aclose()`` cancels: the synthesis in progress stops at its next audio block and
-    queued segments are dropped.
+    queued segments are dropped. ``max_pending`` bounds the synthesized audio not yet read.
     """
 
     _END = object()
@@ -237,24 +239,21 @@ class SpeechStream:
         self._service = service
         self._language = language
         self._cancel = threading.Event()
-        self._inbox: asyncio.Queue = asyncio.Queue(maxsize=max_pending)
+        self._inbox: asyncio.Queue = asyncio.Queue()  # text; bounded by the reply's own length
         self._outbox: asyncio.Queue = asyncio.Queue(maxsize=max_pending)
         self._worker = asyncio.create_task(self._work(), name="rill-speech-stream")
         self._closed = False
         service.num_open_streams += 1
 
-    async def say(self, text: str) -> None:
-        """Queue a segment; waits while ``max_pending`` segments are already queued."""
+    def say(self, text: str) -> None:
+        """Queue a segment (never waits)."""
         if not self._closed:
-            await self._inbox.put(text)
+            self._inbox.put_nowait(text)
 
     def end(self) -> None:
-        """No more segments (non-blocking; the end marker may wait for room in the queue)."""
+        """No more segments."""
         if not self._closed:
-            with contextlib.suppress(asyncio.QueueFull):
-                self._inbox.put_nowait(self._END)
-                return
-            asyncio.get_running_loop().create_task(self._inbox.put(self._END))
+            self._inbox.put_nowait(self._END)
 
     async def _work(self) -> None:
         loop = asyncio.get_running_loop()

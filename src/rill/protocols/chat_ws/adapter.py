@@ -326,7 +326,7 @@ class _Chat:
                 await self._send(action)
             elif isinstance(action, Speak):
                 if self.speech is not None:
-                    await self.speech.say(action.text)
+                    self.speech.say(action.text)
             elif isinstance(action, EndSpeech):
                 if self.speech is not None:
                     self.speech.end()
