@@ -290,3 +290,14 @@ def test_regenerate_delta_merged_with_older_tokens_keeps_them_before_the_restart
     msgs = sent(sess.on_output(out(" b", " x", events=[RequestEvent.REGENERATING], n=1), now=11.5))
     assert [m.get("operation", m["type"]) for m in msgs] == ["token", "regenerating", "init", "token"]
     assert msgs[0]["generated_text"] == " a b" and msgs[3]["generated_text"] == " x"
+
+
+def test_modify_refused_by_the_engine_is_undone() -> None:
+    from rill.errors import RequestNotFound
+
+    sess = new_session()
+    started(sess, parameters={"temperature": 0.8})
+    sess.receive(control("modify", parameters={"temperature": 0.1}), now=11.0)
+    [err] = sent(sess.on_modify_refused(RequestNotFound("request gen_0 already finished")))
+    assert err["error"] == "invalid_request"
+    assert sess.gen is not None and sess.gen.sampling.temperature == 0.8 and not sess.gen.pending_modified

@@ -316,7 +316,10 @@ class _Connection:
             elif isinstance(action, s.Resume):
                 stream.resume()
             elif isinstance(action, s.Modify):
-                stream.modify(action.patch)
+                try:
+                    stream.modify(action.patch)
+                except RillError as exc:
+                    await self.perform(self.session.on_modify_refused(exc))
             elif isinstance(action, s.Regenerate):
                 stream.regenerate()
         except RillError as exc:  # e.g. the request finished meanwhile, or the engine refused a value

@@ -96,6 +96,7 @@ class Generation:
     first_token_at: float | None = None
     last_token_at: float | None = None
     pending_modified: list[SamplingParams] = field(default_factory=list)
+    sampling_in_force: SamplingParams | None = None  # last parameters the engine confirmed
     is_finished: bool = False
 
     @property
@@ -168,7 +169,7 @@ class GenerateSession:
             patch["logprobs"] = DEFAULT_TOP_LOGPROBS
         sampling = self._validated(SamplingParams(), patch)
         self.gen = Generation(request_id=self._new_request_id(), prompt=msg.prompt, options=options,
-                              sampling=sampling, started_at=now)
+                              sampling=sampling, started_at=now, sampling_in_force=sampling)
         self.state = State.STARTING
         request = GenerateRequest(prompt=msg.prompt, sampling=sampling, request_id=self.gen.request_id,
                                   protocol=PROTOCOL)
@@ -244,6 +245,14 @@ class GenerateSession:
         }
         return [StoreFeedback(record)]
 
+    def on_modify_refused(self, exc: RillError) -> list[Action]:
+        """The engine refused the last ``Modify`` (e.g. the request just ended): undo it."""
+        gen = self.gen
+        if gen is not None and gen.pending_modified:
+            gen.pending_modified.pop()
+            gen.sampling = gen.pending_modified[-1] if gen.pending_modified else (gen.sampling_in_force or gen.sampling)
+        return self.on_invalid(exc)
+
     def on_feedback_stored(self, request_id: str, feedback_id: int) -> list[Action]:
         """The store committed the record: acknowledge it."""
         return [Send(m.Status(operation="feedback_received", request_id=request_id, feedback_id=feedback_id,
@@ -313,6 +322,7 @@ class GenerateSession:
                 statuses.append(m.Status(operation="resumed", request_id=gen.request_id, message="generation resumed"))
             elif event is RequestEvent.MODIFIED:
                 params = gen.pending_modified.pop(0) if gen.pending_modified else gen.sampling
+                gen.sampling_in_force = params
                 statuses.append(m.Status(operation="modified", request_id=gen.request_id,
                                          message="parameters in force from the next token",
                                          parameters=msgspec.structs.asdict(params)))
