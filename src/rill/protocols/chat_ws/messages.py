@@ -15,7 +15,7 @@ Pure: msgspec only.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 import msgspec
 from msgspec import UNSET, UnsetType
@@ -168,7 +168,3 @@ class Error(msgspec.Struct, tag_field="type", tag="error", kw_only=True):
 
 ServerMessage = Queued | QueueUpdate | QueueDone | PrefillDone | Chunk | Done | Error
 
-
-def as_dict(message: Any) -> dict[str, Any]:
-    """The JSON-ready dict of a wire struct (tests and recordings)."""
-    return msgspec.to_builtins(message)

@@ -27,7 +27,6 @@ from rill.protocols.chat_ws.messages import (
     ChatRequest,
     Chunk,
     Done,
-    Error,
     GenerationConfig,
     Message,
     PrefillDone,
@@ -280,9 +279,4 @@ class ChatSession:
         if state not in TRANSITIONS[self.state]:
             raise RuntimeError(f"chat session: illegal transition {self.state} → {state}")
         self.state = state
-
-
-def error_message(exc: BaseException) -> Error:
-    """The wire ``error`` for an exception raised before a session exists."""
-    return codec.error_for(exc)[0]
 
