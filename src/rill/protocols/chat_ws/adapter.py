@@ -22,7 +22,7 @@ import re
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
@@ -168,6 +168,18 @@ def routes(deps: Any) -> list[BaseRoute]:
         Route("/api/recordings/{recording_id}/reply.wav", recording_wav, methods=["GET"]),
         Route("/api/default_ref_audio", default_ref_audio, methods=["GET"]),
     ]
+
+
+async def start(deps: Any) -> Callable[[], Awaitable[None]] | None:
+    """No listener of its own; the returned stopper ends the speech worker thread at shutdown."""
+    service: ChatService | None = deps.extras.get(EXTRA)
+    if service is None:
+        return None
+
+    async def stop() -> None:
+        service.speech.shutdown()
+
+    return stop
 
 
 def _recording_folder(service: ChatService, recording_id: str) -> Path | None:
