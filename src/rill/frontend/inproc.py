@@ -113,7 +113,8 @@ class Engine:
         from rill.demo import ensure_demo_model
 
         report(1.0, "building the demo model (first run only)")
-        return ensure_demo_model(progress=True)
+        # The build reports 0-100 %; it is the first 55 % of loading.
+        return ensure_demo_model(progress=True, report=lambda pct, stage: report(1.0 + 0.54 * pct, stage))
 
 
 class InprocClient:
@@ -126,6 +127,7 @@ class InprocClient:
         self.engine: Engine | None = None
         self.load_error: BaseException | None = None
         self._progress = 0.0
+        self._stage = ""
         self._load_started = time.monotonic()
         self._ready = asyncio.Event()
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -326,8 +328,10 @@ class InprocClient:
             self.loop.call_soon_threadsafe(self._fail_all)
 
     def _set_progress(self, pct: float, stage: str) -> None:
+        if int(pct) != int(self._progress) or stage != self._stage:
+            log.info("loading: %.0f%% %s", pct, stage)
         self._progress = pct
-        log.info("loading: %.0f%% %s", pct, stage)
+        self._stage = stage
 
     def _loop(self, engine: Engine) -> None:
         core = engine.core
