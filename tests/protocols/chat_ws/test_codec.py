@@ -74,3 +74,31 @@ def test_error_table(exc: BaseException, text: str, code: int) -> None:
     assert text in message.error and close_code == code
     if not isinstance(exc, errors.RillError):
         assert "secret" not in message.error
+
+
+def test_seeded_mutations_raise_only_invalid_request() -> None:
+    """Random byte edits of valid requests decode to a request or raise InvalidRequest, nothing else."""
+    import random
+
+    from rill.protocols.chat_ws.messages import ChatRequest
+
+    seeds = [json.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"},
+                                                                    {"type": "audio", "data": "AAAA", "sample_rate": 8000}]}],
+                         "generation": {"max_new_tokens": 5, "top_p": 0.5}, "tts": {"enabled": False, "language": "fr"},
+                         "streaming": False}).encode(),
+             b'{"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]}']
+    rng = random.Random(1234)
+    for _ in range(3000):
+        data = bytearray(rng.choice(seeds))
+        for _ in range(rng.randint(1, 4)):
+            op, i = rng.random(), rng.randrange(len(data))
+            if op < 0.4:
+                data[i] = rng.randrange(256)
+            elif op < 0.7:
+                del data[i]
+            else:
+                data.insert(i, rng.choice(b'{}[]",:0-.e\\u\xff'))
+        try:
+            assert isinstance(codec.decode_request(bytes(data)), ChatRequest)
+        except errors.InvalidRequest:
+            pass

@@ -51,7 +51,7 @@ def decode_request(text: str | bytes) -> ChatRequest:
     """The client's request, validated.
 
     Raises:
-        InvalidRequest: not JSON, or a field of the wrong type or value (msgspec names its
+        InvalidRequest: not UTF-8 JSON, or a field of the wrong type or value (msgspec names its
             path, e.g. ``$.generation.temperature``), or no messages.
     """
     try:
@@ -60,6 +60,8 @@ def decode_request(text: str | bytes) -> ChatRequest:
         raise InvalidRequest(f"invalid request: {exc}") from exc
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"invalid request: not valid JSON ({exc})") from exc
+    except UnicodeDecodeError as exc:  # bytes that are not UTF-8 (found by the mutation test)
+        raise InvalidRequest("invalid request: not valid UTF-8") from exc
     if not request.messages:
         raise InvalidRequest("invalid request: 'messages' is empty", field="messages")
     return request
