@@ -27,6 +27,7 @@ from rill.errors import (
     RequestTimeout,
     RillError,
 )
+from rill.protocols._shared.errors import lookup
 from rill.protocols.batch_ws.messages import BatchRequest, ServerEvent, SocketError
 
 # Texts the source project puts on the wire; kept as prefixes so clients matching them work.
@@ -71,26 +72,22 @@ def _same(exc: RillError) -> str:
 
 # NOTE: one table per protocol (STYLE §6.8). Errors whose own text is written for clients
 # pass through; engine failures get fixed texts so internals never leak.
-ERROR_TABLE: list[tuple[type[BaseException], Callable[[RillError], str]]] = [
-    (ContextLengthExceeded, _same),
-    (InvalidRequest, _same),
-    (QueueFull, lambda exc: "the server's waiting queue is full; retry later"),
-    (RateLimited, _same),
-    (MemoryPressure, lambda exc: "the prompt can never fit in the server's KV cache memory"),
-    (ModelNotReady, lambda exc: "the model is still loading; retry later"),
-    (RequestRejected, lambda exc: "the server refused the request; retry later"),
-    (CacheMiss, _same),
-    (RequestTimeout, lambda exc: "the request ran past the server's time limit"),
-    (EngineDead, lambda exc: "the engine stopped; no generation can run until the server restarts"),
-    (EngineError, lambda exc: "generation failed"),
-]
+ERROR_TABLE: dict[type[BaseException], Callable[[RillError], str]] = {
+    ContextLengthExceeded: _same,
+    InvalidRequest: _same,
+    QueueFull: lambda exc: "the server's waiting queue is full; retry later",
+    RateLimited: _same,
+    MemoryPressure: lambda exc: "the prompt can never fit in the server's KV cache memory",
+    ModelNotReady: lambda exc: "the model is still loading; retry later",
+    RequestRejected: lambda exc: "the server refused the request; retry later",
+    CacheMiss: _same,
+    RequestTimeout: lambda exc: "the request ran past the server's time limit",
+    EngineDead: lambda exc: "the engine stopped; no generation can run until the server restarts",
+    EngineError: lambda exc: "generation failed",
+}
 
 
 def error_text(exc: BaseException) -> str:
     """The ERROR event text for ``exc`` (the most specific table entry wins by MRO)."""
-    table = dict(ERROR_TABLE)
-    for cls in type(exc).__mro__:
-        render = table.get(cls)
-        if render is not None:
-            return render(exc)  # type: ignore[arg-type]
-    return GENERIC_ERROR
+    render = lookup(ERROR_TABLE, exc, None)
+    return GENERIC_ERROR if render is None else render(exc)  # type: ignore[arg-type]

@@ -19,6 +19,7 @@ from rill.errors import (
     RequestTimeout,
     RillError,
 )
+from rill.protocols._shared.errors import lookup
 from rill.protocols.chat_ws.messages import ChatRequest, Error, ServerMessage
 
 _request_decoder = msgspec.json.Decoder(ChatRequest)
@@ -74,8 +75,8 @@ def encode(message: ServerMessage) -> str:
 
 def error_for(exc: BaseException) -> tuple[Error, int]:
     """The ``error`` message and WebSocket close code for an exception (generic when unknown)."""
-    for cls in type(exc).__mro__:
-        if cls in ERROR_TABLE:
-            text, close_code = ERROR_TABLE[cls]
-            return Error(error=text if text is not None else str(exc)), close_code
-    return Error(error=GENERIC_ERROR), CLOSE_INTERNAL_ERROR
+    entry = lookup(ERROR_TABLE, exc, None)
+    if entry is None:
+        return Error(error=GENERIC_ERROR), CLOSE_INTERNAL_ERROR
+    text, close_code = entry
+    return Error(error=text if text is not None else str(exc)), close_code

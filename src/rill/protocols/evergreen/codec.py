@@ -33,6 +33,7 @@ from rill.errors import (
     RequestTimeout,
     RillError,
 )
+from rill.protocols._shared.errors import lookup
 from rill.protocols.evergreen import errors
 from rill.protocols.evergreen._pb import evergreen_pb2 as pb
 from rill.protocols.evergreen._pb import evergreen_service_pb2 as service_pb
@@ -307,10 +308,10 @@ def status_of(exc: BaseException) -> tuple[str, str]:
     """
     if not isinstance(exc, RillError):
         return "INTERNAL", GENERIC_MESSAGE
-    for cls in type(exc).__mro__:
-        if cls in ERROR_STATUS:
-            return ERROR_STATUS[cls], exc.message
-    return "INTERNAL", GENERIC_MESSAGE
+    status = lookup(ERROR_STATUS, exc, None)
+    if status is None:
+        return "INTERNAL", GENERIC_MESSAGE
+    return status, exc.message
 
 
 WS_CLOSE_BASE = 4000

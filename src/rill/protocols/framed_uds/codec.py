@@ -33,6 +33,7 @@ from rill.errors import (
     RequestTimeout,
     RillError,
 )
+from rill.protocols._shared.errors import lookup
 from rill.protocols.framed_uds.framing import FrameTooLarge, InvalidFrameLength, encode_frame
 from rill.protocols.framed_uds.messages import Cancel, ClientMessage, MetricsQuery, Request, ServerMessage, Slo
 from rill.types import EngineStats, GenerateRequest, SamplingParams
@@ -85,10 +86,7 @@ _PROMPT_TOO_LARGE = (ContextLengthExceeded, MemoryPressure)
 
 def error_code(exc: BaseException) -> str:
     """The wire code for ``exc`` (generic for anything that is not a ``RillError``)."""
-    for cls in type(exc).__mro__:
-        if cls in ERROR_CODES:
-            return ERROR_CODES[cls]
-    return GENERIC_CODE
+    return lookup(ERROR_CODES, exc, GENERIC_CODE)
 
 
 def error_message(exc: BaseException) -> str:

@@ -33,6 +33,7 @@ from rill.errors import (
     RillError,
 )
 from rill.protocols._shared import sse
+from rill.protocols._shared.errors import lookup
 from rill.protocols.generate_ws import messages as m
 
 
@@ -89,10 +90,7 @@ ERROR_TABLE: dict[type[BaseException], WireError] = {
 
 def wire_error(exc: BaseException) -> WireError:
     """The table entry of ``exc``'s most specific class."""
-    for cls in type(exc).__mro__:
-        if cls in ERROR_TABLE:
-            return ERROR_TABLE[cls]
-    return ERROR_TABLE[BaseException]
+    return lookup(ERROR_TABLE, exc, ERROR_TABLE[BaseException])
 
 
 def error_message(exc: BaseException, request_id: str | None = None, generated_text: str | None = None) -> m.Error:

@@ -33,6 +33,7 @@ from rill.errors import (
     RequestTimeout,
     RillError,
 )
+from rill.protocols._shared.errors import lookup
 from rill.protocols.openai_http.messages import (
     ChatCompletionRequest,
     ChatMessageIn,
@@ -146,12 +147,10 @@ def encode(message: msgspec.Struct) -> bytes:
 
 def error_detail(exc: BaseException) -> tuple[int, ErrorDetail]:
     """HTTP status and OpenAI ``error`` object for ``exc`` (generic text for non-rill errors)."""
-    for cls in type(exc).__mro__:
-        if cls in ERROR_TABLE:
-            status, kind = ERROR_TABLE[cls]
-            break
-    else:
+    entry = lookup(ERROR_TABLE, exc, None)
+    if entry is None:
         return 500, ErrorDetail(message=_GENERIC_MESSAGE, type="server_error", code="internal_error")
+    status, kind = entry
     assert isinstance(exc, RillError)  # only rill classes are in the table
     param = getattr(exc, "field", None)
     return status, ErrorDetail(message=exc.message, type=kind, param=param, code=exc.code)
