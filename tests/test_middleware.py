@@ -6,14 +6,12 @@ the WebSocket handshake denial and chunked uploads go through a real ASGI server
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from types import SimpleNamespace
 from typing import Any, AsyncIterator
 
 import httpx
 import pytest
-import uvicorn
 import websockets
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -23,6 +21,7 @@ from starlette.websockets import WebSocket
 
 from rill import config as config_mod
 from rill import middleware
+from tests.helpers import serving
 
 
 async def _echo(request: Request) -> JSONResponse:
@@ -46,17 +45,8 @@ async def serve(**overrides: Any) -> AsyncIterator[str]:
     inner = Starlette(routes=[Route("/health", _echo), Route("/v1/echo", _echo, methods=["GET", "POST"]),
                               WebSocketRoute("/ws", _ws)])
     app = middleware.wrap(inner, _deps(**overrides))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
-    task = asyncio.create_task(server.serve())
-    while not server.started:  # polls a condition, bounded by the task failing
-        if task.done():
-            task.result()
-        await asyncio.sleep(0.005)
-    try:
-        yield f"127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        await task
+    async with serving(app) as port:
+        yield f"127.0.0.1:{port}"
 
 
 async def test_no_keys_means_no_auth() -> None:

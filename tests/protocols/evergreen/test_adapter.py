@@ -21,6 +21,7 @@ from rill.server import Deps
 from rill.types import EngineStats, GenerateRequest, ModelInfo, RequestOutput
 
 from tests.conftest import free_port
+from tests.helpers import wait_until
 
 
 class ScriptedClient:
@@ -189,10 +190,8 @@ async def test_cancelling_the_call_aborts_the_request_in_the_engine():
             client.gate.set()
             await session.receive()
             session.cancel()
-            for _ in range(1000):  # the abort arrives within a few loop turns, not after a delay
-                if client.aborted:
-                    break
-                await asyncio.sleep(0.001)
+            # the abort arrives within a few loop turns, not after a delay
+            await wait_until(lambda: client.aborted, attempts=1000, interval_s=0.001)
         assert client.aborted == ["r0"]
     finally:
         await stop()
@@ -258,8 +257,6 @@ async def test_stopping_the_server_ends_open_sessions_and_aborts_their_requests(
         with pytest.raises(EvergreenError):
             while await session.receive() is not None:
                 pass
-    for _ in range(1000):  # the cancelled handler closes its streams within a few loop turns
-        if client.aborted:
-            break
-        await asyncio.sleep(0.001)
+    # the cancelled handler closes its streams within a few loop turns
+    await wait_until(lambda: client.aborted, attempts=1000, interval_s=0.001)
     assert client.aborted == ["r0"]

@@ -17,6 +17,7 @@ import pytest
 from rill.errors import ConfigError
 from rill.protocols.framed_uds import adapter
 from rill.server import Deps
+from tests.helpers import wait_until
 
 from .conftest import FramedClient, uds_config
 from .fakes import FakeEngineClient
@@ -282,13 +283,9 @@ async def _all(conn: FramedClient):
         yield event
 
 
-async def _until(predicate, limit: int = 10_000) -> None:
+async def _until(predicate) -> None:
     # Polls state changed by the fake engine's step loop; bounded by steps, not by time.
-    for _ in range(limit):
-        if predicate():
-            return
-        await asyncio.sleep(0.001)
-    raise AssertionError("condition never held")
+    await wait_until(predicate, attempts=10_000, interval_s=0.001)
 
 
 async def _until_engine_idle(client: FakeEngineClient) -> None:

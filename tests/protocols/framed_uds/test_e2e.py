@@ -22,6 +22,7 @@ from rill.protocols.framed_uds import adapter
 from rill.server import Deps
 from rill.types import GenerateRequest, SamplingParams
 from tests.conftest import LiveServer, start_server
+from tests.helpers import wait_until
 
 from .conftest import FramedClient, uds_config
 
@@ -298,10 +299,6 @@ async def test_slo_request_overtakes_queued_requests(uds_server: LiveServer) -> 
     assert_idle(uds_server)
 
 
-async def until(predicate, limit: int = 2000) -> None:
+async def until(predicate) -> None:
     """Poll engine state until ``predicate`` holds (fails the test if it never does)."""
-    for _ in range(limit):
-        if predicate():
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError("condition never held")
+    await wait_until(predicate, attempts=2000, interval_s=0.005)

@@ -11,6 +11,7 @@ import uvicorn
 
 from rill.config import HttpConfig, ServerConfig
 from rill.server import Deps, build_app
+from tests.helpers import port_of, start_uvicorn, stop_uvicorn
 
 from .fakes import FakeClient
 
@@ -20,7 +21,7 @@ class LiveServer:
 
     def __init__(self, server: uvicorn.Server, task: asyncio.Task, client: FakeClient, deps: Deps) -> None:
         self.server, self.task, self.client, self.deps = server, task, client, deps
-        port = server.servers[0].sockets[0].getsockname()[1]
+        port = port_of(server)
         self.url = f"http://127.0.0.1:{port}"
         self.ws = f"ws://127.0.0.1:{port}/generate"
 
@@ -28,20 +29,12 @@ class LiveServer:
 async def start_server(client: Any, **http: Any) -> LiveServer:
     config = ServerConfig(http=dataclasses.replace(HttpConfig(), port=0, **http))
     deps = Deps(config=config, client=client, api_keys=config.api_keys())
-    server = uvicorn.Server(uvicorn.Config(build_app(deps), host="127.0.0.1", port=0, log_level="warning",
-                                           lifespan="off"))
-    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        if task.done():
-            task.result()
-        await asyncio.sleep(0.005)
+    server, task = await start_uvicorn(build_app(deps))
     return LiveServer(server, task, client, deps)
 
 
 async def stop_server(live: LiveServer) -> None:
-    live.server.should_exit = True
-    await live.task
+    await stop_uvicorn(live.server, live.task)
 
 
 @pytest.fixture

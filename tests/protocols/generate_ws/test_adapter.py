@@ -12,6 +12,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from rill.feedback import FeedbackStore
+from tests.helpers import wait_until
 
 from .fakes import FakeClient
 
@@ -44,11 +45,7 @@ def is_status(op: str) -> Any:
 
 
 async def eventually(cond: Any) -> None:
-    for _ in range(500):  # bounded wait for a server-side effect, not a timing assertion
-        if cond():
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError("condition never became true")
+    await wait_until(cond, attempts=500, interval_s=0.005)  # a server-side effect, not a timing assertion
 
 
 async def test_basic_flow(make_server: Any) -> None:

@@ -14,7 +14,6 @@ import time
 import uuid
 from typing import Any, AsyncIterator
 
-import uvicorn
 from starlette.applications import Starlette
 from starlette.routing import Route
 
@@ -25,6 +24,7 @@ from rill.frontend.stream import RequestStream
 from rill.protocols.openai_http import adapter
 from rill.server import health, make_deps
 from rill.types import EngineStats, GenerateRequest, ModelInfo, RequestEvent, RequestOutput, TokenLogprob, TopLogprob, Usage
+from tests.helpers import serving
 
 MAX_CONTEXT = 64
 FAIL_ID = 7
@@ -189,16 +189,5 @@ async def live_app(client: Any, **overrides: Any) -> AsyncIterator[str]:
     inner = Starlette(routes=[Route("/health", health, methods=["GET"]), *adapter.routes(deps)])
     inner.state.deps = deps
     app = middleware.wrap(inner, deps)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
-    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
-    task = asyncio.create_task(server.serve())
-    while not server.started:  # polls a condition, bounded by the task failing
-        if task.done():
-            task.result()
-        await asyncio.sleep(0.005)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
+    async with serving(app) as port:
         yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        await task

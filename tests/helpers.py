@@ -1,0 +1,66 @@
+"""Helpers shared by several test files: an ASGI app on a loopback port, and bounded polling.
+
+Import as ``from tests.helpers import ...`` (like ``tests.conftest``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any, AsyncIterator, Callable
+
+import uvicorn
+
+
+async def start_uvicorn(app: Any) -> tuple[uvicorn.Server, asyncio.Task[None]]:
+    """Serve ``app`` with uvicorn on ``127.0.0.1`` at a free port; return once it listens.
+
+    Returns:
+        The server (its port: ``port_of(server)``) and the task running it; stop both with
+        ``stop_uvicorn``. A server that fails to start raises here instead of hanging.
+    """
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
+    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+    task = asyncio.create_task(server.serve())
+    while not server.started:  # polls a condition, bounded by the task failing
+        if task.done():
+            task.result()
+        await asyncio.sleep(0.005)
+    return server, task
+
+
+def port_of(server: uvicorn.Server) -> int:
+    """The port a started server listens on."""
+    return server.servers[0].sockets[0].getsockname()[1]
+
+
+async def stop_uvicorn(server: uvicorn.Server, task: asyncio.Task[None]) -> None:
+    """Ask ``server`` to exit and wait until it has."""
+    server.should_exit = True
+    await task
+
+
+@contextlib.asynccontextmanager
+async def serving(app: Any) -> AsyncIterator[int]:
+    """``async with serving(app) as port:`` — ``app`` on a loopback port for the block's duration."""
+    server, task = await start_uvicorn(app)
+    try:
+        yield port_of(server)
+    finally:
+        await stop_uvicorn(server, task)
+
+
+async def wait_until(predicate: Callable[[], Any], *, attempts: int, interval_s: float) -> None:
+    """Poll ``predicate`` until it is true; fail the test if it never is.
+
+    A bounded wait for a server-side effect (engine state, an abort reaching a fake), not a
+    timing assertion: ``attempts`` checks, ``interval_s`` apart.
+
+    Raises:
+        AssertionError: ``predicate`` stayed false for all ``attempts``.
+    """
+    for _ in range(attempts):
+        if predicate():
+            return
+        await asyncio.sleep(interval_s)
+    raise AssertionError("condition never held")
