@@ -1,4 +1,4 @@
-"""Helpers shared by several test files: an ASGI app on a loopback port, and bounded polling.
+"""Helpers shared by several test files: an ASGI app on a loopback port, bounded polling, WebSocket reads.
 
 Import as ``from tests.helpers import ...`` (like ``tests.conftest``).
 """
@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from typing import Any, AsyncIterator, Callable
 
 import uvicorn
+
+RECV_LIMIT_S = 60
+"""How long ``recv_json`` waits: a hang fails the test instead of blocking the run; never a pass condition."""
 
 
 async def start_uvicorn(app: Any) -> tuple[uvicorn.Server, asyncio.Task[None]]:
@@ -64,3 +68,12 @@ async def wait_until(predicate: Callable[[], Any], *, attempts: int, interval_s:
             return
         await asyncio.sleep(interval_s)
     raise AssertionError("condition never held")
+
+
+async def recv_json(ws: Any) -> Any:
+    """The next message of a ``websockets`` client connection, parsed as JSON.
+
+    Raises:
+        TimeoutError: nothing came within ``RECV_LIMIT_S`` (a missing message fails the test).
+    """
+    return json.loads(await asyncio.wait_for(ws.recv(), RECV_LIMIT_S))

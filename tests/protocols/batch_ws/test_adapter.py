@@ -24,6 +24,7 @@ from rill.frontend.stream import RequestStream
 from rill.protocols.batch_ws import adapter
 from rill.types import GenerateRequest, RequestEvent, RequestOutput
 from tests.conftest import start_server
+from tests.helpers import recv_json
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path) -> Any:
@@ -46,11 +47,10 @@ SPEC_CONFIG = {"num_beams": 1, "do_sample": True, "temperature": 1, "top_p": 1, 
                "max_new_tokens": 100, "repetition_penalty": 1, "length_penalty": 1}
 GREEDY = {"do_sample": False, "num_beams": 1}
 TERMINAL = ("COMPLETE", "ERROR")
-RECV_LIMIT_S = 60  # a hang fails the test instead of blocking the run; never a pass condition
 
 
 async def recv_array(ws: Any) -> list[dict]:
-    frame = json.loads(await asyncio.wait_for(ws.recv(), RECV_LIMIT_S))
+    frame = await recv_json(ws)
     assert isinstance(frame, list) and frame, frame
     return frame
 

@@ -12,14 +12,10 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from rill.feedback import FeedbackStore
+from tests.helpers import recv_json as recv
 from tests.helpers import wait_until
 
 from .fakes import FakeClient
-
-
-async def recv(ws: Any) -> dict:
-    # A safety net so a missing message fails the test instead of hanging the suite.
-    return json.loads(await asyncio.wait_for(ws.recv(), 60))
 
 
 async def send(ws: Any, **msg: Any) -> None:
