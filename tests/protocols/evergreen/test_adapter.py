@@ -4,7 +4,8 @@ client (no model): authentication, engine failures, loading, cancellation, liste
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+import contextlib
+from typing import Any, AsyncIterator
 
 import pytest
 from starlette.applications import Starlette
@@ -98,6 +99,16 @@ async def started(deps: Deps):
     return stop
 
 
+@contextlib.asynccontextmanager
+async def listening(deps: Deps) -> AsyncIterator[None]:
+    """The gRPC listener of ``deps`` for the block's duration."""
+    stop = await started(deps)
+    try:
+        yield
+    finally:
+        await stop()
+
+
 def address(deps: Deps) -> str:
     return f"127.0.0.1:{deps.config.evergreen.grpc_port}"
 
@@ -113,38 +124,29 @@ async def test_grpc_port_0_disables_the_listener():
 
 async def test_a_port_in_use_is_a_config_error():
     deps = make_deps(ScriptedClient())
-    stop = await started(deps)
-    try:
+    async with listening(deps):
         with pytest.raises(ConfigError, match="--grpc-port"):
             await adapter.start(deps)
-    finally:
-        await stop()
 
 
 async def test_generate_streams_the_scripted_tokens_and_labels_the_protocol():
     client = ScriptedClient()
     deps = make_deps(client)
-    stop = await started(deps)
-    try:
+    async with listening(deps):
         assert await collect(deps, "hi", max_tokens=3) == " t0 t1 t2"
         assert client.requests[0].protocol == "evergreen"
         assert [(m.role, m.content) for m in client.requests[0].messages] == [("user", "hi")]
-    finally:
-        await stop()
 
 
 async def test_api_keys_are_required_over_grpc_when_configured():
     deps = make_deps(ScriptedClient(), **{"http.api_key": ["k1"]})
-    stop = await started(deps)
-    try:
+    async with listening(deps):
         with pytest.raises(EvergreenError) as info:
             await collect(deps, "hi")
         assert info.value.status == "UNAUTHENTICATED"
         with pytest.raises(EvergreenError):
             await collect(deps, "hi", api_key="wrong")
         assert await collect(deps, "hi", max_tokens=1, api_key="k1") == " t0"
-    finally:
-        await stop()
 
 
 @pytest.mark.parametrize("script, status, text", [
@@ -154,35 +156,28 @@ async def test_api_keys_are_required_over_grpc_when_configured():
 ])
 async def test_engine_failures_abort_the_session_with_their_status(script, status, text):
     deps = make_deps(ScriptedClient())
-    stop = await started(deps)
-    try:
+    async with listening(deps):
         with pytest.raises(EvergreenError) as info:
             await collect(deps, script, max_tokens=8)
         assert (info.value.status, info.value.message) == (status, text)
         assert "shadow" not in info.value.message
-    finally:
-        await stop()
 
 
 async def test_a_session_waits_for_the_model_to_load():
     client = ScriptedClient(is_ready=False)
     deps = make_deps(client)
-    stop = await started(deps)
-    try:
+    async with listening(deps):
         task = asyncio.create_task(collect(deps, "hi", max_tokens=2))
         await asyncio.sleep(0.05)  # let the call reach the server; it must not fail while loading
         assert not task.done()
         client.ready.set()
         assert await task == " t0 t1"
-    finally:
-        await stop()
 
 
 async def test_cancelling_the_call_aborts_the_request_in_the_engine():
     client = ScriptedClient()
     deps = make_deps(client)
-    stop = await started(deps)
-    try:
+    async with listening(deps):
         async with EvergreenClient(address(deps)) as egc:
             session = egc.open_session()
             message, _ = prompt_message("hold", config=GenerateConfig(max_tokens=100))
@@ -193,8 +188,6 @@ async def test_cancelling_the_call_aborts_the_request_in_the_engine():
             # the abort arrives within a few loop turns, not after a delay
             await wait_until(lambda: client.aborted, attempts=1000, interval_s=0.001)
         assert client.aborted == ["r0"]
-    finally:
-        await stop()
 
 
 def test_websocket_runs_a_session_and_a_disconnect_aborts(monkeypatch):
