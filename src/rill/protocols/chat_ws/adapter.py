@@ -223,10 +223,10 @@ class _Chat:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            if not isinstance(exc, (InvalidRequest, ModelNotReady)) and codec.error_for(exc)[0].error == codec.GENERIC_ERROR:
+            error, close_code = codec.error_for(exc)
+            if not isinstance(exc, (InvalidRequest, ModelNotReady)) and error.error == codec.GENERIC_ERROR:
                 log.exception("chat failed")
-            actions = (self.session.on_error(exc) if self.session is not None
-                       else [Send(codec.error_for(exc)[0]), Close(codec.error_for(exc)[1])])
+            actions = self.session.on_error(exc) if self.session is not None else [Send(error), Close(close_code)]
             await self._perform(actions)
         finally:
             watcher.cancel()
