@@ -113,6 +113,16 @@ def address(deps: Deps) -> str:
     return f"127.0.0.1:{deps.config.evergreen.grpc_port}"
 
 
+async def open_held_session(egc: EvergreenClient, client: ScriptedClient) -> Any:
+    """A session whose generation has sent its first token and now waits on ``client.gate``."""
+    session = egc.open_session()
+    message, _ = prompt_message("hold", config=GenerateConfig(max_tokens=100))
+    await session.send(message)
+    client.gate.set()
+    await session.receive()
+    return session
+
+
 async def collect(deps: Deps, prompt: str, max_tokens: int = 4, api_key: str | None = None) -> str:
     async with EvergreenClient(address(deps), api_key=api_key) as client:
         return "".join([t async for t in client.generate(prompt, config=GenerateConfig(max_tokens=max_tokens))])
@@ -179,11 +189,7 @@ async def test_cancelling_the_call_aborts_the_request_in_the_engine():
     deps = make_deps(client)
     async with listening(deps):
         async with EvergreenClient(address(deps)) as egc:
-            session = egc.open_session()
-            message, _ = prompt_message("hold", config=GenerateConfig(max_tokens=100))
-            await session.send(message)
-            client.gate.set()
-            await session.receive()
+            session = await open_held_session(egc, client)
             session.cancel()
             # the abort arrives within a few loop turns, not after a delay
             await wait_until(lambda: client.aborted, attempts=1000, interval_s=0.001)
@@ -241,11 +247,7 @@ async def test_stopping_the_server_ends_open_sessions_and_aborts_their_requests(
     deps = make_deps(client)
     stop = await started(deps)
     async with EvergreenClient(address(deps)) as egc:
-        session = egc.open_session()
-        message, _ = prompt_message("hold", config=GenerateConfig(max_tokens=100))
-        await session.send(message)
-        client.gate.set()
-        await session.receive()
+        session = await open_held_session(egc, client)
         await stop()
         with pytest.raises(EvergreenError):
             while await session.receive() is not None:
