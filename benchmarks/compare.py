@@ -343,7 +343,7 @@ def _fmt(value: float | None, spec: str) -> str:
 def table(results: dict[str, dict[int, Summary]], levels: list[int]) -> str:
     """One table: a row per engine and concurrency, then the ratios rill / peer."""
     lines = [f"{'engine':<14}{'N':>4}{'tok/s':>10}{'req/s':>8}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}"
-             f"{'ITL p99':>9}{'errors':>8}   (latencies in ms)"]
+             f"{'ITL p99':>9}{'errors':>8}{'reqs':>6}   (latencies in ms)"]
     for level in levels:
         for engine in ENGINES:
             summary = results.get(engine, {}).get(level)
@@ -353,7 +353,7 @@ def table(results: dict[str, dict[int, Summary]], levels: list[int]) -> str:
             lines.append(f"{engine:<14}{level:>4}{_fmt(summary.output_tokens_per_s, '.1f'):>10}"
                          f"{_fmt(summary.requests_per_s, '.2f'):>8}{_fmt(summary.ttft.p50_ms, '.0f'):>10}"
                          f"{_fmt(summary.ttft.p99_ms, '.0f'):>10}{_fmt(summary.itl.p50_ms, '.1f'):>9}"
-                         f"{_fmt(summary.itl.p99_ms, '.1f'):>9}{summary.num_errors:>8}")
+                         f"{_fmt(summary.itl.p99_ms, '.1f'):>9}{summary.num_errors:>8}{summary.num_requests:>6}")
     lines.append("")
     lines.append("ratios rill / peer: tokens/s (> 1: rill faster), TTFT p99 (< 1: rill sooner)")
     for level in levels:
