@@ -315,3 +315,16 @@ def test_concurrent_callers_build_once(monkeypatch, tmp_path):
     for thread in threads:
         thread.join(timeout=10)
     assert results == [folder] * 3 and len(fake.calls) == 1
+
+
+def test_rebuild_swaps_in_a_new_folder_and_warns_when_undertrained(monkeypatch, tmp_path, capsys):
+    fake = FakeBuild()
+    monkeypatch.setattr(demo_build, "build_demo_model", fake)
+    folder = demo_build.ensure_demo_model(False, folder=tmp_path / "demo")
+    (folder / "rill_demo.json").write_text(json.dumps({"eval_loss": 5.4, "num_steps": 14}))
+    demo_build.ensure_demo_model(True, folder=folder)
+    assert "undertrained" in capsys.readouterr().err and len(fake.calls) == 1
+    demo_build.ensure_demo_model(True, folder=folder, rebuild=True)
+    assert len(fake.calls) == 2 and (folder / "rill_demo.json").read_text() == "{}"
+    assert "undertrained" not in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".demo.lock", "demo"]

@@ -34,9 +34,12 @@ DEMO_NAME = "rill-demo-v1"
 DEFAULT_TIME_BUDGET_S = 240.0
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "rill_demo.json")
 MAX_CONTEXT_TOKENS = 1024
+UNDERTRAINED_LOSS = 1.5
+"""Held-out loss above which the demo model writes poor text (a warning is printed)."""
 GENERATION_CONFIG = {"do_sample": True, "temperature": 0.8, "top_p": 0.95, "max_new_tokens": 256}
-# About 7M parameters: small enough for a few minutes of 2-core CPU training, large
-# enough to learn the corpus's grammar. GQA with 2 KV heads exercises the engine's GQA path.
+# About 5M parameters (1.8k-token vocabulary): small enough for a few minutes of 2-core CPU
+# training, large enough to learn the corpus's grammar. GQA (8 query heads, 2 KV heads)
+# exercises the engine's GQA path.
 DEFAULT_MODEL = {
     "hidden_size": 256,
     "intermediate_size": 768,
@@ -75,6 +78,7 @@ def ensure_demo_model(
     time_budget_s: float | None = None,
     folder: Path | None = None,
     report: ReportFn | None = None,
+    rebuild: bool = False,
 ) -> Path:
     """Return the demo model folder, building it first (once, atomically) if it is missing.
 
@@ -83,24 +87,56 @@ def ensure_demo_model(
         time_budget_s: build time budget (default ``DEFAULT_TIME_BUDGET_S``).
         folder: where the model lives (default ``demo_model_dir()``).
         report: called with (percent, stage text) while building (see ``build_demo_model``).
+        rebuild: build again even if a complete folder exists; it is swapped in when done.
     """
     folder = Path(folder) if folder is not None else demo_model_dir()
-    if is_complete(folder):
+    if is_complete(folder) and not rebuild:
+        _warn_if_undertrained(folder, progress)
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
     with _exclusive_lock(folder.parent / f".{folder.name}.lock", progress):
-        if is_complete(folder):  # another process built it while we waited
+        if is_complete(folder) and not rebuild:  # another process built it while we waited
             return folder
         _remove_leftovers(folder)
         tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
         try:
             build_demo_model(tmp, time_budget_s=time_budget_s or DEFAULT_TIME_BUDGET_S, progress=progress, report=report)
             _make_readable(tmp)
-            tmp.rename(folder)  # atomic: the folder appears complete or not at all
+            _swap_in(tmp, folder)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+    _warn_if_undertrained(folder, progress)
     return folder
+
+
+def _swap_in(new: Path, folder: Path) -> None:
+    # Renames are atomic: the folder appears complete or not at all. A rebuild moves the
+    # old folder aside first; a process that looks in between waits on the lock.
+    if folder.exists():
+        old = folder.with_name(f".{folder.name}.old-{os.getpid()}")
+        folder.rename(old)
+        new.rename(folder)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        new.rename(folder)
+
+
+def _warn_if_undertrained(folder: Path, progress: bool) -> None:
+    # A build on a busy machine can run out of time early; say so instead of serving
+    # gibberish without explanation.
+    try:
+        stats = json.loads((folder / "rill_demo.json").read_text())
+    except (OSError, ValueError):
+        return
+    loss = stats.get("eval_loss")
+    if progress and isinstance(loss, (int, float)) and loss > UNDERTRAINED_LOSS:
+        print(
+            f"rill: the demo model in {folder} is undertrained (held-out loss {loss:.2f} after "
+            f"{stats.get('num_steps')} steps; the machine was probably busy) and will write poor text. "
+            f"Delete that folder to build it again.",
+            file=sys.stderr,
+        )
 
 
 @contextlib.contextmanager
@@ -129,11 +165,12 @@ def _make_readable(folder: Path) -> None:
 
 
 def _remove_leftovers(folder: Path) -> None:
-    # Called with the lock held: any temp folder is from a killed build; a folder at the
-    # final path that is not complete was not made by us (renames are atomic): move it away.
-    for stale in folder.parent.glob(f".{folder.name}.tmp-*"):
-        shutil.rmtree(stale, ignore_errors=True)
-    if folder.exists():
+    # Called with the lock held: temp and old folders are from killed builds; a folder at
+    # the final path that is not complete was not made by a build (renames are atomic).
+    for pattern in (f".{folder.name}.tmp-*", f".{folder.name}.old-*"):
+        for stale in folder.parent.glob(pattern):
+            shutil.rmtree(stale, ignore_errors=True)
+    if folder.exists() and not is_complete(folder):
         shutil.rmtree(folder)
 
 

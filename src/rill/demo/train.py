@@ -40,7 +40,9 @@ class TrainConfig:
     """
 
     seq_len: int = 256
-    batch_size: int = 16
+    # Batch 8 beat batch 16 at equal tokens (held-out loss 0.545 vs 0.604 after 1.2M
+    # tokens): with a budget of minutes, more updates matter more than smoother ones.
+    batch_size: int = 8
     steps: int | None = None
     time_budget_s: float | None = 230.0
     peak_lr: float = 3e-3
