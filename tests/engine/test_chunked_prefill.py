@@ -43,9 +43,8 @@ def test_running_streams_get_a_token_every_step_during_a_4k_prefill(long_engine:
         for out in core.step():
             tokens[out.request_id] += out.token_ids
     core.apply(AddCommand(_request(long_engine, "long", long_ids, 4)))
-    # Pretend a decode step is 10x cheaper than a 2048-token chunk, as on a real CPU, so the
-    # cap is far below the step budget whatever this machine's load does to the timings.
-    core._decode_step_s, core._prefill_token_s = 0.01, 0.001
+    # Start from a small cap, as the cost feedback reaches on a real CPU; the loop adjusts it.
+    core.scheduler.prefill_chunk_tokens = 64
     num_prefill_steps = 0
     long_tokens: list[int] = []
     while not long_tokens:
@@ -81,12 +80,20 @@ def test_running_streams_get_a_token_every_step_during_a_4k_prefill(long_engine:
 
 
 def test_chunk_cap_follows_measured_costs(long_engine: Engine) -> None:
-    core = long_engine.core
-    core._decode_step_s, core._prefill_token_s = 0.020, 0.0005
     from rill.engine.scheduler import SchedulerOutput
 
-    core._update_costs(SchedulerOutput(num_decode_tokens=4), 0.020)
-    assert core.scheduler.prefill_chunk_tokens == 40  # a chunk costs about one more decode step
-    core._prefill_token_s = 1e-6
-    core._update_costs(SchedulerOutput(num_decode_tokens=4), 0.020)
+    core = long_engine.core
+    core._decode_step_s = 0.020
+    core.scheduler.prefill_chunk_tokens = 200
+    core._update_costs(SchedulerOutput(num_decode_tokens=4, num_prefill_tokens=200), 0.060)  # 3 decode steps
+    assert core.scheduler.prefill_chunk_tokens == 140  # too slow: shrink
+    core._update_costs(SchedulerOutput(num_decode_tokens=4, num_prefill_tokens=140), 0.025)  # cheap and binding
+    assert core.scheduler.prefill_chunk_tokens == 183  # grow
+    core._update_costs(SchedulerOutput(num_decode_tokens=4, num_prefill_tokens=20), 0.021)  # cheap but not binding
+    assert core.scheduler.prefill_chunk_tokens == 183
+    for _ in range(50):  # never below the floor, never above the step budget
+        core._update_costs(SchedulerOutput(num_decode_tokens=4, num_prefill_tokens=16), 1.0)
+    assert core.scheduler.prefill_chunk_tokens == core.config.min_prefill_chunk_tokens
+    for _ in range(50):
+        core._update_costs(SchedulerOutput(num_decode_tokens=4, num_prefill_tokens=4000), 0.001)
     assert core.scheduler.prefill_chunk_tokens == core.config.max_num_batched_tokens

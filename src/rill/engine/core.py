@@ -38,6 +38,11 @@ from rill.types import EngineStats, FinishReason, RequestEvent, RequestOutput, U
 
 log = logging.getLogger("rill.engine")
 
+# A step that also prefills a chunk should cost at most about two decode steps (so running
+# streams' inter-token latency at most doubles while a long prompt is prefilled).
+ITL_TARGET_HIGH = 2.0
+ITL_TARGET_LOW = 1.6
+
 
 @dataclass(frozen=True)
 class CoreConfig:
@@ -69,7 +74,6 @@ class EngineCore:
         self.deadlines: dict[str, Request] = {}
         self.stats_counters = EngineStats()
         self._decode_step_s: float | None = None
-        self._prefill_token_s: float | None = None
         self._seq_no = 0
 
     # -- commands ---------------------------------------------------------------------------
@@ -419,18 +423,25 @@ class EngineCore:
 
     # -- adaptive prefill chunk ------------------------------------------------------------------
     def _update_costs(self, plan: SchedulerOutput, elapsed_s: float) -> None:
-        """Learn the cost of a decode step and of a prefill token, then cap prefill chunks
-        that run beside decodes so such a step costs about two decode steps."""
+        """Steer the prefill chunk cap so a step with a chunk costs about twice a decode step.
+
+        A feedback loop rather than a cost model: a chunk also has a fixed cost (masks, its own
+        attention call), so "decode time / per-token prefill time" measured on small chunks
+        overstates the per-token cost and spirals the cap down. Instead the cap shrinks when a
+        step with a chunk took more than ``ITL_TARGET_HIGH`` decode steps and grows while it
+        took less than ``ITL_TARGET_LOW`` with the cap binding.
+        """
         alpha = 0.2
+        cap = self.scheduler.prefill_chunk_tokens
         if plan.num_prefill_tokens == 0 and plan.num_decode_tokens:
             self._decode_step_s = elapsed_s if self._decode_step_s is None else (1 - alpha) * self._decode_step_s + alpha * elapsed_s
-        elif plan.num_prefill_tokens >= 8:
-            base = self._decode_step_s if plan.num_decode_tokens and self._decode_step_s else 0.0
-            per_token = max(elapsed_s - base, 1e-6) / plan.num_prefill_tokens
-            self._prefill_token_s = per_token if self._prefill_token_s is None else (1 - alpha) * self._prefill_token_s + alpha * per_token
-        if self._decode_step_s and self._prefill_token_s:
-            chunk = int(self._decode_step_s / self._prefill_token_s)
-            self.scheduler.prefill_chunk_tokens = max(self.config.min_prefill_chunk_tokens, min(chunk, self.config.max_num_batched_tokens))
+        elif plan.num_prefill_tokens and plan.num_decode_tokens and self._decode_step_s:
+            ratio = elapsed_s / self._decode_step_s
+            if ratio > ITL_TARGET_HIGH:
+                cap = int(cap * 0.7)
+            elif ratio < ITL_TARGET_LOW and plan.num_prefill_tokens >= 0.9 * cap:
+                cap = int(cap * 1.3) + 1
+            self.scheduler.prefill_chunk_tokens = max(self.config.min_prefill_chunk_tokens, min(cap, self.config.max_num_batched_tokens))
         s = self.stats_counters
         s.last_step_ms = elapsed_s * 1000
         s.step_ms_ewma = s.last_step_ms if s.step_ms_ewma == 0 else 0.9 * s.step_ms_ewma + 0.1 * s.last_step_ms
