@@ -28,6 +28,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from rill.config import ServerConfig
+from rill.errors import EngineDead, RillError
 from rill.frontend.client import EngineClient
 
 log = logging.getLogger("rill.server")
@@ -148,6 +149,19 @@ async def serve(
             server.should_exit = True
 
         stop_task = asyncio.create_task(_watch_stop())
+    load_failure: list[BaseException] = []
+
+    async def _watch_load() -> None:
+        # A server whose model cannot load has nothing to serve: say why and exit.
+        try:
+            await client.wait_ready()
+        except EngineDead as exc:
+            error = getattr(client, "load_error", None) or exc
+            log.error("the model failed to load: %s", error)
+            load_failure.append(error)
+            server.should_exit = True
+
+    load_task = asyncio.create_task(_watch_load())
     try:
         serve_task = asyncio.create_task(server.serve())
         if ready is not None:
@@ -158,7 +172,11 @@ async def serve(
     finally:
         if stop is not None:
             stop_task.cancel()
+        load_task.cancel()
         for stopper in stoppers:
             with contextlib.suppress(Exception):
                 await stopper()
         await client.shutdown()
+    if load_failure:
+        error = load_failure[0]
+        raise error if isinstance(error, RillError) else EngineDead(f"the model failed to load: {error}")

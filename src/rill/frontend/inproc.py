@@ -77,10 +77,11 @@ class Engine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         path = Path(config.model) if config.model else self._demo_model(report)
-        report(60.0, "loading tokenizer")
-        self.tokenizer = Tokenizer.from_folder(path)
-        report(65.0, "loading weights")
+        report(60.0, "loading weights")
+        # Weights first: load_model names a missing folder, config or architecture best.
         loaded = load_model(path, dtype=config.dtype, device=config.device)
+        report(85.0, "loading tokenizer")
+        self.tokenizer = Tokenizer.from_folder(path)
         mc = loaded.config
         max_len = min(config.max_model_len or min(mc.max_context_tokens, DEFAULT_MAX_CONTEXT), mc.max_context_tokens)
         budget = parse_size(config.kv_cache_memory, "kv_cache_memory")
@@ -312,8 +313,11 @@ class InprocClient:
         try:
             if engine is None:
                 engine = Engine(self.config, progress=self._set_progress)
-        except BaseException as exc:  # reported by /health and generate(); the server keeps answering
-            log.exception("model failed to load")
+        except BaseException as exc:  # reported by /health and generate(); `rill serve` then exits
+            if isinstance(exc, RillError):
+                log.error("model failed to load: %s", exc)  # a user's mistake: no traceback
+            else:
+                log.exception("model failed to load")
             self.load_error = exc
             self.loop.call_soon_threadsafe(self._ready.set)
             return
