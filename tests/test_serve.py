@@ -1,0 +1,40 @@
+"""`rill serve` as a user runs it: a broken model folder ends it with a clear reason."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import free_port
+
+
+def _serve(model: Path, tmp_path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "rill", "serve", "--model", str(model), "--port", str(free_port()), "--no-socket",
+         "--grpc-port", "0", "--data-dir", str(tmp_path / "data")],
+        capture_output=True, text=True, timeout=120,
+    )
+
+
+@pytest.mark.parametrize(
+    "setup, reason",
+    [
+        (lambda folder: None, "does not exist"),
+        (lambda folder: folder.mkdir(), "config.json"),
+        (lambda folder: (folder.mkdir(), (folder / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))),
+         "unsupported architecture GPT2LMHeadModel; supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"),
+    ],
+    ids=["missing-folder", "no-config", "unknown-architecture"],
+)
+def test_broken_model_folder_ends_serve_with_its_reason(tmp_path: Path, setup, reason: str) -> None:
+    folder = tmp_path / "model"
+    setup(folder)
+    result = _serve(folder, tmp_path)
+    assert result.returncode == 2
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("rill: error: ") and reason in last
+    assert "Traceback" not in result.stderr
