@@ -165,22 +165,34 @@ def test_training_loop_lowers_loss_and_respects_limits():
         train(Bigram(16), tokens, TrainConfig(steps=None, time_budget_s=None))
 
 
-def test_thread_tuner_probes_each_count_then_uses_the_fastest(monkeypatch):
+def _run_tuner(monkeypatch, cost_s: dict[int, float], num_steps: int) -> tuple[ThreadTuner, list[int]]:
     now = [0.0]
     monkeypatch.setattr(train_module.time, "perf_counter", lambda: now[0])
-    cost_s = {2: 1.0, 1: 0.25}  # an overloaded machine: one thread is faster
     tuner, used = ThreadTuner([2, 1]), []
     old_threads = torch.get_num_threads()
     try:
-        for _ in range(45):
+        for _ in range(num_steps):
             tuner.begin()
             used.append(tuner.current)
             now[0] += cost_s[tuner.current]
             tuner.end()
     finally:
         torch.set_num_threads(old_threads)
+    return tuner, used
+
+
+def test_thread_tuner_keeps_all_cores_on_an_idle_machine(monkeypatch):
+    tuner, used = _run_tuner(monkeypatch, {2: 0.3, 1: 0.5}, 100)
+    assert used[:5] == [2, 2, 2, 1, 1] and [i for i in range(5, 100) if used[i] == 1] == [55, 56]
+
+
+def test_thread_tuner_probes_each_count_then_uses_the_fastest(monkeypatch):
+    # An overloaded machine: one thread is faster.
+    tuner, used = _run_tuner(monkeypatch, {2: 1.0, 1: 0.25}, 200)
     assert used[:5] == [2, 2, 2, 1, 1]  # warm-up step, then two timed steps each
-    assert set(used[5:40]) == {1} and used[40:45] == [1, 2, 2, 1, 1]
+    probes = [i for i in range(5, 200) if used[i] == 2]
+    assert probes == [30, 31, 82, 83, 184, 185]  # re-timed after 25, 50, 100 steps
+    assert tuner.num_steps == {2: 9, 1: 191}
 
 
 # ---------------------------------------------------------------- tiny real builds

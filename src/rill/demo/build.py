@@ -34,7 +34,7 @@ DEMO_NAME = "rill-demo-v1"
 DEFAULT_TIME_BUDGET_S = 240.0
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "rill_demo.json")
 MAX_CONTEXT_TOKENS = 1024
-UNDERTRAINED_LOSS = 1.5
+UNDERTRAINED_LOSS = 1.0
 """Held-out loss above which the demo model writes poor text (a warning is printed)."""
 GENERATION_CONFIG = {"do_sample": True, "temperature": 0.8, "top_p": 0.95, "max_new_tokens": 256}
 # About 5M parameters (1.8k-token vocabulary): small enough for a few minutes of 2-core CPU
@@ -302,6 +302,7 @@ def _save(folder: Path, model: torch.nn.Module, config: dict[str, Any], tokenize
         "train_loss": round(result.train_loss, 4),
         "eval_loss": round(result.eval_loss, 4),
         "training_s": round(result.elapsed_s, 1),
+        "steps_by_threads": result.steps_by_threads,
         "seq_len": train_config.seq_len,
         "batch_size": train_config.batch_size,
         "peak_lr": train_config.peak_lr,

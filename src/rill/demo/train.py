@@ -58,13 +58,15 @@ class TrainConfig:
 
 @dataclass(frozen=True, slots=True)
 class TrainResult:
-    """What a run did: steps taken, smoothed final training loss, held-out loss, seconds."""
+    """What a run did: steps taken, smoothed final training loss, held-out loss, seconds,
+    and how many steps ran with each thread count (``steps_by_threads``)."""
 
     num_steps: int
     train_loss: float
     eval_loss: float
     elapsed_s: float
     num_tokens: int
+    steps_by_threads: dict[int, int]
 
 
 ProgressFn = Callable[[float, int, float], None]
@@ -135,24 +137,33 @@ class ThreadTuner:
 
     On an idle machine all cores are fastest; on a shared, overloaded one a single thread
     can be several times faster, because every parallel region waits for its slowest,
-    descheduled thread (measured here: 2.5 s against 12 s per step). So the tuner times a
-    few steps with each candidate, uses the fastest, and re-times the others now and then.
+    descheduled thread (measured here: 0.5 s against 1-7 s per step). So the tuner times
+    the candidates, uses the fastest, and now and then re-times a loser for a couple of
+    steps. Each time a loser loses again, its next re-timing waits twice as long: probes
+    that lose are expensive on a busy machine.
     """
 
     PROBE_STEPS = 2
-    RECHECK_EVERY = 40
+    FIRST_RECHECK = 25
+    MAX_RECHECK = 400
 
     def __init__(self, candidates: list[int] | None = None) -> None:
-        cpus = len(os.sched_getaffinity(0))
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         self.candidates = candidates or sorted({cpus, 1}, reverse=True)
         self.times: dict[int, list[float]] = {n: [] for n in self.candidates}
-        self.current = self.candidates[0]
+        self.num_steps: dict[int, int] = {n: 0 for n in self.candidates}
+        self.interval = {n: self.FIRST_RECHECK for n in self.candidates}
+        # Step 0 is a warm-up; the first candidate is timed next, then each other one.
+        self.next_probe = {n: 1 + self.PROBE_STEPS * i for i, n in enumerate(self.candidates)}
+        self.best = self.current = self.candidates[0]
+        self.probe_left = 0
         self.step = 0
         self._started = 0.0
 
     def begin(self) -> None:
         """Call before a step: sets the thread count this step runs with."""
-        self.current = self._choose()
+        if self.probe_left == 0:
+            self._choose()
         torch.set_num_threads(self.current)
         self._started = time.perf_counter()
 
@@ -161,18 +172,29 @@ class ThreadTuner:
         if self.step > 0:  # the first step pays one-off allocation costs
             times = self.times[self.current]
             times.append(time.perf_counter() - self._started)
-            del times[: -self.PROBE_STEPS]
+            del times[:-3]
+        self.num_steps[self.current] += 1
+        self.probe_left = max(0, self.probe_left - 1)
         self.step += 1
 
-    def _choose(self) -> int:
-        if len(self.candidates) == 1:
-            return self.candidates[0]
-        cycle = self.step % self.RECHECK_EVERY
-        # The first steps of every cycle re-time each candidate; the rest use the fastest.
-        probe = (cycle - 1) // self.PROBE_STEPS if cycle >= 1 else len(self.candidates)
-        if probe < len(self.candidates):
-            return self.candidates[probe]
-        return min(self.candidates, key=lambda n: sum(self.times[n]) / max(1, len(self.times[n])))
+    def _choose(self) -> None:
+        if self.current != self.best:  # a probe just ended: did the probed count win?
+            if _median(self.times[self.current]) < _median(self.times[self.best]):
+                self.best, loser = self.current, self.best
+                self.interval[self.best] = self.FIRST_RECHECK
+            else:
+                loser = self.current
+                self.interval[loser] = min(2 * self.interval[loser], self.MAX_RECHECK)
+            self.next_probe[loser] = self.step + self.interval[loser]
+        due = [n for n in self.candidates if n != self.best and self.step >= self.next_probe[n]]
+        self.current = due[0] if due else self.best
+        if due:
+            self.times[self.current].clear()  # old timings may come from other conditions
+            self.probe_left = self.PROBE_STEPS
+
+
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2] if values else float("inf")
 
 
 def _run(
@@ -213,7 +235,8 @@ def _run(
     elapsed = time.monotonic() - start
     eval_loss = evaluate(model, holdout, config, use_bf16) if holdout is not None else float("nan")
     model.eval()
-    return TrainResult(step, smoothed, eval_loss, elapsed, step * config.batch_size * config.seq_len)
+    num_tokens = step * config.batch_size * config.seq_len
+    return TrainResult(step, smoothed, eval_loss, elapsed, num_tokens, dict(tuner.num_steps))
 
 
 def _fraction_done(step: int, elapsed_s: float, config: TrainConfig) -> float:
