@@ -366,8 +366,11 @@ def table(results: dict[str, dict[int, Summary]], levels: list[int]) -> str:
                 continue
             tps = mine.output_tokens_per_s / theirs.output_tokens_per_s if theirs.output_tokens_per_s else math.nan
             ttft = mine.ttft.p99_ms / theirs.ttft.p99_ms if theirs.ttft.p99_ms else math.nan
-            parts.append(f"vs {peer}: tok/s {_fmt(tps, '.2f')}x, TTFT p99 {_fmt(ttft, '.2f')}x")
+            capped = "*" if theirs.num_requests < mine.num_requests else ""
+            parts.append(f"vs {peer}: tok/s {_fmt(tps, '.2f')}x, TTFT p99 {_fmt(ttft, '.2f')}x{capped}")
         lines.append(f"  N={level:<3} " + "   ".join(parts))
+    if any("x*" in line for line in lines):
+        lines.append("  * the peer ran fewer requests than rill (--floor-requests): its TTFT under that load is understated")
     return "\n".join(lines)
 
 
