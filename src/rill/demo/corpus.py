@@ -18,7 +18,7 @@ from rill.demo.stories import story
 from rill.demo.tokenizer import render_chat
 
 DEFAULT_TARGET_BYTES = 4_000_000
-CHAT_FRACTION = 0.35
+CHAT_FRACTION = 0.25
 
 SYSTEM_PROMPTS = (
     "You are a helpful storyteller.",
