@@ -215,13 +215,14 @@ def main(argv: list[str] | None = None) -> int:
         pad_id = engine.tokenizer.pad_token_id or 0
         print(header)
         results: dict[tuple[str, int], Figures] = {}
-        prompts_all = make_prompts(engine, max(levels), args.prompt_len)
-        run_rill(engine, prompts_all[:2], 4, mixed=False)  # warm-up
+        run_rill(engine, make_prompts(engine, 2, args.prompt_len, seed=999), 4, mixed=False)  # warm-up
         for n in levels:
-            prompts = prompts_all[:n]
+            # Fresh prompts for every rill run: the prefix cache must not answer a prompt of
+            # an earlier run (that would flatter rill against transformers).
+            prompts = make_prompts(engine, n, args.prompt_len, seed=n)
             figs = [run_rill(engine, prompts, args.new_tokens, mixed=False)]
             if n == 32:
-                figs.append(run_rill(engine, prompts, args.new_tokens, mixed=True))
+                figs.append(run_rill(engine, make_prompts(engine, n, args.prompt_len, seed=1000 + n), args.new_tokens, mixed=True))
             if hf is not None:
                 figs.append(run_hf_sequential(hf, prompts, args.new_tokens, n, pad_id))
                 figs.append(run_hf_padded(hf, prompts, args.new_tokens, pad_id))

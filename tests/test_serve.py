@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port
+from tests.conftest import free_port
 
 
 def _serve(model: Path, tmp_path: Path) -> subprocess.CompletedProcess:

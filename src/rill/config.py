@@ -42,7 +42,7 @@ class EngineConfig:
     kv_cache_memory: str = _f("2GiB", "KV cache memory budget: bytes or a size such as 512MiB or 4GiB")
     max_model_len: int | None = _f(None, "context length per sequence (default: the model's, at most 4096)")
     max_num_seqs: int = _f(64, "most sequences generating at once")
-    max_num_batched_tokens: int = _f(2048, "token budget of one engine step (prefill chunks + decodes)")
+    max_num_batched_tokens: int = _f(8192, "token budget of one engine step; while streams decode, prefill chunks are capped further so their inter-token latency at most doubles")
     max_queue: int = _f(1024, "bound of the waiting queue; requests over it are refused (retryable)")
     num_threads: int | None = _f(None, "torch intra-op threads (default: all cores)")
 

@@ -49,7 +49,7 @@ class CoreConfig:
     """Scheduling limits of one engine."""
 
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = 8192
     min_prefill_chunk_tokens: int = 16
     min_reuse_tokens: int = 8  # shorter shared prefixes (a BOS, a common first word) are not worth a copy
 
