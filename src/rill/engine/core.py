@@ -40,8 +40,8 @@ log = logging.getLogger("rill.engine")
 
 # A step that also prefills a chunk should cost at most about two decode steps (so running
 # streams' inter-token latency at most doubles while a long prompt is prefilled).
-ITL_TARGET_HIGH = 2.0
-ITL_TARGET_LOW = 1.6
+ITL_TARGET_HIGH = 1.8
+ITL_TARGET_LOW = 1.4
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ class EngineCore:
         self.max_len = runner.max_len
         self.kv = KVManager(runner.num_rows, runner.max_len, runner.kv_bytes_per_token, min_reuse_tokens=config.min_reuse_tokens)
         self.scheduler = Scheduler(self.kv, runner.copy_row, min(config.max_num_seqs, runner.num_rows), config.max_num_batched_tokens)
-        self.scheduler.prefill_chunk_tokens = min(256, config.max_num_batched_tokens)
+        self.scheduler.prefill_chunk_tokens = min(128, config.max_num_batched_tokens)
         num_keys = runner.num_rows + 2 * config.max_num_seqs
         self.sampler = Sampler(runner.vocab_size, num_keys, device=getattr(runner, "device", "cpu"))
         self.free_keys = list(range(num_keys - 1, -1, -1))
