@@ -407,6 +407,24 @@ def plot(results: dict[str, dict[int, Summary]], levels: list[int], path: Path, 
     return True
 
 
+BENCH_TOOLS = {"matplotlib": "matplotlib==3.11.2", "sentencepiece": "sentencepiece==0.2.3"}
+"""The ``bench`` extra of pyproject.toml (plot; llama.cpp's GGUF converter), by import name."""
+
+
+def ensure_bench_tools() -> None:
+    """Install the pinned ``bench`` extra into this environment when a piece is missing, so
+    the comparison builds its own environment; a failed install is reported, not fatal (the
+    plot or the llama.cpp peer is then skipped with a message)."""
+    import importlib.util
+
+    missing = [spec for name, spec in BENCH_TOOLS.items() if importlib.util.find_spec(name) is None]
+    if missing:
+        print(f"installing the benchmark tools: {' '.join(missing)}", flush=True)
+        done = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", *missing], check=False)
+        if done.returncode != 0:
+            print("could not install them; the parts that need them are skipped", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run every engine, print the table, write the plot and the JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -424,6 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="folder for the PNG, JSON and logs")
     args = parser.parse_args(argv)
+    ensure_bench_tools()
     levels = [int(x) for x in args.concurrency.split(",")]
     args.dtype = resolve_dtype(args.dtype)
     args.out.mkdir(parents=True, exist_ok=True)
