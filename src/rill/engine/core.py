@@ -50,7 +50,7 @@ class CoreConfig:
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 8192
-    min_prefill_chunk_tokens: int = 16
+    min_prefill_chunk_tokens: int = 4
     min_reuse_tokens: int = 8  # shorter shared prefixes (a BOS, a common first word) are not worth a copy
 
 
