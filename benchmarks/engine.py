@@ -185,6 +185,16 @@ def run_hf_padded(model, prompts: list[list[int]], new_tokens: int, pad_id: int)
     return fig
 
 
+def median_figure(runs: list[Figures]) -> Figures:
+    """The run with the median tokens/s (its own latencies), noting the spread."""
+    ordered = sorted(runs, key=lambda f: f.tokens_per_s)
+    fig = ordered[len(ordered) // 2]
+    if len(runs) > 1:
+        spread = f"median of {len(runs)}: " + "/".join(f"{f.tokens_per_s:.0f}" for f in ordered) + " tok/s"
+        fig.note = f"{fig.note}; {spread}" if fig.note else spread
+    return fig
+
+
 def row(fig: Figures) -> str:
     """One table line."""
     ms = 1000.0
@@ -201,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--dtype", default="auto", help="auto, float32 or bfloat16 (the same for rill and transformers)")
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run each configuration this many times, interleaved, and report the median (machine noise)")
     args = parser.parse_args(argv)
     levels = [int(x) for x in args.concurrency.split(",")]
     header = f"{'engine':<32} {'N':>4} {'tok/s':>9} {'TTFT p50':>10} {'TTFT p99':>10} {'ITL p50':>9} {'ITL p99':>9}  (ms)"
@@ -219,13 +231,17 @@ def main(argv: list[str] | None = None) -> int:
         for n in levels:
             # Fresh prompts for every rill run: the prefix cache must not answer a prompt of
             # an earlier run (that would flatter rill against transformers).
-            prompts = make_prompts(engine, n, args.prompt_len, seed=n)
-            figs = [run_rill(engine, prompts, args.new_tokens, mixed=False)]
-            if n == 32:
-                figs.append(run_rill(engine, make_prompts(engine, n, args.prompt_len, seed=1000 + n), args.new_tokens, mixed=True))
-            if hf is not None:
-                figs.append(run_hf_sequential(hf, prompts, args.new_tokens, n, pad_id))
-                figs.append(run_hf_padded(hf, prompts, args.new_tokens, pad_id))
+            rounds: list[list[Figures]] = []
+            for r in range(args.repeat):
+                prompts = make_prompts(engine, n, args.prompt_len, seed=n + 10000 * r)
+                figs = [run_rill(engine, prompts, args.new_tokens, mixed=False)]
+                if n == 32:
+                    figs.append(run_rill(engine, make_prompts(engine, n, args.prompt_len, seed=1000 + n + 10000 * r), args.new_tokens, mixed=True))
+                if hf is not None:
+                    figs.append(run_hf_sequential(hf, prompts, args.new_tokens, n, pad_id))
+                    figs.append(run_hf_padded(hf, prompts, args.new_tokens, pad_id))
+                rounds.append(figs)
+            figs = [median_figure([rnd[i] for rnd in rounds]) for i in range(len(rounds[0]))]
             for fig in figs:
                 results[(fig.name, n)] = fig
                 print(row(fig), flush=True)
