@@ -142,6 +142,26 @@ class Driver(Protocol):
         ...
 
 
+class SocketPerRequestDriver:
+    """Base of the drivers that open a new connection per request and share nothing."""
+
+    name = ""
+
+    def __init__(self, target: Target, options: Options) -> None:
+        self.target = target
+        self.options = options
+
+    async def open(self) -> None:
+        """Nothing is shared between requests."""
+
+    async def close(self) -> None:
+        """Nothing to release."""
+
+    def auth_headers(self) -> dict[str, str] | None:
+        """The bearer header when the target has an API key."""
+        return {"Authorization": f"Bearer {self.target.api_key}"} if self.target.api_key else None
+
+
 def make_driver(name: str, target: Target, options: Options) -> Driver:
     """The driver for CLI protocol ``name``.
 

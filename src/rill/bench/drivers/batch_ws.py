@@ -13,31 +13,21 @@ import uuid
 
 from websockets.asyncio.client import connect
 
-from rill.bench.drivers import BenchError, Options, Target, Timer
+from rill.bench.drivers import BenchError, SocketPerRequestDriver, Timer
 from rill.bench.stats import RequestRecord
 from rill.bench.workload import BenchRequest
 
 SERVER_PROTOCOL = "batch_ws"
 
 
-class Driver:
+class Driver(SocketPerRequestDriver):
     """A new socket per request, one prompt per batch."""
 
     name = "batch-ws"
 
-    def __init__(self, target: Target, options: Options) -> None:
-        self.target = target
-        self.options = options
-
-    async def open(self) -> None:
-        """Nothing is shared between requests."""
-
-    async def close(self) -> None:
-        """Nothing to release."""
-
     async def run(self, request: BenchRequest, timer: Timer) -> RequestRecord:
         """Send one batch of one prompt; read events until its ``COMPLETE`` or ``ERROR``."""
-        headers = {"Authorization": f"Bearer {self.target.api_key}"} if self.target.api_key else None
+        headers = self.auth_headers()
         request_id = f"bench-{request.index}-{uuid.uuid4().hex[:8]}"
         config = {"max_new_tokens": request.max_tokens, "do_sample": self.options.temperature > 0, "num_beams": 1}
         if self.options.temperature > 0:

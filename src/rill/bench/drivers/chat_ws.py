@@ -15,31 +15,21 @@ from typing import Any
 
 from websockets.asyncio.client import connect
 
-from rill.bench.drivers import BenchError, Options, Target, Timer
+from rill.bench.drivers import BenchError, SocketPerRequestDriver, Timer
 from rill.bench.stats import RequestRecord
 from rill.bench.workload import BenchRequest
 
 SERVER_PROTOCOL = "chat_ws"
 
 
-class Driver:
+class Driver(SocketPerRequestDriver):
     """A new socket per chat."""
 
     name = "chat-ws"
 
-    def __init__(self, target: Target, options: Options) -> None:
-        self.target = target
-        self.options = options
-
-    async def open(self) -> None:
-        """Nothing is shared between requests."""
-
-    async def close(self) -> None:
-        """Nothing to release."""
-
     async def run(self, request: BenchRequest, timer: Timer) -> RequestRecord:
         """Send the one chat request; read until ``done`` or ``error``."""
-        headers = {"Authorization": f"Bearer {self.target.api_key}"} if self.target.api_key else None
+        headers = self.auth_headers()
         generation: dict[str, Any] = {"max_new_tokens": request.max_tokens}
         if self.options.temperature > 0:
             generation["temperature"] = self.options.temperature

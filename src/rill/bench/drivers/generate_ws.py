@@ -13,31 +13,21 @@ from typing import Any
 
 from websockets.asyncio.client import connect
 
-from rill.bench.drivers import BenchError, Options, Target, Timer
+from rill.bench.drivers import BenchError, SocketPerRequestDriver, Timer
 from rill.bench.stats import RequestRecord
 from rill.bench.workload import BenchRequest
 
 SERVER_PROTOCOL = "generate_ws"
 
 
-class Driver:
+class Driver(SocketPerRequestDriver):
     """A new socket per request."""
 
     name = "generate-ws"
 
-    def __init__(self, target: Target, options: Options) -> None:
-        self.target = target
-        self.options = options
-
-    async def open(self) -> None:
-        """Nothing is shared between requests."""
-
-    async def close(self) -> None:
-        """Nothing to release."""
-
     async def run(self, request: BenchRequest, timer: Timer) -> RequestRecord:
         """Send one ``config`` and read until ``completion`` or ``error``."""
-        headers = {"Authorization": f"Bearer {self.target.api_key}"} if self.target.api_key else None
+        headers = self.auth_headers()
         parameters: dict[str, Any] = {"max_tokens": request.max_tokens, "temperature": self.options.temperature}
         if self.options.ignore_eos:
             parameters["ignore_eos"] = True
