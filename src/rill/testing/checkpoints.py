@@ -20,10 +20,9 @@ import random
 from pathlib import Path
 from typing import Any
 
-UNK, BOS, EOS, PAD = "<unk>", "<s>", "</s>", "<pad>"
-SYSTEM, USER, ASSISTANT, END = "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"
-SPECIAL_TOKENS = (UNK, BOS, EOS, PAD, SYSTEM, USER, ASSISTANT, END)
-"""Special tokens in id order: ``<unk>``=0, ``<s>``=1, ``</s>``=2, ``<pad>``=3, chat markers 4..7."""
+# The demo model's special tokens and tokenizer_config.json, so fixtures and the served
+# demo model speak the same chat markers (ids: <unk>=0, <s>=1, </s>=2, <pad>=3, markers 4..7).
+from rill.demo.tokenizer import BOS, END, EOS, PAD, SPECIAL_TOKENS, UNK, tokenizer_config
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
@@ -249,18 +248,9 @@ def _randomise_norms_and_biases(model, initializer_range: float, seed: int) -> N
 
 def _write_tokenizer(tokenizer, folder: Path, max_context_tokens: int, with_chat_template: bool) -> None:
     tokenizer.save(str(folder / "tokenizer.json"))
-    config: dict[str, Any] = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": BOS,
-        "eos_token": EOS,
-        "unk_token": UNK,
-        "pad_token": PAD,
-        "additional_special_tokens": [SYSTEM, USER, ASSISTANT, END],
-        "add_bos_token": True,
-        "add_eos_token": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": max_context_tokens,
-    }
+    config = tokenizer_config(max_context_tokens)
     if with_chat_template:
-        config["chat_template"] = CHAT_TEMPLATE
+        config["chat_template"] = CHAT_TEMPLATE  # the fixtures' minimal template, not the demo's
+    else:
+        del config["chat_template"]
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
