@@ -7,12 +7,14 @@ Tests never download anything: checkpoints are written here with ``transformers`
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -99,6 +101,28 @@ class LiveServer:
             if time.monotonic() > deadline:
                 raise AssertionError(f"engine not idle after {timeout_s} s: {stats}")
             time.sleep(0.02)
+
+    @contextlib.contextmanager
+    def hold_engine(self) -> Iterator[None]:
+        """Keep the engine from starting another step until the block exits.
+
+        Requests sent meanwhile are accepted and queue up, but nothing runs or finishes: tests
+        of admission limits use it instead of hoping a long generation is still going.
+        """
+        core = self.client.engine.core
+        gate = threading.Event()
+        step = core.step
+
+        def held_step() -> Any:
+            gate.wait(60)  # bounded: a test that forgets to release cannot hang the suite
+            return step()
+
+        core.step = held_step
+        try:
+            yield
+        finally:
+            del core.step  # the class's method again
+            gate.set()
 
     def stop(self) -> None:
         """Stop the server and join its thread."""

@@ -152,21 +152,24 @@ def test_503_while_the_model_loads(tiny_model_dir: Path, monkeypatch: pytest.Mon
 
 
 async def test_429_when_the_queue_is_full(tiny_model_dir: Path) -> None:
-    # One sequence at a time and one waiting: a third request can only be refused.
+    # One sequence runs and one waits: with the engine held, a third request can only be refused.
     live = await asyncio.to_thread(start_server, tiny_model_dir, **{"engine.max_num_seqs": 1, "engine.max_queue": 1})
     body = {"prompt": "a long story", "max_tokens": 500, "ignore_eos": True, "stream": True}
     try:
         async with httpx.AsyncClient(base_url=live.url, timeout=60) as http, contextlib.AsyncExitStack() as stack:
-            statuses = []
-            for _ in range(3):
-                response = await stack.enter_async_context(http.stream("POST", "/v1/completions", json=body))
-                statuses.append(response.status_code)
-            assert statuses[0] == 200 and statuses[2] == 429
-            refused = response
-            await refused.aread()
-            assert refused.headers["retry-after"].isdigit()
-            assert refused.json()["error"]["code"] == "queue_full"
-            assert refused.json()["error"]["type"] == "rate_limit_error"
+            running = await stack.enter_async_context(http.stream("POST", "/v1/completions", json=body))
+            assert running.status_code == 200
+            lines = running.aiter_lines()
+            while not (await anext(lines)).startswith("data: {"):
+                pass  # its first token: it has left the queue and holds the only sequence slot
+            with live.hold_engine():
+                waiting = await stack.enter_async_context(http.stream("POST", "/v1/completions", json=body))
+                refused = await stack.enter_async_context(http.stream("POST", "/v1/completions", json=body))
+                assert (waiting.status_code, refused.status_code) == (200, 429)
+                await refused.aread()
+                assert refused.headers["retry-after"].isdigit()
+                assert refused.json()["error"]["code"] == "queue_full"
+                assert refused.json()["error"]["type"] == "rate_limit_error"
         await asyncio.to_thread(live.wait_idle)
     finally:
         await asyncio.to_thread(live.stop)
