@@ -104,18 +104,19 @@ class LiveServer:
 
     @contextlib.contextmanager
     def hold_engine(self) -> Iterator[None]:
-        """Keep the engine from starting another step until the block exits.
+        """Run no engine step until the block exits; commands are still applied meanwhile.
 
-        Requests sent meanwhile are accepted and queue up, but nothing runs or finishes: tests
-        of admission limits use it instead of hoping a long generation is still going.
+        Requests sent meanwhile are accepted and queue up, aborts and pauses take effect, but
+        no token is produced and nothing finishes on its own: tests of admission limits and
+        disconnects use it instead of hoping a generation is still going.
         """
         core = self.client.engine.core
         gate = threading.Event()
-        step = core.step
 
-        def held_step() -> Any:
-            gate.wait(60)  # bounded: a test that forgets to release cannot hang the suite
-            return step()
+        def held_step() -> list:
+            # Returning without a step lets the engine loop apply the commands that arrived.
+            gate.wait(0.005)
+            return []
 
         core.step = held_step
         try:

@@ -238,9 +238,11 @@ async def test_disconnect_mid_batch_frees_kv_of_every_prompt(server: Any) -> Non
         seen |= {e["request_id"] for e in await recv_array(ws) if e["type"] == "PROGRESS"}
     running = server.stats()
     assert running.kv_used_bytes > 0
-    ws.transport.abort()  # ... then the client vanishes without a close handshake
-    # Off the loop: the abort only reaches the socket once this loop runs again.
-    stats = await asyncio.to_thread(server.wait_idle)
+    # Held, no prompt can finish on its own (EOS, length) before the disconnect is noticed.
+    with server.hold_engine():
+        ws.transport.abort()  # ... then the client vanishes without a close handshake
+        # Off the loop: the abort only reaches the socket once this loop runs again.
+        stats = await asyncio.to_thread(server.wait_idle)
     assert stats.kv_used_bytes == 0 and stats.num_running == 0
     assert stats.requests_finished_total.get("cancelled", 0) - cancelled_before == 3, (before, stats)
     # The same figure as Prometheus exposes it.

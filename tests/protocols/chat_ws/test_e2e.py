@@ -319,7 +319,8 @@ def test_request_errors(live) -> None:
 
 # -- recordings, reference audio, client -------------------------------------------------------
 def test_recording_is_stored_and_served(live) -> None:
-    messages = chat(live, payload(generation={"max_new_tokens": 32}))
+    # 32 seeded tokens at least: words to speak, whatever the random model would sample first.
+    messages = chat(live, payload(generation={"max_new_tokens": 32, "min_new_tokens": 32, "seed": 1}))
     done = messages[-1]
     rid = done["recording_session_id"]
     assert re.fullmatch(r"chat_[0-9a-f]{16}", rid)

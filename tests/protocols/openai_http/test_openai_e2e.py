@@ -207,7 +207,8 @@ def test_metrics_parse_and_histograms_count_the_requests(server: LiveServer) -> 
     client = _openai(server)
     model = client.models.list().data[0].id
     for i in range(3):
-        client.completions.create(model=model, prompt=f"metrics {i}", max_tokens=4)
+        done = client.completions.create(model=model, prompt=f"metrics {i}", max_tokens=4, extra_body={"ignore_eos": True})
+        assert done.usage.completion_tokens == 4
     server.wait_idle()
     response = httpx.get(f"{server.url}/metrics")
     assert response.headers["content-type"].startswith("text/plain")
