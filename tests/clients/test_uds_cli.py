@@ -147,7 +147,11 @@ def test_ctrl_c_sends_cancel_and_waits_for_the_eos(uds_server: LiveServer, long_
         assert proc.stdout is not None
         first = proc.stdout.read(1)  # the CLI is streaming: its Ctrl-C handler is installed
         assert first
-        proc.send_signal(signal.SIGINT)
+        # Held, the generation cannot reach max_tokens while the signal and the cancel travel
+        # (another process, on a loaded machine); released once the cancel took effect.
+        with uds_server.hold_engine():
+            proc.send_signal(signal.SIGINT)
+            uds_server.wait_idle(timeout_s=60)
         out, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:

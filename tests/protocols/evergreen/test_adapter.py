@@ -40,11 +40,13 @@ class ScriptedClient:
         self.aborted: list[str] = []
         self.gate = asyncio.Event()
         self._aborts: dict[str, asyncio.Event] = {}
+        self.num_ready_waits = 0  # calls of wait_ready: a session waiting for the model
 
     def is_ready(self) -> bool:
         return self.ready.is_set()
 
     async def wait_ready(self) -> None:
+        self.num_ready_waits += 1
         await self.ready.wait()
 
     async def generate(self, request: GenerateRequest) -> RequestStream:
@@ -178,7 +180,8 @@ async def test_a_session_waits_for_the_model_to_load():
     deps = make_deps(client)
     async with listening(deps):
         task = asyncio.create_task(collect(deps, "hi", max_tokens=2))
-        await asyncio.sleep(0.05)  # let the call reach the server; it must not fail while loading
+        # The call has reached the server and waits there; it must not fail while loading.
+        await wait_until(lambda: client.num_ready_waits or task.done(), attempts=10_000, interval_s=0.001)
         assert not task.done()
         client.ready.set()
         assert await task == " t0 t1"

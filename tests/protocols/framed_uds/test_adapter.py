@@ -246,12 +246,16 @@ async def test_slo_request_overtakes_queued_ones(make_listener, fake_client: Fak
     fake_client.max_num_seqs = 1
     listener = await make_listener()
     conns = [await listener.connect() for _ in range(4)]
-    await conns[0].send({"id": "busy", "prompt": "busy", "max_tokens": 10})
+    # The busy request cannot end on its own while the others queue (a short one raced them
+    # on a slow machine); it is cancelled once all three wait.
+    await conns[0].send({"id": "busy", "prompt": "busy", "max_tokens": 10_000})
     assert (await conns[0].recv())["event"] == "token"  # the only slot is taken
     await conns[1].send({"id": "q1", "prompt": "q1", "max_tokens": 1})
     await conns[2].send({"id": "q2", "prompt": "q2", "max_tokens": 1})
     await _until(lambda: len(fake_client.waiting) == 2)
     await conns[3].send({"id": "slo", "prompt": "slo", "max_tokens": 1, "slo": {"target_ttft_ms": 100}})
+    await _until(lambda: len(fake_client.waiting) == 3)
+    await conns[0].send({"event": "cancel", "id": "busy"})
     for conn in conns:
         await conn.until_end()
     assert fake_client.first_token_order == ["busy", "slo", "q1", "q2"]

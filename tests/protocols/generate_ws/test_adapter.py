@@ -12,6 +12,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from rill.feedback import FeedbackStore
+from rill.types import RequestEvent
 from tests.helpers import recv_json as recv
 from tests.helpers import wait_until
 
@@ -183,17 +184,30 @@ async def test_modify_temperature_is_in_force_from_the_next_token(make_server: A
 
 
 async def test_regenerate_restarts_with_fresh_init(make_server: Any) -> None:
-    live = await make_server()
+    # One token per gate.set(): the first run (6 tokens) cannot end before the regenerate
+    # reaches the engine, however slowly the loop turns (a free-running fake raced it).
+    client = FakeClient()
+    client.gate = asyncio.Event()
+    live = await make_server(client=client)
     async with connect(live.ws) as ws:
         await send(ws, type="config", prompt="p", parameters={"max_tokens": 6})
         init = await recv(ws)
-        await until(ws, lambda m: m["type"] == "token" and m["token"] == " w2")
+        for _ in range(3):  # w0 w1 w2
+            client.gate.set()
+            await until(ws, is_type("token"))
         await send(ws, type="control", action="regenerate")
+        req = next(iter(client.live.values()))
+        await eventually(lambda: RequestEvent.REGENERATING in req.events)  # in force from the next token
+        client.gate.set()
         msgs = await until(ws, is_status("regenerating"))
         assert "completion" not in [m["type"] for m in msgs]
         fresh = await recv(ws)
         assert fresh["type"] == "init" and fresh["request_id"] == init["request_id"]
-        msgs = await until(ws, is_type("completion"))
+        msgs = [await recv(ws)]
+        while msgs[-1]["type"] != "completion":
+            if msgs[-1]["type"] == "token" and not msgs[-1]["finished"]:
+                client.gate.set()  # the next token of the new run
+            msgs.append(await recv(ws))
         assert msgs[0]["token"] == " w0" and msgs[0]["generated_text"] == " w0"
         assert msgs[-1]["generated_text"] == " w0 w1 w2 w3 w4 w5"
 
