@@ -36,9 +36,9 @@ from rill.protocols.evergreen.messages import (
     SessionMessage,
     TargetSpec,
 )
+from rill.protocols.evergreen.prompt import END_OF_TURN
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
-END_OF_TURN = "application/x-protobuf; type=EndOfTurn"
 
 
 class EvergreenError(Exception):
