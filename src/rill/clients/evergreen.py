@@ -25,6 +25,7 @@ import sys
 import uuid
 from typing import Any, AsyncIterator
 
+from rill.config import EvergreenConfig
 from rill.protocols.evergreen import codec
 from rill.protocols.evergreen.messages import (
     Action,
@@ -38,7 +39,7 @@ from rill.protocols.evergreen.messages import (
 )
 from rill.protocols.evergreen.prompt import END_OF_TURN
 
-DEFAULT_ADDRESS = "127.0.0.1:50051"
+DEFAULT_ADDRESS = f"127.0.0.1:{EvergreenConfig.grpc_port}"  # where `rill serve` listens by default
 
 
 class EvergreenError(Exception):

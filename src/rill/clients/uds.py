@@ -28,9 +28,10 @@ import threading
 import time
 from typing import Any, Iterator
 
+from rill.config import UdsConfig
 from rill.protocols.framed_uds.framing import FrameDecoder, FramingError, encode_frame
 
-DEFAULT_SOCKET = "/tmp/rill.sock"
+DEFAULT_SOCKET = UdsConfig.socket  # where `rill serve` listens by default
 MAX_EVENT_BYTES = 64 * 1024 * 1024
 """Largest server frame this client accepts (a ``stream: false`` answer can be long)."""
 

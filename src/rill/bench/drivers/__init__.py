@@ -19,6 +19,8 @@ import msgspec
 
 from rill.bench.stats import RequestRecord
 from rill.bench.workload import BenchRequest
+from rill.clients.evergreen import DEFAULT_ADDRESS
+from rill.clients.uds import DEFAULT_SOCKET
 
 DRIVERS: dict[str, str] = {
     "openai": "rill.bench.drivers.openai",
@@ -36,8 +38,8 @@ class Target(msgspec.Struct, kw_only=True):
 
     host: str = "127.0.0.1"
     port: int = 8000
-    socket: str = "/tmp/rill.sock"
-    grpc_address: str = "127.0.0.1:50051"
+    socket: str = DEFAULT_SOCKET
+    grpc_address: str = DEFAULT_ADDRESS
     api_key: str | None = None
     model: str | None = None  # OpenAI "model" field; None: the first of GET /v1/models
 
