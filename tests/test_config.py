@@ -125,3 +125,36 @@ def test_every_field_has_a_flag_and_help() -> None:
         for f in config.dataclasses.fields(cls):
             assert "--" + f.name.replace("_", "-") in help_text
             assert f.metadata.get("help")
+
+
+@pytest.mark.parametrize(
+    ("flags", "env", "message"),
+    [
+        ({}, {"RILL_API_KEY": ""}, "RILL_API_KEY: an API key must not be empty"),
+        ({}, {"RILL_API_KEY": "  "}, "RILL_API_KEY: an API key must not be empty"),
+        ({"http.api_key": [""]}, {}, "--api-key: an API key must not be empty"),
+        ({"http.api_key": ["good", " "]}, {}, "--api-key: an API key must not be empty"),
+        ({"http.api_key": ["two words"]}, {}, "printable ASCII without spaces"),
+        ({"http.api_key": ["clé"]}, {}, "printable ASCII without spaces"),
+    ],
+)
+def test_empty_or_unusable_api_keys_are_startup_errors(flags: dict, env: dict, message: str) -> None:
+    # Regression (issue 12 item 10): RILL_API_KEY="" turned auth off without a word.
+    with pytest.raises(ConfigError, match=message):
+        config.load(flags, env=env)
+
+
+@pytest.mark.parametrize("text", ["", "# only a comment\n\n   # another\n", "\n  \n"])
+def test_a_key_file_without_a_key_is_a_startup_error(tmp_path: Path, text: str) -> None:
+    key_file = tmp_path / "keys.txt"
+    key_file.write_text(text)
+    cfg = config.load({"http.api_key_file": str(key_file)}, env={})
+    with pytest.raises(ConfigError, match="has no key"):
+        cfg.api_keys()
+
+
+def test_a_bad_key_in_the_file_names_its_line(tmp_path: Path) -> None:
+    key_file = tmp_path / "keys.txt"
+    key_file.write_text("# keys\nalpha\nbad key\n")
+    with pytest.raises(ConfigError, match="line 3: an API key must be printable ASCII"):
+        config.load({"http.api_key_file": str(key_file)}, env={}).api_keys()

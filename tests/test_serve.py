@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -34,6 +35,31 @@ def test_broken_model_folder_ends_serve_with_its_reason(tmp_path: Path, setup, r
     folder = tmp_path / "model"
     setup(folder)
     result = _serve(folder, tmp_path)
+    assert result.returncode == 2
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("rill: error: ") and reason in last
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "reason"),
+    [
+        (["--api-key", ""], {}, "--api-key: an API key must not be empty"),
+        ([], {"RILL_API_KEY": ""}, "RILL_API_KEY: an API key must not be empty"),
+        (["--api-key-file", "{keys}"], {}, "has no key"),
+    ],
+    ids=["empty-flag", "empty-env", "comment-only-file"],
+)
+def test_auth_that_would_turn_itself_off_ends_serve_with_exit_2(tmp_path: Path, args: list, env: dict,
+                                                                 reason: str) -> None:
+    # Regression (issue 12 item 10): each of these used to start a server without auth
+    # (or, for --api-key "", one whose gRPC port accepted an empty bearer token).
+    keys = tmp_path / "keys.txt"
+    keys.write_text("# the team's keys go here\n\n")
+    command = [sys.executable, "-m", "rill", "serve", "--port", str(free_port()), "--no-socket", "--grpc-port", "0",
+               "--data-dir", str(tmp_path / "data"), *[a.format(keys=keys) for a in args]]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, **env})
     assert result.returncode == 2
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("rill: error: ") and reason in last

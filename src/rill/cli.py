@@ -38,6 +38,7 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
     import json
 
     cfg = config.load(_config_flags(args))
+    cfg.api_keys()  # reads --api-key-file: a file with no key is an error here as in serve
     print(json.dumps(dataclasses.asdict(cfg), indent=2))
     return 0
 

@@ -125,14 +125,39 @@ class ServerConfig:
     def api_keys(self) -> set[str]:
         """Keys from ``--api-key`` and ``--api-key-file`` (empty set: no auth)."""
         keys = set(self.http.api_key)
-        if self.http.api_key_file:
+        path = self.http.api_key_file
+        if path:
             try:
-                text = Path(self.http.api_key_file).read_text()
-            except OSError as exc:
-                raise ConfigError(f"cannot read --api-key-file {self.http.api_key_file}: {exc.strerror}") from exc
-            lines = (line.strip() for line in text.splitlines())
-            keys |= {line for line in lines if line and not line.startswith("#")}
+                text = Path(path).read_text()
+            except (OSError, UnicodeDecodeError) as exc:
+                reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+                raise ConfigError(f"cannot read --api-key-file {path}: {reason}") from exc
+            lines = ((number, line.strip()) for number, line in enumerate(text.splitlines(), 1))
+            file_keys = {check_api_key(line, f"--api-key-file {path} line {number}")
+                         for number, line in lines if line and not line.startswith("#")}
+            if not file_keys:
+                # A file emptied by mistake must not silently turn authentication off.
+                raise ConfigError(f"--api-key-file {path} has no key (only blank lines and comments); "
+                                  "put one key per line, or drop the setting to run without keys")
+            keys |= file_keys
         return keys
+
+
+_API_KEY_RE = re.compile(r"^[\x21-\x7e]+$")
+
+
+def check_api_key(key: str, where: str) -> str:
+    """``key`` if it can be an API key; else ``ConfigError`` naming ``where`` it came from.
+
+    An empty key would either refuse everything or (on a protocol that compared loosely)
+    accept an empty token, and a key with spaces or non-ASCII characters cannot be sent in
+    an ``Authorization: Bearer`` header: both are start-up errors, never auth turned off.
+    """
+    if not key.strip():
+        raise ConfigError(f"{where}: an API key must not be empty (drop the setting to run without keys)")
+    if not _API_KEY_RE.match(key):
+        raise ConfigError(f"{where}: an API key must be printable ASCII without spaces")
+    return key
 
 
 @dataclass(frozen=True)
@@ -248,6 +273,8 @@ def load(args: argparse.Namespace | Mapping[str, Any] | None = None, env: Mappin
             raw, source = _pick(area, f.name, flag_values, env, file_values)
             if source is not None:
                 values[f.name] = _convert(raw, hints[f.name], source)
+                if (area, f.name) == ("http", "api_key"):
+                    _check_api_key_setting(raw, values[f.name], source)
         areas[area] = cls(**values)
     config = ServerConfig(**areas)
     validate(config)
@@ -302,6 +329,15 @@ def _pick(area: str, name: str, flags: Mapping[str, Any], env: Mapping[str, str]
     if name in file:
         return file[name], f"config file key {name}"
     return None, None
+
+
+def _check_api_key_setting(raw: Any, keys: list[str], where: str) -> None:
+    """Refuse a given but empty ``api_key`` (``RILL_API_KEY=""``, ``--api-key ""``) and bad keys."""
+    items = raw if isinstance(raw, list) else [raw]
+    if not keys or any(not str(item).strip() for item in items):
+        raise ConfigError(f"{where}: an API key must not be empty (drop the setting to run without keys)")
+    for key in keys:
+        check_api_key(key, where)
 
 
 def _check_file_keys(path: str, values: Mapping[str, Any]) -> None:

@@ -22,13 +22,13 @@ so apps still see ``http.disconnect`` the moment the client leaves.
 
 from __future__ import annotations
 
-import hmac
 from typing import Any
 from urllib.parse import parse_qs
 
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from rill import auth
 from rill.protocols.openai_http import codec
 
 PUBLIC_PATHS = frozenset({"/health"})
@@ -66,7 +66,7 @@ class Guard:
 
     def __init__(self, app: ASGIApp, api_keys: set[str], max_body_bytes: int) -> None:
         self.app = app
-        self.api_keys = [key.encode() for key in api_keys]
+        self.api_keys = frozenset(api_keys)
         self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -91,15 +91,11 @@ class Guard:
     def _is_authorized(self, scope: Scope, allow_query: bool) -> bool:
         if not self.api_keys or scope.get("path") in PUBLIC_PATHS:
             return True
-        presented = _bearer(scope)
+        presented = auth.bearer_token(_header(scope, b"authorization"))
         if presented is None and allow_query:
             values = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("api_key")
-            presented = values[0].encode() if values else None
-        if presented is None:
-            return False
-        # Compare with every key in constant time: no early exit that would time the match.
-        matches = [hmac.compare_digest(presented, key) for key in self.api_keys]
-        return any(matches)
+            presented = values[0] if values else None
+        return auth.key_matches(presented, self.api_keys)
 
     async def _read_body(self, scope: Scope, receive: Receive, send: Send) -> Receive | None:
         """A ``receive`` replaying the whole body, or None after answering 413."""
@@ -192,14 +188,6 @@ def _header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
-def _bearer(scope: Scope) -> bytes | None:
-    value = _header(scope, b"authorization")
-    if value is None:
-        return None
-    scheme, _, token = value.strip().partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
-        return None
-    return token.strip().encode("latin-1")
 
 
 async def _send_error(send: Send, exc: Exception, extra_headers: dict[str, str]) -> None:

@@ -114,6 +114,7 @@ async def serve(
 
     from rill.frontend.inproc import InprocClient
 
+    config.api_keys()  # a key file with no key fails here, before the model starts loading
     if client is None:
         client = InprocClient.start(config.engine)
     deps = make_deps(config, client)

@@ -161,6 +161,39 @@ async def test_api_keys_are_required_over_grpc_when_configured():
         assert await collect(deps, "hi", max_tokens=1, api_key="k1") == " t0"
 
 
+class _RawAuthClient(EvergreenClient):
+    """Sends ``authorization`` exactly as given (the real client always writes ``Bearer KEY``)."""
+
+    def __init__(self, address: str, authorization: str) -> None:
+        super().__init__(address)
+        self.authorization = authorization
+
+    def open_session(self) -> Any:
+        from rill.clients.evergreen import Session
+        from rill.protocols.evergreen._pb import evergreen_service_pb2_grpc as service_grpc
+
+        stub = service_grpc.EvergreenServiceStub(self._channel)
+        return Session(stub.StartSession(metadata=(("authorization", self.authorization),)))
+
+
+@pytest.mark.parametrize("authorization, accepted", [
+    ("Bearer k1", True), ("bearer k1", True), ("BEARER k1", True), ("  Bearer   k1  ", True),
+    ("Bearer ", False), ("Bearer", False), ("k1", False), ("Basic k1", False), ("Bearer k", False), ("Bearer k1x", False),
+])
+async def test_grpc_parses_the_bearer_header_as_http_does(authorization: str, accepted: bool):
+    # Regression (issue 12 item 10): gRPC took only "Bearer " with that exact case, and
+    # compared with `in` (not constant-time); it now shares rill.auth with HTTP.
+    deps = make_deps(ScriptedClient(), **{"http.api_key": ["k1"]})
+    async with listening(deps), _RawAuthClient(address(deps), authorization) as client:
+        if accepted:
+            assert "".join([t async for t in client.generate("hi", config=GenerateConfig(max_tokens=1))]) == " t0"
+        else:
+            with pytest.raises(EvergreenError) as info:
+                async for _ in client.generate("hi", config=GenerateConfig(max_tokens=1)):
+                    pass
+            assert info.value.status == "UNAUTHENTICATED"
+
+
 @pytest.mark.parametrize("script, status, text", [
     ("fail", "INTERNAL", "the kernel failed"),
     ("late", "DEADLINE_EXCEEDED", "too slow"),

@@ -22,6 +22,7 @@ from typing import Any
 from starlette.routing import BaseRoute, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
+from rill import auth
 from rill import config as rill_config
 from rill.errors import ConfigError, InvalidRequest, RillError
 from rill.frontend.client import EngineClient
@@ -189,6 +190,4 @@ class _Connection:
 def _credential(ws: WebSocket) -> str:
     """The API key the client presented (``Authorization: Bearer`` or ``?api_key=``), or ''."""
     header = ws.headers.get("authorization", "")
-    if header[:7].lower() == "bearer ":
-        return header[7:].strip()
-    return ws.query_params.get("api_key", "") or header
+    return auth.bearer_token(header) or ws.query_params.get("api_key", "") or header

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
 from starlette.routing import BaseRoute, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from rill import auth
 from rill.errors import ConfigError, GenerationError, RillError
 from rill.frontend.stream import RequestStream
 from rill.protocols.evergreen import codec
@@ -302,10 +303,9 @@ class EvergreenServicer:
         keys = self.deps.api_keys
         if not keys:
             return True
-        for key, value in context.invocation_metadata() or ():
-            if key.lower() == "authorization" and value.startswith("Bearer ") and value[7:].strip() in keys:
-                return True
-        return False
+        tokens = [auth.bearer_token(value) for key, value in context.invocation_metadata() or ()
+                  if key.lower() == "authorization" and isinstance(value, str)]
+        return any([auth.key_matches(token, keys) for token in tokens])  # a list: every header is checked
 
 
 # -- WebSocket ------------------------------------------------------------------------------------

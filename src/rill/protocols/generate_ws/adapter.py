@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import time
 from pathlib import Path
@@ -23,7 +22,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import BaseRoute, Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from rill import __version__
+from rill import __version__, auth
 from rill.errors import EngineDead, InvalidRequest, ModelLoadError, RequestTimeout, RillError
 from rill.feedback import FeedbackStore
 from rill.frontend.stream import RequestStream
@@ -90,13 +89,8 @@ class GenerateService:
 
     def authorize(self, headers: Any, query: Any) -> tuple[bool, str | None]:
         """Check the API key; returns (ok, key)."""
-        keys = self.deps.api_keys
-        auth = headers.get("authorization", "")
-        key = auth[7:].strip() if auth.lower().startswith("bearer ") else query.get("api_key")
-        if not keys:
-            return True, key
-        ok = key is not None and any(hmac.compare_digest(key.encode(), k.encode()) for k in keys)
-        return ok, key
+        key = auth.bearer_token(headers.get("authorization")) or query.get("api_key")
+        return auth.is_authorized(self.deps.api_keys, key), key
 
     def token_text(self, token_id: int) -> str:
         """Text of one token (for logprob alternatives)."""
