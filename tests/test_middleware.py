@@ -132,3 +132,61 @@ async def test_cors_when_origins_are_set() -> None:
     async with serve() as host, httpx.AsyncClient(base_url=f"http://{host}") as http:
         plain = await http.get("/v1/echo", headers={"Origin": "https://app.example"})
         assert "access-control-allow-origin" not in plain.headers
+
+
+async def test_foreign_host_and_origin_are_refused_with_403() -> None:
+    # Regression (issue 12 item 9): a WebSocket with Origin http://evil.example and a foreign
+    # Host was accepted, and a text/plain POST with a foreign Host answered 200.
+    async with serve() as host, httpx.AsyncClient(base_url=f"http://{host}") as http:
+        port = host.rsplit(":", 1)[1]
+        rebinding = await http.post("/v1/echo", content=b"{}", headers={"Host": f"evil.example:{port}",
+                                                                        "Content-Type": "text/plain"})
+        assert rebinding.status_code == 403
+        assert rebinding.json()["error"]["code"] == "forbidden" and "evil.example" in rebinding.json()["error"]["message"]
+        cross_site = await http.post("/v1/echo", content=b"{}", headers={"Origin": "http://evil.example",
+                                                                         "Content-Type": "text/plain"})
+        assert cross_site.status_code == 403 and "--allowed-origins" in cross_site.json()["error"]["message"]
+        assert (await http.get("/v1/echo", headers={"Origin": "null"})).status_code == 403
+        # What a browser sends: a page's Origin, or (DNS rebinding) the attacker's name as Host.
+        for url, headers in ((f"ws://{host}/ws", {"Origin": "http://evil.example"}),
+                             (f"ws://evil.example:{port}/ws", None), (f"ws://{host}/ws", {"Host": "evil.example"})):
+            with pytest.raises(websockets.exceptions.InvalidStatus) as refused:
+                async with websockets.connect(url, additional_headers=headers, host="127.0.0.1", port=int(port)):
+                    pass
+            assert refused.value.response.status_code == 403
+            assert b'"forbidden"' in refused.value.response.body
+        # /health stays open to probes whatever name they use
+        assert (await http.get("/health", headers={"Host": "rill.internal"})).status_code == 200
+
+
+async def test_own_names_same_origin_and_clients_without_origin_pass() -> None:
+    async with serve() as host, httpx.AsyncClient(base_url=f"http://{host}") as http:
+        port = host.rsplit(":", 1)[1]
+        assert (await http.post("/v1/echo", json={})).status_code == 200  # curl, the Python clients
+        for name in (f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}", "localhost", f"app.localhost:{port}",
+                     f"10.1.2.3:{port}"):
+            assert (await http.get("/v1/echo", headers={"Host": name})).status_code == 200, name
+        # A page rill serves itself: its origin is the request's own scheme://host:port.
+        for name in (f"127.0.0.1:{port}", f"localhost:{port}"):
+            same = await http.post("/v1/echo", json={}, headers={"Host": name, "Origin": f"http://{name}"})
+            assert same.status_code == 200, name
+        other_port = await http.post("/v1/echo", json={}, headers={"Origin": f"http://127.0.0.1:{int(port) + 1}"})
+        assert other_port.status_code == 403
+        async with websockets.connect(f"ws://{host}/ws", additional_headers={"Origin": f"http://{host}"}) as ws:
+            assert await ws.recv() == "hello"
+
+
+async def test_allowed_origins_and_hosts_are_accepted() -> None:
+    overrides = {"http.allowed_origins": ["https://app.example"], "http.allowed_hosts": ["rill.lan", ".corp.example"]}
+    async with serve(**overrides) as host, httpx.AsyncClient(base_url=f"http://{host}") as http:
+        assert (await http.get("/v1/echo", headers={"Origin": "https://app.example"})).status_code == 200
+        assert (await http.get("/v1/echo", headers={"Origin": "https://app.example:443"})).status_code == 200
+        assert (await http.get("/v1/echo", headers={"Origin": "http://app.example"})).status_code == 403
+        for name in ("rill.lan:80", "RILL.LAN", "a.corp.example"):
+            assert (await http.get("/v1/echo", headers={"Host": name})).status_code == 200, name
+        assert (await http.get("/v1/echo", headers={"Host": "corp.example.evil"})).status_code == 403
+        async with websockets.connect(f"ws://{host}/ws", additional_headers={"Origin": "https://app.example"}) as ws:
+            assert await ws.recv() == "hello"
+    async with serve(**{"http.allowed_origins": ["*"], "http.allowed_hosts": ["*"]}) as host, \
+            httpx.AsyncClient(base_url=f"http://{host}") as http:
+        assert (await http.get("/v1/echo", headers={"Origin": "http://evil.example", "Host": "evil.example"})).status_code == 200

@@ -59,6 +59,12 @@ class HttpConfig:
     max_tokens_cap: int | None = _f(None, "upper bound for max_tokens of any request (larger asks are clamped; "
                                           "without max_tokens a request may fill the rest of the context, up to this)")
     cors_origins: list[str] = _f([], "allowed CORS origins (repeatable; '*' for any)", repeat=True)
+    allowed_origins: list[str] = _f([], "web page origins (scheme://host[:port]) that may call this server from a "
+                                        "browser besides its own pages and --cors-origins (repeatable; '*' for any)",
+                                    repeat=True)
+    allowed_hosts: list[str] = _f([], "Host header names accepted besides IP addresses, localhost and the bound "
+                                      "host (repeatable; '.example.com' also allows subdomains; '*' for any)",
+                                  repeat=True)
     request_timeout_s: float | None = _f(None, "per-request time limit in seconds")
     rate_limit_tokens_per_s: float | None = _f(None, "per-key and per-connection generation rate limit (tokens/s)")
     rate_limit_burst: int = _f(2048, "token-bucket burst size for the rate limit")

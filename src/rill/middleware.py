@@ -1,11 +1,13 @@
-"""ASGI middleware around every HTTP and WebSocket route: API keys, body size, CORS.
+"""ASGI middleware around every HTTP and WebSocket route: Host/Origin, API keys, body size, CORS.
 
 ``wrap(app, deps)`` returns, from the outside in:
 
 1. Starlette's ``CORSMiddleware`` when ``--cors-origins`` is set (outermost, so browser
    preflights are answered without a key, and error responses carry CORS headers too);
-2. ``Guard``: API-key check and body-size limit; under ``/v1/`` it also turns the router's
-   plain-text 404 / 405 into OpenAI error JSON.
+2. ``Guard``: Host and Origin check (``SiteCheck``: 403, so neither a foreign web page nor
+   a DNS-rebinding name can drive a server on loopback), API-key check and body-size
+   limit; under ``/v1/`` it also turns the router's plain-text 404 / 405 into OpenAI error
+   JSON.
 
 Keys: when any key is configured (``--api-key``, ``--api-key-file``), every route but
 ``/health`` needs ``Authorization: Bearer KEY``; WebSockets may instead pass ``?api_key=KEY``
@@ -22,8 +24,10 @@ so apps still see ``http.disconnect`` the moment the client leaves.
 
 from __future__ import annotations
 
+import ipaddress
+import socket
 from typing import Any
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, urlsplit
 
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -41,7 +45,8 @@ DRAIN_LIMIT_BYTES = 16 * 1024 * 1024
 def wrap(app: ASGIApp, deps: Any) -> ASGIApp:
     """The server's app wrapped in the guard and, when origins are configured, CORS."""
     http = deps.config.http
-    wrapped: ASGIApp = Guard(app, api_keys=set(deps.api_keys or ()), max_body_bytes=http.max_body_bytes)
+    sites = SiteCheck(http.host, http.allowed_hosts, [*http.allowed_origins, *http.cors_origins])
+    wrapped: ASGIApp = Guard(app, api_keys=set(deps.api_keys or ()), max_body_bytes=http.max_body_bytes, sites=sites)
     if http.cors_origins:
         wrapped = CORSMiddleware(
             wrapped,
@@ -64,12 +69,21 @@ class Guard:
         max_body_bytes: largest HTTP request body accepted (413 beyond).
     """
 
-    def __init__(self, app: ASGIApp, api_keys: set[str], max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, api_keys: set[str], max_body_bytes: int, sites: "SiteCheck | None" = None) -> None:
         self.app = app
         self.api_keys = frozenset(api_keys)
         self.max_body_bytes = max_body_bytes
+        self.sites = sites
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] in ("http", "websocket") and self.sites is not None and scope.get("path") not in PUBLIC_PATHS:
+            refusal = self.sites.refusal(scope)
+            if refusal is not None:
+                if scope["type"] == "http":
+                    await _send_error(send, codec.Forbidden(refusal), {})
+                else:
+                    await _deny_websocket(scope, receive, send, codec.Forbidden(refusal))
+                return
         if scope["type"] == "http":
             if not self._is_authorized(scope, allow_query=False):
                 await _send_error(send, codec.Unauthorized(), {"WWW-Authenticate": "Bearer"})
@@ -199,15 +213,111 @@ async def _send_error(send: Send, exc: Exception, extra_headers: dict[str, str])
     await send({"type": "http.response.body", "body": wire.body, "more_body": False})
 
 
-async def _deny_websocket(scope: Scope, receive: Receive, send: Send) -> None:
+async def _deny_websocket(scope: Scope, receive: Receive, send: Send, exc: Exception | None = None) -> None:
+    """Refuse a WebSocket handshake with the HTTP status and JSON body of ``exc`` (401 by default)."""
     message = await receive()  # ASGI: the app is told about the handshake before it answers
     if message["type"] != "websocket.connect":
         return
+    exc = exc if exc is not None else codec.Unauthorized()
     if "websocket.http.response" in scope.get("extensions", {}):
-        wire = codec.error_for(codec.Unauthorized())
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(wire.body)).encode()),
-                   (b"www-authenticate", b"Bearer")]
+        wire = codec.error_for(exc)
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(wire.body)).encode())]
+        if isinstance(exc, codec.Unauthorized):
+            headers.append((b"www-authenticate", b"Bearer"))
         await send({"type": "websocket.http.response.start", "status": wire.status, "headers": headers})
         await send({"type": "websocket.http.response.body", "body": wire.body, "more_body": False})
     else:
         await send({"type": "websocket.close", "code": 1008})  # policy violation; server answers 403
+
+
+_WILDCARD_BINDS = frozenset({"", "0.0.0.0", "::", "[::]"})
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+class SiteCheck:
+    """Which ``Host`` and ``Origin`` headers a browser-reachable route accepts.
+
+    Host (DNS rebinding): a page on ``evil.example`` whose name is re-pointed at 127.0.0.1
+    reaches a loopback server with ``Host: evil.example``. Accepted are IP literals (a
+    browser only sends one when it connected to that address itself), ``localhost`` and
+    ``*.localhost``, the bound host, the machine's host name when bound to every interface
+    (``0.0.0.0`` / ``::``), and ``--allowed-hosts``. A request with no Host (HTTP/1.0, not a
+    browser) passes.
+
+    Origin (cross-site requests): browsers send it on WebSocket handshakes and on
+    cross-origin or POST requests; ``curl`` and the Python clients send none and pass.
+    Accepted are the server's own origin (the request's scheme and Host: pages rill serves
+    itself), ``--allowed-origins`` and ``--cors-origins``; ``*`` in either accepts any.
+
+    Args:
+        bind_host: the ``--host`` the HTTP listener is bound to.
+        allowed_hosts: extra host names; ``.example.com`` also accepts its subdomains.
+        allowed_origins: extra origins as ``scheme://host[:port]``.
+    """
+
+    def __init__(self, bind_host: str, allowed_hosts: list[str], allowed_origins: list[str]) -> None:
+        names = {"localhost", bind_host.strip("[]").lower()}
+        if bind_host in _WILDCARD_BINDS:
+            names.add(socket.gethostname().lower())
+        self.any_host = "*" in allowed_hosts
+        self.host_names = names | {h.lower() for h in allowed_hosts if not h.startswith(".")}
+        self.host_suffixes = tuple({".localhost"} | {h.lower() for h in allowed_hosts if h.startswith(".")})
+        self.any_origin = "*" in allowed_origins
+        self.origins = {o for o in (_origin(text) for text in allowed_origins) if o is not None}
+        self.origins |= {"null"} & set(allowed_origins)
+
+    def refusal(self, scope: Scope) -> str | None:
+        """Why this request is refused (the 403 message), or None when it may proceed."""
+        hosts = [value.decode("latin-1") for key, value in scope.get("headers", ()) if key.lower() == b"host"]
+        for name in hosts:  # every one: a second Host header must not smuggle a foreign name past the first
+            if not self._host_ok(name):
+                return (f"Host '{name}' is not a name of this server; start it with --allowed-hosts "
+                        f"{_split_host(name)[0] or name} to accept it")
+        host = hosts[0] if hosts else None
+        origin = _header(scope, b"origin")
+        if origin is None or self.any_origin:
+            return None
+        scheme = "https" if scope.get("scheme") in ("https", "wss") else "http"
+        own = _origin(f"{scheme}://{host}") if host is not None else None
+        presented = "null" if origin.strip() == "null" else _origin(origin)
+        if presented is not None and (presented == own or presented in self.origins):
+            return None
+        return (f"requests from web pages at '{origin}' are not allowed; start the server with "
+                f"--allowed-origins {origin} to accept them")
+
+    def _host_ok(self, host: str) -> bool:
+        if self.any_host:
+            return True
+        name, _ = _split_host(host)
+        if name is None:
+            return False
+        if name in self.host_names or name.endswith(self.host_suffixes):
+            return True
+        try:
+            ipaddress.ip_address(name.split("%", 1)[0])
+        except ValueError:
+            return False
+        return True
+
+
+def _split_host(host: str) -> tuple[str | None, int | None]:
+    """``(name, port)`` of a Host header value (name lowercased, IPv6 brackets removed)."""
+    try:
+        parts = urlsplit("//" + host.strip())
+        return (parts.hostname or None), parts.port
+    except ValueError:
+        return None, None
+
+
+def _origin(text: str) -> str | None:
+    """``scheme://host:port`` with the default port made explicit, or None if not an origin."""
+    try:
+        parts = urlsplit(text.strip())
+        scheme, name, port = parts.scheme.lower(), parts.hostname, parts.port
+    except ValueError:
+        return None
+    if scheme not in _DEFAULT_PORTS or not name:
+        return None
+    if ":" in name:
+        name = f"[{name}]"
+    return f"{scheme}://{name}:{port or _DEFAULT_PORTS[scheme]}"

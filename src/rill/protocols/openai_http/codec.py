@@ -74,6 +74,12 @@ class Unauthorized(RillError):
         super().__init__(message or "Missing or invalid API key: send 'Authorization: Bearer <key>'")
 
 
+class Forbidden(RillError):
+    """A browser request from a foreign web page or through a foreign host name (HTTP 403)."""
+
+    code = "forbidden"
+
+
 class BodyTooLarge(InvalidRequest):
     """The request body is over the configured limit (HTTP 413)."""
 
@@ -119,6 +125,7 @@ ERROR_TABLE: dict[type[BaseException], tuple[int, str]] = {
     ContextLengthExceeded: (400, "invalid_request_error"),
     InvalidRequest: (400, "invalid_request_error"),
     Unauthorized: (401, "invalid_request_error"),
+    Forbidden: (403, "invalid_request_error"),
     RouteNotFound: (404, "invalid_request_error"),
     MethodNotAllowed: (405, "invalid_request_error"),
     QueueFull: (429, "rate_limit_error"),
