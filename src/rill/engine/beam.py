@@ -18,6 +18,7 @@ a copy of it in a row whose beam died (``plan_rows``).
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -53,7 +54,10 @@ class BeamSearch:
         self.is_done = False
 
     def _norm(self, sum_logprobs: float, length: int) -> float:
-        return sum_logprobs / (max(length, 1) ** self.length_penalty)
+        # sum / len ** lp, in log space: ``len ** lp`` overflows (or underflows to a zero
+        # divisor) for a large |lp| while the product below stays finite for every length
+        # penalty ``SamplingParams.validate`` accepts.
+        return sum_logprobs * math.exp(-self.length_penalty * math.log(max(length, 1)))
 
     def _add_hypothesis(self, tokens: list[int], sum_logprobs: float) -> None:
         score = self._norm(sum_logprobs, len(tokens))

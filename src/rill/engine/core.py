@@ -5,12 +5,19 @@ client drives it from one engine thread (``apply`` commands between steps, then 
 Every command takes effect at the next token, because commands are only applied between
 steps. Detokenization and stop strings run here, in the output stage of the step, so a
 stop string ends the request (and frees its row) in the very step that produced it.
+
+Fault isolation: whatever is done for one request alone (applying its commands, sampler
+setup, sampling, beam scoring, detokenizing, stop checks) runs under ``_isolated``; if it
+raises, that request alone ends with ``GenerationError`` and its KV rows are freed, while every
+other request of the step carries on exactly as it would have. Only a failure of what the
+requests share (scheduling, the model forward) fails the whole step.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -78,9 +85,19 @@ class EngineCore:
 
     # -- commands ---------------------------------------------------------------------------
     def apply(self, command: Command) -> None:
-        """Apply one command (the client calls this between steps)."""
+        """Apply one command (the client calls this between steps).
+
+        A command that raises fails only the request it names (never the engine loop).
+        """
         handler = self._handlers[type(command)]
-        handler(self, command)
+        if isinstance(command, AddCommand):
+            request = command.request
+        else:
+            request = self.requests.get(command.request_id)
+        if request is None:
+            handler(self, command)
+        else:
+            self._isolated(request, f"applying {type(command).__name__}", handler, self, command)
 
     def _add(self, cmd: AddCommand) -> None:
         request = cmd.request
@@ -182,30 +199,34 @@ class EngineCore:
         self._check_deadlines(now)
         plan = self.scheduler.schedule()
         for request, error in plan.failed:
-            self._finish(request, "error", error=error)
+            self._isolated(request, "finishing", self._finish, request, "error", None, error)
         for request in plan.preempted:
             self.stats_counters.num_preemptions_total += 1
             self._event(request, RequestEvent.PREEMPTED)
         if not plan.is_empty:
             try:
                 self._run(plan)
-            except Exception:  # one bad step must not kill the engine: fail its requests only
+            except Exception:  # the shared part (the forward) failed: only then fail the whole step
                 log.exception("engine step failed; failing the %d requests of the step", len(plan.scheduled))
                 for item in plan.scheduled:
                     if not item.request.is_finished:
-                        self._finish(item.request, "error", error=GenerationError("internal error while generating"))
+                        self._fail(item.request, "generating", self._rows_of(item.request),
+                                   message="the engine step failed while generating")
         return self._collect_outputs()
 
     def _run(self, plan: SchedulerOutput) -> None:
         for item in plan.scheduled:
-            self._on_scheduled(item.request)
-        work: list[RowWork] = [w for item in plan.scheduled for w in item.work]
+            self._isolated(item.request, "preparing to sample", self._on_scheduled, item.request)
+        # A request that failed above is finished and its rows are freed: leave it out.
+        scheduled = [item for item in plan.scheduled if not item.request.is_finished]
+        work: list[RowWork] = [w for item in scheduled for w in item.work]
         t0 = time.perf_counter()
-        logits = self.runner.forward(work)
-        self._sample_and_advance(plan.scheduled, logits)
+        logits = self.runner.forward(work) if work else None
+        if logits is not None:
+            self._sample_and_advance(scheduled, logits)
         self._update_costs(plan, time.perf_counter() - t0)
         self.stats_counters.num_steps_total += 1
-        self.stats_counters.last_batch_size = len(plan.scheduled)
+        self.stats_counters.last_batch_size = len(scheduled)
 
     def _on_scheduled(self, request: Request) -> None:
         if request.sampler_key is None and not request.is_beam:
@@ -245,11 +266,21 @@ class EngineCore:
         now = self.clock()
         if sample_reqs:
             rows = logits if len(sample_rows) == logits.shape[0] else logits[sample_rows]
-            result = self.sampler.sample(rows, [r.sampler_key for r in sample_reqs])
-            for request, token, logprob in zip(sample_reqs, result.token_ids, result.logprobs):
-                self._on_token(request, token, logprob, now)
+            try:
+                result = self.sampler.sample(rows, [r.sampler_key for r in sample_reqs])
+            except Exception:  # not one row's fault (the sampler isolates those): fail the sampled rows
+                log.exception("sampling failed for the whole batch")
+                for request in sample_reqs:
+                    self._fail(request, "sampling")
+            else:
+                for i, (request, token, logprob) in enumerate(zip(sample_reqs, result.token_ids, result.logprobs)):
+                    if i in result.errors:
+                        self._fail(request, "sampling", exc=result.errors[i])
+                    else:
+                        self._isolated(request, "processing its new token", self._on_token, request, token, logprob, now)
         for request, start, count in beam_items:
-            self._beam_step(request, logits[start : start + count], now)
+            self._isolated(request, "beam search", self._beam_step, request, logits[start : start + count], now,
+                           rows=self._rows_of(request))
 
     # -- per-token output stage ------------------------------------------------------------
     def _on_token(self, request: Request, token: int, logprob: Any, now: float) -> None:
@@ -340,6 +371,51 @@ class EngineCore:
             request.pending_token_texts[-1] += text
         self.touched[request.request_id] = request
 
+    # -- fault isolation -----------------------------------------------------------------------
+    def _isolated(self, request: Request, stage: str, fn: Callable[..., Any], *args: Any, rows: Iterable[int] = ()) -> None:
+        """Call ``fn(*args)``; if it raises, fail ``request`` alone (``rows``: see ``_fail``)."""
+        try:
+            fn(*args)
+        except Exception as exc:
+            self._fail(request, stage, rows, exc=exc)
+
+    def _rows_of(self, request: Request) -> list[int]:
+        """Every KV row a beam request holds now (empty for other requests: ``_finish`` frees theirs).
+
+        Taken before a beam step, because a step that fails half-way may have moved its beams
+        to other rows of the same set.
+        """
+        if not request.is_beam:
+            return []
+        rows = set(request.spare_rows)
+        if request.row is not None:
+            rows.add(request.row)
+        if request.beam is not None:
+            rows.update(beam.row for beam in request.beam.beams)
+        return sorted(rows)
+
+    def _fail(self, request: Request, stage: str, rows: Iterable[int] = (), exc: BaseException | None = None,
+              message: str | None = None) -> None:
+        """End ``request`` with ``GenerationError`` after it raised while ``stage``; free its KV.
+
+        ``rows`` (a beam request's, from ``_rows_of``) are dropped: their content may be half
+        updated. The client gets the stage, never the exception text (that goes to the log).
+        """
+        if exc is not None:
+            log.error("request %s failed while %s; the other requests continue", request.request_id, stage, exc_info=exc)
+        if request.is_finished:
+            return
+        rows = list(rows)
+        if rows:
+            for row in rows:
+                if row in self.kv.live:
+                    self.kv.drop(row)
+            if request.beam is not None:
+                request.beam.beams = []
+            request.beam, request.spare_rows, request.row = None, [], None
+        error = GenerationError(message or f"the request failed while {stage}; other requests are not affected")
+        self._finish(request, "error", error=error, flush=False)
+
     # -- finishing ----------------------------------------------------------------------------
     def _finish(self, request: Request, reason: FinishReason, stop_reason: Any = None, error: Any = None, flush: bool = True) -> None:
         if flush and request.detokenizer is not None:
@@ -376,7 +452,8 @@ class EngineCore:
             if request.is_finished:
                 self.deadlines.pop(request.request_id, None)
             elif now >= request.deadline:
-                self._finish(request, "error", error=RequestTimeout("the request reached its time limit"))
+                self._isolated(request, "finishing", self._finish, request, "error", None,
+                               RequestTimeout("the request reached its time limit"))
 
     def _event(self, request: Request, event: RequestEvent) -> None:
         request.pending_events.append(event)

@@ -19,6 +19,11 @@ Seeds: a seeded row draws exactly one uniform per sampled step from its own gene
 kept set and draw depend only on its own logits (see ``sampler_kernels``), so it gives the same
 tokens alone or in any batch. Unseeded rows share one randomly seeded generator.
 
+Fault isolation: the uniforms are drawn before any processing, and a batch that raises is
+redone row by row with the same uniforms; rows that still raise are reported in
+``SampleOutput.errors`` and leave no trace, every other row gets the token the batch would have
+given it (the engine then fails only the requests whose rows raised).
+
 Cost per step, on this 2-core box (``benchmarks/sampler.py``): a greedy batch is one numpy argmax
 (~0.1 ms for 32 x 16k); 32 rows with 32 different settings take ~2-4 ms at vocab 16k.
 """
@@ -49,10 +54,13 @@ class SampleOutput:
             distribution, most likely first (the chosen token is not repeated, per
             ``rill.types``; a protocol wanting OpenAI's ``top_logprobs`` merges the chosen token
             in and keeps N). None for rows whose ``params.logprobs`` is None.
+        errors: row index -> the exception sampling that row raised; such a row's token is -1,
+            its logprob None, and its history is unchanged.
     """
 
     token_ids: list[int]
     logprobs: list[TokenLogprob | None]
+    errors: dict[int, Exception] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -207,7 +215,8 @@ class Sampler:
             logits: float32 ``[n, vocab]`` (other float dtypes / devices are converted).
             keys: ``keys[i]`` is row i's key; distinct, each added before.
         Returns:
-            the tokens and, for rows that asked, logprobs of the raw distribution.
+            the tokens and, for rows that asked, logprobs of the raw distribution; rows whose
+            sampling raised are in ``errors`` (the other rows are unaffected).
         """
         n = len(keys)
         if n == 0:
@@ -217,19 +226,53 @@ class Sampler:
             raise ValueError(f"logits {tuple(raw.shape)} do not match {n} keys x vocab {self.vocab_size}")
         slots = [self._slot(k) for k in keys]
         key_arr = np.asarray(keys, np.int64)
+        plan = _Plan.build(slots)
+        # Drawn first, so that a batch redone row by row uses the very same numbers.
+        uniforms = np.full(n, np.nan)
+        uniforms[plan.sampled_rows] = self._uniforms([slots[i] for i in plan.sampled_rows])
+        errors: dict[int, Exception] = {}
+        try:
+            tokens, logprobs = self._sample_rows(raw, key_arr, slots, plan, uniforms)
+        except Exception as exc:
+            if n == 1:
+                tokens, logprobs, errors = np.full(1, -1, np.int64), [None], {0: exc}
+            else:
+                tokens, logprobs, errors = self._sample_each(raw, key_arr, slots, uniforms)
+        ok = [i for i in range(n) if i not in errors]
+        token_list = tokens.tolist()
+        for i in ok:
+            slots[i].outputs.append(token_list[i])
+        if self._counts is not None and ok:
+            self._counts[key_arr[ok], tokens[ok]] += 1  # keys are distinct, so no index repeats
+        return SampleOutput(token_list, logprobs, errors)
+
+    def _sample_rows(self, raw: np.ndarray, key_arr: np.ndarray, slots: list[_Slot], plan: "_Plan",
+                     uniforms: np.ndarray) -> tuple[np.ndarray, list[TokenLogprob | None]]:
+        """Tokens and logprobs of every row (no history is written here)."""
         with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-            plan = _Plan.build(slots)
             if plan.is_plain_greedy:
                 tokens = raw.argmax(axis=1)
             else:
-                tokens = self._choose(raw, key_arr, slots, plan)
-            token_list = tokens.tolist()
-            logprobs = self._logprobs(raw, tokens, slots, plan.logprob_rows, n)
-        for slot, tok in zip(slots, token_list):
-            slot.outputs.append(tok)
-        if self._counts is not None:
-            self._counts[key_arr, tokens] += 1  # keys are distinct, so no index repeats
-        return SampleOutput(token_list, logprobs)
+                tokens = self._choose(raw, key_arr, slots, plan, uniforms)
+            logprobs = self._logprobs(raw, tokens, slots, plan.logprob_rows, len(slots))
+        return tokens, logprobs
+
+    def _sample_each(self, raw: np.ndarray, key_arr: np.ndarray, slots: list[_Slot], uniforms: np.ndarray
+                     ) -> tuple[np.ndarray, list[TokenLogprob | None], dict[int, Exception]]:
+        """The batch raised: sample row by row and report the rows that raise on their own."""
+        n = len(slots)
+        tokens = np.full(n, -1, np.int64)
+        logprobs: list[TokenLogprob | None] = [None] * n
+        errors: dict[int, Exception] = {}
+        for i in range(n):
+            one = slice(i, i + 1)
+            try:
+                tok, lps = self._sample_rows(raw[one], key_arr[one], slots[one], _Plan.build(slots[one]), uniforms[one])
+            except Exception as exc:  # this row alone fails; the caller fails its request
+                errors[i] = exc
+                continue
+            tokens[i], logprobs[i] = tok[0], lps[0]
+        return tokens, logprobs, errors
 
     def _processed_logits(self, logits: torch.Tensor, keys: list[int]) -> np.ndarray:
         # For tests: the logits after penalties, bias and bans, before temperature.
@@ -237,7 +280,8 @@ class Sampler:
         slots = [self._slot(k) for k in keys]
         return self._process(raw, np.asarray(keys, np.int64), slots, _Plan.build(slots)).copy()
 
-    def _choose(self, raw: np.ndarray, key_arr: np.ndarray, slots: list[_Slot], plan: "_Plan") -> np.ndarray:
+    def _choose(self, raw: np.ndarray, key_arr: np.ndarray, slots: list[_Slot], plan: "_Plan",
+                uniforms: np.ndarray) -> np.ndarray:
         x = self._process(raw, key_arr, slots, plan)
         tokens = np.empty(len(slots), np.int64)
         if plan.greedy_rows:
@@ -250,7 +294,7 @@ class Sampler:
                 tokens[rows[dead]] = raw[rows[dead]].argmax(axis=1)
         if plan.sampled_rows:
             rows = np.asarray(plan.sampled_rows)
-            drawn = self._draw(x, rows, key_arr[rows], [slots[i] for i in plan.sampled_rows])
+            drawn = self._draw(x, rows, key_arr[rows], [slots[i] for i in plan.sampled_rows], uniforms[rows])
             dead = drawn < 0
             if dead.any():
                 drawn[dead] = raw[rows[dead]].argmax(axis=1)
@@ -280,7 +324,8 @@ class Sampler:
             x[rows, np.concatenate([a for _, a in plan.ban_rows])] = -np.inf
         return x
 
-    def _draw(self, x: np.ndarray, rows: np.ndarray, keys: np.ndarray, slots: list[_Slot]) -> np.ndarray:
+    def _draw(self, x: np.ndarray, rows: np.ndarray, keys: np.ndarray, slots: list[_Slot],
+              uniforms: np.ndarray) -> np.ndarray:
         """Temperature, top-k/top-p/min-p and one inverse-CDF draw per row; -1 marks dead rows."""
         s, vocab, width = len(rows), self.vocab_size, self._width
         w = self._ws.get("w", (s, width), np.float32)
@@ -305,7 +350,7 @@ class Sampler:
                                   self.num_candidates, scratch=scratch)
             keep = np.greater_equal(w, thr[:, None], out=self._ws.get("flags", (s, width), bool))
             np.multiply(w, keep, out=w)
-        tokens = inverse_cdf(w, self._uniforms(slots))
+        tokens = inverse_cdf(w, uniforms)
         tokens[dead] = -1
         return tokens
 

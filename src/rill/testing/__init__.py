@@ -1,4 +1,5 @@
-"""Test helpers shipped with the package: offline random-init checkpoints (``checkpoints``).
+"""Test helpers shipped with the package: offline random-init checkpoints (``checkpoints``) and
+fault injection into a live engine (``faults``).
 
 Nothing here is imported by the server; ``transformers`` is needed only when a helper runs.
 """
