@@ -113,8 +113,13 @@ class EvergreenConfig:
     evergreen_file_root: list[str] = _f([], "folder file:// refs may be read from (repeatable)", repeat=True)
     evergreen_max_depth: int = _f(32, "deepest node nesting allowed in a session")
     evergreen_max_nodes: int = _f(10000, "most nodes in a session")
-    evergreen_max_bytes: int = _f(64 * 1024 * 1024, "most content bytes in a session")
+    evergreen_max_bytes: int = _f(64 * 1024 * 1024, "most bytes a session holds: chunk data, refs, node ids, "
+                                  "metadata, generated text and the text read through file refs")
     evergreen_max_actions: int = _f(64, "most open actions in a session")
+    evergreen_max_fragments: int = _f(100000, "most node fragments a session holds (generated ones included)")
+    evergreen_max_id_bytes: int = _f(1024, "longest node id, in UTF-8 bytes")
+    evergreen_max_prompt_bytes: int = _f(8 * 1024 * 1024, "largest prompt one action may expand to (a node or "
+                                         "file ref used N times counts N times)")
 
 
 @dataclass(frozen=True)
@@ -311,6 +316,11 @@ def validate(config: ServerConfig) -> None:
         raise ConfigError(f"sse_keepalive_s must be >= 0 (0 disables keep-alives), not {h.sse_keepalive_s}")
     if h.log_level.lower() not in ("critical", "error", "warning", "info", "debug", "trace"):
         raise ConfigError(f"log_level must be debug, info, warning or error, not {h.log_level!r}")
+    g = config.evergreen
+    for name in ("evergreen_max_depth", "evergreen_max_nodes", "evergreen_max_bytes", "evergreen_max_actions",
+                 "evergreen_max_fragments", "evergreen_max_id_bytes", "evergreen_max_prompt_bytes"):
+        if getattr(g, name) < 1:
+            raise ConfigError(f"{name} must be >= 1, not {getattr(g, name)}")
     if config.uds.uds_protocol not in ("framed", "newline"):
         raise ConfigError(f"uds_protocol must be framed or newline, not {config.uds.uds_protocol!r}")
     try:

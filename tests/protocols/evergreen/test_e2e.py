@@ -419,3 +419,77 @@ def test_rill_client_evergreen_streams_a_reply(live, capsys):
     assert capsys.readouterr().out.endswith("\n")
     assert main(["client", "evergreen", "--prompt", "Hi", "--address", grpc_address(live), "--target", "nope"]) == 2
     assert "NOT_FOUND" in capsys.readouterr().err
+
+
+# -- issue 12: file refs and large prompts (items 3 and 6) ---------------------------------------------
+
+
+def _ref_leaf(node_id: str, uri: str, num_refs: int) -> list:
+    from rill.protocols.evergreen.messages import Chunk, ChunkMetadata, NodeFragment
+
+    meta = ChunkMetadata(mimetype="text/plain")
+    return [NodeFragment(id=node_id, seq=i, continued=i < num_refs - 1,
+                         chunk_fragment=Chunk(metadata=meta if i == 0 else None, ref=uri)) for i in range(num_refs)]
+
+
+async def test_twenty_refs_to_a_1mb_file_are_refused_and_the_server_stays_up(live, files):
+    # The audit's 2.4 KB message took the server from 0.7 to 2.1 GB; now the prompt it
+    # expands to is over --evergreen-max-prompt-bytes before anything is copied per ref.
+    (files / "big.txt").write_bytes(b"word " * (1024 * 1024 // 5))
+    with pytest.raises(EvergreenError) as info:
+        await run_grpc(live, [msg(*_ref_leaf("p", f"file://{files}/big.txt", 20)), msg(generate(config=GREEDY))])
+    assert info.value.status == "RESOURCE_EXHAUSTED" and "max-prompt-bytes" in info.value.message
+    text, _ = output(await run_grpc(live, [msg(leaf("p", "Hello")), msg(generate(config=GREEDY))]), "r")
+    assert text  # the server still serves
+
+
+async def test_a_fifo_in_the_root_is_invalid_argument_and_blocks_nothing(live, files):
+    fifo = files / "pipe"
+    if not fifo.exists():
+        os.mkfifo(fifo)
+    with pytest.raises(EvergreenError) as info:
+        await run_grpc(live, [msg(leaf("p", ref=f"file://{fifo}")), msg(generate(config=GREEDY))])
+    assert info.value.status == "INVALID_ARGUMENT" and "regular file" in info.value.message
+
+
+async def test_a_nul_in_a_ref_is_invalid_argument(live, files):
+    with pytest.raises(EvergreenError) as info:
+        await run_grpc(live, [msg(leaf("p", ref=f"file://{files}/question.txt%00.png")), msg(generate(config=GREEDY))])
+    assert info.value.status == "INVALID_ARGUMENT"
+
+
+async def test_health_answers_while_a_prompt_is_built(live, monkeypatch):
+    # Item 6: the prompt of an action (a shared node expanded, refs joined, text decoded) is
+    # built in a worker thread. The build is held at a gate; /health must answer meanwhile,
+    # which it could not if the build ran on the event loop.
+    import asyncio
+    import threading
+
+    import httpx
+
+    from rill.protocols.evergreen.session import EvergreenSession
+
+    entered, release = threading.Event(), threading.Event()
+    threads: list[int] = []
+    real_request_for = EvergreenSession.request_for
+
+    def gated(self, command, ref_bytes):
+        threads.append(threading.get_ident())
+        entered.set()
+        release.wait(60)
+        return real_request_for(self, command, ref_bytes)
+
+    monkeypatch.setattr(EvergreenSession, "request_for", gated)
+    shared = "A shared line about jam doughnuts. "
+    messages = [msg(leaf("shared", shared)), msg(parent("p", "shared", "s2", "s3")),
+                msg(parent("s2", "shared"), parent("s3", "shared")), msg(generate(config=GREEDY))]
+    run = asyncio.ensure_future(run_grpc(live, messages))
+    try:
+        assert await asyncio.to_thread(entered.wait, 60)
+        async with httpx.AsyncClient() as http:
+            health = await http.get(f"{live.url}/health", timeout=30)
+        assert health.status_code == 200 and not run.done()
+    finally:
+        release.set()
+    text, _ = output(await run, "r")
+    assert text and threads and live.thread.ident not in threads

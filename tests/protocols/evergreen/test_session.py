@@ -26,6 +26,7 @@ from rill.protocols.evergreen.session import (
     SessionLimits,
     TextLeaf,
     TurnEnd,
+    fragment_bytes,
 )
 
 from .helpers import (
@@ -173,10 +174,11 @@ def test_node_limit_counts_referenced_nodes():
 
 
 def test_byte_limit_counts_inline_data():
-    s = new(max_bytes=10)
-    feed(s, msg(leaf("a", "12345")))
-    with pytest.raises(SessionLimit, match="10 bytes"):
-        feed(s, msg(leaf("b", "123456")))
+    first = leaf("a", "12345")
+    s = new(max_bytes=fragment_bytes(first) + 5)
+    feed(s, msg(first))
+    with pytest.raises(SessionLimit, match="more than"):
+        feed(s, msg(leaf("b", "123456")))  # costs one byte more than "a": 6 > the 5 left
 
 
 def test_open_action_limit():

@@ -3,8 +3,9 @@
 Both transports run the same ``SessionRunner`` around the pure ``EvergreenSession``:
 
 * a reader feeds each inbound ``SessionMessage`` to the session and performs its commands;
-* each started action runs as a task: read its file refs (off the loop), build the request,
-  ``client.generate``, and turn every ``RequestOutput`` into output fragments;
+* each started action runs as a task: read its file refs and build the request (both in a
+  worker thread: a large prompt is joined and decoded off the event loop), ``client.generate``,
+  and turn every ``RequestOutput`` into output fragments;
 * an outbox queue carries messages to the writer, then either ``DONE`` (gRPC: status OK
   after the client half-closed and every action finished) or the exception that aborts the
   session (gRPC status / WebSocket close code 4000 + status, see ``codec.ws_close``).
@@ -22,7 +23,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from pathlib import Path
+import stat
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
 
 from starlette.routing import BaseRoute, WebSocketRoute
@@ -32,12 +33,13 @@ from rill import auth
 from rill.errors import ConfigError, GenerationError, RillError
 from rill.frontend.stream import RequestStream
 from rill.protocols.evergreen import codec
-from rill.protocols.evergreen.errors import RefDenied, RefNotFound
+from rill.protocols.evergreen.errors import RefDenied, RefNotFound, SessionLimit, UnsupportedInput
 from rill.protocols.evergreen.messages import SessionMessage
 from rill.protocols.evergreen.session import (
     Close,
     Command,
     EvergreenSession,
+    FileRef,
     Generate,
     ModelFacts,
     Send,
@@ -63,6 +65,8 @@ def session_limits(deps: "Deps") -> SessionLimits:
     roots = tuple(os.path.realpath(r) for r in e.evergreen_file_root)
     return SessionLimits(max_depth=e.evergreen_max_depth, max_nodes=e.evergreen_max_nodes,
                          max_bytes=e.evergreen_max_bytes, max_actions=e.evergreen_max_actions,
+                         max_fragments=e.evergreen_max_fragments, max_id_bytes=e.evergreen_max_id_bytes,
+                         max_prompt_bytes=e.evergreen_max_prompt_bytes,
                          max_tokens_cap=deps.config.http.max_tokens_cap,
                          request_timeout_s=deps.config.http.request_timeout_s, file_roots=roots)
 
@@ -142,13 +146,19 @@ class SessionRunner:
                 self.outbox.put_nowait(DONE)
 
     async def _run(self, command: Generate) -> None:
-        assert self._session is not None
+        session = self._session
+        assert session is not None
         stream: RequestStream | None = None
         try:
-            refs = {}
+            refs: dict[str, bytes] = {}
             if command.refs:  # reading files blocks: off the event loop
-                refs = await asyncio.to_thread(read_refs, command, self._session.limits.file_roots)
-            request = self._session.request_for(command, refs)
+                refs, num_read_bytes = await asyncio.to_thread(read_refs, command.refs, session.limits.file_roots,
+                                                               session.ref_budget(command))
+                session.count_refs(command, refs, num_read_bytes)
+            # Joining and decoding a large prompt takes time: off the event loop too.
+            request = await asyncio.to_thread(session.request_for, command, refs)
+            if self._is_over:
+                return
             stream = await self.deps.client.generate(request)
             self._streams[command.action_id] = stream
             async with stream:
@@ -195,30 +205,90 @@ def _ignore_result(task: asyncio.Future) -> None:
         task.exception()
 
 
-def read_refs(command: Generate, roots: tuple[str, ...]) -> dict[str, bytes]:
-    """Read every file ref of a started action (blocking: run it in a thread).
+def read_refs(refs: list[FileRef], roots: tuple[str, ...], max_bytes: int) -> tuple[dict[str, bytes], int]:
+    """Read the file refs of a started action (blocking: run it in a thread).
 
-    Symlinks are resolved and the real path is checked against the roots again, so a link
-    inside a root cannot reach a file outside it.
+    Each file is read once however many refs name it (by its real path). Symlinks are
+    resolved and the real path is checked against the roots again, so a link inside a root
+    cannot reach a file outside it. Only regular files are read: a FIFO, device or socket is
+    refused after a ``stat``, without opening it, and the file is opened non-blocking, so a
+    ref can never hold a worker thread. At most ``max_bytes + 1`` bytes are read in total.
+
+    Returns:
+        The content of each ref by its ``path``, and the number of bytes read (each file once).
 
     Raises:
         RefDenied: the real path leaves every root.
-        RefNotFound: the file is missing or unreadable.
+        RefNotFound: the file is missing, a folder or unreadable.
+        UnsupportedInput: not a regular file, or a path the OS cannot take.
+        SessionLimit: the files hold more than ``max_bytes``.
     """
     contents: dict[str, bytes] = {}
-    for ref in command.refs:
-        real = os.path.realpath(ref.path)
+    by_real_path: dict[str, bytes] = {}
+    num_read_bytes = 0
+    for ref in refs:
+        if ref.path in contents:
+            continue
+        try:
+            real = os.path.realpath(ref.path)
+        except (ValueError, UnicodeError) as exc:  # NUL or an unencodable name: never a file
+            raise UnsupportedInput(f"ref '{ref.uri}' is not a valid path") from exc
         if not any(is_under(real, root) for root in roots):
             raise RefDenied(f"ref '{ref.uri}' resolves outside the allowed file roots")
+        data = by_real_path.get(real)
+        if data is None:
+            data = by_real_path[real] = _read_regular_file(ref.uri, real, max_bytes - num_read_bytes)
+            num_read_bytes += len(data)
+        contents[ref.path] = data
+    return contents, num_read_bytes
+
+
+READ_BLOCK_BYTES = 1024 * 1024
+
+
+def _read_regular_file(uri: str, path: str, max_bytes: int) -> bytes:
+    """The content of the regular file at real ``path``, read non-blocking, at most ``max_bytes``."""
+    try:
+        info = os.stat(path)
+        _check_regular(uri, info)
+        if info.st_size > max_bytes:
+            raise _too_big(uri, max_bytes)
+        # O_NOFOLLOW: the path was resolved; a symlink swapped in since then is refused.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
         try:
-            contents[ref.path] = Path(real).read_bytes()
-        except FileNotFoundError as exc:
-            raise RefNotFound(f"ref '{ref.uri}': no such file") from exc
-        except IsADirectoryError as exc:
-            raise RefNotFound(f"ref '{ref.uri}' is a folder, not a file") from exc
-        except OSError as exc:
-            raise RefNotFound(f"ref '{ref.uri}' cannot be read: {exc.strerror}") from exc
-    return contents
+            _check_regular(uri, os.fstat(fd))  # the file may have been replaced after the stat
+            blocks: list[bytes] = []
+            num_bytes = 0
+            while num_bytes <= max_bytes:
+                block = os.read(fd, min(READ_BLOCK_BYTES, max_bytes + 1 - num_bytes))
+                if not block:
+                    break
+                blocks.append(block)
+                num_bytes += len(block)
+        finally:
+            os.close(fd)
+    except FileNotFoundError as exc:
+        raise RefNotFound(f"ref '{uri}': no such file") from exc
+    except OSError as exc:
+        raise RefNotFound(f"ref '{uri}' cannot be read: {exc.strerror}") from exc
+    except (ValueError, UnicodeError) as exc:
+        raise UnsupportedInput(f"ref '{uri}' is not a valid path") from exc
+    if num_bytes > max_bytes:
+        raise _too_big(uri, max_bytes)  # it grew after the stat
+    return b"".join(blocks)
+
+
+def _check_regular(uri: str, info: os.stat_result) -> None:
+    if stat.S_ISDIR(info.st_mode):
+        raise RefNotFound(f"ref '{uri}' is a folder, not a file")
+    if not stat.S_ISREG(info.st_mode):
+        raise UnsupportedInput(f"ref '{uri}' is not a regular file (a FIFO, device or socket); "
+                               "rill reads regular files only")
+
+
+def _too_big(uri: str, max_bytes: int) -> SessionLimit:
+    return SessionLimit(f"ref '{uri}' holds more than the {max_bytes} bytes left to this session and prompt "
+                        "(--evergreen-max-bytes, --evergreen-max-prompt-bytes)")
 
 
 # -- gRPC -----------------------------------------------------------------------------------------

@@ -119,7 +119,8 @@ def file_ref(uri: str, node_id: str, file_roots: tuple[str, ...]) -> FileRef:
     """Check a ref against the scheme and root rules (no file-system access).
 
     Raises:
-        UnsupportedInput: not a ``file://`` URI (or one naming a remote host).
+        UnsupportedInput: not a ``file://`` URI (or one naming a remote host), a path with a
+            NUL or not UTF-8 once percent-decoded.
         RefDenied: no roots configured, or the path is outside every root.
     """
     parts = urlsplit(uri)
@@ -132,7 +133,15 @@ def file_ref(uri: str, node_id: str, file_roots: tuple[str, ...]) -> FileRef:
     if not file_roots:
         raise RefDenied(f"node '{node_id}': file:// refs are disabled on this server "
                         "(start it with --evergreen-file-root DIR)")
-    path = posixpath.normpath(unquote(parts.path))
+    try:
+        # strict: a percent-escape that is not UTF-8 must not silently name another file
+        path = posixpath.normpath(unquote(parts.path, errors="strict"))
+        path.encode("utf-8")  # a lone surrogate cannot name a file either
+    except UnicodeError as exc:
+        raise UnsupportedInput(f"node '{node_id}': ref '{uri}' is not a valid path (not UTF-8 once "
+                               "percent-decoded)") from exc
+    if "\x00" in path:
+        raise UnsupportedInput(f"node '{node_id}': ref '{uri}' contains a NUL character (%00)")
     if not path.startswith("/"):
         raise RefDenied(f"node '{node_id}': ref '{uri}' is not an absolute file:///path")
     if not any(is_under(path, root) for root in file_roots):

@@ -6,6 +6,7 @@ One ``EvergreenSession`` per stream. The adapter feeds it and performs what it r
     request_for(Generate, refs)    -> GenerateRequest             (after reading file refs)
     on_output(action_id, text, finished) -> [Send | Generate | Close]
     on_input_end()                 -> [Close] or raises InputMissing
+    ref_budget(Generate) / count_refs(Generate, contents, num_read)   (around reading refs)
 
 Rules of the node store (spec "Ordering", "Boundaries", "Mime type"; wire-notes §1.4):
 
@@ -19,8 +20,13 @@ Rules of the node store (spec "Ordering", "Boundaries", "Mime type"; wire-notes 
   may stream more ``child_ids`` in later fragments (children in seq order);
 * children may be referenced before they arrive; adding an edge that closes a cycle or
   makes a path longer than ``max_depth`` links aborts;
-* limits: ``max_nodes`` node ids (referenced ones included), ``max_bytes`` of content
-  (inline data, refs and generated text), ``max_actions`` open actions.
+* limits (each past its bound aborts with ``SessionLimit``, RESOURCE_EXHAUSTED):
+  ``max_nodes`` node ids (referenced ones included), ``max_fragments`` stored fragments
+  (generated ones included), ``max_id_bytes`` per node id, ``max_actions`` open actions,
+  ``max_bytes`` of what the session holds (``fragment_bytes``: chunk data, refs, ids,
+  metadata, plus a fixed cost per fragment and per child id for their memory; generated
+  text; open actions' configs; the bytes read through file refs, ``count_refs``), and
+  ``max_prompt_bytes`` per action prompt, each use of a shared node or file counted.
 
 Actions: ``GENERATE`` (input ``prompt`` or ``text``; output ``response`` or ``text``, none
 meaning "not wanted", so nothing runs) is accepted at once and started when its input graph
@@ -70,6 +76,14 @@ OUTPUT_NAMES = ("response", "text")
 OUTPUT_METADATA = ChunkMetadata(mimetype="text/plain", role="model")
 """Metadata of seq 0 of every output node."""
 
+FRAGMENT_COST_BYTES = 128
+"""Bytes a stored fragment counts besides its content: the memory of its objects (an empty
+fragment costs about this much), so that a flood of empty fragments meets ``max_bytes``."""
+ID_COST_BYTES = 48
+"""Bytes each child id of a fragment counts besides its text (a Python string's overhead)."""
+ACTION_COST_BYTES = 256
+"""Bytes an open action counts besides its configs."""
+
 @dataclass(frozen=True)
 class SessionLimits:
     """Per-session bounds and policies (from ``EvergreenConfig`` and ``HttpConfig``)."""
@@ -78,6 +92,9 @@ class SessionLimits:
     max_nodes: int = 10000
     max_bytes: int = 64 * 1024 * 1024
     max_actions: int = 64
+    max_fragments: int = 100_000
+    max_id_bytes: int = 1024
+    max_prompt_bytes: int = 8 * 1024 * 1024
     max_tokens_cap: int | None = None
     request_timeout_s: float | None = None
     file_roots: tuple[str, ...] = ()
@@ -100,6 +117,8 @@ class Generate:
     action_id: ActionId
     items: tuple[PromptItem, ...]
     config: GenerateConfig
+    num_inline_bytes: int = 0
+    """Bytes of the prompt's inline text (each use of a shared node counted), refs excluded."""
 
     @property
     def refs(self) -> list[FileRef]:
@@ -161,6 +180,7 @@ class EvergreenSession:
         self._running: dict[ActionId, _Action] = {}
         self._num_actions = 0
         self._num_bytes = 0
+        self._num_fragments = 0
         self._is_input_ended = False
         self._complete_subtrees: set[NodeId] = set()
 
@@ -211,6 +231,7 @@ class EvergreenSession:
     def _add_fragment(self, f: NodeFragment) -> None:
         if not f.id:
             raise RuleBroken("a node fragment has an empty id")
+        self._check_id(f.id)
         if f.seq < 0:
             raise RuleBroken(f"node '{f.id}': seq {f.seq} is negative")
         node = self._node(f.id)
@@ -227,7 +248,10 @@ class EvergreenSession:
             node.final_seq = f.seq
         self._set_kind(node, f)
         self._check_metadata(node, f)
-        self._count_bytes(f)
+        for child_id in f.child_ids:
+            self._check_id(child_id)
+        self._count_fragment()
+        self._add_bytes(fragment_bytes(f))
         node.fragments[f.seq] = f
         node.max_seq = max(node.max_seq, f.seq)
         first = node.fragments.get(0)
@@ -270,16 +294,22 @@ class EvergreenSession:
             raise RuleBroken(f"node '{later.id}': fragment seq {later.seq} carries metadata different from "
                              "seq 0's (metadata is set once, on seq 0)")
 
-    def _count_bytes(self, f: NodeFragment) -> None:
-        chunk = f.chunk_fragment
-        if chunk is not None:
-            self._add_bytes(len(chunk.data or b"") + len((chunk.ref or "").encode()))
+    def _check_id(self, node_id: NodeId) -> None:
+        if _utf8_len(node_id) > self.limits.max_id_bytes:
+            raise SessionLimit(f"a node id of {_utf8_len(node_id)} bytes is longer than {self.limits.max_id_bytes} "
+                               f"bytes (--evergreen-max-id-bytes): '{node_id[:32]}…'")
+
+    def _count_fragment(self) -> None:
+        if self._num_fragments >= self.limits.max_fragments:
+            raise SessionLimit(f"the session holds {self.limits.max_fragments} node fragments, the most allowed "
+                               "(--evergreen-max-fragments)")
+        self._num_fragments += 1
 
     def _add_bytes(self, num_bytes: int) -> None:
-        self._num_bytes += num_bytes
-        if self._num_bytes > self.limits.max_bytes:
-            raise SessionLimit(f"the session holds more than {self.limits.max_bytes} bytes of content "
+        if self._num_bytes + num_bytes > self.limits.max_bytes:
+            raise SessionLimit(f"the session would hold more than {self.limits.max_bytes} bytes "
                                "(--evergreen-max-bytes)")
+        self._num_bytes += num_bytes
 
     def _add_edge(self, parent: _Node, child_id: NodeId) -> None:
         if not child_id:
@@ -329,8 +359,9 @@ class EvergreenSession:
             raise UnknownTarget(f"{label}: target_spec.id '{target}' is not served here (this server runs "
                                 f"'{self.model.name}'; leave it empty for the default)")
         config = self._config(action, label)
-        input_id = self._one_param(action.inputs, INPUT_NAMES, "input", label, required=True)
-        output_id = self._one_param(action.outputs, OUTPUT_NAMES, "output", label, required=False)
+        max_id = self.limits.max_id_bytes
+        input_id = self._one_param(action.inputs, INPUT_NAMES, "input", label, required=True, max_id_bytes=max_id)
+        output_id = self._one_param(action.outputs, OUTPUT_NAMES, "output", label, required=False, max_id_bytes=max_id)
         if self.num_open_actions >= self.limits.max_actions:
             raise SessionLimit(f"{label}: {self.limits.max_actions} actions are already open "
                                "(--evergreen-max-actions)")
@@ -340,6 +371,7 @@ class EvergreenSession:
             self._claim_output(output_id, input_id, action_id, label)
         self._num_actions += 1
         if output_id is not None:  # no output wanted: nothing to compute
+            self._add_bytes(ACTION_COST_BYTES + sum(_utf8_len(c.type_url) + len(c.value) for c in action.configs))
             self._waiting[action_id] = _Action(action_id, input_id, output_id, config)
 
     def _config(self, action: Action, label: str) -> GenerateConfig:
@@ -353,13 +385,17 @@ class EvergreenSession:
         return GenerateConfig(**merged)
 
     @staticmethod
-    def _one_param(params: tuple, names: tuple[str, ...], what: str, label: str, *, required: bool) -> NodeId | None:
+    def _one_param(params: tuple, names: tuple[str, ...], what: str, label: str, *, required: bool,
+                   max_id_bytes: int) -> NodeId | None:
         found = None
         for param in params:
             if param.name not in names:
                 raise RuleBroken(f"{label}: unknown {what} name '{param.name}' (use {' or '.join(names)})")
             if not param.id:
                 raise RuleBroken(f"{label}: {what} '{param.name}' has an empty node id")
+            if _utf8_len(param.id) > max_id_bytes:
+                raise SessionLimit(f"{label}: {what} '{param.name}' names a node id longer than {max_id_bytes} "
+                                   "bytes (--evergreen-max-id-bytes)")
             if found is not None:
                 raise RuleBroken(f"{label}: more than one {what} ({' and '.join(names)} name the same parameter)")
             found = param.id
@@ -383,7 +419,8 @@ class EvergreenSession:
                 del self._waiting[action.id]
                 self._running[action.id] = action
                 action.is_running = True
-                commands.append(Generate(action.id, tuple(self._flatten(action.input_id)), action.config))
+                items, num_inline_bytes = self._flatten(action.input_id)
+                commands.append(Generate(action.id, tuple(items), action.config, num_inline_bytes))
         return commands
 
     def _is_ready(self, node_id: NodeId, memo: dict[NodeId, bool]) -> bool:
@@ -416,11 +453,13 @@ class EvergreenSession:
         return None
 
     # -- prompt ------------------------------------------------------------------------------------
-    def _flatten(self, root_id: NodeId) -> list[PromptItem]:
+    def _flatten(self, root_id: NodeId) -> tuple[list[PromptItem], int]:
+        # No byte is copied here (items refer to the stored fragments' data); the budgets
+        # bound the walk (uses of nodes) and the prompt it describes (bytes per use).
         items: list[PromptItem] = []
-        budget = [self.limits.max_nodes, self.limits.max_bytes]
+        budget = [self.limits.max_nodes, self.limits.max_prompt_bytes]
         self._flatten_into(root_id, items, budget)
-        return items
+        return items, self.limits.max_prompt_bytes - budget[1]
 
     def _flatten_into(self, node_id: NodeId, items: list[PromptItem], budget: list[int]) -> None:
         node = self._nodes[node_id]
@@ -435,6 +474,7 @@ class EvergreenSession:
             return
         if node.output_of is not None:
             text = "".join(node.output_text).encode()
+            self._spend_prompt_bytes(budget, len(text))
             items.append(TextLeaf(node_id, ROLES["model"], (text,)))
             return
         if node.kind is None:
@@ -444,14 +484,44 @@ class EvergreenSession:
         chunks = [f.chunk_fragment for f in node.ordered() if f.chunk_fragment is not None]
         item = leaf_item(node_id, metadata, chunks, self.model, self.limits.file_roots)
         if isinstance(item, TextLeaf):
-            budget[1] -= sum(len(p) for p in item.pieces if isinstance(p, bytes))
-            if budget[1] < 0:
-                raise SessionLimit(f"the prompt flattens to more than {self.limits.max_bytes} bytes")
+            self._spend_prompt_bytes(budget, sum(len(p) for p in item.pieces if isinstance(p, bytes)))
         items.append(item)
+
+    def _spend_prompt_bytes(self, budget: list[int], num_bytes: int) -> None:
+        budget[1] -= num_bytes
+        if budget[1] < 0:
+            raise SessionLimit(f"the prompt expands to more than {self.limits.max_prompt_bytes} bytes "
+                               "(--evergreen-max-prompt-bytes; a shared node counts once per use)")
+
+    def ref_budget(self, command: "Generate") -> int:
+        """Most bytes the adapter may read through ``command``'s file refs (each file once):
+        what is left of the session's ``max_bytes`` and of the action's prompt budget."""
+        return max(0, min(self.limits.max_bytes - self._num_bytes,
+                          self.limits.max_prompt_bytes - command.num_inline_bytes))
+
+    def count_refs(self, command: "Generate", contents: dict[str, bytes], num_read_bytes: int) -> None:
+        """Count what the adapter read for ``command``: ``num_read_bytes`` (each file once)
+        against the session's ``max_bytes``, and the prompt with each ref's content once per
+        use against ``max_prompt_bytes``. Call it before ``request_for``.
+
+        Raises:
+            SessionLimit: either bound is passed.
+        """
+        num_prompt_bytes = command.num_inline_bytes + sum(len(contents[ref.path]) for ref in command.refs)
+        if num_prompt_bytes > self.limits.max_prompt_bytes:
+            raise SessionLimit(f"action {command.action_id}: the prompt expands to {num_prompt_bytes} bytes with "
+                               f"its file refs, more than {self.limits.max_prompt_bytes} "
+                               "(--evergreen-max-prompt-bytes; a file counts once per ref)")
+        self._add_bytes(num_read_bytes)
 
     def request_for(self, command: "Generate", ref_bytes: dict[str, bytes]) -> GenerateRequest:
         """The engine request of a started action, its file refs' contents given by path
-        (see ``prompt.build_request`` for the rules and errors)."""
+        (see ``prompt.build_request`` for the rules and errors).
+
+        It reads only ``command``, ``ref_bytes`` and the session's frozen limits and model
+        facts, so the adapter may run it in a worker thread: a large prompt is joined and
+        decoded there, not on the event loop.
+        """
         return build_request(command.action_id, command.items, command.config, ref_bytes, self.model,
                              max_tokens_cap=self.limits.max_tokens_cap, deadline_s=self.limits.request_timeout_s)
 
@@ -469,7 +539,8 @@ class EvergreenSession:
         node = self._nodes[action.output_id]
         commands: list[Command] = []
         if text or finished:
-            self._add_bytes(len(text.encode()))
+            self._count_fragment()
+            self._add_bytes(FRAGMENT_COST_BYTES + len(text.encode()))
             seq = len(node.fragments)
             chunk = Chunk(metadata=OUTPUT_METADATA if seq == 0 else None, data=text.encode())
             fragment = NodeFragment(id=node.id, seq=seq, continued=not finished, chunk_fragment=chunk)
@@ -492,6 +563,25 @@ class EvergreenSession:
             raise InputMissing(f"action {stuck.id} waits for outputs of actions that can never run "
                                "(an action's input includes its own output)")
         return [Close()]
+
+
+def fragment_bytes(f: NodeFragment) -> int:
+    """What a stored client fragment counts against ``max_bytes``: its chunk data, ref, ids and
+    metadata, ``FRAGMENT_COST_BYTES`` and ``ID_COST_BYTES`` per child id."""
+    num_bytes = FRAGMENT_COST_BYTES + _utf8_len(f.id) + sum(ID_COST_BYTES + _utf8_len(c) for c in f.child_ids)
+    chunk = f.chunk_fragment
+    if chunk is not None:
+        num_bytes += len(chunk.data or b"") + _utf8_len(chunk.ref or "")
+        meta = chunk.metadata
+        if meta is not None:
+            num_bytes += _utf8_len(meta.mimetype) + _utf8_len(meta.role) + _utf8_len(meta.original_file_name)
+            num_bytes += sum(_utf8_len(a.type_url) + len(a.value) for a in meta.experimental)
+    return num_bytes
+
+
+def _utf8_len(text: str) -> int:
+    # surrogatepass: a count must not fail on text the codec let through
+    return len(text.encode("utf-8", "surrogatepass"))
 
 
 def _fields(struct: object) -> dict:
