@@ -91,3 +91,63 @@ def test_feedback_survives_sigkill_after_the_ack(tiny_model_dir: Path, tmp_path:
     assert [(r["id"], r["rating"], r["text"], r["position"], r["request_id"]) for r in records] == \
         [(ack["feedback_id"], -1.0, "kill -9 me", 1, ack["request_id"])]
     assert records[0]["request_id"] == init["request_id"] and records[0]["generated_text"] is not None
+
+
+# -- issue 12 item 2: bounded stored text, size cap and retention ----------------------------------------
+
+
+def test_texts_are_cut_to_the_cap_at_a_character_boundary(tmp_path: Path) -> None:
+    store = FeedbackStore(tmp_path, max_text_bytes=5)
+    store.add({"request_id": "g", "rating": 1, "text": "ok", "prompt": "ééé", "generated_text": "abcdefgh"})
+    [record] = store.records()
+    assert (record["text"], record["prompt"], record["generated_text"]) == ("ok", "éé", "abcde")
+    assert record["truncated"] == ["prompt", "generated_text"]
+    store.close()
+
+
+def test_a_full_store_refuses_new_records_and_keeps_the_old(tmp_path: Path) -> None:
+    import pytest
+
+    from rill.errors import StorageFull
+
+    store = FeedbackStore(tmp_path)
+    for i in range(20):
+        store.add({"request_id": f"g{i}", "rating": 1, "prompt": "p" * 2000})
+    used = store.used_bytes()
+    store.close()
+    capped = FeedbackStore(tmp_path, max_store_bytes=used + 100)
+    with pytest.raises(StorageFull, match="full"):
+        capped.add({"request_id": "late", "rating": 1, "prompt": "p" * 2000})
+    assert [r["request_id"] for r in capped.records()] == [f"g{i}" for i in range(20)]
+    capped.close()
+
+
+def test_retention_deletes_only_records_past_it(tmp_path: Path, monkeypatch) -> None:
+    import rill.feedback as feedback_mod
+
+    clock = [1_000_000.0]
+    monkeypatch.setattr(feedback_mod.time, "time", lambda: clock[0])
+    store = FeedbackStore(tmp_path, retention_s=100)
+    store.add({"request_id": "old", "rating": 1})
+    clock[0] += 60
+    store.add({"request_id": "mid", "rating": 1})
+    clock[0] += 60  # "old" is 120 s old now, "mid" 60 s
+    store.add({"request_id": "new", "rating": 1})
+    assert [r["request_id"] for r in store.records()] == ["mid", "new"]
+    store.close()
+
+
+def test_a_store_from_before_the_truncated_column_is_upgraded(tmp_path: Path) -> None:
+    import sqlite3
+
+    db = sqlite3.connect(tmp_path / "feedback.sqlite3")
+    db.execute("CREATE TABLE feedback (id INTEGER PRIMARY KEY AUTOINCREMENT, created_at REAL NOT NULL, protocol TEXT "
+               "NOT NULL, request_id TEXT, rating REAL NOT NULL, text TEXT, position INTEGER, model TEXT, prompt TEXT, "
+               "generated_text TEXT, is_generation_finished INTEGER, api_key_hint TEXT)")
+    db.execute("INSERT INTO feedback (created_at, protocol, rating) VALUES (1, 'generate_ws', 1)")
+    db.commit()
+    db.close()
+    store = FeedbackStore(tmp_path)
+    store.add({"request_id": "g", "rating": -1})
+    assert [(r["rating"], r["truncated"]) for r in store.records()] == [(1.0, []), (-1.0, [])]
+    store.close()

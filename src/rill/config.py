@@ -70,6 +70,16 @@ class HttpConfig:
     rate_limit_burst: int = _f(2048, "token-bucket burst size for the rate limit")
     sse_keepalive_s: float = _f(5.0, "seconds without output after which an SSE stream gets a keep-alive comment")
     data_dir: str = _f("data", "folder for feedback, recordings and other durable data")
+    feedback_max_per_generation: int = _f(16, "most feedback messages one /generate generation may receive "
+                                              "(past it: a rate_limited error, nothing stored)")
+    feedback_max_per_connection: int = _f(256, "most feedback messages one /generate connection may send")
+    feedback_max_text_bytes: int = _f(16384, "the prompt, generated text and feedback text of a stored feedback "
+                                             "record are each cut to this many UTF-8 bytes (the record's "
+                                             "'truncated' names the fields cut)")
+    feedback_max_store_bytes: str = _f("1GiB", "size cap of the feedback store; when full, new feedback is "
+                                               "refused with an error and nothing stored is deleted")
+    feedback_retention_days: float | None = _f(None, "feedback records older than this many days are deleted "
+                                                     "(default: kept until deleted by hand)")
     log_level: str = _f("info", "log level: debug, info, warning, error")
 
 
@@ -102,6 +112,10 @@ class ChatConfig:
     chat_max_active: int = _f(4, "most /ws/chat replies generating at once")
     chat_max_queue: int = _f(64, "most /ws/chat requests waiting")
     record: bool = _f(False, "store every chat (request, reply text, reply audio) in the data folder")
+    record_max_bytes: str = _f("2GiB", "size cap of the recordings; the oldest recordings are deleted first "
+                                       "to stay under it (each deletion is logged)")
+    record_retention_days: float | None = _f(30.0, "recordings older than this many days are deleted when a new "
+                                                   "one is saved (empty: kept until the size cap needs room)")
     ref_audio: str | None = _f(None, "WAV file served by /api/default_ref_audio")
 
 
@@ -314,6 +328,15 @@ def validate(config: ServerConfig) -> None:
         raise ConfigError(f"request_timeout_s must be > 0, not {h.request_timeout_s}")
     if h.sse_keepalive_s < 0:
         raise ConfigError(f"sse_keepalive_s must be >= 0 (0 disables keep-alives), not {h.sse_keepalive_s}")
+    for name in ("feedback_max_per_generation", "feedback_max_per_connection", "feedback_max_text_bytes"):
+        if getattr(h, name) < 1:
+            raise ConfigError(f"{name} must be >= 1, not {getattr(h, name)}")
+    parse_size(h.feedback_max_store_bytes, "feedback_max_store_bytes")
+    if h.feedback_retention_days is not None and h.feedback_retention_days <= 0:
+        raise ConfigError(f"feedback_retention_days must be > 0, not {h.feedback_retention_days}")
+    parse_size(config.chat.record_max_bytes, "record_max_bytes")
+    if config.chat.record_retention_days is not None and config.chat.record_retention_days <= 0:
+        raise ConfigError(f"record_retention_days must be > 0, not {config.chat.record_retention_days}")
     if h.log_level.lower() not in ("critical", "error", "warning", "info", "debug", "trace"):
         raise ConfigError(f"log_level must be debug, info, warning or error, not {h.log_level!r}")
     g = config.evergreen

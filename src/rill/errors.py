@@ -17,6 +17,7 @@ client as text: protocols answer them with a generic message.
     ├── RequestNotFound             control action for an unknown or finished request
     ├── CacheMiss                   a required cached prefix was evicted
     ├── RequestTimeout              per-request time limit reached
+    ├── StorageFull                 a durable store is at its size cap (nothing deleted for room)
     └── EngineError
         ├── GenerationError         one request failed; others continue
         └── EngineDead              the engine loop crashed; nothing more can run
@@ -145,6 +146,13 @@ class RequestTimeout(RillError):
 
     code = "timeout"
     retryable = True
+
+
+class StorageFull(RillError):
+    """A durable store (the feedback store) is at its configured size cap: the new record
+    is refused; nothing already stored is deleted to make room."""
+
+    code = "storage_full"
 
 
 class EngineError(RillError):

@@ -437,3 +437,59 @@ async def test_rest_sse_keepalive_while_waiting_for_the_model(make_server: Any) 
             events += [json.loads(x[6:]) async for x in lines if x.startswith("data: ")]
     assert {e["operation"] for e in events if e["type"] == "status"} <= {"model_loading"}
     assert [e["type"] for e in events if e["type"] != "status"] == ["init", "token", "token", "completion"]
+
+
+# -- issue 12 item 2: feedback cannot amplify disk use ---------------------------------------------------
+
+
+async def test_feedback_on_a_refused_prompt_writes_nothing(make_server: Any, tmp_path: Any) -> None:
+    # Regression: a 3.9 MB prompt refused as too long, then 100 feedback messages, grew the
+    # store by 390 MB (each row stored the prompt). A refused generation has nothing to rate.
+    from rill.feedback import DB_NAME
+
+    live = await make_server()
+    async with connect(live.ws, max_size=None) as ws:
+        await send(ws, type="config", prompt="x" * 3_900_000)
+        refused = await recv(ws)
+        assert refused["type"] == "error" and refused["error"] == "context_length_exceeded"
+        for _ in range(100):
+            await send(ws, type="feedback", rating=1, text="y" * 60000)
+        replies = [await recv(ws) for _ in range(100)]
+    assert {(r["type"], r["error"], r["field"]) for r in replies} == {("error", "invalid_request", "request_id")}
+    path = tmp_path / "data" / DB_NAME
+    assert not path.exists() or list(FeedbackStore(tmp_path / "data").records()) == []
+
+
+async def test_feedback_messages_are_capped_per_generation_and_per_connection(make_server: Any, tmp_path: Any) -> None:
+    live = await make_server(feedback_max_per_generation=3, feedback_max_per_connection=5)
+    async with connect(live.ws) as ws:
+        for expected in (["feedback_received"] * 3 + ["rate_limited"], ["feedback_received"] * 2 + ["rate_limited"]):
+            await send(ws, type="config", prompt="p", parameters={"max_tokens": 1})
+            await until(ws, is_type("completion"))
+            got = []
+            for _ in expected:
+                await send(ws, type="feedback", rating=1)
+                reply = await recv(ws)
+                got.append(reply.get("operation") or reply["error"])
+                if reply["type"] == "error":
+                    assert reply["recoverable"] is True and "the most allowed" in reply["message"]
+            assert got == expected
+    assert len(list(FeedbackStore(tmp_path / "data").records())) == 5
+
+
+async def test_stored_feedback_text_is_cut_and_a_full_store_refuses(make_server: Any, tmp_path: Any) -> None:
+    live = await make_server(feedback_max_text_bytes=8)
+    async with connect(live.ws) as ws:
+        await send(ws, type="config", prompt="a prompt longer than eight bytes", parameters={"max_tokens": 1})
+        await until(ws, is_type("completion"))
+        await send(ws, type="feedback", rating=1, text="é" * 100)
+        assert (await recv(ws))["operation"] == "feedback_received"
+    [record] = FeedbackStore(tmp_path / "data").records()
+    assert (record["prompt"], record["text"], record["truncated"]) == ("a prompt", "éééé", ["text", "prompt"])
+    full = await make_server(feedback_max_store_bytes="4KiB", data_dir=str(tmp_path / "full"))
+    async with connect(full.ws) as ws:
+        await send(ws, type="config", prompt="p", parameters={"max_tokens": 1})
+        await until(ws, is_type("completion"))
+        await send(ws, type="feedback", rating=1)
+        error = await recv(ws)
+        assert error["type"] == "error" and "feedback store is full" in error["message"] and error["recoverable"]

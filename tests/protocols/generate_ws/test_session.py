@@ -301,3 +301,32 @@ def test_modify_refused_by_the_engine_is_undone() -> None:
     [err] = sent(sess.on_modify_refused(RequestNotFound("request gen_0 already finished")))
     assert err["error"] == "invalid_request"
     assert sess.gen is not None and sess.gen.sampling.temperature == 0.8 and not sess.gen.pending_modified
+
+
+def test_a_refused_or_unstarted_generation_takes_no_feedback() -> None:
+    # Issue 12 item 2: feedback on a refused request stored its (3.9 MB) prompt each time.
+    sess = new_session()
+    sess.receive(config(), now=0.0)
+    fb = codec.decode(b'{"type":"feedback","rating":1}')
+    [waiting] = sent(sess.receive(fb, now=0.5))  # not started yet
+    assert waiting["error"] == "invalid_request" and "never started" in waiting["message"]
+    sess.on_error(MemoryPressure("too big"))
+    [refused] = sent(sess.receive(fb, now=1.0))
+    assert refused["error"] == "invalid_request" and refused["field"] == "request_id"
+
+
+def test_feedback_is_capped_per_generation_and_per_connection() -> None:
+    ids = iter(f"gen_{i}" for i in range(10))
+    sess = s.GenerateSession(s.Limits(model_name="tiny", model_info=INFO, max_feedback_per_generation=2,
+                                      max_feedback_per_connection=3), new_request_id=lambda: next(ids))
+    fb = codec.decode(b'{"type":"feedback","rating":1}')
+    started(sess)
+    kinds = [type(a).__name__ for _ in range(3) for a in sess.receive(fb, now=11.0)]
+    assert kinds == ["StoreFeedback", "StoreFeedback", "Send"]
+    [err] = sent(sess.receive(fb, now=11.0))
+    assert (err["error"], err["recoverable"]) == ("rate_limited", True) and "generation 'gen_0'" in err["message"]
+    sess.on_output(out(" a", finished=True, reason="stop", n=1), now=12.0)
+    started(sess)
+    assert isinstance(sess.receive(fb, now=13.0)[0], s.StoreFeedback)
+    [err] = sent(sess.receive(fb, now=13.0))
+    assert err["error"] == "rate_limited" and "this connection" in err["message"]

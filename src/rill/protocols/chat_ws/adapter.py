@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import re
 import time
 import uuid
 from pathlib import Path
@@ -29,6 +28,7 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import BaseRoute, Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
+from rill.config import parse_size
 from rill.errors import InvalidRequest, ModelNotReady
 from rill.frontend.client import EngineClient
 from rill.frontend.speech import SAMPLE_RATE_HZ, SpeechService, SpeechStream
@@ -48,6 +48,7 @@ from rill.protocols.chat_ws.session import (
     build_generate_request,
     refuse_modalities,
 )
+from rill.recordings import RecordingStore
 
 log = logging.getLogger("rill.protocols.chat_ws")
 
@@ -55,9 +56,6 @@ EXTRA = "chat_ws"
 """``deps.extras`` key of the server's ``ChatService`` (created by ``routes`` if absent)."""
 SYNTH_EXTRA = "chat_ws.speech_synth"
 """``deps.extras`` key: a ``SpeechSynth`` to use instead of espeak-ng (tests, embedders)."""
-
-_RECORDING_ID = re.compile(r"^chat_[0-9a-f]{16}$")
-
 
 class ChatService:
     """What every ``/ws/chat`` connection of one server shares: the engine client, the fair
@@ -72,6 +70,10 @@ class ChatService:
         self.max_tokens_cap = cfg.http.max_tokens_cap
         self.request_timeout_s = cfg.http.request_timeout_s
         self.recordings_dir = Path(cfg.http.data_dir) / "recordings" if cfg.chat.record else None
+        days = cfg.chat.record_retention_days
+        self.recordings = RecordingStore(Path(cfg.http.data_dir) / "recordings",
+                                         parse_size(cfg.chat.record_max_bytes, "record_max_bytes"),
+                                         None if days is None else days * 86400)
         self.ref_audio_path = cfg.chat.ref_audio
         self._ref_audio: dict[str, Any] | None = None
         self._mailboxes: dict[str, asyncio.Queue[Notice]] = {}
@@ -95,7 +97,8 @@ class ChatService:
 
     # -- recordings --------------------------------------------------------------------
     def save_recording(self, recording_id: str, request_text: str, done: Done, session: ChatSession) -> None:
-        """Write request.json, reply.json and reply.wav under the recording's folder (blocking)."""
+        """Write request.json, reply.json and reply.wav under the recording's folder, then apply
+        the recordings' size cap and retention (blocking)."""
         import soundfile
 
         assert self.recordings_dir is not None
@@ -110,6 +113,7 @@ class ChatService:
         if session.is_speaking:
             soundfile.write(folder / "reply.wav", audio, SAMPLE_RATE_HZ, subtype="FLOAT")
         (folder / "reply.json").write_text(json.dumps(reply))
+        self.recordings.commit(recording_id)
 
     def default_ref_audio(self) -> dict[str, Any] | None:
         """``{name, duration, sample_rate, samples, base64}`` of ``--ref-audio`` at 16 kHz (cached)."""
@@ -183,9 +187,9 @@ async def start(deps: Any) -> Callable[[], Awaitable[None]] | None:
 
 
 def _recording_folder(service: ChatService, recording_id: str) -> Path | None:
-    if service.recordings_dir is None or not _RECORDING_ID.match(recording_id):
+    if service.recordings_dir is None:
         return None
-    return service.recordings_dir / recording_id
+    return service.recordings.path_of(recording_id)
 
 
 class _Chat:

@@ -23,6 +23,7 @@ from starlette.routing import BaseRoute, Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from rill import __version__, auth
+from rill.config import parse_size
 from rill.errors import EngineDead, InvalidRequest, ModelLoadError, RequestTimeout, RillError
 from rill.feedback import FeedbackStore
 from rill.frontend.stream import RequestStream
@@ -58,12 +59,18 @@ class GenerateService:
         name = self.deps.config.engine.served_model_name or (info.name if info else None)
         if name is None:
             name = Path(self.deps.config.engine.model).name if self.deps.config.engine.model else "rill-demo"
-        return s.Limits(model_name=name, model_info=info, max_tokens_cap=self.http.max_tokens_cap, version=__version__)
+        return s.Limits(model_name=name, model_info=info, max_tokens_cap=self.http.max_tokens_cap, version=__version__,
+                        max_feedback_per_generation=self.http.feedback_max_per_generation,
+                        max_feedback_per_connection=self.http.feedback_max_per_connection)
 
     def feedback_store(self) -> FeedbackStore:
         """The store, opened on first use."""
         if self._feedback is None:
-            self._feedback = FeedbackStore(self.http.data_dir)
+            days = self.http.feedback_retention_days
+            self._feedback = FeedbackStore(
+                self.http.data_dir, max_text_bytes=self.http.feedback_max_text_bytes,
+                max_store_bytes=parse_size(self.http.feedback_max_store_bytes, "feedback_max_store_bytes"),
+                retention_s=None if days is None else days * 86400)
         return self._feedback
 
     def buckets(self, api_key: str | None, conn_bucket: ratelimit.TokenBucket | None) -> list[ratelimit.TokenBucket]:
@@ -323,6 +330,9 @@ class _Connection:
         hint = self.api_key[-4:] if self.api_key else None
         try:
             feedback_id = await asyncio.to_thread(self.service.feedback_store().add, record, s.PROTOCOL, hint)
+        except RillError as exc:  # the store is full: its message says so
+            await self.perform(self.session.on_invalid(exc))
+            return
         except Exception:  # noqa: BLE001 - never leak storage internals
             log.exception("storing feedback failed")
             await self.perform(self.session.on_invalid(RillError("feedback could not be stored")))

@@ -29,8 +29,10 @@ from rill.errors import (
     QueueFull,
     RateLimited,
     RequestNotFound,
+    RequestRejected,
     RequestTimeout,
     RillError,
+    StorageFull,
 )
 from rill.protocols._shared import sse
 from rill.protocols._shared.errors import lookup
@@ -39,6 +41,14 @@ from rill.protocols.generate_ws import messages as m
 
 class InvalidMessage(InvalidRequest):
     """A client message is not valid JSON or does not match the spec's schema."""
+
+
+class FeedbackLimit(RequestRejected):
+    """A generation or a connection has received the most feedback messages allowed
+    (``--feedback-max-per-generation``, ``--feedback-max-per-connection``)."""
+
+    code = "feedback_limit"
+    retryable = False
 
 
 class Unauthorized(RillError):
@@ -79,6 +89,8 @@ ERROR_TABLE: dict[type[BaseException], WireError] = {
     ModelNotReady: WireError("model_loading_error", True, "retry", 503),
     ModelLoadError: WireError("model_loading_error", False, None, 503, False, "the model failed to load"),
     RequestTimeout: WireError("timeout", True, "retry", 504),
+    FeedbackLimit: WireError("rate_limited", True, None, 429),
+    StorageFull: WireError("internal_error", True, None, 507),
     Unauthorized: WireError("unauthorized", False, "fix_request", 401),
     CacheMiss: WireError("internal_error", True, "retry", 500, False, "internal error; the generation was dropped"),
     GenerationError: WireError("internal_error", True, "retry", 500, False, "internal error; the generation failed"),

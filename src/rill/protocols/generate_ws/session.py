@@ -79,6 +79,8 @@ class Limits:
     model_info: ModelInfo | None = None
     max_tokens_cap: int | None = None
     version: str | None = None
+    max_feedback_per_generation: int | None = None
+    max_feedback_per_connection: int | None = None
 
 
 @dataclass
@@ -98,6 +100,8 @@ class Generation:
     pending_modified: list[SamplingParams] = field(default_factory=list)
     sampling_in_force: SamplingParams | None = None  # last parameters the engine confirmed
     is_finished: bool = False
+    is_started: bool = False  # the engine accepted it (init sent); a refused one has nothing to rate
+    num_feedback: int = 0
 
     @property
     def visible_text(self) -> str:
@@ -122,6 +126,7 @@ class GenerateSession:
         self._token_text = token_text
         self._new_request_id = new_request_id
         self._history: OrderedDict[str, Generation] = OrderedDict()
+        self._num_feedback = 0
 
     # ------------------------------------------------------------------ client messages
     def receive(self, msg: m.ClientMessage, now: float) -> list[Action]:
@@ -133,7 +138,7 @@ class GenerateSession:
         handler = {"config": self._on_config, "control": self._on_control, "feedback": self._on_feedback}[kind]
         try:
             return handler(msg, now)
-        except InvalidRequest as exc:
+        except (InvalidRequest, codec.FeedbackLimit) as exc:
             return [Send(codec.error_message(exc, self._current_id()))]
 
     def on_invalid(self, exc: RillError) -> list[Action]:
@@ -233,6 +238,20 @@ class GenerateSession:
         if gen is None:
             raise InvalidRequest(f"unknown request_id '{msg.request_id}' for feedback on this connection",
                                  field="request_id")
+        if not gen.is_started:
+            # Nothing was generated: storing a row (with its prompt) for it would let refused
+            # requests write to disk.
+            raise InvalidRequest(f"generation '{gen.request_id}' never started (refused, stopped or still "
+                                 "waiting); there is nothing to rate", field="request_id")
+        limits = self.limits
+        if limits.max_feedback_per_generation is not None and gen.num_feedback >= limits.max_feedback_per_generation:
+            raise codec.FeedbackLimit(f"generation '{gen.request_id}' already received "
+                                      f"{limits.max_feedback_per_generation} feedback messages, the most allowed")
+        if limits.max_feedback_per_connection is not None and self._num_feedback >= limits.max_feedback_per_connection:
+            raise codec.FeedbackLimit(f"this connection already sent {limits.max_feedback_per_connection} feedback "
+                                      "messages, the most allowed")
+        gen.num_feedback += 1
+        self._num_feedback += 1
         record = {
             "request_id": gen.request_id,
             "rating": msg.rating,
@@ -269,6 +288,7 @@ class GenerateSession:
         """The engine accepted the request: send ``init``."""
         assert self.gen is not None
         self.gen.num_prompt_tokens = num_prompt_tokens
+        self.gen.is_started = True
         self.state = State.GENERATING
         return [Send(self._init())]
 

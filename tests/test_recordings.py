@@ -1,0 +1,60 @@
+"""rill.recordings: the chat recordings folder stays under its size cap and retention
+(issue 12 item 2: recordings stored raw requests with no cap or retention)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import pytest
+
+from rill import recordings
+from rill.recordings import RecordingStore
+
+
+def write(folder: Path, recording_id: str, num_bytes: int, mtime: float | None = None) -> None:
+    (folder / recording_id).mkdir(parents=True)
+    (folder / recording_id / "request.json").write_bytes(b"x" * num_bytes)
+    if mtime is not None:
+        os.utime(folder / recording_id, (mtime, mtime))
+
+
+def rid(i: int) -> str:
+    return f"chat_{i:016x}"
+
+
+def test_the_oldest_recordings_are_deleted_first_to_stay_under_the_cap(tmp_path: Path, caplog) -> None:
+    store = RecordingStore(tmp_path, max_bytes=2500)
+    for i in range(5):
+        write(tmp_path, rid(i), 1000)
+        with caplog.at_level(logging.WARNING, logger="rill.recordings"):
+            store.commit(rid(i))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [rid(3), rid(4)]
+    assert store.num_bytes() == 2000
+    assert sum("record-max-bytes" in r.getMessage() for r in caplog.records) == 3  # never silently
+
+
+def test_recordings_of_earlier_runs_count_and_retention_deletes_old_ones(tmp_path: Path, monkeypatch) -> None:
+    now = 2_000_000_000.0
+    monkeypatch.setattr(recordings.time, "time", lambda: now)
+    write(tmp_path, rid(1), 100, mtime=now - 10 * 86400)  # ten days old
+    write(tmp_path, rid(2), 100, mtime=now - 86400)
+    (tmp_path / "not-a-recording").mkdir()
+    store = RecordingStore(tmp_path, max_bytes=10_000, retention_s=5 * 86400)
+    write(tmp_path, rid(3), 100)
+    store.commit(rid(3))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [rid(2), rid(3), "not-a-recording"]
+    assert store.num_bytes() == 200
+
+
+def test_a_recording_larger_than_the_cap_is_not_kept(tmp_path: Path) -> None:
+    store = RecordingStore(tmp_path, max_bytes=50)
+    write(tmp_path, rid(1), 100)
+    store.commit(rid(1))
+    assert list(tmp_path.iterdir()) == [] and store.num_bytes() == 0
+
+
+@pytest.mark.parametrize("name, ok", [(rid(1), True), ("..", False), ("chat_../x", False)])
+def test_path_of_takes_recording_ids_only(tmp_path: Path, name: str, ok: bool) -> None:
+    assert (RecordingStore(tmp_path, 1).path_of(name) is not None) == ok
