@@ -65,6 +65,8 @@ class HttpConfig:
     allowed_hosts: list[str] = _f([], "Host header names accepted besides IP addresses, localhost and the bound "
                                       "host (repeatable; '.example.com' also allows subdomains; '*' for any)",
                                   repeat=True)
+    max_choices_per_request: int = _f(256, "most choices (prompts x n) one /v1/completions or /v1/chat/completions "
+                                           "request may ask for; more is refused (400) before anything runs")
     request_timeout_s: float | None = _f(None, "per-request time limit in seconds")
     rate_limit_tokens_per_s: float | None = _f(None, "per-key and per-connection generation rate limit (tokens/s)")
     rate_limit_burst: int = _f(2048, "token-bucket burst size for the rate limit")
@@ -324,6 +326,8 @@ def validate(config: ServerConfig) -> None:
         raise ConfigError(f"max_body_bytes must be >= 1, not {h.max_body_bytes}")
     if h.max_tokens_cap is not None and h.max_tokens_cap < 1:
         raise ConfigError(f"max_tokens_cap must be >= 1, not {h.max_tokens_cap}")
+    if h.max_choices_per_request < 1:
+        raise ConfigError(f"max_choices_per_request must be >= 1, not {h.max_choices_per_request}")
     if h.request_timeout_s is not None and h.request_timeout_s <= 0:
         raise ConfigError(f"request_timeout_s must be > 0, not {h.request_timeout_s}")
     if h.sse_keepalive_s < 0:

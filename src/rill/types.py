@@ -38,12 +38,33 @@ class RequestEvent(str, enum.Enum):
     PREEMPTED = "preempted"  # KV evicted under memory pressure; will be recomputed
 
 
+# Bounds of every numeric sampling field: the one place they are set. Every protocol's
+# request reaches the engine only through SamplingParams.validate (the frontend calls it on
+# every request and modify), so a value is accepted or refused alike on every wire.
+MAX_TEMPERATURE = 100.0  # above this the distribution is uniform to float32 precision anyway
+MAX_TOP_K = 2**31 - 1  # larger than any vocabulary: top_k above the vocabulary means off
+MIN_REPETITION_PENALTY = 0.01  # logits are scaled by at most 100 either way: no overflow to inf
+MAX_REPETITION_PENALTY = 100.0
+MAX_ABS_PENALTY = 2.0  # presence / frequency penalty (OpenAI's range)
+MAX_ABS_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 2048
+MAX_TOKENS_LIMIT = 2**31 - 1  # the context bounds generation much sooner; this keeps ints small
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+MAX_NUM_BEAMS = 16
+MAX_ABS_LENGTH_PENALTY = 10.0  # beam scores stay finite for any length (see engine.beam)
+MAX_SEED = 2**63
+
+
 class SamplingParams(msgspec.Struct, kw_only=True):
     """Per-request sampling and stopping parameters (all optional, neutral defaults).
 
-    ``temperature`` 0 means greedy. ``top_k`` 0 means off. ``logprobs`` None means no
+    ``temperature`` 0 means greedy. ``top_k`` 0 or -1 means off. ``logprobs`` None means no
     logprobs; 0 means the chosen token's logprob only; N > 0 adds the top N alternatives.
     ``num_beams`` > 1 selects beam search (deterministic; sampling fields are ignored).
+    ``validate`` holds the bounds of every field; protocols map their wire fields here and
+    rely on it rather than checking ranges themselves.
     """
 
     temperature: float = 1.0
@@ -66,29 +87,52 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     early_stopping: bool = False
 
     def validate(self, vocab_size: int | None = None, max_logprobs: int = 20) -> "SamplingParams":
-        """Check every field; raise ``InvalidRequest`` naming the first bad one. Returns self."""
-        _check(math.isfinite(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0")
-        _check(self.top_k >= 0 or self.top_k == -1, "top_k", "must be >= 0 (0 or -1 disables it)")
+        """Check the type and range of every field; raise ``InvalidRequest`` naming the first bad
+        one (``field`` is the engine's name; protocols rename it to their wire's). Returns self.
+
+        Every bound is finite, so no accepted value can overflow the sampler or beam scores.
+        """
+        for name in _FLOAT_FIELDS:
+            _check(_is_number(getattr(self, name)), name, "must be a number")
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            _check((value is None and name in _OPTIONAL_INT_FIELDS) or _is_int(value), name, "must be an integer")
+        for name in ("ignore_eos", "early_stopping"):
+            _check(isinstance(getattr(self, name), bool), name, "must be true or false")
+        _check(self.temperature >= 0, "temperature", "must be >= 0")
+        _check(self.temperature <= MAX_TEMPERATURE, "temperature", f"must be <= {MAX_TEMPERATURE:g}")
+        _check(-1 <= self.top_k <= MAX_TOP_K, "top_k", f"must be in [-1, {MAX_TOP_K}] (0 or -1 disables it)")
         _check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
-        _check(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
-        _check(math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty", "must be > 0")
-        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
-        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
+        _range(self.min_p, 0.0, 1.0, "min_p")
+        _range(self.repetition_penalty, MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY, "repetition_penalty")
+        _range(self.presence_penalty, -MAX_ABS_PENALTY, MAX_ABS_PENALTY, "presence_penalty")
+        _range(self.frequency_penalty, -MAX_ABS_PENALTY, MAX_ABS_PENALTY, "frequency_penalty")
         _check(self.max_tokens >= 1, "max_tokens", "must be >= 1")
+        _check(self.max_tokens <= MAX_TOKENS_LIMIT, "max_tokens", f"must be <= {MAX_TOKENS_LIMIT}")
         _check(0 <= self.min_tokens <= self.max_tokens, "min_tokens", "must be in [0, max_tokens]")
         _check(self.logprobs is None or 0 <= self.logprobs <= max_logprobs, "logprobs", f"must be in [0, {max_logprobs}]")
-        _check(1 <= self.num_beams <= 16, "num_beams", "must be in [1, 16]")
-        _check(math.isfinite(self.length_penalty), "length_penalty", "must be a finite number")
-        _check(self.seed is None or 0 <= self.seed < 2**63, "seed", "must be in [0, 2**63)")
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
-        _check(len(self.stop) <= 16, "stop", "at most 16 stop strings")
+        _check(1 <= self.num_beams <= MAX_NUM_BEAMS, "num_beams", f"must be in [1, {MAX_NUM_BEAMS}]")
+        _range(self.length_penalty, -MAX_ABS_LENGTH_PENALTY, MAX_ABS_LENGTH_PENALTY, "length_penalty")
+        _check(self.seed is None or 0 <= self.seed < MAX_SEED, "seed", "must be in [0, 2**63)")
+        _check(isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop), "stop",
+               "must be non-empty strings")
+        _check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} stop strings")
+        _check(all(len(s) <= MAX_STOP_STRING_CHARS for s in self.stop), "stop",
+               f"each stop string has at most {MAX_STOP_STRING_CHARS} characters")
+        _check(isinstance(self.logit_bias, dict), "logit_bias", "must map token ids to numbers")
+        _check(len(self.logit_bias) <= MAX_LOGIT_BIAS_ENTRIES, "logit_bias", f"at most {MAX_LOGIT_BIAS_ENTRIES} entries")
         for token_id, bias in self.logit_bias.items():
-            _check(math.isfinite(bias) and -100 <= bias <= 100, "logit_bias", "values must be in [-100, 100]")
+            _check(_is_int(token_id) and token_id >= 0, "logit_bias", "keys must be token ids (integers >= 0)")
+            _check(_is_number(bias) and math.isfinite(bias) and -MAX_ABS_LOGIT_BIAS <= bias <= MAX_ABS_LOGIT_BIAS,
+                   "logit_bias", f"values must be in [-{MAX_ABS_LOGIT_BIAS:g}, {MAX_ABS_LOGIT_BIAS:g}]")
             if vocab_size is not None:
-                _check(0 <= token_id < vocab_size, "logit_bias", f"token id {token_id} is outside the vocabulary")
-        if vocab_size is not None:
-            for token_id in self.stop_token_ids:
-                _check(0 <= token_id < vocab_size, "stop_token_ids", f"token id {token_id} is outside the vocabulary")
+                _check(token_id < vocab_size, "logit_bias", f"token id {token_id} is outside the vocabulary")
+        _check(isinstance(self.stop_token_ids, list) and len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+               "stop_token_ids", f"must be a list of at most {MAX_STOP_TOKEN_IDS} token ids")
+        for token_id in self.stop_token_ids:
+            _check(_is_int(token_id) and token_id >= 0, "stop_token_ids", "must be token ids (integers >= 0)")
+            if vocab_size is not None:
+                _check(token_id < vocab_size, "stop_token_ids", f"token id {token_id} is outside the vocabulary")
         return self
 
     def updated(self, patch: dict[str, Any]) -> "SamplingParams":
@@ -113,6 +157,25 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         return self.temperature == 0.0 or self.top_k == 1
 
 
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+                 "length_penalty")
+_INT_FIELDS = ("top_k", "seed", "max_tokens", "min_tokens", "logprobs", "num_beams")
+_OPTIONAL_INT_FIELDS = ("seed", "logprobs")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _range(value: float, low: float, high: float, field: str) -> None:
+    # NaN fails both comparisons, infinities fail one: only finite values in range pass.
+    _check(low <= value <= high, field, f"must be in [{low:g}, {high:g}]")
+
+
 def _check(ok: bool, field: str, why: str) -> None:
     if not ok:
         raise InvalidRequest(f"'{field}' {why}", field=field)
@@ -126,8 +189,49 @@ def _path_field(text: str) -> str | None:
     return None
 
 
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+"""The roles a chat message may have (OpenAI's; the chat template receives them as given)."""
+
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt"})
+"""Chat-template variables a client's ``chat_template_kwargs`` may not set (the server sets them)."""
+
+
+def check_chat_messages(messages: list[Any]) -> None:
+    """Refuse a message list with an unknown role (``ChatMessage`` structs or plain dicts).
+
+    Raises:
+        InvalidRequest: ``field`` is ``messages``; the message names the index and the roles allowed.
+    """
+    for index, message in enumerate(messages):
+        role = message.get("role") if isinstance(message, dict) else getattr(message, "role", None)
+        if role not in CHAT_ROLES:
+            shown = repr(role) if isinstance(role, str) and len(role) <= 40 else "this value"
+            raise InvalidRequest(f"messages[{index}].role {shown} is not a chat role; use one of "
+                                 f"{', '.join(sorted(CHAT_ROLES))}", field="messages")
+
+
+def check_template_kwargs(kwargs: Any) -> dict[str, Any]:
+    """A client's ``chat_template_kwargs``: a mapping of names to values, no reserved name.
+
+    Returns:
+        the mapping, as a new dict.
+    Raises:
+        InvalidRequest: not a mapping of string keys, or a key in ``RESERVED_TEMPLATE_KWARGS``.
+    """
+    if not isinstance(kwargs, dict) or not all(isinstance(key, str) for key in kwargs):
+        raise InvalidRequest("'chat_template_kwargs' must be an object of template variables", field="chat_template_kwargs")
+    clash = RESERVED_TEMPLATE_KWARGS.intersection(kwargs)
+    if clash:
+        raise InvalidRequest(f"'chat_template_kwargs' may not set '{sorted(clash)[0]}' (the server sets it)",
+                             field="chat_template_kwargs")
+    return dict(kwargs)
+
+
 class ChatMessage(msgspec.Struct, kw_only=True):
-    """One chat turn: ``content`` is text, or a list of parts as the chat template expects."""
+    """One chat turn: ``content`` is text, or a list of parts as the chat template expects.
+
+    ``role`` is one of ``CHAT_ROLES`` (checked by ``check_chat_messages`` at admission).
+    """
 
     role: str
     content: str | list[dict[str, Any]] | None = None

@@ -42,7 +42,17 @@ from rill.errors import (
 )
 from rill.frontend.client import MetricsSink
 from rill.frontend.stream import RequestStream
-from rill.types import EngineStats, GenerateRequest, ModelInfo, RequestEvent, RequestId, RequestOutput, SamplingParams
+from rill.types import (
+    EngineStats,
+    GenerateRequest,
+    ModelInfo,
+    RequestEvent,
+    RequestId,
+    RequestOutput,
+    SamplingParams,
+    check_chat_messages,
+    check_template_kwargs,
+)
 
 log = logging.getLogger("rill.client")
 
@@ -227,9 +237,11 @@ class InprocClient:
                 raise InvalidRequest(f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})", field="prompt_token_ids")
             return list(request.prompt_token_ids)
         if request.messages is not None:
+            check_chat_messages(request.messages)
+            kwargs = check_template_kwargs(request.chat_template_kwargs)
             messages = [_message_dict(m) for m in request.messages]
             return engine.tokenizer.encode_chat(messages, add_generation_prompt=request.add_generation_prompt,
-                                                chat_template_kwargs=request.chat_template_kwargs)
+                                                chat_template_kwargs=kwargs)
         return engine.tokenizer.encode(request.prompt or "")
 
     def _require_engine(self) -> Engine:
@@ -298,9 +310,12 @@ class InprocClient:
         return self._require_engine().tokenizer.decode(token_ids)
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
-        """The prompt the chat template makes of ``messages``."""
+        """The prompt the chat template makes of ``messages``; ``kwargs`` are template variables
+        (``tools`` goes to the template's own ``tools`` argument)."""
+        check_chat_messages(messages)
+        tools = kwargs.pop("tools", None)
         return self._require_engine().tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                                    chat_template_kwargs=kwargs)
+                                                                    tools=tools, chat_template_kwargs=kwargs)
 
     def stats(self) -> EngineStats:
         """Engine gauges and counters (a consistent snapshot taken without stopping the engine)."""

@@ -33,6 +33,7 @@ from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from rill.errors import InvalidRequest
+from rill.types import RESERVED_TEMPLATE_KWARGS
 
 NO_TEMPLATE_MESSAGE = (
     "this model has no chat template; send a plain prompt instead of messages, "
@@ -40,7 +41,7 @@ NO_TEMPLATE_MESSAGE = (
 )
 
 # Names the renderer passes itself; template kwargs may not replace them.
-RESERVED_NAMES = frozenset({"messages", "tools", "add_generation_prompt"})
+RESERVED_NAMES = RESERVED_TEMPLATE_KWARGS
 
 # Reasoning text is passed under several names; templates read one of them.
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")

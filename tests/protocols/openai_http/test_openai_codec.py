@@ -117,7 +117,8 @@ def test_prompt_filling_the_context_names_both_lengths() -> None:
 def test_sampling_mapping() -> None:
     params = codec.sampling_params(_completion(temperature=0, top_k=-1, stop="END", logit_bias={"5": 2.5},
                                                logprobs=3, seed=9, min_tokens=2), 8, SERVED)
-    assert (params.temperature, params.top_k, params.stop, params.logit_bias) == (0, 0, ["END"], {5: 2.5})
+    # -1 is "off" (the engine's rule on every protocol), passed through as /generate does.
+    assert (params.temperature, params.top_k, params.stop, params.logit_bias) == (0, -1, ["END"], {5: 2.5})
     assert (params.logprobs, params.seed, params.max_tokens, params.min_tokens) == (3, 9, 8, 2)
     assert codec.sampling_params(_chat(logprobs=True, top_logprobs=4), 8, SERVED).logprobs == 4
     assert codec.sampling_params(_chat(logprobs=True), 8, SERVED).logprobs == 0
@@ -136,6 +137,9 @@ def test_sampling_mapping() -> None:
         ({"logit_bias": {"5000": 1}}, "logit_bias"),
         ({"stop": [""]}, "stop"),
         ({"seed": -1}, "seed"),
+        ({"top_k": -5}, "top_k"),  # was clamped to 0 here while /generate refused it (issue 12)
+        ({"repetition_penalty": 1e9}, "repetition_penalty"),
+        ({"temperature": 1e6}, "temperature"),
     ],
 )
 def test_bad_sampling_values_name_the_field(fields: dict, field: str) -> None:

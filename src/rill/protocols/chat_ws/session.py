@@ -124,8 +124,6 @@ def sampling_params(generation: GenerationConfig, max_tokens_cap: int | None = N
     Raises:
         InvalidRequest: a value is out of range (the message uses the wire name).
     """
-    if generation.max_new_tokens < 1:
-        raise InvalidRequest("'generation.max_new_tokens' must be >= 1", field="generation.max_new_tokens")
     fields: dict[str, Any] = {
         "max_tokens": min(generation.max_new_tokens, max_tokens_cap) if max_tokens_cap else generation.max_new_tokens,
         "temperature": 0.0 if generation.do_sample is False else generation.temperature,
@@ -141,7 +139,8 @@ def sampling_params(generation: GenerationConfig, max_tokens_cap: int | None = N
     except InvalidRequest as exc:
         wire = next((w for w, e in _GENERATION_FIELDS.items() if e == exc.field), exc.field)
         wire = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}.get(wire or "", wire)
-        raise InvalidRequest(f"generation: {exc}", field=f"generation.{wire}") from exc
+        text = str(exc).replace(f"'{exc.field}'", f"'{wire}'")
+        raise InvalidRequest(f"generation: {text}", field=f"generation.{wire}") from exc
 
 
 def refuse_modalities(kinds_and_places: list[tuple[str, str]], model_name: str, model_modalities: list[str]) -> None:

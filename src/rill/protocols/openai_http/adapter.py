@@ -152,7 +152,8 @@ class OpenAIApi:
             metrics.observe_rejection(protocol=codec.PROTOCOL, code=code)
 
     def _completion_prompts(self, req: Any) -> list[list[int]]:
-        return [p if isinstance(p, list) else self.client.encode(p) for p in codec.completion_prompts(req)]
+        prompts = codec.completion_prompts(req, max_choices=self.deps.config.http.max_choices_per_request)
+        return [p if isinstance(p, list) else self.client.encode(p) for p in prompts]
 
     def _chat_prompt(self, req: Any, served: codec.ServedModel) -> list[list[int]]:
         messages = codec.template_messages(codec.chat_messages(req, served))
@@ -187,6 +188,7 @@ class OpenAIApi:
             vocab_size=info.vocab_size,
             has_chat_template=info.has_chat_template,
             max_tokens_cap=self.deps.config.http.max_tokens_cap,
+            max_choices=self.deps.config.http.max_choices_per_request,
             modalities=tuple(info.modalities),
         )
 

@@ -41,7 +41,7 @@ from rill.protocols.openai_http.messages import (
     ErrorDetail,
     ErrorResponse,
 )
-from rill.types import ChatMessage, GenerateRequest, SamplingParams
+from rill.types import ChatMessage, GenerateRequest, SamplingParams, check_template_kwargs
 
 PROTOCOL = "openai_http"
 """``GenerateRequest.protocol`` of every request of this API (labels metrics)."""
@@ -194,6 +194,7 @@ class ServedModel:
     has_chat_template: bool = True
     max_tokens_cap: int | None = None
     modalities: tuple[str, ...] = ("text",)
+    max_choices: int | None = None  # --max-choices-per-request: prompts x n of one request
 
 
 _completion_decoder = msgspec.json.Decoder(CompletionRequest)
@@ -260,8 +261,25 @@ def check_model(requested: str | None, served: ServedModel) -> None:
         raise ModelNotFound(requested, served.name)
 
 
-def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
-    """The prompts of a completions request: strings, or lists of token ids."""
+def completion_prompts(req: CompletionRequest, max_choices: int | None = None) -> list[str | list[int]]:
+    """The prompts of a completions request: strings, or lists of token ids.
+
+    Raises:
+        InvalidRequest: ``prompt`` has none of those shapes, or it holds more prompts (times
+            ``n``) than ``max_choices``; checked before anything is tokenized or submitted.
+    """
+    prompts = _completion_prompts(req)
+    n = 1 if req.n is None else req.n
+    if max_choices is not None and len(prompts) * max(n, 1) > max_choices:
+        raise InvalidRequest(
+            f"'prompt' holds {len(prompts)} prompts and n is {n}: {len(prompts) * n} choices, but this server "
+            f"takes at most {max_choices} per request; send them in several requests",
+            field="prompt",
+        )
+    return prompts
+
+
+def _completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
     prompt = req.prompt
     if isinstance(prompt, str):
         return [prompt]
@@ -323,7 +341,7 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
 def template_kwargs(req: ChatCompletionRequest) -> dict[str, Any]:
     """Extra variables for the chat template: ``chat_template_kwargs`` plus ``tools``."""
-    kwargs = dict(req.chat_template_kwargs or {})
+    kwargs = check_template_kwargs(req.chat_template_kwargs or {})
     if req.tools:
         kwargs.setdefault("tools", req.tools)
     return kwargs
@@ -367,13 +385,11 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
         logprobs_field = "top_logprobs"
     else:
         logprobs, logprobs_field = req.logprobs, "logprobs"
-    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-        raise InvalidRequest(f"'{logprobs_field}' must be in [0, {MAX_LOGPROBS}]", field=logprobs_field)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     params = SamplingParams(
         temperature=_or(req.temperature, 1.0),
         top_p=_or(req.top_p, 1.0),
-        top_k=max(0, _or(req.top_k, 0)),  # OpenAI-style clients send -1 for "off"
+        top_k=_or(req.top_k, 0),  # -1 ("off", as OpenAI-style clients send it) and the bounds: validate
         min_p=_or(req.min_p, 0.0),
         presence_penalty=_or(req.presence_penalty, 0.0),
         frequency_penalty=_or(req.frequency_penalty, 0.0),
@@ -412,6 +428,9 @@ def generate_requests(
     gets ``seed + i`` so that the ``n`` choices differ yet repeat between runs.
     """
     n = 1 if req.n is None else req.n
+    if served.max_choices is not None and len(prompts_token_ids) * n > served.max_choices:
+        raise InvalidRequest(f"{len(prompts_token_ids) * n} choices asked (prompts x n); this server takes at most "
+                             f"{served.max_choices} per request", field="n")
     out: list[GenerateRequest] = []
     for ids in prompts_token_ids:
         max_tokens = resolve_max_tokens(req, len(ids), served)
