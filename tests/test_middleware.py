@@ -6,6 +6,7 @@ the WebSocket handshake denial and chunked uploads go through a real ASGI server
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from types import SimpleNamespace
 from typing import Any, AsyncIterator
@@ -190,3 +191,139 @@ async def test_allowed_origins_and_hosts_are_accepted() -> None:
     async with serve(**{"http.allowed_origins": ["*"], "http.allowed_hosts": ["*"]}) as host, \
             httpx.AsyncClient(base_url=f"http://{host}") as http:
         assert (await http.get("/v1/echo", headers={"Origin": "http://evil.example", "Host": "evil.example"})).status_code == 200
+
+
+@contextlib.asynccontextmanager
+async def serve_limited(max_total: int = 100, per_client: int = 100, timeout_s: float = 0.5) -> AsyncIterator[
+        tuple[str, Any]]:
+    """The stand-in app behind the connection gate, as ``rill serve`` runs it (small limits)."""
+    import uvicorn
+
+    from rill.connections import ConnectionGate, http_protocol_factory
+
+    overrides = {"connections.max_connections": max_total, "connections.max_connections_per_client": per_client,
+                 "connections.first_message_timeout_s": timeout_s, "connections.header_timeout_s": timeout_s,
+                 "connections.body_timeout_s": timeout_s}
+    deps = _deps(**overrides)
+    deps.gate = ConnectionGate(max_total, per_client)
+
+    async def quiet_ws(websocket: WebSocket) -> None:
+        await websocket.accept()
+        message = await websocket.receive()
+        if message["type"] == "websocket.receive":
+            await websocket.send_text("echo " + (message.get("text") or ""))
+            await websocket.close()
+
+    inner = Starlette(routes=[Route("/v1/echo", _echo, methods=["GET", "POST"]), WebSocketRoute("/quiet", quiet_ws)])
+    app = middleware.wrap(inner, deps)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off",
+                                           http=http_protocol_factory(deps.gate, timeout_s)))  # type: ignore[arg-type]
+    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():
+            task.result()
+        await asyncio.sleep(0.005)
+    try:
+        yield f"127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}", deps.gate
+    finally:
+        server.should_exit = True
+        await task
+
+
+async def _read_all(reader: asyncio.StreamReader) -> bytes:
+    try:
+        return await asyncio.wait_for(reader.read(), 30)  # until the server closes; a hang bound only
+    except ConnectionError:
+        return b""
+
+
+async def _gauge_settles(gate: Any) -> bool:
+    """Whether the gate counts no connection within a bounded number of loop turns."""
+    for _ in range(500):
+        if gate.total == 0:
+            return True
+        await asyncio.sleep(0.01)
+    return False
+
+
+async def test_a_slowloris_body_gets_408_and_the_connection_closes() -> None:
+    async with serve_limited() as (host, gate):
+        ip, port = host.split(":")
+        reader, writer = await asyncio.open_connection(ip, int(port))
+        writer.write(b"POST /v1/echo HTTP/1.1\r\nHost: " + host.encode() + b"\r\nContent-Length: 100\r\n\r\n{\"a\":")
+        answer = await _read_all(reader)  # the server ends it: EOF after the 408
+        writer.close()
+        assert answer.startswith(b"HTTP/1.1 408")
+        assert b'"code":"idle_timeout"' in answer and b"body" in answer
+
+
+async def test_headers_that_never_end_get_408_and_the_connection_closes() -> None:
+    async with serve_limited() as (host, gate):
+        ip, port = host.split(":")
+        reader, writer = await asyncio.open_connection(ip, int(port))
+        writer.write(b"GET /v1/echo HTTP/1.1\r\nHost: x")
+        answer = await _read_all(reader)
+        writer.close()
+        assert answer.startswith(b"HTTP/1.1 408") and b"headers" in answer
+        # A connection that never sends a byte, and a keep-alive connection idle after a
+        # response, are closed without a word (an unasked 408 could pass for another answer).
+        reader, writer = await asyncio.open_connection(ip, int(port))
+        assert await _read_all(reader) == b""
+        writer.close()
+        reader, writer = await asyncio.open_connection(ip, int(port))
+        writer.write(b"GET /v1/echo HTTP/1.1\r\nHost: " + host.encode() + b"\r\n\r\n")
+        answer = await _read_all(reader)
+        writer.close()
+        assert answer.startswith(b"HTTP/1.1 200") and answer.count(b"HTTP/1.1") == 1
+        assert gate.total == 0 or await _gauge_settles(gate)
+
+
+async def test_a_websocket_without_a_first_message_is_closed_with_1008() -> None:
+    async with serve_limited() as (host, gate):
+        async with websockets.connect(f"ws://{host}/quiet") as ws:
+            with pytest.raises(websockets.exceptions.ConnectionClosed) as closed:
+                await asyncio.wait_for(ws.recv(), 30)
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == 1008
+        assert "no message within" in closed.value.rcvd.reason
+        async with websockets.connect(f"ws://{host}/quiet") as ws:  # a client that speaks is served
+            await ws.send("hi")
+            assert await ws.recv() == "echo hi"
+
+
+async def test_connections_past_the_limits_get_503_and_leases_are_returned() -> None:
+    async with serve_limited(max_total=6, per_client=3, timeout_s=60) as (host, gate):
+        ip, port = host.split(":")
+
+        async def idle_from(source: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+            return await asyncio.open_connection(ip, int(port), local_addr=(source, 0))
+
+        a = [await idle_from("127.0.0.2") for _ in range(3)]
+        reader, writer = await idle_from("127.0.0.2")  # a 4th from the same address
+        answer = await _read_all(reader)
+        writer.close()
+        assert answer.startswith(b"HTTP/1.1 503") and b"too_many_connections" in answer and b"127.0.0.2" in answer
+        b = [await idle_from("127.0.0.3") for _ in range(3)]  # the total (6) is now used up
+        reader, writer = await idle_from("127.0.0.4")
+        answer = await _read_all(reader)
+        writer.close()
+        assert answer.startswith(b"HTTP/1.1 503") and b"limit of 6 connections" in answer
+        assert gate.total == 6 and gate.refused == 2
+        for _, w in a + b:
+            w.close()
+        async with httpx.AsyncClient(base_url=f"http://{host}") as http:  # places come back as clients leave
+            for _ in range(200):
+                if gate.total <= 1:
+                    break
+                await asyncio.sleep(0.02)
+            assert (await http.get("/v1/echo")).status_code == 200
+        # a WebSocket's place comes back when it closes, whatever protocol the socket ended with
+        for _ in range(5):
+            async with websockets.connect(f"ws://{host}/quiet") as ws:
+                await ws.send("x")
+                assert await ws.recv() == "echo x"
+        for _ in range(200):
+            if gate.total == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert gate.total == 0 and gate.per_client == {}

@@ -86,6 +86,21 @@ class HttpConfig:
 
 
 @dataclass(frozen=True)
+class ConnectionConfig:
+    """Bounds on client connections, shared by every listener (HTTP/WebSocket port, Unix socket, gRPC)."""
+
+    max_connections: int = _f(2048, "most client connections open at once, all listeners together (over it: "
+                                    "HTTP 503, a refused gRPC call, an error frame on the Unix socket)")
+    max_connections_per_client: int = _f(1024, "most connections open at once from one client IP address "
+                                               "(HTTP/WebSocket port and gRPC; the Unix socket counts in the total only)")
+    first_message_timeout_s: float = _f(60.0, "seconds a WebSocket or Unix-socket connection may stay open without "
+                                              "sending its first message")
+    header_timeout_s: float = _f(10.0, "seconds an HTTP client has to send a request's headers (on a new or idle "
+                                       "connection)")
+    body_timeout_s: float = _f(60.0, "seconds an HTTP client has to send a request's whole body (408 after)")
+
+
+@dataclass(frozen=True)
 class UdsConfig:
     """Framed JSON over a Unix domain socket."""
 
@@ -144,6 +159,7 @@ class ServerConfig:
 
     engine: EngineConfig = field(default_factory=EngineConfig)
     http: HttpConfig = field(default_factory=HttpConfig)
+    connections: ConnectionConfig = field(default_factory=ConnectionConfig)
     uds: UdsConfig = field(default_factory=UdsConfig)
     batch_ws: BatchWsConfig = field(default_factory=BatchWsConfig)
     chat: ChatConfig = field(default_factory=ChatConfig)
@@ -240,6 +256,7 @@ def sampling_defaults(env: Mapping[str, str] | None = None, dotenv_path: str | P
 AREAS: dict[str, type] = {
     "engine": EngineConfig,
     "http": HttpConfig,
+    "connections": ConnectionConfig,
     "uds": UdsConfig,
     "batch_ws": BatchWsConfig,
     "chat": ChatConfig,
@@ -348,6 +365,13 @@ def validate(config: ServerConfig) -> None:
                  "evergreen_max_fragments", "evergreen_max_id_bytes", "evergreen_max_prompt_bytes"):
         if getattr(g, name) < 1:
             raise ConfigError(f"{name} must be >= 1, not {getattr(g, name)}")
+    c = config.connections
+    for name in ("max_connections", "max_connections_per_client"):
+        if getattr(c, name) < 1:
+            raise ConfigError(f"{name} must be >= 1, not {getattr(c, name)}")
+    for name in ("first_message_timeout_s", "header_timeout_s", "body_timeout_s"):
+        if not 0 < getattr(c, name) < float("inf"):  # also refuses NaN
+            raise ConfigError(f"{name} must be a number of seconds > 0, not {getattr(c, name)}")
     if config.uds.uds_protocol not in ("framed", "newline"):
         raise ConfigError(f"uds_protocol must be framed or newline, not {config.uds.uds_protocol!r}")
     try:

@@ -13,10 +13,12 @@ client as text: protocols answer them with a generic message.
     │   ├── QueueFull               waiting queue over its bound (retryable)
     │   ├── MemoryPressure          request can never fit in the KV budget
     │   ├── RateLimited             token bucket empty (retryable, .retry_after_s)
-    │   └── ModelNotReady           model still loading (retryable)
+    │   ├── ModelNotReady           model still loading (retryable)
+    │   └── TooManyConnections      connection limit (total or per client) reached (retryable)
     ├── RequestNotFound             control action for an unknown or finished request
     ├── CacheMiss                   a required cached prefix was evicted
     ├── RequestTimeout              per-request time limit reached
+    │   └── IdleTimeout             a client sent no first message / not all of its request in time
     ├── StorageFull                 a durable store is at its size cap (nothing deleted for room)
     └── EngineError
         ├── GenerationError         one request failed; others continue
@@ -129,6 +131,13 @@ class ModelNotReady(RequestRejected):
     retryable = True
 
 
+class TooManyConnections(RequestRejected):
+    """The server holds as many connections as it allows (in total or from this client)."""
+
+    code = "too_many_connections"
+    retryable = True
+
+
 class RequestNotFound(RillError):
     """A control action named a request that is unknown or already finished."""
 
@@ -171,3 +180,9 @@ class EngineDead(EngineError):
     """The engine loop has crashed; no request can run until restart."""
 
     code = "engine_dead"
+
+
+class IdleTimeout(RequestTimeout):
+    """A client sent no first message, or not all of its request, within the time allowed."""
+
+    code = "idle_timeout"

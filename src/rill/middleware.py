@@ -24,15 +24,19 @@ so apps still see ``http.disconnect`` the moment the client leaves.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import ipaddress
 import socket
-from typing import Any
+from typing import Any, Callable
 from urllib.parse import parse_qs, urlsplit
 
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rill import auth
+from rill.connections import ConnectionGate
+from rill.errors import IdleTimeout
 from rill.protocols.openai_http import codec
 
 PUBLIC_PATHS = frozenset({"/health"})
@@ -45,8 +49,11 @@ DRAIN_LIMIT_BYTES = 16 * 1024 * 1024
 def wrap(app: ASGIApp, deps: Any) -> ASGIApp:
     """The server's app wrapped in the guard and, when origins are configured, CORS."""
     http = deps.config.http
+    limits = deps.config.connections
     sites = SiteCheck(http.host, http.allowed_hosts, [*http.allowed_origins, *http.cors_origins])
-    wrapped: ASGIApp = Guard(app, api_keys=set(deps.api_keys or ()), max_body_bytes=http.max_body_bytes, sites=sites)
+    wrapped: ASGIApp = Guard(app, api_keys=set(deps.api_keys or ()), max_body_bytes=http.max_body_bytes, sites=sites,
+                             gate=getattr(deps, "gate", None), body_timeout_s=limits.body_timeout_s,
+                             first_message_timeout_s=limits.first_message_timeout_s)
     if http.cors_origins:
         wrapped = CORSMiddleware(
             wrapped,
@@ -61,21 +68,47 @@ def wrap(app: ASGIApp, deps: Any) -> ASGIApp:
 
 
 class Guard:
-    """API-key check and body-size limit for HTTP and WebSocket scopes.
+    """Host/Origin, API-key, body-size and read-time checks for HTTP and WebSocket scopes.
 
     Args:
         app: the wrapped ASGI app.
         api_keys: accepted keys; empty means no authentication.
         max_body_bytes: largest HTTP request body accepted (413 beyond).
+        sites: the Host/Origin policy (None: no check).
+        gate: the server's connection gate; its connection's header timer is stopped while
+            a request is with the app and restarted when the response has ended.
+        body_timeout_s: time allowed to receive a whole request body (408 beyond).
+        first_message_timeout_s: time an accepted WebSocket may go without sending a
+            message (closed with 1008 beyond).
     """
 
-    def __init__(self, app: ASGIApp, api_keys: set[str], max_body_bytes: int, sites: "SiteCheck | None" = None) -> None:
+    def __init__(self, app: ASGIApp, api_keys: set[str], max_body_bytes: int, sites: "SiteCheck | None" = None,
+                 gate: ConnectionGate | None = None, body_timeout_s: float | None = None,
+                 first_message_timeout_s: float | None = None) -> None:
         self.app = app
         self.api_keys = frozenset(api_keys)
         self.max_body_bytes = max_body_bytes
         self.sites = sites
+        self.gate = gate
+        self.body_timeout_s = body_timeout_s
+        self.first_message_timeout_s = first_message_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        connection = self.gate.http_connection(scope) if self.gate is not None else None
+        if connection is not None and scope["type"] in ("http", "websocket"):
+            connection.request_started()
+            if scope["type"] == "http":
+                send = _on_response_end(send, connection.request_done)
+        if scope["type"] == "websocket" and self.first_message_timeout_s is not None:
+            watch = _FirstMessageWatch(receive, send, self.first_message_timeout_s)
+            try:
+                await self._handle(scope, watch.receive, watch.send)
+            finally:
+                watch.stop()
+            return
+        await self._handle(scope, receive, send)
+
+    async def _handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] in ("http", "websocket") and self.sites is not None and scope.get("path") not in PUBLIC_PATHS:
             refusal = self.sites.refusal(scope)
             if refusal is not None:
@@ -112,7 +145,37 @@ class Guard:
         return auth.key_matches(presented, self.api_keys)
 
     async def _read_body(self, scope: Scope, receive: Receive, send: Send) -> Receive | None:
-        """A ``receive`` replaying the whole body, or None after answering 413."""
+        """A ``receive`` replaying the whole body, or None after answering 413 or 408."""
+        if self.body_timeout_s is None:
+            return await self._read_whole_body(scope, receive, send)
+        # A slowloris body (a byte now and then) must not hold the connection forever.
+        deadline = asyncio.get_running_loop().time() + self.body_timeout_s
+
+        async def timed_receive() -> Message:
+            async with asyncio.timeout_at(deadline):
+                return await receive()
+
+        try:
+            limited = await self._read_whole_body(scope, timed_receive, send)
+        except TimeoutError:
+            exc = IdleTimeout(f"the request body did not arrive within {self.body_timeout_s:g} s")
+            await _send_error(send, exc, {"Connection": "close"})
+            return None
+        if limited is None:
+            return None
+        replayed = False
+
+        async def untimed() -> Message:
+            # The body is read: later receives wait for the disconnect, for as long as the app runs.
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return await limited()
+            return await receive()
+
+        return untimed
+
+    async def _read_whole_body(self, scope: Scope, receive: Receive, send: Send) -> Receive | None:
         length = _header(scope, b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             await self._refuse_body(receive, send, 0, int(length))
@@ -163,6 +226,66 @@ class Guard:
                 if not message.get("more_body", False):
                     break
         await _send_error(send, codec.BodyTooLarge(self.max_body_bytes), {"Connection": "close"})
+
+
+def _on_response_end(send: Send, callback: Callable[[], None]) -> Send:
+    """A ``send`` that calls ``callback`` once the response's last body part has been sent."""
+
+    async def wrapped(message: Message) -> None:
+        await send(message)
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            callback()
+
+    return wrapped
+
+
+class _FirstMessageWatch:
+    """Closes an accepted WebSocket (1008) that sends no message within the time allowed.
+
+    Wraps the app's ``receive`` and ``send``: the clock starts when the app accepts and stops
+    at the first message (or disconnect). After the close, the app's pending ``receive``
+    sees the disconnect, and its sends are dropped (the peer is being closed).
+    """
+
+    def __init__(self, receive: Receive, send: Send, timeout_s: float) -> None:
+        self._receive = receive
+        self._send = send
+        self.timeout_s = timeout_s
+        self._timer: asyncio.Task[None] | None = None
+        self.heard = False
+        self.closed = False
+
+    async def receive(self) -> Message:
+        message = await self._receive()
+        if message["type"] in ("websocket.receive", "websocket.disconnect"):
+            self.heard = True
+            self.stop()
+        return message
+
+    async def send(self, message: Message) -> None:
+        if self.closed:
+            return
+        if message["type"] == "websocket.close":
+            self.closed = True
+            self.stop()
+        await self._send(message)
+        if message["type"] == "websocket.accept" and not self.heard:
+            self._timer = asyncio.create_task(self._expire())
+
+    def stop(self) -> None:
+        if self._timer is not None and self._timer is not asyncio.current_task():
+            self._timer.cancel()
+        self._timer = None
+
+    async def _expire(self) -> None:
+        await asyncio.sleep(self.timeout_s)
+        if self.heard or self.closed:
+            return
+        self.closed = True
+        self._timer = None
+        reason = f"no message within {self.timeout_s:g} s of connecting"
+        with contextlib.suppress(Exception):  # the peer may already be gone
+            await self._send({"type": "websocket.close", "code": 1008, "reason": reason})
 
 
 def _json_routing_errors(scope: Scope, send: Send) -> Send:

@@ -28,6 +28,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from rill.config import ServerConfig
+from rill.connections import ConnectionGate, http_protocol_factory, raise_fd_limit
 from rill.errors import EngineDead, RillError
 from rill.frontend.client import EngineClient
 
@@ -45,6 +46,8 @@ class Deps:
     metrics: Any = None
     api_keys: set[str] = field(default_factory=set)
     extras: dict[str, Any] = field(default_factory=dict)
+    gate: ConnectionGate | None = None
+    """Counts client connections for every listener (``rill.connections``)."""
 
 
 def _adapter(name: str) -> Any | None:
@@ -95,11 +98,13 @@ def _optional(module_name: str) -> Any | None:
 
 def make_deps(config: ServerConfig, client: EngineClient) -> Deps:
     """Deps with the metrics registry (when the metrics module exists) and the API keys."""
+    limits = config.connections
+    gate = ConnectionGate(limits.max_connections, limits.max_connections_per_client)
     metrics_mod = _optional("rill.frontend.metrics")
-    metrics = metrics_mod.Metrics(client) if metrics_mod is not None else None
+    metrics = metrics_mod.Metrics(client, gate) if metrics_mod is not None else None
     if metrics is not None and hasattr(client, "set_metrics_sink"):
         client.set_metrics_sink(metrics)
-    return Deps(config=config, client=client, metrics=metrics, api_keys=config.api_keys())
+    return Deps(config=config, client=client, metrics=metrics, api_keys=config.api_keys(), gate=gate)
 
 
 async def serve(
@@ -115,6 +120,7 @@ async def serve(
     from rill.frontend.inproc import InprocClient
 
     config.api_keys()  # a key file with no key fails here, before the model starts loading
+    raise_fd_limit(config.connections.max_connections)
     if client is None:
         client = InprocClient.start(config.engine)
     deps = make_deps(config, client)
@@ -134,9 +140,11 @@ async def serve(
                 await stopper()
         await client.shutdown()
         raise
+    assert deps.gate is not None
     server = uvicorn.Server(
         uvicorn.Config(app, host=config.http.host, port=config.http.port, log_level=config.http.log_level,
-                       ws_max_size=config.http.max_body_bytes, timeout_graceful_shutdown=2, lifespan="off")
+                       ws_max_size=config.http.max_body_bytes, timeout_graceful_shutdown=2, lifespan="off",
+                       http=http_protocol_factory(deps.gate, config.connections.header_timeout_s))  # type: ignore[arg-type]
     )
     server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
     loop = asyncio.get_running_loop()

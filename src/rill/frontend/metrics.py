@@ -49,9 +49,10 @@ class Metrics:
 
     Args:
         client: the engine client whose ``stats()`` the gauges read at scrape time.
+        gate: the server's ``rill.connections.ConnectionGate`` (connection gauges), or None.
     """
 
-    def __init__(self, client: Any) -> None:
+    def __init__(self, client: Any, gate: Any = None) -> None:
         self.client = client
         self.registry = CollectorRegistry(auto_describe=True)
         self.ttft = Histogram("rill_time_to_first_token_seconds", "Time from arrival to the first generated token",
@@ -67,6 +68,8 @@ class Metrics:
         self.rejected = Counter("rill_requests_rejected", "Requests refused before reaching the engine, by error code",
                                 ["protocol", "code"], registry=self.registry)
         self.registry.register(_EngineCollector(client))
+        if gate is not None:
+            self.registry.register(_ConnectionCollector(gate))
 
     def observe_request(
         self,
@@ -103,7 +106,7 @@ class Metrics:
 class _EngineCollector(Collector):
     """Reads ``client.stats()`` once per scrape and exposes it as gauges and counters."""
 
-    def __init__(self, client: Any) -> None:
+    def __init__(self, client: Any, gate: Any = None) -> None:
         self.client = client
 
     def describe(self) -> Iterable[Metric]:
@@ -136,6 +139,21 @@ class _EngineCollector(Collector):
         yield _counter("rill_engine_steps", "Engine steps run", stats.num_steps_total)
         yield _counter("rill_preemptions", "Requests preempted under KV memory pressure", stats.num_preemptions_total)
         yield _gauge("rill_engine_step_seconds", "Moving average of one engine step", stats.step_ms_ewma / 1000.0)
+
+
+class _ConnectionCollector(Collector):
+    """Open and refused client connections, read from the connection gate at scrape time."""
+
+    def __init__(self, gate: Any) -> None:
+        self.gate = gate
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+    def collect(self) -> Iterable[Metric]:
+        yield _gauge("rill_connections_open", "Client connections open, all listeners", self.gate.total)
+        yield _counter("rill_connections_refused", "Client connections refused at the connection limits",
+                       self.gate.refused)
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

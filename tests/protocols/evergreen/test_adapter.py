@@ -291,3 +291,29 @@ async def test_stopping_the_server_ends_open_sessions_and_aborts_their_requests(
     # the cancelled handler closes its streams within a few loop turns
     await wait_until(lambda: client.aborted, attempts=1000, interval_s=0.001)
     assert client.aborted == ["r0"]
+
+
+async def test_grpc_sessions_are_counted_by_the_gate_and_an_idle_one_times_out():
+    # Regression (issue 12 item 8): a StartSession call that never sent a message was held forever.
+    from rill.connections import ConnectionGate
+
+    deps = make_deps(ScriptedClient(), **{"connections.first_message_timeout_s": 1})
+    deps.gate = ConnectionGate(1, 1)
+    async with listening(deps), EvergreenClient(address(deps)) as egc:
+        idle = egc.open_session()
+        await wait_until(lambda: deps.gate.total == 1, attempts=1000, interval_s=0.01)
+        with pytest.raises(EvergreenError) as refused:
+            await collect(deps, "hi")
+        assert refused.value.status == "RESOURCE_EXHAUSTED" and "limit of 1 connections" in refused.value.message
+        with pytest.raises(EvergreenError) as timed_out:
+            await idle.receive()
+        assert timed_out.value.status == "DEADLINE_EXCEEDED" and "no message within" in timed_out.value.message
+        await wait_until(lambda: deps.gate.total == 0, attempts=1000, interval_s=0.01)
+        assert await collect(deps, "hi", max_tokens=1) == " t0"
+
+
+def test_grpc_peer_host():
+    assert adapter.grpc_peer_host("ipv4:127.0.0.1:5000") == "127.0.0.1"
+    assert adapter.grpc_peer_host("ipv6:[::1]:5000") == "::1"
+    assert adapter.grpc_peer_host("ipv6:%5B::1%5D:5000") == "::1"
+    assert adapter.grpc_peer_host("unix:/tmp/x") is None

@@ -294,3 +294,33 @@ async def _until(predicate) -> None:
 
 async def _until_engine_idle(client: FakeEngineClient) -> None:
     await _until(lambda: not client.running and not client.waiting)
+
+
+async def test_idle_connections_time_out_and_connections_past_the_limit_are_refused(sock_path, fake_client):
+    # Regression (issue 12 item 8): a Unix-socket client that never sent a frame was held
+    # forever, and any number of them could be open at once.
+    from rill.connections import ConnectionGate
+
+    gate = ConnectionGate(2, 2)
+    cfg = uds_config(sock_path, **{"connections.first_message_timeout_s": 2})
+    stop = await adapter.start(Deps(config=cfg, client=fake_client, gate=gate))
+    try:
+        idle = [await FramedClient.connect(str(sock_path)) for _ in range(2)]
+        refused = await FramedClient.connect(str(sock_path))
+        event = await refused.recv()
+        assert event is not None and event["event"] == "error" and event["code"] == "E_LIMIT_REJECTED"
+        assert "limit of 2 connections" in event["message"] and await refused.is_closed()
+        for client in idle:  # no first frame within the time allowed: an error frame, then close
+            event = await client.recv()
+            assert event is not None and event["code"] == "E_RUNTIME_TIMEOUT" and "no message within" in event["message"]
+            assert await client.is_closed()
+            await client.close()
+        await wait_until(lambda: gate.total == 0, attempts=500, interval_s=0.01)
+        served = await FramedClient.connect(str(sock_path))  # the places are free again
+        await served.send({"id": "r1", "prompt": "hi", "max_tokens": 2})
+        events = await served.until_end()
+        assert events[-1]["event"] == "eos"
+        await served.close()
+        await refused.close()
+    finally:
+        await stop()

@@ -24,13 +24,14 @@ import contextlib
 import logging
 import os
 import stat
+from urllib.parse import unquote
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
 
 from starlette.routing import BaseRoute, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from rill import auth
-from rill.errors import ConfigError, GenerationError, RillError
+from rill.errors import ConfigError, GenerationError, IdleTimeout, RillError, TooManyConnections
 from rill.frontend.stream import RequestStream
 from rill.protocols.evergreen import codec
 from rill.protocols.evergreen.errors import RefDenied, RefNotFound, SessionLimit, UnsupportedInput
@@ -308,10 +309,18 @@ async def start(deps: "Deps") -> Callable[[], Awaitable[None]] | None:
     from rill.protocols.evergreen._pb import evergreen_service_pb2_grpc as service_grpc
 
     max_bytes = max(deps.config.http.max_body_bytes, 4 * 1024 * 1024)
-    # grpc sets SO_REUSEPORT by default, which would let a second server share the port
-    # silently (splitting sessions between two processes): refuse it, as for the HTTP port.
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_bytes),
-                                      ("grpc.max_send_message_length", max_bytes), ("grpc.so_reuseport", 0)])
+    limits = deps.config.connections
+    first_message_ms = int(limits.first_message_timeout_s * 1000)
+    server = grpc.aio.server(
+        options=[("grpc.max_receive_message_length", max_bytes), ("grpc.max_send_message_length", max_bytes),
+                 # grpc sets SO_REUSEPORT by default, which would let a second server share the port
+                 # silently (splitting sessions between two processes): refuse it, as for the HTTP port.
+                 ("grpc.so_reuseport", 0),
+                 # Connections that never finish the HTTP/2 handshake, or that hold no call, are
+                 # closed like idle WebSockets; calls themselves are counted by the gate.
+                 ("grpc.server_handshake_timeout_ms", first_message_ms),
+                 ("grpc.max_connection_idle_ms", first_message_ms)],
+        maximum_concurrent_rpcs=limits.max_connections)
     service_grpc.add_EvergreenServiceServicer_to_server(EvergreenServicer(deps), server)
     address = f"{deps.config.http.host}:{port}"
     try:
@@ -342,8 +351,16 @@ class EvergreenServicer:
         if not self._is_authorized(context):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED,
                                 "missing or unknown API key (send metadata 'authorization: Bearer KEY')")
+        lease = None
+        if self.deps.gate is not None:
+            try:
+                lease = self.deps.gate.open(grpc_peer_host(context.peer()))
+            except TooManyConnections as exc:
+                name, message = codec.status_of(exc)
+                await context.abort(grpc.StatusCode[name], message)
         runner = SessionRunner(self.deps)
-        reader = asyncio.create_task(self._read(request_iterator, runner))
+        first_message_s = self.deps.config.connections.first_message_timeout_s
+        reader = asyncio.create_task(self._read(request_iterator, runner, first_message_s))
         try:
             while True:
                 item = await runner.outbox.get()
@@ -356,11 +373,24 @@ class EvergreenServicer:
         finally:
             reader.cancel()
             await runner.close()
+            if lease is not None:
+                lease.release()
 
     @staticmethod
-    async def _read(request_iterator: AsyncIterator[Any], runner: SessionRunner) -> None:
+    async def _read(request_iterator: AsyncIterator[Any], runner: SessionRunner, first_message_s: float) -> None:
+        messages = aiter(request_iterator)
         try:
-            async for message in request_iterator:
+            try:
+                async with asyncio.timeout(first_message_s):
+                    first = await anext(messages)
+            except StopAsyncIteration:
+                await runner.input_ended()
+                return
+            except TimeoutError:
+                runner.fail(IdleTimeout(f"no message within {first_message_s:g} s of starting the session"))
+                return
+            await runner.feed(codec.from_pb(first))
+            async for message in messages:
                 await runner.feed(codec.from_pb(message))
         except asyncio.CancelledError:
             raise
@@ -376,6 +406,15 @@ class EvergreenServicer:
         tokens = [auth.bearer_token(value) for key, value in context.invocation_metadata() or ()
                   if key.lower() == "authorization" and isinstance(value, str)]
         return any([auth.key_matches(token, keys) for token in tokens])  # a list: every header is checked
+
+
+def grpc_peer_host(peer: str) -> str | None:
+    """The IP address in a gRPC peer string (``ipv4:1.2.3.4:5``, ``ipv6:[::1]:5``), else None."""
+    kind, _, rest = peer.partition(":")
+    if kind not in ("ipv4", "ipv6"):
+        return None
+    host = unquote(rest).rsplit(":", 1)[0]
+    return host.strip("[]") or None
 
 
 # -- WebSocket ------------------------------------------------------------------------------------

@@ -23,7 +23,8 @@ import socket
 import stat
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
-from rill.errors import ConfigError, RillError
+from rill.connections import stream_handler
+from rill.errors import ConfigError, IdleTimeout, RillError
 from rill.frontend.stream import RequestStream
 from rill.protocols.framed_uds import codec
 from rill.protocols.framed_uds.framing import FrameDecoder, FramingError, LineDecoder
@@ -134,7 +135,9 @@ class UdsListener:
         path = self.config.socket
         sock = bind_unix_socket(path, int(self.config.socket_mode, 8))
         self._inode = os.stat(path).st_ino
-        self._server = await asyncio.start_unix_server(self._on_connection, sock=sock, limit=READ_BYTES)
+        gate = self.deps.gate
+        handler = self._on_connection if gate is None else stream_handler(gate, self._on_connection, self._refuse)
+        self._server = await asyncio.start_unix_server(handler, sock=sock, limit=READ_BYTES)
         log.info("framed-uds (%s) listening on %s (mode %s)", self.config.uds_protocol, path, self.config.socket_mode)
 
     async def close(self) -> None:
@@ -148,6 +151,12 @@ class UdsListener:
         with contextlib.suppress(OSError):
             if os.stat(self.config.socket).st_ino == self._inode:  # never remove a successor's socket
                 os.unlink(self.config.socket)
+
+    async def _refuse(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, exc: RillError) -> None:
+        """Past the connection limit: one error frame (``E_LIMIT_REJECTED``), then close."""
+        connection = Connection(self, reader, writer)
+        await connection.perform(connection.session.on_protocol_error(exc))
+        await connection.close()
 
     async def _on_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         connection = Connection(self, reader, writer)
@@ -181,11 +190,20 @@ class Connection:
         """Read until the peer or the session ends the connection."""
         max_bytes = self.listener.config.max_frame_bytes
         decoder: Any = LineDecoder(max_bytes) if self.is_newline else FrameDecoder(max_bytes)
+        first_message_s = self.listener.deps.config.connections.first_message_timeout_s
+        # Until a first whole message arrives, the connection lives on a deadline: an idle
+        # client must not hold a connection (and a file descriptor) forever.
+        deadline: float | None = asyncio.get_running_loop().time() + first_message_s
         while not self.is_closed:
             try:
-                data = await self.reader.read(READ_BYTES)
+                async with asyncio.timeout_at(deadline):
+                    data = await self.reader.read(READ_BYTES)
             except ConnectionError:
                 data = b""
+            except TimeoutError:
+                await self.perform(self._protocol_error(
+                    IdleTimeout(f"no message within {first_message_s:g} s of connecting")))
+                break
             if not data:
                 await self._on_eof(decoder)
                 break
@@ -194,6 +212,8 @@ class Connection:
             except FramingError as exc:
                 await self.perform(self._protocol_error(exc))
                 break
+            if items:
+                deadline = None
             for item in items:
                 await self.perform(self._receive(item))
                 if self.is_closed:

@@ -23,6 +23,7 @@ from rill.errors import (
     ContextLengthExceeded,
     EngineDead,
     EngineError,
+    IdleTimeout,
     InvalidRequest,
     MemoryPressure,
     ModelNotReady,
@@ -137,6 +138,7 @@ ERROR_TABLE: dict[type[BaseException], tuple[int, str]] = {
     RequestNotFound: (404, "invalid_request_error"),
     CacheMiss: (400, "invalid_request_error"),
     RequestTimeout: (504, "timeout_error"),
+    IdleTimeout: (408, "timeout_error"),  # the client was too slow to send its request
     EngineDead: (503, "server_error"),
     EngineError: (500, "server_error"),
     RillError: (500, "server_error"),

@@ -1,0 +1,327 @@
+"""Connection accounting and connection-level timeouts, shared by every listener.
+
+One ``ConnectionGate`` per server counts open client connections, in total and per client
+IP address, and refuses (``TooManyConnections``) past ``--max-connections`` or
+``--max-connections-per-client``. Every listener takes a ``Lease`` from it:
+
+* the HTTP/WebSocket port through ``http_protocol_factory``: uvicorn's protocol runs inside
+  ``GuardedProtocol``, which takes the lease when the TCP connection is accepted (before a
+  byte is read, so idle sockets count too), refuses with a 503 past the limits, and closes
+  a connection whose request headers do not arrive within ``--header-timeout-s`` (408);
+  the ASGI middleware (``rill.middleware``) tells it when a request's headers are complete
+  and when its response has ended, and applies the body and first-message timeouts;
+* the Unix socket through ``stream_handler`` (total only: a Unix peer has no address);
+* gRPC per call (``ConnectionGate.open`` in the servicer), besides gRPC's own handshake and
+  idle-connection timeouts.
+
+``raise_fd_limit`` lifts the process's soft file-descriptor limit so the connection limit,
+not the kernel, is what refuses: at the fd limit every listener would stop accepting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any, Awaitable, Callable
+
+from rill.errors import IdleTimeout, TooManyConnections
+
+log = logging.getLogger("rill.connections")
+
+FD_RESERVE = 256
+"""File descriptors kept free beyond ``--max-connections``: model files, the feedback
+store, recordings, gRPC's own connections, log files."""
+
+REFUSAL_LOG_INTERVAL_S = 60.0
+"""At most one warning per this many seconds when connections are refused."""
+
+
+class Lease:
+    """One counted connection; ``release()`` (idempotent) gives its place back."""
+
+    __slots__ = ("_gate", "client", "_released")
+
+    def __init__(self, gate: "ConnectionGate", client: str | None) -> None:
+        self._gate = gate
+        self.client = client
+        self._released = False
+
+    def release(self) -> None:
+        """Stop counting this connection (later calls do nothing)."""
+        if not self._released:
+            self._released = True
+            self._gate._release(self.client)
+
+
+class ConnectionGate:
+    """Counts open connections in total and per client address.
+
+    Args:
+        max_total: most connections open at once.
+        max_per_client: most connections open at once from one client address.
+    """
+
+    def __init__(self, max_total: int, max_per_client: int) -> None:
+        self.max_total = max_total
+        self.max_per_client = max_per_client
+        self.total = 0
+        self.per_client: dict[str, int] = {}
+        self.refused = 0
+        self._last_warning = -REFUSAL_LOG_INTERVAL_S
+        self.http_connections: dict[tuple[str, int], GuardedProtocol] = {}
+
+    def open(self, client: str | None) -> Lease:
+        """Count a new connection from ``client`` (None: no address, total only).
+
+        Raises:
+            TooManyConnections: the total or this client's share is used up.
+        """
+        if self.total >= self.max_total:
+            self._refuse()
+            raise TooManyConnections(f"the server holds its limit of {self.max_total} connections; retry later")
+        if client is not None and self.per_client.get(client, 0) >= self.max_per_client:
+            self._refuse()
+            raise TooManyConnections(f"too many connections from {client} (at most {self.max_per_client}); "
+                                     "close some or retry later")
+        self.total += 1
+        if client is not None:
+            self.per_client[client] = self.per_client.get(client, 0) + 1
+        return Lease(self, client)
+
+    def _release(self, client: str | None) -> None:
+        self.total -= 1
+        if client is not None:
+            left = self.per_client[client] - 1
+            if left:
+                self.per_client[client] = left
+            else:
+                del self.per_client[client]
+
+    def _refuse(self) -> None:
+        self.refused += 1
+        now = time.monotonic()
+        if now - self._last_warning >= REFUSAL_LOG_INTERVAL_S:
+            self._last_warning = now
+            log.warning("refusing connections: %d open (limit %d, %d per client); %d refused so far",
+                        self.total, self.max_total, self.max_per_client, self.refused)
+
+    def http_connection(self, scope: dict[str, Any]) -> "GuardedProtocol | None":
+        """The HTTP-port connection an ASGI ``scope`` arrived on (None if unknown)."""
+        client = scope.get("client")
+        return self.http_connections.get((client[0], client[1])) if client else None
+
+
+def peer_host(peername: Any) -> str | None:
+    """The IP address part of a socket's peer name (None for Unix sockets and unknowns)."""
+    if isinstance(peername, (tuple, list)) and peername and isinstance(peername[0], str):
+        return peername[0]
+    return None
+
+
+def raise_fd_limit(max_connections: int) -> int:
+    """Raise the soft open-file limit toward what ``max_connections`` needs; return the limit.
+
+    The soft limit is raised up to the hard limit (never above it, never lowered). When even
+    the hard limit is too small, a warning says so: past it, every listener stops accepting.
+    """
+    try:
+        import resource
+    except ImportError:  # not a POSIX system
+        return 0
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = max_connections + FD_RESERVE
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as exc:
+            log.warning("cannot raise the open-file limit to %d: %s", target, exc)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        log.warning("the open-file limit (%d) is below --max-connections %d + %d reserved: lower "
+                    "--max-connections or raise the limit (ulimit -n)", soft, max_connections, FD_RESERVE)
+    return soft
+
+
+# -- HTTP / WebSocket port ------------------------------------------------------------------------
+
+
+def _raw_response(status: int, reason: str, exc: Exception) -> bytes:
+    code = getattr(exc, "code", "error")
+    body = json.dumps({"error": {"message": str(exc), "type": "server_error" if status >= 500 else
+                                 "invalid_request_error", "param": None, "code": code}}).encode()
+    head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+            "connection: close\r\n")
+    if status == 503:
+        head += "retry-after: 1\r\n"
+    return head.encode() + b"\r\n" + body
+
+
+class GuardedProtocol(asyncio.Protocol):
+    """uvicorn's HTTP protocol (and, after an upgrade, its WebSocket protocol) under a lease.
+
+    Everything the transport reports is passed on to the current inner protocol. When the
+    inner protocol switches the transport to a WebSocket protocol, this one takes the
+    transport back and passes on to the new protocol instead, so the lease is released
+    when the socket closes whatever protocol it ended with.
+
+    Header timeout: armed on accept and again whenever a response has ended
+    (``request_done``); disarmed when the app receives a request (``request_started``).
+    On expiry the connection is closed, after a 408 if part of a request had arrived.
+    """
+
+    def __init__(self, inner: asyncio.Protocol, gate: ConnectionGate, header_timeout_s: float) -> None:
+        self.inner = inner
+        self.gate = gate
+        self.header_timeout_s = header_timeout_s
+        self.transport: asyncio.Transport | None = None
+        self.lease: Lease | None = None
+        self.key: tuple[str, int] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._partial = False
+        self._connected = False
+
+    # asyncio.Protocol --------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:  # noqa: D102
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        peername = transport.get_extra_info("peername")
+        try:
+            self.lease = self.gate.open(peer_host(peername))
+        except TooManyConnections as exc:
+            # Refused before reading: nothing of this client is parsed or handed to the app.
+            transport.write(_raw_response(503, "Service Unavailable", exc))
+            transport.close()
+            return
+        if isinstance(peername, (tuple, list)) and len(peername) >= 2:
+            self.key = (peername[0], peername[1])
+            self.gate.http_connections[self.key] = self
+        self._connected = True
+        self.inner.connection_made(transport)
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:  # noqa: D102
+        if not self._connected:
+            return
+        if self._timer is not None:
+            self._partial = True
+        self.inner.data_received(data)
+        self._adopt_switched_protocol()
+
+    def eof_received(self) -> bool | None:  # noqa: D102
+        if not self._connected:
+            return None
+        return self.inner.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:  # noqa: D102
+        self._disarm()
+        if self.key is not None and self.gate.http_connections.get(self.key) is self:
+            del self.gate.http_connections[self.key]
+        if self.lease is not None:
+            self.lease.release()
+        if self._connected:
+            self._connected = False
+            self.inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:  # noqa: D102
+        if self._connected:
+            self.inner.pause_writing()
+
+    def resume_writing(self) -> None:  # noqa: D102
+        if self._connected:
+            self.inner.resume_writing()
+
+    # called by the ASGI middleware -------------------------------------------------------------
+    def request_started(self) -> None:
+        """The app has a request (its headers are complete): stop the header timer."""
+        self._disarm()
+
+    def request_done(self) -> None:
+        """A response has ended: the next request's headers are due within the timeout."""
+        if self._connected:
+            self._arm()
+
+    # ------------------------------------------------------------------------------------------
+    def _adopt_switched_protocol(self) -> None:
+        transport = self.transport
+        if transport is None:
+            return
+        current = transport.get_protocol()
+        if current is not self and not transport.is_closing():
+            # uvicorn upgraded to a WebSocket: keep receiving the events, hand them on.
+            self.inner = current
+            transport.set_protocol(self)
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._partial = False
+        self._timer = asyncio.get_running_loop().call_later(self.header_timeout_s, self._on_header_timeout)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _on_header_timeout(self) -> None:
+        self._timer = None
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        if self._partial:
+            exc = IdleTimeout(f"no complete request headers within {self.header_timeout_s:g} s")
+            transport.write(_raw_response(408, "Request Timeout", exc))
+        # With no byte of a request, close without a word: a keep-alive client could take an
+        # unasked 408 for the answer to a request it is sending right now.
+        transport.close()
+
+
+def http_protocol_factory(gate: ConnectionGate, header_timeout_s: float, inner_class: Any = None) -> Callable[..., asyncio.Protocol]:
+    """A uvicorn ``http=`` protocol class stand-in: its protocol wrapped in ``GuardedProtocol``.
+
+    Args:
+        gate: the server's connection gate.
+        header_timeout_s: time allowed for a request's headers.
+        inner_class: uvicorn's HTTP protocol class (default: its ``auto`` choice).
+    """
+    if inner_class is None:
+        from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+        inner_class = AutoHTTPProtocol
+
+    def create(**kwargs: Any) -> asyncio.Protocol:
+        return GuardedProtocol(inner_class(**kwargs), gate, header_timeout_s)
+
+    return create
+
+
+# -- asyncio stream servers (Unix socket) ---------------------------------------------------------
+
+
+StreamHandler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+Refuser = Callable[[asyncio.StreamReader, asyncio.StreamWriter, TooManyConnections], Awaitable[None]]
+
+
+def stream_handler(gate: ConnectionGate, handler: StreamHandler, refuse: Refuser) -> StreamHandler:
+    """``handler`` for ``asyncio.start_server``/``start_unix_server`` under a lease of ``gate``.
+
+    Past the limits ``refuse`` runs instead (it should answer in the protocol's own error
+    format); the writer is closed after it either way.
+    """
+
+    async def guarded(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            lease = gate.open(peer_host(writer.get_extra_info("peername")))
+        except TooManyConnections as exc:
+            try:
+                await refuse(reader, writer, exc)
+            finally:
+                writer.close()
+            return
+        try:
+            await handler(reader, writer)
+        finally:
+            lease.release()
+
+    return guarded
