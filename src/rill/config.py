@@ -149,8 +149,8 @@ class EvergreenConfig:
     evergreen_max_actions: int = _f(64, "most open actions in a session")
     evergreen_max_fragments: int = _f(100000, "most node fragments a session holds (generated ones included)")
     evergreen_max_id_bytes: int = _f(1024, "longest node id, in UTF-8 bytes")
-    evergreen_max_prompt_bytes: int = _f(8 * 1024 * 1024, "largest prompt one action may expand to (a node or "
-                                         "file ref used N times counts N times)")
+    evergreen_max_prompt_bytes: int = _f(2 * 1024 * 1024, "largest prompt one action may expand to (a node or "
+                                         "file ref used N times counts N times); 2 MiB holds a 128k-token context")
 
 
 @dataclass(frozen=True)

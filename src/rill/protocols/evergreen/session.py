@@ -94,7 +94,7 @@ class SessionLimits:
     max_actions: int = 64
     max_fragments: int = 100_000
     max_id_bytes: int = 1024
-    max_prompt_bytes: int = 8 * 1024 * 1024
+    max_prompt_bytes: int = 2 * 1024 * 1024
     max_tokens_cap: int | None = None
     request_timeout_s: float | None = None
     file_roots: tuple[str, ...] = ()
