@@ -181,3 +181,40 @@ def test_a_command_that_raises_fails_only_its_request(engine: Engine) -> None:
     assert_unharmed(together, solo, specs)
     assert isinstance(together["bad"].error, GenerationError)
     assert_idle(engine)
+
+
+def test_the_sampler_redoes_a_failing_batch_row_by_row_with_the_same_draws() -> None:
+    # Two samplers in the same state; the second has one row that raises. Every other row
+    # (greedy, seeded, penalised, filtered, with logprobs) gets the same token and logprobs.
+    import torch
+
+    from rill.engine.sampler import Sampler
+
+    vocab, steps = 300, 6
+    settings = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.8, seed=1, logprobs=3),
+        SamplingParams(temperature=1.1, top_k=20, seed=2),
+        SamplingParams(temperature=0.7, top_p=0.8, min_p=0.02, seed=3),
+        SamplingParams(temperature=0.9, repetition_penalty=1.4, presence_penalty=0.5, seed=4, logit_bias={5: 3.0}),
+        SamplingParams(temperature=0.9, seed=BAD_SEED),
+    ]
+    clean, faulty = Sampler(vocab, 8), Sampler(vocab, 8)
+    for sampler in (clean, faulty):
+        for key, params in enumerate(settings):
+            sampler.add(key, params, [1, 2, 3], {0})
+    gen = torch.Generator().manual_seed(0)
+    keys = list(range(len(settings)))
+    with fail_sampling(faulty, lambda p: p.seed == BAD_SEED):
+        for _ in range(steps):
+            logits = torch.randn(len(keys), vocab, generator=gen) * 3
+            want = clean.sample(logits, keys)
+            got = faulty.sample(logits, keys)
+            assert set(got.errors) == {len(settings) - 1}
+            assert got.token_ids[:-1] == want.token_ids[:-1]
+            assert got.logprobs[:-1] == want.logprobs[:-1]
+            assert got.token_ids[-1] == -1 and got.logprobs[-1] is None
+    for key in keys[:-1]:
+        assert faulty.history(key) == clean.history(key)
+    assert faulty.history(keys[-1]) == []  # a failed row leaves no trace
+    assert "_sample_rows" not in vars(faulty)  # the hook is gone after the block

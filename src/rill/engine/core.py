@@ -220,10 +220,11 @@ class EngineCore:
         # A request that failed above is finished and its rows are freed: leave it out.
         scheduled = [item for item in plan.scheduled if not item.request.is_finished]
         work: list[RowWork] = [w for item in scheduled for w in item.work]
+        if not work:
+            return
         t0 = time.perf_counter()
-        logits = self.runner.forward(work) if work else None
-        if logits is not None:
-            self._sample_and_advance(scheduled, logits)
+        logits = self.runner.forward(work)
+        self._sample_and_advance(scheduled, logits)
         self._update_costs(plan, time.perf_counter() - t0)
         self.stats_counters.num_steps_total += 1
         self.stats_counters.last_batch_size = len(scheduled)
