@@ -14,12 +14,12 @@ client as text: protocols answer them with a generic message.
     │   ├── MemoryPressure          request can never fit in the KV budget
     │   ├── RateLimited             token bucket empty (retryable, .retry_after_s)
     │   ├── ModelNotReady           model still loading (retryable)
-    │   └── TooManyConnections      connection limit (total or per client) reached (retryable)
+    │   ├── TooManyConnections      connection limit (total or per client) reached (retryable)
+    │   └── StorageFull             a durable store is at its size cap (nothing deleted for room)
     ├── RequestNotFound             control action for an unknown or finished request
     ├── CacheMiss                   a required cached prefix was evicted
     ├── RequestTimeout              per-request time limit reached
     │   └── IdleTimeout             a client sent no first message / not all of its request in time
-    ├── StorageFull                 a durable store is at its size cap (nothing deleted for room)
     └── EngineError
         ├── GenerationError         one request failed; others continue
         └── EngineDead              the engine loop crashed; nothing more can run
@@ -157,11 +157,12 @@ class RequestTimeout(RillError):
     retryable = True
 
 
-class StorageFull(RillError):
+class StorageFull(RequestRejected):
     """A durable store (the feedback store) is at its configured size cap: the new record
     is refused; nothing already stored is deleted to make room."""
 
     code = "storage_full"
+    retryable = False
 
 
 class EngineError(RillError):
