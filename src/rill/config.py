@@ -44,7 +44,7 @@ class EngineConfig:
     max_num_seqs: int = _f(64, "most sequences generating at once")
     max_num_batched_tokens: int = _f(8192, "token budget of one engine step; while streams decode, prefill chunks are capped further so their inter-token latency at most doubles")
     max_queue: int = _f(1024, "bound of the waiting queue; requests over it are refused (retryable)")
-    num_threads: int | None = _f(None, "torch intra-op threads (default: all cores)")
+    num_threads: int | None = _f(None, "torch intra-op threads (default: the CPUs this process may use: affinity set and cgroup quota)")
 
 
 @dataclass(frozen=True)

@@ -80,12 +80,14 @@ class Engine:
 
         from rill.engine.core import CoreConfig, EngineCore
         from rill.engine.runner import TorchModelRunner
+        from rill.engine.threads import default_choice
         from rill.models.loader import load_model
         from rill.models.tokenizer import Tokenizer
 
         report = progress or (lambda pct, stage: None)
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        threads = default_choice(config.num_threads)
+        torch.set_num_threads(threads.num_threads)
+        log.info("engine threads: %d (%s)", threads.num_threads, threads.reason)
         path = Path(config.model) if config.model else self._demo_model(report)
         report(60.0, "loading weights")
         # Weights first: load_model names a missing folder, config or architecture best.
