@@ -83,6 +83,9 @@ class HttpConfig:
     feedback_retention_days: float | None = _f(None, "feedback records older than this many days are deleted "
                                                      "(default: kept until deleted by hand)")
     log_level: str = _f("info", "log level: debug, info, warning, error")
+    tool_call_parser: str = _f("auto", "how /v1/chat/completions reads tool calls in the model's output: hermes "
+                                       "(<tool_call>{json}</tool_call>, Qwen/Hermes), llama3_json, none, or auto "
+                                       "(detected from the chat template; hermes when it shows no format)")
 
 
 @dataclass(frozen=True)
@@ -358,6 +361,8 @@ def validate(config: ServerConfig) -> None:
     parse_size(config.chat.record_max_bytes, "record_max_bytes")
     if config.chat.record_retention_days is not None and config.chat.record_retention_days <= 0:
         raise ConfigError(f"record_retention_days must be > 0, not {config.chat.record_retention_days}")
+    if h.tool_call_parser not in ("auto", "none", "hermes", "llama3_json"):
+        raise ConfigError(f"tool_call_parser must be auto, none, hermes or llama3_json, not {h.tool_call_parser!r}")
     if h.log_level.lower() not in ("critical", "error", "warning", "info", "debug", "trace"):
         raise ConfigError(f"log_level must be debug, info, warning or error, not {h.log_level!r}")
     g = config.evergreen

@@ -352,6 +352,8 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     device: str
     quantization: str | None = None
     has_chat_template: bool = False
+    tool_call_format: str | None = None
+    """The tool-call format the chat template teaches (``hermes``, ``llama3_json``), if any."""
     modalities: list[str] = msgspec.field(default_factory=lambda: ["text"])
 
 

@@ -241,3 +241,12 @@ def test_content_parts_pass_through_unchanged() -> None:
     parts = [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "data:..."}}]
     text = render_chat_template("{{ messages[0].content | tojson }}", [{"role": "user", "content": parts}])
     assert msgspec.json.decode(text) == parts
+
+
+def test_tool_call_format_is_detected_from_the_template() -> None:
+    from rill.models.chat_template import tool_call_format
+
+    assert tool_call_format("{{ '<tool_call>' }}") == "hermes"
+    assert tool_call_format("{{ '<|python_tag|>' }} ipython") == "llama3_json"
+    assert tool_call_format("{{ messages }}") is None
+    assert tool_call_format(None) is None

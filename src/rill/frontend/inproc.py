@@ -118,6 +118,7 @@ class Engine:
             dtype=mc.dtype,
             device=mc.device,
             has_chat_template=self.tokenizer.has_chat_template,
+            tool_call_format=_tool_call_format(self.tokenizer),
         )
         report(100.0, "ready")
 
@@ -433,3 +434,13 @@ def _message_dict(message: Any) -> dict[str, Any]:
     if isinstance(message, dict):
         return message
     return {k: v for k, v in msgspec.structs.asdict(message).items() if v is not None}
+
+
+def _tool_call_format(tokenizer: Any) -> str | None:
+    """The tool-call format of the model's tool-use (or default) chat template, if it shows one."""
+    from rill.models.chat_template import tool_call_format
+
+    try:
+        return tool_call_format(tokenizer.get_chat_template(tools=[{}]))
+    except RillError:
+        return None

@@ -217,6 +217,18 @@ def render_chat_template(
         raise InvalidRequest(f"chat template failed: {type(exc).__name__}: {exc}", field="messages") from exc
 
 
+def tool_call_format(source: str | None) -> str | None:
+    """The tool-call format a chat template teaches its model (names as in
+    ``rill.protocols._shared.tool_calls.FORMATS``), or None if it shows none."""
+    if not source:
+        return None
+    if "<tool_call>" in source:
+        return "hermes"
+    if "<|python_tag|>" in source or "ipython" in source:
+        return "llama3_json"
+    return None
+
+
 def _plain_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
     plain = []
     for index, message in enumerate(messages):

@@ -31,6 +31,27 @@ CHAT_TEMPLATE = (
 )
 """A minimal chat template: ``<s><|user|>\\nhi<|end|>\\n<|assistant|>\\n``."""
 
+TOOL_CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "You may call functions. Their signatures are in <tools></tools>:\n<tools>"
+    "{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools>\n"
+    "Answer a call as <tool_call>\n{\"name\": <name>, \"arguments\": <args-object>}\n</tool_call><|im_end|>\n"
+    "{% elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n</tool_response><|im_end|>\n"
+    "{% elif message.role == 'assistant' %}<|im_start|>assistant\n{{ message.content or '' }}"
+    "{% for call in message.tool_calls or [] %}\n<tool_call>\n"
+    "{\"name\": \"{{ call.function.name }}\", \"arguments\": "
+    "{{ call.function.arguments if call.function.arguments is string else call.function.arguments | tojson }}}"
+    "\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% elif message.role != 'system' or not loop.first %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""A ChatML template with Hermes/Qwen-style tools (``<tools>`` in the system turn, calls as
+``<tool_call>{json}</tool_call>``, results as ``<tool_response>``), written for the tests."""
+
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -152,6 +173,7 @@ def make_checkpoint(
     is_random_norms_and_biases: bool = True,
     seed: int = 0,
     with_chat_template: bool = True,
+    chat_template: str | None = None,
     dtype: str = "float32",
     max_shard_size: str | int | None = None,
     generation_config: dict[str, Any] | None = None,
@@ -168,6 +190,8 @@ def make_checkpoint(
         sliding_window: Mistral's window; Qwen2/Qwen3 get ``use_sliding_window`` with it.
         is_random_norms_and_biases: draw norm weights around 1 and biases around 0 instead of
             transformers' exact ones/zeros.
+        chat_template: the template to write (default ``CHAT_TEMPLATE``; ``TOOL_CHAT_TEMPLATE``
+            for a Qwen-style model that takes tools).
         dtype: ``float32`` or ``bfloat16`` weights on disk.
         max_shard_size: passed to ``save_pretrained`` (e.g. ``"200KB"``) to write shards.
         generation_config: extra ``generation_config.json`` fields (eos ids are set here).
@@ -202,7 +226,7 @@ def make_checkpoint(
     )
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size is not None else {}
     model.save_pretrained(out, **kwargs)
-    _write_tokenizer(tokenizer, out, config.max_position_embeddings, with_chat_template)
+    _write_tokenizer(tokenizer, out, config.max_position_embeddings, with_chat_template, chat_template)
     return out
 
 
@@ -246,11 +270,12 @@ def _randomise_norms_and_biases(model, initializer_range: float, seed: int) -> N
                 param.copy_(initializer_range * torch.randn(param.shape, generator=generator))
 
 
-def _write_tokenizer(tokenizer, folder: Path, max_context_tokens: int, with_chat_template: bool) -> None:
+def _write_tokenizer(tokenizer, folder: Path, max_context_tokens: int, with_chat_template: bool,
+                     chat_template: str | None = None) -> None:
     tokenizer.save(str(folder / "tokenizer.json"))
     config = tokenizer_config(max_context_tokens)
     if with_chat_template:
-        config["chat_template"] = CHAT_TEMPLATE  # the fixtures' minimal template, not the demo's
+        config["chat_template"] = chat_template or CHAT_TEMPLATE  # the fixtures' minimal one, not the demo's
     else:
         del config["chat_template"]
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")

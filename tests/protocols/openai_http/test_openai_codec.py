@@ -174,8 +174,43 @@ def test_chat_text_parts_are_joined_and_none_fields_dropped() -> None:
     assert [m.content for m in messages] == ["be brief", "a\nb"]
     assert codec.template_messages(messages) == [{"role": "system", "content": "be brief"},
                                                   {"role": "user", "content": "a\nb"}]
-    assert codec.template_kwargs(_chat(tools=[{"type": "function"}], chat_template_kwargs={"x": 1})) == {
-        "x": 1, "tools": [{"type": "function"}]}
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    req = _chat(tools=tools, chat_template_kwargs={"x": 1})
+    # tools go to the template as its own variable, not as a kwarg (which the renderer reserves)
+    assert codec.template_kwargs(req) == {"x": 1}
+    assert codec.template_tools(req) == tools
+
+
+def test_tool_messages_round_trip_for_templates() -> None:
+    req = _chat(messages=[
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "w", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "content": None, "tool_call_id": "c1"},
+    ])
+    plain = codec.template_messages(codec.chat_messages(req, SERVED))
+    assert plain[1] == {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "w", "arguments": {"city": "Oslo"}}}]}
+    assert plain[2] == {"role": "tool", "content": "", "tool_call_id": "c1"}
+    bad = _chat(messages=[{"role": "assistant", "tool_calls": [{"function": {"name": "w", "arguments": "{oops"}}]}])
+    with pytest.raises(errors.InvalidRequest, match="not valid JSON"):
+        codec.chat_messages(bad, SERVED)
+
+
+@pytest.mark.parametrize(("body", "needle"), [
+    ({"tools": [{"type": "function"}]}, "tools[0]"),
+    ({"tools": [{"type": "function", "function": {"name": ""}}]}, "name"),
+    ({"tool_choice": "required"}, "needs 'tools'"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "'g'"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "sometimes"}, "tool_choice must be"),
+    ({"chat_template_kwargs": {"tools": []}}, "'tools'"),
+])
+def test_bad_tools_are_400s_naming_the_field(body: dict, needle: str) -> None:
+    with pytest.raises(errors.InvalidRequest) as caught:
+        req = codec.decode_chat(json.dumps({"messages": [{"role": "user", "content": "x"}], **body}).encode())
+        codec.template_kwargs(req)
+    assert needle in caught.value.message
+    assert caught.value.field in ("tools", "tool_choice", "chat_template_kwargs")
 
 
 def test_chat_content_the_model_cannot_take() -> None:

@@ -68,3 +68,51 @@ def test_unexpected_failure_text_is_not_shown() -> None:
     (event,) = session.fail(RuntimeError("secret detail /etc/passwd"))
     error = json.loads(event.decode()[len("data: "):])["error"]
     assert "secret" not in error["message"] and error["code"] == "internal_error"
+
+
+CALL_TEXT = ['Checking.\n<tool_', 'call>\n{"name": "get_weather", "argu', 'ments": {"city": "Pa', 'ris"}}\n</tool_call>']
+
+
+def _tool_session() -> ResponseSession:
+    return ResponseSession(kind=Kind.CHAT, response_id="id-1", created=1, model="m", num_choices=1,
+                           tool_format="hermes")
+
+
+def test_tool_calls_stream_as_openai_does() -> None:
+    session = _tool_session()
+    session.start()
+    chunks = []
+    for i, text in enumerate(CALL_TEXT):
+        last = i == len(CALL_TEXT) - 1
+        out = RequestOutput(request_id="r", text=text, finished=last, finish_reason="stop" if last else None)
+        chunks += [json.loads(e.decode().removeprefix("data: ")) for e in session.on_output(0, out)]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert "".join(d.get("content") or "" for d in deltas) == "Checking.\n"
+    calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
+    assert calls[0]["index"] == 0 and calls[0]["type"] == "function" and calls[0]["id"].startswith("call_")
+    assert calls[0]["function"]["name"] == "get_weather"
+    assert all("id" not in tc and "name" not in tc["function"] for tc in calls[1:])
+    assert len(calls) > 2, "arguments arrive in several fragments"
+    assert json.loads("".join(tc["function"]["arguments"] for tc in calls)) == {"city": "Paris"}
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_tool_calls_in_a_body() -> None:
+    session = _tool_session()
+    for i, text in enumerate(CALL_TEXT):
+        last = i == len(CALL_TEXT) - 1
+        session.on_output(0, RequestOutput(request_id="r", text=text, finished=last, finish_reason="stop" if last else None))
+    choice = json.loads(session.body())["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["content"] == "Checking.\n"
+    (call,) = choice["message"]["tool_calls"]
+    assert call["type"] == "function" and call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+
+
+def test_text_without_a_call_keeps_stop() -> None:
+    session = _tool_session()
+    session.on_output(0, RequestOutput(request_id="r", text="no call <tool", finished=True, finish_reason="stop"))
+    choice = json.loads(session.body())["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["message"]["content"] == "no call <tool"
+    assert "tool_calls" not in choice["message"]

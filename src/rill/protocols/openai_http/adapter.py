@@ -141,9 +141,20 @@ class OpenAIApi:
             kind=kind, response_id=response_id, created=int(time.time()), model=model,
             num_choices=len(streams), n=req.n or 1, logprobs=logprobs, token_text=_token_texts(self.client),
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
+            tool_format=self._tool_format() if kind is Kind.CHAT and codec.parses_tool_calls(req) else None,
         )
         return _Responder(session, streams, is_streaming=bool(req.stream),
                           keepalive_s=self.deps.config.http.sse_keepalive_s)
+
+    def _tool_format(self) -> str | None:
+        """The tool-call format to read: ``--tool-call-parser``, or the chat template's (hermes if none)."""
+        chosen = getattr(self.deps.config.http, "tool_call_parser", "auto")
+        if chosen == "none":
+            return None
+        if chosen != "auto":
+            return chosen
+        info = self.client.model_info
+        return getattr(info, "tool_call_format", None) or "hermes"
 
     def _count_rejection(self, exc: Exception) -> None:
         metrics = self.deps.metrics
@@ -158,8 +169,11 @@ class OpenAIApi:
     def _chat_prompt(self, req: Any, served: codec.ServedModel) -> list[list[int]]:
         messages = codec.template_messages(codec.chat_messages(req, served))
         add_generation_prompt = req.add_generation_prompt is not False
-        text = self.client.render_chat(messages, add_generation_prompt=add_generation_prompt,
-                                       **codec.template_kwargs(req))
+        kwargs = codec.template_kwargs(req)
+        tools = codec.template_tools(req)
+        if tools is not None:
+            kwargs["tools"] = tools  # a keyword of render_chat, not a template kwarg
+        text = self.client.render_chat(messages, add_generation_prompt=add_generation_prompt, **kwargs)
         # The template already wrote any BOS / special tokens into the text.
         return [self.client.encode(text, add_special_tokens=False)]
 

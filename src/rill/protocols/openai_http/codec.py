@@ -12,6 +12,7 @@ No I/O, no engine, no clock: tokenizing and timing are the adapter's job.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -224,7 +225,55 @@ def decode_chat(body: bytes) -> ChatCompletionRequest:
         raise InvalidRequest(f"response_format type '{fmt}' is not supported (only 'text')", field="response_format")
     if req.top_logprobs and not req.logprobs:  # 0 or null without logprobs is harmless
         raise InvalidRequest("'top_logprobs' needs 'logprobs' set to true", field="top_logprobs")
+    _check_tools(req)
     return req
+
+
+MAX_TOOLS = 128
+"""Most functions one request may offer."""
+
+
+def _check_tools(req: ChatCompletionRequest) -> None:
+    names = []
+    for i, tool in enumerate(req.tools or []):
+        fn = tool.get("function")
+        if tool.get("type", "function") != "function" or not isinstance(fn, dict):
+            raise InvalidRequest(f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}", field="tools")
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise InvalidRequest(f"tools[{i}].function.name must be a non-empty string", field="tools")
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+            raise InvalidRequest(f"tools[{i}].function.parameters must be a JSON schema object", field="tools")
+        names.append(fn["name"])
+    if len(names) > MAX_TOOLS:
+        raise InvalidRequest(f"at most {MAX_TOOLS} tools per request", field="tools")
+    choice = req.tool_choice
+    if choice is None or choice in ("none", "auto"):
+        return
+    if choice == "required":
+        if not names:
+            raise InvalidRequest("tool_choice 'required' needs 'tools'", field="tool_choice")
+        return
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    if not isinstance(choice, dict) or choice.get("type", "function") != "function" or not isinstance(name, str):
+        raise InvalidRequest("tool_choice must be 'none', 'auto', 'required' or "
+                             "{'type': 'function', 'function': {'name': ...}}", field="tool_choice")
+    if name not in names:
+        raise InvalidRequest(f"tool_choice names function '{name}', which is not in 'tools'", field="tool_choice")
+
+
+def forced_tool(req: ChatCompletionRequest) -> tuple[bool, str | None]:
+    """Whether the request forces a tool call (``required`` or a named function), and which."""
+    choice = req.tool_choice
+    if choice == "required":
+        return True, None
+    if isinstance(choice, dict):
+        return True, choice["function"]["name"]
+    return False, None
+
+
+def parses_tool_calls(req: ChatCompletionRequest) -> bool:
+    """Whether the output is read for tool calls: tools offered and ``tool_choice`` not ``none``."""
+    return bool(req.tools) and req.tool_choice != "none"
 
 
 def _decode(decoder: msgspec.json.Decoder, body: bytes) -> Any:
@@ -332,8 +381,32 @@ def _chat_message(index: int, msg: ChatMessageIn, served: ServedModel) -> ChatMe
                     f"'{served.name}' cannot take (it takes {', '.join(served.modalities)})",
                     field="messages",
                 )
-    return ChatMessage(role=msg.role, content=content, name=msg.name, tool_calls=msg.tool_calls,
+    if content is None:
+        # An assistant turn that only calls tools has null content; templates concatenate it.
+        content = ""
+    return ChatMessage(role=msg.role, content=content, name=msg.name, tool_calls=_template_tool_calls(index, msg),
                        tool_call_id=msg.tool_call_id)
+
+
+def _template_tool_calls(index: int, msg: ChatMessageIn) -> list[dict[str, Any]] | None:
+    # OpenAI sends arguments as JSON text; chat templates (Qwen, Llama 3.1) expect an object
+    # and render it with tojson, so it is parsed here (as transformers documents it).
+    if msg.tool_calls is None:
+        return None
+    calls = []
+    for call in msg.tool_calls:
+        fn = call.get("function")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise InvalidRequest(f"messages[{index}].tool_calls entries need function.name", field="messages")
+        arguments = fn.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except ValueError as exc:
+                raise InvalidRequest(f"messages[{index}].tool_calls arguments are not valid JSON",
+                                     field="messages") from exc
+        calls.append({**call, "function": {**fn, "arguments": arguments}})
+    return calls
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -342,11 +415,15 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
 
 def template_kwargs(req: ChatCompletionRequest) -> dict[str, Any]:
-    """Extra variables for the chat template: ``chat_template_kwargs`` plus ``tools``."""
+    """Extra variables for the chat template from ``chat_template_kwargs`` (``tools`` go apart,
+    see ``template_tools``)."""
     kwargs = check_template_kwargs(req.chat_template_kwargs or {})
-    if req.tools:
-        kwargs.setdefault("tools", req.tools)
     return kwargs
+
+
+def template_tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+    """The ``tools`` to hand to the chat template (None without tools)."""
+    return list(req.tools) if req.tools else None
 
 
 def resolve_max_tokens(req: CompletionRequest | ChatCompletionRequest, num_prompt_tokens: int,

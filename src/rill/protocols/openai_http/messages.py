@@ -197,11 +197,44 @@ class ChatLogprobs(msgspec.Struct, kw_only=True):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCallOut(msgspec.Struct, kw_only=True):
+    """The function of a tool call: its name and JSON ``arguments`` (as text)."""
+
+    name: str
+    arguments: str
+
+
+class ToolCallOut(msgspec.Struct, kw_only=True):
+    """One tool call of a non-streamed assistant message."""
+
+    id: str
+    type: str = "function"
+    function: FunctionCallOut
+
+
+class FunctionCallDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A piece of a streamed function call: the name once, then ``arguments`` fragments."""
+
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDeltaOut(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A piece of tool call ``index`` in a chunk (``id`` and ``type`` only in its first piece)."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: FunctionCallDelta | None = None
+
+
 class ChatMessageOut(msgspec.Struct, kw_only=True):
-    """The assistant message of a non-streamed chat choice."""
+    """The assistant message of a non-streamed chat choice (``content`` null with only calls;
+    ``tool_calls`` left out when there are none)."""
 
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCallOut] | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):
@@ -230,6 +263,7 @@ class ChatDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDeltaOut] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct, kw_only=True):

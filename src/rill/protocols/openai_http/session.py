@@ -21,6 +21,7 @@ from typing import Callable
 
 from rill.errors import GenerationError, RillError
 from rill.protocols._shared import sse
+from rill.protocols._shared.tool_calls import ContentDelta, ToolCallDelta, ToolCallParser, make_parser
 from rill.protocols.openai_http import codec
 from rill.protocols.openai_http.messages import (
     ChatChoice,
@@ -32,6 +33,10 @@ from rill.protocols.openai_http.messages import (
     ChatMessageOut,
     ChatTokenLogprob,
     Completion,
+    FunctionCallDelta,
+    FunctionCallOut,
+    ToolCallDeltaOut,
+    ToolCallOut,
     CompletionChoice,
     CompletionLogprobs,
     PromptTokensDetails,
@@ -59,6 +64,7 @@ class _Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     usage: Usage = field(default_factory=Usage)
+    parser: ToolCallParser | None = None
 
 
 class ResponseSession:
@@ -74,11 +80,13 @@ class ResponseSession:
         include_usage: send a last chunk with usage (``stream_options.include_usage``).
         logprobs: None, or how many alternatives per token the client asked for.
         token_text: the text of one token id (for logprobs).
+        tool_format: chat only: read each choice's text for tool calls in this format
+            (``rill.protocols._shared.tool_calls.FORMATS``); None leaves the text as it is.
     """
 
     def __init__(self, *, kind: Kind, response_id: str, created: int, model: str, num_choices: int,
                  n: int = 1, include_usage: bool = False, logprobs: int | None = None,
-                 token_text: Callable[[int], str] = str) -> None:
+                 token_text: Callable[[int], str] = str, tool_format: str | None = None) -> None:
         self.kind = kind
         self.response_id = response_id
         self.created = created
@@ -88,6 +96,9 @@ class ResponseSession:
         self.logprobs = logprobs
         self.token_text = token_text
         self.choices = [_Choice() for _ in range(num_choices)]
+        if tool_format is not None and kind is Kind.CHAT:
+            for i, choice in enumerate(self.choices):
+                choice.parser = make_parser(tool_format, f"{response_id}/{i}")
         self.failed: BaseException | None = None
 
     @property
@@ -123,6 +134,8 @@ class ResponseSession:
 
     def _append(self, index: int, out: RequestOutput, finish: str | None) -> list[bytes]:
         choice = self.choices[index]
+        if self.kind is Kind.CHAT:
+            return self._append_chat(index, choice, out, finish)
         offset = choice.num_chars
         choice.text.append(out.text)
         choice.num_chars += len(out.text)
@@ -131,14 +144,29 @@ class ResponseSession:
         choice.finish_reason = finish
         if not out.text and not out.logprobs and finish is None:
             return []
-        if self.kind is Kind.CHAT:
-            delta = ChatDelta(content=out.text) if out.text or finish is None else ChatDelta()
-            chunk = ChatChunkChoice(index=index, delta=delta, logprobs=self._chat_logprobs(out.logprobs),
-                                    finish_reason=finish)
-            return [self._chat_chunk(chunk)]
         choice_chunk = CompletionChoice(index=index, text=out.text, finish_reason=finish,
                                         logprobs=self._completion_logprobs(out.logprobs, offset))
         return [sse.encode_event(codec.encode(self._completion([choice_chunk])))]
+
+    def _append_chat(self, index: int, choice: _Choice, out: RequestOutput, finish: str | None) -> list[bytes]:
+        text, calls = out.text, []
+        if choice.parser is not None:
+            deltas = choice.parser.feed(out.text) + (choice.parser.finish() if finish is not None else [])
+            text = "".join(d.text for d in deltas if isinstance(d, ContentDelta))
+            calls = [_call_delta(d) for d in deltas if isinstance(d, ToolCallDelta)]
+            if finish == "stop" and choice.parser.calls:
+                finish = "tool_calls"
+        choice.text.append(text)
+        if out.logprobs:
+            choice.logprobs.extend(out.logprobs)
+        choice.finish_reason = finish
+        if not text and not calls and not out.logprobs and finish is None:
+            return []
+        content = text if text or (finish is None and not calls) else None
+        delta = ChatDelta(content=content, tool_calls=calls or None)
+        chunk = ChatChunkChoice(index=index, delta=delta, logprobs=self._chat_logprobs(out.logprobs),
+                                finish_reason=finish)
+        return [self._chat_chunk(chunk)]
 
     def end(self) -> list[bytes]:
         """Last events of a stream: the error (if failed) or the usage chunk, then ``[DONE]``."""
@@ -163,8 +191,8 @@ class ResponseSession:
         """The whole JSON response, once ``is_done`` and not ``failed``."""
         if self.kind is Kind.CHAT:
             choices = [
-                ChatChoice(index=i, message=ChatMessageOut(content="".join(c.text)),
-                           logprobs=self._chat_logprobs(c.logprobs), finish_reason=c.finish_reason)
+                ChatChoice(index=i, message=_message(c), logprobs=self._chat_logprobs(c.logprobs),
+                           finish_reason=c.finish_reason)
                 for i, c in enumerate(self.choices)
             ]
             return codec.encode(ChatCompletion(id=self.response_id, object="chat.completion", created=self.created,
@@ -227,6 +255,22 @@ class ResponseSession:
             content.append(ChatTokenLogprob(token=token, logprob=lp.logprob, bytes=list(token.encode()),
                                             top_logprobs=top))
         return ChatLogprobs(content=content)
+
+
+def _call_delta(delta: ToolCallDelta) -> ToolCallDeltaOut:
+    if delta.id is not None:
+        return ToolCallDeltaOut(index=delta.index, id=delta.id, type="function",
+                                function=FunctionCallDelta(name=delta.name, arguments=delta.arguments))
+    return ToolCallDeltaOut(index=delta.index, function=FunctionCallDelta(arguments=delta.arguments))
+
+
+def _message(choice: _Choice) -> ChatMessageOut:
+    content = "".join(choice.text)
+    calls = choice.parser.calls if choice.parser is not None else []
+    if not calls:
+        return ChatMessageOut(content=content)
+    tool_calls = [ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments)) for c in calls]
+    return ChatMessageOut(content=content if content.strip() else None, tool_calls=tool_calls)
 
 
 def _top(token: str, logprob: float) -> TopLogprobOut:
