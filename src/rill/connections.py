@@ -184,7 +184,8 @@ class GuardedProtocol(asyncio.Protocol):
         self._connected = False
 
     # asyncio.Protocol --------------------------------------------------------------------------
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:  # noqa: D102
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        """Take a lease (or answer 503 and close) and start the header timer."""
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
         peername = transport.get_extra_info("peername")
@@ -202,7 +203,8 @@ class GuardedProtocol(asyncio.Protocol):
         self.inner.connection_made(transport)
         self._arm()
 
-    def data_received(self, data: bytes) -> None:  # noqa: D102
+    def data_received(self, data: bytes) -> None:
+        """Pass bytes on to the current protocol; adopt a WebSocket it switched to."""
         if not self._connected:
             return
         if self._timer is not None:
@@ -210,12 +212,14 @@ class GuardedProtocol(asyncio.Protocol):
         self.inner.data_received(data)
         self._adopt_switched_protocol()
 
-    def eof_received(self) -> bool | None:  # noqa: D102
+    def eof_received(self) -> bool | None:
+        """Pass the end of input on."""
         if not self._connected:
             return None
         return self.inner.eof_received()
 
-    def connection_lost(self, exc: Exception | None) -> None:  # noqa: D102
+    def connection_lost(self, exc: Exception | None) -> None:
+        """Give the lease back and tell the current protocol."""
         self._disarm()
         if self.key is not None and self.gate.http_connections.get(self.key) is self:
             del self.gate.http_connections[self.key]
@@ -225,11 +229,13 @@ class GuardedProtocol(asyncio.Protocol):
             self._connected = False
             self.inner.connection_lost(exc)
 
-    def pause_writing(self) -> None:  # noqa: D102
+    def pause_writing(self) -> None:
+        """Pass flow control on."""
         if self._connected:
             self.inner.pause_writing()
 
-    def resume_writing(self) -> None:  # noqa: D102
+    def resume_writing(self) -> None:
+        """Pass flow control on."""
         if self._connected:
             self.inner.resume_writing()
 

@@ -7,7 +7,10 @@
 2. ``Guard``: Host and Origin check (``SiteCheck``: 403, so neither a foreign web page nor
    a DNS-rebinding name can drive a server on loopback), API-key check and body-size
    limit; under ``/v1/`` it also turns the router's plain-text 404 / 405 into OpenAI error
-   JSON.
+   JSON. It also bounds time: a request body must arrive within ``--body-timeout-s``
+   (408), an accepted WebSocket must send its first message within
+   ``--first-message-timeout-s`` (close 1008), and it tells the connection's
+   ``rill.connections.GuardedProtocol`` when a request starts and ends (header timeout).
 
 Keys: when any key is configured (``--api-key``, ``--api-key-file``), every route but
 ``/health`` needs ``Authorization: Bearer KEY``; WebSockets may instead pass ``?api_key=KEY``
@@ -256,6 +259,7 @@ class _FirstMessageWatch:
         self.closed = False
 
     async def receive(self) -> Message:
+        """The app's ``receive``: the first message (or a disconnect) stops the clock."""
         message = await self._receive()
         if message["type"] in ("websocket.receive", "websocket.disconnect"):
             self.heard = True
@@ -263,6 +267,7 @@ class _FirstMessageWatch:
         return message
 
     async def send(self, message: Message) -> None:
+        """The app's ``send``: the accept starts the clock; after the timeout's close, nothing is sent."""
         if self.closed:
             return
         if message["type"] == "websocket.close":
@@ -273,6 +278,7 @@ class _FirstMessageWatch:
             self._timer = asyncio.create_task(self._expire())
 
     def stop(self) -> None:
+        """Stop the clock (the app has finished, closed, or heard from the client)."""
         if self._timer is not None and self._timer is not asyncio.current_task():
             self._timer.cancel()
         self._timer = None
