@@ -17,6 +17,10 @@ For each it prints the outcome (status or error), the server's resident memory b
 after and its peak during the case (Linux ``VmRSS`` / ``VmHWM``, the peak reset before each
 case), the data folder's growth on disk, and the longest ``/health`` answer (the event
 loop's stall). Figures are noisy on a loaded machine.
+
+A flood sent over several messages may show ``INTERNAL: Internal error from Core``: the
+server aborted with RESOURCE_EXHAUSTED, but grpc's asyncio client replaces that status by a
+local one when it writes after the server ended the call (grpc/grpc#36066).
 """
 
 from __future__ import annotations

@@ -86,7 +86,7 @@ class Session:
         try:
             await self._call.write(codec.to_pb(message))
         except grpc.aio.AioRpcError as exc:
-            raise await self._error(exc) from exc
+            raise EvergreenError(exc.code().name, exc.details() or "") from exc
 
     async def end_input(self) -> None:
         """Half-close: the server finishes running actions, then ends the session."""
@@ -95,17 +95,7 @@ class Session:
         try:
             await self._call.done_writing()
         except grpc.aio.AioRpcError as exc:
-            raise await self._error(exc) from exc
-
-    async def _error(self, exc: Any) -> EvergreenError:
-        # Writing to a call the server already ended fails with a generic INTERNAL from grpc's
-        # core; the call's own status says why the server ended it.
-        import grpc
-
-        code, details = await self._call.code(), await self._call.details()
-        if code == grpc.StatusCode.OK:
-            code, details = exc.code(), exc.details()
-        return EvergreenError(code.name, details or "")
+            raise EvergreenError(exc.code().name, exc.details() or "") from exc
 
     async def receive(self) -> SessionMessage | None:
         """The next server message, or None once the session ended normally.
