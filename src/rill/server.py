@@ -28,7 +28,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from rill.config import ServerConfig
-from rill.connections import ConnectionGate, http_protocol_factory, raise_fd_limit
+from rill.connections import FD_RESERVE, ConnectionGate, http_protocol_factory, raise_fd_limit
 from rill.errors import EngineDead, RillError
 from rill.frontend.client import EngineClient
 
@@ -120,10 +120,13 @@ async def serve(
     from rill.frontend.inproc import InprocClient
 
     config.api_keys()  # a key file with no key fails here, before the model starts loading
-    raise_fd_limit(config.connections.max_connections)
+    fd_limit = raise_fd_limit(config.connections.max_connections)
     if client is None:
         client = InprocClient.start(config.engine)
     deps = make_deps(config, client)
+    if deps.gate is not None and 0 < fd_limit - FD_RESERVE < deps.gate.max_total:
+        # Past the open-file limit every listener would stop accepting: refuse before it.
+        deps.gate.max_total = max(1, fd_limit - FD_RESERVE)
     app = build_app(deps)
     stoppers: list[Callable[[], Awaitable[None]]] = []
     try:
