@@ -30,7 +30,11 @@ def test_the_gate_bounds_each_client_and_the_total() -> None:
 
 def test_peer_host() -> None:
     assert peer_host(("127.0.0.1", 5000)) == "127.0.0.1"
-    assert peer_host(("::1", 5000, 0, 0)) == "::1"
+    assert peer_host(("::1", 5000, 0, 0)) == "::/64"
+    # One IPv6 host holds a /64: its addresses share one per-client count.
+    assert peer_host(("2001:db8:1:2::a", 1)) == peer_host(("2001:db8:1:2:ffff::b", 1)) == "2001:db8:1:2::/64"
+    assert peer_host(("2001:db8:1:3::a", 1)) == "2001:db8:1:3::/64"
+    assert peer_host(("::ffff:10.0.0.1", 1, 0, 0)) == "10.0.0.1"  # dual-stack listener
     assert peer_host("") is None and peer_host(None) is None  # Unix sockets
 
 

@@ -21,6 +21,7 @@ not the kernel, is what refuses: at the fd limit every listener would stop accep
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
 import time
@@ -114,10 +115,28 @@ class ConnectionGate:
 
 
 def peer_host(peername: Any) -> str | None:
-    """The IP address part of a socket's peer name (None for Unix sockets and unknowns)."""
+    """The client a socket's peer name counts as (``client_key``); None for Unix sockets and unknowns."""
     if isinstance(peername, (tuple, list)) and peername and isinstance(peername[0], str):
-        return peername[0]
+        return client_key(peername[0])
     return None
+
+
+def client_key(host: str) -> str:
+    """The per-client unit of an IP address: itself for IPv4, its /64 network for IPv6.
+
+    One IPv6 host usually holds a whole /64 (SLAAC, privacy addresses), so counting single
+    IPv6 addresses would let one client open the per-client limit 2**64 times. An
+    IPv4-mapped IPv6 address (a dual-stack listener) counts as its IPv4 address.
+    """
+    try:
+        address = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return host
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            return str(address.ipv4_mapped)
+        return str(ipaddress.IPv6Network((address, 64), strict=False))
+    return str(address)
 
 
 def raise_fd_limit(max_connections: int) -> int:

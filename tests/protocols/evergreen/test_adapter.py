@@ -314,6 +314,6 @@ async def test_grpc_sessions_are_counted_by_the_gate_and_an_idle_one_times_out()
 
 def test_grpc_peer_host():
     assert adapter.grpc_peer_host("ipv4:127.0.0.1:5000") == "127.0.0.1"
-    assert adapter.grpc_peer_host("ipv6:[::1]:5000") == "::1"
-    assert adapter.grpc_peer_host("ipv6:%5B::1%5D:5000") == "::1"
+    assert adapter.grpc_peer_host("ipv6:[2001:db8::1]:5000") == "2001:db8::/64"
+    assert adapter.grpc_peer_host("ipv6:%5B2001:db8::1%5D:5000") == "2001:db8::/64"
     assert adapter.grpc_peer_host("unix:/tmp/x") is None

@@ -31,6 +31,7 @@ from starlette.routing import BaseRoute, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from rill import auth
+from rill.connections import client_key
 from rill.errors import ConfigError, GenerationError, IdleTimeout, RillError, TooManyConnections
 from rill.frontend.stream import RequestStream
 from rill.protocols.evergreen import codec
@@ -409,12 +410,13 @@ class EvergreenServicer:
 
 
 def grpc_peer_host(peer: str) -> str | None:
-    """The IP address in a gRPC peer string (``ipv4:1.2.3.4:5``, ``ipv6:[::1]:5``), else None."""
+    """The client (``rill.connections.client_key``) of a gRPC peer string (``ipv4:1.2.3.4:5``,
+    ``ipv6:[::1]:5``), else None."""
     kind, _, rest = peer.partition(":")
     if kind not in ("ipv4", "ipv6"):
         return None
-    host = unquote(rest).rsplit(":", 1)[0]
-    return host.strip("[]") or None
+    host = unquote(rest).rsplit(":", 1)[0].strip("[]")
+    return client_key(host) if host else None
 
 
 # -- WebSocket ------------------------------------------------------------------------------------
