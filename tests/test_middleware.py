@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
+from rill import auth
 from rill import config as config_mod
 from rill import middleware
 from tests.helpers import serving
@@ -85,6 +86,35 @@ async def test_websocket_without_key_is_refused_with_401_before_accept() -> None
             assert await ws.recv() == "hello"
         async with websockets.connect(f"ws://{host}/ws", additional_headers={"Authorization": "Bearer k1"}) as ws:
             assert await ws.recv() == "hello"
+
+
+async def test_websocket_key_as_subprotocol_is_accepted_and_never_echoed() -> None:
+    async with serve(**{"http.api_key": ["k1"]}) as host:
+        for offered in (["rill", auth.key_subprotocol("bad")], ["rill"], [auth.key_subprotocol("k1") + "x"]):
+            with pytest.raises(websockets.exceptions.InvalidStatus) as refused:
+                async with websockets.connect(f"ws://{host}/ws", subprotocols=offered):
+                    pass
+            assert refused.value.response.status_code == 401
+        offered = ["rill", auth.key_subprotocol("k1")]
+        async with websockets.connect(f"ws://{host}/ws", subprotocols=offered) as ws:
+            assert ws.subprotocol == "rill"  # the key goes one way only
+            assert await ws.recv() == "hello"
+
+
+async def test_the_playground_page_needs_no_key_but_everything_else_does() -> None:
+    async def page(request: Request) -> JSONResponse:
+        return JSONResponse({"path": request.url.path})
+
+    inner = Starlette(routes=[Route("/", page), Route("/playground/static/{name}", page),
+                              Route("/playground/prompt", page, methods=["POST"])])
+    app = middleware.wrap(inner, _deps(**{"http.api_key": ["k1"]}))
+    async with serving(app) as port, httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
+        assert (await http.get("/")).status_code == 200
+        assert (await http.get("/playground/static/playground.js")).status_code == 200
+        assert (await http.post("/playground/prompt", json={})).status_code == 401
+        assert (await http.post("/playground/prompt", json={}, headers={"Authorization": "Bearer k1"})).status_code == 200
+        # The Host check still applies to the keyless page.
+        assert (await http.get("/", headers={"Host": "evil.example"})).status_code == 403
 
 
 async def test_body_size_limit() -> None:

@@ -3,7 +3,12 @@
 HTTP, the WebSocket routes (at the middleware and in ``/generate``) and gRPC all call these
 two functions, so a key accepted on one protocol is accepted on every other, and none can be
 weaker than the rest. A key taken from elsewhere (a query parameter, a WebSocket
-subprotocol) is checked with ``key_matches`` directly.
+subprotocol) is checked with ``key_matches`` directly; ``websocket_key`` finds it.
+
+Browsers cannot set headers on a WebSocket, so a WebSocket handshake may carry the key as
+a subprotocol instead: the client offers ``rill`` and ``rill.key.<base64url(KEY)>``, and the
+server selects ``rill`` (``APP_SUBPROTOCOL``), so the key is never echoed back. Unlike a
+query parameter, a subprotocol never appears in access logs.
 
 Keys are validated at start-up by ``rill.config`` (no empty key, printable ASCII without
 spaces), so every key here can be sent in an ``Authorization`` header.
@@ -11,9 +16,20 @@ spaces), so every key here can be sent in an ``Authorization`` header.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import hmac
-from typing import Collection
+from typing import Collection, Iterable
+
+APP_SUBPROTOCOL = "rill"
+"""The subprotocol a server selects when a client offers it (with or without a key)."""
+
+KEY_SUBPROTOCOL_PREFIX = "rill.key."
+"""Prefix of the subprotocol that carries an API key, base64url-encoded without padding."""
+
+MAX_KEY_SUBPROTOCOL_CHARS = 4096
+"""Longer key subprotocols are ignored unread (keys are short; this bounds the decode)."""
 
 
 def bearer_token(authorization: str | bytes | None) -> str | None:
@@ -54,3 +70,35 @@ def key_matches(presented: str | bytes | None, keys: Collection[str]) -> bool:
 def is_authorized(keys: Collection[str], presented: str | bytes | None) -> bool:
     """True when no key is configured (auth off), else ``key_matches(presented, keys)``."""
     return not keys or key_matches(presented, keys)
+
+
+def key_subprotocol(key: str) -> str:
+    """The WebSocket subprotocol that carries ``key`` (base64url, so every key is a valid token)."""
+    return KEY_SUBPROTOCOL_PREFIX + base64.urlsafe_b64encode(key.encode("utf-8")).decode("ascii").rstrip("=")
+
+
+def subprotocol_key(offered: Iterable[str]) -> str | None:
+    """The key carried by the first ``rill.key.*`` entry of ``offered`` subprotocols, or None.
+
+    A malformed entry (bad base64url, not UTF-8, over ``MAX_KEY_SUBPROTOCOL_CHARS``) gives
+    None, so it can never match a key.
+    """
+    for name in offered:
+        if not name.startswith(KEY_SUBPROTOCOL_PREFIX):
+            continue
+        encoded = name[len(KEY_SUBPROTOCOL_PREFIX):]
+        if not encoded or len(encoded) > MAX_KEY_SUBPROTOCOL_CHARS:
+            return None
+        try:
+            raw = base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4))
+            return raw.decode("utf-8") or None
+        except (binascii.Error, ValueError):
+            return None
+    return None
+
+
+def websocket_key(authorization: str | bytes | None, subprotocols: Iterable[str], query_key: str | None) -> str | None:
+    """The key a WebSocket handshake presents: ``Authorization: Bearer``, else the key
+    subprotocol, else the ``api_key`` query parameter (the middleware accepts the last two
+    on WebSocket handshakes only)."""
+    return bearer_token(authorization) or subprotocol_key(subprotocols) or query_key or None

@@ -13,8 +13,9 @@
    ``rill.connections.GuardedProtocol`` when a request starts and ends (header timeout).
 
 Keys: when any key is configured (``--api-key``, ``--api-key-file``), every route but
-``/health`` needs ``Authorization: Bearer KEY``; WebSockets may instead pass ``?api_key=KEY``
-(browsers cannot set headers on a WebSocket). A refused HTTP request gets 401 in OpenAI's
+``/health`` and the playground's static files need ``Authorization: Bearer KEY``; WebSockets
+may instead offer the key subprotocol or pass ``?api_key=KEY`` (browsers cannot set headers
+on a WebSocket; ``rill.auth.websocket_key``). A refused HTTP request gets 401 in OpenAI's
 error JSON; a refused WebSocket handshake gets HTTP 401 before it is accepted (or a close
 before accept, which servers answer with 403, where the ASGI server lacks the denial
 response extension).
@@ -44,6 +45,12 @@ from rill.protocols.openai_http import codec
 
 PUBLIC_PATHS = frozenset({"/health"})
 """Paths that never need a key (load balancers and orchestrators probe them)."""
+
+PAGE_PATHS = frozenset({"/"})
+PAGE_PREFIX = "/playground/static/"
+"""The playground page and its static files: HTTP requests for them need no key (they hold
+no data; the page asks for the key and sends it on every call it makes). The Host and
+Origin checks still apply."""
 
 DRAIN_LIMIT_BYTES = 16 * 1024 * 1024
 """How much of a refused body is read and dropped so the client can see the 413."""
@@ -134,17 +141,21 @@ class Guard:
             if not self._is_authorized(scope, allow_query=True):
                 await _deny_websocket(scope, receive, send)
                 return
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, _select_subprotocol(scope, send))
         else:
             await self.app(scope, receive, send)
 
     def _is_authorized(self, scope: Scope, allow_query: bool) -> bool:
-        if not self.api_keys or scope.get("path") in PUBLIC_PATHS:
+        path = scope.get("path", "")
+        if not self.api_keys or path in PUBLIC_PATHS:
             return True
-        presented = auth.bearer_token(_header(scope, b"authorization"))
-        if presented is None and allow_query:
-            values = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("api_key")
-            presented = values[0] if values else None
+        if scope["type"] == "http" and (path in PAGE_PATHS or path.startswith(PAGE_PREFIX)):
+            return True
+        authorization = _header(scope, b"authorization")
+        if not allow_query:
+            return auth.key_matches(auth.bearer_token(authorization), self.api_keys)
+        values = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("api_key")
+        presented = auth.websocket_key(authorization, scope.get("subprotocols") or (), values[0] if values else None)
         return auth.key_matches(presented, self.api_keys)
 
     async def _read_body(self, scope: Scope, receive: Receive, send: Send) -> Receive | None:
@@ -319,6 +330,23 @@ def _json_routing_errors(scope: Scope, send: Send) -> Send:
                 return
         if rewriting:
             return  # the router's plain-text body: already replaced
+        await send(message)
+
+    return wrapped
+
+
+def _select_subprotocol(scope: Scope, send: Send) -> Send:
+    """A ``send`` that accepts with ``rill`` when the client offered it and the app chose none.
+
+    Browsers fail a handshake whose answer selects no subprotocol after they offered some,
+    and the playground offers ``rill`` beside its key subprotocol (``rill.auth``).
+    """
+    if auth.APP_SUBPROTOCOL not in (scope.get("subprotocols") or ()):
+        return send
+
+    async def wrapped(message: Message) -> None:
+        if message["type"] == "websocket.accept" and not message.get("subprotocol"):
+            message = {**message, "subprotocol": auth.APP_SUBPROTOCOL}
         await send(message)
 
     return wrapped

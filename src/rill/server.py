@@ -8,7 +8,8 @@ may expose:
 * ``async start(deps) -> Callable[[], Awaitable[None]]`` — a listener of its own (Unix
   socket, gRPC); the returned coroutine function stops it.
 
-``/health`` lives here: 503 while the model loads, 200 when ready.
+``/health`` lives here: 503 while the model loads, 200 when ready. ``GET /`` is the browser
+playground (``rill.playground``).
 """
 
 from __future__ import annotations
@@ -82,6 +83,9 @@ def build_app(deps: Deps) -> Starlette:
     for adapter in protocol_adapters().values():
         if hasattr(adapter, "routes"):
             routes.extend(adapter.routes(deps))
+    playground = _optional("rill.playground.routes")
+    if playground is not None:
+        routes.extend(playground.routes(deps))
     app: Starlette = Starlette(routes=routes)
     app.state.deps = deps
     middleware = _optional("rill.middleware")

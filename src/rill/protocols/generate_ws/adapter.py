@@ -5,7 +5,8 @@ The only module of the package with I/O. It receives and decodes frames, asks th
 what to do, performs the actions (engine calls, sends, feedback writes) and pumps the
 engine's ``RequestStream``. It makes no protocol decisions.
 
-API keys (when configured): ``Authorization: Bearer KEY`` or, for browsers, ``?api_key=KEY``.
+API keys (when configured): ``Authorization: Bearer KEY`` or, for browsers, the key
+subprotocol or ``?api_key=KEY`` (``rill.auth.websocket_key``).
 """
 
 from __future__ import annotations
@@ -94,9 +95,10 @@ class GenerateService:
         rate = self.http.rate_limit_tokens_per_s
         return None if rate is None else ratelimit.TokenBucket(rate, self.http.rate_limit_burst, time.monotonic())
 
-    def authorize(self, headers: Any, query: Any) -> tuple[bool, str | None]:
-        """Check the API key; returns (ok, key)."""
-        key = auth.bearer_token(headers.get("authorization")) or query.get("api_key")
+    def authorize(self, headers: Any, query: Any, subprotocols: Any = ()) -> tuple[bool, str | None]:
+        """Check the API key (``rill.auth.websocket_key``: header, key subprotocol or query);
+        returns (ok, key)."""
+        key = auth.websocket_key(headers.get("authorization"), subprotocols, query.get("api_key"))
         return auth.is_authorized(self.deps.api_keys, key), key
 
     def token_text(self, token_id: int) -> str:
@@ -110,7 +112,7 @@ class GenerateService:
     async def websocket(self, ws: WebSocket) -> None:
         """``/generate``: one connection, many generations in turn."""
         await ws.accept()
-        ok, key = self.authorize(ws.headers, ws.query_params)
+        ok, key = self.authorize(ws.headers, ws.query_params, ws.scope.get("subprotocols") or ())
         send_lock = asyncio.Lock()
         state = {"closed": False}
 
