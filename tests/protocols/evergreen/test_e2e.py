@@ -458,10 +458,13 @@ async def test_a_nul_in_a_ref_is_invalid_argument(live, files):
     assert info.value.status == "INVALID_ARGUMENT"
 
 
-async def test_health_answers_while_a_prompt_is_built(live, monkeypatch):
-    # Item 6: the prompt of an action (a shared node expanded, refs joined, text decoded) is
-    # built in a worker thread. The build is held at a gate; /health must answer meanwhile,
-    # which it could not if the build ran on the event loop.
+@pytest.mark.parametrize("method", ["receive", "request_for"])
+async def test_health_answers_while_a_message_is_taken_and_a_prompt_built(live, monkeypatch, method):
+    # Item 6: taking a message (decoding it, storing its fragments, expanding the inputs of
+    # the actions it starts: a 21 MB shared-node expansion stalled the loop 12.7 s) and
+    # building an action's prompt (refs joined, text decoded) run in a worker thread. The
+    # work is held at a gate; /health must answer meanwhile, which it could not if the work
+    # ran on the event loop.
     import asyncio
     import threading
 
@@ -471,15 +474,16 @@ async def test_health_answers_while_a_prompt_is_built(live, monkeypatch):
 
     entered, release = threading.Event(), threading.Event()
     threads: list[int] = []
-    real_request_for = EvergreenSession.request_for
+    real = getattr(EvergreenSession, method)
 
-    def gated(self, command, ref_bytes):
-        threads.append(threading.get_ident())
-        entered.set()
-        release.wait(60)
-        return real_request_for(self, command, ref_bytes)
+    def gated(self, *args):
+        if not entered.is_set() and (method == "request_for" or args[0].actions):  # the message with the action
+            threads.append(threading.get_ident())
+            entered.set()
+            release.wait(60)
+        return real(self, *args)
 
-    monkeypatch.setattr(EvergreenSession, "request_for", gated)
+    monkeypatch.setattr(EvergreenSession, method, gated)
     shared = "A shared line about jam doughnuts. "
     messages = [msg(leaf("shared", shared)), msg(parent("p", "shared", "s2", "s3")),
                 msg(parent("s2", "shared"), parent("s3", "shared")), msg(generate(config=GREEDY))]

@@ -2,7 +2,11 @@
 
 Both transports run the same ``SessionRunner`` around the pure ``EvergreenSession``:
 
-* a reader feeds each inbound ``SessionMessage`` to the session and performs its commands;
+* a reader feeds each inbound message to the session and performs its commands; the
+  message is converted and ``receive`` runs (storing fragments, expanding the inputs of the
+  actions it starts) in a worker thread, so a 4 MiB message never stalls the event loop;
+  every other call into the session holds the same lock, so the session sees one caller at
+  a time;
 * each started action runs as a task: read its file refs and build the request (both in a
   worker thread: a large prompt is joined and decoded off the event loop), ``client.generate``,
   and turn every ``RequestOutput`` into output fragments;
@@ -91,6 +95,7 @@ class SessionRunner:
         self._tasks: dict[int, asyncio.Task] = {}
         self._streams: dict[int, RequestStream] = {}
         self._is_over = False
+        self._lock = asyncio.Lock()  # held by every call into the session (one may run in a thread)
 
     async def _ensure_session(self) -> EvergreenSession:
         if self._session is None:
@@ -99,13 +104,20 @@ class SessionRunner:
             self._session = EvergreenSession(session_limits(self.deps), model_facts(self.deps))
         return self._session
 
-    async def feed(self, message: SessionMessage) -> None:
-        """Hand one inbound message to the session; a broken rule aborts the session."""
+    async def feed(self, message: Any, decode: Callable[[Any], SessionMessage] | None = None) -> None:
+        """Hand one inbound message to the session; a broken rule aborts the session.
+
+        With ``decode``, ``message`` is the transport's form (a protobuf, JSON text) and is
+        decoded in the worker thread too; a decoding error aborts the session.
+        """
         if self._is_over:
             return
         try:
             session = await self._ensure_session()
-            self._perform(session.receive(message))
+            async with self._lock:
+                commands = await asyncio.to_thread(_decode_and_receive, session, message, decode)
+            if not self._is_over:
+                self._perform(commands)
         except Exception as exc:  # every failure aborts the session (spec "Error handling")
             self.fail(exc, is_rejection=True)
 
@@ -115,7 +127,9 @@ class SessionRunner:
             return
         try:
             session = await self._ensure_session()
-            self._perform(session.on_input_end())
+            async with self._lock:
+                commands = session.on_input_end()
+            self._perform(commands)
         except Exception as exc:
             self.fail(exc, is_rejection=True)
 
@@ -154,9 +168,11 @@ class SessionRunner:
         try:
             refs: dict[str, bytes] = {}
             if command.refs:  # reading files blocks: off the event loop
-                refs, num_read_bytes = await asyncio.to_thread(read_refs, command.refs, session.limits.file_roots,
-                                                               session.ref_budget(command))
-                session.count_refs(command, refs, num_read_bytes)
+                async with self._lock:
+                    budget = session.ref_budget(command)
+                refs, num_read_bytes = await asyncio.to_thread(read_refs, command.refs, session.limits.file_roots, budget)
+                async with self._lock:
+                    session.count_refs(command, refs, num_read_bytes)
             # Joining and decoding a large prompt takes time: off the event loop too.
             request = await asyncio.to_thread(session.request_for, command, refs)
             if self._is_over:
@@ -170,7 +186,9 @@ class SessionRunner:
                             f"action {command.action_id} failed while generating")
                     if self._is_over:
                         return
-                    self._perform(self._session.on_output(command.action_id, output.text, output.finished))
+                    async with self._lock:
+                        commands = session.on_output(command.action_id, output.text, output.finished)
+                    self._perform(commands)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -200,6 +218,12 @@ class SessionRunner:
         for task in tasks:
             with contextlib.suppress(BaseException):
                 await task
+
+
+def _decode_and_receive(session: EvergreenSession, message: Any,
+                        decode: Callable[[Any], SessionMessage] | None) -> list[Command]:
+    # Runs in a worker thread, under the runner's lock.
+    return session.receive(decode(message) if decode is not None else message)
 
 
 def _ignore_result(task: asyncio.Future) -> None:
@@ -390,9 +414,9 @@ class EvergreenServicer:
             except TimeoutError:
                 runner.fail(IdleTimeout(f"no message within {first_message_s:g} s of starting the session"))
                 return
-            await runner.feed(codec.from_pb(first))
+            await runner.feed(first, codec.from_pb)
             async for message in messages:
-                await runner.feed(codec.from_pb(message))
+                await runner.feed(message, codec.from_pb)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the transport failed (e.g. a message over the size limit)
@@ -473,9 +497,4 @@ async def _read_ws(ws: WebSocket, runner: SessionRunner) -> None:
             return
         text = event.get("text")
         data = text if text is not None else event.get("bytes") or b""
-        try:
-            message = codec.decode_json(data)
-        except RillError as exc:
-            runner.fail(exc)
-            return
-        await runner.feed(message)
+        await runner.feed(data, codec.decode_json)  # decoded in the worker thread; an error aborts
