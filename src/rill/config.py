@@ -45,6 +45,9 @@ class EngineConfig:
     max_num_batched_tokens: int = _f(8192, "token budget of one engine step; while streams decode, prefill chunks are capped further so their inter-token latency at most doubles")
     max_queue: int = _f(1024, "bound of the waiting queue; requests over it are refused (retryable)")
     num_threads: int | None = _f(None, "torch intra-op threads (default: the CPUs this process may use: affinity set and cgroup quota)")
+    max_prompt_chars: int = _f(1024 * 1024, "most prompt characters of one request (messages and template variables "
+                                            "included), refused before tokenizing; raise it for long-context models")
+    tokenizer_threads: int = _f(2, "worker threads that render chat templates and tokenize prompts off the event loop")
 
 
 @dataclass(frozen=True)
@@ -334,7 +337,7 @@ def validate(config: ServerConfig) -> None:
     if e.dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, not {e.dtype!r}")
     parse_size(e.kv_cache_memory, "kv_cache_memory")
-    for name in ("max_num_seqs", "max_num_batched_tokens", "max_queue"):
+    for name in ("max_num_seqs", "max_num_batched_tokens", "max_queue", "max_prompt_chars", "tokenizer_threads"):
         if getattr(e, name) < 1:
             raise ConfigError(f"{name} must be >= 1, not {getattr(e, name)}")
     if e.max_model_len is not None and e.max_model_len < 16:

@@ -8,7 +8,8 @@ client as text: protocols answer them with a generic message.
     ├── ConfigError                 bad setting or broken model folder (startup)
     │   └── ModelLoadError          checkpoint missing files / unsupported architecture
     ├── InvalidRequest              a field of a request is invalid; .field names it
-    │   └── ContextLengthExceeded   prompt (+ generation) longer than the context
+    │   ├── ContextLengthExceeded   prompt (+ generation) longer than the context
+    │   └── PromptTooLarge          prompt over the character bound (checked before tokenizing)
     ├── RequestRejected             admission refused; .retryable
     │   ├── QueueFull               waiting queue over its bound (retryable)
     │   ├── MemoryPressure          request can never fit in the KV budget
@@ -86,6 +87,21 @@ class ContextLengthExceeded(InvalidRequest):
         )
         self.num_prompt_tokens = num_prompt_tokens
         self.max_context_tokens = max_context_tokens
+
+
+class PromptTooLarge(InvalidRequest):
+    """The prompt holds more characters than the server tokenizes for one request."""
+
+    code = "prompt_too_large"
+
+    def __init__(self, num_chars: int, max_chars: int) -> None:
+        super().__init__(
+            f"the prompt has {num_chars} characters or more; this server takes at most {max_chars} "
+            "per request (--max-prompt-chars)",
+            field="prompt",
+        )
+        self.num_chars = num_chars
+        self.max_chars = max_chars
 
 
 class RequestRejected(RillError):

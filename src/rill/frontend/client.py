@@ -9,8 +9,9 @@ outputs come back to the event loop in one ``call_soon_threadsafe`` hop.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Protocol, Sequence
 
+from rill.frontend.admission import Prompt
 from rill.frontend.stream import RequestStream
 from rill.types import EngineStats, GenerateRequest, ModelInfo, RequestId, SamplingParams
 
@@ -58,7 +59,18 @@ class EngineClient(Protocol):
         ...
 
     async def generate(self, request: GenerateRequest) -> RequestStream:
-        """Tokenize (applying the chat template for ``messages``), validate, and submit."""
+        """Tokenize (applying the chat template for ``messages``), validate, and submit.
+
+        The chat template and the tokenizer run off the event loop; a prompt over the
+        server's character bound is refused first with ``PromptTooLarge``.
+        """
+        ...
+
+    async def tokenize(self, prompts: Sequence[Prompt]) -> list[list[int]]:
+        """Token ids of each prompt (a text, token ids, or a request's prompt or messages),
+        exactly as ``generate`` would compute them: same bound, same pool, the chat template
+        applied to ``messages``. For protocols that need prompt lengths before they build
+        their requests; raises as ``generate``."""
         ...
 
     def abort(self, request_id: RequestId) -> None:
@@ -81,17 +93,15 @@ class EngineClient(Protocol):
         """Restart the request from its prompt (``REGENERATING`` event follows)."""
         ...
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text`` with the model's tokenizer."""
-        ...
-
     def decode(self, token_ids: list[int]) -> str:
-        """Text of ``token_ids`` (special tokens skipped)."""
+        """Text of ``token_ids`` (special tokens skipped); for a few tokens only: it runs on
+        the caller's thread."""
         ...
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
-        """The prompt text the chat template makes of ``messages`` (``InvalidRequest`` if the
-        model has no template or the template rejects them)."""
+    async def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                          **kwargs: Any) -> str:
+        """The prompt text the chat template makes of ``messages``, rendered off the event
+        loop (``InvalidRequest`` if the model has no template or the template rejects them)."""
         ...
 
     def stats(self) -> EngineStats:

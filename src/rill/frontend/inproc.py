@@ -17,7 +17,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from rill.config import EngineConfig, parse_size
 from rill.engine.request import (
@@ -40,19 +40,10 @@ from rill.errors import (
     RequestNotFound,
     RillError,
 )
+from rill.frontend.admission import Prompt, PromptAdmission
 from rill.frontend.client import MetricsSink
 from rill.frontend.stream import RequestStream
-from rill.types import (
-    EngineStats,
-    GenerateRequest,
-    ModelInfo,
-    RequestEvent,
-    RequestId,
-    RequestOutput,
-    SamplingParams,
-    check_chat_messages,
-    check_template_kwargs,
-)
+from rill.types import EngineStats, GenerateRequest, ModelInfo, RequestEvent, RequestId, RequestOutput, SamplingParams
 
 log = logging.getLogger("rill.client")
 
@@ -152,6 +143,8 @@ class InprocClient:
         self._metrics: MetricsSink | None = None
         self._thread: threading.Thread | None = None
         self._is_dead = False
+        self._admission = PromptAdmission(max_prompt_chars=config.max_prompt_chars,
+                                          num_threads=config.tokenizer_threads)
 
     # -- lifecycle -------------------------------------------------------------------------
     @classmethod
@@ -193,13 +186,15 @@ class InprocClient:
         self._inbox.put(_STOP)
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 10)
+        self._admission.close()
 
     # -- requests ----------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> RequestStream:
-        """Tokenize, validate and submit; see ``EngineClient.generate``."""
+        """Tokenize (off the event loop), validate and submit; see ``EngineClient.generate``."""
         engine = self._require_engine()
-        prompt_ids = self._prompt_ids(engine, request)
         params = request.sampling.validate(vocab_size=engine.model_info.vocab_size)
+        [prompt_ids] = await self._admission.token_ids(engine.tokenizer, [request], engine.model_info.vocab_size)
+        engine = self._require_engine()  # the engine may have died while the prompt was tokenized
         max_len = engine.model_info.max_context_tokens
         if len(prompt_ids) >= max_len:
             raise ContextLengthExceeded(len(prompt_ids), max_len,
@@ -229,23 +224,10 @@ class InprocClient:
         self._inbox.put(AddCommand(engine_request))
         return stream
 
-    def _prompt_ids(self, engine: Engine, request: GenerateRequest) -> list[int]:
-        given = [x for x in (request.prompt, request.prompt_token_ids, request.messages) if x is not None]
-        if len(given) != 1:
-            raise InvalidRequest("give exactly one of prompt, prompt_token_ids or messages", field="prompt")
-        if request.prompt_token_ids is not None:
-            vocab = engine.model_info.vocab_size
-            bad = next((t for t in request.prompt_token_ids if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise InvalidRequest(f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})", field="prompt_token_ids")
-            return list(request.prompt_token_ids)
-        if request.messages is not None:
-            check_chat_messages(request.messages)
-            kwargs = check_template_kwargs(request.chat_template_kwargs)
-            messages = [_message_dict(m) for m in request.messages]
-            return engine.tokenizer.encode_chat(messages, add_generation_prompt=request.add_generation_prompt,
-                                                chat_template_kwargs=kwargs)
-        return engine.tokenizer.encode(request.prompt or "")
+    async def tokenize(self, prompts: Sequence[Prompt]) -> list[list[int]]:
+        """Token ids of each prompt, by the same admission step as ``generate``."""
+        engine = self._require_engine()
+        return await self._admission.token_ids(engine.tokenizer, prompts, engine.model_info.vocab_size)
 
     def _require_engine(self) -> Engine:
         if self._is_dead:
@@ -304,21 +286,15 @@ class InprocClient:
             self._streams.pop(request_id, None)
 
     # -- tokenizer ---------------------------------------------------------------------------
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``."""
-        return self._require_engine().tokenizer.encode(text, add_special_tokens=add_special_tokens)
-
     def decode(self, token_ids: list[int]) -> str:
-        """Text of ``token_ids``."""
+        """Text of ``token_ids`` (on the loop: callers pass a token or a few, never a prompt)."""
         return self._require_engine().tokenizer.decode(token_ids)
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
-        """The prompt the chat template makes of ``messages``; ``kwargs`` are template variables
-        (``tools`` goes to the template's own ``tools`` argument)."""
-        check_chat_messages(messages)
-        tools = kwargs.pop("tools", None)
-        return self._require_engine().tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                                    tools=tools, chat_template_kwargs=kwargs)
+    async def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                          **kwargs: Any) -> str:
+        """The prompt the chat template makes of ``messages`` (rendered off the event loop)."""
+        return await self._admission.render_chat(self._require_engine().tokenizer, messages,
+                                                 add_generation_prompt=add_generation_prompt, chat_template_kwargs=kwargs)
 
     def stats(self) -> EngineStats:
         """Engine gauges and counters (a consistent snapshot taken without stopping the engine)."""
@@ -426,14 +402,6 @@ class InprocClient:
             stream.put(RequestOutput(request_id=request_id, finished=True, finish_reason="error",
                                      error=EngineDead("the engine stopped")))
         self._streams.clear()
-
-
-def _message_dict(message: Any) -> dict[str, Any]:
-    import msgspec
-
-    if isinstance(message, dict):
-        return message
-    return {k: v for k, v in msgspec.structs.asdict(message).items() if v is not None}
 
 
 def _tool_call_format(tokenizer: Any) -> str | None:

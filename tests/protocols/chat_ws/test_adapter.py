@@ -38,7 +38,8 @@ class ScriptedClient:
     def is_ready(self) -> bool:
         return self.ready
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+    async def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                          **kwargs: Any) -> str:
         return self.rendered
 
     def abort(self, request_id: str) -> None:

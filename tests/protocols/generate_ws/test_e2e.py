@@ -125,7 +125,7 @@ async def test_no_token_between_pause_and_resume(server: Any) -> None:
         rest = await until(ws, is_type("completion"))
     ids = [t["token_id"] for t in tokens_of(first + before + rest)]
     assert len(ids) == LONG == rest[-1]["usage"]["completion_tokens"]  # continued where it stopped
-    prompt_ids = server.call(server.client.encode, PROMPT)
+    prompt_ids = server.client.engine.tokenizer.encode(PROMPT)
     assert ids == await greedy_ids(server, prompt_ids, LONG)  # ... and exactly as if never paused
     server.wait_idle()
 
@@ -141,7 +141,7 @@ async def test_modify_to_temperature_zero_continues_greedily(server: Any) -> Non
     head_ids = [t["token_id"] for t in tokens_of(head)]
     tail_ids = [t["token_id"] for t in tokens_of(tail)]
     assert len(head_ids) + len(tail_ids) == LONG and tail_ids
-    prompt_ids = server.call(server.client.encode, PROMPT)
+    prompt_ids = server.client.engine.tokenizer.encode(PROMPT)
     assert tail_ids == await greedy_ids(server, prompt_ids + head_ids, len(tail_ids))
     server.wait_idle()
 
@@ -156,7 +156,7 @@ async def test_regenerate_with_seed_reproduces_the_first_run(server: Any) -> Non
         hits_before = server.stats().prefix_cache_hits_tokens
         await send(ws, type="control", action="regenerate")
         first += tokens_of(await until(ws, is_status("regenerating")))
-        num_prompt = len(server.call(server.client.encode, PROMPT))
+        num_prompt = len(server.client.engine.tokenizer.encode(PROMPT))
         # The restart reuses the prompt's KV (all but the last prompt token, which is recomputed).
         assert server.stats().prefix_cache_hits_tokens - hits_before >= num_prompt - 1
         fresh = await recv(ws)

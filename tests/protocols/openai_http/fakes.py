@@ -76,6 +76,21 @@ class FakeClient:
         text = "<s> " + " ".join(f"{m['role']}: {m.get('content') or ''}" for m in messages)
         return text + (" assistant:" if add_generation_prompt else "")
 
+    async def tokenize(self, prompts: list[Any]) -> list[list[int]]:
+        out = []
+        for p in prompts:
+            if isinstance(p, (str, list)):
+                out.append(self.encode(p) if isinstance(p, str) else list(p))
+            elif p.prompt_token_ids is not None:
+                out.append(list(p.prompt_token_ids))
+            elif p.messages is not None:
+                messages = [{"role": m.role, "content": m.content} for m in p.messages]
+                text = self.render_chat(messages, p.add_generation_prompt, **p.chat_template_kwargs)
+                out.append(self.encode(text, add_special_tokens=False))
+            else:
+                out.append(self.encode(p.prompt or ""))
+        return out
+
     async def generate(self, request: GenerateRequest) -> RequestStream:
         if not self.ready:
             raise ModelNotReady()

@@ -254,7 +254,7 @@ class _Chat:
                                                   deadline_s=self.service.request_timeout_s)
         recording_id = f"chat_{uuid.uuid4().hex[:16]}" if self.service.recordings_dir is not None else None
         self.session = ChatSession(request, is_speaking=request.tts.enabled,
-                                   segmenter=Segmenter(starts_in_thinking=self._starts_in_thinking(request)),
+                                   segmenter=Segmenter(starts_in_thinking=await self._starts_in_thinking(request)),
                                    recording_session_id=recording_id, keep_audio=recording_id is not None)
         if not await self._wait_turn():
             return
@@ -280,13 +280,13 @@ class _Chat:
                 task.cancel()
             await asyncio.gather(*tasks, *stop, return_exceptions=True)
 
-    def _starts_in_thinking(self, request: ChatRequest) -> bool:
+    async def _starts_in_thinking(self, request: ChatRequest) -> bool:
         # Some templates open the reasoning block in the generation prompt itself (the reply
         # then starts inside it); only a rendered prompt tells.
         if not (request.enable_thinking and request.tts.enabled):
             return False
         try:
-            rendered = self.service.client.render_chat(
+            rendered = await self.service.client.render_chat(
                 [{"role": m.role, "content": m.content if isinstance(m.content, str) else ""} for m in request.messages],
                 add_generation_prompt=True, enable_thinking=True)
         except Exception:

@@ -6,8 +6,10 @@ Routes: ``GET /v1/models`` (and ``/v1/models/{model}``), ``POST /v1/completions`
 One request, start to end:
 
 1. read the body; ``codec`` parses it and checks the model name (503 while loading);
-2. tokenize here (chat: render the template first) so the default ``max_tokens`` can be
-   "what remains of the context" and an over-long prompt is a 400 naming both lengths;
+2. tokenize through ``client.tokenize`` (the frontend's admission step: chat template and
+   tokenizer off the event loop, prompt size bounded) before building the requests, so the
+   default ``max_tokens`` can be "what remains of the context" and an over-long prompt is
+   a 400 naming both lengths;
 3. submit one engine request per choice; if any submission fails (queue full, ...) the
    others are closed and the client gets the error with its status, before any byte of
    a 200 is sent;
@@ -118,7 +120,7 @@ class OpenAIApi:
             served = self._served()
             req: Any = codec.decode_chat(body) if kind is Kind.CHAT else codec.decode_completion(body)
             codec.check_model(req.model, served)
-            prompts = self._chat_prompt(req, served) if kind is Kind.CHAT else self._completion_prompts(req)
+            prompts = await self.client.tokenize(self._prompts(req, kind, served))
             requests = codec.generate_requests(req, prompts, served, response_id,
                                                deadline_s=self.deps.config.http.request_timeout_s)
             streams = await self._submit(requests)
@@ -162,20 +164,18 @@ class OpenAIApi:
             code = codec.error_detail(exc)[1].code or "internal_error"
             metrics.observe_rejection(protocol=codec.PROTOCOL, code=code)
 
-    def _completion_prompts(self, req: Any) -> list[list[int]]:
-        prompts = codec.completion_prompts(req, max_choices=self.deps.config.http.max_choices_per_request)
-        return [p if isinstance(p, list) else self.client.encode(p) for p in prompts]
-
-    def _chat_prompt(self, req: Any, served: codec.ServedModel) -> list[list[int]]:
-        messages = codec.template_messages(codec.chat_messages(req, served))
-        add_generation_prompt = req.add_generation_prompt is not False
-        kwargs = codec.template_kwargs(req)
-        tools = codec.template_tools(req)
-        if tools is not None:
-            kwargs["tools"] = tools  # a keyword of render_chat, not a template kwarg
-        text = self.client.render_chat(messages, add_generation_prompt=add_generation_prompt, **kwargs)
-        # The template already wrote any BOS / special tokens into the text.
-        return [self.client.encode(text, add_special_tokens=False)]
+    def _prompts(self, req: Any, kind: Kind, served: codec.ServedModel) -> list[str | list[int]] | list[GenerateRequest]:
+        """The prompts to tokenize: texts and id lists as they came, or the chat as a request
+        holding only its messages and template settings."""
+        if kind is Kind.CHAT:
+            kwargs = codec.template_kwargs(req)
+            tools = codec.template_tools(req)
+            if tools is not None:
+                kwargs["tools"] = tools  # admission hands it to the template's own tools argument
+            return [GenerateRequest(messages=codec.chat_messages(req, served),
+                                    add_generation_prompt=req.add_generation_prompt is not False,
+                                    chat_template_kwargs=kwargs)]
+        return codec.completion_prompts(req, max_choices=self.deps.config.http.max_choices_per_request)
 
     async def _submit(self, requests: list[GenerateRequest]) -> list[RequestStream]:
         streams: list[RequestStream] = []

@@ -1,0 +1,235 @@
+"""The CPU part of admitting a request: prompt size bound, chat templating, tokenization.
+
+Every protocol reaches the engine through ``InprocClient.generate`` (one request) or
+``InprocClient.tokenize`` (the OpenAI routes, which need the token counts of several prompts
+before they build their requests); both call ``PromptAdmission.token_ids``, so the same
+rules hold on every protocol:
+
+1. the prompt's size in characters is checked first (``PromptTooLarge`` past
+   ``--max-prompt-chars``), so a huge prompt costs no tokenizer time at all;
+2. the chat template is rendered and the text tokenized in a small thread pool owned by the
+   frontend, never on the event loop: a 3 MB prompt takes seconds to tokenize, and the loop
+   must keep answering ``/health`` and every other client's stream meanwhile;
+3. client-given token ids are checked against the vocabulary (in the pool when the list is
+   long).
+
+Text is encoded with ``tokenizers``' batch call, which releases the GIL while Rust works
+(the plain ``encode`` holds it: in a worker thread it would still freeze the loop).
+
+Small plain prompts skip the pool (``FAST_PATH_MAX_SIZE``); ``benchmarks/loop_stall.py
+--fast-path`` measures the trade-off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, TypeAlias
+
+from rill.errors import InvalidRequest, PromptTooLarge
+from rill.types import GenerateRequest, check_chat_messages, check_template_kwargs
+
+FAST_PATH_MAX_SIZE = 256
+"""Prompts of at most this many characters (or token ids) are admitted on the event loop.
+
+Measured with the test checkpoint's byte-level BPE on the shared 2-core machine
+(``benchmarks/loop_stall.py --fast-path``, two runs at load 3 and 10): encoding 64
+characters inline took 60–290 µs and 256 characters 230–770 µs, while an empty round trip
+through the pool cost 230–500 µs and a 256-character one 550–1100 µs. Up to 256 characters
+tokenizing inline is cheaper than handing it over and holds the loop no longer than a hop
+would; from about 1,000 characters on the pool wins, so longer prompts always go there."""
+
+
+Prompt: TypeAlias = str | list[int] | GenerateRequest
+"""One prompt to admit: a text, token ids, or a request whose ``prompt``,
+``prompt_token_ids`` or ``messages`` (with its chat-template settings) is the prompt. Plain
+texts and id lists let a protocol pass a long prompt list without building a request per
+prompt on the event loop first (200,000 ``GenerateRequest`` objects take seconds there)."""
+
+
+class PromptTokenizer(Protocol):
+    """What admission needs of a tokenizer (``rill.models.tokenizer.Tokenizer`` has it)."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text`` (may hold the GIL: used for small prompts only)."""
+        ...
+
+    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """Token ids of each text, computed without holding the GIL."""
+        ...
+
+    def apply_chat_template(self, messages: Sequence[Any], /, add_generation_prompt: bool = True,
+                            tools: Sequence[Any] | None = None,
+                            chat_template_kwargs: Mapping[str, Any] | None = None) -> str:
+        """The prompt text the chat template makes of ``messages``."""
+        ...
+
+
+class PromptAdmission:
+    """Tokenizes prompts off the event loop, in a bounded pool of worker threads.
+
+    Args:
+        max_prompt_chars: the most characters one request's prompts may hold together
+            (message contents and template variables count too).
+        num_threads: worker threads; more prompts than that wait their turn in the pool's
+            queue, and a cancelled request that has not started is dropped from it.
+    """
+
+    def __init__(self, *, max_prompt_chars: int, num_threads: int) -> None:
+        self.max_prompt_chars = max_prompt_chars
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="rill-tokenize")
+
+    async def token_ids(self, tokenizer: PromptTokenizer, prompts: Sequence[Prompt],
+                        vocab_size: int) -> list[list[int]]:
+        """The token ids of each prompt (a request's ``messages`` rendered by the chat template).
+
+        Raises:
+            PromptTooLarge: the prompts hold more than ``max_prompt_chars`` characters.
+            InvalidRequest: not exactly one prompt field in a request, a token id outside the
+                vocabulary, or the chat template refused the messages.
+        """
+        if _is_small(prompts):
+            return prompt_token_ids(tokenizer, prompts, vocab_size, self.max_prompt_chars)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, prompt_token_ids, tokenizer, prompts, vocab_size,
+                                          self.max_prompt_chars)
+
+    async def render_chat(self, tokenizer: PromptTokenizer, messages: Sequence[Any], *,
+                          add_generation_prompt: bool, chat_template_kwargs: Mapping[str, Any]) -> str:
+        """The chat template's text for ``messages``, rendered in the pool (same size bound)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, _render_bounded, tokenizer, messages, add_generation_prompt,
+                                          chat_template_kwargs, self.max_prompt_chars)
+
+    def close(self) -> None:
+        """Stop the workers; queued jobs that have not started are cancelled."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def prompt_token_ids(tokenizer: PromptTokenizer, prompts: Sequence[Prompt], vocab_size: int,
+                     max_prompt_chars: int) -> list[list[int]]:
+    """The synchronous body of ``PromptAdmission.token_ids`` (runs in a worker thread).
+
+    Plain texts are encoded in one batch call, so a long list of prompts costs one trip
+    through the tokenizer instead of one per prompt.
+    """
+    check_size(prompts, max_prompt_chars)
+    out: list[list[int] | None] = [None] * len(prompts)
+    texts: dict[int, str] = {}
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            texts[i] = prompt
+        elif isinstance(prompt, list):
+            out[i] = _checked_ids(prompt, vocab_size)
+        elif prompt.messages is not None:
+            _check_one_field(prompt)
+            text = render(tokenizer, prompt.messages, prompt.add_generation_prompt, prompt.chat_template_kwargs)
+            # The template writes every special token it wants (BOS included): no post-processor.
+            out[i] = _encode(tokenizer, [text], add_special_tokens=False)[0]
+        else:
+            _check_one_field(prompt)
+            if prompt.prompt_token_ids is not None:
+                out[i] = _checked_ids(prompt.prompt_token_ids, vocab_size)
+            else:
+                texts[i] = prompt.prompt or ""
+    for i, ids in zip(texts, _encode(tokenizer, list(texts.values()), add_special_tokens=True)):
+        out[i] = ids
+    return [ids if ids is not None else [] for ids in out]
+
+
+def render(tokenizer: PromptTokenizer, messages: Sequence[Any], add_generation_prompt: bool,
+           chat_template_kwargs: Mapping[str, Any]) -> str:
+    """The chat template's text for ``messages``, after the checks every protocol shares.
+
+    ``chat_template_kwargs`` are template variables; a ``tools`` entry among them is the
+    template's own ``tools`` argument (it picks a ``tool_use`` template where there is one).
+
+    Raises:
+        InvalidRequest: a message's role is not a chat role, a variable name is reserved,
+            or the template failed.
+    """
+    check_chat_messages(list(messages))
+    variables = dict(chat_template_kwargs)
+    tools = variables.pop("tools", None)
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                         chat_template_kwargs=check_template_kwargs(variables))
+
+
+def check_size(prompts: Sequence[Prompt], max_prompt_chars: int) -> None:
+    """Raise ``PromptTooLarge`` when the prompts hold more than ``max_prompt_chars`` characters.
+
+    Token ids count one each; messages count the characters of every string in them and in
+    the template variables. The walk stops as soon as the bound is passed.
+    """
+    total = 0
+    for prompt in prompts:
+        if isinstance(prompt, (str, list)):
+            total += len(prompt)
+        else:
+            total += len(prompt.prompt or "") + len(prompt.prompt_token_ids or ())
+            if prompt.messages is not None:
+                total += _chars_in([prompt.messages, prompt.chat_template_kwargs], max_prompt_chars - total)
+        if total > max_prompt_chars:
+            raise PromptTooLarge(total, max_prompt_chars)
+
+
+def _chars_in(root: Any, budget: int) -> int:
+    """Characters in every string inside ``root`` (iteratively: nesting depth costs no stack)."""
+    total = 0
+    stack = [root]
+    while stack and total <= budget:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, Mapping):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif hasattr(item, "__struct_fields__"):
+            stack.extend(getattr(item, name) for name in item.__struct_fields__)
+    return total
+
+
+def _is_small(prompts: Sequence[Prompt]) -> bool:
+    size = 0
+    for prompt in prompts:
+        if isinstance(prompt, (str, list)):
+            size += len(prompt)
+        elif prompt.messages is not None:
+            return False
+        else:
+            size += len(prompt.prompt or "") + len(prompt.prompt_token_ids or ())
+        if size > FAST_PATH_MAX_SIZE:
+            return False
+    return True
+
+
+def _check_one_field(request: GenerateRequest) -> None:
+    given = [x for x in (request.prompt, request.prompt_token_ids, request.messages) if x is not None]
+    if len(given) != 1:
+        raise InvalidRequest("give exactly one of prompt, prompt_token_ids or messages", field="prompt")
+
+
+def _checked_ids(ids: Sequence[int], vocab_size: int) -> list[int]:
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(f"prompt token id {bad} is outside the vocabulary (0..{vocab_size - 1})",
+                             field="prompt_token_ids")
+    return list(ids)
+
+
+def _encode(tokenizer: PromptTokenizer, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+    if not texts:
+        return []
+    if len(texts) == 1 and len(texts[0]) <= FAST_PATH_MAX_SIZE:
+        return [tokenizer.encode(texts[0], add_special_tokens=add_special_tokens)]
+    return tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
+
+
+def _render_bounded(tokenizer: PromptTokenizer, messages: Sequence[Any], add_generation_prompt: bool,
+                    chat_template_kwargs: Mapping[str, Any], max_prompt_chars: int) -> str:
+    check_size([GenerateRequest(messages=list(messages), chat_template_kwargs=dict(chat_template_kwargs))],
+               max_prompt_chars)
+    return render(tokenizer, messages, add_generation_prompt, chat_template_kwargs)
