@@ -180,7 +180,7 @@ async def solo(live: LiveServer, prompt: str, sampling: SamplingParams) -> list[
     """Token ids of ``prompt`` generated alone, straight from the engine (the reference)."""
 
     async def run() -> list[int]:
-        ids = live.client.encode(prompt)
+        [ids] = await live.client.tokenize([prompt])
         stream = await live.client.generate(GenerateRequest(prompt_token_ids=ids, sampling=sampling, protocol="test"))
         out: list[int] = []
         async with stream:
