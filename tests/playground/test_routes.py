@@ -36,7 +36,7 @@ def test_prompt_applies_the_chat_template(server: LiveServer) -> None:
     messages = [{"role": "user", "content": "hello there"}]
     answer = httpx.post(server.url + "/playground/prompt", json={"messages": messages})
     assert answer.status_code == 200
-    expected = server.call(server.client.render_chat, messages)
+    expected = server.client.engine.tokenizer.apply_chat_template(messages)
     assert answer.json() == {"prompt": expected}
     assert "hello there" in expected
 

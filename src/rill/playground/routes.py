@@ -97,7 +97,7 @@ def prompt_endpoint(deps: Any) -> Any:
         try:
             body = decode_prompt_request(await request.body())
             messages = [{"role": turn.role, "content": turn.content} for turn in body.messages]
-            text = deps.client.render_chat(messages)
+            text = await deps.client.render_chat(messages)
         except RillError as exc:
             return _error(exc)
         return Response(msgspec.json.encode(PromptResponse(prompt=text)), media_type="application/json")
