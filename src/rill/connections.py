@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
-import json
 import logging
 import time
 from typing import Any, Awaitable, Callable
 
 from rill.errors import IdleTimeout, TooManyConnections
+from rill.protocols.openai_http import codec
 
 log = logging.getLogger("rill.connections")
 
@@ -168,15 +168,17 @@ def raise_fd_limit(max_connections: int) -> int:
 # -- HTTP / WebSocket port ------------------------------------------------------------------------
 
 
-def _raw_response(status: int, reason: str, exc: Exception) -> bytes:
-    code = getattr(exc, "code", "error")
-    body = json.dumps({"error": {"message": str(exc), "type": "server_error" if status >= 500 else
-                                 "invalid_request_error", "param": None, "code": code}}).encode()
-    head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
-            "connection: close\r\n")
-    if status == 503:
-        head += "retry-after: 1\r\n"
-    return head.encode() + b"\r\n" + body
+_REASONS = {408: "Request Timeout", 503: "Service Unavailable"}
+
+
+def _raw_response(exc: TooManyConnections | IdleTimeout) -> bytes:
+    """A whole HTTP/1.1 error response for ``exc``, as the HTTP routes answer it (OpenAI JSON)."""
+    wire = codec.error_for(exc)  # the HTTP routes' own error table
+    headers = {**wire.headers, "content-type": "application/json", "content-length": str(len(wire.body)),
+               "connection": "close"}
+    head = f"HTTP/1.1 {wire.status} {_REASONS.get(wire.status, 'Error')}\r\n"
+    head += "".join(f"{name.lower()}: {value}\r\n" for name, value in headers.items())
+    return head.encode("latin-1") + b"\r\n" + wire.body
 
 
 class GuardedProtocol(asyncio.Protocol):
@@ -213,7 +215,7 @@ class GuardedProtocol(asyncio.Protocol):
             self.lease = self.gate.open(peer_host(peername))
         except TooManyConnections as exc:
             # Refused before reading: nothing of this client is parsed or handed to the app.
-            transport.write(_raw_response(503, "Service Unavailable", exc))
+            transport.write(_raw_response(exc))
             transport.close()
             return
         if isinstance(peername, (tuple, list)) and len(peername) >= 2:
@@ -297,7 +299,7 @@ class GuardedProtocol(asyncio.Protocol):
             return
         if self._partial:
             exc = IdleTimeout(f"no complete request headers within {self.header_timeout_s:g} s")
-            transport.write(_raw_response(408, "Request Timeout", exc))
+            transport.write(_raw_response(exc))
         # With no byte of a request, close without a word: a keep-alive client could take an
         # unasked 408 for the answer to a request it is sending right now.
         transport.close()

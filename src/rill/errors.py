@@ -152,6 +152,7 @@ class TooManyConnections(RequestRejected):
 
     code = "too_many_connections"
     retryable = True
+    retry_after_s = 1.0
 
 
 class RequestNotFound(RillError):
