@@ -84,7 +84,7 @@ class HttpConfig:
     feedback_max_store_bytes: str = _f("1GiB", "size cap of the feedback store; when full, new feedback is "
                                                "refused with an error and nothing stored is deleted")
     feedback_retention_days: float | None = _f(None, "feedback records older than this many days are deleted "
-                                                     "(default: kept until deleted by hand)")
+                                                     "(unset: kept until deleted by hand)")
     log_level: str = _f("info", "log level: debug, info, warning, error")
     tool_call_parser: str = _f("auto", "how /v1/chat/completions reads tool calls in the model's output: hermes "
                                        "(<tool_call>{json}</tool_call>, Qwen/Hermes), llama3_json, none, or auto "
