@@ -22,6 +22,7 @@ import torch
 from rill.engine.batch import RowWork
 from rill.models.attention import PrefillLayout, StepBatch
 from rill.models.loader import LoadedModel
+from rill.models.registry import CausalLM
 
 
 class TorchModelRunner:

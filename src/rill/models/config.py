@@ -1,11 +1,13 @@
 """Model configuration: a Hugging Face ``config.json`` dict → ``ModelConfig``.
 
-Owns the mapping from the four supported Hugging Face architectures (Llama, Mistral, Qwen2,
-Qwen3) to one set of flags the model code reads (biases, q/k norms, sliding windows, RoPE).
-Both spellings of RoPE settings are read: ``rope_theta`` + ``rope_scaling`` (older files) and
-``rope_parameters`` (what transformers 5.x ``save_pretrained`` writes).
+``ModelConfig`` is the one set of facts the model code, the runner and the engine read.
+``parse_config`` finds the family of the file's architecture in ``rill.models.registry`` and
+lets it parse; the helpers here (RoPE settings, special ids, generation defaults) are shared by
+the families. Both spellings of RoPE settings are read: ``rope_theta`` + ``rope_scaling``
+(older files) and ``rope_parameters`` (what transformers 5.x ``save_pretrained`` writes).
 
-Imports only the standard library, torch (for dtype names) and ``rill.errors``.
+Imports only the standard library, torch (for dtype names) and ``rill.errors`` (the registry
+is imported when parsing).
 """
 
 from __future__ import annotations
@@ -16,14 +18,6 @@ from typing import Any
 import torch
 
 from rill.errors import ModelLoadError
-
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)
-"""Hugging Face ``architectures`` names this package can load."""
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "dynamic")
 """RoPE variants implemented. ``dynamic`` equals ``default`` up to ``max_position_embeddings``,
@@ -65,6 +59,10 @@ class ModelConfig:
         has_o_bias: the output projection has a bias (Llama/Qwen3 ``attention_bias``).
         has_qk_norm: RMSNorm over ``head_dim`` on queries and keys before RoPE (Qwen3).
         sliding_windows: per layer, the attention window in tokens or None for full attention.
+        attention_scale: multiplies q·k (None: ``head_dim ** -0.5``); Gemma's
+            ``query_pre_attn_scalar ** -0.5``.
+        local_rope_theta: RoPE base of sliding-window layers when it differs (Gemma 3).
+        final_logit_softcapping: ``cap * tanh(logits / cap)`` on the output when set (Gemma).
         bos_token_id, pad_token_id: special ids from config.json (may be None).
         hf_config: the raw ``config.json`` dict (for saving and for reference tests).
     """
@@ -90,6 +88,9 @@ class ModelConfig:
     has_o_bias: bool = False
     has_qk_norm: bool = False
     sliding_windows: tuple[int | None, ...] = ()
+    attention_scale: float | None = None
+    local_rope_theta: float | None = None
+    final_logit_softcapping: float | None = None
     bos_token_id: int | None = None
     pad_token_id: int | None = None
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -138,13 +139,23 @@ def dtype_name(dtype: str | torch.dtype) -> str:
 def parse_config(
     hf: dict[str, Any], generation: dict[str, Any] | None = None, *, source: str = "config.json"
 ) -> ModelConfig:
-    """Build a ``ModelConfig`` from a ``config.json`` dict (and optional ``generation_config.json``).
+    """Build a ``ModelConfig`` from a ``config.json`` dict (and optional ``generation_config.json``)
+    with the parser of its architecture's family (``rill.models.registry``).
 
     Raises:
         ModelLoadError: unsupported architecture, activation, RoPE type, or a missing field;
             the message names ``source``.
     """
-    architecture = _architecture(hf, source)
+    from rill.models.registry import family_for_config
+
+    return family_for_config(hf, source).parse_config(hf, generation, source)
+
+
+def parse_llama_config(hf: dict[str, Any], generation: dict[str, Any] | None, source: str) -> ModelConfig:
+    """The Llama family's parser: Llama, Mistral (sliding window), Qwen2 (q/k/v bias), Qwen3 (q/k norm)."""
+    from rill.models.registry import resolve_architecture
+
+    architecture = resolve_architecture(hf, source)[0]
     act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
     if act not in ("silu", "swish"):
         raise ModelLoadError(f"{source}: hidden_act '{act}' is not supported (only silu)")
@@ -162,7 +173,7 @@ def parse_config(
     if num_heads % num_kv_heads:
         raise ModelLoadError(f"{source}: num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
     head_dim = int(hf.get("head_dim") or hidden_size // num_heads)
-    rope_theta, rope_scaling = _rope(hf, source)
+    rope_theta, rope_scaling = rope_settings(hf, source)
     generation = generation or {}
     is_qwen2 = architecture == "Qwen2ForCausalLM"
     has_attention_bias = bool(hf.get("attention_bias", False)) and architecture != "MistralForCausalLM"
@@ -178,8 +189,8 @@ def parse_config(
         max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         # generate() stops on generation_config's ids when that file names them, else config's.
-        eos_token_ids=_eos_ids(generation.get("eos_token_id", hf.get("eos_token_id"))),
-        generation_defaults={k: generation[k] for k in _GENERATION_KEYS if generation.get(k) is not None},
+        eos_token_ids=eos_ids(generation.get("eos_token_id", hf.get("eos_token_id"))),
+        generation_defaults=generation_defaults(generation),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
@@ -187,24 +198,19 @@ def parse_config(
         has_o_bias=has_attention_bias and not is_qwen2,
         has_qk_norm=architecture == "Qwen3ForCausalLM",
         sliding_windows=_sliding_windows(hf, architecture, num_layers),
-        bos_token_id=_first_id(hf.get("bos_token_id")),
-        pad_token_id=_first_id(hf.get("pad_token_id")),
+        bos_token_id=first_id(hf.get("bos_token_id")),
+        pad_token_id=first_id(hf.get("pad_token_id")),
         hf_config=dict(hf),
     )
 
 
-def _architecture(hf: dict[str, Any], source: str) -> str:
-    names = hf.get("architectures") or []
-    for name in names:
-        if name in SUPPORTED_ARCHITECTURES:
-            return name
-    shown = ", ".join(names) if names else f"none (model_type={hf.get('model_type')!r})"
-    raise ModelLoadError(
-        f"{source}: unsupported architecture {shown}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-    )
+def generation_defaults(generation: dict[str, Any]) -> dict[str, Any]:
+    """The sampling fields of a ``generation_config.json`` dict that are set."""
+    return {k: generation[k] for k in _GENERATION_KEYS if generation.get(k) is not None}
 
 
-def _rope(hf: dict[str, Any], source: str) -> tuple[float, dict[str, Any]]:
+def rope_settings(hf: dict[str, Any], source: str) -> tuple[float, dict[str, Any]]:
+    """``(rope_theta, normalised rope parameters)`` of a config dict; refuses unsupported types."""
     # transformers 5 writes "rope_parameters" (with rope_theta inside); older files have
     # top-level "rope_theta" and an optional "rope_scaling" whose type key may be "type".
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
@@ -242,7 +248,8 @@ def _sliding_windows(hf: dict[str, Any], architecture: str, num_layers: int) -> 
     return tuple(int(window) if kind == "sliding_attention" else None for kind in layer_types)
 
 
-def _eos_ids(value: Any) -> tuple[int, ...]:
+def eos_ids(value: Any) -> tuple[int, ...]:
+    """End-of-sequence ids from an int, a list or None (deduplicated, in order)."""
     ids: list[int] = []
     for token_id in value if isinstance(value, list) else [value]:
         if token_id is not None and int(token_id) not in ids:
@@ -250,7 +257,8 @@ def _eos_ids(value: Any) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def _first_id(value: Any) -> int | None:
+def first_id(value: Any) -> int | None:
+    """A special id given as an int, a list (its first) or None."""
     if isinstance(value, list):
         return int(value[0]) if value else None
     return None if value is None else int(value)

@@ -13,17 +13,26 @@ Two entry points:
 * ``model.forward_step(batch, kv_caches) -> float32 logits [M, V]``: one engine step over a
   contiguous per-row KV cache (see ``rill.models.attention``).
 
+``FAMILY`` registers it in ``rill.models.registry``, with how its GGUF files (``llama``,
+``qwen2``, ``qwen3``) map onto Hugging Face names.
+
 Imports torch and ``rill.models`` only.
 """
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rill.errors import ModelLoadError
 from rill.models.attention import StepBatch, cached_attention, write_kv
-from rill.models.config import ModelConfig
+from rill.models.config import ModelConfig, parse_llama_config
+from rill.models.gguf_loader import metadata_value, rename_tensor, shape_of
+from rill.models.registry import ModelFamily
 from rill.models.rope import apply_rope, cos_sin_table, inverse_frequencies
 
 
@@ -298,3 +307,104 @@ def init_weights(model: LlamaModel, initializer_range: float, seed: int | None =
             else:
                 values = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, initializer_range, generator=generator)
                 param.copy_(values)
+
+
+# ------------------------------------------------------------------------------------ GGUF
+
+_GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_GGUF_LAYER_NAMES = {  # llama.cpp's name inside blk.N → Hugging Face's inside model.layers.N
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+
+def gguf_config(metadata: dict[str, Any], shapes: dict[str, tuple[int, ...]], source: str) -> dict[str, Any]:
+    """The ``config.json`` dict of a ``llama``/``qwen2``/``qwen3`` GGUF file (Mistral files say ``llama``)."""
+    arch = str(metadata["general.architecture"])
+    if "rope_freqs.weight" in shapes:
+        raise ModelLoadError(f"{source}: per-frequency RoPE factors (rope_freqs.weight, Llama 3.1 style) are not supported")
+    value = functools.partial(metadata_value, metadata, source=source)
+    hidden = int(value(f"{arch}.embedding_length"))
+    heads = int(value(f"{arch}.attention.head_count"))
+    vocab_rows = shape_of(shapes, "token_embd.weight", source)[0]
+    config: dict[str, Any] = {
+        "architectures": [_GGUF_ARCHITECTURES[arch]],
+        "model_type": arch,
+        "hidden_size": hidden,
+        "intermediate_size": int(value(f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(value(f"{arch}.block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(metadata.get(f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": int(metadata.get(f"{arch}.attention.key_length") or hidden // heads),
+        "max_position_embeddings": int(metadata.get(f"{arch}.context_length", 2048)),
+        "rms_norm_eps": float(value(f"{arch}.attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(metadata.get(f"{arch}.rope.freq_base", 10000.0)),
+        "vocab_size": int(metadata.get(f"{arch}.vocab_size", vocab_rows)),
+        "tie_word_embeddings": "output.weight" not in shapes,
+        "hidden_act": "silu",
+        "attention_bias": "blk.0.attn_q.bias" in shapes and arch != "qwen2",
+    }
+    scaling = metadata.get(f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        config["rope_scaling"] = {"rope_type": scaling, "factor": float(metadata.get(f"{arch}.rope.scaling.factor", 1.0))}
+    return config
+
+
+def gguf_tensor_name(name: str) -> str | None:
+    """llama.cpp's tensor name → the Hugging Face name (None when unknown)."""
+    return rename_tensor(name, _GGUF_LAYER_NAMES)
+
+
+def gguf_fix_tensor(hf_name: str, tensor: torch.Tensor, hf_config: dict[str, Any]) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation (Llama architecture only; Qwen files keep HF order)."""
+    if hf_config["model_type"] != "llama" or not hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+        return tensor
+    heads = hf_config["num_attention_heads"] if hf_name.endswith("q_proj.weight") else hf_config["num_key_value_heads"]
+    return unpermute_rows(tensor, heads)
+
+
+def unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """llama.cpp's converter stores each head's rows interleaved (pairs ``(i, i + hd/2)`` next to
+    each other, for its rotate-adjacent RoPE); put them back in rotate-half order."""
+    rows = weight.shape[0]
+    return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+
+
+def permute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Inverse of ``unpermute_rows``: what llama.cpp's converter writes (used to write test files)."""
+    rows = weight.shape[0]
+    return weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+
+
+FAMILY = ModelFamily(
+    name="llama",
+    model_types={
+        "LlamaForCausalLM": "llama",
+        "MistralForCausalLM": "mistral",
+        "Qwen2ForCausalLM": "qwen2",
+        "Qwen3ForCausalLM": "qwen3",
+    },
+    gguf_architectures=tuple(_GGUF_ARCHITECTURES),
+    parse_config=parse_llama_config,
+    build=LlamaModel,
+    expected_hf_names=expected_hf_names,
+    from_hf=fuse_hf_state_dict,
+    to_hf=unfuse_state_dict,
+    init_weights=lambda model, initializer_range, seed: init_weights(model, initializer_range, seed),
+    gguf_config=gguf_config,
+    gguf_tensor_name=gguf_tensor_name,
+    gguf_fix_tensor=gguf_fix_tensor,
+)
+"""The Llama family in the model registry."""

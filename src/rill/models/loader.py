@@ -1,8 +1,11 @@
-"""Load, build and save Llama-family checkpoints in the Hugging Face folder layout.
+"""Load, build and save checkpoints: Hugging Face folders and GGUF files.
 
 A folder holds ``config.json``, ``model.safetensors`` (or ``model.safetensors.index.json`` plus
 shards) and optionally ``generation_config.json``. Loading reads the tensors with
-``safetensors``, fuses projections, casts to the requested dtype and moves to the device.
+``safetensors``, maps them onto the model of the architecture's family (``rill.models.registry``),
+casts to the requested dtype and moves to the device. A ``.gguf`` file (or a folder holding
+one and no ``config.json``) is read by ``rill.models.gguf_loader``: its tensors are dequantized
+to the serving dtype and its tokenizer comes from the file too (``LoadedModel.tokenizer``).
 Every failure is a ``rill.errors.ModelLoadError`` whose message names the file or tensor.
 
 Does not import transformers (a test dependency only).
@@ -11,6 +14,7 @@ Does not import transformers (a test dependency only).
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,14 +25,10 @@ from safetensors.torch import load_file, save_file
 
 from rill.errors import ModelLoadError
 from rill.models.config import ModelConfig, dtype_name, parse_config
-from rill.models.llama import LlamaModel, fuse_hf_state_dict, init_weights, unfuse_state_dict
+from rill.models.gguf_loader import find_gguf, read_gguf
+from rill.models.registry import CausalLM, family_for_config
 
-_MODEL_TYPES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
+log = logging.getLogger("rill.models")
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 """Weight files looked for in a model folder, in order."""
@@ -39,79 +39,122 @@ class LoadedModel:
     """A model ready for inference.
 
     Attributes:
-        model: the ``LlamaModel`` in eval mode on ``config.device`` in ``config.dtype``.
+        model: the ``CausalLM`` in eval mode on ``config.device`` in ``config.dtype``.
         config: the parsed configuration with the runtime dtype and device.
-        path: the folder it was loaded from.
+        path: the folder (or GGUF file) it was loaded from.
+        tokenizer: the tokenizer when the source carries it in the weights file (GGUF), else
+            None (load it from the folder with ``Tokenizer.from_folder``).
     """
 
-    model: LlamaModel
+    model: CausalLM
     config: ModelConfig
     path: Path
+    tokenizer: Any = None
 
 
 def default_dtype(device: str | torch.device = "cpu") -> str:
     """``bfloat16`` when the device computes it natively (CUDA with bf16, CPU with AVX512-BF16
     or AMX), else ``float32``."""
+    return auto_dtype(device)[0]
+
+
+def auto_dtype(device: str | torch.device = "cpu") -> tuple[str, str]:
+    """``(dtype, reason)``: what ``--dtype auto`` picks on ``device`` and why (for the log)."""
     device = torch.device(device)
     if device.type == "cuda":
-        return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
+        if torch.cuda.is_bf16_supported():
+            return "bfloat16", "the GPU computes bfloat16 natively"
+        return "float32", "the GPU has no native bfloat16"
     if device.type != "cpu":
-        return "float32"
+        return "float32", f"bfloat16 support on {device.type} is unknown"
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
         flags = ""
-    is_native = "avx512_bf16" in flags or "amx_bf16" in flags
-    return "bfloat16" if is_native or torch.backends.cpu.get_cpu_capability() == "AMX" else "float32"
+    for flag in ("amx_bf16", "avx512_bf16"):
+        if flag in flags:
+            return "bfloat16", f"the CPU has {flag} (native bfloat16 matmuls)"
+    if torch.backends.cpu.get_cpu_capability() == "AMX":
+        return "bfloat16", "the CPU has AMX (native bfloat16 matmuls)"
+    return "float32", "the CPU has neither AVX512-BF16 nor AMX, so bfloat16 would be emulated (slower than float32)"
+
+
+def _runtime_dtype(dtype: str, device: str) -> str:
+    try:
+        if dtype != "auto":
+            return dtype_name(dtype)
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from exc
+    name, reason = auto_dtype(device)
+    log.info("dtype auto: %s, because %s", name, reason)
+    return name
 
 
 def load_model(path: str | Path, dtype: str = "auto", device: str = "cpu") -> LoadedModel:
-    """Load a Hugging Face style checkpoint folder.
+    """Load a Hugging Face style checkpoint folder or a GGUF file.
 
     Args:
-        path: the model folder.
-        dtype: ``"auto"`` (see ``default_dtype``), ``"float32"`` or ``"bfloat16"`` (``"float16"`` also works).
+        path: the model folder, a ``.gguf`` file, or a folder holding one ``.gguf`` file.
+        dtype: ``"auto"`` (see ``auto_dtype``; the choice and its reason are logged),
+            ``"float32"`` or ``"bfloat16"`` (``"float16"`` also works).
         device: a torch device string.
 
     Raises:
-        ModelLoadError: missing folder, ``config.json`` or weights; unsupported architecture;
-            missing tensors; shape mismatch; bad dtype.
+        ModelLoadError: missing folder, ``config.json`` or weights; unsupported architecture
+            or quantization type; missing tensors; shape mismatch; bad dtype.
     """
     folder = Path(path)
-    if not folder.is_dir():
+    if not folder.exists():
         raise ModelLoadError(f"model folder {folder} does not exist")
+    gguf_file = find_gguf(folder)
+    if gguf_file is not None:
+        return _load_gguf(gguf_file, _runtime_dtype(dtype, device), device)
+    if not folder.is_dir():
+        raise ModelLoadError(f"{folder} is neither a model folder nor a .gguf file")
     hf_config = _read_json(folder / "config.json", required=True)
     generation = _read_json(folder / "generation_config.json", required=False)
-    try:
-        name = default_dtype(device) if dtype == "auto" else dtype_name(dtype)
-    except ValueError as exc:
-        raise ModelLoadError(str(exc)) from exc
+    name = _runtime_dtype(dtype, device)
     config = parse_config(hf_config, generation, source=str(folder / "config.json")).with_runtime(name, str(device))
-    tensors = _read_tensors(folder)
-    with torch.device("meta"):
-        model = LlamaModel(config)
-    _check_tensors(unfuse_state_dict(model.state_dict(), config), tensors, folder)
-    state = fuse_hf_state_dict(tensors, config)
-    state = {key: value.to(dtype=config.torch_dtype, device=device) for key, value in state.items()}
-    model.load_state_dict(state, assign=True, strict=True)
-    model.eval().requires_grad_(False)
+    model = _assemble(config, _read_tensors(folder), folder)
     return LoadedModel(model=model, config=config, path=folder)
 
 
-def build_model(config: dict[str, Any], dtype: str = "float32", device: str = "cpu", seed: int | None = None) -> LlamaModel:
+def _load_gguf(file: Path, dtype: str, device: str) -> LoadedModel:
+    checkpoint = read_gguf(file)
+    config = parse_config(checkpoint.hf_config, checkpoint.generation_config, source=str(file))
+    config = config.with_runtime(dtype, str(device))
+    model = _assemble(config, checkpoint.tensors(config.torch_dtype), file)
+    return LoadedModel(model=model, config=config, path=file, tokenizer=checkpoint.tokenizer())
+
+
+def _assemble(config: ModelConfig, tensors: dict[str, torch.Tensor], source: Path) -> CausalLM:
+    """Check ``tensors`` (Hugging Face names) against the family's model and load them into it."""
+    family = family_for_config(config.hf_config, str(source))
+    with torch.device("meta"):
+        model = family.build(config)
+    _check_tensors(family.to_hf(model.state_dict(), config), tensors, source)
+    state = family.from_hf(tensors, config)
+    state = {key: value.to(dtype=config.torch_dtype, device=config.device) for key, value in state.items()}
+    model.load_state_dict(state, assign=True, strict=True)
+    model.eval().requires_grad_(False)
+    return model
+
+
+def build_model(config: dict[str, Any], dtype: str = "float32", device: str = "cpu", seed: int | None = None) -> CausalLM:
     """Create a randomly initialised model from an HF-style ``config.json`` dict (for training).
 
     Weights are drawn as transformers does with ``config["initializer_range"]`` (default 0.02).
     The model is in train mode with gradients enabled.
     """
     parsed = parse_config(config, None, source="config").with_runtime(dtype_name(dtype), str(device))
-    model = LlamaModel(parsed)
-    init_weights(model, float(config.get("initializer_range", 0.02)), seed)
+    family = family_for_config(config, "config")
+    model = family.build(parsed)
+    family.init_weights(model, float(config.get("initializer_range", 0.02)), seed)
     return model.to(dtype=parsed.torch_dtype, device=device)
 
 
 def save_checkpoint(
-    model_or_state: LlamaModel | dict[str, torch.Tensor],
+    model_or_state: CausalLM | dict[str, torch.Tensor],
     config: dict[str, Any],
     folder: str | Path,
     generation_config: dict[str, Any] | None = None,
@@ -119,7 +162,7 @@ def save_checkpoint(
     """Write ``config.json`` + ``model.safetensors`` (+ ``generation_config.json``) in HF format.
 
     Args:
-        model_or_state: a ``LlamaModel`` or a state dict with Hugging Face names.
+        model_or_state: a model of ``rill.models`` or a state dict with Hugging Face names.
         config: the ``config.json`` dict (``architectures`` must name a supported class).
         folder: created if missing; existing files are overwritten.
         generation_config: written as ``generation_config.json`` when given.
@@ -128,10 +171,10 @@ def save_checkpoint(
     """
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
-    if isinstance(model_or_state, LlamaModel):
-        tensors = model_or_state.to_hf_state_dict()
-    else:
+    if isinstance(model_or_state, dict):
         tensors = {name: tensor.detach().contiguous() for name, tensor in model_or_state.items()}
+    else:
+        tensors = model_or_state.to_hf_state_dict()
     parsed = parse_config(config, None, source="config")
     if parsed.tie_word_embeddings:
         # safetensors refuses shared storage; transformers re-ties from the embedding.
@@ -139,7 +182,7 @@ def save_checkpoint(
     dtypes = {tensor.dtype for tensor in tensors.values()}
     config = dict(config)
     # AutoConfig needs model_type; derive it from the architecture when the caller left it out.
-    config.setdefault("model_type", _MODEL_TYPES[parsed.architecture])
+    config.setdefault("model_type", family_for_config(config, "config").model_types[parsed.architecture])
     config.setdefault("dtype", str(dtypes.pop()).removeprefix("torch.") if len(dtypes) == 1 else "float32")
     save_file({name: tensor.cpu() for name, tensor in tensors.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
@@ -178,6 +221,7 @@ def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def _check_tensors(expected: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor], folder: Path) -> None:
+    """Every tensor the model needs is there with the shape the config implies."""
     # Checked on the Hugging Face names, before fusing, so messages name the file's tensors.
     missing = [name for name in expected if name not in tensors]
     if missing:

@@ -1,0 +1,152 @@
+"""The model registry: which code serves which checkpoint.
+
+A *family* is one module (listed in ``FAMILY_MODULES``) exposing ``FAMILY``, a ``ModelFamily``
+that names the Hugging Face architectures (``config.json`` ``architectures``) and GGUF
+architectures (``general.architecture``) it serves and says how to:
+
+* parse ``config.json`` into a ``ModelConfig``;
+* build the model (a ``CausalLM``) and map Hugging Face tensor names onto its weights;
+* read a GGUF file: its metadata → a ``config.json`` dict, its tensor names → Hugging Face
+  names, and the fix-ups llama.cpp's converter applied to some tensors.
+
+Adding a family is one new module plus its tests, and one line in ``FAMILY_MODULES``. The
+engine's runner only talks to the ``CausalLM`` protocol.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+import torch
+
+from rill.errors import ModelLoadError
+from rill.models.attention import StepBatch
+from rill.models.config import ModelConfig
+
+FAMILY_MODULES = ("rill.models.llama",)
+"""Modules that define a ``FAMILY``; the order decides nothing (names never overlap)."""
+
+
+class CausalLM(Protocol):
+    """What the runner, the loader and the trainer need from a model (a ``torch.nn.Module``)."""
+
+    config: ModelConfig
+
+    @property
+    def windows(self) -> set[int | None]:
+        """The distinct attention windows of the layers (None = full attention)."""
+        ...
+
+    def ensure_rope(self, length: int) -> None:
+        """Make rotary tables cover positions ``[0, length)``."""
+        ...
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Cache-free causal forward: ``[B, T]`` ids → ``[B, T, vocab]`` logits."""
+        ...
+
+    def forward_step(self, batch: StepBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """One cached engine step → float32 logits ``[M, vocab]`` (see ``rill.models.attention``)."""
+        ...
+
+    def to_hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights under Hugging Face names."""
+        ...
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """How one family of architectures is parsed, built, loaded and read from GGUF.
+
+    Attributes:
+        name: a short label (``"llama"``, ``"gemma3"``).
+        model_types: Hugging Face architecture name → ``config.json`` ``model_type``.
+        gguf_architectures: ``general.architecture`` values this family reads.
+        parse_config: ``(config.json dict, generation_config dict or None, source) → ModelConfig``.
+        build: ``ModelConfig → CausalLM`` (uninitialised weights; works on the meta device).
+        expected_hf_names: ``ModelConfig →`` the Hugging Face tensor names a checkpoint needs.
+        from_hf: ``(HF tensors, ModelConfig) →`` the model's state dict.
+        to_hf: ``(state dict, ModelConfig) →`` HF tensors (inverse of ``from_hf``).
+        init_weights: ``(model, initializer_range, seed)``: random init for training.
+        gguf_config: ``(metadata, tensor shapes by GGUF name (HF order), source) →`` a ``config.json`` dict.
+        gguf_tensor_name: GGUF tensor name → HF name, or None when unknown.
+        gguf_fix_tensor: ``(HF name, float32 tensor, config.json dict) →`` the tensor as a
+            Hugging Face checkpoint holds it (undoes the converter's permutations/offsets).
+    """
+
+    name: str
+    model_types: dict[str, str]
+    gguf_architectures: tuple[str, ...]
+    parse_config: Callable[[dict[str, Any], dict[str, Any] | None, str], ModelConfig]
+    build: Callable[[ModelConfig], Any]
+    expected_hf_names: Callable[[ModelConfig], list[str]]
+    from_hf: Callable[[dict[str, torch.Tensor], ModelConfig], dict[str, torch.Tensor]]
+    to_hf: Callable[[dict[str, torch.Tensor], ModelConfig], dict[str, torch.Tensor]]
+    init_weights: Callable[[Any, float, int | None], None]
+    gguf_config: Callable[[dict[str, Any], dict[str, tuple[int, ...]], str], dict[str, Any]]
+    gguf_tensor_name: Callable[[str], str | None]
+    gguf_fix_tensor: Callable[[str, torch.Tensor, dict[str, Any]], torch.Tensor]
+
+    @property
+    def architectures(self) -> tuple[str, ...]:
+        """The Hugging Face architecture names of this family."""
+        return tuple(self.model_types)
+
+
+@functools.cache
+def families() -> tuple[ModelFamily, ...]:
+    """Every registered family (their modules are imported on first use)."""
+    return tuple(importlib.import_module(name).FAMILY for name in FAMILY_MODULES)
+
+
+def supported_architectures() -> tuple[str, ...]:
+    """Every Hugging Face architecture name rill can load."""
+    return tuple(arch for family in families() for arch in family.architectures)
+
+
+def supported_gguf_architectures() -> tuple[str, ...]:
+    """Every GGUF ``general.architecture`` rill can load."""
+    return tuple(arch for family in families() for arch in family.gguf_architectures)
+
+
+def family_for_architecture(architecture: str) -> ModelFamily | None:
+    """The family serving a Hugging Face architecture name, or None."""
+    return next((f for f in families() if architecture in f.model_types), None)
+
+
+def resolve_architecture(hf: dict[str, Any], source: str) -> tuple[str, ModelFamily]:
+    """The first supported name in ``config.json``'s ``architectures`` and its family.
+
+    Raises:
+        ModelLoadError: no supported architecture; the message lists the supported ones.
+    """
+    names = hf.get("architectures") or []
+    for name in names:
+        family = family_for_architecture(name)
+        if family is not None:
+            return name, family
+    shown = ", ".join(names) if names else f"none (model_type={hf.get('model_type')!r})"
+    raise ModelLoadError(f"{source}: unsupported architecture {shown}; supported: {', '.join(supported_architectures())}")
+
+
+def family_for_config(hf: dict[str, Any], source: str = "config.json") -> ModelFamily:
+    """The family of a ``config.json`` dict (see ``resolve_architecture``)."""
+    return resolve_architecture(hf, source)[1]
+
+
+def family_for_gguf(architecture: str, source: str) -> ModelFamily:
+    """The family reading GGUF files of ``general.architecture``.
+
+    Raises:
+        ModelLoadError: no family reads it; the message lists the ones supported.
+    """
+    for family in families():
+        if architecture in family.gguf_architectures:
+            return family
+    raise ModelLoadError(
+        f"{source}: GGUF architecture {architecture!r} is not supported; "
+        f"supported: {', '.join(supported_gguf_architectures())}"
+    )
