@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 import stat
@@ -105,6 +106,29 @@ async def test_oversize_header_rejected_without_the_payload(make_listener) -> No
     event = await conn.recv()
     assert event is not None and event["event"] == "error" and event["code"] == "E_PROTO_FRAME_TOO_LARGE"
     assert await conn.is_closed()
+    assert listener.client.requests == []
+
+
+async def test_oversize_frame_sent_whole_gets_the_error_instead_of_a_reset(make_listener) -> None:
+    # Issue 12 item 11: a client writing a whole frame over the cap (more than the socket
+    # buffers hold) and then reading must get E_PROTO_FRAME_TOO_LARGE, not ECONNRESET/EPIPE.
+    listener = await make_listener(**{"uds.max_frame_bytes": 1024})
+    payload = b"x" * (2 * 1024 * 1024)
+
+    def client() -> bytes:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.connect(str(listener.path))
+            sock.sendall(struct.pack("<I", len(payload)) + payload)
+            received = b""
+            while chunk := sock.recv(65536):
+                received += chunk
+            return received
+
+    received = await asyncio.to_thread(client)
+    (length,) = struct.unpack_from("<I", received)
+    assert len(received) == 4 + length  # one frame, then a clean end of stream
+    event = json.loads(received[4:])
+    assert event["event"] == "error" and event["code"] == "E_PROTO_FRAME_TOO_LARGE"
     assert listener.client.requests == []
 
 

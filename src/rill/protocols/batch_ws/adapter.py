@@ -124,6 +124,10 @@ class _Connection:
             except InvalidRequest as exc:
                 await self._send(codec.encode_socket_error(str(exc)))
                 continue
+            except Exception:  # a bug: the generic error frame; the other prompts go on
+                log.exception("batch /ws message could not be handled")
+                await self._send(codec.encode_socket_error(codec.GENERIC_ERROR))
+                continue
             await self._perform(actions)
 
     async def _perform(self, actions: list[Action]) -> None:

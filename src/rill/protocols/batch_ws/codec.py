@@ -27,6 +27,7 @@ from rill.errors import (
     RequestTimeout,
     RillError,
 )
+from rill.protocols._shared import jsonguard
 from rill.protocols._shared.errors import lookup
 from rill.protocols.batch_ws.messages import BatchRequest, ServerEvent, SocketError
 
@@ -49,10 +50,10 @@ def decode(text: str | bytes) -> BatchRequest:
             batch (``Invalid prompts or generation_config: … - at `$.prompts[0].request_id```).
     """
     try:
-        return _decoder.decode(text)
+        return jsonguard.decode(_decoder, text)
     except msgspec.ValidationError as exc:  # subclass of DecodeError: check it first
         raise InvalidRequest(f"{INVALID_PAYLOAD}: {exc}") from exc
-    except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # bytes input may not be UTF-8
+    except msgspec.DecodeError as exc:  # jsonguard.UnsafeJson included: too deep, not UTF-8
         raise InvalidRequest(f"{INVALID_JSON}: {exc}") from exc
 
 

@@ -19,6 +19,7 @@ from rill.errors import (
     RequestTimeout,
     RillError,
 )
+from rill.protocols._shared import jsonguard
 from rill.protocols._shared.errors import lookup
 from rill.protocols.chat_ws.messages import ChatRequest, Error, ServerMessage
 
@@ -56,13 +57,11 @@ def decode_request(text: str | bytes) -> ChatRequest:
             path, e.g. ``$.generation.temperature``), or no messages.
     """
     try:
-        request = _request_decoder.decode(text)
+        request = jsonguard.decode(_request_decoder, text)
     except msgspec.ValidationError as exc:
         raise InvalidRequest(f"invalid request: {exc}") from exc
-    except msgspec.DecodeError as exc:
+    except msgspec.DecodeError as exc:  # jsonguard.UnsafeJson included: too deep, not UTF-8
         raise InvalidRequest(f"invalid request: not valid JSON ({exc})") from exc
-    except UnicodeDecodeError as exc:  # bytes that are not UTF-8 (found by the mutation test)
-        raise InvalidRequest("invalid request: not valid UTF-8") from exc
     if not request.messages:
         raise InvalidRequest("invalid request: 'messages' is empty", field="messages")
     return request

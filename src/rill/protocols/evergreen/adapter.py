@@ -484,17 +484,24 @@ _DISCONNECTED = object()
 
 
 async def _read_ws(ws: WebSocket, runner: SessionRunner) -> None:
-    while True:
-        try:
-            event = await ws.receive()
-        except RuntimeError:
-            event = {"type": "websocket.disconnect"}
-        if event["type"] == "websocket.disconnect":
-            # A WebSocket has no half-close: the client leaving ends the session and cancels
-            # every action.
-            runner.outbox.put_nowait(_DISCONNECTED)
-            await runner.close()
-            return
-        text = event.get("text")
-        data = text if text is not None else event.get("bytes") or b""
-        await runner.feed(data, codec.decode_json)  # decoded in the worker thread; an error aborts
+    # Every way out of this task puts something in the outbox (a message-less exit would
+    # leave the writer waiting forever): a disconnect marker, or the failure that aborts.
+    try:
+        while True:
+            try:
+                event = await ws.receive()
+            except RuntimeError:
+                event = {"type": "websocket.disconnect"}
+            if event["type"] == "websocket.disconnect":
+                # A WebSocket has no half-close: the client leaving ends the session and cancels
+                # every action.
+                runner.outbox.put_nowait(_DISCONNECTED)
+                await runner.close()
+                return
+            text = event.get("text")
+            data = text if text is not None else event.get("bytes") or b""
+            await runner.feed(data, codec.decode_json)  # decoded in the worker thread; an error aborts
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # a bug in this loop: abort with the table's generic status
+        runner.fail(exc, is_rejection=True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import msgspec
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 
@@ -33,6 +34,7 @@ from rill.errors import (
     RequestTimeout,
     RillError,
 )
+from rill.protocols._shared import jsonguard
 from rill.protocols._shared.errors import lookup
 from rill.protocols.evergreen import errors
 from rill.protocols.evergreen._pb import evergreen_pb2 as pb
@@ -152,6 +154,9 @@ def decode_pb(payload: bytes) -> SessionMessage:
 # -- proto3 JSON ---------------------------------------------------------------------------------
 
 
+_json_decoder = msgspec.json.Decoder()
+
+
 def decode_json(text: str | bytes) -> SessionMessage:
     """Parse one proto3-JSON ``SessionMessage`` (camelCase or snake_case names, base64 bytes).
 
@@ -163,8 +168,9 @@ def decode_json(text: str | bytes) -> SessionMessage:
             field path).
     """
     try:
-        obj = json.loads(text)
-    except (UnicodeDecodeError, ValueError) as exc:
+        # Bounded depth, strict UTF-8, no lone surrogates: json_format cannot take those.
+        obj = jsonguard.decode(_json_decoder, text)
+    except msgspec.DecodeError as exc:
         raise errors.InvalidMessage(f"invalid JSON: {_short(str(exc))}") from exc
     if not isinstance(obj, dict):
         raise errors.InvalidMessage("a SessionMessage must be a JSON object")
@@ -172,7 +178,10 @@ def decode_json(text: str | bytes) -> SessionMessage:
     message = service_pb.SessionMessage()
     try:
         json_format.ParseDict(obj, message)
-    except (json_format.ParseError, ValueError, TypeError, AttributeError) as exc:
+    # NOTE: json_format documents ParseError only, but wrong JSON types reach protobuf's
+    # setters and raise TypeError, AttributeError, ValueError, OverflowError, even SystemError
+    # from upb: at this library boundary every failure is the client's bad message.
+    except Exception as exc:  # noqa: BLE001
         raise errors.InvalidMessage(f"invalid SessionMessage: {_short(str(exc))}") from exc
     for index, type_urls in unknown_configs.items():
         for type_url in type_urls:
@@ -207,7 +216,7 @@ def _known_type(type_url: str) -> bool:
 
     try:
         descriptor_pool.Default().FindMessageTypeByName(type_url.rsplit("/", 1)[-1])
-    except KeyError:
+    except (KeyError, TypeError, ValueError):  # TypeError: a name upb cannot take (e.g. a NUL)
         return False
     return True
 
@@ -323,7 +332,7 @@ WS_REASON_MAX_BYTES = 123  # RFC 6455: a close frame's reason fits in 123 bytes
 def ws_close(exc: BaseException) -> tuple[int, str]:
     """The WebSocket close code and reason (``"STATUS: message"``, cut to 123 bytes) for ``exc``."""
     name, message = status_of(exc)
-    reason = f"{name}: {message}".encode()
+    reason = f"{name}: {message}".encode(errors="replace")  # a message quoting input must still close
     if len(reason) > WS_REASON_MAX_BYTES:
         reason = reason[: WS_REASON_MAX_BYTES - 3].decode(errors="ignore").encode() + "…".encode()
     return WS_CLOSE_BASE + STATUS_NUMBERS[name], reason.decode()

@@ -27,7 +27,7 @@ from rill.connections import stream_handler
 from rill.errors import ConfigError, IdleTimeout, RillError
 from rill.frontend.stream import RequestStream
 from rill.protocols.framed_uds import codec
-from rill.protocols.framed_uds.framing import FrameDecoder, FramingError, LineDecoder
+from rill.protocols.framed_uds.framing import FrameDecoder, FrameTooLarge, FramingError, LineDecoder
 from rill.protocols.framed_uds.messages import Metrics
 from rill.protocols.framed_uds.session import (
     Abort,
@@ -54,6 +54,9 @@ READ_BYTES = 64 * 1024
 LISTEN_BACKLOG = 128
 
 CLOSE_FLUSH_S = 5.0
+
+DISCARD_MAX_BYTES = 64 * 1024 * 1024
+"""Most payload bytes of a refused oversized frame read and dropped before the close."""
 """Longest wait for a peer to take the last frames before the connection is dropped."""
 
 
@@ -210,7 +213,7 @@ class Connection:
             try:
                 items = decoder.feed(data)
             except FramingError as exc:
-                await self.perform(self._protocol_error(exc))
+                await self._refuse_frame(exc)
                 break
             if items:
                 deadline = None
@@ -221,16 +224,42 @@ class Connection:
         await self._closed.wait()
 
     def _receive(self, item: bytes) -> list[Action]:
-        if self.is_newline:
-            return self.session.receive_line(item)
         try:
-            message = codec.decode(item)
-        except RillError as exc:  # InvalidJson, InvalidRequest
-            return self.session.on_protocol_error(exc, codec.wire_id(item))
-        return self.session.receive(message)
+            if self.is_newline:
+                return self.session.receive_line(item)
+            try:
+                message = codec.decode(item)
+            except RillError as exc:  # InvalidJson, InvalidRequest
+                return self.session.on_protocol_error(exc, codec.wire_id(item))
+            return self.session.receive(message)
+        except Exception as exc:  # a bug must still answer with an error frame, not a bare close
+            log.exception("framed-uds: a client frame could not be handled")
+            return self.session.on_protocol_error(exc)
 
-    def _protocol_error(self, exc: RillError) -> list[Action]:
-        return self.session.on_protocol_error(exc)
+    async def _refuse_frame(self, exc: FramingError) -> None:
+        actions = self.session.on_protocol_error(exc)
+        closes = [action for action in actions if isinstance(action, Close)]
+        await self.perform([action for action in actions if not isinstance(action, Close)])
+        if isinstance(exc, FrameTooLarge) and not self.is_closed:
+            # Answer and half-close first (a reading client sees the error, then the end),
+            # then take the rest of the frame: closing with unread bytes resets the
+            # connection, and a client still writing the frame would never see the error.
+            with contextlib.suppress(ConnectionError, OSError, RuntimeError):
+                self.writer.write_eof()
+                await self._discard(min(exc.num_unread_bytes, DISCARD_MAX_BYTES))
+        await self.perform(closes)
+
+    async def _discard(self, num_bytes: int) -> None:
+        # Ends at the frame's end, the peer's close, or CLOSE_FLUSH_S without a byte (a peer
+        # that sent only the header and keeps the socket open).
+        while num_bytes > 0:
+            try:
+                data = await asyncio.wait_for(self.reader.read(min(READ_BYTES, num_bytes)), CLOSE_FLUSH_S)
+            except (asyncio.TimeoutError, ConnectionError):
+                return
+            if not data:
+                return
+            num_bytes -= len(data)
 
     async def _on_eof(self, decoder: Any) -> None:
         if self.is_newline:

@@ -33,6 +33,7 @@ from rill.errors import (
     RequestTimeout,
     RillError,
 )
+from rill.protocols._shared import jsonguard
 from rill.protocols._shared.errors import lookup
 from rill.protocols.framed_uds.framing import FrameTooLarge, InvalidFrameLength, encode_frame
 from rill.protocols.framed_uds.messages import Cancel, ClientMessage, MetricsQuery, Request, ServerMessage, Slo
@@ -113,11 +114,9 @@ def decode(payload: bytes) -> ClientMessage:
         InvalidRequest: JSON but not a valid message (``field`` names the offending field).
     """
     try:
-        obj = _json_decoder.decode(payload)
-    except msgspec.DecodeError as exc:
+        obj = jsonguard.decode(_json_decoder, payload)
+    except msgspec.DecodeError as exc:  # jsonguard.UnsafeJson included: too deep, not UTF-8
         raise InvalidJson(f"invalid JSON: {exc}") from exc
-    except UnicodeDecodeError as exc:  # msgspec raises it for invalid UTF-8 inside strings
-        raise InvalidJson(f"invalid UTF-8 at byte {exc.start}") from exc
     if not isinstance(obj, dict):
         raise InvalidRequest("a frame must carry a JSON object", field=None)
     kind = obj.get("event")
@@ -166,8 +165,8 @@ def _check_request(request: Request) -> None:
 def wire_id(payload: bytes) -> str | None:
     """Best effort: the string ``id`` of a payload that failed to decode (for its error event)."""
     try:
-        obj = _json_decoder.decode(payload)
-    except (msgspec.DecodeError, UnicodeDecodeError):
+        obj = jsonguard.decode(_json_decoder, payload)
+    except msgspec.DecodeError:
         return None
     value = obj.get("id") if isinstance(obj, dict) else None
     return value if isinstance(value, str) and value else None

@@ -34,15 +34,22 @@ class FramingError(RillError):
 
 
 class FrameTooLarge(FramingError):
-    """A frame header (or a newline-mode line) announced more bytes than ``max_frame_bytes``."""
+    """A frame header (or a newline-mode line) announced more bytes than ``max_frame_bytes``.
+
+    Attributes:
+        num_unread_bytes: payload bytes of the refused frame still to come after the bytes fed
+            so far (0 in newline mode). A server that reads and drops them before closing lets
+            a client still writing the frame finish and read the error instead of a reset.
+    """
 
     code = "frame_too_large"
     wire_code = "E_PROTO_FRAME_TOO_LARGE"
 
-    def __init__(self, num_bytes: int, max_frame_bytes: int) -> None:
+    def __init__(self, num_bytes: int, max_frame_bytes: int, num_unread_bytes: int = 0) -> None:
         super().__init__(f"frame of {num_bytes} bytes exceeds the limit of {max_frame_bytes} bytes")
         self.num_bytes = num_bytes
         self.max_frame_bytes = max_frame_bytes
+        self.num_unread_bytes = num_unread_bytes
 
 
 class InvalidFrameLength(FramingError):
@@ -104,7 +111,7 @@ class FrameDecoder:
                     break
                 (length,) = HEADER.unpack(self._buffer)
                 self._buffer.clear()
-                self._check_length(length)
+                self._check_length(length, num_bytes_after_header=len(view))
                 self._need_bytes = length
             take = min(self._need_bytes - len(self._buffer), len(view))
             self._buffer += view[:take]
@@ -115,11 +122,11 @@ class FrameDecoder:
                 self._need_bytes = None
         return frames
 
-    def _check_length(self, length: int) -> None:
+    def _check_length(self, length: int, num_bytes_after_header: int) -> None:
         if length == 0:
             self._error = InvalidFrameLength("frame length is 0; a frame carries a non-empty JSON object")
         elif length > self.max_frame_bytes:
-            self._error = FrameTooLarge(length, self.max_frame_bytes)
+            self._error = FrameTooLarge(length, self.max_frame_bytes, max(0, length - num_bytes_after_header))
         if self._error is not None:
             raise self._error
 

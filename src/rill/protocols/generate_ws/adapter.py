@@ -164,7 +164,9 @@ class GenerateService:
             return _json_error(InvalidRequest(f"request body over {self.http.max_body_bytes} bytes"), 413)
         try:
             rest_req = codec.decode_rest(body)
-        except InvalidRequest as exc:
+        except Exception as exc:  # InvalidRequest; anything else is a bug, answered generically
+            if not isinstance(exc, InvalidRequest):
+                log.exception("a /v1/generate body could not be decoded")
             return _json_error(exc)
         if rest_req.stream:
             return StreamingResponse(self._sse(rest_req, key), media_type=sse.MEDIA_TYPE, headers=dict(sse.HEADERS))
@@ -283,11 +285,20 @@ class _Connection:
         except InvalidRequest as exc:
             await self.perform(self.session.on_invalid(exc))
             return
+        except Exception as exc:  # a decoder bug: the generic error frame, never a dead handler
+            log.exception("a /generate frame could not be decoded")
+            await self.perform(self.session.on_error(exc))
+            return
         await self.handle_message(msg)
 
     async def handle_message(self, msg: m.ClientMessage) -> None:
         """One decoded client message."""
-        await self.perform(self.session.receive(msg, time.monotonic()))
+        try:
+            actions = self.session.receive(msg, time.monotonic())
+        except Exception as exc:  # a session bug: the generic error frame (and close), logged
+            log.exception("a /generate message could not be handled")
+            actions = self.session.on_error(exc)
+        await self.perform(actions)
 
     async def perform(self, actions: list[s.Action]) -> None:
         """Carry out the session's actions in order."""

@@ -34,7 +34,7 @@ from rill.errors import (
     RillError,
     StorageFull,
 )
-from rill.protocols._shared import sse
+from rill.protocols._shared import jsonguard, sse
 from rill.protocols._shared.errors import lookup
 from rill.protocols.generate_ws import messages as m
 
@@ -153,9 +153,7 @@ def _field_of(text: str) -> str | None:
     return path or None
 
 
-def _invalid(exc: msgspec.DecodeError | UnicodeDecodeError) -> InvalidMessage:
-    if isinstance(exc, UnicodeDecodeError):
-        return InvalidMessage(f"message is not valid UTF-8 (byte {exc.start})")
+def _invalid(exc: msgspec.DecodeError) -> InvalidMessage:
     text = str(exc)
     if not isinstance(exc, msgspec.ValidationError):
         return InvalidMessage(f"message is not valid JSON: {text}")
@@ -168,17 +166,16 @@ def _invalid(exc: msgspec.DecodeError | UnicodeDecodeError) -> InvalidMessage:
 def decode(text: str | bytes) -> m.ClientMessage:
     """Parse one client frame. Raises ``InvalidMessage`` naming the bad field."""
     try:
-        return _decoder.decode(text)
-    # ValidationError subclasses DecodeError; bad UTF-8 inside a string raises UnicodeDecodeError.
-    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+        return jsonguard.decode(_decoder, text)
+    except msgspec.DecodeError as exc:  # ValidationError and jsonguard.UnsafeJson included
         raise _invalid(exc) from exc
 
 
 def decode_rest(body: bytes) -> m.RestRequest:
     """Parse a ``POST /v1/generate`` body. Raises ``InvalidMessage`` naming the bad field."""
     try:
-        return _rest_decoder.decode(body)
-    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+        return jsonguard.decode(_rest_decoder, body)
+    except msgspec.DecodeError as exc:
         raise _invalid(exc) from exc
 
 

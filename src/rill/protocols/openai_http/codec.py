@@ -35,6 +35,7 @@ from rill.errors import (
     RequestTimeout,
     RillError,
 )
+from rill.protocols._shared import jsonguard
 from rill.protocols._shared.errors import lookup
 from rill.protocols.openai_http.messages import (
     ChatCompletionRequest,
@@ -280,7 +281,7 @@ def _decode(decoder: msgspec.json.Decoder, body: bytes) -> Any:
     if not body.strip():
         raise InvalidRequest("request body is empty; send a JSON object")
     try:
-        return decoder.decode(body)
+        return jsonguard.decode(decoder, body)
     except msgspec.ValidationError as exc:
         text = str(exc)
         return _raise_invalid(text, _field_of(text))
