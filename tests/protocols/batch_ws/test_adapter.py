@@ -21,7 +21,7 @@ from websockets.asyncio.client import connect
 from rill import config
 from rill.errors import GenerationError, QueueFull
 from rill.frontend.stream import RequestStream
-from rill.protocols.batch_ws import adapter
+from rill.protocols.batch_ws import adapter, codec
 from rill.types import GenerateRequest, RequestEvent, RequestOutput
 from tests.conftest import start_server
 from tests.helpers import recv_json
@@ -351,3 +351,24 @@ def test_fake_engine_slow_reader_gets_merged_progress(fake: Any) -> None:
         kinds = [ws.receive_json()[0] for _ in range(4)]
     assert [e["type"] for e in kinds] == ["STARTED", "INITIALIZED", "PROGRESS", "COMPLETE"]
     assert kinds[2]["text"] == "hello" and kinds[3]["text"] == "hello" and kinds[3]["new_tokens_count"] == 2
+
+
+def test_hostile_frames_get_a_socket_error_and_the_socket_stays_usable(fake: Any, monkeypatch: Any) -> None:
+    # Issue 12 item 5: deep nesting raised RecursionError out of the receive loop; a bug in
+    # decoding now gets the generic error frame instead of killing the handler.
+    client, http = fake
+    with http.websocket_connect("/ws") as ws:
+        ws.send_text('{"prompts": [], "only_new_tokens": ' + "[" * 5000 + "]" * 5000 + "}")
+        assert ws.receive_json()[0]["error"].startswith(codec.INVALID_JSON)
+        ws.send_text('{"prompts": [{"request_id": "a", "prompt": "\\ud800"}]}')
+        assert ws.receive_json()[0]["error"].startswith(codec.INVALID_JSON)
+
+        def broken(text: Any) -> Any:
+            raise KeyError("secret internals")
+
+        monkeypatch.setattr(codec, "decode", broken)
+        ws.send_text("{}")
+        assert ws.receive_json() == [{"error": codec.GENERIC_ERROR}]
+        monkeypatch.undo()
+        ws.send_json({"prompts": [{"request_id": "a", "prompt": "x"}]})
+        assert [e["type"] for e in ws.receive_json()] == ["ACCEPTED"]

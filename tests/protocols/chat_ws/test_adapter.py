@@ -176,3 +176,15 @@ def test_http_helpers_when_nothing_is_configured() -> None:
     app, _ = make_app(ScriptedClient([]))
     assert app.get("/api/default_ref_audio").status_code == 404
     assert app.get("/api/recordings/chat_0123456789abcdef").status_code == 404
+
+
+@pytest.mark.parametrize("body", [
+    b'{"x": ' + b"[" * 5000 + b"]" * 5000 + b', "messages": []}',  # was a RecursionError: generic error and 1011
+    b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
+])
+def test_hostile_request_is_an_invalid_request_not_an_internal_error(body: bytes) -> None:
+    client = ScriptedClient(["never"])
+    app, _ = make_app(client)
+    messages, close_code = converse(app, body)
+    assert len(messages) == 1 and messages[0]["type"] == "error" and messages[0]["error"].startswith("invalid request")
+    assert close_code == 1000 and client.requests == []

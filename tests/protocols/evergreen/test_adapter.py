@@ -317,3 +317,42 @@ def test_grpc_peer_host():
     assert adapter.grpc_peer_host("ipv6:[2001:db8::1]:5000") == "2001:db8::/64"
     assert adapter.grpc_peer_host("ipv6:%5B2001:db8::1%5D:5000") == "2001:db8::/64"
     assert adapter.grpc_peer_host("unix:/tmp/x") is None
+
+
+@pytest.mark.parametrize("text", [
+    '{"nodeFragments":[{"\\ud800":1}]}',
+    "[" * 5000 + "]" * 5000,
+    '{"actions":[{"configs":[{"@type":"\\ud800"}]}]}',
+    '{"nodeFragments":[{"seq":1' + "0" * 400 + "}]}",
+])
+def test_websocket_answers_hostile_json_with_invalid_argument_and_ends(text):
+    # Issue 12 item 4: the reader died on these, with no reply, no close, and a handler that
+    # never finished. Now: close 4003 (INVALID_ARGUMENT) with the reason, and the handler ends
+    # (leaving the TestClient blocks would hang otherwise).
+    client = ScriptedClient()
+    deps = make_deps(client, **{"evergreen.grpc_port": 0})
+    with TestClient(Starlette(routes=adapter.routes(deps))) as http:
+        with http.websocket_connect("/evergreen") as ws:
+            ws.send_text(text)
+            with pytest.raises(WebSocketDisconnect) as info:
+                ws.receive_text()
+        assert info.value.code == 4003 and info.value.reason.startswith("INVALID_ARGUMENT: invalid")
+        # the server still serves a normal session afterwards
+        with http.websocket_connect("/evergreen") as ws:
+            message, _ = prompt_message("hi", config=GenerateConfig(max_tokens=1))
+            ws.send_text(codec.encode_json(message))
+            assert codec.decode_json(ws.receive_text()).node_fragments[0].chunk_fragment.data == b" t0"
+    assert client.requests and len(client.requests) == 1
+
+
+def test_websocket_reader_bug_aborts_with_internal_instead_of_hanging(monkeypatch):
+    def broken(text):
+        raise RuntimeError("secret detail")
+
+    monkeypatch.setattr(codec, "decode_json", broken)
+    deps = make_deps(ScriptedClient(), **{"evergreen.grpc_port": 0})
+    with TestClient(Starlette(routes=adapter.routes(deps))) as http, http.websocket_connect("/evergreen") as ws:
+        ws.send_text("{}")
+        with pytest.raises(WebSocketDisconnect) as info:
+            ws.receive_text()
+    assert (info.value.code, info.value.reason) == (4013, "INTERNAL: internal server error")

@@ -348,3 +348,29 @@ async def test_idle_connections_time_out_and_connections_past_the_limit_are_refu
         await refused.close()
     finally:
         await stop()
+
+
+async def test_deep_json_frame_is_invalid_json_not_a_bare_close(make_listener) -> None:
+    # Issue 12 item 5: RecursionError escaped decode and the connection closed with no frame.
+    listener = await make_listener()
+    conn = await listener.connect()
+    payload = b'{"id": "d", "prompt": "p", "metadata": {"x": ' + b"[" * 5000 + b"]" * 5000 + b"}}"
+    await conn.send_raw(struct.pack("<I", len(payload)) + payload)
+    event = await conn.recv()
+    assert event is not None and event["event"] == "error" and event["code"] == "E_PROTO_INVALID_JSON"
+    assert await conn.is_closed()
+
+
+async def test_a_session_bug_answers_with_the_generic_error_frame(make_listener, monkeypatch) -> None:
+    from rill.protocols.framed_uds.session import FramedSession
+
+    def broken(self, message):
+        raise KeyError("secret internals")
+
+    monkeypatch.setattr(FramedSession, "receive", broken)
+    listener = await make_listener()
+    conn = await listener.connect()
+    await conn.send({"id": "x", "prompt": "hi"})
+    event = await conn.recv()
+    assert event is not None and event["code"] == "E_RUNTIME_INTERNAL" and "secret" not in event["message"]
+    assert await conn.is_closed()

@@ -493,3 +493,40 @@ async def test_stored_feedback_text_is_cut_and_a_full_store_refuses(make_server:
         await send(ws, type="feedback", rating=1)
         error = await recv(ws)
         assert error["type"] == "error" and "feedback store is full" in error["message"] and error["recoverable"]
+
+
+async def test_hostile_frames_get_invalid_request_and_the_socket_stays_usable(make_server: Any) -> None:
+    # Issue 12 item 5: deep nesting raised RecursionError out of the handler (an ASGI
+    # traceback and a 1011 close); bad UTF-8 in a binary frame was handled by luck.
+    live = await make_server()
+    async with connect(live.ws) as ws:
+        for frame in ('{"type": "config", "prompt": "p", "x": ' + "[" * 5000 + "]" * 5000 + "}", b'{"type": "config", "prompt": "\xff"}', '{"type":"config","prompt":"\\ud800"}'):
+            await ws.send(frame)
+            err = await recv(ws)
+            assert err["type"] == "error" and err["error"] == "invalid_request" and err["recoverable"] is True
+        await send(ws, type="config", prompt="Write", parameters={"max_tokens": 2})
+        assert (await until(ws, is_type("completion")))[-1]["generated_text"] == " w0 w1"
+
+
+async def test_rest_hostile_body_is_a_400(make_server: Any) -> None:
+    live = await make_server()
+    async with httpx.AsyncClient(base_url=live.url) as http:
+        res = await http.post("/v1/generate", content=b'{"prompt": "p", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}")
+        assert res.status_code == 400 and res.json()["error"] == "invalid_request"
+
+
+async def test_a_session_bug_is_the_generic_error_frame_not_a_dead_handler(make_server: Any, monkeypatch: Any) -> None:
+    from rill.protocols.generate_ws import session as s
+
+    def broken(self: Any, msg: Any, now: float) -> Any:
+        raise KeyError("secret internals")
+
+    monkeypatch.setattr(s.GenerateSession, "receive", broken)
+    live = await make_server()
+    async with connect(live.ws) as ws:
+        await send(ws, type="config", prompt="Write")
+        err = await recv(ws)
+        assert err["error"] == "internal_error" and "secret" not in err["message"]
+        with pytest.raises(ConnectionClosed) as info:
+            await ws.recv()
+        assert info.value.rcvd is not None and info.value.rcvd.code == 1011

@@ -360,3 +360,18 @@ async def test_many_disconnects_leave_nothing_running(fake: FakeClient) -> None:
                  if s.name == "rill_requests_total" and s.labels["finish_reason"] == "cancelled"]
     assert cancelled[0].value == 100 and cancelled[0].labels["protocol"] == "openai_http"
     assert KV_BYTES_PER_REQUEST > 0  # the fake does count KV while requests live
+
+
+@pytest.mark.parametrize("body", [
+    b'{"prompt": "\xff\xfe"}',  # not UTF-8: was a 500 (UnicodeDecodeError)
+    b'{"prompt": "x", "logit_bias": ' + b"[" * 5000 + b"]" * 5000 + b"}",  # was a 500 (RecursionError)
+    b'{"prompt": "\\ud800"}',
+])
+async def test_hostile_bodies_are_400s_not_500s(fake: FakeClient, body: bytes) -> None:
+    async with live_app(fake) as url, httpx.AsyncClient(base_url=url) as http:
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            e = _error(await http.post(path, content=body, headers={"content-type": "application/json"}), 400)
+            assert e["type"] == "invalid_request_error"
+            if path == "/v1/completions":  # chat refuses the missing messages (bytes of unknown fields are skipped)
+                assert "JSON" in e["message"]
+    assert fake.requests == []

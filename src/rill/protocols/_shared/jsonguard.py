@@ -35,42 +35,48 @@ class UnsafeJson(msgspec.DecodeError):
     """The text nests deeper than the limit, or is not valid UTF-8 / holds a lone surrogate."""
 
 
-def max_depth(data: str | bytes, limit: int = MAX_DEPTH) -> int:
-    """The deepest nesting of ``[``/``{`` in ``data`` outside strings, or any value over ``limit``.
+def nesting_depth(data: str | bytes, stop_above: int | None = None) -> int:
+    """The deepest nesting of arrays and objects in JSON text ``data`` (brackets in strings do not count).
 
-    Cheap for ordinary input: when ``data`` holds at most ``limit`` opening brackets in all,
-    it cannot nest deeper, and only two ``count`` calls run. Otherwise the depth is a
-    vectorised running sum over 1 MiB chunks, stopped as soon as
-    it passes ``limit``: strings are told apart by the parity of the quotes before each
-    bracket, once escaped backslashes and quotes are removed. Invalid JSON (an unterminated
-    string) gives some depth; the parser refuses such text anyway.
+    A vectorised running sum over 1 MiB chunks: strings are told apart by the parity of the
+    quotes before each bracket, once escaped backslashes and escaped quotes are removed.
+    Invalid JSON (an unterminated string) gives some depth; the parser refuses it anyway.
+
+    Args:
+        data: the text.
+        stop_above: stop scanning (and return the depth so far) once it passes this value.
     """
-    if isinstance(data, str):
-        num_openers = data.count("[") + data.count("{")
-        raw = data.encode("utf-8", "surrogatepass") if num_openers > limit else b""
-    else:
-        raw = bytes(data)
-        num_openers = raw.count(b"[") + raw.count(b"{")
-    if num_openers <= limit:
-        return num_openers
-    # Drop escaped backslashes, then escaped quotes: every quote left opens or closes a string.
+    raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else bytes(data)
     raw = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
     depth = deepest = num_quotes = 0
     for start in range(0, len(raw), _CHUNK_BYTES):
         chunk = np.frombuffer(raw, dtype=np.uint8, count=min(_CHUNK_BYTES, len(raw) - start), offset=start)
         quotes = np.cumsum(chunk == _QUOTE, dtype=np.int32) + num_quotes
-        steps = np.where(quotes & 1, 0, _STEPS[chunk])  # brackets inside a string do not count
+        steps = np.where(quotes & 1, 0, _STEPS[chunk])  # a bracket after an odd number of quotes is text
         running = np.cumsum(steps, dtype=np.int32) + depth
         deepest = max(deepest, int(running.max()))
         depth, num_quotes = int(running[-1]), int(quotes[-1])
-        if deepest > limit:
+        if stop_above is not None and deepest > stop_above:
             break
     return deepest
 
 
+def is_too_deep(data: str | bytes, limit: int = MAX_DEPTH) -> bool:
+    """Whether JSON text ``data`` nests arrays and objects deeper than ``limit``.
+
+    Cheap for ordinary input: text with at most ``limit`` opening brackets in all cannot
+    nest deeper, and only two ``count`` calls run; otherwise ``nesting_depth`` scans it.
+    """
+    if isinstance(data, str):
+        num_openers = data.count("[") + data.count("{")
+    else:
+        num_openers = data.count(b"[") + data.count(b"{")
+    return num_openers > limit and nesting_depth(data, stop_above=limit) > limit
+
+
 def check_depth(data: str | bytes, limit: int = MAX_DEPTH) -> None:
     """Raise ``UnsafeJson`` when ``data`` nests arrays/objects deeper than ``limit``."""
-    if max_depth(data, limit) > limit:
+    if is_too_deep(data, limit):
         raise UnsafeJson(f"JSON nests arrays and objects deeper than {limit} levels")
 
 
