@@ -204,7 +204,7 @@ class Connection:
             except ConnectionError:
                 data = b""
             except TimeoutError:
-                await self.perform(self._protocol_error(
+                await self.perform(self.session.on_protocol_error(
                     IdleTimeout(f"no message within {first_message_s:g} s of connecting")))
                 break
             if not data:
