@@ -5,7 +5,8 @@
 
 Starts ``rill serve`` as a child process with every listener (HTTP, a Unix socket in a
 temporary folder, gRPC on a free port) and queues big enough for the load (``--max-queue``
-and ``--chat-max-queue`` above the connection count), raises this process's open-file
+and ``--chat-max-queue`` above the connection count, and the connection limits, since
+every client is 127.0.0.1), raises this process's open-file
 limit (the child inherits it), sends one warm-up request per protocol, then opens all
 connections at once, split evenly over the protocols, each streaming one generation
 (greedy, eos ignored where the protocol can say so). Prints errors (by protocol and type),
@@ -106,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [sys.executable, "-m", "rill", "serve", "--model", str(model_dir), "--port", str(port),
                "--host", "127.0.0.1", "--num-threads", str(args.threads), "--max-num-seqs", str(args.max_num_seqs),
                "--max-queue", queue, "--chat-max-queue", queue, "--chat-max-active", str(args.max_num_seqs),
+               # every connection comes from 127.0.0.1: the per-client bound must hold them all
+               "--max-connections", queue, "--max-connections-per-client", queue,
                "--socket", target.socket, "--grpc-port", str(grpc_port), "--log-level", "warning"]
         log = args.out / "many_connections.server.log"
         try:
