@@ -170,7 +170,12 @@ async def run(args: argparse.Namespace, server: Server, root: Path, data_dir: Pa
     probe.start()
     await asyncio.sleep(0.5)
     uri = f"file://{root}/big.txt"
+    async def idle() -> str:
+        await asyncio.sleep(3)
+        return "no request: the machine's own noise"
+
     cases: list[tuple[str, Callable[[], Awaitable[str]]]] = [
+        ("idle, 3 s", idle),
         ("evergreen: 20 refs to a 1 MB file", lambda: evergreen(address, ref_messages(uri, 20))),
         ("evergreen: 50 refs to a 1 MB file", lambda: evergreen(address, ref_messages(uri, 50))),
         ("evergreen: 1 MB shared node x 2 uses", lambda: evergreen(address, shared_node_messages(2))),
