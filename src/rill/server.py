@@ -108,6 +108,8 @@ def make_deps(config: ServerConfig, client: EngineClient) -> Deps:
     metrics = metrics_mod.Metrics(client, gate) if metrics_mod is not None else None
     if metrics is not None and hasattr(client, "set_metrics_sink"):
         client.set_metrics_sink(metrics)
+    if hasattr(client, "set_max_tokens_cap"):
+        client.set_max_tokens_cap(config.http.max_tokens_cap)
     return Deps(config=config, client=client, metrics=metrics, api_keys=config.api_keys(), gate=gate)
 
 

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import msgspec
+
 from rill.config import EngineConfig, parse_size
 from rill.engine.request import (
     AbortCommand,
@@ -158,6 +160,7 @@ class InprocClient:
         self._is_dead = False
         self._admission = PromptAdmission(max_prompt_chars=config.max_prompt_chars,
                                           num_threads=config.tokenizer_threads)
+        self._max_tokens_cap: int | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
     @classmethod
@@ -172,6 +175,12 @@ class InprocClient:
     def set_metrics_sink(self, sink: MetricsSink) -> None:
         """Receive per-request figures when requests end."""
         self._metrics = sink
+
+    def set_max_tokens_cap(self, cap: int | None) -> None:
+        """Clamp every request's ``max_tokens`` to ``cap`` (``--max-tokens-cap``), on every
+        protocol alike, at submission and on ``modify``; the stream's ``sampling`` and
+        ``modify``'s answer carry the clamped value."""
+        self._max_tokens_cap = cap
 
     def is_ready(self) -> bool:
         """True once the model is loaded and the engine runs."""
@@ -205,7 +214,7 @@ class InprocClient:
     async def generate(self, request: GenerateRequest) -> RequestStream:
         """Tokenize (off the event loop), validate and submit; see ``EngineClient.generate``."""
         engine = self._require_engine()
-        params = request.sampling.validate(vocab_size=engine.model_info.vocab_size)
+        params = self._capped(request.sampling).validate(vocab_size=engine.model_info.vocab_size)
         [prompt_ids] = await self._admission.token_ids(engine.tokenizer, [request], engine.model_info.vocab_size)
         engine = self._require_engine()  # the engine may have died while the prompt was tokenized
         max_len = engine.model_info.max_context_tokens
@@ -282,11 +291,17 @@ class InprocClient:
         """Validate ``patch`` against the current parameters and apply it from the next token."""
         self._live(request_id)
         engine = self._require_engine()
-        params = self._params[request_id].updated(patch)
+        params = self._capped(self._params[request_id].updated(patch))
         params.validate(vocab_size=engine.model_info.vocab_size)
         self._params[request_id] = params
         self._inbox.put(ModifyCommand(request_id, params))
         return params
+
+    def _capped(self, params: SamplingParams) -> SamplingParams:
+        cap = self._max_tokens_cap
+        if cap is None or params.max_tokens <= cap:
+            return params
+        return msgspec.structs.replace(params, max_tokens=cap, min_tokens=min(params.min_tokens, cap))
 
     def regenerate(self, request_id: RequestId) -> None:
         """Restart a request from its prompt."""

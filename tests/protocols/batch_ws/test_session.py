@@ -216,10 +216,11 @@ def test_inflight_limit_refuses_the_whole_message() -> None:
         receive(session, {"prompts": [{"request_id": "b", "prompt": "x"}, {"request_id": "c", "prompt": "x"}]})
 
 
-def test_max_tokens_cap_and_timeout_apply() -> None:
-    actions = receive(make_session(limits=Limits(max_tokens_cap=8, request_timeout_s=30.0)),
+def test_timeout_applies_and_max_new_tokens_passes_through() -> None:
+    # --max-tokens-cap is applied at admission for every protocol (tests/test_policy_e2e.py).
+    actions = receive(make_session(limits=Limits(request_timeout_s=30.0)),
                       {"prompts": [{"request_id": "a", "prompt": "x"}], "generation_config": {"max_new_tokens": 100}})
-    assert actions[1].request.sampling.max_tokens == 8 and actions[1].request.deadline_s == 30.0
+    assert actions[1].request.sampling.max_tokens == 100 and actions[1].request.deadline_s == 30.0
 
 
 def test_defaults_fill_missing_fields() -> None:

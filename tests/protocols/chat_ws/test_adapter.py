@@ -165,11 +165,11 @@ def test_engine_failure_mid_reply_aborts_nothing_twice_and_leaks_nothing() -> No
 
 def test_generation_fields_reach_the_engine() -> None:
     client = ScriptedClient(["x"])
-    app, _ = make_app(client, **{"http.max_tokens_cap": 100, "http.request_timeout_s": 30.0})
+    app, _ = make_app(client, **{"http.request_timeout_s": 30.0})  # the token cap is the frontend's
     converse(app, {**BODY, "generation": {"max_new_tokens": 400, "temperature": 0.1, "repetition_penalty": 1.2}})
     request = client.requests[0]
     assert request.protocol == "chat_ws" and request.deadline_s == 30.0
-    assert (request.sampling.max_tokens, request.sampling.temperature, request.sampling.repetition_penalty) == (100, 0.1, 1.2)
+    assert (request.sampling.max_tokens, request.sampling.temperature, request.sampling.repetition_penalty) == (400, 0.1, 1.2)
 
 
 def test_http_helpers_when_nothing_is_configured() -> None:

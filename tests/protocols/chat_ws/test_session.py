@@ -132,10 +132,10 @@ def test_build_generate_request() -> None:
                       generation=GenerationConfig(max_new_tokens=64, temperature=0.2, top_k=5, seed=3,
                                                   min_new_tokens=2, stop=["\n"]),
                       enable_thinking=True)
-    g = build_generate_request(req, max_tokens_cap=32, deadline_s=9.0)
+    g = build_generate_request(req, deadline_s=9.0)  # --max-tokens-cap is the frontend's
     assert [(m.role, m.content) for m in g.messages] == [("system", "Be brief."), ("user", "a\nb")]
     p = g.sampling
-    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed, p.min_tokens, p.stop) == (32, 0.2, 0.8, 5, 3, 2, ["\n"])
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed, p.min_tokens, p.stop) == (64, 0.2, 0.8, 5, 3, 2, ["\n"])
     assert g.protocol == "chat_ws" and g.chat_template_kwargs == {"enable_thinking": True} and g.deadline_s == 9.0
 
 

@@ -278,13 +278,14 @@ def test_client_may_not_write_an_output_node():
         feed(s, msg(leaf("r", "x")))
 
 
-def test_configs_become_sampling_and_the_cap_applies():
-    s = EvergreenSession(SessionLimits(max_tokens_cap=7), ModelFacts(name="tiny"))
+def test_configs_become_sampling():
+    # --max-tokens-cap is applied at admission for every protocol (tests/test_policy_e2e.py).
+    s = EvergreenSession(SessionLimits(), ModelFacts(name="tiny"))
     [g] = generates(feed(s, msg(leaf("p", "x")), msg(generate(config=GenerateConfig(temperature=0.0, max_tokens=50,
                                                                                    seed=3, stop=("!",))))))
     request = s.request_for(g, {})
     assert (request.sampling.temperature, request.sampling.max_tokens, request.sampling.seed,
-            request.sampling.stop) == (0.0, 7, 3, ["!"])
+            request.sampling.stop) == (0.0, 50, 3, ["!"])
     assert request.protocol == "evergreen"
 
 

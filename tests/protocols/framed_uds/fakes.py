@@ -13,6 +13,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from rill.errors import ContextLengthExceeded, GenerationError
 from rill.frontend.stream import RequestStream
 from rill.types import EngineStats, GenerateRequest, ModelInfo, RequestOutput, SamplingParams
@@ -38,6 +40,7 @@ class FakeEngineClient:
     max_num_seqs: int = 4
     step_s: float = 0.002
     max_context_tokens: int = 64
+    max_tokens_cap: int | None = None  # what InprocClient.set_max_tokens_cap does, for this fake
     fail_prompt: str = "FAIL"
     model_info: ModelInfo | None = None
     waiting: list[_Req] = field(default_factory=list)
@@ -63,6 +66,8 @@ class FakeEngineClient:
         num_prompt_tokens = len((request.prompt or "").split())
         if num_prompt_tokens > self.max_context_tokens:
             raise ContextLengthExceeded(num_prompt_tokens, self.max_context_tokens)
+        if self.max_tokens_cap is not None and request.sampling.max_tokens > self.max_tokens_cap:
+            request.sampling = msgspec.structs.replace(request.sampling, max_tokens=self.max_tokens_cap)
         self.requests.append(request)
         request_id = request.request_id or f"fake-{next(self._ids)}"
         stream = RequestStream(self, request_id, list(range(num_prompt_tokens)), request.sampling)

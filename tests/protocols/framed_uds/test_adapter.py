@@ -297,8 +297,9 @@ async def test_stopper_ends_live_connections(sock_path: Path, fake_client: FakeE
     assert not sock_path.exists()
 
 
-async def test_newline_mode(make_listener) -> None:
-    listener = await make_listener(**{"uds.uds_protocol": "newline", "http.max_tokens_cap": 2})
+async def test_newline_mode(make_listener, fake_client: FakeEngineClient) -> None:
+    fake_client.max_tokens_cap = 2  # lines carry no max_tokens: the server's cap (admission's) bounds them
+    listener = await make_listener(**{"uds.uds_protocol": "newline"})
     reader, writer = await asyncio.open_unix_connection(str(listener.path))
     writer.write(b"first\nsecond\n")
     writer.write_eof()  # like `printf 'first\nsecond\n' | nc -U`: the answers still come

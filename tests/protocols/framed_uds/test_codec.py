@@ -117,10 +117,11 @@ def test_build_request_honours_every_field() -> None:
     assert request.priority < 0
 
 
-def test_max_tokens_cap_bounds_max_tokens() -> None:
-    assert codec.build_request(messages.Request(id="r", prompt="Hi", max_tokens=500), 100).sampling.max_tokens == 100
-    assert codec.build_request(messages.Request(id="r", prompt="Hi"), 100).sampling.max_tokens == 100
-    assert codec.build_request(messages.Request(id="r", prompt="Hi", max_tokens=5), 100).sampling.max_tokens == 5
+def test_max_tokens_default_and_pass_through() -> None:
+    # --max-tokens-cap is applied at admission for every protocol (tests/test_policy_e2e.py).
+    assert codec.build_request(messages.Request(id="r", prompt="Hi", max_tokens=500)).sampling.max_tokens == 500
+    assert codec.build_request(messages.Request(id="r", prompt="Hi")).sampling.max_tokens == codec.DEFAULT_MAX_TOKENS
+    assert codec.build_request(messages.Request(id="r", prompt="Hi"), 9.0).deadline_s == 9.0
 
 
 @pytest.mark.parametrize("field, value", [("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5), ("max_tokens", 0),

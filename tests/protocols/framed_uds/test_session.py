@@ -163,10 +163,11 @@ def test_disconnect_aborts_only_a_running_request() -> None:
     assert busy.receive(Cancel(id="r1")) == []
 
 
-def test_slo_becomes_priority_and_max_tokens_cap_applies() -> None:
-    session = FramedSession(SessionLimits(max_tokens_cap=10))
+def test_slo_becomes_priority_and_max_tokens_passes_through() -> None:
+    # --max-tokens-cap is applied at admission for every protocol (tests/test_policy_e2e.py).
+    session = FramedSession(SessionLimits())
     start = started(session, slo=Slo(target_ttft_ms=100), max_tokens=50)
-    assert start.request.priority < 0 and start.request.sampling.max_tokens == 10
+    assert start.request.priority < 0 and start.request.sampling.max_tokens == 50
 
 
 @pytest.mark.parametrize("text, ids, texts, expected", [

@@ -142,7 +142,7 @@ def test_random_parameter_values_never_crash_the_session() -> None:
             msg = codec.decode(text)
         except codec.InvalidMessage:
             continue
-        sess = s.GenerateSession(s.Limits(model_name="t", model_info=info, max_tokens_cap=1000))
+        sess = s.GenerateSession(s.Limits(model_name="t", model_info=info))
         actions = sess.receive(msg, now=0.0)
         num_started += isinstance(actions[0], s.Start)
         if not isinstance(actions[0], s.Start):

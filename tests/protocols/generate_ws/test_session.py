@@ -10,15 +10,15 @@ from rill.protocols.generate_ws import codec
 from rill.protocols.generate_ws import messages as m
 from rill.protocols.generate_ws import session as s
 from rill.protocols.generate_ws.deltas import split_text
-from rill.types import ModelInfo, RequestEvent, RequestOutput, TokenLogprob, TopLogprob, Usage
+from rill.types import ModelInfo, RequestEvent, RequestOutput, SamplingParams, TokenLogprob, TopLogprob, Usage
 
 INFO = ModelInfo(name="tiny", architecture="LlamaForCausalLM", max_context_tokens=128, vocab_size=1000,
                  dtype="float32", device="cpu")
 
 
-def new_session(cap: int | None = None) -> s.GenerateSession:
+def new_session() -> s.GenerateSession:
     ids = iter(f"gen_{i}" for i in range(100))
-    return s.GenerateSession(s.Limits(model_name="tiny", model_info=INFO, max_tokens_cap=cap),
+    return s.GenerateSession(s.Limits(model_name="tiny", model_info=INFO),
                              token_text=lambda i: f"<{i}>", new_request_id=lambda: next(ids))
 
 
@@ -71,10 +71,10 @@ def test_config_starts_a_generate_request() -> None:
 
 @pytest.mark.parametrize("params,field", [({"temperature": -1}, "parameters.temperature"),
                                           ({"top_p": 0}, "parameters.top_p"),
-                                          ({"max_tokens": 99}, "parameters.max_tokens"),
+                                          ({"max_tokens": 0}, "parameters.max_tokens"),
                                           ({"logit_bias": {"5000": 1}}, "parameters.logit_bias")])
 def test_invalid_config_names_the_field(params: dict, field: str) -> None:
-    sess = new_session(cap=50)
+    sess = new_session()
     [err] = sent(sess.receive(config(parameters=params), now=0.0))
     assert err["error"] == "invalid_request" and err["field"] == field
     assert sess.state is s.State.AWAIT_CONFIG
@@ -152,6 +152,22 @@ def test_modify_valid_and_invalid() -> None:
     msgs = sent(sess.on_output(out(" a", events=[RequestEvent.MODIFIED], n=1), now=11.1))
     assert msgs[0]["type"] == "token"
     assert msgs[1]["operation"] == "modified" and msgs[1]["parameters"]["temperature"] == 0.0
+
+
+def test_the_servers_clamped_parameters_are_the_ones_reported() -> None:
+    # --max-tokens-cap is applied at admission (the frontend), as on every protocol: the
+    # session starts from what the engine took and reports the clamp in `modified`.
+    sess = new_session()
+    sess.receive(config(parameters={"max_tokens": 500, "temperature": 0.8}), now=10.0)
+    assert sess.gen is not None and sess.gen.sampling.max_tokens == 500  # no refusal here
+    sess.on_started(2, SamplingParams(max_tokens=5, temperature=0.8))
+    assert sess.receive(control("modify", parameters={"temperature": 0.1}), now=11.0) == [s.Modify({"temperature": 0.1})]
+    msgs = sent(sess.on_output(out(" a", events=[RequestEvent.MODIFIED], n=1), now=11.1))
+    assert msgs[1]["parameters"]["max_tokens"] == 5 and msgs[1]["parameters"]["temperature"] == 0.1
+    sess.receive(control("modify", parameters={"max_tokens": 900}), now=12.0)
+    sess.on_modify_applied(SamplingParams(max_tokens=5, temperature=0.1))
+    msgs = sent(sess.on_output(out(" b", events=[RequestEvent.MODIFIED], n=1), now=12.1))
+    assert msgs[1]["operation"] == "modified" and msgs[1]["parameters"]["max_tokens"] == 5
 
 
 def test_modify_needs_parameters_and_parameters_need_modify() -> None:

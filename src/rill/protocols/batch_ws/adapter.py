@@ -58,7 +58,7 @@ class _Shared:
         defaults = deps.extras.get(DEFAULTS_EXTRA) or rill_config.sampling_defaults()
         self.defaults = GenerationConfig(**{name: getattr(defaults, name) for name in GenerationConfig.__struct_fields__})
         cfg = deps.config.batch_ws
-        self.limits = Limits(max_tokens_cap=deps.config.http.max_tokens_cap, max_inflight_prompts=cfg.batch_max_inflight_prompts,
+        self.limits = Limits(max_inflight_prompts=cfg.batch_max_inflight_prompts,
                              request_timeout_s=deps.config.http.request_timeout_s)
         self.store = ContinuationStore(cfg.batch_cache_max_entries, cfg.batch_cache_max_tokens, cfg.batch_cache_ttl_s)
         try:  # a bad MODEL_DEFAULT_* value must stop startup, not fail every message later

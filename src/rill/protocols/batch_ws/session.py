@@ -84,14 +84,12 @@ Action = Union[Send, SendError, Start, Abort]
 
 @dataclass(frozen=True)
 class Limits:
-    """Per-connection bounds and server-wide caps the session applies.
+    """Per-connection bounds the session applies (``--max-tokens-cap`` is the frontend's).
 
-    ``max_tokens_cap``: upper bound for ``max_new_tokens`` (None: none).
     ``max_inflight_prompts``: most prompts generating at once on one socket.
     ``request_timeout_s``: wall-clock limit per prompt (None: none).
     """
 
-    max_tokens_cap: int | None = None
     max_inflight_prompts: int = 256
     request_timeout_s: float | None = None
 
@@ -268,10 +266,7 @@ class BatchSession:
 
     def _sampling(self, config: GenerationConfig | None) -> SamplingParams:
         cfg = (config or GenerationConfig()).filled_from(self.defaults)
-        max_tokens = cfg.max_new_tokens
-        if self.limits.max_tokens_cap is not None and max_tokens is not None:
-            max_tokens = min(max_tokens, self.limits.max_tokens_cap)
-        params = SamplingParams(max_tokens=max_tokens, repetition_penalty=cfg.repetition_penalty,
+        params = SamplingParams(max_tokens=cfg.max_new_tokens, repetition_penalty=cfg.repetition_penalty,
                                 num_beams=cfg.num_beams, length_penalty=cfg.length_penalty)
         if cfg.num_beams == 1 and cfg.do_sample:
             # NOTE: sampling fields only matter when sampling; HF ignores them otherwise, so do we.

@@ -67,7 +67,6 @@ class ChatService:
         self.queue = FairQueue(cfg.chat.chat_max_active, cfg.chat.chat_max_queue)
         self.speech = SpeechService(deps.extras.get(SYNTH_EXTRA))
         self.media_limits = media.MediaLimits()
-        self.max_tokens_cap = cfg.http.max_tokens_cap
         self.request_timeout_s = cfg.http.request_timeout_s
         self.recordings_dir = Path(cfg.http.data_dir) / "recordings" if cfg.chat.record else None
         days = cfg.chat.record_retention_days
@@ -250,7 +249,7 @@ class _Chat:
         decoded = await asyncio.to_thread(media.decode_media, request.messages, self.service.media_limits)
         info = client.model_info
         refuse_modalities([(d.kind, d.where) for d in decoded], info.name, list(info.modalities))
-        generate_request = build_generate_request(request, max_tokens_cap=self.service.max_tokens_cap,
+        generate_request = build_generate_request(request,
                                                   deadline_s=self.service.request_timeout_s)
         recording_id = f"chat_{uuid.uuid4().hex[:16]}" if self.service.recordings_dir is not None else None
         self.session = ChatSession(request, is_speaking=request.tts.enabled,

@@ -84,8 +84,7 @@ Action = Send | Speak | EndSpeech | Close
 _MODALITY_OF_PART = {"image": "image", "audio": "audio", "video": "video"}
 
 
-def build_generate_request(request: ChatRequest, *, max_tokens_cap: int | None = None,
-                           deadline_s: float | None = None) -> GenerateRequest:
+def build_generate_request(request: ChatRequest, *, deadline_s: float | None = None) -> GenerateRequest:
     """The engine request for a chat whose media parts were already refused or handled.
 
     Text parts of a content list are joined with newlines; media parts must not remain.
@@ -94,7 +93,7 @@ def build_generate_request(request: ChatRequest, *, max_tokens_cap: int | None =
         InvalidRequest: a generation field is invalid (names it), or a media part remains.
     """
     messages = [ChatMessage(role=m.role, content=_text_of(m, i)) for i, m in enumerate(request.messages)]
-    sampling = sampling_params(request.generation, max_tokens_cap)
+    sampling = sampling_params(request.generation)
     return GenerateRequest(messages=messages, sampling=sampling, protocol=PROTOCOL,
                            chat_template_kwargs={"enable_thinking": request.enable_thinking}, deadline_s=deadline_s)
 
@@ -118,14 +117,15 @@ _GENERATION_FIELDS: dict[str, str] = {
 }
 
 
-def sampling_params(generation: GenerationConfig, max_tokens_cap: int | None = None) -> SamplingParams:
-    """Engine sampling parameters from the wire ``generation`` object (validated).
+def sampling_params(generation: GenerationConfig) -> SamplingParams:
+    """Engine sampling parameters from the wire ``generation`` object (validated; the
+    server's ``--max-tokens-cap`` is applied at admission, as on every protocol).
 
     Raises:
         InvalidRequest: a value is out of range (the message uses the wire name).
     """
     fields: dict[str, Any] = {
-        "max_tokens": min(generation.max_new_tokens, max_tokens_cap) if max_tokens_cap else generation.max_new_tokens,
+        "max_tokens": generation.max_new_tokens,
         "temperature": 0.0 if generation.do_sample is False else generation.temperature,
         "top_p": generation.top_p,
         "length_penalty": generation.length_penalty,

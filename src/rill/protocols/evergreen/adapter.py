@@ -73,7 +73,6 @@ def session_limits(deps: "Deps") -> SessionLimits:
                          max_bytes=e.evergreen_max_bytes, max_actions=e.evergreen_max_actions,
                          max_fragments=e.evergreen_max_fragments, max_id_bytes=e.evergreen_max_id_bytes,
                          max_prompt_bytes=e.evergreen_max_prompt_bytes,
-                         max_tokens_cap=deps.config.http.max_tokens_cap,
                          request_timeout_s=deps.config.http.request_timeout_s, file_roots=roots)
 
 

@@ -150,8 +150,7 @@ def file_ref(uri: str, node_id: str, file_roots: tuple[str, ...]) -> FileRef:
 
 
 def build_request(action_id: int, items: tuple[PromptItem, ...], config: GenerateConfig, ref_bytes: dict[str, bytes],
-                  model: ModelFacts, *, max_tokens_cap: int | None = None,
-                  deadline_s: float | None = None) -> GenerateRequest:
+                  model: ModelFacts, *, deadline_s: float | None = None) -> GenerateRequest:
     """The engine request of action ``action_id``; ``ref_bytes`` holds each file ref's content by path.
 
     Raises:
@@ -161,7 +160,7 @@ def build_request(action_id: int, items: tuple[PromptItem, ...], config: Generat
     turns = chat_turns(items, ref_bytes)
     if not any(turn.content for turn in turns):
         raise InvalidRequest(f"action {action_id}: the prompt is empty", field="prompt")
-    common = dict(sampling=sampling_params(config, max_tokens_cap), protocol=codec.PROTOCOL_NAME, deadline_s=deadline_s)
+    common = dict(sampling=sampling_params(config), protocol=codec.PROTOCOL_NAME, deadline_s=deadline_s)
     if model.has_chat_template:
         return GenerateRequest(messages=turns, **common)
     if len(turns) > 1 or turns[0].role != "user":
@@ -193,12 +192,11 @@ def chat_turns(items: tuple[PromptItem, ...], ref_bytes: dict[str, bytes]) -> li
     return turns
 
 
-def sampling_params(config: GenerateConfig, max_tokens_cap: int | None) -> SamplingParams:
-    """``SamplingParams`` from the fields the config sets (``max_tokens`` capped at the server cap)."""
+def sampling_params(config: GenerateConfig) -> SamplingParams:
+    """``SamplingParams`` from the fields the config sets (the server's ``--max-tokens-cap``
+    is applied at admission, as on every protocol)."""
     values = {name: (list(v) if isinstance(v, tuple) else v) for name in config.__struct_fields__
               if (v := getattr(config, name)) is not None and v != ()}
-    if max_tokens_cap is not None:
-        values["max_tokens"] = min(values.get("max_tokens", SamplingParams().max_tokens), max_tokens_cap)
     return SamplingParams(**values)
 
 

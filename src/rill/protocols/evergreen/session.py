@@ -95,7 +95,6 @@ class SessionLimits:
     max_fragments: int = 100_000
     max_id_bytes: int = 1024
     max_prompt_bytes: int = 2 * 1024 * 1024
-    max_tokens_cap: int | None = None
     request_timeout_s: float | None = None
     file_roots: tuple[str, ...] = ()
 
@@ -523,7 +522,7 @@ class EvergreenSession:
         decoded there, not on the event loop.
         """
         return build_request(command.action_id, command.items, command.config, ref_bytes, self.model,
-                             max_tokens_cap=self.limits.max_tokens_cap, deadline_s=self.limits.request_timeout_s)
+                             deadline_s=self.limits.request_timeout_s)
 
 
     # -- outbound ----------------------------------------------------------------------------------

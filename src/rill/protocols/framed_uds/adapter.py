@@ -126,8 +126,7 @@ class UdsListener:
     def __init__(self, deps: "Deps") -> None:
         self.deps = deps
         self.config = deps.config.uds
-        self.limits = SessionLimits(max_tokens_cap=deps.config.http.max_tokens_cap,
-                                    one_request=self.config.uds_one_request,
+        self.limits = SessionLimits(one_request=self.config.uds_one_request,
                                     request_timeout_s=deps.config.http.request_timeout_s)
         self.connections: set[Connection] = set()
         self._server: asyncio.AbstractServer | None = None

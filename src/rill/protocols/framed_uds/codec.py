@@ -188,20 +188,17 @@ def slo_priority(slo: Slo | None) -> int:
     return -1 - max(0, SLO_HORIZON_MS - math.ceil(slo.target_ttft_ms))
 
 
-def build_request(request: Request, max_tokens_cap: int | None = None,
-                  request_timeout_s: float | None = None) -> GenerateRequest:
+def build_request(request: Request, request_timeout_s: float | None = None) -> GenerateRequest:
     """The engine request for a wire ``Request``.
 
     Defaults of the spec: temperature 0.0, top_p 1.0, top_k 0 (off), ``max_tokens`` the
-    server's limit. ``max_tokens_cap`` (``--max-tokens-cap``) bounds ``max_tokens``;
+    server's limit (``--max-tokens-cap`` bounds it at admission, as on every protocol);
     ``request_timeout_s`` (``--request-timeout-s``) becomes the request's time limit.
 
     Raises:
         InvalidRequest: a sampling field is out of range (``field`` names it).
     """
     max_tokens = DEFAULT_MAX_TOKENS if request.max_tokens is None else request.max_tokens
-    if max_tokens_cap is not None:
-        max_tokens = min(max_tokens, max_tokens_cap)
     sampling = SamplingParams(
         temperature=request.temperature,
         top_p=1.0 if request.top_p is None else request.top_p,

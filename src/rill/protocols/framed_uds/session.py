@@ -90,7 +90,6 @@ Action = Union[Send, Start, Abort, SendMetrics, Rejected, Close]
 class SessionLimits:
     """Per-connection settings (from ``UdsConfig`` and ``HttpConfig``)."""
 
-    max_tokens_cap: int | None = None
     one_request: bool = False
     request_timeout_s: float | None = None
 
@@ -208,8 +207,7 @@ class FramedSession:
     # -- handlers --------------------------------------------------------------------------
     def _start(self, request: Request) -> list[Action]:
         try:
-            generate = codec.build_request(request, self.limits.max_tokens_cap,
-                                           self.limits.request_timeout_s)
+            generate = codec.build_request(request, self.limits.request_timeout_s)
         except InvalidRequest as exc:
             return self._fail(exc, request.id, request.metadata)
         self.num_requests += 1
@@ -360,7 +358,6 @@ class NewlineSession:
         prompt = self._queue.popleft()
         try:
             generate = codec.build_request(Request(id=f"line-{self.num_requests}", prompt=prompt),
-                                           self.limits.max_tokens_cap,
                                            self.limits.request_timeout_s)
         except InvalidRequest as exc:
             return self._fail(exc)

@@ -60,7 +60,7 @@ class GenerateService:
         name = self.deps.config.engine.served_model_name or (info.name if info else None)
         if name is None:
             name = Path(self.deps.config.engine.model).name if self.deps.config.engine.model else "rill-demo"
-        return s.Limits(model_name=name, model_info=info, max_tokens_cap=self.http.max_tokens_cap, version=__version__,
+        return s.Limits(model_name=name, model_info=info, version=__version__,
                         max_feedback_per_generation=self.http.feedback_max_per_generation,
                         max_feedback_per_connection=self.http.feedback_max_per_connection)
 
@@ -331,7 +331,7 @@ class _Connection:
                 stream.resume()
             elif isinstance(action, s.Modify):
                 try:
-                    stream.modify(action.patch)
+                    self.session.on_modify_applied(stream.modify(action.patch))
                 except RillError as exc:
                     await self.perform(self.session.on_modify_refused(exc))
             elif isinstance(action, s.Regenerate):
@@ -379,7 +379,7 @@ class _Connection:
                 async with asyncio.timeout(timeout_s):
                     stream = await self.service.client.generate(request)
                     self.stream = stream
-                    await self.perform(self.session.on_started(len(stream.prompt_token_ids)))
+                    await self.perform(self.session.on_started(len(stream.prompt_token_ids), stream.sampling))
                     async for output in stream:
                         num_used = output.usage.completion_tokens
                         await self.perform(self.session.on_output(output, time.monotonic()))

@@ -77,7 +77,6 @@ class Limits:
 
     model_name: str
     model_info: ModelInfo | None = None
-    max_tokens_cap: int | None = None
     version: str | None = None
     max_feedback_per_generation: int | None = None
     max_feedback_per_connection: int | None = None
@@ -193,9 +192,6 @@ class GenerateSession:
                 params.validate(vocab_size=info.vocab_size)
             except InvalidRequest as exc:
                 raise InvalidRequest(exc.message, field=f"parameters.{exc.field}") from exc
-        cap = self.limits.max_tokens_cap
-        if cap is not None and params.max_tokens > cap:
-            raise InvalidRequest(f"'max_tokens' must be <= {cap} on this server", field="parameters.max_tokens")
         return params
 
     def _on_control(self, msg: m.Control, now: float) -> list[Action]:
@@ -264,6 +260,13 @@ class GenerateSession:
         }
         return [StoreFeedback(record)]
 
+    def on_modify_applied(self, params: SamplingParams) -> None:
+        """The engine took the last ``Modify`` as ``params`` (clamped where the server caps a
+        value): the ``modified`` status reports these."""
+        gen = self.gen
+        if gen is not None and gen.pending_modified:
+            gen.pending_modified[-1] = gen.sampling = params
+
     def on_modify_refused(self, exc: RillError) -> list[Action]:
         """The engine refused the last ``Modify`` (e.g. the request just ended): undo it."""
         gen = self.gen
@@ -284,9 +287,13 @@ class GenerateSession:
                               eta_seconds=None if eta_s is None else round(eta_s, 1),
                               message="loading the model; the generation starts when it is ready"))]
 
-    def on_started(self, num_prompt_tokens: int) -> list[Action]:
-        """The engine accepted the request: send ``init``."""
+    def on_started(self, num_prompt_tokens: int, sampling: SamplingParams | None = None) -> list[Action]:
+        """The engine accepted the request: send ``init``. ``sampling`` is what the server put
+        in force (``max_tokens`` clamped to ``--max-tokens-cap``); later ``modified``
+        statuses start from it."""
         assert self.gen is not None
+        if sampling is not None:
+            self.gen.sampling = self.gen.sampling_in_force = sampling
         self.gen.num_prompt_tokens = num_prompt_tokens
         self.gen.is_started = True
         self.state = State.GENERATING
