@@ -7,8 +7,10 @@ downloaded. Without them the browser tests skip, saying so.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -75,3 +77,74 @@ def wait_for(browser: Any) -> Callable[..., Any]:
         return WebDriverWait(browser, timeout_s, poll_frequency=0.02).until(condition, message=f"waiting for {what}")
 
     return wait
+
+
+class StepMeter:
+    """How many engine steps may run: a number the test grants, or unlimited.
+
+    While the budget is zero the engine loop still applies commands (pause, modify, stop)
+    but produces nothing, so a reply cannot end, and no token can arrive, until the test
+    says so: the browser tests gate on this instead of hoping a stream outlasts them.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._budget: int | None = 0
+        self._granted = threading.Event()
+
+    def allow(self, num_steps: int) -> None:
+        """Let ``num_steps`` more steps run."""
+        with self._lock:
+            if self._budget is not None:
+                self._budget += num_steps
+        self._granted.set()
+
+    def nudge(self) -> bool:
+        """Let one step run unless one is already allowed (at most one pending: waits that
+        nudge on every poll cannot pile steps up). Returns False, for wait conditions."""
+        with self._lock:
+            if self._budget == 0:
+                self._budget = 1
+        self._granted.set()
+        return False
+
+    def unlimited(self) -> None:
+        """Let the engine run freely."""
+        with self._lock:
+            self._budget = None
+        self._granted.set()
+
+    def hold(self) -> None:
+        """Run no further step until ``allow`` or ``unlimited``."""
+        with self._lock:
+            self._budget = 0
+
+    def take(self) -> bool:
+        """One step may run now (called by the engine thread)."""
+        with self._lock:
+            if self._budget is None:
+                return True
+            if self._budget > 0:
+                self._budget -= 1
+                return True
+            self._granted.clear()
+        self._granted.wait(0.005)  # like LiveServer.hold_engine: commands keep being applied
+        return False
+
+
+@contextlib.contextmanager
+def metered_engine(live: Any) -> Iterator[StepMeter]:
+    """Run the server's engine only as far as the returned ``StepMeter`` allows (zero at first)."""
+    core = live.client.engine.core
+    step = type(core).step
+    meter = StepMeter()
+
+    def metered_step() -> list:
+        return step(core) if meter.take() else []
+
+    core.step = metered_step
+    try:
+        yield meter
+    finally:
+        del core.step  # the class's method again
+        meter.unlimited()

@@ -7,6 +7,8 @@ bound; gates come from the server (``LiveServer.hold_engine``) and long streams
 
 from __future__ import annotations
 
+import io
+import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,14 +18,15 @@ import pytest
 
 from rill.feedback import FeedbackStore
 from tests.conftest import LiveServer, start_server
-from tests.playground.conftest import browser_missing
+from tests.playground.conftest import StepMeter, browser_missing, metered_engine
 
 pytestmark = pytest.mark.skipif(browser_missing() is not None, reason=browser_missing() or "")
 
 LONG_MAX_TOKENS = 2000
 """Longer than any test keeps a reply running (the model's context is 2048)."""
 
-SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "playground.png"
+SCREENSHOT_ENV = "RILL_PLAYGROUND_SCREENSHOT"
+"""Set to a path (``docs/playground.png``) to save the README's screenshot while the tests run."""
 
 
 @pytest.fixture(scope="module")
@@ -85,88 +88,128 @@ def wait_state(wait_for: Callable[..., Any], state: str) -> None:
     wait_for(lambda d: data(d, "state") == state, f"state {state!r}")
 
 
-def wait_tokens(wait_for: Callable[..., Any], at_least: int) -> None:
-    """Wait until the current reply shows at least ``at_least`` tokens."""
-    wait_for(lambda d: num_tokens(d) >= at_least, f"{at_least} tokens")
+def engine_has_no_request(live: LiveServer) -> bool:
+    """True once the engine holds no running, paused or waiting request."""
+    stats = live.stats()
+    return stats.num_running == 0 and stats.num_paused == 0 and stats.num_waiting == 0
 
 
-def pause_for_sure(driver: Any, live: LiveServer, wait_for: Callable[..., Any]) -> None:
-    """Pause the running reply while the engine is held, so it cannot end first."""
-    with live.hold_engine():
-        click(driver, "btn-pause")
-        wait_for(lambda d: live.stats().num_paused == 1, "the engine to pause the request")
+def pause_reply(driver: Any, live: LiveServer, meter: StepMeter, wait_for: Callable[..., Any]) -> None:
+    """Pause the reply while the meter holds the engine, then let the engine run freely."""
+    meter.hold()
+    click(driver, "btn-pause")
+    wait_for(lambda d: live.stats().num_paused == 1, "the engine to pause the request")
+    meter.unlimited()
     wait_state(wait_for, "paused")
 
 
-def stop_and_settle(driver: Any, live: LiveServer, wait_for: Callable[..., Any]) -> None:
-    """Stop the reply and wait until the page and the engine are idle."""
+def stop_reply(driver: Any, live: LiveServer, meter: StepMeter, wait_for: Callable[..., Any]) -> None:
+    """Stop the reply while the meter holds the engine (so it cannot end by itself first),
+    then let the engine deliver the completion."""
+    meter.hold()
     click(driver, "btn-stop")
+    wait_for(lambda d: engine_has_no_request(live), "the engine to drop the request")
+    meter.unlimited()
     wait_state(wait_for, "done")
+    assert data(driver, "finish-reason") == "cancelled"
     live.wait_idle()
+
+
+def stream_tokens(meter: StepMeter, wait_for: Callable[..., Any], at_least: int) -> None:
+    """Grant engine steps one at a time until the reply shows ``at_least`` tokens."""
+    wait_for(lambda d: num_tokens(d) >= at_least or meter.nudge(), f"{at_least} tokens")
+
+
+def save_screenshot(driver: Any) -> None:
+    """Save the page as a small palette PNG when ``RILL_PLAYGROUND_SCREENSHOT`` names a file."""
+    target = os.environ.get(SCREENSHOT_ENV)
+    if not target:
+        return
+    from PIL import Image
+
+    image = Image.open(io.BytesIO(driver.get_screenshot_as_png())).convert("RGB")
+    image.quantize(colors=64).save(target, optimize=True)
 
 
 # ---------------------------------------------------------------------------- tests
 def test_page_streams_a_reply(browser: Any, live: LiveServer, wait_for: Callable[..., Any]) -> None:
     open_page(browser, live, wait_for)
     assert browser.title == "rill playground"
-    send(browser, "Once upon a time")
-    wait_tokens(wait_for, 5)
-    assert data(browser, "generation") == "1"
-    assert browser.find_element("id", "model-name").text.startswith("model: ")
-    reply = browser.find_elements("css selector", ".turn.reply .tok")
-    assert len(reply) >= 5 and all(span.get_attribute("title").startswith("p=") for span in reply[:5])
-    stop_and_settle(browser, live, wait_for)
-    assert data(browser, "finish-reason") == "cancelled"
+    with metered_engine(live) as meter:
+        send(browser, "Once upon a time")
+        stream_tokens(meter, wait_for, 5)  # tokens show while the reply still runs
+        meter.hold()
+        assert data(browser, "generation") == "1" and data(browser, "state") == "generating"
+        assert browser.find_element("id", "model-name").text.startswith("model: ")
+        reply = browser.find_elements("css selector", ".turn.reply .tok")
+        assert len(reply) >= 5 and all(span.get_attribute("title").startswith("p=") for span in reply)
+        assert browser.find_element("id", "fig-ttft").text.endswith(" ms")
+        stop_reply(browser, live, meter, wait_for)
 
 
 def test_pause_modify_resume_stop(browser: Any, live: LiveServer, wait_for: Callable[..., Any]) -> None:
     open_page(browser, live, wait_for)
-    send(browser, "The river")
-    wait_tokens(wait_for, 3)
-    pause_for_sure(browser, live, wait_for)
-    # Paused: no token arrives for a second (the engine holds the request, the page shows none).
-    paused_at = num_tokens(browser)
-    time.sleep(1.0)
-    assert num_tokens(browser) == paused_at
-    assert live.stats().num_paused == 1
+    with metered_engine(live) as meter:
+        send(browser, "The river")
+        stream_tokens(meter, wait_for, 3)
+        pause_reply(browser, live, meter, wait_for)
+        # Paused: no token arrives for a second although the engine runs freely.
+        paused_at = num_tokens(browser)
+        time.sleep(1.0)
+        assert num_tokens(browser) == paused_at
+        assert live.stats().num_paused == 1
 
-    # Temperature changed mid-reply: modify goes out, the server's ack places the mark.
-    set_field(browser, "p-temperature", "1.7")
-    wait_for(lambda d: data(d, "modify-marks") == "1", "the modify ack")
-    mark = browser.find_element("css selector", ".turn.reply .mark")
-    assert int(mark.get_attribute("data-at-token")) == paused_at
-    assert "temperature=1.7" in mark.text
+        # Temperature changed mid-reply: modify goes out, the server's ack places the mark.
+        set_field(browser, "p-temperature", "1.7")
+        wait_for(lambda d: data(d, "modify-marks") == "1", "the modify ack")
+        mark = browser.find_element("css selector", ".turn.reply .mark")
+        assert int(mark.get_attribute("data-at-token")) == paused_at
+        assert "temperature=1.7" in mark.text
+        assert '"temperature":1.7' in mark.get_attribute("data-params")
 
-    click(browser, "btn-resume")
-    wait_state(wait_for, "generating")
-    wait_tokens(wait_for, paused_at + 3)
-    # The mark sits right before the first token produced with the new temperature.
-    following = browser.execute_script(
-        "const m = document.querySelector('.turn.reply .mark');"
-        "return m.nextElementSibling && m.nextElementSibling.classList.contains('tok');")
-    assert following is True
+        meter.hold()
+        click(browser, "btn-resume")
+        wait_for(lambda d: data(d, "state") == "generating" or meter.nudge(), "the resume ack")
+        stream_tokens(meter, wait_for, paused_at + 3)
+        # The mark sits right before the first token produced with the new temperature.
+        following = browser.execute_script(
+            "const m = document.querySelector('.turn.reply .mark');"
+            "return m.nextElementSibling && m.nextElementSibling.classList.contains('tok');")
+        assert following is True
 
-    # A change while tokens flow is acknowledged and marked too.
-    set_field(browser, "p-top_k", "40")
-    wait_for(lambda d: data(d, "modify-marks") == "2", "the second modify ack")
-    stop_and_settle(browser, live, wait_for)
-    assert data(browser, "finish-reason") == "cancelled"
+        # A change while tokens flow is acknowledged and marked where it applies.
+        set_field(browser, "p-top_k", "40")
+        wait_for(lambda d: data(d, "modify-marks") == "2" or meter.nudge(), "the second modify ack")
+        second = browser.find_elements("css selector", ".turn.reply .mark")[1]
+        assert int(second.get_attribute("data-at-token")) > paused_at and "top_k=40" in second.text
+        if os.environ.get(SCREENSHOT_ENV):
+            click(browser, "opt-token-view")
+            stream_tokens(meter, wait_for, paused_at + 60)
+            save_screenshot(browser)
+        stop_reply(browser, live, meter, wait_for)
 
 
 def test_regenerate_and_rate(browser: Any, live: LiveServer, wait_for: Callable[..., Any]) -> None:
     open_page(browser, live, wait_for)
-    send(browser, "A story about a fox")
-    wait_tokens(wait_for, 3)
-    pause_for_sure(browser, live, wait_for)
-    click(browser, "btn-regenerate")  # while a reply runs: control regenerate
-    wait_for(lambda d: data(d, "generation") == "2", "the regenerated init")
-    wait_tokens(wait_for, 2)
-    stop_and_settle(browser, live, wait_for)
+    with metered_engine(live) as meter:
+        send(browser, "A story about a fox")
+        stream_tokens(meter, wait_for, 3)
+        meter.hold()
+        old_count = num_tokens(browser)
+        click(browser, "btn-regenerate")  # while a reply runs: control regenerate
+        wait_for(lambda d: data(d, "generation") == "2" or meter.nudge(), "the regenerated init")
+        assert int(data(browser, "regenerated-from")) >= old_count >= 3  # the page dropped the old reply
+        stream_tokens(meter, wait_for, 2)
+        meter.hold()
+        # The old text is gone: the reply shows only the new generation's tokens.
+        assert len(browser.find_elements("css selector", ".turn.reply .tok")) == num_tokens(browser)
+        stop_reply(browser, live, meter, wait_for)
 
-    click(browser, "btn-regenerate")  # after it ended: the same prompt again
-    wait_for(lambda d: data(d, "generation") == "3", "a new generation")
-    wait_tokens(wait_for, 2)
-    stop_and_settle(browser, live, wait_for)
+        meter.hold()
+        click(browser, "btn-regenerate")  # after it ended: the same prompt again
+        wait_for(lambda d: data(d, "generation") == "3" or meter.nudge(), "a new generation")
+        stream_tokens(meter, wait_for, 2)
+        stop_reply(browser, live, meter, wait_for)
 
     browser.find_element("id", "feedback-text").send_keys("lovely <b>fox</b>")
     click(browser, "btn-up")
@@ -179,6 +222,7 @@ def test_regenerate_and_rate(browser: Any, live: LiveServer, wait_for: Callable[
         store.close()
     assert record["rating"] == 1.0 and record["text"] == "lovely <b>fox</b>"
     assert record["prompt"] == "A story about a fox" and record["generated_text"]
+    assert record["request_id"] and record["position"] >= 2
 
 
 def test_injected_markup_stays_text(browser: Any, live: LiveServer, wait_for: Callable[..., Any]) -> None:
@@ -190,3 +234,138 @@ def test_injected_markup_stays_text(browser: Any, live: LiveServer, wait_for: Ca
     assert prompt_turn.text == attack
     assert browser.execute_script("return window.pwned === undefined")
     assert browser.find_elements("css selector", ".conversation script, .conversation img") == []
+
+
+def test_chat_mode_uses_the_chat_template_and_keeps_the_history(browser: Any, live: LiveServer,
+                                                                wait_for: Callable[..., Any]) -> None:
+    open_page(browser, live, wait_for)
+    send(browser, "Hi there", mode="chat", max_tokens=4)
+    wait_for(lambda d: data(d, "state") == "done" and data(d, "generation") == "1", "the first reply")
+    send(browser, "And again", mode="chat", max_tokens=4)
+    wait_for(lambda d: data(d, "state") == "done" and data(d, "generation") == "2", "the second reply")
+    roles = [e.text for e in browser.find_elements("css selector", ".turn .role")]
+    assert roles == ["USER", "ASSISTANT", "USER", "ASSISTANT"]  # CSS upper-cases the role labels
+    # The history went through the chat template: the server rendered both user turns.
+    history = browser.execute_script(
+        "return Array.from(document.querySelectorAll('.turn.user .text')).map(e => e.textContent)")
+    assert history == ["Hi there", "And again"]
+    assert data(browser, "finish-reason") == "length"
+
+
+def test_per_token_view_colours_by_logprob(browser: Any, live: LiveServer, wait_for: Callable[..., Any]) -> None:
+    open_page(browser, live, wait_for)
+    click(browser, "opt-token-view")
+    send(browser, "Colours", max_tokens=6)
+    wait_state(wait_for, "done")
+    spans = browser.find_elements("css selector", ".turn.reply .tok")
+    assert len(spans) == 6
+    for span in spans:
+        assert float(span.get_attribute("data-logprob")) <= 0.0
+        assert "alternatives:" in span.get_attribute("title")  # top alternatives on hover
+        assert span.value_of_css_property("background-color") not in ("rgba(0, 0, 0, 0)", "transparent")
+    click(browser, "opt-token-view")  # off again: plain text
+    assert spans[0].value_of_css_property("background-color") == "rgba(0, 0, 0, 0)"
+
+
+def test_dashboard_plots_metrics(browser: Any, live: LiveServer, wait_for: Callable[..., Any]) -> None:
+    open_page(browser, live, wait_for)
+    click(browser, "tab-dashboard")
+    assert browser.find_element("id", "view-dashboard").is_displayed()
+    assert not browser.find_element("id", "view-playground").is_displayed()
+    wait_for(lambda d: int(data(d, "dash-samples") or 0) >= 2, "two /metrics samples")
+    assert browser.find_element("id", "val-running").text == "0"
+    assert browser.find_element("id", "val-kv").text.endswith("%")
+    # The plot drew something: some pixel of the running-requests canvas is not blank.
+    drawn = browser.execute_script(
+        "const c = document.getElementById('plot-running');"
+        "const px = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;"
+        "return px.some((v, i) => i % 4 === 3 && v > 0);")
+    assert drawn is True
+
+
+def test_keyboard_reaches_every_control_and_inputs_are_labelled(browser: Any, live: LiveServer,
+                                                                wait_for: Callable[..., Any]) -> None:
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.keys import Keys
+
+    open_page(browser, live, wait_for)
+    controls = browser.execute_script(
+        "return Array.from(document.querySelectorAll('#view-playground button, #view-playground input,"
+        " #view-playground textarea, header button, header input')).map(e => e.id)")
+    assert "btn-pause" in controls and "p-temperature" in controls and "btn-up" in controls
+    # Every input has a label (a <label> element or an aria-label).
+    unlabelled = browser.execute_script(
+        "return Array.from(document.querySelectorAll('input, textarea, select'))"
+        ".filter(e => e.labels.length === 0 && !e.getAttribute('aria-label')).map(e => e.id)")
+    assert unlabelled == []
+    # Buttons have a name a screen reader can say.
+    nameless = browser.execute_script(
+        "return Array.from(document.querySelectorAll('button'))"
+        ".filter(b => !(b.getAttribute('aria-label') || b.textContent.trim())).map(b => b.id)")
+    assert nameless == []
+    # Tab from the top of the page: focus visits every control (radio groups are one stop).
+    browser.execute_script("document.activeElement && document.activeElement.blur(); window.focus();")
+    reached: set[str] = set()
+    for _ in range(len(controls) + 10):
+        ActionChains(browser).send_keys(Keys.TAB).perform()
+        reached.add(browser.execute_script("return document.activeElement.id"))
+    radios = {"mode-chat", "mode-raw"}
+    assert reached & radios
+    assert set(controls) - radios - reached == set()
+
+
+@pytest.fixture(scope="module")
+def keyed(tiny_model_dir: Path) -> Iterator[LiveServer]:
+    """A server started with ``--api-key``."""
+    server = start_server(tiny_model_dir, **{"engine.max_model_len": 2048, "http.api_key": [API_KEY]})
+    yield server
+    server.stop()
+
+
+API_KEY = "sk-play/ground+key="  # not a valid subprotocol token as is: the page must encode it
+
+
+def test_works_with_an_api_key(browser: Any, keyed: LiveServer, wait_for: Callable[..., Any]) -> None:
+    open_page(browser, keyed, wait_for)  # the page itself needs no key
+    browser.execute_script("sessionStorage.clear()")
+    open_page(browser, keyed, wait_for)
+    send(browser, "No key yet", max_tokens=4)
+    wait_for(lambda d: data(d, "error") == "unauthorized", "the refusal")
+    assert data(browser, "state") == "error"
+    assert "API key" in browser.find_element("id", "error-message").text
+    assert "recoverable" in browser.find_element("id", "error-recoverable").text
+
+    for key, verdict in (("wrong-key", "key refused"), (API_KEY, "key accepted")):
+        browser.find_element("id", "api-key").send_keys(key)
+        click(browser, "key-save")
+        wait_for(lambda d: data(d, "key-status") == verdict, verdict)
+    assert browser.find_element("id", "api-key").get_attribute("value") == ""  # not left in the form
+
+    with metered_engine(keyed) as meter:
+        send(browser, "Now with a key", max_tokens=LONG_MAX_TOKENS)
+        stream_tokens(meter, wait_for, 3)
+        stop_reply(browser, keyed, meter, wait_for)
+    click(browser, "btn-down")
+    wait_for(lambda d: data(d, "feedback-id") != "", "the feedback ack")
+    # The key is remembered for this tab (entered once), and never put in a URL.
+    open_page(browser, keyed, wait_for)
+    send(browser, "After a reload", max_tokens=3)
+    wait_for(lambda d: data(d, "state") == "done" and data(d, "generation") == "1", "a reply after reload")
+    assert data(browser, "error") == ""
+    assert API_KEY not in browser.current_url
+    click(browser, "tab-dashboard")
+    wait_for(lambda d: int(data(d, "dash-samples") or 0) >= 1, "/metrics read with the key")
+
+
+def test_speak_replies_plays_the_streamed_audio(browser: Any, live: LiveServer, wait_for: Callable[..., Any]) -> None:
+    open_page(browser, live, wait_for)
+    click(browser, "opt-speak")
+    driver_set = "document.getElementById('p-seed').value = '7';"  # the same reply on every run
+    browser.execute_script(driver_set)
+    send(browser, "Say something", mode="chat", max_tokens=24)
+    wait_for(lambda d: data(d, "state") == "done", "the spoken reply")
+    assert data(browser, "error") == ""
+    assert num_tokens(browser) > 0  # the text streamed as well
+    # Audio chunks (24 kHz float PCM) were decoded and scheduled on the Web Audio clock.
+    assert int(data(browser, "audio-chunks") or 0) >= 1
+    assert browser.find_element("css selector", ".turn.reply .role").text == "ASSISTANT (SPOKEN)"

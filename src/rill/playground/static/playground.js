@@ -346,6 +346,7 @@
       render();
     },
     regenerating() {
+      app.dataset.regeneratedFrom = String(st.reply ? st.reply.numTokens : 0);
       resetReply();
       st.pendingModify = [];
       setPhase("waiting");
