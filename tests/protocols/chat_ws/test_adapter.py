@@ -188,3 +188,19 @@ def test_hostile_request_is_an_invalid_request_not_an_internal_error(body: bytes
     messages, close_code = converse(app, body)
     assert len(messages) == 1 and messages[0]["type"] == "error" and messages[0]["error"].startswith("invalid request")
     assert close_code == 1000 and client.requests == []
+
+
+def test_recordings_stay_under_the_configured_cap(tmp_path: Any) -> None:
+    # Issue 12 item 2: recordings stored every raw request with no cap or retention. With a
+    # cap of two recordings' worth, the third chat's recording deletes the first.
+    app, _ = make_app(ScriptedClient(["Hello."]), **{"chat.record": True, "http.data_dir": str(tmp_path)})
+    [first_done] = [m for m in converse(app, BODY)[0] if m["type"] == "done"]
+    size = sum(p.stat().st_size for p in (tmp_path / "recordings" / first_done["recording_session_id"]).iterdir())
+    app, _ = make_app(ScriptedClient(["Hello."]), **{"chat.record": True, "http.data_dir": str(tmp_path),
+                                                      "chat.record_max_bytes": str(2 * size + size // 2)})
+    ids = [first_done["recording_session_id"]]
+    for _ in range(2):
+        ids += [m["recording_session_id"] for m in converse(app, BODY)[0] if m["type"] == "done"]
+    kept = sorted(p.name for p in (tmp_path / "recordings").iterdir())
+    assert kept == sorted(ids[1:])
+    assert app.get(f"/api/recordings/{ids[0]}").status_code == 404 and app.get(f"/api/recordings/{ids[2]}").status_code == 200
