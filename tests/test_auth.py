@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from rill import auth
@@ -50,3 +52,39 @@ def test_websocket_key_prefers_the_header_then_the_subprotocol_then_the_query() 
     assert auth.websocket_key(None, sub, "from-query") == "from-sub"
     assert auth.websocket_key(None, ["rill"], "from-query") == "from-query"
     assert auth.websocket_key(None, [], "") is None
+
+
+def test_query_keys_are_redacted_from_log_text() -> None:
+    assert auth.redact_query_keys('"WebSocket /generate?api_key=s3cret" [accepted]') == \
+        '"WebSocket /generate?api_key=***" [accepted]'
+    assert auth.redact_query_keys("GET /x?a=1&API_KEY=s3cret&b=2 HTTP/1.1") == "GET /x?a=1&API_KEY=***&b=2 HTTP/1.1"
+    assert auth.redact_query_keys("no key here") == "no key here"
+
+
+def test_a_served_websocket_handshake_never_logs_its_query_key(tiny_model_dir: Any) -> None:
+    import logging
+
+    import websockets.sync.client
+
+    from tests.conftest import start_server
+
+    lines: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    collector = Collect()
+    live = start_server(tiny_model_dir, **{"http.api_key": ["s3cret-key"], "http.log_level": "info"})
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    uvicorn_log.addHandler(collector)
+    try:
+        with websockets.sync.client.connect(f"{live.ws_url}/generate?api_key=s3cret-key") as ws:
+            ws.send('{"type": "config", "prompt": "hi", "parameters": {"max_tokens": 1}}')
+            while '"completion"' not in ws.recv(timeout=60):
+                pass
+    finally:
+        uvicorn_log.removeHandler(collector)
+        live.stop()
+    assert any("api_key=***" in line for line in lines), lines
+    assert not any("s3cret-key" in line for line in lines)

@@ -20,6 +20,8 @@ import base64
 import binascii
 import hashlib
 import hmac
+import logging
+import re
 from typing import Collection, Iterable
 
 APP_SUBPROTOCOL = "rill"
@@ -102,3 +104,32 @@ def websocket_key(authorization: str | bytes | None, subprotocols: Iterable[str]
     subprotocol, else the ``api_key`` query parameter (the middleware accepts the last two
     on WebSocket handshakes only)."""
     return bearer_token(authorization) or subprotocol_key(subprotocols) or query_key or None
+
+
+_QUERY_KEY = re.compile(r"([?&](?:api_key|api-key|apikey)=)[^&\s\"']*", re.IGNORECASE)
+
+
+def redact_query_keys(text: str) -> str:
+    """``text`` with the value of every ``api_key=`` query parameter replaced by ``***``."""
+    return _QUERY_KEY.sub(r"\1***", text)
+
+
+class QueryKeyRedactor(logging.Filter):
+    """Removes ``?api_key=KEY`` values from log records before any handler sees them.
+
+    uvicorn logs every WebSocket handshake's path with its query string (and every HTTP
+    request line in its access log), so a key passed as a query parameter would otherwise
+    land in the server's logs. Installed on uvicorn's loggers by ``rill.server``.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """Rewrite the record's message when it holds a query key; never drops a record."""
+        message = record.getMessage()
+        redacted = redact_query_keys(message)
+        if redacted != message:
+            record.msg, record.args = redacted, ()
+        return True
+
+
+QUERY_KEY_REDACTOR = QueryKeyRedactor()
+"""The one instance (``Logger.addFilter`` ignores a filter already installed)."""

@@ -28,6 +28,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from rill import auth
 from rill.config import ServerConfig
 from rill.connections import FD_RESERVE, ConnectionGate, http_protocol_factory, raise_fd_limit
 from rill.errors import EngineDead, RillError
@@ -155,6 +156,8 @@ async def serve(
                        ws_max_size=config.http.max_body_bytes, timeout_graceful_shutdown=2, lifespan="off",
                        http=http_protocol_factory(deps.gate, config.connections.header_timeout_s))  # type: ignore[arg-type]
     )
+    for logger_name in ("uvicorn.error", "uvicorn.access"):  # after uvicorn.Config set its logging up
+        logging.getLogger(logger_name).addFilter(auth.QUERY_KEY_REDACTOR)
     server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
