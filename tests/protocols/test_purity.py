@@ -19,7 +19,7 @@ import rill.protocols
 PROTOCOLS_DIR = Path(rill.protocols.__file__).parent
 
 PURE_FILES = {
-    "_shared": ("b64pcm.py", "errors.py", "sse.py", "tool_calls.py"),
+    "_shared": ("b64pcm.py", "errors.py", "jsonguard.py", "sse.py", "tool_calls.py"),
     "batch_ws": ("messages.py", "codec.py", "session.py", "store.py"),
     "chat_ws": ("messages.py", "codec.py", "session.py", "segmenter.py", "queue.py"),
     "evergreen": ("errors.py", "prompt.py", "messages.py", "codec.py", "session.py"),

@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import random
 
-import pytest
-
 from rill.errors import RillError
 from rill.protocols.evergreen import codec
 from rill.protocols.evergreen.errors import InvalidMessage
@@ -38,57 +36,73 @@ def random_item(rng: random.Random):
                     name=rng.choice(["GENERATE"] * 8 + ["OTHER"]), config=GenerateConfig(max_tokens=3))
 
 
-@pytest.mark.parametrize("seed", range(300))
-def test_random_sessions_raise_only_rill_errors(seed):
-    rng = random.Random(seed)
-    session = EvergreenSession(SessionLimits(max_depth=4, max_nodes=7, max_actions=3), ModelFacts(name="m"))
-    try:
-        for _ in range(rng.randint(1, 25)):
-            for command in session.receive(msg(random_item(rng))):
-                if isinstance(command, Generate):
-                    session.request_for(command, {})
-                    for text, finished in (("x", False), ("y", True)):
-                        session.on_output(command.action_id, text, finished)
-        session.on_input_end()
-    except RillError:
-        pass
+def test_random_sessions_raise_only_rill_errors():
+    num_started = 0
+    for seed in range(300):
+        rng = random.Random(seed)
+        session = EvergreenSession(SessionLimits(max_depth=4, max_nodes=7, max_actions=3), ModelFacts(name="m"))
+        try:
+            for _ in range(rng.randint(1, 25)):
+                for command in session.receive(msg(random_item(rng))):
+                    if isinstance(command, Generate):
+                        session.request_for(command, {})
+                        num_started += 1
+                        for text, finished in (("x", False), ("y", True)):
+                            session.on_output(command.action_id, text, finished)
+            session.on_input_end()
+        except RillError:
+            pass
+    assert num_started > 0  # mostly valid items: a session refusing everything must fail here
 
 
-@pytest.mark.parametrize("seed", range(200))
-def test_random_json_raises_only_invalid_message(seed):
-    rng = random.Random(seed)
+def test_random_json_raises_only_invalid_message():
     valid = codec.encode_json(msg(parent("p", "a"), leaf("a", "x"), generate()))
-    text = list(valid)
-    for _ in range(rng.randint(1, 5)):
-        position = rng.randrange(len(text))
-        text[position] = rng.choice(['"', "{", "}", "[", "]", ",", ":", "1", "a", "é", "\\", " "])
-    try:
-        codec.decode_json("".join(text))
-    except InvalidMessage:
-        pass
+    num_decoded = 0
+    for seed in range(200):
+        rng = random.Random(seed)
+        text = list(valid)
+        for _ in range(rng.randint(1, 5)):
+            position = rng.randrange(len(text))
+            text[position] = rng.choice(['"', "{", "}", "[", "]", ",", ":", "1", "a", "é", "\\", " "])
+        try:
+            codec.decode_json("".join(text))
+            num_decoded += 1
+        except InvalidMessage:
+            pass
+    assert 0 < num_decoded < 200  # some edits stay valid (inside a string, a digit): refusing all fails
 
 
-@pytest.mark.parametrize("seed", range(100))
-def test_random_json_values_raise_only_invalid_message(seed):
-    rng = random.Random(seed)
+def test_random_json_values_raise_only_invalid_message():
     values = [None, 1, -1, 2**40, 1.5, "x", "", [], {}, [1], {"a": 1}, True]
-    obj = {"nodeFragments": [{"id": rng.choice(values), "seq": rng.choice(values), "continued": rng.choice(values),
-                              "childIds": rng.choice(values), "chunkFragment": rng.choice(values)}],
-           "actions": [{"name": rng.choice(values), "inputs": rng.choice(values), "configs": rng.choice(values),
-                        "targetSpec": rng.choice(values)}]}
-    try:
-        codec.decode_json(json.dumps(obj))
-    except InvalidMessage:
-        pass
+    num_decoded = 0
+    for seed in range(100):
+        rng = random.Random(seed)
+        obj = {"nodeFragments": [{"id": rng.choice(values), "seq": rng.choice(values), "continued": rng.choice(values),
+                                  "childIds": rng.choice(values), "chunkFragment": rng.choice(values)}],
+               "actions": [{"name": rng.choice(values), "inputs": rng.choice(values), "configs": rng.choice(values),
+                            "targetSpec": rng.choice(values)}]}
+        try:
+            codec.decode_json(json.dumps(obj))
+            num_decoded += 1
+        except InvalidMessage:
+            pass
+    assert num_decoded < 100  # most draws hold a mistyped field
+    # ... and the same shape with well-typed values decodes: a decoder refusing all fails here.
+    assert codec.decode_json(json.dumps({"nodeFragments": [{"id": "x", "seq": 1, "continued": True, "childIds": [],
+                                                             "chunkFragment": {}}]})).node_fragments[0].id == "x"
 
 
-@pytest.mark.parametrize("seed", range(100))
-def test_random_protobuf_bytes_raise_only_invalid_message(seed):
-    rng = random.Random(seed)
-    payload = bytearray(codec.to_pb(msg(parent("p", "a"), leaf("a", "x"), generate())).SerializeToString())
-    for _ in range(rng.randint(1, 4)):
-        payload[rng.randrange(len(payload))] = rng.randrange(256)
-    try:
-        codec.decode_pb(bytes(payload))
-    except InvalidMessage:
-        pass
+def test_random_protobuf_bytes_raise_only_invalid_message():
+    payload_valid = codec.to_pb(msg(parent("p", "a"), leaf("a", "x"), generate())).SerializeToString()
+    num_decoded = 0
+    for seed in range(100):
+        rng = random.Random(seed)
+        payload = bytearray(payload_valid)
+        for _ in range(rng.randint(1, 4)):
+            payload[rng.randrange(len(payload))] = rng.randrange(256)
+        try:
+            codec.decode_pb(bytes(payload))
+            num_decoded += 1
+        except InvalidMessage:
+            pass
+    assert 0 < num_decoded < 100  # a flipped byte inside a string still parses: refusing all fails

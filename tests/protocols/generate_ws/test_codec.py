@@ -111,6 +111,7 @@ def test_decode_raises_only_invalid_message_on_garbage() -> None:
     from rill.types import ModelInfo
 
     info = ModelInfo(name="t", architecture="a", max_context_tokens=64, vocab_size=100, dtype="float32", device="cpu")
+    num_decoded = 0
     for data in _mutations(seed=1, count=3000):
         for decode in (codec.decode, codec.decode_rest):
             try:
@@ -118,10 +119,12 @@ def test_decode_raises_only_invalid_message_on_garbage() -> None:
             except codec.InvalidMessage as exc:
                 assert exc.message
                 continue
+            num_decoded += 1
             # Whatever decodes, a fresh session answers with actions, never an exception.
             sess = s.GenerateSession(s.Limits(model_name="t", model_info=info))
             config = msg.to_config() if isinstance(msg, m.RestRequest) else msg
             assert isinstance(sess.receive(config, now=0.0), list)
+    assert 0 < num_decoded < 6000  # some edits keep the message valid; refusing all must fail
 
 
 def test_random_parameter_values_never_crash_the_session() -> None:

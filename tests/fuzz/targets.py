@@ -1,0 +1,314 @@
+"""One fuzz target per protocol: generate an input, decode it, drive a fresh session with it.
+
+The property, for every target and every input: the codec returns a message or raises one
+of its documented errors, and the session (fed the decoded message, then a few engine
+outputs) returns actions or raises one of its documented errors. Nothing else may escape.
+Valid inputs (``gen.wire_input`` kind ``"valid"``) must be accepted by codec and session,
+so a decoder that refused everything fails too.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from rill.config import SamplingDefaults
+from rill.errors import InvalidRequest, RillError
+from rill.protocols.batch_ws import codec as batch_codec
+from rill.protocols.batch_ws import session as batch_session
+from rill.protocols.batch_ws.messages import GenerationConfig as BatchDefaults
+from rill.protocols.batch_ws.store import ContinuationStore
+from rill.protocols.chat_ws import codec as chat_codec
+from rill.protocols.chat_ws import session as chat_session
+from rill.protocols.evergreen import codec as evergreen_codec
+from rill.protocols.evergreen.errors import InvalidMessage as EvergreenInvalid
+from rill.protocols.evergreen.messages import GenerateConfig
+from rill.protocols.evergreen.prompt import ModelFacts
+from rill.protocols.evergreen.session import EvergreenSession, Generate, SessionLimits
+from rill.protocols.framed_uds import codec as uds_codec
+from rill.protocols.framed_uds import session as uds_session
+from rill.protocols.framed_uds.framing import FrameDecoder, FramingError, encode_frame
+from rill.protocols.generate_ws import codec as generate_codec
+from rill.protocols.generate_ws import messages as generate_messages
+from rill.protocols.generate_ws import session as generate_session
+from rill.protocols.openai_http import codec as openai_codec
+from rill.protocols.openai_http.session import Kind as OpenAIKind
+from rill.protocols.openai_http.session import ResponseSession
+from rill.types import ModelInfo, RequestOutput, Usage
+from tests.fuzz import gen
+from tests.protocols.evergreen.helpers import eot, generate, leaf, msg, parent
+
+MODEL_INFO = ModelInfo(name="fake", architecture="Fake", max_context_tokens=256, vocab_size=1000, dtype="float32",
+                       device="cpu", has_chat_template=True)
+
+
+class Undocumented(AssertionError):
+    """An exception escaped that the codec or session does not document."""
+
+
+@dataclass
+class Stats:
+    """Counts of one target's run."""
+
+    num_inputs: int = 0
+    num_accepted: int = 0
+    by_kind: dict[str, list[int]] = field(default_factory=dict)  # kind -> [inputs, accepted]
+
+    def add(self, kind: str, is_accepted: bool) -> None:
+        self.num_inputs += 1
+        self.num_accepted += is_accepted
+        counts = self.by_kind.setdefault(kind, [0, 0])
+        counts[0] += 1
+        counts[1] += is_accepted
+
+
+def outputs(rng: random.Random, request_id: str, n: int = 3) -> list[RequestOutput]:
+    """A short stream of engine outputs for one request (texts, ids, a finish)."""
+    out = [RequestOutput(request_id=request_id, text=rng.choice(["a", " b", "é", ""]), token_ids=[rng.randrange(1000)],
+                         token_texts=[], usage=Usage(prompt_tokens=3, completion_tokens=i + 1)) for i in range(n - 1)]
+    out.append(RequestOutput(request_id=request_id, text=".", token_ids=[7], finished=True, finish_reason="length",
+                             usage=Usage(prompt_tokens=3, completion_tokens=n)))
+    return out
+
+
+Target = Callable[[random.Random, "bytes | None"], tuple[str, bool]]
+"""One run: ``(rng, given)`` → the input's kind and whether codec and session accepted it;
+``given`` replaces the generated wire bytes (kind ``"raw"``)."""
+
+
+def _input(rng: random.Random, given: bytes | None, valid: Callable[[random.Random], Any]) -> tuple[str, bytes]:
+    return ("raw", given) if given is not None else gen.wire_input(rng, valid)
+
+
+def fake_tokens(text: str) -> list[int]:
+    """Stand-in tokenization: one id per character (bounded by the context in the codec)."""
+    return [ord(c) % 1000 for c in text[:64]] or [1]
+
+
+# -- openai_http ---------------------------------------------------------------------------------
+
+SERVED = openai_codec.ServedModel(name="fake", max_context_tokens=256, vocab_size=1000, max_tokens_cap=64)
+
+
+def openai_session(req: Any, kind: OpenAIKind, rng: random.Random) -> None:
+    openai_codec.check_model(req.model, SERVED)
+    if kind is OpenAIKind.CHAT:
+        messages = openai_codec.template_messages(openai_codec.chat_messages(req, SERVED))
+        openai_codec.template_kwargs(req)
+        prompts = [fake_tokens(json.dumps(messages))]
+    else:
+        prompts = [p if isinstance(p, list) else fake_tokens(p) for p in openai_codec.completion_prompts(req)]
+    requests = openai_codec.generate_requests(req, prompts, SERVED, "cmpl-x")
+    logprobs = ((req.top_logprobs or 0) if req.logprobs else None) if kind is OpenAIKind.CHAT else req.logprobs
+    session = ResponseSession(kind=kind, response_id="cmpl-x", created=0, model="fake", num_choices=len(requests),
+                              n=req.n or 1, logprobs=logprobs,
+                              include_usage=bool(req.stream_options and req.stream_options.include_usage))
+    session.start()
+    for index, request in enumerate(requests):
+        for output in outputs(rng, request.request_id):
+            session.on_output(index, output)
+    session.end() if req.stream else session.body()
+
+
+def openai_target(kind: OpenAIKind) -> Target:
+    decode = openai_codec.decode_chat if kind is OpenAIKind.CHAT else openai_codec.decode_completion
+    valid = gen.openai_chat if kind is OpenAIKind.CHAT else gen.openai_completion
+
+    def run(rng: random.Random, given: bytes | None = None) -> tuple[str, bool]:
+        kind_, data = _input(rng, given, valid)
+        try:
+            openai_session(decode(data), kind, rng)
+        except InvalidRequest:
+            return kind_, False
+        return kind_, True
+
+    return run
+
+
+# -- generate_ws -----------------------------------------------------------------------------
+
+def generate_target(rng: random.Random, given: bytes | None = None) -> tuple[str, bool]:
+    session = generate_session.GenerateSession(generate_session.Limits(model_name="fake", model_info=MODEL_INFO))
+    is_rest = rng.random() < 0.2
+    kind, data = _input(rng, given, gen.generate_rest if is_rest else _generate_sequence_head)
+    try:
+        message = generate_codec.decode_rest(data).to_config() if is_rest else generate_codec.decode(data)
+    except generate_codec.InvalidMessage:
+        return kind, False
+    actions = session.receive(message, now=0.0)
+    is_started = any(isinstance(a, generate_session.Start) for a in actions)
+    if is_started:
+        session.on_started(3)
+        for output in outputs(rng, "r"):
+            session.on_output(output, now=1.0)
+    for _ in range(rng.randrange(3)):  # later messages on the same socket
+        try:
+            later = generate_codec.decode(gen.dumps(rng, gen.mutate(rng, gen.generate_ws(rng))))
+        except generate_codec.InvalidMessage:
+            continue
+        session.receive(later, now=2.0)
+    return kind, is_started or not isinstance(message, generate_messages.Config)
+
+
+def _generate_sequence_head(rng: random.Random) -> dict[str, Any]:
+    # The first message of a socket: a valid config starts a generation.
+    config = gen.generate_ws(rng)
+    return config if config["type"] == "config" else {"type": "config", "prompt": gen.text(rng)}
+
+
+# -- batch_ws ----------------------------------------------------------------------------------
+
+BATCH_DEFAULTS = BatchDefaults(**vars(SamplingDefaults()))
+
+
+def batch_target(rng: random.Random, given: bytes | None = None) -> tuple[str, bool]:
+    kind, data = _input(rng, given, gen.batch_ws)
+    session = batch_session.BatchSession(ContinuationStore(4, 1000, 10.0), BATCH_DEFAULTS,
+                                         batch_session.Limits(max_tokens_cap=64), "k")
+    try:
+        actions = session.receive(batch_codec.decode(data), 0.0)
+    except InvalidRequest:
+        return kind, False
+    starts = [a for a in actions if isinstance(a, batch_session.Start)]
+    for start in starts:
+        session.on_submitted(start.key, [1, 2, 3])
+    for output in outputs(rng, "x"):
+        session.on_outputs([(s.key, output) for s in starts], 1.0)
+    return kind, bool(starts)
+
+
+# -- chat_ws ----------------------------------------------------------------------------------
+
+def chat_target(rng: random.Random, given: bytes | None = None) -> tuple[str, bool]:
+    kind, data = _input(rng, given, gen.chat_ws)
+    try:
+        request = chat_codec.decode_request(data)
+        kinds = [(getattr(part, "type", "text"), f"messages[{i}]") for i, m in enumerate(request.messages)
+                 if isinstance(m.content, list) for part in m.content]
+        chat_session.refuse_modalities([k for k in kinds if k[0] != "text"], "fake", ["text"])
+        chat_session.build_generate_request(request, max_tokens_cap=64)
+    except InvalidRequest:
+        return kind, False
+    session = chat_session.ChatSession(request, is_speaking=False)
+    session.on_admitted()
+    session.on_started(3)
+    for output in outputs(rng, "c"):
+        session.on_output(output)
+    return kind, True
+
+
+# -- framed_uds --------------------------------------------------------------------------------
+
+def uds_target(rng: random.Random, given: bytes | None = None) -> tuple[str, bool]:
+    kind, payload = _input(rng, given, gen.framed_uds)
+    data = encode_frame(payload)
+    if rng.random() < 0.1:  # a header that lies about the length
+        kind, data = "hostile", rng.randbytes(4) + payload
+    decoder = FrameDecoder(max_frame_bytes=4096)
+    session = uds_session.FramedSession(uds_session.SessionLimits(max_tokens_cap=64))
+    is_accepted = False
+    try:
+        frames = []
+        for start in range(0, len(data), step := rng.choice([1, 3, 7, len(data) or 1])):
+            frames += decoder.feed(data[start:start + step])
+    except FramingError as exc:
+        session.on_protocol_error(exc)
+        return kind, False
+    for frame in frames:
+        try:
+            message = uds_codec.decode(frame)
+        except (uds_codec.InvalidJson, InvalidRequest) as exc:
+            session.on_protocol_error(exc, uds_codec.wire_id(frame))
+            continue
+        actions = session.receive(message)
+        is_accepted = is_accepted or not any(_is_error(a) for a in actions)
+        if any(isinstance(a, uds_session.Start) for a in actions):
+            for output in outputs(rng, "u"):
+                session.on_output(output)
+    return kind, is_accepted
+
+
+def _is_error(action: Any) -> bool:
+    return isinstance(action, uds_session.Rejected) or getattr(getattr(action, "message", None), "event", None) == "error"
+
+
+def newline_target(rng: random.Random, given: bytes | None = None) -> tuple[str, bool]:
+    session = uds_session.NewlineSession(uds_session.SessionLimits(max_tokens_cap=64))
+    line = given if given is not None else gen.text(rng).encode() if rng.random() < 0.3 else rng.randbytes(rng.randrange(32))
+    actions = session.receive_line(line)
+    for output in outputs(rng, "n"):
+        session.on_output(output)
+    session.on_end_of_input()
+    return "raw", any(isinstance(a, uds_session.Start) for a in actions)
+
+
+# -- evergreen ----------------------------------------------------------------------------------
+
+def evergreen_valid(rng: random.Random) -> dict[str, Any]:
+    config = GenerateConfig(max_tokens=rng.randint(1, 8), temperature=rng.choice([None, 0.0, 0.7]))
+    ids = [f"n{rng.randrange(10**6)}-{i}" for i in range(4)]
+    message = msg(generate(ids[0], ids[3], config=config), parent(ids[0], ids[1], ids[2]),
+                  leaf(ids[1], gen.text(rng), role=rng.choice(["", "user"])), eot(ids[2]))
+    return json.loads(evergreen_codec.encode_json(message))
+
+
+def evergreen_target(rng: random.Random, given: bytes | None = None) -> tuple[str, bool]:
+    use_pb = rng.random() < 0.2
+    if given is not None:
+        kind, payload = "raw", given
+    elif use_pb:
+        kind = "valid" if rng.random() < 0.3 else "hostile"
+        payload = evergreen_codec.to_pb(evergreen_codec.decode_json(json.dumps(evergreen_valid(rng)))).SerializeToString()
+        if kind == "hostile":
+            payload = gen.edit_bytes(rng, payload)
+    else:
+        kind, payload = _input(rng, given, evergreen_valid)
+    session = EvergreenSession(SessionLimits(max_depth=6, max_nodes=50, max_actions=4, max_tokens_cap=64), ModelFacts(name="fake"))
+    try:
+        message = evergreen_codec.decode_pb(payload) if use_pb else evergreen_codec.decode_json(payload)
+    except EvergreenInvalid:
+        return kind, False
+    try:
+        commands = session.receive(message)
+        started = [c for c in commands if isinstance(c, Generate)]
+        for command in started:
+            session.request_for(command, {})
+            for output in outputs(rng, "e"):
+                session.on_output(command.action_id, output.text, output.finished)
+        session.on_input_end()
+    except RillError:
+        return kind, False
+    return kind, bool(started)
+
+
+TARGETS: dict[str, Target] = {
+    "openai_http.completions": openai_target(OpenAIKind.COMPLETION),
+    "openai_http.chat": openai_target(OpenAIKind.CHAT),
+    "generate_ws": generate_target,
+    "batch_ws": batch_target,
+    "chat_ws": chat_target,
+    "framed_uds": uds_target,
+    "framed_uds.newline": newline_target,
+    "evergreen": evergreen_target,
+}
+"""Target name → one run (returns the input's kind and whether codec and session accepted it)."""
+
+
+def run_one(name: str, seed: int, stats: Stats, given: bytes | None = None) -> None:
+    """One input of target ``name`` from ``seed`` (or the bytes ``given``); raises
+    ``Undocumented`` when something undocumented escapes, AssertionError when a valid input
+    is refused."""
+    rng = random.Random(seed)
+    try:
+        kind, is_accepted = TARGETS[name](rng, given)
+    except (AssertionError, KeyboardInterrupt):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - the property under test
+        raise Undocumented(f"{name}: seed {seed}: {type(exc).__name__}: {exc!r}"[:2000]) from exc
+    if kind == "valid" and not is_accepted:
+        raise AssertionError(f"{name}: seed {seed}: a valid input was refused")
+    stats.add(kind, is_accepted)
+
+
