@@ -166,7 +166,7 @@ BATCH_DEFAULTS = BatchDefaults(**vars(SamplingDefaults()))
 def batch_target(rng: random.Random, given: bytes | None = None) -> tuple[str, bool]:
     kind, data = _input(rng, given, gen.batch_ws)
     session = batch_session.BatchSession(ContinuationStore(4, 1000, 10.0), BATCH_DEFAULTS,
-                                         batch_session.Limits(max_tokens_cap=64), "k")
+                                         batch_session.Limits(), "k")
     try:
         actions = session.receive(batch_codec.decode(data), 0.0)
     except InvalidRequest:
@@ -188,7 +188,7 @@ def chat_target(rng: random.Random, given: bytes | None = None) -> tuple[str, bo
         kinds = [(getattr(part, "type", "text"), f"messages[{i}]") for i, m in enumerate(request.messages)
                  if isinstance(m.content, list) for part in m.content]
         chat_session.refuse_modalities([k for k in kinds if k[0] != "text"], "fake", ["text"])
-        chat_session.build_generate_request(request, max_tokens_cap=64)
+        chat_session.build_generate_request(request)
     except InvalidRequest:
         return kind, False
     session = chat_session.ChatSession(request, is_speaking=False)
@@ -207,7 +207,7 @@ def uds_target(rng: random.Random, given: bytes | None = None) -> tuple[str, boo
     if rng.random() < 0.1:  # a header that lies about the length
         kind, data = "hostile", rng.randbytes(4) + payload
     decoder = FrameDecoder(max_frame_bytes=4096)
-    session = uds_session.FramedSession(uds_session.SessionLimits(max_tokens_cap=64))
+    session = uds_session.FramedSession(uds_session.SessionLimits())
     is_accepted = False
     try:
         frames = []
@@ -235,7 +235,7 @@ def _is_error(action: Any) -> bool:
 
 
 def newline_target(rng: random.Random, given: bytes | None = None) -> tuple[str, bool]:
-    session = uds_session.NewlineSession(uds_session.SessionLimits(max_tokens_cap=64))
+    session = uds_session.NewlineSession(uds_session.SessionLimits())
     line = given if given is not None else gen.text(rng).encode() if rng.random() < 0.3 else rng.randbytes(rng.randrange(32))
     actions = session.receive_line(line)
     for output in outputs(rng, "n"):
@@ -265,7 +265,7 @@ def evergreen_target(rng: random.Random, given: bytes | None = None) -> tuple[st
             payload = gen.edit_bytes(rng, payload)
     else:
         kind, payload = _input(rng, given, evergreen_valid)
-    session = EvergreenSession(SessionLimits(max_depth=6, max_nodes=50, max_actions=4, max_tokens_cap=64), ModelFacts(name="fake"))
+    session = EvergreenSession(SessionLimits(max_depth=6, max_nodes=50, max_actions=4), ModelFacts(name="fake"))
     try:
         message = evergreen_codec.decode_pb(payload) if use_pb else evergreen_codec.decode_json(payload)
     except EvergreenInvalid:
