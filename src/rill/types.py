@@ -55,6 +55,59 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_NUM_BEAMS = 16
 MAX_ABS_LENGTH_PENALTY = 10.0  # beam scores stay finite for any length (see engine.beam)
 MAX_SEED = 2**63
+MAX_CONSTRAINT_CHARS = 65536  # a JSON schema, regex or grammar; compiling is linear in it
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    """A constraint on the generated text, enforced by constrained decoding.
+
+    OpenAI's ``response_format`` shape, with vLLM-like extensions: ``type`` is ``text`` (no
+    constraint), ``json_object`` (any JSON object), ``json_schema`` (``json_schema`` holds
+    ``{"name", "schema", "strict"}``; ``strict`` false lets unsupported schema keywords pass
+    unenforced instead of failing), ``regex`` (``regex``: the whole output matches it) or
+    ``grammar`` (``grammar``: a Lark grammar in llguidance's dialect, which also reads
+    ``%json {schema}`` rules).
+    """
+
+    type: Literal["text", "json_object", "json_schema", "regex", "grammar"] = "text"
+    json_schema: dict[str, Any] | None = None
+    regex: str | None = None
+    grammar: str | None = None
+
+    def validate(self) -> "ResponseFormat":
+        """Check that the field ``type`` needs is there and bounded; raise ``InvalidRequest``."""
+        field = "response_format"
+        if self.type == "json_schema":
+            schema = (self.json_schema or {}).get("schema")
+            _check(isinstance(schema, dict), field, "of type json_schema needs json_schema.schema (an object)")
+            _check(len(msgspec.json.encode(schema)) <= MAX_CONSTRAINT_CHARS, field,
+                   f"schema has more than {MAX_CONSTRAINT_CHARS} characters")
+            strict = (self.json_schema or {}).get("strict")
+            _check(strict is None or isinstance(strict, bool), field, "json_schema.strict must be true or false")
+        for kind in ("regex", "grammar"):
+            if self.type == kind:
+                text = getattr(self, kind)
+                _check(isinstance(text, str) and bool(text), field, f"of type {kind} needs '{kind}' (a string)")
+                _check(len(text) <= MAX_CONSTRAINT_CHARS, field, f"{kind} has more than {MAX_CONSTRAINT_CHARS} characters")
+        return self
+
+    @property
+    def is_constraint(self) -> bool:
+        """True unless the type is ``text``."""
+        return self.type != "text"
+
+    def cache_key(self) -> str:
+        """A canonical text of the constraint (equal constraints give equal keys)."""
+        if self.type == "json_schema":
+            spec = self.json_schema or {}
+            return "json_schema:" + str(bool(spec.get("strict"))) + ":" + _canonical_json(spec.get("schema"))
+        if self.type in ("regex", "grammar"):
+            return f"{self.type}:" + str(getattr(self, self.type))
+        return self.type
+
+
+def _canonical_json(value: Any) -> str:
+    return msgspec.json.encode(value, order="sorted").decode()
 
 
 class SamplingParams(msgspec.Struct, kw_only=True):
@@ -85,6 +138,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     num_beams: int = 1
     length_penalty: float = 1.0
     early_stopping: bool = False
+    response_format: ResponseFormat | None = None
+    """Constrained decoding (``ResponseFormat``); a ``modify`` that sets it constrains the text
+    generated from then on (not the text before)."""
 
     def validate(self, vocab_size: int | None = None, max_logprobs: int = 20) -> "SamplingParams":
         """Check the type and range of every field; raise ``InvalidRequest`` naming the first bad
@@ -133,7 +189,18 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             _check(_is_int(token_id) and token_id >= 0, "stop_token_ids", "must be token ids (integers >= 0)")
             if vocab_size is not None:
                 _check(token_id < vocab_size, "stop_token_ids", f"token id {token_id} is outside the vocabulary")
+        if self.response_format is not None:
+            _check(isinstance(self.response_format, ResponseFormat), "response_format", "must be an object")
+            self.response_format.validate()
+            _check(self.num_beams == 1 or not self.response_format.is_constraint, "response_format",
+                   "cannot be combined with beam search (num_beams > 1)")
         return self
+
+    @property
+    def constraint(self) -> "ResponseFormat | None":
+        """The response format when it constrains decoding, else None."""
+        fmt = self.response_format
+        return fmt if fmt is not None and fmt.is_constraint else None
 
     def updated(self, patch: dict[str, Any]) -> "SamplingParams":
         """Return a copy with ``patch`` applied, validated; raise ``InvalidRequest`` on a bad field.

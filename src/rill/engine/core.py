@@ -142,9 +142,11 @@ class EngineCore:
         if request is None or request.is_finished:
             return
         old_stop = request.params.stop
+        if _constraint_key(cmd.params) != _constraint_key(request.params):
+            request.matcher = cmd.matcher  # constrains what is generated from now on
         request.params = cmd.params
         if request.sampler_key is not None and not request.is_beam:
-            self.sampler.update(request.sampler_key, cmd.params)
+            self.sampler.update(request.sampler_key, cmd.params, matcher=request.matcher)
         if list(cmd.params.stop) != list(old_stop):
             held = request.stop_matcher.flush() if request.stop_matcher else ""
             request.stop_matcher = StopStringMatcher(list(cmd.params.stop)) if cmd.params.stop else None
@@ -234,7 +236,8 @@ class EngineCore:
             if not self.free_keys:
                 raise RuntimeError("no sampler key left")
             request.sampler_key = self.free_keys.pop()
-            self.sampler.add(request.sampler_key, request.params, request.prompt_ids, set(request.eos_token_ids))
+            self.sampler.add(request.sampler_key, request.params, request.prompt_ids, set(request.eos_token_ids),
+                             matcher=request.matcher)
             for token in request.output_ids:  # recompute after preemption keeps penalty history
                 self.sampler.record(request.sampler_key, token)
         if not request.is_scheduled_once:
@@ -313,6 +316,8 @@ class EngineCore:
         self.touched[request.request_id] = request
         if matched is not None:
             self._finish(request, "stop", stop_reason=matched, flush=False)
+        elif request.sampler_key is not None and self.sampler.is_constraint_complete(request.sampler_key):
+            self._finish(request, "stop")  # the grammar allows nothing more (only eos would follow)
         elif len(request.output_ids) >= params.max_tokens or request.num_tokens >= self.max_len:
             self._finish(request, "length")
 
@@ -552,3 +557,8 @@ class EngineCore:
             step_ms_ewma=s.step_ms_ewma,
             requests_finished_total=dict(s.requests_finished_total),
         )
+
+
+def _constraint_key(params: Any) -> str | None:
+    constraint = params.constraint
+    return None if constraint is None else constraint.cache_key()

@@ -41,6 +41,7 @@ class Request:
     protocol: str = "other"
     deadline: float | None = None
     require_cached_prefix_tokens: int | None = None
+    matcher: Any = None  # grammar matcher of params.response_format, made at admission
     output_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     row: int | None = None
@@ -136,6 +137,7 @@ class ModifyCommand:
 
     request_id: RequestId
     params: SamplingParams
+    matcher: Any = None  # a fresh grammar matcher when the response format changes, else None
 
 
 @dataclass(frozen=True, slots=True)

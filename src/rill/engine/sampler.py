@@ -4,7 +4,7 @@ Owns the per-sequence sampling state, keyed by small ints the engine picks (vLLM
 style): a row of parameters per key in one preallocated table, output-token counts and prompt
 masks for the penalties, per-request seeded ``torch.Generator``s. ``Sampler.sample`` turns one
 step's logits into tokens (and logprobs) with no per-row Python work over the vocabulary; the
-numpy kernels live in ``rill.engine.sampler_kernels``. Imports numpy, torch, ``rill.types`` and
+numpy kernels live in ``rill.engine.sampler_kernels``. Imports numpy, torch, llguidance (masks), ``rill.types`` and
 that module only; knows nothing of requests, scheduling or protocols.
 
 Processing order (vLLM / OpenAI semantics): repetition penalty (HF, prompt + output tokens) →
@@ -14,6 +14,15 @@ fewer than min_tokens outputs; eos always under ignore_eos) → temperature (bel
 top_p (on the top-k-renormalised mass) → min_p (relative to the top probability) → one uniform
 per row, inverse CDF. A row whose processed logits are all -inf falls back to the raw argmax.
 Logprobs are always of the raw distribution, ``log_softmax(logits)``.
+
+Constrained decoding (``SamplingParams.response_format``): a row with a grammar matcher
+(``rill.engine.grammar``) gets the matcher's token bitmask applied after the bans, as -inf on
+every token the grammar forbids, so temperature, top-k/p and min-p work within the allowed set;
+the chosen token then advances the matcher. If the bans leave none of the allowed tokens
+(eos banned by min_tokens when only eos may follow), the grammar wins: the row is redone with
+the mask alone. A matcher that is in error (it cannot happen with masks applied, barring a
+tokenizer mismatch) fails its row alone. The masks of all constrained rows are filled in one
+call that runs across llguidance's threads without the GIL.
 
 Seeds: a seeded row draws exactly one uniform per sampled step from its own generator, and its
 kept set and draw depend only on its own logits (see ``sampler_kernels``), so it gives the same
@@ -26,14 +35,20 @@ given it (the engine then fails only the requests whose rows raised).
 
 Cost per step, on this 2-core box (``benchmarks/sampler.py``): a greedy batch is one numpy argmax
 (~0.1 ms for 32 x 16k); 32 rows with 32 different settings take ~2-4 ms at vocab 16k.
+Masks cost llguidance ~0.1-0.2 ms per row on average (``rill.engine.grammar``) plus ~0.5 ms
+per 32 rows x 16k to unpack and apply them (``benchmarks/structured.py`` measures a server).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
+
+from llguidance import LLExecutor
+from llguidance.numpy import fill_next_token_bitmask_par
 
 from rill.engine.sampler_kernels import BLOCK, apply_penalties, inverse_cdf, keep_thresholds, top_n
 from rill.types import SamplingParams, TokenLogprob, TopLogprob
@@ -79,6 +94,7 @@ class _Slot:
     bias_values: np.ndarray | None = None
     ban_always: np.ndarray | None = None  # eos ids under ignore_eos
     ban_early: np.ndarray | None = None  # ids banned while len(outputs) < min_tokens
+    matcher: Any = None  # llguidance.LLMatcher of a constrained row (rill.engine.grammar)
 
 
 class Sampler:
@@ -114,28 +130,33 @@ class Sampler:
         self._counts: np.ndarray | None = None
         self._prompt_mask: np.ndarray | None = None
         self._ws = _Workspace()
+        self._executor: Any = None  # llguidance's thread pool, made on the first constrained row
 
     # ----- per-key state -------------------------------------------------------------------
 
-    def add(self, key: int, params: SamplingParams, prompt_ids: list[int], eos_token_ids: set[int]) -> None:
+    def add(self, key: int, params: SamplingParams, prompt_ids: list[int], eos_token_ids: set[int],
+            matcher: Any = None) -> None:
         """Start tracking a sequence under ``key`` (which must be free) with an empty history.
 
         ``prompt_ids`` feed the repetition penalty; ``eos_token_ids`` are the ids banned by
-        min_tokens (with ``params.stop_token_ids``) and by ignore_eos.
+        min_tokens (with ``params.stop_token_ids``) and by ignore_eos. ``matcher`` (a fresh
+        grammar matcher) constrains every token of the row.
         """
         if self._slots[key] is not None:
             raise ValueError(f"sampler key {key} is already in use")
-        slot = _Slot(params=params, eos_ids=set(eos_token_ids), prompt=list(prompt_ids))
+        slot = _Slot(params=params, eos_ids=set(eos_token_ids), prompt=list(prompt_ids), matcher=matcher)
         self._slots[key] = slot
         self._configure(key, slot, params, reseed=True)
         self._clear_penalty_rows(key, slot)
 
-    def update(self, key: int, params: SamplingParams) -> None:
+    def update(self, key: int, params: SamplingParams, matcher: Any = None) -> None:
         """Replace the key's params from its next sampled token on; history and counts are kept.
 
         The seeded generator keeps its position unless the seed changed (then it restarts).
+        ``matcher`` replaces the row's grammar matcher (None: unconstrained from now on).
         """
         slot = self._slot(key)
+        slot.matcher = matcher
         reseed = params.seed != slot.params.seed
         slot.params = params
         self._configure(key, slot, params, reseed=reseed)
@@ -145,6 +166,8 @@ class Sampler:
         slot = self._slot(key)
         slot.prompt = list(prompt_ids)
         slot.outputs.clear()
+        if slot.matcher is not None:
+            slot.matcher.reset()
         if slot.params.seed is not None:
             slot.generator = torch.Generator().manual_seed(slot.params.seed)
         self._clear_penalty_rows(key, slot)
@@ -159,6 +182,11 @@ class Sampler:
         self._slot(key).outputs.append(token_id)
         if self._counts is not None:
             self._counts[key, token_id] += 1
+
+    def is_constraint_complete(self, key: int) -> bool:
+        """True when the key's grammar is complete and allows no token but end-of-sequence."""
+        matcher = self._slot(key).matcher
+        return matcher is not None and matcher.is_stopped() and not matcher.is_error()
 
     def history(self, key: int) -> list[int]:
         """The key's output tokens so far (a copy)."""
@@ -238,8 +266,12 @@ class Sampler:
                 tokens, logprobs, errors = np.full(1, -1, np.int64), [None], {0: exc}
             else:
                 tokens, logprobs, errors = self._sample_each(raw, key_arr, slots, uniforms)
-        ok = [i for i in range(n) if i not in errors]
         token_list = tokens.tolist()
+        for i in plan.mask_rows:  # advance the grammars before any history is written
+            if i not in errors and not slots[i].matcher.consume_token(token_list[i]):
+                errors[i] = RuntimeError(f"the grammar refused token {token_list[i]}: {slots[i].matcher.get_error()}")
+                logprobs[i] = None
+        ok = [i for i in range(n) if i not in errors]
         for i in ok:
             slots[i].outputs.append(token_list[i])
         if self._counts is not None and ok:
@@ -303,7 +335,7 @@ class Sampler:
 
     def _process(self, raw: np.ndarray, key_arr: np.ndarray, slots: list[_Slot], plan: "_Plan") -> np.ndarray:
         """Penalties, logit_bias and bans applied to a copy of ``raw`` (``raw`` if none apply)."""
-        if not (plan.penalty_rows or plan.bias_rows or plan.ban_rows):
+        if not (plan.penalty_rows or plan.bias_rows or plan.ban_rows or plan.mask_rows):
             return raw
         n, vocab = raw.shape
         x = self._ws.get("x", (n, vocab), np.float32)
@@ -322,7 +354,32 @@ class Sampler:
         if plan.ban_rows:
             rows = np.repeat([i for i, _ in plan.ban_rows], [len(a) for _, a in plan.ban_rows])
             x[rows, np.concatenate([a for _, a in plan.ban_rows])] = -np.inf
+        if plan.mask_rows:
+            self._apply_masks(x, raw, [slots[i].matcher for i in plan.mask_rows], plan.mask_rows)
         return x
+
+    def _apply_masks(self, x: np.ndarray, raw: np.ndarray, matchers: list[Any], rows: list[int]) -> None:
+        """-inf on every token a row's grammar forbids (all rows' masks filled in one call)."""
+        for matcher in matchers:
+            if matcher.is_error():
+                raise RuntimeError(f"the grammar matcher failed: {matcher.get_error()}")
+        vocab = self.vocab_size
+        words = -(-vocab // 32)
+        bitmask = self._ws.get("bitmask", (len(rows), words), np.int32)
+        fill_next_token_bitmask_par(self._grammar_executor(), [(m, j) for j, m in enumerate(matchers)], bitmask)
+        allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, count=vocab, bitorder="little").view(bool)
+        row_arr = np.asarray(rows)
+        masked = np.where(allowed, x[row_arr], np.float32(-np.inf))
+        # The grammar wins over bans: a row left with nothing allowed takes the mask alone.
+        dead = ~np.isfinite(masked.max(axis=1))
+        if dead.any():
+            masked[dead] = np.where(allowed[dead], raw[row_arr[dead]], np.float32(-np.inf))
+        x[row_arr] = masked
+
+    def _grammar_executor(self) -> Any:
+        if self._executor is None:
+            self._executor = LLExecutor()
+        return self._executor
 
     def _draw(self, x: np.ndarray, rows: np.ndarray, keys: np.ndarray, slots: list[_Slot],
               uniforms: np.ndarray) -> np.ndarray:
@@ -422,16 +479,17 @@ class _Plan:
     bias_rows: list[int]
     ban_rows: list[tuple[int, np.ndarray]]
     logprob_rows: list[int]
+    mask_rows: list[int]
 
     @property
     def is_plain_greedy(self) -> bool:
         """All rows greedy and nothing changes the logits: a bare argmax."""
-        return not (self.sampled_rows or self.penalty_rows or self.bias_rows or self.ban_rows)
+        return not (self.sampled_rows or self.penalty_rows or self.bias_rows or self.ban_rows or self.mask_rows)
 
     @classmethod
     def build(cls, slots: list[_Slot]) -> "_Plan":
         """Sort the rows of one step by the work they need."""
-        plan = cls([], [], [], [], [], [])
+        plan = cls([], [], [], [], [], [], [])
         for i, sl in enumerate(slots):
             (plan.greedy_rows if sl.is_greedy else plan.sampled_rows).append(i)
             if sl.is_penalized:
@@ -445,4 +503,6 @@ class _Plan:
                 plan.ban_rows.append((i, ban))
             if sl.params.logprobs is not None:
                 plan.logprob_rows.append(i)
+            if sl.matcher is not None:
+                plan.mask_rows.append(i)
         return plan

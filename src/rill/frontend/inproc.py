@@ -101,6 +101,11 @@ class Engine:
                 f"({row_bytes} bytes each); raise it or lower --max-model-len")
         report(90.0, "allocating KV cache")
         self.runner = TorchModelRunner(loaded, num_rows=int(num_rows), max_len=max_len)
+        report(95.0, "preparing constrained decoding")
+        from rill.engine.grammar import GrammarCompiler
+
+        eos_ids = set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer.backend.to_str(), mc.vocab_size, sorted(eos_ids))
         self.core = EngineCore(self.runner, self.tokenizer, CoreConfig(max_num_seqs=config.max_num_seqs,
                                                                        max_num_batched_tokens=config.max_num_batched_tokens))
         eos = set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids)
@@ -217,6 +222,9 @@ class InprocClient:
         params = self._capped(request.sampling).validate(vocab_size=engine.model_info.vocab_size)
         [prompt_ids] = await self._admission.token_ids(engine.tokenizer, [request], engine.model_info.vocab_size)
         engine = self._require_engine()  # the engine may have died while the prompt was tokenized
+        # A new constraint compiles in milliseconds (more for huge schemas): not on the event
+        # loop, and before the checks below, so that nothing changes between them and the submit.
+        matcher = await asyncio.to_thread(engine.grammars.matcher, params.constraint) if params.constraint else None
         max_len = engine.model_info.max_context_tokens
         if len(prompt_ids) >= max_len:
             raise ContextLengthExceeded(len(prompt_ids), max_len,
@@ -237,6 +245,7 @@ class InprocClient:
             request_id=request_id, prompt_ids=prompt_ids, params=params, eos_token_ids=engine.eos_token_ids,
             arrival_time=now, seq_no=0, priority=request.priority, protocol=request.protocol, deadline=deadline,
             require_cached_prefix_tokens=request.require_cached_prefix_tokens,
+            matcher=matcher,
         )
         stream = RequestStream(self, request_id, prompt_ids, params, on_close=self._forget)
         self._streams[request_id] = stream
@@ -291,10 +300,15 @@ class InprocClient:
         """Validate ``patch`` against the current parameters and apply it from the next token."""
         self._live(request_id)
         engine = self._require_engine()
-        params = self._capped(self._params[request_id].updated(patch))
+        old = self._params[request_id]
+        params = self._capped(old.updated(patch))
         params.validate(vocab_size=engine.model_info.vocab_size)
+        matcher = None
+        if params.constraint is not None and (old.constraint is None
+                                              or old.constraint.cache_key() != params.constraint.cache_key()):
+            matcher = engine.grammars.matcher(params.constraint)
         self._params[request_id] = params
-        self._inbox.put(ModifyCommand(request_id, params))
+        self._inbox.put(ModifyCommand(request_id, params, matcher))
         return params
 
     def _capped(self, params: SamplingParams) -> SamplingParams:

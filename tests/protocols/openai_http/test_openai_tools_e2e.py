@@ -36,7 +36,8 @@ ADD = {
     "type": "function",
     "function": {
         "name": "add",
-        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+        "parameters": {"type": "object", "properties": {"a": {"type": "integer", "minimum": -999, "maximum": 999},
+                                                        "b": {"type": "integer", "minimum": -999, "maximum": 999}},
                        "required": ["a", "b"], "additionalProperties": False},
     },
 }
@@ -82,3 +83,112 @@ def test_tool_choice_none_and_plain_chat_still_work(qwen_server: LiveServer) -> 
     reply = client.chat.completions.create(model="tiny-qwen", messages=[{"role": "user", "content": "hi"}],
                                            tools=[WEATHER], tool_choice="none", max_tokens=4)
     assert reply.choices[0].message.tool_calls in (None, [])
+
+
+def _check_call(name: str, arguments: str, tools: list[dict]) -> dict:
+    import jsonschema
+
+    (tool,) = [t for t in tools if t["function"]["name"] == name]
+    args = json.loads(arguments)
+    jsonschema.validate(args, tool["function"]["parameters"])
+    return args
+
+
+def test_required_tool_call_comes_back_as_tool_calls(qwen_server: LiveServer) -> None:
+    client = _client(qwen_server)
+    for seed in range(3):
+        reply = client.chat.completions.create(
+            model="tiny-qwen", messages=[{"role": "user", "content": "Weather in Oslo?"}], tools=[WEATHER, ADD],
+            tool_choice="required", max_tokens=200, seed=seed)
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls"
+        assert choice.message.content is None
+        assert choice.message.tool_calls, "a forced call is always a call"
+        for call in choice.message.tool_calls:
+            assert call.type == "function" and call.id.startswith("call_")
+            _check_call(call.function.name, call.function.arguments, [WEATHER, ADD])
+
+
+def test_named_tool_call_streams_incremental_arguments(qwen_server: LiveServer) -> None:
+    client = _client(qwen_server)
+    chunks = list(client.chat.completions.create(
+        model="tiny-qwen", messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER, ADD],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=200, seed=7, stream=True))
+    pieces = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert pieces[0].id and pieces[0].function.name == "get_weather" and pieces[0].type == "function"
+    assert len([p for p in pieces if p.function.arguments]) > 1, "arguments stream in fragments"
+    assert {p.index for p in pieces} == {0}
+    arguments = "".join(p.function.arguments or "" for p in pieces)
+    _check_call("get_weather", arguments, [WEATHER])
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+
+
+def test_auto_parses_a_call_the_output_was_forced_into(qwen_server: LiveServer) -> None:
+    # With tool_choice auto the model is free; a regex forces the text so that parsing is tested.
+    text = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 40}}\n</tool_call>'
+    regex = "".join("\\" + ch if ch in ".^$*+?()[]{}|\\/" else ch for ch in text)
+    for stream in (False, True):
+        kwargs = dict(model="tiny-qwen", messages=[{"role": "user", "content": "2+40?"}], tools=[WEATHER, ADD],
+                      tool_choice="auto", max_tokens=100, extra_body={"structured_outputs": {"regex": regex}})
+        if stream:
+            chunks = list(client_stream := _client(qwen_server).chat.completions.create(stream=True, **kwargs))
+            del client_stream
+            pieces = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+            name, arguments = pieces[0].function.name, "".join(p.function.arguments or "" for p in pieces)
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+        else:
+            choice = _client(qwen_server).chat.completions.create(**kwargs).choices[0]
+            (call,) = choice.message.tool_calls
+            name, arguments, finish = call.function.name, call.function.arguments, choice.finish_reason
+        assert (name, json.loads(arguments), finish) == ("add", {"a": 2, "b": 40}, "tool_calls")
+
+
+NESTED = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "count": {"type": "integer", "minimum": -5, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 1, "maxItems": 3},
+        "owner": {
+            "type": "object",
+            "properties": {"kind": {"enum": ["person", "team"]}, "level": {"type": "integer", "minimum": 1, "maximum": 5}},
+            "required": ["kind", "level"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "count", "tags", "owner"],
+    "additionalProperties": False,
+}
+
+
+def test_json_schema_output_is_valid_in_50_of_50_samples(qwen_server: LiveServer) -> None:
+    import jsonschema
+
+    client = _client(qwen_server)
+    # max_tokens: the schema bounds every string, number and array, and whitespace is not free
+    # (compact JSON), so the longest valid output is far below it: no sample is cut short.
+    reply = client.chat.completions.create(
+        model="tiny-qwen", messages=[{"role": "user", "content": "Describe a thing."}], n=50, seed=1234,
+        max_tokens=400, response_format={"type": "json_schema", "json_schema": {"name": "thing", "schema": NESTED,
+                                                                                 "strict": True}})
+    assert len(reply.choices) == 50
+    for choice in reply.choices:
+        assert choice.finish_reason == "stop", choice.message.content
+        jsonschema.validate(json.loads(choice.message.content), NESTED)
+    assert len({c.message.content for c in reply.choices}) > 10, "seeded samples differ"
+
+
+def test_bad_constraints_are_400s(qwen_server: LiveServer) -> None:
+    client = _client(qwen_server)
+    cases = [
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+        {"response_format": {"type": "xml"}},
+        {"structured_outputs": {"regex": "(("}},
+        {"structured_outputs": {"grammar": "start: nothing_defined"}},
+        {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+    ]
+    for body in cases:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model="tiny-qwen", messages=[{"role": "user", "content": "x"}],
+                                           max_tokens=4, extra_body=body)
+        assert caught.value.body["param"] in ("response_format", "structured_outputs"), body

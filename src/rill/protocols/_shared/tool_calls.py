@@ -444,8 +444,9 @@ def call_grammar(fmt: str, tools: list[dict[str, Any]], name: str | None = None)
     """A Lark grammar (llguidance dialect) whose sentences are valid calls in format ``fmt``.
 
     ``name`` restricts it to one function (a named ``tool_choice``), else any of ``tools``
-    (``tool_choice: required``). Each call's arguments follow the function's ``parameters``
-    schema (any object when it has none).
+    (``tool_choice: required``). The output is one call whose arguments follow the function's
+    ``parameters`` schema (any object when it has none), written as compact JSON: free
+    whitespace would let a model pad the call without end.
     """
     functions = [t["function"] for t in tools if t.get("type", "function") == "function" and "function" in t]
     if name is not None:
@@ -460,8 +461,9 @@ def call_grammar(fmt: str, tools: list[dict[str, Any]], name: str | None = None)
             "required": ["name", args_key],
             "additionalProperties": False,
         })
-    schema = options[0] if len(options) == 1 else {"anyOf": options}
+    schema: dict[str, Any] = dict(options[0]) if len(options) == 1 else {"anyOf": options}
+    schema["x-guidance"] = {"whitespace_flexible": False}
     body = "%json " + json.dumps(schema)
     if fmt == "llama3_json":
-        return f"start: call\ncall: {body}\n"
-    return f'start: call ("\\n" call)*\ncall: "<tool_call>\\n" obj "\\n</tool_call>"\nobj: {body}\n'
+        return f"start: {body}\n"
+    return f'start: "<tool_call>\\n" obj "\\n</tool_call>"\nobj: {body}\n'

@@ -14,6 +14,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
+from rill.types import ResponseFormat
+
 # --------------------------------------------------------------------------- client → server
 
 
@@ -43,6 +45,10 @@ class Parameters(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_
     num_beams: int | None = None
     length_penalty: float | None = None
     early_stopping: bool | None = None
+    response_format: ResponseFormat | None = None
+    """Constrained decoding (``rill.types.ResponseFormat``: json_object, json_schema, regex,
+    grammar); set by ``modify`` it constrains the text generated from then on, and
+    ``{"type": "text"}`` lifts it."""
 
     def to_patch(self) -> dict[str, Any]:
         """The fields the client set, as a sampling-parameter patch."""

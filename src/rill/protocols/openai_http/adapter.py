@@ -152,7 +152,7 @@ class OpenAIApi:
         """The tool-call format to read: ``--tool-call-parser``, or the chat template's (hermes if none)."""
         chosen = getattr(self.deps.config.http, "tool_call_parser", "auto")
         if chosen == "none":
-            return None
+            return None  # forced calls (tool_choice required) are written as hermes, returned as text
         if chosen != "auto":
             return chosen
         info = self.client.model_info
@@ -204,6 +204,7 @@ class OpenAIApi:
             max_tokens_cap=self.deps.config.http.max_tokens_cap,
             max_choices=self.deps.config.http.max_choices_per_request,
             modalities=tuple(info.modalities),
+            tool_format=self._tool_format() or "hermes",
         )
 
     def _card(self, served: codec.ServedModel) -> ModelCard:

@@ -44,7 +44,8 @@ from rill.protocols.openai_http.messages import (
     ErrorDetail,
     ErrorResponse,
 )
-from rill.types import ChatMessage, GenerateRequest, SamplingParams, check_template_kwargs
+from rill.protocols._shared.tool_calls import call_grammar
+from rill.types import ChatMessage, GenerateRequest, ResponseFormat, SamplingParams, check_template_kwargs
 
 PROTOCOL = "openai_http"
 """``GenerateRequest.protocol`` of every request of this API (labels metrics)."""
@@ -195,6 +196,7 @@ class ServedModel:
     name: str
     max_context_tokens: int
     vocab_size: int | None = None
+    tool_format: str = "hermes"  # how tool calls are written (and forced), see _shared.tool_calls
     has_chat_template: bool = True
     max_tokens_cap: int | None = None
     modalities: tuple[str, ...] = ("text",)
@@ -221,9 +223,6 @@ def decode_chat(body: bytes) -> ChatCompletionRequest:
     req = _decode(_chat_decoder, body)
     if not req.messages:
         raise InvalidRequest("'messages' must be a non-empty list", field="messages")
-    fmt = (req.response_format or {}).get("type", "text")
-    if fmt != "text":
-        raise InvalidRequest(f"response_format type '{fmt}' is not supported (only 'text')", field="response_format")
     if req.top_logprobs and not req.logprobs:  # 0 or null without logprobs is harmless
         raise InvalidRequest("'top_logprobs' needs 'logprobs' set to true", field="top_logprobs")
     _check_tools(req)
@@ -482,6 +481,7 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
         ignore_eos=bool(req.ignore_eos),
         logit_bias=dict(req.logit_bias or {}),
         logprobs=logprobs,
+        response_format=response_format(req, served),
     )
     try:
         return params.validate(vocab_size=served.vocab_size, max_logprobs=MAX_LOGPROBS)
@@ -489,6 +489,66 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
         if exc.field == "logprobs" and logprobs_field != "logprobs":
             raise InvalidRequest(str(exc).replace("'logprobs'", f"'{logprobs_field}'"), field=logprobs_field) from exc
         raise
+
+
+def response_format(req: CompletionRequest | ChatCompletionRequest, served: ServedModel) -> ResponseFormat | None:
+    """The constraint of a request: ``response_format``, ``structured_outputs`` or a forced tool call.
+
+    At most one of them may constrain; ``tool_choice`` ``required`` / a named function is
+    enforced with a grammar of valid calls in the model's tool-call format.
+    """
+    found: list[tuple[str, ResponseFormat]] = []
+    if req.response_format is not None:
+        fmt = _convert_format(req.response_format, "response_format")
+        if fmt.is_constraint:
+            found.append(("response_format", fmt))
+    if req.structured_outputs is not None:
+        found.append(("structured_outputs", _structured_outputs(req.structured_outputs)))
+    if isinstance(req, ChatCompletionRequest):
+        forced, name = forced_tool(req)
+        if forced:
+            grammar = call_grammar(served.tool_format, list(req.tools or []), name)
+            found.append(("tool_choice", ResponseFormat(type="grammar", grammar=grammar)))
+    if len(found) > 1:
+        raise InvalidRequest(f"'{found[0][0]}' and '{found[1][0]}' both constrain the output; send one",
+                             field=found[1][0])
+    return found[0][1] if found else None
+
+
+def _convert_format(value: Any, field: str) -> ResponseFormat:
+    try:
+        return msgspec.convert(value, ResponseFormat).validate()
+    except msgspec.ValidationError as exc:
+        raise InvalidRequest(f"invalid {field}: {exc}", field=field) from exc
+    except InvalidRequest as exc:
+        raise InvalidRequest(exc.message.replace("'response_format'", f"'{field}'"), field=field) from exc
+
+
+def _structured_outputs(spec: dict[str, Any]) -> ResponseFormat:
+    field = "structured_outputs"
+    given = [k for k in ("json", "regex", "grammar", "choice", "json_object") if spec.get(k) not in (None, False)]
+    if len(given) != 1:
+        raise InvalidRequest("'structured_outputs' needs exactly one of json, regex, grammar, choice, json_object",
+                             field=field)
+    kind, value = given[0], spec[given[0]]
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as exc:
+                raise InvalidRequest("'structured_outputs.json' is not valid JSON", field=field) from exc
+        return _convert_format({"type": "json_schema", "json_schema": {"schema": value}}, field)
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+            raise InvalidRequest("'structured_outputs.choice' must be a non-empty list of strings", field=field)
+        return _convert_format({"type": "regex", "regex": "|".join(_regex_escape(c) for c in value)}, field)
+    if kind == "json_object":
+        return ResponseFormat(type="json_object")
+    return _convert_format({"type": kind, kind: value}, field)
+
+
+def _regex_escape(text: str) -> str:
+    return "".join("\\" + ch if ch in ".^$*+?()[]{}|\\/" else ch for ch in text)
 
 
 def _or(value: Any, default: Any) -> Any:

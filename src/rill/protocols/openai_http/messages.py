@@ -5,7 +5,9 @@ add new ones often) and ``null`` means "absent". Responses follow the shapes of 
 API reference (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``), including
 ``usage.prompt_tokens_details.cached_tokens``. Extensions beyond OpenAI's fields are the
 sampling knobs vLLM also accepts (``top_k``, ``min_p``, ``repetition_penalty``,
-``min_tokens``, ``ignore_eos``, ``stop_token_ids``).
+``min_tokens``, ``ignore_eos``, ``stop_token_ids``), ``response_format`` on completions too,
+with the extra types ``regex`` and ``grammar``, and vLLM's ``structured_outputs``
+(``json``, ``regex``, ``grammar``, ``choice``, ``json_object``).
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ class _CommonRequest(msgspec.Struct, kw_only=True):
     min_tokens: int | None = None
     ignore_eos: bool | None = False
     user: str | None = None
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_CommonRequest, kw_only=True):
@@ -86,7 +90,6 @@ class ChatCompletionRequest(_CommonRequest, kw_only=True):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool | None = True
 
