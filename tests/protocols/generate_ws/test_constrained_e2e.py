@@ -34,7 +34,7 @@ async def _switched_on_mid_stream(server: Any, seed: int) -> tuple[int, int, lis
         await send(ws, type="config", prompt="Once upon a time",
                    parameters={"max_tokens": 400, "seed": seed, "ignore_eos": True}, options={"include_token_ids": True})
         head = await until(ws, lambda m: m["type"] == "token")
-        num_sent = len(head)
+        num_sent = len([m for m in head if m["type"] == "token"])
         await send(ws, type="control", action="modify", parameters={"response_format": FORMAT})
         head += await until(ws, is_status("modified"))
         tail = await until(ws, is_type("completion"))

@@ -52,7 +52,9 @@ def test_completion_decode_errors_name_the_field(body: bytes, field: str | None,
     [
         ({"messages": []}, "messages"),
         ({"messages": [{"content": "no role"}]}, "messages"),
-        ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, "response_format"),
+        ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}}, "response_format"),
+        ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "regex"}}, "response_format"),
+        ({"messages": [{"role": "user", "content": "x"}], "structured_outputs": {"choice": []}}, "structured_outputs"),
         ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
     ],
 )

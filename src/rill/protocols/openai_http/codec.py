@@ -211,6 +211,7 @@ def decode_completion(body: bytes) -> CompletionRequest:
     """Parse a ``/v1/completions`` body; ``InvalidRequest`` names the bad field."""
     req = _decode(_completion_decoder, body)
     _reject_unsupported(echo=bool(req.echo), suffix=req.suffix is not None)
+    _check_formats(req)
     if req.best_of is not None and req.best_of != (req.n or 1):
         raise InvalidRequest("'best_of' is not supported (only best_of == n)", field="best_of")
     if req.prompt is None:
@@ -226,7 +227,16 @@ def decode_chat(body: bytes) -> ChatCompletionRequest:
     if req.top_logprobs and not req.logprobs:  # 0 or null without logprobs is harmless
         raise InvalidRequest("'top_logprobs' needs 'logprobs' set to true", field="top_logprobs")
     _check_tools(req)
+    _check_formats(req)
     return req
+
+
+def _check_formats(req: CompletionRequest | ChatCompletionRequest) -> None:
+    # Shape errors are 400s before any tokenizing; compiling happens at admission.
+    if req.response_format is not None:
+        _convert_format(req.response_format, "response_format")
+    if req.structured_outputs is not None:
+        _structured_outputs(req.structured_outputs)
 
 
 MAX_TOOLS = 128
