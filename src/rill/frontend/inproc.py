@@ -101,11 +101,11 @@ class Engine:
                 f"({row_bytes} bytes each); raise it or lower --max-model-len")
         report(90.0, "allocating KV cache")
         self.runner = TorchModelRunner(loaded, num_rows=int(num_rows), max_len=max_len)
-        report(95.0, "preparing constrained decoding")
         from rill.engine.grammar import GrammarCompiler
 
         eos_ids = set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids)
         self.grammars = GrammarCompiler(self.tokenizer.backend.to_str(), mc.vocab_size, sorted(eos_ids))
+        threading.Thread(target=self.grammars.warm, name="rill-grammar-warmup", daemon=True).start()
         self.core = EngineCore(self.runner, self.tokenizer, CoreConfig(max_num_seqs=config.max_num_seqs,
                                                                        max_num_batched_tokens=config.max_num_batched_tokens))
         eos = set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids)
