@@ -64,6 +64,11 @@ DONE = object()
 GRPC_GRACE_S = 1.0
 """Seconds running calls get to finish when the server stops."""
 
+# A refused (unauthenticated) session: how many messages, and how long after the first, are
+# read before the UNAUTHENTICATED status is sent (see EvergreenServicer._drain_unauthenticated).
+DRAIN_MAX_MESSAGES = 16
+DRAIN_NEXT_S = 1.0
+
 
 def session_limits(deps: "Deps") -> SessionLimits:
     """The per-session limits and file roots from the server config."""
@@ -373,6 +378,7 @@ class EvergreenServicer:
         import grpc
 
         if not self._is_authorized(context):
+            await self._drain_unauthenticated(request_iterator, self.deps.config.connections.first_message_timeout_s)
             await context.abort(grpc.StatusCode.UNAUTHENTICATED,
                                 "missing or unknown API key (send metadata 'authorization: Bearer KEY')")
         lease = None
@@ -399,6 +405,25 @@ class EvergreenServicer:
             await runner.close()
             if lease is not None:
                 lease.release()
+
+    @staticmethod
+    async def _drain_unauthenticated(request_iterator: AsyncIterator[Any], first_message_s: float) -> None:
+        """Read (and drop) what a refused client sends until it half-closes, within bounds.
+
+        grpc's asyncio client replaces the server's status with a local INTERNAL when it
+        writes or half-closes after the call ended, so aborting at once would make a client
+        that sends its message and half-closes see INTERNAL instead of UNAUTHENTICATED,
+        depending on timing. Nothing read is looked at; at most ``DRAIN_MAX_MESSAGES``
+        messages are read, the first within ``first_message_s``, each later one within
+        ``DRAIN_NEXT_S`` (a client that keeps its stream open is answered that soon).
+        """
+        messages = aiter(request_iterator)
+        timeout = first_message_s
+        with contextlib.suppress(Exception):
+            for _ in range(DRAIN_MAX_MESSAGES):
+                async with asyncio.timeout(timeout):
+                    await anext(messages)
+                timeout = DRAIN_NEXT_S
 
     @staticmethod
     async def _read(request_iterator: AsyncIterator[Any], runner: SessionRunner, first_message_s: float) -> None:
