@@ -92,6 +92,15 @@ def mutate(rng: random.Random, obj: Any, depth: int = 0) -> Any:
         if rng.random() < 0.2:
             out_list *= rng.randrange(2, 6)
         return out_list
+    if rng.random() < 0.4:  # same JSON type, extreme value: reaches the session's own checks
+        if isinstance(obj, bool):
+            return not obj
+        if isinstance(obj, int):
+            return rng.choice([n for n in HOSTILE_NUMBERS if isinstance(n, int)] + [-5, 0, 10**6, 2**62])
+        if isinstance(obj, float):
+            return rng.choice([n for n in HOSTILE_NUMBERS if isinstance(n, float)] + [1000.0, -1000.0, 1e-300])
+        if isinstance(obj, str):
+            return rng.choice(HOSTILE_STRINGS + [obj * 1000, "user", "system", "assistant", "tool", "wizard"])
     op = rng.randrange(4)
     if op == 0:
         return deep(rng)

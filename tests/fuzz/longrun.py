@@ -16,6 +16,9 @@ import time
 
 from tests.fuzz import targets
 
+PROGRESS_EVERY = 100_000
+"""Inputs between two progress lines (a cut-short run still reports its counts)."""
+
 
 def run(name: str, num_inputs: int, first_seed: int, max_failures: int = 20) -> list[str]:
     """Run ``num_inputs`` inputs of target ``name``; print its counts; return the failures."""
@@ -28,14 +31,19 @@ def run(name: str, num_inputs: int, first_seed: int, max_failures: int = 20) -> 
         except AssertionError as exc:
             stats.num_inputs += 1
             failures.append(str(exc))
+            print(f"  FAIL {exc}", flush=True)
             if len(failures) >= max_failures:
                 break
-    elapsed_s = time.monotonic() - started
-    kinds = ", ".join(f"{kind} {n:,}/{ok:,} accepted" for kind, (n, ok) in sorted(stats.by_kind.items()))
-    print(f"{name}: {stats.num_inputs:,} inputs in {elapsed_s:.0f} s, {len(failures)} failures ({kinds})", flush=True)
-    for failure in failures:
-        print(f"  FAIL {failure}", flush=True)
+        if stats.num_inputs % PROGRESS_EVERY == 0:
+            _report(name, stats, failures, started, "so far")
+    _report(name, stats, failures, started, "done")
     return failures
+
+
+def _report(name: str, stats: targets.Stats, failures: list[str], started: float, label: str) -> None:
+    kinds = ", ".join(f"{kind} {n:,}/{ok:,} accepted" for kind, (n, ok) in sorted(stats.by_kind.items()))
+    print(f"{name} ({label}): {stats.num_inputs:,} inputs in {time.monotonic() - started:.0f} s, "
+          f"{len(failures)} failures ({kinds})", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

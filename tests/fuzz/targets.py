@@ -254,6 +254,71 @@ def evergreen_valid(rng: random.Random) -> dict[str, Any]:
     return json.loads(evergreen_codec.encode_json(message))
 
 
+def evergreen_config(rng: random.Random) -> GenerateConfig:
+    """A config with values anywhere in the protobuf types' ranges (int32, double, uint64)."""
+    def pick(values: list[Any]) -> Any:
+        return rng.choice(values + [None, None])
+    return GenerateConfig(
+        temperature=pick([0.0, 0.7, -1.0, 1e308, float("inf"), float("nan"), 5e-324]),
+        top_k=pick([0, 5, -5, 2**31 - 1, -(2**31)]), top_p=pick([0.5, 1.0, 0.0, -0.1, 2.0, float("nan")]),
+        min_p=pick([0.0, 0.1, 1.5]), max_tokens=pick([1, 4, 0, -1, 2**31 - 1]), min_tokens=pick([0, 3, -2, 2**31 - 1]),
+        repetition_penalty=pick([1.0, 0.0, 1e308]), presence_penalty=pick([0.0, -3.0, 1e300]),
+        frequency_penalty=pick([0.0, 2.5, float("-inf")]), seed=pick([0, 2**63, 2**64 - 1]),
+        stop=tuple(rng.sample(["\n", "", "\ud800"[:0], "x" * 100], rng.randrange(3))), ignore_eos=pick([True, False]))
+
+
+def evergreen_semantic(rng: random.Random) -> list[Any]:
+    """Well-typed messages with hostile content: cycles, repeated ids, odd seqs and roles,
+    unknown mimetypes, configs with extreme values, outputs that are inputs."""
+    ids = [f"n{i}" for i in range(6)]
+    messages = []
+    for _ in range(rng.randint(1, 6)):
+        items: list[Any] = []
+        for _ in range(rng.randint(1, 4)):
+            node_id, seq, continued = rng.choice(ids), rng.choice([0, 0, 0, 1, 2, -1, 2**31 - 1]), rng.random() < 0.2
+            roll = rng.random()
+            if roll < 0.3:
+                items.append(parent(node_id, *rng.sample(ids, rng.randint(1, 3)), seq=seq, continued=continued))
+            elif roll < 0.65:
+                items.append(leaf(node_id, rng.choice(["a", "", "é", "x" * 500]), seq=seq, continued=continued,
+                                  mimetype=rng.choice(["text/plain", "text/plain", None, "image/png", "", "text/x;charset=y"]),
+                                  role=rng.choice(["", "user", "model", "SYSTEM", "robot", "tool"])))
+            elif roll < 0.75:
+                items.append(eot(node_id))
+            else:
+                items.append(generate(rng.choice(ids), rng.choice(ids + [None, "out"]),
+                                      input_name=rng.choice(["prompt", "prompt", "text", "x"]),
+                                      name=rng.choice(["GENERATE"] * 6 + ["OTHER", ""]),
+                                      config=evergreen_config(rng) if rng.random() < 0.7 else None,
+                                      target=rng.choice([None, None, "fake", "other"])))
+        messages.append(msg(*items))
+    return messages
+
+
+def evergreen_semantic_target(rng: random.Random, given: bytes | None = None) -> tuple[str, bool]:
+    """Several well-typed messages on one session, each through the JSON or protobuf codec."""
+    if given is not None:
+        return evergreen_target(rng, given)
+    session = EvergreenSession(SessionLimits(max_depth=4, max_nodes=12, max_actions=3), ModelFacts(name="fake"))
+    num_started = 0
+    try:
+        for message in evergreen_semantic(rng):
+            if rng.random() < 0.5:
+                decoded = evergreen_codec.decode_json(evergreen_codec.encode_json(message))
+            else:
+                decoded = evergreen_codec.decode_pb(evergreen_codec.to_pb(message).SerializeToString())
+            for command in session.receive(decoded):
+                if isinstance(command, Generate):
+                    session.request_for(command, {})
+                    num_started += 1
+                    for output in outputs(rng, "e"):
+                        session.on_output(command.action_id, output.text, output.finished)
+        session.on_input_end()
+    except (RillError, EvergreenInvalid):
+        return "hostile", num_started > 0
+    return "hostile", True
+
+
 def evergreen_target(rng: random.Random, given: bytes | None = None) -> tuple[str, bool]:
     use_pb = rng.random() < 0.2
     if given is not None:
@@ -292,6 +357,7 @@ TARGETS: dict[str, Target] = {
     "framed_uds": uds_target,
     "framed_uds.newline": newline_target,
     "evergreen": evergreen_target,
+    "evergreen.session": evergreen_semantic_target,
 }
 """Target name → one run (returns the input's kind and whether codec and session accepted it)."""
 
