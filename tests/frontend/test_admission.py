@@ -7,16 +7,18 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import msgspec
 import pytest
 
-from rill.errors import InvalidRequest, PromptTooLarge
+from rill.errors import ContextLengthExceeded, InvalidRequest, PromptTooLarge
 from rill.frontend.admission import FAST_PATH_MAX_SIZE, PromptAdmission, check_size
 from rill.models.tokenizer import Tokenizer
 from rill.testing.checkpoints import make_tokenizer
-from rill.types import ChatMessage, GenerateRequest
+from rill.types import ChatMessage, GenerateRequest, ModelInfo
 
 TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<a>{% endif %}"
 VOCAB = 100_000
+MODEL = ModelInfo(name="m", architecture="a", max_context_tokens=100_000, vocab_size=VOCAB, dtype="float32", device="cpu")
 
 
 class RecordingTokenizer:
@@ -30,9 +32,10 @@ class RecordingTokenizer:
         self.threads.append(("encode", threading.get_ident()))
         return self.inner.encode(text, add_special_tokens=add_special_tokens)
 
-    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
+    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True,
+                     max_context_tokens: int | None = None) -> list[list[int]]:
         self.threads.append(("encode_batch", threading.get_ident()))
-        return self.inner.encode_batch(texts, add_special_tokens=add_special_tokens)
+        return self.inner.encode_batch(texts, add_special_tokens=add_special_tokens, max_context_tokens=max_context_tokens)
 
     def apply_chat_template(self, messages: Sequence[Any], /, add_generation_prompt: bool = True,
                             tools: Sequence[Any] | None = None,
@@ -41,15 +44,15 @@ class RecordingTokenizer:
         return self.inner.apply_chat_template(messages, add_generation_prompt, tools, chat_template_kwargs)
 
 
-def _run(prompts: list[Any], *, max_chars: int = 1_000_000,
-         tokenizer: RecordingTokenizer | None = None) -> tuple[list[list[int]], RecordingTokenizer, int]:
+def _run(prompts: list[Any], *, max_chars: int = 1_000_000, tokenizer: RecordingTokenizer | None = None,
+         model: ModelInfo = MODEL) -> tuple[list[list[int]], RecordingTokenizer, int]:
     """Admit ``prompts``; the ids, the tokenizer (with its call log) and the loop's thread id."""
     tok = tokenizer or RecordingTokenizer()
 
     async def main() -> tuple[list[list[int]], int]:
         admission = PromptAdmission(max_prompt_chars=max_chars, num_threads=2)
         try:
-            return await admission.token_ids(tok, prompts, VOCAB), threading.get_ident()
+            return await admission.token_ids(tok, prompts, model), threading.get_ident()
         finally:
             admission.close()
 
@@ -134,6 +137,29 @@ def test_deep_nesting_in_messages_is_counted_without_recursion() -> None:
     with pytest.raises(PromptTooLarge):
         check_size([GenerateRequest(messages=[ChatMessage(role="user", content="y" * 5)],
                                     chat_template_kwargs={"a": nested})], 12)
+
+
+@pytest.mark.parametrize("prompt", [
+    "the quick brown fox " * 100,  # the pool: refused from the token count, no id list built
+    "fox " * 40,  # the fast path on the loop
+    [5] * 60,  # client-given ids
+    GenerateRequest(messages=[ChatMessage(role="user", content="fox " * 100)]),
+], ids=["long-text", "short-text", "token-ids", "chat"])
+def test_a_prompt_that_fills_the_context_is_refused_with_its_length(prompt: Any) -> None:
+    small = msgspec.structs.replace(MODEL, max_context_tokens=40)
+    with pytest.raises(ContextLengthExceeded) as caught:
+        _run([prompt], model=small)
+    assert caught.value.max_context_tokens == 40 and caught.value.num_prompt_tokens >= 40
+
+
+def test_encode_batch_counts_before_building_ids() -> None:
+    tok = Tokenizer(make_tokenizer())
+    text = "the quick brown fox " * 50
+    num_tokens = len(tok.encode(text))
+    assert tok.encode_batch([text], max_context_tokens=num_tokens + 1) == [tok.encode(text)]
+    with pytest.raises(ContextLengthExceeded) as caught:
+        tok.encode_batch(["short", text], max_context_tokens=num_tokens)
+    assert caught.value.num_prompt_tokens == num_tokens
 
 
 def test_token_ids_outside_the_vocabulary_are_refused() -> None:

@@ -45,12 +45,12 @@ class GatedTokenizer:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
+    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True, **kwargs: Any) -> list[list[int]]:
         if len(texts) >= 1000 or sum(map(len, texts)) >= 100_000:
             self._wait()
         if len(texts) >= 1000:
             raise InvalidRequest(LIST_STOPPED, field="prompt")
-        return self.inner.encode_batch(texts, add_special_tokens=add_special_tokens)
+        return self.inner.encode_batch(texts, add_special_tokens=add_special_tokens, **kwargs)
 
     def apply_chat_template(self, messages: Sequence[Any], /, *args: Any, **kwargs: Any) -> str:
         self._wait()

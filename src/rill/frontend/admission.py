@@ -11,10 +11,13 @@ rules hold on every protocol:
    frontend, never on the event loop: a 3 MB prompt takes seconds to tokenize, and the loop
    must keep answering ``/health`` and every other client's stream meanwhile;
 3. client-given token ids are checked against the vocabulary (in the pool when the list is
-   long).
+   long), and every prompt against the context: one that leaves no room for a new token is
+   ``ContextLengthExceeded``, on every protocol alike.
 
 Text is encoded with ``tokenizers``' batch call, which releases the GIL while Rust works
-(the plain ``encode`` holds it: in a worker thread it would still freeze the loop).
+(the plain ``encode`` holds it: in a worker thread it would still freeze the loop). Only
+turning the ids into a Python list holds it, so a text over the context is refused from
+its token count, before that list is built (1.6M ids held the GIL for 50–170 ms).
 
 Small plain prompts skip the pool (``FAST_PATH_MAX_SIZE``); ``benchmarks/loop_stall.py
 --fast-path`` measures the trade-off.
@@ -27,8 +30,8 @@ import concurrent.futures
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, TypeAlias
 
-from rill.errors import InvalidRequest, PromptTooLarge
-from rill.types import GenerateRequest, check_chat_messages, check_template_kwargs
+from rill.errors import ContextLengthExceeded, InvalidRequest, PromptTooLarge
+from rill.types import GenerateRequest, ModelInfo, check_chat_messages, check_template_kwargs
 
 FAST_PATH_MAX_SIZE = 256
 """Prompts of at most this many characters (or token ids) are admitted on the event loop.
@@ -55,8 +58,10 @@ class PromptTokenizer(Protocol):
         """Token ids of ``text`` (may hold the GIL: used for small prompts only)."""
         ...
 
-    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
-        """Token ids of each text, computed without holding the GIL."""
+    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True,
+                     max_context_tokens: int | None = None) -> list[list[int]]:
+        """Token ids of each text, computed without holding the GIL; ``ContextLengthExceeded``
+        for a text of ``max_context_tokens`` tokens or more, before its id list is built."""
         ...
 
     def apply_chat_template(self, messages: Sequence[Any], /, add_generation_prompt: bool = True,
@@ -81,18 +86,19 @@ class PromptAdmission:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="rill-tokenize")
 
     async def token_ids(self, tokenizer: PromptTokenizer, prompts: Sequence[Prompt],
-                        vocab_size: int) -> list[list[int]]:
+                        model: ModelInfo) -> list[list[int]]:
         """The token ids of each prompt (a request's ``messages`` rendered by the chat template).
 
         Raises:
             PromptTooLarge: the prompts hold more than ``max_prompt_chars`` characters.
+            ContextLengthExceeded: a prompt leaves no room in ``model``'s context for one new token.
             InvalidRequest: not exactly one prompt field in a request, a token id outside the
                 vocabulary, or the chat template refused the messages.
         """
         if _is_small(prompts):
-            return prompt_token_ids(tokenizer, prompts, vocab_size, self.max_prompt_chars)
+            return prompt_token_ids(tokenizer, prompts, model, self.max_prompt_chars)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, prompt_token_ids, tokenizer, prompts, vocab_size,
+        return await loop.run_in_executor(self._pool, prompt_token_ids, tokenizer, prompts, model,
                                           self.max_prompt_chars)
 
     async def render_chat(self, tokenizer: PromptTokenizer, messages: Sequence[Any], *,
@@ -107,7 +113,7 @@ class PromptAdmission:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def prompt_token_ids(tokenizer: PromptTokenizer, prompts: Sequence[Prompt], vocab_size: int,
+def prompt_token_ids(tokenizer: PromptTokenizer, prompts: Sequence[Prompt], model: ModelInfo,
                      max_prompt_chars: int) -> list[list[int]]:
     """The synchronous body of ``PromptAdmission.token_ids`` (runs in a worker thread).
 
@@ -115,6 +121,7 @@ def prompt_token_ids(tokenizer: PromptTokenizer, prompts: Sequence[Prompt], voca
     through the tokenizer instead of one per prompt.
     """
     check_size(prompts, max_prompt_chars)
+    vocab_size, context = model.vocab_size, model.max_context_tokens
     out: list[list[int] | None] = [None] * len(prompts)
     texts: dict[int, str] = {}
     for i, prompt in enumerate(prompts):
@@ -126,16 +133,20 @@ def prompt_token_ids(tokenizer: PromptTokenizer, prompts: Sequence[Prompt], voca
             _check_one_field(prompt)
             text = render(tokenizer, prompt.messages, prompt.add_generation_prompt, prompt.chat_template_kwargs)
             # The template writes every special token it wants (BOS included): no post-processor.
-            out[i] = _encode(tokenizer, [text], add_special_tokens=False)[0]
+            out[i] = _encode(tokenizer, [text], False, context)[0]
         else:
             _check_one_field(prompt)
             if prompt.prompt_token_ids is not None:
                 out[i] = _checked_ids(prompt.prompt_token_ids, vocab_size)
             else:
                 texts[i] = prompt.prompt or ""
-    for i, ids in zip(texts, _encode(tokenizer, list(texts.values()), add_special_tokens=True)):
+    for i, ids in zip(texts, _encode(tokenizer, list(texts.values()), True, context)):
         out[i] = ids
-    return [ids if ids is not None else [] for ids in out]
+    token_ids = [ids if ids is not None else [] for ids in out]
+    longest = max(map(len, token_ids), default=0)
+    if longest >= context:  # long texts were refused by count already; this covers ids and short texts
+        raise ContextLengthExceeded(longest, context)
+    return token_ids
 
 
 def render(tokenizer: PromptTokenizer, messages: Sequence[Any], add_generation_prompt: bool,
@@ -220,12 +231,13 @@ def _checked_ids(ids: Sequence[int], vocab_size: int) -> list[int]:
     return list(ids)
 
 
-def _encode(tokenizer: PromptTokenizer, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+def _encode(tokenizer: PromptTokenizer, texts: list[str], add_special_tokens: bool,
+            max_context_tokens: int) -> list[list[int]]:
     if not texts:
         return []
     if len(texts) == 1 and len(texts[0]) <= FAST_PATH_MAX_SIZE:
         return [tokenizer.encode(texts[0], add_special_tokens=add_special_tokens)]
-    return tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
+    return tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens, max_context_tokens=max_context_tokens)
 
 
 def _render_bounded(tokenizer: PromptTokenizer, messages: Sequence[Any], add_generation_prompt: bool,

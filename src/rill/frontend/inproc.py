@@ -32,7 +32,6 @@ from rill.engine.request import (
     ResumeCommand,
 )
 from rill.errors import (
-    ContextLengthExceeded,
     EngineDead,
     InvalidRequest,
     MemoryPressure,
@@ -220,16 +219,11 @@ class InprocClient:
         """Tokenize (off the event loop), validate and submit; see ``EngineClient.generate``."""
         engine = self._require_engine()
         params = self._capped(request.sampling).validate(vocab_size=engine.model_info.vocab_size)
-        [prompt_ids] = await self._admission.token_ids(engine.tokenizer, [request], engine.model_info.vocab_size)
+        [prompt_ids] = await self._admission.token_ids(engine.tokenizer, [request], engine.model_info)
         engine = self._require_engine()  # the engine may have died while the prompt was tokenized
         # A new constraint compiles in milliseconds (more for huge schemas): not on the event
         # loop, and before the checks below, so that nothing changes between them and the submit.
         matcher = await asyncio.to_thread(engine.grammars.matcher, params.constraint) if params.constraint else None
-        max_len = engine.model_info.max_context_tokens
-        if len(prompt_ids) >= max_len:
-            raise ContextLengthExceeded(len(prompt_ids), max_len,
-                                        f"prompt has {len(prompt_ids)} tokens but the context holds {max_len} "
-                                        f"(at most {max_len - 1} prompt tokens leave room for one new token)")
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty", field="prompt")
         if params.num_beams > engine.runner.num_rows:
@@ -258,7 +252,7 @@ class InprocClient:
     async def tokenize(self, prompts: Sequence[Prompt]) -> list[list[int]]:
         """Token ids of each prompt, by the same admission step as ``generate``."""
         engine = self._require_engine()
-        return await self._admission.token_ids(engine.tokenizer, prompts, engine.model_info.vocab_size)
+        return await self._admission.token_ids(engine.tokenizer, prompts, engine.model_info)
 
     def _require_engine(self) -> Engine:
         if self._is_dead:

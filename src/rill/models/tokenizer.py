@@ -34,7 +34,7 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, processors
 
-from rill.errors import InvalidRequest, ModelLoadError
+from rill.errors import ContextLengthExceeded, InvalidRequest, ModelLoadError
 from rill.models.chat_template import render_chat_template
 
 logger = logging.getLogger(__name__)
@@ -154,14 +154,24 @@ class Tokenizer:
         """
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
+    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True,
+                     max_context_tokens: int | None = None) -> list[list[int]]:
         """Token ids of each text, as ``encode`` gives them.
 
         Unlike ``encode``, the Rust side runs without holding the GIL (and skips the offsets
         nobody reads), so a long text tokenized in a worker thread leaves the event loop free;
         only building the Python lists of ids holds it.
+
+        Raises:
+            ContextLengthExceeded: a text has ``max_context_tokens`` tokens or more (no room
+                left for a new token); raised from the count, before any id list is built.
         """
-        return [encoding.ids for encoding in self._backend.encode_batch_fast(list(texts), add_special_tokens=add_special_tokens)]
+        encodings = self._backend.encode_batch_fast(list(texts), add_special_tokens=add_special_tokens)
+        if max_context_tokens is not None:
+            longest = max((len(encoding) for encoding in encodings), default=0)
+            if longest >= max_context_tokens:
+                raise ContextLengthExceeded(longest, max_context_tokens)
+        return [encoding.ids for encoding in encodings]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``; unknown ids are ignored. No tokenization-space clean-up is applied."""
