@@ -356,3 +356,22 @@ def test_websocket_reader_bug_aborts_with_internal_instead_of_hanging(monkeypatc
         with pytest.raises(WebSocketDisconnect) as info:
             ws.receive_text()
     assert (info.value.code, info.value.reason) == (4013, "INTERNAL: internal server error")
+
+
+async def test_grpc_bytes_that_are_not_a_session_message_are_invalid_argument():
+    # Was INTERNAL "internal server error": grpc's own parse failure reached the generic branch.
+    import grpc
+
+    deps = make_deps(ScriptedClient())
+    async with listening(deps), grpc.aio.insecure_channel(address(deps)) as channel:
+        call = channel.stream_stream("/evergreen.v2.EvergreenService/StartSession",
+                                     request_serializer=lambda data: data, response_deserializer=lambda data: data)
+
+        async def garbage():
+            yield b"\xff\xff\xff\x0f"
+
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for _ in call(garbage()):
+                pass
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith("not a serialized evergreen.v2.SessionMessage")

@@ -31,6 +31,7 @@ import stat
 from urllib.parse import unquote
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
 
+from google.protobuf.message import DecodeError
 from starlette.routing import BaseRoute, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
@@ -39,7 +40,7 @@ from rill.connections import client_key
 from rill.errors import ConfigError, GenerationError, IdleTimeout, RillError, TooManyConnections
 from rill.frontend.stream import RequestStream
 from rill.protocols.evergreen import codec
-from rill.protocols.evergreen.errors import RefDenied, RefNotFound, SessionLimit, UnsupportedInput
+from rill.protocols.evergreen.errors import InvalidMessage, RefDenied, RefNotFound, SessionLimit, UnsupportedInput
 from rill.protocols.evergreen.messages import SessionMessage
 from rill.protocols.evergreen.session import (
     Close,
@@ -443,6 +444,9 @@ class EvergreenServicer:
                 await runner.feed(message, codec.from_pb)
         except asyncio.CancelledError:
             raise
+        except DecodeError as exc:  # grpc could not parse the client's bytes: the client's fault
+            runner.fail(InvalidMessage(f"not a serialized evergreen.v2.SessionMessage: {exc}"), is_rejection=True)
+            return
         except Exception as exc:  # the transport failed (e.g. a message over the size limit)
             runner.fail(exc)
             return
