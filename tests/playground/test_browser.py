@@ -369,3 +369,24 @@ def test_speak_replies_plays_the_streamed_audio(browser: Any, live: LiveServer, 
     # Audio chunks (24 kHz float PCM) were decoded and scheduled on the Web Audio clock.
     assert int(data(browser, "audio-chunks") or 0) >= 1
     assert browser.find_element("css selector", ".turn.reply .role").text == "ASSISTANT (SPOKEN)"
+
+
+def test_queue_position_while_waiting(browser: Any, live: LiveServer, wait_for: Callable[..., Any]) -> None:
+    import json
+
+    import websockets.sync.client
+
+    open_page(browser, live, wait_for)
+    with websockets.sync.client.connect(f"{live.ws_url}/generate") as other:
+        with live.hold_engine():  # nothing is scheduled: the other request is first in line
+            other.send(json.dumps({"type": "config", "prompt": "first", "parameters": {"max_tokens": 3}}))
+            assert json.loads(other.recv(timeout=60))["type"] == "init"
+            send(browser, "second in line", max_tokens=3)
+            wait_for(lambda d: data(d, "queue-position") == "2", "the page's queue position")
+            assert data(browser, "state") == "waiting"
+            assert browser.find_element("id", "fig-queue").text == "2 of 2"
+        wait_for(lambda d: data(d, "state") == "done", "the reply after the queue")
+        assert browser.find_element("id", "fig-queue").text == "–"
+        while json.loads(other.recv(timeout=60))["type"] != "completion":
+            pass
+    live.wait_idle()

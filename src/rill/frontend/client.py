@@ -104,6 +104,11 @@ class EngineClient(Protocol):
         loop (``InvalidRequest`` if the model has no template or the template rejects them)."""
         ...
 
+    def queue_position(self, request_id: RequestId) -> tuple[int, int] | None:
+        """``(position, num_waiting)`` of a submitted request not scheduled yet (1-based, in
+        arrival order), or None once it runs or ends."""
+        ...
+
     def stats(self) -> EngineStats:
         """A snapshot of the engine's gauges and counters."""
         ...

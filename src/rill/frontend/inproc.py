@@ -48,6 +48,9 @@ from rill.types import EngineStats, GenerateRequest, ModelInfo, RequestEvent, Re
 
 log = logging.getLogger("rill.client")
 
+QUEUE_POSITIONS_TTL_S = 0.25
+"""How long ``InprocClient.queue_position`` reuses one pass over the queued requests."""
+
 _STOP = object()
 DEFAULT_MAX_CONTEXT = 4096
 DEMO_MODEL = "demo"
@@ -159,6 +162,8 @@ class InprocClient:
         self._params: dict[RequestId, SamplingParams] = {}
         self._tracks: dict[RequestId, _Track] = {}
         self._num_queued = 0
+        self._positions: dict[RequestId, int] = {}  # queue_position's last pass
+        self._positions_at: float | None = None
         self._metrics: MetricsSink | None = None
         self._thread: threading.Thread | None = None
         self._is_dead = False
@@ -331,6 +336,25 @@ class InprocClient:
         """The prompt the chat template makes of ``messages`` (rendered off the event loop)."""
         return await self._admission.render_chat(self._require_engine().tokenizer, messages,
                                                  add_generation_prompt=add_generation_prompt, chat_template_kwargs=kwargs)
+
+    def queue_position(self, request_id: RequestId) -> tuple[int, int] | None:
+        """``(position, num_waiting)``: the request's 1-based place among the submitted requests
+        the engine has not scheduled yet (in arrival order), and how many those are; None once
+        it runs, ends, or is unknown.
+
+        Positions are computed in one pass for every request and reused for
+        ``QUEUE_POSITIONS_TTL_S``, so many waiting clients asking cost one pass, not one each.
+        """
+        track = self._tracks.get(request_id)
+        if track is None or not track.is_queued:
+            return None
+        now = time.monotonic()
+        is_stale = self._positions_at is None or now - self._positions_at > QUEUE_POSITIONS_TTL_S
+        if is_stale or request_id not in self._positions:
+            queued = [rid for rid, track in self._tracks.items() if track.is_queued]
+            self._positions = {rid: index + 1 for index, rid in enumerate(queued)}
+            self._positions_at = now
+        return self._positions[request_id], len(self._positions)
 
     def stats(self) -> EngineStats:
         """Engine gauges and counters (a consistent snapshot taken without stopping the engine)."""

@@ -235,3 +235,21 @@ async def test_rest_json_and_sse_on_real_server(server: Any) -> None:
         assert [e["type"] for e in events] == ["init"] + ["token"] * 6 + ["completion"]
         assert events[-1]["generated_text"] == data["generated_text"]  # greedy: same text both ways
     server.wait_idle()
+
+
+async def test_waiting_requests_learn_their_queue_position(server: Any) -> None:
+    config = {"prompt": PROMPT, "parameters": {"max_tokens": 3, "ignore_eos": True}}
+    async with connect(ws_url(server)) as first, connect(ws_url(server)) as second:
+        with server.hold_engine():  # nothing is scheduled: both wait, in arrival order
+            await send(first, type="config", **config)
+            assert (await recv(first))["type"] == "init"  # alone in the queue: not reported
+            await send(second, type="config", **config)
+            [*_, queued_second] = await until(second, is_status("queued"))
+            [*_, queued_first] = await until(first, is_status("queued"))
+        assert (queued_first["position"], queued_second["position"]) == (1, 2)
+        assert queued_first["queue_length"] == queued_second["queue_length"] == 2
+        for ws in (first, second):
+            msgs = await until(ws, is_type("completion"))
+            assert len(tokens_of(msgs)) == 3
+            assert not any(is_status("queued")(m) for m in msgs[msgs.index(tokens_of(msgs)[0]):])
+    server.wait_idle()

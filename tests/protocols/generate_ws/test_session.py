@@ -346,3 +346,14 @@ def test_feedback_is_capped_per_generation_and_per_connection() -> None:
     assert isinstance(sess.receive(fb, now=13.0)[0], s.StoreFeedback)
     [err] = sent(sess.receive(fb, now=13.0))
     assert err["error"] == "rate_limited" and "this connection" in err["message"]
+
+
+def test_queue_status_while_waiting_for_the_engine() -> None:
+    sess = new_session()
+    assert sent(sess.queue_status(1, 1)) == []  # nothing started: nothing to report
+    started(sess)
+    [status] = sent(sess.queue_status(2, 3))
+    assert status == {"type": "status", "operation": "queued", "request_id": "gen_0", "position": 2,
+                      "queue_length": 3, "message": "waiting for the engine: 2 of 3"}
+    sess.on_output(out("a", finished=True, reason="length", n=1), now=11.0)
+    assert sent(sess.queue_status(1, 1)) == []  # finished: a late notice is dropped

@@ -90,7 +90,10 @@
     const canRate = st.lastRequestId !== null && st.via === "generate";
     setEnabled("btn-up", canRate);
     setEnabled("btn-down", canRate);
-    if (st.phase !== "waiting") $("fig-queue").textContent = "–";
+    if (st.phase !== "waiting") {
+      $("fig-queue").textContent = "–";
+      app.dataset.queuePosition = "";
+    }
   }
 
   // aria-disabled instead of disabled: the button stays in the tab order, so keyboard users
@@ -333,6 +336,11 @@
       $("fig-loading-text").textContent = fmt(msg.progress, 0) + "%" +
         (msg.eta_seconds != null ? ", about " + fmt(msg.eta_seconds, 0) + " s left" : "");
       setPhase("loading");
+    },
+    queued(msg) {
+      if (st.phase !== "waiting") return; // a late notice: the reply already runs
+      $("fig-queue").textContent = msg.position + " of " + msg.queue_length;
+      app.dataset.queuePosition = String(msg.position);
     },
     paused() {
       setPhase("paused");
@@ -647,7 +655,6 @@
     $("val-waiting").textContent = String(last.waiting);
     $("val-kv").textContent = fmt(last.kv, 1) + " %";
     $("val-tps").textContent = fmt(last.tps, 1);
-    if (st.phase === "waiting" && st.via === "generate") $("fig-queue").textContent = last.waiting + " waiting";
     if ($("view-dashboard").hidden) return;
     plot("plot-running", "running", 1, "");
     plot("plot-waiting", "waiting", 1, "");

@@ -36,6 +36,7 @@ from rill.protocols.generate_ws import session as s
 log = logging.getLogger("rill.protocols.generate_ws")
 
 LOADING_STATUS_PERIOD_S = 0.5
+QUEUE_STATUS_PERIOD_S = 0.5  # how often a waiting request's place is looked at (sent only when it changes)
 MAX_TRACKED_KEYS = 10000  # per-key buckets kept; the oldest is dropped past this
 
 
@@ -380,9 +381,16 @@ class _Connection:
                     stream = await self.service.client.generate(request)
                     self.stream = stream
                     await self.perform(self.session.on_started(len(stream.prompt_token_ids), stream.sampling))
-                    async for output in stream:
-                        num_used = output.usage.completion_tokens
-                        await self.perform(self.session.on_output(output, time.monotonic()))
+                    scheduled = asyncio.Event()
+                    reporter = asyncio.create_task(self._report_queue(request.request_id, scheduled))
+                    try:
+                        async for output in stream:
+                            scheduled.set()  # the engine took the request: its place no longer matters
+                            num_used = output.usage.completion_tokens
+                            await self.perform(self.session.on_output(output, time.monotonic()))
+                    finally:
+                        # Never cancelled mid-send (that could cut a frame): it stops at its next wait.
+                        scheduled.set()
             except TimeoutError as exc:
                 if stream is not None:
                     await stream.aclose()
@@ -399,6 +407,25 @@ class _Connection:
             if stream is not None:
                 await stream.aclose()
             ratelimit.release(buckets, reserved, num_used, time.monotonic())
+
+    async def _report_queue(self, request_id: Any, scheduled: asyncio.Event) -> None:
+        """Send ``status queued`` whenever the waiting request's place changes, until
+        ``scheduled`` is set (``_run`` sets it at the first output).
+
+        A request alone in the queue is not reported (it only waits for the next engine
+        step), so an idle server's replies look exactly as before: ``init`` then tokens.
+        """
+        position_of = getattr(self.service.client, "queue_position", None)  # test fakes have no queue
+        if position_of is None:
+            return
+        last: tuple[int, int] | None = None
+        with contextlib.suppress(_Gone):
+            while not scheduled.is_set() and (place := position_of(request_id)) is not None:
+                if place != last and (last is not None or place[1] > 1):
+                    last = place
+                    await self.perform(self.session.queue_status(*place))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(scheduled.wait(), QUEUE_STATUS_PERIOD_S)
 
     async def wait(self) -> None:
         """Wait for the running generation (REST)."""

@@ -210,8 +210,9 @@ class Error(msgspec.Struct, tag_field="type", tag="error", kw_only=True):
 
 class Status(msgspec.Struct, tag_field="type", tag="status", kw_only=True):
     """Server → client: progress of a long operation, or the answer to a control or
-    feedback message (``operation`` names it: ``model_loading``, ``paused``, ``resumed``,
-    ``modified``, ``regenerating``, ``feedback_received``)."""
+    feedback message (``operation`` names it: ``model_loading``, ``queued`` (with
+    ``position``, 1-based, and ``queue_length``), ``paused``, ``resumed``, ``modified``,
+    ``regenerating``, ``feedback_received``)."""
 
     operation: str
     message: str | UnsetType = UNSET
@@ -220,6 +221,8 @@ class Status(msgspec.Struct, tag_field="type", tag="status", kw_only=True):
     eta_seconds: float | None | UnsetType = UNSET
     parameters: dict[str, Any] | UnsetType = UNSET
     feedback_id: int | UnsetType = UNSET
+    position: int | UnsetType = UNSET
+    queue_length: int | UnsetType = UNSET
 
 
 ServerMessage = Init | Token | Completion | Error | Status

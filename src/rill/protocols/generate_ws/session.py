@@ -2,7 +2,7 @@
 
 Message sequence (``shared/specs/generate-websocket.md``)::
 
-    client: config ─────────────▶ server: [status model_loading]* → init → token* → completion
+    client: config ─────────────▶ server: [status model_loading]* → init → [status queued]* → token* → completion
     client: control pause ──────▶ server: status paused      (no token until resumed)
     client: control resume ─────▶ server: status resumed
     client: control modify ─────▶ server: status modified {parameters now in force}
@@ -286,6 +286,15 @@ class GenerateSession:
         return [Send(m.Status(operation="model_loading", progress=round(max(0.0, min(100.0, progress)), 1),
                               eta_seconds=None if eta_s is None else round(eta_s, 1),
                               message="loading the model; the generation starts when it is ready"))]
+
+    def queue_status(self, position: int, queue_length: int) -> list[Action]:
+        """The started generation still waits for the engine: where it stands (the adapter
+        sends this when the position changes, until the first output)."""
+        gen = self.gen
+        if gen is None or gen.is_finished or self.state not in (State.GENERATING, State.PAUSED):
+            return []
+        return [Send(m.Status(operation="queued", request_id=gen.request_id, position=position,
+                              queue_length=queue_length, message=f"waiting for the engine: {position} of {queue_length}"))]
 
     def on_started(self, num_prompt_tokens: int, sampling: SamplingParams | None = None) -> list[Action]:
         """The engine accepted the request: send ``init``. ``sampling`` is what the server put
