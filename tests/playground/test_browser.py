@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -390,3 +391,26 @@ def test_queue_position_while_waiting(browser: Any, live: LiveServer, wait_for: 
         while json.loads(other.recv(timeout=60))["type"] != "completion":
             pass
     live.wait_idle()
+
+
+def test_loading_progress_on_first_start(browser: Any, tiny_model_dir: Path, wait_for: Callable[..., Any],
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from rill.frontend import inproc
+    from tests.protocols.generate_ws.test_loading import HeldClient
+
+    HeldClient.release = threading.Event()
+    monkeypatch.setattr(inproc, "InprocClient", HeldClient)  # start_server builds its client from here
+    loading = start_server(tiny_model_dir, wait_ready=False)
+    try:
+        open_page(browser, loading, wait_for)
+        send(browser, "Hello while loading", max_tokens=3)
+        wait_state(wait_for, "loading")
+        assert browser.find_element("id", "fig-loading").get_attribute("value") == "30"
+        assert browser.find_element("id", "fig-loading-text").text.startswith("30%")
+        HeldClient.release.set()
+        wait_state(wait_for, "done")
+        assert not browser.find_element("id", "fig-loading-wrap").is_displayed()
+        assert num_tokens(browser) == 3
+    finally:
+        HeldClient.release.set()
+        loading.stop()

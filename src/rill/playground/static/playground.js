@@ -598,8 +598,11 @@
   }
 
   // ------------------------------------------------------------------ dashboard
+  // Every 2 s while the dashboard shows, every 10 s otherwise (history for when it opens,
+  // without a /metrics line in the server's access log every other second).
   const DASH_PERIOD_MS = 2000;
-  const DASH_SAMPLES = 150; // five minutes at one sample every two seconds
+  const DASH_BACKGROUND_PERIOD_MS = 10000;
+  const DASH_WINDOW_MS = 5 * 60 * 1000;
   const dash = { samples: [], lastTotal: null, lastAt: null };
 
   function parseMetrics(text) {
@@ -638,12 +641,13 @@
     dash.lastTotal = total !== undefined ? total : null;
     dash.lastAt = now;
     dash.samples.push({
+      at: now,
       running: m.rill_num_requests_running || 0,
       waiting: m.rill_num_requests_waiting || 0,
       kv: 100 * (m.rill_kv_cache_usage_ratio || 0),
       tps,
     });
-    if (dash.samples.length > DASH_SAMPLES) dash.samples.shift();
+    while (dash.samples.length && dash.samples[0].at < now - DASH_WINDOW_MS) dash.samples.shift();
     app.dataset.dashSamples = String(dash.samples.length);
     drawDashboard();
   }
@@ -681,13 +685,12 @@
     g.fillText("0", 2, h - padB);
     g.fillText("-5 min", padL, h - 3);
     g.fillText("now", w - 24, h - 3);
-    const step = (w - padL) / (DASH_SAMPLES - 1);
-    const x0 = w - step * (values.length - 1);
+    const now = performance.now();
     g.strokeStyle = "#2456c7";
     g.lineWidth = 2;
     g.beginPath();
     values.forEach((v, i) => {
-      const x = x0 + i * step;
+      const x = w - (w - padL) * Math.min(1, (now - dash.samples[i].at) / DASH_WINDOW_MS);
       const y = h - padB - (h - padB - padT) * (v / top);
       if (i === 0) g.moveTo(x, y);
       else g.lineTo(x, y);
@@ -703,6 +706,7 @@
       $("tab-" + tab).setAttribute("aria-selected", String(selected));
       $("view-" + tab).hidden = !selected;
     }
+    if (name === "dashboard") pollMetrics(); // a fresh sample now, not at the next background tick
     drawDashboard();
   }
 
@@ -747,8 +751,11 @@
     $("tab-dashboard").addEventListener("keydown", onTabKey);
     if (st.key) $("api-key").placeholder = "key set (enter another to replace)";
     render();
-    pollMetrics();
-    setInterval(pollMetrics, DASH_PERIOD_MS);
+    const poll = async () => {
+      await pollMetrics();
+      setTimeout(poll, $("view-dashboard").hidden ? DASH_BACKGROUND_PERIOD_MS : DASH_PERIOD_MS);
+    };
+    poll();
     app.dataset.ready = "true";
   }
 
