@@ -21,7 +21,7 @@ LLAMA3_ROPE = {
 }
 
 # name -> make_checkpoint keyword arguments. Sliding windows are smaller than prompt + output
-# so the window really cuts; Qwen3 has an explicit head_dim != hidden / heads.
+# so the window really cuts; Qwen3 and Gemma 3 have an explicit head_dim != hidden / heads.
 CASES: dict[str, dict[str, Any]] = {
     "llama": dict(arch="llama"),
     "llama-tied": dict(arch="llama", tie_word_embeddings=True),
@@ -34,6 +34,15 @@ CASES: dict[str, dict[str, Any]] = {
     "qwen2-tied": dict(arch="qwen2", tie_word_embeddings=True),
     "qwen3": dict(arch="qwen3", head_dim=32),
     "qwen3-tied": dict(arch="qwen3", tie_word_embeddings=True, num_kv_heads=4),
+    # Local (window 24, base 10k) and global (base 1M) layers, attention scaled by
+    # query_pre_attn_scalar != head_dim, final logit soft-capping; tied as Gemma 3 ships.
+    "gemma3": dict(arch="gemma3", num_layers=3, sliding_window=24, rope_theta=1_000_000.0, tie_word_embeddings=True,
+                   extra_config={"layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+                                 "query_pre_attn_scalar": 24, "final_logit_softcapping": 30.0}),
+    # What a Gemma 3 GGUF file implies: every 6th layer global, attention scaled by head_dim.
+    "gemma3-pattern": dict(arch="gemma3", num_layers=6, sliding_window=16, extra_config={"query_pre_attn_scalar": 16}),
+    "gemma3-untied": dict(arch="gemma3", num_layers=2, sliding_window=12, head_dim=32, num_kv_heads=1,
+                          extra_config={"layer_types": ["full_attention", "sliding_attention"]}),
 }
 
 

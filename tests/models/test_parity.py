@@ -44,7 +44,7 @@ def test_greedy_matches_transformers(checkpoint, case: str) -> None:
     _check_against_reference(load_hf(folder), sequences)
 
 
-@pytest.mark.parametrize("case", ["llama", "qwen3", "mistral"])
+@pytest.mark.parametrize("case", ["llama", "qwen3", "mistral", "gemma3"])
 def test_chunked_prefill_while_others_decode(checkpoint, case: str) -> None:
     """Prompts fed in chunks of 7 while another sequence decodes: mixed steps, several starts."""
     folder = checkpoint(case)

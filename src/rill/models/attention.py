@@ -93,10 +93,12 @@ def cached_attention(
     v_cache: torch.Tensor,
     batch: StepBatch,
     window: int | None,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """Attend the step's queries ``[N, heads, head_dim]`` over the caches; return ``[N, heads * head_dim]``.
 
-    The step's own keys must already be written (``write_kv``).
+    The step's own keys must already be written (``write_kv``). ``scale`` multiplies q·k
+    (default ``head_dim ** -0.5``).
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -109,12 +111,12 @@ def cached_attention(
         keys, values = k_cache[:num_decode, :, :length], v_cache[:num_decode, :, :length]
         mask = batch.decode_masks[window]
         if q.dtype == torch.float32 or q.device.type != "cpu" or num_decode < BMM_MIN_ROWS:
-            out_d = F.scaled_dot_product_attention(q_d, keys, values, attn_mask=mask)  # [B, kv_heads, g, hd]
+            out_d = F.scaled_dot_product_attention(q_d, keys, values, attn_mask=mask, scale=scale)  # [B, kv_heads, g, hd]
         else:
-            out_d = _decode_attention_bmm(q_d, keys, values, mask)
+            out_d = _decode_attention_bmm(q_d, keys, values, mask, scale)
         outputs.append(out_d.reshape(num_decode, num_heads * head_dim))
     if batch.prefill is not None:
-        outputs.append(_prefill_attention(q[num_decode:], k_cache, v_cache, batch.prefill, window))
+        outputs.append(_prefill_attention(q[num_decode:], k_cache, v_cache, batch.prefill, window, scale))
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
 
@@ -123,7 +125,7 @@ BMM_MIN_ROWS = 4
 
 
 def _decode_attention_bmm(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float | None = None
 ) -> torch.Tensor:
     # NOTE: on CPU, SDPA's flash kernel has a high cost per (row, kv head) work item in bf16;
     # two batched matmuls over the strided cache view took 1.5 ms instead of 2.4 ms per layer
@@ -136,7 +138,7 @@ def _decode_attention_bmm(
     scores = torch.bmm(flat_keys, q.reshape(rows * num_kv_heads, group, head_dim).transpose(1, 2))  # [BH, L, g]
     # One copy turns the scores to float32 and to [BH, g, L], so softmax runs on the last dim.
     scores = scores.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
-    scores = scores.view(rows, num_kv_heads, group, length).mul_(head_dim**-0.5)
+    scores = scores.view(rows, num_kv_heads, group, length).mul_(head_dim**-0.5 if scale is None else scale)
     if mask is not None:
         scores.masked_fill_(mask.logical_not(), float("-inf"))  # mask: [B, 1, 1, L]
     probs = torch.softmax(scores, dim=-1).to(q.dtype).view(rows * num_kv_heads, group, length)
@@ -144,7 +146,8 @@ def _decode_attention_bmm(
 
 
 def _prefill_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: PrefillLayout, window: int | None
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: PrefillLayout, window: int | None,
+    scale: float | None = None,
 ) -> torch.Tensor:
     # q: [N_p, heads, head_dim] packed prefill queries.
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -162,7 +165,7 @@ def _prefill_attention(
     else:
         keys = k_cache[:, :, :key_len].index_select(0, layout.rows)
         values = v_cache[:, :, :key_len].index_select(0, layout.rows)
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=layout.masks[window])
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=layout.masks[window], scale=scale)
     out = out.view(chunks, num_kv_heads, max_len, group, head_dim).transpose(1, 2)
     out = out.reshape(chunks * max_len, num_heads * head_dim)
     if layout.unpad_index is not None:

@@ -26,7 +26,7 @@ from rill.errors import ModelLoadError
 from rill.models.attention import StepBatch
 from rill.models.config import ModelConfig
 
-FAMILY_MODULES = ("rill.models.llama",)
+FAMILY_MODULES = ("rill.models.llama", "rill.models.gemma3")
 """Modules that define a ``FAMILY``; the order decides nothing (names never overlap)."""
 
 

@@ -57,7 +57,9 @@ ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
+_CONFIG_CLASSES = {"gemma3": "Gemma3TextConfig"}
 
 PRESETS: dict[str, dict[str, Any]] = {
     # engine-notes §2 "model100m": 100.7 M parameters with a 16,384-token vocabulary.
@@ -177,17 +179,19 @@ def make_checkpoint(
     dtype: str = "float32",
     max_shard_size: str | int | None = None,
     generation_config: dict[str, Any] | None = None,
+    extra_config: dict[str, Any] | None = None,
 ) -> Path:
     """Write a random-init checkpoint folder with a tokenizer; return its path.
 
     Args:
         folder: created if missing.
-        arch: ``llama``, ``mistral``, ``qwen2`` or ``qwen3``.
+        arch: ``llama``, ``mistral``, ``qwen2``, ``qwen3`` or ``gemma3``.
         preset: ``"100m"`` for engine-notes' model100m shape (overrides the shape arguments).
         vocab_size: model vocabulary; default the tokenizer's size (840). Larger values pad
             the tokenizer with filler tokens.
         rope_scaling: e.g. ``{"rope_type": "llama3", "factor": 8.0, ...}`` (Llama only).
-        sliding_window: Mistral's window; Qwen2/Qwen3 get ``use_sliding_window`` with it.
+        sliding_window: Mistral's window; Qwen2/Qwen3 get ``use_sliding_window`` with it;
+            Gemma 3's local layers use it (global base ``rope_theta``, local base 10k).
         is_random_norms_and_biases: draw norm weights around 1 and biases around 0 instead of
             transformers' exact ones/zeros.
         chat_template: the template to write (default ``CHAT_TEMPLATE``; ``TOOL_CHAT_TEMPLATE``
@@ -195,6 +199,8 @@ def make_checkpoint(
         dtype: ``float32`` or ``bfloat16`` weights on disk.
         max_shard_size: passed to ``save_pretrained`` (e.g. ``"200KB"``) to write shards.
         generation_config: extra ``generation_config.json`` fields (eos ids are set here).
+        extra_config: more configuration fields (e.g. Gemma 3's ``layer_types``,
+            ``query_pre_attn_scalar``, ``final_logit_softcapping``).
     """
     import torch
     import transformers
@@ -214,7 +220,8 @@ def make_checkpoint(
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = make_tokenizer(shape["vocab_size"])
     ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
-    config = _hf_config(arch, shape, head_dim, rope_theta, rope_scaling, sliding_window, initializer_range, ids)
+    config = _hf_config(arch, shape, head_dim, rope_theta, rope_scaling, sliding_window, initializer_range, ids,
+                        extra_config or {})
     config.vocab_size = shape["vocab_size"] or tokenizer.get_vocab_size()
     torch.manual_seed(seed)
     model = getattr(transformers, ARCHITECTURES[arch])(config)
@@ -230,10 +237,10 @@ def make_checkpoint(
     return out
 
 
-def _hf_config(arch, shape, head_dim, rope_theta, rope_scaling, sliding_window, initializer_range, ids):
+def _hf_config(arch, shape, head_dim, rope_theta, rope_scaling, sliding_window, initializer_range, ids, extra):
     import transformers
 
-    name = ARCHITECTURES[arch].replace("ForCausalLM", "Config")
+    name = _CONFIG_CLASSES.get(arch, ARCHITECTURES[arch].replace("ForCausalLM", "Config"))
     kwargs: dict[str, Any] = dict(
         hidden_size=shape["hidden_size"],
         intermediate_size=shape["intermediate_size"],
@@ -255,7 +262,14 @@ def _hf_config(arch, shape, head_dim, rope_theta, rope_scaling, sliding_window, 
         kwargs["sliding_window"] = sliding_window
     elif arch in ("qwen2", "qwen3"):
         kwargs |= dict(use_sliding_window=sliding_window is not None, sliding_window=sliding_window, max_window_layers=0)
-    return getattr(transformers, name)(**kwargs)
+    elif arch == "gemma3":
+        kwargs |= dict(
+            head_dim=head_dim or shape["hidden_size"] // shape["num_heads"],
+            sliding_window=sliding_window or 4096,
+            rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": rope_theta} | (rope_scaling or {}),
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+        )
+    return getattr(transformers, name)(**kwargs | extra)
 
 
 def _randomise_norms_and_biases(model, initializer_range: float, seed: int) -> None:

@@ -122,6 +122,8 @@ def _write_metadata(writer, config: dict, arch: str) -> None:
     if arch == "gemma3":
         writer.add_float32(f"{arch}.rope.freq_base", rope.get("full_attention", {}).get("rope_theta", 1e6))
         writer.add_uint32(f"{arch}.attention.sliding_window", config["sliding_window"])
+        if config.get("final_logit_softcapping") is not None:
+            writer.add_float32(f"{arch}.final_logit_softcapping", config["final_logit_softcapping"])
     else:
         writer.add_float32(f"{arch}.rope.freq_base", rope.get("rope_theta", config.get("rope_theta", 10000.0)))
     writer.add_uint32(f"{arch}.vocab_size", config["vocab_size"])
