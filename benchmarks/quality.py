@@ -152,8 +152,11 @@ def transformers_answers(gguf: Path, dtype: str, prompts: list[str], is_chat: bo
         else:
             ids = tokenizer(prompt)["input_ids"]
         with torch.inference_mode():
-            out = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=max_tokens,
-                                 pad_token_id=tokenizer.pad_token_id)
+            tensor = torch.tensor([ids])
+            # An explicit mask: otherwise generate() masks prompt tokens equal to the pad id
+            # (SmolLM2's pad is <|im_end|>, present in every ChatML prompt).
+            out = model.generate(tensor, attention_mask=torch.ones_like(tensor), do_sample=False,
+                                 max_new_tokens=max_tokens, pad_token_id=tokenizer.pad_token_id)
         answers.append(tokenizer.decode(out[0, len(ids):], skip_special_tokens=True))
     del model
     return answers

@@ -99,8 +99,12 @@ def run_greedy(runner, sequences: list[Sequence]) -> None:
 
 def hf_greedy(hf_model, prompt: list[int], num_new: int) -> tuple[list[int], torch.Tensor]:
     """transformers' greedy ``generate`` (eos disabled): tokens and log-softmax per step ``[n, V]``."""
+    ids = torch.tensor([prompt])
     out = hf_model.generate(
-        torch.tensor([prompt]),
+        ids,
+        # Explicit: without a mask, generate() masks out every prompt token equal to the pad
+        # id (SmolLM2's pad is <|im_end|>, which every ChatML prompt holds).
+        attention_mask=torch.ones_like(ids),
         do_sample=False,
         max_new_tokens=num_new,
         output_logits=True,

@@ -10,7 +10,8 @@ Each step is one forward: all decode tokens and all prefill chunks are packed in
 batch (``rill.models.attention.StepBatch``); the LM head runs only on positions whose logits
 are wanted.
 
-Imports torch, ``rill.engine.batch`` and ``rill.models``; nothing of the frontend or protocols.
+The model is any ``rill.models.registry.CausalLM`` (every registered family). Imports torch,
+``rill.engine.batch`` and ``rill.models``; nothing of the frontend or protocols.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class TorchModelRunner:
                 f"max_len {max_len} exceeds max_position_embeddings {config.max_position_embeddings} "
                 "of a dynamic-RoPE model; use at most that"
             )
-        self.model = loaded_model.model
+        self.model: CausalLM = loaded_model.model
         self.config = config
         self.num_rows = num_rows
         self.max_len = max_len
