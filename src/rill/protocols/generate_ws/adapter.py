@@ -27,6 +27,7 @@ from rill import __version__, auth
 from rill.config import parse_size
 from rill.errors import EngineDead, InvalidRequest, ModelLoadError, RequestTimeout, RillError
 from rill.feedback import FeedbackStore
+from rill.models.default import DEFAULT_MODEL_NAME
 from rill.frontend.stream import RequestStream
 from rill.protocols._shared import sse
 from rill.protocols.generate_ws import codec, ratelimit
@@ -60,7 +61,8 @@ class GenerateService:
         info = self.client.model_info
         name = self.deps.config.engine.served_model_name or (info.name if info else None)
         if name is None:
-            name = Path(self.deps.config.engine.model).name if self.deps.config.engine.model else "rill-demo"
+            model = self.deps.config.engine.model
+            name = (Path(model).stem if model.endswith(".gguf") else Path(model).name) if model else DEFAULT_MODEL_NAME
         return s.Limits(model_name=name, model_info=info, version=__version__,
                         max_feedback_per_generation=self.http.feedback_max_per_generation,
                         max_feedback_per_connection=self.http.feedback_max_per_connection)
