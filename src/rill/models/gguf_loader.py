@@ -97,6 +97,7 @@ class GGUFCheckpoint:
         metadata: every key/value except the tokenizer's large arrays.
         hf_config: the equivalent Hugging Face ``config.json`` dict.
         generation_config: ``generation_config.json`` fields (special ids).
+        reader: the open ``gguf.GGUFReader`` (tensors are read from it on demand).
     """
 
     path: Path
