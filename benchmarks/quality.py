@@ -170,10 +170,14 @@ def parting(a: str, b: str) -> int | None:
 
 
 def show(text: str, cut: int | None, width: int = 110) -> str:
-    """One line: newlines escaped, ``‖`` where the answers part, truncated."""
+    """One line: newlines escaped, ``‖`` where the answers part, cut to ``width`` around the mark."""
     marked = text if cut is None else text[:cut] + "‖" + text[cut:]
     line = marked.replace("\n", "\\n")
-    return line if len(line) <= width else line[: width - 1] + "…"
+    if len(line) <= width:
+        return line
+    mark = line.find("‖")
+    start = 0 if mark < width - 30 else mark - (width - 30)
+    return ("…" if start else "") + line[start : start + width - 1] + "…"
 
 
 def run(model: str, dtype: str, max_tokens: int, threads: int) -> None:
