@@ -293,11 +293,12 @@ async def test_stopping_the_server_ends_open_sessions_and_aborts_their_requests(
     assert client.aborted == ["r0"]
 
 
-async def test_grpc_sessions_are_counted_by_the_gate_and_an_idle_one_times_out():
-    # Regression (issue 12 item 8): a StartSession call that never sent a message was held forever.
+async def test_grpc_sessions_are_counted_by_the_gate():
+    # Regression (issue 12 item 8): StartSession calls were not counted against any limit.
+    # The idle session's first-message timeout is long, so it surely holds the only place.
     from rill.connections import ConnectionGate
 
-    deps = make_deps(ScriptedClient(), **{"connections.first_message_timeout_s": 1})
+    deps = make_deps(ScriptedClient(), **{"connections.first_message_timeout_s": 600})
     deps.gate = ConnectionGate(1, 1)
     async with listening(deps), EvergreenClient(address(deps)) as egc:
         idle = egc.open_session()
@@ -305,6 +306,19 @@ async def test_grpc_sessions_are_counted_by_the_gate_and_an_idle_one_times_out()
         with pytest.raises(EvergreenError) as refused:
             await collect(deps, "hi")
         assert refused.value.status == "RESOURCE_EXHAUSTED" and "limit of 1 connections" in refused.value.message
+        idle.cancel()
+        await wait_until(lambda: deps.gate.total == 0, attempts=1000, interval_s=0.01)
+        assert await collect(deps, "hi", max_tokens=1) == " t0"
+
+
+async def test_an_idle_grpc_session_times_out_and_frees_its_place():
+    # Regression (issue 12 item 8): a StartSession call that never sent a message was held forever.
+    from rill.connections import ConnectionGate
+
+    deps = make_deps(ScriptedClient(), **{"connections.first_message_timeout_s": 0.5})
+    deps.gate = ConnectionGate(1, 1)
+    async with listening(deps), EvergreenClient(address(deps)) as egc:
+        idle = egc.open_session()
         with pytest.raises(EvergreenError) as timed_out:
             await idle.receive()
         assert timed_out.value.status == "DEADLINE_EXCEEDED" and "no message within" in timed_out.value.message
