@@ -224,7 +224,7 @@ async def test_allowed_origins_and_hosts_are_accepted() -> None:
 
 
 @contextlib.asynccontextmanager
-async def serve_limited(max_total: int = 100, per_client: int = 100, timeout_s: float = 0.5) -> AsyncIterator[
+async def serve_limited(max_total: int = 100, per_client: int = 100, timeout_s: float = 2.0) -> AsyncIterator[
         tuple[str, Any]]:
     """The stand-in app behind the connection gate, as ``rill serve`` runs it (small limits)."""
     import uvicorn
@@ -316,6 +316,7 @@ async def test_a_websocket_without_a_first_message_is_closed_with_1008() -> None
                 await asyncio.wait_for(ws.recv(), 30)
         assert closed.value.rcvd is not None and closed.value.rcvd.code == 1008
         assert "no message within" in closed.value.rcvd.reason
+    async with serve_limited(timeout_s=600) as (host, gate):  # long, so load cannot make it fire first
         async with websockets.connect(f"ws://{host}/quiet") as ws:  # a client that speaks is served
             await ws.send("hi")
             assert await ws.recv() == "echo hi"

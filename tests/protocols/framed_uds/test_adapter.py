@@ -321,13 +321,13 @@ async def _until_engine_idle(client: FakeEngineClient) -> None:
     await _until(lambda: not client.running and not client.waiting)
 
 
-async def test_idle_connections_time_out_and_connections_past_the_limit_are_refused(sock_path, fake_client):
-    # Regression (issue 12 item 8): a Unix-socket client that never sent a frame was held
-    # forever, and any number of them could be open at once.
+async def test_connections_past_the_limit_are_refused(sock_path, fake_client):
+    # Regression (issue 12 item 8): any number of Unix-socket clients could be open at once.
+    # The first-message timeout is long, so the idle clients surely hold both places.
     from rill.connections import ConnectionGate
 
     gate = ConnectionGate(2, 2)
-    cfg = uds_config(sock_path, **{"connections.first_message_timeout_s": 2})
+    cfg = uds_config(sock_path, **{"connections.first_message_timeout_s": 600})
     stop = await adapter.start(Deps(config=cfg, client=fake_client, gate=gate))
     try:
         idle = [await FramedClient.connect(str(sock_path)) for _ in range(2)]
@@ -335,6 +335,23 @@ async def test_idle_connections_time_out_and_connections_past_the_limit_are_refu
         event = await refused.recv()
         assert event is not None and event["event"] == "error" and event["code"] == "E_LIMIT_REJECTED"
         assert "limit of 2 connections" in event["message"] and await refused.is_closed()
+        await refused.close()
+        for client in idle:
+            await client.close()
+        await wait_until(lambda: gate.total == 0, attempts=500, interval_s=0.01)
+    finally:
+        await stop()
+
+
+async def test_idle_connections_time_out_and_free_their_places(sock_path, fake_client):
+    # Regression (issue 12 item 8): a Unix-socket client that never sent a frame was held forever.
+    from rill.connections import ConnectionGate
+
+    gate = ConnectionGate(2, 2)
+    cfg = uds_config(sock_path, **{"connections.first_message_timeout_s": 0.5})
+    stop = await adapter.start(Deps(config=cfg, client=fake_client, gate=gate))
+    try:
+        idle = [await FramedClient.connect(str(sock_path)) for _ in range(2)]
         for client in idle:  # no first frame within the time allowed: an error frame, then close
             event = await client.recv()
             assert event is not None and event["code"] == "E_RUNTIME_TIMEOUT" and "no message within" in event["message"]
@@ -346,7 +363,6 @@ async def test_idle_connections_time_out_and_connections_past_the_limit_are_refu
         events = await served.until_end()
         assert events[-1]["event"] == "eos"
         await served.close()
-        await refused.close()
     finally:
         await stop()
 
