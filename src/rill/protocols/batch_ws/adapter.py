@@ -56,7 +56,7 @@ class _Shared:
     def __init__(self, deps: Any) -> None:
         self.client: EngineClient = deps.client
         defaults = deps.extras.get(DEFAULTS_EXTRA) or rill_config.sampling_defaults()
-        self.defaults = GenerationConfig(**{name: getattr(defaults, name) for name in GenerationConfig.__struct_fields__})
+        self.defaults = GenerationConfig(**{name: getattr(defaults, name, None) for name in GenerationConfig.__struct_fields__})
         cfg = deps.config.batch_ws
         self.limits = Limits(max_inflight_prompts=cfg.batch_max_inflight_prompts,
                              request_timeout_s=deps.config.http.request_timeout_s)

@@ -21,6 +21,8 @@ from typing import Annotated, Any
 
 import msgspec
 
+from rill.types import ResponseFormat
+
 NonEmptyStr = Annotated[str, msgspec.Meta(min_length=1)]
 
 
@@ -41,7 +43,8 @@ class GenerationConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     ``do_sample`` false means greedy; ``num_beams`` > 1 means beam search (deterministic,
     sampling fields ignored) ranked with ``length_penalty``. ``top_k`` 0 disables top-k.
-    Unknown keys are ignored, as the source project does.
+    ``response_format`` constrains every prompt's output (``rill.types.ResponseFormat``, as
+    OpenAI's). Unknown keys are ignored, as the source project does.
     """
 
     num_beams: int | None = None
@@ -52,6 +55,7 @@ class GenerationConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     max_new_tokens: int | None = None
     repetition_penalty: float | None = None
     length_penalty: float | None = None
+    response_format: ResponseFormat | None = None
 
     def filled_from(self, defaults: "GenerationConfig") -> "GenerationConfig":
         """A copy where every field left None takes the value from ``defaults``."""

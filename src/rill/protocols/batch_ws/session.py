@@ -267,7 +267,8 @@ class BatchSession:
     def _sampling(self, config: GenerationConfig | None) -> SamplingParams:
         cfg = (config or GenerationConfig()).filled_from(self.defaults)
         params = SamplingParams(max_tokens=cfg.max_new_tokens, repetition_penalty=cfg.repetition_penalty,
-                                num_beams=cfg.num_beams, length_penalty=cfg.length_penalty)
+                                num_beams=cfg.num_beams, length_penalty=cfg.length_penalty,
+                                response_format=cfg.response_format)
         if cfg.num_beams == 1 and cfg.do_sample:
             # NOTE: sampling fields only matter when sampling; HF ignores them otherwise, so do we.
             params.temperature, params.top_p, params.top_k = cfg.temperature, cfg.top_p, cfg.top_k

@@ -105,3 +105,4 @@ class GenerateConfig(msgspec.Struct, frozen=True, kw_only=True):
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool | None = None
+    response_format: str | None = None  # JSON text of a rill.types.ResponseFormat

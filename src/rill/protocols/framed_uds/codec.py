@@ -204,6 +204,7 @@ def build_request(request: Request, request_timeout_s: float | None = None) -> G
         top_p=1.0 if request.top_p is None else request.top_p,
         top_k=0 if request.top_k is None else request.top_k,
         max_tokens=max_tokens,
+        response_format=request.response_format,
     ).validate()
     return GenerateRequest(prompt=request.prompt, sampling=sampling, priority=slo_priority(request.slo),
                            protocol=PROTOCOL_NAME, deadline_s=request_timeout_s)

@@ -17,6 +17,8 @@ from typing import Any, Literal, Union
 
 import msgspec
 
+from rill.types import ResponseFormat
+
 
 class Slo(msgspec.Struct, kw_only=True):
     """Latency targets of one request, in milliseconds (each optional, > 0 when given).
@@ -43,6 +45,8 @@ class Request(msgspec.Struct, kw_only=True):
         stream: True streams ``token`` events; False sends one ``eos`` carrying all ``text``.
         slo: latency targets that set the scheduling priority.
         metadata: any JSON object; echoed as ``metadata`` in every event of this request.
+        response_format: constrained decoding (``rill.types.ResponseFormat``: json_object,
+            json_schema, regex, grammar), as OpenAI's ``response_format``.
     """
 
     id: str
@@ -54,6 +58,7 @@ class Request(msgspec.Struct, kw_only=True):
     stream: bool = True
     slo: Slo | None = None
     metadata: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
 
 
 class Cancel(msgspec.Struct, kw_only=True):
