@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, TypeAlias
 
@@ -107,6 +108,35 @@ class PromptAdmission:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, _render_bounded, tokenizer, messages, add_generation_prompt,
                                           chat_template_kwargs, self.max_prompt_chars)
+
+    async def tokenize(self, tokenizer: PromptTokenizer, prompt: Prompt, model: ModelInfo, *,
+                       add_special_tokens: bool) -> list[int]:
+        """Token ids of one prompt for counting (``/tokenize``), in the pool, under the same size
+        bound as ``token_ids``; a prompt longer than the context is counted, not refused.
+
+        Raises:
+            PromptTooLarge: the prompt holds more than ``max_prompt_chars`` characters.
+            InvalidRequest: not exactly one prompt field, a token id outside the vocabulary,
+                or the chat template refused the messages.
+        """
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, _tokenize_one, tokenizer, prompt, model,
+                                          self.max_prompt_chars, add_special_tokens)
+
+    async def detokenize(self, tokenizer: Any, token_ids: Sequence[int], model: ModelInfo) -> str:
+        """The text of ``token_ids`` (``/detokenize``), decoded in the pool.
+
+        Raises:
+            PromptTooLarge: more than ``max_prompt_chars`` ids (each counts one, as in prompts).
+            InvalidRequest: an id outside the vocabulary.
+        """
+        check_size([list(token_ids)], self.max_prompt_chars)
+        ids = _checked_ids(token_ids, model.vocab_size, field="tokens")
+        loop = asyncio.get_running_loop()
+        # Special tokens stay in the text, so that tokenizing it again gives the ids back.
+        text: str = await loop.run_in_executor(self._pool, functools.partial(tokenizer.decode, ids,
+                                                                             skip_special_tokens=False))
+        return text
 
     def close(self) -> None:
         """Stop the workers; queued jobs that have not started are cancelled."""
@@ -223,12 +253,32 @@ def _check_one_field(request: GenerateRequest) -> None:
         raise InvalidRequest("give exactly one of prompt, prompt_token_ids or messages", field="prompt")
 
 
-def _checked_ids(ids: Sequence[int], vocab_size: int) -> list[int]:
+def _checked_ids(ids: Sequence[int], vocab_size: int, field: str = "prompt_token_ids") -> list[int]:
     bad = next((t for t in ids if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise InvalidRequest(f"prompt token id {bad} is outside the vocabulary (0..{vocab_size - 1})",
-                             field="prompt_token_ids")
+                             field=field)
     return list(ids)
+
+
+def _tokenize_one(tokenizer: PromptTokenizer, prompt: Prompt, model: ModelInfo, max_prompt_chars: int,
+                  add_special_tokens: bool) -> list[int]:
+    check_size([prompt], max_prompt_chars)
+    if isinstance(prompt, list):
+        return _checked_ids(prompt, model.vocab_size)
+    if isinstance(prompt, str):
+        text = prompt
+    elif prompt.messages is not None:
+        _check_one_field(prompt)
+        text = render(tokenizer, prompt.messages, prompt.add_generation_prompt, prompt.chat_template_kwargs)
+    else:
+        _check_one_field(prompt)
+        if prompt.prompt_token_ids is not None:
+            return _checked_ids(prompt.prompt_token_ids, model.vocab_size)
+        text = prompt.prompt or ""
+    # No context bound: counting a prompt that would not fit is what /tokenize is asked for;
+    # the character bound above already limits the work.
+    return tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0]
 
 
 def _encode(tokenizer: PromptTokenizer, texts: list[str], add_special_tokens: bool,

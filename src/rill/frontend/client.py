@@ -73,6 +73,16 @@ class EngineClient(Protocol):
         their requests; raises as ``generate``."""
         ...
 
+    async def tokenize_prompt(self, prompt: Prompt, add_special_tokens: bool) -> list[int]:
+        """Token ids of one prompt, for counting: same size bound and pool as ``tokenize``, but
+        a prompt longer than the context is counted rather than refused."""
+        ...
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        """The text of ``token_ids`` (special tokens kept), decoded off the event loop;
+        ``PromptTooLarge`` past the prompt bound, ``InvalidRequest`` for an id outside the vocabulary."""
+        ...
+
     def abort(self, request_id: RequestId) -> None:
         """Cancel a request; a no-op if it already finished."""
         ...

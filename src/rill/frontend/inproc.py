@@ -259,6 +259,17 @@ class InprocClient:
         engine = self._require_engine()
         return await self._admission.token_ids(engine.tokenizer, prompts, engine.model_info)
 
+    async def tokenize_prompt(self, prompt: Prompt, add_special_tokens: bool) -> list[int]:
+        """Token ids of one prompt for counting (``/tokenize``); see ``PromptAdmission.tokenize``."""
+        engine = self._require_engine()
+        return await self._admission.tokenize(engine.tokenizer, prompt, engine.model_info,
+                                              add_special_tokens=add_special_tokens)
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        """The text of ``token_ids`` (``/detokenize``), decoded off the event loop, size-bounded."""
+        engine = self._require_engine()
+        return await self._admission.detokenize(engine.tokenizer, token_ids, engine.model_info)
+
     def _require_engine(self) -> Engine:
         if self._is_dead:
             raise EngineDead("the engine has stopped")

@@ -1,7 +1,8 @@
 """Starlette routes of the OpenAI-compatible API, ``/metrics``, and their engine I/O.
 
 Routes: ``GET /v1/models`` (and ``/v1/models/{model}``), ``POST /v1/completions``,
-``POST /v1/chat/completions``, ``GET /metrics``.
+``POST /v1/chat/completions``, ``POST /tokenize`` and ``POST /detokenize`` (vLLM's shapes),
+``GET /metrics``.
 
 One request, start to end:
 
@@ -39,7 +40,7 @@ from rill.errors import EngineDead, ModelNotReady, RillError
 from rill.frontend.stream import RequestStream
 from rill.protocols._shared import sse
 from rill.protocols.openai_http import codec
-from rill.protocols.openai_http.messages import ModelCard, ModelList
+from rill.protocols.openai_http.messages import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
 from rill.protocols.openai_http.session import Kind, ResponseSession
 from rill.types import GenerateRequest, RequestOutput
 
@@ -56,6 +57,8 @@ def routes(deps: Any) -> list[BaseRoute]:
         Route("/v1/models/{model:path}", api.get_model, methods=["GET"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
+        Route("/tokenize", api.tokenize, methods=["POST"]),
+        Route("/detokenize", api.detokenize, methods=["POST"]),
         Route("/metrics", api.metrics, methods=["GET"]),
     ]
 
@@ -100,6 +103,35 @@ class OpenAIApi:
         if metrics is None:
             return error_response(codec.RouteNotFound("metrics are not enabled on this server"))
         return Response(metrics.render(), media_type=metrics_content_type())
+
+    # -- tokenizer -----------------------------------------------------------------------
+    async def tokenize(self, request: Request) -> Response:
+        """``POST /tokenize`` (vLLM's shape): ``{count, max_model_len, tokens}``."""
+        try:
+            served = self._served()
+            req = codec.decode_tokenize(await request.body())
+            codec.check_model(req.model, served)
+            prompt, add_special_tokens = codec.tokenize_prompt(req, served)
+            tokens = await self.client.tokenize_prompt(prompt, add_special_tokens)
+        except ClientDisconnect:
+            return Response(status_code=499)
+        except Exception as exc:
+            return error_response(exc)
+        return Response(codec.encode(TokenizeResponse(count=len(tokens), max_model_len=served.max_context_tokens,
+                                                      tokens=tokens)), media_type=_JSON)
+
+    async def detokenize(self, request: Request) -> Response:
+        """``POST /detokenize`` (vLLM's shape): ``{tokens}`` → ``{prompt}``."""
+        try:
+            served = self._served()
+            req = codec.decode_detokenize(await request.body())
+            codec.check_model(req.model, served)
+            text = await self.client.detokenize(req.tokens or [])
+        except ClientDisconnect:
+            return Response(status_code=499)
+        except Exception as exc:
+            return error_response(exc)
+        return Response(codec.encode(DetokenizeResponse(prompt=text)), media_type=_JSON)
 
     # -- generation ----------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:

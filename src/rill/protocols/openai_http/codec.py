@@ -41,8 +41,10 @@ from rill.protocols.openai_http.messages import (
     ChatCompletionRequest,
     ChatMessageIn,
     CompletionRequest,
+    DetokenizeRequest,
     ErrorDetail,
     ErrorResponse,
+    TokenizeRequest,
 )
 from rill.protocols._shared.tool_calls import call_grammar
 from rill.types import ChatMessage, GenerateRequest, ResponseFormat, SamplingParams, check_template_kwargs
@@ -231,6 +233,41 @@ def decode_chat(body: bytes) -> ChatCompletionRequest:
     return req
 
 
+_tokenize_decoder = msgspec.json.Decoder(TokenizeRequest)
+_detokenize_decoder = msgspec.json.Decoder(DetokenizeRequest)
+
+
+def decode_tokenize(body: bytes) -> TokenizeRequest:
+    """Parse a ``/tokenize`` body: exactly one of ``prompt`` and ``messages``."""
+    req = _decode(_tokenize_decoder, body)
+    if (req.prompt is None) == (req.messages is None):
+        raise InvalidRequest("give exactly one of 'prompt' and 'messages'", field="prompt")
+    if req.messages is not None and not req.messages:
+        raise InvalidRequest("'messages' must be a non-empty list", field="messages")
+    return req
+
+
+def decode_detokenize(body: bytes) -> DetokenizeRequest:
+    """Parse a ``/detokenize`` body (``tokens`` is a list of token ids)."""
+    req = _decode(_detokenize_decoder, body)
+    if req.tokens is None:
+        raise InvalidRequest("'tokens' is required", field="tokens")
+    return req
+
+
+def tokenize_prompt(req: TokenizeRequest, served: ServedModel) -> tuple[str | GenerateRequest, bool]:
+    """What ``/tokenize`` hands to admission, and whether to add special tokens (vLLM's
+    defaults: yes for a prompt, no for messages, whose template writes its own)."""
+    if req.messages is None:
+        return req.prompt or "", req.add_special_tokens is not False
+    kwargs = check_template_kwargs(req.chat_template_kwargs or {})
+    if req.tools:
+        kwargs["tools"] = list(req.tools)
+    prompt = GenerateRequest(messages=chat_messages(req, served), add_generation_prompt=req.add_generation_prompt is not False,
+                             chat_template_kwargs=kwargs)
+    return prompt, bool(req.add_special_tokens)
+
+
 def _check_formats(req: CompletionRequest | ChatCompletionRequest) -> None:
     # Shape errors are 400s before any tokenizing; compiling happens at admission.
     if req.response_format is not None:
@@ -361,7 +398,7 @@ def _is_token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def chat_messages(req: ChatCompletionRequest, served: ServedModel) -> list[ChatMessage]:
+def chat_messages(req: ChatCompletionRequest | TokenizeRequest, served: ServedModel) -> list[ChatMessage]:
     """The request's messages as neutral ``ChatMessage``s (text parts joined into strings).
 
     Raises ``InvalidRequest`` when the model has no chat template, or a message holds a

@@ -94,6 +94,27 @@ class ChatCompletionRequest(_CommonRequest, kw_only=True):
     add_generation_prompt: bool | None = True
 
 
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    """``POST /tokenize`` body (vLLM's shape): a ``prompt``, or chat ``messages`` rendered by
+    the chat template. ``add_special_tokens`` defaults to true for a prompt, false for
+    messages (the template writes its own special tokens)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessageIn] | None = None
+    add_generation_prompt: bool | None = True
+    add_special_tokens: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    """``POST /detokenize`` body (vLLM's shape): the token ids to turn back into text."""
+
+    model: str | None = None
+    tokens: list[int] | None = None
+
+
 # ---------------------------------------------------------------------------- responses
 
 
@@ -120,6 +141,20 @@ class ModelCard(msgspec.Struct, kw_only=True):
     created: int = 0
     owned_by: str = "rill"
     max_model_len: int | None = None
+
+
+class TokenizeResponse(msgspec.Struct, kw_only=True):
+    """``POST /tokenize`` answer: the ids, their count and the model's context length."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(msgspec.Struct, kw_only=True):
+    """``POST /detokenize`` answer."""
+
+    prompt: str
 
 
 class ModelList(msgspec.Struct, kw_only=True):
