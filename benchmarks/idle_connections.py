@@ -153,7 +153,7 @@ async def main(args: argparse.Namespace, serve_flags: list[str]) -> None:
                 after = open_fds(pid)
             settled_s = time.monotonic() - closed_at
             gauges = httpx.get(f"http://127.0.0.1:{port}/metrics").text
-            still_open = next((line for line in gauges.splitlines() if line.startswith("rill_connections_open ")),
+            still_open = next((line for line in gauges.splitlines() if line.startswith("rill_connections_open{")),
                               "rill_connections_open (no gauge)")
     print(f"server fds: {before} before, {held} with {args.connections} idle connections, {after} "
           f"{settled_s:.1f} s after the last was closed; {still_open}")

@@ -131,8 +131,8 @@ async def _until_closed(idle: Idle) -> None:
 
 def _gauge(metrics: str, name: str) -> float:
     for line in metrics.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"{name} not in /metrics")
 
 

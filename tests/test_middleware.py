@@ -23,6 +23,7 @@ from starlette.websockets import WebSocket
 from rill import auth
 from rill import config as config_mod
 from rill import middleware
+from rill.protocols.openai_http.adapter import http_error
 from tests.helpers import serving
 
 
@@ -46,7 +47,7 @@ def _deps(**overrides: Any) -> Any:
 async def serve(**overrides: Any) -> AsyncIterator[str]:
     inner = Starlette(routes=[Route("/health", _echo), Route("/v1/echo", _echo, methods=["GET", "POST"]),
                               WebSocketRoute("/ws", _ws)])
-    app = middleware.wrap(inner, _deps(**overrides))
+    app = middleware.wrap(inner, _deps(**overrides), render_error=http_error)
     async with serving(app) as port:
         yield f"127.0.0.1:{port}"
 
@@ -107,7 +108,7 @@ async def test_the_playground_page_needs_no_key_but_everything_else_does() -> No
 
     inner = Starlette(routes=[Route("/", page), Route("/playground/static/{name}", page),
                               Route("/playground/prompt", page, methods=["POST"])])
-    app = middleware.wrap(inner, _deps(**{"http.api_key": ["k1"]}))
+    app = middleware.wrap(inner, _deps(**{"http.api_key": ["k1"]}), render_error=http_error)
     async with serving(app) as port, httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
         assert (await http.get("/")).status_code == 200
         assert (await http.get("/playground/static/playground.js")).status_code == 200
@@ -245,7 +246,7 @@ async def serve_limited(max_total: int = 100, per_client: int = 100, timeout_s: 
             await websocket.close()
 
     inner = Starlette(routes=[Route("/v1/echo", _echo, methods=["GET", "POST"]), WebSocketRoute("/quiet", quiet_ws)])
-    app = middleware.wrap(inner, deps)
+    app = middleware.wrap(inner, deps, render_error=http_error)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off",
                                            http=http_protocol_factory(deps.gate, timeout_s)))  # type: ignore[arg-type]
     server.install_signal_handlers = lambda: None  # type: ignore[method-assign]

@@ -9,7 +9,12 @@ client as text: protocols answer them with a generic message.
     │   └── ModelLoadError          checkpoint missing files / unsupported architecture
     ├── InvalidRequest              a field of a request is invalid; .field names it
     │   ├── ContextLengthExceeded   prompt (+ generation) longer than the context
-    │   └── PromptTooLarge          prompt over the character bound (checked before tokenizing)
+    │   ├── PromptTooLarge          prompt over the character bound (checked before tokenizing)
+    │   └── BodyTooLarge            HTTP request body over the configured limit
+    ├── Unauthorized                no API key or a wrong one
+    ├── Forbidden                   a foreign web page or host name (browser checks)
+    ├── RouteNotFound               no such HTTP path
+    ├── MethodNotAllowed            the HTTP path exists, not for this method
     ├── RequestRejected             admission refused; .retryable
     │   ├── QueueFull               waiting queue over its bound (retryable)
     │   ├── MemoryPressure          request can never fit in the KV budget
@@ -204,3 +209,40 @@ class IdleTimeout(RequestTimeout):
     """A client sent no first message, or not all of its request, within the time allowed."""
 
     code = "idle_timeout"
+
+
+class BodyTooLarge(InvalidRequest):
+    """The HTTP request body is over the configured limit."""
+
+    code = "request_too_large"
+
+    def __init__(self, limit_bytes: int) -> None:
+        super().__init__(f"Request body is larger than the limit of {limit_bytes} bytes", field=None)
+        self.limit_bytes = limit_bytes
+
+
+class Unauthorized(RillError):
+    """No API key or a wrong one."""
+
+    code = "invalid_api_key"
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(message or "Missing or invalid API key: send 'Authorization: Bearer <key>'")
+
+
+class Forbidden(RillError):
+    """A browser request from a foreign web page or through a foreign host name."""
+
+    code = "forbidden"
+
+
+class RouteNotFound(RillError):
+    """No such path on this server."""
+
+    code = "not_found"
+
+
+class MethodNotAllowed(RillError):
+    """The path exists but not for this HTTP method."""
+
+    code = "method_not_allowed"

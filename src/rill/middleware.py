@@ -40,8 +40,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rill import auth
 from rill.connections import ConnectionGate
-from rill.errors import IdleTimeout
-from rill.protocols.openai_http import codec
+from rill.errors import BodyTooLarge, Forbidden, IdleTimeout, MethodNotAllowed, RouteNotFound, Unauthorized
+
+ErrorRenderer = Callable[[BaseException], tuple[int, dict[str, str], bytes]]
+"""Turns an error into (HTTP status, extra headers, JSON body). The server passes the OpenAI
+API's error format (``openai_http.adapter.http_error``), so this module knows no protocol."""
 
 PUBLIC_PATHS = frozenset({"/health"})
 """Paths that never need a key (load balancers and orchestrators probe them)."""
@@ -56,12 +59,14 @@ DRAIN_LIMIT_BYTES = 16 * 1024 * 1024
 """How much of a refused body is read and dropped so the client can see the 413."""
 
 
-def wrap(app: ASGIApp, deps: Any) -> ASGIApp:
-    """The server's app wrapped in the guard and, when origins are configured, CORS."""
+def wrap(app: ASGIApp, deps: Any, render_error: ErrorRenderer) -> ASGIApp:
+    """The server's app wrapped in the guard and, when origins are configured, CORS; refusals
+    are written by ``render_error``."""
     http = deps.config.http
     limits = deps.config.connections
     sites = SiteCheck(http.host, http.allowed_hosts, [*http.allowed_origins, *http.cors_origins])
-    wrapped: ASGIApp = Guard(app, api_keys=set(deps.api_keys or ()), max_body_bytes=http.max_body_bytes, sites=sites,
+    wrapped: ASGIApp = Guard(app, render_error, api_keys=set(deps.api_keys or ()), max_body_bytes=http.max_body_bytes,
+                             sites=sites,
                              gate=getattr(deps, "gate", None), body_timeout_s=limits.body_timeout_s,
                              first_message_timeout_s=limits.first_message_timeout_s)
     if http.cors_origins:
@@ -82,6 +87,7 @@ class Guard:
 
     Args:
         app: the wrapped ASGI app.
+        render_error: writes every refusal (status, headers, JSON body).
         api_keys: accepted keys; empty means no authentication.
         max_body_bytes: largest HTTP request body accepted (413 beyond).
         sites: the Host/Origin policy (None: no check).
@@ -92,10 +98,12 @@ class Guard:
             message (closed with 1008 beyond).
     """
 
-    def __init__(self, app: ASGIApp, api_keys: set[str], max_body_bytes: int, sites: "SiteCheck | None" = None,
+    def __init__(self, app: ASGIApp, render_error: ErrorRenderer, api_keys: set[str], max_body_bytes: int,
+                 sites: "SiteCheck | None" = None,
                  gate: ConnectionGate | None = None, body_timeout_s: float | None = None,
                  first_message_timeout_s: float | None = None) -> None:
         self.app = app
+        self.render_error = render_error
         self.api_keys = frozenset(api_keys)
         self.max_body_bytes = max_body_bytes
         self.sites = sites
@@ -123,23 +131,23 @@ class Guard:
             refusal = self.sites.refusal(scope)
             if refusal is not None:
                 if scope["type"] == "http":
-                    await _send_error(send, codec.Forbidden(refusal), {})
+                    await _send_error(self.render_error, send, Forbidden(refusal), {})
                 else:
-                    await _deny_websocket(scope, receive, send, codec.Forbidden(refusal))
+                    await _deny_websocket(self.render_error, scope, receive, send, Forbidden(refusal))
                 return
         if scope["type"] == "http":
             if not self._is_authorized(scope, allow_query=False):
-                await _send_error(send, codec.Unauthorized(), {"WWW-Authenticate": "Bearer"})
+                await _send_error(self.render_error, send, Unauthorized(), {"WWW-Authenticate": "Bearer"})
                 return
             limited = await self._read_body(scope, receive, send)
             if limited is None:
                 return
             if scope.get("path", "").startswith("/v1/"):
-                send = _json_routing_errors(scope, send)
+                send = _json_routing_errors(self.render_error, scope, send)
             await self.app(scope, limited, send)
         elif scope["type"] == "websocket":
             if not self._is_authorized(scope, allow_query=True):
-                await _deny_websocket(scope, receive, send)
+                await _deny_websocket(self.render_error, scope, receive, send)
                 return
             await self.app(scope, receive, _select_subprotocol(scope, send))
         else:
@@ -173,7 +181,7 @@ class Guard:
             limited = await self._read_whole_body(scope, timed_receive, send)
         except TimeoutError:
             exc = IdleTimeout(f"the request body did not arrive within {self.body_timeout_s:g} s")
-            await _send_error(send, exc, {"Connection": "close"})
+            await _send_error(self.render_error, send, exc, {"Connection": "close"})
             return None
         if limited is None:
             return None
@@ -207,7 +215,7 @@ class Guard:
                 if message.get("more_body", False):
                     await self._refuse_body(receive, send, size, None)
                 else:
-                    await _send_error(send, codec.BodyTooLarge(self.max_body_bytes), {"Connection": "close"})
+                    await _send_error(self.render_error, send, BodyTooLarge(self.max_body_bytes), {"Connection": "close"})
                 return None
             chunks.append(body)
             if not message.get("more_body", False):
@@ -239,7 +247,7 @@ class Guard:
                 size += len(message.get("body", b""))
                 if not message.get("more_body", False):
                     break
-        await _send_error(send, codec.BodyTooLarge(self.max_body_bytes), {"Connection": "close"})
+        await _send_error(self.render_error, send, BodyTooLarge(self.max_body_bytes), {"Connection": "close"})
 
 
 def _on_response_end(send: Send, callback: Callable[[], None]) -> Send:
@@ -305,7 +313,7 @@ class _FirstMessageWatch:
             await self._send({"type": "websocket.close", "code": 1008, "reason": reason})
 
 
-def _json_routing_errors(scope: Scope, send: Send) -> Send:
+def _json_routing_errors(render: ErrorRenderer, scope: Scope, send: Send) -> Send:
     """A ``send`` that turns the router's plain-text 404 / 405 into OpenAI error JSON.
 
     OpenAI SDKs show the ``error.message`` of a failed call; "Not Found" in plain text
@@ -322,11 +330,12 @@ def _json_routing_errors(scope: Scope, send: Send) -> Send:
                 rewriting = True
                 path, method = scope.get("path", ""), scope.get("method", "")
                 if message["status"] == 404:
-                    exc: Exception = codec.RouteNotFound(f"Unknown path '{path}'")
+                    exc: Exception = RouteNotFound(f"Unknown path '{path}'")
                 else:
                     allowed = headers.get(b"allow", b"").decode("latin-1")
-                    exc = codec.MethodNotAllowed(f"Method {method} is not allowed on '{path}' (allowed: {allowed})")
-                await _send_error(send, exc, {"Allow": headers[b"allow"].decode("latin-1")} if b"allow" in headers else {})
+                    exc = MethodNotAllowed(f"Method {method} is not allowed on '{path}' (allowed: {allowed})")
+                await _send_error(render, send, exc,
+                                  {"Allow": headers[b"allow"].decode("latin-1")} if b"allow" in headers else {})
                 return
         if rewriting:
             return  # the router's plain-text body: already replaced
@@ -361,28 +370,29 @@ def _header(scope: Scope, name: bytes) -> str | None:
 
 
 
-async def _send_error(send: Send, exc: Exception, extra_headers: dict[str, str]) -> None:
-    wire = codec.error_for(exc)
-    headers = {**wire.headers, **extra_headers, "content-type": "application/json",
-               "content-length": str(len(wire.body))}
-    await send({"type": "http.response.start", "status": wire.status,
+async def _send_error(render: ErrorRenderer, send: Send, exc: Exception, extra_headers: dict[str, str]) -> None:
+    status, wire_headers, body = render(exc)
+    headers = {**wire_headers, **extra_headers, "content-type": "application/json",
+               "content-length": str(len(body))}
+    await send({"type": "http.response.start", "status": status,
                 "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()]})
-    await send({"type": "http.response.body", "body": wire.body, "more_body": False})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-async def _deny_websocket(scope: Scope, receive: Receive, send: Send, exc: Exception | None = None) -> None:
+async def _deny_websocket(render: ErrorRenderer, scope: Scope, receive: Receive, send: Send,
+                          exc: Exception | None = None) -> None:
     """Refuse a WebSocket handshake with the HTTP status and JSON body of ``exc`` (401 by default)."""
     message = await receive()  # ASGI: the app is told about the handshake before it answers
     if message["type"] != "websocket.connect":
         return
-    exc = exc if exc is not None else codec.Unauthorized()
+    exc = exc if exc is not None else Unauthorized()
     if "websocket.http.response" in scope.get("extensions", {}):
-        wire = codec.error_for(exc)
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(wire.body)).encode())]
-        if isinstance(exc, codec.Unauthorized):
+        status, _, body = render(exc)
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        if isinstance(exc, Unauthorized):
             headers.append((b"www-authenticate", b"Bearer"))
-        await send({"type": "websocket.http.response.start", "status": wire.status, "headers": headers})
-        await send({"type": "websocket.http.response.body", "body": wire.body, "more_body": False})
+        await send({"type": "websocket.http.response.start", "status": status, "headers": headers})
+        await send({"type": "websocket.http.response.body", "body": body, "more_body": False})
     else:
         await send({"type": "websocket.close", "code": 1008})  # policy violation; server answers 403
 

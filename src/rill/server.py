@@ -8,7 +8,7 @@ may expose:
 * ``async start(deps) -> Callable[[], Awaitable[None]]`` — a listener of its own (Unix
   socket, gRPC); the returned coroutine function stops it.
 
-``/health`` lives here: 503 while the model loads, 200 when ready. ``GET /`` is the browser
+``/health`` and ``/metrics`` come from ``rill.observability``. ``GET /`` is the browser
 playground (``rill.playground``).
 """
 
@@ -21,18 +21,17 @@ import importlib.util
 import logging
 import signal
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse
-from starlette.routing import Route
-
-from rill import auth
+from rill import auth, observability
 from rill.config import ServerConfig
 from rill.connections import FD_RESERVE, ConnectionGate, http_protocol_factory, raise_fd_limit
 from rill.errors import EngineDead, RillError
 from rill.frontend.client import EngineClient
+from rill.frontend.metrics import Metrics
+from rill.protocols.openai_http import adapter as openai_adapter
 
 log = logging.getLogger("rill.server")
 
@@ -45,7 +44,7 @@ class Deps:
 
     config: ServerConfig
     client: EngineClient
-    metrics: Any = None
+    metrics: Metrics | None = None
     api_keys: set[str] = field(default_factory=set)
     extras: dict[str, Any] = field(default_factory=dict)
     gate: ConnectionGate | None = None
@@ -66,21 +65,9 @@ def protocol_adapters() -> dict[str, Any]:
     return {name: mod for name in PROTOCOLS if (mod := _adapter(name)) is not None}
 
 
-async def health(request: Request) -> JSONResponse:
-    """200 ``{"status": "ok"}`` when the model is ready; 503 with progress while loading."""
-    client: EngineClient = request.app.state.deps.client
-    if client.is_ready():
-        return JSONResponse({"status": "ok", "model": client.model_info.name if client.model_info else None})
-    progress, eta = client.load_progress()
-    error = getattr(client, "load_error", None)
-    if error is not None:
-        return JSONResponse({"status": "error", "error": "model failed to load"}, status_code=503)
-    return JSONResponse({"status": "loading", "progress": round(progress, 1), "eta_seconds": eta}, status_code=503)
-
-
 def build_app(deps: Deps) -> Starlette:
-    """The Starlette app with /health and every protocol's routes."""
-    routes: list[Any] = [Route("/health", health, methods=["GET"])]
+    """The Starlette app with /health, /metrics and every protocol's routes."""
+    routes: list[Any] = list(observability.routes(deps))
     for adapter in protocol_adapters().values():
         if hasattr(adapter, "routes"):
             routes.extend(adapter.routes(deps))
@@ -91,7 +78,7 @@ def build_app(deps: Deps) -> Starlette:
     app.state.deps = deps
     middleware = _optional("rill.middleware")
     if middleware is not None:
-        return middleware.wrap(app, deps)
+        return middleware.wrap(app, deps, render_error=openai_adapter.http_error)
     return app
 
 
@@ -105,9 +92,9 @@ def make_deps(config: ServerConfig, client: EngineClient) -> Deps:
     """Deps with the metrics registry (when the metrics module exists) and the API keys."""
     limits = config.connections
     gate = ConnectionGate(limits.max_connections, limits.max_connections_per_client)
-    metrics_mod = _optional("rill.frontend.metrics")
-    metrics = metrics_mod.Metrics(client, gate) if metrics_mod is not None else None
-    if metrics is not None and hasattr(client, "set_metrics_sink"):
+    # Until the model has loaded, label refusals with the name it will be served under.
+    metrics = Metrics(client, gate, model_name=config.engine.served_model_name or Path(config.engine.model or "").stem)
+    if hasattr(client, "set_metrics_sink"):
         client.set_metrics_sink(metrics)
     if hasattr(client, "set_max_tokens_cap"):
         client.set_max_tokens_cap(config.http.max_tokens_cap)

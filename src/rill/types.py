@@ -382,6 +382,8 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     error: Any = None
     usage: Usage = msgspec.field(default_factory=Usage)
     arrival_time: float = 0.0
+    scheduled_time: float | None = None
+    """When the engine first put the request in a step (the end of its queue time)."""
     first_token_time: float | None = None
     last_token_time: float | None = None
 
@@ -403,6 +405,7 @@ class RequestOutput(msgspec.Struct, kw_only=True):
             error=later.error,
             usage=later.usage,
             arrival_time=self.arrival_time,
+            scheduled_time=self.scheduled_time if self.scheduled_time is not None else later.scheduled_time,
             first_token_time=self.first_token_time if self.first_token_time is not None else later.first_token_time,
             last_token_time=later.last_token_time if later.last_token_time is not None else self.last_token_time,
         )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from prometheus_client.parser import text_string_to_metric_families
 
 from rill.frontend.metrics import Metrics
@@ -19,8 +21,14 @@ class _Client:
 
 
 def _samples(metrics: Metrics) -> dict[tuple[str, tuple], float]:
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples}
+    """Samples by name and labels; each must carry ``model_name`` (checked, then left out of the key)."""
+    found = {}
+    for family in text_string_to_metric_families(metrics.render().decode()):
+        for s in family.samples:
+            labels = dict(s.labels)
+            assert labels.pop("model_name", None) == metrics.model_name(), (s.name, s.labels)
+            found[(s.name, tuple(sorted(labels.items())))] = s.value
+    return found
 
 
 def test_request_figures_fill_histograms_and_counters() -> None:
@@ -50,7 +58,7 @@ def test_engine_gauges_are_read_at_scrape_time() -> None:
     s = _samples(metrics)
     assert (s[("rill_num_requests_running", ())], s[("rill_num_requests_waiting", ())],
             s[("rill_num_requests_paused", ())]) == (3, 2, 1)
-    assert s[("rill_kv_cache_usage_ratio", ())] == 0.25 and s[("rill_kv_cache_used_bytes", ())] == 250
+    assert s[("rill_kv_cache_usage_perc", ())] == 0.25 and s[("rill_kv_cache_used_bytes", ())] == 250
     assert s[("rill_kv_cache_capacity_bytes", ())] == 1000
     assert s[("rill_prefix_cache_hit_ratio", ())] == 0.25
     assert s[("rill_prefix_cache_hits_total", ())] == 10 and s[("rill_prefix_cache_queries_total", ())] == 40
@@ -58,7 +66,7 @@ def test_engine_gauges_are_read_at_scrape_time() -> None:
     client.value = EngineStats(num_running=0)
     s = _samples(metrics)
     assert s[("rill_num_requests_running", ())] == 0
-    assert s[("rill_kv_cache_usage_ratio", ())] == 0 and s[("rill_prefix_cache_hit_ratio", ())] == 0  # no 0/0
+    assert s[("rill_kv_cache_usage_perc", ())] == 0 and s[("rill_prefix_cache_hit_ratio", ())] == 0  # no 0/0
 
 
 def test_scrape_survives_an_engine_without_stats() -> None:
@@ -73,3 +81,44 @@ def test_each_server_has_its_own_registry() -> None:
     a, b = Metrics(_Client(EngineStats())), Metrics(_Client(EngineStats()))
     a.observe_rejection(protocol="p", code="x")
     assert ("rill_requests_rejected_total", (("code", "x"), ("protocol", "p"))) not in _samples(b)
+
+
+class _LoadedClient(_Client):
+    def __init__(self) -> None:
+        super().__init__(EngineStats(kv_capacity_bytes=100, kv_used_bytes=25))
+        self.model_info = SimpleNamespace(name="served-name")
+
+
+def test_vllm_named_request_histograms_and_the_model_label() -> None:
+    client = _LoadedClient()
+    metrics = Metrics(client, model_name="before-load")
+    metrics.observe_request(protocol="p", finish_reason="length", queue_s=0.5, ttft_s=1.0, inter_token_s=[0.1] * 6,
+                            e2e_s=2.0, num_prompt_tokens=30, num_generated_tokens=7, prefill_s=0.5, decode_s=0.9)
+    metrics.observe_request(protocol="q", finish_reason="stop", queue_s=0.1, ttft_s=None, inter_token_s=[],
+                            e2e_s=0.2, num_prompt_tokens=3, num_generated_tokens=0)
+    s = _samples(metrics)
+    p = (("protocol", "p"),)
+    assert s[("rill_request_prompt_tokens_sum", p)] == 30 and s[("rill_request_prompt_tokens_count", p)] == 1
+    assert s[("rill_request_prompt_tokens_bucket", (("le", "20.0"), *p))] == 0
+    assert s[("rill_request_prompt_tokens_bucket", (("le", "50.0"), *p))] == 1
+    assert s[("rill_request_generation_tokens_sum", p)] == 7
+    assert s[("rill_request_max_num_generation_tokens_sum", p)] == 7
+    assert s[("rill_request_prefill_time_seconds_sum", p)] == 0.5
+    assert s[("rill_request_decode_time_seconds_sum", p)] == 0.9
+    assert abs(s[("rill_request_inference_time_seconds_sum", p)] - 1.4) < 1e-9
+    assert s[("rill_time_per_output_token_seconds_count", p)] == 6
+    q = (("protocol", "q"),)
+    assert s[("rill_request_generation_tokens_count", q)] == 1  # a request with no token still counts
+    assert ("rill_request_prefill_time_seconds_count", q) not in s  # no first token: no prefill time
+    assert s[("rill_request_success_total", (("finished_reason", "length"),))] == 1
+    assert s[("rill_request_success_total", (("finished_reason", "stop"),))] == 1
+    assert s[("rill_kv_cache_usage_perc", ())] == 0.25
+    assert metrics.model_name() == "served-name"  # _samples checked every sample carries it
+
+
+def test_the_configured_name_labels_refusals_before_the_model_loads() -> None:
+    metrics = Metrics(_Client(None), model_name="before-load")
+    metrics.observe_rejection(protocol="p", code="model_loading")
+    families = text_string_to_metric_families(metrics.render().decode())
+    [sample] = [s for f in families for s in f.samples if s.name == "rill_requests_rejected_total"]
+    assert sample.labels == {"model_name": "before-load", "protocol": "p", "code": "model_loading"}

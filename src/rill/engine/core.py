@@ -242,6 +242,7 @@ class EngineCore:
                 self.sampler.record(request.sampler_key, token)
         if not request.is_scheduled_once:
             request.is_scheduled_once = True
+            request.scheduled_time = self.clock()
             self.stats_counters.prompt_tokens_total += len(request.prompt_ids)
             self._event(request, RequestEvent.SCHEDULED)
 
@@ -490,6 +491,7 @@ class EngineCore:
                     usage=Usage(prompt_tokens=len(request.prompt_ids), completion_tokens=request.num_output_tokens_counted,
                                 cached_tokens=request.num_cached_prompt_tokens),
                     arrival_time=request.arrival_time,
+                    scheduled_time=request.scheduled_time,
                     first_token_time=request.first_token_time,
                     last_token_time=request.last_token_time,
                 )

@@ -50,6 +50,7 @@ class Request:
     num_cached_prompt_tokens: int = 0
     is_scheduled_once: bool = False
     is_prefill_reported: bool = False
+    scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
     # Per-request output stage (detokenizer, stop matcher), created by the core.

@@ -30,8 +30,11 @@ class MetricsSink(Protocol):
         e2e_s: float,
         num_prompt_tokens: int,
         num_generated_tokens: int,
+        prefill_s: float | None = None,
+        decode_s: float | None = None,
     ) -> None:
-        """Record one finished request."""
+        """Record one finished request; ``prefill_s`` runs from its first step to its first
+        token, ``decode_s`` from its first token to its last."""
         ...
 
 

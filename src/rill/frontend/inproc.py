@@ -66,6 +66,8 @@ class _Track:
     is_queued: bool = True
     scheduled_at: float | None = None
     last_token_at: float | None = None
+    final_token_at: float | None = None
+    """When the latest token came (kept across pauses, unlike ``last_token_at``)."""
     inter_token_s: list[float] = field(default_factory=list)
 
 
@@ -443,17 +445,20 @@ class InprocClient:
             track.is_queued = False
             self._num_queued -= 1
             if RequestEvent.SCHEDULED in output.events:
-                track.scheduled_at = now
+                # The engine's own time: by the time the loop sees the event, a short prompt's
+                # prefill has run already.
+                track.scheduled_at = output.scheduled_time if output.scheduled_time is not None else now
         if output.token_ids and output.last_token_time is not None:
             if track.last_token_at is not None:
                 gap = (output.last_token_time - track.last_token_at) / len(output.token_ids)
                 track.inter_token_s.extend([gap] * len(output.token_ids))
-            track.last_token_at = output.last_token_time
+            track.last_token_at = track.final_token_at = output.last_token_time
         if RequestEvent.REGENERATING in output.events or RequestEvent.PAUSED in output.events:
             track.last_token_at = None  # a pause or restart is not inter-token latency
         if output.finished:
             self._tracks.pop(output.request_id, None)
             if self._metrics is not None:
+                first, scheduled, final = output.first_token_time, track.scheduled_at, track.final_token_at
                 try:
                     self._metrics.observe_request(
                         protocol=track.protocol,
@@ -464,6 +469,8 @@ class InprocClient:
                         e2e_s=now - track.arrival,
                         num_prompt_tokens=output.usage.prompt_tokens,
                         num_generated_tokens=output.usage.completion_tokens,
+                        prefill_s=(first - scheduled) if first and scheduled else None,
+                        decode_s=(final - first) if first and final else None,
                     )
                 except Exception:  # metrics must never break a stream
                     log.exception("metrics sink failed")

@@ -4,18 +4,22 @@ Two sources feed one registry per ``Metrics`` object (one per server, so tests c
 many servers in one process):
 
 * per-request figures, pushed by the engine client through ``observe_request`` when a
-  request ends (``MetricsSink``): latency histograms and ``rill_requests_total``;
+  request ends (``MetricsSink``): latency, phase-time and token-count histograms and the
+  finished-request counters;
 * engine gauges and counters, pulled from ``client.stats()`` at scrape time by a custom
   collector, so they are never stale and cost nothing between scrapes.
 
-Names follow Prometheus conventions: ``rill_`` prefix, base units (seconds, bytes, ratios),
-``_total`` on counters.
+Every metric carries a ``model_name`` label. Names follow Prometheus conventions (``rill_``
+prefix, base units, ``_total`` on counters), and where vLLM has the same figure the name is
+vLLM's with ``rill_`` in place of ``vllm:`` and the same type, so vLLM's Grafana dashboard
+reads rill after one relabel rule (``docs/metrics.md``).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable
+from functools import partial
+from typing import Any, Callable, Iterable
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -42,34 +46,69 @@ _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 240.0, 480.0, 960.0)
 _QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_PHASE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 240.0, 480.0, 960.0)
+# 1, 2, 5, 10, 20, 50, ... as vLLM counts tokens per request; a prompt may hold up to
+# --max-prompt-chars tokens, so the ladder goes to a million.
+_TOKEN_BUCKETS = tuple(float(m * 10 ** e) for e in range(7) for m in (1, 2, 5) if m * 10 ** e <= 1_000_000)
+
+_REQUEST = ["model_name", "protocol"]
 
 
 class Metrics:
     """The server's Prometheus registry; implements ``rill.frontend.client.MetricsSink``.
 
     Args:
-        client: the engine client whose ``stats()`` the gauges read at scrape time.
+        client: the engine client whose ``stats()`` the gauges read at scrape time, and whose
+            ``model_info.name`` is the ``model_name`` label once the model has loaded.
         gate: the server's ``rill.connections.ConnectionGate`` (connection gauges), or None.
+        model_name: the label before the model has loaded (requests refused while loading).
     """
 
-    def __init__(self, client: Any, gate: Any = None) -> None:
+    def __init__(self, client: Any, gate: Any = None, model_name: str = "") -> None:
         self.client = client
+        self.default_model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
-        self.ttft = Histogram("rill_time_to_first_token_seconds", "Time from arrival to the first generated token",
-                              ["protocol"], buckets=_TTFT_BUCKETS, registry=self.registry)
-        self.inter_token = Histogram("rill_inter_token_latency_seconds", "Time between two generated tokens",
-                                     ["protocol"], buckets=_ITL_BUCKETS, registry=self.registry)
-        self.e2e = Histogram("rill_e2e_request_latency_seconds", "Time from arrival to the end of a request",
-                             ["protocol"], buckets=_E2E_BUCKETS, registry=self.registry)
-        self.queue = Histogram("rill_request_queue_time_seconds", "Time a request waited before its first step",
-                               ["protocol"], buckets=_QUEUE_BUCKETS, registry=self.registry)
+        self.ttft = self._histogram("rill_time_to_first_token_seconds", "Time from arrival to the first generated token",
+                                    _TTFT_BUCKETS)
+        self.inter_token = self._histogram("rill_inter_token_latency_seconds", "Time between two generated tokens",
+                                           _ITL_BUCKETS)
+        self.per_output_token = self._histogram(
+            "rill_time_per_output_token_seconds",
+            "Time per generated token after the first (vLLM's older name of inter-token latency)", _ITL_BUCKETS)
+        self.e2e = self._histogram("rill_e2e_request_latency_seconds", "Time from arrival to the end of a request",
+                                   _E2E_BUCKETS)
+        self.queue = self._histogram("rill_request_queue_time_seconds", "Time a request waited before its first step",
+                                     _QUEUE_BUCKETS)
+        self.prefill = self._histogram("rill_request_prefill_time_seconds",
+                                       "Time from a request's first step to its first token", _PHASE_BUCKETS)
+        self.decode = self._histogram("rill_request_decode_time_seconds",
+                                      "Time from a request's first token to its last", _PHASE_BUCKETS)
+        self.inference = self._histogram("rill_request_inference_time_seconds",
+                                         "Time from a request's first step to its last token", _PHASE_BUCKETS)
+        self.prompt_tokens = self._histogram("rill_request_prompt_tokens", "Prompt tokens of each finished request",
+                                             _TOKEN_BUCKETS)
+        self.generation_tokens = self._histogram("rill_request_generation_tokens",
+                                                 "Tokens generated by each finished request", _TOKEN_BUCKETS)
+        self.max_generation_tokens = self._histogram(
+            "rill_request_max_num_generation_tokens",
+            "Most tokens generated by one sequence of a request (a rill request is one sequence)", _TOKEN_BUCKETS)
+        self.success = Counter("rill_request_success", "Finished requests by finish reason",
+                               ["model_name", "finished_reason"], registry=self.registry)
         self.requests = Counter("rill_requests", "Finished requests by protocol and finish reason",
-                                ["protocol", "finish_reason"], registry=self.registry)
+                                [*_REQUEST, "finish_reason"], registry=self.registry)
         self.rejected = Counter("rill_requests_rejected", "Requests refused before reaching the engine, by error code",
-                                ["protocol", "code"], registry=self.registry)
-        self.registry.register(_EngineCollector(client))
+                                [*_REQUEST, "code"], registry=self.registry)
+        self.registry.register(_EngineCollector(client, self.model_name))
         if gate is not None:
-            self.registry.register(_ConnectionCollector(gate))
+            self.registry.register(_ConnectionCollector(gate, self.model_name))
+
+    def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+        return Histogram(name, doc, _REQUEST, buckets=buckets, registry=self.registry)
+
+    def model_name(self) -> str:
+        """The ``model_name`` label: the loaded model's name, or the configured one before."""
+        info = getattr(self.client, "model_info", None)
+        return info.name if info is not None else self.default_model_name
 
     def observe_request(
         self,
@@ -82,21 +121,31 @@ class Metrics:
         e2e_s: float,
         num_prompt_tokens: int,
         num_generated_tokens: int,
+        prefill_s: float | None = None,
+        decode_s: float | None = None,
     ) -> None:
         """Record one finished request (called by the engine client on the event loop)."""
-        self.requests.labels(protocol, finish_reason).inc()
-        self.e2e.labels(protocol).observe(max(0.0, e2e_s))
-        if queue_s is not None:
-            self.queue.labels(protocol).observe(max(0.0, queue_s))
-        if ttft_s is not None:
-            self.ttft.labels(protocol).observe(max(0.0, ttft_s))
-        itl = self.inter_token.labels(protocol)
+        labels = (self.model_name(), protocol)
+        self.requests.labels(*labels, finish_reason).inc()
+        self.success.labels(labels[0], finish_reason).inc()
+        self.e2e.labels(*labels).observe(max(0.0, e2e_s))
+        for histogram, value in ((self.queue, queue_s), (self.ttft, ttft_s), (self.prefill, prefill_s),
+                                 (self.decode, decode_s)):
+            if value is not None:
+                histogram.labels(*labels).observe(max(0.0, value))
+        if prefill_s is not None and decode_s is not None:
+            self.inference.labels(*labels).observe(max(0.0, prefill_s + decode_s))
+        self.prompt_tokens.labels(*labels).observe(num_prompt_tokens)
+        self.generation_tokens.labels(*labels).observe(num_generated_tokens)
+        self.max_generation_tokens.labels(*labels).observe(num_generated_tokens)
+        itl, tpot = self.inter_token.labels(*labels), self.per_output_token.labels(*labels)
         for gap in inter_token_s:
             itl.observe(max(0.0, gap))
+            tpot.observe(max(0.0, gap))
 
     def observe_rejection(self, *, protocol: str, code: str) -> None:
         """Count a request refused before it started (bad field, queue full, loading, ...)."""
-        self.rejected.labels(protocol, code).inc()
+        self.rejected.labels(self.model_name(), protocol, code).inc()
 
     def render(self) -> bytes:
         """The registry in Prometheus text format (``CONTENT_TYPE``)."""
@@ -106,8 +155,9 @@ class Metrics:
 class _EngineCollector(Collector):
     """Reads ``client.stats()`` once per scrape and exposes it as gauges and counters."""
 
-    def __init__(self, client: Any, gate: Any = None) -> None:
+    def __init__(self, client: Any, model_name: Callable[[], str]) -> None:
         self.client = client
+        self.model_name = model_name
 
     def describe(self) -> Iterable[Metric]:
         # Describing by collecting would call stats() at registration, before the engine runs.
@@ -119,46 +169,54 @@ class _EngineCollector(Collector):
         except Exception:  # a scrape must not fail because the engine is loading or gone
             log.debug("engine stats unavailable", exc_info=True)
             return
-        yield _gauge("rill_num_requests_running", "Requests in the running batch", stats.num_running)
-        yield _gauge("rill_num_requests_waiting", "Requests waiting to be scheduled", stats.num_waiting)
-        yield _gauge("rill_num_requests_paused", "Requests paused by their client", stats.num_paused)
+        model = self.model_name()
+        gauge, counter = partial(_gauge, model), partial(_counter, model)
+        yield gauge("rill_num_requests_running", "Requests in the running batch", stats.num_running)
+        yield gauge("rill_num_requests_waiting", "Requests waiting to be scheduled", stats.num_waiting)
+        yield gauge("rill_num_requests_paused", "Requests paused by their client", stats.num_paused)
         capacity = stats.kv_capacity_bytes
-        yield _gauge("rill_kv_cache_usage_ratio", "Share of the KV cache held by live requests (0-1)",
-                     stats.kv_used_bytes / capacity if capacity else 0.0)
-        yield _gauge("rill_kv_cache_used_bytes", "KV cache bytes held by live requests", stats.kv_used_bytes)
-        yield _gauge("rill_kv_cache_cached_bytes", "KV cache bytes held by reusable prefix-cache entries",
-                     stats.kv_cached_bytes)
-        yield _gauge("rill_kv_cache_capacity_bytes", "KV cache memory budget", capacity)
+        yield gauge("rill_kv_cache_usage_perc", "Share of the KV cache held by live requests (0-1, as vLLM)",
+                    stats.kv_used_bytes / capacity if capacity else 0.0)
+        yield gauge("rill_kv_cache_used_bytes", "KV cache bytes held by live requests", stats.kv_used_bytes)
+        yield gauge("rill_kv_cache_cached_bytes", "KV cache bytes held by reusable prefix-cache entries",
+                    stats.kv_cached_bytes)
+        yield gauge("rill_kv_cache_capacity_bytes", "KV cache memory budget", capacity)
         queries, hits = stats.prefix_cache_queries_tokens, stats.prefix_cache_hits_tokens
-        yield _gauge("rill_prefix_cache_hit_ratio", "Prompt tokens found in the prefix cache / prompt tokens looked up",
-                     hits / queries if queries else 0.0)
-        yield _counter("rill_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", queries)
-        yield _counter("rill_prefix_cache_hits", "Prompt tokens found in the prefix cache", hits)
-        yield _counter("rill_prompt_tokens", "Prompt tokens processed", stats.prompt_tokens_total)
-        yield _counter("rill_generation_tokens", "Tokens generated", stats.generation_tokens_total)
-        yield _counter("rill_engine_steps", "Engine steps run", stats.num_steps_total)
-        yield _counter("rill_preemptions", "Requests preempted under KV memory pressure", stats.num_preemptions_total)
-        yield _gauge("rill_engine_step_seconds", "Moving average of one engine step", stats.step_ms_ewma / 1000.0)
+        yield gauge("rill_prefix_cache_hit_ratio", "Prompt tokens found in the prefix cache / prompt tokens looked up",
+                    hits / queries if queries else 0.0)
+        yield counter("rill_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", queries)
+        yield counter("rill_prefix_cache_hits", "Prompt tokens found in the prefix cache", hits)
+        yield counter("rill_prompt_tokens", "Prompt tokens processed", stats.prompt_tokens_total)
+        yield counter("rill_generation_tokens", "Tokens generated", stats.generation_tokens_total)
+        yield counter("rill_engine_steps", "Engine steps run", stats.num_steps_total)
+        yield counter("rill_num_preemptions", "Requests preempted under KV memory pressure", stats.num_preemptions_total)
+        yield gauge("rill_engine_step_seconds", "Moving average of one engine step", stats.step_ms_ewma / 1000.0)
 
 
 class _ConnectionCollector(Collector):
     """Open and refused client connections, read from the connection gate at scrape time."""
 
-    def __init__(self, gate: Any) -> None:
+    def __init__(self, gate: Any, model_name: Callable[[], str]) -> None:
         self.gate = gate
+        self.model_name = model_name
 
     def describe(self) -> Iterable[Metric]:
         return []
 
     def collect(self) -> Iterable[Metric]:
-        yield _gauge("rill_connections_open", "Client connections open, all listeners", self.gate.total)
-        yield _counter("rill_connections_refused", "Client connections refused at the connection limits",
+        model = self.model_name()
+        yield _gauge(model, "rill_connections_open", "Client connections open, all listeners", self.gate.total)
+        yield _counter(model, "rill_connections_refused", "Client connections refused at the connection limits",
                        self.gate.refused)
 
 
-def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-    return GaugeMetricFamily(name, doc, value=value)
+def _gauge(model_name: str, name: str, doc: str, value: float) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, doc, labels=["model_name"])
+    family.add_metric([model_name], value)
+    return family
 
 
-def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-    return CounterMetricFamily(name, doc, value=value)
+def _counter(model_name: str, name: str, doc: str, value: float) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, doc, labels=["model_name"])
+    family.add_metric([model_name], value)
+    return family

@@ -271,7 +271,8 @@ async def test_disconnect_mid_batch_frees_kv_of_every_prompt(server: Any, long_p
     assert stats.requests_finished_total.get("cancelled", 0) - cancelled_before == 3, (before, stats)
     # The same figure as Prometheus exposes it.
     exposition = (await asyncio.to_thread(httpx.get, server.url + "/metrics")).text
-    assert "rill_kv_cache_used_bytes 0.0" in exposition.splitlines()
+    assert any(line.startswith("rill_kv_cache_used_bytes{model_name=") and line.endswith("} 0.0")
+               for line in exposition.splitlines())
 
 
 # -- the adapter against a scripted fake engine client (in-process ASGI, no model) -------------

@@ -254,7 +254,8 @@ async def test_aborts_before_the_engine_count_as_rejections(live):
     with pytest.raises(EvergreenError):
         await run_grpc(live, [msg(generate(name="DANCE"))])
     metrics = httpx.get(f"{live.url}/metrics").text
-    assert 'rill_requests_rejected_total{code="session_rule_broken",protocol="evergreen"}' in metrics
+    assert any(line.startswith("rill_requests_rejected_total{model_name=") and
+               'protocol="evergreen",code="session_rule_broken"}' in line for line in metrics.splitlines())
 
 
 async def test_missing_file_under_a_root_is_not_found(live, files):

@@ -129,7 +129,8 @@ async def test_missing_prompt(uds_server: LiveServer) -> None:
     assert "prompt" in event["message"]
     assert await conn.is_closed()
     text = httpx.get(f"{uds_server.url}/metrics").text  # counted like other protocols' refusals
-    assert 'rill_requests_rejected_total{code="E_PROTO_BAD_REQUEST",protocol="framed_uds"}' in text
+    assert any(line.startswith("rill_requests_rejected_total{model_name=") and
+               'protocol="framed_uds",code="E_PROTO_BAD_REQUEST"}' in line for line in text.splitlines())
 
 
 async def test_prompt_too_large(uds_server: LiveServer) -> None:

@@ -15,14 +15,14 @@ import uuid
 from typing import Any, AsyncIterator
 
 from starlette.applications import Starlette
-from starlette.routing import Route
 
 from rill import config as config_mod
 from rill import middleware
 from rill.errors import ContextLengthExceeded, GenerationError, InvalidRequest, ModelNotReady, QueueFull
 from rill.frontend.stream import RequestStream
 from rill.protocols.openai_http import adapter
-from rill.server import health, make_deps
+from rill import observability
+from rill.server import make_deps
 from rill.types import EngineStats, GenerateRequest, ModelInfo, RequestEvent, RequestOutput, TokenLogprob, TopLogprob, Usage
 from tests.helpers import serving
 
@@ -201,8 +201,8 @@ async def live_app(client: Any, **overrides: Any) -> AsyncIterator[str]:
     break these tests (the end-to-end tests use the whole server).
     """
     deps = make_deps(make_config(**overrides), client)
-    inner = Starlette(routes=[Route("/health", health, methods=["GET"]), *adapter.routes(deps)])
+    inner = Starlette(routes=[*observability.routes(deps), *adapter.routes(deps)])
     inner.state.deps = deps
-    app = middleware.wrap(inner, deps)
+    app = middleware.wrap(inner, deps, render_error=adapter.http_error)
     async with serving(app) as port:
         yield f"http://127.0.0.1:{port}"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import threading
 import time
 from pathlib import Path
@@ -29,8 +30,15 @@ def _openai(server: LiveServer, key: str = "unused") -> openai.OpenAI:
 
 
 def _samples(text: str) -> dict[tuple[str, tuple], float]:
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    """Samples by name and labels; every sample must carry the served model's ``model_name``
+    (checked here, then left out of the key)."""
+    found = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = dict(s.labels)
+            assert labels.pop("model_name", None) == "tiny-llama", (s.name, s.labels)
+            found[(s.name, tuple(sorted(labels.items())))] = s.value
+    return found
 
 
 def test_openai_client_lists_streams_and_gets_usage(server: LiveServer) -> None:
@@ -197,7 +205,7 @@ async def test_hundred_disconnects_leave_no_running_request_and_no_kv(server: Li
     assert after[("rill_num_requests_running", ())] == 0
     assert after[("rill_num_requests_waiting", ())] == 0
     assert after[("rill_kv_cache_used_bytes", ())] == 0
-    assert after[("rill_kv_cache_usage_ratio", ())] == 0
+    assert after[("rill_kv_cache_usage_perc", ())] == 0
     key = ("rill_requests_total", (("finish_reason", "cancelled"), ("protocol", "openai_http")))
     assert after[key] - before.get(key, 0) == 100
 
@@ -221,9 +229,63 @@ def test_metrics_parse_and_histograms_count_the_requests(server: LiveServer) -> 
     itl = "rill_inter_token_latency_seconds_count"
     assert after[(itl, labels)] - before.get((itl, labels), 0) == 3 * 3  # 4 tokens → 3 gaps each
     for name in ("rill_num_requests_running", "rill_num_requests_waiting", "rill_num_requests_paused",
-                 "rill_kv_cache_usage_ratio", "rill_kv_cache_used_bytes", "rill_kv_cache_capacity_bytes",
+                 "rill_kv_cache_usage_perc", "rill_kv_cache_used_bytes", "rill_kv_cache_capacity_bytes",
                  "rill_prefix_cache_hit_ratio", "rill_prefix_cache_hits_total", "rill_prefix_cache_queries_total",
                  "rill_prompt_tokens_total", "rill_generation_tokens_total"):
         assert (name, ()) in after, name
     assert after[("rill_generation_tokens_total", ())] - before[("rill_generation_tokens_total", ())] == 12
     assert after[("rill_kv_cache_capacity_bytes", ())] > 0
+
+
+# What vLLM's published Grafana dashboard (examples/online_serving/prometheus_grafana) and
+# its newer KV gauge read, with the Prometheus type each must have.
+VLLM_DASHBOARD = {
+    "vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge", "vllm:kv_cache_usage_perc": "gauge",
+    "vllm:prompt_tokens_total": "counter", "vllm:generation_tokens_total": "counter",
+    "vllm:request_success_total": "counter", "vllm:time_to_first_token_seconds": "histogram",
+    "vllm:time_per_output_token_seconds": "histogram", "vllm:inter_token_latency_seconds": "histogram",
+    "vllm:e2e_request_latency_seconds": "histogram", "vllm:request_queue_time_seconds": "histogram",
+    "vllm:request_prefill_time_seconds": "histogram", "vllm:request_decode_time_seconds": "histogram",
+    "vllm:request_prompt_tokens": "histogram", "vllm:request_generation_tokens": "histogram",
+    "vllm:request_max_num_generation_tokens": "histogram",
+}
+
+
+def _relabel(name: str) -> str:
+    """The one ``metric_relabel_configs`` rule of docs/metrics.md, as Prometheus applies it
+    (RE2, anchored at both ends, ``$1`` for the group)."""
+    match = re.fullmatch(r"rill_(.*)", name)
+    return "vllm:" + match.group(1) if match else name
+
+
+def test_vllm_dashboard_names_after_one_relabel(server: LiveServer) -> None:
+    before = _samples(httpx.get(f"{server.url}/metrics").text)
+    client = _openai(server)
+    model = client.models.list().data[0].id
+    prompt_tokens = httpx.post(f"{server.url}/tokenize", json={"prompt": "dashboards"}).json()["count"]
+    for _ in range(2):
+        done = client.completions.create(model=model, prompt="dashboards", max_tokens=5,
+                                          extra_body={"ignore_eos": True})
+        assert done.usage is not None and done.usage.prompt_tokens == prompt_tokens
+    server.wait_idle()
+    text = httpx.get(f"{server.url}/metrics").text
+    after = _samples(text)  # also checks model_name="tiny-llama" on every sample
+    families = {_relabel(f.name): f.type for f in text_string_to_metric_families(text)}
+    for name, kind in VLLM_DASHBOARD.items():
+        family = name.removesuffix("_total") if kind == "counter" else name
+        assert families.get(family) == kind, (name, families.get(family))
+    labels = (("protocol", "openai_http"),)
+
+    def grew(name: str, extra: tuple = ()) -> float:
+        key = (name, tuple(sorted(labels + extra)))
+        return after[key] - before.get(key, 0)
+
+    assert grew("rill_request_prompt_tokens_sum") == 2 * prompt_tokens
+    assert grew("rill_request_generation_tokens_sum") == 10
+    assert grew("rill_request_generation_tokens_bucket", (("le", "5.0"),)) == 2
+    assert grew("rill_request_generation_tokens_bucket", (("le", "2.0"),)) == 0
+    for phase in ("prefill", "decode"):
+        assert grew(f"rill_request_{phase}_time_seconds_count") == 2
+        assert grew(f"rill_request_{phase}_time_seconds_sum") > 0
+    success = ("rill_request_success_total", (("finished_reason", "length"),))
+    assert after[success] - before.get(success, 0) == 2

@@ -644,7 +644,7 @@
       at: now,
       running: m.rill_num_requests_running || 0,
       waiting: m.rill_num_requests_waiting || 0,
-      kv: 100 * (m.rill_kv_cache_usage_ratio || 0),
+      kv: 100 * (m.rill_kv_cache_usage_perc || 0),
       tps,
     });
     while (dash.samples.length && dash.samples[0].at < now - DASH_WINDOW_MS) dash.samples.shift();

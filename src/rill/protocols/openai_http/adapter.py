@@ -1,8 +1,7 @@
-"""Starlette routes of the OpenAI-compatible API, ``/metrics``, and their engine I/O.
+"""Starlette routes of the OpenAI-compatible API and their engine I/O.
 
 Routes: ``GET /v1/models`` (and ``/v1/models/{model}``), ``POST /v1/completions``,
-``POST /v1/chat/completions``, ``POST /tokenize`` and ``POST /detokenize`` (vLLM's shapes),
-``GET /metrics``.
+``POST /v1/chat/completions``, ``POST /tokenize`` and ``POST /detokenize`` (vLLM's shapes).
 
 One request, start to end:
 
@@ -59,8 +58,14 @@ def routes(deps: Any) -> list[BaseRoute]:
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
         Route("/tokenize", api.tokenize, methods=["POST"]),
         Route("/detokenize", api.detokenize, methods=["POST"]),
-        Route("/metrics", api.metrics, methods=["GET"]),
     ]
+
+
+def http_error(exc: BaseException) -> tuple[int, dict[str, str], bytes]:
+    """Status, headers and OpenAI error JSON for ``exc``: the server's format for refusals made
+    before any route runs (``rill.middleware``: keys, sizes, unknown paths)."""
+    wire = codec.error_for(exc)
+    return wire.status, wire.headers, wire.body
 
 
 def error_response(exc: BaseException) -> Response:
@@ -79,7 +84,7 @@ class OpenAIApi:
         self.client = deps.client
         self.created = int(time.time())
 
-    # -- models and metrics ------------------------------------------------------------
+    # -- models ------------------------------------------------------------------
     async def list_models(self, request: Request) -> Response:
         """``GET /v1/models``: the one served model."""
         try:
@@ -96,13 +101,6 @@ class OpenAIApi:
         except RillError as exc:
             return error_response(exc)
         return Response(codec.encode(self._card(served)), media_type=_JSON)
-
-    async def metrics(self, request: Request) -> Response:
-        """``GET /metrics``: Prometheus text format."""
-        metrics = self.deps.metrics
-        if metrics is None:
-            return error_response(codec.RouteNotFound("metrics are not enabled on this server"))
-        return Response(metrics.render(), media_type=metrics_content_type())
 
     # -- tokenizer -----------------------------------------------------------------------
     async def tokenize(self, request: Request) -> Response:
@@ -241,13 +239,6 @@ class OpenAIApi:
 
     def _card(self, served: codec.ServedModel) -> ModelCard:
         return ModelCard(id=served.name, created=self.created, max_model_len=served.max_context_tokens)
-
-
-def metrics_content_type() -> str:
-    """Content type of ``/metrics`` (imported lazily: metrics is optional)."""
-    from rill.frontend.metrics import CONTENT_TYPE
-
-    return CONTENT_TYPE
 
 
 def _token_texts(client: Any) -> Callable[[int], str]:

@@ -19,14 +19,17 @@ from typing import Any
 
 import msgspec
 
-from rill.errors import (
+from rill.errors import (  # the HTTP-level classes stay reachable as codec.X for the adapter and tests
+    BodyTooLarge,
     CacheMiss,
     ContextLengthExceeded,
     EngineDead,
     EngineError,
+    Forbidden,
     IdleTimeout,
     InvalidRequest,
     MemoryPressure,
+    MethodNotAllowed,
     ModelNotReady,
     QueueFull,
     RateLimited,
@@ -34,6 +37,8 @@ from rill.errors import (
     RequestRejected,
     RequestTimeout,
     RillError,
+    RouteNotFound,
+    Unauthorized,
 )
 from rill.protocols._shared import jsonguard
 from rill.protocols._shared.errors import lookup
@@ -69,43 +74,6 @@ class ModelNotFound(InvalidRequest):
 
     def __init__(self, requested: str, served: str) -> None:
         super().__init__(f"The model '{requested}' does not exist; this server serves '{served}'", field="model")
-
-
-class Unauthorized(RillError):
-    """No API key or a wrong one (HTTP 401)."""
-
-    code = "invalid_api_key"
-
-    def __init__(self, message: str = "") -> None:
-        super().__init__(message or "Missing or invalid API key: send 'Authorization: Bearer <key>'")
-
-
-class Forbidden(RillError):
-    """A browser request from a foreign web page or through a foreign host name (HTTP 403)."""
-
-    code = "forbidden"
-
-
-class BodyTooLarge(InvalidRequest):
-    """The request body is over the configured limit (HTTP 413)."""
-
-    code = "request_too_large"
-
-    def __init__(self, limit_bytes: int) -> None:
-        super().__init__(f"Request body is larger than the limit of {limit_bytes} bytes", field=None)
-        self.limit_bytes = limit_bytes
-
-
-class RouteNotFound(RillError):
-    """No such path on this server (HTTP 404)."""
-
-    code = "not_found"
-
-
-class MethodNotAllowed(RillError):
-    """The path exists but not for this HTTP method (HTTP 405)."""
-
-    code = "method_not_allowed"
 
 
 class RequestCancelled(RillError):
