@@ -254,8 +254,12 @@ async def test_aborts_before_the_engine_count_as_rejections(live):
     with pytest.raises(EvergreenError):
         await run_grpc(live, [msg(generate(name="DANCE"))])
     metrics = httpx.get(f"{live.url}/metrics").text
-    assert any(line.startswith("rill_requests_rejected_total{model_name=") and
-               'protocol="evergreen",code="session_rule_broken"}' in line for line in metrics.splitlines())
+    from prometheus_client.parser import text_string_to_metric_families
+
+    rejected = [s.labels for f in text_string_to_metric_families(metrics) for s in f.samples
+                if s.name == "rill_requests_rejected_total"]
+    assert any({"protocol": "evergreen", "code": "session_rule_broken"}.items() <= labels.items()
+               and labels["model_name"] for labels in rejected)
 
 
 async def test_missing_file_under_a_root_is_not_found(live, files):

@@ -129,8 +129,11 @@ async def test_missing_prompt(uds_server: LiveServer) -> None:
     assert "prompt" in event["message"]
     assert await conn.is_closed()
     text = httpx.get(f"{uds_server.url}/metrics").text  # counted like other protocols' refusals
-    assert any(line.startswith("rill_requests_rejected_total{model_name=") and
-               'protocol="framed_uds",code="E_PROTO_BAD_REQUEST"}' in line for line in text.splitlines())
+    from prometheus_client.parser import text_string_to_metric_families
+
+    rejected = [s.labels for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name == "rill_requests_rejected_total" and s.labels["protocol"] == "framed_uds"]
+    assert any(labels["code"] == "E_PROTO_BAD_REQUEST" and labels["model_name"] for labels in rejected)
 
 
 async def test_prompt_too_large(uds_server: LiveServer) -> None:
