@@ -352,6 +352,8 @@ async def start(deps: "Deps") -> Callable[[], Awaitable[None]] | None:
                  ("grpc.max_connection_idle_ms", first_message_ms)],
         maximum_concurrent_rpcs=limits.max_connections)
     service_grpc.add_EvergreenServiceServicer_to_server(EvergreenServicer(deps), server)
+    health = _add_standard_services(server)
+    await _set_health(health, serving=False)  # before the port opens: no probe sees SERVING early
     address = f"{deps.config.http.host}:{port}"
     try:
         bound = server.add_insecure_port(address)
@@ -361,11 +363,55 @@ async def start(deps: "Deps") -> Callable[[], Awaitable[None]] | None:
         raise ConfigError(f"cannot listen for gRPC on {address} (--grpc-port)")
     await server.start()
     log.info("evergreen gRPC listening on %s", address)
+    watch = asyncio.create_task(_serving_when_ready(deps, health))
 
     async def stop() -> None:
+        watch.cancel()
+        await health.enter_graceful_shutdown()  # probes see NOT_SERVING while calls drain
         await server.stop(GRPC_GRACE_S)
 
     return stop
+
+
+def _add_standard_services(server: Any) -> Any:
+    """Add ``grpc.health.v1.Health`` (NOT_SERVING until the model is ready) and server
+    reflection (``grpcurl list``, ``grpcurl describe``) to ``server``; return the health servicer.
+
+    Both answer without an API key, as ``/health`` does: they tell nothing of any session.
+    """
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection
+
+    from rill.protocols.evergreen._pb import evergreen_service_pb2 as service_pb2
+
+    servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    names = (service_pb2.DESCRIPTOR.services_by_name["EvergreenService"].full_name,
+             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(names, server)
+    return servicer
+
+
+HEALTH_SERVICES = ("", "evergreen.v2.EvergreenService")
+"""Health-check service names: the whole server ("") and the Evergreen service."""
+
+
+async def _set_health(health: Any, *, serving: bool) -> None:
+    from grpc_health.v1 import health_pb2
+
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in HEALTH_SERVICES:
+        await health.set(name, status)
+
+
+async def _serving_when_ready(deps: "Deps", health: Any) -> None:
+    """Turn health to SERVING once the model is ready; a failed load keeps NOT_SERVING
+    (and ends ``rill serve``)."""
+    try:
+        await deps.client.wait_ready()
+    except Exception:
+        return
+    await _set_health(health, serving=True)
 
 
 class EvergreenServicer:
