@@ -14,9 +14,13 @@ runs of ``--requests`` completions through ``/v1/completions`` with at most N in
 
 Printed per N: wall time, generated tokens, tokens/s of each run and the cost ratio
 (constrained time per token / unconstrained time per token; 1.15 means 15 % more). Every
-constrained output is checked against its schema (``jsonschema``). The first run pays each
-schema's compile (at admission, off the engine step); a second constrained pass (``--passes``)
-would find every grammar in the cache. Figures on a shared machine are indicative only.
+constrained output is checked against its schema (``jsonschema``). The first constrained run
+pays each schema's compile (at admission, off the engine step); later rounds find every
+grammar in the cache.
+
+On a shared machine one pair of runs can be skewed by load that comes or goes between them,
+so ``--rounds R`` runs R pairs, alternating which run goes first, and prints each pair's
+ratio, then the ratio of the summed times and the load average (1 min) before and after.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import tempfile
 import time
@@ -76,6 +81,7 @@ def main() -> None:
     parser.add_argument("--concurrency", default="8,32")
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=1, help="pairs of runs per N, alternating which goes first")
     parser.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "rill-structured")
     args = parser.parse_args()
     import jsonschema
@@ -92,17 +98,33 @@ def main() -> None:
     with Server("rill", cmd, port, args.out / "server.log", "/health") as server:
         server.wait_ready(300)
         asyncio.run(run(port, 2, 2, False, [8, 8]))  # warm-up: first forward, allocator
-        print(f"{'N':>3} {'constrained s':>14} {'tokens':>7} {'tok/s':>7} {'free s':>7} {'tokens':>7} "
+        print(f"load average {os.getloadavg()[0]:.2f}", flush=True)
+        print(f"{'N':>3} {'round':>5} {'constrained s':>14} {'tokens':>7} {'tok/s':>7} {'free s':>7} {'tokens':>7} "
               f"{'tok/s':>7} {'ratio':>6}", flush=True)
         for n in levels:
-            c_time, c_tokens, texts = asyncio.run(run(port, args.requests, n, True, [400] * args.requests))
-            for i, text in enumerate(texts):
-                jsonschema.validate(json.loads(text), schema(i))
-            u_time, u_tokens, _ = asyncio.run(run(port, args.requests, n, False, c_tokens))
-            assert u_tokens == c_tokens, "the unconstrained run makes as many tokens"
-            ratio = (c_time / sum(c_tokens)) / (u_time / sum(u_tokens))
-            print(f"{n:>3} {c_time:>14.2f} {sum(c_tokens):>7} {sum(c_tokens) / c_time:>7.1f} {u_time:>7.2f} "
-                  f"{sum(u_tokens):>7} {sum(u_tokens) / u_time:>7.1f} {ratio:>6.3f}", flush=True)
+            lengths: list[int] = [400] * args.requests
+            times = {True: 0.0, False: 0.0}
+            for r in range(args.rounds):
+                # Round 0 runs constrained first: the unconstrained run needs its lengths.
+                order = (True, False) if r % 2 == 0 else (False, True)
+                done: dict[bool, tuple[float, list[int]]] = {}
+                for constrained in order:
+                    elapsed, tokens, texts = asyncio.run(run(port, args.requests, n, constrained, lengths))
+                    if constrained:
+                        for i, text in enumerate(texts):
+                            jsonschema.validate(json.loads(text), schema(i))
+                        if r == 0:
+                            lengths = tokens
+                    done[constrained] = (elapsed, tokens)
+                (c_time, c_tokens), (u_time, u_tokens) = done[True], done[False]
+                assert u_tokens == c_tokens, "the unconstrained run makes as many tokens"
+                times[True] += c_time
+                times[False] += u_time
+                ratio = (c_time / sum(c_tokens)) / (u_time / sum(u_tokens))
+                print(f"{n:>3} {r:>5} {c_time:>14.2f} {sum(c_tokens):>7} {sum(c_tokens) / c_time:>7.1f} "
+                      f"{u_time:>7.2f} {sum(u_tokens):>7} {sum(u_tokens) / u_time:>7.1f} {ratio:>6.3f}", flush=True)
+            print(f"{n:>3} all rounds: cost ratio {times[True] / times[False]:.3f}", flush=True)
+        print(f"load average {os.getloadavg()[0]:.2f}", flush=True)
 
 
 if __name__ == "__main__":
