@@ -18,14 +18,18 @@ from rill.errors import (
     ContextLengthExceeded,
     EngineDead,
     EngineError,
+    Forbidden,
     InvalidRequest,
     MemoryPressure,
+    MethodNotAllowed,
     ModelNotReady,
     QueueFull,
     RateLimited,
     RequestRejected,
     RequestTimeout,
     RillError,
+    RouteNotFound,
+    Unauthorized,
 )
 from rill.protocols._shared import jsonguard
 from rill.protocols._shared.errors import lookup
@@ -85,6 +89,12 @@ ERROR_TABLE: dict[type[BaseException], Callable[[RillError], str]] = {
     RequestTimeout: lambda exc: "the request ran past the server's time limit",
     EngineDead: lambda exc: "the engine stopped; no generation can run until the server restarts",
     EngineError: lambda exc: "generation failed",
+    # HTTP-level refusals (the middleware answers them before a socket opens); listed so the
+    # whole error tree has an entry here too.
+    Unauthorized: _same,
+    Forbidden: _same,
+    RouteNotFound: _same,
+    MethodNotAllowed: _same,
 }
 
 
