@@ -27,18 +27,23 @@ def grammars(tok) -> GrammarCompiler:
     return GrammarCompiler(tok.to_str(), tok.get_vocab_size(), [EOS])
 
 
-def run(sampler: Sampler, keys: list[int], vocab: int, steps: int, seed: int = 0) -> None:
+def run(sampler: Sampler, keys: list[int], vocab: int, steps: int, seed: int = 0) -> dict[int, list[int]]:
+    """Sample until every key's grammar is complete (or ``steps``); the tokens each key got."""
     gen = torch.Generator().manual_seed(seed)
+    tokens: dict[int, list[int]] = {k: [] for k in keys}
     for _ in range(steps):
         live = [k for k in keys if not sampler.is_constraint_complete(k)]
         if not live:
-            return
+            break
         out = sampler.sample(torch.randn(len(live), vocab, generator=gen) * 3, live)
         assert not out.errors
+        for key, token in zip(live, out.token_ids):
+            tokens[key].append(token)
+    return tokens
 
 
-def text_of(tok, sampler: Sampler, key: int) -> str:
-    return tok.decode([t for t in sampler.history(key) if t != EOS])
+def text_of(tok, ids: list[int]) -> str:
+    return tok.decode([t for t in ids if t != EOS])
 
 
 def test_regex_rows_and_a_free_row_in_one_batch(tok, grammars: GrammarCompiler) -> None:
@@ -48,10 +53,10 @@ def test_regex_rows_and_a_free_row_in_one_batch(tok, grammars: GrammarCompiler) 
     for key in (0, 1, 2):
         s.add(key, SamplingParams(seed=key), [1], {EOS}, matcher=grammars.matcher(fmt))
     s.add(3, SamplingParams(seed=9), [1], {EOS})
-    run(s, [0, 1, 2, 3], vocab, 40)
+    tokens = run(s, [0, 1, 2, 3], vocab, 40)
     for key in (0, 1, 2):
         assert s.is_constraint_complete(key)
-        assert re.fullmatch(r"(yes|no), [a-z]{2,5}!", text_of(tok, s, key))
+        assert re.fullmatch(r"(yes|no), [a-z]{2,5}!", text_of(tok, tokens[key]))
     assert not s.is_constraint_complete(3)
 
 
@@ -62,8 +67,7 @@ def test_greedy_row_follows_the_json_schema(tok, grammars: GrammarCompiler) -> N
     s = Sampler(tok.get_vocab_size(), 4)
     fmt = ResponseFormat(type="json_schema", json_schema={"schema": schema, "strict": True})
     s.add(0, SamplingParams(temperature=0.0), [1], {EOS}, matcher=grammars.matcher(fmt))
-    run(s, [0], tok.get_vocab_size(), 40)
-    value = json.loads(text_of(tok, s, 0))
+    value = json.loads(text_of(tok, run(s, [0], tok.get_vocab_size(), 40)[0]))
     assert set(value) == {"n", "c"} and 0 <= value["n"] <= 9 and value["c"] in ("x", "y")
 
 
@@ -71,25 +75,23 @@ def test_the_grammar_wins_over_a_min_tokens_ban(tok, grammars: GrammarCompiler) 
     # min_tokens bans eos, but once "ok" is written the grammar allows nothing else.
     s = Sampler(tok.get_vocab_size(), 2)
     s.add(0, SamplingParams(min_tokens=50), [1], {EOS}, matcher=grammars.matcher(ResponseFormat(type="regex", regex="ok")))
-    run(s, [0], tok.get_vocab_size(), 10)
-    assert text_of(tok, s, 0) == "ok" and s.is_constraint_complete(0)
+    assert text_of(tok, run(s, [0], tok.get_vocab_size(), 10)[0]) == "ok" and s.is_constraint_complete(0)
 
 
 def test_update_switches_the_constraint_on_mid_stream_and_reset_restarts_it(tok, grammars: GrammarCompiler) -> None:
     vocab = tok.get_vocab_size()
     s = Sampler(vocab, 2)
     s.add(0, SamplingParams(seed=3), [1], {EOS})
-    run(s, [0], vocab, 5)
-    free = text_of(tok, s, 0)
+    free_ids = run(s, [0], vocab, 5)[0]
+    free = text_of(tok, free_ids)
     s.update(0, SamplingParams(seed=3), matcher=grammars.matcher(ResponseFormat(type="regex", regex="[0-9]{3}")))
-    run(s, [0], vocab, 10)
+    constrained_ids = run(s, [0], vocab, 10)[0]
     assert s.is_constraint_complete(0)
-    text = text_of(tok, s, 0)
+    text = text_of(tok, free_ids + constrained_ids)
     assert text.startswith(free) and re.fullmatch("[0-9]{3}", text[len(free):])
     s.reset(0, [1])
     assert not s.is_constraint_complete(0)
-    run(s, [0], vocab, 10)
-    assert re.fullmatch("[0-9]{3}", text_of(tok, s, 0))
+    assert re.fullmatch("[0-9]{3}", text_of(tok, run(s, [0], vocab, 10)[0]))
 
 
 def test_compiled_constraints_are_cached_and_copies_are_independent(grammars: GrammarCompiler) -> None:

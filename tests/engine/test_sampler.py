@@ -161,7 +161,6 @@ def test_reset_restarts_the_seeded_sequence():
     s.add(1, SamplingParams(seed=5, top_p=0.95, frequency_penalty=0.4), [7, 8], {0})
     first = [one(s, _step_logits(t, 1, 300)[0], key=1) for t in range(20)]
     s.reset(1, [7, 8])
-    assert s.history(1) == []
     again = [one(s, _step_logits(t, 1, 300)[0], key=1) for t in range(20)]
     assert again == first
 
@@ -266,7 +265,9 @@ def test_update_takes_effect_on_the_next_call():
     assert one(s, CRAFTED) == 12
     s.update(0, SamplingParams(temperature=0.0))
     assert one(s, CRAFTED) == 0
-    assert len(s.history(0)) == 3
+    # The outputs survived both updates: a presence penalty now pushes the greedy pick off 0.
+    s.update(0, SamplingParams(temperature=0.0, presence_penalty=2.0))
+    assert one(s, CRAFTED) != 0
 
 
 def test_remove_then_add_clears_history():
@@ -279,7 +280,6 @@ def test_remove_then_add_clears_history():
     with pytest.raises(KeyError):
         s.sample(torch.zeros(1, 8), [1])
     s.add(1, p, [], set())
-    assert s.history(1) == []
     np.testing.assert_array_equal(s._processed_logits(torch.zeros(1, 8), [1]), np.zeros((1, 8)))
     with pytest.raises(ValueError):
         s.add(1, p, [], set())
@@ -305,7 +305,6 @@ def test_input_dtype_shape_and_immutability():
     s.sample(x, [0])
     assert torch.equal(x, before)  # processing works on a copy
     assert 0 <= s.sample(x.to(torch.bfloat16), [0]).token_ids[0] < 64
-    assert len(s.history(0)) == 2
     with pytest.raises(ValueError):
         s.sample(torch.randn(2, 64), [0])
 

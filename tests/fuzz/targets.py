@@ -236,12 +236,17 @@ def _is_error(action: Any) -> bool:
 
 def newline_target(rng: random.Random, given: bytes | None = None) -> tuple[str, bool]:
     session = uds_session.NewlineSession(uds_session.SessionLimits())
-    line = given if given is not None else gen.text(rng).encode() if rng.random() < 0.3 else rng.randbytes(rng.randrange(32))
+    if given is not None:
+        kind, line = "raw", given
+    elif rng.random() < 0.3:  # a prompt line: it must start a generation
+        kind, line = "valid", gen.text(rng).encode()
+    else:
+        kind, line = "raw", rng.randbytes(rng.randrange(32))
     actions = session.receive_line(line)
     for output in outputs(rng, "n"):
         session.on_output(output)
     session.on_end_of_input()
-    return "raw", any(isinstance(a, uds_session.Start) for a in actions)
+    return kind, any(isinstance(a, uds_session.Start) for a in actions)
 
 
 # -- evergreen ----------------------------------------------------------------------------------

@@ -23,9 +23,9 @@ from tests.fuzz import targets
 NUM_INPUTS = int(os.environ.get("RILL_FUZZ_EXAMPLES", "10000"))
 """Generated inputs per target (codec + session) in one run."""
 
-WITHOUT_VALID = {"framed_uds.newline", "evergreen.session"}
-"""Targets whose inputs are all hostile or raw (every newline-mode line is a prompt; the
-Evergreen session target sends well-typed messages with hostile content)."""
+WITHOUT_VALID = {"evergreen.session"}
+"""Targets whose inputs are all hostile or raw (the Evergreen session target sends
+well-typed messages with hostile content)."""
 
 BATCH = 25
 """Seeded inputs per Hypothesis example (keeps Hypothesis' own overhead small)."""

@@ -116,10 +116,7 @@ class EngineCore:
         request = self.requests.get(cmd.request_id)
         if request is None or request.is_finished:
             return
-        if cmd.error is not None:
-            self._finish(request, "error", error=cmd.error)
-        else:
-            self._finish(request, "cancelled")
+        self._finish(request, "cancelled")
 
     def _pause(self, cmd: PauseCommand) -> None:
         request = self.requests.get(cmd.request_id)

@@ -185,11 +185,6 @@ class KVManager:
         self.live.pop(row, None)
         self.free_rows.append(row)
 
-    def touch(self, row: int) -> None:
-        """Mark a cached row as recently used."""
-        if row in self.cached:
-            self.cached.move_to_end(row)
-
     def _spare_row(self, exclude: int | None) -> bool:
         return bool(self.free_rows) or any(r != exclude for r in self.cached)
 

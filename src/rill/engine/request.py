@@ -115,7 +115,6 @@ class AbortCommand:
     """Cancel a request (client stop, disconnect, timeout)."""
 
     request_id: RequestId
-    error: Any = None  # a RillError to finish with instead of "cancelled"
 
 
 @dataclass(frozen=True, slots=True)

@@ -188,10 +188,6 @@ class Sampler:
         matcher = self._slot(key).matcher
         return matcher is not None and matcher.is_stopped() and not matcher.is_error()
 
-    def history(self, key: int) -> list[int]:
-        """The key's output tokens so far (a copy)."""
-        return list(self._slot(key).outputs)
-
     def _slot(self, key: int) -> _Slot:
         slot = self._slots[key]
         if slot is None:

@@ -293,11 +293,6 @@ class InprocClient:
         if request_id in self._streams:
             self._inbox.put(AbortCommand(request_id))
 
-    def abort_with(self, request_id: RequestId, error: RillError) -> None:
-        """End a request with an error (e.g. a protocol-level timeout)."""
-        if request_id in self._streams:
-            self._inbox.put(AbortCommand(request_id, error=error))
-
     def pause(self, request_id: RequestId) -> None:
         """Pause a running request."""
         self._live(request_id)

@@ -395,7 +395,7 @@ class GenerateSession:
                 continue
             is_last = out.finished and i == num_new - 1
             tok = m.Token(token=piece, generated_text=gen.visible_text, finished=is_last,
-                          finish_reason=_wire_finish(out.finish_reason) if is_last else None)
+                          finish_reason=out.finish_reason if is_last else None)
             if opts.include_token_ids and i < len(out.token_ids):
                 tok.token_id = out.token_ids[i]
             if want_logprobs and out.logprobs is not None and i < len(out.logprobs):
@@ -422,7 +422,7 @@ class GenerateSession:
         if out.finish_reason == "error":
             exc = out.error if isinstance(out.error, BaseException) else RillError("generation failed")
             return self._error_actions(exc)
-        return [Send(self._completion(_wire_finish(out.finish_reason) or "stop", now))]
+        return [Send(self._completion(out.finish_reason or "stop", now))]
 
     def _completion(self, finish_reason: str, now: float) -> m.Completion:
         gen = self.gen
@@ -476,8 +476,3 @@ class GenerateSession:
         while len(self._history) > MAX_REMEMBERED_GENERATIONS:
             self._history.popitem(last=False)
 
-
-def _wire_finish(reason: str | None) -> str | None:
-    # Engine reasons are already the spec's words (stop, length, cancelled); "error" never
-    # reaches a completion (it becomes an error message).
-    return reason
