@@ -35,7 +35,7 @@ import torch  # noqa: E402
 
 from rill.config import EngineConfig  # noqa: E402
 from rill.engine.request import AddCommand, Request  # noqa: E402
-from rill.frontend.inproc import Engine  # noqa: E402
+from rill.engine.builder import Engine, build_engine  # noqa: E402
 from rill.types import SamplingParams  # noqa: E402
 
 CACHE = Path(os.environ.get("RILL_CACHE_DIR", Path.home() / ".cache" / "rill")) / "bench"
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     header = f"{'engine':<32} {'N':>4} {'tok/s':>9} {'TTFT p50':>10} {'TTFT p99':>10} {'ITL p50':>9} {'ITL p99':>9}  (ms)"
     for model_name in args.models.split(","):
         folder = model_folder(model_name)
-        engine = Engine(EngineConfig(model=str(folder), dtype=args.dtype, kv_cache_memory="8GiB",
+        engine = build_engine(EngineConfig(model=str(folder), dtype=args.dtype, kv_cache_memory="8GiB",
                                      max_model_len=args.prompt_len + args.new_tokens + 8, max_num_seqs=max(levels)))
         dtype = engine.model_info.dtype
         params_m = sum(p.numel() for p in engine.runner.model.parameters()) / 1e6 if hasattr(engine.runner, "model") else float("nan")

@@ -25,7 +25,7 @@ import torch  # noqa: E402
 
 from rill.config import EngineConfig  # noqa: E402
 from rill.engine.request import AbortCommand, AddCommand, Request  # noqa: E402
-from rill.frontend.inproc import Engine  # noqa: E402
+from rill.engine.builder import Engine, build_engine  # noqa: E402
 from rill.types import SamplingParams  # noqa: E402
 
 CACHE = Path(os.environ.get("RILL_CACHE_DIR", Path.home() / ".cache" / "rill")) / "bench"
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="auto")
     args = parser.parse_args(argv)
     folder = long_context_model()
-    engine = Engine(EngineConfig(model=str(folder), dtype=args.dtype, kv_cache_memory="4GiB", max_model_len=args.long + 256,
+    engine = build_engine(EngineConfig(model=str(folder), dtype=args.dtype, kv_cache_memory="4GiB", max_model_len=args.long + 256,
                                  max_num_seqs=args.streams + 2, max_num_batched_tokens=2048))
     print(f"model {folder} ({engine.model_info.dtype}), {args.streams} streams decoding, a {args.long}-token prompt arrives")
     print(f"{'policy':<34} {'ITL before p50/p90/max (ms)':>30} {'ITL during p50/p90/max (ms)':>30} {'p90 ratio':>9} {'long TTFT s':>11}")

@@ -54,10 +54,10 @@ def engine_rows(model_dir: Path, levels: list[int], args: argparse.Namespace) ->
     from engine import run_rill  # benchmarks/engine.py (the lead's engine benchmark)
 
     from rill.config import EngineConfig
-    from rill.frontend.inproc import Engine
+    from rill.engine.builder import build_engine
 
     torch.set_num_threads(args.threads)
-    engine = Engine(EngineConfig(model=str(model_dir), dtype=args.dtype, kv_cache_memory="1GiB",
+    engine = build_engine(EngineConfig(model=str(model_dir), dtype=args.dtype, kv_cache_memory="1GiB",
                                  max_model_len=args.context, max_num_seqs=max(levels), num_threads=args.threads))
     run_rill(engine, [engine.tokenizer.encode(r.prompt) for r in synthetic_prompts(2, args.prompt_len, 4, seed=999)],
              4, mixed=False)  # warm-up

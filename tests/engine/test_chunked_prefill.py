@@ -10,7 +10,7 @@ import pytest
 
 from rill.config import EngineConfig
 from rill.engine.request import AbortCommand, AddCommand, Request
-from rill.frontend.inproc import Engine
+from rill.engine.builder import Engine, build_engine
 from rill.types import SamplingParams
 
 
@@ -20,7 +20,7 @@ def long_engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
     from rill.testing.checkpoints import make_checkpoint
 
     folder = make_checkpoint(tmp_path_factory.mktemp("long") / "tiny-long", arch="llama", max_position_embeddings=4608)
-    return Engine(EngineConfig(model=str(folder), dtype="float32", kv_cache_memory="64MiB", max_model_len=4608,
+    return build_engine(EngineConfig(model=str(folder), dtype="float32", kv_cache_memory="64MiB", max_model_len=4608,
                                max_num_seqs=8, max_num_batched_tokens=2048))
 
 

@@ -21,7 +21,7 @@ from rill.engine.request import (
     ResumeCommand,
 )
 from rill.errors import CacheMiss
-from rill.frontend.inproc import Engine
+from rill.engine.builder import Engine, build_engine
 from rill.types import RequestEvent, SamplingParams
 
 PROMPTS = [
@@ -52,7 +52,7 @@ class Result:
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir: Path) -> Engine:
     """A float32 engine on the tiny model with room for 64+ sequences."""
-    return Engine(EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_memory="64MiB",
+    return build_engine(EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_memory="64MiB",
                                max_model_len=512, max_num_seqs=64, max_queue=4096))
 
 
@@ -358,7 +358,7 @@ def test_identical_prompts_share_one_prefill(engine: Engine) -> None:
 
 def test_preemption_under_memory_pressure_favours_priority(tiny_model_dir: Path) -> None:
     # Two rows only: a third, more urgent request preempts the least urgent running one.
-    small = Engine(EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_memory="128KiB", max_model_len=128, max_num_seqs=2))
+    small = build_engine(EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_memory="128KiB", max_model_len=128, max_num_seqs=2))
     assert small.runner.num_rows == 2
     core = small.core
     low = [make_request(small, f"low{i}", PROMPTS[i], temperature=0.0, max_tokens=20, ignore_eos=True) for i in range(2)]

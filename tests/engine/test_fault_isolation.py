@@ -17,7 +17,7 @@ import pytest
 from rill.config import EngineConfig
 from rill.engine.request import AddCommand, ModifyCommand
 from rill.errors import GenerationError
-from rill.frontend.inproc import Engine
+from rill.engine.builder import Engine, build_engine
 from rill.testing.faults import fail_sampling
 from rill.types import SamplingParams
 from tests.engine.test_core import MIXED, PROMPTS, Result, assert_idle, make_request, run
@@ -28,7 +28,7 @@ BAD_SEED = 424242  # marks the request whose sampling the injected fault breaks
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir: Path) -> Engine:
     """A float32 engine on the tiny model."""
-    return Engine(EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_memory="64MiB",
+    return build_engine(EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_memory="64MiB",
                                max_model_len=512, max_num_seqs=64, max_queue=4096))
 
 

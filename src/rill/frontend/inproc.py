@@ -1,7 +1,7 @@
 """InprocClient: the engine in a dedicated thread of this process, behind ``EngineClient``.
 
-The engine thread loads the model (so ``/health`` answers 503 with progress meanwhile),
-then loops: take commands from a thread-safe inbox (blocking only when idle), apply them,
+The engine thread builds the engine with ``rill.engine.builder`` (so ``/health`` answers 503
+with progress meanwhile), then loops: take commands from a thread-safe inbox (blocking only when idle), apply them,
 run one step, and hand the step's outputs to the event loop in ONE
 ``call_soon_threadsafe`` hop. The event loop routes each output to its ``RequestStream``
 and records per-request figures for metrics.
@@ -16,12 +16,12 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import msgspec
 
-from rill.config import EngineConfig, parse_size
+from rill.config import EngineConfig
+from rill.engine.builder import Engine, build_engine
 from rill.engine.request import (
     AbortCommand,
     AddCommand,
@@ -35,7 +35,6 @@ from rill.errors import (
     EngineDead,
     InvalidRequest,
     MemoryPressure,
-    ModelLoadError,
     ModelNotReady,
     QueueFull,
     RequestNotFound,
@@ -52,9 +51,6 @@ QUEUE_POSITIONS_TTL_S = 0.25
 """How long ``InprocClient.queue_position`` reuses one pass over the queued requests."""
 
 _STOP = object()
-DEFAULT_MAX_CONTEXT = 4096
-DEMO_MODEL = "demo"
-"""``--model demo`` serves the story model rill trains itself (``rill.demo``)."""
 
 
 @dataclass
@@ -69,81 +65,6 @@ class _Track:
     final_token_at: float | None = None
     """When the latest token came (kept across pauses, unlike ``last_token_at``)."""
     inter_token_s: list[float] = field(default_factory=list)
-
-
-class Engine:
-    """A loaded model ready to step: core, tokenizer and model facts (built in the engine thread)."""
-
-    def __init__(self, config: EngineConfig, progress: Callable[[float, str], None] | None = None) -> None:
-        import torch
-
-        from rill.engine.core import CoreConfig, EngineCore
-        from rill.engine.runner import TorchModelRunner
-        from rill.engine.threads import default_choice
-        from rill.models.loader import load_model
-        from rill.models.tokenizer import Tokenizer
-
-        report = progress or (lambda pct, stage: None)
-        threads = default_choice(config.num_threads)
-        torch.set_num_threads(threads.num_threads)
-        log.info("engine threads: %d (%s)", threads.num_threads, threads.reason)
-        path = self._model_path(config.model, report)
-        report(60.0, "loading weights")
-        # Weights first: load_model names a missing folder, config or architecture best.
-        loaded = load_model(path, dtype=config.dtype, device=config.device)
-        report(85.0, "loading tokenizer")
-        # A GGUF file carries its tokenizer; a folder has tokenizer.json beside the weights.
-        self.tokenizer = loaded.tokenizer or Tokenizer.from_folder(path)
-        mc = loaded.config
-        max_len = min(config.max_model_len or min(mc.max_context_tokens, DEFAULT_MAX_CONTEXT), mc.max_context_tokens)
-        budget = parse_size(config.kv_cache_memory, "kv_cache_memory")
-        row_bytes = mc.kv_bytes_per_token() * max_len
-        num_rows = min(budget // row_bytes, config.max_num_seqs + max(8, config.max_num_seqs // 2))
-        if num_rows < 1:
-            raise ModelLoadError(
-                f"--kv-cache-memory {config.kv_cache_memory} holds no sequence of {max_len} tokens "
-                f"({row_bytes} bytes each); raise it or lower --max-model-len")
-        report(90.0, "allocating KV cache")
-        self.runner = TorchModelRunner(loaded, num_rows=int(num_rows), max_len=max_len)
-        from rill.engine.grammar import GrammarCompiler
-
-        eos_ids = set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids)
-        self.grammars = GrammarCompiler(self.tokenizer.backend.to_str(), mc.vocab_size, sorted(eos_ids))
-        threading.Thread(target=self.grammars.warm, name="rill-grammar-warmup", daemon=True).start()
-        self.core = EngineCore(self.runner, self.tokenizer, CoreConfig(max_num_seqs=config.max_num_seqs,
-                                                                       max_num_batched_tokens=config.max_num_batched_tokens))
-        eos = set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids)
-        self.eos_token_ids = frozenset(eos)
-        self.generation_defaults = dict(mc.generation_defaults)
-        self.model_info = ModelInfo(
-            name=config.served_model_name or (path.stem if path.is_file() else path.name),
-            architecture=mc.architecture,
-            max_context_tokens=max_len,
-            vocab_size=mc.vocab_size,
-            dtype=mc.dtype,
-            device=mc.device,
-            has_chat_template=self.tokenizer.has_chat_template,
-            tool_call_format=_tool_call_format(self.tokenizer),
-        )
-        report(100.0, "ready")
-
-    @staticmethod
-    def _model_path(model: str | None, report: Callable[[float, str], None]) -> Path:
-        """``--model``: a path; ``demo`` (unless a path of that name exists): the story model
-        rill trains itself; none: the default model (SmolLM2-135M-Instruct)."""
-        # Preparing a cached model reports 0-100 %; it is the first 55 % of loading.
-        scaled = lambda pct, stage: report(1.0 + 0.54 * pct, stage)  # noqa: E731 - a local shorthand
-        if model == DEMO_MODEL and not Path(model).exists():
-            from rill.demo import ensure_demo_model
-
-            report(1.0, "building the demo model (first run only)")
-            return ensure_demo_model(progress=True, report=scaled)
-        if model:
-            return Path(model)
-        from rill.models.default import ensure_default_model
-
-        report(1.0, "preparing the default model")
-        return ensure_default_model(progress=True, report=scaled)
 
 
 class InprocClient:
@@ -374,7 +295,7 @@ class InprocClient:
     def _thread_main(self, engine: Engine | None) -> None:
         try:
             if engine is None:
-                engine = Engine(self.config, progress=self._set_progress)
+                engine = build_engine(self.config, progress=self._set_progress)
         except BaseException as exc:  # reported by /health and generate(); `rill serve` then exits
             if isinstance(exc, RillError):
                 log.error("model failed to load: %s", exc)  # a user's mistake: no traceback
@@ -476,12 +397,3 @@ class InprocClient:
                                      error=EngineDead("the engine stopped")))
         self._streams.clear()
 
-
-def _tool_call_format(tokenizer: Any) -> str | None:
-    """The tool-call format of the model's tool-use (or default) chat template, if it shows one."""
-    from rill.models.chat_template import tool_call_format
-
-    try:
-        return tool_call_format(tokenizer.get_chat_template(tools=[{}]))
-    except RillError:
-        return None

@@ -133,13 +133,13 @@ def test_503_while_the_model_loads(tiny_model_dir: Path, monkeypatch: pytest.Mon
     from rill.frontend import inproc
 
     release = threading.Event()
-    real_engine = inproc.Engine
+    real_build = inproc.build_engine
 
     def slow_engine(*args: Any, **kwargs: Any) -> Any:
         release.wait(60)
-        return real_engine(*args, **kwargs)
+        return real_build(*args, **kwargs)
 
-    monkeypatch.setattr(inproc, "Engine", slow_engine)
+    monkeypatch.setattr(inproc, "build_engine", slow_engine)
     live = start_server(tiny_model_dir, wait_ready=False)
     try:
         health = httpx.get(f"{live.url}/health")

@@ -1,0 +1,179 @@
+"""The one place that turns a config and a model runner into a ready ``Engine``.
+
+``build_engine(config)`` loads the model named by ``config`` (weights, tokenizer, KV cache
+sized from the memory budget) and hands the parts to ``assemble_engine``.
+``assemble_engine(config, runner, tokenizer, ...)`` takes any ``ModelRunner`` and tokenizer
+(``rill.testing.FakeRunner`` and its tokenizer in tests) and builds the core, the grammar
+compiler and the model facts around them, so a test gets the same engine the server runs,
+minus the torch model.
+
+Imports the engine, ``rill.config`` and ``rill.models`` (loaders imported when a model is
+loaded); nothing of the frontend or protocols.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rill.config import EngineConfig, parse_size
+from rill.engine.batch import ModelRunner
+from rill.engine.core import CoreConfig, EngineCore
+from rill.engine.grammar import GrammarCompiler
+from rill.errors import ModelLoadError, RillError
+from rill.types import ModelInfo
+
+log = logging.getLogger("rill.engine")
+
+DEFAULT_MAX_CONTEXT = 4096
+DEMO_MODEL = "demo"
+"""``--model demo`` serves the story model rill trains itself (``rill.demo``)."""
+
+Progress = Callable[[float, str], None]
+"""Loading progress callback: percent done and the stage's name."""
+
+
+@dataclass
+class Engine:
+    """A model ready to step: the core, its runner and tokenizer, and the model's facts.
+
+    Attributes:
+        core: the ``EngineCore`` the engine thread steps.
+        runner: the ``ModelRunner`` under the core.
+        tokenizer: encodes prompts and decodes outputs (``rill.models.tokenizer.Tokenizer``).
+        grammars: compiles response formats into grammar matchers (at admission).
+        eos_token_ids: tokens that end a generation (model config and tokenizer alike).
+        model_info: what protocols may tell clients about the model.
+        generation_defaults: sampling defaults from the model's ``generation_config.json``.
+    """
+
+    core: EngineCore
+    runner: ModelRunner
+    tokenizer: Any
+    grammars: GrammarCompiler
+    eos_token_ids: frozenset[int]
+    model_info: ModelInfo
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
+
+
+def assemble_engine(
+    config: EngineConfig,
+    runner: ModelRunner,
+    tokenizer: Any,
+    *,
+    name: str,
+    architecture: str,
+    dtype: str = "float32",
+    device: str = "cpu",
+    eos_token_ids: Iterable[int] = (),
+    generation_defaults: Mapping[str, Any] | None = None,
+    clock: Callable[[], float] | None = None,
+) -> Engine:
+    """Build the engine around ``runner`` and ``tokenizer`` (no model is loaded here).
+
+    Args:
+        config: scheduling limits (``max_num_seqs``, ``max_num_batched_tokens``).
+        runner: the model backend; its ``vocab_size`` is the logits' width.
+        tokenizer: a ``rill.models.tokenizer.Tokenizer`` (its own eos ids join ``eos_token_ids``).
+        name: the served model name.
+        architecture: the model's architecture name (shown to clients).
+        dtype: the model's dtype name (shown to clients).
+        device: the model's device (shown to clients).
+        eos_token_ids: end-of-sequence ids from the model config.
+        generation_defaults: sampling defaults the model ships.
+        clock: the core's clock (deadlines); ``time.monotonic`` when None.
+    """
+    eos = frozenset(set(eos_token_ids) | set(tokenizer.eos_token_ids))
+    grammars = GrammarCompiler(tokenizer.backend.to_str(), runner.vocab_size, sorted(eos))
+    threading.Thread(target=grammars.warm, name="rill-grammar-warmup", daemon=True).start()
+    core_config = CoreConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens)
+    core = EngineCore(runner, tokenizer, core_config) if clock is None else EngineCore(runner, tokenizer, core_config, clock)
+    model_info = ModelInfo(
+        name=config.served_model_name or name,
+        architecture=architecture,
+        max_context_tokens=runner.max_len,
+        vocab_size=runner.vocab_size,
+        dtype=dtype,
+        device=device,
+        has_chat_template=tokenizer.has_chat_template,
+        tool_call_format=_tool_call_format(tokenizer),
+    )
+    return Engine(core=core, runner=runner, tokenizer=tokenizer, grammars=grammars, eos_token_ids=eos,
+                  model_info=model_info, generation_defaults=dict(generation_defaults or {}))
+
+
+def build_engine(config: EngineConfig, progress: Progress | None = None) -> Engine:
+    """Load the model ``config`` names and build its engine (runs in the engine thread).
+
+    Raises:
+        ModelLoadError: the model cannot be loaded, or the KV budget holds no sequence.
+    """
+    import torch
+
+    from rill.engine.runner import TorchModelRunner
+    from rill.engine.threads import default_choice
+    from rill.models.loader import load_model
+    from rill.models.tokenizer import Tokenizer
+
+    report = progress or (lambda pct, stage: None)
+    threads = default_choice(config.num_threads)
+    torch.set_num_threads(threads.num_threads)
+    log.info("engine threads: %d (%s)", threads.num_threads, threads.reason)
+    path = _model_path(config.model, report)
+    report(60.0, "loading weights")
+    # Weights first: load_model names a missing folder, config or architecture best.
+    loaded = load_model(path, dtype=config.dtype, device=config.device)
+    report(85.0, "loading tokenizer")
+    # A GGUF file carries its tokenizer; a folder has tokenizer.json beside the weights.
+    tokenizer = loaded.tokenizer or Tokenizer.from_folder(path)
+    mc = loaded.config
+    max_len = min(config.max_model_len or min(mc.max_context_tokens, DEFAULT_MAX_CONTEXT), mc.max_context_tokens)
+    budget = parse_size(config.kv_cache_memory, "kv_cache_memory")
+    row_bytes = mc.kv_bytes_per_token() * max_len
+    num_rows = min(budget // row_bytes, config.max_num_seqs + max(8, config.max_num_seqs // 2))
+    if num_rows < 1:
+        raise ModelLoadError(
+            f"--kv-cache-memory {config.kv_cache_memory} holds no sequence of {max_len} tokens "
+            f"({row_bytes} bytes each); raise it or lower --max-model-len")
+    report(90.0, "allocating KV cache")
+    runner = TorchModelRunner(loaded, num_rows=int(num_rows), max_len=max_len)
+    engine = assemble_engine(
+        config, runner, tokenizer,
+        name=path.stem if path.is_file() else path.name,
+        architecture=mc.architecture, dtype=mc.dtype, device=mc.device,
+        eos_token_ids=mc.eos_token_ids, generation_defaults=mc.generation_defaults,
+    )
+    report(100.0, "ready")
+    return engine
+
+
+def _model_path(model: str | None, report: Progress) -> Path:
+    """``--model``: a path; ``demo`` (unless a path of that name exists): the story model
+    rill trains itself; none: the default model (SmolLM2-135M-Instruct)."""
+    # Preparing a cached model reports 0-100 %; it is the first 55 % of loading.
+    scaled = lambda pct, stage: report(1.0 + 0.54 * pct, stage)  # noqa: E731 - a local shorthand
+    if model == DEMO_MODEL and not Path(model).exists():
+        from rill.demo import ensure_demo_model
+
+        report(1.0, "building the demo model (first run only)")
+        return ensure_demo_model(progress=True, report=scaled)
+    if model:
+        return Path(model)
+    from rill.models.default import ensure_default_model
+
+    report(1.0, "preparing the default model")
+    return ensure_default_model(progress=True, report=scaled)
+
+
+def _tool_call_format(tokenizer: Any) -> str | None:
+    """The tool-call format of the model's tool-use (or default) chat template, if it shows one."""
+    from rill.models.chat_template import tool_call_format
+
+    try:
+        return tool_call_format(tokenizer.get_chat_template(tools=[{}]))
+    except RillError:
+        return None

@@ -1,0 +1,45 @@
+"""An engine and an in-process client over ``FakeRunner``: the real engine code, no model.
+
+``fake_engine()`` builds an ``Engine`` with ``rill.engine.builder.assemble_engine`` around a
+``FakeRunner`` and the fake tokenizer; ``fake_client()`` starts the real ``InprocClient`` on
+it (its engine thread, inbox and streams), which is what protocol tests put behind a
+protocol instead of a hand-written fake. Steer the runner through ``client.engine.runner``
+(``script``, ``gate``, ``delay_s``; see ``rill.testing.fake_runner``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+from rill.config import EngineConfig
+from rill.engine.builder import Engine, assemble_engine
+from rill.testing.fake_runner import FakeRunner, fake_tokenizer
+
+FAKE_MODEL_NAME = "fake-model"
+
+
+def fake_engine(config: EngineConfig | None = None, runner: FakeRunner | None = None, **runner_args: Any) -> Engine:
+    """An ``Engine`` over ``runner`` (default ``FakeRunner(**runner_args)``) and the fake tokenizer."""
+    config = config or EngineConfig(model=FAKE_MODEL_NAME)
+    runner = runner or FakeRunner(**runner_args)
+    return assemble_engine(config, runner, fake_tokenizer(), name=FAKE_MODEL_NAME, architecture="FakeForCausalLM")
+
+
+@contextlib.asynccontextmanager
+async def fake_client(config: EngineConfig | None = None, runner: FakeRunner | None = None,
+                      **runner_args: Any) -> AsyncIterator[Any]:
+    """A started, ready ``InprocClient`` over ``fake_engine(...)``; shut down on exit.
+
+    Must be entered on the event loop the client will serve (it starts the engine thread).
+    """
+    from rill.frontend.inproc import InprocClient
+
+    config = config or EngineConfig(model=FAKE_MODEL_NAME)
+    client = InprocClient.start(config, engine=fake_engine(config, runner, **runner_args))
+    try:
+        await client.wait_ready()
+        yield client
+    finally:
+        await client.shutdown()
