@@ -19,7 +19,7 @@ from rill.frontend.client import EngineClient
 from rill.frontend.metrics import CONTENT_TYPE, Metrics
 
 if TYPE_CHECKING:
-    from rill.server import Deps
+    from rill.deps import Deps
 
 
 def routes(deps: "Deps") -> list[BaseRoute]:

@@ -20,7 +20,6 @@ import importlib
 import importlib.util
 import logging
 import signal
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
@@ -28,6 +27,7 @@ from starlette.applications import Starlette
 from rill import auth, observability
 from rill.config import ServerConfig
 from rill.connections import FD_RESERVE, ConnectionGate, http_protocol_factory, raise_fd_limit
+from rill.deps import Deps
 from rill.errors import EngineDead, RillError
 from rill.frontend.client import EngineClient
 from rill.frontend.metrics import Metrics
@@ -36,19 +36,6 @@ from rill.protocols.openai_http import adapter as openai_adapter
 log = logging.getLogger("rill.server")
 
 PROTOCOLS = ("openai_http", "generate_ws", "batch_ws", "chat_ws", "evergreen", "framed_uds")
-
-
-@dataclass
-class Deps:
-    """What adapters receive: settings, the engine client and shared services."""
-
-    config: ServerConfig
-    client: EngineClient
-    metrics: Metrics | None = None
-    api_keys: set[str] = field(default_factory=set)
-    extras: dict[str, Any] = field(default_factory=dict)
-    gate: ConnectionGate | None = None
-    """Counts client connections for every listener (``rill.connections``)."""
 
 
 def _adapter(name: str) -> Any | None:

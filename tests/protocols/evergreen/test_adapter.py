@@ -18,7 +18,7 @@ from rill.errors import ConfigError, GenerationError, RequestTimeout
 from rill.frontend.stream import RequestStream
 from rill.protocols.evergreen import adapter, codec
 from rill.protocols.evergreen.messages import GenerateConfig
-from rill.server import Deps
+from rill.deps import Deps
 from rill.types import EngineStats, GenerateRequest, ModelInfo, RequestOutput
 
 from tests.conftest import free_port

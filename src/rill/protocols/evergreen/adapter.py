@@ -55,7 +55,7 @@ from rill.protocols.evergreen.session import (
 )
 
 if TYPE_CHECKING:
-    from rill.server import Deps
+    from rill.deps import Deps
 
 log = logging.getLogger("rill.protocols.evergreen")
 

@@ -44,7 +44,7 @@ from rill.protocols.framed_uds.session import (
 from rill.types import RequestOutput
 
 if TYPE_CHECKING:
-    from rill.server import Deps
+    from rill.deps import Deps
 
 log = logging.getLogger("rill.protocols.framed_uds")
 
