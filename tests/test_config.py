@@ -87,6 +87,11 @@ def test_api_keys_from_flags_and_file(tmp_path: Path) -> None:
         ("flags", {"http.log_level": "loud"}, "log_level"),
         ("flags", {"engine.dtype": "int3"}, "dtype"),
         ("flags", {"http.sse_keepalive_s": "-1"}, "sse_keepalive_s"),
+        ("flags", {"http.rate_limit_requests": "0"}, "rate_limit_requests must be >= 1"),
+        ("flags", {"http.rate_limit_window": "0"}, "rate_limit_window must be a number of seconds > 0"),
+        ("flags", {"http.rate_limit_window": "nan"}, "rate_limit_window"),
+        ("flags", {"http.rate_limit_tokens_per_s": "0"}, "rate_limit_tokens_per_s must be > 0"),
+        ("flags", {"http.rate_limit_burst": "0"}, "rate_limit_burst must be >= 1"),
     ],
 )
 def test_bad_values_name_the_setting(source: str, value: dict, message: str) -> None:

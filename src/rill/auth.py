@@ -22,7 +22,7 @@ import hashlib
 import hmac
 import logging
 import re
-from typing import Collection, Iterable
+from typing import Any, Collection, Iterable, Mapping
 
 APP_SUBPROTOCOL = "rill"
 """The subprotocol a server selects when a client offers it (with or without a key)."""
@@ -72,6 +72,42 @@ def key_matches(presented: str | bytes | None, keys: Collection[str]) -> bool:
 def is_authorized(keys: Collection[str], presented: str | bytes | None) -> bool:
     """True when no key is configured (auth off), else ``key_matches(presented, keys)``."""
     return not keys or key_matches(presented, keys)
+
+
+PRINCIPAL_SCOPE_KEY = "rill.principal"
+"""The ASGI scope key where the middleware leaves the principal of an HTTP or WebSocket request."""
+
+
+def principal(key: str | None, peer: str | None) -> str:
+    """Who asks, as the admission step's per-principal limits see it.
+
+    With an API key that authenticated: ``key:`` and the first 16 hex digits of the key's
+    SHA-256, so every connection and protocol using one key shares its limits, and logs or
+    metrics that show a principal never show a key. Without one (auth off): ``peer:`` and
+    the client's address as ``rill.connections.client_key`` counts it (an IPv4 address, an
+    IPv6 /64), or ``uds:uid=N`` for a Unix-socket peer; ``peer:unknown`` when the transport
+    does not say.
+    """
+    if key:
+        return "key:" + hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    return peer if peer and peer.startswith("uds:") else f"peer:{peer or 'unknown'}"
+
+
+def scope_principal(scope: Mapping[str, Any]) -> str:
+    """The principal of an ASGI request: the one the middleware recorded after checking the
+    key, else (no middleware, auth off) the client's address."""
+    recorded = scope.get(PRINCIPAL_SCOPE_KEY)
+    if isinstance(recorded, str):
+        return recorded
+    client = scope.get("client")
+    return principal(None, _client_key(client[0]) if client else None)
+
+
+def _client_key(host: str) -> str:
+    # Imported late: rill.connections loads the OpenAI codec, which importing auth must not.
+    from rill.connections import client_key
+
+    return client_key(host)
 
 
 def key_subprotocol(key: str) -> str:

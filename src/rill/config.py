@@ -73,7 +73,14 @@ class HttpConfig:
     max_choices_per_request: int = _f(256, "most choices (prompts x n) one /v1/completions or /v1/chat/completions "
                                            "request may ask for; more is refused (400) before anything runs")
     request_timeout_s: float | None = _f(None, "per-request time limit in seconds")
-    rate_limit_tokens_per_s: float | None = _f(None, "per-key and per-connection generation rate limit (tokens/s)")
+    rate_limit_requests: int | None = _f(None, "most requests one principal (an API key; without keys, a client "
+                                               "address) may start per --rate-limit-window, on all protocols "
+                                               "together (past it: a rate_limited error with a retry time)")
+    rate_limit_window: float = _f(60.0, "seconds of one --rate-limit-requests window (it opens at a principal's "
+                                        "first request)")
+    rate_limit_tokens_per_s: float | None = _f(None, "per-principal generation rate limit (tokens/s) on all "
+                                                     "protocols: a request reserves its max_tokens, the unused "
+                                                     "part comes back when it ends")
     rate_limit_burst: int = _f(2048, "token-bucket burst size for the rate limit")
     sse_keepalive_s: float = _f(5.0, "seconds without output after which an SSE stream gets a keep-alive comment")
     data_dir: str = _f("data", "folder for feedback, recordings and other durable data")
@@ -351,6 +358,14 @@ def validate(config: ServerConfig) -> None:
         raise ConfigError(f"max_body_bytes must be >= 1, not {h.max_body_bytes}")
     if h.max_tokens_cap is not None and h.max_tokens_cap < 1:
         raise ConfigError(f"max_tokens_cap must be >= 1, not {h.max_tokens_cap}")
+    if h.rate_limit_requests is not None and h.rate_limit_requests < 1:
+        raise ConfigError(f"rate_limit_requests must be >= 1, not {h.rate_limit_requests}")
+    if not 0 < h.rate_limit_window < float("inf"):  # also refuses NaN
+        raise ConfigError(f"rate_limit_window must be a number of seconds > 0, not {h.rate_limit_window}")
+    if h.rate_limit_tokens_per_s is not None and not 0 < h.rate_limit_tokens_per_s < float("inf"):
+        raise ConfigError(f"rate_limit_tokens_per_s must be > 0, not {h.rate_limit_tokens_per_s}")
+    if h.rate_limit_burst < 1:
+        raise ConfigError(f"rate_limit_burst must be >= 1, not {h.rate_limit_burst}")
     if h.max_choices_per_request < 1:
         raise ConfigError(f"max_choices_per_request must be >= 1, not {h.max_choices_per_request}")
     if h.request_timeout_s is not None and h.request_timeout_s <= 0:

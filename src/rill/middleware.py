@@ -154,6 +154,8 @@ class Guard:
             await self.app(scope, receive, send)
 
     def _is_authorized(self, scope: Scope, allow_query: bool) -> bool:
+        """Check the key; when it matches, record the request's principal in the scope
+        (``rill.auth.scope_principal`` reads it)."""
         path = scope.get("path", "")
         if not self.api_keys or path in PUBLIC_PATHS:
             return True
@@ -161,10 +163,14 @@ class Guard:
             return True
         authorization = _header(scope, b"authorization")
         if not allow_query:
-            return auth.key_matches(auth.bearer_token(authorization), self.api_keys)
-        values = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("api_key")
-        presented = auth.websocket_key(authorization, scope.get("subprotocols") or (), values[0] if values else None)
-        return auth.key_matches(presented, self.api_keys)
+            presented = auth.bearer_token(authorization)
+        else:
+            values = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("api_key")
+            presented = auth.websocket_key(authorization, scope.get("subprotocols") or (), values[0] if values else None)
+        if not auth.key_matches(presented, self.api_keys):
+            return False
+        scope[auth.PRINCIPAL_SCOPE_KEY] = auth.principal(presented, None)
+        return True
 
     async def _read_body(self, scope: Scope, receive: Receive, send: Send) -> Receive | None:
         """A ``receive`` replaying the whole body, or None after answering 413 or 408."""

@@ -31,6 +31,7 @@ from rill.deps import Deps
 from rill.errors import EngineDead, RillError
 from rill.frontend.client import EngineClient
 from rill.frontend.metrics import Metrics
+from rill.frontend.ratelimit import RateLimits
 from rill.protocols.openai_http import adapter as openai_adapter
 
 log = logging.getLogger("rill.server")
@@ -85,6 +86,10 @@ def make_deps(config: ServerConfig, client: EngineClient) -> Deps:
         client.set_metrics_sink(metrics)
     if hasattr(client, "set_max_tokens_cap"):
         client.set_max_tokens_cap(config.http.max_tokens_cap)
+    if hasattr(client, "set_rate_limits"):
+        http = config.http
+        client.set_rate_limits(RateLimits(requests=http.rate_limit_requests, window_s=http.rate_limit_window,
+                                          tokens_per_s=http.rate_limit_tokens_per_s, burst=http.rate_limit_burst))
     return Deps(config=config, client=client, metrics=metrics, api_keys=config.api_keys(), gate=gate)
 
 

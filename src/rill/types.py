@@ -313,6 +313,9 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     Exactly one of ``prompt``, ``prompt_token_ids`` or ``messages`` is set. Chat templates
     are applied by the frontend (``chat_template_kwargs`` passes e.g. ``enable_thinking``).
     ``priority``: lower runs first (0 is normal); ``protocol`` labels metrics.
+    ``principal`` says who asks (``rill.auth.principal``: a digest of the API key that
+    authenticated, else the client's address); the admission step's per-principal rate
+    limits key on it, and in-process callers that set none share one principal.
     ``request_id`` is generated when None. ``deadline_s`` is a wall-clock time limit.
     """
 
@@ -323,6 +326,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     request_id: RequestId | None = None
     priority: int = 0
     protocol: str = "other"
+    principal: str | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] = {}
     deadline_s: float | None = None

@@ -42,6 +42,7 @@ from rill.errors import (
 )
 from rill.frontend.admission import Prompt, PromptAdmission
 from rill.frontend.client import MetricsSink
+from rill.frontend.ratelimit import RateLimiter, RateLimits, Reservation
 from rill.frontend.stream import RequestStream
 from rill.types import EngineStats, GenerateRequest, ModelInfo, RequestEvent, RequestId, RequestOutput, SamplingParams
 
@@ -51,6 +52,8 @@ QUEUE_POSITIONS_TTL_S = 0.25
 """How long ``InprocClient.queue_position`` reuses one pass over the queued requests."""
 
 _STOP = object()
+ANONYMOUS_PRINCIPAL = "anonymous"
+"""The principal of requests that name none (in-process callers such as benchmarks)."""
 
 
 @dataclass
@@ -93,6 +96,8 @@ class InprocClient:
         self._admission = PromptAdmission(max_prompt_chars=config.max_prompt_chars,
                                           num_threads=config.tokenizer_threads)
         self._max_tokens_cap: int | None = None
+        self._limiter: RateLimiter | None = None
+        self._reservations: dict[RequestId, Reservation] = {}
 
     # -- lifecycle -------------------------------------------------------------------------
     @classmethod
@@ -113,6 +118,11 @@ class InprocClient:
         protocol alike, at submission and on ``modify``; the stream's ``sampling`` and
         ``modify``'s answer carry the clamped value."""
         self._max_tokens_cap = cap
+
+    def set_rate_limits(self, limits: RateLimits, clock: Callable[[], float] = time.monotonic) -> None:
+        """Apply ``limits`` per principal to every request from now on, on every protocol alike
+        (``rill.frontend.ratelimit``); ``clock`` is for tests."""
+        self._limiter = RateLimiter(limits, clock) if limits.is_on else None
 
     def is_ready(self) -> bool:
         """True once the model is loaded and the engine runs."""
@@ -161,6 +171,10 @@ class InprocClient:
         request_id = request.request_id or f"req-{uuid.uuid4().hex}"
         if request_id in self._streams:
             raise InvalidRequest(f"request_id '{request_id}' is already running", field="request_id")
+        # Last of the checks, so that a request refused for another reason counts for nothing.
+        if self._limiter is not None:
+            self._reservations[request_id] = self._limiter.admit(request.principal or ANONYMOUS_PRINCIPAL,
+                                                                 params.max_tokens)
         now = time.monotonic()
         deadline = now + request.deadline_s if request.deadline_s else None
         engine_request = Request(
@@ -355,6 +369,13 @@ class InprocClient:
                 # The stream keeps the final output for its reader; controls now raise RequestNotFound.
                 self._params.pop(output.request_id, None)
                 self._streams.pop(output.request_id, None)
+                self._release(output.request_id, output.usage.completion_tokens)
+
+    def _release(self, request_id: RequestId, num_used: int) -> None:
+        """Give back the unused tokens of an ended request's rate-limit reservation."""
+        reservation = self._reservations.pop(request_id, None)
+        if reservation is not None and self._limiter is not None:
+            self._limiter.release(reservation, num_used)
 
     def _track(self, track: _Track, output: RequestOutput, now: float) -> None:
         if track.is_queued and (RequestEvent.SCHEDULED in output.events or output.finished):
@@ -396,4 +417,6 @@ class InprocClient:
             stream.put(RequestOutput(request_id=request_id, finished=True, finish_reason="error",
                                      error=EngineDead("the engine stopped")))
         self._streams.clear()
+        for request_id in list(self._reservations):
+            self._release(request_id, 0)
 

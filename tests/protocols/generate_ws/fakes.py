@@ -5,7 +5,8 @@ temperature so a ``modify`` is visible); one token per loop turn (``asyncio.slee
 tests never depend on wall-clock time. Controls behave like the engine's: events
 PAUSED / RESUMED / MODIFIED / REGENERATING, ``cancelled`` on abort.
 Prompts starting with a keyword trigger errors: ``mem:`` (MemoryPressure), ``fail:`` (a
-GenerationError after 3 tokens), ``boom:`` (an unexpected RuntimeError from generate).
+GenerationError after 3 tokens), ``boom:`` (an unexpected RuntimeError from generate),
+``limited:`` (RateLimited, as the admission step's rate limit refuses, retry in 2.5 s).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from rill.errors import ContextLengthExceeded, GenerationError, MemoryPressure, RequestNotFound
+from rill.errors import ContextLengthExceeded, GenerationError, MemoryPressure, RateLimited, RequestNotFound
 from rill.frontend.stream import RequestStream
 from rill.types import (
     EngineStats,
@@ -79,6 +80,8 @@ class FakeClient:
             raise RuntimeError("secret internal detail /etc/passwd")
         if prompt.startswith("mem:"):
             raise MemoryPressure("the request can never fit in the KV cache budget")
+        if prompt.startswith("limited:"):
+            raise RateLimited("rate limit reached: 10 requests per 60 s; retry in 2.50 s", retry_after_s=2.5)
         ids = self.encode(prompt)
         if len(ids) > MAX_CONTEXT:
             raise ContextLengthExceeded(len(ids), MAX_CONTEXT)

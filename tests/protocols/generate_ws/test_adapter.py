@@ -273,28 +273,36 @@ async def test_unexpected_exception_is_generic_and_closes(make_server: Any) -> N
 
 
 async def test_rate_limited_with_retry_hint(make_server: Any) -> None:
-    live = await make_server(rate_limit_tokens_per_s=0.5, rate_limit_burst=10)
+    live = await make_server()
     async with connect(live.ws) as ws:
-        await send(ws, type="config", prompt="p", parameters={"max_tokens": 8})
-        await until(ws, is_type("completion"))  # uses 8 of 10
-        await send(ws, type="config", prompt="p", parameters={"max_tokens": 8})
+        await send(ws, type="config", prompt="limited: p", parameters={"max_tokens": 8})
         err = await recv(ws)
-        assert err["error"] == "rate_limited" and err["recoverable"] is True and err["retry_after_seconds"] > 1
-        await send(ws, type="config", prompt="p", parameters={"max_tokens": 2})  # fits: socket still usable
+        assert err["error"] == "rate_limited" and err["recoverable"] is True and err["retry_after_seconds"] == 2.5
+        await send(ws, type="config", prompt="p", parameters={"max_tokens": 2})  # socket still usable
         assert (await until(ws, is_type("completion")))[-1]["usage"]["completion_tokens"] == 2
 
 
-async def test_rate_limit_is_per_key_across_connections(make_server: Any) -> None:
-    live = await make_server(rate_limit_tokens_per_s=0.5, rate_limit_burst=10, api_key=["k1", "k2"])
+async def test_principal_is_the_key_digest_on_every_route(make_server: Any) -> None:
+    live = await make_server(api_key=["k1", "k2"])
     async with connect(live.ws + "?api_key=k1") as ws:
-        await send(ws, type="config", prompt="p", parameters={"max_tokens": 9})
+        await send(ws, type="config", prompt="p", parameters={"max_tokens": 1})
         await until(ws, is_type("completion"))
     async with connect(live.ws, additional_headers={"Authorization": "Bearer k1"}) as ws:
-        await send(ws, type="config", prompt="p", parameters={"max_tokens": 9})
-        assert (await recv(ws))["error"] == "rate_limited"
-    async with connect(live.ws + "?api_key=k2") as ws:
-        await send(ws, type="config", prompt="p", parameters={"max_tokens": 9})
-        assert (await until(ws, is_type("completion")))[-1]["finish_reason"] == "length"
+        await send(ws, type="config", prompt="p", parameters={"max_tokens": 1})
+        await until(ws, is_type("completion"))
+    async with httpx.AsyncClient(base_url=live.url, headers={"Authorization": "Bearer k2"}) as http:
+        assert (await http.post("/v1/generate", json={"prompt": "p", "max_tokens": 1})).status_code == 200
+    principals = [r.principal for r in live.client.requests]
+    assert principals[0] == principals[1] != principals[2]
+    assert all(p.startswith("key:") and "k1" not in p and "k2" not in p for p in principals)
+
+
+async def test_principal_without_keys_is_the_peer_address(make_server: Any) -> None:
+    live = await make_server()
+    async with connect(live.ws, additional_headers={"Authorization": "Bearer made-up"}) as ws:
+        await send(ws, type="config", prompt="p", parameters={"max_tokens": 1})
+        await until(ws, is_type("completion"))
+    assert live.client.requests[0].principal == "peer:127.0.0.1"  # an unchecked key names nobody
 
 
 async def test_request_timeout_carries_partial_text(make_server: Any) -> None:
@@ -382,13 +390,12 @@ async def test_rest_json(make_server: Any) -> None:
 
 
 async def test_rest_rate_limited_has_retry_after(make_server: Any) -> None:
-    live = await make_server(rate_limit_tokens_per_s=0.5, rate_limit_burst=10, api_key=["k"])
+    live = await make_server(api_key=["k"])
     headers = {"Authorization": "Bearer k"}
     async with httpx.AsyncClient(base_url=live.url, headers=headers) as http:
-        assert (await http.post("/v1/generate", json={"prompt": "p", "max_tokens": 8})).status_code == 200
-        res = await http.post("/v1/generate", json={"prompt": "p", "max_tokens": 8})
+        res = await http.post("/v1/generate", json={"prompt": "limited: p", "max_tokens": 8})
         assert res.status_code == 429 and res.json()["error"] == "rate_limited"
-        assert int(res.headers["Retry-After"]) >= 1
+        assert res.headers["Retry-After"] == "3"  # rounded up, as on /v1/chat/completions
 
 
 async def test_rest_sse_carries_the_socket_messages(make_server: Any) -> None:

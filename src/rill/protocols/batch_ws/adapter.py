@@ -19,6 +19,7 @@ import time
 import uuid
 from typing import Any
 
+import msgspec
 from starlette.routing import BaseRoute, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
@@ -87,6 +88,7 @@ class _Connection:
         # never continue (and read) another key's generation by guessing its request_id.
         scope = _credential(ws)
         self.session = BatchSession(shared.store, shared.defaults, shared.limits, f"bws-{uuid.uuid4().hex[:12]}", scope)
+        self.principal = auth.scope_principal(ws.scope)
         self.slots: dict[PromptKey, RequestOutput] = {}
         self.wake = asyncio.Event()
         self.readers: dict[PromptKey, asyncio.Task[None]] = {}
@@ -139,7 +141,8 @@ class _Connection:
                 await self._send(codec.encode_socket_error(action.text))
             elif isinstance(action, Start):
                 try:
-                    stream = await self.client.generate(action.request)
+                    stream = await self.client.generate(msgspec.structs.replace(action.request,
+                                                                                principal=self.principal))
                 except Exception as exc:  # noqa: BLE001 - reported per prompt via the error table
                     if not isinstance(exc, RillError):  # a bug: keep the traceback, tell the client nothing of it
                         log.error("batch /ws request %s failed at submission", action.key, exc_info=exc)

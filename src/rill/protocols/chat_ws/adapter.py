@@ -23,11 +23,13 @@ import uuid
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import BaseRoute, Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
+from rill import auth
 from rill.config import parse_size
 from rill.errors import InvalidRequest, ModelNotReady
 from rill.frontend.client import EngineClient
@@ -249,8 +251,9 @@ class _Chat:
         decoded = await asyncio.to_thread(media.decode_media, request.messages, self.service.media_limits)
         info = client.model_info
         refuse_modalities([(d.kind, d.where) for d in decoded], info.name, list(info.modalities))
-        generate_request = build_generate_request(request,
-                                                  deadline_s=self.service.request_timeout_s)
+        generate_request = msgspec.structs.replace(
+            build_generate_request(request, deadline_s=self.service.request_timeout_s),
+            principal=auth.scope_principal(self.ws.scope))
         recording_id = f"chat_{uuid.uuid4().hex[:16]}" if self.service.recordings_dir is not None else None
         self.session = ChatSession(request, is_speaking=request.tts.enabled,
                                    segmenter=Segmenter(starts_in_thinking=await self._starts_in_thinking(request)),

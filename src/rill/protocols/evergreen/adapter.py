@@ -31,6 +31,7 @@ import stat
 from urllib.parse import unquote
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
 
+import msgspec
 from google.protobuf.message import DecodeError
 from starlette.routing import BaseRoute, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
@@ -93,8 +94,9 @@ def model_facts(deps: "Deps") -> ModelFacts:
 class SessionRunner:
     """Runs one session: feeds the pure session, runs its generations, fills the outbox."""
 
-    def __init__(self, deps: "Deps") -> None:
+    def __init__(self, deps: "Deps", principal: str) -> None:
         self.deps = deps
+        self.principal = principal
         self.outbox: asyncio.Queue[Any] = asyncio.Queue()
         self._session: EvergreenSession | None = None
         self._tasks: dict[int, asyncio.Task] = {}
@@ -182,7 +184,7 @@ class SessionRunner:
             request = await asyncio.to_thread(session.request_for, command, refs)
             if self._is_over:
                 return
-            stream = await self.deps.client.generate(request)
+            stream = await self.deps.client.generate(msgspec.structs.replace(request, principal=self.principal))
             self._streams[command.action_id] = stream
             async with stream:
                 async for output in stream:
@@ -424,7 +426,8 @@ class EvergreenServicer:
         """Run one session over a bidirectional stream (see the module docstring)."""
         import grpc
 
-        if not self._is_authorized(context):
+        principal = self._principal(context)
+        if principal is None:
             await self._drain_unauthenticated(request_iterator, self.deps.config.connections.first_message_timeout_s)
             await context.abort(grpc.StatusCode.UNAUTHENTICATED,
                                 "missing or unknown API key (send metadata 'authorization: Bearer KEY')")
@@ -435,7 +438,7 @@ class EvergreenServicer:
             except TooManyConnections as exc:
                 name, message = codec.status_of(exc)
                 await context.abort(grpc.StatusCode[name], message)
-        runner = SessionRunner(self.deps)
+        runner = SessionRunner(self.deps, principal)
         first_message_s = self.deps.config.connections.first_message_timeout_s
         reader = asyncio.create_task(self._read(request_iterator, runner, first_message_s))
         try:
@@ -498,13 +501,15 @@ class EvergreenServicer:
             return
         await runner.input_ended()
 
-    def _is_authorized(self, context: Any) -> bool:
+    def _principal(self, context: Any) -> str | None:
+        """Who calls (``rill.auth.principal``), or None when keys are on and no key matches."""
         keys = self.deps.api_keys
         if not keys:
-            return True
+            return auth.principal(None, grpc_peer_host(context.peer()))
         tokens = [auth.bearer_token(value) for key, value in context.invocation_metadata() or ()
                   if key.lower() == "authorization" and isinstance(value, str)]
-        return any([auth.key_matches(token, keys) for token in tokens])  # a list: every header is checked
+        matched = [token for token in tokens if auth.key_matches(token, keys)]  # every header is checked
+        return auth.principal(matched[0], None) if matched else None
 
 
 def grpc_peer_host(peer: str) -> str | None:
@@ -532,7 +537,7 @@ def routes(deps: "Deps") -> list[BaseRoute]:
 async def websocket_session(ws: WebSocket, deps: "Deps") -> None:
     """Run one session over a WebSocket (API keys are checked by the middleware)."""
     await ws.accept()
-    runner = SessionRunner(deps)
+    runner = SessionRunner(deps, auth.scope_principal(ws.scope))
     reader = asyncio.create_task(_read_ws(ws, runner))
     try:
         while True:

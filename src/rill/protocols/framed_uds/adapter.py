@@ -21,8 +21,12 @@ import logging
 import os
 import socket
 import stat
+import struct
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
+import msgspec
+
+from rill import auth
 from rill.connections import stream_handler
 from rill.errors import ConfigError, IdleTimeout, RillError
 from rill.frontend.stream import RequestStream
@@ -172,6 +176,23 @@ class UdsListener:
             await connection.close()
 
 
+def peer_principal(writer: asyncio.StreamWriter) -> str:
+    """The principal of a Unix-socket peer: ``uds:uid=N``, the user id of the process at the
+    other end (``SO_PEERCRED``, which the peer cannot forge), or ``uds:unknown`` where the OS
+    does not say. The socket carries no API key: its file mode (``--socket-mode``) decides
+    who may connect."""
+    sock = writer.get_extra_info("socket")
+    option = getattr(socket, "SO_PEERCRED", None)  # Linux; other systems have other calls
+    if sock is None or option is None:
+        return auth.principal(None, "uds:unknown")
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, option, struct.calcsize("3i"))
+    except OSError:
+        return auth.principal(None, "uds:unknown")
+    _pid, uid, _gid = struct.unpack("3i", raw)
+    return auth.principal(None, f"uds:uid={uid}")
+
+
 class Connection:
     """One client connection: performs its session's actions."""
 
@@ -180,6 +201,7 @@ class Connection:
         self.client = listener.deps.client
         self.reader = reader
         self.writer = writer
+        self.principal = peer_principal(writer)
         self.is_newline = listener.config.uds_protocol == "newline"
         self.session: Any = (NewlineSession if self.is_newline else FramedSession)(listener.limits)
         self.is_closed = False
@@ -310,7 +332,7 @@ class Connection:
 
     async def _start(self, action: Start) -> None:
         try:
-            stream = await self.client.generate(action.request)
+            stream = await self.client.generate(msgspec.structs.replace(action.request, principal=self.principal))
         except Exception as exc:  # refused: bad input, queue full, not ready, ...
             if not isinstance(exc, RillError):
                 log.exception("framed-uds: generate failed")

@@ -3,5 +3,5 @@
 
 Files: ``messages`` (wire structs), ``codec`` (text ⇄ structs, error table), ``session``
 (sans-I/O state machine) with its ``actions`` and ``deltas`` (per-token text pieces),
-``ratelimit`` (token buckets), ``adapter`` (Starlette routes, the only module with I/O).
+``adapter`` (Starlette routes, the only module with I/O).
 """

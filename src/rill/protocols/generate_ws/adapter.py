@@ -14,10 +14,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import BaseRoute, Route, WebSocketRoute
@@ -30,7 +32,7 @@ from rill.feedback import FeedbackStore
 from rill.models.default import DEFAULT_MODEL_NAME
 from rill.frontend.stream import RequestStream
 from rill.protocols._shared import sse
-from rill.protocols.generate_ws import codec, ratelimit
+from rill.protocols.generate_ws import codec
 from rill.protocols.generate_ws import messages as m
 from rill.protocols.generate_ws import session as s
 
@@ -38,7 +40,6 @@ log = logging.getLogger("rill.protocols.generate_ws")
 
 LOADING_STATUS_PERIOD_S = 0.5
 QUEUE_STATUS_PERIOD_S = 0.5  # how often a waiting request's place is looked at (sent only when it changes)
-MAX_TRACKED_KEYS = 10000  # per-key buckets kept; the oldest is dropped past this
 
 
 class _Gone(Exception):
@@ -46,13 +47,12 @@ class _Gone(Exception):
 
 
 class GenerateService:
-    """Shared state of the protocol: settings, per-key rate buckets, the feedback store."""
+    """Shared state of the protocol: settings, the feedback store."""
 
     def __init__(self, deps: Any) -> None:
         self.deps = deps
         self.client = deps.client
         self.http = deps.config.http
-        self._key_buckets: dict[str, ratelimit.TokenBucket] = {}
         self._feedback: FeedbackStore | None = None
 
     # -------------------------------------------------------------- shared services
@@ -77,32 +77,16 @@ class GenerateService:
                 retention_s=None if days is None else days * 86400)
         return self._feedback
 
-    def buckets(self, api_key: str | None, conn_bucket: ratelimit.TokenBucket | None) -> list[ratelimit.TokenBucket]:
-        """The buckets a generation draws from: its key's (if any) and its connection's."""
-        rate = self.http.rate_limit_tokens_per_s
-        if rate is None:
-            return []
-        buckets = [conn_bucket] if conn_bucket is not None else []
-        key = api_key or ""
-        if key:
-            bucket = self._key_buckets.get(key)
-            if bucket is None:
-                if len(self._key_buckets) >= MAX_TRACKED_KEYS:
-                    self._key_buckets.pop(next(iter(self._key_buckets)))
-                bucket = self._key_buckets[key] = ratelimit.TokenBucket(rate, self.http.rate_limit_burst, time.monotonic())
-            buckets.append(bucket)
-        return buckets
-
-    def new_conn_bucket(self) -> ratelimit.TokenBucket | None:
-        """A per-connection bucket (None when no rate limit is set)."""
-        rate = self.http.rate_limit_tokens_per_s
-        return None if rate is None else ratelimit.TokenBucket(rate, self.http.rate_limit_burst, time.monotonic())
-
     def authorize(self, headers: Any, query: Any, subprotocols: Any = ()) -> tuple[bool, str | None]:
         """Check the API key (``rill.auth.websocket_key``: header, key subprotocol or query);
         returns (ok, key)."""
         key = auth.websocket_key(headers.get("authorization"), subprotocols, query.get("api_key"))
         return auth.is_authorized(self.deps.api_keys, key), key
+
+    def principal(self, key: str | None, scope: Any) -> str:
+        """Who asks (``rill.auth.principal``): the key when keys are on (it was checked), else
+        the client's address (a key sent to a server without keys names nobody)."""
+        return auth.principal(key, None) if self.deps.api_keys and key else auth.scope_principal(scope)
 
     def token_text(self, token_id: int) -> str:
         """Text of one token (for logprob alternatives)."""
@@ -135,7 +119,7 @@ class GenerateService:
                 with contextlib.suppress(Exception):
                     await ws.close(code, reason)
 
-        conn = _Connection(self, send, close, key)
+        conn = _Connection(self, send, close, key, self.principal(key, ws.scope))
         if not ok:
             await conn.perform(conn.session.on_error(codec.Unauthorized(
                 "a valid API key is required: send 'Authorization: Bearer KEY' or '?api_key=KEY'")))
@@ -171,17 +155,20 @@ class GenerateService:
             if not isinstance(exc, InvalidRequest):
                 log.exception("a /v1/generate body could not be decoded")
             return _json_error(exc)
+        principal = self.principal(key, request.scope)
         if rest_req.stream:
-            return StreamingResponse(self._sse(rest_req, key), media_type=sse.MEDIA_TYPE, headers=dict(sse.HEADERS))
-        return await self._rest_once(rest_req, key, request)
+            return StreamingResponse(self._sse(rest_req, key, principal), media_type=sse.MEDIA_TYPE,
+                                     headers=dict(sse.HEADERS))
+        return await self._rest_once(rest_req, key, principal, request)
 
-    async def _rest_once(self, rest_req: m.RestRequest, key: str | None, request: Request) -> Response:
+    async def _rest_once(self, rest_req: m.RestRequest, key: str | None, principal: str,
+                         request: Request) -> Response:
         sent: list[m.ServerMessage] = []
 
         async def collect(msg: m.ServerMessage) -> None:
             sent.append(msg)
 
-        conn = _Connection(self, collect, _no_close, key)
+        conn = _Connection(self, collect, _no_close, key, principal)
         try:
             await conn.handle_message(rest_req.to_config())
             if conn.task is not None and not await _finished_before_disconnect(conn.task, request):
@@ -198,18 +185,19 @@ class GenerateService:
                 return Response(codec.encode(response), media_type="application/json")
             if isinstance(msg, m.Error):
                 status = _HTTP_STATUS.get(msg.error, 500)
-                headers = {"Retry-After": str(max(1, round(msg.retry_after_seconds)))} \
+                # Rounded up: a client that waits the header's whole seconds must not be early.
+                headers = {"Retry-After": str(max(1, math.ceil(msg.retry_after_seconds)))} \
                     if isinstance(msg.retry_after_seconds, float) else None
                 return Response(codec.encode(msg), status_code=status, media_type="application/json", headers=headers)
         return _json_error(RillError("the generation ended without a result"))
 
-    async def _sse(self, rest_req: m.RestRequest, key: str | None) -> AsyncIterator[bytes]:
+    async def _sse(self, rest_req: m.RestRequest, key: str | None, principal: str) -> AsyncIterator[bytes]:
         queue: asyncio.Queue[m.ServerMessage | None] = asyncio.Queue()
 
         async def enqueue(msg: m.ServerMessage) -> None:
             queue.put_nowait(msg)  # unbounded but short: one generation's messages
 
-        conn = _Connection(self, enqueue, _no_close, key)
+        conn = _Connection(self, enqueue, _no_close, key, principal)
 
         async def drive() -> None:
             try:
@@ -271,15 +259,15 @@ class _Connection:
     """One connection's session plus the running generation's task and stream."""
 
     def __init__(self, service: GenerateService, send: Callable[[m.ServerMessage], Awaitable[None]],
-                 close: Callable[[int, str], Awaitable[None]], api_key: str | None) -> None:
+                 close: Callable[[int, str], Awaitable[None]], api_key: str | None, principal: str) -> None:
         self.service = service
         self.session = s.GenerateSession(service.limits(), token_text=service.token_text)
         self._send = send
         self._close = close
         self.api_key = api_key
+        self.principal = principal
         self.stream: RequestStream | None = None
         self.task: asyncio.Task[None] | None = None
-        self._conn_bucket = service.new_conn_bucket()
 
     async def handle_text(self, text: str | bytes) -> None:
         """One frame from the client (JSON text, or the same as UTF-8 bytes)."""
@@ -371,12 +359,10 @@ class _Connection:
         self.session.limits = self.service.limits()
 
     async def _run(self, request: Any) -> None:
-        buckets = self.service.buckets(self.api_key, self._conn_bucket)
-        reserved, num_used = 0.0, 0
+        request = msgspec.structs.replace(request, principal=self.principal)
         stream: RequestStream | None = None
         try:
             await self._wait_ready()
-            reserved = ratelimit.reserve(buckets, request.sampling.max_tokens, time.monotonic())
             timeout_s = self.service.http.request_timeout_s
             try:
                 async with asyncio.timeout(timeout_s):
@@ -388,7 +374,6 @@ class _Connection:
                     try:
                         async for output in stream:
                             scheduled.set()  # the engine took the request: its place no longer matters
-                            num_used = output.usage.completion_tokens
                             await self.perform(self.session.on_output(output, time.monotonic()))
                     finally:
                         # Never cancelled mid-send (that could cut a frame): it stops at its next wait.
@@ -408,7 +393,6 @@ class _Connection:
             self.stream = None
             if stream is not None:
                 await stream.aclose()
-            ratelimit.release(buckets, reserved, num_used, time.monotonic())
 
     async def _report_queue(self, request_id: Any, scheduled: asyncio.Event) -> None:
         """Send ``status queued`` whenever the waiting request's place changes, until

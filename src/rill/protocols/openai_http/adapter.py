@@ -30,11 +30,13 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Callable
 
+import msgspec
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 from starlette.types import Receive, Scope, Send
 
+from rill import auth
 from rill.errors import EngineDead, ModelNotReady, RillError
 from rill.frontend.stream import RequestStream
 from rill.protocols._shared import sse
@@ -153,7 +155,7 @@ class OpenAIApi:
             prompts = await self.client.tokenize(self._prompts(req, kind, served))
             requests = codec.generate_requests(req, prompts, served, response_id,
                                                deadline_s=self.deps.config.http.request_timeout_s)
-            streams = await self._submit(requests)
+            streams = await self._submit(requests, auth.scope_principal(request.scope))
         except Exception as exc:
             self._count_rejection(exc)
             return error_response(exc)
@@ -207,11 +209,11 @@ class OpenAIApi:
                                     chat_template_kwargs=kwargs)]
         return codec.completion_prompts(req, max_choices=self.deps.config.http.max_choices_per_request)
 
-    async def _submit(self, requests: list[GenerateRequest]) -> list[RequestStream]:
+    async def _submit(self, requests: list[GenerateRequest], principal: str) -> list[RequestStream]:
         streams: list[RequestStream] = []
         try:
             for req in requests:
-                streams.append(await self.client.generate(req))
+                streams.append(await self.client.generate(msgspec.structs.replace(req, principal=principal)))
         except BaseException:
             await _close_all(streams)  # all choices or none: a refused n=4 leaves nothing behind
             raise

@@ -1,0 +1,155 @@
+"""Per-principal rate limits, applied once for every protocol by the admission step.
+
+Two limits, each off unless configured, both keyed by the request's principal
+(``GenerateRequest.principal``, see ``rill.auth.principal``):
+
+* a request count (``--rate-limit-requests N``, ``--rate-limit-window SECONDS``): a
+  principal's first request opens a window of SECONDS; at most N requests are admitted in
+  it; the first request after it ends opens the next window. Fixed windows keep one counter
+  per principal (a sliding log would keep N times), at the price of allowing up to 2N
+  requests across a window's edge;
+* a generation-token rate (``--rate-limit-tokens-per-s``, ``--rate-limit-burst``): a token
+  bucket. A request reserves its ``max_tokens`` (at most the burst) before it starts and
+  gives back what it did not use when it ends, so a principal never has more tokens in
+  flight than the burst, and the bucket refills at the set rate.
+
+A request refused by either limit takes nothing from the other. Principals are chosen by
+clients (a key, an address), so the state is bounded: past ``max_principals`` the least
+recently seen principal is forgotten (it starts afresh if it comes back).
+
+Pure: the clock is injected (monotonic seconds); no I/O, no threads (the event loop calls it).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable
+
+from rill.errors import RateLimited
+
+DEFAULT_MAX_PRINCIPALS = 65536
+"""Principals whose limit state is kept (about 200 bytes each)."""
+
+
+@dataclass(frozen=True)
+class RateLimits:
+    """What the limiter enforces (None: that limit is off)."""
+
+    requests: int | None = None
+    window_s: float = 60.0
+    tokens_per_s: float | None = None
+    burst: int = 2048
+    max_principals: int = DEFAULT_MAX_PRINCIPALS
+
+    @property
+    def is_on(self) -> bool:
+        """Whether any limit applies."""
+        return self.requests is not None or self.tokens_per_s is not None
+
+
+class TokenBucket:
+    """A bucket of ``burst`` tokens refilled at ``rate_per_s``."""
+
+    def __init__(self, rate_per_s: float, burst: int, now: float) -> None:
+        self.rate_per_s = rate_per_s
+        self.burst = float(burst)
+        self.level = float(burst)
+        self._updated_at = now
+
+    def _refill(self, now: float) -> None:
+        elapsed_s = max(0.0, now - self._updated_at)
+        self.level = min(self.burst, self.level + elapsed_s * self.rate_per_s)
+        self._updated_at = now
+
+    def wait_s(self, num_tokens: float, now: float) -> float:
+        """Seconds until ``num_tokens`` are available (0 if they are now)."""
+        self._refill(now)
+        missing = min(num_tokens, self.burst) - self.level
+        return 0.0 if missing <= 0 else missing / self.rate_per_s if self.rate_per_s > 0 else float("inf")
+
+    def take(self, num_tokens: float, now: float) -> None:
+        """Remove tokens (never below zero; callers check ``wait_s`` first)."""
+        self._refill(now)
+        self.level = max(0.0, self.level - num_tokens)
+
+    def give_back(self, num_tokens: float, now: float) -> None:
+        """Return unused tokens of a reservation."""
+        self._refill(now)
+        self.level = min(self.burst, self.level + num_tokens)
+
+
+class _Principal:
+    """One principal's window and bucket."""
+
+    __slots__ = ("window_start", "count", "bucket")
+
+    def __init__(self, bucket: TokenBucket | None) -> None:
+        self.window_start: float | None = None
+        self.count = 0
+        self.bucket = bucket
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """What one admitted request holds until it ends (give it to ``RateLimiter.release``)."""
+
+    principal: str
+    tokens: float
+
+
+class RateLimiter:
+    """Admits or refuses requests by principal; see the module docstring."""
+
+    def __init__(self, limits: RateLimits, clock: Callable[[], float] = time.monotonic) -> None:
+        self.limits = limits
+        self._clock = clock
+        self._principals: OrderedDict[str, _Principal] = OrderedDict()
+
+    def __len__(self) -> int:
+        """How many principals have state now (at most ``limits.max_principals``)."""
+        return len(self._principals)
+
+    def admit(self, principal: str, max_tokens: int) -> Reservation:
+        """Count one request of ``principal`` and reserve its tokens, or raise ``RateLimited``
+        (with ``retry_after_s``) and change nothing."""
+        now = self._clock()
+        state = self._state(principal, now)
+        limits = self.limits
+        if limits.requests is not None:
+            if state.window_start is None or now >= state.window_start + limits.window_s:
+                state.window_start, state.count = now, 0
+            if state.count >= limits.requests:
+                wait_s = state.window_start + limits.window_s - now
+                raise RateLimited(f"rate limit reached: {limits.requests} requests per {limits.window_s:g} s; "
+                                  f"retry in {wait_s:.2f} s", retry_after_s=wait_s)
+        amount = 0.0
+        if state.bucket is not None:
+            amount = min(float(max_tokens), state.bucket.burst)
+            wait_s = state.bucket.wait_s(amount, now)
+            if wait_s > 0:
+                raise RateLimited(f"rate limit reached: {amount:.0f} tokens asked; retry in {wait_s:.2f} s "
+                                  "(or ask for fewer max_tokens)", retry_after_s=wait_s)
+            state.bucket.take(amount, now)
+        state.count += 1
+        return Reservation(principal, amount)
+
+    def release(self, reservation: Reservation, num_used: int) -> None:
+        """Give back the tokens ``reservation`` did not use (its request has ended)."""
+        unused = reservation.tokens - num_used
+        state = self._principals.get(reservation.principal)
+        if unused > 0 and state is not None and state.bucket is not None:
+            state.bucket.give_back(unused, self._clock())
+
+    def _state(self, principal: str, now: float) -> _Principal:
+        state = self._principals.get(principal)
+        if state is not None:
+            self._principals.move_to_end(principal)
+            return state
+        while len(self._principals) >= self.limits.max_principals:
+            self._principals.popitem(last=False)
+        rate = self.limits.tokens_per_s
+        state = self._principals[principal] = _Principal(
+            None if rate is None else TokenBucket(rate, self.limits.burst, now))
+        return state

@@ -1,0 +1,126 @@
+"""The admission step's per-principal limiter, on an injected clock (no sleeps)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rill.errors import RateLimited
+from rill.frontend.ratelimit import RateLimiter, RateLimits
+
+
+class Clock:
+    """A monotonic clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def limiter(clock: Clock, **limits: object) -> RateLimiter:
+    return RateLimiter(RateLimits(**limits), clock)  # type: ignore[arg-type]
+
+
+def test_window_admits_n_then_refuses_until_it_ends() -> None:
+    clock = Clock()
+    lim = limiter(clock, requests=3, window_s=10.0)
+    for _ in range(3):
+        lim.admit("a", 100)
+    clock.now += 4.0
+    with pytest.raises(RateLimited) as info:
+        lim.admit("a", 100)
+    assert info.value.retry_after_s == pytest.approx(6.0) and "3 requests per 10 s" in str(info.value)
+    clock.now += 5.999
+    with pytest.raises(RateLimited):
+        lim.admit("a", 100)  # still inside the window that opened at the first request
+    clock.now += 0.001  # exactly at its end: a new window opens
+    for _ in range(3):
+        lim.admit("a", 100)
+    with pytest.raises(RateLimited) as info:
+        lim.admit("a", 100)
+    assert info.value.retry_after_s == pytest.approx(10.0)
+
+
+def test_refused_requests_do_not_count_and_principals_are_apart() -> None:
+    clock = Clock()
+    lim = limiter(clock, requests=1, window_s=60.0)
+    lim.admit("a", 1)
+    for _ in range(5):
+        with pytest.raises(RateLimited):
+            lim.admit("a", 1)
+    lim.admit("b", 1)  # another principal has its own window
+    clock.now += 60.0
+    lim.admit("a", 1)  # the refusals did not extend or fill the next window
+
+
+def test_tokens_are_reserved_and_the_unused_part_given_back() -> None:
+    clock = Clock()
+    lim = limiter(clock, tokens_per_s=1.0, burst=100)
+    first = lim.admit("a", 80)
+    assert first.tokens == 80
+    with pytest.raises(RateLimited) as info:
+        lim.admit("a", 30)  # 20 left; 10 more come in 10 s
+    assert info.value.retry_after_s == pytest.approx(10.0) and "30 tokens asked" in str(info.value)
+    lim.release(first, num_used=5)  # 75 come back
+    second = lim.admit("a", 90)
+    assert second.tokens == 90
+    lim.release(second, num_used=90)  # used in full: nothing comes back
+    with pytest.raises(RateLimited):
+        lim.admit("a", 10)
+    clock.now += 5.0  # 5 left + 5 refilled
+    lim.admit("a", 10)
+
+
+def test_an_ask_over_the_burst_reserves_the_burst() -> None:
+    clock = Clock()
+    lim = limiter(clock, tokens_per_s=1.0, burst=50)
+    assert lim.admit("a", 4000).tokens == 50
+    with pytest.raises(RateLimited):
+        lim.admit("a", 1)
+
+
+def test_a_token_refusal_does_not_count_a_request() -> None:
+    clock = Clock()
+    lim = limiter(clock, requests=2, window_s=60.0, tokens_per_s=1.0, burst=10)
+    lim.admit("a", 10)
+    with pytest.raises(RateLimited):
+        lim.admit("a", 10)  # no tokens: refused, not counted
+    clock.now += 10.0
+    lim.admit("a", 10)  # the second request of the window
+    clock.now += 10.0
+    with pytest.raises(RateLimited) as info:
+        lim.admit("a", 1)  # the window's 2 are used (tokens would be there)
+    assert "2 requests per 60 s" in str(info.value)
+
+
+def test_state_is_bounded_least_recently_seen_first() -> None:
+    clock = Clock()
+    lim = limiter(clock, requests=1, window_s=60.0, max_principals=3)
+    for name in ("a", "b", "c"):
+        lim.admit(name, 1)
+    with pytest.raises(RateLimited):
+        lim.admit("a", 1)  # "a" is now the most recently seen
+    lim.admit("d", 1)  # forgets "b", the least recently seen
+    assert len(lim) == 3
+    lim.admit("b", 1)  # starts afresh (and forgets "c")
+    with pytest.raises(RateLimited):
+        lim.admit("a", 1)  # kept all along
+    lim.admit("c", 1)
+    assert len(lim) == 3
+
+
+def test_release_after_the_principal_was_forgotten_is_harmless() -> None:
+    clock = Clock()
+    lim = limiter(clock, tokens_per_s=1.0, burst=10, max_principals=1)
+    held = lim.admit("a", 10)
+    lim.admit("b", 10)  # forgets "a"
+    lim.release(held, num_used=0)
+    assert len(lim) == 1
+    with pytest.raises(RateLimited):
+        lim.admit("b", 1)  # "a"'s tokens never reach "b"
+
+
+def test_no_limits_configured_means_off() -> None:
+    assert not RateLimits().is_on
+    assert RateLimits(requests=1).is_on and RateLimits(tokens_per_s=1.0).is_on
