@@ -224,6 +224,11 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         return self.temperature == 0.0 or self.top_k == 1
 
 
+DRAW_ONLY_FIELDS = ("temperature", "top_k", "top_p", "min_p")
+"""``SamplingParams`` fields that only shape the distribution a token is drawn from: greedy
+decoding and beam search ignore them. A wire that, like Hugging Face's ``generate``, ignores
+them when not sampling leaves them out (instead of validating them)."""
+
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
                  "length_penalty")
 _INT_FIELDS = ("top_k", "seed", "max_tokens", "min_tokens", "logprobs", "num_beams")

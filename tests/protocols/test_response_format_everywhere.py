@@ -16,7 +16,7 @@ from rill.protocols.evergreen import codec as evergreen_codec
 from rill.protocols.evergreen.messages import GenerateConfig
 from rill.protocols.evergreen.prompt import sampling_params as evergreen_sampling
 from rill.protocols.framed_uds import codec as uds_codec
-from rill.protocols.generate_ws.messages import Parameters
+from rill.protocols.generate_ws.messages import SAMPLING, Parameters
 from rill.types import ResponseFormat, SamplingParams
 
 FORMAT = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}, "strict": True}}
@@ -47,7 +47,7 @@ def test_evergreen_config_round_trips_through_protobuf() -> None:
 
 
 def test_generate_parameters_patch() -> None:
-    patch = msgspec.convert({"response_format": FORMAT}, Parameters).to_patch()
+    patch = SAMPLING.patch(msgspec.convert({"response_format": FORMAT}, Parameters))
     assert SamplingParams().updated(patch).response_format == EXPECTED
     lifted = SamplingParams(response_format=EXPECTED).updated({"response_format": {"type": "text"}})
     assert lifted.constraint is None

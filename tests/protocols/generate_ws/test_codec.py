@@ -31,7 +31,7 @@ def test_decode_rest_flat_shape_becomes_config() -> None:
     req = codec.decode_rest(b'{"prompt": "Write", "max_tokens": 200, "temperature": 0.7, "stream": false}')
     config = req.to_config()
     assert config.prompt == "Write"
-    assert config.parameters is not None and config.parameters.to_patch() == {"max_tokens": 200, "temperature": 0.7}
+    assert config.parameters is not None and m.SAMPLING.patch(config.parameters) == {"max_tokens": 200, "temperature": 0.7}
     assert config.options == m.Options(stream=False)
 
 

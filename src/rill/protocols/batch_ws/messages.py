@@ -21,6 +21,7 @@ from typing import Annotated, Any
 
 import msgspec
 
+from rill.protocols._shared.sampling import Field, SamplingMap, same
 from rill.types import ResponseFormat
 
 NonEmptyStr = Annotated[str, msgspec.Meta(min_length=1)]
@@ -63,6 +64,15 @@ class GenerationConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
             name: value if (value := getattr(self, name)) is not None else getattr(defaults, name)
             for name in self.__struct_fields__
         })
+
+
+SAMPLING = SamplingMap(
+    GenerationConfig,
+    Field("max_new_tokens", "max_tokens"),
+    same("temperature", "top_p", "top_k", "repetition_penalty", "num_beams", "length_penalty", "response_format"),
+)
+"""``generation_config`` → ``SamplingParams``; without ``do_sample`` (or with beams) the session
+drops ``rill.types.DRAW_ONLY_FIELDS`` and decodes greedily, as Hugging Face does."""
 
 
 class BatchRequest(msgspec.Struct, kw_only=True):

@@ -32,6 +32,7 @@ import msgspec
 from rill.errors import CacheMiss, ContextLengthExceeded, InvalidRequest
 from rill.protocols.batch_ws import codec
 from rill.protocols.batch_ws.messages import (
+    SAMPLING,
     Accepted,
     BatchRequest,
     Complete,
@@ -43,7 +44,7 @@ from rill.protocols.batch_ws.messages import (
     Started,
 )
 from rill.protocols.batch_ws.store import ContinuationStore, Evicted
-from rill.types import GenerateRequest, RequestEvent, RequestOutput, SamplingParams
+from rill.types import DRAW_ONLY_FIELDS, GenerateRequest, RequestEvent, RequestOutput, SamplingParams
 
 __all__ = ["Abort", "Action", "BatchSession", "ContinuationStore", "Limits", "PromptKey", "Send", "SendError", "Start"]
 
@@ -266,19 +267,15 @@ class BatchSession:
 
     def _sampling(self, config: GenerationConfig | None) -> SamplingParams:
         cfg = (config or GenerationConfig()).filled_from(self.defaults)
-        params = SamplingParams(max_tokens=cfg.max_new_tokens, repetition_penalty=cfg.repetition_penalty,
-                                num_beams=cfg.num_beams, length_penalty=cfg.length_penalty,
-                                response_format=cfg.response_format)
-        if cfg.num_beams == 1 and cfg.do_sample:
+        patch = SAMPLING.patch(cfg)
+        if not (cfg.num_beams == 1 and cfg.do_sample):
             # NOTE: sampling fields only matter when sampling; HF ignores them otherwise, so do we.
-            params.temperature, params.top_p, params.top_k = cfg.temperature, cfg.top_p, cfg.top_k
-        else:
-            params.temperature = 0.0
+            patch = {name: value for name, value in patch.items() if name not in DRAW_ONLY_FIELDS}
+            patch["temperature"] = 0.0
         try:
-            return params.validate()
+            return SAMPLING.params(patch)
         except InvalidRequest as exc:
-            text = str(exc).replace("'max_tokens'", "'max_new_tokens'")
-            raise InvalidRequest(f"{codec.INVALID_PAYLOAD}: generation_config {text}", field=exc.field) from exc
+            raise InvalidRequest(f"{codec.INVALID_PAYLOAD}: generation_config {exc}", field=exc.field) from exc
 
     def _events_of(self, prompt: _Prompt, output: RequestOutput, now: float) -> list[tuple[str, ServerEvent]]:
         batch, rid = prompt.batch, prompt.request_id

@@ -10,7 +10,7 @@ Message sequence on one connection::
     Any error: Error, then close.
 
 Fields the server leaves out are ``UNSET`` (never written); ``None`` is written as ``null``.
-Pure: msgspec only.
+Pure: msgspec and ``rill.protocols._shared`` only.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from __future__ import annotations
 from typing import Literal
 
 import msgspec
+
+from rill.protocols._shared.sampling import Field, SamplingMap, same
 from msgspec import UNSET, UnsetType
 
 
@@ -78,6 +80,16 @@ class GenerationConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     stop: list[str] | None = None
     num_beams: int | None = None
     do_sample: bool | None = None
+
+
+SAMPLING = SamplingMap(
+    GenerationConfig,
+    Field("max_new_tokens", "max_tokens"),
+    Field("min_new_tokens", "min_tokens"),
+    same("temperature", "top_p", "length_penalty", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+         "frequency_penalty", "seed", "stop", "num_beams"),
+)
+"""``generation`` → ``SamplingParams`` (``do_sample: false`` forces greedy: the session's rule)."""
 
 
 class TTSConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -16,7 +16,6 @@ numpy (for PCM), ``rill.types``, ``rill.errors`` and this package.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -24,6 +23,7 @@ from rill.errors import InvalidRequest, RillError
 from rill.protocols._shared import b64pcm
 from rill.protocols.chat_ws import codec
 from rill.protocols.chat_ws.messages import (
+    SAMPLING,
     ChatRequest,
     Chunk,
     Done,
@@ -110,13 +110,6 @@ def _text_of(message: Message, index: int) -> str:
     return "\n".join(texts)
 
 
-_GENERATION_FIELDS: dict[str, str] = {
-    "top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty",
-    "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
-    "min_new_tokens": "min_tokens", "seed": "seed", "stop": "stop", "num_beams": "num_beams",
-}
-
-
 def sampling_params(generation: GenerationConfig) -> SamplingParams:
     """Engine sampling parameters from the wire ``generation`` object (validated; the
     server's ``--max-tokens-cap`` is applied at admission, as on every protocol).
@@ -124,23 +117,13 @@ def sampling_params(generation: GenerationConfig) -> SamplingParams:
     Raises:
         InvalidRequest: a value is out of range (the message uses the wire name).
     """
-    fields: dict[str, Any] = {
-        "max_tokens": generation.max_new_tokens,
-        "temperature": 0.0 if generation.do_sample is False else generation.temperature,
-        "top_p": generation.top_p,
-        "length_penalty": generation.length_penalty,
-    }
-    for wire, engine in _GENERATION_FIELDS.items():
-        value = getattr(generation, wire)
-        if value is not None:
-            fields[engine] = value
+    patch = SAMPLING.patch(generation)
+    if generation.do_sample is False:
+        patch["temperature"] = 0.0
     try:
-        return SamplingParams(**fields).validate()
+        return SAMPLING.params(patch)
     except InvalidRequest as exc:
-        wire = next((w for w, e in _GENERATION_FIELDS.items() if e == exc.field), exc.field)
-        wire = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}.get(wire or "", wire)
-        text = str(exc).replace(f"'{exc.field}'", f"'{wire}'")
-        raise InvalidRequest(f"generation: {text}", field=f"generation.{wire}") from exc
+        raise InvalidRequest(f"generation: {exc}", field=f"generation.{exc.field}") from exc
 
 
 def refuse_modalities(kinds_and_places: list[tuple[str, str]], model_name: str, model_modalities: list[str]) -> None:

@@ -14,6 +14,10 @@ from __future__ import annotations
 
 import msgspec
 
+from rill.errors import InvalidRequest
+from rill.protocols._shared.sampling import Field, SamplingMap, same
+from rill.types import ResponseFormat
+
 GENERATE_CONFIG_TYPE_URL = "type.googleapis.com/rill.evergreen.v1.GenerateConfig"
 """``Any.type_url`` of rill's ``GenerateConfig``."""
 
@@ -106,3 +110,21 @@ class GenerateConfig(msgspec.Struct, frozen=True, kw_only=True):
     stop: tuple[str, ...] = ()
     ignore_eos: bool | None = None
     response_format: str | None = None  # JSON text of a rill.types.ResponseFormat
+
+
+def _response_format(text: str) -> ResponseFormat:
+    try:
+        return msgspec.json.decode(text, type=ResponseFormat)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise InvalidRequest(f"'response_format' is not a valid response format: {exc}", field="response_format") from exc
+
+
+SAMPLING = SamplingMap(
+    GenerateConfig,
+    same("temperature", "top_k", "top_p", "min_p", "max_tokens", "min_tokens", "repetition_penalty",
+         "presence_penalty", "frequency_penalty", "seed", "ignore_eos"),
+    Field("stop", "stop", list),
+    Field("response_format", "response_format", _response_format),
+)
+"""``GenerateConfig`` → ``SamplingParams``; the values are validated at admission, as the
+other requests' (the server's ``--max-tokens-cap`` applies first)."""

@@ -26,13 +26,11 @@ from dataclasses import dataclass
 from typing import Union
 from urllib.parse import unquote, urlsplit
 
-import msgspec
-
 from rill.errors import InvalidRequest
 from rill.protocols.evergreen import codec
 from rill.protocols.evergreen.errors import NeedsChatTemplate, RefDenied, UnsupportedInput
-from rill.protocols.evergreen.messages import Chunk, ChunkMetadata, GenerateConfig
-from rill.types import ChatMessage, GenerateRequest, ResponseFormat, SamplingParams
+from rill.protocols.evergreen.messages import SAMPLING, Chunk, ChunkMetadata, GenerateConfig
+from rill.types import ChatMessage, GenerateRequest, SamplingParams
 
 END_OF_TURN = "application/x-protobuf; type=EndOfTurn"
 
@@ -197,15 +195,7 @@ def chat_turns(items: tuple[PromptItem, ...], ref_bytes: dict[str, bytes]) -> li
 def sampling_params(config: GenerateConfig) -> SamplingParams:
     """``SamplingParams`` from the fields the config sets (the server's ``--max-tokens-cap``
     is applied at admission, as on every protocol)."""
-    values = {name: (list(v) if isinstance(v, tuple) else v) for name in config.__struct_fields__
-              if (v := getattr(config, name)) is not None and v != ()}
-    if "response_format" in values:
-        try:
-            values["response_format"] = msgspec.json.decode(values["response_format"], type=ResponseFormat)
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            raise InvalidRequest(f"'response_format' is not a valid response format: {exc}",
-                                 field="response_format") from exc
-    return SamplingParams(**values)
+    return SAMPLING.build(SAMPLING.patch(config))
 
 
 def _normalise_mimetype(mimetype: str) -> str:

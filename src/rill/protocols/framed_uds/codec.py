@@ -36,7 +36,7 @@ from rill.errors import (
 from rill.protocols._shared import jsonguard
 from rill.protocols._shared.errors import lookup
 from rill.protocols.framed_uds.framing import FrameTooLarge, InvalidFrameLength, encode_frame
-from rill.protocols.framed_uds.messages import Cancel, ClientMessage, MetricsQuery, Request, ServerMessage, Slo
+from rill.protocols.framed_uds.messages import SAMPLING, Cancel, ClientMessage, MetricsQuery, Request, ServerMessage, Slo
 from rill.types import EngineStats, GenerateRequest, SamplingParams
 
 PROTOCOL_NAME = "framed_uds"
@@ -198,14 +198,7 @@ def build_request(request: Request, request_timeout_s: float | None = None) -> G
     Raises:
         InvalidRequest: a sampling field is out of range (``field`` names it).
     """
-    max_tokens = DEFAULT_MAX_TOKENS if request.max_tokens is None else request.max_tokens
-    sampling = SamplingParams(
-        temperature=request.temperature,
-        top_p=1.0 if request.top_p is None else request.top_p,
-        top_k=0 if request.top_k is None else request.top_k,
-        max_tokens=max_tokens,
-        response_format=request.response_format,
-    ).validate()
+    sampling = SAMPLING.params(SAMPLING.patch(request))
     return GenerateRequest(prompt=request.prompt, sampling=sampling, priority=slo_priority(request.slo),
                            protocol=PROTOCOL_NAME, deadline_s=request_timeout_s)
 

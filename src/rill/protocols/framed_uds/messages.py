@@ -8,7 +8,7 @@ frames, each tagged by its ``"event"`` field.
 Field names are exactly the wire names; the codec renames nothing. Unknown request fields are
 ignored (the spec: "future fields are optional and ignored by server until implemented").
 
-Pure: msgspec structs only.
+Pure: msgspec structs (and ``rill.protocols._shared``'s sampling table) only.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any, Literal, Union
 
 import msgspec
 
+from rill.protocols._shared.sampling import SamplingMap, same
 from rill.types import ResponseFormat
 
 
@@ -59,6 +60,10 @@ class Request(msgspec.Struct, kw_only=True):
     slo: Slo | None = None
     metadata: dict[str, Any] | None = None
     response_format: ResponseFormat | None = None
+
+
+SAMPLING = SamplingMap(Request, same("temperature", "top_p", "top_k", "max_tokens", "response_format"))
+"""``Request`` → ``SamplingParams``; a field left out (None) keeps the engine's default."""
 
 
 class Cancel(msgspec.Struct, kw_only=True):

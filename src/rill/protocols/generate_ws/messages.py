@@ -4,7 +4,7 @@ One msgspec struct per message; field names are exactly the spec's (the codec re
 nothing). Client messages form a tagged union on ``"type"``. Optional server fields default
 to ``msgspec.UNSET`` so they are left out of the JSON unless the client asked for them.
 
-Pure: imports msgspec and the standard library only.
+Pure: imports msgspec, the standard library and ``rill.protocols._shared``.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
+from rill.protocols._shared.sampling import SamplingMap, same
 from rill.types import ResponseFormat
 
 # --------------------------------------------------------------------------- client → server
@@ -50,9 +51,10 @@ class Parameters(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_
     grammar); set by ``modify`` it constrains the text generated from then on, and
     ``{"type": "text"}`` lifts it."""
 
-    def to_patch(self) -> dict[str, Any]:
-        """The fields the client set, as a sampling-parameter patch."""
-        return {name: value for name in self.__struct_fields__ if (value := getattr(self, name)) is not None}
+
+SAMPLING = SamplingMap(Parameters, same(*Parameters.__struct_fields__))
+"""Every ``Parameters`` field is the ``SamplingParams`` field of the same name: a new sampling
+parameter on this wire is one field above. ``config`` and ``modify`` both go through it."""
 
 
 class Options(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

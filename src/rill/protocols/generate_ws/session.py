@@ -168,7 +168,7 @@ class GenerateSession:
         if not msg.prompt:
             raise InvalidRequest("'prompt' must not be empty", field="prompt")
         options = msg.options or m.Options()
-        patch = msg.parameters.to_patch() if msg.parameters is not None else {}
+        patch = m.SAMPLING.patch(msg.parameters) if msg.parameters is not None else {}
         if options.include_logprobs and "logprobs" not in patch:
             patch["logprobs"] = DEFAULT_TOP_LOGPROBS
         sampling = self._validated(SamplingParams(), patch)
@@ -180,19 +180,11 @@ class GenerateSession:
         return [Start(request)]
 
     def _validated(self, base: SamplingParams, patch: dict[str, Any]) -> SamplingParams:
-        try:
-            params = base.updated(patch)
-        except InvalidRequest as exc:
-            if exc.field and not exc.field.startswith("parameters."):
-                exc.field = f"parameters.{exc.field}"
-            raise
         info = self.limits.model_info
-        if info is not None:
-            try:
-                params.validate(vocab_size=info.vocab_size)
-            except InvalidRequest as exc:
-                raise InvalidRequest(exc.message, field=f"parameters.{exc.field}") from exc
-        return params
+        try:
+            return m.SAMPLING.params(patch, base, vocab_size=info.vocab_size if info is not None else None)
+        except InvalidRequest as exc:
+            raise InvalidRequest(exc.message, field=f"parameters.{exc.field}") from exc
 
     def _on_control(self, msg: m.Control, now: float) -> list[Action]:
         assert self.gen is not None  # TRANSITIONS allow control only with a generation
@@ -209,9 +201,9 @@ class GenerateSession:
             return [Resume()]
         if msg.action == "regenerate":
             return [Regenerate()]
-        if msg.parameters is None or not msg.parameters.to_patch():
+        patch = m.SAMPLING.patch(msg.parameters) if msg.parameters is not None else {}
+        if not patch:
             raise InvalidRequest("'modify' needs 'parameters' with at least one field", field="parameters")
-        patch = msg.parameters.to_patch()
         params = self._validated(self.gen.sampling, patch)
         self.gen.sampling = params
         self.gen.pending_modified.append(params)

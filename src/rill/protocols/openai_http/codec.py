@@ -43,6 +43,7 @@ from rill.errors import (  # the HTTP-level classes stay reachable as codec.X fo
 from rill.protocols._shared import jsonguard
 from rill.protocols._shared.errors import lookup
 from rill.protocols.openai_http.messages import (
+    SAMPLING,
     ChatCompletionRequest,
     ChatMessageIn,
     CompletionRequest,
@@ -479,27 +480,11 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
         logprobs_field = "top_logprobs"
     else:
         logprobs, logprobs_field = req.logprobs, "logprobs"
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    params = SamplingParams(
-        temperature=_or(req.temperature, 1.0),
-        top_p=_or(req.top_p, 1.0),
-        top_k=_or(req.top_k, 0),  # -1 ("off", as OpenAI-style clients send it) and the bounds: validate
-        min_p=_or(req.min_p, 0.0),
-        presence_penalty=_or(req.presence_penalty, 0.0),
-        frequency_penalty=_or(req.frequency_penalty, 0.0),
-        repetition_penalty=_or(req.repetition_penalty, 1.0),
-        seed=req.seed,
-        max_tokens=max_tokens,
-        min_tokens=min(_or(req.min_tokens, 0), max_tokens),
-        stop=stop,
-        stop_token_ids=list(req.stop_token_ids or []),
-        ignore_eos=bool(req.ignore_eos),
-        logit_bias=dict(req.logit_bias or {}),
-        logprobs=logprobs,
-        response_format=response_format(req, served),
-    )
+    patch = SAMPLING.patch(req) | {"max_tokens": max_tokens, "logprobs": logprobs,
+                                   "response_format": response_format(req, served)}
+    patch["min_tokens"] = min(patch.get("min_tokens", 0), max_tokens)
     try:
-        return params.validate(vocab_size=served.vocab_size, max_logprobs=MAX_LOGPROBS)
+        return SAMPLING.params(patch, vocab_size=served.vocab_size, max_logprobs=MAX_LOGPROBS)
     except InvalidRequest as exc:
         if exc.field == "logprobs" and logprobs_field != "logprobs":
             raise InvalidRequest(str(exc).replace("'logprobs'", f"'{logprobs_field}'"), field=logprobs_field) from exc
@@ -564,10 +549,6 @@ def _structured_outputs(spec: dict[str, Any]) -> ResponseFormat:
 
 def _regex_escape(text: str) -> str:
     return "".join("\\" + ch if ch in ".^$*+?()[]{}|\\/" else ch for ch in text)
-
-
-def _or(value: Any, default: Any) -> Any:
-    return default if value is None else value
 
 
 def generate_requests(

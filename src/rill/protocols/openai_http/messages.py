@@ -16,6 +16,8 @@ from typing import Any
 
 import msgspec
 
+from rill.protocols._shared.sampling import Field, SamplingMap, same
+
 # ---------------------------------------------------------------------------- requests
 
 
@@ -50,6 +52,21 @@ class _CommonRequest(msgspec.Struct, kw_only=True):
     user: str | None = None
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
+
+
+def _stop_list(stop: str | list[str]) -> list[str]:
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+SAMPLING = SamplingMap(
+    _CommonRequest,
+    same("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+         "seed", "stop_token_ids", "logit_bias", "min_tokens", "ignore_eos"),
+    Field("stop", "stop", _stop_list),
+)
+"""The sampling fields both endpoints share → ``SamplingParams``. ``max_tokens`` (resolved
+against the context), ``logprobs`` (two shapes) and the constraint (three sources) are
+derived by ``codec.sampling_params``; ``top_k`` -1 means off, as OpenAI-style clients send it."""
 
 
 class CompletionRequest(_CommonRequest, kw_only=True):
