@@ -4,8 +4,7 @@ The server runs with API keys, ``--max-tokens-cap 4`` and ``--rate-limit-request
 hour (so no timing can matter). On each protocol: an empty and a wrong key are refused in the
 protocol's own way; a request asking for more than the cap runs, clamped; nine more run; the
 11th in the window is refused with the protocol's rate-limit error. Every protocol has its own
-key, hence its own principal and window (the Unix socket carries no key: its principal is the
-peer's user id, which no other protocol here shares). Tokens are counted by the engine's own
+key, hence its own principal and window. Tokens are counted by the engine's own
 counter around each request (requests run one at a time), whatever the protocol reports.
 """
 
@@ -37,8 +36,7 @@ PROMPT = "The sun rose over the quiet village and"
 WAIT_S = 120  # a hang fails the test; never a pass condition
 
 PROTOCOLS = ("generate_ws", "batch_ws", "chat_ws", "evergreen_grpc", "evergreen_ws", "openai_http", "framed_uds")
-KEYED = tuple(p for p in PROTOCOLS if p != "framed_uds")  # the Unix socket has no keys (its file mode is its gate)
-KEYS = {protocol: f"key-{protocol}" for protocol in KEYED}
+KEYS = {protocol: f"key-{protocol}" for protocol in PROTOCOLS}
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +164,8 @@ async def openai_http(live: LiveServer, key: str, max_tokens: int) -> int | None
 async def framed_uds(live: LiveServer, key: str, max_tokens: int) -> int | None:
     def run() -> list[dict[str, Any]]:
         with UdsClient(live.config.uds.socket) as client:
-            return list(client.generate({"id": uuid.uuid4().hex, "prompt": PROMPT, "max_tokens": max_tokens}))
+            return list(client.generate({"id": uuid.uuid4().hex, "prompt": PROMPT, "max_tokens": max_tokens,
+                                         "api_key": key}))
 
     events = await asyncio.to_thread(run)
     if events[-1]["event"] == "error":
@@ -191,8 +190,10 @@ RATE_LIMITED = {
 }
 """How each protocol says "rate limited"."""
 
-UNAUTHENTICATED = {protocol: 401 for protocol in KEYED} | {"evergreen_grpc": "UNAUTHENTICATED"}
-"""How each protocol refuses a key: WebSocket handshakes and HTTP answer 401, gRPC its status."""
+UNAUTHENTICATED = {protocol: 401 for protocol in PROTOCOLS} | {"evergreen_grpc": "UNAUTHENTICATED",
+                                                               "framed_uds": "E_AUTH_UNAUTHORIZED"}
+"""How each protocol refuses a key: WebSocket handshakes and HTTP answer 401, gRPC and the Unix
+socket their own codes."""
 
 ENDS_AT_THE_CAP = {"generate_ws", "chat_ws", "evergreen_grpc", "evergreen_ws", "openai_http"}
 """Protocols that can ask to ignore eos (or set a minimum), so the clamped request runs to the cap."""
@@ -205,12 +206,12 @@ def generated(live: LiveServer) -> int:
 async def request(live: LiveServer, protocol: str, max_tokens: int) -> tuple[int | None, int]:
     """One request with the protocol's key: what it reported and how many tokens the engine made."""
     before = generated(live)
-    reported = await asyncio.wait_for(CLIENTS[protocol](live, KEYS.get(protocol, ""), max_tokens), WAIT_S)
+    reported = await asyncio.wait_for(CLIENTS[protocol](live, KEYS[protocol], max_tokens), WAIT_S)
     live.wait_idle()
     return reported, generated(live) - before
 
 
-@pytest.mark.parametrize("protocol", KEYED)
+@pytest.mark.parametrize("protocol", PROTOCOLS)
 async def test_an_empty_or_wrong_key_is_refused(live: LiveServer, protocol: str) -> None:
     before = generated(live)
     for key in ("", "not-a-key", KEYS[protocol] + "x"):

@@ -161,3 +161,24 @@ def test_ctrl_c_sends_cancel_and_waits_for_the_eos(uds_server: LiveServer, long_
     stats = uds_server.wait_idle()
     assert stats.requests_finished_total.get("cancelled", 0) == before + 1
     assert stats.kv_used_bytes == 0
+
+
+def test_api_key_flag_is_sent_as_the_request_api_key(tmp_path: Path) -> None:
+    path = tmp_path / "raw.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(1)
+    received: list[dict] = []
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn, listener:
+            (length,) = struct.unpack("<I", conn.recv(4, socket.MSG_WAITALL))
+            received.append(json.loads(conn.recv(length, socket.MSG_WAITALL)))
+            conn.sendall(_frame({"id": received[0]["id"], "event": "eos", "reason": "stop"}))
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    assert run_cli("--prompt", "hi", "--socket", str(path), "--api-key", "k1") == 0
+    thread.join(10)
+    assert received[0]["api_key"] == "k1"

@@ -150,6 +150,8 @@ def register(client_subparsers: Any) -> None:
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0)")
     parser.add_argument("--no-stream", action="store_true", help="receive the whole answer in one eos event")
     parser.add_argument("--metrics", action="store_true", help="print the server's metrics snapshot and exit")
+    parser.add_argument("--api-key", default=None, help="API key, sent as the request's 'api_key' (servers "
+                                                        "started with --api-key require it)")
     _exit_1_on_usage_errors(parser)
     parser.set_defaults(func=run)
 
@@ -198,6 +200,8 @@ def _run_request(client: UdsClient, args: argparse.Namespace) -> int:
                                "stream": not args.no_stream, "temperature": args.temp, "top_p": args.top_p}
     if args.max_tokens > 0:
         request["max_tokens"] = args.max_tokens
+    if args.api_key:
+        request["api_key"] = args.api_key
     client.send(request)
     # Installed after the request is sent: the handler's cancel frame never splits another frame.
     interrupted = _cancel_on_ctrl_c(client, request["id"])

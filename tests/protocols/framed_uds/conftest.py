@@ -98,7 +98,8 @@ async def make_listener(sock_path: Path, fake_client: FakeEngineClient) -> Async
     stoppers = []
 
     async def make(**overrides: Any) -> Listener:
-        deps = Deps(config=uds_config(sock_path, **overrides), client=fake_client)
+        config = uds_config(sock_path, **overrides)
+        deps = Deps(config=config, client=fake_client, api_keys=config.api_keys())
         stop = await adapter.start(deps)
         stoppers.append(stop)
         return Listener(sock_path, fake_client, stop)

@@ -307,6 +307,43 @@ async def test_newline_mode(make_listener, fake_client: FakeEngineClient) -> Non
     writer.close()
 
 
+async def test_with_api_keys_a_request_needs_one_and_is_its_principal(make_listener) -> None:
+    listener = await make_listener(**{"http.api_key": ["k1", "k2"]})
+    for bad in ({}, {"api_key": ""}, {"api_key": "k3"}):
+        conn = await listener.connect()
+        await conn.send({"id": "r1", "prompt": "Hello", "max_tokens": 1} | bad)
+        [error] = await conn.until_end()
+        assert error["event"] == "error" and error["code"] == "E_AUTH_UNAUTHORIZED" and error["id"] == "r1"
+        assert "api_key" in error["message"] and await conn.is_closed()
+    assert listener.client.requests == []
+    for key in ("k1", "k2"):
+        conn = await listener.connect()
+        await conn.send({"id": "r1", "prompt": "Hello", "max_tokens": 1, "api_key": key})
+        assert (await conn.until_end())[-1]["event"] == "eos"
+        await conn.close()
+    principals = [request.principal for request in listener.client.requests]
+    assert len(set(principals)) == 2 and all(p.startswith("key:") and "k1" not in p for p in principals)
+
+
+async def test_without_api_keys_the_principal_is_the_peer_user(make_listener) -> None:
+    listener = await make_listener()
+    conn = await listener.connect()
+    await conn.send({"id": "r1", "prompt": "Hello", "max_tokens": 1, "api_key": "ignored"})
+    assert (await conn.until_end())[-1]["event"] == "eos"
+    await conn.close()
+    assert listener.client.requests[0].principal == f"uds:uid={os.getuid()}"
+
+
+async def test_newline_mode_refuses_every_line_when_keys_are_on(make_listener) -> None:
+    listener = await make_listener(**{"uds.uds_protocol": "newline", "http.api_key": ["k1"]})
+    reader, writer = await asyncio.open_unix_connection(str(listener.path))
+    writer.write(b"first\n")
+    answer = await reader.read()
+    assert b"E_AUTH_UNAUTHORIZED" in answer and b"cannot carry" in answer
+    assert listener.client.requests == []
+    writer.close()
+
+
 async def _all(conn: FramedClient):
     while (event := await conn.recv()) is not None:
         yield event

@@ -28,11 +28,11 @@ import msgspec
 
 from rill import auth
 from rill.connections import stream_handler
-from rill.errors import ConfigError, IdleTimeout, RillError
+from rill.errors import ConfigError, IdleTimeout, RillError, Unauthorized
 from rill.frontend.stream import RequestStream
 from rill.protocols.framed_uds import codec
 from rill.protocols.framed_uds.framing import FrameDecoder, FrameTooLarge, FramingError, LineDecoder
-from rill.protocols.framed_uds.messages import Metrics
+from rill.protocols.framed_uds.messages import Metrics, Request
 from rill.protocols.framed_uds.session import (
     Abort,
     Action,
@@ -177,10 +177,9 @@ class UdsListener:
 
 
 def peer_principal(writer: asyncio.StreamWriter) -> str:
-    """The principal of a Unix-socket peer: ``uds:uid=N``, the user id of the process at the
-    other end (``SO_PEERCRED``, which the peer cannot forge), or ``uds:unknown`` where the OS
-    does not say. The socket carries no API key: its file mode (``--socket-mode``) decides
-    who may connect."""
+    """The principal of a Unix-socket peer when the server has no API keys: ``uds:uid=N``, the
+    user id of the process at the other end (``SO_PEERCRED``, which the peer cannot forge), or
+    ``uds:unknown`` where the OS does not say. (With keys, a request's ``api_key`` names it.)"""
     sock = writer.get_extra_info("socket")
     option = getattr(socket, "SO_PEERCRED", None)  # Linux; other systems have other calls
     if sock is None or option is None:
@@ -246,12 +245,22 @@ class Connection:
 
     def _receive(self, item: bytes) -> list[Action]:
         try:
+            keys = self.listener.deps.api_keys
             if self.is_newline:
+                if keys:  # a line is a bare prompt: it has no room for a key
+                    return self.session.on_protocol_error(Unauthorized(
+                        "this server requires an API key, which the newline protocol cannot carry; "
+                        "use the framed protocol and send 'api_key'"))
                 return self.session.receive_line(item)
             try:
                 message = codec.decode(item)
             except RillError as exc:  # InvalidJson, InvalidRequest
                 return self.session.on_protocol_error(exc, codec.wire_id(item))
+            if isinstance(message, Request) and keys:
+                if not auth.key_matches(message.api_key, keys):
+                    return self.session.on_protocol_error(Unauthorized(
+                        "missing or unknown API key: send one of the server's keys as 'api_key'"), message.id)
+                self.principal = auth.principal(message.api_key, None)
             return self.session.receive(message)
         except Exception as exc:  # a bug must still answer with an error frame, not a bare close
             log.exception("framed-uds: a client frame could not be handled")

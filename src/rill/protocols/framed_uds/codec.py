@@ -32,6 +32,7 @@ from rill.errors import (
     RequestRejected,
     RequestTimeout,
     RillError,
+    Unauthorized,
 )
 from rill.protocols._shared import jsonguard
 from rill.protocols._shared.errors import lookup
@@ -65,6 +66,7 @@ ERROR_CODES: dict[type[BaseException], str] = {
     InvalidFrameLength: "E_PROTO_INVALID_LEN",
     InvalidJson: "E_PROTO_INVALID_JSON",
     Busy: "E_PROTO_BUSY",
+    Unauthorized: "E_AUTH_UNAUTHORIZED",
     InvalidRequest: "E_PROTO_BAD_REQUEST",
     ContextLengthExceeded: "E_LIMIT_PROMPT_TOO_LARGE",
     MemoryPressure: "E_LIMIT_PROMPT_TOO_LARGE",  # the request can never fit in the KV budget
