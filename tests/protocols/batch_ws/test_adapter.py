@@ -286,6 +286,7 @@ class FakeClient:
         self.streams: dict[str, RequestStream] = {}
         self.aborted: list[str] = []
         self.refuse: dict[str, BaseException] = {}
+        self.requests: list[GenerateRequest] = []
 
     def is_ready(self) -> bool:
         return True
@@ -293,6 +294,7 @@ class FakeClient:
     async def generate(self, request: GenerateRequest) -> RequestStream:
         if request.prompt in self.refuse:
             raise self.refuse[request.prompt]
+        self.requests.append(request)
         stream = RequestStream(self, request.request_id, [1, 2], request.sampling)
         self.keys.append(request.request_id)
         self.streams[request.request_id] = stream
@@ -373,3 +375,32 @@ def test_hostile_frames_get_a_socket_error_and_the_socket_stays_usable(fake: Any
         monkeypatch.undo()
         ws.send_json({"prompts": [{"request_id": "a", "prompt": "x"}]})
         assert [e["type"] for e in ws.receive_json()] == ["ACCEPTED"]
+
+
+def test_continuations_are_scoped_by_key_whichever_way_it_is_sent() -> None:
+    """Two keys sent as WebSocket subprotocols (browsers' way) never share continuations."""
+    from rill import auth
+    from rill.middleware import Guard
+    from rill.protocols.openai_http.adapter import http_error
+
+    client = FakeClient()
+    deps = SimpleNamespace(config=config.load({}, env={}), client=client, metrics=None, api_keys={"alice", "mallory"},
+                           extras={adapter.DEFAULTS_EXTRA: config.SamplingDefaults()})
+    app = Guard(Starlette(routes=adapter.routes(deps)), http_error, api_keys={"alice", "mallory"}, max_body_bytes=1 << 20)
+    with TestClient(app) as http:
+        def run(key: str, prompt: str) -> None:
+            with http.websocket_connect("/ws", subprotocols=["rill", auth.key_subprotocol(key)]) as ws:
+                ws.send_json({"prompts": [{"request_id": "a", "prompt": prompt}]})
+                ws.receive_json()  # ACCEPTED
+                ws.portal.call(client.step, {len(client.keys) - 1: {
+                    "token_ids": [7], "text": "t", "finished": True, "finish_reason": "length"}})
+                while not any(e["type"] == "COMPLETE" for e in ws.receive_json()):
+                    pass
+
+        run("alice", "secret")
+        run("mallory", "x")
+        run("alice", "more")
+    requests = client.requests
+    assert requests[1].prompt == "x" and requests[1].prompt_token_ids is None  # mallory starts afresh
+    assert requests[2].prompt_token_ids is not None  # alice continues her own generation
+    assert requests[0].principal == requests[2].principal != requests[1].principal

@@ -195,6 +195,11 @@ class _Connection:
 
 
 def _credential(ws: WebSocket) -> str:
-    """The API key the client presented (``Authorization: Bearer`` or ``?api_key=``), or ''."""
+    """Whose continuations this socket may use: the principal of the key the middleware
+    accepted (however it was sent: header, key subprotocol or query), else without keys what
+    the client presented (``Authorization: Bearer`` or ``?api_key=``), or ''."""
+    checked = ws.scope.get(auth.PRINCIPAL_SCOPE_KEY)
+    if isinstance(checked, str):
+        return checked
     header = ws.headers.get("authorization", "")
     return auth.bearer_token(header) or ws.query_params.get("api_key", "") or header
