@@ -125,9 +125,10 @@ class UdsClient:
         """Ask the server to stop request ``request_id`` (an ``eos`` "cancelled" follows)."""
         self.send({"event": "cancel", "id": request_id})
 
-    def metrics(self) -> dict[str, Any]:
-        """The admin metrics frame (the server closes the connection after it)."""
-        self.send({"type": "metrics"})
+    def metrics(self, api_key: str | None = None) -> dict[str, Any]:
+        """The admin metrics frame (the server closes the connection after it); ``api_key`` for
+        servers started with ``--api-key``."""
+        self.send({"type": "metrics", "api_key": api_key} if api_key else {"type": "metrics"})
         event = self.receive()
         if event is None:
             raise UdsConnectionError("the server closed the connection without a metrics frame")
@@ -185,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         client.connect()
         if args.metrics:
-            print(json.dumps(client.metrics()))
+            print(json.dumps(client.metrics(args.api_key)))
             return EXIT_OK
         return _run_request(client, args)
     except UdsConnectionError as exc:

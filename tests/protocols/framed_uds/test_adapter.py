@@ -323,6 +323,13 @@ async def test_with_api_keys_a_request_needs_one_and_is_its_principal(make_liste
         await conn.close()
     principals = [request.principal for request in listener.client.requests]
     assert len(set(principals)) == 2 and all(p.startswith("key:") and "k1" not in p for p in principals)
+    conn = await listener.connect()
+    await conn.send({"type": "metrics", "api_key": "k3"})
+    [error] = await conn.until_end()
+    assert error["event"] == "error" and error["code"] == "E_AUTH_UNAUTHORIZED"
+    conn = await listener.connect()
+    await conn.send({"type": "metrics", "api_key": "k2"})
+    assert (await conn.recv())["event"] == "metrics"
 
 
 async def test_without_api_keys_the_principal_is_the_peer_user(make_listener) -> None:

@@ -32,7 +32,7 @@ from rill.errors import ConfigError, IdleTimeout, RillError, Unauthorized
 from rill.frontend.stream import RequestStream
 from rill.protocols.framed_uds import codec
 from rill.protocols.framed_uds.framing import FrameDecoder, FrameTooLarge, FramingError, LineDecoder
-from rill.protocols.framed_uds.messages import Metrics, Request
+from rill.protocols.framed_uds.messages import Metrics, MetricsQuery, Request
 from rill.protocols.framed_uds.session import (
     Abort,
     Action,
@@ -256,10 +256,11 @@ class Connection:
                 message = codec.decode(item)
             except RillError as exc:  # InvalidJson, InvalidRequest
                 return self.session.on_protocol_error(exc, codec.wire_id(item))
-            if isinstance(message, Request) and keys:
+            if isinstance(message, (Request, MetricsQuery)) and keys:
+                wire_id = message.id if isinstance(message, Request) else None
                 if not auth.key_matches(message.api_key, keys):
                     return self.session.on_protocol_error(Unauthorized(
-                        "missing or unknown API key: send one of the server's keys as 'api_key'"), message.id)
+                        "missing or unknown API key: send one of the server's keys as 'api_key'"), wire_id)
                 self.principal = auth.principal(message.api_key, None)
             return self.session.receive(message)
         except Exception as exc:  # a bug must still answer with an error frame, not a bare close

@@ -123,7 +123,8 @@ def decode(payload: bytes) -> ClientMessage:
         raise InvalidRequest("a frame must carry a JSON object", field=None)
     kind = obj.get("event")
     if kind == "metrics" or obj.get("type") == "metrics":
-        return MetricsQuery()
+        key = obj.get("api_key")
+        return MetricsQuery(api_key=key if isinstance(key, str) else None)
     # A request has no "event"; other values of "type" are ignored like any unknown field.
     cls = _KINDS.get(kind) if isinstance(kind, str) or kind is None else None
     if cls is None:

@@ -79,8 +79,13 @@ class Cancel(msgspec.Struct, kw_only=True):
     id: str
 
 
-class MetricsQuery(msgspec.Struct):
-    """Client → server ``{"type": "metrics"}``: one ``Metrics`` frame, then the server closes."""
+class MetricsQuery(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Client → server ``{"type": "metrics"}``: one ``Metrics`` frame, then the server closes.
+
+    ``api_key``: required when the server has API keys, as for ``Request`` (and ``/metrics``).
+    """
+
+    api_key: str | None = None
 
 
 ClientMessage = Union[Request, Cancel, MetricsQuery]
