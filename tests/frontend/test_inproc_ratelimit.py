@@ -1,0 +1,89 @@
+"""The rate limits as ``InprocClient.generate`` applies them, over the FakeRunner engine.
+
+The limiter's clock is injected and never moves, so nothing refills behind the test's back;
+the engine's gate holds a request running while the test looks at what it reserved.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from rill.errors import InvalidRequest, RateLimited
+from rill.frontend.ratelimit import RateLimits
+from rill.testing.fake_client import fake_client
+from rill.types import GenerateRequest, SamplingParams
+
+BURST = 10
+
+
+def ask(max_tokens: int, principal: str | None = "key:a", prompt: str = "hello") -> GenerateRequest:
+    return GenerateRequest(prompt=prompt, sampling=SamplingParams(max_tokens=max_tokens), principal=principal)
+
+
+async def run_to_end(client: object, request: GenerateRequest) -> int:
+    """Submit ``request`` and read it to its end; the completion tokens it used."""
+    stream = await client.generate(request)  # type: ignore[attr-defined]
+    used = 0
+    async with stream:
+        async for output in stream:
+            used = output.usage.completion_tokens
+    return used
+
+
+async def test_requests_per_window_by_principal() -> None:
+    async with fake_client() as client:
+        client.set_rate_limits(RateLimits(requests=2, window_s=60.0), clock=lambda: 0.0)
+        for principal in ("key:a", "key:a", "key:b", None, None):
+            await run_to_end(client, ask(1, principal))
+        with pytest.raises(RateLimited) as refused:
+            await client.generate(ask(1, "key:a"))
+        assert refused.value.retry_after_s == 60.0
+        with pytest.raises(RateLimited):
+            await client.generate(ask(1, None))  # callers naming nobody share one principal
+        await run_to_end(client, ask(1, "key:b"))  # b's second of two
+
+
+async def test_a_request_refused_for_another_reason_counts_for_nothing() -> None:
+    async with fake_client() as client:
+        client.set_rate_limits(RateLimits(requests=2, window_s=60.0, tokens_per_s=1.0, burst=BURST),
+                               clock=lambda: 0.0)
+        client.engine.runner.gate = threading.Event()  # the first request stays running
+        first = await client.generate(GenerateRequest(prompt="hello", request_id="dup", principal="key:a",
+                                                      sampling=SamplingParams(max_tokens=1)))
+        for refused in (GenerateRequest(prompt="hello", request_id="dup", principal="key:a"),  # id in use
+                        ask(1, prompt="x" * 10_000_000)):  # over the prompt size bound
+            with pytest.raises(InvalidRequest):
+                await client.generate(refused)
+        client.engine.runner.gate.set()
+        await run_to_end(client, ask(BURST - 1))  # the window's second request; the tokens were all there
+        with pytest.raises(RateLimited):
+            await client.generate(ask(1))
+        async with first:
+            async for _ in first:
+                pass
+
+
+async def test_tokens_are_held_while_a_request_runs_and_the_unused_come_back() -> None:
+    async with fake_client() as client:
+        client.set_rate_limits(RateLimits(tokens_per_s=1.0, burst=BURST), clock=lambda: 0.0)
+        runner = client.engine.runner
+        eos = client.engine.tokenizer.eos_token_id
+        prompt_len = len(client.engine.tokenizer.encode("hello"))
+        runner.script = lambda tokens: eos if len(tokens) >= prompt_len + 3 else None  # ends after a few tokens
+        runner.gate = threading.Event()  # nothing runs until set
+        held = await client.generate(ask(8))
+        with pytest.raises(RateLimited) as refused:
+            await client.generate(ask(3))  # 8 of 10 are held
+        assert "3 tokens asked" in str(refused.value)
+        runner.gate.set()
+        used = 0
+        async with held:
+            async for output in held:
+                used = output.usage.completion_tokens
+        assert 1 <= used < 8
+        left = BURST - used
+        with pytest.raises(RateLimited):
+            await client.generate(ask(left + 1))  # the used tokens stay spent (the clock stands still)
+        await run_to_end(client, ask(left))  # the unused ones came back
