@@ -32,6 +32,7 @@ BOUNDS = [
     ("num_beams", [1, types.MAX_NUM_BEAMS], [0, types.MAX_NUM_BEAMS + 1]),
     ("seed", [None, 0, 2**63 - 1], [-1, 2**63, 1.5]),
     ("logprobs", [None, 0, 20], [-1, 21]),
+    ("prompt_logprobs", [None, 0, 20], [-1, 21, 1.0]),
 ]
 
 

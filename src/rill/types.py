@@ -115,6 +115,10 @@ class SamplingParams(msgspec.Struct, kw_only=True):
 
     ``temperature`` 0 means greedy. ``top_k`` 0 or -1 means off. ``logprobs`` None means no
     logprobs; 0 means the chosen token's logprob only; N > 0 adds the top N alternatives.
+    ``prompt_logprobs`` does the same for every prompt token after the first, computed while
+    the prompt is prefilled (such a request does not reuse the prefix cache: cached positions
+    have no logits). ``max_tokens`` 0 prefills the prompt and generates nothing (``length``);
+    only where the caller allows it (``validate``'s ``allow_prefill_only``).
     ``num_beams`` > 1 selects beam search (deterministic; sampling fields are ignored).
     ``validate`` holds the bounds of every field; protocols map their wire fields here and
     rely on it rather than checking ranges themselves.
@@ -135,6 +139,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     num_beams: int = 1
     length_penalty: float = 1.0
     early_stopping: bool = False
@@ -142,9 +147,13 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     """Constrained decoding (``ResponseFormat``); a ``modify`` that sets it constrains the text
     generated from then on (not the text before)."""
 
-    def validate(self, vocab_size: int | None = None, max_logprobs: int = 20) -> "SamplingParams":
+    def validate(self, vocab_size: int | None = None, max_logprobs: int = 20,
+                 allow_prefill_only: bool = False) -> "SamplingParams":
         """Check the type and range of every field; raise ``InvalidRequest`` naming the first bad
         one (``field`` is the engine's name; protocols rename it to their wire's). Returns self.
+
+        ``max_tokens`` 0 (prefill only) passes only with ``allow_prefill_only``: the engine can
+        do it, but on most wires a request that generates nothing is a client's mistake.
 
         Every bound is finite, so no accepted value can overflow the sampler or beam scores.
         """
@@ -163,10 +172,13 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         _range(self.repetition_penalty, MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY, "repetition_penalty")
         _range(self.presence_penalty, -MAX_ABS_PENALTY, MAX_ABS_PENALTY, "presence_penalty")
         _range(self.frequency_penalty, -MAX_ABS_PENALTY, MAX_ABS_PENALTY, "frequency_penalty")
-        _check(self.max_tokens >= 1, "max_tokens", "must be >= 1")
+        low = 0 if allow_prefill_only else 1
+        _check(self.max_tokens >= low, "max_tokens", f"must be >= {low}")
         _check(self.max_tokens <= MAX_TOKENS_LIMIT, "max_tokens", f"must be <= {MAX_TOKENS_LIMIT}")
         _check(0 <= self.min_tokens <= self.max_tokens, "min_tokens", "must be in [0, max_tokens]")
         _check(self.logprobs is None or 0 <= self.logprobs <= max_logprobs, "logprobs", f"must be in [0, {max_logprobs}]")
+        _check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= max_logprobs, "prompt_logprobs",
+               f"must be in [0, {max_logprobs}]")
         _check(1 <= self.num_beams <= MAX_NUM_BEAMS, "num_beams", f"must be in [1, {MAX_NUM_BEAMS}]")
         _range(self.length_penalty, -MAX_ABS_LENGTH_PENALTY, MAX_ABS_LENGTH_PENALTY, "length_penalty")
         _check(self.seed is None or 0 <= self.seed < MAX_SEED, "seed", "must be in [0, 2**63)")
@@ -231,8 +243,8 @@ them when not sampling leaves them out (instead of validating them)."""
 
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
                  "length_penalty")
-_INT_FIELDS = ("top_k", "seed", "max_tokens", "min_tokens", "logprobs", "num_beams")
-_OPTIONAL_INT_FIELDS = ("seed", "logprobs")
+_INT_FIELDS = ("top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "num_beams")
+_OPTIONAL_INT_FIELDS = ("seed", "logprobs", "prompt_logprobs")
 
 
 def _is_int(value: Any) -> bool:
@@ -348,11 +360,15 @@ class TopLogprob(msgspec.Struct, array_like=True):
 
 
 class TokenLogprob(msgspec.Struct, kw_only=True):
-    """Logprob of a chosen token, with the top alternatives (chosen token not repeated)."""
+    """Logprob of a chosen token, with the top alternatives (chosen token not repeated).
+
+    ``rank`` (prompt logprobs only, else None): 1 + how many tokens were more likely.
+    """
 
     token_id: int
     logprob: float
     top: list[TopLogprob] = []
+    rank: int | None = None
 
 
 class Usage(msgspec.Struct, kw_only=True):
@@ -376,6 +392,10 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     character). ``token_texts`` concatenate to ``text`` except where the detokenizer held
     text back or a stop string was cut. ``finished`` is set on the last output only.
     ``error`` is a ``RillError`` when ``finish_reason`` is ``error``.
+    ``prompt_logprobs`` (asked by ``SamplingParams.prompt_logprobs``) comes once, on the output
+    of the step that finished the prompt: one entry per prompt token, None for the first.
+    ``cumulative_logprob`` (with ``SamplingParams.logprobs``) sums the logprobs of every token
+    generated so far, end-of-sequence included (``usage.completion_tokens`` counts them).
     Times are ``time.monotonic()`` seconds.
     """
 
@@ -384,6 +404,8 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     token_ids: list[int] = []
     token_texts: list[str] = []
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    cumulative_logprob: float | None = None
     events: list[RequestEvent] = []
     finished: bool = False
     finish_reason: FinishReason | None = None
@@ -407,6 +429,8 @@ class RequestOutput(msgspec.Struct, kw_only=True):
             token_ids=self.token_ids + later.token_ids,
             token_texts=self.token_texts + later.token_texts,
             logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs,
+            cumulative_logprob=later.cumulative_logprob if later.cumulative_logprob is not None else self.cumulative_logprob,
             events=self.events + later.events,
             finished=later.finished,
             finish_reason=later.finish_reason,

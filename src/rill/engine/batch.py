@@ -25,12 +25,23 @@ class RowWork:
             position ``start + i``. Positions past ``start + len(token_ids)`` are garbage.
         need_logits: whether the logits after the last token of ``token_ids`` are wanted
             (False for a prefill chunk that is not the prompt's last).
+        all_logits: the logits after *every* token of ``token_ids`` are wanted (prompt
+            logprobs); the item then has ``len(token_ids)`` rows of logits, whatever
+            ``need_logits`` says, and its last row is the one ``need_logits`` asks for.
     """
 
     row: int
     token_ids: list[int]
     start: int
     need_logits: bool = True
+    all_logits: bool = False
+
+    @property
+    def num_logits(self) -> int:
+        """Rows of logits this item gets from ``ModelRunner.forward``."""
+        if self.all_logits:
+            return len(self.token_ids)
+        return 1 if self.need_logits else 0
 
 
 class ModelRunner(Protocol):
@@ -49,8 +60,8 @@ class ModelRunner(Protocol):
     vocab_size: int
 
     def forward(self, work: Sequence[RowWork]) -> Any:
-        """Run one step; return float32 logits ``[n, vocab_size]`` (a torch tensor), one row per
-        item with ``need_logits``, in the order of ``work``."""
+        """Run one step; return float32 logits ``[n, vocab_size]`` (a torch tensor): each item's
+        ``num_logits`` rows (one per position, in order), items in the order of ``work``."""
         ...
 
     def copy_row(self, src: int, dst: int, num_tokens: int) -> None:

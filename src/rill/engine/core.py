@@ -41,7 +41,7 @@ from rill.engine.request import (
 from rill.engine.sampler import Sampler
 from rill.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from rill.errors import GenerationError, RequestTimeout, RillError
-from rill.types import EngineStats, FinishReason, RequestEvent, RequestOutput, Usage
+from rill.types import EngineStats, FinishReason, RequestEvent, RequestOutput, TokenLogprob, Usage
 
 log = logging.getLogger("rill.engine")
 
@@ -49,6 +49,10 @@ log = logging.getLogger("rill.engine")
 # streams' inter-token latency at most doubles while a long prompt is prefilled).
 ITL_TARGET_HIGH = 1.8
 ITL_TARGET_LOW = 1.4
+
+# A prefill chunk of a request asking prompt logprobs returns the logits of every position;
+# its length is capped so that they hold at most this many floats (64 MiB).
+PROMPT_LOGITS_BUDGET = 2**24
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,7 @@ class EngineCore:
         self.kv = KVManager(runner.num_rows, runner.max_len, runner.kv_bytes_per_token, min_reuse_tokens=config.min_reuse_tokens)
         self.scheduler = Scheduler(self.kv, runner.copy_row, min(config.max_num_seqs, runner.num_rows), config.max_num_batched_tokens)
         self.scheduler.prefill_chunk_tokens = min(128, config.max_num_batched_tokens)
+        self.scheduler.max_logits_chunk_tokens = max(16, PROMPT_LOGITS_BUDGET // max(1, runner.vocab_size))
         num_keys = runner.num_rows + 2 * config.max_num_seqs
         self.sampler = Sampler(runner.vocab_size, num_keys, device=getattr(runner, "device", "cpu"))
         self.free_keys = list(range(num_keys - 1, -1, -1))
@@ -108,6 +113,8 @@ class EngineCore:
             self.deadlines[request.request_id] = request
         request.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_ids)
         request.stop_matcher = StopStringMatcher(list(request.params.stop)) if request.params.stop else None
+        if request.params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None]  # the first token has no context to be predicted from
         request.pending_events.append(RequestEvent.QUEUED)
         self.touched[request.request_id] = request
         self.scheduler.enqueue(request)
@@ -163,6 +170,7 @@ class EngineCore:
             request.num_beam_tokens_emitted = 0
         request.output_ids = []
         request.num_output_tokens_counted = 0
+        request.cumulative_logprob = 0.0
         request.first_token_time = None
         request.detokenizer.reset(request.prompt_ids)
         request.stop_matcher = StopStringMatcher(list(request.params.stop)) if request.params.stop else None
@@ -247,6 +255,7 @@ class EngineCore:
         sample_rows: list[int] = []
         sample_reqs: list[Request] = []
         beam_items: list[tuple[Request, int, int]] = []
+        prefilled: list[Request] = []
         index = 0
         for item in scheduled:
             request = item.request
@@ -258,13 +267,22 @@ class EngineCore:
                 continue
             work = item.work[0]
             request.num_computed += len(work.token_ids)
-            if work.need_logits:
-                if request.is_beam:
-                    beam_items.append((request, index, 1))
-                else:
-                    sample_rows.append(index)
-                    sample_reqs.append(request)
-                index += 1
+            if work.all_logits:
+                self._isolated(request, "computing prompt logprobs", self._on_prompt_logits, request, work.start,
+                               logits[index : index + work.num_logits])
+            index += work.num_logits
+            if not work.need_logits or request.is_finished:
+                continue
+            last = index - 1
+            if request.params.max_tokens == 0:
+                prefilled.append(request)
+            elif request.is_beam:
+                beam_items.append((request, last, 1))
+            else:
+                sample_rows.append(last)
+                sample_reqs.append(request)
+        for request in prefilled:  # max_tokens 0: the prompt is computed, nothing is generated
+            self._isolated(request, "finishing", self._finish_prefilled, request)
         now = self.clock()
         if sample_reqs:
             rows = logits if len(sample_rows) == logits.shape[0] else logits[sample_rows]
@@ -284,6 +302,28 @@ class EngineCore:
             self._isolated(request, "beam search", self._beam_step, request, logits[start : start + count], now,
                            rows=self._rows_of(request))
 
+    def _on_prompt_logits(self, request: Request, start: int, logits: torch.Tensor) -> None:
+        """Turn a chunk's logits (row ``i``: after position ``start + i``) into prompt logprobs."""
+        done = request.prompt_logprobs
+        if done is None:
+            return
+        prompt = request.prompt_ids
+        first = start + 1  # the prompt token that row 0 predicts
+        end = min(start + logits.shape[0] + 1, len(prompt))  # exclusive; the last row may predict past the prompt
+        low = max(first, len(done))  # positions recomputed after a preemption are not scored twice
+        if low >= end:
+            return
+        if len(done) < first:
+            raise RuntimeError(f"prompt logprobs of positions {len(done)}..{first} were skipped")
+        num_top = request.params.prompt_logprobs or 0
+        done.extend(self.sampler.score(logits[low - first : end - first], prompt[low:end], num_top))
+
+    def _finish_prefilled(self, request: Request) -> None:
+        if request.is_finished:
+            return
+        self._mark_prefill_done(request)
+        self._finish(request, "length")
+
     # -- per-token output stage ------------------------------------------------------------
     def _on_token(self, request: Request, token: int, logprob: Any, now: float) -> None:
         if request.is_finished:
@@ -291,6 +331,8 @@ class EngineCore:
         self._mark_prefill_done(request)
         request.output_ids.append(token)
         request.num_output_tokens_counted += 1
+        if logprob is not None:
+            request.cumulative_logprob += logprob.logprob
         self.stats_counters.generation_tokens_total += 1
         if request.first_token_time is None:
             request.first_token_time = now
@@ -469,17 +511,27 @@ class EngineCore:
         request.pending_token_texts = []
         request.pending_logprobs = []
 
+    def _take_prompt_logprobs(self, request: Request) -> list[TokenLogprob | None] | None:
+        """The request's prompt logprobs the first time they are complete, else None."""
+        if request.prompt_logprobs is None or request.is_prompt_logprobs_sent or request.needs_prompt_logits:
+            return None
+        request.is_prompt_logprobs_sent = True
+        return request.prompt_logprobs
+
     def _collect_outputs(self) -> list[RequestOutput]:
         outputs = []
         for request in self.touched.values():
             finished = request.is_finished
+            wants_logprobs = request.params.logprobs is not None
             outputs.append(
                 RequestOutput(
                     request_id=request.request_id,
                     text=request.pending_text,
                     token_ids=request.pending_token_ids,
                     token_texts=request.pending_token_texts,
-                    logprobs=request.pending_logprobs if request.params.logprobs is not None else None,
+                    logprobs=request.pending_logprobs if wants_logprobs else None,
+                    prompt_logprobs=self._take_prompt_logprobs(request),
+                    cumulative_logprob=request.cumulative_logprob if wants_logprobs else None,
                     events=request.pending_events,
                     finished=finished,
                     finish_reason=request.finish_reason if finished else None,

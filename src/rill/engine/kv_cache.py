@@ -138,15 +138,16 @@ class KVManager:
         return best
 
     # -- acquire / release ---------------------------------------------------------------
-    def acquire(self, holder: RowHolder, token_ids: list[int]) -> Acquired | None:
-        """Give ``holder`` a row for ``token_ids``, reusing the longest cached prefix.
+    def acquire(self, holder: RowHolder, token_ids: list[int], reuse: bool = True) -> Acquired | None:
+        """Give ``holder`` a row for ``token_ids``, reusing the longest cached prefix (unless
+        ``reuse`` is False: then every token is computed).
 
         At least one token is always left to compute, because its logits are needed.
         Returns None when no row is free or evictable.
         """
         if self.num_available_rows == 0:
             return None
-        limit = len(token_ids) - 1
+        limit = len(token_ids) - 1 if reuse else 0
         src, length, src_is_cached = self.best_match(token_ids, limit)
         self.num_query_tokens += len(token_ids)
         if src is not None and src_is_cached and (length >= len(self.cached[src]) or not self._spare_row(exclude=src)):

@@ -66,6 +66,11 @@ class Request:
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     pending_events: list[RequestEvent] = field(default_factory=list)
     num_output_tokens_counted: int = 0  # includes eos (usage), unlike output token ids sent
+    cumulative_logprob: float = 0.0  # of every sampled token, eos included (with params.logprobs)
+    # Prompt logprobs (params.prompt_logprobs): entries for prompt tokens [0, len), None for the
+    # first; None when not asked. Sent once, when complete.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    is_prompt_logprobs_sent: bool = False
     finish_reason: Any = None
     stop_reason: Any = None
     error: Any = None
@@ -88,6 +93,12 @@ class Request:
         if start >= num_prompt:
             return self.output_ids[start - num_prompt : stop - num_prompt]
         return self.prompt_ids[start:] + self.output_ids[: stop - num_prompt]
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """True while prompt logprobs are asked and not all computed: the prefill then needs
+        the logits of every position, so the prefix cache cannot serve any of them."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids)
 
     @property
     def is_finished(self) -> bool:

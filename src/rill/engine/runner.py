@@ -68,8 +68,8 @@ class TorchModelRunner:
 
     @torch.inference_mode()
     def forward(self, work: Sequence[RowWork]) -> torch.Tensor:
-        """Run one step; return float32 logits ``[n, vocab_size]`` for the items with
-        ``need_logits``, in the order of ``work``.
+        """Run one step; return float32 logits ``[n, vocab_size]``: ``item.num_logits`` rows
+        per item (every position of an ``all_logits`` chunk), in the order of ``work``.
 
         Items with one token are decoded together; longer items are prefill chunks. Every
         item's keys/values are written at positions ``start .. start + len - 1`` of its row.
@@ -144,7 +144,13 @@ class TorchModelRunner:
             positions.extend(range(item.start, item.start + n))
             rows.extend([self._physical[item.row]] * n)
             last_index[id(item)] = len(ids) - 1
-        wanted = [last_index[id(item)] for item in work if item.need_logits]
+        wanted: list[int] = []
+        for item in work:
+            last = last_index[id(item)]
+            if item.all_logits:
+                wanted.extend(range(last - len(item.token_ids) + 1, last + 1))
+            elif item.need_logits:
+                wanted.append(last)
         if wanted == list(range(len(ids))):
             logits_index = None  # every token, in packed order: no gather
         else:

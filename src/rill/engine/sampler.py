@@ -285,6 +285,39 @@ class Sampler:
             logprobs = self._logprobs(raw, tokens, slots, plan.logprob_rows, len(slots))
         return tokens, logprobs
 
+    def score(self, logits: torch.Tensor, token_ids: list[int], num_top: int) -> list[TokenLogprob]:
+        """How likely each given token was: ``token_ids[i]`` under row ``i`` of ``logits`` (prompt logprobs).
+
+        Logprobs are of the raw distribution, as for sampled tokens; ``TokenLogprob.top`` holds the
+        ``num_top`` most likely other tokens and ``rank`` is 1 + the number of tokens more likely
+        than the given one. No per-key state is read or written. Cost per row: the log-sum-exp and
+        one comparison pass over the vocabulary, plus ``top_n`` (see ``_logprobs``).
+        """
+        raw = np.ascontiguousarray(logits.detach().to("cpu", torch.float32).numpy())
+        l, vocab = raw.shape
+        if l != len(token_ids):
+            raise ValueError(f"{l} rows of logits for {len(token_ids)} tokens")
+        if l == 0:
+            return []
+        targets = np.asarray(token_ids, np.int64)
+        with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+            peak = raw.max(axis=1)
+            shifted = np.subtract(raw, peak[:, None], out=self._ws.get("w", (l, vocab), np.float32))
+            lse = peak + np.log(np.einsum("lv->l", np.exp(shifted, out=shifted)).astype(np.float64))
+            given = raw[np.arange(l), targets]
+            chosen = (given - lse).tolist()
+            ranks = (1 + np.count_nonzero(raw > given[:, None], axis=1)).tolist()
+            top_ids: list[list[int]] = [[] for _ in range(l)]
+            top_lps: list[list[float]] = [[] for _ in range(l)]
+            if num_top > 0:  # one more than asked, so that N remain once the given token is left out
+                ids, values = top_n(raw, min(num_top + 1, vocab), scratch=self._ws.get("scratch", (l, vocab), np.float32))
+                top_ids, top_lps = ids.tolist(), (values - lse[:, None]).tolist()
+        out = []
+        for j, tok in enumerate(targets.tolist()):
+            top = [TopLogprob(t, lp) for t, lp in zip(top_ids[j], top_lps[j]) if t != tok][:num_top]
+            out.append(TokenLogprob(token_id=tok, logprob=chosen[j], top=top, rank=ranks[j]))
+        return out
+
     def _sample_each(self, raw: np.ndarray, key_arr: np.ndarray, slots: list[_Slot], uniforms: np.ndarray
                      ) -> tuple[np.ndarray, list[TokenLogprob | None], dict[int, Exception]]:
         """The batch raised: sample row by row and report the rows that raise on their own."""

@@ -67,6 +67,9 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefill_chunk_tokens = max_num_batched_tokens
+        # A chunk whose every position returns logits (prompt logprobs) holds at most this
+        # many tokens, which bounds that step's logits memory (the core sets it from the vocabulary).
+        self.max_logits_chunk_tokens = max_num_batched_tokens
         self.waiting: list[tuple[int, int, Request]] = []  # heap; stale entries skipped lazily
         self.running: list[Request] = []
         self.paused: dict[str, Request] = {}
@@ -138,9 +141,11 @@ class Scheduler:
 
     def _schedule_chunk(self, request: Request, budget: int, out: SchedulerOutput) -> int:
         remaining = request.num_tokens - request.num_computed
-        n = min(remaining, budget)
+        all_logits = request.needs_prompt_logits
+        n = min(remaining, budget, self.max_logits_chunk_tokens) if all_logits else min(remaining, budget)
         start = request.num_computed
-        item = RowWork(request.row, request.token_at(start, start + n), start, need_logits=(n == remaining))
+        item = RowWork(request.row, request.token_at(start, start + n), start, need_logits=(n == remaining),
+                       all_logits=all_logits)
         out.scheduled.append(ScheduledRequest(request, [item]))
         out.num_prefill_tokens += n
         return n
@@ -153,7 +158,7 @@ class Scheduler:
             if request.status is not RequestStatus.WAITING:
                 continue  # stale: finished, paused or already running
             tokens = request.all_ids
-            if self.kv.pending_overlap(tokens) >= MIN_SHARED_PREFILL_TOKENS:
+            if not request.needs_prompt_logits and self.kv.pending_overlap(tokens) >= MIN_SHARED_PREFILL_TOKENS:
                 deferred.append(entry)
                 continue
             error = self._check_cached_prefix(request, tokens)
@@ -248,7 +253,7 @@ class Scheduler:
         self._release_rows(request)
 
     def _place(self, request: Request, tokens: list[int]) -> None:
-        acquired = self.kv.acquire(request, tokens)
+        acquired = self.kv.acquire(request, tokens, reuse=not request.needs_prompt_logits)
         assert acquired is not None  # _make_room guaranteed a row
         if acquired.copy_from is not None:
             src, num_tokens = acquired.copy_from

@@ -156,7 +156,9 @@ class InprocClient:
     async def generate(self, request: GenerateRequest) -> RequestStream:
         """Tokenize (off the event loop), validate and submit; see ``EngineClient.generate``."""
         engine = self._require_engine()
-        params = self._capped(request.sampling).validate(vocab_size=engine.model_info.vocab_size)
+        # Prefill-only (max_tokens 0) is the engine's to do; each protocol decides whether it offers it.
+        params = self._capped(request.sampling).validate(vocab_size=engine.model_info.vocab_size,
+                                                         allow_prefill_only=True)
         [prompt_ids] = await self._admission.token_ids(engine.tokenizer, [request], engine.model_info)
         engine = self._require_engine()  # the engine may have died while the prompt was tokenized
         # A new constraint compiles in milliseconds (more for huge schemas): not on the event
