@@ -33,9 +33,11 @@ def _chat(**fields: object) -> ChatCompletionRequest:
         (b'{"prompt": "x", "stop": 5}', "stop", ""),
         (b'{"prompt": "x", "logit_bias": {"abc": 1}}', "logit_bias", ""),
         (b'{"prompt": "x", "stream_options": {"include_usage": "yes"}}', "stream_options", ""),
-        (b'{"prompt": "x", "echo": true}', "echo", "not supported"),
         (b'{"prompt": "x", "suffix": "s"}', "suffix", "not supported"),
-        (b'{"prompt": "x", "best_of": 3}', "best_of", "best_of"),
+        (b'{"prompt": "x", "best_of": 1, "n": 2}', "best_of", "at least 'n'"),
+        (b'{"prompt": "x", "best_of": 0}', "best_of", "[1, 128]"),
+        (b'{"prompt": "x", "best_of": 3, "stream": true}', "best_of", "cannot be streamed"),
+        (b'{"prompt": "x", "prompt_logprobs": 1, "stream": true}', "prompt_logprobs", "cannot be streamed"),
         (b'{"model": "m"}', "prompt", "required"),
         (b'{"prompt": "x"', None, "JSON"),
     ],
@@ -112,8 +114,39 @@ def test_prompt_filling_the_context_names_both_lengths() -> None:
     assert "100 tokens" in caught.value.message and "at most 100" in caught.value.message
     assert caught.value.num_prompt_tokens == 100 and caught.value.max_context_tokens == 100
     with pytest.raises(errors.InvalidRequest) as zero:
-        codec.resolve_max_tokens(_completion(max_tokens=0), 5, SERVED)
+        codec.resolve_max_tokens(_chat(max_tokens=0), 5, SERVED)
     assert zero.value.field == "max_tokens"
+    with pytest.raises(errors.InvalidRequest) as negative:
+        codec.resolve_max_tokens(_completion(max_tokens=-1), 5, SERVED)
+    assert negative.value.field == "max_tokens"
+
+
+def test_max_tokens_zero_on_completions_prefills_only() -> None:
+    assert codec.resolve_max_tokens(_completion(max_tokens=0), 100, SERVED) == 0  # a whole context: no room needed
+    params = codec.sampling_params(_completion(max_tokens=0, echo=True, logprobs=2), 0, SERVED)
+    assert (params.max_tokens, params.logprobs, params.prompt_logprobs) == (0, 2, 2)
+
+
+def test_echo_and_best_of_mapping() -> None:
+    assert codec.sampling_params(_completion(echo=True), 5, SERVED).prompt_logprobs is None  # no logprobs: text only
+    assert codec.sampling_params(_completion(echo=True, logprobs=1, prompt_logprobs=4), 5, SERVED).prompt_logprobs == 4
+    ranked = codec.sampling_params(_completion(best_of=3), 5, SERVED)
+    assert ranked.logprobs == 0  # candidates are ranked by their tokens' logprobs
+    ids = [[1, 2], [3]]
+    reqs = codec.generate_requests(_completion(best_of=3, n=2, seed=5), ids, SERVED, "cmpl-x")
+    assert [r.prompt_token_ids for r in reqs] == [[1, 2]] * 3 + [[3]] * 3
+    assert [r.sampling.seed for r in reqs] == [5, 6, 7] * 2
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [({"echo": True}, "echo"), ({"prompt_logprobs": -1}, "prompt_logprobs"), ({"prompt_logprobs": 21}, "prompt_logprobs"),
+     ({"prompt_logprobs": 2, "stream": True}, "prompt_logprobs")],
+)
+def test_chat_prompt_logprobs_and_echo_errors(fields: dict, field: str) -> None:
+    with pytest.raises(errors.InvalidRequest) as caught:
+        codec.sampling_params(_chat(**fields), 5, SERVED)
+    assert caught.value.field == field
 
 
 def test_sampling_mapping() -> None:

@@ -42,7 +42,7 @@ from rill.frontend.stream import RequestStream
 from rill.protocols._shared import sse
 from rill.protocols.openai_http import codec
 from rill.protocols.openai_http.messages import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
-from rill.protocols.openai_http.session import Kind, ResponseSession
+from rill.protocols.openai_http.session import EchoPrompt, Kind, ResponseSession
 from rill.types import GenerateRequest, RequestOutput
 
 log = logging.getLogger("rill.openai_http")
@@ -152,21 +152,30 @@ class OpenAIApi:
             served = self._served()
             req: Any = codec.decode_chat(body) if kind is Kind.CHAT else codec.decode_completion(body)
             codec.check_model(req.model, served)
-            prompts = await self.client.tokenize(self._prompts(req, kind, served))
+            given = self._prompts(req, kind, served)
+            prompts = await self.client.tokenize(given)
             requests = codec.generate_requests(req, prompts, served, response_id,
                                                deadline_s=self.deps.config.http.request_timeout_s)
+            echo = self._echo(req, kind, given, prompts)
             streams = await self._submit(requests, auth.scope_principal(request.scope))
         except Exception as exc:
             self._count_rejection(exc)
             return error_response(exc)
         try:
-            return self._responder(kind, req, served.name, response_id, streams)
+            return self._responder(kind, req, served.name, response_id, streams, echo)
         except BaseException:
             await _close_all(streams)  # submitted requests must never outlive a failed handler
             raise
 
+    def _echo(self, req: Any, kind: Kind, given: list[Any], prompts: list[list[int]]) -> list[EchoPrompt] | None:
+        """Completions ``echo``: each prompt as sent (token-id prompts decoded) with its token ids."""
+        if kind is not Kind.COMPLETION or not req.echo:
+            return None
+        return [EchoPrompt(text=p if isinstance(p, str) else self.client.decode(ids), token_ids=ids)
+                for p, ids in zip(given, prompts)]
+
     def _responder(self, kind: Kind, req: Any, model: str, response_id: str,
-                   streams: list[RequestStream]) -> "_Responder":
+                   streams: list[RequestStream], echo: list[EchoPrompt] | None = None) -> "_Responder":
         if kind is Kind.CHAT:
             logprobs = (req.top_logprobs or 0) if req.logprobs else None
         else:
@@ -176,6 +185,7 @@ class OpenAIApi:
             num_choices=len(streams), n=req.n or 1, logprobs=logprobs, token_text=_token_texts(self.client),
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
             tool_format=self._tool_format() if kind is Kind.CHAT and codec.parses_tool_calls(req) else None,
+            candidates=codec.candidates_per_prompt(req), echo=echo, prompt_logprobs=req.prompt_logprobs,
         )
         return _Responder(session, streams, is_streaming=bool(req.stream),
                           keepalive_s=self.deps.config.http.sse_keepalive_s)

@@ -181,10 +181,18 @@ _chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
 def decode_completion(body: bytes) -> CompletionRequest:
     """Parse a ``/v1/completions`` body; ``InvalidRequest`` names the bad field."""
     req = _decode(_completion_decoder, body)
-    _reject_unsupported(echo=bool(req.echo), suffix=req.suffix is not None)
+    _reject_unsupported(suffix=req.suffix is not None)
     _check_formats(req)
-    if req.best_of is not None and req.best_of != (req.n or 1):
-        raise InvalidRequest("'best_of' is not supported (only best_of == n)", field="best_of")
+    _check_prompt_logprobs(req)
+    if req.best_of is not None:
+        n = 1 if req.n is None else req.n
+        if not 1 <= req.best_of <= MAX_N:
+            raise InvalidRequest(f"'best_of' must be in [1, {MAX_N}]", field="best_of")
+        if req.best_of < n:
+            raise InvalidRequest(f"'best_of' ({req.best_of}) must be at least 'n' ({n})", field="best_of")
+        if req.best_of > n and req.stream:
+            # As OpenAI: the best candidates are known only once all of them have finished.
+            raise InvalidRequest("'best_of' greater than 'n' cannot be streamed; send stream: false", field="best_of")
     if req.prompt is None:
         raise InvalidRequest("'prompt' is required", field="prompt")
     return req
@@ -195,6 +203,10 @@ def decode_chat(body: bytes) -> ChatCompletionRequest:
     req = _decode(_chat_decoder, body)
     if not req.messages:
         raise InvalidRequest("'messages' must be a non-empty list", field="messages")
+    if req.echo:
+        raise InvalidRequest("'echo' is a /v1/completions field; chat completions do not echo the messages",
+                             field="echo")
+    _check_prompt_logprobs(req)
     if req.top_logprobs and not req.logprobs:  # 0 or null without logprobs is harmless
         raise InvalidRequest("'top_logprobs' needs 'logprobs' set to true", field="top_logprobs")
     _check_tools(req)
@@ -235,6 +247,13 @@ def tokenize_prompt(req: TokenizeRequest, served: ServedModel) -> tuple[str | Ge
     prompt = GenerateRequest(messages=chat_messages(req, served), add_generation_prompt=req.add_generation_prompt is not False,
                              chat_template_kwargs=kwargs)
     return prompt, bool(req.add_special_tokens)
+
+
+def _check_prompt_logprobs(req: CompletionRequest | ChatCompletionRequest) -> None:
+    # The bounds are SamplingParams'; streaming is this wire's limit (as vLLM's).
+    if req.prompt_logprobs is not None and req.stream:
+        raise InvalidRequest("'prompt_logprobs' cannot be streamed; send stream: false (or, on /v1/completions, "
+                             "echo with logprobs, which streams)", field="prompt_logprobs")
 
 
 def _check_formats(req: CompletionRequest | ChatCompletionRequest) -> None:
@@ -336,14 +355,21 @@ def completion_prompts(req: CompletionRequest, max_choices: int | None = None) -
             ``n``) than ``max_choices``; checked before anything is tokenized or submitted.
     """
     prompts = _completion_prompts(req)
-    n = 1 if req.n is None else req.n
+    n = candidates_per_prompt(req)
     if max_choices is not None and len(prompts) * max(n, 1) > max_choices:
         raise InvalidRequest(
-            f"'prompt' holds {len(prompts)} prompts and n is {n}: {len(prompts) * n} choices, but this server "
+            f"'prompt' holds {len(prompts)} prompts and n (or best_of) is {n}: {len(prompts) * n} choices, but this server "
             f"takes at most {max_choices} per request; send them in several requests",
             field="prompt",
         )
     return prompts
+
+
+def candidates_per_prompt(req: CompletionRequest | ChatCompletionRequest) -> int:
+    """How many completions are generated per prompt: ``best_of`` when set, else ``n``."""
+    n = 1 if req.n is None else req.n
+    best_of = getattr(req, "best_of", None)
+    return max(n, best_of) if best_of is not None else n
 
 
 def _completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
@@ -450,19 +476,23 @@ def resolve_max_tokens(req: CompletionRequest | ChatCompletionRequest, num_promp
     the default is what remains of the context after the prompt. Either way the result is
     clamped to what remains of the context and to ``--max-tokens-cap``: a request never
     fails for asking too much, it ends with ``finish_reason: length``. A prompt that leaves
-    no room at all is ``ContextLengthExceeded`` naming both lengths.
+    no room at all is ``ContextLengthExceeded`` naming both lengths. ``max_tokens`` 0 on
+    ``/v1/completions`` computes the prompt only (echo and prompt logprobs of a whole context).
     """
     room = served.max_context_tokens - num_prompt_tokens
+    asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    if asked == 0 and isinstance(req, CompletionRequest) and room >= 0:
+        return 0
     if room < 1:
         raise ContextLengthExceeded(
             num_prompt_tokens, served.max_context_tokens,
             f"prompt has {num_prompt_tokens} tokens but the model's context holds at most "
             f"{served.max_context_tokens} (prompt and completion together)",
         )
-    asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     if asked is not None and asked < 1:
-        raise InvalidRequest(f"'{name}' must be >= 1", field=name)
+        low = 0 if isinstance(req, CompletionRequest) else 1
+        raise InvalidRequest(f"'{name}' must be >= {low}", field=name)
     limit = room if asked is None else min(asked, room)
     if served.max_tokens_cap is not None:
         limit = min(limit, served.max_tokens_cap)
@@ -475,16 +505,22 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
     n = 1 if req.n is None else req.n
     if not 1 <= n <= MAX_N:
         raise InvalidRequest(f"'n' must be in [1, {MAX_N}]", field="n")
+    prompt_logprobs = req.prompt_logprobs
     if isinstance(req, ChatCompletionRequest):
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         logprobs_field = "top_logprobs"
     else:
         logprobs, logprobs_field = req.logprobs, "logprobs"
-    patch = SAMPLING.patch(req) | {"max_tokens": max_tokens, "logprobs": logprobs,
+        if req.echo and logprobs is not None and (prompt_logprobs is None or 0 <= prompt_logprobs < logprobs):
+            prompt_logprobs = logprobs  # the echoed prompt's tokens get the same alternatives as generated ones
+        if req.best_of is not None and req.best_of > (req.n or 1) and logprobs is None:
+            logprobs = 0  # candidates are ranked by their tokens' mean logprob (not shown unless asked)
+    patch = SAMPLING.patch(req) | {"max_tokens": max_tokens, "logprobs": logprobs, "prompt_logprobs": prompt_logprobs,
                                    "response_format": response_format(req, served)}
     patch["min_tokens"] = min(patch.get("min_tokens", 0), max_tokens)
     try:
-        return SAMPLING.params(patch, vocab_size=served.vocab_size, max_logprobs=MAX_LOGPROBS)
+        return SAMPLING.params(patch, vocab_size=served.vocab_size, max_logprobs=MAX_LOGPROBS,
+                               allow_prefill_only=isinstance(req, CompletionRequest))
     except InvalidRequest as exc:
         if exc.field == "logprobs" and logprobs_field != "logprobs":
             raise InvalidRequest(str(exc).replace("'logprobs'", f"'{logprobs_field}'"), field=logprobs_field) from exc
@@ -558,12 +594,12 @@ def generate_requests(
     response_id: str,
     deadline_s: float | None = None,
 ) -> list[GenerateRequest]:
-    """One ``GenerateRequest`` per choice: for each prompt, ``n`` choices in a row.
+    """One ``GenerateRequest`` per candidate: for each prompt, ``n`` (or ``best_of``) in a row.
 
-    Choice ``k`` belongs to prompt ``k // n``. With a ``seed``, choice ``i`` of a prompt
-    gets ``seed + i`` so that the ``n`` choices differ yet repeat between runs.
+    Candidate ``k`` belongs to prompt ``k // n``. With a ``seed``, candidate ``i`` of a prompt
+    gets ``seed + i`` so that the ``n`` candidates differ yet repeat between runs.
     """
-    n = 1 if req.n is None else req.n
+    n = candidates_per_prompt(req)
     if served.max_choices is not None and len(prompts_token_ids) * n > served.max_choices:
         raise InvalidRequest(f"{len(prompts_token_ids) * n} choices asked (prompts x n); this server takes at most "
                              f"{served.max_choices} per request", field="n")

@@ -6,8 +6,9 @@ API reference (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``), i
 ``usage.prompt_tokens_details.cached_tokens``. Extensions beyond OpenAI's fields are the
 sampling knobs vLLM also accepts (``top_k``, ``min_p``, ``repetition_penalty``,
 ``min_tokens``, ``ignore_eos``, ``stop_token_ids``), ``response_format`` on completions too,
-with the extra types ``regex`` and ``grammar``, and vLLM's ``structured_outputs``
-(``json``, ``regex``, ``grammar``, ``choice``, ``json_object``).
+with the extra types ``regex`` and ``grammar``, vLLM's ``structured_outputs``
+(``json``, ``regex``, ``grammar``, ``choice``, ``json_object``) and vLLM's ``prompt_logprobs``
+(requests) with its answer shape (``PromptLogprobOut``; left out of responses unless asked).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class _CommonRequest(msgspec.Struct, kw_only=True):
     user: str | None = None
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
+    prompt_logprobs: int | None = None
 
 
 def _stop_list(stop: str | list[str]) -> list[str]:
@@ -74,7 +76,9 @@ class CompletionRequest(_CommonRequest, kw_only=True):
 
     ``prompt`` is a string, a list of strings (one completion per prompt), a list of token
     ids, or a list of token-id lists; ``logprobs`` asks for the chosen token's logprob plus
-    that many alternatives.
+    that many alternatives. ``echo`` puts the prompt before the completion (with ``logprobs``,
+    the prompt tokens' too); ``best_of`` candidates are generated per prompt and the ``n``
+    with the highest mean token logprob are returned.
     """
 
     prompt: Any = None
@@ -105,6 +109,7 @@ class ChatCompletionRequest(_CommonRequest, kw_only=True):
     messages: list[ChatMessageIn] | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
+    echo: bool | None = None  # vLLM's chat echo; decoded only to be refused by name
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -197,12 +202,27 @@ class UsageInfo(msgspec.Struct, kw_only=True):
 
 
 class CompletionLogprobs(msgspec.Struct, kw_only=True):
-    """Legacy completions ``logprobs``: parallel lists, one entry per generated token."""
+    """Legacy completions ``logprobs``: parallel lists, one entry per token (with ``echo``, the
+    prompt's first; its first token has null logprob and alternatives)."""
 
     tokens: list[str] = []
     token_logprobs: list[float | None] = []
-    top_logprobs: list[dict[str, float]] | None = None
+    top_logprobs: list[dict[str, float] | None] | None = None
     text_offset: list[int] = []
+
+
+class PromptLogprobOut(msgspec.Struct, kw_only=True):
+    """One token of vLLM's ``prompt_logprobs`` (keyed by token id): its logprob, its rank among
+    all tokens (1 is the most likely) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[str, PromptLogprobOut] | None]
+"""vLLM's ``prompt_logprobs``: per prompt token (None for the first), the token and the asked
+number of most likely alternatives, keyed by token id."""
 
 
 class CompletionChoice(msgspec.Struct, kw_only=True):
@@ -212,6 +232,7 @@ class CompletionChoice(msgspec.Struct, kw_only=True):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | msgspec.UnsetType = msgspec.UNSET
 
 
 class Completion(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -311,6 +332,7 @@ class ChatCompletion(msgspec.Struct, kw_only=True):
     choices: list[ChatChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobs | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatDelta(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -11,6 +11,13 @@ A choice's failure (``finish_reason`` ``error``, or ``cancelled`` while the clie
 there) sets ``failed``; the adapter then stops, sends ``end()`` (streamed: an error event,
 then ``[DONE]``) or an error response (not streamed). Token strings for logprobs come from
 ``token_text`` (the client's ``decode([id])``), passed in so this module stays pure.
+
+Completions ``echo``: a choice's text starts with its prompt, and with ``logprobs`` its legacy
+``logprobs`` lists start with the prompt tokens (the first one's logprob and alternatives
+null); streamed, the echo goes in the choice's first chunk, once the engine has the prompt's
+logprobs. ``best_of``: ``candidates`` engine requests per prompt, of which the ``n`` with the
+highest mean token logprob (``cumulative_logprob / completion tokens``, end-of-sequence
+included) are shown, most likely first (never streamed).
 """
 
 from __future__ import annotations
@@ -19,11 +26,15 @@ import enum
 from dataclasses import dataclass, field
 from typing import Callable
 
+import msgspec
+
 from rill.errors import GenerationError, RillError
 from rill.protocols._shared import sse
 from rill.protocols._shared.tool_calls import ContentDelta, ToolCallDelta, ToolCallParser, make_parser
 from rill.protocols.openai_http import codec
 from rill.protocols.openai_http.messages import (
+    PromptLogprobOut,
+    PromptLogprobs,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
@@ -57,6 +68,14 @@ class Kind(enum.Enum):
     CHAT = "chat.completion"
 
 
+@dataclass(frozen=True)
+class EchoPrompt:
+    """A prompt as the client sent it (``text``) and as the engine read it (``token_ids``)."""
+
+    text: str
+    token_ids: list[int]
+
+
 @dataclass
 class _Choice:
     text: list[str] = field(default_factory=list)
@@ -65,6 +84,9 @@ class _Choice:
     finish_reason: str | None = None
     usage: Usage = field(default_factory=Usage)
     parser: ToolCallParser | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    cumulative_logprob: float = 0.0
+    is_echoed: bool = False  # streamed: the prompt went out already
 
 
 class ResponseSession:
@@ -82,16 +104,25 @@ class ResponseSession:
         token_text: the text of one token id (for logprobs).
         tool_format: chat only: read each choice's text for tool calls in this format
             (``rill.protocols._shared.tool_calls.FORMATS``); None leaves the text as it is.
+        candidates: engine requests per prompt (``best_of``; ``n`` when None); the best ``n``
+            of each prompt are shown (not streamed).
+        echo: completions only: the prompt of each prompt index, put before its completions.
+        prompt_logprobs: None, or how many alternatives vLLM's ``prompt_logprobs`` shows.
     """
 
     def __init__(self, *, kind: Kind, response_id: str, created: int, model: str, num_choices: int,
                  n: int = 1, include_usage: bool = False, logprobs: int | None = None,
-                 token_text: Callable[[int], str] = str, tool_format: str | None = None) -> None:
+                 token_text: Callable[[int], str] = str, tool_format: str | None = None,
+                 candidates: int | None = None, echo: list[EchoPrompt] | None = None,
+                 prompt_logprobs: int | None = None) -> None:
         self.kind = kind
         self.response_id = response_id
         self.created = created
         self.model = model
         self.n = n
+        self.candidates = max(n, candidates or n)
+        self.echo = echo if kind is Kind.COMPLETION else None
+        self.prompt_logprobs = prompt_logprobs
         self.include_usage = include_usage
         self.logprobs = logprobs
         self.token_text = token_text
@@ -124,6 +155,10 @@ class ResponseSession:
             return []
         choice = self.choices[index]
         choice.usage = out.usage
+        if out.prompt_logprobs is not None:
+            choice.prompt_logprobs = out.prompt_logprobs
+        if out.cumulative_logprob is not None:
+            choice.cumulative_logprob = out.cumulative_logprob
         failed = out.finished and out.finish_reason not in FINISH_REASONS
         # A coalesced output may carry tokens and the failure together: show the tokens first.
         events = self._append(index, out, None if failed else FINISH_REASONS.get(out.finish_reason or ""))
@@ -142,11 +177,40 @@ class ResponseSession:
         if out.logprobs:
             choice.logprobs.extend(out.logprobs)
         choice.finish_reason = finish
-        if not out.text and not out.logprobs and finish is None:
+        echo_text, echo_logprobs = "", None
+        if self.echo is not None and not choice.is_echoed:
+            if self.logprobs is not None and choice.prompt_logprobs is None and finish is None:
+                return []  # the echo waits for the prompt's logprobs (they come before any token)
+            choice.is_echoed = True
+            echo_text, echo_logprobs = self._echo(index, choice)
+        if not echo_text and not out.text and not out.logprobs and finish is None:
             return []
-        choice_chunk = CompletionChoice(index=index, text=out.text, finish_reason=finish,
-                                        logprobs=self._completion_logprobs(out.logprobs, offset))
+        if self.echo is not None:
+            offset += len(self.echo[index // self.candidates].text)
+        logprobs = self._completion_logprobs(out.logprobs, offset)
+        if echo_logprobs is not None and logprobs is not None:
+            logprobs = _join_logprobs(echo_logprobs, logprobs)
+        choice_chunk = CompletionChoice(index=index, text=echo_text + out.text, finish_reason=finish, logprobs=logprobs)
         return [sse.encode_event(codec.encode(self._completion([choice_chunk])))]
+
+    def _echo(self, index: int, choice: _Choice) -> tuple[str, CompletionLogprobs | None]:
+        """The prompt of choice ``index`` as text and, with ``logprobs``, as legacy logprobs."""
+        assert self.echo is not None
+        prompt = self.echo[index // self.candidates]
+        if self.logprobs is None:
+            return prompt.text, None
+        out = CompletionLogprobs(top_logprobs=[])
+        assert out.top_logprobs is not None
+        entries = choice.prompt_logprobs or [None] * len(prompt.token_ids)
+        offset = 0
+        for token_id, lp in zip(prompt.token_ids, entries):
+            token = self.token_text(token_id)
+            out.tokens.append(token)
+            out.text_offset.append(offset)
+            offset += len(token)
+            out.token_logprobs.append(None if lp is None else lp.logprob)
+            out.top_logprobs.append(None if lp is None else self._top_dict(token, lp))  # type: ignore[arg-type]
+        return prompt.text, out
 
     def _append_chat(self, index: int, choice: _Choice, out: RequestOutput, finish: str | None) -> list[bytes]:
         text, calls = out.text, []
@@ -196,17 +260,39 @@ class ResponseSession:
                 for i, c in enumerate(self.choices)
             ]
             return codec.encode(ChatCompletion(id=self.response_id, object="chat.completion", created=self.created,
-                                               model=self.model, choices=choices, usage=self.usage()))
-        choices_out = [
-            CompletionChoice(index=i, text="".join(c.text), finish_reason=c.finish_reason,
-                             logprobs=self._completion_logprobs(c.logprobs, 0))
-            for i, c in enumerate(self.choices)
-        ]
+                                               model=self.model, choices=choices, usage=self.usage(),
+                                               prompt_logprobs=self._vllm_prompt_logprobs(self.choices[0].prompt_logprobs)))
+        choices_out = []
+        for index in self._shown():
+            c = self.choices[index]
+            echo_text, echo_logprobs = self._echo(index, c) if self.echo is not None else ("", None)
+            logprobs = self._completion_logprobs(c.logprobs, len(echo_text))
+            if echo_logprobs is not None and logprobs is not None:
+                logprobs = _join_logprobs(echo_logprobs, logprobs)
+            choices_out.append(CompletionChoice(index=len(choices_out), text=echo_text + "".join(c.text),
+                                                finish_reason=c.finish_reason, logprobs=logprobs,
+                                                prompt_logprobs=self._vllm_prompt_logprobs(c.prompt_logprobs)))
         return codec.encode(self._completion(choices_out, usage=self.usage()))
+
+    def _shown(self) -> list[int]:
+        """The choices to show, in order: all of them, or the best ``n`` of each prompt's candidates."""
+        if self.candidates == self.n:
+            return list(range(len(self.choices)))
+        shown = []
+        for first in range(0, len(self.choices), self.candidates):
+            group = range(first, min(first + self.candidates, len(self.choices)))
+            ranked = sorted(group, key=lambda i: -self._mean_logprob(self.choices[i]))  # stable: ties keep order
+            shown.extend(ranked[: self.n])
+        return shown
+
+    @staticmethod
+    def _mean_logprob(choice: _Choice) -> float:
+        num_tokens = choice.usage.completion_tokens
+        return choice.cumulative_logprob / num_tokens if num_tokens else 0.0
 
     def usage(self) -> UsageInfo:
         """Token counts over all choices; each prompt's tokens are counted once, not ``n`` times."""
-        firsts = self.choices[:: max(1, self.n)]
+        firsts = self.choices[:: max(1, self.candidates)]
         prompt = sum(c.usage.prompt_tokens for c in firsts)
         cached = sum(c.usage.cached_tokens for c in firsts)
         completion = sum(c.usage.completion_tokens for c in self.choices)
@@ -233,12 +319,34 @@ class ResponseSession:
             out.token_logprobs.append(lp.logprob)
             out.text_offset.append(offset)
             offset += len(token)
-            # As vLLM does: the top alternatives plus the chosen token, most likely first.
-            top = {token: lp.logprob}
-            for alt in lp.top[: self.logprobs]:
-                top.setdefault(self.token_text(alt.token_id), alt.logprob)
             assert out.top_logprobs is not None
-            out.top_logprobs.append(dict(sorted(top.items(), key=lambda kv: -kv[1])))
+            out.top_logprobs.append(self._top_dict(token, lp))
+        return out
+
+    def _top_dict(self, token: str, lp: TokenLogprob) -> dict[str, float]:
+        # As vLLM does: the top alternatives plus the chosen token, most likely first.
+        top = {token: lp.logprob}
+        for alt in lp.top[: self.logprobs]:
+            top.setdefault(self.token_text(alt.token_id), alt.logprob)
+        return dict(sorted(top.items(), key=lambda kv: -kv[1]))
+
+    def _vllm_prompt_logprobs(self, entries: list[TokenLogprob | None] | None) -> PromptLogprobs | msgspec.UnsetType:
+        """vLLM's ``prompt_logprobs`` of one prompt (left out of the response unless asked)."""
+        if self.prompt_logprobs is None or entries is None:
+            return msgspec.UNSET
+        out: PromptLogprobs = []
+        for lp in entries:
+            if lp is None:
+                out.append(None)
+                continue
+            shown = {str(lp.token_id): PromptLogprobOut(logprob=lp.logprob, rank=lp.rank,
+                                                        decoded_token=self.token_text(lp.token_id))}
+            for rank, alt in enumerate(lp.top[: self.prompt_logprobs], start=1):
+                # Alternatives are the most likely tokens in order: their rank is their place.
+                place = rank if lp.rank is None or rank < lp.rank else rank + 1
+                shown.setdefault(str(alt.token_id), PromptLogprobOut(logprob=alt.logprob, rank=place,
+                                                                     decoded_token=self.token_text(alt.token_id)))
+            out.append(shown)
         return out
 
     def _chat_logprobs(self, logprobs: list[TokenLogprob] | None) -> ChatLogprobs | None:
@@ -255,6 +363,12 @@ class ResponseSession:
             content.append(ChatTokenLogprob(token=token, logprob=lp.logprob, bytes=list(token.encode()),
                                             top_logprobs=top))
         return ChatLogprobs(content=content)
+
+
+def _join_logprobs(first: CompletionLogprobs, then: CompletionLogprobs) -> CompletionLogprobs:
+    return CompletionLogprobs(tokens=first.tokens + then.tokens, token_logprobs=first.token_logprobs + then.token_logprobs,
+                              top_logprobs=(first.top_logprobs or []) + (then.top_logprobs or []),
+                              text_offset=first.text_offset + then.text_offset)
 
 
 def _call_delta(delta: ToolCallDelta) -> ToolCallDeltaOut:
