@@ -70,7 +70,7 @@ class HttpConfig:
     allowed_hosts: list[str] = _f([], "Host header names accepted besides IP addresses, localhost and the bound "
                                       "host (repeatable; '.example.com' also allows subdomains; '*' for any)",
                                   repeat=True)
-    max_choices_per_request: int = _f(256, "most choices (prompts x n) one /v1/completions or /v1/chat/completions "
+    max_choices_per_request: int = _f(256, "most choices (prompts x n, or x best_of) one /v1/completions or /v1/chat/completions "
                                            "request may ask for; more is refused (400) before anything runs")
     request_timeout_s: float | None = _f(None, "per-request time limit in seconds")
     rate_limit_requests: int | None = _f(None, "most requests one principal (an API key; without keys, a client "
