@@ -50,6 +50,7 @@ def test_list_and_mapping_fields_are_bounded() -> None:
     SamplingParams(stop=["x" * types.MAX_STOP_STRING_CHARS] * types.MAX_STOP_STRINGS).validate()
     SamplingParams(logit_bias={i: 100.0 for i in range(types.MAX_LOGIT_BIAS_ENTRIES)}).validate()
     SamplingParams(stop_token_ids=list(range(types.MAX_STOP_TOKEN_IDS))).validate(vocab_size=types.MAX_STOP_TOKEN_IDS)
+    SamplingParams(allowed_token_ids=[0, 9]).validate(vocab_size=10)
     refused = [
         ("stop", dict(stop=["x"] * (types.MAX_STOP_STRINGS + 1))),
         ("stop", dict(stop=["x" * (types.MAX_STOP_STRING_CHARS + 1)])),
@@ -60,6 +61,10 @@ def test_list_and_mapping_fields_are_bounded() -> None:
         ("logit_bias", dict(logit_bias={1: 100.5})),
         ("stop_token_ids", dict(stop_token_ids=[-3])),
         ("stop_token_ids", dict(stop_token_ids=[0] * (types.MAX_STOP_TOKEN_IDS + 1))),
+        ("allowed_token_ids", dict(allowed_token_ids=[])),
+        ("allowed_token_ids", dict(allowed_token_ids=[-1])),
+        ("allowed_token_ids", dict(allowed_token_ids=[1.5])),
+        ("allowed_token_ids", dict(allowed_token_ids=[0] * (types.MAX_ALLOWED_TOKEN_IDS + 1))),
         ("min_tokens", dict(min_tokens=5, max_tokens=4)),
         ("ignore_eos", dict(ignore_eos=1)),
     ]
@@ -93,3 +98,9 @@ def test_template_kwargs_may_not_set_reserved_names_or_be_ill_typed() -> None:
         with pytest.raises(InvalidRequest) as caught:
             check_template_kwargs(bad)
         assert caught.value.field == "chat_template_kwargs"
+
+
+def test_allowed_token_ids_must_lie_in_the_vocabulary() -> None:
+    with pytest.raises(InvalidRequest) as caught:
+        SamplingParams(allowed_token_ids=[3, 10]).validate(vocab_size=10)
+    assert caught.value.field == "allowed_token_ids" and "10" in str(caught.value)

@@ -52,6 +52,7 @@ MAX_TOKENS_LIMIT = 2**31 - 1  # the context bounds generation much sooner; this 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+MAX_ALLOWED_TOKEN_IDS = 2**18  # more than any vocabulary holds
 MAX_NUM_BEAMS = 16
 MAX_ABS_LENGTH_PENALTY = 10.0  # beam scores stay finite for any length (see engine.beam)
 MAX_SEED = 2**63
@@ -119,6 +120,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     the prompt is prefilled (such a request does not reuse the prefix cache: cached positions
     have no logits). ``max_tokens`` 0 prefills the prompt and generates nothing (``length``);
     only where the caller allows it (``validate``'s ``allow_prefill_only``).
+    ``allowed_token_ids`` (vLLM's): when set, only these tokens may be chosen (None: any).
     ``num_beams`` > 1 selects beam search (deterministic; sampling fields are ignored).
     ``validate`` holds the bounds of every field; protocols map their wire fields here and
     rely on it rather than checking ranges themselves.
@@ -137,6 +139,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     min_tokens: int = 0
     stop: list[str] = []
     stop_token_ids: list[int] = []
+    allowed_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
@@ -201,6 +204,13 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             _check(_is_int(token_id) and token_id >= 0, "stop_token_ids", "must be token ids (integers >= 0)")
             if vocab_size is not None:
                 _check(token_id < vocab_size, "stop_token_ids", f"token id {token_id} is outside the vocabulary")
+        if self.allowed_token_ids is not None:
+            allowed = self.allowed_token_ids
+            _check(isinstance(allowed, list) and 0 < len(allowed) <= MAX_ALLOWED_TOKEN_IDS, "allowed_token_ids",
+                   f"must be a list of 1 to {MAX_ALLOWED_TOKEN_IDS} token ids")
+            _check(all(_is_int(t) and t >= 0 for t in allowed), "allowed_token_ids", "must be token ids (integers >= 0)")
+            if vocab_size is not None:
+                _check(max(allowed) < vocab_size, "allowed_token_ids", f"token id {max(allowed)} is outside the vocabulary")
         if self.response_format is not None:
             _check(isinstance(self.response_format, ResponseFormat), "response_format", "must be an object")
             self.response_format.validate()

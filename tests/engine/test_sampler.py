@@ -216,6 +216,45 @@ def test_ignore_eos_masks_eos_always():
     assert 2 not in [one(s, logits) for _ in range(30)]
 
 
+def test_allowed_token_ids_restrict_greedy_and_sampled_rows():
+    # CRAFTED's best tokens are 0, 1, 2; among {3, 4, 9} the weights are 0.1, 0.05, 0.009.
+    s = make(16, 2)
+    s.add(0, SamplingParams(temperature=0.0, allowed_token_ids=[9, 4, 3]), [], set())
+    assert one(s, CRAFTED) == 3
+    np.testing.assert_array_equal(np.isfinite(s._processed_logits(CRAFTED[None], [0])[0]),
+                                  np.isin(np.arange(16), [3, 4, 9]))
+    counts = np.bincount(draw_many(SamplingParams(allowed_token_ids=[3, 4, 9]), CRAFTED), minlength=16)
+    assert set(np.flatnonzero(counts).tolist()) == {3, 4, 9}
+    assert counts[3] > counts[4] > counts[9]  # in proportion to the weights within the list
+    s.update(0, SamplingParams(temperature=0.0))  # lifted mid-stream
+    assert one(s, CRAFTED) == 0
+
+
+def test_allowed_token_ids_win_over_the_min_tokens_ban():
+    logits = torch.tensor([0.0, 1.0, 9.0, 8.0, 2.0])
+    s = make(5, 2)
+    s.add(0, SamplingParams(temperature=0.0, min_tokens=3, allowed_token_ids=[2]), [], {2})  # only eos allowed
+    s.add(1, SamplingParams(seed=3, min_tokens=3, allowed_token_ids=[2, 4]), [], {2})
+    assert [s.sample(logits.expand(2, -1), [0, 1]).token_ids for _ in range(3)] == [[2, 4]] * 3
+
+
+def test_seeded_allowed_rows_are_the_same_alone_and_in_a_batch():
+    vocab, allowed = 4096, list(range(0, 4096, 37))
+    p = SamplingParams(seed=21, temperature=0.9, top_p=0.9, allowed_token_ids=allowed)
+    alone_sampler = make(vocab, 2, num_candidates=64)
+    alone_sampler.add(0, p, [], set())
+    alone = [one(alone_sampler, _step_logits(t, 1, vocab)[0]) for t in range(20)]
+    s = make(vocab, 8, num_candidates=64)
+    for key in range(8):
+        s.add(key, p if key == 5 else SamplingParams(seed=key, top_k=50 * key), [], set())
+    batch = []
+    for t in range(20):
+        x = torch.randn(8, vocab) * 3
+        x[5] = _step_logits(t, 1, vocab)[0]
+        batch.append(s.sample(x, list(range(8))).token_ids[5])
+    assert batch == alone and set(alone) <= set(allowed)
+
+
 def test_all_banned_row_falls_back_to_raw_argmax():
     logits = torch.full((2, 6), -math.inf)
     logits[:, 4] = 0.0  # only eos is possible, and min_tokens bans it

@@ -34,6 +34,25 @@ def test_keep_thresholds_match_a_sort_based_reference(num_candidates):
         assert got == _reference_keep(w[r].astype(np.float64), top_k[r], float(top_p[r]), float(min_p[r])), r
 
 
+def test_mostly_zero_rows_get_the_reference_cuts():
+    # Rows of an allowed_token_ids list or a grammar mask: most weights are exactly 0 (such a
+    # batch takes the full-sort path, as a partition is slow on ties); the cuts are unchanged.
+    rng = np.random.default_rng(7)
+    f, width = 40, 2048
+    w = np.exp(rng.standard_normal((f, width)) * 2).astype(np.float32)
+    w[:30] *= rng.random((30, width)) < 0.05  # 30 rows keep ~100 of 2048 tokens
+    w /= w.max(axis=1, keepdims=True)
+    top_k = rng.choice([0, 1, 5], f)
+    top_p = rng.choice([1.0, 0.5, 0.9], f).astype(np.float32)
+    min_p = rng.choice([0.0, 0.05], f).astype(np.float32)
+    for rows in (np.arange(f), np.arange(30, f)):  # mostly zeros, and the dense rows alone
+        thr = keep_thresholds(w[rows], top_k[rows], top_p[rows], min_p[rows], 128)
+        for j, r in enumerate(rows):
+            if top_k[r] or top_p[r] < 1.0 or min_p[r]:
+                got = set(np.nonzero(w[r] >= thr[j])[0].tolist())
+                assert got == _reference_keep(w[r].astype(np.float64), top_k[r], float(top_p[r]), float(min_p[r])), r
+
+
 def test_inverse_cdf_edges_and_zero_weights():
     w = np.zeros((3, 256), np.float32)
     w[:, [5, 130, 200]] = [1.0, 2.0, 1.0]

@@ -75,7 +75,8 @@ def keep_thresholds(w: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, min_p: 
     row has top-p without top-k) found with ``np.partition``, ~2.7x cheaper than a full sort.
     A top-p row whose candidates hold less than ``top_p`` of its mass (flat logits, e.g. a
     random-init model) is redone with a full sort of that row; rows that provably need more
-    (``top_p * mass > num_candidates``, as each weight is <= 1) skip the attempt.
+    (``top_p * mass > num_candidates``, as each weight is <= 1) skip the attempt. Rows that are
+    mostly zero weights are sorted in full at once (faster there than a partition).
     """
     has_k, has_p = top_k > 0, top_p < 1.0
     thr = min_p.astype(np.float32) * w.max(axis=1)  # final for min-p-only rows
@@ -107,6 +108,10 @@ def _cut(w: np.ndarray, sel: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, m
     m = max(int(top_k.max()) + 1 if has_k.any() else 1, num_candidates if (has_p & ~has_k).any() else 1)
     m = min(-(-m // BLOCK) * BLOCK, width)  # whole blocks, so prefix sums match a full sort's
     cand = np.take(w, sel, axis=0, out=scratch[:f], mode="clip")
+    if m < width and 2 * np.count_nonzero(cand) < cand.size:
+        # NOTE(sampler): mostly zeros (an allowed_token_ids list, a grammar mask): numpy's
+        # partition slows ~12x on that many ties (4 ms for 32 x 16k), a full sort does not (0.3 ms).
+        m = width
     if m == width:
         cand.sort(axis=1)
         desc = cand[:, ::-1]

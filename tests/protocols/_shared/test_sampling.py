@@ -71,7 +71,7 @@ def test_build_does_not_validate() -> None:
 ENGINE_VALUES: dict[str, Any] = {
     "temperature": 0.5, "top_k": 7, "top_p": 0.75, "min_p": 0.125, "repetition_penalty": 1.25,
     "presence_penalty": 0.5, "frequency_penalty": -0.5, "logit_bias": {3: 1.5}, "seed": 42, "max_tokens": 33,
-    "min_tokens": 2, "stop": ["END"], "stop_token_ids": [4], "ignore_eos": True, "logprobs": 3, "num_beams": 2,
+    "min_tokens": 2, "stop": ["END"], "stop_token_ids": [4], "allowed_token_ids": [5, 6], "ignore_eos": True, "logprobs": 3, "num_beams": 2,
     "length_penalty": 0.75, "early_stopping": True, "response_format": ResponseFormat(type="regex", regex="a+"),
 }
 """A valid value, other than the default, for each ``SamplingParams`` field."""

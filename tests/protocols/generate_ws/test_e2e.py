@@ -171,6 +171,25 @@ async def test_regenerate_with_seed_reproduces_the_first_run(server: Any) -> Non
     server.wait_idle()
 
 
+async def test_allowed_token_ids_hold_from_config_and_after_modify(server: Any) -> None:
+    allowed = list(range(10, 40))
+    async with connect(ws_url(server)) as ws:
+        await send(ws, type="config", prompt=PROMPT, parameters={"max_tokens": 5, "allowed_token_ids": [10**6]})
+        err = await recv(ws)
+        assert (err["type"], err["field"], err["recoverable"]) == ("error", "parameters.allowed_token_ids", True)
+        await send(ws, type="config", prompt=PROMPT, options={"include_token_ids": True}, parameters={
+            "max_tokens": LONG, "temperature": 1.0, "seed": 3, "ignore_eos": True, "allowed_token_ids": allowed})
+        head = await until(ws, is_type("token"))
+        await send(ws, type="control", action="modify", parameters={"allowed_token_ids": [7]})
+        head += await until(ws, is_status("modified"))
+        tail = await until(ws, is_type("completion"))
+    ids = [t["token_id"] for t in tokens_of(head + tail)]
+    # Allowed tokens until the modify took effect (at most when "modified" was sent), then only 7.
+    switch = next(i for i, token in enumerate(ids) if token not in allowed)
+    assert switch > 0 and set(ids[switch:]) == {7} and len(ids) - switch >= len(tokens_of(tail)) > 0
+    server.wait_idle()
+
+
 async def test_stop_yields_cancelled_completion(server: Any) -> None:
     async with connect(ws_url(server)) as ws:
         await send(ws, type="config", prompt=PROMPT, parameters={"max_tokens": LONG, "ignore_eos": True})

@@ -78,6 +78,7 @@ class GenerationConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     min_new_tokens: int | None = None
     seed: int | None = None
     stop: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
     num_beams: int | None = None
     do_sample: bool | None = None
 
@@ -87,7 +88,7 @@ SAMPLING = SamplingMap(
     Field("max_new_tokens", "max_tokens"),
     Field("min_new_tokens", "min_tokens"),
     same("temperature", "top_p", "length_penalty", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-         "frequency_penalty", "seed", "stop", "num_beams"),
+         "frequency_penalty", "seed", "stop", "allowed_token_ids", "num_beams"),
 )
 """``generation`` → ``SamplingParams`` (``do_sample: false`` forces greedy: the session's rule)."""
 

@@ -38,6 +38,7 @@ class Parameters(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_
     frequency_penalty: float | None = None
     stop: list[str] | None = None
     stop_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = None
     seed: int | None = None
     min_tokens: int | None = None
     ignore_eos: bool | None = None

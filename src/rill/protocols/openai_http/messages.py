@@ -5,8 +5,8 @@ add new ones often) and ``null`` means "absent". Responses follow the shapes of 
 API reference (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``), including
 ``usage.prompt_tokens_details.cached_tokens``. Extensions beyond OpenAI's fields are the
 sampling knobs vLLM also accepts (``top_k``, ``min_p``, ``repetition_penalty``,
-``min_tokens``, ``ignore_eos``, ``stop_token_ids``), ``response_format`` on completions too,
-with the extra types ``regex`` and ``grammar``, vLLM's ``structured_outputs``
+``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``allowed_token_ids``), ``response_format`` on completions
+too, with the extra types ``regex`` and ``grammar``, vLLM's ``structured_outputs``
 (``json``, ``regex``, ``grammar``, ``choice``, ``json_object``) and vLLM's ``prompt_logprobs``
 (requests) with its answer shape (``PromptLogprobOut``; left out of responses unless asked).
 """
@@ -44,6 +44,7 @@ class _CommonRequest(msgspec.Struct, kw_only=True):
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = None
     n: int | None = 1
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -63,7 +64,7 @@ def _stop_list(stop: str | list[str]) -> list[str]:
 SAMPLING = SamplingMap(
     _CommonRequest,
     same("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
-         "seed", "stop_token_ids", "logit_bias", "min_tokens", "ignore_eos"),
+         "seed", "stop_token_ids", "allowed_token_ids", "logit_bias", "min_tokens", "ignore_eos"),
     Field("stop", "stop", _stop_list),
 )
 """The sampling fields both endpoints share → ``SamplingParams``. ``max_tokens`` (resolved
