@@ -8,6 +8,7 @@ Scenarios, each with one set of logits per step (8 pre-generated, reused round-r
   mixed-peaky   every row different: temperature 0.3-1.3, top_k 0/20/50, top_p 0.8-1.0,
                 min_p 0/0.05, penalties on every 4th row, seeds on odd rows; logits randn*3
   mixed-flat    the same settings on near-uniform logits (randn*0.02, like a random-init model)
+  allowed       mixed-peaky plus allowed_token_ids: 100 ids per row (different per row)
 
 Times are per ``sample`` call in milliseconds: wall-clock minimum and median, and the median CPU
 time of the process (the steadiest figure when other processes load the shared CPU; rill's path
@@ -23,6 +24,7 @@ import os
 import statistics
 import time
 
+import msgspec
 import numpy as np
 import torch
 
@@ -44,11 +46,18 @@ def mixed_params(i: int) -> SamplingParams:
     )
 
 
+def allowed_params(i: int) -> SamplingParams:
+    """``mixed_params(i)`` restricted to 100 token ids (a different set per row, inside 16k)."""
+    ids = np.random.default_rng(i).choice(16384, 100, replace=False).tolist()
+    return msgspec.structs.replace(mixed_params(i), allowed_token_ids=sorted(ids))
+
+
 SCENARIOS = {
     "greedy": (lambda i: SamplingParams(temperature=0.0), 3.0),
     "greedy+lp5": (lambda i: SamplingParams(temperature=0.0, logprobs=5), 3.0),
     "mixed-peaky": (mixed_params, 3.0),
     "mixed-flat": (mixed_params, 0.02),
+    "allowed": (allowed_params, 3.0),
 }
 
 
@@ -68,6 +77,13 @@ class NaiveSampler:
         self.prompt_mask = torch.zeros(n, vocab, dtype=torch.bool)
         for i, prompt in enumerate(prompts):
             self.prompt_mask[i, prompt] = True
+        self.allowed: torch.Tensor | None = None  # [n, vocab] bool, when any row has allowed_token_ids
+        if any(p.allowed_token_ids is not None for p in params):
+            self.allowed = torch.ones(n, vocab, dtype=torch.bool)
+            for i, p in enumerate(params):
+                if p.allowed_token_ids is not None:
+                    self.allowed[i] = False
+                    self.allowed[i, p.allowed_token_ids] = True
         self.generator = torch.Generator().manual_seed(0)
 
     def sample(self, logits: torch.Tensor) -> list[int]:
@@ -77,6 +93,8 @@ class NaiveSampler:
             seen = self.counts > 0
             x = torch.where(seen | self.prompt_mask, torch.where(x > 0, x / self.rep, x * self.rep), x)
             x = x - self.presence * seen - self.frequency * self.counts
+        if self.allowed is not None:
+            x = x.masked_fill(~self.allowed, -torch.inf)
         greedy = x.argmax(-1)
         if self.logprobs:
             torch.log_softmax(logits, -1).topk(self.logprobs)

@@ -37,7 +37,7 @@ given it (the engine then fails only the requests whose rows raised).
 
 Cost per step, on this 2-core box (``benchmarks/sampler.py``): a greedy batch is one numpy argmax
 (~0.1 ms for 32 x 16k); 32 rows with 32 different settings take ~2-4 ms at vocab 16k.
-An allowed_token_ids row (100 ids) adds ~0.02-0.03 ms per row at vocab 16k, ~0.03-0.06 ms at
+An allowed_token_ids row (100 ids) adds ~0.015-0.03 ms per row at vocab 16k, ~0.03-0.06 ms at
 32k, greedy or sampled (``benchmarks/sampler.py --scenario allowed``).
 Masks cost llguidance ~0.1-0.2 ms per row on average (``rill.engine.grammar``) plus ~0.5 ms
 per 32 rows x 16k to unpack and apply them (``benchmarks/structured.py`` measures a server).
