@@ -79,3 +79,15 @@ def test_a_low_open_file_limit_caps_the_connections_below_it(tmp_path: Path) -> 
     result = subprocess.run(command, capture_output=True, text=True, timeout=120, preexec_fn=low_limit)
     assert "open-file limit (600) is below --max-connections 2048" in result.stderr
     assert "connections are capped at 344" in result.stderr
+
+
+def test_every_protocol_package_is_registered_once() -> None:
+    # The server mounts an explicit list; a protocol package left out of it would never serve.
+    import rill.protocols
+    from rill import server
+
+    packages = {p.name for p in Path(rill.protocols.__file__).parent.iterdir()
+                if p.is_dir() and not p.name.startswith("_") and (p / "adapter.py").exists()}
+    names = [protocol.name for protocol in server.PROTOCOLS]
+    assert sorted(names) == sorted(packages) and len(packages) == 6
+    assert all(protocol.routes or protocol.start for protocol in server.PROTOCOLS)

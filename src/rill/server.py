@@ -1,12 +1,12 @@
 """Composition root of ``rill serve``: config → engine client → protocol adapters → listeners.
 
-One process, one asyncio loop, one engine thread. Each protocol package's ``adapter`` module
-may expose:
+One process, one asyncio loop, one engine thread. ``PROTOCOLS`` lists every protocol the
+server mounts, each with what its ``adapter`` module provides:
 
 * ``routes(deps) -> list[starlette.routing.BaseRoute]`` — HTTP and WebSocket routes on the
   shared HTTP port;
-* ``async start(deps) -> Callable[[], Awaitable[None]]`` — a listener of its own (Unix
-  socket, gRPC); the returned coroutine function stops it.
+* ``async start(deps) -> Callable[[], Awaitable[None]] | None`` — a listener of its own (Unix
+  socket, gRPC); the returned coroutine function stops it (None: not configured).
 
 ``/health`` and ``/metrics`` come from ``rill.observability``. ``GET /`` is the browser
 playground (``rill.playground``).
@@ -16,15 +16,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
-import importlib.util
 import logging
 import signal
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Awaitable, Callable
 
 from starlette.applications import Starlette
-from rill import auth, observability
+from starlette.routing import BaseRoute
+from starlette.types import ASGIApp
+
+from rill import auth, middleware, observability
 from rill.config import ServerConfig
 from rill.connections import FD_RESERVE, ConnectionGate, http_protocol_factory, raise_fd_limit
 from rill.deps import Deps
@@ -32,48 +34,52 @@ from rill.errors import EngineDead, RillError
 from rill.frontend.client import EngineClient
 from rill.frontend.metrics import Metrics
 from rill.frontend.ratelimit import RateLimits
-from rill.protocols.openai_http import adapter as openai_adapter
+from rill.playground import routes as playground
+from rill.protocols.batch_ws import adapter as batch_ws
+from rill.protocols.chat_ws import adapter as chat_ws
+from rill.protocols.evergreen import adapter as evergreen
+from rill.protocols.framed_uds import adapter as framed_uds
+from rill.protocols.generate_ws import adapter as generate_ws
+from rill.protocols.openai_http import adapter as openai_http
 
 log = logging.getLogger("rill.server")
 
-PROTOCOLS = ("openai_http", "generate_ws", "batch_ws", "chat_ws", "evergreen", "framed_uds")
+Stopper = Callable[[], Awaitable[None]]
+"""Stops a listener a protocol started."""
 
 
-def _adapter(name: str) -> Any | None:
-    module_name = f"rill.protocols.{name}.adapter"
-    if importlib.util.find_spec(f"rill.protocols.{name}") is None:
-        return None
-    if importlib.util.find_spec(module_name) is None:
-        return None
-    return importlib.import_module(module_name)
+@dataclass(frozen=True, slots=True)
+class Protocol:
+    """One wire protocol as the server mounts it: its routes on the shared HTTP port and/or
+    a listener of its own."""
+
+    name: str
+    routes: Callable[[Deps], list[BaseRoute]] | None = None
+    start: Callable[[Deps], Awaitable[Stopper | None]] | None = None
 
 
-def protocol_adapters() -> dict[str, Any]:
-    """The protocol adapter modules present in this build, by protocol name."""
-    return {name: mod for name in PROTOCOLS if (mod := _adapter(name)) is not None}
+PROTOCOLS: tuple[Protocol, ...] = (
+    Protocol("openai_http", routes=openai_http.routes),
+    Protocol("generate_ws", routes=generate_ws.routes),
+    Protocol("batch_ws", routes=batch_ws.routes),
+    Protocol("chat_ws", routes=chat_ws.routes, start=chat_ws.start),
+    Protocol("evergreen", routes=evergreen.routes, start=evergreen.start),
+    Protocol("framed_uds", start=framed_uds.start),
+)
+"""Every protocol the server serves, in the order their routes are mounted."""
 
 
-def build_app(deps: Deps) -> Starlette:
-    """The Starlette app with /health, /metrics and every protocol's routes."""
-    routes: list[Any] = list(observability.routes(deps))
-    for adapter in protocol_adapters().values():
-        if hasattr(adapter, "routes"):
-            routes.extend(adapter.routes(deps))
-    playground = _optional("rill.playground.routes")
-    if playground is not None:
-        routes.extend(playground.routes(deps))
+def build_app(deps: Deps) -> ASGIApp:
+    """The app with /health, /metrics, every protocol's routes and the playground, wrapped in
+    the HTTP middleware (keys, CORS, limits; errors in the OpenAI API's shape)."""
+    routes: list[BaseRoute] = list(observability.routes(deps))
+    for protocol in PROTOCOLS:
+        if protocol.routes is not None:
+            routes.extend(protocol.routes(deps))
+    routes.extend(playground.routes(deps))
     app: Starlette = Starlette(routes=routes)
     app.state.deps = deps
-    middleware = _optional("rill.middleware")
-    if middleware is not None:
-        return middleware.wrap(app, deps, render_error=openai_adapter.http_error)
-    return app
-
-
-def _optional(module_name: str) -> Any | None:
-    if importlib.util.find_spec(module_name) is None:
-        return None
-    return importlib.import_module(module_name)
+    return middleware.wrap(app, deps, render_error=openai_http.http_error)
 
 
 def make_deps(config: ServerConfig, client: EngineClient) -> Deps:
@@ -114,13 +120,11 @@ async def serve(
         # Past the open-file limit every listener would stop accepting: refuse before it.
         deps.gate.max_total = max(1, fd_limit - FD_RESERVE)
     app = build_app(deps)
-    stoppers: list[Callable[[], Awaitable[None]]] = []
+    stoppers: list[Stopper] = []
     try:
-        for adapter in protocol_adapters().values():
-            if hasattr(adapter, "start"):
-                stopper = await adapter.start(deps)
-                if stopper is not None:
-                    stoppers.append(stopper)
+        for protocol in PROTOCOLS:
+            if protocol.start is not None and (stopper := await protocol.start(deps)) is not None:
+                stoppers.append(stopper)
     except BaseException:
         # A listener that cannot start (socket held by a live server, port in use) ends the
         # process at once, without leaving the engine thread or other listeners behind.
