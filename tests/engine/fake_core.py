@@ -57,7 +57,8 @@ def make_engine(num_rows: int = 16, max_len: int = 256, max_num_seqs: int = 16, 
     """An engine over a fresh ``FakeRunner``."""
     config = EngineConfig(model="fake", max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
     runner = FakeRunner(num_rows=num_rows, max_len=max_len)
-    return assemble_engine(config, runner, fake_tokenizer(), name="fake", architecture="FakeForCausalLM", clock=clock)
+    return assemble_engine(config, runner, fake_tokenizer(), name="fake", architecture="FakeForCausalLM", clock=clock,
+                           warm_grammars=False)
 
 
 def make_request(engine: Engine, request_id: str, prompt: str | list[int], priority: int = 0,
@@ -82,6 +83,15 @@ def step(engine: Engine, results: dict[str, Result]) -> list[Any]:
             res.finish_reason, res.stop_reason, res.error, res.usage = (
                 out.finish_reason, out.stop_reason, out.error, out.usage)
     return outputs
+
+
+def step_until_finished(engine: Engine, results: dict[str, Result], request_id: str, max_steps: int = 500) -> None:
+    """Step until ``request_id`` has finished (fails the test after ``max_steps`` steps)."""
+    for _ in range(max_steps):
+        if results.get(request_id, Result()).finish_reason:
+            return
+        step(engine, results)
+    raise AssertionError(f"{request_id} did not finish in {max_steps} steps")
 
 
 def run(engine: Engine, requests: list[Request], on_step: Callable[[int, dict[str, Result]], None] | None = None,

@@ -72,6 +72,7 @@ def assemble_engine(
     eos_token_ids: Iterable[int] = (),
     generation_defaults: Mapping[str, Any] | None = None,
     clock: Callable[[], float] | None = None,
+    warm_grammars: bool = True,
 ) -> Engine:
     """Build the engine around ``runner`` and ``tokenizer`` (no model is loaded here).
 
@@ -86,10 +87,13 @@ def assemble_engine(
         eos_token_ids: end-of-sequence ids from the model config.
         generation_defaults: sampling defaults the model ships.
         clock: the core's clock (deadlines); ``time.monotonic`` when None.
+        warm_grammars: build the grammar compiler's vocabulary view now, in a background
+            thread (else on the first constrained request).
     """
     eos = frozenset(set(eos_token_ids) | set(tokenizer.eos_token_ids))
     grammars = GrammarCompiler(tokenizer.backend.to_str(), runner.vocab_size, sorted(eos))
-    threading.Thread(target=grammars.warm, name="rill-grammar-warmup", daemon=True).start()
+    if warm_grammars:
+        threading.Thread(target=grammars.warm, name="rill-grammar-warmup", daemon=True).start()
     core_config = CoreConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens)
     core = EngineCore(runner, tokenizer, core_config) if clock is None else EngineCore(runner, tokenizer, core_config, clock)
     model_info = ModelInfo(

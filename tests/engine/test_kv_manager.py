@@ -1,0 +1,137 @@
+"""The KV manager: allocation, release within a step, prefix reuse and copies (FakeRunner, no model)."""
+
+from __future__ import annotations
+
+from rill.engine.kv_cache import EmptyRow, KVManager
+from rill.engine.request import AbortCommand, AddCommand
+from rill.types import RequestEvent
+from tests.engine.fake_core import (
+    PROMPTS, Result, assert_idle, make_engine, make_request, run, solo, step, step_until_finished,
+)
+
+
+class Holder:
+    """A live row's owner holding ``tokens``, all computed."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+        self.num_computed = len(tokens)
+
+    def token_at(self, start: int, stop: int) -> list[int]:
+        return self.tokens[start:stop]
+
+
+def test_rows_are_handed_out_lowest_first_until_none_is_left() -> None:
+    kv = KVManager(num_rows=3, max_len=64, bytes_per_token=8)
+    rows = [kv.acquire(Holder([]), [i, 1, 2]) for i in range(3)]
+    assert [a.row for a in rows if a] == [0, 1, 2]
+    assert kv.acquire(Holder([]), [9, 9]) is None and kv.acquire_empty() is None
+    assert kv.num_live_rows == 3 and kv.num_available_rows == 0
+
+
+def test_release_keeps_a_cache_entry_drop_frees_and_eviction_is_lru() -> None:
+    kv = KVManager(num_rows=2, max_len=64, bytes_per_token=8)
+    a = kv.acquire(Holder([]), [1, 2, 3, 4])
+    b = kv.acquire(Holder([]), [5, 6, 7, 8])
+    assert a is not None and b is not None
+    kv.release(a.row, [1, 2, 3, 4])
+    kv.release(b.row, [5, 6, 7, 8])
+    assert kv.num_live_rows == 0 and kv.cached_tokens() == 8 and kv.num_available_rows == 2
+    # A new prompt matching neither evicts the oldest entry (row a) first.
+    c = kv.acquire(Holder([]), [9, 9, 9])
+    assert c is not None and c.row == a.row and c.num_cached_tokens == 0
+    assert list(kv.cached) == [b.row]
+    kv.drop(c.row)
+    assert c.row in kv.free_rows and kv.cached_tokens() == 4
+
+
+def test_prefix_hit_takes_over_a_cached_row_and_a_miss_does_not() -> None:
+    kv = KVManager(num_rows=2, max_len=64, bytes_per_token=8, min_reuse_tokens=3)
+    first = kv.acquire(Holder([]), [1, 2, 3, 4, 5])
+    assert first is not None
+    kv.release(first.row, [1, 2, 3, 4, 5])
+    hit = kv.acquire(Holder([]), [1, 2, 3, 4, 5, 6, 7])
+    assert hit is not None and (hit.row, hit.num_cached_tokens, hit.copy_from) == (first.row, 5, None)
+    miss = kv.acquire(Holder([]), [1, 2, 8, 8])  # shares 2 tokens: under min_reuse_tokens
+    assert miss is not None and miss.num_cached_tokens == 0 and miss.row != first.row
+    assert kv.num_hit_tokens == 5 and kv.num_query_tokens == 16
+
+
+def test_a_prefix_shared_with_a_live_row_is_copied_not_taken() -> None:
+    kv = KVManager(num_rows=3, max_len=64, bytes_per_token=8, min_reuse_tokens=2)
+    live = Holder([1, 2, 3, 4, 5, 6])
+    kv.live[0] = live
+    kv.free_rows.remove(0)
+    got = kv.acquire(Holder([]), [1, 2, 3, 4, 9, 9])
+    assert got is not None and got.row != 0 and got.copy_from == (0, 4) and got.num_cached_tokens == 4
+    assert kv.live[0] is live
+    assert isinstance(kv.live[kv.acquire_empty() or 0], EmptyRow)
+
+
+def test_rows_are_freed_in_the_step_that_finishes_or_aborts_a_request() -> None:
+    engine = make_engine()
+    core = engine.core
+    results: dict[str, Result] = {}
+    core.apply(AddCommand(make_request(engine, "done", PROMPTS[0], temperature=0.0, max_tokens=3, ignore_eos=True)))
+    core.apply(AddCommand(make_request(engine, "gone", PROMPTS[1], temperature=0.0, max_tokens=50, ignore_eos=True)))
+    step_until_finished(engine, results, "done")
+    # The step that produced "done"'s last token released its row: only "gone" holds one.
+    assert core.kv.num_live_rows == 1 and core.stats().num_running == 1
+    core.apply(AbortCommand("gone"))
+    outputs = step(engine, results)
+    assert [(o.request_id, o.finish_reason) for o in outputs] == [("gone", "cancelled")]
+    assert_idle(engine)
+    # Both rows' valid tokens stay as reusable cache entries.
+    assert core.kv.cached_tokens() == len(engine.tokenizer.encode(PROMPTS[0])) + 2 + len(results["gone"].token_ids) \
+        + len(engine.tokenizer.encode(PROMPTS[1])) - 1
+
+
+def test_a_follow_up_prompt_reuses_the_cached_turn_and_gives_the_tokens_of_a_cold_run() -> None:
+    engine = make_engine()
+    first = make_request(engine, "t1", PROMPTS[5], temperature=0.0, max_tokens=8, ignore_eos=True)
+    turn = run(engine, [first])["t1"]
+    follow = first.prompt_ids + turn.token_ids + engine.tokenizer.encode(" and then", add_special_tokens=False)
+    fed_before = engine.runner.num_tokens_fed
+    second = make_request(engine, "t2", follow, temperature=0.7, seed=3, max_tokens=6, ignore_eos=True)
+    warm = run(engine, [second])["t2"]
+    # Turn one's tokens but its last (never fed) came from the cache; only the rest was computed.
+    reused = len(first.prompt_ids) + len(turn.token_ids) - 1
+    assert warm.usage.cached_tokens == reused
+    assert engine.runner.num_tokens_fed - fed_before == len(follow) - reused + 5
+    assert warm.token_ids == solo(second).token_ids  # the reused KV is the KV a cold run computes
+    assert_idle(engine)
+
+
+def test_a_prompt_sharing_only_a_short_prefix_is_a_miss() -> None:
+    engine = make_engine()
+    run(engine, [make_request(engine, "a", PROMPTS[0], temperature=0.0, max_tokens=2)])
+    other = run(engine, [make_request(engine, "b", "on a hill", temperature=0.0, max_tokens=2)])["b"]
+    assert other.usage.cached_tokens == 0  # "<s>on" is shorter than min_reuse_tokens
+    assert_idle(engine)
+
+
+def test_a_sibling_sharing_a_live_prefix_gets_a_copy_and_leaves_the_source_intact() -> None:
+    engine = make_engine()
+    runner = engine.runner
+    core = engine.core
+    results: dict[str, Result] = {}
+    parent = make_request(engine, "parent", PROMPTS[1], temperature=0.0, max_tokens=30, ignore_eos=True)
+    core.apply(AddCommand(parent))
+    for _ in range(3):
+        step(engine, results)
+    parent_row = parent.row
+    held = runner.row_tokens(parent_row)
+    fork = make_request(engine, "fork", parent.prompt_ids + engine.tokenizer.encode(" yes", add_special_tokens=False),
+                        temperature=0.0, max_tokens=5, ignore_eos=True)
+    core.apply(AddCommand(fork))
+    step(engine, results)
+    assert runner.copies and runner.copies[-1][0] == parent_row and runner.copies[-1][1] == fork.row != parent_row
+    assert runner.copies[-1][2] == len(parent.prompt_ids)
+    assert runner.row_tokens(parent_row)[: len(held)] == held  # the fork wrote into its own row only
+    while core.has_work():
+        step(engine, results)
+    assert RequestEvent.SCHEDULED in results["fork"].events
+    assert results["fork"].usage.cached_tokens == len(parent.prompt_ids)
+    assert results["fork"].token_ids == solo(fork).token_ids
+    assert results["parent"].token_ids == solo(parent).token_ids
+    assert_idle(engine)
