@@ -298,7 +298,10 @@ class Sampler:
         Logprobs are of the raw distribution, as for sampled tokens; ``TokenLogprob.top`` holds the
         ``num_top`` most likely other tokens and ``rank`` is 1 + the number of tokens more likely
         than the given one. No per-key state is read or written. Cost per row: the log-sum-exp and
-        one comparison pass over the vocabulary, plus ``top_n`` (see ``_logprobs``).
+        one comparison pass over the vocabulary, plus ``top_n``. Measured on this 2-core box with
+        another test run beside it: 128 rows x 16k take ~3 ms (~8 ms with 5 alternatives); 110
+        rows x 152k (a prompt-logprobs chunk at Qwen's vocabulary) ~40 ms (~65 ms with 5), well
+        under the LM head's cost for those rows.
         """
         raw = np.ascontiguousarray(logits.detach().to("cpu", torch.float32).numpy())
         l, vocab = raw.shape

@@ -15,8 +15,8 @@ import msgspec
 import pytest
 
 from rill.errors import EngineDead
-from rill.protocols.openai_http.session import Kind, ResponseSession
-from rill.types import RequestOutput
+from rill.protocols.openai_http.session import EchoPrompt, Kind, ResponseSession
+from rill.types import RequestOutput, TokenLogprob, TopLogprob, Usage
 
 CASES = json.loads((Path(__file__).parent / "vectors" / "session.json").read_text())
 
@@ -116,3 +116,77 @@ def test_text_without_a_call_keeps_stop() -> None:
     choice = json.loads(session.body())["choices"][0]
     assert choice["finish_reason"] == "stop" and choice["message"]["content"] == "no call <tool"
     assert "tool_calls" not in choice["message"]
+
+
+# -- echo, prompt logprobs and best_of ----------------------------------------------------------
+
+def _prompt_logprobs() -> list[TokenLogprob | None]:
+    # Prompt [7, 8, 9]: token 8 was the 2nd most likely (after 4), token 9 the most likely.
+    return [None, TokenLogprob(token_id=8, logprob=-1.5, rank=2, top=[TopLogprob(4, -0.5), TopLogprob(5, -2.0)]),
+            TokenLogprob(token_id=9, logprob=-0.1, rank=1, top=[TopLogprob(6, -3.0), TopLogprob(4, -4.0)])]
+
+
+def _echo_session(stream_logprobs: int | None, prompt_logprobs: int | None = None) -> ResponseSession:
+    return ResponseSession(kind=Kind.COMPLETION, response_id="id-1", created=1, model="m", num_choices=1,
+                           logprobs=stream_logprobs, token_text=lambda token_id: f"<{token_id}>",
+                           echo=[EchoPrompt(text="<7><8><9>", token_ids=[7, 8, 9])], prompt_logprobs=prompt_logprobs)
+
+
+def _data(event: bytes) -> dict[str, Any]:
+    return json.loads(event.decode()[len("data: "):])
+
+
+def test_streamed_echo_waits_for_the_prompt_logprobs_then_leads_the_first_chunk() -> None:
+    session = _echo_session(1)
+    assert session.on_output(0, RequestOutput(request_id="r", events=[])) == []  # queued: nothing to show yet
+    first = RequestOutput(request_id="r", text="<3>", token_ids=[3], prompt_logprobs=_prompt_logprobs(),
+                          logprobs=[TokenLogprob(token_id=3, logprob=-0.7, top=[TopLogprob(2, -0.2)])])
+    [event] = session.on_output(0, first)
+    choice = _data(event)["choices"][0]
+    assert choice["text"] == "<7><8><9><3>"
+    lp = choice["logprobs"]
+    assert lp["tokens"] == ["<7>", "<8>", "<9>", "<3>"]
+    assert lp["token_logprobs"] == [None, -1.5, -0.1, -0.7]
+    assert lp["top_logprobs"] == [None, {"<4>": -0.5, "<8>": -1.5}, {"<9>": -0.1, "<6>": -3.0},
+                                  {"<2>": -0.2, "<3>": -0.7}]
+    assert lp["text_offset"] == [0, 3, 6, 9]
+    [event] = session.on_output(0, RequestOutput(request_id="r", text="<5>", token_ids=[5], finished=True,
+                                                 finish_reason="length",
+                                                 logprobs=[TokenLogprob(token_id=5, logprob=-1.0)]))
+    assert _data(event)["choices"][0]["logprobs"]["text_offset"] == [12]
+
+
+def test_echo_never_drops_text_that_arrives_before_the_prompt_logprobs() -> None:
+    session = _echo_session(0)
+    [event] = session.on_output(0, RequestOutput(request_id="r", text="<3>", token_ids=[3],
+                                                 logprobs=[TokenLogprob(token_id=3, logprob=-0.7)]))
+    assert _data(event)["choices"][0]["text"] == "<7><8><9><3>"
+
+
+def test_vllm_prompt_logprobs_rank_alternatives_around_the_prompt_token() -> None:
+    session = _echo_session(None, prompt_logprobs=2)
+    session.on_output(0, RequestOutput(request_id="r", prompt_logprobs=_prompt_logprobs(), finished=True,
+                                       finish_reason="length"))
+    [choice] = json.loads(session.body())["choices"]
+    assert choice["text"] == "<7><8><9>" and choice["logprobs"] is None
+    first, second, third = choice["prompt_logprobs"]
+    assert first is None
+    assert second == {"8": {"logprob": -1.5, "rank": 2, "decoded_token": "<8>"},
+                      "4": {"logprob": -0.5, "rank": 1, "decoded_token": "<4>"},
+                      "5": {"logprob": -2.0, "rank": 3, "decoded_token": "<5>"}}
+    assert {k: v["rank"] for k, v in third.items()} == {"9": 1, "6": 2, "4": 3}
+
+
+def test_best_of_shows_the_candidates_with_the_highest_mean_logprob() -> None:
+    session = ResponseSession(kind=Kind.COMPLETION, response_id="id-1", created=1, model="m", num_choices=6, n=2,
+                              candidates=3, token_text=lambda token_id: f"<{token_id}>")
+    # Prompt 0: means -1.0, -0.5, -2.0; prompt 1: -3.0, -0.25 (eos only, one token), -1.0.
+    for index, (text, total, count) in enumerate([("a", -2.0, 2), ("b", -1.5, 3), ("c", -2.0, 1),
+                                                  ("d", -3.0, 1), ("", -0.25, 1), ("f", -2.0, 2)]):
+        session.on_output(index, RequestOutput(request_id=str(index), text=text, finished=True, finish_reason="stop",
+                                               cumulative_logprob=total,
+                                               usage=Usage(prompt_tokens=4, completion_tokens=count)))
+    body = json.loads(session.body())
+    assert [(c["index"], c["text"]) for c in body["choices"]] == [(0, "b"), (1, "a"), (2, ""), (3, "f")]
+    assert body["usage"] == {"prompt_tokens": 8, "completion_tokens": 10, "total_tokens": 18,
+                             "prompt_tokens_details": {"cached_tokens": 0}}

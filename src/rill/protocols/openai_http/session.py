@@ -33,8 +33,6 @@ from rill.protocols._shared import sse
 from rill.protocols._shared.tool_calls import ContentDelta, ToolCallDelta, ToolCallParser, make_parser
 from rill.protocols.openai_http import codec
 from rill.protocols.openai_http.messages import (
-    PromptLogprobOut,
-    PromptLogprobs,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
@@ -50,6 +48,8 @@ from rill.protocols.openai_http.messages import (
     ToolCallOut,
     CompletionChoice,
     CompletionLogprobs,
+    PromptLogprobOut,
+    PromptLogprobs,
     PromptTokensDetails,
     TopLogprobOut,
     UsageInfo,
@@ -179,8 +179,9 @@ class ResponseSession:
         choice.finish_reason = finish
         echo_text, echo_logprobs = "", None
         if self.echo is not None and not choice.is_echoed:
-            if self.logprobs is not None and choice.prompt_logprobs is None and finish is None:
-                return []  # the echo waits for the prompt's logprobs (they come before any token)
+            waiting = self.logprobs is not None and choice.prompt_logprobs is None
+            if waiting and finish is None and not out.text and not out.logprobs:
+                return []  # the echo waits for the prompt's logprobs (they come with the first token)
             choice.is_echoed = True
             echo_text, echo_logprobs = self._echo(index, choice)
         if not echo_text and not out.text and not out.logprobs and finish is None:
