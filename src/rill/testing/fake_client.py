@@ -4,7 +4,8 @@
 ``FakeRunner`` and the fake tokenizer; ``fake_client()`` starts the real ``InprocClient`` on
 it (its engine thread, inbox and streams), which is what protocol tests put behind a
 protocol instead of a hand-written fake. Steer the runner through ``client.engine.runner``
-(``script``, ``gate``, ``delay_s``; see ``rill.testing.fake_runner``).
+(``script``, ``gate``, ``delay_s``; see ``rill.testing.fake_runner``); ``record_requests``
+keeps what a protocol submitted.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 from rill.config import EngineConfig
 from rill.engine.builder import Engine, assemble_engine
 from rill.testing.fake_runner import FakeRunner, fake_tokenizer
+from rill.types import GenerateRequest
 
 FAKE_MODEL_NAME = "fake-model"
 
@@ -43,3 +45,17 @@ async def fake_client(config: EngineConfig | None = None, runner: FakeRunner | N
         yield client
     finally:
         await client.shutdown()
+
+
+def record_requests(client: Any) -> list[GenerateRequest]:
+    """Every ``GenerateRequest`` ``client.generate`` receives from now on, accepted or refused
+    (a list filled as requests come; the client's own ``generate`` still runs)."""
+    requests: list[GenerateRequest] = []
+    generate = client.generate
+
+    async def recording(request: GenerateRequest) -> Any:
+        requests.append(request)
+        return await generate(request)
+
+    client.generate = recording
+    return requests

@@ -1,8 +1,10 @@
-"""Fixtures for framed_uds tests: a framed-JSON client and a listener on a temporary socket."""
+"""Fixtures for framed_uds tests: a framed-JSON client and a listener on a temporary socket, over
+the real in-process engine client on a ``FakeRunner`` (no model)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import struct
 from pathlib import Path
@@ -11,10 +13,17 @@ from typing import Any, AsyncIterator
 import pytest
 
 from rill import config as config_mod
+from rill.config import EngineConfig
+from rill.frontend.inproc import InprocClient
 from rill.protocols.framed_uds import adapter
 from rill.server import Deps
+from rill.testing.fake_client import fake_client as start_fake_client
+from rill.testing.fake_client import record_requests
+from rill.types import GenerateRequest
 
-from .fakes import FakeEngineClient
+MAX_CONTEXT = 1024
+STEP_S = 0.002
+"""Each engine step's pretend model time: a 1000-token stream lasts seconds, as the tests need."""
 
 
 class FramedClient:
@@ -78,23 +87,39 @@ def sock_path(tmp_path: Path) -> Path:
     return tmp_path / "rill.sock"
 
 
+@contextlib.asynccontextmanager
+async def engine_client(**config: Any) -> AsyncIterator[InprocClient]:
+    """The in-process client over a ``FakeRunner`` of ``MAX_CONTEXT`` tokens per row."""
+    async with start_fake_client(EngineConfig(model="fake", **config), max_len=MAX_CONTEXT) as client:
+        client.engine.runner.delay_s = STEP_S
+        yield client
+
+
 @pytest.fixture
-def fake_client() -> FakeEngineClient:
-    return FakeEngineClient()
+async def fake_client() -> AsyncIterator[InprocClient]:
+    async with engine_client() as client:
+        yield client
+
+
+@pytest.fixture
+def requests(fake_client: InprocClient) -> list[GenerateRequest]:
+    """What the adapter submitted to ``fake_client``."""
+    return record_requests(fake_client)
 
 
 class Listener:
-    """A started framed_uds listener over a fake engine."""
+    """A started framed_uds listener over the fake engine."""
 
-    def __init__(self, path: Path, client: FakeEngineClient, stop: Any) -> None:
-        self.path, self.client, self.stop = path, client, stop
+    def __init__(self, path: Path, client: InprocClient, requests: list[GenerateRequest], stop: Any) -> None:
+        self.path, self.client, self.requests, self.stop = path, client, requests, stop
 
     async def connect(self) -> FramedClient:
         return await FramedClient.connect(str(self.path))
 
 
 @pytest.fixture
-async def make_listener(sock_path: Path, fake_client: FakeEngineClient) -> AsyncIterator[Any]:
+async def make_listener(sock_path: Path, fake_client: InprocClient,
+                        requests: list[GenerateRequest]) -> AsyncIterator[Any]:
     stoppers = []
 
     async def make(**overrides: Any) -> Listener:
@@ -102,9 +127,8 @@ async def make_listener(sock_path: Path, fake_client: FakeEngineClient) -> Async
         deps = Deps(config=config, client=fake_client, api_keys=config.api_keys())
         stop = await adapter.start(deps)
         stoppers.append(stop)
-        return Listener(sock_path, fake_client, stop)
+        return Listener(sock_path, fake_client, requests, stop)
 
     yield make
     for stop in stoppers:
         await stop()
-    await fake_client.shutdown()

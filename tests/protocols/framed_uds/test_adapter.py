@@ -1,4 +1,5 @@
-"""Tests of rill.protocols.framed_uds.adapter over a real Unix socket, with a scripted engine.
+"""Tests of rill.protocols.framed_uds.adapter over a real Unix socket, with the in-process
+engine client over a ``FakeRunner`` (the real engine code, no model).
 
 (End-to-end tests against a real server with a real model are in test_e2e.py.)
 """
@@ -12,16 +13,42 @@ import socket
 import stat
 import struct
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
 from rill.errors import ConfigError
+from rill.frontend.inproc import InprocClient
 from rill.protocols.framed_uds import adapter
 from rill.server import Deps
 from tests.helpers import wait_until
 
-from .conftest import FramedClient, uds_config
-from .fakes import FakeEngineClient
+from .conftest import FramedClient, engine_client, uds_config
+
+
+def greedy(client: InprocClient, prompt: str, num_tokens: int) -> list[int]:
+    """The tokens greedy decoding of ``prompt`` gives on the client's ``FakeRunner``."""
+    engine = client.engine
+    assert engine is not None
+    ids = engine.tokenizer.encode(prompt)
+    out: list[int] = []
+    for _ in range(num_tokens):
+        out.append(int(np.argmax(engine.runner.logits_after(ids + out))))
+    return out
+
+
+def fail_after(client: InprocClient, prompt: str, num_tokens: int) -> None:
+    """Make the engine step fail once ``prompt`` has ``num_tokens`` tokens (a model error)."""
+    engine = client.engine
+    assert engine is not None
+    num_prompt = len(engine.tokenizer.encode(prompt))
+
+    def script(tokens: Any) -> None:
+        if len(tokens) >= num_prompt + num_tokens:
+            raise RuntimeError("the fake model failed")
+
+    engine.runner.script = script
 
 
 async def test_streamed_request(make_listener) -> None:
@@ -31,9 +58,9 @@ async def test_streamed_request(make_listener) -> None:
     events = await conn.until_end()
     assert [e["event"] for e in events] == ["token"] * 5 + ["eos"]
     assert all(e["id"] == "r1" and e["metadata"] == {"k": 1} for e in events)
-    assert [e["token_id"] for e in events[:-1]] == [100, 101, 102, 103, 104]
+    assert [e["token_id"] for e in events[:-1]] == greedy(listener.client, "Hello there", 5)  # temperature 0
     assert events[-1]["reason"] == "length"
-    request = listener.client.requests[0]
+    request = listener.requests[0]
     assert request.protocol == "framed_uds" and request.sampling.temperature == 0.0
     await conn.close()
 
@@ -44,7 +71,7 @@ async def test_socket_file_mode_defaults_to_0600_and_can_be_widened(make_listene
     assert stat.S_ISSOCK(os.stat(sock_path).st_mode)
 
 
-async def test_socket_mode_option(sock_path: Path, fake_client: FakeEngineClient) -> None:
+async def test_socket_mode_option(sock_path: Path, fake_client: InprocClient) -> None:
     stop = await adapter.start(Deps(config=uds_config(sock_path, **{"uds.socket_mode": "0660"}), client=fake_client))
     try:
         assert stat.S_IMODE(os.stat(sock_path).st_mode) == 0o660
@@ -53,7 +80,7 @@ async def test_socket_mode_option(sock_path: Path, fake_client: FakeEngineClient
     assert not sock_path.exists()  # the stopper removes its socket file
 
 
-async def test_no_socket_opens_nothing(sock_path: Path, fake_client: FakeEngineClient) -> None:
+async def test_no_socket_opens_nothing(sock_path: Path, fake_client: InprocClient) -> None:
     assert await adapter.start(Deps(config=uds_config(sock_path, **{"uds.no_socket": True}), client=fake_client)) is None
     assert not sock_path.exists()
 
@@ -71,7 +98,7 @@ async def test_stale_socket_file_is_replaced(sock_path: Path, make_listener) -> 
 
 
 async def test_live_socket_makes_startup_fail_clearly(make_listener, sock_path: Path,
-                                                      fake_client: FakeEngineClient) -> None:
+                                                      fake_client: InprocClient) -> None:
     await make_listener()
     with pytest.raises(ConfigError, match="another server is already listening"):
         await adapter.start(Deps(config=uds_config(sock_path), client=fake_client))
@@ -81,7 +108,7 @@ async def test_live_socket_makes_startup_fail_clearly(make_listener, sock_path: 
     await conn.close()
 
 
-async def test_path_that_is_not_a_socket_is_refused(sock_path: Path, fake_client: FakeEngineClient) -> None:
+async def test_path_that_is_not_a_socket_is_refused(sock_path: Path, fake_client: InprocClient) -> None:
     sock_path.write_text("precious")
     with pytest.raises(ConfigError, match="not a socket"):
         await adapter.start(Deps(config=uds_config(sock_path), client=fake_client))
@@ -106,7 +133,7 @@ async def test_oversize_header_rejected_without_the_payload(make_listener) -> No
     event = await conn.recv()
     assert event is not None and event["event"] == "error" and event["code"] == "E_PROTO_FRAME_TOO_LARGE"
     assert await conn.is_closed()
-    assert listener.client.requests == []
+    assert listener.requests == []
 
 
 async def test_oversize_frame_sent_whole_gets_the_error_instead_of_a_reset(make_listener) -> None:
@@ -129,7 +156,7 @@ async def test_oversize_frame_sent_whole_gets_the_error_instead_of_a_reset(make_
     assert len(received) == 4 + length  # one frame, then a clean end of stream
     event = json.loads(received[4:])
     assert event["event"] == "error" and event["code"] == "E_PROTO_FRAME_TOO_LARGE"
-    assert listener.client.requests == []
+    assert listener.requests == []
 
 
 async def test_zero_length_frame(make_listener) -> None:
@@ -194,7 +221,9 @@ async def test_stream_false(make_listener) -> None:
     conn = await listener.connect()
     await conn.send({"id": "ns", "prompt": "hi", "max_tokens": 3, "stream": False, "metadata": {"a": "b"}})
     events = await conn.until_end()
-    assert events == [{"event": "eos", "id": "ns", "reason": "length", "text": "tok0 tok1 tok2 ", "metadata": {"a": "b"}}]
+    text = listener.client.decode(greedy(listener.client, "hi", 3))
+    assert len(text) == 3  # one character per token
+    assert events == [{"event": "eos", "id": "ns", "reason": "length", "text": text, "metadata": {"a": "b"}}]
     await conn.close()
 
 
@@ -238,6 +267,7 @@ async def test_metrics_frame(make_listener) -> None:
 
 async def test_generation_error(make_listener) -> None:
     listener = await make_listener()
+    fail_after(listener.client, "FAIL", 2)
     conn = await listener.connect()
     await conn.send({"id": "f", "prompt": "FAIL", "max_tokens": 10})
     events = [e async for e in _all(conn)]
@@ -248,7 +278,7 @@ async def test_generation_error(make_listener) -> None:
 async def test_prompt_too_large(make_listener) -> None:
     listener = await make_listener()
     conn = await listener.connect()
-    await conn.send({"id": "big", "prompt": "word " * 100})
+    await conn.send({"id": "big", "prompt": "word " * 300})  # 1501 tokens: over the context
     event = await conn.recv()
     assert event["code"] == "E_LIMIT_PROMPT_TOO_LARGE" and event["id"] == "big"
     assert "prompt too large" in event["message"]
@@ -266,26 +296,44 @@ async def test_disconnect_mid_stream_frees_the_request(make_listener) -> None:
     assert listener.client.stats().kv_used_bytes == 0
 
 
-async def test_slo_request_overtakes_queued_ones(make_listener, fake_client: FakeEngineClient) -> None:
-    fake_client.max_num_seqs = 1
-    listener = await make_listener()
-    conns = [await listener.connect() for _ in range(4)]
+async def test_slo_request_overtakes_queued_ones(sock_path: Path) -> None:
+    async with engine_client(max_num_seqs=1) as client:
+        stop = await adapter.start(Deps(config=uds_config(sock_path), client=client))
+        try:
+            await _slo_request_overtakes_queued_ones(client, sock_path)
+        finally:
+            await stop()
+
+
+async def _slo_request_overtakes_queued_ones(client: InprocClient, sock_path: Path) -> None:
+    engine = client.engine
+    assert engine is not None
+    prompts = {"busy", "slo", "q1", "q2"}
+    first_token_order: list[str] = []
+
+    def observe(tokens: Any) -> None:  # the logits after a whole prompt give its first token
+        text = engine.tokenizer.decode(tokens)
+        if text in prompts and text not in first_token_order:
+            first_token_order.append(text)
+
+    engine.runner.script = observe
+    conns = [await FramedClient.connect(str(sock_path)) for _ in range(4)]
     # The busy request cannot end on its own while the others queue (a short one raced them
     # on a slow machine); it is cancelled once all three wait.
     await conns[0].send({"id": "busy", "prompt": "busy", "max_tokens": 10_000})
     assert (await conns[0].recv())["event"] == "token"  # the only slot is taken
     await conns[1].send({"id": "q1", "prompt": "q1", "max_tokens": 1})
     await conns[2].send({"id": "q2", "prompt": "q2", "max_tokens": 1})
-    await _until(lambda: len(fake_client.waiting) == 2)
+    await _until(lambda: client.stats().num_waiting == 2)
     await conns[3].send({"id": "slo", "prompt": "slo", "max_tokens": 1, "slo": {"target_ttft_ms": 100}})
-    await _until(lambda: len(fake_client.waiting) == 3)
+    await _until(lambda: client.stats().num_waiting == 3)
     await conns[0].send({"event": "cancel", "id": "busy"})
     for conn in conns:
         await conn.until_end()
-    assert fake_client.first_token_order == ["busy", "slo", "q1", "q2"]
+    assert first_token_order == ["busy", "slo", "q1", "q2"]
 
 
-async def test_stopper_ends_live_connections(sock_path: Path, fake_client: FakeEngineClient) -> None:
+async def test_stopper_ends_live_connections(sock_path: Path, fake_client: InprocClient) -> None:
     stop = await adapter.start(Deps(config=uds_config(sock_path), client=fake_client))
     conn = await FramedClient.connect(str(sock_path))
     await conn.send({"id": "r", "prompt": "hi", "max_tokens": 10_000})
@@ -297,13 +345,14 @@ async def test_stopper_ends_live_connections(sock_path: Path, fake_client: FakeE
     assert not sock_path.exists()
 
 
-async def test_newline_mode(make_listener, fake_client: FakeEngineClient) -> None:
-    fake_client.max_tokens_cap = 2  # lines carry no max_tokens: the server's cap (admission's) bounds them
+async def test_newline_mode(make_listener, fake_client: InprocClient) -> None:
+    fake_client.set_max_tokens_cap(2)  # lines carry no max_tokens: the server's cap (admission's) bounds them
     listener = await make_listener(**{"uds.uds_protocol": "newline"})
     reader, writer = await asyncio.open_unix_connection(str(listener.path))
     writer.write(b"first\nsecond\n")
     writer.write_eof()  # like `printf 'first\nsecond\n' | nc -U`: the answers still come
-    assert await reader.read() == b"tok0 tok1 \n\ntok0 tok1 \n\n"
+    answers = [fake_client.decode(greedy(fake_client, line, 2)) + "\n\n" for line in ("first", "second")]
+    assert await reader.read() == "".join(answers).encode()
     writer.close()
 
 
@@ -315,13 +364,13 @@ async def test_with_api_keys_a_request_needs_one_and_is_its_principal(make_liste
         [error] = await conn.until_end()
         assert error["event"] == "error" and error["code"] == "E_AUTH_UNAUTHORIZED" and error["id"] == "r1"
         assert "api_key" in error["message"] and await conn.is_closed()
-    assert listener.client.requests == []
+    assert listener.requests == []
     for key in ("k1", "k2"):
         conn = await listener.connect()
         await conn.send({"id": "r1", "prompt": "Hello", "max_tokens": 1, "api_key": key})
         assert (await conn.until_end())[-1]["event"] == "eos"
         await conn.close()
-    principals = [request.principal for request in listener.client.requests]
+    principals = [request.principal for request in listener.requests]
     assert len(set(principals)) == 2 and all(p.startswith("key:") and "k1" not in p for p in principals)
     conn = await listener.connect()
     await conn.send({"type": "metrics", "api_key": "k3"})
@@ -338,7 +387,7 @@ async def test_without_api_keys_the_principal_is_the_peer_user(make_listener) ->
     await conn.send({"id": "r1", "prompt": "Hello", "max_tokens": 1, "api_key": "ignored"})
     assert (await conn.until_end())[-1]["event"] == "eos"
     await conn.close()
-    assert listener.client.requests[0].principal == f"uds:uid={os.getuid()}"
+    assert listener.requests[0].principal == f"uds:uid={os.getuid()}"
 
 
 async def test_newline_mode_refuses_every_line_when_keys_are_on(make_listener) -> None:
@@ -347,7 +396,7 @@ async def test_newline_mode_refuses_every_line_when_keys_are_on(make_listener) -
     writer.write(b"first\n")
     answer = await reader.read()
     assert b"E_AUTH_UNAUTHORIZED" in answer and b"cannot carry" in answer
-    assert listener.client.requests == []
+    assert listener.requests == []
     writer.close()
 
 
@@ -361,8 +410,8 @@ async def _until(predicate) -> None:
     await wait_until(predicate, attempts=10_000, interval_s=0.001)
 
 
-async def _until_engine_idle(client: FakeEngineClient) -> None:
-    await _until(lambda: not client.running and not client.waiting)
+async def _until_engine_idle(client: InprocClient) -> None:
+    await _until(lambda: client.stats().num_running == 0 and client.stats().num_waiting == 0)
 
 
 async def test_connections_past_the_limit_are_refused(sock_path, fake_client):
