@@ -16,7 +16,7 @@ from rill.config import EngineConfig
 from rill.engine.request import AddCommand, Request
 from rill.errors import InvalidRequest
 from rill.engine.builder import Engine, build_engine
-from rill.types import RequestOutput, SamplingParams
+from rill.types import RequestEvent, RequestOutput, SamplingParams
 
 TEXT = ("Once upon a time there was a little fox who lived in a den under an old oak tree. Every morning the fox "
         "ran to the river to drink, and the birds sang songs about the sea, the sky and the tall green trees.")
@@ -153,3 +153,45 @@ def test_max_tokens_zero_only_where_allowed() -> None:
         with pytest.raises(InvalidRequest) as info:
             params.validate(allow_prefill_only=allow)
         assert info.value.field == "max_tokens"
+
+
+def test_prompt_logprobs_survive_a_preemption_mid_prefill() -> None:
+    """FakeRunner engine: a prompt-logprobs request preempted half-way through its prefill is
+    recomputed from its first token and still gets one entry per prompt token, each the one it
+    gets alone; its chunks stay under the logits cap while other requests decode beside it."""
+    from rill.engine.batch import RowWork
+    from tests.engine.fake_core import PROMPTS, assert_idle, make_engine, make_request
+
+    engine = make_engine(num_rows=1, max_num_seqs=1, max_num_batched_tokens=32)
+    engine.core.scheduler.max_logits_chunk_tokens = 6
+    chunks: list[RowWork] = []
+    real_forward = engine.runner.forward
+
+    def forward(work: list[RowWork]) -> torch.Tensor:
+        chunks.extend(w for w in work if w.all_logits)
+        return real_forward(work)
+
+    engine.runner.forward = forward  # type: ignore[method-assign]
+    scored = make_request(engine, "scored", PROMPTS[5], priority=5, prompt_logprobs=3, max_tokens=2)
+    urgent = make_request(engine, "urgent", PROMPTS[4], priority=0, max_tokens=3)
+    outputs: dict[str, list[RequestOutput]] = {"scored": [], "urgent": []}
+    engine.core.apply(AddCommand(scored))
+    for num in range(1, 1000):
+        if num == 4:
+            engine.core.apply(AddCommand(urgent))
+        for out in engine.core.step():
+            outputs[out.request_id].append(out)
+        if not engine.core.has_work():
+            break
+    assert any(RequestEvent.PREEMPTED in out.events for out in outputs["scored"])
+    assert outputs["urgent"][-1].finish_reason == "length"
+    assert chunks and all(len(w.token_ids) <= 6 for w in chunks)
+    got = _prompt_logprobs(outputs["scored"])
+    alone_engine = make_engine()
+    alone = _prompt_logprobs(_run(alone_engine, [make_request(alone_engine, "scored", PROMPTS[5], prompt_logprobs=3,
+                                                              max_tokens=2)])["scored"])
+    assert len(got) == len(scored.prompt_ids) == len(alone)
+    assert [(e.token_id, e.rank, [a.token_id for a in e.top]) for e in got[1:]] == \
+        [(e.token_id, e.rank, [a.token_id for a in e.top]) for e in alone[1:]]
+    assert all(math.isclose(a.logprob, b.logprob, abs_tol=1e-6) for a, b in zip(got[1:], alone[1:]))
+    assert_idle(engine)

@@ -100,8 +100,8 @@ class FakeRunner:
 
     # -- ModelRunner -------------------------------------------------------------------------
     def forward(self, work: Sequence[RowWork]) -> torch.Tensor:
-        """Write each item's tokens into its row; return float32 logits ``[n, vocab_size]``
-        for the items with ``need_logits``, in the order of ``work``."""
+        """Write each item's tokens into its row; return float32 logits ``[n, vocab_size]``:
+        ``item.num_logits`` rows per item (every position of an ``all_logits`` chunk), in order."""
         if self.gate is not None:
             self.gate.wait()
         if self.delay_s:
@@ -112,9 +112,9 @@ class FakeRunner:
         for item in work:
             self._write(item)
             self.num_tokens_fed += len(item.token_ids)
-            if item.need_logits:
-                out.append(self.logits_after(self._rows[item.row][: item.start + len(item.token_ids)],
-                                             self._hashes[item.row][item.start + len(item.token_ids) - 1]))
+            end = item.start + len(item.token_ids)
+            for stop in range(end - item.num_logits + 1, end + 1):
+                out.append(self.logits_after(self._rows[item.row][:stop], self._hashes[item.row][stop - 1]))
         if not out:
             return torch.empty((0, self.vocab_size), dtype=torch.float32)
         return torch.from_numpy(np.stack(out))
