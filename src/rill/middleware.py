@@ -32,7 +32,7 @@ import asyncio
 import contextlib
 import ipaddress
 import socket
-from typing import Any, Callable
+from typing import Callable
 from urllib.parse import parse_qs, urlsplit
 
 from starlette.middleware.cors import CORSMiddleware
@@ -40,6 +40,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rill import auth
 from rill.connections import ConnectionGate
+from rill.deps import Deps
 from rill.errors import BodyTooLarge, Forbidden, IdleTimeout, MethodNotAllowed, RouteNotFound, Unauthorized
 
 ErrorRenderer = Callable[[BaseException], tuple[int, dict[str, str], bytes]]
@@ -59,7 +60,7 @@ DRAIN_LIMIT_BYTES = 16 * 1024 * 1024
 """How much of a refused body is read and dropped so the client can see the 413."""
 
 
-def wrap(app: ASGIApp, deps: Any, render_error: ErrorRenderer) -> ASGIApp:
+def wrap(app: ASGIApp, deps: Deps, render_error: ErrorRenderer) -> ASGIApp:
     """The server's app wrapped in the guard and, when origins are configured, CORS; refusals
     are written by ``render_error``."""
     http = deps.config.http

@@ -43,7 +43,7 @@ class _Probes:
         client = self.client
         if client.is_ready():
             return JSONResponse({"status": "ok", "model": client.model_info.name if client.model_info else None})
-        if getattr(client, "load_error", None) is not None:
+        if client.load_error is not None:
             return JSONResponse({"status": "error", "error": "model failed to load"}, status_code=503)
         progress, eta = client.load_progress()
         return JSONResponse({"status": "loading", "progress": round(progress, 1), "eta_seconds": eta},

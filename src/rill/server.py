@@ -160,7 +160,7 @@ async def serve(
         try:
             await client.wait_ready()
         except EngineDead as exc:
-            error = getattr(client, "load_error", None) or exc
+            error = client.load_error or exc
             log.error("the model failed to load: %s", error)
             load_failure.append(error)
             server.should_exit = True

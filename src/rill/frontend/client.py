@@ -48,6 +48,8 @@ class EngineClient(Protocol):
     """
 
     model_info: ModelInfo | None
+    load_error: BaseException | None
+    """Why the model failed to load (the engine is then dead); None while loading or loaded."""
 
     def is_ready(self) -> bool:
         """True once the model is loaded and the engine thread runs."""

@@ -24,6 +24,7 @@ from starlette.responses import FileResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from rill.deps import Deps
 from rill.errors import InvalidRequest, RillError
 from rill.protocols.openai_http import codec as http_codec
 
@@ -90,7 +91,7 @@ def _error(exc: BaseException) -> Response:
     return Response(wire.body, status_code=wire.status, headers=wire.headers, media_type="application/json")
 
 
-def prompt_endpoint(deps: Any) -> Any:
+def prompt_endpoint(deps: Deps) -> Any:
     """``POST /playground/prompt`` bound to the server's engine client."""
 
     async def prompt(request: Request) -> Response:
@@ -105,7 +106,7 @@ def prompt_endpoint(deps: Any) -> Any:
     return prompt
 
 
-def routes(deps: Any) -> list[BaseRoute]:
+def routes(deps: Deps) -> list[BaseRoute]:
     """The playground's routes for the server's Starlette app."""
     return [
         Route("/", page, methods=["GET"]),

@@ -280,6 +280,7 @@ class FakeClient:
     """An EngineClient whose engine steps only when the test says so (``step``)."""
 
     model_info = None
+    load_error: BaseException | None = None  # EngineClient: set when the model failed to load
 
     def __init__(self) -> None:
         self.keys: list[str] = []

@@ -26,6 +26,8 @@ from rill.types import GenerateRequest, ModelInfo, RequestEvent, RequestOutput, 
 class ScriptedClient:
     """Replies with ``script`` (text pieces) one per loop turn; ``fail`` ends with that error."""
 
+    load_error: BaseException | None = None  # EngineClient: set when the model failed to load
+
     def __init__(self, script: list[str], *, ready: bool = True, fail: BaseException | None = None,
                  raise_on_generate: BaseException | None = None, rendered: str = "<prompt>") -> None:
         self.model_info = ModelInfo(name="fake-chat", architecture="Fake", max_context_tokens=512, vocab_size=100,

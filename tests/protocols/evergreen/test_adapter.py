@@ -30,6 +30,8 @@ class ScriptedClient:
     script: ``fail`` (GenerationError after 2 tokens), ``late`` (RequestTimeout), ``boom``
     (an unexpected exception from ``generate``), ``hold`` (a token only per ``gate.set()``)."""
 
+    load_error: BaseException | None = None  # EngineClient: set when the model failed to load
+
     def __init__(self, is_ready: bool = True) -> None:
         self.model_info = ModelInfo(name="fake", architecture="Fake", max_context_tokens=64, vocab_size=100,
                                     dtype="float32", device="cpu", has_chat_template=True)

@@ -35,6 +35,8 @@ async def _reflect(address: str, request: reflection_pb2.ServerReflectionRequest
 class _LoadingClient:
     """An engine client whose model becomes ready when the test says so."""
 
+    load_error: BaseException | None = None  # EngineClient: set when the model failed to load
+
     def __init__(self) -> None:
         self.loaded = asyncio.Event()
         self.fail = False

@@ -46,6 +46,8 @@ class _Req:
 class FakeClient:
     """Scripted engine client; ``ready`` gates ``is_ready`` to test model loading."""
 
+    load_error: BaseException | None = None  # EngineClient: set when the model failed to load
+
     def __init__(self, is_ready: bool = True, step_delay_s: float = 0.0) -> None:
         self.model_info = ModelInfo(name="fake-model", architecture="FakeForCausalLM", max_context_tokens=MAX_CONTEXT,
                                     vocab_size=1000, dtype="float32", device="cpu")

@@ -34,6 +34,8 @@ KV_BYTES_PER_REQUEST = 4096
 class FakeClient:
     """Scripted engine client (see the module docstring)."""
 
+    load_error: BaseException | None = None  # EngineClient: set when the model failed to load
+
     def __init__(self, is_ready: bool = True, has_chat_template: bool = True) -> None:
         self.model_info: ModelInfo | None = ModelInfo(
             name="fake-model", architecture="FakeForCausalLM", max_context_tokens=MAX_CONTEXT, vocab_size=1000,

@@ -17,7 +17,6 @@ import contextlib
 import logging
 import time
 import uuid
-from typing import Any
 
 import msgspec
 from starlette.routing import BaseRoute, WebSocketRoute
@@ -25,6 +24,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from rill import auth
 from rill import config as rill_config
+from rill.deps import Deps
 from rill.errors import ConfigError, InvalidRequest, RillError
 from rill.frontend.client import EngineClient
 from rill.frontend.stream import RequestStream
@@ -54,7 +54,7 @@ environment and ``.env`` (tests, embedders)."""
 class _Shared:
     """What every connection of one server shares: engine client, defaults, limits, store."""
 
-    def __init__(self, deps: Any) -> None:
+    def __init__(self, deps: Deps) -> None:
         self.client: EngineClient = deps.client
         defaults = deps.extras.get(DEFAULTS_EXTRA) or rill_config.sampling_defaults()
         self.defaults = GenerationConfig(**{name: getattr(defaults, name, None) for name in GenerationConfig.__struct_fields__})
@@ -68,7 +68,7 @@ class _Shared:
             raise ConfigError(f"batch /ws generation defaults (MODEL_DEFAULT_* / RILL_DEFAULT_*): {exc}") from exc
 
 
-def routes(deps: Any) -> list[BaseRoute]:
+def routes(deps: Deps) -> list[BaseRoute]:
     """The batch WebSocket routes, sharing one continuation store."""
     shared = _Shared(deps)
 

@@ -31,6 +31,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from rill import auth
 from rill.config import parse_size
+from rill.deps import Deps
 from rill.errors import InvalidRequest, ModelNotReady
 from rill.frontend.client import EngineClient
 from rill.frontend.speech import SAMPLE_RATE_HZ, SpeechService, SpeechStream
@@ -63,7 +64,7 @@ class ChatService:
     """What every ``/ws/chat`` connection of one server shares: the engine client, the fair
     queue, the speech worker, recordings and limits."""
 
-    def __init__(self, deps: Any) -> None:
+    def __init__(self, deps: Deps) -> None:
         cfg = deps.config
         self.client: EngineClient = deps.client
         self.queue = FairQueue(cfg.chat.chat_max_active, cfg.chat.chat_max_queue)
@@ -135,7 +136,7 @@ class ChatService:
         return self._ref_audio
 
 
-def routes(deps: Any) -> list[BaseRoute]:
+def routes(deps: Deps) -> list[BaseRoute]:
     """``/ws/chat`` and the recordings / reference-audio HTTP routes."""
     service: ChatService = deps.extras.get(EXTRA) or ChatService(deps)
     deps.extras[EXTRA] = service
@@ -175,7 +176,7 @@ def routes(deps: Any) -> list[BaseRoute]:
     ]
 
 
-async def start(deps: Any) -> Callable[[], Awaitable[None]] | None:
+async def start(deps: Deps) -> Callable[[], Awaitable[None]] | None:
     """No listener of its own; the returned stopper ends the speech worker thread at shutdown."""
     service: ChatService | None = deps.extras.get(EXTRA)
     if service is None:

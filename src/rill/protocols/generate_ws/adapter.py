@@ -27,6 +27,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from rill import __version__, auth
 from rill.config import parse_size
+from rill.deps import Deps
 from rill.errors import EngineDead, InvalidRequest, ModelLoadError, RequestTimeout, RillError
 from rill.feedback import FeedbackStore
 from rill.models.default import DEFAULT_MODEL_NAME
@@ -49,7 +50,7 @@ class _Gone(Exception):
 class GenerateService:
     """Shared state of the protocol: settings, the feedback store."""
 
-    def __init__(self, deps: Any) -> None:
+    def __init__(self, deps: Deps) -> None:
         self.deps = deps
         self.client = deps.client
         self.http = deps.config.http
@@ -346,7 +347,7 @@ class _Connection:
     async def _wait_ready(self) -> None:
         client = self.service.client
         while not client.is_ready():
-            if getattr(client, "load_error", None) is not None:
+            if client.load_error is not None:
                 raise ModelLoadError("the model failed to load")
             progress, eta_s = client.load_progress()
             await self.perform(self.session.loading_status(progress, eta_s))
@@ -429,7 +430,7 @@ class _Connection:
                 await task
 
 
-def routes(deps: Any) -> list[BaseRoute]:
+def routes(deps: Deps) -> list[BaseRoute]:
     """``/generate`` (WebSocket) and ``POST /v1/generate``."""
     service = GenerateService(deps)
     deps.extras["generate_ws"] = service

@@ -37,6 +37,7 @@ from starlette.routing import BaseRoute, Route
 from starlette.types import Receive, Scope, Send
 
 from rill import auth
+from rill.deps import Deps
 from rill.errors import EngineDead, ModelNotReady, RillError
 from rill.frontend.stream import RequestStream
 from rill.protocols._shared import sse
@@ -50,7 +51,7 @@ log = logging.getLogger("rill.openai_http")
 _JSON = "application/json"
 
 
-def routes(deps: Any) -> list[BaseRoute]:
+def routes(deps: Deps) -> list[BaseRoute]:
     """The API's routes on the shared HTTP port (mounted by ``rill.server.build_app``)."""
     api = OpenAIApi(deps)
     return [
@@ -81,7 +82,7 @@ def error_response(exc: BaseException) -> Response:
 class OpenAIApi:
     """Endpoint handlers bound to one server's ``Deps``."""
 
-    def __init__(self, deps: Any) -> None:
+    def __init__(self, deps: Deps) -> None:
         self.deps = deps
         self.client = deps.client
         self.created = int(time.time())
@@ -233,7 +234,7 @@ class OpenAIApi:
         info = self.client.model_info
         if not self.client.is_ready() or info is None:
             # Not ready is not always "loading": tell a failed load or a dead engine apart.
-            if getattr(self.client, "load_error", None) is not None:
+            if self.client.load_error is not None:
                 raise EngineDead("the model failed to load; see the server log")
             if info is not None:
                 raise EngineDead("the engine has stopped; the server needs a restart")
