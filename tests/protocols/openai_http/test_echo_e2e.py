@@ -103,6 +103,15 @@ def test_echo_streamed_equals_not_streamed(server: LiveServer) -> None:
     assert merged["text_offset"] == whole["logprobs"]["text_offset"]
     assert len(merged["tokens"]) == len(_token_ids(server, PROMPT)) + 4
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+    # n choices: each echoes the prompt with its logprobs, computed once (by the first choice).
+    pair = _streamed(server, {**body, "n": 2})
+    for index in (0, 1):
+        mine = [c["choices"][0] for c in pair if c["choices"] and c["choices"][0]["index"] == index]
+        assert "".join(c["text"] for c in mine) == whole["text"]
+        values = [t for c in mine for t in c["logprobs"]["token_logprobs"]]
+        assert values[0] is None and len(values) == len(whole["logprobs"]["token_logprobs"])
+        # Batched with the other choice, the float sums differ in the last bits.
+        assert all(math.isclose(a, b, abs_tol=1e-4) for a, b in zip(values[1:], whole["logprobs"]["token_logprobs"][1:]))
     # Without logprobs, echo is the prompt text only.
     assert _completion(server, echo=True, max_tokens=2)["choices"][0]["text"].startswith(PROMPT)
     server.wait_idle()

@@ -136,6 +136,9 @@ def test_echo_and_best_of_mapping() -> None:
     reqs = codec.generate_requests(_completion(best_of=3, n=2, seed=5), ids, SERVED, "cmpl-x")
     assert [r.prompt_token_ids for r in reqs] == [[1, 2]] * 3 + [[3]] * 3
     assert [r.sampling.seed for r in reqs] == [5, 6, 7] * 2
+    echoed = codec.generate_requests(_completion(n=3, echo=True, logprobs=1), ids, SERVED, "cmpl-y")
+    # A prompt's logprobs are computed once, by its first candidate.
+    assert [r.sampling.prompt_logprobs for r in echoed] == [1, None, None] * 2
 
 
 @pytest.mark.parametrize(

@@ -156,11 +156,29 @@ def test_streamed_echo_waits_for_the_prompt_logprobs_then_leads_the_first_chunk(
     assert _data(event)["choices"][0]["logprobs"]["text_offset"] == [12]
 
 
-def test_echo_never_drops_text_that_arrives_before_the_prompt_logprobs() -> None:
-    session = _echo_session(0)
-    [event] = session.on_output(0, RequestOutput(request_id="r", text="<3>", token_ids=[3],
-                                                 logprobs=[TokenLogprob(token_id=3, logprob=-0.7)]))
-    assert _data(event)["choices"][0]["text"] == "<7><8><9><3>"
+def test_a_choice_is_held_until_its_prompts_logprobs_arrive_with_the_first_candidate() -> None:
+    session = ResponseSession(kind=Kind.COMPLETION, response_id="id-1", created=1, model="m", num_choices=2, n=2,
+                              logprobs=0, token_text=lambda token_id: f"<{token_id}>",
+                              echo=[EchoPrompt(text="<7><8><9>", token_ids=[7, 8, 9])])
+    # The second candidate asks no prompt logprobs: its tokens (even its end) wait for the first's.
+    assert session.on_output(1, RequestOutput(request_id="b", text="<3>", token_ids=[3],
+                                              logprobs=[TokenLogprob(token_id=3, logprob=-0.7)])) == []
+    assert session.on_output(1, RequestOutput(request_id="b", text="<4>", token_ids=[4], finished=True,
+                                              finish_reason="length",
+                                              logprobs=[TokenLogprob(token_id=4, logprob=-0.9)])) == []
+    events = session.on_output(0, RequestOutput(request_id="a", text="<5>", token_ids=[5],
+                                                prompt_logprobs=_prompt_logprobs(),
+                                                logprobs=[TokenLogprob(token_id=5, logprob=-0.2)]))
+    first, second = (_data(e)["choices"][0] for e in events)
+    assert (first["index"], first["text"], first["finish_reason"]) == (0, "<7><8><9><5>", None)
+    assert (second["index"], second["text"], second["finish_reason"]) == (1, "<7><8><9><3><4>", "length")
+    assert second["logprobs"]["token_logprobs"] == [None, -1.5, -0.1, -0.7, -0.9]
+    assert second["logprobs"]["text_offset"] == [0, 3, 6, 9, 12]
+    [event] = session.on_output(0, RequestOutput(request_id="a", text="<6>", token_ids=[6], finished=True,
+                                                 finish_reason="length",
+                                                 logprobs=[TokenLogprob(token_id=6, logprob=-0.3)]))
+    assert _data(event)["choices"][0]["text"] == "<6>" and _data(event)["choices"][0]["logprobs"]["text_offset"] == [12]
+    assert session.is_done
 
 
 def test_vllm_prompt_logprobs_rank_alternatives_around_the_prompt_token() -> None:

@@ -597,7 +597,8 @@ def generate_requests(
     """One ``GenerateRequest`` per candidate: for each prompt, ``n`` (or ``best_of``) in a row.
 
     Candidate ``k`` belongs to prompt ``k // n``. With a ``seed``, candidate ``i`` of a prompt
-    gets ``seed + i`` so that the ``n`` candidates differ yet repeat between runs.
+    gets ``seed + i`` so that the ``n`` candidates differ yet repeat between runs. Only a
+    prompt's first candidate asks for prompt logprobs.
     """
     n = candidates_per_prompt(req)
     if served.max_choices is not None and len(prompts_token_ids) * n > served.max_choices:
@@ -609,6 +610,10 @@ def generate_requests(
         base = sampling_params(req, max_tokens, served)
         for i in range(n):
             sampling = base if base.seed is None or i == 0 else msgspec.structs.replace(base, seed=(base.seed + i) % 2**63)
+            if i and sampling.prompt_logprobs is not None:
+                # The prompt is the same: its logprobs come with the first candidate, and the
+                # others may share that candidate's prefill (the prefix cache) instead of redoing it.
+                sampling = msgspec.structs.replace(sampling, prompt_logprobs=None)
             out.append(GenerateRequest(
                 prompt_token_ids=ids,
                 sampling=sampling,

@@ -15,7 +15,8 @@ then ``[DONE]``) or an error response (not streamed). Token strings for logprobs
 Completions ``echo``: a choice's text starts with its prompt, and with ``logprobs`` its legacy
 ``logprobs`` lists start with the prompt tokens (the first one's logprob and alternatives
 null); streamed, the echo goes in the choice's first chunk, once the engine has the prompt's
-logprobs. ``best_of``: ``candidates`` engine requests per prompt, of which the ``n`` with the
+logprobs (a choice's text is held until then). The prompt's logprobs come with the first
+candidate of each prompt only. ``best_of``: ``candidates`` engine requests per prompt, of which the ``n`` with the
 highest mean token logprob (``cumulative_logprob / completion tokens``, end-of-sequence
 included) are shown, most likely first (never streamed).
 """
@@ -86,7 +87,8 @@ class _Choice:
     parser: ToolCallParser | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
     cumulative_logprob: float = 0.0
-    is_echoed: bool = False  # streamed: the prompt went out already
+    has_output: bool = False
+    is_echoed: bool = False  # streamed: the prompt (and what was held until then) went out
 
 
 class ResponseSession:
@@ -177,24 +179,45 @@ class ResponseSession:
         if out.logprobs:
             choice.logprobs.extend(out.logprobs)
         choice.finish_reason = finish
-        echo_text, echo_logprobs = "", None
+        choice.has_output = True
         if self.echo is not None and not choice.is_echoed:
-            waiting = self.logprobs is not None and choice.prompt_logprobs is None
-            if waiting and finish is None and not out.text and not out.logprobs:
-                return []  # the echo waits for the prompt's logprobs (they come with the first token)
-            choice.is_echoed = True
-            echo_text, echo_logprobs = self._echo(index, choice)
-        if not echo_text and not out.text and not out.logprobs and finish is None:
+            # Until its echo can go out, a choice's text and logprobs are held (in ``choice``).
+            # The prompt's logprobs come with the first candidate of the prompt: when they
+            # arrive, the held choices of that prompt go out too.
+            first = index - index % self.candidates
+            group = range(first, min(first + self.candidates, len(self.choices))) if index == first else [index]
+            return [event for j in group for event in self._echo_chunk(j)]
+        if not out.text and not out.logprobs and finish is None:
             return []
         if self.echo is not None:
             offset += len(self.echo[index // self.candidates].text)
-        logprobs = self._completion_logprobs(out.logprobs, offset)
-        if echo_logprobs is not None and logprobs is not None:
-            logprobs = _join_logprobs(echo_logprobs, logprobs)
-        choice_chunk = CompletionChoice(index=index, text=echo_text + out.text, finish_reason=finish, logprobs=logprobs)
+        choice_chunk = CompletionChoice(index=index, text=out.text, finish_reason=finish,
+                                        logprobs=self._completion_logprobs(out.logprobs, offset))
         return [sse.encode_event(codec.encode(self._completion([choice_chunk])))]
 
-    def _echo(self, index: int, choice: _Choice) -> tuple[str, CompletionLogprobs | None]:
+    def _echo_chunk(self, index: int) -> list[bytes]:
+        """Streamed: choice ``index``'s first chunk (its prompt, then what it holds) once the
+        prompt's logprobs are there (when asked); nothing before that or after it was sent."""
+        choice = self.choices[index]
+        if choice.is_echoed or not choice.has_output:
+            return []
+        if self.logprobs is not None and self._prompt_logprobs_of(index) is None:
+            return []
+        choice.is_echoed = True
+        echo_text, echo_logprobs = self._echo(index)
+        logprobs = self._completion_logprobs(choice.logprobs, len(echo_text))
+        if echo_logprobs is not None and logprobs is not None:
+            logprobs = _join_logprobs(echo_logprobs, logprobs)
+        chunk = CompletionChoice(index=index, text=echo_text + "".join(choice.text), finish_reason=choice.finish_reason,
+                                 logprobs=logprobs)
+        return [sse.encode_event(codec.encode(self._completion([chunk])))]
+
+    def _prompt_logprobs_of(self, index: int) -> list[TokenLogprob | None] | None:
+        """The prompt logprobs of choice ``index``'s prompt (the engine computes them for the
+        prompt's first candidate only, see ``codec.generate_requests``)."""
+        return self.choices[index - index % self.candidates].prompt_logprobs
+
+    def _echo(self, index: int) -> tuple[str, CompletionLogprobs | None]:
         """The prompt of choice ``index`` as text and, with ``logprobs``, as legacy logprobs."""
         assert self.echo is not None
         prompt = self.echo[index // self.candidates]
@@ -202,7 +225,7 @@ class ResponseSession:
             return prompt.text, None
         out = CompletionLogprobs(top_logprobs=[])
         assert out.top_logprobs is not None
-        entries = choice.prompt_logprobs or [None] * len(prompt.token_ids)
+        entries = self._prompt_logprobs_of(index) or [None] * len(prompt.token_ids)
         offset = 0
         for token_id, lp in zip(prompt.token_ids, entries):
             token = self.token_text(token_id)
@@ -266,13 +289,13 @@ class ResponseSession:
         choices_out = []
         for index in self._shown():
             c = self.choices[index]
-            echo_text, echo_logprobs = self._echo(index, c) if self.echo is not None else ("", None)
+            echo_text, echo_logprobs = self._echo(index) if self.echo is not None else ("", None)
             logprobs = self._completion_logprobs(c.logprobs, len(echo_text))
             if echo_logprobs is not None and logprobs is not None:
                 logprobs = _join_logprobs(echo_logprobs, logprobs)
             choices_out.append(CompletionChoice(index=len(choices_out), text=echo_text + "".join(c.text),
                                                 finish_reason=c.finish_reason, logprobs=logprobs,
-                                                prompt_logprobs=self._vllm_prompt_logprobs(c.prompt_logprobs)))
+                                                prompt_logprobs=self._vllm_prompt_logprobs(self._prompt_logprobs_of(index))))
         return codec.encode(self._completion(choices_out, usage=self.usage()))
 
     def _shown(self) -> list[int]:
