@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from rill.engine.threads import cgroup_quota_cpus, choose_num_threads
+from rill.engine.threads import apply_wait_policy, cgroup_quota_cpus, choose_num_threads
 
 
 def test_affinity_bounds_the_default() -> None:
@@ -54,3 +54,29 @@ def test_cgroup_v1_quota_and_unlimited(tmp_path: Path) -> None:
 
 def test_no_cgroup_files_means_no_quota(tmp_path: Path) -> None:
     assert cgroup_quota_cpus(tmp_path) is None
+
+
+def test_wait_policy_defaults_to_passive() -> None:
+    env: dict[str, str] = {}
+    said = apply_wait_policy(env)
+    assert env == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert "PASSIVE" in said
+
+
+@pytest.mark.parametrize("name, value", [("OMP_WAIT_POLICY", "ACTIVE"), ("GOMP_SPINCOUNT", "10000"), ("KMP_BLOCKTIME", "0")])
+def test_a_wait_policy_the_user_chose_is_kept(name: str, value: str) -> None:
+    env = {name: value}
+    said = apply_wait_policy(env)
+    assert env == {name: value}
+    assert f"{name}={value}" in said
+
+
+def test_importing_rill_sets_the_policy_before_torch_loads() -> None:
+    import subprocess
+    import sys
+
+    code = ("import os; os.environ.pop('OMP_WAIT_POLICY', None); import rill, sys; "
+            "print(os.environ.get('OMP_WAIT_POLICY'), 'torch' in sys.modules)")
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout.split()
+    assert out == ["PASSIVE", "False"]

@@ -126,7 +126,9 @@ def build_engine(config: EngineConfig, progress: Progress | None = None) -> Engi
     report = progress or (lambda pct, stage: None)
     threads = default_choice(config.num_threads)
     torch.set_num_threads(threads.num_threads)
-    log.info("engine threads: %d (%s)", threads.num_threads, threads.reason)
+    import rill
+
+    log.info("engine threads: %d (%s); OpenMP wait policy: %s", threads.num_threads, threads.reason, rill.WAIT_POLICY)
     path = _model_path(config.model, report)
     report(60.0, "loading weights")
     # Weights first: load_model names a missing folder, config or architecture best.

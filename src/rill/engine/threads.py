@@ -7,6 +7,14 @@ cores; OpenMP's spinning threads then wait for each other and a step can take ma
 than with fewer threads (issue "Performance on real weights" measured 5-13x on a loaded
 machine). So the default is the smaller of the affinity set and the quota, rounded down, at
 least 1, and the choice is logged with its reason.
+
+The count alone does not protect a shared machine: OpenMP's default wait policy lets a
+thread that reaches a barrier spin for a while before it sleeps, and with another process on
+the second core every parallel region waits for a thread the OS has descheduled while its
+partner burns the time slice spinning. ``apply_wait_policy`` sets ``OMP_WAIT_POLICY=PASSIVE``
+(waiting threads sleep at once) before torch loads its OpenMP runtime, unless the user chose
+a policy; ``rill/__init__.py`` calls it, so it takes effect in every process that imports rill
+before torch.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import MutableMapping
 
 log = logging.getLogger("rill.engine")
 
@@ -82,6 +91,24 @@ def choose_num_threads(requested: int | None, affinity: int | None, quota: float
         note = f"; note: only {usable} usable ({why})" if requested > usable else ""
         return ThreadChoice(requested, f"--num-threads {requested}{note}")
     return ThreadChoice(max(1, usable), f"{usable} = {why}")
+
+
+WAIT_POLICY_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
+"""Variables by which a user already chose how OpenMP threads wait (then rill sets nothing)."""
+
+
+def apply_wait_policy(environ: MutableMapping[str, str] | None = None) -> str:
+    """Make OpenMP threads sleep instead of spinning at barriers, unless the user chose.
+
+    Returns the policy in force as a short text for the start-up log. It only takes effect
+    if torch's OpenMP runtime has not started yet (it reads the variable once).
+    """
+    env = os.environ if environ is None else environ
+    chosen = [f"{name}={env[name]}" for name in WAIT_POLICY_VARS if env.get(name)]
+    if chosen:
+        return f"{', '.join(chosen)} (set by the environment)"
+    env["OMP_WAIT_POLICY"] = "PASSIVE"
+    return "OMP_WAIT_POLICY=PASSIVE (rill's default: waiting threads sleep, they do not spin)"
 
 
 def default_choice(requested: int | None) -> ThreadChoice:
