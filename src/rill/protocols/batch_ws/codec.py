@@ -9,7 +9,7 @@ become a generic text, never ``str(exc)``.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Sequence
 
 import msgspec
 
@@ -27,12 +27,11 @@ from rill.errors import (
     RateLimited,
     RequestRejected,
     RequestTimeout,
-    RillError,
     RouteNotFound,
     Unauthorized,
 )
 from rill.protocols._shared import jsonguard
-from rill.protocols._shared.errors import lookup
+from rill.protocols._shared.errors import ErrorEntry, ErrorTable, lookup
 from rill.protocols.batch_ws.messages import BatchRequest, ServerEvent, SocketError
 
 # Texts the source project puts on the wire; kept as prefixes so clients matching them work.
@@ -71,34 +70,33 @@ def encode_socket_error(text: str) -> str:
     return _encoder.encode([SocketError(error=text)]).decode()
 
 
-def _same(exc: RillError) -> str:
-    return str(exc)
-
+_OWN_TEXT = ErrorEntry()
+"""The exception's own message (written for clients) is the ERROR text."""
 
 # NOTE: one table per protocol (STYLE §6.8). Errors whose own text is written for clients
 # pass through; engine failures get fixed texts so internals never leak.
-ERROR_TABLE: dict[type[BaseException], Callable[[RillError], str]] = {
-    ContextLengthExceeded: _same,
-    InvalidRequest: _same,
-    QueueFull: lambda exc: "the server's waiting queue is full; retry later",
-    RateLimited: _same,
-    MemoryPressure: lambda exc: "the prompt can never fit in the server's KV cache memory",
-    ModelNotReady: lambda exc: "the model is still loading; retry later",
-    RequestRejected: lambda exc: "the server refused the request; retry later",
-    CacheMiss: _same,
-    RequestTimeout: lambda exc: "the request ran past the server's time limit",
-    EngineDead: lambda exc: "the engine stopped; no generation can run until the server restarts",
-    EngineError: lambda exc: "generation failed",
+ERROR_TABLE: ErrorTable = {
+    ContextLengthExceeded: _OWN_TEXT,
+    InvalidRequest: _OWN_TEXT,
+    QueueFull: ErrorEntry(text="the server's waiting queue is full; retry later"),
+    RateLimited: _OWN_TEXT,
+    MemoryPressure: ErrorEntry(text="the prompt can never fit in the server's KV cache memory"),
+    ModelNotReady: ErrorEntry(text="the model is still loading; retry later"),
+    RequestRejected: ErrorEntry(text="the server refused the request; retry later"),
+    CacheMiss: _OWN_TEXT,
+    RequestTimeout: ErrorEntry(text="the request ran past the server's time limit"),
+    EngineDead: ErrorEntry(text="the engine stopped; no generation can run until the server restarts"),
+    EngineError: ErrorEntry(text="generation failed"),
     # HTTP-level refusals (the middleware answers them before a socket opens); listed so the
     # whole error tree has an entry here too.
-    Unauthorized: _same,
-    Forbidden: _same,
-    RouteNotFound: _same,
-    MethodNotAllowed: _same,
+    Unauthorized: _OWN_TEXT,
+    Forbidden: _OWN_TEXT,
+    RouteNotFound: _OWN_TEXT,
+    MethodNotAllowed: _OWN_TEXT,
 }
 
 
 def error_text(exc: BaseException) -> str:
     """The ERROR event text for ``exc`` (the most specific table entry wins by MRO)."""
-    render = lookup(ERROR_TABLE, exc, None)
-    return GENERIC_ERROR if render is None else render(exc)  # type: ignore[arg-type]
+    entry = lookup(ERROR_TABLE, exc, None)
+    return GENERIC_ERROR if entry is None else entry.message(exc)

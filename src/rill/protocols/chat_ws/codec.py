@@ -20,7 +20,7 @@ from rill.errors import (
     RillError,
 )
 from rill.protocols._shared import jsonguard
-from rill.protocols._shared.errors import lookup
+from rill.protocols._shared.errors import ErrorEntry, ErrorTable, lookup
 from rill.protocols.chat_ws.messages import ChatRequest, Error, ServerMessage
 
 _request_decoder = msgspec.json.Decoder(ChatRequest)
@@ -33,19 +33,19 @@ CLOSE_INTERNAL_ERROR = 1011
 GENERIC_ERROR = "Internal server error"
 """What a client sees for an unexpected exception (details go to the log only)."""
 
-# NOTE: looked up by MRO, so the most specific class wins. A text of None means: say the
-# exception's own message (our messages are written for clients); a fixed text replaces it.
-ERROR_TABLE: dict[type[BaseException], tuple[str | None, int]] = {
-    QueueFull: ("Queue full", CLOSE_TRY_AGAIN_LATER),
-    RateLimited: (None, CLOSE_TRY_AGAIN_LATER),
-    ModelNotReady: ("Service not ready: the model is still loading", CLOSE_TRY_AGAIN_LATER),
-    RequestRejected: (None, CLOSE_NORMAL),
-    ContextLengthExceeded: (None, CLOSE_NORMAL),
-    InvalidRequest: (None, CLOSE_NORMAL),
-    RequestTimeout: (None, CLOSE_NORMAL),
-    EngineDead: ("Engine stopped; the server must be restarted", CLOSE_INTERNAL_ERROR),
-    EngineError: ("Generation failed", CLOSE_NORMAL),
-    RillError: (None, CLOSE_NORMAL),
+# NOTE: looked up by MRO, so the most specific class wins. Without a text the client reads
+# the exception's own message (our messages are written for clients); a fixed text replaces it.
+ERROR_TABLE: ErrorTable = {
+    QueueFull: ErrorEntry(status=CLOSE_TRY_AGAIN_LATER, text="Queue full"),
+    RateLimited: ErrorEntry(status=CLOSE_TRY_AGAIN_LATER),
+    ModelNotReady: ErrorEntry(status=CLOSE_TRY_AGAIN_LATER, text="Service not ready: the model is still loading"),
+    RequestRejected: ErrorEntry(status=CLOSE_NORMAL),
+    ContextLengthExceeded: ErrorEntry(status=CLOSE_NORMAL),
+    InvalidRequest: ErrorEntry(status=CLOSE_NORMAL),
+    RequestTimeout: ErrorEntry(status=CLOSE_NORMAL),
+    EngineDead: ErrorEntry(status=CLOSE_INTERNAL_ERROR, text="Engine stopped; the server must be restarted"),
+    EngineError: ErrorEntry(status=CLOSE_NORMAL, text="Generation failed"),
+    RillError: ErrorEntry(status=CLOSE_NORMAL),
 }
 
 
@@ -77,5 +77,4 @@ def error_for(exc: BaseException) -> tuple[Error, int]:
     entry = lookup(ERROR_TABLE, exc, None)
     if entry is None:
         return Error(error=GENERIC_ERROR), CLOSE_INTERNAL_ERROR
-    text, close_code = entry
-    return Error(error=text if text is not None else str(exc)), close_code
+    return Error(error=entry.message(exc)), entry.status if entry.status is not None else CLOSE_NORMAL

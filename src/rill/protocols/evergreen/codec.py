@@ -35,7 +35,7 @@ from rill.errors import (
     RillError,
 )
 from rill.protocols._shared import jsonguard
-from rill.protocols._shared.errors import lookup
+from rill.protocols._shared.errors import ErrorEntry, ErrorTable, lookup
 from rill.protocols.evergreen import errors
 from rill.protocols.evergreen._pb import evergreen_pb2 as pb
 from rill.protocols.evergreen._pb import evergreen_service_pb2 as service_pb
@@ -284,27 +284,27 @@ STATUS_NUMBERS: dict[str, int] = {
 }
 """gRPC status names and numbers (as in grpc.StatusCode), without importing grpc here."""
 
-ERROR_STATUS: dict[type[BaseException], str] = {
-    RillError: "INTERNAL",
-    errors.InvalidMessage: "INVALID_ARGUMENT",
-    errors.RuleBroken: "INVALID_ARGUMENT",
-    errors.UnsupportedInput: "INVALID_ARGUMENT",
-    errors.UnknownTarget: "NOT_FOUND",
-    errors.RefDenied: "PERMISSION_DENIED",
-    errors.RefNotFound: "NOT_FOUND",
-    errors.SessionLimit: "RESOURCE_EXHAUSTED",
-    errors.InputMissing: "FAILED_PRECONDITION",
-    errors.NeedsChatTemplate: "FAILED_PRECONDITION",
-    InvalidRequest: "INVALID_ARGUMENT",
-    ContextLengthExceeded: "OUT_OF_RANGE",
-    RequestRejected: "RESOURCE_EXHAUSTED",  # QueueFull, RateLimited, MemoryPressure
-    ModelNotReady: "UNAVAILABLE",
-    RequestTimeout: "DEADLINE_EXCEEDED",
-    CacheMiss: "INTERNAL",
-    EngineError: "INTERNAL",  # GenerationError: the action failed, so the session is aborted
-    EngineDead: "UNAVAILABLE",
+ERROR_STATUS: ErrorTable = {
+    RillError: ErrorEntry("INTERNAL"),
+    errors.InvalidMessage: ErrorEntry("INVALID_ARGUMENT"),
+    errors.RuleBroken: ErrorEntry("INVALID_ARGUMENT"),
+    errors.UnsupportedInput: ErrorEntry("INVALID_ARGUMENT"),
+    errors.UnknownTarget: ErrorEntry("NOT_FOUND"),
+    errors.RefDenied: ErrorEntry("PERMISSION_DENIED"),
+    errors.RefNotFound: ErrorEntry("NOT_FOUND"),
+    errors.SessionLimit: ErrorEntry("RESOURCE_EXHAUSTED"),
+    errors.InputMissing: ErrorEntry("FAILED_PRECONDITION"),
+    errors.NeedsChatTemplate: ErrorEntry("FAILED_PRECONDITION"),
+    InvalidRequest: ErrorEntry("INVALID_ARGUMENT"),
+    ContextLengthExceeded: ErrorEntry("OUT_OF_RANGE"),
+    RequestRejected: ErrorEntry("RESOURCE_EXHAUSTED"),  # QueueFull, RateLimited, MemoryPressure
+    ModelNotReady: ErrorEntry("UNAVAILABLE"),
+    RequestTimeout: ErrorEntry("DEADLINE_EXCEEDED"),
+    CacheMiss: ErrorEntry("INTERNAL"),
+    EngineError: ErrorEntry("INTERNAL"),  # GenerationError: the action failed, so the session is aborted
+    EngineDead: ErrorEntry("UNAVAILABLE"),
 }
-"""Exception class → gRPC status name; looked up along the MRO so subclasses win."""
+"""Exception class → its gRPC status name (``code``); looked up along the MRO so subclasses win."""
 
 GENERIC_MESSAGE = "internal server error"
 
@@ -317,10 +317,10 @@ def status_of(exc: BaseException) -> tuple[str, str]:
     """
     if not isinstance(exc, RillError):
         return "INTERNAL", GENERIC_MESSAGE
-    status = lookup(ERROR_STATUS, exc, None)
-    if status is None:
+    entry = lookup(ERROR_STATUS, exc, None)
+    if entry is None or entry.code is None:
         return "INTERNAL", GENERIC_MESSAGE
-    return status, exc.message
+    return entry.code, entry.message(exc)
 
 
 WS_CLOSE_BASE = 4000

@@ -35,7 +35,7 @@ from rill.errors import (
     Unauthorized,
 )
 from rill.protocols._shared import jsonguard
-from rill.protocols._shared.errors import lookup
+from rill.protocols._shared.errors import ErrorEntry, ErrorTable, lookup
 from rill.protocols.framed_uds.framing import FrameTooLarge, InvalidFrameLength, encode_frame
 from rill.protocols.framed_uds.messages import SAMPLING, Cancel, ClientMessage, MetricsQuery, Request, ServerMessage, Slo
 from rill.types import EngineStats, GenerateRequest, SamplingParams
@@ -61,23 +61,23 @@ class Busy(RillError):
     code = "busy"
 
 
-ERROR_CODES: dict[type[BaseException], str] = {
-    FrameTooLarge: "E_PROTO_FRAME_TOO_LARGE",
-    InvalidFrameLength: "E_PROTO_INVALID_LEN",
-    InvalidJson: "E_PROTO_INVALID_JSON",
-    Busy: "E_PROTO_BUSY",
-    Unauthorized: "E_AUTH_UNAUTHORIZED",
-    InvalidRequest: "E_PROTO_BAD_REQUEST",
-    ContextLengthExceeded: "E_LIMIT_PROMPT_TOO_LARGE",
-    MemoryPressure: "E_LIMIT_PROMPT_TOO_LARGE",  # the request can never fit in the KV budget
-    RequestRejected: "E_LIMIT_REJECTED",
-    QueueFull: "E_LIMIT_QUEUE_FULL",
-    RateLimited: "E_LIMIT_RATE_LIMITED",
-    ModelNotReady: "E_RUNTIME_NOT_READY",
-    RequestTimeout: "E_RUNTIME_TIMEOUT",
-    EngineError: "E_RUNTIME_DECODE",  # GenerationError: this request failed, others go on
-    EngineDead: "E_RUNTIME_UNAVAILABLE",
-    RillError: "E_RUNTIME_INTERNAL",
+ERROR_CODES: ErrorTable = {
+    FrameTooLarge: ErrorEntry("E_PROTO_FRAME_TOO_LARGE"),
+    InvalidFrameLength: ErrorEntry("E_PROTO_INVALID_LEN"),
+    InvalidJson: ErrorEntry("E_PROTO_INVALID_JSON"),
+    Busy: ErrorEntry("E_PROTO_BUSY"),
+    Unauthorized: ErrorEntry("E_AUTH_UNAUTHORIZED"),
+    InvalidRequest: ErrorEntry("E_PROTO_BAD_REQUEST"),
+    ContextLengthExceeded: ErrorEntry("E_LIMIT_PROMPT_TOO_LARGE"),
+    MemoryPressure: ErrorEntry("E_LIMIT_PROMPT_TOO_LARGE"),  # the request can never fit in the KV budget
+    RequestRejected: ErrorEntry("E_LIMIT_REJECTED"),
+    QueueFull: ErrorEntry("E_LIMIT_QUEUE_FULL"),
+    RateLimited: ErrorEntry("E_LIMIT_RATE_LIMITED"),
+    ModelNotReady: ErrorEntry("E_RUNTIME_NOT_READY"),
+    RequestTimeout: ErrorEntry("E_RUNTIME_TIMEOUT"),
+    EngineError: ErrorEntry("E_RUNTIME_DECODE"),  # GenerationError: this request failed, others go on
+    EngineDead: ErrorEntry("E_RUNTIME_UNAVAILABLE"),
+    RillError: ErrorEntry("E_RUNTIME_INTERNAL"),
 }
 """Exception class → wire ``code``. Looked up along the MRO, so subclasses override bases."""
 
@@ -89,7 +89,8 @@ _PROMPT_TOO_LARGE = (ContextLengthExceeded, MemoryPressure)
 
 def error_code(exc: BaseException) -> str:
     """The wire code for ``exc`` (generic for anything that is not a ``RillError``)."""
-    return lookup(ERROR_CODES, exc, GENERIC_CODE)
+    entry = lookup(ERROR_CODES, exc, None)
+    return GENERIC_CODE if entry is None or entry.code is None else entry.code
 
 
 def error_message(exc: BaseException) -> str:

@@ -242,7 +242,7 @@ async def _finished_before_disconnect(task: asyncio.Task[None], request: Request
     return task.done()
 
 
-_HTTP_STATUS = {entry.error: entry.http_status for entry in codec.ERROR_TABLE.values()}
+_HTTP_STATUS = {entry.code: entry.status for entry in codec.ERROR_TABLE.values()}
 _HTTP_STATUS["internal_error"] = 500
 
 
@@ -252,7 +252,7 @@ async def _no_close(code: int, reason: str) -> None:
 
 def _json_error(exc: BaseException, status: int | None = None) -> Response:
     msg = codec.error_message(exc)
-    return Response(codec.encode(msg), status_code=status or codec.wire_error(exc).http_status,
+    return Response(codec.encode(msg), status_code=status or codec.wire_error(exc).status or 500,
                     media_type="application/json")
 
 

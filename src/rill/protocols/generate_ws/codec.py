@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
 
 import msgspec
 
@@ -35,7 +34,7 @@ from rill.errors import (
     StorageFull,
 )
 from rill.protocols._shared import jsonguard, sse
-from rill.protocols._shared.errors import lookup
+from rill.protocols._shared.errors import ErrorEntry, ErrorTable, lookup
 from rill.protocols.generate_ws import messages as m
 
 
@@ -57,50 +56,30 @@ class Unauthorized(RillError):
     code = "unauthorized"
 
 
-@dataclass(frozen=True)
-class WireError:
-    """How one exception class appears on the wire.
-
-    Attributes:
-        error: the spec's ``error`` code.
-        recoverable: whether the socket stays usable (a new ``config`` may follow).
-        recovery_action: what the client should do next.
-        http_status: status of ``POST /v1/generate`` for this error.
-        is_public: whether ``str(exc)`` may be shown; otherwise ``generic`` is sent.
-        generic: the message used when ``is_public`` is False.
-    """
-
-    error: str
-    recoverable: bool
-    recovery_action: str | None
-    http_status: int
-    is_public: bool = True
-    generic: str = ""
-
-
 # Most specific class first does not matter: lookup walks the exception's MRO.
-ERROR_TABLE: dict[type[BaseException], WireError] = {
-    InvalidRequest: WireError("invalid_request", True, "fix_request", 400),
-    ContextLengthExceeded: WireError("context_length_exceeded", True, "shorten_prompt", 400),
-    RequestNotFound: WireError("invalid_request", True, "send_config", 400),
-    MemoryPressure: WireError("memory_pressure", True, "retry", 503),
-    QueueFull: WireError("rate_limited", True, "retry", 429),
-    RateLimited: WireError("rate_limited", True, "retry", 429),
-    ModelNotReady: WireError("model_loading_error", True, "retry", 503),
-    ModelLoadError: WireError("model_loading_error", False, None, 503, False, "the model failed to load"),
-    RequestTimeout: WireError("timeout", True, "retry", 504),
-    FeedbackLimit: WireError("rate_limited", True, None, 429),
-    StorageFull: WireError("internal_error", True, None, 507),
-    Unauthorized: WireError("unauthorized", False, "fix_request", 401),
-    CacheMiss: WireError("internal_error", True, "retry", 500, False, "internal error; the generation was dropped"),
-    GenerationError: WireError("internal_error", True, "retry", 500, False, "internal error; the generation failed"),
-    EngineDead: WireError("internal_error", False, "reconnect", 503, False, "the engine stopped; reconnect later"),
-    RillError: WireError("internal_error", True, "retry", 500, False, "internal error"),
-    BaseException: WireError("internal_error", False, "reconnect", 500, False, "internal error"),
+ERROR_TABLE: ErrorTable = {
+    InvalidRequest: ErrorEntry("invalid_request", 400, action="fix_request"),
+    ContextLengthExceeded: ErrorEntry("context_length_exceeded", 400, action="shorten_prompt"),
+    RequestNotFound: ErrorEntry("invalid_request", 400, action="send_config"),
+    MemoryPressure: ErrorEntry("memory_pressure", 503, action="retry"),
+    QueueFull: ErrorEntry("rate_limited", 429, action="retry"),
+    RateLimited: ErrorEntry("rate_limited", 429, action="retry"),
+    ModelNotReady: ErrorEntry("model_loading_error", 503, action="retry"),
+    ModelLoadError: ErrorEntry("model_loading_error", 503, text="the model failed to load", recoverable=False),
+    RequestTimeout: ErrorEntry("timeout", 504, action="retry"),
+    FeedbackLimit: ErrorEntry("rate_limited", 429),
+    StorageFull: ErrorEntry("internal_error", 507),
+    Unauthorized: ErrorEntry("unauthorized", 401, recoverable=False, action="fix_request"),
+    CacheMiss: ErrorEntry("internal_error", 500, text="internal error; the generation was dropped", action="retry"),
+    GenerationError: ErrorEntry("internal_error", 500, text="internal error; the generation failed", action="retry"),
+    EngineDead: ErrorEntry("internal_error", 503, text="the engine stopped; reconnect later", recoverable=False,
+                           action="reconnect"),
+    RillError: ErrorEntry("internal_error", 500, text="internal error", action="retry"),
+    BaseException: ErrorEntry("internal_error", 500, text="internal error", recoverable=False, action="reconnect"),
 }
 
 
-def wire_error(exc: BaseException) -> WireError:
+def wire_error(exc: BaseException) -> ErrorEntry:
     """The table entry of ``exc``'s most specific class."""
     return lookup(ERROR_TABLE, exc, ERROR_TABLE[BaseException])
 
@@ -115,10 +94,10 @@ def error_message(exc: BaseException, request_id: str | None = None, generated_t
     """
     entry = wire_error(exc)
     msg = m.Error(
-        error=entry.error,
-        message=str(exc) if entry.is_public else entry.generic,
+        error=entry.code or "internal_error",
+        message=entry.message(exc),
         recoverable=entry.recoverable,
-        recovery_action=entry.recovery_action,
+        recovery_action=entry.action,
         request_id=request_id,
     )
     if isinstance(exc, InvalidRequest) and exc.field:

@@ -41,7 +41,7 @@ from rill.errors import (  # the HTTP-level classes stay reachable as codec.X fo
     Unauthorized,
 )
 from rill.protocols._shared import jsonguard
-from rill.protocols._shared.errors import lookup
+from rill.protocols._shared.errors import ErrorEntry, ErrorTable, lookup
 from rill.protocols.openai_http.messages import (
     SAMPLING,
     ChatCompletionRequest,
@@ -93,29 +93,29 @@ class WireError:
     headers: dict[str, str] = field(default_factory=dict)
 
 
-ERROR_TABLE: dict[type[BaseException], tuple[int, str]] = {
-    # class: (HTTP status, OpenAI error type); the most specific class in the MRO wins.
-    ModelNotFound: (404, "invalid_request_error"),
-    BodyTooLarge: (413, "invalid_request_error"),
-    ContextLengthExceeded: (400, "invalid_request_error"),
-    InvalidRequest: (400, "invalid_request_error"),
-    Unauthorized: (401, "invalid_request_error"),
-    Forbidden: (403, "invalid_request_error"),
-    RouteNotFound: (404, "invalid_request_error"),
-    MethodNotAllowed: (405, "invalid_request_error"),
-    QueueFull: (429, "rate_limit_error"),
-    RateLimited: (429, "rate_limit_error"),
-    MemoryPressure: (400, "invalid_request_error"),
-    ModelNotReady: (503, "service_unavailable_error"),
-    RequestRejected: (503, "service_unavailable_error"),
-    RequestCancelled: (503, "service_unavailable_error"),
-    RequestNotFound: (404, "invalid_request_error"),
-    CacheMiss: (400, "invalid_request_error"),
-    RequestTimeout: (504, "timeout_error"),
-    IdleTimeout: (408, "timeout_error"),  # the client was too slow to send its request
-    EngineDead: (503, "server_error"),
-    EngineError: (500, "server_error"),
-    RillError: (500, "server_error"),
+ERROR_TABLE: ErrorTable = {
+    # class: (OpenAI error type, HTTP status); the most specific class in the MRO wins.
+    ModelNotFound: ErrorEntry("invalid_request_error", 404),
+    BodyTooLarge: ErrorEntry("invalid_request_error", 413),
+    ContextLengthExceeded: ErrorEntry("invalid_request_error", 400),
+    InvalidRequest: ErrorEntry("invalid_request_error", 400),
+    Unauthorized: ErrorEntry("invalid_request_error", 401),
+    Forbidden: ErrorEntry("invalid_request_error", 403),
+    RouteNotFound: ErrorEntry("invalid_request_error", 404),
+    MethodNotAllowed: ErrorEntry("invalid_request_error", 405),
+    QueueFull: ErrorEntry("rate_limit_error", 429),
+    RateLimited: ErrorEntry("rate_limit_error", 429),
+    MemoryPressure: ErrorEntry("invalid_request_error", 400),
+    ModelNotReady: ErrorEntry("service_unavailable_error", 503),
+    RequestRejected: ErrorEntry("service_unavailable_error", 503),
+    RequestCancelled: ErrorEntry("service_unavailable_error", 503),
+    RequestNotFound: ErrorEntry("invalid_request_error", 404),
+    CacheMiss: ErrorEntry("invalid_request_error", 400),
+    RequestTimeout: ErrorEntry("timeout_error", 504),
+    IdleTimeout: ErrorEntry("timeout_error", 408),  # the client was too slow to send its request
+    EngineDead: ErrorEntry("server_error", 503),
+    EngineError: ErrorEntry("server_error", 500),
+    RillError: ErrorEntry("server_error", 500),
 }
 
 _GENERIC_MESSAGE = "The server had an error while processing your request"
@@ -133,7 +133,7 @@ def error_detail(exc: BaseException) -> tuple[int, ErrorDetail]:
     entry = lookup(ERROR_TABLE, exc, None)
     if entry is None:
         return 500, ErrorDetail(message=_GENERIC_MESSAGE, type="server_error", code="internal_error")
-    status, kind = entry
+    status, kind = entry.status or 500, entry.code
     assert isinstance(exc, RillError)  # only rill classes are in the table
     param = getattr(exc, "field", None)
     return status, ErrorDetail(message=exc.message, type=kind, param=param, code=exc.code)
