@@ -15,6 +15,7 @@ import queue
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -92,6 +93,7 @@ class InprocClient:
         self._positions_at: float | None = None
         self._metrics: MetricsSink | None = None
         self._thread: threading.Thread | None = None
+        self._build: Callable[[EngineConfig, Callable[[float, str], None]], Engine] = build_engine
         self._is_dead = False
         self._admission = PromptAdmission(max_prompt_chars=config.max_prompt_chars,
                                           num_threads=config.tokenizer_threads)
@@ -101,10 +103,12 @@ class InprocClient:
 
     # -- lifecycle -------------------------------------------------------------------------
     @classmethod
-    def start(cls, config: EngineConfig, engine: Engine | None = None) -> "InprocClient":
-        """Create the client on the running loop and start the engine thread (which loads the
-        model unless a ready ``engine`` is given)."""
+    def start(cls, config: EngineConfig, engine: Engine | None = None,
+              build: Callable[[EngineConfig, Callable[[float, str], None]], Engine] | None = None) -> "InprocClient":
+        """Create the client on the running loop and start the engine thread (which builds the
+        engine with ``build``, default ``build_engine``, unless a ready ``engine`` is given)."""
         client = cls(config, asyncio.get_running_loop())
+        client._build = build or build_engine
         client._thread = threading.Thread(target=client._thread_main, args=(engine,), name="rill-engine", daemon=True)
         client._thread.start()
         return client
@@ -311,7 +315,7 @@ class InprocClient:
     def _thread_main(self, engine: Engine | None) -> None:
         try:
             if engine is None:
-                engine = build_engine(self.config, progress=self._set_progress)
+                engine = self._build(self.config, self._set_progress)
         except BaseException as exc:  # reported by /health and generate(); `rill serve` then exits
             if isinstance(exc, RillError):
                 log.error("model failed to load: %s", exc)  # a user's mistake: no traceback

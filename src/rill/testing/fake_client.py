@@ -11,7 +11,8 @@ keeps what a protocol submitted.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+import threading
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from rill.config import EngineConfig
@@ -20,6 +21,8 @@ from rill.testing.fake_runner import FakeRunner, fake_tokenizer
 from rill.types import GenerateRequest
 
 FAKE_MODEL_NAME = "fake-model"
+LOADING_PERCENT = 42.0
+"""The progress a loading ``fake_client`` reports."""
 
 
 def fake_engine(config: EngineConfig | None = None, runner: FakeRunner | None = None, **runner_args: Any) -> Engine:
@@ -30,20 +33,38 @@ def fake_engine(config: EngineConfig | None = None, runner: FakeRunner | None = 
 
 
 @contextlib.asynccontextmanager
-async def fake_client(config: EngineConfig | None = None, runner: FakeRunner | None = None,
+async def fake_client(config: EngineConfig | None = None, runner: FakeRunner | None = None, *,
+                      loading: threading.Event | None = None, load_error: BaseException | None = None,
                       **runner_args: Any) -> AsyncIterator[Any]:
-    """A started, ready ``InprocClient`` over ``fake_engine(...)``; shut down on exit.
+    """A started ``InprocClient`` over ``fake_engine(...)``; shut down on exit.
 
-    Must be entered on the event loop the client will serve (it starts the engine thread).
+    Ready on entry, unless ``loading`` is given: then the engine thread reports
+    ``LOADING_PERCENT`` and "loads" until the event is set, and then raises ``load_error``
+    (a failed load) if given. Must be entered on the event loop the client will serve.
     """
     from rill.frontend.inproc import InprocClient
 
     config = config or EngineConfig(model=FAKE_MODEL_NAME)
-    client = InprocClient.start(config, engine=fake_engine(config, runner, **runner_args))
+    engine = fake_engine(config, runner, **runner_args)
+
+    def build(config: EngineConfig, progress: Callable[[float, str], None]) -> Engine:
+        progress(LOADING_PERCENT, "loading weights")
+        assert loading is not None
+        loading.wait()
+        if load_error is not None:
+            raise load_error
+        return engine
+
+    client = InprocClient.start(config, engine=None if loading else engine, build=build)
     try:
-        await client.wait_ready()
+        if loading is None:
+            await client.wait_ready()
         yield client
     finally:
+        if engine.runner.gate is not None:
+            engine.runner.gate.set()  # a step held by the test must not outlive it
+        if loading is not None:
+            loading.set()
         await client.shutdown()
 
 

@@ -18,7 +18,9 @@ Hooks for tests, all set as plain attributes (an engine thread sees them at its 
 - ``script(tokens)``: called with a row's tokens up to the position whose logits are
   computed; a returned token id gets all the probability mass, ``None`` leaves the
   pseudo-random logits. It may raise to fail the step (the engine fails the step's requests).
-- ``gate``: a ``threading.Event``; while it is clear, ``forward`` waits (a long prefill).
+- ``gate``: anything with ``wait()`` and ``set()``, waited on at the start of every
+  ``forward``: a ``threading.Event`` (while clear, the model "prefills" forever) or a
+  ``StepGate`` (a test lets steps through one by one). ``set()`` opens it for good.
 - ``delay_s``: seconds each ``forward`` takes (a slow model, so streams last).
 
 The ``fake_tokenizer`` is a real ``rill.models.tokenizer.Tokenizer``: a byte-level BPE with
@@ -32,6 +34,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from functools import lru_cache
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -46,6 +49,40 @@ EOS_LOGIT = -8.0
 
 Script = Callable[[Sequence[int]], "int | None"]
 """Given a row's tokens up to a position, the token to force after it (or None)."""
+
+
+class Gate(Protocol):
+    """What ``FakeRunner.gate`` needs: ``wait`` blocks a step, ``set`` opens the gate for good."""
+
+    def wait(self) -> Any:
+        """Block until this step may run."""
+        ...
+
+    def set(self) -> None:
+        """Let every step through from now on."""
+        ...
+
+
+class StepGate:
+    """A gate letting through as many steps as ``allow`` granted (then ``set`` opens it for good)."""
+
+    def __init__(self) -> None:
+        self._permits = threading.Semaphore(0)
+        self._is_open = False
+
+    def allow(self, num_steps: int = 1) -> None:
+        """Let ``num_steps`` more steps run."""
+        self._permits.release(num_steps)
+
+    def wait(self) -> None:
+        """Block until a step is allowed (or the gate is open)."""
+        if not self._is_open:
+            self._permits.acquire()
+
+    def set(self) -> None:
+        """Open the gate: no step waits any more (teardown)."""
+        self._is_open = True
+        self._permits.release(1 << 20)
 
 
 class FakeRunner:
@@ -85,7 +122,7 @@ class FakeRunner:
         self.vocab_size = vocab_size or tokenizer.vocab_size
         self.kv_bytes_per_token = kv_bytes_per_token
         self.script: Script | None = None
-        self.gate: threading.Event | None = None
+        self.gate: Gate | None = None
         self.delay_s = 0.0
         self.num_forwards = 0
         self.num_tokens_fed = 0
