@@ -2,7 +2,8 @@
 
 The server runs with API keys, ``--max-tokens-cap 4`` and ``--rate-limit-requests 10`` per
 hour (so no timing can matter). On each protocol: an empty and a wrong key are refused in the
-protocol's own way; a request asking for more than the cap runs, clamped; nine more run; the
+protocol's own way; a request asking for more than the cap runs, clamped (``/generate``'s
+``init`` reports the clamped ``max_tokens``); nine more run; the
 11th in the window is refused with the protocol's rate-limit error. Every protocol has its own
 key, hence its own principal and window. Tokens are counted by the engine's own
 counter around each request (requests run one at a time), whatever the protocol reports.
@@ -78,6 +79,8 @@ async def generate_ws(live: LiveServer, key: str, max_tokens: int) -> int | None
                 msg = await recv_json(ws)
                 if msg["type"] == "error":
                     raise Refused(msg["error"], msg)
+                if msg["type"] == "init":  # reports the parameters in force: the clamped max_tokens
+                    assert msg["parameters"]["max_tokens"] == min(max_tokens, CAP), msg
                 if msg["type"] == "completion":
                     return msg["usage"]["completion_tokens"]
     except InvalidStatus as exc:

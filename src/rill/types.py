@@ -406,6 +406,9 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     of the step that finished the prompt: one entry per prompt token, None for the first.
     ``cumulative_logprob`` (with ``SamplingParams.logprobs``) sums the logprobs of every token
     generated so far, end-of-sequence included (``usage.completion_tokens`` counts them).
+    ``modified`` carries the data of the ``MODIFIED`` events: one ``SamplingParams`` per such
+    event in ``events``, in order, each the whole set of parameters in force from the next token
+    (values the server caps already clamped).
     Times are ``time.monotonic()`` seconds.
     """
 
@@ -417,6 +420,7 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     prompt_logprobs: list[TokenLogprob | None] | None = None
     cumulative_logprob: float | None = None
     events: list[RequestEvent] = []
+    modified: list[SamplingParams] = []
     finished: bool = False
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
@@ -442,6 +446,7 @@ class RequestOutput(msgspec.Struct, kw_only=True):
             prompt_logprobs=self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs,
             cumulative_logprob=later.cumulative_logprob if later.cumulative_logprob is not None else self.cumulative_logprob,
             events=self.events + later.events,
+            modified=self.modified + later.modified,
             finished=later.finished,
             finish_reason=later.finish_reason,
             stop_reason=later.stop_reason,

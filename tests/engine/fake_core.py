@@ -35,6 +35,7 @@ class Result:
     token_ids: list[int] = field(default_factory=list)
     token_texts: list[str] = field(default_factory=list)
     events: list[RequestEvent] = field(default_factory=list)
+    modified: list[SamplingParams] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: Any = None
     error: Any = None
@@ -79,6 +80,7 @@ def step(engine: Engine, results: dict[str, Result]) -> list[Any]:
         res.token_ids += out.token_ids
         res.token_texts += out.token_texts
         res.events += out.events
+        res.modified += out.modified
         if out.finished:
             res.finish_reason, res.stop_reason, res.error, res.usage = (
                 out.finish_reason, out.stop_reason, out.error, out.usage)

@@ -70,11 +70,13 @@ def test_modify_to_greedy_continues_with_the_argmax_of_the_same_history() -> Non
     results: dict[str, Result] = {}
     core.apply(AddCommand(request))
     steps_until(engine, results, "m", 4)
-    core.apply(ModifyCommand("m", SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)))
+    new_params = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)
+    core.apply(ModifyCommand("m", new_params))
     while core.has_work():
         step(engine, results)
     tokens = results["m"].token_ids
-    assert RequestEvent.MODIFIED in results["m"].events
+    assert results["m"].events.count(RequestEvent.MODIFIED) == 1
+    assert results["m"].modified == [new_params]  # the event carries the parameters now in force
     assert len(tokens) == 9 and results["m"].finish_reason == "length"  # the new max_tokens holds
     assert tokens[:4] == before[:4]
     for i in range(4, 9):

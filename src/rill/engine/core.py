@@ -158,6 +158,7 @@ class EngineCore:
                 self._emit_text(request, held)
         if request.beam is not None:
             request.beam.max_tokens = cmd.params.max_tokens
+        request.pending_modified.append(cmd.params)
         self._event(request, RequestEvent.MODIFIED)
 
     def _regenerate(self, cmd: RegenerateCommand) -> None:
@@ -533,6 +534,7 @@ class EngineCore:
                     prompt_logprobs=self._take_prompt_logprobs(request),
                     cumulative_logprob=request.cumulative_logprob if wants_logprobs else None,
                     events=request.pending_events,
+                    modified=request.pending_modified,
                     finished=finished,
                     finish_reason=request.finish_reason if finished else None,
                     stop_reason=request.stop_reason if finished else None,
@@ -550,6 +552,7 @@ class EngineCore:
             request.pending_token_texts = []
             request.pending_logprobs = []
             request.pending_events = []
+            request.pending_modified = []
             if finished:
                 self.requests.pop(request.request_id, None)
         self.touched = {}

@@ -65,6 +65,7 @@ class Request:
     pending_token_texts: list[str] = field(default_factory=list)
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     pending_events: list[RequestEvent] = field(default_factory=list)
+    pending_modified: list[SamplingParams] = field(default_factory=list)  # one per pending MODIFIED event
     num_output_tokens_counted: int = 0  # includes eos (usage), unlike output token ids sent
     cumulative_logprob: float = 0.0  # of every sampled token, eos included (with params.logprobs)
     # Prompt logprobs (params.prompt_logprobs): entries for prompt tokens [0, len), None for the

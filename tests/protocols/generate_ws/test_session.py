@@ -35,10 +35,10 @@ def sent(actions: list[s.Action]) -> list[dict]:
 
 
 def out(*texts: str, events: list[RequestEvent] = (), finished: bool = False, reason: str | None = None,
-        n: int = 0, error: object = None) -> RequestOutput:
+        n: int = 0, error: object = None, modified: list[SamplingParams] = ()) -> RequestOutput:
     return RequestOutput(request_id="gen_0", text="".join(texts), token_ids=[7 + i for i in range(len(texts))],
                          token_texts=list(texts), events=list(events), finished=finished, finish_reason=reason,
-                         usage=Usage(prompt_tokens=2, completion_tokens=n), error=error)
+                         usage=Usage(prompt_tokens=2, completion_tokens=n), error=error, modified=list(modified))
 
 
 def started(sess: s.GenerateSession, **kw: object) -> list[dict]:
@@ -64,9 +64,11 @@ def test_config_starts_a_generate_request() -> None:
     assert req.prompt == "Hi" and req.protocol == "generate_ws" and req.request_id == "gen_0"
     assert (req.sampling.max_tokens, req.sampling.temperature, req.sampling.seed) == (5, 0.0, 3)
     [init] = sent(sess.on_started(2))
+    parameters = init.pop("parameters")
     assert init == {"type": "init", "request_id": "gen_0", "model": "tiny",
                     "model_info": {"max_tokens": 128, "dtype": "float32", "quantization": None,
                                    "architecture": "LlamaForCausalLM", "vocab_size": 1000}}
+    assert (parameters["max_tokens"], parameters["temperature"], parameters["seed"]) == (5, 0.0, 3)
 
 
 @pytest.mark.parametrize("params,field", [({"temperature": -1}, "parameters.temperature"),
@@ -149,24 +151,28 @@ def test_modify_valid_and_invalid() -> None:
     assert err["error"] == "invalid_request" and err["field"] == "parameters.temperature"
     assert sess.gen is not None and sess.gen.sampling.temperature == 0.8  # nothing changed
     assert sess.receive(control("modify", parameters={"temperature": 0.0}), now=11.0) == [s.Modify({"temperature": 0.0})]
-    msgs = sent(sess.on_output(out(" a", events=[RequestEvent.MODIFIED], n=1), now=11.1))
+    msgs = sent(sess.on_output(out(" a", events=[RequestEvent.MODIFIED], n=1,
+                                   modified=[SamplingParams(temperature=0.0)]), now=11.1))
     assert msgs[0]["type"] == "token"
     assert msgs[1]["operation"] == "modified" and msgs[1]["parameters"]["temperature"] == 0.0
 
 
 def test_the_servers_clamped_parameters_are_the_ones_reported() -> None:
-    # --max-tokens-cap is applied at admission (the frontend), as on every protocol: the
-    # session starts from what the engine took and reports the clamp in `modified`.
+    # --max-tokens-cap is applied at admission (the frontend), as on every protocol: `init`
+    # reports what the server took, the next modify patches it, and `modified` reports what
+    # the engine's MODIFIED event carries.
     sess = new_session()
     sess.receive(config(parameters={"max_tokens": 500, "temperature": 0.8}), now=10.0)
     assert sess.gen is not None and sess.gen.sampling.max_tokens == 500  # no refusal here
-    sess.on_started(2, SamplingParams(max_tokens=5, temperature=0.8))
+    [init] = sent(sess.on_started(2, SamplingParams(max_tokens=5, temperature=0.8)))
+    assert init["parameters"]["max_tokens"] == 5 and init["parameters"]["temperature"] == 0.8
     assert sess.receive(control("modify", parameters={"temperature": 0.1}), now=11.0) == [s.Modify({"temperature": 0.1})]
-    msgs = sent(sess.on_output(out(" a", events=[RequestEvent.MODIFIED], n=1), now=11.1))
-    assert msgs[1]["parameters"]["max_tokens"] == 5 and msgs[1]["parameters"]["temperature"] == 0.1
-    sess.receive(control("modify", parameters={"max_tokens": 900}), now=12.0)
     sess.on_modify_applied(SamplingParams(max_tokens=5, temperature=0.1))
-    msgs = sent(sess.on_output(out(" b", events=[RequestEvent.MODIFIED], n=1), now=12.1))
+    assert sess.gen.sampling == SamplingParams(max_tokens=5, temperature=0.1)
+    first, second = SamplingParams(max_tokens=5, temperature=0.1), SamplingParams(max_tokens=5, temperature=0.3)
+    msgs = sent(sess.on_output(out(" a", events=[RequestEvent.MODIFIED, RequestEvent.MODIFIED], n=1,
+                                   modified=[first, second]), now=11.1))
+    assert [m["parameters"]["temperature"] for m in msgs[1:]] == [0.1, 0.3]  # each event its own data
     assert msgs[1]["operation"] == "modified" and msgs[1]["parameters"]["max_tokens"] == 5
 
 
@@ -316,7 +322,7 @@ def test_modify_refused_by_the_engine_is_undone() -> None:
     sess.receive(control("modify", parameters={"temperature": 0.1}), now=11.0)
     [err] = sent(sess.on_modify_refused(RequestNotFound("request gen_0 already finished")))
     assert err["error"] == "invalid_request"
-    assert sess.gen is not None and sess.gen.sampling.temperature == 0.8 and not sess.gen.pending_modified
+    assert sess.gen is not None and sess.gen.sampling.temperature == 0.8
 
 
 def test_a_refused_or_unstarted_generation_takes_no_feedback() -> None:

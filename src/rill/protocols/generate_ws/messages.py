@@ -134,11 +134,17 @@ class ModelInfoWire(msgspec.Struct, kw_only=True):
 
 
 class Init(msgspec.Struct, tag_field="type", tag="init", kw_only=True):
-    """Server → client: a generation starts (again, after ``regenerate``)."""
+    """Server → client: a generation starts (again, after ``regenerate``).
+
+    ``parameters`` (an addition to the spec's example; clients ignore unknown fields) are the
+    sampling parameters in force, as the server took them: a ``max_tokens`` over the server's
+    cap shows the clamped value. Same fields as the ``modified`` status's ``parameters``.
+    """
 
     request_id: str
     model: str
     model_info: ModelInfoWire | UnsetType = UNSET
+    parameters: dict[str, Any] | UnsetType = UNSET
 
 
 class TokenLogprobWire(msgspec.Struct, kw_only=True):

@@ -23,7 +23,7 @@ from __future__ import annotations
 import enum
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import msgspec
@@ -96,8 +96,6 @@ class Generation:
     num_completion_tokens: int = 0
     first_token_at: float | None = None
     last_token_at: float | None = None
-    pending_modified: list[SamplingParams] = field(default_factory=list)
-    sampling_in_force: SamplingParams | None = None  # last parameters the engine confirmed
     is_finished: bool = False
     is_started: bool = False  # the engine accepted it (init sent); a refused one has nothing to rate
     num_feedback: int = 0
@@ -173,7 +171,7 @@ class GenerateSession:
             patch["logprobs"] = DEFAULT_TOP_LOGPROBS
         sampling = self._validated(SamplingParams(), patch)
         self.gen = Generation(request_id=self._new_request_id(), prompt=msg.prompt, options=options,
-                              sampling=sampling, started_at=now, sampling_in_force=sampling)
+                              sampling=sampling, started_at=now)
         self.state = State.STARTING
         request = GenerateRequest(prompt=msg.prompt, sampling=sampling, request_id=self.gen.request_id,
                                   protocol=PROTOCOL)
@@ -204,9 +202,7 @@ class GenerateSession:
         patch = m.SAMPLING.patch(msg.parameters) if msg.parameters is not None else {}
         if not patch:
             raise InvalidRequest("'modify' needs 'parameters' with at least one field", field="parameters")
-        params = self._validated(self.gen.sampling, patch)
-        self.gen.sampling = params
-        self.gen.pending_modified.append(params)
+        self._validated(self.gen.sampling, patch)  # a bad value is refused here, in this wire's words
         return [Modify(patch)]
 
     def _on_stop(self) -> list[Action]:
@@ -253,18 +249,14 @@ class GenerateSession:
         return [StoreFeedback(record)]
 
     def on_modify_applied(self, params: SamplingParams) -> None:
-        """The engine took the last ``Modify`` as ``params`` (clamped where the server caps a
-        value): the ``modified`` status reports these."""
-        gen = self.gen
-        if gen is not None and gen.pending_modified:
-            gen.pending_modified[-1] = gen.sampling = params
+        """The server took the last ``Modify`` as ``params`` (clamped where it caps a value):
+        the next ``modify`` patches these. The ``modified`` status reports what the engine's
+        event carries."""
+        if self.gen is not None:
+            self.gen.sampling = params
 
     def on_modify_refused(self, exc: RillError) -> list[Action]:
-        """The engine refused the last ``Modify`` (e.g. the request just ended): undo it."""
-        gen = self.gen
-        if gen is not None and gen.pending_modified:
-            gen.pending_modified.pop()
-            gen.sampling = gen.pending_modified[-1] if gen.pending_modified else (gen.sampling_in_force or gen.sampling)
+        """The server refused the last ``Modify`` (e.g. the request just ended): nothing changed."""
         return self.on_invalid(exc)
 
     def on_feedback_stored(self, request_id: str, feedback_id: int) -> list[Action]:
@@ -290,11 +282,11 @@ class GenerateSession:
 
     def on_started(self, num_prompt_tokens: int, sampling: SamplingParams | None = None) -> list[Action]:
         """The engine accepted the request: send ``init``. ``sampling`` is what the server put
-        in force (``max_tokens`` clamped to ``--max-tokens-cap``); later ``modified``
-        statuses start from it."""
+        in force (``max_tokens`` clamped to ``--max-tokens-cap``): ``init`` reports it and later
+        ``modify`` patches start from it."""
         assert self.gen is not None
         if sampling is not None:
-            self.gen.sampling = self.gen.sampling_in_force = sampling
+            self.gen.sampling = sampling
         self.gen.num_prompt_tokens = num_prompt_tokens
         self.gen.is_started = True
         self.state = State.GENERATING
@@ -303,7 +295,8 @@ class GenerateSession:
     def _init(self) -> m.Init:
         assert self.gen is not None
         info = self.limits.model_info
-        msg = m.Init(request_id=self.gen.request_id, model=self.limits.model_name)
+        msg = m.Init(request_id=self.gen.request_id, model=self.limits.model_name,
+                     parameters=msgspec.structs.asdict(self.gen.sampling))
         if info is not None:
             msg.model_info = m.ModelInfoWire(max_tokens=info.max_context_tokens, dtype=info.dtype,
                                              quantization=info.quantization, architecture=info.architecture,
@@ -321,7 +314,7 @@ class GenerateSession:
         if RequestEvent.REGENERATING in out.events:
             stale, out = split_at_restart(out)
             actions += [Send(t) for t in self._tokens(stale, now)]
-        before, after = self._event_statuses(out.events)
+        before, after = self._event_statuses(out)
         actions += [Send(s) for s in before]
         actions += [Send(t) for t in self._tokens(out, now)]
         actions += [Send(s) for s in after]
@@ -332,7 +325,7 @@ class GenerateSession:
             actions += self._on_finished(out, now)
         return actions
 
-    def _event_statuses(self, events: list[RequestEvent]) -> tuple[list[m.ServerMessage], list[m.ServerMessage]]:
+    def _event_statuses(self, out: RequestOutput) -> tuple[list[m.ServerMessage], list[m.ServerMessage]]:
         """Statuses to send before and after this delta's tokens.
 
         A merged delta loses the order of tokens and events; tokens after a pause are
@@ -343,14 +336,15 @@ class GenerateSession:
         assert gen is not None
         statuses: list[m.ServerMessage] = []
         is_restart = False
+        modified = iter(out.modified)
+        events = out.events
         for event in events:
             if event is RequestEvent.PAUSED:
                 statuses.append(m.Status(operation="paused", request_id=gen.request_id, message="generation paused"))
             elif event is RequestEvent.RESUMED:
                 statuses.append(m.Status(operation="resumed", request_id=gen.request_id, message="generation resumed"))
             elif event is RequestEvent.MODIFIED:
-                params = gen.pending_modified.pop(0) if gen.pending_modified else gen.sampling
-                gen.sampling_in_force = params
+                params = next(modified, gen.sampling)
                 statuses.append(m.Status(operation="modified", request_id=gen.request_id,
                                          message="parameters in force from the next token",
                                          parameters=msgspec.structs.asdict(params)))
