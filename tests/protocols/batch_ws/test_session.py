@@ -37,7 +37,7 @@ def render(actions: list[Action], expected: list[list[Any]] | None = None) -> li
     out: list[list[Any]] = []
     for i, action in enumerate(actions):
         if isinstance(action, Send):
-            out.append(["send", msgspec.to_builtins(action.events)])
+            out.append(["send", msgspec.to_builtins(action.message)])
         elif isinstance(action, SendError):
             out.append(["error", action.text])
         elif isinstance(action, Start):
@@ -93,7 +93,7 @@ def test_engine_refusal_at_submit_is_an_error_for_that_prompt_only() -> None:
                                           "error": "prompt has 999 tokens but the model's context holds at most 256"}]]]
     assert session.num_open_prompts == 1
     actions = session.on_outputs([output("k-1", token_ids=[1], text="x", finished=True, finish_reason="stop")], 0.2)
-    assert [type(a.events[0]).__struct_config__.tag for a in actions if isinstance(a, Send)] == ["STARTED", "INITIALIZED", "PROGRESS", "COMPLETE"]
+    assert [type(a.message[0]).__struct_config__.tag for a in actions if isinstance(a, Send)] == ["STARTED", "INITIALIZED", "PROGRESS", "COMPLETE"]
 
 
 def test_engine_failure_mid_generation_never_leaks_internals() -> None:

@@ -136,7 +136,7 @@ class _Connection:
         failures: list[tuple[PromptKey, BaseException]] = []
         for action in actions:
             if isinstance(action, Send):
-                await self._send(codec.encode_events(action.events))
+                await self._send(codec.encode_events(action.message))
             elif isinstance(action, SendError):
                 await self._send(codec.encode_socket_error(action.text))
             elif isinstance(action, Start):

@@ -30,6 +30,7 @@ from typing import Union
 import msgspec
 
 from rill.errors import CacheMiss, ContextLengthExceeded, InvalidRequest
+from rill.protocols._shared.actions import Abort, Send, Start
 from rill.protocols.batch_ws import codec
 from rill.protocols.batch_ws.messages import (
     SAMPLING,
@@ -55,32 +56,15 @@ PROTOCOL = "batch_ws"
 
 
 # -- actions ---------------------------------------------------------------------------------
-class Send(msgspec.Struct, frozen=True):
-    """Send one frame: the JSON array of ``events`` (all of one batch)."""
-
-    events: list[ServerEvent]
-
-
 class SendError(msgspec.Struct, frozen=True):
     """Send a frame-level error ``[{"error": text}]``; the socket stays open."""
 
     text: str
 
 
-class Start(msgspec.Struct, frozen=True):
-    """Submit ``request`` to the engine and stream its outputs back under ``key``."""
-
-    key: PromptKey
-    request: GenerateRequest
-
-
-class Abort(msgspec.Struct, frozen=True):
-    """Cancel the engine request of ``key`` (frees its KV memory at once)."""
-
-    key: PromptKey
-
-
-Action = Union[Send, SendError, Start, Abort]
+Action = Union[Send[list[ServerEvent]], SendError, Start, Abort]
+"""``Send``: one frame, the JSON array of the events (all of one batch). ``Start`` / ``Abort``
+carry the prompt's key (``PromptKey``); aborting frees its KV memory at once."""
 
 
 @dataclass(frozen=True)
@@ -200,7 +184,7 @@ class BatchSession:
             batch.prompts.append(prompt)
             batch.num_open += 1
             self._prompts[key] = prompt
-            actions.append(Start(key, request))
+            actions.append(Start(request, key))
         if errors:
             actions.insert(1, Send(errors))
         return actions

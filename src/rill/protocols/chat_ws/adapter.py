@@ -350,7 +350,7 @@ class _Chat:
                 if self.speech is not None:
                     self.speech.end()
             elif isinstance(action, Close):
-                self.close_code = action.code
+                self.close_code = action.code if action.code is not None else codec.CLOSE_NORMAL
                 self.closed.set()
 
     async def _send(self, action: Send) -> None:

@@ -21,6 +21,7 @@ import numpy as np
 
 from rill.errors import InvalidRequest, RillError
 from rill.protocols._shared import b64pcm
+from rill.protocols._shared.actions import Close, Send
 from rill.protocols.chat_ws import codec
 from rill.protocols.chat_ws.messages import (
     SAMPLING,
@@ -53,13 +54,6 @@ TRANSITIONS: dict[str, frozenset[str]] = {
 
 
 @dataclass(frozen=True)
-class Send:
-    """Write ``message`` to the client."""
-
-    message: ServerMessage
-
-
-@dataclass(frozen=True)
 class Speak:
     """Synthesize ``text`` (in order, after every earlier ``Speak``)."""
 
@@ -71,14 +65,8 @@ class EndSpeech:
     """No more segments for this reply."""
 
 
-@dataclass(frozen=True)
-class Close:
-    """Close the connection with ``code``."""
-
-    code: int = codec.CLOSE_NORMAL
-
-
-Action = Send | Speak | EndSpeech | Close
+Action = Send[ServerMessage] | Speak | EndSpeech | Close
+"""``Close`` carries the WebSocket close code (``codec.CLOSE_*``)."""
 
 # Which engine modality a media part needs.
 _MODALITY_OF_PART = {"image": "image", "audio": "audio", "video": "video"}

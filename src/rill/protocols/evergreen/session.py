@@ -41,6 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Union
 
+from rill.protocols._shared.actions import Close, Send
 from rill.protocols.evergreen.errors import InputMissing, RuleBroken, SessionLimit, UnknownTarget
 from rill.protocols.evergreen.messages import (
     Action,
@@ -103,13 +104,6 @@ class SessionLimits:
 
 
 @dataclass(frozen=True)
-class Send:
-    """Send this message to the client."""
-
-    message: SessionMessage
-
-
-@dataclass(frozen=True)
 class Generate:
     """Start action ``action_id``: read ``refs``, then ``request_for`` gives its request."""
 
@@ -125,12 +119,8 @@ class Generate:
         return [p for item in self.items if isinstance(item, TextLeaf) for p in item.pieces if isinstance(p, FileRef)]
 
 
-@dataclass(frozen=True)
-class Close:
-    """The session is over: end the stream with OK."""
-
-
-Command = Union[Send, Generate, Close]
+Command = Union[Send[SessionMessage], Generate, Close]
+"""``Close``: the session is over, end the stream with OK."""
 
 
 # -- state ---------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Union
 
 from rill.errors import GenerationError, InvalidRequest, RillError
+from rill.protocols._shared.actions import Abort, Close, Send, Start
 from rill.protocols.framed_uds import codec
 from rill.protocols.framed_uds.messages import (
     Cancel,
@@ -47,26 +48,6 @@ from rill.types import GenerateRequest, RequestOutput
 # -- actions -------------------------------------------------------------------------------
 
 @dataclass(frozen=True, slots=True)
-class Send:
-    """Write one server message (framed mode) or raw bytes (newline mode)."""
-
-    message: ServerMessage | bytes
-
-
-@dataclass(frozen=True, slots=True)
-class Start:
-    """Submit ``request`` to the engine and feed its outputs to ``on_output``; if the engine
-    refuses it, call ``on_start_failed``."""
-
-    request: GenerateRequest
-
-
-@dataclass(frozen=True, slots=True)
-class Abort:
-    """Cancel the running request in the engine (its final output still comes back)."""
-
-
-@dataclass(frozen=True, slots=True)
 class SendMetrics:
     """Send the metrics frame built by ``codec.metrics_snapshot`` from the engine's stats."""
 
@@ -78,12 +59,10 @@ class Rejected:
     code: str
 
 
-@dataclass(frozen=True, slots=True)
-class Close:
-    """Flush what was sent, stop any running request, close the connection."""
-
-
-Action = Union[Send, Start, Abort, SendMetrics, Rejected, Close]
+Action = Union[Send[ServerMessage | bytes], Start, Abort, SendMetrics, Rejected, Close]
+"""``Send``: a server message (framed mode) or raw bytes (newline mode). ``Start``: outputs go
+to ``on_output``; a refusal by the engine to ``on_start_failed``. ``Close``: flush, stop any
+running request, close."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,9 @@
 """Actions a ``/generate`` session asks its adapter to perform (plain data, no I/O).
 
-Pure: imports the standard library, ``rill.types`` and this package's messages only.
+``Send``, ``Start``, ``Abort`` and ``Close`` are every protocol's (``protocols/_shared/actions``);
+the controls only this wire has are defined here.
+
+Pure: imports the standard library, ``rill.types``, ``protocols/_shared`` and this package's messages only.
 """
 
 from __future__ import annotations
@@ -8,27 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from rill.protocols._shared.actions import Abort, Close, Send, Start
 from rill.protocols.generate_ws import messages as m
-from rill.types import GenerateRequest
 
-@dataclass(frozen=True)
-class Send:
-    """Send one message to the client."""
-
-    message: m.ServerMessage
-
-
-@dataclass(frozen=True)
-class Start:
-    """Wait for the model, admit (rate limits) and submit ``request``; then call
-    ``on_started`` or ``on_error``."""
-
-    request: GenerateRequest
-
-
-@dataclass(frozen=True)
-class Abort:
-    """Stop the current generation (or cancel its start)."""
+__all__ = ["Abort", "Action", "Close", "Modify", "Pause", "Regenerate", "Resume", "Send", "Start", "StoreFeedback"]
 
 
 @dataclass(frozen=True)
@@ -60,12 +46,6 @@ class StoreFeedback:
     record: dict[str, Any]
 
 
-@dataclass(frozen=True)
-class Close:
-    """Close the connection (after a fatal error)."""
-
-    code: int = 1011
-    reason: str = ""
-
-
-Action = Send | Start | Abort | Pause | Resume | Modify | Regenerate | StoreFeedback | Close
+Action = Send[m.ServerMessage] | Start | Abort | Pause | Resume | Modify | Regenerate | StoreFeedback | Close
+"""``Start``: wait for the model, then submit (``on_started`` or ``on_error`` follows); ``Abort``
+stops the current generation or cancels its start; ``Close`` follows a fatal error."""

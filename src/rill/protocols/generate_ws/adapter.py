@@ -302,7 +302,7 @@ class _Connection:
             elif isinstance(action, s.StoreFeedback):
                 await self._store_feedback(action.record)
             elif isinstance(action, s.Close):
-                await self._close(action.code, action.reason)
+                await self._close(action.code if action.code is not None else 1011, action.reason)
             else:
                 await self._control(action)
 
