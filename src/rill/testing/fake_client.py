@@ -25,17 +25,20 @@ LOADING_PERCENT = 42.0
 """The progress a loading ``fake_client`` reports."""
 
 
-def fake_engine(config: EngineConfig | None = None, runner: FakeRunner | None = None, **runner_args: Any) -> Engine:
-    """An ``Engine`` over ``runner`` (default ``FakeRunner(**runner_args)``) and the fake tokenizer."""
+def fake_engine(config: EngineConfig | None = None, runner: FakeRunner | None = None, tokenizer: Any = None,
+                **runner_args: Any) -> Engine:
+    """An ``Engine`` over ``runner`` (default ``FakeRunner(**runner_args)``) and ``tokenizer``
+    (default ``fake_tokenizer()``)."""
     config = config or EngineConfig(model=FAKE_MODEL_NAME)
     runner = runner or FakeRunner(**runner_args)
-    return assemble_engine(config, runner, fake_tokenizer(), name=FAKE_MODEL_NAME, architecture="FakeForCausalLM")
+    return assemble_engine(config, runner, tokenizer or fake_tokenizer(), name=FAKE_MODEL_NAME,
+                           architecture="FakeForCausalLM")
 
 
 @contextlib.asynccontextmanager
 async def fake_client(config: EngineConfig | None = None, runner: FakeRunner | None = None, *,
                       loading: threading.Event | None = None, load_error: BaseException | None = None,
-                      **runner_args: Any) -> AsyncIterator[Any]:
+                      tokenizer: Any = None, **runner_args: Any) -> AsyncIterator[Any]:
     """A started ``InprocClient`` over ``fake_engine(...)``; shut down on exit.
 
     Ready on entry, unless ``loading`` is given: then the engine thread reports
@@ -45,7 +48,7 @@ async def fake_client(config: EngineConfig | None = None, runner: FakeRunner | N
     from rill.frontend.inproc import InprocClient
 
     config = config or EngineConfig(model=FAKE_MODEL_NAME)
-    engine = fake_engine(config, runner, **runner_args)
+    engine = fake_engine(config, runner, tokenizer, **runner_args)
 
     def build(config: EngineConfig, progress: Callable[[float, str], None]) -> Engine:
         progress(LOADING_PERCENT, "loading weights")

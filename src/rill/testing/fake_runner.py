@@ -229,9 +229,10 @@ ALPHABET = "abcdefghijklmnopqrstuvwxyz "
 """The characters ``FakeRunner`` makes likely by default (one token each)."""
 
 
-@lru_cache(maxsize=1)
-def fake_tokenizer() -> Tokenizer:
-    """A byte-level tokenizer with one token per byte, the demo's special tokens and chat template.
+@lru_cache(maxsize=2)
+def fake_tokenizer(with_chat_template: bool = True) -> Tokenizer:
+    """A byte-level tokenizer with one token per byte, the demo's special tokens and chat
+    template (none when ``with_chat_template`` is false).
 
     Ids: the eight special tokens of ``rill.demo.tokenizer`` (``<s>`` = 1, ``</s>`` = 2, ...),
     then the 256 byte symbols. Plain prompts get ``<s>`` in front. Built in memory (no
@@ -254,7 +255,7 @@ def fake_tokenizer() -> Tokenizer:
     config = tokenizer_config(max_context_tokens=4096)
     special = {key: config[key] for key in ("bos_token", "eos_token", "unk_token", "pad_token")}
     return Tokenizer(backend, special_tokens=special, extra_special_tokens=config["additional_special_tokens"],
-                     chat_templates={"default": config["chat_template"]}, name="fake")
+                     chat_templates={"default": config["chat_template"]} if with_chat_template else {}, name="fake")
 
 
 @lru_cache(maxsize=1)
