@@ -399,8 +399,13 @@ class RequestOutput(msgspec.Struct, kw_only=True):
 
     ``token_ids`` / ``token_texts`` / ``logprobs`` are per new token, in order;
     ``text`` is the new completion text (stop strings removed, never a split UTF-8
-    character). ``token_texts`` concatenate to ``text`` except where the detokenizer held
-    text back or a stop string was cut. ``finished`` is set on the last output only.
+    character). ``token_texts`` always concatenate exactly to ``text``, in every output and
+    so over the whole request. The rule (``rill.engine.output``): a token's text is what it
+    released; a token inside a matched stop string gets ""; text released with no new token
+    (a held tail at the end, text a changed stop list no longer holds) goes on the last token
+    not yet delivered, and so that one exists, a token whose text is held back (an
+    incomplete character, a possible start of a stop string) is delivered with the output
+    that releases it. ``finished`` is set on the last output only.
     ``error`` is a ``RillError`` when ``finish_reason`` is ``error``.
     ``prompt_logprobs`` (asked by ``SamplingParams.prompt_logprobs``) comes once, on the output
     of the step that finished the prompt: one entry per prompt token, None for the first.

@@ -148,6 +148,11 @@ class ExplodingDetokenizer:
     def reset(self, prompt_ids: list[int]) -> None:
         """Nothing to reset."""
 
+    @property
+    def has_held_text(self) -> bool:
+        """Nothing is ever held."""
+        return False
+
 
 def test_a_request_raising_while_detokenizing_fails_alone(engine: Engine) -> None:
     specs = good_specs()
@@ -155,7 +160,7 @@ def test_a_request_raising_while_detokenizing_fails_alone(engine: Engine) -> Non
     core = engine.core
     bad = make_request(engine, "bad", PROMPTS[3], temperature=0.0, max_tokens=24, ignore_eos=True)
     core.apply(AddCommand(bad))
-    bad.detokenizer = ExplodingDetokenizer()
+    bad.output.detokenizer = ExplodingDetokenizer()
     together = run(engine, [make_request(engine, rid, prompt, **params) for rid, prompt, params in specs])
     assert_unharmed(together, solo, specs)
     assert isinstance(together["bad"].error, GenerationError)

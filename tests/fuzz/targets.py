@@ -66,10 +66,11 @@ class Stats:
 
 def outputs(rng: random.Random, request_id: str, n: int = 3) -> list[RequestOutput]:
     """A short stream of engine outputs for one request (texts, ids, a finish)."""
-    out = [RequestOutput(request_id=request_id, text=rng.choice(["a", " b", "é", ""]), token_ids=[rng.randrange(1000)],
-                         token_texts=[], usage=Usage(prompt_tokens=3, completion_tokens=i + 1)) for i in range(n - 1)]
-    out.append(RequestOutput(request_id=request_id, text=".", token_ids=[7], finished=True, finish_reason="length",
-                             usage=Usage(prompt_tokens=3, completion_tokens=n)))
+    texts = [rng.choice(["a", " b", "é", ""]) for _ in range(n - 1)]
+    out = [RequestOutput(request_id=request_id, text=text, token_ids=[rng.randrange(1000)], token_texts=[text],
+                         usage=Usage(prompt_tokens=3, completion_tokens=i + 1)) for i, text in enumerate(texts)]
+    out.append(RequestOutput(request_id=request_id, text=".", token_ids=[7], token_texts=["."], finished=True,
+                             finish_reason="length", usage=Usage(prompt_tokens=3, completion_tokens=n)))
     return out
 
 

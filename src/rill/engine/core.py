@@ -3,8 +3,9 @@
 A plain synchronous object: no threads, no asyncio, no protocol knowledge. The in-process
 client drives it from one engine thread (``apply`` commands between steps, then ``step``).
 Every command takes effect at the next token, because commands are only applied between
-steps. Detokenization and stop strings run here, in the output stage of the step, so a
-stop string ends the request (and frees its row) in the very step that produced it.
+steps. Each request's ``OutputStage`` (detokenization, stop strings, held-back text) runs in
+the step, so a stop string ends the request (and frees its row) in the very step that
+produced it.
 
 Fault isolation: whatever is done for one request alone (applying its commands, sampler
 setup, sampling, beam scoring, detokenizing, stop checks) runs under ``_isolated``; if it
@@ -25,8 +26,8 @@ import torch
 
 from rill.engine.batch import ModelRunner, RowWork
 from rill.engine.beam import Beam, BeamSearch
-from rill.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from rill.engine.kv_cache import EmptyRow, KVManager
+from rill.engine.output import OutputStage
 from rill.engine.request import (
     AbortCommand,
     AddCommand,
@@ -111,8 +112,7 @@ class EngineCore:
         self.requests[request.request_id] = request
         if request.deadline is not None:
             self.deadlines[request.request_id] = request
-        request.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_ids)
-        request.stop_matcher = StopStringMatcher(list(request.params.stop)) if request.params.stop else None
+        request.output = OutputStage(self.tokenizer, request.prompt_ids, request.params.stop)
         if request.params.prompt_logprobs is not None:
             request.prompt_logprobs = [None]  # the first token has no context to be predicted from
         request.pending_events.append(RequestEvent.QUEUED)
@@ -152,10 +152,8 @@ class EngineCore:
         if request.sampler_key is not None and not request.is_beam:
             self.sampler.update(request.sampler_key, cmd.params, matcher=request.matcher)
         if list(cmd.params.stop) != list(old_stop):
-            held = request.stop_matcher.flush() if request.stop_matcher else ""
-            request.stop_matcher = StopStringMatcher(list(cmd.params.stop)) if cmd.params.stop else None
-            if held:
-                self._emit_text(request, held)
+            request.output.set_stops(cmd.params.stop)
+            self.touched[request.request_id] = request
         if request.beam is not None:
             request.beam.max_tokens = cmd.params.max_tokens
         request.pending_modified.append(cmd.params)
@@ -173,8 +171,7 @@ class EngineCore:
         request.num_output_tokens_counted = 0
         request.cumulative_logprob = 0.0
         request.first_token_time = None
-        request.detokenizer.reset(request.prompt_ids)
-        request.stop_matcher = StopStringMatcher(list(request.params.stop)) if request.params.stop else None
+        request.output.reset(request.prompt_ids, request.params.stop)
         if request.sampler_key is not None:
             self.sampler.reset(request.sampler_key, request.prompt_ids)
         if request.row is not None:
@@ -182,7 +179,6 @@ class EngineCore:
             request.num_computed = reused
             self.kv.num_query_tokens += num_prompt
             self.kv.num_hit_tokens += reused
-        self._clear_pending_tokens(request)
         if request.status is RequestStatus.PAUSED:
             self.scheduler.resume(request)
         self._event(request, RequestEvent.REGENERATING)
@@ -345,15 +341,7 @@ class EngineCore:
         if token in params.stop_token_ids:
             self._finish(request, "stop", stop_reason=token)
             return
-        text = request.detokenizer.push(token)
-        matched = None
-        if request.stop_matcher is not None:
-            text, matched = request.stop_matcher.feed(text)
-        request.pending_token_ids.append(token)
-        request.pending_token_texts.append(text)
-        request.pending_text += text
-        if params.logprobs is not None and logprob is not None:
-            request.pending_logprobs.append(logprob)
+        matched = request.output.push(token, logprob if params.logprobs is not None else None)
         self.touched[request.request_id] = request
         if matched is not None:
             self._finish(request, "stop", stop_reason=matched, flush=False)
@@ -405,17 +393,8 @@ class EngineCore:
 
     def _emit_beam_tokens(self, request: Request, tokens: list[int]) -> None:
         for token in tokens[request.num_beam_tokens_emitted :]:
-            text = request.detokenizer.push(token)
-            request.pending_token_ids.append(token)
-            request.pending_token_texts.append(text)
-            request.pending_text += text
+            request.output.push(token, match_stops=False)
         request.num_beam_tokens_emitted = max(request.num_beam_tokens_emitted, len(tokens))
-        self.touched[request.request_id] = request
-
-    def _emit_text(self, request: Request, text: str) -> None:
-        request.pending_text += text
-        if request.pending_token_texts:
-            request.pending_token_texts[-1] += text
         self.touched[request.request_id] = request
 
     # -- fault isolation -----------------------------------------------------------------------
@@ -465,17 +444,10 @@ class EngineCore:
 
     # -- finishing ----------------------------------------------------------------------------
     def _finish(self, request: Request, reason: FinishReason, stop_reason: Any = None, error: Any = None, flush: bool = True) -> None:
-        if flush and request.detokenizer is not None:
-            tail = request.detokenizer.flush()
-            matched = None
-            if request.stop_matcher is not None:
-                tail, matched = request.stop_matcher.feed(tail)
-                if matched is None:
-                    tail += request.stop_matcher.flush()
-                else:
-                    reason, stop_reason = "stop", matched
-            if tail:
-                self._emit_text(request, tail)
+        if flush and request.output is not None:
+            matched = request.output.flush()
+            if matched is not None:
+                reason, stop_reason = "stop", matched
         request.finish_reason = reason
         request.stop_reason = stop_reason
         request.error = error
@@ -506,12 +478,6 @@ class EngineCore:
         request.pending_events.append(event)
         self.touched[request.request_id] = request
 
-    def _clear_pending_tokens(self, request: Request) -> None:
-        request.pending_text = ""
-        request.pending_token_ids = []
-        request.pending_token_texts = []
-        request.pending_logprobs = []
-
     def _take_prompt_logprobs(self, request: Request) -> list[TokenLogprob | None] | None:
         """The request's prompt logprobs the first time they are complete, else None."""
         if request.prompt_logprobs is None or request.is_prompt_logprobs_sent or request.needs_prompt_logits:
@@ -524,13 +490,15 @@ class EngineCore:
         for request in self.touched.values():
             finished = request.is_finished
             wants_logprobs = request.params.logprobs is not None
+            # No stage: its AddCommand failed before making one.
+            token_ids, token_texts, logprobs = request.output.take(finished) if request.output else ([], [], [])
             outputs.append(
                 RequestOutput(
                     request_id=request.request_id,
-                    text=request.pending_text,
-                    token_ids=request.pending_token_ids,
-                    token_texts=request.pending_token_texts,
-                    logprobs=request.pending_logprobs if wants_logprobs else None,
+                    text="".join(token_texts),
+                    token_ids=token_ids,
+                    token_texts=token_texts,
+                    logprobs=[lp for lp in logprobs if lp is not None] if wants_logprobs else None,
                     prompt_logprobs=self._take_prompt_logprobs(request),
                     cumulative_logprob=request.cumulative_logprob if wants_logprobs else None,
                     events=request.pending_events,
@@ -547,10 +515,6 @@ class EngineCore:
                     last_token_time=request.last_token_time,
                 )
             )
-            request.pending_text = ""
-            request.pending_token_ids = []
-            request.pending_token_texts = []
-            request.pending_logprobs = []
             request.pending_events = []
             request.pending_modified = []
             if finished:

@@ -78,6 +78,11 @@ class IncrementalDetokenizer:
         # The prompt's text is context, never output: count all of it as emitted.
         self._num_emitted = self._num_chars = len(self._decode(self._window)) if self._window else 0
 
+    @property
+    def has_held_text(self) -> bool:
+        """True when ``flush`` would return text (an incomplete character is held back)."""
+        return self._num_emitted < self._num_chars
+
     def push(self, token_id: int) -> str:
         """Add one generated token; return the new text (possibly "")."""
         self._window.append(token_id)

@@ -53,17 +53,11 @@ class Request:
     scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
-    # Per-request output stage (detokenizer, stop matcher), created by the core.
-    detokenizer: Any = None
-    stop_matcher: Any = None
+    output: Any = None  # its OutputStage (detokenizer, stop strings, undelivered tokens), made by the core
     beam: Any = None  # BeamSearch state for num_beams > 1
     spare_rows: list[int] = field(default_factory=list)  # rows reserved for beams not yet forked
     num_beam_tokens_emitted: int = 0  # agreed beam tokens already streamed (survives a restart)
-    # What the next RequestOutput will carry.
-    pending_text: str = ""
-    pending_token_ids: list[int] = field(default_factory=list)
-    pending_token_texts: list[str] = field(default_factory=list)
-    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # What the next RequestOutput will carry (besides the output stage's tokens).
     pending_events: list[RequestEvent] = field(default_factory=list)
     pending_modified: list[SamplingParams] = field(default_factory=list)  # one per pending MODIFIED event
     num_output_tokens_counted: int = 0  # includes eos (usage), unlike output token ids sent

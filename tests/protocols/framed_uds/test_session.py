@@ -19,7 +19,6 @@ from rill.protocols.framed_uds.session import (
     SessionLimits,
     Start,
     State,
-    token_pieces,
 )
 from rill.types import RequestOutput
 
@@ -168,21 +167,6 @@ def test_slo_becomes_priority_and_max_tokens_passes_through() -> None:
     session = FramedSession(SessionLimits())
     start = started(session, slo=Slo(target_ttft_ms=100), max_tokens=50)
     assert start.request.priority < 0 and start.request.sampling.max_tokens == 50
-
-
-@pytest.mark.parametrize("text, ids, texts, expected", [
-    ("abc", [1, 2, 3], ["a", "b", "c"], [("a", 1), ("b", 2), ("c", 3)]),
-    ("Hello", [1, 2, 3], ["Hel", "lo", " STOP"], [("Hel", 1), ("lo", 2), ("", 3)]),  # stop string cut
-    ("\u00e9x", [1, 2], ["", "\u00e9x"], [("", 1), ("\u00e9x", 2)]),  # held-back character
-    ("\u00e9", [1, 2], ["\ufffd", "\ufffd"], [("\u00e9", 1), ("", 2)]),  # texts disagree with text
-    ("tail", [], [], [("tail", 9)]),  # a flush with no token
-    ("", [], [], []),
-])
-def test_token_pieces_always_join_to_the_delta_text(text: str, ids: list[int], texts: list[str],
-                                                    expected: list[tuple[str, int]]) -> None:
-    pieces = token_pieces(RequestOutput(request_id="e", text=text, token_ids=ids, token_texts=texts), last_token_id=9)
-    assert pieces == expected
-    assert "".join(p for p, _ in pieces) == text
 
 
 # -- newline mode ---------------------------------------------------------------------------

@@ -9,7 +9,6 @@ from rill.errors import GenerationError, MemoryPressure, RequestTimeout
 from rill.protocols.generate_ws import codec
 from rill.protocols.generate_ws import messages as m
 from rill.protocols.generate_ws import session as s
-from rill.protocols.generate_ws.deltas import split_text
 from rill.types import ModelInfo, RequestEvent, RequestOutput, SamplingParams, TokenLogprob, TopLogprob, Usage
 
 INFO = ModelInfo(name="tiny", architecture="LlamaForCausalLM", max_context_tokens=128, vocab_size=1000,
@@ -288,19 +287,6 @@ def test_disconnect_aborts_a_running_generation() -> None:
     assert sess.on_disconnect() == []
     started(sess)
     assert sess.on_disconnect() == [s.Abort()]
-
-
-@pytest.mark.parametrize("text,token_texts,n,expected", [
-    ("ab", ["a", "b"], 2, ["a", "b"]),
-    ("ab", ["a", "bSTOP"], 2, ["a", "b"]),  # stop string cut
-    ("é", ["", "é"], 2, ["", "é"]),  # held-back UTF-8
-    ("xy", ["q", "r"], 2, ["", "xy"]),  # nothing matches: the last token takes it all
-    ("", [], 0, []),
-    ("tail", [], 0, ["tail"]),
-])
-def test_split_text_pieces_concatenate_to_text(text: str, token_texts: list[str], n: int, expected: list[str]) -> None:
-    pieces = split_text(text, token_texts, n)
-    assert pieces == expected and "".join(pieces) == text
 
 
 def test_regenerate_delta_merged_with_older_tokens_keeps_them_before_the_restart() -> None:

@@ -81,36 +81,6 @@ class State(enum.Enum):
     CLOSED = "CLOSED"
 
 
-# -- token events --------------------------------------------------------------------------
-
-def token_pieces(output: RequestOutput, last_token_id: int) -> list[tuple[str, int]]:
-    """Split one output delta into ``(text, token_id)`` pairs whose texts join to ``output.text``.
-
-    Usually ``token_texts`` already do. Where the detokenizer held text back (an incomplete
-    UTF-8 character) or cut a stop string, pieces are kept while they agree with ``text``, the
-    rest of ``text`` goes on the next token and later tokens get ``""``. Text with no token in
-    the delta (a final flush) is attributed to ``last_token_id``.
-    """
-    ids, texts, text = output.token_ids, output.token_texts, output.text
-    if len(texts) == len(ids) and "".join(texts) == text:
-        return list(zip(texts, ids))
-    pieces: list[tuple[str, int]] = []
-    pos = 0
-    if len(texts) == len(ids):
-        for piece, token_id in zip(texts, ids):
-            if not text.startswith(piece, pos):
-                break
-            pieces.append((piece, token_id))
-            pos += len(piece)
-    rest = ids[len(pieces):]
-    if rest:
-        pieces.append((text[pos:], rest[0]))
-        pieces.extend(("", token_id) for token_id in rest[1:])
-    elif pos < len(text):
-        pieces.append((text[pos:], last_token_id))
-    return pieces
-
-
 @dataclass(slots=True)
 class _Running:
     """The request in flight on a framed connection."""
@@ -118,7 +88,6 @@ class _Running:
     wire_id: str
     is_streaming: bool
     metadata: dict[str, Any] | None
-    last_token_id: int = -1
     text_parts: list[str] | None = None  # stream: false collects the completion here
 
 
@@ -165,14 +134,11 @@ class FramedSession:
         if self.state is not State.ACTIVE or running is None:
             return []  # outputs racing a close
         actions: list[Action] = []
-        pieces = token_pieces(output, running.last_token_id)
-        if output.token_ids:
-            running.last_token_id = output.token_ids[-1]
         if running.text_parts is not None:
             running.text_parts.append(output.text)
         else:
             actions.extend(Send(Token(id=running.wire_id, text=text, token_id=token_id, metadata=running.metadata))
-                           for text, token_id in pieces)
+                           for text, token_id in zip(output.token_texts, output.token_ids))
         if output.finished:
             actions.extend(self._finish(output, running))
         return actions

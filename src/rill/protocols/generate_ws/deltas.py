@@ -1,8 +1,8 @@
 """Cutting engine deltas into per-token pieces (pure helpers of the session).
 
-A ``RequestOutput`` may carry several tokens (the stream coalesces when the consumer lags);
-the spec sends one ``token`` message per token with the cumulative text, so the text must be
-cut into per-token pieces that always add up to exactly the delta's text.
+A ``RequestOutput`` may carry several tokens (the stream coalesces when the consumer lags)
+and a restart; its ``token_texts`` join to its text (the engine's contract), so a delta cuts
+at any token.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def split_at_restart(out: RequestOutput) -> tuple[RequestOutput, RequestOutput]:
     cut = num_tokens - num_new
     if cut == 0:
         return RequestOutput(request_id=out.request_id, usage=out.usage), out
-    pieces = split_text(out.text, out.token_texts, num_tokens)
+    pieces = out.token_texts
     old_text, new_text = "".join(pieces[:cut]), "".join(pieces[cut:])
     logprobs = out.logprobs
     stale = RequestOutput(request_id=out.request_id, text=old_text, token_ids=out.token_ids[:cut],
@@ -35,23 +35,3 @@ def split_at_restart(out: RequestOutput) -> tuple[RequestOutput, RequestOutput]:
                                     logprobs=logprobs[cut:] if logprobs is not None else None)
     return stale, fresh
 
-
-def split_text(text: str, token_texts: list[str], num_tokens: int) -> list[str]:
-    """Per-token pieces whose concatenation is exactly ``text``.
-
-    ``token_texts`` usually concatenate to ``text``; where the detokenizer held text back
-    or a stop string was cut they do not, so each piece is taken only while it keeps the
-    running concatenation a prefix of ``text`` and the last piece takes the remainder.
-    """
-    count = max(num_tokens, len(token_texts))
-    if count == 0:
-        return [text] if text else []
-    pieces: list[str] = []
-    done = ""
-    for i in range(count - 1):
-        candidate = done + (token_texts[i] if i < len(token_texts) else "")
-        piece = candidate[len(done):] if text.startswith(candidate) else ""
-        pieces.append(piece)
-        done += piece
-    pieces.append(text[len(done):])
-    return pieces

@@ -43,7 +43,7 @@ from rill.protocols.generate_ws.actions import (
     Start,
     StoreFeedback,
 )
-from rill.protocols.generate_ws.deltas import split_at_restart, split_text
+from rill.protocols.generate_ws.deltas import split_at_restart
 from rill.types import GenerateRequest, ModelInfo, RequestEvent, RequestOutput, SamplingParams
 
 PROTOCOL = "generate_ws"
@@ -362,10 +362,9 @@ class GenerateSession:
     def _tokens(self, out: RequestOutput, now: float) -> list[m.Token]:
         gen = self.gen
         assert gen is not None
-        pieces = split_text(out.text, out.token_texts, len(out.token_ids))
+        pieces = out.token_texts
         num_new = len(pieces)
         if num_new == 0:
-            gen.text += out.text
             return []
         previous_at = gen.last_token_at if gen.last_token_at is not None else gen.started_at
         token_ms = codec.round_ms((now - previous_at) / num_new)
