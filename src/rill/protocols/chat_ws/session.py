@@ -186,7 +186,8 @@ class ChatSession:
         if not self._prefill_sent and (RequestEvent.PREFILL_DONE in output.events or output.token_ids or output.finished):
             self._prefill_sent = True
             actions.append(Send(PrefillDone(input_tokens=self.input_tokens)))
-        self.generated_tokens = max(self.generated_tokens + len(output.token_ids), output.usage.completion_tokens)
+        # usage counts every generated token, also one delivered later (its text held back)
+        self.generated_tokens = output.usage.completion_tokens or self.generated_tokens + len(output.token_ids)
         if output.text:
             self.text += output.text
             if self.is_streaming:
