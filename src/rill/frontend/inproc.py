@@ -69,6 +69,8 @@ class _Track:
     final_token_at: float | None = None
     """When the latest token came (kept across pauses, unlike ``last_token_at``)."""
     inter_token_s: list[float] = field(default_factory=list)
+    num_generated: int = 0
+    """Tokens generated so far (``usage``: counts a token whose text is still held back)."""
 
 
 class InprocClient:
@@ -391,10 +393,14 @@ class InprocClient:
                 # The engine's own time: by the time the loop sees the event, a short prompt's
                 # prefill has run already.
                 track.scheduled_at = output.scheduled_time if output.scheduled_time is not None else now
-        if output.token_ids and output.last_token_time is not None:
+        if RequestEvent.REGENERATING in output.events:
+            track.num_generated = 0  # usage counts the new run only
+        num_new = output.usage.completion_tokens - track.num_generated
+        track.num_generated = output.usage.completion_tokens
+        if num_new > 0 and output.last_token_time is not None:
             if track.last_token_at is not None:
-                gap = (output.last_token_time - track.last_token_at) / len(output.token_ids)
-                track.inter_token_s.extend([gap] * len(output.token_ids))
+                gap = (output.last_token_time - track.last_token_at) / num_new
+                track.inter_token_s.extend([gap] * num_new)
             track.last_token_at = track.final_token_at = output.last_token_time
         if RequestEvent.REGENERATING in output.events or RequestEvent.PAUSED in output.events:
             track.last_token_at = None  # a pause or restart is not inter-token latency
