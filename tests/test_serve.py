@@ -88,6 +88,6 @@ def test_every_protocol_package_is_registered_once() -> None:
 
     packages = {p.name for p in Path(rill.protocols.__file__).parent.iterdir()
                 if p.is_dir() and not p.name.startswith("_") and (p / "adapter.py").exists()}
-    names = [protocol.name for protocol in server.PROTOCOLS]
+    names = [protocol.name for protocol in server.protocols()]
     assert sorted(names) == sorted(packages) and len(packages) == 6
-    assert all(protocol.routes or protocol.start for protocol in server.PROTOCOLS)
+    assert all(protocol.routes or protocol.start for protocol in server.protocols())

@@ -1,6 +1,6 @@
 """Composition root of ``rill serve``: config → engine client → protocol adapters → listeners.
 
-One process, one asyncio loop, one engine thread. ``PROTOCOLS`` lists every protocol the
+One process, one asyncio loop, one engine thread. ``protocols()`` lists every protocol the
 server mounts, each with what its ``adapter`` module provides:
 
 * ``routes(deps) -> list[starlette.routing.BaseRoute]`` — HTTP and WebSocket routes on the
@@ -35,11 +35,6 @@ from rill.frontend.client import EngineClient
 from rill.frontend.metrics import Metrics
 from rill.frontend.ratelimit import RateLimits
 from rill.playground import routes as playground
-from rill.protocols.batch_ws import adapter as batch_ws
-from rill.protocols.chat_ws import adapter as chat_ws
-from rill.protocols.evergreen import adapter as evergreen
-from rill.protocols.framed_uds import adapter as framed_uds
-from rill.protocols.generate_ws import adapter as generate_ws
 from rill.protocols.openai_http import adapter as openai_http
 
 log = logging.getLogger("rill.server")
@@ -58,22 +53,33 @@ class Protocol:
     start: Callable[[Deps], Awaitable[Stopper | None]] | None = None
 
 
-PROTOCOLS: tuple[Protocol, ...] = (
-    Protocol("openai_http", routes=openai_http.routes),
-    Protocol("generate_ws", routes=generate_ws.routes),
-    Protocol("batch_ws", routes=batch_ws.routes),
-    Protocol("chat_ws", routes=chat_ws.routes, start=chat_ws.start),
-    Protocol("evergreen", routes=evergreen.routes, start=evergreen.start),
-    Protocol("framed_uds", start=framed_uds.start),
-)
-"""Every protocol the server serves, in the order their routes are mounted."""
+def protocols() -> tuple[Protocol, ...]:
+    """Every protocol the server serves, in the order their routes are mounted.
+
+    The adapters are imported here, when a server is built, not with this module: gRPC
+    (Evergreen's) then loads after ``serve`` has checked the open-file limit and said so.
+    """
+    from rill.protocols.batch_ws import adapter as batch_ws
+    from rill.protocols.chat_ws import adapter as chat_ws
+    from rill.protocols.evergreen import adapter as evergreen
+    from rill.protocols.framed_uds import adapter as framed_uds
+    from rill.protocols.generate_ws import adapter as generate_ws
+
+    return (
+        Protocol("openai_http", routes=openai_http.routes),
+        Protocol("generate_ws", routes=generate_ws.routes),
+        Protocol("batch_ws", routes=batch_ws.routes),
+        Protocol("chat_ws", routes=chat_ws.routes, start=chat_ws.start),
+        Protocol("evergreen", routes=evergreen.routes, start=evergreen.start),
+        Protocol("framed_uds", start=framed_uds.start),
+    )
 
 
 def build_app(deps: Deps) -> ASGIApp:
     """The app with /health, /metrics, every protocol's routes and the playground, wrapped in
     the HTTP middleware (keys, CORS, limits; errors in the OpenAI API's shape)."""
     routes: list[BaseRoute] = list(observability.routes(deps))
-    for protocol in PROTOCOLS:
+    for protocol in protocols():
         if protocol.routes is not None:
             routes.extend(protocol.routes(deps))
     routes.extend(playground.routes(deps))
@@ -122,7 +128,7 @@ async def serve(
     app = build_app(deps)
     stoppers: list[Stopper] = []
     try:
-        for protocol in PROTOCOLS:
+        for protocol in protocols():
             if protocol.start is not None and (stopper := await protocol.start(deps)) is not None:
                 stoppers.append(stopper)
     except BaseException:
