@@ -13,15 +13,24 @@ hypothesis share, so those tokens are final whatever beam wins.
 
 Each beam owns one KV row; a step's new beams reuse their parent's row (first child) or get
 a copy of it in a row whose beam died (``plan_rows``).
+
+``BeamGroup`` is what the engine holds for a beam request: the search and its KV rows, which
+it drives through ``KVManager``'s public methods (``acquire_empty``, ``assign``, ``clear``,
+``drop``) and the runner's ``copy_row``. The scheduler asks it for the step's work, the core
+gives it each step's logits; neither touches a beam or a row of it.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
+from rill.engine.batch import RowWork
+from rill.engine.kv_cache import KVManager
 
 
 @dataclass(eq=False)
@@ -147,3 +156,94 @@ class BeamSearch:
             if any(s[i] != token for s in seqs):
                 return i
         return n
+
+
+@dataclass(slots=True)
+class BeamStep:
+    """What one step of a group gives the request: tokens every beam agrees on (final
+    whatever wins) and, when the search is over, the best hypothesis (eos included)."""
+
+    agreed: list[int]
+    best: list[int] | None = None
+
+
+class BeamGroup:
+    """One beam request's search and KV rows.
+
+    Made when the request gets its row: the prompt's row plus ``num_beams - 1`` spare rows
+    reserved empty. The prompt is prefilled in its own row; ``start`` turns that row into
+    the first beam. From then on every running beam decodes in its own row.
+    """
+
+    def __init__(self, search: BeamSearch, kv: KVManager, copy_row: Callable[[int, int, int], None]) -> None:
+        """Reserve the spare rows (as many as are available, up to ``num_beams - 1``)."""
+        self.search = search
+        self.kv = kv
+        self.copy_row = copy_row
+        self.spare_rows = [row for _ in range(search.num_beams - 1) if (row := kv.acquire_empty()) is not None]
+
+    @property
+    def beams(self) -> list[Beam]:
+        """The running beams (empty before ``start`` and once over)."""
+        return self.search.beams
+
+    @property
+    def is_decoding(self) -> bool:
+        """True once the prompt is in and beams run."""
+        return bool(self.search.beams)
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """Tokens that close a hypothesis."""
+        return self.search.eos_token_ids
+
+    def set_max_tokens(self, max_tokens: int) -> None:
+        """A modify changed ``max_tokens``: the search ends there from now on."""
+        self.search.max_tokens = max_tokens
+
+    def rows(self) -> list[int]:
+        """Every KV row the group holds now: the beams' rows, then the spare ones."""
+        return list(dict.fromkeys([beam.row for beam in self.search.beams] + self.spare_rows))
+
+    def work(self) -> list[RowWork]:
+        """This step's decode work: each beam's last token in its row."""
+        return [RowWork(b.row, [b.tokens[-1]], b.num_computed) for b in self.search.beams]
+
+    def computed(self) -> None:
+        """The step's work ran: every beam's row holds one more token."""
+        for beam in self.search.beams:
+            beam.num_computed += 1
+
+    def start(self, row: int, prompt_ids: list[int], num_computed: int) -> None:
+        """The prompt is prefilled in ``row``: it becomes the first beam."""
+        self.search.beams = [Beam(row=row, prompt_ids=prompt_ids, num_computed=num_computed)]
+
+    def step(self, logits: torch.Tensor, max_len: int) -> BeamStep:
+        """Advance the search with the beams' logits ``[len(beams), vocab]``; fork and free rows.
+
+        The search ends at its own end, with no beam left, or when a beam would pass
+        ``max_len`` tokens of KV.
+        """
+        search = self.search
+        new = search.step(torch.log_softmax(logits.float(), dim=-1))
+        beams, copies, unused = search.plan_rows(new, self.spare_rows)
+        for src, dst, num_tokens in copies:
+            self.copy_row(src, dst, num_tokens)
+        for beam in beams:
+            self.kv.assign(beam.row, beam)
+        for row in unused:
+            self.kv.clear(row)
+        self.spare_rows = unused
+        if search.is_done or not beams or beams[0].num_computed + 1 >= max_len:
+            best = search.finish()
+            return BeamStep([t for t in best if t not in search.eos_token_ids], best)
+        agreed = beams[0].tokens[: search.agreed_len()]
+        return BeamStep([t for t in agreed if t not in search.eos_token_ids])
+
+    def release(self) -> None:
+        """Free every row of the group (finished, preempted or failed)."""
+        for row in self.rows():
+            if self.kv.is_live(row):
+                self.kv.drop(row)
+        self.search.beams = []
+        self.spare_rows = []

@@ -25,8 +25,7 @@ from typing import Any, Callable
 import torch
 
 from rill.engine.batch import ModelRunner, RowWork
-from rill.engine.beam import Beam, BeamSearch
-from rill.engine.kv_cache import EmptyRow, KVManager
+from rill.engine.kv_cache import KVManager
 from rill.engine.output import OutputStage
 from rill.engine.request import (
     AbortCommand,
@@ -81,7 +80,6 @@ class EngineCore:
         self.scheduler.max_logits_chunk_tokens = max(16, PROMPT_LOGITS_BUDGET // max(1, runner.vocab_size))
         num_keys = runner.num_rows + 2 * config.max_num_seqs
         self.sampler = Sampler(runner.vocab_size, num_keys, device=getattr(runner, "device", "cpu"))
-        self.free_keys = list(range(num_keys - 1, -1, -1))
         self.requests: dict[str, Request] = {}
         self.touched: dict[str, Request] = {}
         self.deadlines: dict[str, Request] = {}
@@ -155,7 +153,7 @@ class EngineCore:
             request.output.set_stops(cmd.params.stop)
             self.touched[request.request_id] = request
         if request.beam is not None:
-            request.beam.max_tokens = cmd.params.max_tokens
+            request.beam.set_max_tokens(cmd.params.max_tokens)
         request.pending_modified.append(cmd.params)
         self._event(request, RequestEvent.MODIFIED)
 
@@ -177,8 +175,7 @@ class EngineCore:
         if request.row is not None:
             reused = min(request.num_computed, num_prompt - 1)
             request.num_computed = reused
-            self.kv.num_query_tokens += num_prompt
-            self.kv.num_hit_tokens += reused
+            self.kv.count_reuse(num_prompt, reused)
         if request.status is RequestStatus.PAUSED:
             self.scheduler.resume(request)
         self._event(request, RequestEvent.REGENERATING)
@@ -235,11 +232,8 @@ class EngineCore:
 
     def _on_scheduled(self, request: Request) -> None:
         if request.sampler_key is None and not request.is_beam:
-            if not self.free_keys:
-                raise RuntimeError("no sampler key left")
-            request.sampler_key = self.free_keys.pop()
-            self.sampler.add(request.sampler_key, request.params, request.prompt_ids, set(request.eos_token_ids),
-                             matcher=request.matcher)
+            request.sampler_key = self.sampler.open(request.params, request.prompt_ids, set(request.eos_token_ids),
+                                                    matcher=request.matcher)
             for token in request.output_ids:  # recompute after preemption keeps penalty history
                 self.sampler.record(request.sampler_key, token)
         if not request.is_scheduled_once:
@@ -256,11 +250,10 @@ class EngineCore:
         index = 0
         for item in scheduled:
             request = item.request
-            if request.beam is not None and request.beam.beams:
+            if request.beam is not None and request.beam.is_decoding:
                 beam_items.append((request, index, len(item.work)))
                 index += len(item.work)
-                for beam in request.beam.beams:
-                    beam.num_computed += 1
+                request.beam.computed()
                 continue
             work = item.work[0]
             request.num_computed += len(work.token_ids)
@@ -356,40 +349,24 @@ class EngineCore:
             self._event(request, RequestEvent.PREFILL_DONE)
 
     def _beam_step(self, request: Request, logits: torch.Tensor, now: float) -> None:
-        if request.is_finished:
+        group = request.beam
+        if request.is_finished or group is None:
             return
         self._mark_prefill_done(request)
-        params = request.params
-        search = request.beam
-        if search is None:
-            search = request.beam = BeamSearch(params.num_beams, params.length_penalty, params.early_stopping,
-                                               request.eos_token_ids if not params.ignore_eos else frozenset(), params.max_tokens)
-            search.beams = [Beam(row=request.row, prompt_ids=request.prompt_ids, num_computed=request.num_computed)]
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
-        new = search.step(logprobs)
-        beams, copies, unused = search.plan_rows(new, request.spare_rows)
-        for src, dst, num_tokens in copies:
-            self.runner.copy_row(src, dst, num_tokens)
-        for beam in beams:
-            self.kv.live[beam.row] = beam
-        for row in unused:
-            self.kv.live[row] = EmptyRow()
-        request.spare_rows = unused
-        request.row = beams[0].row if beams else request.row
+        if not group.is_decoding:
+            group.start(request.row, request.prompt_ids, request.num_computed)
+        result = group.step(logits, self.max_len)
+        request.row = group.beams[0].row if group.beams else request.row
         if request.first_token_time is None:
             request.first_token_time = now
         request.last_token_time = now
         self.stats_counters.generation_tokens_total += 1
-        if search.is_done or not beams or beams[0].num_computed + 1 >= self.max_len:
-            best = search.finish()
-            self._emit_beam_tokens(request, [t for t in best if t not in search.eos_token_ids])
-            request.output_ids = list(best)
-            request.num_output_tokens_counted = len(best)
-            reason: FinishReason = "stop" if best and best[-1] in search.eos_token_ids else "length"
+        self._emit_beam_tokens(request, result.agreed)
+        if result.best is not None:
+            request.output_ids = list(result.best)
+            request.num_output_tokens_counted = len(result.best)
+            reason: FinishReason = "stop" if result.best and result.best[-1] in group.eos_token_ids else "length"
             self._finish(request, reason)
-            return
-        agreed = search.agreed_len()
-        self._emit_beam_tokens(request, [t for t in beams[0].tokens[:agreed] if t not in search.eos_token_ids])
 
     def _emit_beam_tokens(self, request: Request, tokens: list[int]) -> None:
         for token in tokens[request.num_beam_tokens_emitted :]:
@@ -413,11 +390,9 @@ class EngineCore:
         """
         if not request.is_beam:
             return []
-        rows = set(request.spare_rows)
+        rows = set(request.beam.rows()) if request.beam is not None else set()
         if request.row is not None:
             rows.add(request.row)
-        if request.beam is not None:
-            rows.update(beam.row for beam in request.beam.beams)
         return sorted(rows)
 
     def _fail(self, request: Request, stage: str, rows: Iterable[int] = (), exc: BaseException | None = None,
@@ -434,11 +409,9 @@ class EngineCore:
         rows = list(rows)
         if rows:
             for row in rows:
-                if row in self.kv.live:
+                if self.kv.is_live(row):
                     self.kv.drop(row)
-            if request.beam is not None:
-                request.beam.beams = []
-            request.beam, request.spare_rows, request.row = None, [], None
+            request.beam, request.row = None, None  # its rows are dropped above
         error = GenerationError(message or f"the request failed while {stage}; other requests are not affected")
         self._finish(request, "error", error=error, flush=False)
 
@@ -454,13 +427,9 @@ class EngineCore:
         if request.status is not RequestStatus.FINISHED:
             self.scheduler.remove(request)
             self.scheduler.release(request)
-            for row in request.spare_rows:
-                self.kv.drop(row)
-            request.spare_rows = []
         request.status = RequestStatus.FINISHED
         if request.sampler_key is not None:
             self.sampler.remove(request.sampler_key)
-            self.free_keys.append(request.sampler_key)
             request.sampler_key = None
         finished = self.stats_counters.requests_finished_total
         finished[reason] = finished.get(reason, 0) + 1

@@ -181,6 +181,25 @@ class KVManager:
         else:
             self.free_rows.append(row)
 
+    def assign(self, row: int, holder: RowHolder) -> None:
+        """A live row changes owner (a beam takes over its parent's row or a forked copy)."""
+        if row not in self.live:
+            raise ValueError(f"row {row} is not live")
+        self.live[row] = holder
+
+    def clear(self, row: int) -> None:
+        """A live row stays reserved but holds nothing worth keeping (a beam died in it)."""
+        self.assign(row, EmptyRow())
+
+    def is_live(self, row: int) -> bool:
+        """True while ``row`` belongs to a live sequence (or is reserved empty)."""
+        return row in self.live
+
+    def count_reuse(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        """Count a reuse decided outside ``acquire`` (a regenerate keeps its prompt's row)."""
+        self.num_query_tokens += num_query_tokens
+        self.num_hit_tokens += num_hit_tokens
+
     def drop(self, row: int) -> None:
         """A live row's content is worthless (e.g. a dead beam): free it."""
         self.live.pop(row, None)

@@ -54,8 +54,7 @@ class Request:
     first_token_time: float | None = None
     last_token_time: float | None = None
     output: Any = None  # its OutputStage (detokenizer, stop strings, undelivered tokens), made by the core
-    beam: Any = None  # BeamSearch state for num_beams > 1
-    spare_rows: list[int] = field(default_factory=list)  # rows reserved for beams not yet forked
+    beam: Any = None  # its BeamGroup (num_beams > 1) while it holds rows
     num_beam_tokens_emitted: int = 0  # agreed beam tokens already streamed (survives a restart)
     # What the next RequestOutput will carry (besides the output stage's tokens).
     pending_events: list[RequestEvent] = field(default_factory=list)

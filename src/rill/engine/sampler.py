@@ -105,7 +105,9 @@ class _Slot:
 class Sampler:
     """Vectorised per-request sampler with persistent per-key state (vLLM ``InputBatch`` style).
 
-    Calling order per sequence: ``add`` once, then ``sample`` (or ``record`` for tokens chosen
+    The sampler owns its keys and each key's state (parameters, history, seeded generator):
+    ``open`` picks a free key. Calling order per sequence: ``open`` (or ``add`` with a key of
+    the caller's) once, then ``sample`` (or ``record`` for tokens chosen
     elsewhere) every step, ``update`` / ``reset`` at any time between steps, ``remove`` at the end.
     Params must already be validated (``SamplingParams.validate``); out-of-vocabulary ids in
     logit_bias / stop_token_ids / eos ids are ignored. Not thread-safe: one engine thread owns it.
@@ -128,6 +130,7 @@ class Sampler:
         # Persistent per-key parameters, written on add/update only; one gather per step.
         self._table = np.zeros((max_rows, 7), dtype=np.float32)
         self._slots: list[_Slot | None] = [None] * max_rows
+        self._free_keys = list(range(max_rows - 1, -1, -1))  # open() takes the lowest free key
         self._generator = torch.Generator()
         self._generator.seed()  # unseeded rows share this one, randomly seeded
         # Output-token counts and prompt-token masks, [max_rows, vocab]; allocated the first time
@@ -154,6 +157,19 @@ class Sampler:
         self._configure(key, slot, params, reseed=True)
         self._clear_penalty_rows(key, slot)
 
+    def open(self, params: SamplingParams, prompt_ids: list[int], eos_token_ids: set[int],
+             matcher: Any = None) -> int:
+        """``add`` under a key the sampler picks, and return it (``remove`` gives it back).
+
+        Raises ``RuntimeError`` when every key is in use.
+        """
+        while self._free_keys:
+            key = self._free_keys.pop()
+            if self._slots[key] is None:  # a key taken by an explicit ``add`` stays listed
+                self.add(key, params, prompt_ids, eos_token_ids, matcher=matcher)
+                return key
+        raise RuntimeError("no sampler key left")
+
     def update(self, key: int, params: SamplingParams, matcher: Any = None) -> None:
         """Replace the key's params from its next sampled token on; history and counts are kept.
 
@@ -178,9 +194,11 @@ class Sampler:
         self._clear_penalty_rows(key, slot)
 
     def remove(self, key: int) -> None:
-        """Stop tracking ``key``; it may be reused by ``add``."""
+        """Stop tracking ``key``; it may be reused by ``add`` or ``open``."""
         self._slot(key)
         self._slots[key] = None
+        if key not in self._free_keys:
+            self._free_keys.append(key)
 
     def record(self, key: int, token_id: int) -> None:
         """Append a token chosen outside ``sample`` (e.g. by beam search) to the key's history."""

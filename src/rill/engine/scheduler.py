@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from rill.engine.batch import RowWork
+from rill.engine.beam import BeamGroup, BeamSearch
 from rill.engine.kv_cache import KVManager
 from rill.engine.request import Request, RequestStatus
 
@@ -118,8 +119,8 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         prefilling: list[Request] = []
         for request in self.running:
-            if request.beam is not None and request.beam.beams:
-                items = [RowWork(b.row, [b.tokens[-1]], b.num_computed) for b in request.beam.beams]
+            if request.beam is not None and request.beam.is_decoding:
+                items = request.beam.work()
                 out.scheduled.append(ScheduledRequest(request, items))
                 out.num_decode_tokens += len(items)
                 budget -= len(items)
@@ -236,15 +237,10 @@ class Scheduler:
 
     def _release_rows(self, request: Request) -> None:
         if request.beam is not None:
-            for beam in request.beam.beams:
-                self.kv.drop(beam.row)
-            for row in getattr(request, "spare_rows", []):
-                self.kv.drop(row)
-            request.beam.beams = []
-            request.spare_rows = []
+            request.beam.release()
             request.output_ids = []
             request.beam = None  # restarts from the prompt after recompute
-        if request.row is not None and request.row in self.kv.live:
+        if request.row is not None and self.kv.is_live(request.row):
             self.kv.release(request.row, request.token_at(0, request.num_computed))
         request.row = None
 
@@ -263,6 +259,9 @@ class Scheduler:
         if not request.is_scheduled_once:
             request.num_cached_prompt_tokens = min(acquired.num_cached_tokens, len(request.prompt_ids))
         if request.is_beam:
-            request.spare_rows = [row for _ in range(request.params.num_beams - 1) if (row := self.kv.acquire_empty()) is not None]
+            params = request.params
+            search = BeamSearch(params.num_beams, params.length_penalty, params.early_stopping,
+                                request.eos_token_ids if not params.ignore_eos else frozenset(), params.max_tokens)
+            request.beam = BeamGroup(search, self.kv, self.copy_row)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
