@@ -99,3 +99,33 @@ def test_beam_requests_beside_sampled_ones_leave_those_unchanged() -> None:
         assert together[request.request_id].token_ids == alone[request.request_id].token_ids
     assert together["beam"].token_ids == reference_beams(engine.runner, beam.prompt_ids, 3, 8)[0][1]
     assert_idle(engine)
+
+
+def test_a_beam_group_drives_its_rows_through_the_kv_managers_api() -> None:
+    import pytest
+    import torch
+
+    from rill.engine.beam import BeamGroup, BeamSearch
+    from rill.engine.kv_cache import EmptyRow, KVManager
+
+    kv = KVManager(num_rows=5, max_len=64, bytes_per_token=1)
+    copies: list[tuple[int, int, int]] = []
+    prompt = [3, 4, 5]
+    prompt_row = kv.acquire(EmptyRow(), prompt).row
+    group = BeamGroup(BeamSearch(3, 1.0, False, frozenset(), max_tokens=4), kv,
+                      lambda src, dst, n: copies.append((src, dst, n)))
+    assert len(group.spare_rows) == 2 and kv.num_live_rows == 3 and not group.is_decoding
+    group.start(prompt_row, prompt, num_computed=3)
+    # Token 7 is best by far, then 8, then 9: three beams, two of them copies of the prompt's row.
+    logits = torch.full((1, 10), -9.0)
+    logits[0, 7], logits[0, 8], logits[0, 9] = 3.0, 2.0, 1.0
+    result = group.step(logits, max_len=64)
+    assert result.best is None and result.agreed == []  # the beams disagree on their first token
+    assert [b.tokens for b in group.beams] == [[7], [8], [9]] and group.beams[0].row == prompt_row
+    assert sorted(dst for _, dst, _ in copies) == sorted(group.rows()[1:]) and all(src == prompt_row for src, _, _ in copies)
+    assert all(kv.is_live(row) for row in group.rows()) and kv.num_live_rows == 3
+    assert [w.token_ids for w in group.work()] == [[7], [8], [9]]
+    group.release()
+    assert kv.num_live_rows == 0 and group.rows() == []
+    with pytest.raises(ValueError):
+        kv.assign(prompt_row, EmptyRow())  # a row nobody holds cannot change owner

@@ -377,3 +377,14 @@ def test_random_extreme_settings_never_fail():
                 if lp is not None:
                     assert len(lp.top) == min(p.logprobs, vocab - 1)
                     assert lp.token_id not in [t.token_id for t in lp.top]
+
+
+def test_the_sampler_owns_its_keys() -> None:
+    sampler = Sampler(vocab_size=8, max_rows=2)
+    first = sampler.open(SamplingParams(temperature=0.0), [1], {0})
+    second = sampler.open(SamplingParams(temperature=0.0), [1], {0})
+    assert (first, second) == (0, 1)
+    with pytest.raises(RuntimeError, match="no sampler key left"):
+        sampler.open(SamplingParams(), [1], {0})
+    sampler.remove(first)
+    assert sampler.open(SamplingParams(), [2], {0}) == first  # a freed key is handed out again
