@@ -192,7 +192,7 @@ class EngineCore:
     # -- the step ---------------------------------------------------------------------------
     def has_work(self) -> bool:
         """True when a step would compute something or has outputs to deliver."""
-        return bool(self.scheduler.running) or self.scheduler.num_waiting > 0 or bool(self.touched)
+        return self.scheduler.num_running > 0 or self.scheduler.num_waiting > 0 or bool(self.touched)
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step and return the outputs it produced."""
@@ -525,9 +525,9 @@ class EngineCore:
         cached = self.kv.cached_tokens()
         capacity_tokens = self.kv.num_rows * self.kv.max_len
         return EngineStats(
-            num_running=len(self.scheduler.running),
+            num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
-            num_paused=len(self.scheduler.paused),
+            num_paused=self.scheduler.num_paused,
             kv_capacity_bytes=capacity_tokens * bpt,
             kv_used_bytes=used * bpt,
             kv_cached_bytes=cached * bpt,

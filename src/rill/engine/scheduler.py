@@ -77,6 +77,16 @@ class Scheduler:
 
     # -- membership -----------------------------------------------------------------------
     @property
+    def num_running(self) -> int:
+        """Requests in the running batch."""
+        return len(self.running)
+
+    @property
+    def num_paused(self) -> int:
+        """Paused requests."""
+        return len(self.paused)
+
+    @property
     def num_waiting(self) -> int:
         """Requests in the waiting queue."""
         return sum(1 for _, _, r in self.waiting if r.status is RequestStatus.WAITING)
