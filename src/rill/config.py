@@ -46,6 +46,8 @@ class EngineConfig:
     max_num_seqs: int = _f(64, "most sequences generating at once")
     max_num_batched_tokens: int = _f(8192, "token budget of one engine step; while streams decode, prefill chunks are capped further so their inter-token latency at most doubles")
     max_queue: int = _f(1024, "bound of the waiting queue; requests over it are refused (retryable)")
+    runner: str = _f("torch", "model backend: torch (rill's own model code) or llamacpp (llama.cpp's kernels on a "
+                              ".gguf --model, default the SmolLM2 GGUF; needs the llamacpp extra)")
     num_threads: int | None = _f(None, "torch intra-op threads (default: the CPUs this process may use: affinity set and cgroup quota)")
     max_prompt_chars: int = _f(1024 * 1024, "most prompt characters of one request (messages and template variables "
                                             "included), refused before tokenizing; raise it for long-context models")
@@ -351,6 +353,10 @@ def validate(config: ServerConfig) -> None:
             raise ConfigError(f"{name} must be >= 1, not {getattr(e, name)}")
     if e.max_model_len is not None and e.max_model_len < 16:
         raise ConfigError(f"max_model_len must be >= 16, not {e.max_model_len}")
+    if e.runner not in ("torch", "llamacpp"):
+        raise ConfigError(f"runner must be torch or llamacpp, not {e.runner!r}")
+    if e.runner == "llamacpp":
+        _check_llamacpp_model(e)
     h = config.http
     if not (0 <= h.port < 65536):
         raise ConfigError(f"port must be in 0..65535, not {h.port}")
@@ -403,6 +409,20 @@ def validate(config: ServerConfig) -> None:
         int(config.uds.socket_mode, 8)
     except ValueError as exc:
         raise ConfigError(f"socket_mode must be an octal mode such as 0600, not {config.uds.socket_mode!r}") from exc
+
+
+def _check_llamacpp_model(e: EngineConfig) -> None:
+    """``--runner llamacpp`` runs GGUF files only, on the CPU."""
+    if e.device != "cpu":
+        raise ConfigError(f"--runner llamacpp runs on the CPU only; drop --device {e.device}")
+    if e.model is None:
+        return  # the default model's GGUF file
+    path = Path(e.model)
+    is_gguf = path.suffix.lower() == ".gguf" or (
+        path.is_dir() and not (path / "config.json").is_file() and any(path.glob("*.gguf")))
+    if not is_gguf:
+        raise ConfigError(f"--runner llamacpp needs a .gguf --model (or a folder holding one), not {e.model!r}; "
+                          "use --runner torch for Hugging Face folders and the demo model")
 
 
 def _pick(area: str, name: str, flags: Mapping[str, Any], env: Mapping[str, str], file: Mapping[str, Any]) -> tuple[Any, str | None]:

@@ -116,6 +116,8 @@ def build_engine(config: EngineConfig, progress: Progress | None = None) -> Engi
     Raises:
         ModelLoadError: the model cannot be loaded, or the KV budget holds no sequence.
     """
+    if config.runner == "llamacpp":
+        return _build_llamacpp_engine(config, progress)
     import torch
 
     from rill.engine.runner import TorchModelRunner
@@ -151,6 +153,59 @@ def build_engine(config: EngineConfig, progress: Progress | None = None) -> Engi
         config, runner, tokenizer,
         name=path.stem if path.is_file() else path.name,
         architecture=mc.architecture, dtype=mc.dtype, device=mc.device,
+        eos_token_ids=mc.eos_token_ids, generation_defaults=mc.generation_defaults,
+    )
+    report(100.0, "ready")
+    return engine
+
+
+def _build_llamacpp_engine(config: EngineConfig, progress: Progress | None) -> Engine:
+    """``--runner llamacpp``: llama.cpp computes the forward on the GGUF's own (quantized) weights;
+    rill's tokenizer is built from the same file, rill's scheduler and sampler run as ever."""
+    from collections import Counter
+
+    from rill.engine.llamacpp_runner import MAX_SEQUENCES, LlamaCppRunner, import_llama_cpp
+    from rill.engine.threads import default_choice
+    from rill.models.config import parse_config
+    from rill.models.gguf_loader import find_gguf, read_gguf
+
+    report = progress or (lambda pct, stage: None)
+    import_llama_cpp()  # a missing extra is named before anything is read
+    if config.model:
+        path = Path(config.model)
+        if not path.exists():
+            raise ModelLoadError(f"model file {path} does not exist")
+        file = find_gguf(path)
+        if file is None:
+            raise ModelLoadError(f"--runner llamacpp needs a .gguf file; {path} is not one")
+    else:
+        from rill.models.default import default_gguf_path
+
+        file = default_gguf_path()
+    threads = default_choice(config.num_threads)
+    log.info("llama.cpp threads: %d (%s)", threads.num_threads, threads.reason)
+    report(10.0, "reading the GGUF metadata")
+    checkpoint = read_gguf(file)
+    mc = parse_config(checkpoint.hf_config, checkpoint.generation_config, source=str(file))
+    tokenizer = checkpoint.tokenizer()
+    max_len = min(config.max_model_len or min(mc.max_context_tokens, DEFAULT_MAX_CONTEXT), mc.max_context_tokens)
+    budget = parse_size(config.kv_cache_memory, "kv_cache_memory")
+    import torch
+
+    row_bytes = mc.kv_bytes_per_token(torch.float16) * max_len  # llama.cpp's cache is F16
+    num_rows = min(budget // row_bytes, config.max_num_seqs + max(8, config.max_num_seqs // 2), MAX_SEQUENCES)
+    if num_rows < 1:
+        raise ModelLoadError(
+            f"--kv-cache-memory {config.kv_cache_memory} holds no sequence of {max_len} tokens "
+            f"({row_bytes} bytes each); raise it or lower --max-model-len")
+    report(30.0, "loading the model into llama.cpp")
+    runner = LlamaCppRunner(file, num_rows=int(num_rows), max_len=max_len, num_threads=threads.num_threads,
+                            batch_tokens=min(config.max_num_batched_tokens, 2048))
+    kinds = Counter(kind for name, kind in checkpoint.tensor_types().items() if name.endswith(".weight") and kind != "F32")
+    quant = kinds.most_common(1)[0][0] if kinds else "F32"
+    engine = assemble_engine(
+        config, runner, tokenizer,
+        name=file.stem, architecture=mc.architecture, dtype=f"gguf {quant} (llama.cpp)", device="cpu",
         eos_token_ids=mc.eos_token_ids, generation_defaults=mc.generation_defaults,
     )
     report(100.0, "ready")
