@@ -18,6 +18,8 @@ Hooks for tests, all set as plain attributes (an engine thread sees them at its 
 - ``script(tokens)``: called with a row's tokens up to the position whose logits are
   computed; a returned token id gets all the probability mass, ``None`` leaves the
   pseudo-random logits. It may raise to fail the step (the engine fails the step's requests).
+  ``reply_script(prompt, reply)`` makes a script that answers one prompt with given tokens
+  (for a given text, its ``fake_tokenizer`` encoding).
 - ``gate``: anything with ``wait()`` and ``set()``, waited on at the start of every
   ``forward``: a ``threading.Event`` (while clear, the model "prefills" forever) or a
   ``StepGate`` (a test lets steps through one by one). ``set()`` opens it for good.
@@ -208,6 +210,24 @@ class FakeRunner:
         self._rows[item.row], self._hashes[item.row] = tokens, hashes
 
 
+def reply_script(prompt: Sequence[int], reply: Sequence[int], then_eos: bool = True) -> Script:
+    """A script answering ``prompt`` (token ids) with ``reply`` (token ids) and then the fake
+    tokenizer's end of sequence (the usual logits instead when ``then_eos`` is false). Other
+    histories get the usual logits."""
+    prompt, reply = list(prompt), list(reply)
+    eos = fake_tokenizer().eos_token_id
+
+    def script(tokens: Sequence[int]) -> int | None:
+        if list(tokens[: len(prompt)]) != prompt:
+            return None
+        index = len(tokens) - len(prompt)
+        if index < len(reply):
+            return reply[index]
+        return eos if then_eos else None
+
+    return script
+
+
 def history_hash(tokens: Sequence[int]) -> int:
     """A 64-bit hash of a token sequence, the same in every process (not Python's ``hash``)."""
     digest = 0
@@ -229,10 +249,10 @@ ALPHABET = "abcdefghijklmnopqrstuvwxyz "
 """The characters ``FakeRunner`` makes likely by default (one token each)."""
 
 
-@lru_cache(maxsize=2)
-def fake_tokenizer(with_chat_template: bool = True) -> Tokenizer:
+@lru_cache(maxsize=4)
+def fake_tokenizer(with_chat_template: bool = True, chat_template: str | None = None) -> Tokenizer:
     """A byte-level tokenizer with one token per byte, the demo's special tokens and chat
-    template (none when ``with_chat_template`` is false).
+    template (``chat_template`` instead if given; none when ``with_chat_template`` is false).
 
     Ids: the eight special tokens of ``rill.demo.tokenizer`` (``<s>`` = 1, ``</s>`` = 2, ...),
     then the 256 byte symbols. Plain prompts get ``<s>`` in front. Built in memory (no
@@ -255,7 +275,7 @@ def fake_tokenizer(with_chat_template: bool = True) -> Tokenizer:
     config = tokenizer_config(max_context_tokens=4096)
     special = {key: config[key] for key in ("bos_token", "eos_token", "unk_token", "pad_token")}
     return Tokenizer(backend, special_tokens=special, extra_special_tokens=config["additional_special_tokens"],
-                     chat_templates={"default": config["chat_template"]} if with_chat_template else {}, name="fake")
+                     chat_templates={"default": chat_template or config["chat_template"]} if with_chat_template else {}, name="fake")
 
 
 @lru_cache(maxsize=1)

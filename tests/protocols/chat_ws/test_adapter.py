@@ -1,72 +1,36 @@
-"""The /ws/chat adapter against a scripted engine client and a recording synthesizer (no
-model, no espeak): engine failures, loading, binary requests, reasoning never spoken,
-HTTP helpers when nothing is configured."""
+"""The /ws/chat adapter over a real loopback socket, against the in-process engine client over
+a ``FakeRunner`` (the real engine code, no model) and a recording synthesizer (no espeak):
+engine failures, loading, binary requests, reasoning never spoken, HTTP helpers when nothing
+is configured. Where a test needs a given reply, the fake model is scripted to write it."""
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import json
 import threading
-from typing import Any
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
 
+import httpx
 import numpy as np
 import pytest
 from starlette.applications import Starlette
-from starlette.testclient import TestClient
-from starlette.websockets import WebSocketDisconnect
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
 
 from rill import config as rill_config
-from rill.errors import GenerationError, QueueFull, RillError
-from rill.frontend.stream import RequestStream
+from rill.config import EngineConfig
+from rill.frontend.inproc import InprocClient
 from rill.protocols.chat_ws import adapter
 from rill.server import Deps
-from rill.types import GenerateRequest, ModelInfo, RequestEvent, RequestOutput, Usage
+from rill.testing.fake_client import fake_client, record_requests
+from rill.testing.fake_runner import fake_tokenizer, reply_script
+from rill.types import GenerateRequest
+from tests.helpers import serving
 
-
-class ScriptedClient:
-    """Replies with ``script`` (text pieces) one per loop turn; ``fail`` ends with that error."""
-
-    load_error: BaseException | None = None  # EngineClient: set when the model failed to load
-
-    def __init__(self, script: list[str], *, ready: bool = True, fail: BaseException | None = None,
-                 raise_on_generate: BaseException | None = None, rendered: str = "<prompt>") -> None:
-        self.model_info = ModelInfo(name="fake-chat", architecture="Fake", max_context_tokens=512, vocab_size=100,
-                                    dtype="float32", device="cpu")
-        self.script, self.ready, self.fail, self.raise_on_generate = script, ready, fail, raise_on_generate
-        self.rendered = rendered
-        self.requests: list[GenerateRequest] = []
-        self.aborted: list[str] = []
-
-    def is_ready(self) -> bool:
-        return self.ready
-
-    async def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                          **kwargs: Any) -> str:
-        return self.rendered
-
-    def abort(self, request_id: str) -> None:
-        self.aborted.append(request_id)
-
-    async def generate(self, request: GenerateRequest) -> RequestStream:
-        if self.raise_on_generate is not None:
-            raise self.raise_on_generate
-        self.requests.append(request)
-        stream = RequestStream(self, f"r{len(self.requests)}", [1, 2, 3, 4], request.sampling)
-        asyncio.get_running_loop().create_task(self._produce(stream))
-        return stream
-
-    async def _produce(self, stream: RequestStream) -> None:
-        stream.put(RequestOutput(request_id=stream.request_id, events=[RequestEvent.PREFILL_DONE]))
-        for i, piece in enumerate(self.script):
-            await asyncio.sleep(0)
-            stream.put(RequestOutput(request_id=stream.request_id, text=piece, token_ids=[10 + i],
-                                     usage=Usage(prompt_tokens=4, completion_tokens=i + 1)))
-        await asyncio.sleep(0)
-        if self.fail is not None:
-            stream.put(RequestOutput(request_id=stream.request_id, finished=True, finish_reason="error", error=self.fail))
-        else:
-            stream.put(RequestOutput(request_id=stream.request_id, finished=True, finish_reason="stop",
-                                     usage=Usage(prompt_tokens=4, completion_tokens=len(self.script))))
+THINKING_TEMPLATE = fake_tokenizer().chat_templates["default"] + "{% if enable_thinking %}<think>\n{% endif %}"
+"""The fake model's chat template, opening the reasoning block in the generation prompt."""
 
 
 class RecordingSynth:
@@ -85,124 +49,215 @@ class RecordingSynth:
         return np.full(10 * len(text), 0.25, np.float32)
 
 
-def make_app(client: ScriptedClient, **settings: Any) -> tuple[TestClient, RecordingSynth]:
-    cfg = rill_config.load({"chat.chat_max_active": 1, **settings}, env={})
-    synth = RecordingSynth()
-    deps = Deps(config=cfg, client=client, extras={adapter.SYNTH_EXTRA: synth})
-    return TestClient(Starlette(routes=adapter.routes(deps))), synth
+@dataclass
+class Chat:
+    """A served ``/ws/chat``: its URL, the engine client behind it, what the protocol submitted
+    and what the synthesizer was asked to say."""
+
+    url: str
+    client: InprocClient
+    requests: list[GenerateRequest]
+    synth: RecordingSynth
+
+    def reply_with(self, text: str, body: dict[str, Any] | None = None) -> list[int]:
+        """Make the fake model answer ``body``'s messages with ``text`` then end of sequence;
+        the prompt's token ids as the engine sees them."""
+        request = body or BODY
+        tokenizer = self.client.engine.tokenizer
+        prompt = tokenizer.encode_chat(request["messages"],
+                                       chat_template_kwargs={"enable_thinking": request.get("enable_thinking", False)})
+        self.client.engine.runner.script = reply_script(prompt, tokenizer.encode(text, add_special_tokens=False))
+        return prompt
+
+    def num_cancelled(self) -> int:
+        """Requests the engine ended as cancelled (aborted)."""
+        return self.client.stats().requests_finished_total.get("cancelled", 0)
 
 
-def converse(test_client: TestClient, body: dict | bytes) -> tuple[list[dict], int | None]:
+@contextlib.asynccontextmanager
+async def serve_chat(client_args: dict[str, Any] | None = None, **settings: Any) -> AsyncIterator[Chat]:
+    """``/ws/chat`` and its HTTP routes on a loopback port over ``fake_client(**client_args)``
+    (``settings``: ``area.field`` config overrides)."""
+    async with fake_client(**(client_args or {})) as client:
+        cfg = rill_config.load({"chat.chat_max_active": 1, **settings}, env={})
+        synth = RecordingSynth()
+        requests = record_requests(client)
+        deps = Deps(config=cfg, client=client, extras={adapter.SYNTH_EXTRA: synth})
+        async with serving(Starlette(routes=adapter.routes(deps))) as port:
+            yield Chat(f"127.0.0.1:{port}", client, requests, synth)
+
+
+async def converse(chat: Chat, body: dict | bytes) -> tuple[list[dict], int | None]:
+    """Send one request; every message until the server closes, and the close code."""
     messages: list[dict] = []
-    with test_client.websocket_connect("/ws/chat") as ws:
-        if isinstance(body, bytes):
-            ws.send_bytes(body)
-        else:
-            ws.send_text(json.dumps(body))
+    async with connect(f"ws://{chat.url}/ws/chat", max_size=None) as ws:
+        await ws.send(body if isinstance(body, bytes) else json.dumps(body))
         try:
             while True:
-                messages.append(ws.receive_json())
-        except WebSocketDisconnect as exc:
-            return messages, exc.code
+                messages.append(json.loads(await ws.recv()))
+        except ConnectionClosed as exc:
+            return messages, exc.rcvd.code if exc.rcvd is not None else None
 
 
 BODY = {"messages": [{"role": "user", "content": "Hi"}]}
 
 
-def test_reply_with_speech_in_order() -> None:
-    app, synth = make_app(ScriptedClient(["Hello", " there.", " Bye."]))
-    messages, code = converse(app, BODY)
+def texts(messages: list[dict]) -> str:
+    """The text of the streamed chunks, joined."""
+    return "".join(m.get("text_delta", "") for m in messages if m["type"] == "chunk")
+
+
+async def test_reply_with_speech_in_order() -> None:
+    async with serve_chat() as chat:
+        prompt = chat.reply_with("Hello there. Bye.")
+        messages, code = await converse(chat, BODY)
     kinds = [m["type"] for m in messages]
     assert kinds[:2] == ["queue_done", "prefill_done"] and kinds[-1] == "done" and code == 1000
-    assert messages[1]["input_tokens"] == 4
-    assert messages[-1] == {"type": "done", "text": "Hello there. Bye.", "generated_tokens": 3, "input_tokens": 4,
-                            "audio_data": None}
-    assert synth.spoken == ["Hello there.", "Bye."]
+    assert messages[1]["input_tokens"] == len(prompt)
+    # One token per character, and the end of sequence, which writes no text.
+    assert messages[-1] == {"type": "done", "text": "Hello there. Bye.", "generated_tokens": len("Hello there. Bye.") + 1,
+                            "input_tokens": len(prompt), "audio_data": None}
+    assert texts(messages) == "Hello there. Bye."
+    assert chat.synth.spoken == ["Hello there.", "Bye."]
     audio_chunks = [m for m in messages if m["type"] == "chunk" and "audio_data" in m]
     assert len(audio_chunks) == 2
 
 
-def test_reasoning_is_shown_but_never_spoken() -> None:
-    app, synth = make_app(ScriptedClient(["<think>", "secret plan. ", "more.</think>", "Answer here. ", "Done."]))
-    messages, _ = converse(app, {**BODY, "enable_thinking": True})
+async def test_reasoning_is_shown_but_never_spoken() -> None:
+    body = {**BODY, "enable_thinking": True}
+    async with serve_chat() as chat:
+        chat.reply_with("<think>secret plan. more.</think>Answer here. Done.", body)
+        messages, _ = await converse(chat, body)
     assert "secret plan" in messages[-1]["text"]
-    assert synth.spoken == ["Answer here.", "Done."]
+    assert chat.synth.spoken == ["Answer here.", "Done."]
 
 
-def test_template_that_opens_the_thinking_block_is_honoured() -> None:
-    client = ScriptedClient(["hidden reasoning. ", "</think>", "Spoken answer. "], rendered="<|assistant|>\n<think>\n")
-    app, synth = make_app(client)
-    converse(app, {**BODY, "enable_thinking": True})
-    assert synth.spoken == ["Spoken answer."]
-    assert client.requests[0].chat_template_kwargs == {"enable_thinking": True}
+async def test_template_that_opens_the_thinking_block_is_honoured() -> None:
+    body = {**BODY, "enable_thinking": True}
+    async with serve_chat({"tokenizer": fake_tokenizer(chat_template=THINKING_TEMPLATE)}) as chat:
+        prompt = chat.reply_with("hidden reasoning. </think>Spoken answer. ", body)
+        assert chat.client.engine.tokenizer.decode(prompt).endswith("<think>\n")
+        await converse(chat, body)
+    assert chat.synth.spoken == ["Spoken answer."]
+    assert chat.requests[0].chat_template_kwargs == {"enable_thinking": True}
 
 
-def test_binary_frame_request_is_accepted() -> None:
-    app, _ = make_app(ScriptedClient(["ok."]))
-    messages, _ = converse(app, json.dumps({**BODY, "tts": {"enabled": False}}).encode())
+async def test_binary_frame_request_is_accepted() -> None:
+    async with serve_chat() as chat:
+        chat.reply_with("ok.")
+        messages, _ = await converse(chat, json.dumps({**BODY, "tts": {"enabled": False}}).encode())
     assert messages[-1]["type"] == "done" and messages[-1]["text"] == "ok."
+    assert chat.synth.spoken == []
 
 
-@pytest.mark.parametrize(("client", "error", "code"), [
-    (ScriptedClient([], ready=False), "Service not ready: the model is still loading", 1013),
-    (ScriptedClient([], raise_on_generate=QueueFull()), "Queue full", 1013),
-    (ScriptedClient([], raise_on_generate=RuntimeError("secret /etc/passwd")), "Internal server error", 1011),
-    (ScriptedClient(["a", "b"], fail=GenerationError("kernel 0xdead failed")), "Generation failed", 1000),
-    (ScriptedClient(["a"], fail=RillError("request ran past its deadline")), "request ran past its deadline", 1000),
-])
-def test_failures_send_one_error_and_close(client: ScriptedClient, error: str, code: int) -> None:
-    app, _ = make_app(client)
-    messages, close_code = converse(app, BODY)
-    assert messages[-1] == {"type": "error", "error": error} and close_code == code
+async def test_not_ready_while_loading() -> None:
+    async with serve_chat({"loading": threading.Event()}) as chat:
+        messages, close_code = await converse(chat, BODY)
+    assert messages == [{"type": "error", "error": "Service not ready: the model is still loading"}]
+    assert close_code == 1013 and chat.requests == []
+
+
+async def test_queue_full() -> None:
+    async with serve_chat({"config": EngineConfig(model="fake", max_queue=1)}) as chat:
+        held = chat.client.engine.runner.gate = threading.Event()  # nothing leaves the engine's queue
+        waiting = await chat.client.generate(GenerateRequest(prompt="another protocol's request"))
+        messages, close_code = await converse(chat, BODY)
+        held.set()
+        await waiting.aclose()
+    assert messages[-1] == {"type": "error", "error": "Queue full"} and close_code == 1013
     assert not any(m["type"] == "done" for m in messages)
 
 
-def test_engine_failure_mid_reply_aborts_nothing_twice_and_leaks_nothing() -> None:
-    client = ScriptedClient(["a"], fail=GenerationError("secret"))
-    app, _ = make_app(client)
-    messages, _ = converse(app, BODY)
+async def test_unexpected_error_is_generic_and_leaks_nothing() -> None:
+    tokenizer = fake_tokenizer.__wrapped__()  # a tokenizer of its own, broken below
+
+    def broken(*args: Any, **kwargs: Any) -> list[int]:
+        raise RuntimeError("secret /etc/passwd")
+
+    tokenizer.encode = broken
+    async with serve_chat({"tokenizer": tokenizer}) as chat:
+        messages, close_code = await converse(chat, BODY)
+    assert messages[-1] == {"type": "error", "error": "Internal server error"} and close_code == 1011
+    assert len(chat.requests) == 1
+
+
+def fail_after(chat: Chat, prompt: list[int], num_tokens: int, message: str) -> None:
+    """Make the engine step fail once the request has ``num_tokens`` generated tokens (a model error)."""
+
+    def script(tokens: Any) -> None:
+        if len(tokens) >= len(prompt) + num_tokens:
+            raise RuntimeError(message)
+
+    chat.client.engine.runner.script = script
+
+
+async def test_model_error_mid_reply_is_one_error_aborts_nothing_and_leaks_nothing() -> None:
+    async with serve_chat() as chat:
+        prompt = chat.reply_with("x")
+        fail_after(chat, prompt, 2, "kernel 0xdead failed: secret")
+        messages, close_code = await converse(chat, BODY)
+        assert chat.num_cancelled() == 0  # the request had failed; closing its stream sends no abort
+    assert messages[-1] == {"type": "error", "error": "Generation failed"} and close_code == 1000
+    # The text of the two tokens may come merged with the failure (a slow reader): at most theirs.
+    assert len(texts(messages)) <= 2 and not any(m["type"] == "done" for m in messages)
     assert all("secret" not in json.dumps(m) for m in messages)
-    assert client.aborted == []  # the request had finished; closing its stream sends no abort
 
 
-def test_generation_fields_reach_the_engine() -> None:
-    client = ScriptedClient(["x"])
-    app, _ = make_app(client, **{"http.request_timeout_s": 30.0})  # the token cap is the frontend's
-    converse(app, {**BODY, "generation": {"max_new_tokens": 400, "temperature": 0.1, "repetition_penalty": 1.2}})
-    request = client.requests[0]
+async def test_time_limit_is_one_error() -> None:
+    async with serve_chat(**{"http.request_timeout_s": 30.0}) as chat:
+        # The engine's clock is an hour ahead: every time limit has passed at its first step.
+        chat.client.engine.core.clock = lambda: time.monotonic() + 3600
+        messages, close_code = await converse(chat, BODY)
+    assert messages[-1] == {"type": "error", "error": "the request reached its time limit"} and close_code == 1000
+    assert not any(m["type"] == "done" for m in messages)
+
+
+async def test_generation_fields_reach_the_engine() -> None:
+    async with serve_chat(**{"http.request_timeout_s": 30.0}) as chat:  # the token cap is the frontend's
+        chat.reply_with("x")
+        await converse(chat, {**BODY, "generation": {"max_new_tokens": 400, "temperature": 0.1,
+                                                     "repetition_penalty": 1.2}})
+    request = chat.requests[0]
     assert request.protocol == "chat_ws" and request.deadline_s == 30.0
     assert (request.sampling.max_tokens, request.sampling.temperature, request.sampling.repetition_penalty) == (400, 0.1, 1.2)
 
 
-def test_http_helpers_when_nothing_is_configured() -> None:
-    app, _ = make_app(ScriptedClient([]))
-    assert app.get("/api/default_ref_audio").status_code == 404
-    assert app.get("/api/recordings/chat_0123456789abcdef").status_code == 404
+async def test_http_helpers_when_nothing_is_configured() -> None:
+    async with serve_chat() as chat, httpx.AsyncClient(base_url=f"http://{chat.url}") as http:
+        assert (await http.get("/api/default_ref_audio")).status_code == 404
+        assert (await http.get("/api/recordings/chat_0123456789abcdef")).status_code == 404
 
 
 @pytest.mark.parametrize("body", [
     b'{"x": ' + b"[" * 5000 + b"]" * 5000 + b', "messages": []}',  # was a RecursionError: generic error and 1011
     b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
 ])
-def test_hostile_request_is_an_invalid_request_not_an_internal_error(body: bytes) -> None:
-    client = ScriptedClient(["never"])
-    app, _ = make_app(client)
-    messages, close_code = converse(app, body)
+async def test_hostile_request_is_an_invalid_request_not_an_internal_error(body: bytes) -> None:
+    async with serve_chat() as chat:
+        messages, close_code = await converse(chat, body)
     assert len(messages) == 1 and messages[0]["type"] == "error" and messages[0]["error"].startswith("invalid request")
-    assert close_code == 1000 and client.requests == []
+    assert close_code == 1000 and chat.requests == []
 
 
-def test_recordings_stay_under_the_configured_cap(tmp_path: Any) -> None:
+async def recording_ids(chat: Chat) -> list[str]:
+    """The recording ids of one chat's ``done`` messages."""
+    return [m["recording_session_id"] for m in (await converse(chat, BODY))[0] if m["type"] == "done"]
+
+
+async def test_recordings_stay_under_the_configured_cap(tmp_path: Any) -> None:
     # Issue 12 item 2: recordings stored every raw request with no cap or retention. With a
     # cap of two recordings' worth, the third chat's recording deletes the first.
-    app, _ = make_app(ScriptedClient(["Hello."]), **{"chat.record": True, "http.data_dir": str(tmp_path)})
-    [first_done] = [m for m in converse(app, BODY)[0] if m["type"] == "done"]
-    size = sum(p.stat().st_size for p in (tmp_path / "recordings" / first_done["recording_session_id"]).iterdir())
-    app, _ = make_app(ScriptedClient(["Hello."]), **{"chat.record": True, "http.data_dir": str(tmp_path),
-                                                      "chat.record_max_bytes": str(2 * size + size // 2)})
-    ids = [first_done["recording_session_id"]]
-    for _ in range(2):
-        ids += [m["recording_session_id"] for m in converse(app, BODY)[0] if m["type"] == "done"]
-    kept = sorted(p.name for p in (tmp_path / "recordings").iterdir())
-    assert kept == sorted(ids[1:])
-    assert app.get(f"/api/recordings/{ids[0]}").status_code == 404 and app.get(f"/api/recordings/{ids[2]}").status_code == 200
+    settings = {"chat.record": True, "http.data_dir": str(tmp_path)}
+    async with serve_chat(**settings) as chat:
+        chat.reply_with("Hello.")
+        ids = await recording_ids(chat)
+    size = sum(p.stat().st_size for p in (tmp_path / "recordings" / ids[0]).iterdir())
+    async with serve_chat(**settings, **{"chat.record_max_bytes": str(2 * size + size // 2)}) as chat:
+        chat.reply_with("Hello.")
+        for _ in range(2):
+            ids += await recording_ids(chat)
+        kept = sorted(p.name for p in (tmp_path / "recordings").iterdir())
+        assert kept == sorted(ids[1:])
+        async with httpx.AsyncClient(base_url=f"http://{chat.url}") as http:
+            assert (await http.get(f"/api/recordings/{ids[0]}")).status_code == 404
+            assert (await http.get(f"/api/recordings/{ids[2]}")).status_code == 200
