@@ -71,6 +71,10 @@ class StepGate:
     def __init__(self) -> None:
         self._permits = threading.Semaphore(0)
         self._is_open = False
+        self.num_passed = 0
+        """Steps let through so far."""
+        self.is_waiting = False
+        """Whether a step waits at the gate now."""
 
     def allow(self, num_steps: int = 1) -> None:
         """Let ``num_steps`` more steps run."""
@@ -79,7 +83,10 @@ class StepGate:
     def wait(self) -> None:
         """Block until a step is allowed (or the gate is open)."""
         if not self._is_open:
+            self.is_waiting = True
             self._permits.acquire()
+            self.is_waiting = False
+        self.num_passed += 1
 
     def set(self) -> None:
         """Open the gate: no step waits any more (teardown)."""

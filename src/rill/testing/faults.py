@@ -1,4 +1,5 @@
-"""Fault injection for tests: make chosen requests raise inside the engine's sampler.
+"""Fault injection for tests: make chosen requests raise inside the engine's sampler
+(``fail_sampling``) or its output stage (``fail_requests``).
 
 The production sampler has no hook and pays nothing for this: ``fail_sampling`` shadows one
 method of a single ``Sampler`` instance while its ``with`` block runs, and removes it after.
@@ -41,3 +42,26 @@ def fail_sampling(sampler: Sampler, when: Callable[[SamplingParams], bool]) -> I
         yield
     finally:
         del sampler._sample_rows  # the class's method again
+
+
+@contextlib.contextmanager
+def fail_requests(core: Any, when: Callable[[Any], bool]) -> Iterator[None]:
+    """Within the block, the engine raises ``InjectedFault`` while taking a new token of any
+    request (a ``rill.engine.request.Request``) that satisfies ``when``.
+
+    The fault is raised where the core takes a sampled token into a request (its output
+    stage), one request at a time, so the core must fail that request alone and carry on
+    with the others. The patch lives on ``core`` only, like ``fail_sampling``'s.
+    """
+    original = core._on_token
+
+    def faulty(request: Any, *args: Any) -> Any:
+        if when(request):
+            raise InjectedFault("fault injected into a request by a test")
+        return original(request, *args)
+
+    core._on_token = faulty
+    try:
+        yield
+    finally:
+        del core._on_token  # the class's method again

@@ -7,11 +7,15 @@ runs and errors, never wording.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import anyio.from_thread
 import httpx
 import pytest
 from starlette.applications import Starlette
@@ -19,12 +23,13 @@ from starlette.testclient import TestClient
 from websockets.asyncio.client import connect
 
 from rill import config
-from rill.errors import GenerationError, QueueFull
-from rill.frontend.stream import RequestStream
+from rill.config import EngineConfig
 from rill.protocols.batch_ws import adapter, codec
-from rill.types import GenerateRequest, RequestEvent, RequestOutput
+from rill.testing.fake_client import fake_client, record_requests
+from rill.testing.fake_runner import StepGate
+from rill.testing.faults import fail_requests
 from tests.conftest import start_server
-from tests.helpers import recv_json
+from tests.helpers import recv_json, serving
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path) -> Any:
@@ -275,86 +280,116 @@ async def test_disconnect_mid_batch_frees_kv_of_every_prompt(server: Any, long_p
                for line in exposition.splitlines())
 
 
-# -- the adapter against a scripted fake engine client (in-process ASGI, no model) -------------
-class FakeClient:
-    """An EngineClient whose engine steps only when the test says so (``step``)."""
+# -- the adapter against the in-process client over a FakeRunner (in-process ASGI, no model) -------
+@contextlib.contextmanager
+def fake_app(api_keys: set[str] | None = None, **engine: Any) -> Iterator[tuple[Any, Any, Any]]:
+    """This protocol's routes on Starlette's ``TestClient``, over ``fake_client`` started on the
+    app's loop; yields ``(client, http, requests)``. Every engine step waits at a ``StepGate``
+    (``client.engine.runner.gate``) until the test allows it."""
+    # The client starts on the loop the app will run on: the portal TestClient then reuses.
+    with anyio.from_thread.start_blocking_portal() as portal, \
+            portal.wrap_async_context_manager(fake_client(EngineConfig(model="fake", **engine))) as client:
+        client.engine.runner.gate = StepGate()
+        requests = record_requests(client)
+        deps = SimpleNamespace(config=config.load({}, env={}), client=client, metrics=None,
+                               api_keys=api_keys or set(), extras={adapter.DEFAULTS_EXTRA: config.SamplingDefaults()})
+        app: Any = Starlette(routes=adapter.routes(deps))
+        if api_keys:
+            from rill.middleware import Guard
+            from rill.protocols.openai_http.adapter import http_error
 
-    model_info = None
-    load_error: BaseException | None = None  # EngineClient: set when the model failed to load
+            app = Guard(app, http_error, api_keys=api_keys, max_body_bytes=1 << 20)
+        http = TestClient(app)
+        http.portal = portal
+        with http:
+            yield client, http, requests
+        client.engine.runner.gate.set()  # no step of a failed test may hold the engine thread
 
-    def __init__(self) -> None:
-        self.keys: list[str] = []
-        self.streams: dict[str, RequestStream] = {}
-        self.aborted: list[str] = []
-        self.refuse: dict[str, BaseException] = {}
-        self.requests: list[GenerateRequest] = []
 
-    def is_ready(self) -> bool:
-        return True
+def run_steps(client: Any, num_steps: int) -> None:
+    """Let the engine run ``num_steps`` steps and wait (blocking) until it waits for the next.
 
-    async def generate(self, request: GenerateRequest) -> RequestStream:
-        if request.prompt in self.refuse:
-            raise self.refuse[request.prompt]
-        self.requests.append(request)
-        stream = RequestStream(self, request.request_id, [1, 2], request.sampling)
-        self.keys.append(request.request_id)
-        self.streams[request.request_id] = stream
-        return stream
+    Called on the event loop (``ws.portal.call``), it holds the loop meanwhile: the outputs of
+    those steps all reach their streams before the adapter's tasks run again.
+    """
+    gate = client.engine.runner.gate
+    target = gate.num_passed + num_steps
+    gate.allow(num_steps)
+    for _ in range(10_000):
+        if gate.num_passed >= target and gate.is_waiting:
+            return
+        time.sleep(0.001)  # the engine thread's progress, polled and bounded
+    raise AssertionError("the engine did not run the steps")
 
-    def abort(self, request_id: str) -> None:
-        self.aborted.append(request_id)
 
-    def step(self, outputs: dict[int, dict]) -> None:
-        """One engine step: every output delivered in one loop callback, as InprocClient does."""
-        for index, fields in outputs.items():
-            key = self.keys[index]
-            self.streams[key].put(RequestOutput(request_id=key, **fields))
+def wait_idle(client: Any) -> None:
+    """Wait (bounded) until the engine has nothing running or waiting."""
+    for _ in range(10_000):
+        stats = client.stats()
+        if stats.num_running == stats.num_waiting == 0:
+            return
+        time.sleep(0.001)
+    raise AssertionError("the engine did not become idle")
 
 
 @pytest.fixture
 def fake() -> Any:
-    client = FakeClient()
-    deps = SimpleNamespace(config=config.load({}, env={}), client=client, metrics=None, api_keys=set(),
-                           extras={adapter.DEFAULTS_EXTRA: config.SamplingDefaults()})
-    with TestClient(Starlette(routes=adapter.routes(deps))) as http:
+    with fake_app(max_queue=3) as (client, http, requests):
         yield client, http
 
 
 def test_fake_engine_grouping_refusal_failure_and_disconnect(fake: Any) -> None:
     client, http = fake
-    client.refuse["busy"] = QueueFull()
+    core = client.engine.core
     with http.websocket_connect("/ws") as ws:
-        ws.send_json({"prompts": [{"request_id": "a", "prompt": "x"}, {"request_id": "q", "prompt": "busy"},
-                                  {"request_id": "b", "prompt": "y"}, {"request_id": "c", "prompt": "z"}]})
+        # Nothing runs yet, so the fourth prompt finds the queue (of 3) full.
+        ws.send_json({"prompts": [{"request_id": "a", "prompt": "x"}, {"request_id": "b", "prompt": "y"},
+                                  {"request_id": "c", "prompt": "z"}, {"request_id": "q", "prompt": "busy"}],
+                      "generation_config": {"max_new_tokens": 50}})
         assert [e["type"] for e in ws.receive_json()] == ["ACCEPTED"] * 4
         assert ws.receive_json() == [{"type": "ERROR", "request_id": "q", "error": "the server's waiting queue is full; retry later"}]
-        first = {"events": [RequestEvent.SCHEDULED, RequestEvent.PREFILL_DONE], "token_ids": [7], "text": "t"}
-        ws.portal.call(client.step, {2: first, 0: first, 1: first})  # delivery order does not matter
-        assert ws.receive_json() == [{"type": "STARTED", "request_id": r} for r in "abc"]
-        assert ws.receive_json() == [{"type": "INITIALIZED", "request_id": r, "text": ""} for r in "abc"]
-        assert ws.receive_json() == [{"type": "PROGRESS", "request_id": r, "text": "t"} for r in "abc"]
-        ws.portal.call(client.step, {1: {"finished": True, "finish_reason": "error", "error": GenerationError("segfault at 0x0")},
-                                     0: {"token_ids": [8], "text": "u"}})
-        assert ws.receive_json() == [{"type": "PROGRESS", "request_id": "a", "text": "u"}]
-        assert ws.receive_json() == [{"type": "ERROR", "request_id": "b", "error": "generation failed"}]
+        frames: list[list[dict]] = []
+        while not all(any(e["type"] == "PROGRESS" and e["request_id"] == r for f in frames for e in f) for r in "abc"):
+            ws.portal.call(run_steps, client, 1)
+            frames.append(ws.receive_json())
+        events = [e for frame in frames for e in frame]
+        for r in "abc":
+            assert [e["type"] for e in events if e["request_id"] == r][:3] == ["STARTED", "INITIALIZED", "PROGRESS"]
+        # b and c were submitted while the first step ran: one step started both, one frame says so.
+        assert any({e["request_id"] for e in frame if e["type"] == "STARTED"} >= {"b", "c"} for frame in frames)
+        with fail_requests(core, lambda request: request.prompt_ids == client.engine.tokenizer.encode("y")):
+            ws.portal.call(run_steps, client, 1)
+        frames = [ws.receive_json()]
+        while not any(e["type"] == "ERROR" for e in frames[-1]):
+            frames.append(ws.receive_json())  # frames of earlier steps first
+        assert {"type": "ERROR", "request_id": "b", "error": "generation failed"} in frames[-1]
+        ws.portal.call(run_steps, client, 1)
+        after = ws.receive_json()
+        while {e["request_id"] for e in after} != {"a", "c"}:
+            after = ws.receive_json()  # the others go on
+        assert [e["type"] for e in after] == ["PROGRESS", "PROGRESS"]
     # Leaving the block closed the socket: both prompts still open were aborted.
-    assert set(client.aborted) == {client.keys[0], client.keys[2]}
+    client.engine.runner.gate.set()
+    wait_idle(client)
+    assert client.stats().requests_finished_total == {"cancelled": 2, "error": 1}
+    assert core.kv.num_live_rows == 0
 
 
 def test_fake_engine_slow_reader_gets_merged_progress(fake: Any) -> None:
     client, http = fake
     with http.websocket_connect("/api/ws") as ws:
-        ws.send_json({"prompts": [{"request_id": "a", "prompt": "x"}], "stream_response": True})
+        ws.send_json({"prompts": [{"request_id": "a", "prompt": "x"}], "stream_response": True,
+                      "generation_config": {"max_new_tokens": 3}})
         ws.receive_json()  # ACCEPTED
-
-        def two_steps() -> None:  # both land before the adapter's tasks run: one merged delta
-            client.step({0: {"events": [RequestEvent.SCHEDULED], "token_ids": [1], "text": "he"}})
-            client.step({0: {"token_ids": [2], "text": "llo", "finished": True, "finish_reason": "length"}})
-
-        ws.portal.call(two_steps)
-        kinds = [ws.receive_json()[0] for _ in range(4)]
-    assert [e["type"] for e in kinds] == ["STARTED", "INITIALIZED", "PROGRESS", "COMPLETE"]
-    assert kinds[2]["text"] == "hello" and kinds[3]["text"] == "hello" and kinds[3]["new_tokens_count"] == 2
+        ws.portal.call(run_steps, client, 2)  # both land before the adapter's tasks run: one merged delta
+        kinds = [ws.receive_json()[0] for _ in range(3)]
+        client.engine.runner.gate.set()
+        while kinds[-1]["type"] != "COMPLETE":
+            kinds += ws.receive_json()
+    assert [e["type"] for e in kinds[:3]] == ["STARTED", "INITIALIZED", "PROGRESS"] and kinds[-1]["type"] == "COMPLETE"
+    assert len(kinds[2]["text"]) == 2  # two tokens, one character each, in one PROGRESS
+    assert kinds[-1]["text"].startswith(kinds[2]["text"]) and len(kinds[-1]["text"]) == 3
+    assert kinds[-1]["new_tokens_count"] == 3
 
 
 def test_hostile_frames_get_a_socket_error_and_the_socket_stays_usable(fake: Any, monkeypatch: Any) -> None:
@@ -378,30 +413,35 @@ def test_hostile_frames_get_a_socket_error_and_the_socket_stays_usable(fake: Any
         assert [e["type"] for e in ws.receive_json()] == ["ACCEPTED"]
 
 
-def test_continuations_are_scoped_by_key_whichever_way_it_is_sent() -> None:
+async def test_continuations_are_scoped_by_key_whichever_way_it_is_sent() -> None:
     """Two keys sent as WebSocket subprotocols (browsers' way) never share continuations."""
     from rill import auth
     from rill.middleware import Guard
     from rill.protocols.openai_http.adapter import http_error
 
-    client = FakeClient()
-    deps = SimpleNamespace(config=config.load({}, env={}), client=client, metrics=None, api_keys={"alice", "mallory"},
-                           extras={adapter.DEFAULTS_EXTRA: config.SamplingDefaults()})
-    app = Guard(Starlette(routes=adapter.routes(deps)), http_error, api_keys={"alice", "mallory"}, max_body_bytes=1 << 20)
-    with TestClient(app) as http:
-        def run(key: str, prompt: str) -> None:
-            with http.websocket_connect("/ws", subprotocols=["rill", auth.key_subprotocol(key)]) as ws:
-                ws.send_json({"prompts": [{"request_id": "a", "prompt": prompt}]})
-                ws.receive_json()  # ACCEPTED
-                ws.portal.call(client.step, {len(client.keys) - 1: {
-                    "token_ids": [7], "text": "t", "finished": True, "finish_reason": "length"}})
-                while not any(e["type"] == "COMPLETE" for e in ws.receive_json()):
-                    pass
+    async with fake_client(EngineConfig(model="fake")) as client:
+        requests = record_requests(client)
+        deps = SimpleNamespace(config=config.load({}, env={}), client=client, metrics=None,
+                               api_keys={"alice", "mallory"}, extras={adapter.DEFAULTS_EXTRA: config.SamplingDefaults()})
+        app = Guard(Starlette(routes=adapter.routes(deps)), http_error, api_keys={"alice", "mallory"},
+                    max_body_bytes=1 << 20)
+        async with serving(app) as port:
+            async def run(key: str, prompt: str) -> None:
+                async with connect(f"ws://127.0.0.1:{port}/ws", subprotocols=["rill", auth.key_subprotocol(key)]) as ws:
+                    await ws.send(json.dumps({"prompts": [{"request_id": "a", "prompt": prompt}],
+                                              "generation_config": {"max_new_tokens": 1}}))
+                    await recv_array(ws)  # ACCEPTED
+                    for _ in range(10):
+                        frame = await recv_array(ws)
+                        assert not any(e["type"] == "ERROR" for e in frame), frame
+                        if any(e["type"] == "COMPLETE" for e in frame):
+                            return
+                    raise AssertionError("no COMPLETE")
 
-        run("alice", "secret")
-        run("mallory", "x")
-        run("alice", "more")
-    requests = client.requests
-    assert requests[1].prompt == "x" and requests[1].prompt_token_ids is None  # mallory starts afresh
+            # Long enough prompts that a continuation reuses the kept KV (prefix reuse needs 8 tokens).
+            await run("alice", "a secret recipe")
+            await run("mallory", "x marks the spot")
+            await run("alice", " and more")
+    assert requests[1].prompt == "x marks the spot" and requests[1].prompt_token_ids is None  # mallory starts afresh
     assert requests[2].prompt_token_ids is not None  # alice continues her own generation
     assert requests[0].principal == requests[2].principal != requests[1].principal
