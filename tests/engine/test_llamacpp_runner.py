@@ -77,6 +77,13 @@ def engine(gguf: Path) -> Any:
     built.runner.close()
 
 
+@needs_llama_cpp
+def test_the_engine_describes_the_quantized_model(engine: Any) -> None:
+    info = engine.model_info
+    assert (info.architecture, info.quantization, info.dtype, info.vocab_size) == ("LlamaForCausalLM", "Q4_1", "float32", 49152)
+    assert info.has_chat_template and engine.runner.vocab_size == 49152
+
+
 def _greedy(engine: Any, prompts: list[list[int]], **params: Any) -> dict[str, Result]:
     requests = [make_request(engine, f"r{i}", ids, temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, **params)
                 for i, ids in enumerate(prompts)]
@@ -238,6 +245,39 @@ def test_all_logits_chunks_give_every_position(engine: Any) -> None:
         torch.testing.assert_close(rows[n - 1], alone[0], atol=2e-3, rtol=0)
         assert int(rows[n - 1].argmax()) == int(alone[0].argmax())
     assert np.isfinite(rows.numpy()).all()
+
+
+@needs_llama_cpp
+def test_copy_row_copies_a_prefix_and_leaves_the_source_alone(gguf: Path) -> None:
+    from rill.engine.llamacpp_runner import LlamaCppRunner
+
+    runner = LlamaCppRunner(gguf, num_rows=4, max_len=64, num_threads=THREADS)
+    try:
+        prompt = list(range(1000, 1020))
+        full = runner.forward([RowWork(row=0, token_ids=prompt, start=0)])[0]
+        runner.copy_row(0, 3, 12)
+        assert (runner.row_length(0), runner.row_length(3)) == (20, 12)
+        resumed = runner.forward([RowWork(row=3, token_ids=prompt[12:], start=12)])[0]
+        torch.testing.assert_close(resumed, full, atol=2e-2, rtol=0)
+        # A fork that diverges writes over its copy only: the source continues as before.
+        runner.forward([RowWork(row=3, token_ids=[7, 8, 9], start=12)])
+        again = runner.forward([RowWork(row=0, token_ids=prompt[19:], start=19)])[0]
+        torch.testing.assert_close(again, full, atol=2e-2, rtol=0)
+        runner.copy_row(3, 3, 5)  # in place: keep 5 positions
+        assert runner.row_length(3) == 5
+        with pytest.raises(ValueError, match="row 3 holds 5 tokens; cannot copy 6"):
+            runner.copy_row(3, 1, 6)
+        with pytest.raises(ValueError, match="would leave a gap"):
+            runner.forward([RowWork(row=3, token_ids=[1], start=6)])
+    finally:
+        runner.close()
+
+
+@needs_llama_cpp
+def test_beam_search_runs_on_llama_cpp(engine: Any) -> None:
+    ids = _encode(engine, PROMPTS[0])
+    beams = run(engine, [make_request(engine, "b", ids, num_beams=3, max_tokens=8, temperature=0.0)])["b"]
+    assert beams.error is None and beams.finish_reason in ("length", "stop") and beams.token_ids, beams
 
 
 @needs_llama_cpp

@@ -69,6 +69,7 @@ def assemble_engine(
     architecture: str,
     dtype: str = "float32",
     device: str = "cpu",
+    quantization: str | None = None,
     eos_token_ids: Iterable[int] = (),
     generation_defaults: Mapping[str, Any] | None = None,
     clock: Callable[[], float] | None = None,
@@ -84,6 +85,7 @@ def assemble_engine(
         architecture: the model's architecture name (shown to clients).
         dtype: the model's dtype name (shown to clients).
         device: the model's device (shown to clients).
+        quantization: the weights' quantization type, when they run quantized (shown to clients).
         eos_token_ids: end-of-sequence ids from the model config.
         generation_defaults: sampling defaults the model ships.
         clock: the core's clock (deadlines); ``time.monotonic`` when None.
@@ -103,6 +105,7 @@ def assemble_engine(
         vocab_size=runner.vocab_size,
         dtype=dtype,
         device=device,
+        quantization=quantization,
         has_chat_template=tokenizer.has_chat_template,
         tool_call_format=_tool_call_format(tokenizer),
     )
@@ -205,7 +208,7 @@ def _build_llamacpp_engine(config: EngineConfig, progress: Progress | None) -> E
     quant = kinds.most_common(1)[0][0] if kinds else "F32"
     engine = assemble_engine(
         config, runner, tokenizer,
-        name=file.stem, architecture=mc.architecture, dtype=f"gguf {quant} (llama.cpp)", device="cpu",
+        name=file.stem, architecture=mc.architecture, dtype="float32", device="cpu", quantization=quant,
         eos_token_ids=mc.eos_token_ids, generation_defaults=mc.generation_defaults,
     )
     report(100.0, "ready")
