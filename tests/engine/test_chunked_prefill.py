@@ -100,3 +100,40 @@ def test_chunk_cap_follows_measured_costs(long_engine: Engine) -> None:
     for _ in range(50):
         core._update_costs(SchedulerOutput(num_decode_tokens=4, num_prefill_tokens=4000), 0.001)
     assert core.scheduler.prefill_chunk_tokens == core.config.max_num_batched_tokens
+
+
+def test_a_burst_that_outnumbers_the_running_streams_is_prefilled_whole(long_engine: Engine) -> None:
+    """Five prompts arriving beside one decoding stream are not held to the small chunk cap:
+    they all start in the next step (the cap would keep the batch at one stream for many steps);
+    one prompt beside two decoding streams still is."""
+    core = long_engine.core
+    tok = long_engine.tokenizer
+    core.apply(AddCommand(_request(long_engine, "run0", tok.encode("A running stream about a fox"), 50)))
+    core.step()
+    core.step()  # run0 decodes now
+    rng = random.Random(11)
+    special = set(tok.special_token_ids)
+    vocab = long_engine.model_info.vocab_size
+    # Distinct random prompts: no shared prefix for the prefix cache to wait on.
+    prompts = {f"burst{i}": [t for t in (rng.randrange(vocab) for _ in range(80)) if t not in special][:60] for i in range(5)}
+    for rid, ids in prompts.items():
+        core.apply(AddCommand(_request(long_engine, rid, ids, 2)))
+    core.scheduler.prefill_chunk_tokens = 16
+    outs = {o.request_id: o for o in core.step()}
+    assert len(outs["run0"].token_ids) == 1
+    assert all(len(outs[rid].token_ids) == 1 for rid in prompts), {rid: core.requests[rid].num_computed for rid in prompts}
+    while any(rid in core.requests for rid in prompts):
+        core.step()
+    core.apply(AddCommand(_request(long_engine, "run1", tok.encode("A second running stream"), 50)))
+    core.step()
+    core.step()  # run0 and run1 decode
+    late = [t for t in (rng.randrange(vocab) for _ in range(80)) if t not in special][:60]
+    core.apply(AddCommand(_request(long_engine, "late", late, 2)))
+    core.scheduler.prefill_chunk_tokens = 16
+    core.step()
+    assert core.requests["late"].num_computed <= 16
+    core.apply(AbortCommand("run0"))
+    core.apply(AbortCommand("run1"))
+    core.apply(AbortCommand("late"))
+    while core.has_work():
+        core.step()

@@ -6,6 +6,11 @@ each) are scheduled first, so running streams keep producing tokens; prefill chu
 what is left. While decodes run, a prefill chunk is capped by ``prefill_chunk_tokens``, which
 the core sets from measured costs so that a step with a chunk takes at most about twice a
 plain decode step (inter-token latency at most doubles while a long prompt is prefilled).
+That protection is for a few new prompts beside many streams: when the requests still
+waiting for their first token outnumber the streams decoding (a burst of arrivals, a
+batch filling up), holding them to small chunks would keep the batch small for many steps
+and starve the queue, so the step takes the whole token budget instead, as when nothing
+decodes.
 
 Admission takes waiting requests by ``(priority, arrival)``. A new request needs a KV row:
 a free or cached one (LRU eviction), else a paused request's row (its KV is dropped and
@@ -141,7 +146,10 @@ class Scheduler:
                 budget -= 1
             else:
                 prefilling.append(request)
-        chunk_cap = self.prefill_chunk_tokens if out.num_decode_tokens else self.max_num_batched_tokens
+        free_slots = self.max_num_seqs - len(self.running)
+        num_starting = len(prefilling) + (min(free_slots, self.num_waiting) if free_slots > 0 else 0)
+        protect = out.num_decode_tokens and num_starting <= len(out.scheduled)  # scheduled so far: the decoding ones
+        chunk_cap = self.prefill_chunk_tokens if protect else self.max_num_batched_tokens
         prefill_budget = max(0, min(budget, chunk_cap))
         for request in prefilling:
             if prefill_budget <= 0:
