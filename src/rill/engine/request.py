@@ -13,9 +13,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rill.types import RequestEvent, RequestId, SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:  # annotations only: the core makes both
+    from rill.engine.beam import BeamGroup
+    from rill.engine.output import OutputStage
 
 
 class RequestStatus(enum.Enum):
@@ -53,8 +57,8 @@ class Request:
     scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
-    output: Any = None  # its OutputStage (detokenizer, stop strings, undelivered tokens), made by the core
-    beam: Any = None  # its BeamGroup (num_beams > 1) while it holds rows
+    output: OutputStage | None = None  # detokenizer, stop strings, undelivered tokens (made on add)
+    beam: BeamGroup | None = None  # num_beams > 1: its search and rows, while it holds rows
     num_beam_tokens_emitted: int = 0  # agreed beam tokens already streamed (survives a restart)
     # What the next RequestOutput will carry (besides the output stage's tokens).
     pending_events: list[RequestEvent] = field(default_factory=list)
