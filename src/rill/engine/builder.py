@@ -182,9 +182,10 @@ def _build_llamacpp_engine(config: EngineConfig, progress: Progress | None) -> E
         if file is None:
             raise ModelLoadError(f"--runner llamacpp needs a .gguf file; {path} is not one")
     else:
-        from rill.models.default import default_gguf_path
+        from rill.models.default import DEFAULT_MODEL_NAME, default_gguf_path
 
         file = default_gguf_path()
+    name = file.stem if config.model else DEFAULT_MODEL_NAME  # the default model keeps its name on either runner
     threads = default_choice(config.num_threads)
     log.info("llama.cpp threads: %d (%s)", threads.num_threads, threads.reason)
     report(10.0, "reading the GGUF metadata")
@@ -208,7 +209,7 @@ def _build_llamacpp_engine(config: EngineConfig, progress: Progress | None) -> E
     quant = kinds.most_common(1)[0][0] if kinds else "F32"
     engine = assemble_engine(
         config, runner, tokenizer,
-        name=file.stem, architecture=mc.architecture, dtype="float32", device="cpu", quantization=quant,
+        name=name, architecture=mc.architecture, dtype="float32", device="cpu", quantization=quant,
         eos_token_ids=mc.eos_token_ids, generation_defaults=mc.generation_defaults,
     )
     report(100.0, "ready")
