@@ -84,6 +84,20 @@ def test_the_engine_describes_the_quantized_model(engine: Any) -> None:
     assert info.has_chat_template and engine.runner.vocab_size == 49152
 
 
+@needs_llama_cpp
+def test_without_a_model_the_default_gguf_is_served_under_its_name() -> None:
+    from rill.engine.builder import build_engine
+    from rill.models.default import DEFAULT_MODEL_NAME
+
+    config = load({"engine.runner": "llamacpp", "engine.num_threads": THREADS, "engine.max_model_len": 64,
+                   "engine.kv_cache_memory": "16MiB"}, env={}).engine
+    built = build_engine(config)
+    try:
+        assert built.model_info.name == DEFAULT_MODEL_NAME and built.model_info.quantization == "Q4_1"
+    finally:
+        built.runner.close()
+
+
 def _greedy(engine: Any, prompts: list[list[int]], **params: Any) -> dict[str, Result]:
     requests = [make_request(engine, f"r{i}", ids, temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, **params)
                 for i, ids in enumerate(prompts)]
