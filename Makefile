@@ -6,7 +6,7 @@ STAMP := $(VENV)/.rill-installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: serve test setup bench clean
+.PHONY: serve test setup setup-llamacpp bench clean
 
 setup: $(STAMP)
 
@@ -19,6 +19,12 @@ $(STAMP): pyproject.toml requirements-no-deps.txt
 	$(BIN)/python -m pip install --quiet --no-deps -r requirements-no-deps.txt
 	$(BIN)/python -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
+
+# --runner llamacpp: the optional extra, compiled from llama-cpp-python's source distribution
+# (CPU only). Not part of setup: it took 13 minutes on a loaded 2-core machine; without it the
+# llama.cpp runner's tests are skipped with the reason.
+setup-llamacpp: $(STAMP)
+	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(BIN)/python -m pip install --quiet -e '.[llamacpp]'
 
 serve: $(STAMP)
 	$(BIN)/rill serve $(ARGS)
