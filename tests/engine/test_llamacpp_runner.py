@@ -277,6 +277,12 @@ def test_copy_row_copies_a_prefix_and_leaves_the_source_alone(gguf: Path) -> Non
         runner.forward([RowWork(row=3, token_ids=[7, 8, 9], start=12)])
         again = runner.forward([RowWork(row=0, token_ids=prompt[19:], start=19)])[0]
         torch.testing.assert_close(again, full, atol=2e-2, rtol=0)
+        # A step llama.cpp refuses (a token outside the vocabulary) leaves every row as it was.
+        with pytest.raises(RuntimeError, match="llama_decode failed"):
+            runner.forward([RowWork(row=0, token_ids=[5], start=20), RowWork(row=1, token_ids=[10**7], start=0)])
+        assert (runner.row_length(0), runner.row_length(1)) == (20, 0)
+        torch.testing.assert_close(runner.forward([RowWork(row=0, token_ids=prompt[19:], start=19)])[0], full,
+                                   atol=2e-2, rtol=0)
         runner.copy_row(3, 3, 5)  # in place: keep 5 positions
         assert runner.row_length(3) == 5
         with pytest.raises(ValueError, match="row 3 holds 5 tokens; cannot copy 6"):

@@ -196,6 +196,21 @@ class LlamaCppRunner:
             self._lengths[item.row] = item.start
         num_out = sum(item.num_logits for item in work)
         out = np.empty((num_out, self.vocab_size), dtype=np.float32)
+        try:
+            done = self._fill_and_decode(work, out)
+        except Exception:
+            # A failed decode may leave some of the step's tokens in the cache: drop them all,
+            # so each row holds exactly what it held before the step.
+            for item in work:
+                self._ll.llama_memory_seq_rm(self._memory, item.row, item.start, -1)
+                self._lengths[item.row] = item.start
+            raise
+        if done != num_out:
+            raise RuntimeError(f"llama.cpp returned {done} rows of logits, {num_out} expected")
+        return torch.from_numpy(out)
+
+    def _fill_and_decode(self, work: Sequence[RowWork], out: np.ndarray) -> int:
+        """Pack the step into the batch, decoding whenever it is full; return the logits rows written."""
         batch, cap = self._batch, self._batch_tokens
         filled = done = 0
         for item in work:
@@ -219,9 +234,7 @@ class LlamaCppRunner:
             self._lengths[item.row] = start + n
         if filled:
             done = self._decode(filled, out, done)
-        if done != num_out:
-            raise RuntimeError(f"llama.cpp returned {done} rows of logits, {num_out} expected")
-        return torch.from_numpy(out)
+        return done
 
     def copy_row(self, src: int, dst: int, num_tokens: int) -> None:
         """Make row ``dst`` hold positions ``[0, num_tokens)`` of row ``src``."""
