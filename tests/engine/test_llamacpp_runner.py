@@ -365,6 +365,13 @@ def test_rill_serve_with_the_llamacpp_runner_answers_a_chat(gguf: Path, tmp_path
         content = body["choices"][0]["message"]["content"]
         assert "Paris" in content, json.dumps(body)
         assert content == _llama_cpp_greedy_text(gguf, messages, 32)
+        schema = {"type": "object", "properties": {"capital": {"type": "string", "enum": ["Paris", "Lyon", "Nice"]}},
+                  "required": ["capital"], "additionalProperties": False}
+        constrained = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+            "messages": messages, "temperature": 0, "max_tokens": 32,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}})
+        assert constrained.status_code == 200, constrained.text
+        assert json.loads(constrained.json()["choices"][0]["message"]["content"]) == {"capital": "Paris"}
         models = httpx.get(f"{url}/v1/models").json()
         assert models["data"][0]["id"] == gguf.stem
     finally:
