@@ -5,7 +5,7 @@
 it (its engine thread, inbox and streams), which is what protocol tests put behind a
 protocol instead of a hand-written fake. Steer the runner through ``client.engine.runner``
 (``script``, ``gate``, ``delay_s``; see ``rill.testing.fake_runner``); ``record_requests``
-keeps what a protocol submitted.
+and ``record_aborts`` keep what a protocol submitted and aborted.
 """
 
 from __future__ import annotations
@@ -83,3 +83,17 @@ def record_requests(client: Any) -> list[GenerateRequest]:
 
     client.generate = recording
     return requests
+
+
+def record_aborts(client: Any) -> list[str]:
+    """Every request id ``client.abort`` receives from now on (a list filled as aborts come;
+    the client's own ``abort`` still runs)."""
+    aborted: list[str] = []
+    abort = client.abort
+
+    def recording(request_id: str) -> None:
+        aborted.append(request_id)
+        abort(request_id)
+
+    client.abort = recording
+    return aborted
