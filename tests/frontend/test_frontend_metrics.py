@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+import threading
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from rill.config import EngineConfig
 from rill.frontend.metrics import Metrics
-from rill.types import EngineStats
+from rill.testing.fake_client import fake_client
+from rill.testing.fake_runner import StepGate
+from rill.types import EngineStats, GenerateRequest, SamplingParams
 
 
 class _Client:
+    """Stats of the test's choosing: the gauges' arithmetic over exact values, and a client
+    whose ``stats()`` fails (the in-process client over a FakeRunner stands in where the
+    engine's own state is what a test needs)."""
+
     def __init__(self, stats: EngineStats | None) -> None:
         self.value = stats
 
@@ -83,20 +90,39 @@ def test_each_server_has_its_own_registry() -> None:
     assert ("rill_requests_rejected_total", (("code", "x"), ("protocol", "p"))) not in _samples(b)
 
 
-class _LoadedClient(_Client):
-    def __init__(self) -> None:
-        super().__init__(EngineStats(kv_capacity_bytes=100, kv_used_bytes=25))
-        self.model_info = SimpleNamespace(name="served-name")
+async def test_vllm_named_request_histograms_and_the_model_label() -> None:
+    # The in-process client over a FakeRunner: the label follows its model's load, the gauges
+    # its engine's state (a request held after its prefill holds KV).
+    loading = threading.Event()
+    async with fake_client(EngineConfig(model="fake", served_model_name="served-name"), loading=loading) as client:
+        metrics = Metrics(client, model_name="before-load")
+        assert metrics.model_name() == "before-load"
+        loading.set()
+        await client.wait_ready()
+        gate = client.engine.runner.gate = StepGate()
+        stream = await client.generate(GenerateRequest(prompt="x", sampling=SamplingParams(max_tokens=100)))
+        gate.allow()  # the prefill
+        await anext(aiter(stream))
+        _observe_two_requests(metrics)
+        stats = client.stats()
+        s = _samples(metrics)
+        await stream.aclose()
+    _check_two_requests(s)
+    assert stats.kv_used_bytes > 0 and s[("rill_kv_cache_usage_perc", ())] == stats.kv_used_bytes / stats.kv_capacity_bytes
+    assert s[("rill_num_requests_running", ())] == 1
+    assert metrics.model_name() == "served-name"  # _samples checked every sample carries it
 
 
-def test_vllm_named_request_histograms_and_the_model_label() -> None:
-    client = _LoadedClient()
-    metrics = Metrics(client, model_name="before-load")
+def _observe_two_requests(metrics: Metrics) -> None:
+    """Two requests' figures: one of 30 prompt and 7 generated tokens, one with no token."""
     metrics.observe_request(protocol="p", finish_reason="length", queue_s=0.5, ttft_s=1.0, inter_token_s=[0.1] * 6,
                             e2e_s=2.0, num_prompt_tokens=30, num_generated_tokens=7, prefill_s=0.5, decode_s=0.9)
     metrics.observe_request(protocol="q", finish_reason="stop", queue_s=0.1, ttft_s=None, inter_token_s=[],
                             e2e_s=0.2, num_prompt_tokens=3, num_generated_tokens=0)
-    s = _samples(metrics)
+
+
+def _check_two_requests(s: dict[tuple[str, tuple], float]) -> None:
+    """The vLLM-named histograms and counters of ``_observe_two_requests``' figures."""
     p = (("protocol", "p"),)
     assert s[("rill_request_prompt_tokens_sum", p)] == 30 and s[("rill_request_prompt_tokens_count", p)] == 1
     assert s[("rill_request_prompt_tokens_bucket", (("le", "20.0"), *p))] == 0
@@ -112,8 +138,6 @@ def test_vllm_named_request_histograms_and_the_model_label() -> None:
     assert ("rill_request_prefill_time_seconds_count", q) not in s  # no first token: no prefill time
     assert s[("rill_request_success_total", (("finished_reason", "length"),))] == 1
     assert s[("rill_request_success_total", (("finished_reason", "stop"),))] == 1
-    assert s[("rill_kv_cache_usage_perc", ())] == 0.25
-    assert metrics.model_name() == "served-name"  # _samples checked every sample carries it
 
 
 def test_the_configured_name_labels_refusals_before_the_model_loads() -> None:

@@ -4,6 +4,7 @@ reflection, checked with grpcio's own clients (as grpcurl and Kubernetes' gRPC p
 from __future__ import annotations
 
 import asyncio
+import threading
 from types import SimpleNamespace
 
 import grpc
@@ -11,7 +12,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from rill.frontend.inproc import InprocClient
 from rill.protocols.evergreen import adapter
+from rill.testing.fake_client import fake_client
 from tests.conftest import free_port
 from tests.protocols.evergreen.test_e2e import grpc_address, live  # noqa: F401  (the module's server fixture)
 from tests.protocols.evergreen.test_e2e import files  # noqa: F401
@@ -32,24 +35,14 @@ async def _reflect(address: str, request: reflection_pb2.ServerReflectionRequest
     return reply
 
 
-class _LoadingClient:
-    """An engine client whose model becomes ready when the test says so."""
-
-    load_error: BaseException | None = None  # EngineClient: set when the model failed to load
-
-    def __init__(self) -> None:
-        self.loaded = asyncio.Event()
-        self.fail = False
-
-    async def wait_ready(self) -> None:
-        await self.loaded.wait()
-        if self.fail:
-            raise RuntimeError("the model failed to load")
-
-
 @pytest.mark.parametrize("fails", [False, True])
 async def test_health_is_not_serving_until_the_model_is_ready(fails: bool) -> None:
-    client = _LoadingClient()
+    loading = threading.Event()
+    async with fake_client(loading=loading, load_error=RuntimeError("bad weights") if fails else None) as client:
+        await _health_follows_the_load(client, loading, fails)
+
+
+async def _health_follows_the_load(client: InprocClient, loading: threading.Event, fails: bool) -> None:
     server = grpc.aio.server()
     health = adapter._add_standard_services(server)
     await adapter._set_health(health, serving=False)  # as adapter.start does before the port opens
@@ -60,8 +53,7 @@ async def test_health_is_not_serving_until_the_model_is_ready(fails: bool) -> No
     try:
         assert await _check(address, "") == health_pb2.HealthCheckResponse.NOT_SERVING
         assert await _check(address, "evergreen.v2.EvergreenService") == health_pb2.HealthCheckResponse.NOT_SERVING
-        client.fail = fails
-        client.loaded.set()
+        loading.set()
         await watch
         expected = health_pb2.HealthCheckResponse.NOT_SERVING if fails else health_pb2.HealthCheckResponse.SERVING
         assert await _check(address, "") == expected
