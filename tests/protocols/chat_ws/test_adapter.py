@@ -157,6 +157,30 @@ async def test_not_ready_while_loading() -> None:
     assert close_code == 1013 and chat.requests == []
 
 
+class EngineCrash(BaseException):
+    """Not an ``Exception``: the engine loop itself dies of it (as of a bug outside a step's guard)."""
+
+
+async def test_a_dead_engine_or_failed_load_is_an_internal_error_not_loading() -> None:
+    # Both were "Service not ready: the model is still loading" (try again later, forever).
+    def crash(tokens: Any) -> None:
+        raise EngineCrash("secret /etc/passwd")
+
+    dead = [{"type": "error", "error": "Engine stopped; the server must be restarted"}]
+    async with serve_chat() as chat:
+        chat.client.engine.runner.script = crash
+        first, _ = await converse(chat, BODY)  # the request the engine died in
+        messages, close_code = await converse(chat, BODY)
+    assert first[-1]["type"] == "error" and messages == dead and close_code == 1011
+    assert all("secret" not in json.dumps(m) for m in first + messages)
+    loading = threading.Event()
+    loading.set()
+    async with serve_chat({"loading": loading, "load_error": RuntimeError("no weights in /secret")}) as chat:
+        with contextlib.suppress(Exception):
+            await chat.client.wait_ready()
+        assert await converse(chat, BODY) == (dead, 1011)
+
+
 async def test_queue_full() -> None:
     async with serve_chat({"config": EngineConfig(model="fake", max_queue=1)}) as chat:
         held = chat.client.engine.runner.gate = threading.Event()  # nothing leaves the engine's queue

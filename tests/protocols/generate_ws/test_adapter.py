@@ -399,6 +399,29 @@ async def test_model_loading_error(make_server: Any) -> None:
         assert err["error"] == "model_loading_error" and err["recoverable"] is False and "secret" not in err["message"]
 
 
+class EngineCrash(BaseException):
+    """Not an ``Exception``: the engine loop itself dies of it (as of a bug outside a step's guard)."""
+
+
+async def test_a_dead_engine_is_an_error_not_a_model_still_loading(make_server: Any) -> None:
+    # Was a loop of "model_loading" statuses, sent as fast as the socket took them: a dead
+    # engine is not ready, has no load error, and wait_ready() returns at once.
+    live = await make_server()
+
+    def crash(tokens: Any) -> None:
+        raise EngineCrash()
+
+    live.engine.runner.script = crash
+    for _ in range(2):  # the request the engine died in, then a new one
+        async with connect(live.ws) as ws:
+            await send(ws, type="config", prompt="p", parameters={"max_tokens": 3})
+            msgs: list[dict] = []
+            while not msgs or msgs[-1]["type"] != "error":
+                msgs.append(await recv(ws))
+                assert msgs[-1].get("operation") != "model_loading"
+        assert msgs[-1]["error"] == "internal_error" and msgs[-1]["recoverable"] is False
+
+
 async def test_feedback_is_stored_before_the_ack(make_server: Any, tmp_path: Any) -> None:
     live = await make_server()
     async with connect(live.ws) as ws:

@@ -32,7 +32,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 from rill import auth
 from rill.config import parse_size
 from rill.deps import Deps
-from rill.errors import InvalidRequest, ModelNotReady
+from rill.errors import EngineDead, InvalidRequest, ModelNotReady
 from rill.frontend.client import EngineClient
 from rill.frontend.speech import SAMPLE_RATE_HZ, SpeechService, SpeechStream
 from rill.frontend.stream import RequestStream
@@ -245,6 +245,11 @@ class _Chat:
         request = codec.decode_request(self.request_text)
         client = self.service.client
         if not client.is_ready() or client.model_info is None:
+            # Not ready is not always "loading": a failed load or a dead engine never will be.
+            if client.load_error is not None:
+                raise EngineDead("the model failed to load")
+            if client.model_info is not None:
+                raise EngineDead("the engine has stopped")
             raise ModelNotReady("the model is still loading")
         if request.tts.enabled:
             self.service.speech.synth.check(language=request.tts.language, mode=request.tts.mode,

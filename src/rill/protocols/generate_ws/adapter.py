@@ -349,6 +349,8 @@ class _Connection:
         while not client.is_ready():
             if client.load_error is not None:
                 raise ModelLoadError("the model failed to load")
+            if client.model_info is not None:  # it had loaded: the engine has stopped, for good
+                raise EngineDead("the engine has stopped")
             progress, eta_s = client.load_progress()
             await self.perform(self.session.loading_status(progress, eta_s))
             try:
