@@ -20,7 +20,7 @@ import logging
 import signal
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Awaitable, Callable
+from typing import TYPE_CHECKING, Awaitable, Callable
 
 from starlette.applications import Starlette
 from starlette.routing import BaseRoute
@@ -36,6 +36,9 @@ from rill.frontend.metrics import Metrics
 from rill.frontend.ratelimit import RateLimits
 from rill.playground import routes as playground
 from rill.protocols.openai_http import adapter as openai_http
+
+if TYPE_CHECKING:
+    import uvicorn
 
 log = logging.getLogger("rill.server")
 
@@ -73,6 +76,148 @@ def protocols() -> tuple[Protocol, ...]:
         Protocol("evergreen", routes=evergreen.routes, start=evergreen.start),
         Protocol("framed_uds", start=framed_uds.start),
     )
+
+
+def build_app(deps: Deps) -> ASGIApp:
+    """The app with /health, /metrics, every protocol's routes and the playground, wrapped in
+    the HTTP middleware (keys, CORS, limits; errors in the OpenAI API's shape)."""
+    routes: list[BaseRoute] = list(observability.routes(deps))
+    for protocol in protocols():
+        if protocol.routes is not None:
+            routes.extend(protocol.routes(deps))
+    routes.extend(playground.routes(deps))
+    app: Starlette = Starlette(routes=routes)
+    app.state.deps = deps
+    return middleware.wrap(app, deps, render_error=openai_http.http_error)
+
+
+def make_deps(config: ServerConfig, client: EngineClient) -> Deps:
+    """Deps with the metrics registry (when the metrics module exists) and the API keys."""
+    limits = config.connections
+    gate = ConnectionGate(limits.max_connections, limits.max_connections_per_client)
+    # Until the model has loaded, label refusals with the name it will be served under.
+    metrics = Metrics(client, gate, model_name=config.engine.served_model_name or Path(config.engine.model or "").stem)
+    if hasattr(client, "set_metrics_sink"):
+        client.set_metrics_sink(metrics)
+    if hasattr(client, "set_max_tokens_cap"):
+        client.set_max_tokens_cap(config.http.max_tokens_cap)
+    if hasattr(client, "set_rate_limits"):
+        http = config.http
+        client.set_rate_limits(RateLimits(requests=http.rate_limit_requests, window_s=http.rate_limit_window,
+                                          tokens_per_s=http.rate_limit_tokens_per_s, burst=http.rate_limit_burst))
+    return Deps(config=config, client=client, metrics=metrics, api_keys=config.api_keys(), gate=gate)
+
+
+async def serve(
+    config: ServerConfig,
+    client: EngineClient | None = None,
+    ready: asyncio.Event | None = None,
+    stop: asyncio.Event | None = None,
+) -> None:
+    """Run every front-end until SIGINT/SIGTERM (or ``stop`` is set); the model loads in the
+    background. ``ready`` is set once the HTTP port listens (tests use both events)."""
+    from rill.frontend.inproc import InprocClient
+
+    config.api_keys()  # a key file with no key fails here, before the model starts loading
+    fd_limit = raise_fd_limit(config.connections.max_connections)
+    if client is None:
+        client = InprocClient.start(config.engine)
+    deps = make_deps(config, client)
+    assert deps.gate is not None
+    if 0 < fd_limit - FD_RESERVE < deps.gate.max_total:
+        # Past the open-file limit every listener would stop accepting: refuse before it.
+        deps.gate.max_total = max(1, fd_limit - FD_RESERVE)
+    app = build_app(deps)
+    stoppers = await _start_listeners(deps, client)
+    server = _http_server(config, app, deps.gate)
+    log.info("rill listening on http://%s:%d", config.http.host, config.http.port)
+    load_failure: list[BaseException] = []
+    watchers = [asyncio.create_task(_watch_load(client, server, load_failure))]
+    if stop is not None:
+        watchers.append(asyncio.create_task(_watch_stop(stop, server)))
+    try:
+        await _serve_http(server, ready)
+    finally:
+        for watcher in watchers:
+            watcher.cancel()
+        await _stop_all(stoppers, client)
+    if load_failure:
+        error = load_failure[0]
+        raise error if isinstance(error, RillError) else EngineDead(f"the model failed to load: {error}")
+
+
+async def _start_listeners(deps: Deps, client: EngineClient) -> list[Stopper]:
+    """Start every protocol's own listener and return what stops each.
+
+    A listener that cannot start (socket held by a live server, port in use) ends the process
+    at once, without leaving the engine thread or other listeners behind.
+    """
+    stoppers: list[Stopper] = []
+    try:
+        for protocol in protocols():
+            if protocol.start is not None and (stopper := await protocol.start(deps)) is not None:
+                stoppers.append(stopper)
+    except BaseException:
+        await _stop_all(stoppers, client)
+        raise
+    return stoppers
+
+
+async def _stop_all(stoppers: list[Stopper], client: EngineClient) -> None:
+    """Stop the protocols' own listeners (a failing one does not keep the others up), then the engine."""
+    for stopper in stoppers:
+        with contextlib.suppress(Exception):
+            await stopper()
+    await client.shutdown()
+
+
+def _http_server(config: ServerConfig, app: ASGIApp, gate: ConnectionGate) -> uvicorn.Server:
+    """The uvicorn server of the shared HTTP port: connections counted by ``gate``, API keys in
+    query strings redacted from its logs, and SIGINT/SIGTERM asking it to exit (handled on the
+    loop, not by uvicorn, so that ``serve`` can stop the other listeners and the engine)."""
+    import uvicorn
+
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=config.http.host, port=config.http.port, log_level=config.http.log_level,
+                       ws_max_size=config.http.max_body_bytes, timeout_graceful_shutdown=2, lifespan="off",
+                       http=http_protocol_factory(gate, config.connections.header_timeout_s))  # type: ignore[arg-type]
+    )
+    for logger_name in ("uvicorn.error", "uvicorn.access"):  # after uvicorn.Config set its logging up
+        logging.getLogger(logger_name).addFilter(auth.QUERY_KEY_REDACTOR)
+    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
+    return server
+
+
+async def _serve_http(server: uvicorn.Server, ready: asyncio.Event | None) -> None:
+    """Serve until the server exits, setting ``ready`` once it listens."""
+    serve_task = asyncio.create_task(server.serve())
+    if ready is not None:
+        while not server.started and not serve_task.done():
+            await asyncio.sleep(0.01)
+        ready.set()
+    await serve_task
+
+
+async def _watch_stop(stop: asyncio.Event, server: uvicorn.Server) -> None:
+    """Ask the server to exit once ``stop`` is set."""
+    await stop.wait()
+    server.should_exit = True
+
+
+async def _watch_load(client: EngineClient, server: uvicorn.Server, load_failure: list[BaseException]) -> None:
+    """A server whose model cannot load has nothing to serve: say why, record it in
+    ``load_failure`` and ask the server to exit."""
+    try:
+        await client.wait_ready()
+    except EngineDead as exc:
+        error = client.load_error or exc
+        log.error("the model failed to load: %s", error)
+        load_failure.append(error)
+        server.should_exit = True
 
 
 def build_app(deps: Deps) -> ASGIApp:
