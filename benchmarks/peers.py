@@ -166,6 +166,11 @@ def ensure_vllm(folder: Path = VLLM_DIR) -> Path:
 def vllm_preload(python: Path) -> list[str]:
     """tcmalloc and Intel's OpenMP runtime, to preload (vLLM's CPU performance advice)."""
     libs = [lib for lib in TCMALLOC_CANDIDATES if Path(lib).exists()][:1]
+    if not libs and shutil.which("apt-get") and os.geteuid() == 0:
+        # A fresh Debian/Ubuntu machine: tcmalloc is one small system package.
+        log = VLLM_DIR / "install.log"
+        _stage(["apt-get", "install", "-y", "libtcmalloc-minimal4"], log, "installing tcmalloc (libtcmalloc-minimal4)")
+        libs = [lib for lib in TCMALLOC_CANDIDATES if Path(lib).exists()][:1]
     if not libs:
         raise PeerUnavailable("tcmalloc is not installed (Debian/Ubuntu: apt-get install libtcmalloc-minimal4)")
     iomp = sorted(python.parent.parent.glob("lib/libiomp5.so")) or sorted(python.parent.parent.rglob("libiomp5.so"))
