@@ -74,6 +74,70 @@ def _kind_of(exc: Exception) -> str:
     return name
 
 
+class _LoadRun:
+    """One load run in progress: the requests in flight, the records collected and the
+    concurrency slots they hold."""
+
+    def __init__(self, driver: Driver, requests: list[BenchRequest], concurrency: int | None,
+                 request_timeout_s: float, bar: _Progress,
+                 on_record: Callable[[RequestRecord], None] | None) -> None:
+        self.driver = driver
+        self.requests = requests
+        self.request_timeout_s = request_timeout_s
+        self.bar = bar
+        self.on_record = on_record
+        self.records: list[RequestRecord] = []
+        self.slots = asyncio.Semaphore(concurrency) if concurrency else None
+        self.tasks: set[asyncio.Task] = set()
+        self.run_start = time.perf_counter()
+
+    async def release_all(self, rate_per_s: float | None, seed: int) -> None:
+        """Release every request (at Poisson arrival times when a rate is given, each once a
+        slot is free) and wait until all have finished."""
+        offsets = poisson_offsets(len(self.requests), rate_per_s, seed) if rate_per_s else None
+        for i, request in enumerate(self.requests):
+            timer = None
+            if offsets is not None:
+                delay = self.run_start + offsets[i] - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)  # the arrival process itself, not a race workaround
+                timer = Timer(request.index, self.driver.name, self.run_start)  # queueing for a slot counts
+            if self.slots is not None:
+                await self.slots.acquire()
+            task = asyncio.create_task(_one(self.driver, request, self.run_start, self.request_timeout_s, timer))
+            self.tasks.add(task)
+            task.add_done_callback(self._finished)
+        while self.tasks:
+            await asyncio.wait(set(self.tasks))
+
+    def _finished(self, task: asyncio.Task) -> None:
+        """Free the request's slot and collect its record (a cancelled one has none)."""
+        self.tasks.discard(task)
+        if self.slots is not None:
+            self.slots.release()
+        if not task.cancelled():
+            record = task.result()
+            self.records.append(record)
+            self.bar.update(record)
+            if self.on_record is not None:
+                self.on_record(record)
+
+    async def stop_at_deadline(self, max_duration_s: float) -> None:
+        """Cancel the requests still in flight; every request without a record gets a
+        ``run_deadline`` one."""
+        now = time.perf_counter()
+        for task in list(self.tasks):
+            task.cancel()
+        if self.tasks:
+            await asyncio.wait(set(self.tasks))
+        done = {r.index for r in self.records}
+        for request in self.requests:
+            if request.index not in done:
+                self.records.append(RequestRecord(
+                    index=request.index, protocol=self.driver.name, start_s=now - self.run_start,
+                    error="run_deadline", error_message=f"run stopped after {max_duration_s:g} s"))
+
+
 async def run_load(
     driver: Driver,
     requests: list[BenchRequest],
@@ -96,58 +160,17 @@ async def run_load(
     if concurrency is None and rate_per_s is None:
         raise ValueError("a closed loop needs a concurrency")
     bar = _Progress(len(requests), driver.name, progress)
-    records: list[RequestRecord] = []
-    slots = asyncio.Semaphore(concurrency) if concurrency else None
-    tasks: set[asyncio.Task] = set()
-    run_start = time.perf_counter()
-
-    def finished(task: asyncio.Task) -> None:
-        tasks.discard(task)
-        if slots is not None:
-            slots.release()
-        if not task.cancelled():
-            record = task.result()
-            records.append(record)
-            bar.update(record)
-            if on_record is not None:
-                on_record(record)
-
-    async def release_all() -> None:
-        offsets = poisson_offsets(len(requests), rate_per_s, seed) if rate_per_s else None
-        for i, request in enumerate(requests):
-            timer = None
-            if offsets is not None:
-                delay = run_start + offsets[i] - time.perf_counter()
-                if delay > 0:
-                    await asyncio.sleep(delay)  # the arrival process itself, not a race workaround
-                timer = Timer(request.index, driver.name, run_start)  # queueing for a slot counts
-            if slots is not None:
-                await slots.acquire()
-            task = asyncio.create_task(_one(driver, request, run_start, request_timeout_s, timer))
-            tasks.add(task)
-            task.add_done_callback(finished)
-        while tasks:
-            await asyncio.wait(set(tasks))
-
+    run = _LoadRun(driver, requests, concurrency, request_timeout_s, bar, on_record)
     try:
         async with asyncio.timeout(max_duration_s):
-            await release_all()
+            await run.release_all(rate_per_s, seed)
     except TimeoutError:
-        now = time.perf_counter()
-        for task in list(tasks):
-            task.cancel()
-        if tasks:
-            await asyncio.wait(set(tasks))
-        done = {r.index for r in records}
-        for request in requests:
-            if request.index not in done:
-                records.append(RequestRecord(index=request.index, protocol=driver.name, start_s=now - run_start,
-                                             error="run_deadline", error_message=f"run stopped after {max_duration_s:g} s"))
+        await run.stop_at_deadline(max_duration_s)
     finally:
         bar.close()
-    wall_s = time.perf_counter() - run_start
-    records.sort(key=lambda r: r.index)
-    return records, wall_s
+    wall_s = time.perf_counter() - run.run_start
+    run.records.sort(key=lambda r: r.index)
+    return run.records, wall_s
 
 
 async def measure(
