@@ -344,71 +344,87 @@ def load(args: argparse.Namespace | Mapping[str, Any] | None = None, env: Mappin
 
 def validate(config: ServerConfig) -> None:
     """Cross-field checks; raise ``ConfigError`` naming the field and value."""
-    e = config.engine
-    if e.dtype not in ("auto", "float32", "bfloat16", "float16"):
-        raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, not {e.dtype!r}")
-    parse_size(e.kv_cache_memory, "kv_cache_memory")
-    for name in ("max_num_seqs", "max_num_batched_tokens", "max_queue", "max_prompt_chars", "tokenizer_threads"):
-        if getattr(e, name) < 1:
-            raise ConfigError(f"{name} must be >= 1, not {getattr(e, name)}")
-    if e.max_model_len is not None and e.max_model_len < 16:
-        raise ConfigError(f"max_model_len must be >= 16, not {e.max_model_len}")
-    if e.runner not in ("torch", "llamacpp"):
-        raise ConfigError(f"runner must be torch or llamacpp, not {e.runner!r}")
-    if e.runner == "llamacpp":
-        _check_llamacpp_model(e)
-    h = config.http
-    if not (0 <= h.port < 65536):
-        raise ConfigError(f"port must be in 0..65535, not {h.port}")
-    if h.max_body_bytes < 1:
-        raise ConfigError(f"max_body_bytes must be >= 1, not {h.max_body_bytes}")
-    if h.max_tokens_cap is not None and h.max_tokens_cap < 1:
-        raise ConfigError(f"max_tokens_cap must be >= 1, not {h.max_tokens_cap}")
-    if h.rate_limit_requests is not None and h.rate_limit_requests < 1:
-        raise ConfigError(f"rate_limit_requests must be >= 1, not {h.rate_limit_requests}")
-    if not 0 < h.rate_limit_window < float("inf"):  # also refuses NaN
-        raise ConfigError(f"rate_limit_window must be a number of seconds > 0, not {h.rate_limit_window}")
-    if h.rate_limit_tokens_per_s is not None and not 0 < h.rate_limit_tokens_per_s < float("inf"):
-        raise ConfigError(f"rate_limit_tokens_per_s must be > 0, not {h.rate_limit_tokens_per_s}")
-    if h.rate_limit_burst < 1:
-        raise ConfigError(f"rate_limit_burst must be >= 1, not {h.rate_limit_burst}")
-    if h.max_choices_per_request < 1:
-        raise ConfigError(f"max_choices_per_request must be >= 1, not {h.max_choices_per_request}")
-    if h.request_timeout_s is not None and h.request_timeout_s <= 0:
-        raise ConfigError(f"request_timeout_s must be > 0, not {h.request_timeout_s}")
-    if h.sse_keepalive_s < 0:
-        raise ConfigError(f"sse_keepalive_s must be >= 0 (0 disables keep-alives), not {h.sse_keepalive_s}")
-    for name in ("feedback_max_per_generation", "feedback_max_per_connection", "feedback_max_text_bytes"):
-        if getattr(h, name) < 1:
-            raise ConfigError(f"{name} must be >= 1, not {getattr(h, name)}")
-    parse_size(h.feedback_max_store_bytes, "feedback_max_store_bytes")
-    if h.feedback_retention_days is not None and h.feedback_retention_days <= 0:
-        raise ConfigError(f"feedback_retention_days must be > 0, not {h.feedback_retention_days}")
-    parse_size(config.chat.record_max_bytes, "record_max_bytes")
-    if config.chat.record_retention_days is not None and config.chat.record_retention_days <= 0:
-        raise ConfigError(f"record_retention_days must be > 0, not {config.chat.record_retention_days}")
-    if h.tool_call_parser not in ("auto", "none", "hermes", "llama3_json"):
-        raise ConfigError(f"tool_call_parser must be auto, none, hermes or llama3_json, not {h.tool_call_parser!r}")
-    if h.log_level.lower() not in ("critical", "error", "warning", "info", "debug", "trace"):
-        raise ConfigError(f"log_level must be debug, info, warning or error, not {h.log_level!r}")
-    g = config.evergreen
-    for name in ("evergreen_max_depth", "evergreen_max_nodes", "evergreen_max_bytes", "evergreen_max_actions",
-                 "evergreen_max_fragments", "evergreen_max_id_bytes", "evergreen_max_prompt_bytes"):
-        if getattr(g, name) < 1:
-            raise ConfigError(f"{name} must be >= 1, not {getattr(g, name)}")
-    c = config.connections
-    for name in ("max_connections", "max_connections_per_client"):
-        if getattr(c, name) < 1:
-            raise ConfigError(f"{name} must be >= 1, not {getattr(c, name)}")
-    for name in ("first_message_timeout_s", "header_timeout_s", "body_timeout_s"):
-        if not 0 < getattr(c, name) < float("inf"):  # also refuses NaN
-            raise ConfigError(f"{name} must be a number of seconds > 0, not {getattr(c, name)}")
-    if config.uds.uds_protocol not in ("framed", "newline"):
-        raise ConfigError(f"uds_protocol must be framed or newline, not {config.uds.uds_protocol!r}")
+    _validate_engine(config.engine)
+    _validate_http(config.http)
+    _validate_stores(config.http, config.chat)
+    _at_least_one(config.evergreen, "evergreen_max_depth", "evergreen_max_nodes", "evergreen_max_bytes",
+                  "evergreen_max_actions", "evergreen_max_fragments", "evergreen_max_id_bytes",
+                  "evergreen_max_prompt_bytes")
+    _at_least_one(config.connections, "max_connections", "max_connections_per_client")
+    _positive_seconds(config.connections, "first_message_timeout_s", "header_timeout_s", "body_timeout_s")
+    _one_of("uds_protocol", config.uds.uds_protocol, ("framed", "newline"))
     try:
         int(config.uds.socket_mode, 8)
     except ValueError as exc:
         raise ConfigError(f"socket_mode must be an octal mode such as 0600, not {config.uds.socket_mode!r}") from exc
+
+
+def _validate_engine(e: EngineConfig) -> None:
+    """The engine's dtype, sizes and runner."""
+    _one_of("dtype", e.dtype, ("auto", "float32", "bfloat16", "float16"))
+    parse_size(e.kv_cache_memory, "kv_cache_memory")
+    _at_least_one(e, "max_num_seqs", "max_num_batched_tokens", "max_queue", "max_prompt_chars", "tokenizer_threads")
+    if e.max_model_len is not None and e.max_model_len < 16:
+        raise ConfigError(f"max_model_len must be >= 16, not {e.max_model_len}")
+    _one_of("runner", e.runner, ("torch", "llamacpp"))
+    if e.runner == "llamacpp":
+        _check_llamacpp_model(e)
+
+
+def _validate_http(h: HttpConfig) -> None:
+    """The HTTP port, body and token caps, rate limits, timeouts, tool-call parser and log level."""
+    if not (0 <= h.port < 65536):
+        raise ConfigError(f"port must be in 0..65535, not {h.port}")
+    _at_least_one(h, "max_body_bytes", "max_tokens_cap", "rate_limit_requests")
+    _positive_seconds(h, "rate_limit_window")
+    if h.rate_limit_tokens_per_s is not None and not 0 < h.rate_limit_tokens_per_s < float("inf"):
+        raise ConfigError(f"rate_limit_tokens_per_s must be > 0, not {h.rate_limit_tokens_per_s}")
+    _at_least_one(h, "rate_limit_burst", "max_choices_per_request")
+    _positive_when_set(h, "request_timeout_s")
+    if h.sse_keepalive_s < 0:
+        raise ConfigError(f"sse_keepalive_s must be >= 0 (0 disables keep-alives), not {h.sse_keepalive_s}")
+    _one_of("tool_call_parser", h.tool_call_parser, ("auto", "none", "hermes", "llama3_json"))
+    if h.log_level.lower() not in ("critical", "error", "warning", "info", "debug", "trace"):
+        raise ConfigError(f"log_level must be debug, info, warning or error, not {h.log_level!r}")
+
+
+def _validate_stores(h: HttpConfig, chat: ChatConfig) -> None:
+    """The limits of the feedback store and of the chat record store."""
+    _at_least_one(h, "feedback_max_per_generation", "feedback_max_per_connection", "feedback_max_text_bytes")
+    parse_size(h.feedback_max_store_bytes, "feedback_max_store_bytes")
+    _positive_when_set(h, "feedback_retention_days")
+    parse_size(chat.record_max_bytes, "record_max_bytes")
+    _positive_when_set(chat, "record_retention_days")
+
+
+def _at_least_one(section: object, *names: str) -> None:
+    """Each named count must be >= 1 (an optional one may be None: no limit)."""
+    for name in names:
+        value = getattr(section, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"{name} must be >= 1, not {value}")
+
+
+def _positive_when_set(section: object, *names: str) -> None:
+    """Each named optional number must be > 0 when set."""
+    for name in names:
+        value = getattr(section, name)
+        if value is not None and value <= 0:
+            raise ConfigError(f"{name} must be > 0, not {value}")
+
+
+def _positive_seconds(section: object, *names: str) -> None:
+    """Each named duration must be a finite number of seconds > 0."""
+    for name in names:
+        value = getattr(section, name)
+        if not 0 < value < float("inf"):  # also refuses NaN
+            raise ConfigError(f"{name} must be a number of seconds > 0, not {value}")
+
+
+def _one_of(name: str, value: str, choices: tuple[str, ...]) -> None:
+    """``value`` must be one of ``choices``."""
+    if value not in choices:
+        raise ConfigError(f"{name} must be {', '.join(choices[:-1])} or {choices[-1]}, not {value!r}")
 
 
 def _check_llamacpp_model(e: EngineConfig) -> None:
