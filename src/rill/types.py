@@ -160,6 +160,16 @@ class SamplingParams(msgspec.Struct, kw_only=True):
 
         Every bound is finite, so no accepted value can overflow the sampler or beam scores.
         """
+        self._check_types()
+        self._check_sampling_ranges()
+        self._check_lengths(max_logprobs, allow_prefill_only)
+        self._check_stop_strings()
+        self._check_token_ids(vocab_size)
+        self._check_response_format()
+        return self
+
+    def _check_types(self) -> None:
+        """Every field has its type (numbers, integers, booleans)."""
         for name in _FLOAT_FIELDS:
             _check(_is_number(getattr(self, name)), name, "must be a number")
         for name in _INT_FIELDS:
@@ -167,6 +177,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             _check((value is None and name in _OPTIONAL_INT_FIELDS) or _is_int(value), name, "must be an integer")
         for name in ("ignore_eos", "early_stopping"):
             _check(isinstance(getattr(self, name), bool), name, "must be true or false")
+
+    def _check_sampling_ranges(self) -> None:
+        """Temperature, top-k/p, min-p and the penalties are within their bounds."""
         _check(self.temperature >= 0, "temperature", "must be >= 0")
         _check(self.temperature <= MAX_TEMPERATURE, "temperature", f"must be <= {MAX_TEMPERATURE:g}")
         _check(-1 <= self.top_k <= MAX_TOP_K, "top_k", f"must be in [-1, {MAX_TOP_K}] (0 or -1 disables it)")
@@ -175,6 +188,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         _range(self.repetition_penalty, MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY, "repetition_penalty")
         _range(self.presence_penalty, -MAX_ABS_PENALTY, MAX_ABS_PENALTY, "presence_penalty")
         _range(self.frequency_penalty, -MAX_ABS_PENALTY, MAX_ABS_PENALTY, "frequency_penalty")
+
+    def _check_lengths(self, max_logprobs: int, allow_prefill_only: bool) -> None:
+        """Token counts, logprob counts, beams and the seed are within their bounds."""
         low = 0 if allow_prefill_only else 1
         _check(self.max_tokens >= low, "max_tokens", f"must be >= {low}")
         _check(self.max_tokens <= MAX_TOKENS_LIMIT, "max_tokens", f"must be <= {MAX_TOKENS_LIMIT}")
@@ -185,11 +201,17 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         _check(1 <= self.num_beams <= MAX_NUM_BEAMS, "num_beams", f"must be in [1, {MAX_NUM_BEAMS}]")
         _range(self.length_penalty, -MAX_ABS_LENGTH_PENALTY, MAX_ABS_LENGTH_PENALTY, "length_penalty")
         _check(self.seed is None or 0 <= self.seed < MAX_SEED, "seed", "must be in [0, 2**63)")
+
+    def _check_stop_strings(self) -> None:
+        """Stop strings: a list of non-empty strings, few and short enough."""
         _check(isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop), "stop",
                "must be non-empty strings")
         _check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} stop strings")
         _check(all(len(s) <= MAX_STOP_STRING_CHARS for s in self.stop), "stop",
                f"each stop string has at most {MAX_STOP_STRING_CHARS} characters")
+
+    def _check_token_ids(self, vocab_size: int | None) -> None:
+        """Logit biases, stop token ids and allowed token ids name tokens of the vocabulary (when known)."""
         _check(isinstance(self.logit_bias, dict), "logit_bias", "must map token ids to numbers")
         _check(len(self.logit_bias) <= MAX_LOGIT_BIAS_ENTRIES, "logit_bias", f"at most {MAX_LOGIT_BIAS_ENTRIES} entries")
         for token_id, bias in self.logit_bias.items():
@@ -211,12 +233,14 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             _check(all(_is_int(t) and t >= 0 for t in allowed), "allowed_token_ids", "must be token ids (integers >= 0)")
             if vocab_size is not None:
                 _check(max(allowed) < vocab_size, "allowed_token_ids", f"token id {max(allowed)} is outside the vocabulary")
+
+    def _check_response_format(self) -> None:
+        """The response format is valid and not combined with beam search."""
         if self.response_format is not None:
             _check(isinstance(self.response_format, ResponseFormat), "response_format", "must be an object")
             self.response_format.validate()
             _check(self.num_beams == 1 or not self.response_format.is_constraint, "response_format",
                    "cannot be combined with beam search (num_beams > 1)")
-        return self
 
     @property
     def constraint(self) -> "ResponseFormat | None":
