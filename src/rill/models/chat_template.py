@@ -186,9 +186,18 @@ def render_chat_template(
     """
     if source is None:
         raise InvalidRequest(NO_TEMPLATE_MESSAGE, field="messages")
+    variables, documents = _checked_variables(messages, tools, documents, {**(template_kwargs or {}), **kwargs})
+    template = compile_template(source)
+    context = _context(messages, add_generation_prompt, tools, documents, {**(special_tokens or {}), **variables})
+    return _render(template, context)
+
+
+def _checked_variables(messages: Sequence[Any], tools: Sequence[Any] | None, documents: Sequence[Any] | None,
+                       variables: dict[str, Any]) -> tuple[dict[str, Any], Sequence[Any] | None]:
+    """Refuse empty messages, reserved variable names and tools or documents that are not
+    lists; return the variables and the documents (taken from the variables when not given)."""
     if not messages:
         raise InvalidRequest("messages must contain at least one message", field="messages")
-    variables = {**(template_kwargs or {}), **kwargs}
     clash = RESERVED_NAMES.intersection(variables)
     if clash:
         raise InvalidRequest(f"chat template kwarg '{sorted(clash)[0]}' is reserved", field="chat_template_kwargs")
@@ -197,15 +206,24 @@ def render_chat_template(
     for name, value in (("tools", tools), ("documents", documents)):
         if value is not None and not isinstance(value, (list, tuple)):
             raise InvalidRequest(f"'{name}' must be a list", field=name)
-    template = compile_template(source)
-    variables = {**(special_tokens or {}), **variables}
-    context = {
+    return variables, documents
+
+
+def _context(messages: Sequence[Any], add_generation_prompt: bool, tools: Sequence[Any] | None,
+             documents: Sequence[Any] | None, variables: dict[str, Any]) -> dict[str, Any]:
+    """The template's variables, as plain Python values."""
+    return {
         "messages": _plain_messages(messages),
         "tools": _plain(list(tools)) if tools is not None else None,
         "documents": _plain(list(documents)) if documents is not None else None,
         "add_generation_prompt": bool(add_generation_prompt),
         **_plain(variables),
     }
+
+
+def _render(template: jinja2.Template, context: dict[str, Any]) -> str:
+    """Render ``template``; every failure of the template becomes ``InvalidRequest``
+    (``raise_exception`` messages verbatim)."""
     try:
         return template.render(**context)
     except _TemplateRaised as exc:
