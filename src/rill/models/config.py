@@ -161,31 +161,16 @@ def parse_llama_config(hf: dict[str, Any], generation: dict[str, Any] | None, so
         raise ModelLoadError(f"{source}: hidden_act '{act}' is not supported (only silu)")
     if hf.get("mlp_bias"):
         raise ModelLoadError(f"{source}: mlp_bias=true is not supported")
-    try:
-        hidden_size = int(hf["hidden_size"])
-        num_heads = int(hf["num_attention_heads"])
-        num_layers = int(hf["num_hidden_layers"])
-        vocab_size = int(hf["vocab_size"])
-        intermediate_size = int(hf["intermediate_size"])
-    except KeyError as exc:
-        raise ModelLoadError(f"{source}: required field {exc.args[0]!r} is missing") from exc
-    num_kv_heads = int(hf.get("num_key_value_heads") or num_heads)
-    if num_heads % num_kv_heads:
-        raise ModelLoadError(f"{source}: num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
-    head_dim = int(hf.get("head_dim") or hidden_size // num_heads)
+    sizes = required_sizes(hf, source)
+    head_dim = int(hf.get("head_dim") or sizes["hidden_size"] // sizes["num_heads"])
     rope_theta, rope_scaling = rope_settings(hf, source)
     generation = generation or {}
     is_qwen2 = architecture == "Qwen2ForCausalLM"
     has_attention_bias = bool(hf.get("attention_bias", False)) and architecture != "MistralForCausalLM"
     return ModelConfig(
         architecture=architecture,
-        hidden_size=hidden_size,
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
+        **sizes,
         head_dim=head_dim,
-        intermediate_size=intermediate_size,
-        vocab_size=vocab_size,
         max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         # generate() stops on generation_config's ids when that file names them, else config's.
@@ -197,11 +182,34 @@ def parse_llama_config(hf: dict[str, Any], generation: dict[str, Any] | None, so
         has_qkv_bias=is_qwen2 or has_attention_bias,
         has_o_bias=has_attention_bias and not is_qwen2,
         has_qk_norm=architecture == "Qwen3ForCausalLM",
-        sliding_windows=_sliding_windows(hf, architecture, num_layers),
+        sliding_windows=_sliding_windows(hf, architecture, sizes["num_layers"]),
         bos_token_id=first_id(hf.get("bos_token_id")),
         pad_token_id=first_id(hf.get("pad_token_id")),
         hf_config=dict(hf),
     )
+
+
+def required_sizes(hf: dict[str, Any], source: str) -> dict[str, int]:
+    """The sizes every decoder's ``config.json`` must give (hidden size, heads, layers,
+    vocabulary, MLP width) and its key/value heads (default: as many as the heads), named as
+    ``ModelConfig``'s fields.
+
+    Raises:
+        ModelLoadError: a required field is missing, or the key/value heads do not divide the heads.
+    """
+    try:
+        hidden_size = int(hf["hidden_size"])
+        num_heads = int(hf["num_attention_heads"])
+        num_layers = int(hf["num_hidden_layers"])
+        vocab_size = int(hf["vocab_size"])
+        intermediate_size = int(hf["intermediate_size"])
+    except KeyError as exc:
+        raise ModelLoadError(f"{source}: required field {exc.args[0]!r} is missing") from exc
+    num_kv_heads = int(hf.get("num_key_value_heads") or num_heads)
+    if num_heads % num_kv_heads:
+        raise ModelLoadError(f"{source}: num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
+    return dict(hidden_size=hidden_size, num_heads=num_heads, num_layers=num_layers, num_kv_heads=num_kv_heads,
+                intermediate_size=intermediate_size, vocab_size=vocab_size)
 
 
 def generation_defaults(generation: dict[str, Any]) -> dict[str, Any]:

@@ -31,7 +31,7 @@ from torch import nn
 
 from rill.errors import ModelLoadError
 from rill.models.attention import StepBatch, cached_attention, write_kv
-from rill.models.config import ModelConfig, eos_ids, first_id, generation_defaults
+from rill.models.config import ModelConfig, eos_ids, first_id, generation_defaults, required_sizes, rope_settings
 from rill.models.gguf_loader import metadata_value, rename_tensor, shape_of
 from rill.models.registry import ModelFamily, resolve_architecture
 from rill.models.rope import apply_rope, cos_sin_table, inverse_frequencies
@@ -220,32 +220,15 @@ def parse_gemma3_config(hf: dict[str, Any], generation: dict[str, Any] | None, s
         raise ModelLoadError(f"{source}: attn_logit_softcapping is not supported")
     if hf.get("use_bidirectional_attention"):
         raise ModelLoadError(f"{source}: use_bidirectional_attention=true is not supported")
-    try:
-        hidden_size = int(hf["hidden_size"])
-        num_heads = int(hf["num_attention_heads"])
-        num_layers = int(hf["num_hidden_layers"])
-        vocab_size = int(hf["vocab_size"])
-        intermediate_size = int(hf["intermediate_size"])
-    except KeyError as exc:
-        raise ModelLoadError(f"{source}: required field {exc.args[0]!r} is missing") from exc
-    num_kv_heads = int(hf.get("num_key_value_heads") or num_heads)
-    if num_heads % num_kv_heads:
-        raise ModelLoadError(f"{source}: num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
+    sizes = required_sizes(hf, source)
     head_dim = int(hf.get("head_dim") or 256)
     global_rope, local_theta = _rope(hf, source)
-    from rill.models.config import rope_settings
-
     rope_theta, rope_scaling = rope_settings({"rope_parameters": global_rope}, source)
     generation = generation or {}
     return ModelConfig(
         architecture=architecture,
-        hidden_size=hidden_size,
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
+        **sizes,
         head_dim=head_dim,
-        intermediate_size=intermediate_size,
-        vocab_size=vocab_size,
         max_position_embeddings=int(hf.get("max_position_embeddings", 131072)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
         eos_token_ids=eos_ids(generation.get("eos_token_id", hf.get("eos_token_id", 1))),
@@ -256,7 +239,7 @@ def parse_gemma3_config(hf: dict[str, Any], generation: dict[str, Any] | None, s
         has_qkv_bias=bool(hf.get("attention_bias", False)),
         has_o_bias=bool(hf.get("attention_bias", False)),
         has_qk_norm=True,
-        sliding_windows=_windows(hf, num_layers),
+        sliding_windows=_windows(hf, sizes["num_layers"]),
         attention_scale=float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
         local_rope_theta=local_theta,
         final_logit_softcapping=None if hf.get("final_logit_softcapping") is None else float(hf["final_logit_softcapping"]),
