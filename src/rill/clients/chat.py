@@ -64,10 +64,7 @@ async def chat(url: str, messages: list[dict[str, Any]], *, say: bool = False, s
     import websockets
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
-    tts: dict[str, Any] = {"enabled": say}
-    if language:
-        tts["language"] = language
-    request = {"messages": messages, "streaming": streaming, "generation": generation or {}, "tts": tts}
+    request = _request(messages, say=say, streaming=streaming, generation=generation, language=language)
     result = ChatResult()
     pieces: list[np.ndarray] = []
     async with websockets.connect(url, additional_headers=headers, max_size=None) as ws:
@@ -79,26 +76,53 @@ async def chat(url: str, messages: list[dict[str, Any]], *, say: bool = False, s
             if kind in ("queued", "queue_update") and on_queue is not None:
                 on_queue(msg)
             elif kind == "chunk":
-                if msg.get("text_delta"):
-                    result.text += msg["text_delta"]
-                    if on_text is not None:
-                        on_text(msg["text_delta"])
-                if msg.get("audio_data"):
-                    pieces.append(np.frombuffer(base64.b64decode(msg["audio_data"]), dtype="<f4"))
+                _take_chunk(msg, result, pieces, on_text)
             elif kind == "done":
-                if not streaming and on_text is not None:
-                    on_text(msg["text"])
-                result.text = msg["text"]
-                result.input_tokens = msg["input_tokens"]
-                result.generated_tokens = msg["generated_tokens"]
-                result.recording_session_id = msg.get("recording_session_id")
-                if msg.get("audio_data"):
-                    pieces.append(np.frombuffer(base64.b64decode(msg["audio_data"]), dtype="<f4"))
-                result.audio = np.concatenate(pieces).astype(np.float32) if pieces else result.audio
-                return result
+                return _take_done(msg, result, pieces, on_text if not streaming else None)
             elif kind == "error":
                 raise ChatError(msg.get("error", "unknown error"))
     raise ChatError("the server closed the connection before the reply was done")
+
+
+def _request(messages: list[dict[str, Any]], *, say: bool, streaming: bool, generation: dict[str, Any] | None,
+             language: str | None) -> dict[str, Any]:
+    """The ``/ws/chat`` request message."""
+    tts: dict[str, Any] = {"enabled": say}
+    if language:
+        tts["language"] = language
+    return {"messages": messages, "streaming": streaming, "generation": generation or {}, "tts": tts}
+
+
+def _take_chunk(msg: dict[str, Any], result: ChatResult, pieces: list[np.ndarray],
+                on_text: Callable[[str], None] | None) -> None:
+    """Add a ``chunk``'s text delta to ``result`` (and pass it to ``on_text``) and keep its audio."""
+    if msg.get("text_delta"):
+        result.text += msg["text_delta"]
+        if on_text is not None:
+            on_text(msg["text_delta"])
+    if msg.get("audio_data"):
+        pieces.append(_audio(msg["audio_data"]))
+
+
+def _take_done(msg: dict[str, Any], result: ChatResult, pieces: list[np.ndarray],
+               on_text: Callable[[str], None] | None) -> ChatResult:
+    """Complete ``result`` from ``done`` (its whole text, passed to ``on_text`` when given: a
+    reply that was not streamed) and join the audio."""
+    if on_text is not None:
+        on_text(msg["text"])
+    result.text = msg["text"]
+    result.input_tokens = msg["input_tokens"]
+    result.generated_tokens = msg["generated_tokens"]
+    result.recording_session_id = msg.get("recording_session_id")
+    if msg.get("audio_data"):
+        pieces.append(_audio(msg["audio_data"]))
+    result.audio = np.concatenate(pieces).astype(np.float32) if pieces else result.audio
+    return result
+
+
+def _audio(data: str) -> np.ndarray:
+    """Base64 little-endian float32 samples → an array."""
+    return np.frombuffer(base64.b64decode(data), dtype="<f4")
 
 
 def register(client_subparsers: Any) -> None:
