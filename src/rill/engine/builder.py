@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rill.config import EngineConfig, parse_size
 from rill.engine.batch import ModelRunner
@@ -26,6 +26,9 @@ from rill.engine.core import CoreConfig, EngineCore
 from rill.engine.grammar import GrammarCompiler
 from rill.errors import ModelLoadError, RillError
 from rill.types import ModelInfo
+
+if TYPE_CHECKING:
+    from rill.models.config import ModelConfig
 
 log = logging.getLogger("rill.engine")
 
@@ -93,9 +96,7 @@ def assemble_engine(
             thread (else on the first constrained request).
     """
     eos = frozenset(set(eos_token_ids) | set(tokenizer.eos_token_ids))
-    grammars = GrammarCompiler(tokenizer.backend.to_str(), runner.vocab_size, sorted(eos))
-    if warm_grammars:
-        threading.Thread(target=grammars.warm, name="rill-grammar-warmup", daemon=True).start()
+    grammars = _grammar_compiler(tokenizer, runner.vocab_size, eos, warm=warm_grammars)
     core_config = CoreConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens)
     core = EngineCore(runner, tokenizer, core_config) if clock is None else EngineCore(runner, tokenizer, core_config, clock)
     model_info = ModelInfo(
@@ -111,6 +112,16 @@ def assemble_engine(
     )
     return Engine(core=core, runner=runner, tokenizer=tokenizer, grammars=grammars, eos_token_ids=eos,
                   model_info=model_info, generation_defaults=dict(generation_defaults or {}))
+
+
+def _grammar_compiler(tokenizer: Any, vocab_size: int, eos: frozenset[int], *, warm: bool) -> GrammarCompiler:
+    """The compiler of constrained-decoding grammars over the tokenizer's vocabulary; ``warm``
+    builds its vocabulary view now, in a background thread, so the first constrained request
+    does not wait for it."""
+    grammars = GrammarCompiler(tokenizer.backend.to_str(), vocab_size, sorted(eos))
+    if warm:
+        threading.Thread(target=grammars.warm, name="rill-grammar-warmup", daemon=True).start()
+    return grammars
 
 
 def build_engine(config: EngineConfig, progress: Progress | None = None) -> Engine:
@@ -165,27 +176,14 @@ def build_engine(config: EngineConfig, progress: Progress | None = None) -> Engi
 def _build_llamacpp_engine(config: EngineConfig, progress: Progress | None) -> Engine:
     """``--runner llamacpp``: llama.cpp computes the forward on the GGUF's own (quantized) weights;
     rill's tokenizer is built from the same file, rill's scheduler and sampler run as ever."""
-    from collections import Counter
-
-    from rill.engine.llamacpp_runner import MAX_SEQUENCES, LlamaCppRunner, import_llama_cpp
+    from rill.engine.llamacpp_runner import LlamaCppRunner, import_llama_cpp
     from rill.engine.threads import default_choice
     from rill.models.config import parse_config
-    from rill.models.gguf_loader import find_gguf, read_gguf
+    from rill.models.gguf_loader import read_gguf
 
     report = progress or (lambda pct, stage: None)
     import_llama_cpp()  # a missing extra is named before anything is read
-    if config.model:
-        path = Path(config.model)
-        if not path.exists():
-            raise ModelLoadError(f"model file {path} does not exist")
-        file = find_gguf(path)
-        if file is None:
-            raise ModelLoadError(f"--runner llamacpp needs a .gguf file; {path} is not one")
-    else:
-        from rill.models.default import DEFAULT_MODEL_NAME, default_gguf_path
-
-        file = default_gguf_path()
-    name = file.stem if config.model else DEFAULT_MODEL_NAME  # the default model keeps its name on either runner
+    file, name = _gguf_file(config.model)
     threads = default_choice(config.num_threads)
     log.info("llama.cpp threads: %d (%s)", threads.num_threads, threads.reason)
     report(10.0, "reading the GGUF metadata")
@@ -193,27 +191,60 @@ def _build_llamacpp_engine(config: EngineConfig, progress: Progress | None) -> E
     mc = parse_config(checkpoint.hf_config, checkpoint.generation_config, source=str(file))
     tokenizer = checkpoint.tokenizer()
     max_len = min(config.max_model_len or min(mc.max_context_tokens, DEFAULT_MAX_CONTEXT), mc.max_context_tokens)
-    budget = parse_size(config.kv_cache_memory, "kv_cache_memory")
+    num_rows = _llamacpp_cache_rows(config, mc, max_len)
+    report(30.0, "loading the model into llama.cpp")
+    runner = LlamaCppRunner(file, num_rows=num_rows, max_len=max_len, num_threads=threads.num_threads,
+                            batch_tokens=min(config.max_num_batched_tokens, 2048))
+    engine = assemble_engine(
+        config, runner, tokenizer,
+        name=name, architecture=mc.architecture, dtype="float32", device="cpu",
+        quantization=_quantization(checkpoint.tensor_types()),
+        eos_token_ids=mc.eos_token_ids, generation_defaults=mc.generation_defaults,
+    )
+    report(100.0, "ready")
+    return engine
+
+
+def _gguf_file(model: str | None) -> tuple[Path, str]:
+    """The GGUF file ``--model`` names (or the default model's) and the name it is served under."""
+    from rill.models.gguf_loader import find_gguf
+
+    if not model:
+        from rill.models.default import DEFAULT_MODEL_NAME, default_gguf_path
+
+        return default_gguf_path(), DEFAULT_MODEL_NAME  # the default model keeps its name on either runner
+    path = Path(model)
+    if not path.exists():
+        raise ModelLoadError(f"model file {path} does not exist")
+    file = find_gguf(path)
+    if file is None:
+        raise ModelLoadError(f"--runner llamacpp needs a .gguf file; {path} is not one")
+    return file, file.stem
+
+
+def _llamacpp_cache_rows(config: EngineConfig, mc: ModelConfig, max_len: int) -> int:
+    """How many sequences of ``max_len`` tokens llama.cpp's F16 cache holds within
+    ``--kv-cache-memory`` (a few more than ``--max-num-seqs``, at most llama.cpp's limit)."""
     import torch
 
-    row_bytes = mc.kv_bytes_per_token(torch.float16) * max_len  # llama.cpp's cache is F16
+    from rill.engine.llamacpp_runner import MAX_SEQUENCES
+
+    budget = parse_size(config.kv_cache_memory, "kv_cache_memory")
+    row_bytes = mc.kv_bytes_per_token(torch.float16) * max_len
     num_rows = min(budget // row_bytes, config.max_num_seqs + max(8, config.max_num_seqs // 2), MAX_SEQUENCES)
     if num_rows < 1:
         raise ModelLoadError(
             f"--kv-cache-memory {config.kv_cache_memory} holds no sequence of {max_len} tokens "
             f"({row_bytes} bytes each); raise it or lower --max-model-len")
-    report(30.0, "loading the model into llama.cpp")
-    runner = LlamaCppRunner(file, num_rows=int(num_rows), max_len=max_len, num_threads=threads.num_threads,
-                            batch_tokens=min(config.max_num_batched_tokens, 2048))
-    kinds = Counter(kind for name, kind in checkpoint.tensor_types().items() if name.endswith(".weight") and kind != "F32")
-    quant = kinds.most_common(1)[0][0] if kinds else "F32"
-    engine = assemble_engine(
-        config, runner, tokenizer,
-        name=name, architecture=mc.architecture, dtype="float32", device="cpu", quantization=quant,
-        eos_token_ids=mc.eos_token_ids, generation_defaults=mc.generation_defaults,
-    )
-    report(100.0, "ready")
-    return engine
+    return int(num_rows)
+
+
+def _quantization(tensor_types: dict[str, str]) -> str:
+    """The GGUF's quantization: the commonest type of its non-F32 weights (F32 when all are)."""
+    from collections import Counter
+
+    kinds = Counter(kind for name, kind in tensor_types.items() if name.endswith(".weight") and kind != "F32")
+    return kinds.most_common(1)[0][0] if kinds else "F32"
 
 
 def _model_path(model: str | None, report: Progress) -> Path:
