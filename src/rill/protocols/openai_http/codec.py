@@ -12,7 +12,6 @@ No I/O, no engine, no clock: tokenizing and timing are the adapter's job.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,14 +50,18 @@ from rill.protocols.openai_http.messages import (
     ErrorResponse,
     TokenizeRequest,
 )
-from rill.protocols._shared.tool_calls import call_grammar
 from rill.protocols.openai_http.chat_messages import (  # reachable as codec.X, as before
     chat_messages,
     template_kwargs,
     template_messages,
     template_tools,
 )
-from rill.types import GenerateRequest, ResponseFormat, SamplingParams, check_template_kwargs
+from rill.protocols.openai_http.constraints import (  # forced_tool, response_format: reachable as codec.X
+    check_formats,
+    forced_tool,
+    response_format,
+)
+from rill.types import GenerateRequest, SamplingParams, check_template_kwargs
 
 PROTOCOL = "openai_http"
 """``GenerateRequest.protocol`` of every request of this API (labels metrics)."""
@@ -187,7 +190,7 @@ def decode_completion(body: bytes) -> CompletionRequest:
     """Parse a ``/v1/completions`` body; ``InvalidRequest`` names the bad field."""
     req = _decode(_completion_decoder, body)
     _reject_unsupported(suffix=req.suffix is not None)
-    _check_formats(req)
+    check_formats(req)
     _check_prompt_logprobs(req)
     if req.best_of is not None:
         n = 1 if req.n is None else req.n
@@ -215,7 +218,7 @@ def decode_chat(body: bytes) -> ChatCompletionRequest:
     if req.top_logprobs and not req.logprobs:  # 0 or null without logprobs is harmless
         raise InvalidRequest("'top_logprobs' needs 'logprobs' set to true", field="top_logprobs")
     _check_tools(req)
-    _check_formats(req)
+    check_formats(req)
     return req
 
 
@@ -261,14 +264,6 @@ def _check_prompt_logprobs(req: CompletionRequest | ChatCompletionRequest) -> No
                              "echo with logprobs, which streams)", field="prompt_logprobs")
 
 
-def _check_formats(req: CompletionRequest | ChatCompletionRequest) -> None:
-    # Shape errors are 400s before any tokenizing; compiling happens at admission.
-    if req.response_format is not None:
-        _convert_format(req.response_format, "response_format")
-    if req.structured_outputs is not None:
-        _structured_outputs(req.structured_outputs)
-
-
 MAX_TOOLS = 128
 """Most functions one request may offer."""
 
@@ -299,16 +294,6 @@ def _check_tools(req: ChatCompletionRequest) -> None:
                              "{'type': 'function', 'function': {'name': ...}}", field="tool_choice")
     if name not in names:
         raise InvalidRequest(f"tool_choice names function '{name}', which is not in 'tools'", field="tool_choice")
-
-
-def forced_tool(req: ChatCompletionRequest) -> tuple[bool, str | None]:
-    """Whether the request forces a tool call (``required`` or a named function), and which."""
-    choice = req.tool_choice
-    if choice == "required":
-        return True, None
-    if isinstance(choice, dict):
-        return True, choice["function"]["name"]
-    return False, None
 
 
 def parses_tool_calls(req: ChatCompletionRequest) -> bool:
@@ -455,66 +440,6 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
         if exc.field == "logprobs" and logprobs_field != "logprobs":
             raise InvalidRequest(str(exc).replace("'logprobs'", f"'{logprobs_field}'"), field=logprobs_field) from exc
         raise
-
-
-def response_format(req: CompletionRequest | ChatCompletionRequest, served: ServedModel) -> ResponseFormat | None:
-    """The constraint of a request: ``response_format``, ``structured_outputs`` or a forced tool call.
-
-    At most one of them may constrain; ``tool_choice`` ``required`` / a named function is
-    enforced with a grammar of valid calls in the model's tool-call format.
-    """
-    found: list[tuple[str, ResponseFormat]] = []
-    if req.response_format is not None:
-        fmt = _convert_format(req.response_format, "response_format")
-        if fmt.is_constraint:
-            found.append(("response_format", fmt))
-    if req.structured_outputs is not None:
-        found.append(("structured_outputs", _structured_outputs(req.structured_outputs)))
-    if isinstance(req, ChatCompletionRequest):
-        forced, name = forced_tool(req)
-        if forced:
-            grammar = call_grammar(served.tool_format, list(req.tools or []), name)
-            found.append(("tool_choice", ResponseFormat(type="grammar", grammar=grammar)))
-    if len(found) > 1:
-        raise InvalidRequest(f"'{found[0][0]}' and '{found[1][0]}' both constrain the output; send one",
-                             field=found[1][0])
-    return found[0][1] if found else None
-
-
-def _convert_format(value: Any, field: str) -> ResponseFormat:
-    try:
-        return msgspec.convert(value, ResponseFormat).validate()
-    except msgspec.ValidationError as exc:
-        raise InvalidRequest(f"invalid {field}: {exc}", field=field) from exc
-    except InvalidRequest as exc:
-        raise InvalidRequest(exc.message.replace("'response_format'", f"'{field}'"), field=field) from exc
-
-
-def _structured_outputs(spec: dict[str, Any]) -> ResponseFormat:
-    field = "structured_outputs"
-    given = [k for k in ("json", "regex", "grammar", "choice", "json_object") if spec.get(k) not in (None, False)]
-    if len(given) != 1:
-        raise InvalidRequest("'structured_outputs' needs exactly one of json, regex, grammar, choice, json_object",
-                             field=field)
-    kind, value = given[0], spec[given[0]]
-    if kind == "json":
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as exc:
-                raise InvalidRequest("'structured_outputs.json' is not valid JSON", field=field) from exc
-        return _convert_format({"type": "json_schema", "json_schema": {"schema": value}}, field)
-    if kind == "choice":
-        if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
-            raise InvalidRequest("'structured_outputs.choice' must be a non-empty list of strings", field=field)
-        return _convert_format({"type": "regex", "regex": "|".join(_regex_escape(c) for c in value)}, field)
-    if kind == "json_object":
-        return ResponseFormat(type="json_object")
-    return _convert_format({"type": kind, kind: value}, field)
-
-
-def _regex_escape(text: str) -> str:
-    return "".join("\\" + ch if ch in ".^$*+?()[]{}|\\/" else ch for ch in text)
 
 
 def generate_requests(

@@ -1,0 +1,98 @@
+"""The output constraint of an OpenAI request: ``response_format``, ``structured_outputs``
+or a forced tool call (``tool_choice`` ``required`` or a named function), as one
+``ResponseFormat``. Pure.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from rill.errors import InvalidRequest
+from rill.protocols._shared.tool_calls import call_grammar
+from rill.protocols.openai_http.messages import ChatCompletionRequest, CompletionRequest
+from rill.types import ResponseFormat
+
+if TYPE_CHECKING:
+    from rill.protocols.openai_http.codec import ServedModel
+
+
+def response_format(req: CompletionRequest | ChatCompletionRequest, served: ServedModel) -> ResponseFormat | None:
+    """The constraint of a request: ``response_format``, ``structured_outputs`` or a forced tool call.
+
+    At most one of them may constrain; ``tool_choice`` ``required`` / a named function is
+    enforced with a grammar of valid calls in the model's tool-call format.
+    """
+    found: list[tuple[str, ResponseFormat]] = []
+    if req.response_format is not None:
+        fmt = _convert_format(req.response_format, "response_format")
+        if fmt.is_constraint:
+            found.append(("response_format", fmt))
+    if req.structured_outputs is not None:
+        found.append(("structured_outputs", _structured_outputs(req.structured_outputs)))
+    if isinstance(req, ChatCompletionRequest):
+        forced, name = forced_tool(req)
+        if forced:
+            grammar = call_grammar(served.tool_format, list(req.tools or []), name)
+            found.append(("tool_choice", ResponseFormat(type="grammar", grammar=grammar)))
+    if len(found) > 1:
+        raise InvalidRequest(f"'{found[0][0]}' and '{found[1][0]}' both constrain the output; send one",
+                             field=found[1][0])
+    return found[0][1] if found else None
+
+
+def check_formats(req: CompletionRequest | ChatCompletionRequest) -> None:
+    """Refuse a malformed ``response_format`` or ``structured_outputs`` when the request is
+    decoded: shape errors are 400s before any tokenizing; compiling happens at admission."""
+    if req.response_format is not None:
+        _convert_format(req.response_format, "response_format")
+    if req.structured_outputs is not None:
+        _structured_outputs(req.structured_outputs)
+
+
+def _convert_format(value: Any, field: str) -> ResponseFormat:
+    try:
+        return msgspec.convert(value, ResponseFormat).validate()
+    except msgspec.ValidationError as exc:
+        raise InvalidRequest(f"invalid {field}: {exc}", field=field) from exc
+    except InvalidRequest as exc:
+        raise InvalidRequest(exc.message.replace("'response_format'", f"'{field}'"), field=field) from exc
+
+
+def _structured_outputs(spec: dict[str, Any]) -> ResponseFormat:
+    field = "structured_outputs"
+    given = [k for k in ("json", "regex", "grammar", "choice", "json_object") if spec.get(k) not in (None, False)]
+    if len(given) != 1:
+        raise InvalidRequest("'structured_outputs' needs exactly one of json, regex, grammar, choice, json_object",
+                             field=field)
+    kind, value = given[0], spec[given[0]]
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as exc:
+                raise InvalidRequest("'structured_outputs.json' is not valid JSON", field=field) from exc
+        return _convert_format({"type": "json_schema", "json_schema": {"schema": value}}, field)
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+            raise InvalidRequest("'structured_outputs.choice' must be a non-empty list of strings", field=field)
+        return _convert_format({"type": "regex", "regex": "|".join(_regex_escape(c) for c in value)}, field)
+    if kind == "json_object":
+        return ResponseFormat(type="json_object")
+    return _convert_format({"type": kind, kind: value}, field)
+
+
+def _regex_escape(text: str) -> str:
+    return "".join("\\" + ch if ch in ".^$*+?()[]{}|\\/" else ch for ch in text)
+
+
+def forced_tool(req: ChatCompletionRequest) -> tuple[bool, str | None]:
+    """Whether the request forces a tool call (``required`` or a named function), and which."""
+    choice = req.tool_choice
+    if choice == "required":
+        return True, None
+    if isinstance(choice, dict):
+        return True, choice["function"]["name"]
+    return False, None
