@@ -300,10 +300,15 @@ def fake_app(api_keys: set[str] | None = None, **engine: Any) -> Iterator[tuple[
 
             app = Guard(app, http_error, api_keys=api_keys, max_body_bytes=1 << 20)
         http = TestClient(app)
+        # The app must run on the client's loop: a TestClient given a portal uses it, but
+        # entering the TestClient (``with http``) would start a second loop and replace it, and
+        # the engine's outputs, delivered on the client's loop, would then wake the adapter's
+        # waits on the other loop only by chance (a hang, now and then, under load).
         http.portal = portal
-        with http:
+        try:
             yield client, http, requests
-        client.engine.runner.gate.set()  # no step of a failed test may hold the engine thread
+        finally:
+            client.engine.runner.gate.set()  # no step of a failed test may hold the engine thread
 
 
 def run_steps(client: Any, num_steps: int) -> None:
