@@ -38,7 +38,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from rill.engine.batch import RowWork
+from rill.engine.batch import RowWork, check_work
 from rill.errors import ModelLoadError
 
 log = logging.getLogger("rill.engine.llamacpp")
@@ -291,14 +291,4 @@ class LlamaCppRunner:
         return done + wanted
 
     def _check(self, work: Sequence[RowWork]) -> None:
-        seen: set[int] = set()
-        for item in work:
-            if not 0 <= item.row < self.num_rows or item.row in seen:
-                raise ValueError(f"row {item.row} is out of range or scheduled twice in one step")
-            if not item.token_ids or item.start < 0 or item.start + len(item.token_ids) > self.max_len:
-                raise ValueError(
-                    f"row {item.row}: {len(item.token_ids)} tokens at start {item.start} do not fit in max_len {self.max_len}")
-            if item.start > self._lengths[item.row]:
-                raise ValueError(f"row {item.row} holds {self._lengths[item.row]} tokens; work at position "
-                                 f"{item.start} would leave a gap")
-            seen.add(item.row)
+        check_work(work, self.num_rows, self.max_len, self._lengths)

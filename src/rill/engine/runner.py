@@ -20,7 +20,7 @@ from typing import Sequence
 
 import torch
 
-from rill.engine.batch import RowWork
+from rill.engine.batch import RowWork, check_work
 from rill.models.attention import PrefillLayout, StepBatch
 from rill.models.loader import LoadedModel
 from rill.models.registry import CausalLM
@@ -98,15 +98,7 @@ class TorchModelRunner:
         self._lengths[dst] = num_tokens
 
     def _check(self, work: Sequence[RowWork]) -> None:
-        seen: set[int] = set()
-        for item in work:
-            if not 0 <= item.row < self.num_rows or item.row in seen:
-                raise ValueError(f"row {item.row} is out of range or scheduled twice in one step")
-            if not item.token_ids or item.start < 0 or item.start + len(item.token_ids) > self.max_len:
-                raise ValueError(
-                    f"row {item.row}: {len(item.token_ids)} tokens at start {item.start} do not fit in max_len {self.max_len}"
-                )
-            seen.add(item.row)
+        check_work(work, self.num_rows, self.max_len)
 
     def _place_decode_rows(self, rows: list[int]) -> None:
         """Swap rows so the given logical rows occupy physical rows ``0..len(rows)-1``."""

@@ -41,7 +41,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from rill.engine.batch import RowWork
+from rill.engine.batch import RowWork, check_work
 from rill.models.tokenizer import Tokenizer
 
 MASK64 = (1 << 64) - 1
@@ -195,16 +195,7 @@ class FakeRunner:
         return logits
 
     def _check(self, work: Sequence[RowWork]) -> None:
-        seen: set[int] = set()
-        for item in work:
-            if not 0 <= item.row < self.num_rows or item.row in seen:
-                raise ValueError(f"row {item.row} is out of range or scheduled twice in one step")
-            if not item.token_ids or item.start + len(item.token_ids) > self.max_len:
-                raise ValueError(f"row {item.row}: {len(item.token_ids)} tokens at {item.start} do not fit in {self.max_len}")
-            if not 0 <= item.start <= len(self._rows[item.row]):
-                raise ValueError(f"row {item.row} holds {len(self._rows[item.row])} tokens; "
-                                 f"work at position {item.start} would read positions never written")
-            seen.add(item.row)
+        check_work(work, self.num_rows, self.max_len, [len(tokens) for tokens in self._rows])
 
     def _write(self, item: RowWork) -> None:
         tokens = self._rows[item.row][: item.start]
