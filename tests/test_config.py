@@ -92,6 +92,8 @@ def test_api_keys_from_flags_and_file(tmp_path: Path) -> None:
         ("flags", {"http.rate_limit_window": "nan"}, "rate_limit_window"),
         ("flags", {"http.rate_limit_tokens_per_s": "0"}, "rate_limit_tokens_per_s must be > 0"),
         ("flags", {"http.rate_limit_burst": "0"}, "rate_limit_burst must be >= 1"),
+        ("flags", {"http.request_timeout_s": "nan"}, "request_timeout_s must be > 0 and finite, not nan"),
+        ("flags", {"http.request_timeout_s": "inf"}, "request_timeout_s must be > 0 and finite, not inf"),
     ],
 )
 def test_bad_values_name_the_setting(source: str, value: dict, message: str) -> None:

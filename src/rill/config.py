@@ -406,11 +406,11 @@ def _at_least_one(section: object, *names: str) -> None:
 
 
 def _positive_when_set(section: object, *names: str) -> None:
-    """Each named optional number must be > 0 when set."""
+    """Each named optional number must be > 0 and finite when set (NaN is refused too)."""
     for name in names:
         value = getattr(section, name)
-        if value is not None and value <= 0:
-            raise ConfigError(f"{name} must be > 0, not {value}")
+        if value is not None and not 0 < value < float("inf"):
+            raise ConfigError(f"{name} must be > 0 and finite, not {value}")
 
 
 def _positive_seconds(section: object, *names: str) -> None:
