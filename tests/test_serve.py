@@ -69,14 +69,15 @@ def test_auth_that_would_turn_itself_off_ends_serve_with_exit_2(tmp_path: Path, 
 def test_a_low_open_file_limit_caps_the_connections_below_it(tmp_path: Path) -> None:
     # Issue 12 item 8: at the process's fd limit every listener stops accepting, so the
     # connection limit must stay below it when the limit cannot be raised.
-    import resource
-
-    def low_limit() -> None:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (600, 600))
-
-    command = [sys.executable, "-m", "rill", "serve", "--port", str(free_port()), "--no-socket", "--grpc-port", "0",
+    # The child lowers its own limit and then becomes rill: a preexec_fn would fork this
+    # test process, whose gRPC (loaded by other tests) runs its fork handlers in the child
+    # before exec, and under load that child sometimes died there with only gRPC's epoll
+    # error on stderr, never starting rill.
+    launcher = ("import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (600, 600)); "
+                "os.execv(sys.executable, [sys.executable, '-m', 'rill', *sys.argv[1:]])")
+    command = [sys.executable, "-c", launcher, "serve", "--port", str(free_port()), "--no-socket", "--grpc-port", "0",
                "--data-dir", str(tmp_path / "data"), "--model", str(tmp_path / "missing-model")]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=120, preexec_fn=low_limit)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert "open-file limit (600) is below --max-connections 2048" in result.stderr
     assert "connections are capped at 344" in result.stderr
 
