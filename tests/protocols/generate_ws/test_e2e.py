@@ -22,6 +22,7 @@ from tests.conftest import start_server
 from .test_adapter import is_status, is_type, recv, send, until
 
 PROMPT = "Once upon a time"
+BURST = 400  # the limited server's token-bucket burst (tokens per key)
 LONG = 400  # tokens: the tiny model makes ~2000 tokens/s, so a control sent after the first
 # token arrives long before such a generation could end on its own
 
@@ -53,7 +54,7 @@ async def greedy_ids(server: Any, prompt_ids: list[int], num_tokens: int) -> lis
 def limited_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
     """A second server with a per-request time limit and a rate limit."""
     live = start_server(tiny_model_dir, **{"http.request_timeout_s": 1.5, "http.rate_limit_tokens_per_s": 1.0,
-                                           "http.rate_limit_burst": 400, "http.api_key": ["k", "k2"],
+                                           "http.rate_limit_burst": BURST, "http.api_key": ["k", "k2"],
                                            "http.data_dir": str(tmp_path_factory.mktemp("data"))})
     yield live
     live.stop()
@@ -78,7 +79,10 @@ async def test_flow_basic_generation(server: Any) -> None:
 
 async def test_flow_error_and_recovery(limited_server: Any) -> None:
     async with connect(ws_url(limited_server, "?api_key=k")) as ws:
-        await send(ws, type="config", prompt=PROMPT, parameters={"max_tokens": LONG, "ignore_eos": True})
+        # The first request leaves room in key k's token bucket for the second, however many
+        # tokens it makes before the pause lands (on a loaded machine: nearly all of them).
+        first = BURST - 4
+        await send(ws, type="config", prompt=PROMPT, parameters={"max_tokens": first, "ignore_eos": True})
         init = await recv(ws)
         msgs = await until(ws, is_type("token"))
         await send(ws, type="control", action="pause")  # held mid-stream until the 1.5 s limit hits
