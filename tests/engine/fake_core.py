@@ -40,7 +40,9 @@ class Result:
     stop_reason: Any = None
     error: Any = None
     usage: Any = None
+    logprobs: list = field(default_factory=list)
     num_outputs: int = 0
+    num_steps_with_tokens: int = 0
 
 
 class Clock:
@@ -81,6 +83,10 @@ def step(engine: Engine, results: dict[str, Result]) -> list[Any]:
         res.token_texts += out.token_texts
         res.events += out.events
         res.modified += out.modified
+        if out.logprobs:
+            res.logprobs += out.logprobs
+        if out.token_ids:
+            res.num_steps_with_tokens += 1
         if out.finished:
             res.finish_reason, res.stop_reason, res.error, res.usage = (
                 out.finish_reason, out.stop_reason, out.error, out.usage)
@@ -97,7 +103,7 @@ def step_until_finished(engine: Engine, results: dict[str, Result], request_id: 
 
 
 def run(engine: Engine, requests: list[Request], on_step: Callable[[int, dict[str, Result]], None] | None = None,
-        max_steps: int = 5000) -> dict[str, Result]:
+        max_steps: int = 20000) -> dict[str, Result]:
     """Add ``requests`` and step until the engine has nothing left; return every request's result."""
     results: dict[str, Result] = {r.request_id: Result() for r in requests}
     for request in requests:
@@ -138,6 +144,6 @@ def assert_idle(engine: Engine) -> None:
     """No request and no live KV row left anywhere in the engine."""
     stats = engine.core.stats()
     assert stats.num_running == 0 and stats.num_waiting == 0 and stats.num_paused == 0, stats
-    assert stats.kv_used_tokens == 0, stats
+    assert stats.kv_used_bytes == 0 and stats.kv_used_tokens == 0, stats
     assert engine.core.requests == {}
     assert engine.core.kv.num_live_rows == 0

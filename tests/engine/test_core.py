@@ -1,12 +1,13 @@
-"""EngineCore on a real tiny checkpoint, driven step by step (no threads, no sockets)."""
+"""EngineCore on a real tiny checkpoint, driven step by step (no threads, no sockets).
+
+The stepping helpers (``run``, ``Result``, ``assert_idle``) are those of the FakeRunner tests
+(``tests.engine.fake_core``): they drive any ``Engine``."""
 
 from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import pytest
 
@@ -24,6 +25,8 @@ from rill.errors import CacheMiss
 from rill.engine.builder import Engine, build_engine
 from rill.types import RequestEvent, SamplingParams
 
+from tests.engine.fake_core import Result, assert_idle, run
+
 PROMPTS = [
     "Once upon a time there was a little fox",
     "The sun rose over the quiet village and",
@@ -32,21 +35,6 @@ PROMPTS = [
     "A big dog ran",
     "In the morning the birds sang songs about the sea, the sky and the tall green trees",
 ]
-
-
-@dataclass
-class Result:
-    """Everything one request produced."""
-
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    events: list[RequestEvent] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: object = None
-    error: object = None
-    logprobs: list = field(default_factory=list)
-    usage: object = None
-    num_steps_with_tokens: int = 0
 
 
 @pytest.fixture(scope="module")
@@ -60,42 +48,6 @@ def make_request(engine: Engine, request_id: str, prompt: str, **params: object)
     """An engine request for ``prompt`` with the given sampling parameters."""
     return Request(request_id=request_id, prompt_ids=engine.tokenizer.encode(prompt), params=SamplingParams(**params),
                    eos_token_ids=engine.eos_token_ids, arrival_time=time.monotonic(), seq_no=0)
-
-
-def run(engine: Engine, requests: list[Request], on_step: Callable[[int, dict[str, Result]], None] | None = None,
-        max_steps: int = 20000) -> dict[str, Result]:
-    """Add ``requests``, step until every one finished; return their results."""
-    core = engine.core
-    results = {r.request_id: Result() for r in requests}
-    for request in requests:
-        core.apply(AddCommand(request))
-    step = 0
-    while core.has_work():
-        step += 1
-        assert step < max_steps, "engine did not finish"
-        for out in core.step():
-            res = results.setdefault(out.request_id, Result())
-            res.text += out.text
-            res.token_ids += out.token_ids
-            res.events += out.events
-            if out.token_ids:
-                res.num_steps_with_tokens += 1
-            if out.logprobs:
-                res.logprobs += out.logprobs
-            if out.finished:
-                res.finish_reason, res.stop_reason, res.error, res.usage = out.finish_reason, out.stop_reason, out.error, out.usage
-        if on_step is not None:
-            on_step(step, results)
-    return results
-
-
-def assert_idle(engine: Engine) -> None:
-    """No live request and no live KV left anywhere in the engine."""
-    stats = engine.core.stats()
-    assert stats.num_running == 0 and stats.num_waiting == 0 and stats.num_paused == 0, stats
-    assert stats.kv_used_bytes == 0 and stats.kv_used_tokens == 0, stats
-    assert engine.core.requests == {}
-    assert engine.core.kv.num_live_rows == 0
 
 
 MIXED = [
