@@ -1,4 +1,5 @@
-"""The engine's thread count follows the CPUs the process may use (affinity and cgroup quota)."""
+"""The engine's thread count follows the CPUs the process may use (affinity and cgroup quota) and
+the CPUs other processes leave free; OpenMP threads spin only briefly."""
 
 from __future__ import annotations
 
@@ -6,7 +7,17 @@ from pathlib import Path
 
 import pytest
 
-from rill.engine.threads import apply_wait_policy, cgroup_quota_cpus, choose_num_threads
+from rill.engine.threads import (
+    SPIN_COUNT,
+    ThreadChoice,
+    ThreadGovernor,
+    apply_wait_policy,
+    busy_seconds,
+    cgroup_quota_cpus,
+    choose_num_threads,
+    default_governor,
+    threads_for,
+)
 
 
 def test_affinity_bounds_the_default() -> None:
@@ -56,14 +67,14 @@ def test_no_cgroup_files_means_no_quota(tmp_path: Path) -> None:
     assert cgroup_quota_cpus(tmp_path) is None
 
 
-def test_wait_policy_defaults_to_passive() -> None:
+def test_wait_policy_defaults_to_a_brief_spin() -> None:
     env: dict[str, str] = {}
     said = apply_wait_policy(env)
-    assert env == {"OMP_WAIT_POLICY": "PASSIVE"}
-    assert "PASSIVE" in said
+    assert env == {"GOMP_SPINCOUNT": str(SPIN_COUNT)}
+    assert f"GOMP_SPINCOUNT={SPIN_COUNT}" in said
 
 
-@pytest.mark.parametrize("name, value", [("OMP_WAIT_POLICY", "ACTIVE"), ("GOMP_SPINCOUNT", "10000"), ("KMP_BLOCKTIME", "0")])
+@pytest.mark.parametrize("name, value", [("OMP_WAIT_POLICY", "PASSIVE"), ("GOMP_SPINCOUNT", "300"), ("KMP_BLOCKTIME", "0")])
 def test_a_wait_policy_the_user_chose_is_kept(name: str, value: str) -> None:
     env = {name: value}
     said = apply_wait_policy(env)
@@ -75,8 +86,82 @@ def test_importing_rill_sets_the_policy_before_torch_loads() -> None:
     import subprocess
     import sys
 
-    code = ("import os; os.environ.pop('OMP_WAIT_POLICY', None); import rill, sys; "
-            "print(os.environ.get('OMP_WAIT_POLICY'), 'torch' in sys.modules)")
+    code = ("import os; import rill, sys; "
+            "print(os.environ.get('GOMP_SPINCOUNT'), 'torch' in sys.modules)")
     env = {k: v for k, v in __import__("os").environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout.split()
-    assert out == ["PASSIVE", "False"]
+    assert out == [str(SPIN_COUNT), "False"]
+
+
+@pytest.mark.parametrize(("other", "current", "expected"), [
+    (0.0, 2, 2), (0.45, 2, 2), (0.67, 2, 1),   # a hog beside two threads holds ~2/3 of a CPU
+    (1.0, 1, 1), (0.4, 1, 1), (0.1, 1, 2),     # back to two only once others drop under 0.3
+    (2.0, 2, 1), (1.6, 4, 2), (0.2, 2, 2),
+])
+def test_threads_for_gives_up_cpus_others_hold_and_takes_them_back(other: float, current: int, expected: int) -> None:
+    usable = max(current, 2)
+    assert threads_for(usable, other, current) == expected
+
+
+def test_busy_seconds_counts_only_the_given_cpus_and_not_idle_or_iowait() -> None:
+    stat = ("cpu  900 0 900 900 900 0 0 0 0 0\n"
+            "cpu0 100 5 20 1000 50 1 2 3 0 0\n"
+            "cpu1 200 0 0 1000 0 0 0 0 0 0\n"
+            "cpu2 7000 0 0 0 0 0 0 0 0 0\n"
+            "intr 1 2 3\n")
+    assert busy_seconds(stat, {0, 1}, 100.0) == pytest.approx((100 + 5 + 20 + 1 + 2 + 3 + 200) / 100)
+
+
+class _Machine:
+    """A fake /proc/stat and process clock: ``run`` advances wall time with given CPU use."""
+
+    def __init__(self) -> None:
+        self.wall = 0.0
+        self.own = 0.0
+        self.busy = [0.0, 0.0]
+        self.applied: list[int] = []
+
+    def run(self, seconds: float, own_per_cpu: tuple[float, float], other_per_cpu: tuple[float, float]) -> None:
+        self.wall += seconds
+        for cpu in (0, 1):
+            self.busy[cpu] += seconds * (own_per_cpu[cpu] + other_per_cpu[cpu])
+        self.own += seconds * sum(own_per_cpu)
+
+    def stat(self) -> str:
+        return "".join(f"cpu{cpu} {round(b * 100)} 0 0 0 0 0 0 0 0 0\n" for cpu, b in enumerate(self.busy))
+
+
+def test_governor_drops_to_one_thread_beside_a_hog_and_returns_after_it() -> None:
+    machine = _Machine()
+    governor = ThreadGovernor(2, {0, 1}, machine.applied.append, read_stat=machine.stat,
+                              own_cpu=lambda: machine.own, clock=lambda: machine.wall, window=0.9)
+    machine.run(0.5, (1.0, 1.0), (0.0, 0.0))
+    governor.tick()  # under a window: no decision yet
+    machine.run(0.6, (1.0, 1.0), (0.0, 0.0))
+    governor.tick()
+    assert machine.applied == [] and governor.current == 2
+    machine.run(1.0, (0.67, 0.67), (0.66, 0.0))  # a hog takes its fair share of three threads
+    governor.tick()
+    assert machine.applied == [1]
+    machine.run(1.0, (1.0, 0.05), (0.0, 0.95))  # one thread, the hog keeps its CPU: stay
+    governor.tick()
+    assert machine.applied == [1]
+    machine.run(1.0, (1.0, 0.05), (0.0, 0.0))  # the hog is gone
+    governor.tick()
+    assert machine.applied == [1, 2] and governor.current == 2
+
+
+def test_governor_counts_this_process_s_own_threads_as_its_own() -> None:
+    machine = _Machine()
+    governor = ThreadGovernor(2, {0, 1}, machine.applied.append, read_stat=machine.stat,
+                              own_cpu=lambda: machine.own, clock=lambda: machine.wall)
+    for _ in range(5):  # both CPUs fully busy, all of it this process (engine, event loop, tokenizer)
+        machine.run(1.0, (1.0, 1.0), (0.0, 0.0))
+        governor.tick()
+    assert machine.applied == []
+
+
+def test_no_governor_when_the_user_fixed_the_count_or_one_thread_is_usable() -> None:
+    two = ThreadChoice(2, "test")
+    assert default_governor(two, 2, lambda n: None) is None
+    assert default_governor(ThreadChoice(1, "test"), None, lambda n: None) is None

@@ -135,7 +135,7 @@ def build_engine(config: EngineConfig, progress: Progress | None = None) -> Engi
     import torch
 
     from rill.engine.runner import TorchModelRunner
-    from rill.engine.threads import default_choice
+    from rill.engine.threads import default_choice, default_governor
     from rill.models.loader import load_model
     from rill.models.tokenizer import Tokenizer
 
@@ -162,7 +162,10 @@ def build_engine(config: EngineConfig, progress: Progress | None = None) -> Engi
             f"--kv-cache-memory {config.kv_cache_memory} holds no sequence of {max_len} tokens "
             f"({row_bytes} bytes each); raise it or lower --max-model-len")
     report(90.0, "allocating KV cache")
-    runner = TorchModelRunner(loaded, num_rows=int(num_rows), max_len=max_len)
+    governor = default_governor(threads, config.num_threads, torch.set_num_threads)
+    runner = TorchModelRunner(loaded, num_rows=int(num_rows), max_len=max_len, thread_governor=governor)
+    if runner.packed_weight_bytes:
+        log.info("weights packed for oneDNN's CPU kernels: +%.0f MiB", runner.packed_weight_bytes / 2**20)
     engine = assemble_engine(
         config, runner, tokenizer,
         name=path.stem if path.is_file() else path.name,

@@ -21,6 +21,8 @@ from typing import Sequence
 import torch
 
 from rill.engine.batch import RowWork, check_work
+from rill.engine.threads import ThreadGovernor
+from rill.models import packed
 from rill.models.attention import PrefillLayout, StepBatch
 from rill.models.loader import LoadedModel
 from rill.models.registry import CausalLM
@@ -35,9 +37,14 @@ class TorchModelRunner:
         kv_bytes_per_token: bytes of keys and values of one token over all layers.
         vocab_size: width of the returned logits.
         kv_capacity_bytes: size of the whole cache.
+        thread_governor: adjusts torch's thread count to other processes' load before each
+            step (``rill.engine.threads``), or None for a fixed count.
+        packed_weight_bytes: memory taken by weights packed for the CPU's GEMM kernels
+            (``rill.models.packed``; 0 where nothing could be packed).
     """
 
-    def __init__(self, loaded_model: LoadedModel, num_rows: int, max_len: int) -> None:
+    def __init__(self, loaded_model: LoadedModel, num_rows: int, max_len: int,
+                 thread_governor: ThreadGovernor | None = None) -> None:
         if num_rows < 1 or max_len < 1:
             raise ValueError(f"num_rows ({num_rows}) and max_len ({max_len}) must be >= 1")
         config = loaded_model.config
@@ -65,6 +72,9 @@ class TorchModelRunner:
         self._windows = sorted(self.model.windows, key=lambda w: -1 if w is None else w)
         self._group = config.num_heads // config.num_kv_heads
         self.model.ensure_rope(max_len)
+        # Serving never trains: pack the projections for the CPU's GEMM kernels once, here.
+        self.packed_weight_bytes = packed.pack_linears(self.model, self.model.lm_weight())
+        self.thread_governor = thread_governor
 
     @torch.inference_mode()
     def forward(self, work: Sequence[RowWork]) -> torch.Tensor:
@@ -77,6 +87,8 @@ class TorchModelRunner:
         if not work:
             return torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
         self._check(work)
+        if self.thread_governor is not None:
+            self.thread_governor.tick()
         decode = [item for item in work if len(item.token_ids) == 1]
         self._place_decode_rows([item.row for item in decode])
         batch = self._build_batch(work, decode)
@@ -147,12 +159,12 @@ class TorchModelRunner:
             logits_index = None  # every token, in packed order: no gather
         else:
             logits_index = torch.tensor(wanted, dtype=torch.long, device=self.device)
-        packed = torch.tensor([ids, positions, rows], dtype=torch.long, device=self.device)
+        flat = torch.tensor([ids, positions, rows], dtype=torch.long, device=self.device)
         decode_len = max((item.start + 1 for item in decode), default=0)
         return StepBatch(
-            input_ids=packed[0],
-            positions=packed[1],
-            write_rows=packed[2],
+            input_ids=flat[0],
+            positions=flat[1],
+            write_rows=flat[2],
             num_decode=len(decode),
             decode_len=decode_len,
             decode_masks=self._decode_masks(decode, decode_len),

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rill.errors import ModelLoadError
+from rill.models import packed
 from rill.models.attention import StepBatch, cached_attention, write_kv
 from rill.models.config import ModelConfig, eos_ids, first_id, generation_defaults, required_sizes, rope_settings
 from rill.models.gguf_loader import metadata_value, rename_tensor, shape_of
@@ -161,7 +162,7 @@ class Gemma3Model(nn.Module):
         return x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(self.norm(x), self.lm_weight())
+        logits = packed.linear(self.norm(x), self.lm_weight())
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 

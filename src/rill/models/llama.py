@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rill.errors import ModelLoadError
+from rill.models import packed
 from rill.models.attention import StepBatch, cached_attention, write_kv
 from rill.models.config import ModelConfig, parse_llama_config
 from rill.models.gguf_loader import metadata_value, rename_tensor, shape_of
@@ -180,7 +181,7 @@ class LlamaModel(nn.Module):
         masks = {window: _window_mask(num_tokens, window, x.device) for window in self.windows}
         for layer in self.layers:
             x = layer(x, cos, sin, masks[layer.window])
-        return F.linear(self.norm(x), self.lm_weight())
+        return packed.linear(self.norm(x), self.lm_weight())
 
     def forward_step(self, batch: StepBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """One cached step; returns float32 logits ``[M, vocab]`` for ``batch.logits_index``.
@@ -196,7 +197,7 @@ class LlamaModel(nn.Module):
             if not batch.logits_index.numel():
                 return x.new_empty((0, self.config.vocab_size), dtype=torch.float32)
             x = x.index_select(0, batch.logits_index)
-        return F.linear(self.norm(x), self.lm_weight()).float()
+        return packed.linear(self.norm(x), self.lm_weight()).float()
 
     def to_hf_state_dict(self) -> dict[str, torch.Tensor]:
         """Return the weights under Hugging Face names (projections unfused), sharing no storage."""

@@ -40,6 +40,10 @@ class CausalLM(Protocol):
         """The distinct attention windows of the layers (None = full attention)."""
         ...
 
+    def lm_weight(self) -> torch.Tensor:
+        """The LM head matrix ``[vocab, hidden]`` (the embedding when tied)."""
+        ...
+
     def ensure_rope(self, length: int) -> None:
         """Make rotary tables cover positions ``[0, length)``."""
         ...

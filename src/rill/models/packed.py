@@ -1,0 +1,86 @@
+"""Linear layers with weights pre-packed for oneDNN's CPU kernels (bf16).
+
+``F.linear`` on a bf16 CPU tensor reaches oneDNN, but with the weight in its plain row-major
+layout oneDNN reorders it into its blocked layout on every call. Packing each weight once
+(``torch.ops.mkldnn._reorder_linear_weight``, the call inductor makes when it freezes a CPU
+graph) removes that reorder. Measured on this 2-core AVX-512-BF16 machine, SmolLM2-135M shapes,
+2 threads: the 49152×576 LM head at one row 1.69 → 0.86 ms, 32 rows 4.09 → 2.16 ms; a
+3072×576 projection at one row 0.100 → 0.045 ms. A whole decode step at B=1 went from 15.0 to
+10.7 ms. Results are bit-identical to ``F.linear`` at every batch size (checked in
+``tests/models/test_packed.py``), so batch invariance and transformers parity are unchanged.
+
+The cost is memory: the packed copy sits beside the original weight, which the cache-free
+forward, ``state_dict`` and the embedding (tied LM heads) keep using.
+
+``pack_linears(model)`` packs every ``nn.Linear`` of a model plus its LM head where the
+device and dtype allow; ``linear(x, weight)`` is ``F.linear`` that uses a weight's packed copy
+when it has one. Imports torch only.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_PACKED = "_rill_packed"
+"""Attribute of a weight ``Parameter`` that holds its packed copy."""
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` can be packed here: bf16 on a CPU whose oneDNN has bf16 kernels."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
+        and weight.dim() == 2
+        and torch.backends.mkldnn.is_available()
+        and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    )
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, through the weight's packed copy when it has one.
+
+    Falls back to ``F.linear`` when autograd needs the weight (packed kernels have no backward).
+    """
+    packed = getattr(weight, _PACKED, None)
+    if packed is None or (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad)):
+        return F.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def pack_weight(weight: torch.Tensor) -> int:
+    """Attach a packed copy to ``weight`` if it can be packed; return the bytes it takes."""
+    if getattr(weight, _PACKED, None) is not None or not can_pack(weight):
+        return 0
+    with torch.no_grad():
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+    setattr(weight, _PACKED, packed)
+    return weight.numel() * weight.element_size()
+
+
+class _PackedForward:
+    """An ``nn.Linear.forward`` replacement that calls ``linear`` on the module's weight."""
+
+    def __init__(self, module: nn.Linear) -> None:
+        self.module = module
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.module.weight, self.module.bias)
+
+
+def pack_linears(model: nn.Module, lm_weight: torch.Tensor | None = None) -> int:
+    """Pack every ``nn.Linear`` in ``model`` and ``lm_weight`` (the LM head matrix); return bytes added.
+
+    A no-op (0) on devices or dtypes without packed kernels. Idempotent.
+    """
+    added = 0
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            size = pack_weight(module.weight)
+            if size:
+                module.forward = _PackedForward(module)  # type: ignore[method-assign]
+            added += size
+    if lm_weight is not None:
+        added += pack_weight(lm_weight)
+    return added

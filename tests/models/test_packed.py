@@ -1,0 +1,75 @@
+"""Weights packed for oneDNN (bf16 on CPU) give exactly ``F.linear``'s results, in every entry point."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rill.engine.batch import RowWork
+from rill.engine.runner import TorchModelRunner
+from rill.models import load_model, packed
+
+needs_packing = pytest.mark.skipif(not packed.can_pack(torch.empty(2, 2, dtype=torch.bfloat16)),
+                                   reason="this CPU's oneDNN has no bf16 kernels")
+
+
+@needs_packing
+@pytest.mark.parametrize("rows", [1, 3, 32])
+def test_packed_linear_is_bit_identical_to_f_linear(rows: int) -> None:
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(96, 64, generator=generator).bfloat16()
+    bias = torch.randn(96, generator=generator).bfloat16()
+    x = torch.randn(rows, 64, generator=generator).bfloat16()
+    expected = F.linear(x, weight, bias)
+    assert packed.pack_weight(weight) == 96 * 64 * 2
+    assert packed.pack_weight(weight) == 0  # idempotent
+    with torch.inference_mode():
+        assert torch.equal(packed.linear(x, weight, bias), expected)
+
+
+def test_float32_weights_are_left_alone() -> None:
+    weight = torch.randn(8, 4)
+    assert packed.pack_weight(weight) == 0
+    assert torch.equal(packed.linear(torch.ones(2, 4), weight), F.linear(torch.ones(2, 4), weight))
+
+
+@needs_packing
+def test_autograd_falls_back_to_f_linear() -> None:
+    weight = torch.randn(8, 4, dtype=torch.bfloat16, requires_grad=True)
+    packed.pack_weight(weight)
+    packed.linear(torch.ones(2, 4, dtype=torch.bfloat16), weight).float().sum().backward()
+    assert weight.grad is not None and weight.grad.shape == (8, 4)
+
+
+@needs_packing
+@pytest.mark.parametrize("case", ["llama-tied", "qwen2", "gemma3"])
+def test_a_packed_runner_gives_the_same_logits_as_plain_weights(checkpoint: Callable[[str], Path], case: str) -> None:
+    folder = checkpoint(case)
+    plain = load_model(folder, dtype="bfloat16")
+    expected_full = plain.model(torch.tensor([[5, 9, 13, 2]]))
+    plain_runner = TorchModelRunner(plain, num_rows=3, max_len=32)
+    # Packing happens in the runner; undo it on the reference so it runs plain F.linear.
+    for module in plain.model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.__dict__.pop("forward", None)
+    for weight in plain.model.parameters():
+        weight.__dict__.pop(packed._PACKED, None)
+    packed_loaded = load_model(folder, dtype="bfloat16")
+    packed_runner = TorchModelRunner(packed_loaded, num_rows=3, max_len=32)
+    assert packed_runner.packed_weight_bytes > 0
+
+    def steps(runner: TorchModelRunner) -> list[torch.Tensor]:
+        out = [runner.forward([RowWork(row=0, start=0, token_ids=[5, 9, 13, 2]),
+                               RowWork(row=1, start=0, token_ids=[7, 3])])]
+        out.append(runner.forward([RowWork(row=0, start=4, token_ids=[11]), RowWork(row=1, start=2, token_ids=[4]),
+                                   RowWork(row=2, start=0, token_ids=[6, 6, 8])]))
+        return out
+
+    for got, expected in zip(steps(packed_runner), steps(plain_runner)):
+        assert torch.equal(got, expected)
+    with torch.inference_mode():
+        assert torch.equal(packed_loaded.model(torch.tensor([[5, 9, 13, 2]])), expected_full)
