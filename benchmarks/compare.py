@@ -37,6 +37,7 @@ import math
 import os
 import shutil
 import socket
+import signal
 import subprocess
 import sys
 import tarfile
@@ -178,8 +179,23 @@ class Server:
     def __enter__(self) -> "Server":
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with self.log.open("w") as out:
-            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env)
+            # Its own process group, so pause/resume reach the workers a server spawns (vLLM's engine core).
+            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env,
+                                         start_new_session=True)
         return self
+
+    def pause(self) -> None:
+        """Stop the whole process group (SIGSTOP), so an idle server takes no CPU from a measured one."""
+        self._signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """Continue a paused process group (SIGCONT); harmless when it runs."""
+        self._signal(signal.SIGCONT)
+
+    def _signal(self, number: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, number)
 
     def wait_ready(self, timeout_s: float) -> None:
         """Poll ``ready_path`` until it answers 200 (the model loaded) or fail."""
@@ -207,6 +223,7 @@ class Server:
 
     def __exit__(self, *exc_info: Any) -> None:
         if self.proc is not None and self.proc.poll() is None:
+            self.resume()
             self.proc.terminate()
             try:
                 self.proc.wait(20)

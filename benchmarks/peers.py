@@ -27,7 +27,8 @@ One command that
    (``rill.bench``'s OpenAI driver: ``/v1/completions`` over SSE, greedy, ``ignore_eos``) in
    interleaved rounds: in every round each concurrency is run on every system, the order of
    systems rotating between rounds, so load that comes and goes on a shared machine hits all
-   of them alike. Prompts are 128 tokens (by each model's tokenizer), 128 new tokens, all
+   of them alike. While one system is measured the others are paused (SIGSTOP to their
+   process groups), so an idle peer's background threads take no CPU from it. Prompts are 128 tokens (by each model's tokenizer), 128 new tokens, all
    different (no shared prefix);
 
 4. prints tokens/s, TTFT and ITL p50/p99 per system with the ratios to rill, each system's
@@ -347,6 +348,10 @@ def run_rounds(systems: list[System], model_dir: Path, args: argparse.Namespace)
         order = live[round_index % len(live):] + live[:round_index % len(live)] if live else []
         for level in args.levels:
             for system in order:
+                for other in live:
+                    if other is not system:
+                        other.server.pause()
+                system.server.resume()
                 prompts = [next(pool) for _ in range(num_requests(level, args))]
                 before = load_average()
                 with Hog(args.hog_procs) if args.hog else contextlib.nullcontext():
@@ -363,6 +368,8 @@ def run_rounds(systems: list[System], model_dir: Path, args: argparse.Namespace)
                     f"TTFT p50 {summary.ttft.p50_ms:7.0f} ms p99 {summary.ttft.p99_ms:7.0f} ms  ITL p50 "
                     f"{summary.itl.p50_ms:6.1f} p99 {summary.itl.p99_ms:7.1f} ms  errors {summary.num_errors}  "
                     f"load {before} -> {after}")
+    for system in live:
+        system.server.resume()
     return results
 
 

@@ -127,6 +127,13 @@ class _Machine:
             self.busy[cpu] += seconds * (own_per_cpu[cpu] + other_per_cpu[cpu])
         self.own += seconds * sum(own_per_cpu)
 
+    def steps(self, governor: ThreadGovernor, seconds: float, own_per_cpu: tuple[float, float],
+              other_per_cpu: tuple[float, float]) -> None:
+        """Engine steps of 0.05 s for ``seconds``, the governor ticking before each."""
+        for _ in range(round(seconds / 0.05)):
+            governor.tick()
+            self.run(0.05, own_per_cpu, other_per_cpu)
+
     def stat(self) -> str:
         return "".join(f"cpu{cpu} {round(b * 100)} 0 0 0 0 0 0 0 0 0\n" for cpu, b in enumerate(self.busy))
 
@@ -134,30 +141,36 @@ class _Machine:
 def test_governor_drops_to_one_thread_beside_a_hog_and_returns_after_it() -> None:
     machine = _Machine()
     governor = ThreadGovernor(2, {0, 1}, machine.applied.append, read_stat=machine.stat,
-                              own_cpu=lambda: machine.own, clock=lambda: machine.wall, window=0.9)
-    machine.run(0.5, (1.0, 1.0), (0.0, 0.0))
-    governor.tick()  # under a window: no decision yet
-    machine.run(0.6, (1.0, 1.0), (0.0, 0.0))
-    governor.tick()
+                              own_cpu=lambda: machine.own, clock=lambda: machine.wall, window=1.0)
+    machine.steps(governor, 3.0, (1.0, 1.0), (0.0, 0.0))
     assert machine.applied == [] and governor.current == 2
-    machine.run(1.0, (0.67, 0.67), (0.66, 0.0))  # a hog takes its fair share of three threads
-    governor.tick()
+    machine.steps(governor, 1.5, (0.67, 0.67), (0.66, 0.0))  # a hog takes its fair share of three threads
     assert machine.applied == [1]
-    machine.run(1.0, (1.0, 0.05), (0.0, 0.95))  # one thread, the hog keeps its CPU: stay
-    governor.tick()
+    machine.steps(governor, 3.0, (1.0, 0.05), (0.0, 0.95))  # one thread, the hog keeps its CPU: stay
     assert machine.applied == [1]
-    machine.run(1.0, (1.0, 0.05), (0.0, 0.0))  # the hog is gone
-    governor.tick()
+    machine.steps(governor, 2.5, (1.0, 0.05), (0.0, 0.0))  # the hog is gone
     assert machine.applied == [1, 2] and governor.current == 2
+
+
+def test_governor_ignores_a_window_in_which_the_engine_sat_idle() -> None:
+    machine = _Machine()
+    governor = ThreadGovernor(2, {0, 1}, machine.applied.append, read_stat=machine.stat,
+                              own_cpu=lambda: machine.own, clock=lambda: machine.wall, window=1.0)
+    machine.steps(governor, 0.5, (1.0, 1.0), (0.0, 0.0))
+    machine.run(30.0, (0.0, 0.0), (1.0, 1.0))  # no steps while others used both CPUs
+    machine.steps(governor, 3.0, (1.0, 1.0), (0.0, 0.0))
+    assert machine.applied == []
+    machine.run(30.0, (0.0, 0.0), (1.0, 1.0))
+    machine.steps(governor, 1.5, (0.67, 0.67), (0.66, 0.0))  # contention after the idle spell still counts
+    assert machine.applied == [1]
 
 
 def test_governor_counts_this_process_s_own_threads_as_its_own() -> None:
     machine = _Machine()
     governor = ThreadGovernor(2, {0, 1}, machine.applied.append, read_stat=machine.stat,
                               own_cpu=lambda: machine.own, clock=lambda: machine.wall)
-    for _ in range(5):  # both CPUs fully busy, all of it this process (engine, event loop, tokenizer)
-        machine.run(1.0, (1.0, 1.0), (0.0, 0.0))
-        governor.tick()
+    # Both CPUs fully busy, all of it this process (engine, event loop, tokenizer).
+    machine.steps(governor, 5.0, (1.0, 1.0), (0.0, 0.0))
     assert machine.applied == []
 
 

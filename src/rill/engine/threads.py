@@ -190,20 +190,32 @@ class ThreadGovernor:
         self._window = window
         self._ticks = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
         self._last = self._sample()
+        self._last_tick = self._last[0]
 
     def _sample(self) -> tuple[float, float, float]:
         return self._clock(), busy_seconds(self._read_stat(), self._cpus, self._ticks), self._own_cpu()
 
     def tick(self) -> None:
-        """Re-decide the thread count if a window has passed since the last decision."""
-        if self._clock() - self._last[0] < self._window:
+        """Re-decide the thread count if a window has passed since the last decision.
+
+        A window in which the engine sat idle (no tick for longer than a window) is dropped,
+        not judged: what others ran while this process had no work says nothing about
+        contention, and judging it would start the next burst of work with too few threads.
+        """
+        now = self._clock()
+        idle = now - self._last_tick > self._window
+        self._last_tick = now
+        if idle:
+            self._last = self._sample()
+            return
+        if now - self._last[0] < self._window:
             return
         then, (now, busy, own) = self._last, self._sample()
         self._last = (now, busy, own)
         other = max(0.0, (busy - then[1]) - (own - then[2])) / max(now - then[0], 1e-9)
         target = threads_for(self.usable, other, self.current)
         if target != self.current:
-            log.info("engine threads %d -> %d: other processes keep %.2f of this process's %d CPUs busy",
+            log.warning("engine threads %d -> %d: other processes keep %.2f of this process's %d CPUs busy",
                      self.current, target, other, len(self._cpus))
             self.current = target
             self._set_threads(target)
