@@ -133,6 +133,7 @@ class _Machine:
         for _ in range(round(seconds / 0.05)):
             governor.tick()
             self.run(0.05, own_per_cpu, other_per_cpu)
+            governor.stepped()
 
     def stat(self) -> str:
         return "".join(f"cpu{cpu} {round(b * 100)} 0 0 0 0 0 0 0 0 0\n" for cpu, b in enumerate(self.busy))
@@ -162,6 +163,18 @@ def test_governor_ignores_a_window_in_which_the_engine_sat_idle() -> None:
     assert machine.applied == []
     machine.run(30.0, (0.0, 0.0), (1.0, 1.0))
     machine.steps(governor, 1.5, (0.67, 0.67), (0.66, 0.0))  # contention after the idle spell still counts
+    assert machine.applied == [1]
+
+
+def test_a_long_step_is_work_not_idleness() -> None:
+    machine = _Machine()
+    governor = ThreadGovernor(2, {0, 1}, machine.applied.append, read_stat=machine.stat,
+                              own_cpu=lambda: machine.own, clock=lambda: machine.wall, window=0.5)
+    machine.steps(governor, 0.5, (1.0, 1.0), (0.0, 0.0))
+    governor.tick()
+    machine.run(2.0, (0.67, 0.67), (0.66, 0.0))  # one 2-second prefill step beside a hog
+    governor.stepped()
+    governor.tick()
     assert machine.applied == [1]
 
 

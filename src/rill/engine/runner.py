@@ -95,6 +95,8 @@ class TorchModelRunner:
         logits = self.model.forward_step(batch, self._caches)
         for item in work:
             self._lengths[item.row] = item.start + len(item.token_ids)
+        if self.thread_governor is not None:
+            self.thread_governor.stepped()
         return logits
 
     def copy_row(self, src: int, dst: int, num_tokens: int) -> None:

@@ -163,7 +163,7 @@ class ThreadGovernor:
     """Adjusts torch's thread count to the CPUs other processes leave free (see the module doc).
 
     ``tick()`` runs in the engine thread before each step (the thread count is that thread's
-    OpenMP setting). Every ``window`` seconds it compares the busy time of this process's CPUs
+    OpenMP setting) and ``stepped()`` after it. Every ``window`` seconds it compares the busy time of this process's CPUs
     with this process's own CPU time; the difference is what others used.
 
     Args:
@@ -179,7 +179,7 @@ class ThreadGovernor:
     def __init__(self, usable: int, cpus: set[int], set_threads: Callable[[int], None],
                  read_stat: Callable[[], str] = lambda: Path("/proc/stat").read_text(),
                  own_cpu: Callable[[], float] = time.process_time,
-                 clock: Callable[[], float] = time.monotonic, window: float = 1.0) -> None:
+                 clock: Callable[[], float] = time.monotonic, window: float = 0.5) -> None:
         self.usable = usable
         self.current = usable
         self._cpus = cpus
@@ -190,22 +190,25 @@ class ThreadGovernor:
         self._window = window
         self._ticks = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
         self._last = self._sample()
-        self._last_tick = self._last[0]
+        self._last_step_end = self._last[0]
 
     def _sample(self) -> tuple[float, float, float]:
         return self._clock(), busy_seconds(self._read_stat(), self._cpus, self._ticks), self._own_cpu()
 
+    def stepped(self) -> None:
+        """Note the end of a step (a long step is work, not idleness)."""
+        self._last_step_end = self._clock()
+
     def tick(self) -> None:
         """Re-decide the thread count if a window has passed since the last decision.
 
-        A window in which the engine sat idle (no tick for longer than a window) is dropped,
+        A window in which the engine sat idle (longer than a window between the end of one
+        step, ``stepped()``, and this call) is dropped,
         not judged: what others ran while this process had no work says nothing about
         contention, and judging it would start the next burst of work with too few threads.
         """
         now = self._clock()
-        idle = now - self._last_tick > self._window
-        self._last_tick = now
-        if idle:
+        if now - self._last_step_end > self._window:
             self._last = self._sample()
             return
         if now - self._last[0] < self._window:
