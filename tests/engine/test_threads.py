@@ -162,7 +162,7 @@ def test_governor_ignores_a_window_in_which_the_engine_sat_idle() -> None:
     machine.steps(governor, 3.0, (1.0, 1.0), (0.0, 0.0))
     assert machine.applied == []
     machine.run(30.0, (0.0, 0.0), (1.0, 1.0))
-    machine.steps(governor, 1.5, (0.67, 0.67), (0.66, 0.0))  # contention after the idle spell still counts
+    machine.steps(governor, 0.3, (0.67, 0.67), (0.66, 0.0))  # contention after the idle spell: a short first window
     assert machine.applied == [1]
 
 

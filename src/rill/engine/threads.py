@@ -159,6 +159,11 @@ def busy_seconds(stat_text: str, cpus: set[int], ticks_per_second: float) -> flo
     return total / ticks_per_second
 
 
+FIRST_WINDOW_S = 0.2
+"""The first window after idleness: /proc/stat counts in 10 ms ticks, so 0.2 s over 2 CPUs
+still resolves others' use to about 0.05 CPU."""
+
+
 class ThreadGovernor:
     """Adjusts torch's thread count to the CPUs other processes leave free (see the module doc).
 
@@ -191,6 +196,7 @@ class ThreadGovernor:
         self._ticks = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
         self._last = self._sample()
         self._last_step_end = self._last[0]
+        self._span = self._window  # seconds the current window must last before a decision
 
     def _sample(self) -> tuple[float, float, float]:
         return self._clock(), busy_seconds(self._read_stat(), self._cpus, self._ticks), self._own_cpu()
@@ -203,23 +209,26 @@ class ThreadGovernor:
         """Re-decide the thread count if a window has passed since the last decision.
 
         A window in which the engine sat idle (longer than a window between the end of one
-        step, ``stepped()``, and this call) is dropped,
-        not judged: what others ran while this process had no work says nothing about
-        contention, and judging it would start the next burst of work with too few threads.
+        step, ``stepped()``, and this call) is dropped, not judged: what others ran while
+        this process had no work says nothing about contention now, and judging it would
+        start the next burst of work with too few threads. The first window after idleness
+        is short (``FIRST_WINDOW_S``), so a hog that came meanwhile costs little.
         """
         now = self._clock()
         if now - self._last_step_end > self._window:
             self._last = self._sample()
+            self._span = min(self._window, FIRST_WINDOW_S)
             return
-        if now - self._last[0] < self._window:
+        if now - self._last[0] < self._span:
             return
         then, (now, busy, own) = self._last, self._sample()
         self._last = (now, busy, own)
+        self._span = self._window
         other = max(0.0, (busy - then[1]) - (own - then[2])) / max(now - then[0], 1e-9)
         target = threads_for(self.usable, other, self.current)
         if target != self.current:
             log.warning("engine threads %d -> %d: other processes keep %.2f of this process's %d CPUs busy",
-                     self.current, target, other, len(self._cpus))
+                        self.current, target, other, len(self._cpus))
             self.current = target
             self._set_threads(target)
 
