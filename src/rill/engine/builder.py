@@ -145,6 +145,9 @@ def build_engine(config: EngineConfig, progress: Progress | None = None) -> Engi
     import rill
 
     log.info("engine threads: %d (%s); OpenMP wait policy: %s", threads.num_threads, threads.reason, rill.WAIT_POLICY)
+    from rill.engine.allocator import tune_allocator
+
+    log.info(tune_allocator())
     path = _model_path(config.model, report)
     report(60.0, "loading weights")
     # Weights first: load_model names a missing folder, config or architecture best.

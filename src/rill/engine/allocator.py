@@ -1,0 +1,56 @@
+"""Keep freed activation memory in the process instead of handing it back to the OS each step.
+
+A prefill step allocates and frees many activation tensors of a few megabytes each
+(``[4096, 576]`` bf16 is 4.7 MB). glibc's malloc serves blocks that large with ``mmap`` and
+returns them with ``munmap`` when freed (its mmap threshold starts at 128 KiB and grows only
+with what it has seen), and it trims the heap's top above 128 KiB of free space; so the next
+tensor of that size is fresh memory again, and every page of it faults and is zeroed by the
+kernel before an element is written. Measured on the runner alone, SmolLM2-135M bf16, one
+prefill step of 32 prompts × 128 tokens: 1,847 ms with glibc's defaults, 1,353 ms with the
+thresholds below (1,361 ms with tcmalloc preloaded, which vLLM's CPU build does); RMS norms
+154 → 57 ms and RoPE 92 → 36 ms of it. Decode steps, whose tensors are small, are unchanged.
+
+The cost is resident memory: what a step frees stays in the process for the next step, up to
+the largest step's working set.
+
+``tune_allocator()`` applies the thresholds with ``mallopt`` (glibc only; a no-op elsewhere).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import sys
+
+log = logging.getLogger("rill.engine")
+
+_M_TRIM_THRESHOLD = -1
+_M_TOP_PAD = -2
+_M_MMAP_THRESHOLD = -3
+
+MMAP_THRESHOLD_BYTES = 32 * 2**20
+"""Blocks below this come from the heap, not a fresh mapping (glibc's maximum on 64-bit)."""
+TRIM_THRESHOLD_BYTES = 1024 * 2**20
+"""Free space at the heap's top kept before any is returned to the OS."""
+TOP_PAD_BYTES = 64 * 2**20
+"""Extra space requested whenever the heap grows, so growth happens rarely."""
+
+
+def tune_allocator() -> str:
+    """Set glibc's malloc thresholds for step-sized tensors; return what was done (for the log)."""
+    if not sys.platform.startswith("linux"):
+        return "allocator: left alone (not Linux)"
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return "allocator: left alone (no glibc mallopt)"
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    mallopt.restype = ctypes.c_int
+    mmap_ok = mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+    trim_ok = mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
+    pad_ok = mallopt(_M_TOP_PAD, TOP_PAD_BYTES)
+    if not (mmap_ok and trim_ok and pad_ok):
+        return "allocator: glibc refused some malloc thresholds"
+    return "allocator: glibc keeps freed step memory (mmap threshold, trim threshold and top pad raised)"
