@@ -108,6 +108,7 @@ def test_busy_seconds_counts_only_the_given_cpus_and_not_idle_or_iowait() -> Non
             "cpu0 100 5 20 1000 50 1 2 3 0 0\n"
             "cpu1 200 0 0 1000 0 0 0 0 0 0\n"
             "cpu2 7000 0 0 0 0 0 0 0 0 0\n"
+            "cpufreq 1 2 3\n"
             "intr 1 2 3\n")
     assert busy_seconds(stat, {0, 1}, 100.0) == pytest.approx((100 + 5 + 20 + 1 + 2 + 3 + 200) / 100)
 
@@ -185,6 +186,22 @@ def test_governor_counts_this_process_s_own_threads_as_its_own() -> None:
     # Both CPUs fully busy, all of it this process (engine, event loop, tokenizer).
     machine.steps(governor, 5.0, (1.0, 1.0), (0.0, 0.0))
     assert machine.applied == []
+
+
+def test_an_unreadable_proc_stat_stops_the_governor_not_the_engine() -> None:
+    machine = _Machine()
+    reads = iter([machine.stat()])
+
+    def flaky_stat() -> str:
+        text = next(reads, None)
+        if text is None:
+            raise OSError("gone")
+        return text
+
+    governor = ThreadGovernor(2, {0, 1}, machine.applied.append, read_stat=flaky_stat,
+                              own_cpu=lambda: machine.own, clock=lambda: machine.wall)
+    machine.steps(governor, 3.0, (0.67, 0.67), (0.66, 0.0))  # no exception escapes a tick
+    assert machine.applied == [] and governor.current == 2
 
 
 def test_no_governor_when_the_user_fixed_the_count_or_one_thread_is_usable() -> None:

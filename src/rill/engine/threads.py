@@ -152,7 +152,7 @@ def busy_seconds(stat_text: str, cpus: set[int], ticks_per_second: float) -> flo
     total = 0
     for line in stat_text.splitlines():
         name, _, rest = line.partition(" ")
-        if not name.startswith("cpu") or name == "cpu" or int(name[3:]) not in cpus:
+        if not (name.startswith("cpu") and name[3:].isdigit()) or int(name[3:]) not in cpus:
             continue
         fields = [int(field) for field in rest.split()]
         total += sum(fields[:8]) - fields[3] - fields[4]  # user..steal, minus idle and iowait
@@ -197,6 +197,7 @@ class ThreadGovernor:
         self._last = self._sample()
         self._last_step_end = self._last[0]
         self._span = self._window  # seconds the current window must last before a decision
+        self._broken = False
 
     def _sample(self) -> tuple[float, float, float]:
         return self._clock(), busy_seconds(self._read_stat(), self._cpus, self._ticks), self._own_cpu()
@@ -214,6 +215,15 @@ class ThreadGovernor:
         start the next burst of work with too few threads. The first window after idleness
         is short (``FIRST_WINDOW_S``), so a hog that came meanwhile costs little.
         """
+        if self._broken:
+            return
+        try:
+            self._decide()
+        except (OSError, ValueError, IndexError) as exc:  # /proc unreadable or changed: keep the count
+            self._broken = True
+            log.warning("engine thread governor stopped (%s); keeping %d threads", exc, self.current)
+
+    def _decide(self) -> None:
         now = self._clock()
         if now - self._last_step_end > self._window:
             self._last = self._sample()
