@@ -156,17 +156,11 @@ def build_engine(config: EngineConfig, progress: Progress | None = None) -> Engi
     # A GGUF file carries its tokenizer; a folder has tokenizer.json beside the weights.
     tokenizer = loaded.tokenizer or Tokenizer.from_folder(path)
     mc = loaded.config
-    max_len = min(config.max_model_len or min(mc.max_context_tokens, DEFAULT_MAX_CONTEXT), mc.max_context_tokens)
-    budget = parse_size(config.kv_cache_memory, "kv_cache_memory")
-    row_bytes = mc.kv_bytes_per_token() * max_len
-    num_rows = min(budget // row_bytes, config.max_num_seqs + max(8, config.max_num_seqs // 2))
-    if num_rows < 1:
-        raise ModelLoadError(
-            f"--kv-cache-memory {config.kv_cache_memory} holds no sequence of {max_len} tokens "
-            f"({row_bytes} bytes each); raise it or lower --max-model-len")
+    max_len = _max_len(config, mc)
+    num_rows = _cache_rows(config, mc.kv_bytes_per_token(), max_len)
     report(90.0, "allocating KV cache")
     governor = default_governor(threads, config.num_threads, torch.set_num_threads)
-    runner = TorchModelRunner(loaded, num_rows=int(num_rows), max_len=max_len, thread_governor=governor)
+    runner = TorchModelRunner(loaded, num_rows=num_rows, max_len=max_len, thread_governor=governor)
     if runner.packed_weight_bytes:
         log.info("weights packed for oneDNN's CPU kernels: +%.0f MiB", runner.packed_weight_bytes / 2**20)
     engine = assemble_engine(
@@ -196,8 +190,12 @@ def _build_llamacpp_engine(config: EngineConfig, progress: Progress | None) -> E
     checkpoint = read_gguf(file)
     mc = parse_config(checkpoint.hf_config, checkpoint.generation_config, source=str(file))
     tokenizer = checkpoint.tokenizer()
-    max_len = min(config.max_model_len or min(mc.max_context_tokens, DEFAULT_MAX_CONTEXT), mc.max_context_tokens)
-    num_rows = _llamacpp_cache_rows(config, mc, max_len)
+    import torch
+
+    from rill.engine.llamacpp_runner import MAX_SEQUENCES
+
+    max_len = _max_len(config, mc)
+    num_rows = _cache_rows(config, mc.kv_bytes_per_token(torch.float16), max_len, limit=MAX_SEQUENCES)  # F16 cache
     report(30.0, "loading the model into llama.cpp")
     runner = LlamaCppRunner(file, num_rows=num_rows, max_len=max_len, num_threads=threads.num_threads,
                             batch_tokens=min(config.max_num_batched_tokens, 2048))
@@ -228,16 +226,24 @@ def _gguf_file(model: str | None) -> tuple[Path, str]:
     return file, file.stem
 
 
-def _llamacpp_cache_rows(config: EngineConfig, mc: ModelConfig, max_len: int) -> int:
-    """How many sequences of ``max_len`` tokens llama.cpp's F16 cache holds within
-    ``--kv-cache-memory`` (a few more than ``--max-num-seqs``, at most llama.cpp's limit)."""
-    import torch
+def _max_len(config: EngineConfig, mc: ModelConfig) -> int:
+    """Tokens per sequence: ``--max-model-len``, else the model's context up to
+    ``DEFAULT_MAX_CONTEXT``; never more than the model's context."""
+    return min(config.max_model_len or min(mc.max_context_tokens, DEFAULT_MAX_CONTEXT), mc.max_context_tokens)
 
-    from rill.engine.llamacpp_runner import MAX_SEQUENCES
 
+def _cache_rows(config: EngineConfig, kv_bytes_per_token: int, max_len: int, limit: int | None = None) -> int:
+    """How many sequences of ``max_len`` tokens fit in ``--kv-cache-memory``: a few more than
+    ``--max-num-seqs`` (room for cached prefixes and beams), at most ``limit``.
+
+    Raises:
+        ModelLoadError: not even one sequence fits.
+    """
     budget = parse_size(config.kv_cache_memory, "kv_cache_memory")
-    row_bytes = mc.kv_bytes_per_token(torch.float16) * max_len
-    num_rows = min(budget // row_bytes, config.max_num_seqs + max(8, config.max_num_seqs // 2), MAX_SEQUENCES)
+    row_bytes = kv_bytes_per_token * max_len
+    num_rows = min(budget // row_bytes, config.max_num_seqs + max(8, config.max_num_seqs // 2))
+    if limit is not None:
+        num_rows = min(num_rows, limit)
     if num_rows < 1:
         raise ModelLoadError(
             f"--kv-cache-memory {config.kv_cache_memory} holds no sequence of {max_len} tokens "
