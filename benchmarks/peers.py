@@ -243,17 +243,22 @@ class System:
         self.model = "default"  # the name its /v1/models gives, once started
 
 
+def rill_serve_cmd(model: Path, port: int, max_seqs: int, context: int, *extra: str) -> list[str]:
+    """``rill serve`` on loopback with only HTTP listening (no Unix socket, no gRPC), room for
+    ``max_seqs`` streams of ``context`` tokens and a deep queue; ``extra`` flags appended."""
+    return [sys.executable, "-m", "rill", "serve", "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
+            "--max-num-seqs", str(max_seqs), "--max-queue", "4096", "--max-model-len", str(context),
+            "--no-socket", "--grpc-port", "0", "--log-level", "warning", *extra]
+
+
 def make_system(name: str, model_dir: Path, args: argparse.Namespace, out: Path) -> System:
     """Build the command and environment of ``name`` on ``model_dir`` (installing it if needed)."""
     port = free_port()
     log = out / f"{name}-{model_dir.name}.log"
     max_seqs = max(args.levels)
     if name in ("rill", "rill-t1"):
-        cmd = [sys.executable, "-m", "rill", "serve", "--model", str(model_dir), "--dtype", "bfloat16",
-               "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", str(max_seqs), "--max-queue", "4096",
-               "--max-model-len", str(args.context), "--no-socket", "--grpc-port", "0", "--log-level", "warning"]
-        if name == "rill-t1":
-            cmd += ["--num-threads", "1"]
+        cmd = rill_serve_cmd(model_dir, port, max_seqs, args.context, "--dtype", "bfloat16",
+                             *(["--num-threads", "1"] if name == "rill-t1" else []))
         env = {**os.environ, "HF_HUB_OFFLINE": "1"}
         return System(name, Server(name, cmd, port, log, "/health", env), " ".join(cmd[2:]))
     if name == "rill-llamacpp":
@@ -262,9 +267,7 @@ def make_system(name: str, model_dir: Path, args: argparse.Namespace, out: Path)
         except ImportError as exc:
             raise PeerUnavailable("the llama.cpp runner needs the llamacpp extra: make setup-llamacpp") from exc
         gguf = ensure_gguf(model_dir, "bf16")  # the file llama-server serves
-        cmd = [sys.executable, "-m", "rill", "serve", "--model", str(gguf), "--runner", "llamacpp",
-               "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", str(max_seqs), "--max-queue", "4096",
-               "--max-model-len", str(args.context), "--no-socket", "--grpc-port", "0", "--log-level", "warning"]
+        cmd = rill_serve_cmd(gguf, port, max_seqs, args.context, "--runner", "llamacpp")
         env = {**os.environ, "HF_HUB_OFFLINE": "1"}
         return System(name, Server(name, cmd, port, log, "/health", env), " ".join(cmd[2:]))
     if name == "llama-server":

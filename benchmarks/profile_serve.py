@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -35,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare import Server, free_port  # noqa: E402
-from peers import exact_prompts, load_average, model_folder  # noqa: E402
+from peers import exact_prompts, load_average, model_folder, rill_serve_cmd  # noqa: E402
 
 from rill.bench.drivers import Options, Target  # noqa: E402
 from rill.bench.runner import measure  # noqa: E402
@@ -134,13 +135,12 @@ def breakdown(raw: Path, cpu_before: dict[int, float], cpu_after: dict[int, floa
 # --------------------------------------------------------------------------- the two kinds of run
 
 ENGINE_CHILD = r"""
-import json, sys, time
+import json, sys
 sys.path.insert(0, sys.argv[1])
 from engine import run_rill
 from rill.config import EngineConfig
 from rill.engine.builder import build_engine
-from rill.models.tokenizer import Tokenizer
-folder, prompts_file, new_tokens, max_seqs = sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+folder, new_tokens, max_seqs = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 engine = build_engine(EngineConfig(model=folder, dtype="bfloat16", max_model_len=512, max_num_seqs=max_seqs))
 tok = engine.tokenizer
 run_rill(engine, [tok.encode("warm up the engine please", add_special_tokens=False)] * 2, 4, mixed=False)
@@ -159,15 +159,13 @@ def spy(pid: int, out: Path, rate: int) -> subprocess.Popen:
 
 
 def stop_spy(proc: subprocess.Popen) -> None:
-    proc.send_signal(2)
+    proc.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
     proc.wait(60)
 
 
 def run_http(model_dir: Path, levels: list[int], prompts: dict[int, list[str]], args: argparse.Namespace) -> dict:
     port = free_port()
-    cmd = [sys.executable, "-m", "rill", "serve", "--model", str(model_dir), "--dtype", "bfloat16", "--host", "127.0.0.1",
-           "--port", str(port), "--max-num-seqs", str(max(levels)), "--max-queue", "4096", "--max-model-len", "512",
-           "--no-socket", "--grpc-port", "0", "--log-level", "warning", *args.serve_args.split()]
+    cmd = rill_serve_cmd(model_dir, port, max(levels), 512, "--dtype", "bfloat16", *args.serve_args.split())
     results = {}
     with Server("rill", cmd, port, args.out / "profile-serve.log", "/health") as server:
         server.wait_ready(300)
@@ -196,7 +194,7 @@ def run_http(model_dir: Path, levels: list[int], prompts: dict[int, list[str]], 
 
 def run_engine(model_dir: Path, levels: list[int], prompts: dict[int, list[str]], args: argparse.Namespace) -> dict:
     child = subprocess.Popen([sys.executable, "-c", ENGINE_CHILD, str(Path(__file__).resolve().parent), str(model_dir),
-                              "-", str(args.max_tokens), str(max(levels))], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              str(args.max_tokens), str(max(levels))], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              text=True)
     results = {}
     try:
@@ -257,8 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     levels = [int(x) for x in args.concurrency.split(",")]
     model_dir = model_folder(args.model)
     pool = exact_prompts(model_dir, 2 * sum(levels), args.prompt_tokens, seed=7)
-    prompts_http = {n: pool[sum(levels[:i]):sum(levels[:i]) + n] for i, n in enumerate(levels)}
-    prompts_engine = {n: pool[sum(levels) + sum(levels[:i]):sum(levels) + sum(levels[:i]) + n] for i, n in enumerate(levels)}
+    fresh = iter(pool)  # every run its own prompts: the prefix cache answers none of them
+    prompts_http = {n: [next(fresh) for _ in range(n)] for n in levels}
+    prompts_engine = {n: [next(fresh) for _ in range(n)] for n in levels}
     print(f"model {model_dir}, load average {load_average()}", flush=True)
     http = {} if args.only == "engine" else run_http(model_dir, levels, prompts_http, args)
     engine = {} if args.only == "http" else run_engine(model_dir, levels, prompts_engine, args)

@@ -14,33 +14,25 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
+import sys
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine import run_rill  # noqa: E402  (benchmarks/ is not a package)
+
 from rill.config import EngineConfig  # noqa: E402
 from rill.engine.builder import build_engine  # noqa: E402
-from rill.engine.request import AddCommand, Request  # noqa: E402
-from rill.types import SamplingParams  # noqa: E402
 
 
 def run_row(engine, concurrency: int, prompt_len: int, new_tokens: int, tag: int) -> tuple[float, float]:
-    """Run ``concurrency`` requests at once; return (output tokens/s, seconds)."""
+    """Run ``concurrency`` requests at once (``engine.py``'s ``run_rill``); return (output tokens/s, seconds)."""
     base = engine.tokenizer.encode("The history of the city begins with a small settlement by the river, and ")
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True).validate()
-    requests = []
-    for i in range(concurrency):
-        ids = ([tag, i] + base * (prompt_len // len(base) + 1))[:prompt_len]  # distinct: no prefix reuse
-        requests.append(Request(request_id=f"{tag}-{i}", prompt_ids=ids, params=params,
-                                eos_token_ids=engine.eos_token_ids, arrival_time=0.0, seq_no=0))
-    start = time.perf_counter()
-    for request in requests:
-        engine.core.apply(AddCommand(request))
-    generated = 0
-    while engine.core.has_work():
-        generated += sum(len(out.token_ids) for out in engine.core.step())
-    elapsed = time.perf_counter() - start
-    return generated / elapsed, elapsed
+    # Distinct prompts (led by the tag and index): no prefix reuse between them or across rows.
+    prompts = [([tag, i] + base * (prompt_len // len(base) + 1))[:prompt_len] for i in range(concurrency)]
+    figures = run_rill(engine, prompts, new_tokens, mixed=False)
+    return figures.tokens_per_s, figures.wall_s
 
 
 def main() -> None:

@@ -56,11 +56,7 @@ from rill.protocols.openai_http.chat_messages import (  # reachable as codec.X, 
     template_messages,
     template_tools,
 )
-from rill.protocols.openai_http.constraints import (  # forced_tool, response_format: reachable as codec.X
-    check_formats,
-    forced_tool,
-    response_format,
-)
+from rill.protocols.openai_http.constraints import check_formats, response_format
 from rill.types import GenerateRequest, SamplingParams, check_template_kwargs
 
 PROTOCOL = "openai_http"
