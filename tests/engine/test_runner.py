@@ -125,6 +125,27 @@ def test_decode_set_changes_swap_rows_without_loss(loaded) -> None:
             lengths[row] += 1
 
 
+@pytest.mark.parametrize("budget", [1, 40, 8192])
+def test_warm_up_leaves_the_runner_as_new(loaded, budget: int) -> None:
+    """After ``warm_up`` every step computes exactly what a fresh runner computes, cache
+    contents included: a swap copy, a prefix copy and decodes past the warmed positions."""
+    warmed, fresh = _runner(loaded), _runner(loaded)
+    tokens, prefill_s, decode_s = warmed.warm_up(budget)
+    # The prompt is spread over the rows, each under the row length, as a wave of requests.
+    assert 1 <= tokens <= min(budget, warmed.num_rows * (warmed.max_len - 1)) and prefill_s > 0 and decode_s > 0
+    assert bool((warmed._kv == 0).all())
+    for runner in (warmed, fresh):
+        _prime(runner)
+        runner.copy_row(0, 5, 13)
+    steps = [
+        [RowWork(row=5, token_ids=[11], start=13), RowWork(row=1, token_ids=[12], start=4)],
+        [RowWork(row=2, token_ids=_prompt(9, 4), start=6), RowWork(row=0, token_ids=[3], start=13)],
+        [RowWork(row=r, token_ids=[r + 1], start=s) for r, s in [(0, 14), (1, 5), (2, 15), (5, 14)]],
+    ]
+    for step in steps:
+        assert torch.equal(warmed.forward(step), fresh.forward(step))
+
+
 def test_invalid_work_is_refused(loaded) -> None:
     runner = _runner(loaded, num_rows=2, max_len=8)
     with pytest.raises(ValueError, match="scheduled twice"):

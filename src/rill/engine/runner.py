@@ -16,6 +16,7 @@ The model is any ``rill.models.registry.CausalLM`` (every registered family). Im
 
 from __future__ import annotations
 
+import time
 from typing import Sequence
 
 import torch
@@ -98,6 +99,39 @@ class TorchModelRunner:
         if self.thread_governor is not None:
             self.thread_governor.stepped()
         return logits
+
+    def warm_up(self, num_tokens: int) -> tuple[int, float, float]:
+        """Run a prefill step of up to ``num_tokens`` tokens and a decode step, then forget them.
+
+        The first step of a new shape class pays for first-touch page faults and the kernels'
+        own set-up: a fresh 32 x 128-token prefill of the 100M model took 1.21 s against 0.92 s
+        for the next one. Paying that here, before the server reports ready, keeps it off the
+        first requests. The prompt is spread over as many rows as a wave of requests would use
+        (each at most ``max_len``); afterwards the written cache region is zeroed again and every
+        row is empty, as on a fresh runner, so later steps compute exactly what they would have.
+
+        Returns:
+            the prefill's tokens, and the prefill's and the decode's seconds.
+        """
+        per_row = min(self.max_len - 1, max(1, -(-num_tokens // self.num_rows)))
+        if per_row < 1:
+            return 0, 0.0, 0.0
+        num_rows = min(self.num_rows, max(1, num_tokens // per_row))
+        vocab = self.vocab_size
+        prefill = [RowWork(row, [(row * 7919 + i * 104729) % vocab for i in range(per_row)], 0, need_logits=True)
+                   for row in range(num_rows)]
+        decode = [RowWork(row, [(row * 31) % vocab], per_row) for row in range(num_rows)]
+        try:
+            started = time.perf_counter()
+            self.forward(prefill)
+            prefilled = time.perf_counter()
+            self.forward(decode)
+            decoded = time.perf_counter()
+        finally:
+            with torch.inference_mode():
+                self._kv[:, :, :, :, : per_row + 1].zero_()
+            self._lengths = [0] * self.num_rows
+        return num_rows * per_row, prefilled - started, decoded - prefilled
 
     def copy_row(self, src: int, dst: int, num_tokens: int) -> None:
         """Copy positions ``[0, num_tokens)`` of logical row ``src`` into logical row ``dst``."""
