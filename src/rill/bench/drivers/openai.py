@@ -40,9 +40,12 @@ class Driver:
         """Create the connection pool and find the model name (``GET /v1/models``) if not given."""
         headers = {"Authorization": f"Bearer {self.target.api_key}"} if self.target.api_key else {}
         # No pool limit: the runner bounds concurrency; a pool cap would queue requests
-        # inside the client and hide that time from TTFT. No client timeout: the runner has one.
+        # inside the client and hide that time from TTFT. A connection per request: servers
+        # that close a streamed response's connection (llama-server) would otherwise fail
+        # the next request that picks it from the pool ("Server disconnected"). No client
+        # timeout: the runner has one.
         self._http = aiohttp.ClientSession(base_url=self.target.http_url, headers=headers,
-                                           connector=aiohttp.TCPConnector(limit=0),
+                                           connector=aiohttp.TCPConnector(limit=0, force_close=True),
                                            timeout=aiohttp.ClientTimeout(total=None))
         if self.model is None:
             try:
