@@ -55,6 +55,11 @@ class EngineClient(Protocol):
         """True once the model is loaded and the engine thread runs."""
         ...
 
+    def require_model(self) -> ModelInfo:
+        """The served model's facts; raises ``ModelNotReady`` while loading and ``EngineDead``
+        after a failed load or once the engine has stopped (the one readiness check of requests)."""
+        ...
+
     def load_progress(self) -> tuple[float, float | None]:
         """Loading progress in percent (0–100) and the estimated seconds left (None if unknown)."""
         ...

@@ -215,13 +215,22 @@ class InprocClient:
         engine = self._require_engine()
         return await self._admission.detokenize(engine.tokenizer, token_ids, engine.model_info)
 
+    def require_model(self) -> ModelInfo:
+        """The served model's facts, or the error a request must get now.
+
+        Raises:
+            ModelNotReady: the model is still loading (retry later).
+            EngineDead: the model failed to load, or the engine has stopped (it never will be ready).
+        """
+        return self._require_engine().model_info
+
     def _require_engine(self) -> Engine:
         if self._is_dead:
-            raise EngineDead("the engine has stopped")
+            raise EngineDead("the engine has stopped; the server needs a restart")
         if self.engine is None:
             if self.load_error is not None:
-                raise EngineDead("the model failed to load")
-            raise ModelNotReady("the model is still loading")
+                raise EngineDead("the model failed to load; see the server log")
+            raise ModelNotReady("the model is still loading; GET /health shows the progress")
         return self.engine
 
     # -- controls ----------------------------------------------------------------------------

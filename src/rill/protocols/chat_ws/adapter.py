@@ -32,7 +32,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 from rill import auth
 from rill.config import parse_size
 from rill.deps import Deps
-from rill.errors import EngineDead, InvalidRequest, ModelNotReady
+from rill.errors import InvalidRequest, ModelNotReady
 from rill.frontend.client import EngineClient
 from rill.frontend.speech import SAMPLE_RATE_HZ, SpeechService, SpeechStream
 from rill.frontend.stream import RequestStream
@@ -244,18 +244,11 @@ class _Chat:
     async def _serve(self) -> None:
         request = codec.decode_request(self.request_text)
         client = self.service.client
-        if not client.is_ready() or client.model_info is None:
-            # Not ready is not always "loading": a failed load or a dead engine never will be.
-            if client.load_error is not None:
-                raise EngineDead("the model failed to load")
-            if client.model_info is not None:
-                raise EngineDead("the engine has stopped")
-            raise ModelNotReady("the model is still loading")
+        info = client.require_model()
         if request.tts.enabled:
             self.service.speech.synth.check(language=request.tts.language, mode=request.tts.mode,
                                             has_ref_audio=bool(request.tts.ref_audio_data or request.tts.ref_audio_path))
         decoded = await asyncio.to_thread(media.decode_media, request.messages, self.service.media_limits)
-        info = client.model_info
         refuse_modalities([(d.kind, d.where) for d in decoded], info.name, list(info.modalities))
         generate_request = msgspec.structs.replace(
             build_generate_request(request, deadline_s=self.service.request_timeout_s),

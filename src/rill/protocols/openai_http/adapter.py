@@ -38,7 +38,7 @@ from starlette.types import Receive, Scope, Send
 
 from rill import auth
 from rill.deps import Deps
-from rill.errors import EngineDead, ModelNotReady, RillError
+from rill.errors import RillError
 from rill.frontend.stream import RequestStream
 from rill.protocols._shared import sse
 from rill.protocols.openai_http import codec
@@ -231,14 +231,7 @@ class OpenAIApi:
         return streams
 
     def _served(self) -> codec.ServedModel:
-        info = self.client.model_info
-        if not self.client.is_ready() or info is None:
-            # Not ready is not always "loading": tell a failed load or a dead engine apart.
-            if self.client.load_error is not None:
-                raise EngineDead("the model failed to load; see the server log")
-            if info is not None:
-                raise EngineDead("the engine has stopped; the server needs a restart")
-            raise ModelNotReady("the model is still loading; GET /health shows the progress")
+        info = self.client.require_model()
         return codec.ServedModel(
             name=info.name,
             max_context_tokens=info.max_context_tokens,
