@@ -21,7 +21,8 @@ One command that
 
 2. prepares the models: SmolLM2-135M-Instruct (rill's default model, ``rill.models.default``)
    and the ~100M random-init Llama (``rill.testing.checkpoints``), served in bf16 by every
-   system (llama-server gets a GGUF converted from the same folder at bf16);
+   system (llama-server gets a GGUF converted from the same folder at bf16, or at Q8_0 with
+   ``--gguf-type q8_0``, as does ``rill-llamacpp``);
 
 3. starts the systems on one model, then drives each with the same streaming client
    (``rill.bench``'s OpenAI driver: ``/v1/completions`` over SSE, greedy, ``ignore_eos``) in
