@@ -125,25 +125,50 @@ def test_decode_set_changes_swap_rows_without_loss(loaded) -> None:
             lengths[row] += 1
 
 
-@pytest.mark.parametrize("budget", [1, 40, 8192])
-def test_warm_up_leaves_the_runner_as_new(loaded, budget: int) -> None:
-    """After ``warm_up`` every step computes exactly what a fresh runner computes, cache
-    contents included: a swap copy, a prefix copy and decodes past the warmed positions."""
+@pytest.mark.parametrize(("budget", "max_rows", "rows", "per_row"), [
+    (40, None, 8, 5),  # spread over every row
+    (40, 3, 3, 13),  # over at most the engine's sequences
+    (8192, None, 8, 63),  # each row at most max_len - 1, so the decode fits
+    (5, None, 2, 2),  # a prefill is at least two tokens per row
+])
+def test_warm_up_runs_a_prefill_and_a_decode_then_leaves_the_runner_as_new(
+        loaded, budget: int, max_rows: int | None, rows: int, per_row: int) -> None:
+    """The warm-up's two steps really run, with the shapes promised; afterwards the cache is
+    zero and every row empty again, and later steps compute exactly what a fresh runner's do."""
     warmed, fresh = _runner(loaded), _runner(loaded)
-    tokens, prefill_s, decode_s = warmed.warm_up(budget)
-    # The prompt is spread over the rows, each under the row length, as a wave of requests.
-    assert 1 <= tokens <= min(budget, warmed.num_rows * (warmed.max_len - 1)) and prefill_s > 0 and decode_s > 0
-    assert bool((warmed._kv == 0).all())
+    steps: list[tuple[int, bool]] = []  # (tokens of the step, cache written after it)
+    real_step = warmed.model.forward_step
+
+    def recording_step(batch, caches):
+        logits = real_step(batch, caches)
+        steps.append((batch.input_ids.numel(), bool(warmed._kv.any())))
+        return logits
+
+    warmed.model.forward_step = recording_step  # type: ignore[method-assign]
+    assert warmed.warm_up(budget, max_rows=max_rows)[:2] == (rows, rows * per_row)
+    del warmed.model.forward_step
+    assert steps == [(rows * per_row, True), (rows, True)]
+    assert not bool(warmed._kv.any()) and not any(warmed._lengths)
     for runner in (warmed, fresh):
         _prime(runner)
         runner.copy_row(0, 5, 13)
-    steps = [
+    later = [
         [RowWork(row=5, token_ids=[11], start=13), RowWork(row=1, token_ids=[12], start=4)],
         [RowWork(row=2, token_ids=_prompt(9, 4), start=6), RowWork(row=0, token_ids=[3], start=13)],
         [RowWork(row=r, token_ids=[r + 1], start=s) for r, s in [(0, 14), (1, 5), (2, 15), (5, 14)]],
     ]
-    for step in steps:
+    for step in later:
         assert torch.equal(warmed.forward(step), fresh.forward(step))
+
+
+def test_warm_up_refuses_a_used_runner_and_skips_what_cannot_be_a_prefill(loaded) -> None:
+    used = _runner(loaded)
+    _prime(used)
+    with pytest.raises(RuntimeError, match="fresh runner"):
+        used.warm_up(64)
+    assert used._lengths[0] == 13  # nothing was wiped
+    assert _runner(loaded).warm_up(1) == (0, 0, 0.0, 0.0)
+    assert _runner(loaded, max_len=2).warm_up(64) == (0, 0, 0.0, 0.0)
 
 
 def test_invalid_work_is_refused(loaded) -> None:

@@ -164,9 +164,10 @@ def build_engine(config: EngineConfig, progress: Progress | None = None) -> Engi
     if runner.packed_weight_bytes:
         log.info("weights packed for oneDNN's CPU kernels: +%.0f MiB", runner.packed_weight_bytes / 2**20)
     report(95.0, "warming up")
-    tokens, prefill_s, decode_s = runner.warm_up(config.max_num_batched_tokens)
-    log.info("warm-up: a %d-token prefill step in %.2f s, then a decode step in %.0f ms", tokens, prefill_s,
-             decode_s * 1000)
+    rows, tokens, prefill_s, decode_s = runner.warm_up(config.max_num_batched_tokens, max_rows=config.max_num_seqs)
+    if tokens:
+        log.info("warm-up: a prefill step of %d rows, %d tokens, in %.2f s, then a decode step in %.0f ms",
+                 rows, tokens, prefill_s, decode_s * 1000)
     engine = assemble_engine(
         config, runner, tokenizer,
         name=path.stem if path.is_file() else path.name,

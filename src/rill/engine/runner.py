@@ -100,38 +100,54 @@ class TorchModelRunner:
             self.thread_governor.stepped()
         return logits
 
-    def warm_up(self, num_tokens: int) -> tuple[int, float, float]:
+    def warm_up(self, num_tokens: int, max_rows: int | None = None) -> tuple[int, int, float, float]:
         """Run a prefill step of up to ``num_tokens`` tokens and a decode step, then forget them.
 
         The first step of a new shape class pays for first-touch page faults and the kernels'
         own set-up: a fresh 32 x 128-token prefill of the 100M model took 1.21 s against 0.92 s
         for the next one. Paying that here, before the server reports ready, keeps it off the
-        first requests. The prompt is spread over as many rows as a wave of requests would use
-        (each at most ``max_len``); afterwards the written cache region is zeroed again and every
-        row is empty, as on a fresh runner, so later steps compute exactly what they would have.
+        first requests. The prompt is spread over ``max_rows`` rows (default: all; the engine
+        passes the most sequences it runs at once), as a wave of requests would be, each row at
+        most ``max_len - 1`` tokens and at least two (a prefill, not a decode), then every row
+        decodes one token. Afterwards the written cache region is zeroed again and every row is
+        empty, as on a fresh runner, so later steps compute exactly what they would have.
 
         Returns:
-            the prefill's tokens, and the prefill's and the decode's seconds.
+            rows and tokens of the prefill, and the prefill's and the decode's seconds (0, 0,
+            0.0, 0.0 when the budget or a row holds fewer than two prompt tokens: nothing to warm).
+
+        Raises:
+            RuntimeError: a row holds tokens already (only a fresh runner may be warmed).
         """
-        per_row = min(self.max_len - 1, max(1, -(-num_tokens // self.num_rows)))
-        if per_row < 1:
-            return 0, 0.0, 0.0
-        num_rows = min(self.num_rows, max(1, num_tokens // per_row))
+        if any(self._lengths):
+            raise RuntimeError("warm_up needs a fresh runner: its rows would be wiped")
+        rows = min(self.num_rows, max_rows or self.num_rows)
+        per_row = min(self.max_len - 1, max(2, num_tokens // rows))
+        if per_row < 2 or num_tokens < 2:
+            return 0, 0, 0.0, 0.0
+        rows = min(rows, max(1, num_tokens // per_row))
         vocab = self.vocab_size
-        prefill = [RowWork(row, [(row * 7919 + i * 104729) % vocab for i in range(per_row)], 0, need_logits=True)
-                   for row in range(num_rows)]
-        decode = [RowWork(row, [(row * 31) % vocab], per_row) for row in range(num_rows)]
+        prefill = [RowWork(row, [(row * 7919 + i * 104729) % vocab for i in range(per_row)], 0)
+                   for row in range(rows)]
+        decode = [RowWork(row, [(row * 31) % vocab], per_row) for row in range(rows)]
         try:
             started = time.perf_counter()
             self.forward(prefill)
+            self._synchronize()
             prefilled = time.perf_counter()
             self.forward(decode)
+            self._synchronize()
             decoded = time.perf_counter()
         finally:
             with torch.inference_mode():
                 self._kv[:, :, :, :, : per_row + 1].zero_()
             self._lengths = [0] * self.num_rows
-        return num_rows * per_row, prefilled - started, decoded - prefilled
+        return rows, rows * per_row, prefilled - started, decoded - prefilled
+
+    def _synchronize(self) -> None:
+        # Accelerators run asynchronously: wait for the step before reading the clock.
+        if self.device.type != "cpu":
+            torch.accelerator.synchronize(self.device)
 
     def copy_row(self, src: int, dst: int, num_tokens: int) -> None:
         """Copy positions ``[0, num_tokens)`` of logical row ``src`` into logical row ``dst``."""
