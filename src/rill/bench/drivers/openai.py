@@ -8,12 +8,14 @@ whose ``completion_tokens`` is the token count; without one, token-bearing chunk
 The client is aiohttp: on one core shared with the server under test, httpx's streaming
 path took 91-102 us of CPU per SSE event against aiohttp's 32-35 us (32 streams of the 100M
 model): at 32 streams that is ~3 ms of every ~20 ms engine step taken from the server on a
-2-core machine, which the measurement would then charge to the server.
+2-core machine, which the measurement would then charge to the server. Every request
+opens its own connection, so its time to first token includes a loopback connect.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import aiohttp
@@ -26,7 +28,7 @@ SERVER_PROTOCOL = "openai_http"
 
 
 class Driver:
-    """One pooled ``aiohttp.ClientSession``; one streaming request per ``run``."""
+    """One ``aiohttp.ClientSession`` (a new connection per request); one streaming request per ``run``."""
 
     name = "openai"
 
@@ -37,7 +39,7 @@ class Driver:
         self._http: aiohttp.ClientSession | None = None
 
     async def open(self) -> None:
-        """Create the connection pool and find the model name (``GET /v1/models``) if not given."""
+        """Create the client session and find the model name (``GET /v1/models``) if not given."""
         headers = {"Authorization": f"Bearer {self.target.api_key}"} if self.target.api_key else {}
         # No pool limit: the runner bounds concurrency; a pool cap would queue requests
         # inside the client and hide that time from TTFT. A connection per request: servers
@@ -56,7 +58,7 @@ class Driver:
                 raise BenchError("connect_error", f"GET {self.target.http_url}/v1/models failed: {exc}") from exc
 
     async def close(self) -> None:
-        """Close the pool."""
+        """Close the client session."""
         if self._http is not None:
             await self._http.close()
 
@@ -91,29 +93,50 @@ class Driver:
 
     @staticmethod
     async def _read_events(response: aiohttp.ClientResponse, timer: Timer) -> dict[str, Any] | None:
-        """Read SSE ``data:`` lines up to ``[DONE]``; return the usage chunk's usage, if any."""
+        """Read SSE ``data:`` lines up to ``[DONE]``; return the usage chunk's usage, if any.
+
+        Lines end with CRLF, LF or CR (the SSE grammar allows each); a last line without an
+        end is still read when the stream closes.
+        """
         usage: dict[str, Any] | None = None
         pending = b""
         async for piece in response.content.iter_any():
             pending += piece
-            *lines, pending = pending.split(b"\n")
+            # A CR at the very end may be the first half of a CRLF: keep it for the next piece.
+            cut = len(pending) - 1 if pending.endswith(b"\r") else len(pending)
+            *lines, rest = _LINE_END.split(pending[:cut])
+            pending = rest + pending[cut:]
             for line in lines:
-                if not line.startswith(b"data:"):
-                    continue  # SSE comments (keep-alives), event names, blank separators
-                data = line[5:].strip()
-                if data == b"[DONE]":
+                done, usage = _take_line(line, usage, timer)
+                if done:
                     return usage
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    error = chunk["error"] if isinstance(chunk["error"], dict) else {"message": str(chunk["error"])}
-                    raise BenchError(str(error.get("code") or error.get("type") or "stream_error"),
-                                     str(error.get("message", "")))
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
-                for choice in chunk.get("choices") or ():
-                    text = choice.get("text")
-                    if text is None:
-                        text = (choice.get("delta") or {}).get("content")
-                    if text:
-                        timer.tokens()
+        for line in _LINE_END.split(pending):
+            done, usage = _take_line(line, usage, timer)
+            if done:
+                break
         return usage
+
+
+_LINE_END = re.compile(rb"\r\n|\r|\n")
+
+
+def _take_line(line: bytes, usage: dict[str, Any] | None, timer: Timer) -> tuple[bool, dict[str, Any] | None]:
+    """Apply one SSE line: (whether it was ``[DONE]``, the usage seen so far)."""
+    if not line.startswith(b"data:"):
+        return False, usage  # SSE comments (keep-alives), event names, blank separators
+    data = line[5:].strip()
+    if data == b"[DONE]":
+        return True, usage
+    chunk = json.loads(data)
+    if "error" in chunk:
+        error = chunk["error"] if isinstance(chunk["error"], dict) else {"message": str(chunk["error"])}
+        raise BenchError(str(error.get("code") or error.get("type") or "stream_error"), str(error.get("message", "")))
+    if chunk.get("usage"):
+        usage = chunk["usage"]
+    for choice in chunk.get("choices") or ():
+        text = choice.get("text")
+        if text is None:
+            text = (choice.get("delta") or {}).get("content")
+        if text:
+            timer.tokens()
+    return False, usage
