@@ -230,7 +230,7 @@ class InprocClient:
         if self.engine is None:
             if self.load_error is not None:
                 raise EngineDead("the model failed to load; see the server log")
-            raise ModelNotReady("the model is still loading; GET /health shows the progress")
+            raise ModelNotReady("the model is still loading; retry later")
         return self.engine
 
     # -- controls ----------------------------------------------------------------------------
