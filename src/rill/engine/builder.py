@@ -182,7 +182,7 @@ def _build_llamacpp_engine(config: EngineConfig, progress: Progress | None) -> E
     """``--runner llamacpp``: llama.cpp computes the forward on the GGUF's own (quantized) weights;
     rill's tokenizer is built from the same file, rill's scheduler and sampler run as ever."""
     from rill.engine.llamacpp_runner import LlamaCppRunner, import_llama_cpp
-    from rill.engine.threads import default_choice
+    from rill.engine.threads import default_choice, default_governor
     from rill.models.config import parse_config
     from rill.models.gguf_loader import read_gguf
 
@@ -204,6 +204,7 @@ def _build_llamacpp_engine(config: EngineConfig, progress: Progress | None) -> E
     report(30.0, "loading the model into llama.cpp")
     runner = LlamaCppRunner(file, num_rows=num_rows, max_len=max_len, num_threads=threads.num_threads,
                             batch_tokens=min(config.max_num_batched_tokens, 2048))
+    runner.thread_governor = default_governor(threads, config.num_threads, runner.set_num_threads)
     engine = assemble_engine(
         config, runner, tokenizer,
         name=name, architecture=mc.architecture, dtype="float32", device="cpu",
