@@ -260,18 +260,16 @@ def make_system(name: str, model_dir: Path, args: argparse.Namespace, out: Path)
     port = free_port()
     log = out / f"{name}-{model_dir.name}.log"
     max_seqs = max(args.levels)
-    if name in ("rill", "rill-t1"):
-        cmd = rill_serve_cmd(model_dir, port, max_seqs, args.context, "--dtype", "bfloat16",
-                             *(["--num-threads", "1"] if name == "rill-t1" else []))
-        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-        return System(name, Server(name, cmd, port, log, "/health", env), " ".join(cmd[2:]))
-    if name == "rill-llamacpp":
-        try:
-            import llama_cpp  # noqa: F401  (the optional extra: make setup-llamacpp)
-        except ImportError as exc:
-            raise PeerUnavailable("the llama.cpp runner needs the llamacpp extra: make setup-llamacpp") from exc
-        gguf = ensure_gguf(model_dir, args.gguf_type)  # the file llama-server serves
-        cmd = rill_serve_cmd(gguf, port, max_seqs, args.context, "--runner", "llamacpp")
+    if name in ("rill", "rill-t1", "rill-llamacpp"):
+        if name == "rill-llamacpp":
+            try:
+                import llama_cpp  # noqa: F401  (the optional extra: make setup-llamacpp)
+            except ImportError as exc:
+                raise PeerUnavailable("the llama.cpp runner needs the llamacpp extra: make setup-llamacpp") from exc
+            model, extra = ensure_gguf(model_dir, args.gguf_type), ["--runner", "llamacpp"]  # the file llama-server serves
+        else:
+            model, extra = model_dir, ["--dtype", "bfloat16", *(["--num-threads", "1"] if name == "rill-t1" else [])]
+        cmd = rill_serve_cmd(model, port, max_seqs, args.context, *extra)
         env = {**os.environ, "HF_HUB_OFFLINE": "1"}
         return System(name, Server(name, cmd, port, log, "/health", env), " ".join(cmd[2:]))
     if name == "llama-server":

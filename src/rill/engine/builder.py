@@ -181,7 +181,9 @@ def build_engine(config: EngineConfig, progress: Progress | None = None) -> Engi
 def _build_llamacpp_engine(config: EngineConfig, progress: Progress | None) -> Engine:
     """``--runner llamacpp``: llama.cpp computes the forward on the GGUF's own (quantized) weights;
     rill's tokenizer is built from the same file, rill's scheduler and sampler run as ever."""
-    from rill.engine.llamacpp_runner import LlamaCppRunner, import_llama_cpp
+    import torch
+
+    from rill.engine.llamacpp_runner import MAX_SEQUENCES, LlamaCppRunner, import_llama_cpp
     from rill.engine.threads import default_choice, default_governor
     from rill.models.config import parse_config
     from rill.models.gguf_loader import read_gguf
@@ -195,10 +197,6 @@ def _build_llamacpp_engine(config: EngineConfig, progress: Progress | None) -> E
     checkpoint = read_gguf(file)
     mc = parse_config(checkpoint.hf_config, checkpoint.generation_config, source=str(file))
     tokenizer = checkpoint.tokenizer()
-    import torch
-
-    from rill.engine.llamacpp_runner import MAX_SEQUENCES
-
     max_len = _max_len(config, mc)
     num_rows = _cache_rows(config, mc.kv_bytes_per_token(torch.float16), max_len, limit=MAX_SEQUENCES)  # F16 cache
     report(30.0, "loading the model into llama.cpp")

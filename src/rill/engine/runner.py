@@ -121,11 +121,11 @@ class TorchModelRunner:
         """
         if any(self._lengths):
             raise RuntimeError("warm_up needs a fresh runner: its rows would be wiped")
+        if num_tokens < 2 or self.max_len < 3:
+            return 0, 0, 0.0, 0.0
         rows = min(self.num_rows, max_rows or self.num_rows)
         per_row = min(self.max_len - 1, max(2, num_tokens // rows))
-        if per_row < 2 or num_tokens < 2:
-            return 0, 0, 0.0, 0.0
-        rows = min(rows, max(1, num_tokens // per_row))
+        rows = min(rows, num_tokens // per_row)
         vocab = self.vocab_size
         prefill = [RowWork(row, [(row * 7919 + i * 104729) % vocab for i in range(per_row)], 0)
                    for row in range(rows)]
