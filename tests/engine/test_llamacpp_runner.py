@@ -195,35 +195,20 @@ def test_a_batch_gives_each_request_its_tokens_alone(engine: Any, reference_runn
         assert sum(same) >= len(prompts) - 1, "more than one near-tie flip in a few short greedy runs"
 
 
-class _RecordingGovernor:
-    """Stands in for ``ThreadGovernor``: records the calls the runner makes around a step."""
-
-    def __init__(self) -> None:
-        self.calls: list[str] = []
-
-    def tick(self) -> None:
-        self.calls.append("tick")
-
-    def stepped(self) -> None:
-        self.calls.append("stepped")
-
-
 @needs_llama_cpp
 def test_the_thread_governor_steers_llama_cpp_threads(gguf: Path) -> None:
-    """The governor is asked before and told after every step, and the count it sets is the
-    one llama.cpp runs the next step on; the engine gets a governor unless the count is fixed."""
+    """The count the governor sets is the one llama.cpp runs the next step on; the engine gets
+    a governor unless the count is fixed (the engine core calls it around every step)."""
     from rill.engine.llamacpp_runner import LlamaCppRunner
     from rill.engine.threads import default_choice
 
-    governor = _RecordingGovernor()
-    runner = LlamaCppRunner(gguf, num_rows=1, max_len=64, num_threads=2, thread_governor=governor)  # type: ignore[arg-type]
+    runner = LlamaCppRunner(gguf, num_rows=1, max_len=64, num_threads=2)
     try:
         assert runner.threads_in_use == 2
         runner.forward([RowWork(row=0, token_ids=[1, 2, 3], start=0)])
         runner.set_num_threads(1)
         assert runner.threads_in_use == 1
         runner.forward([RowWork(row=0, token_ids=[4], start=3)])
-        assert governor.calls == ["tick", "stepped"] * 2
         with pytest.raises(ValueError):
             runner.set_num_threads(0)
     finally:
@@ -231,8 +216,11 @@ def test_the_thread_governor_steers_llama_cpp_threads(gguf: Path) -> None:
     fixed = _engine(gguf, num_rows=1, max_num_seqs=1)  # --num-threads given: no governor
     chosen = _engine(gguf, num_rows=1, max_num_seqs=1, num_threads=None)
     try:
-        assert fixed.runner.thread_governor is None
-        assert (chosen.runner.thread_governor is not None) == (default_choice(None).num_threads >= 2)
+        assert fixed.core.thread_governor is None
+        assert (chosen.core.thread_governor is not None) == (default_choice(None).num_threads >= 2)
+        if chosen.core.thread_governor is not None:
+            chosen.core.thread_governor._set_threads(1)  # the governor's setter is the runner's
+            assert chosen.runner.threads_in_use == 1
     finally:
         fixed.runner.close()
         chosen.runner.close()

@@ -208,3 +208,68 @@ def test_no_governor_when_the_user_fixed_the_count_or_one_thread_is_usable() -> 
     two = ThreadChoice(2, "test")
     assert default_governor(two, 2, lambda n: None) is None
     assert default_governor(ThreadChoice(1, "test"), None, lambda n: None) is None
+
+
+class _RecordingGovernor:
+    """Stands in for ``ThreadGovernor``: records its calls beside the runner's forwards."""
+
+    def __init__(self, calls: list[str]) -> None:
+        self.calls = calls
+
+    def tick(self) -> None:
+        self.calls.append("tick")
+
+    def stepped(self) -> None:
+        self.calls.append("stepped")
+
+
+def test_the_engine_asks_the_governor_before_every_forward_and_tells_it_after_even_a_failed_one() -> None:
+    from rill.config import EngineConfig
+    from rill.engine.builder import assemble_engine
+    from rill.engine.request import AddCommand
+    from rill.testing.fake_runner import FakeRunner, fake_tokenizer
+
+    from tests.engine.fake_core import make_request
+
+    calls: list[str] = []
+    runner = FakeRunner(num_rows=4, max_len=64)
+    real_forward = runner.forward
+    failing = {"next": False}
+
+    def forward(work):
+        calls.append("forward")
+        if failing["next"]:
+            failing["next"] = False
+            raise RuntimeError("the forward failed")
+        return real_forward(work)
+
+    runner.forward = forward  # type: ignore[method-assign]
+    engine = assemble_engine(EngineConfig(model="fake", max_num_seqs=4), runner, fake_tokenizer(), name="fake",
+                             architecture="FakeForCausalLM", warm_grammars=False,
+                             thread_governor=_RecordingGovernor(calls))  # type: ignore[arg-type]
+    core = engine.core
+    core.apply(AddCommand(make_request(engine, "a", [5, 6, 7], max_tokens=3, ignore_eos=True)))
+    while core.has_work():
+        core.step()
+    assert calls == ["tick", "forward", "stepped"] * 3  # a prefill, then two decode steps
+    calls.clear()
+    core.apply(AddCommand(make_request(engine, "b", [5, 6, 7], max_tokens=3, ignore_eos=True)))
+    failing["next"] = True
+    outputs = core.step()
+    assert calls == ["tick", "forward", "stepped"]
+    assert [output.finish_reason for output in outputs if output.request_id == "b"] == ["error"]
+
+
+def test_the_torch_engine_gets_a_governor_unless_the_thread_count_is_fixed(tiny_model_dir: Path) -> None:
+    from rill.config import EngineConfig
+    from rill.engine.builder import build_engine
+    from rill.engine.threads import default_choice
+
+    def governor(num_threads: int | None) -> ThreadGovernor | None:
+        built = build_engine(EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_memory="8MiB",
+                                          max_num_seqs=2, num_threads=num_threads))
+        return built.core.thread_governor
+
+    assert governor(1) is None
+    chosen = governor(None)
+    assert (chosen is not None) == (default_choice(None).num_threads >= 2)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,7 @@ from rill.errors import ModelLoadError, RillError
 from rill.types import ModelInfo
 
 if TYPE_CHECKING:
+    from rill.engine.threads import ThreadGovernor
     from rill.models.config import ModelConfig
 
 log = logging.getLogger("rill.engine")
@@ -77,6 +79,7 @@ def assemble_engine(
     generation_defaults: Mapping[str, Any] | None = None,
     clock: Callable[[], float] | None = None,
     warm_grammars: bool = True,
+    thread_governor: ThreadGovernor | None = None,
 ) -> Engine:
     """Build the engine around ``runner`` and ``tokenizer`` (no model is loaded here).
 
@@ -94,11 +97,13 @@ def assemble_engine(
         clock: the core's clock (deadlines); ``time.monotonic`` when None.
         warm_grammars: build the grammar compiler's vocabulary view now, in a background
             thread (else on the first constrained request).
+        thread_governor: steers the runner's thread count around every step
+            (``rill.engine.threads.default_governor``); None keeps the count fixed.
     """
     eos = frozenset(set(eos_token_ids) | set(tokenizer.eos_token_ids))
     grammars = _grammar_compiler(tokenizer, runner.vocab_size, eos, warm=warm_grammars)
     core_config = CoreConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens)
-    core = EngineCore(runner, tokenizer, core_config) if clock is None else EngineCore(runner, tokenizer, core_config, clock)
+    core = EngineCore(runner, tokenizer, core_config, clock or time.monotonic, thread_governor)
     model_info = ModelInfo(
         name=config.served_model_name or name,
         architecture=architecture,
@@ -160,7 +165,7 @@ def build_engine(config: EngineConfig, progress: Progress | None = None) -> Engi
     num_rows = _cache_rows(config, mc.kv_bytes_per_token(), max_len)
     report(90.0, "allocating KV cache")
     governor = default_governor(threads, config.num_threads, torch.set_num_threads)
-    runner = TorchModelRunner(loaded, num_rows=num_rows, max_len=max_len, thread_governor=governor)
+    runner = TorchModelRunner(loaded, num_rows=num_rows, max_len=max_len)
     if runner.packed_weight_bytes:
         log.info("weights packed for oneDNN's CPU kernels: +%.0f MiB", runner.packed_weight_bytes / 2**20)
     report(95.0, "warming up")
@@ -173,6 +178,7 @@ def build_engine(config: EngineConfig, progress: Progress | None = None) -> Engi
         name=path.stem if path.is_file() else path.name,
         architecture=mc.architecture, dtype=mc.dtype, device=mc.device,
         eos_token_ids=mc.eos_token_ids, generation_defaults=mc.generation_defaults,
+        thread_governor=governor,
     )
     report(100.0, "ready")
     return engine
@@ -202,12 +208,12 @@ def _build_llamacpp_engine(config: EngineConfig, progress: Progress | None) -> E
     report(30.0, "loading the model into llama.cpp")
     runner = LlamaCppRunner(file, num_rows=num_rows, max_len=max_len, num_threads=threads.num_threads,
                             batch_tokens=min(config.max_num_batched_tokens, 2048))
-    runner.thread_governor = default_governor(threads, config.num_threads, runner.set_num_threads)
     engine = assemble_engine(
         config, runner, tokenizer,
         name=name, architecture=mc.architecture, dtype="float32", device="cpu",
         quantization=_quantization(checkpoint.tensor_types()),
         eos_token_ids=mc.eos_token_ids, generation_defaults=mc.generation_defaults,
+        thread_governor=default_governor(threads, config.num_threads, runner.set_num_threads),
     )
     report(100.0, "ready")
     return engine

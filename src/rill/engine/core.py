@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -42,6 +42,9 @@ from rill.engine.sampler import Sampler
 from rill.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from rill.errors import GenerationError, RequestTimeout, RillError
 from rill.types import EngineStats, FinishReason, RequestEvent, RequestOutput, TokenLogprob, Usage
+
+if TYPE_CHECKING:
+    from rill.engine.threads import ThreadGovernor
 
 log = logging.getLogger("rill.engine")
 
@@ -66,10 +69,18 @@ class CoreConfig:
 
 
 class EngineCore:
-    """The engine: requests in, ``RequestOutput`` deltas out, one ``step()`` at a time."""
+    """The engine: requests in, ``RequestOutput`` deltas out, one ``step()`` at a time.
 
-    def __init__(self, runner: ModelRunner, tokenizer: Any, config: CoreConfig = CoreConfig(), clock: Callable[[], float] = time.monotonic) -> None:
+    ``thread_governor``, when given, is asked before every forward whether to change the
+    runner's thread count and told when the forward ended (``rill.engine.threads``); it was
+    built around the runner's own way of setting its threads.
+    """
+
+    def __init__(self, runner: ModelRunner, tokenizer: Any, config: CoreConfig = CoreConfig(),
+                 clock: Callable[[], float] = time.monotonic,
+                 thread_governor: ThreadGovernor | None = None) -> None:
         self.runner = runner
+        self.thread_governor = thread_governor
         self.tokenizer = tokenizer
         self.config = config
         self.clock = clock
@@ -224,7 +235,13 @@ class EngineCore:
         if not work:
             return
         t0 = time.perf_counter()
-        logits = self.runner.forward(work)
+        if self.thread_governor is not None:
+            self.thread_governor.tick()
+        try:
+            logits = self.runner.forward(work)
+        finally:
+            if self.thread_governor is not None:
+                self.thread_governor.stepped()
         self._sample_and_advance(scheduled, logits)
         self._update_costs(plan, time.perf_counter() - t0)
         self.stats_counters.num_steps_total += 1

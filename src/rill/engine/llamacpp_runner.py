@@ -39,7 +39,6 @@ import numpy as np
 import torch
 
 from rill.engine.batch import RowWork, check_work
-from rill.engine.threads import ThreadGovernor
 from rill.errors import ModelLoadError
 
 log = logging.getLogger("rill.engine.llamacpp")
@@ -123,20 +122,17 @@ class LlamaCppRunner:
         kv_bytes_per_token: bytes of keys and values of one token over all layers (F16 cache).
         vocab_size: width of the returned logits.
         kv_capacity_bytes: size of the whole cache.
-        num_threads: llama.cpp threads for decode and prompt work (as created; the governor
-            may run fewer, see ``set_num_threads``).
-        thread_governor: adjusts the thread count to other processes' load before each step
-            (``rill.engine.threads``), or None for a fixed count. llama.cpp's workers poll
+        num_threads: llama.cpp threads for decode and prompt work (as created; the engine's
+            thread governor may run fewer, see ``set_num_threads``: llama.cpp's workers poll
             at every barrier, so beside a busy process two of them on two CPUs ran 16x slower
-            than one (SmolLM2 Q4_1, c=1: 5.4 against 90 tok/s).
+            than one, SmolLM2 Q4_1 at c=1 5.4 against 90 tok/s).
         device: always ``"cpu"`` (the extra is built for the CPU).
     """
 
     device = "cpu"
 
     def __init__(self, path: str | Path, num_rows: int, max_len: int, num_threads: int,
-                 batch_tokens: int = DEFAULT_BATCH_TOKENS, unified: bool = False,
-                 thread_governor: ThreadGovernor | None = None) -> None:
+                 batch_tokens: int = DEFAULT_BATCH_TOKENS, unified: bool = False) -> None:
         """Load ``path`` and create a context for ``num_rows`` sequences of ``max_len`` tokens.
 
         ``unified``: one KV cell pool shared by all rows (prefix copies share cells instead of
@@ -185,7 +181,6 @@ class LlamaCppRunner:
         self.kv_capacity_bytes = self.kv_bytes_per_token * num_rows * max_len
         self._batch = _Batch(llama, self._batch_tokens)
         self._lengths = [0] * num_rows  # per row: positions llama.cpp holds (0 .. length - 1)
-        self.thread_governor = thread_governor
 
     def _kv_bytes_per_token(self) -> int:
         llama, model = self._ll, self._model
@@ -198,8 +193,6 @@ class LlamaCppRunner:
         """Run one step; return float32 logits ``[n, vocab_size]``: ``item.num_logits`` rows per
         item (every position of an ``all_logits`` chunk), in the order of ``work``."""
         self._check(work)
-        if self.thread_governor is not None:
-            self.thread_governor.tick()
         for item in work:
             if self._lengths[item.row] > item.start:
                 self._ll.llama_memory_seq_rm(self._memory, item.row, item.start, -1)
@@ -217,8 +210,6 @@ class LlamaCppRunner:
             raise
         if done != num_out:
             raise RuntimeError(f"llama.cpp returned {done} rows of logits, {num_out} expected")
-        if self.thread_governor is not None:
-            self.thread_governor.stepped()
         return torch.from_numpy(out)
 
     def set_num_threads(self, num_threads: int) -> None:

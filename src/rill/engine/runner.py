@@ -22,7 +22,6 @@ from typing import Sequence
 import torch
 
 from rill.engine.batch import RowWork, check_work
-from rill.engine.threads import ThreadGovernor
 from rill.models import packed
 from rill.models.attention import PrefillLayout, StepBatch
 from rill.models.loader import LoadedModel
@@ -38,14 +37,11 @@ class TorchModelRunner:
         kv_bytes_per_token: bytes of keys and values of one token over all layers.
         vocab_size: width of the returned logits.
         kv_capacity_bytes: size of the whole cache.
-        thread_governor: adjusts torch's thread count to other processes' load before each
-            step (``rill.engine.threads``), or None for a fixed count.
         packed_weight_bytes: memory taken by weights packed for the CPU's GEMM kernels
             (``rill.models.packed``; 0 where nothing could be packed).
     """
 
-    def __init__(self, loaded_model: LoadedModel, num_rows: int, max_len: int,
-                 thread_governor: ThreadGovernor | None = None) -> None:
+    def __init__(self, loaded_model: LoadedModel, num_rows: int, max_len: int) -> None:
         if num_rows < 1 or max_len < 1:
             raise ValueError(f"num_rows ({num_rows}) and max_len ({max_len}) must be >= 1")
         config = loaded_model.config
@@ -75,7 +71,6 @@ class TorchModelRunner:
         self.model.ensure_rope(max_len)
         # Serving never trains: pack the projections for the CPU's GEMM kernels once, here.
         self.packed_weight_bytes = packed.pack_linears(self.model, self.model.lm_weight())
-        self.thread_governor = thread_governor
 
     @torch.inference_mode()
     def forward(self, work: Sequence[RowWork]) -> torch.Tensor:
@@ -88,16 +83,12 @@ class TorchModelRunner:
         if not work:
             return torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
         self._check(work)
-        if self.thread_governor is not None:
-            self.thread_governor.tick()
         decode = [item for item in work if len(item.token_ids) == 1]
         self._place_decode_rows([item.row for item in decode])
         batch = self._build_batch(work, decode)
         logits = self.model.forward_step(batch, self._caches)
         for item in work:
             self._lengths[item.row] = item.start + len(item.token_ids)
-        if self.thread_governor is not None:
-            self.thread_governor.stepped()
         return logits
 
     def warm_up(self, num_tokens: int, max_rows: int | None = None) -> tuple[int, int, float, float]:
