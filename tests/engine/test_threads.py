@@ -260,16 +260,39 @@ def test_the_engine_asks_the_governor_before_every_forward_and_tells_it_after_ev
     assert [output.finish_reason for output in outputs if output.request_id == "b"] == ["error"]
 
 
-def test_the_torch_engine_gets_a_governor_unless_the_thread_count_is_fixed(tiny_model_dir: Path) -> None:
+def _build(model_dir: Path, num_threads: int | None):
     from rill.config import EngineConfig
     from rill.engine.builder import build_engine
+
+    return build_engine(EngineConfig(model=str(model_dir), dtype="float32", kv_cache_memory="8MiB",
+                                     max_num_seqs=2, num_threads=num_threads))
+
+
+def test_the_torch_engine_gets_a_governor_unless_the_thread_count_is_fixed(tiny_model_dir: Path) -> None:
     from rill.engine.threads import default_choice
 
-    def governor(num_threads: int | None) -> ThreadGovernor | None:
-        built = build_engine(EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_memory="8MiB",
-                                          max_num_seqs=2, num_threads=num_threads))
-        return built.core.thread_governor
-
-    assert governor(1) is None
-    chosen = governor(None)
+    assert _build(tiny_model_dir, 1).core.thread_governor is None
+    chosen = _build(tiny_model_dir, None).core.thread_governor
     assert (chosen is not None) == (default_choice(None).num_threads >= 2)
+
+
+def test_the_warm_up_is_judged_before_the_engine_reports_ready(tiny_model_dir: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A window opens before the warm-up and is judged right after it, so a busy machine is
+    seen before the first request, and the engine keeps that governor."""
+    import rill.engine.runner
+    import rill.engine.threads
+
+    calls: list[str] = []
+    recording = _RecordingGovernor(calls)
+    monkeypatch.setattr(rill.engine.threads, "default_governor", lambda *args: recording)
+    real_warm_up = rill.engine.runner.TorchModelRunner.warm_up
+
+    def warm_up(self, *args, **kwargs):
+        calls.append("warm-up")
+        return real_warm_up(self, *args, **kwargs)
+
+    monkeypatch.setattr(rill.engine.runner.TorchModelRunner, "warm_up", warm_up)
+    built = _build(tiny_model_dir, None)
+    assert calls == ["tick", "warm-up", "stepped", "tick"]
+    assert built.core.thread_governor is recording
