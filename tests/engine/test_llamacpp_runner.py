@@ -219,7 +219,7 @@ def test_the_thread_governor_steers_llama_cpp_threads(gguf: Path) -> None:
         assert fixed.core.thread_governor is None
         assert (chosen.core.thread_governor is not None) == (default_choice(None).num_threads >= 2)
         if chosen.core.thread_governor is not None:
-            chosen.core.thread_governor._set_threads(1)  # the governor's setter is the runner's
+            chosen.core.thread_governor._set_threads(1)  # the setter is the runner's (the engine is closed next)
             assert chosen.runner.threads_in_use == 1
     finally:
         fixed.runner.close()

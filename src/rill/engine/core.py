@@ -72,8 +72,9 @@ class EngineCore:
     """The engine: requests in, ``RequestOutput`` deltas out, one ``step()`` at a time.
 
     ``thread_governor``, when given, is asked before every forward whether to change the
-    runner's thread count and told when the forward ended (``rill.engine.threads``); it was
-    built around the runner's own way of setting its threads.
+    runner's thread count and told when the forward ended (``rill.engine.threads``); it sets
+    the count through the runner's own setter (``torch.set_num_threads``,
+    ``LlamaCppRunner.set_num_threads``).
     """
 
     def __init__(self, runner: ModelRunner, tokenizer: Any, config: CoreConfig = CoreConfig(),

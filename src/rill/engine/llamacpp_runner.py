@@ -25,7 +25,7 @@ Mapping of the ``ModelRunner`` contract onto llama.cpp:
 
 The ``llama_cpp`` package (``pip install 'rill[llamacpp]'``, built from the llama-cpp-python
 source distribution) is imported when a runner is created, never at module import. Imports
-numpy, torch, ``rill.engine.batch`` and ``rill.engine.threads``; nothing of the frontend or protocols.
+numpy, torch and ``rill.engine.batch``; nothing of the frontend or protocols.
 """
 
 from __future__ import annotations

@@ -165,7 +165,7 @@ still resolves others' use to about 0.05 CPU."""
 
 
 class ThreadGovernor:
-    """Adjusts torch's thread count to the CPUs other processes leave free (see the module doc).
+    """Adjusts the engine's thread count to the CPUs other processes leave free (see the module doc).
 
     ``tick()`` runs in the engine thread before each step (the thread count is that thread's
     OpenMP setting) and ``stepped()`` after it. Every ``window`` seconds it compares the busy time of this process's CPUs
@@ -174,7 +174,7 @@ class ThreadGovernor:
     Args:
         usable: the most threads to run with (``default_choice``'s count).
         cpus: the CPU ids this process may run on.
-        set_threads: applies a count (``torch.set_num_threads``).
+        set_threads: applies a count (``torch.set_num_threads`` or ``LlamaCppRunner.set_num_threads``).
         read_stat: returns ``/proc/stat``'s text.
         own_cpu: this process's CPU seconds (``time.process_time``).
         clock: wall seconds.
