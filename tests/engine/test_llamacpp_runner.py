@@ -196,6 +196,31 @@ def test_a_batch_gives_each_request_its_tokens_alone(engine: Any, reference_runn
 
 
 @needs_llama_cpp
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+def test_kv_bytes_per_token_follow_the_file_s_head_width(arch: str, tmp_path: Path) -> None:
+    """Heads 32 wide where hidden / heads is 16: the runner's KV accounting (memory gauges,
+    ``kv_capacity_bytes``) equals what the builder sized the cache by."""
+    from rill.engine.llamacpp_runner import LlamaCppRunner
+    from rill.models.config import parse_config
+    from rill.models.gguf_loader import read_gguf
+    from rill.testing.checkpoints import make_checkpoint
+    from rill.testing.gguf_files import write_gguf
+
+    folder = make_checkpoint(tmp_path / arch, arch=arch, head_dim=32, num_kv_heads=1,
+                             extra_config={"query_pre_attn_scalar": 32} if arch == "gemma3" else None)
+    file = write_gguf(folder, tmp_path / f"{arch}.gguf", "F32")
+    checkpoint = read_gguf(file)
+    expected = parse_config(checkpoint.hf_config, checkpoint.generation_config).kv_bytes_per_token(torch.float16)
+    assert expected == 2 * 2 * 1 * 32 * 2  # layers x (keys, values) x kv heads x head width x F16
+    runner = LlamaCppRunner(file, num_rows=2, max_len=64, num_threads=THREADS)
+    try:
+        assert runner.kv_bytes_per_token == expected
+        assert runner.kv_capacity_bytes == expected * 2 * 64
+    finally:
+        runner.close()
+
+
+@needs_llama_cpp
 def test_the_thread_governor_steers_llama_cpp_threads(gguf: Path) -> None:
     """The count the governor sets is the one llama.cpp runs the next step on; the engine gets
     a governor unless the count is fixed (the engine core calls it around every step)."""

@@ -183,10 +183,23 @@ class LlamaCppRunner:
         self._lengths = [0] * num_rows  # per row: positions llama.cpp holds (0 .. length - 1)
 
     def _kv_bytes_per_token(self) -> int:
+        """Keys and values of one token over all layers in the F16 cache.
+
+        A head's width is the file's ``key_length`` / ``value_length`` where it gives them:
+        Gemma 3's and Qwen3's heads are not ``n_embd / n_head`` wide (Gemma 3 270M: 256, not 160).
+        """
         llama, model = self._ll, self._model
-        layers = llama.llama_model_n_layer(model)
-        kv_width = llama.llama_model_n_head_kv(model) * (llama.llama_model_n_embd(model) // llama.llama_model_n_head(model))
-        return int(layers * 2 * kv_width * 2)  # keys and values, F16
+        plain = llama.llama_model_n_embd(model) // llama.llama_model_n_head(model)
+        arch = self._metadata("general.architecture")
+        key = int(self._metadata(f"{arch}.attention.key_length") or plain)
+        value = int(self._metadata(f"{arch}.attention.value_length") or plain)
+        return int(llama.llama_model_n_layer(model) * llama.llama_model_n_head_kv(model) * (key + value) * 2)
+
+    def _metadata(self, key: str) -> str | None:
+        """A GGUF metadata value as llama.cpp read it, or None when the file has no such key."""
+        buffer = ctypes.create_string_buffer(256)
+        size = self._ll.llama_model_meta_val_str(self._model, key.encode(), buffer, len(buffer))
+        return buffer.value.decode() if size >= 0 else None
 
     # -- ModelRunner -------------------------------------------------------------------------
     def forward(self, work: Sequence[RowWork]) -> torch.Tensor:

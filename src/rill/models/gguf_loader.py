@@ -55,6 +55,7 @@ _QWEN2_SPLIT = (
 BPE_PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
     "default": (_GPT2_SPLIT,),
     "gpt2": (_GPT2_SPLIT,),
+    "gpt-2": (_GPT2_SPLIT,),  # llama.cpp's converter's name for it
     # SmolLM, StarCoder and friends split every digit apart before the GPT-2 rules.
     "smollm": (r"\p{N}", _GPT2_SPLIT),
     "starcoder": (r"\p{N}", _GPT2_SPLIT),

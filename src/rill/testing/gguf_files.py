@@ -140,7 +140,7 @@ def _write_tokenizer(writer, folder: Path) -> None:
     tokens = [token for token, _ in sorted(vocab.items(), key=lambda item: item[1])]
     merges = [m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]]
     writer.add_string("tokenizer.ggml.model", "gpt2")
-    writer.add_string("tokenizer.ggml.pre", "gpt2")
+    writer.add_string("tokenizer.ggml.pre", "gpt-2")  # llama.cpp knows it by this name
     writer.add_array("tokenizer.ggml.tokens", tokens)
     writer.add_array("tokenizer.ggml.token_type", [3 if t in special else 1 for t in tokens])
     writer.add_array("tokenizer.ggml.merges", merges)
