@@ -179,6 +179,36 @@ def test_a_long_step_is_work_not_idleness() -> None:
     assert machine.applied == [1]
 
 
+def test_judge_decides_on_the_work_it_ran_and_not_on_the_time_before() -> None:
+    """The warm-up's use: loading beside a hog is not judged; a warm-up beside one is, at once."""
+    machine = _Machine()
+    governor = ThreadGovernor(2, {0, 1}, machine.applied.append, read_stat=machine.stat,
+                              own_cpu=lambda: machine.own, clock=lambda: machine.wall, window=0.5)
+    machine.run(5.0, (1.0, 0.0), (0.0, 1.0))  # loading weights on one thread while a hog holds the other CPU
+
+    def quiet_warm_up() -> str:
+        machine.run(0.3, (1.0, 1.0), (0.0, 0.0))
+        return "warmed"
+
+    assert governor.judge(quiet_warm_up) == "warmed"
+    assert machine.applied == [] and governor.current == 2
+    machine.run(5.0, (0.0, 0.0), (0.0, 0.0))
+    governor.judge(lambda: machine.run(0.3, (0.67, 0.67), (0.66, 0.0)))  # beside a hog
+    assert machine.applied == [1] and governor.current == 1
+
+
+def test_a_step_that_raises_still_ends_the_governor_s_step() -> None:
+    machine = _Machine()
+    governor = ThreadGovernor(2, {0, 1}, machine.applied.append, read_stat=machine.stat,
+                              own_cpu=lambda: machine.own, clock=lambda: machine.wall, window=0.5)
+    machine.steps(governor, 0.5, (1.0, 1.0), (0.0, 0.0))
+    with pytest.raises(RuntimeError), governor.step():
+        machine.run(2.0, (0.67, 0.67), (0.66, 0.0))  # a long failed step beside a hog
+        raise RuntimeError("the forward failed")
+    governor.tick()  # judged as work: the failed step ended, the engine did not sit idle
+    assert machine.applied == [1]
+
+
 def test_governor_counts_this_process_s_own_threads_as_its_own() -> None:
     machine = _Machine()
     governor = ThreadGovernor(2, {0, 1}, machine.applied.append, read_stat=machine.stat,
@@ -210,10 +240,14 @@ def test_no_governor_when_the_user_fixed_the_count_or_one_thread_is_usable() -> 
     assert default_governor(ThreadChoice(1, "test"), None, lambda n: None) is None
 
 
-class _RecordingGovernor:
-    """Stands in for ``ThreadGovernor``: records its calls beside the runner's forwards."""
+class _RecordingGovernor(ThreadGovernor):
+    """A ``ThreadGovernor`` whose ``tick`` and ``stepped`` record their calls beside the runner's
+    forwards (its ``step`` and ``judge`` are the real ones, built on those two)."""
 
     def __init__(self, calls: list[str]) -> None:
+        machine = _Machine()
+        super().__init__(2, {0, 1}, machine.applied.append, read_stat=machine.stat,
+                         own_cpu=lambda: machine.own, clock=lambda: machine.wall)
         self.calls = calls
 
     def tick(self) -> None:
@@ -246,7 +280,7 @@ def test_the_engine_asks_the_governor_before_every_forward_and_tells_it_after_ev
     runner.forward = forward  # type: ignore[method-assign]
     engine = assemble_engine(EngineConfig(model="fake", max_num_seqs=4), runner, fake_tokenizer(), name="fake",
                              architecture="FakeForCausalLM", warm_grammars=False,
-                             thread_governor=_RecordingGovernor(calls))  # type: ignore[arg-type]
+                             thread_governor=_RecordingGovernor(calls))
     core = engine.core
     core.apply(AddCommand(make_request(engine, "a", [5, 6, 7], max_tokens=3, ignore_eos=True)))
     while core.has_work():

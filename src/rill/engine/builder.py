@@ -169,14 +169,11 @@ def build_engine(config: EngineConfig, progress: Progress | None = None) -> Engi
     if runner.packed_weight_bytes:
         log.info("weights packed for oneDNN's CPU kernels: +%.0f MiB", runner.packed_weight_bytes / 2**20)
     report(95.0, "warming up")
-    if governor is not None:
-        governor.tick()  # loading and packing were not engine work: the warm-up starts a window
-    rows, tokens, prefill_s, decode_s = runner.warm_up(config.max_num_batched_tokens, max_rows=config.max_num_seqs)
-    if governor is not None:
-        # Judge the warm-up's window now: beside a busy process the first requests then start on
-        # the thread count it leaves room for, not on spinning threads for a window of their own.
-        governor.stepped()
-        governor.tick()
+    def warm_up() -> tuple[int, int, float, float]:
+        return runner.warm_up(config.max_num_batched_tokens, max_rows=config.max_num_seqs)
+
+    # Judged before the engine reports ready, so a busy machine is seen before the first request.
+    rows, tokens, prefill_s, decode_s = governor.judge(warm_up) if governor is not None else warm_up()
     if tokens:
         log.info("warm-up: a prefill step of %d rows, %d tokens, in %.2f s, then a decode step in %.0f ms",
                  rows, tokens, prefill_s, decode_s * 1000)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -71,8 +72,8 @@ class CoreConfig:
 class EngineCore:
     """The engine: requests in, ``RequestOutput`` deltas out, one ``step()`` at a time.
 
-    ``thread_governor``, when given, is asked before every forward whether to change the
-    runner's thread count and told when the forward ended (``rill.engine.threads``); it sets
+    ``thread_governor``, when given, runs every forward inside its ``step()``: asked before
+    whether to change the runner's thread count, told when it ended (``rill.engine.threads``); it sets
     the count through the runner's own setter (``torch.set_num_threads``,
     ``LlamaCppRunner.set_num_threads``).
     """
@@ -236,13 +237,8 @@ class EngineCore:
         if not work:
             return
         t0 = time.perf_counter()
-        if self.thread_governor is not None:
-            self.thread_governor.tick()
-        try:
+        with self.thread_governor.step() if self.thread_governor is not None else nullcontext():
             logits = self.runner.forward(work)
-        finally:
-            if self.thread_governor is not None:
-                self.thread_governor.stepped()
         self._sample_and_advance(scheduled, logits)
         self._update_costs(plan, time.perf_counter() - t0)
         self.stats_counters.num_steps_total += 1

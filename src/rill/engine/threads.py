@@ -36,9 +36,12 @@ import logging
 import math
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, MutableMapping
+from typing import Callable, Iterator, MutableMapping, TypeVar
+
+T = TypeVar("T")
 
 log = logging.getLogger("rill.engine")
 
@@ -167,9 +170,10 @@ still resolves others' use to about 0.05 CPU."""
 class ThreadGovernor:
     """Adjusts the engine's thread count to the CPUs other processes leave free (see the module doc).
 
-    ``tick()`` runs in the engine thread before each step (the thread count is that thread's
-    OpenMP setting) and ``stepped()`` after it. Every ``window`` seconds it compares the busy time of this process's CPUs
-    with this process's own CPU time; the difference is what others used.
+    Each engine step runs inside ``step()`` in the engine thread (the thread count is that
+    thread's OpenMP setting): ``tick()`` before it, ``stepped()`` after. Every ``window``
+    seconds it compares the busy time of this process's CPUs with this process's own CPU
+    time; the difference is what others used.
 
     Args:
         usable: the most threads to run with (``default_choice``'s count).
@@ -201,6 +205,29 @@ class ThreadGovernor:
 
     def _sample(self) -> tuple[float, float, float]:
         return self._clock(), busy_seconds(self._read_stat(), self._cpus, self._ticks), self._own_cpu()
+
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        """One engine step under the governor: re-decide before it, note its end after, also
+        when it raises (the engine core wraps every forward in this)."""
+        self.tick()
+        try:
+            yield
+        finally:
+            self.stepped()
+
+    def judge(self, work: Callable[[], T]) -> T:
+        """Run ``work`` as a window of its own and decide on it at once; return its result.
+
+        For work outside the engine loop that should set the thread count before the first
+        request, such as the start-up warm-up: beside a busy process the first requests then
+        start on the count it leaves room for, not on spinning threads for a window of their own.
+        Time before the call (loading weights) was not engine work and is not judged.
+        """
+        with self.step():
+            result = work()
+        self.tick()
+        return result
 
     def stepped(self) -> None:
         """Note the end of a step (a long step is work, not idleness)."""
