@@ -6,13 +6,16 @@ the engine's gate holds a request running while the test looks at what it reserv
 
 from __future__ import annotations
 
+import asyncio
 import threading
+from collections.abc import Callable
 
 import pytest
 
 from rill.errors import InvalidRequest, RateLimited
 from rill.frontend.ratelimit import RateLimits
 from rill.testing.fake_client import fake_client
+from rill.testing.fake_runner import StepGate
 from rill.types import GenerateRequest, SamplingParams
 
 BURST = 10
@@ -87,3 +90,77 @@ async def test_tokens_are_held_while_a_request_runs_and_the_unused_come_back() -
         with pytest.raises(RateLimited):
             await client.generate(ask(left + 1))  # the used tokens stay spent (the clock stands still)
         await run_to_end(client, ask(left))  # the unused ones came back
+
+
+async def test_modify_raising_max_tokens_reserves_the_difference_first() -> None:
+    async with fake_client() as client:
+        client.set_rate_limits(RateLimits(tokens_per_s=1.0, burst=BURST), clock=lambda: 0.0)
+        client.engine.runner.gate = threading.Event()  # nothing runs until set
+        held = await client.generate(ask(4))
+        assert held.modify({"max_tokens": 9}).max_tokens == 9  # 5 more of the 6 left
+        with pytest.raises(RateLimited):
+            await client.generate(ask(2))  # 1 left
+        with pytest.raises(RateLimited) as refused:
+            held.modify({"max_tokens": 12, "temperature": 0.5})
+        assert "3 more tokens" in str(refused.value)
+        assert held.sampling.max_tokens == 9 and held.sampling.temperature != 0.5  # a refused modify changes nothing
+        held.modify({"max_tokens": 5})  # lowering needs nothing
+        client.engine.runner.gate.set()
+        async with held:
+            async for _ in held:
+                pass
+
+
+async def test_regenerated_tokens_stay_spent() -> None:
+    """Before, ``regenerate`` restarted the count: a principal could generate without end on
+    one reservation. Now the discarded attempt's tokens are charged and the new attempt
+    reserves as many first."""
+    async with fake_client() as client:
+        client.set_rate_limits(RateLimits(tokens_per_s=1.0, burst=20), clock=lambda: 0.0)
+        gate = client.engine.runner.gate = StepGate()
+        stream = await client.generate(GenerateRequest(prompt="hello", principal="key:a",
+                                                       sampling=SamplingParams(max_tokens=8, ignore_eos=True)))
+        gate.allow(3)  # the prefill's token and two more
+        async for output in stream:
+            if output.usage.completion_tokens == 3:
+                break
+        await _until(lambda: gate.is_waiting)  # step 4 is planned: the first attempt makes 4 tokens
+        stream.regenerate()  # reserves the 3 it has seen: 20 - 8 - 3 = 9 left
+        gate.set()
+        used = 0
+        async with stream:
+            async for output in stream:
+                used = output.usage.completion_tokens
+        assert used == 8  # the second attempt, in full
+        # 4 + 8 = 12 tokens made against 11 reserved: one more is charged, 8 are left.
+        with pytest.raises(RateLimited):
+            await client.generate(ask(9))
+        await run_to_end(client, ask(8))
+
+
+async def _until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    """Wait until the engine thread makes ``condition`` true (it never turns false by itself)."""
+    async with asyncio.timeout(timeout_s):
+        while not condition():
+            await asyncio.sleep(0.001)
+
+
+async def test_a_regenerate_the_bucket_cannot_pay_for_is_refused_and_the_stream_goes_on() -> None:
+    async with fake_client() as client:
+        client.set_rate_limits(RateLimits(tokens_per_s=1.0, burst=BURST), clock=lambda: 0.0)
+        gate = client.engine.runner.gate = StepGate()
+        stream = await client.generate(GenerateRequest(prompt="hello", principal="key:a",
+                                                       sampling=SamplingParams(max_tokens=8, ignore_eos=True)))
+        gate.allow(3)
+        async for output in stream:
+            if output.usage.completion_tokens == 3:
+                break
+        with pytest.raises(RateLimited) as refused:
+            stream.regenerate()  # 3 asked, 2 left
+        assert refused.value.retry_after_s == pytest.approx(1.0)
+        gate.set()
+        used = 0
+        async with stream:
+            async for output in stream:
+                used = output.usage.completion_tokens
+        assert used == 8

@@ -72,6 +72,37 @@ def test_tokens_are_reserved_and_the_unused_part_given_back() -> None:
     lim.admit("a", 10)
 
 
+def test_a_running_request_extends_its_reservation_or_is_refused_unchanged() -> None:
+    clock = Clock()
+    lim = limiter(clock, requests=5, tokens_per_s=1.0, burst=100)
+    held = lim.admit("a", 60)
+    held = lim.extend(held, 30)
+    assert held.tokens == 90
+    with pytest.raises(RateLimited) as info:
+        lim.extend(held, 20)  # 10 left
+    assert info.value.retry_after_s == pytest.approx(10.0) and "20 more tokens" in str(info.value)
+    lim.admit("a", 10)  # the refusal took nothing; an extension counts no request
+    for _ in range(3):
+        lim.admit("a", 0)
+    with pytest.raises(RateLimited):
+        lim.admit("a", 0)  # the window's sixth request
+    assert lim.extend(held, 0) is held
+
+
+def test_tokens_used_beyond_the_reservation_are_a_debt_waited_out() -> None:
+    clock = Clock()
+    lim = limiter(clock, tokens_per_s=1.0, burst=100)
+    held = lim.admit("a", 40)
+    lim.release(held, num_used=70)  # 30 more than reserved: the bucket stands at 100 - 70
+    with pytest.raises(RateLimited) as info:
+        lim.admit("a", 40)
+    assert info.value.retry_after_s == pytest.approx(10.0)
+    lim.release(lim.admit("a", 30), num_used=130)  # 100 past its reservation: 100 below zero
+    with pytest.raises(RateLimited) as info:
+        lim.admit("a", 1)
+    assert info.value.retry_after_s == pytest.approx(101.0)
+
+
 def test_an_ask_over_the_burst_reserves_the_burst() -> None:
     clock = Clock()
     lim = limiter(clock, tokens_per_s=1.0, burst=50)

@@ -58,6 +58,17 @@ ANONYMOUS_PRINCIPAL = "anonymous"
 
 
 @dataclass
+class _Held:
+    """A running request's rate-limit account (``rill.frontend.ratelimit``)."""
+
+    reservation: Reservation
+    spent: int = 0
+    """Completion tokens of the attempts that ``regenerate`` discarded."""
+    seen: int = 0
+    """Completion tokens of the current attempt, as of its last output."""
+
+
+@dataclass
 class _Track:
     """Per-request timing the client keeps for metrics."""
 
@@ -101,7 +112,7 @@ class InprocClient:
                                           num_threads=config.tokenizer_threads)
         self._max_tokens_cap: int | None = None
         self._limiter: RateLimiter | None = None
-        self._reservations: dict[RequestId, Reservation] = {}
+        self._reservations: dict[RequestId, _Held] = {}
 
     # -- lifecycle -------------------------------------------------------------------------
     @classmethod
@@ -181,8 +192,8 @@ class InprocClient:
             raise InvalidRequest(f"request_id '{request_id}' is already running", field="request_id")
         # Last of the checks, so that a request refused for another reason counts for nothing.
         if self._limiter is not None:
-            self._reservations[request_id] = self._limiter.admit(request.principal or ANONYMOUS_PRINCIPAL,
-                                                                 params.max_tokens)
+            self._reservations[request_id] = _Held(self._limiter.admit(request.principal or ANONYMOUS_PRINCIPAL,
+                                                                       params.max_tokens))
         now = time.monotonic()
         deadline = now + request.deadline_s if request.deadline_s else None
         engine_request = Request(
@@ -266,6 +277,10 @@ class InprocClient:
         if params.constraint is not None and (old.constraint is None
                                               or old.constraint.cache_key() != params.constraint.cache_key()):
             matcher = engine.grammars.matcher(params.constraint)
+        held = self._reservations.get(request_id)
+        if held is not None and self._limiter is not None and params.max_tokens > old.max_tokens:
+            # Last of the checks: a refused modify changes nothing.
+            held.reservation = self._limiter.extend(held.reservation, params.max_tokens - old.max_tokens)
         self._params[request_id] = params
         self._inbox.put(ModifyCommand(request_id, params, matcher))
         return params
@@ -277,8 +292,14 @@ class InprocClient:
         return msgspec.structs.replace(params, max_tokens=cap, min_tokens=min(params.min_tokens, cap))
 
     def regenerate(self, request_id: RequestId) -> None:
-        """Restart a request from its prompt."""
+        """Restart a request from its prompt.
+
+        Under a token rate limit the tokens it discards stay spent: the new attempt first
+        reserves as many again (``RateLimited`` if the principal's bucket lacks them)."""
         self._live(request_id)
+        held = self._reservations.get(request_id)
+        if held is not None and self._limiter is not None:
+            held.reservation = self._limiter.extend(held.reservation, held.seen)
         self._inbox.put(RegenerateCommand(request_id))
 
     def _forget(self, request_id: RequestId) -> None:
@@ -379,6 +400,11 @@ class InprocClient:
             track = self._tracks.get(output.request_id)
             if track is not None:
                 self._track(track, output, now)
+            held = self._reservations.get(output.request_id)
+            if held is not None:
+                if RequestEvent.REGENERATING in output.events:
+                    held.spent += held.seen
+                held.seen = output.usage.completion_tokens
             stream = self._streams.get(output.request_id)
             if stream is not None:
                 stream.put(output)
@@ -389,10 +415,11 @@ class InprocClient:
                 self._release(output.request_id, output.usage.completion_tokens)
 
     def _release(self, request_id: RequestId, num_used: int) -> None:
-        """Give back the unused tokens of an ended request's rate-limit reservation."""
-        reservation = self._reservations.pop(request_id, None)
-        if reservation is not None and self._limiter is not None:
-            self._limiter.release(reservation, num_used)
+        """Settle an ended request's rate-limit account: ``num_used`` tokens in its last
+        attempt, plus those of the attempts it regenerated."""
+        held = self._reservations.pop(request_id, None)
+        if held is not None and self._limiter is not None:
+            self._limiter.release(held.reservation, held.spent + num_used)
 
     def _track(self, track: _Track, output: RequestOutput, now: float) -> None:
         if track.is_queued and (RequestEvent.SCHEDULED in output.events or output.finished):
@@ -438,6 +465,6 @@ class InprocClient:
             stream.put(RequestOutput(request_id=request_id, finished=True, finish_reason="error",
                                      error=EngineDead("the engine stopped")))
         self._streams.clear()
-        for request_id in list(self._reservations):
-            self._release(request_id, 0)
+        for request_id, held in list(self._reservations.items()):
+            self._release(request_id, held.seen)  # what the engine made before it stopped stays spent
 

@@ -11,7 +11,10 @@ Two limits, each off unless configured, both keyed by the request's principal
 * a generation-token rate (``--rate-limit-tokens-per-s``, ``--rate-limit-burst``): a token
   bucket. A request reserves its ``max_tokens`` (at most the burst) before it starts and
   gives back what it did not use when it ends, so a principal never has more tokens in
-  flight than the burst, and the bucket refills at the set rate.
+  flight than the burst, and the bucket refills at the set rate. A running request that
+  asks for more (``modify`` raising ``max_tokens``, ``regenerate`` discarding what it made)
+  reserves more first (``extend``); whatever it generated past its reservation is charged
+  when it ends, as a debt the principal's next requests wait out.
 
 A request refused by either limit takes nothing from the other. Principals are chosen by
 clients (a key, an address), so the state is bounded: past ``max_principals`` the least
@@ -74,6 +77,11 @@ class TokenBucket:
         self._refill(now)
         self.level = max(0.0, self.level - num_tokens)
 
+    def charge(self, num_tokens: float, now: float) -> None:
+        """Remove tokens already spent, below zero if need be (a debt that refilling repays)."""
+        self._refill(now)
+        self.level -= num_tokens
+
     def give_back(self, num_tokens: float, now: float) -> None:
         """Return unused tokens of a reservation."""
         self._refill(now)
@@ -135,12 +143,34 @@ class RateLimiter:
         state.count += 1
         return Reservation(principal, amount)
 
+    def extend(self, reservation: Reservation, more_tokens: int) -> Reservation:
+        """Reserve ``more_tokens`` (at most the burst) for a running request; return the larger
+        reservation, or raise ``RateLimited`` (with ``retry_after_s``) and change nothing.
+
+        The request count is not touched: it is the same request."""
+        state = self._principals.get(reservation.principal)
+        if state is None or state.bucket is None or more_tokens <= 0:
+            return reservation
+        now = self._clock()
+        amount = min(float(more_tokens), state.bucket.burst)
+        wait_s = state.bucket.wait_s(amount, now)
+        if wait_s > 0:
+            raise RateLimited(f"rate limit reached: {amount:.0f} more tokens asked; retry in {wait_s:.2f} s",
+                              retry_after_s=wait_s)
+        state.bucket.take(amount, now)
+        return Reservation(reservation.principal, reservation.tokens + amount)
+
     def release(self, reservation: Reservation, num_used: int) -> None:
-        """Give back the tokens ``reservation`` did not use (its request has ended)."""
+        """Settle ``reservation``'s account (its request has ended, having generated
+        ``num_used`` tokens): give back what it did not use, charge what it used beyond it."""
         unused = reservation.tokens - num_used
         state = self._principals.get(reservation.principal)
-        if unused > 0 and state is not None and state.bucket is not None:
+        if unused == 0 or state is None or state.bucket is None:
+            return
+        if unused > 0:
             state.bucket.give_back(unused, self._clock())
+        else:
+            state.bucket.charge(-unused, self._clock())
 
     def _state(self, principal: str, now: float) -> _Principal:
         state = self._principals.get(principal)
