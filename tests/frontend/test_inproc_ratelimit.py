@@ -16,7 +16,7 @@ from rill.errors import InvalidRequest, RateLimited
 from rill.frontend.ratelimit import RateLimits
 from rill.testing.fake_client import fake_client
 from rill.testing.fake_runner import StepGate
-from rill.types import GenerateRequest, SamplingParams
+from rill.types import GenerateRequest, RequestEvent, SamplingParams
 
 BURST = 10
 
@@ -96,15 +96,34 @@ async def test_modify_raising_max_tokens_reserves_the_difference_first() -> None
     async with fake_client() as client:
         client.set_rate_limits(RateLimits(tokens_per_s=1.0, burst=BURST), clock=lambda: 0.0)
         client.engine.runner.gate = threading.Event()  # nothing runs until set
-        held = await client.generate(ask(4))
+        held = await client.generate(GenerateRequest(prompt="hello", principal="key:a",
+                                                     sampling=SamplingParams(max_tokens=4, ignore_eos=True)))
         assert held.modify({"max_tokens": 9}).max_tokens == 9  # 5 more of the 6 left
         with pytest.raises(RateLimited):
             await client.generate(ask(2))  # 1 left
         with pytest.raises(RateLimited) as refused:
             held.modify({"max_tokens": 12, "temperature": 0.5})
         assert "3 more tokens" in str(refused.value)
-        assert held.sampling.max_tokens == 9 and held.sampling.temperature != 0.5  # a refused modify changes nothing
-        held.modify({"max_tokens": 5})  # lowering needs nothing
+        client.engine.runner.gate.set()
+        used = 0
+        async with held:
+            async for output in held:
+                used = output.usage.completion_tokens
+        assert used == 9  # the engine never got the refused max_tokens
+        with pytest.raises(RateLimited):
+            await client.generate(ask(2))  # 9 of 10 stay spent
+        await run_to_end(client, ask(1))
+
+
+async def test_lowering_then_raising_max_tokens_again_needs_nothing_more() -> None:
+    async with fake_client() as client:
+        client.set_rate_limits(RateLimits(tokens_per_s=1.0, burst=BURST), clock=lambda: 0.0)
+        client.engine.runner.gate = threading.Event()
+        held = await client.generate(ask(9))
+        held.modify({"max_tokens": 5})
+        assert held.modify({"max_tokens": 9}).max_tokens == 9  # 9 were reserved all along; 1 left
+        with pytest.raises(RateLimited):
+            await client.generate(ask(2))
         client.engine.runner.gate.set()
         async with held:
             async for _ in held:
@@ -159,8 +178,31 @@ async def test_a_regenerate_the_bucket_cannot_pay_for_is_refused_and_the_stream_
             stream.regenerate()  # 3 asked, 2 left
         assert refused.value.retry_after_s == pytest.approx(1.0)
         gate.set()
+        used, restarted = 0, False
+        async with stream:
+            async for output in stream:
+                used = output.usage.completion_tokens
+                restarted |= RequestEvent.REGENERATING in output.events
+        assert used == 8 and not restarted  # the refused regenerate never reached the engine
+
+
+async def test_a_second_regenerate_before_the_first_is_done_reserves_nothing_more() -> None:
+    async with fake_client() as client:
+        client.set_rate_limits(RateLimits(tokens_per_s=1.0, burst=13), clock=lambda: 0.0)
+        gate = client.engine.runner.gate = StepGate()
+        stream = await client.generate(GenerateRequest(prompt="hello", principal="key:a",
+                                                       sampling=SamplingParams(max_tokens=8, ignore_eos=True)))
+        gate.allow(3)
+        async for output in stream:
+            if output.usage.completion_tokens == 3:
+                break
+        stream.regenerate()  # 3 discarded + 8: 11 of 13 reserved
+        stream.regenerate()  # the same discard: 2 left would not cover 3 more
+        gate.set()
         used = 0
         async with stream:
             async for output in stream:
                 used = output.usage.completion_tokens
         assert used == 8
+        with pytest.raises(RateLimited):
+            await client.generate(ask(2))  # at least 3 + 8 made of 13

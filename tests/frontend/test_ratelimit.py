@@ -155,3 +155,53 @@ def test_release_after_the_principal_was_forgotten_is_harmless() -> None:
 def test_no_limits_configured_means_off() -> None:
     assert not RateLimits().is_on
     assert RateLimits(requests=1).is_on and RateLimits(tokens_per_s=1.0).is_on
+
+
+def test_an_account_reserves_only_the_shortfall_of_each_change() -> None:
+    """``max_tokens`` 9 -> 5 -> 9 needs nothing more (an extension by each raise's difference
+    would ask 4 and be refused here); a restart keeps the discarded tokens covered, once."""
+    clock = Clock()
+    lim = limiter(clock, tokens_per_s=1.0, burst=14)
+    account = lim.open("a", 9)
+    account.set_max_tokens(5)
+    account.set_max_tokens(9)
+    assert account.reservation.tokens == 9
+    account.observe(3, restarted=False)
+    account.restart()  # 3 discarded + 9 again
+    account.restart()  # asked again before the engine restarted: nothing more
+    assert account.reservation.tokens == 12
+    with pytest.raises(RateLimited) as info:
+        account.set_max_tokens(12)  # 3 + 12 = 15: 3 more asked, 2 left
+    assert "3 more tokens" in str(info.value)
+    assert account.reservation.tokens == 12  # refused: unchanged
+    account.observe(1, restarted=True)  # the engine restarted: 3 spent, 1 in the new attempt
+    account.observe(9, restarted=False)
+    assert account.used == 12
+    account.settle()
+    account.settle()  # only once
+    with pytest.raises(RateLimited):
+        lim.admit("a", 3)  # 12 of 14 spent
+    lim.admit("a", 2)
+
+
+def test_an_account_charges_what_it_made_past_the_burst() -> None:
+    clock = Clock()
+    lim = limiter(clock, tokens_per_s=1.0, burst=10)
+    account = lim.open("a", 30)  # reserves the burst, stands for 30
+    account.set_max_tokens(25)
+    account.set_max_tokens(30)  # nothing more: still 30 covered
+    account.settle(30)  # 20 past the 10 reserved: a debt
+    with pytest.raises(RateLimited) as info:
+        lim.admit("a", 1)
+    assert info.value.retry_after_s == pytest.approx(21.0)
+
+
+def test_extending_keeps_a_principal_recently_seen() -> None:
+    clock = Clock()
+    lim = limiter(clock, tokens_per_s=1.0, burst=10, max_principals=2)
+    held = lim.admit("a", 1)
+    lim.admit("b", 1)
+    lim.extend(held, 1)  # "a" is now the most recently seen
+    lim.admit("c", 1)  # forgets "b", not "a"
+    with pytest.raises(RateLimited):
+        lim.admit("a", 9)  # "a" kept its 2 reserved tokens

@@ -106,11 +106,17 @@ class EngineClient(Protocol):
         ...
 
     def modify(self, request_id: RequestId, patch: dict[str, Any]) -> SamplingParams:
-        """Apply a sampling-parameter patch from the next token on; return the new params."""
+        """Apply a sampling-parameter patch from the next token on; return the new params.
+
+        Raises ``InvalidRequest`` for a bad value and ``RateLimited`` when a raised
+        ``max_tokens`` needs tokens the principal's bucket lacks; either way nothing changes."""
         ...
 
     def regenerate(self, request_id: RequestId) -> None:
-        """Restart the request from its prompt (``REGENERATING`` event follows)."""
+        """Restart the request from its prompt (``REGENERATING`` event follows).
+
+        Raises ``RateLimited`` (and the request goes on unchanged) when the principal's bucket
+        cannot cover the tokens the restart discards."""
         ...
 
     def decode(self, token_ids: list[int]) -> str:

@@ -43,7 +43,7 @@ from rill.errors import (
 )
 from rill.frontend.admission import Prompt, PromptAdmission
 from rill.frontend.client import MetricsSink
-from rill.frontend.ratelimit import RateLimiter, RateLimits, Reservation
+from rill.frontend.ratelimit import Account, RateLimiter, RateLimits
 from rill.frontend.stream import RequestStream
 from rill.types import EngineStats, GenerateRequest, ModelInfo, RequestEvent, RequestId, RequestOutput, SamplingParams
 
@@ -55,17 +55,6 @@ QUEUE_POSITIONS_TTL_S = 0.25
 _STOP = object()
 ANONYMOUS_PRINCIPAL = "anonymous"
 """The principal of requests that name none (in-process callers such as benchmarks)."""
-
-
-@dataclass
-class _Held:
-    """A running request's rate-limit account (``rill.frontend.ratelimit``)."""
-
-    reservation: Reservation
-    spent: int = 0
-    """Completion tokens of the attempts that ``regenerate`` discarded."""
-    seen: int = 0
-    """Completion tokens of the current attempt, as of its last output."""
 
 
 @dataclass
@@ -112,7 +101,7 @@ class InprocClient:
                                           num_threads=config.tokenizer_threads)
         self._max_tokens_cap: int | None = None
         self._limiter: RateLimiter | None = None
-        self._reservations: dict[RequestId, _Held] = {}
+        self._accounts: dict[RequestId, Account] = {}
 
     # -- lifecycle -------------------------------------------------------------------------
     @classmethod
@@ -192,8 +181,8 @@ class InprocClient:
             raise InvalidRequest(f"request_id '{request_id}' is already running", field="request_id")
         # Last of the checks, so that a request refused for another reason counts for nothing.
         if self._limiter is not None:
-            self._reservations[request_id] = _Held(self._limiter.admit(request.principal or ANONYMOUS_PRINCIPAL,
-                                                                       params.max_tokens))
+            self._accounts[request_id] = self._limiter.open(request.principal or ANONYMOUS_PRINCIPAL,
+                                                            params.max_tokens)
         now = time.monotonic()
         deadline = now + request.deadline_s if request.deadline_s else None
         engine_request = Request(
@@ -277,10 +266,9 @@ class InprocClient:
         if params.constraint is not None and (old.constraint is None
                                               or old.constraint.cache_key() != params.constraint.cache_key()):
             matcher = engine.grammars.matcher(params.constraint)
-        held = self._reservations.get(request_id)
-        if held is not None and self._limiter is not None and params.max_tokens > old.max_tokens:
-            # Last of the checks: a refused modify changes nothing.
-            held.reservation = self._limiter.extend(held.reservation, params.max_tokens - old.max_tokens)
+        account = self._accounts.get(request_id)
+        if account is not None:
+            account.set_max_tokens(params.max_tokens)  # last of the checks: a refused modify changes nothing
         self._params[request_id] = params
         self._inbox.put(ModifyCommand(request_id, params, matcher))
         return params
@@ -297,9 +285,9 @@ class InprocClient:
         Under a token rate limit the tokens it discards stay spent: the new attempt first
         reserves as many again (``RateLimited`` if the principal's bucket lacks them)."""
         self._live(request_id)
-        held = self._reservations.get(request_id)
-        if held is not None and self._limiter is not None:
-            held.reservation = self._limiter.extend(held.reservation, held.seen)
+        account = self._accounts.get(request_id)
+        if account is not None:
+            account.restart()
         self._inbox.put(RegenerateCommand(request_id))
 
     def _forget(self, request_id: RequestId) -> None:
@@ -400,11 +388,9 @@ class InprocClient:
             track = self._tracks.get(output.request_id)
             if track is not None:
                 self._track(track, output, now)
-            held = self._reservations.get(output.request_id)
-            if held is not None:
-                if RequestEvent.REGENERATING in output.events:
-                    held.spent += held.seen
-                held.seen = output.usage.completion_tokens
+            account = self._accounts.get(output.request_id)
+            if account is not None:
+                account.observe(output.usage.completion_tokens, RequestEvent.REGENERATING in output.events)
             stream = self._streams.get(output.request_id)
             if stream is not None:
                 stream.put(output)
@@ -417,9 +403,9 @@ class InprocClient:
     def _release(self, request_id: RequestId, num_used: int) -> None:
         """Settle an ended request's rate-limit account: ``num_used`` tokens in its last
         attempt, plus those of the attempts it regenerated."""
-        held = self._reservations.pop(request_id, None)
-        if held is not None and self._limiter is not None:
-            self._limiter.release(held.reservation, held.spent + num_used)
+        account = self._accounts.pop(request_id, None)
+        if account is not None:
+            account.settle(num_used)
 
     def _track(self, track: _Track, output: RequestOutput, now: float) -> None:
         if track.is_queued and (RequestEvent.SCHEDULED in output.events or output.finished):
@@ -465,6 +451,7 @@ class InprocClient:
             stream.put(RequestOutput(request_id=request_id, finished=True, finish_reason="error",
                                      error=EngineDead("the engine stopped")))
         self._streams.clear()
-        for request_id, held in list(self._reservations.items()):
-            self._release(request_id, held.seen)  # what the engine made before it stopped stays spent
+        for account in self._accounts.values():
+            account.settle()  # what the engine made before it stopped stays spent
+        self._accounts.clear()
 

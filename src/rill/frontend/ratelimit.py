@@ -13,8 +13,8 @@ Two limits, each off unless configured, both keyed by the request's principal
   gives back what it did not use when it ends, so a principal never has more tokens in
   flight than the burst, and the bucket refills at the set rate. A running request that
   asks for more (``modify`` raising ``max_tokens``, ``regenerate`` discarding what it made)
-  reserves more first (``extend``); whatever it generated past its reservation is charged
-  when it ends, as a debt the principal's next requests wait out.
+  reserves the shortfall first (``Account``); whatever it generated past its reservation is
+  charged when it ends, as a debt the principal's next requests wait out.
 
 A request refused by either limit takes nothing from the other. Principals are chosen by
 clients (a key, an address), so the state is bounded: past ``max_principals`` the least
@@ -151,6 +151,7 @@ class RateLimiter:
         state = self._principals.get(reservation.principal)
         if state is None or state.bucket is None or more_tokens <= 0:
             return reservation
+        self._principals.move_to_end(reservation.principal)  # a running request keeps its principal recent
         now = self._clock()
         amount = min(float(more_tokens), state.bucket.burst)
         wait_s = state.bucket.wait_s(amount, now)
@@ -172,6 +173,10 @@ class RateLimiter:
         else:
             state.bucket.charge(-unused, self._clock())
 
+    def open(self, principal: str, max_tokens: int) -> "Account":
+        """``admit`` a request and return its ``Account`` (``RateLimited``: nothing changed)."""
+        return Account(self, self.admit(principal, max_tokens), max_tokens)
+
     def _state(self, principal: str, now: float) -> _Principal:
         state = self._principals.get(principal)
         if state is not None:
@@ -183,3 +188,65 @@ class RateLimiter:
         state = self._principals[principal] = _Principal(
             None if rate is None else TokenBucket(rate, self.limits.burst, now))
         return state
+
+
+class Account:
+    """One admitted request's rate-limit account, from admission to its end.
+
+    The request may generate its ``max_tokens`` in the current attempt, on top of the tokens of
+    the attempts ``regenerate`` discarded; the account keeps that total covered by its
+    reservation, so each change reserves only its shortfall (``max_tokens`` 9 -> 5 -> 9 needs
+    nothing more) and ``settle`` gives back or charges the difference once. Every method that
+    reserves raises ``RateLimited`` and changes nothing when the bucket lacks the tokens.
+    The event loop calls it: one method per client call or engine output.
+    """
+
+    def __init__(self, limiter: RateLimiter, reservation: Reservation, max_tokens: int) -> None:
+        self._limiter = limiter
+        self.reservation = reservation
+        self._covered = max_tokens  # what the reservation stands for (past the burst, more than it took)
+        self._max_tokens = max_tokens
+        self._spent = 0  # tokens of the attempts regenerate discarded
+        self._seen = 0  # tokens of the current attempt, as of its last output
+        self._discarding = 0  # tokens of the current attempt a regenerate will discard (asked, not yet done)
+        self._settled = False
+
+    @property
+    def used(self) -> int:
+        """Tokens generated so far, discarded attempts included."""
+        return self._spent + self._seen
+
+    def set_max_tokens(self, max_tokens: int) -> None:
+        """The request's ``max_tokens`` changes (``modify``): reserve what the new total lacks."""
+        self._cover(self._spent + self._discarding + max_tokens)
+        self._max_tokens = max_tokens
+
+    def restart(self) -> None:
+        """A ``regenerate`` is about to discard the current attempt: its tokens stay spent and the
+        new attempt may make ``max_tokens`` again, so reserve what that total lacks. A second
+        restart before the engine has done the first asks for nothing more."""
+        discarding = max(self._discarding, self._seen)
+        self._cover(self._spent + discarding + self._max_tokens)
+        self._discarding = discarding
+
+    def observe(self, completion_tokens: int, restarted: bool) -> None:
+        """An output of the request: ``completion_tokens`` of its current attempt, ``restarted``
+        when the engine has just discarded the previous attempt (its last count stays spent)."""
+        if restarted:
+            self._spent += self._seen
+            self._discarding = 0
+        self._seen = completion_tokens
+
+    def settle(self, num_used: int | None = None) -> None:
+        """The request ended, its last attempt having made ``num_used`` tokens (default: as
+        last observed): give back what it did not use, charge what it used beyond. Only once."""
+        if self._settled:
+            return
+        self._settled = True
+        self._limiter.release(self.reservation, self._spent + (self._seen if num_used is None else num_used))
+
+    def _cover(self, need: int) -> None:
+        short = need - self._covered
+        if short > 0:
+            self.reservation = self._limiter.extend(self.reservation, short)
+            self._covered = need

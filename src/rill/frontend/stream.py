@@ -106,10 +106,14 @@ class RequestStream:
 
     def modify(self, patch: dict[str, Any]) -> SamplingParams:
         """Change sampling parameters from the next token on; returns the parameters now in
-        force. Raises ``InvalidRequest`` (and changes nothing) if a value is invalid."""
+        force. Raises ``InvalidRequest`` if a value is invalid and ``RateLimited`` if a raised
+        ``max_tokens`` needs tokens the principal lacks; either way nothing changes."""
         self.sampling = self.client.modify(self.request_id, patch)
         return self.sampling
 
     def regenerate(self) -> None:
-        """Drop the generation and restart from the prompt with the current parameters."""
+        """Drop the generation and restart from the prompt with the current parameters.
+
+        ``RateLimited`` (the generation goes on unchanged) when the principal's bucket cannot
+        cover the discarded tokens."""
         self.client.regenerate(self.request_id)
