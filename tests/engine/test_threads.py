@@ -197,6 +197,21 @@ def test_judge_decides_on_the_work_it_ran_and_not_on_the_time_before() -> None:
     assert machine.applied == [1] and governor.current == 1
 
 
+def test_judge_ignores_a_short_load_before_it_and_waits_for_a_window_that_resolves() -> None:
+    """Loading shorter than a window, beside a hog, is still not judged; work shorter than the
+    smallest window decides nothing, and its window goes on into the engine's steps."""
+    machine = _Machine()
+    governor = ThreadGovernor(2, {0, 1}, machine.applied.append, read_stat=machine.stat,
+                              own_cpu=lambda: machine.own, clock=lambda: machine.wall, window=0.5)
+    machine.run(0.4, (1.0, 0.0), (0.0, 1.0))  # a quick load on one thread while a hog holds the other CPU
+    governor.judge(lambda: machine.run(0.3, (1.0, 1.0), (0.0, 0.0)))  # quiet warm-up
+    assert machine.applied == [] and governor.current == 2
+    governor.judge(lambda: machine.run(0.05, (0.67, 0.67), (0.66, 0.0)))  # too short to tell
+    assert machine.applied == []
+    machine.steps(governor, 0.6, (0.67, 0.67), (0.66, 0.0))  # the hog stays: the steps' window decides
+    assert machine.applied == [1]
+
+
 def test_a_step_that_raises_still_ends_the_governor_s_step() -> None:
     machine = _Machine()
     governor = ThreadGovernor(2, {0, 1}, machine.applied.append, read_stat=machine.stat,
@@ -249,6 +264,10 @@ class _RecordingGovernor(ThreadGovernor):
         super().__init__(2, {0, 1}, machine.applied.append, read_stat=machine.stat,
                          own_cpu=lambda: machine.own, clock=lambda: machine.wall)
         self.calls = calls
+
+    def judge(self, work):  # type: ignore[no-untyped-def]
+        self.calls.append("judge")
+        return super().judge(work)
 
     def tick(self) -> None:
         self.calls.append("tick")
@@ -328,5 +347,5 @@ def test_the_warm_up_is_judged_before_the_engine_reports_ready(tiny_model_dir: P
 
     monkeypatch.setattr(rill.engine.runner.TorchModelRunner, "warm_up", warm_up)
     built = _build(tiny_model_dir, None)
-    assert calls == ["tick", "warm-up", "stepped", "tick"]
+    assert calls == ["judge", "tick", "warm-up", "stepped"]
     assert built.core.thread_governor is recording

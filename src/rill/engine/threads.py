@@ -217,16 +217,20 @@ class ThreadGovernor:
             self.stepped()
 
     def judge(self, work: Callable[[], T]) -> T:
-        """Run ``work`` as a window of its own and decide on it at once; return its result.
+        """Run ``work`` as a window of its own and decide on it as soon as it ends; return its result.
 
         For work outside the engine loop that should set the thread count before the first
         request, such as the start-up warm-up: beside a busy process the first requests then
         start on the count it leaves room for, not on spinning threads for a window of their own.
-        Time before the call (loading weights) was not engine work and is not judged.
+        The window opens when ``work`` starts, so time before the call (loading weights) is
+        never judged. Work shorter than ``FIRST_WINDOW_S`` decides nothing (``/proc/stat``
+        counts 10 ms ticks: a shorter window cannot tell others' use from rounding); its
+        window then goes on into the engine's steps.
         """
+        self._guarded(self._restart)
         with self.step():
             result = work()
-        self.tick()
+        self._guarded(self._decide_if_resolved)
         return result
 
     def stepped(self) -> None:
@@ -242,13 +246,21 @@ class ThreadGovernor:
         start the next burst of work with too few threads. The first window after idleness
         is short (``FIRST_WINDOW_S``), so a hog that came meanwhile costs little.
         """
+        self._guarded(self._decide)
+
+    def _guarded(self, action: Callable[[], None]) -> None:
         if self._broken:
             return
         try:
-            self._decide()
+            action()
         except (OSError, ValueError, IndexError) as exc:  # /proc unreadable or changed: keep the count
             self._broken = True
             log.warning("engine thread governor stopped (%s); keeping %d threads", exc, self.current)
+
+    def _restart(self) -> None:
+        self._last = self._sample()
+        self._last_step_end = self._last[0]
+        self._span = self._window
 
     def _decide(self) -> None:
         now = self._clock()
@@ -256,8 +268,14 @@ class ThreadGovernor:
             self._last = self._sample()
             self._span = min(self._window, FIRST_WINDOW_S)
             return
-        if now - self._last[0] < self._span:
-            return
+        if now - self._last[0] >= self._span:
+            self._judge_window()
+
+    def _decide_if_resolved(self) -> None:
+        if self._clock() - self._last[0] >= FIRST_WINDOW_S:
+            self._judge_window()
+
+    def _judge_window(self) -> None:
         then, (now, busy, own) = self._last, self._sample()
         self._last = (now, busy, own)
         self._span = self._window
