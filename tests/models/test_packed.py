@@ -31,10 +31,31 @@ def test_packed_linear_is_bit_identical_to_f_linear(rows: int) -> None:
         assert torch.equal(packed.linear(x, weight, bias), expected)
 
 
-def test_float32_weights_are_left_alone() -> None:
-    weight = torch.randn(8, 4)
+needs_float32_packing = pytest.mark.skipif(not packed.can_pack(torch.empty(2, 2)), reason="no oneDNN in this torch")
+
+
+@needs_float32_packing
+def test_packed_float32_gives_every_row_the_same_bits_at_any_batch_size() -> None:
+    """MKL's sgemm (plain ``F.linear``) takes another kernel for one row than for several here,
+    so a row's result changed in its last bits with its batch; the packed kernel's does not."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(3072, 576, generator=generator)
+    x = torch.randn(600, 576, generator=generator)
+    expected = F.linear(x, weight)
+    assert packed.pack_weight(weight) == 3072 * 576 * 4
+    with torch.inference_mode():
+        alone = packed.linear(x[:1], weight)
+        for rows in (2, 3, 31, 32, 33, 512, 600):
+            got = packed.linear(x[:rows], weight)
+            assert torch.equal(got[:1], alone), rows
+            torch.testing.assert_close(got, expected[:rows], atol=1e-3, rtol=1e-4)
+
+
+def test_weights_of_other_dtypes_are_left_alone() -> None:
+    weight = torch.randn(8, 4, dtype=torch.float16)
     assert packed.pack_weight(weight) == 0
-    assert torch.equal(packed.linear(torch.ones(2, 4), weight), F.linear(torch.ones(2, 4), weight))
+    x = torch.ones(2, 4, dtype=torch.float16)
+    assert torch.equal(packed.linear(x, weight), F.linear(x, weight))
 
 
 @needs_packing

@@ -1,13 +1,21 @@
-"""Linear layers with weights pre-packed for oneDNN's CPU kernels (bf16).
+"""Linear layers with weights pre-packed for oneDNN's CPU kernels (bf16 and float32).
 
 ``F.linear`` on a bf16 CPU tensor reaches oneDNN, but with the weight in its plain row-major
 layout oneDNN reorders it into its blocked layout on every call. Packing each weight once
 (``torch.ops.mkldnn._reorder_linear_weight``, the call inductor makes when it freezes a CPU
-graph) removes that reorder. Measured on this 2-core AVX-512-BF16 machine, SmolLM2-135M shapes,
+graph) removes that reorder. Measured on a 2-core AVX-512-BF16 machine, SmolLM2-135M shapes,
 2 threads: the 49152×576 LM head at one row 1.69 → 0.86 ms, 32 rows 4.09 → 2.16 ms; a
 3072×576 projection at one row 0.100 → 0.045 ms. A whole decode step at B=1 went from 15.0 to
-10.7 ms. Results are bit-identical to ``F.linear`` at every batch size (checked in
+10.7 ms. In bf16 the results are bit-identical to ``F.linear`` at every batch size (checked in
 ``tests/models/test_packed.py``), so batch invariance and transformers parity are unchanged.
+
+float32 ``F.linear`` goes to MKL's sgemm instead, which on a 2-core AVX2 machine (AMD EPYC, no
+AVX-512) read the LM head at half the memory's speed (9.2 ms at one row against 4.9 packed,
+30.2 against 15.0 at 32 rows) and takes another kernel for one row than for several, so a
+row's logits changed in their last bits with the batch it ran in. The packed oneDNN kernel
+gives every row the same bits at any batch size (tested) and differs from MKL's sums by
+rounding only (~1e-4 on unit-scale products). SmolLM2-135M float32 decode steps there: B=1
+71.1 → 52.7 ms, B=32 187.8 → 140.1 ms (medians of 40 steps on the runner alone).
 
 The cost is memory: the packed copy sits beside the original weight, which the cache-free
 forward, ``state_dict`` and the embedding (tied LM heads) keep using.
@@ -28,13 +36,14 @@ _PACKED = "_rill_packed"
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    """Whether ``weight`` can be packed here: bf16 on a CPU whose oneDNN has bf16 kernels."""
+    """Whether ``weight`` can be packed here: float32, or bf16 on a CPU whose oneDNN has bf16
+    kernels, on a CPU build with oneDNN."""
     return (
         weight.device.type == "cpu"
-        and weight.dtype == torch.bfloat16
         and weight.dim() == 2
         and torch.backends.mkldnn.is_available()
-        and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        and (weight.dtype == torch.float32
+             or (weight.dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())))
     )
 
 
