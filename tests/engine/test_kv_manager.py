@@ -45,6 +45,28 @@ def test_release_keeps_a_cache_entry_drop_frees_and_eviction_is_lru() -> None:
     assert c.row in kv.free_rows and kv.cached_tokens() == 4
 
 
+def test_packed_rows_give_a_new_sequence_the_lowest_row_free_or_cached() -> None:
+    """After a wave in rows 0..3 (cached) with rows 4..5 free, the next wave takes 0..3 again,
+    not 4, 5 and the two oldest entries: live rows stay consecutive (one llama.cpp micro-batch)."""
+    kv = KVManager(num_rows=6, max_len=64, bytes_per_token=8, pack_rows=True)
+    first = [kv.acquire(Holder([]), [i, 7, 7]) for i in range(4)]
+    assert [a.row for a in first if a] == [0, 1, 2, 3]
+    for a, i in zip(reversed(first), (3, 2, 1, 0)):  # released last first: row 3 is the oldest entry
+        assert a is not None
+        kv.release(a.row, [i, 7, 7])
+    second = [kv.acquire(Holder([]), [10 + i, 8, 8]) for i in range(4)]
+    assert [a.row for a in second if a] == [0, 1, 2, 3]
+    hit = kv.acquire(Holder([]), [0, 7, 7, 9])  # its entry went with row 0: a miss, in the lowest free row
+    assert hit is not None and hit.row == 4 and hit.num_cached_tokens == 0
+    kv.drop(second[1].row)  # type: ignore[union-attr]
+    assert kv.acquire_empty() == 1  # the gap is filled first
+    plain = KVManager(num_rows=6, max_len=64, bytes_per_token=8)
+    rows = [plain.acquire(Holder([]), [i, 7, 7]) for i in range(4)]
+    for a, i in zip(reversed(rows), (3, 2, 1, 0)):
+        plain.release(a.row, [i, 7, 7])  # type: ignore[union-attr]
+    assert [plain.acquire(Holder([]), [10 + i, 8, 8]).row for i in range(4)] == [4, 5, 3, 2]  # type: ignore[union-attr]
+
+
 def test_prefix_hit_takes_over_a_cached_row_and_a_miss_does_not() -> None:
     kv = KVManager(num_rows=2, max_len=64, bytes_per_token=8, min_reuse_tokens=3)
     first = kv.acquire(Holder([]), [1, 2, 3, 4, 5])

@@ -133,12 +133,20 @@ def test_a_missing_extra_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 # -- parity --------------------------------------------------------------------------------------
+PARITY_TIE = 0.01
+"""Largest logit gap at which rill's greedy tokens may part from llama.cpp's own: float32 sums
+in another order. On an AVX2-only host one of the four prompts parted at a gap of 0.0006."""
+
+
 @needs_llama_cpp
-def test_greedy_tokens_equal_llama_cpp_own_greedy_decode(engine: Any, gguf: Path) -> None:
+def test_greedy_tokens_equal_llama_cpp_own_greedy_decode(engine: Any, gguf: Path, reference_runner: Any) -> None:
+    """Equal tokens, or a parting where the two tokens' logits are within ``PARITY_TIE``; at
+    most one prompt may part."""
     from llama_cpp import Llama
 
     reference = Llama(model_path=str(gguf), n_ctx=512, n_threads=THREADS, n_threads_batch=THREADS, verbose=False,
                       flash_attn=True)
+    same = []
     try:
         for text in PROMPTS:
             ids = _encode(engine, text)
@@ -150,19 +158,21 @@ def test_greedy_tokens_equal_llama_cpp_own_greedy_decode(engine: Any, gguf: Path
                 if len(expected) == NUM_TOKENS:
                     break
             got = _greedy(engine, [ids])["r0"].token_ids
-            assert got == expected, text
+            same.append(_assert_same_or_near_tie(reference_runner, ids, expected, got, tie=PARITY_TIE))
     finally:
         reference.close()
+    assert sum(same) >= len(PROMPTS) - 1, "more than one prompt parted from llama.cpp's own greedy tokens"
 
 
-def _assert_same_or_near_tie(reference: Any, prompt: list[int], expected: list[int], got: list[int]) -> bool:
+def _assert_same_or_near_tie(reference: Any, prompt: list[int], expected: list[int], got: list[int],
+                             tie: float = NEAR_TIE) -> bool:
     """``got`` equals ``expected``, or they part at a near-tie of the two tokens; True when equal.
 
     llama.cpp is not bitwise batch-invariant: in its unified KV cache a row's cells sit wherever
     free cells were when they were written, and flash attention sums over cells in cell order,
     so the same history can give logits that differ in the last bits. Greedy decoding then
     flips only where two tokens are within that noise. Checked against ``reference`` (a fresh
-    runner): after the shared history both tokens must be within ``NEAR_TIE`` of the best logit.
+    runner): after the shared history both tokens must be within ``tie`` of the best logit.
     """
     if got == expected:
         return True
@@ -170,7 +180,7 @@ def _assert_same_or_near_tie(reference: Any, prompt: list[int], expected: list[i
     logits = reference.forward([RowWork(row=0, token_ids=prompt + expected[:k], start=0)])[0]
     best = float(logits.max())
     gaps = best - float(logits[expected[k]]), best - float(logits[got[k]])
-    assert max(gaps) < NEAR_TIE, f"tokens part at {k} where the logits are not a near-tie: gaps {gaps}"
+    assert max(gaps) < tie, f"tokens part at {k} where the logits are not a near-tie: gaps {gaps}"
     return False
 
 

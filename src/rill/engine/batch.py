@@ -76,6 +76,9 @@ class ModelRunner(Protocol):
         max_len: tokens per row (the engine's context length).
         kv_bytes_per_token: KV memory of one token over all layers.
         vocab_size: width of the logits rows.
+        packs_rows: optional, default False: True when steps over rows with low, consecutive
+            numbers run faster (the llama.cpp runner); the KV manager then gives a new
+            sequence the lowest row it may take instead of the least recently used one.
     """
 
     num_rows: int

@@ -87,7 +87,8 @@ class EngineCore:
         self.config = config
         self.clock = clock
         self.max_len = runner.max_len
-        self.kv = KVManager(runner.num_rows, runner.max_len, runner.kv_bytes_per_token, min_reuse_tokens=config.min_reuse_tokens)
+        self.kv = KVManager(runner.num_rows, runner.max_len, runner.kv_bytes_per_token, min_reuse_tokens=config.min_reuse_tokens,
+                            pack_rows=getattr(runner, "packs_rows", False))
         self.scheduler = Scheduler(self.kv, runner.copy_row, min(config.max_num_seqs, runner.num_rows), config.max_num_batched_tokens)
         self.scheduler.prefill_chunk_tokens = min(128, config.max_num_batched_tokens)
         self.scheduler.max_logits_chunk_tokens = max(16, PROMPT_LOGITS_BUDGET // max(1, runner.vocab_size))

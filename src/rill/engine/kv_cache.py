@@ -67,10 +67,19 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
 
 
 class KVManager:
-    """Which row holds what; prefix matching; LRU eviction; usage counters."""
+    """Which row holds what; prefix matching; LRU eviction; usage counters.
 
-    def __init__(self, num_rows: int, max_len: int, bytes_per_token: int, min_reuse_tokens: int = 1) -> None:
+    ``pack_rows``: a new sequence (with no prefix to take over) gets the lowest row that is
+    free or cached, evicting that cached entry even when an older one exists. For runners whose
+    steps cost less over consecutive low rows (the llama.cpp runner: a run of consecutive rows
+    is one micro-batch), live rows then fill the bottom of the cache without gaps; the price
+    is that prefix-cache entries in low rows go first.
+    """
+
+    def __init__(self, num_rows: int, max_len: int, bytes_per_token: int, min_reuse_tokens: int = 1,
+                 pack_rows: bool = False) -> None:
         self.num_rows = num_rows
+        self.pack_rows = pack_rows
         self.max_len = max_len
         self.bytes_per_token = bytes_per_token
         self.min_reuse_tokens = min_reuse_tokens
@@ -209,6 +218,15 @@ class KVManager:
         return bool(self.free_rows) or any(r != exclude for r in self.cached)
 
     def _take_row(self, exclude: int | None) -> int:
+        if self.pack_rows:
+            row = min((r for r in (*self.free_rows, *self.cached) if r != exclude), default=None)
+            if row is None:
+                raise RuntimeError("no row available")  # callers check num_available_rows first
+            if row in self.cached:
+                del self.cached[row]
+            else:
+                self.free_rows.remove(row)
+            return row
         if self.free_rows:
             return self.free_rows.pop()
         for row in self.cached:  # oldest first
