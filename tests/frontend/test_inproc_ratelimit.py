@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -135,14 +136,7 @@ async def test_regenerated_tokens_stay_spent() -> None:
     one reservation. Now the discarded attempt's tokens are charged and the new attempt
     reserves as many first."""
     async with fake_client() as client:
-        client.set_rate_limits(RateLimits(tokens_per_s=1.0, burst=20), clock=lambda: 0.0)
-        gate = client.engine.runner.gate = StepGate()
-        stream = await client.generate(GenerateRequest(prompt="hello", principal="key:a",
-                                                       sampling=SamplingParams(max_tokens=8, ignore_eos=True)))
-        gate.allow(3)  # the prefill's token and two more
-        async for output in stream:
-            if output.usage.completion_tokens == 3:
-                break
+        gate, stream = await _after_three_tokens(client, burst=20)
         await _until(lambda: gate.is_waiting)  # step 4 is planned: the first attempt makes 4 tokens
         stream.regenerate()  # reserves the 3 it has seen: 20 - 8 - 3 = 9 left
         gate.set()
@@ -157,6 +151,20 @@ async def test_regenerated_tokens_stay_spent() -> None:
         await run_to_end(client, ask(8))
 
 
+async def _after_three_tokens(client: Any, burst: int) -> tuple[StepGate, Any]:
+    """A request of 8 tokens (eos ignored) under a token bucket of ``burst``, read to its third
+    token; its engine steps wait at the returned gate from the fourth on."""
+    client.set_rate_limits(RateLimits(tokens_per_s=1.0, burst=burst), clock=lambda: 0.0)
+    gate = client.engine.runner.gate = StepGate()
+    stream = await client.generate(GenerateRequest(prompt="hello", principal="key:a",
+                                                   sampling=SamplingParams(max_tokens=8, ignore_eos=True)))
+    gate.allow(3)  # the prefill's token and two more
+    async for output in stream:
+        if output.usage.completion_tokens == 3:
+            break
+    return gate, stream
+
+
 async def _until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
     """Wait until the engine thread makes ``condition`` true (it never turns false by itself)."""
     async with asyncio.timeout(timeout_s):
@@ -166,14 +174,7 @@ async def _until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None
 
 async def test_a_regenerate_the_bucket_cannot_pay_for_is_refused_and_the_stream_goes_on() -> None:
     async with fake_client() as client:
-        client.set_rate_limits(RateLimits(tokens_per_s=1.0, burst=BURST), clock=lambda: 0.0)
-        gate = client.engine.runner.gate = StepGate()
-        stream = await client.generate(GenerateRequest(prompt="hello", principal="key:a",
-                                                       sampling=SamplingParams(max_tokens=8, ignore_eos=True)))
-        gate.allow(3)
-        async for output in stream:
-            if output.usage.completion_tokens == 3:
-                break
+        gate, stream = await _after_three_tokens(client, burst=BURST)
         with pytest.raises(RateLimited) as refused:
             stream.regenerate()  # 3 asked, 2 left
         assert refused.value.retry_after_s == pytest.approx(1.0)
@@ -188,14 +189,7 @@ async def test_a_regenerate_the_bucket_cannot_pay_for_is_refused_and_the_stream_
 
 async def test_a_second_regenerate_before_the_first_is_done_reserves_nothing_more() -> None:
     async with fake_client() as client:
-        client.set_rate_limits(RateLimits(tokens_per_s=1.0, burst=13), clock=lambda: 0.0)
-        gate = client.engine.runner.gate = StepGate()
-        stream = await client.generate(GenerateRequest(prompt="hello", principal="key:a",
-                                                       sampling=SamplingParams(max_tokens=8, ignore_eos=True)))
-        gate.allow(3)
-        async for output in stream:
-            if output.usage.completion_tokens == 3:
-                break
+        gate, stream = await _after_three_tokens(client, burst=13)
         stream.regenerate()  # 3 discarded + 8: 11 of 13 reserved
         stream.regenerate()  # the same discard: 2 left would not cover 3 more
         gate.set()
@@ -205,4 +199,4 @@ async def test_a_second_regenerate_before_the_first_is_done_reserves_nothing_mor
                 used = output.usage.completion_tokens
         assert used == 8
         with pytest.raises(RateLimited):
-            await client.generate(ask(2))  # at least 3 + 8 made of 13
+            await client.generate(ask(3))  # at least 3 + 8 of the 13 were made (4 + 8 if step 4 ran first)
