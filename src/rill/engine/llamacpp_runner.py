@@ -36,6 +36,7 @@ numpy, torch and ``rill.engine.batch``; nothing of the frontend or protocols.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import logging
 from pathlib import Path
 from typing import Any, Sequence
@@ -249,7 +250,7 @@ class LlamaCppRunner:
         """Pack the step into the batch by row, decoding whenever it is full; return the logits
         rows written (each at its place in ``work``'s order)."""
         batch, cap = self._batch, self._batch_tokens
-        first_out = np.cumsum([0] + [item.num_logits for item in work])  # out row of each item's first logits
+        first_out = list(itertools.accumulate((item.num_logits for item in work), initial=0))  # each item's first out row
         filled = done = 0
         dest: list[int] = []  # out rows of the batch's logits so far, in batch order
         for k in sorted(range(len(work)), key=lambda k: work[k].row):
@@ -267,7 +268,7 @@ class LlamaCppRunner:
                 batch.logits[filled:end] = 0
                 if lo < take:
                     batch.logits[filled + lo : end] = 1
-                    base = int(first_out[k]) + offset - first_wanted
+                    base = first_out[k] + offset - first_wanted
                     dest.extend(range(base + lo, base + take))
                 filled, offset = end, offset + take
                 if filled == cap:
@@ -331,11 +332,7 @@ class LlamaCppRunner:
             raise RuntimeError(f"llama_decode failed with status {status} on a batch of {num_tokens} tokens")
         if wanted:
             pointer = self._ll.llama_get_logits(self._ctx)
-            view = np.ctypeslib.as_array(pointer, shape=(wanted * self.vocab_size,)).reshape(wanted, self.vocab_size)
-            if dest == list(range(dest[0], dest[0] + wanted)):
-                out[dest[0] : dest[0] + wanted] = view
-            else:
-                out[np.asarray(dest)] = view
+            out[dest] = np.ctypeslib.as_array(pointer, shape=(wanted * self.vocab_size,)).reshape(wanted, self.vocab_size)
         return wanted
 
     def _check(self, work: Sequence[RowWork]) -> None:
