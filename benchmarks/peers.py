@@ -454,6 +454,16 @@ def _common_prefix(a: str, b: str) -> int:
     return n
 
 
+def _parting(answer: str, reference: str, context: int = 20, width: int = 50) -> str:
+    """Where ``answer`` leaves ``reference``: the character offset, a little shared text before
+    it and each text's next characters (answers that part late look equal when both are cut)."""
+    at = _common_prefix(answer, reference)
+    start = max(0, at - context)
+    lead = "…" if start else ""
+    return (f"parts at char {at}: {lead + answer[start:at + width]!r} vs transformers "
+            f"{lead + reference[start:at + width]!r}")
+
+
 # --------------------------------------------------------------------------- report
 
 
@@ -521,7 +531,7 @@ def agreement_table(agreement: dict[str, dict], args: argparse.Namespace) -> str
         lines.append(f"  {name:<13} {row['equal']}/{row['of']} equal, {100 * row['mean_prefix_fraction']:.0f}% shared prefix")
         for i, (answer, ref) in enumerate(zip(row["answers"], agreement["transformers"]["answers"])):
             if answer.strip() != ref.strip():
-                lines.append(f"    #{i} {CHAT_PROMPTS[i]!r}: {answer.strip()[:70]!r} vs transformers {ref.strip()[:70]!r}")
+                lines.append(f"    #{i} {CHAT_PROMPTS[i]!r}: {_parting(answer.strip(), ref.strip())}")
     return "\n".join(lines)
 
 
