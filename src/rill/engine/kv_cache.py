@@ -16,6 +16,8 @@ row, while cached rows stay reusable until evicted.
 
 from __future__ import annotations
 
+import itertools
+
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Protocol
@@ -218,19 +220,13 @@ class KVManager:
         return bool(self.free_rows) or any(r != exclude for r in self.cached)
 
     def _take_row(self, exclude: int | None) -> int:
-        if self.pack_rows:
-            row = min((r for r in (*self.free_rows, *self.cached) if r != exclude), default=None)
-            if row is None:
-                raise RuntimeError("no row available")  # callers check num_available_rows first
-            if row in self.cached:
-                del self.cached[row]
-            else:
-                self.free_rows.remove(row)
-            return row
-        if self.free_rows:
-            return self.free_rows.pop()
-        for row in self.cached:  # oldest first
-            if row != exclude:
-                del self.cached[row]
-                return row
-        raise RuntimeError("no row available")  # callers check num_available_rows first
+        # Free rows (lowest first), then cached ones (oldest first); pack_rows takes the lowest of all.
+        order = (r for r in itertools.chain(reversed(self.free_rows), self.cached) if r != exclude)
+        row = min(order, default=None) if self.pack_rows else next(order, None)
+        if row is None:
+            raise RuntimeError("no row available")  # callers check num_available_rows first
+        if row in self.cached:
+            del self.cached[row]
+        else:
+            self.free_rows.remove(row)
+        return row
