@@ -39,10 +39,13 @@ One command that
    each peer ran with, and the load average beside every figure; writes ``peers.png`` and
    ``peers.json`` into ``--out``.
 
-``--hog`` runs a ``yes``-style busy loop (one process per ``--hog-procs``) beside the server
-during every measurement: the contended case. ``rill-llamacpp`` is rill with its llama.cpp
-runner (``--runner llamacpp``, the ``llamacpp`` extra) on the GGUF file llama-server serves:
-the same kernels under rill's scheduler. ``rill-t1`` is rill with ``--num-threads 1``,
+``--hog`` runs a ``yes``-style busy loop (one process per ``--hog-procs``) beside the servers:
+the contended case. By default it starts before the servers and runs until their rounds end,
+a neighbour that is already there (``--hog-start servers``); ``--hog-start run`` starts a new
+one with every measurement instead, so the first request of each run meets a hog that has
+just appeared (rill's thread governor needs its first window, 0.2 s, to see it).
+``rill-llamacpp`` is rill with its llama.cpp runner (``--runner llamacpp``, the ``llamacpp``
+extra) on the GGUF file llama-server serves: the same kernels under rill's scheduler. ``rill-t1`` is rill with ``--num-threads 1``,
 for comparing the default thread choice under contention. A peer that cannot be installed or
 started is skipped with the reason; nothing is ever estimated in its place.
 """
@@ -376,7 +379,7 @@ def run_rounds(systems: list[System], model_dir: Path, args: argparse.Namespace)
                 system.server.resume()
                 prompts = [next(pool) for _ in range(num_requests(level, args))]
                 before = load_average()
-                with Hog(args.hog_procs) if args.hog else contextlib.nullcontext():
+                with Hog(args.hog_procs) if args.hog and args.hog_start == "run" else contextlib.nullcontext():
                     try:
                         summary = asyncio.run(measure_one(system, model_dir, level, prompts, args))
                     except BenchError as exc:
@@ -583,8 +586,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=512, help="context per sequence (default: 512)")
     parser.add_argument("--agreement-tokens", type=int, default=32)
     parser.add_argument("--no-agreement", action="store_true", help="skip the greedy agreement check")
-    parser.add_argument("--hog", action="store_true", help="a busy loop beside the servers during every run")
+    parser.add_argument("--hog", action="store_true", help="a busy loop beside the servers")
     parser.add_argument("--hog-procs", type=int, default=1)
+    parser.add_argument("--hog-start", choices=("servers", "run"), default="servers",
+                        help="servers: one hog from before the servers start to the end of their rounds; "
+                             "run: a new hog with every measurement (it appears with the run's first request)")
     parser.add_argument("--dtype", choices=tuple(GGUF_TYPE_OF_DTYPE), default="bfloat16",
                         help="weights of rill's torch runner, vLLM-CPU and the transformers reference "
                              "(default: bfloat16; float32 on a CPU without native bf16 matmuls)")
@@ -614,7 +620,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--hog needs the 'yes' command")
     say(f"load average {load_average()}; systems {names}; concurrency {args.levels}; {args.rounds} round(s); "
         f"{args.prompt_tokens}-token prompts, {args.max_tokens} new tokens; {args.dtype} (GGUF {args.gguf_type}); "
-        f"hog: {args.hog_procs if args.hog else 0}")
+        f"hog: {f'{args.hog_procs} (started with the {args.hog_start})' if args.hog else 0}")
     from rill.models.loader import auto_dtype
 
     native, why = auto_dtype("cpu")
@@ -636,7 +642,9 @@ def main(argv: list[str] | None = None) -> int:
                 blank = System(name, Server(name, [], 0, args.out / "none.log", "/"), "")
                 blank.skipped = str(exc)
                 systems.append(blank)
+        steady_hog = Hog(args.hog_procs) if args.hog and args.hog_start == "servers" else contextlib.nullcontext()
         try:
+            steady_hog.__enter__()
             for system in systems:
                 if system.skipped is None:
                     start_system(system, args, model_dir)
@@ -645,6 +653,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             for system in systems:
                 system.server.__exit__(None, None, None)
+            steady_hog.__exit__(None, None, None)
         all_results[model] = {s.name: results.get(s.name, {}) for s in systems if s.skipped is None}
         report = [table(model, all_results[model], args.levels)]
         if agreement:
