@@ -45,8 +45,9 @@ a neighbour that is already there (``--hog-start servers``); ``--hog-start run``
 one with every measurement instead, so the first request of each run meets a hog that has
 just appeared (rill's thread governor needs its first window, 0.2 s, to see it).
 ``rill-llamacpp`` is rill with its llama.cpp runner (``--runner llamacpp``, the ``llamacpp``
-extra) on the GGUF file llama-server serves: the same kernels under rill's scheduler. ``rill-t1`` is rill with ``--num-threads 1``,
-for comparing the default thread choice under contention. A peer that cannot be installed or
+extra) on the GGUF file llama-server serves: the same kernels under rill's scheduler.
+``rill-t1`` is rill with ``--num-threads 1``, for comparing the default thread choice under
+contention. A peer that cannot be installed or
 started is skipped with the reason; nothing is ever estimated in its place.
 """
 
@@ -344,6 +345,12 @@ class Hog:
         self._running.clear()
 
 
+def hog_for(args: argparse.Namespace, span: str) -> contextlib.AbstractContextManager:
+    """A ``Hog`` when ``--hog`` asked for one over ``span`` (``--hog-start``: "servers" or "run"),
+    else a context that does nothing."""
+    return Hog(args.hog_procs) if args.hog and args.hog_start == span else contextlib.nullcontext()
+
+
 # --------------------------------------------------------------------------- measuring
 
 
@@ -379,7 +386,7 @@ def run_rounds(systems: list[System], model_dir: Path, args: argparse.Namespace)
                 system.server.resume()
                 prompts = [next(pool) for _ in range(num_requests(level, args))]
                 before = load_average()
-                with Hog(args.hog_procs) if args.hog and args.hog_start == "run" else contextlib.nullcontext():
+                with hog_for(args, "run"):
                     try:
                         summary = asyncio.run(measure_one(system, model_dir, level, prompts, args))
                     except BenchError as exc:
@@ -642,18 +649,16 @@ def main(argv: list[str] | None = None) -> int:
                 blank = System(name, Server(name, [], 0, args.out / "none.log", "/"), "")
                 blank.skipped = str(exc)
                 systems.append(blank)
-        steady_hog = Hog(args.hog_procs) if args.hog and args.hog_start == "servers" else contextlib.nullcontext()
-        try:
-            steady_hog.__enter__()
-            for system in systems:
-                if system.skipped is None:
-                    start_system(system, args, model_dir)
-            agreement = {} if args.no_agreement else greedy_agreement(systems, model_dir, args)
-            results = run_rounds(systems, model_dir, args)
-        finally:
-            for system in systems:
-                system.server.__exit__(None, None, None)
-            steady_hog.__exit__(None, None, None)
+        with hog_for(args, "servers"):
+            try:
+                for system in systems:
+                    if system.skipped is None:
+                        start_system(system, args, model_dir)
+                agreement = {} if args.no_agreement else greedy_agreement(systems, model_dir, args)
+                results = run_rounds(systems, model_dir, args)
+            finally:
+                for system in systems:
+                    system.server.__exit__(None, None, None)
         all_results[model] = {s.name: results.get(s.name, {}) for s in systems if s.skipped is None}
         report = [table(model, all_results[model], args.levels)]
         if agreement:

@@ -17,7 +17,6 @@ row, while cached rows stay reusable until evicted.
 from __future__ import annotations
 
 import itertools
-
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Protocol
@@ -220,7 +219,8 @@ class KVManager:
         return bool(self.free_rows) or any(r != exclude for r in self.cached)
 
     def _take_row(self, exclude: int | None) -> int:
-        # Free rows (lowest first), then cached ones (oldest first); pack_rows takes the lowest of all.
+        # Free rows (the last freed first; on a fresh manager the lowest), then cached ones (oldest
+        # first); pack_rows takes the lowest of them all.
         order = (r for r in itertools.chain(reversed(self.free_rows), self.cached) if r != exclude)
         row = min(order, default=None) if self.pack_rows else next(order, None)
         if row is None:
