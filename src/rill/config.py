@@ -41,6 +41,9 @@ class EngineConfig:
     served_model_name: str | None = _f(None, "model name shown to clients (default: the folder or file name)")
     dtype: str = _f("auto", "float32, bfloat16 or auto (bfloat16 where the CPU has native bf16)")
     device: str = _f("cpu", "torch device: cpu, cuda, cuda:1, ...")
+    weights: str = _f("auto", "how the torch runner holds the model's matrices: auto (a GGUF file's own precision: "
+                              "Q4 types as int4, other quantized types as int8, float tensors and folders dense), "
+                              "dense (alias bf16: dequantized to --dtype), int8 or int4 (quantized at load)")
     kv_cache_memory: str = _f("2GiB", "KV cache memory budget: bytes or a size such as 512MiB or 4GiB")
     max_model_len: int | None = _f(None, "context length per sequence (default: the model's, at most 4096)")
     max_num_seqs: int = _f(64, "most sequences generating at once")
@@ -362,6 +365,7 @@ def validate(config: ServerConfig) -> None:
 def _validate_engine(e: EngineConfig) -> None:
     """The engine's dtype, sizes and runner."""
     _one_of("dtype", e.dtype, ("auto", "float32", "bfloat16", "float16"))
+    _one_of("weights", e.weights, ("auto", "dense", "bf16", "int8", "int4"))
     parse_size(e.kv_cache_memory, "kv_cache_memory")
     _at_least_one(e, "max_num_seqs", "max_num_batched_tokens", "max_queue", "max_prompt_chars", "tokenizer_threads")
     if e.max_model_len is not None and e.max_model_len < 16:

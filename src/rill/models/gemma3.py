@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rill.errors import ModelLoadError
-from rill.models import packed
+from rill.models import packed, quant
 from rill.models.attention import StepBatch, cached_attention, write_kv
 from rill.models.config import ModelConfig, eos_ids, first_id, generation_defaults, required_sizes, rope_settings
 from rill.models.gguf_loader import metadata_value, rename_tensor, shape_of
@@ -319,7 +319,7 @@ def from_hf(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, 
     for i in range(config.num_layers):
         prefix = f"model.layers.{i}."
         out.update((f"layers.{i}.{ours}", tensors[prefix + theirs]) for ours, theirs in _RENAMES.items() if _has(config, ours))
-        out.update((f"layers.{i}.{ours}", torch.cat([tensors[prefix + p] for p in parts]))
+        out.update((f"layers.{i}.{ours}", quant.cat([tensors[prefix + p] for p in parts]))
                    for ours, parts in _FUSED.items() if _has(config, ours))
     return out
 

@@ -37,6 +37,9 @@ GGUF_SUFFIX = ".gguf"
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 """GGML tensor types this loader dequantizes (others are refused by name)."""
 
+_DENSE_TYPES = ("F32", "F16", "BF16")
+"""Types ``--weights auto`` serves dense (in the serving dtype)."""
+
 # llama.cpp token types (tokenizer.ggml.token_type).
 _TOKEN_CONTROL = 3
 _TOKEN_USER_DEFINED = 4
@@ -113,9 +116,12 @@ class GGUFCheckpoint:
         return {t.name: t.tensor_type.name for t in self.reader.tensors}
 
     def tensors(
-        self, dtype: torch.dtype = torch.float32, progress: Callable[[int, int], None] | None = None
-    ) -> dict[str, torch.Tensor]:
-        """Dequantize every tensor to ``dtype`` under its Hugging Face name.
+        self, dtype: torch.dtype = torch.float32, progress: Callable[[int, int], None] | None = None,
+        weights: str = "dense",
+    ) -> dict[str, Any]:
+        """Every tensor under its Hugging Face name: dequantized to ``dtype``, or, for the
+        matrices ``weights`` keeps quantized (``rill.models.quant.WEIGHT_MODES``), as
+        ``Int4Values`` / ``Int8Values``.
 
         ``progress(done, total)`` is called after each tensor.
 
@@ -130,18 +136,25 @@ class GGUFCheckpoint:
         fix = family.gguf_fix_tensor
         out: dict[str, torch.Tensor] = {}
         total = len(self.reader.tensors)
-        for done, (gguf_name, values) in enumerate(self._dequantized(), start=1):
+        for done, (gguf_name, values) in enumerate(self._read(weights), start=1):
             hf_name = rename(gguf_name)
             if hf_name is None:
                 raise ModelLoadError(f"{self.path}: tensor {gguf_name} is not part of a {self.architecture} model")
-            tensor = fix(hf_name, torch.from_numpy(values), self.hf_config)
-            out[hf_name] = tensor.to(dtype).contiguous()
+            if isinstance(values, np.ndarray):
+                out[hf_name] = fix(hf_name, torch.from_numpy(values), self.hf_config).to(dtype).contiguous()
+            else:
+                # Row fix-ups (llama.cpp's q/k permutation) move every per-row field alike.
+                for name in values.__dataclass_fields__:
+                    setattr(values, name, fix(hf_name, getattr(values, name), self.hf_config).contiguous())
+                out[hf_name] = values
             if progress is not None:
                 progress(done, total)
         return out
 
-    def _dequantized(self) -> Iterator[tuple[str, np.ndarray]]:
+    def _read(self, weights: str) -> Iterator[tuple[str, Any]]:
         from gguf import quants
+
+        from rill.models import quant
 
         for tensor in self.reader.tensors:
             kind = tensor.tensor_type.name
@@ -150,8 +163,20 @@ class GGUFCheckpoint:
                     f"{self.path}: tensor {tensor.name} has quantization type {kind}, which rill cannot "
                     f"dequantize; supported: {', '.join(SUPPORTED_TENSOR_TYPES)}"
                 )
+            shape = tuple(reversed([int(n) for n in tensor.shape]))
+            is_matrix = len(shape) == 2
+            if is_matrix and kind in quant.INT4_TYPES and weights in ("auto", "int4", "int8"):
+                exact = quant.gguf_int4(tensor.data, kind, shape)
+                yield tensor.name, quant.to_int8(exact) if weights == "int8" else exact
+                continue
             # dequantize() gives float32 in the Hugging Face [out, in] layout; copy off the mmap.
             values = np.array(quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32, copy=True)
+            if is_matrix and (weights in ("int4", "int8") or (weights == "auto" and kind not in _DENSE_TYPES)):
+                matrix = torch.from_numpy(values)
+                # int4 groups are 32 wide: a narrower or ragged input width stays int8.
+                use_int4 = weights == "int4" and shape[1] % quant.GROUP_SIZE == 0
+                yield tensor.name, quant.to_int4(matrix) if use_int4 else quant.to_int8(matrix)
+                continue
             yield tensor.name, values
 
     def tokenizer(self) -> "Any":

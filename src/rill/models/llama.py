@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rill.errors import ModelLoadError
-from rill.models import packed
+from rill.models import packed, quant
 from rill.models.attention import StepBatch, cached_attention, write_kv
 from rill.models.config import ModelConfig, parse_llama_config
 from rill.models.gguf_loader import metadata_value, rename_tensor, shape_of
@@ -272,7 +272,7 @@ def fuse_hf_state_dict(tensors: dict[str, torch.Tensor], config: ModelConfig) ->
                 out[f"layers.{i}.{ours}"] = tensors[prefix + theirs]
         for ours, parts in _FUSED.items():
             if _has_param(config, ours):
-                out[f"layers.{i}.{ours}"] = torch.cat([tensors[prefix + part] for part in parts])
+                out[f"layers.{i}.{ours}"] = quant.cat([tensors[prefix + part] for part in parts])
     return out
 
 

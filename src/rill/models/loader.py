@@ -24,8 +24,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from rill.errors import ModelLoadError
+from rill.models import quant
 from rill.models.config import ModelConfig, dtype_name, parse_config
 from rill.models.gguf_loader import find_gguf, read_gguf
+from rill.models.quant import WEIGHT_MODES
 from rill.models.registry import CausalLM, family_for_config
 
 log = logging.getLogger("rill.models")
@@ -44,12 +46,15 @@ class LoadedModel:
         path: the folder (or GGUF file) it was loaded from.
         tokenizer: the tokenizer when the source carries it in the weights file (GGUF), else
             None (load it from the folder with ``Tokenizer.from_folder``).
+        weights: how the projections are held: ``dense`` (the dtype), ``int4``, ``int8`` or
+            ``int4+int8`` (``rill.models.quant``).
     """
 
     model: CausalLM
     config: ModelConfig
     path: Path
     tokenizer: Any = None
+    weights: str = "dense"
 
 
 def default_dtype(device: str | torch.device = "cpu") -> str:
@@ -90,7 +95,7 @@ def _runtime_dtype(dtype: str, device: str) -> str:
     return name
 
 
-def load_model(path: str | Path, dtype: str = "auto", device: str = "cpu") -> LoadedModel:
+def load_model(path: str | Path, dtype: str = "auto", device: str = "cpu", weights: str = "dense") -> LoadedModel:
     """Load a Hugging Face style checkpoint folder or a GGUF file.
 
     Args:
@@ -98,6 +103,10 @@ def load_model(path: str | Path, dtype: str = "auto", device: str = "cpu") -> Lo
         dtype: ``"auto"`` (see ``auto_dtype``; the choice and its reason are logged),
             ``"float32"`` or ``"bfloat16"`` (``"float16"`` also works).
         device: a torch device string.
+        weights: ``rill.models.quant.WEIGHT_MODES``: ``dense`` dequantizes every tensor to
+            ``dtype``; ``auto`` keeps a GGUF file's quantized matrices quantized (int4 for Q4
+            types, int8 for the others) and a folder dense; ``int8``/``int4`` quantize every
+            matrix (see ``resolve_weights`` for what is logged).
 
     Raises:
         ModelLoadError: missing folder, ``config.json`` or weights; unsupported architecture
@@ -107,24 +116,44 @@ def load_model(path: str | Path, dtype: str = "auto", device: str = "cpu") -> Lo
     if not folder.exists():
         raise ModelLoadError(f"model folder {folder} does not exist")
     gguf_file = find_gguf(folder)
+    if weights not in WEIGHT_MODES:
+        raise ModelLoadError(f"--weights must be one of {', '.join(WEIGHT_MODES)}, not {weights!r}")
+    weights = "dense" if weights == "bf16" else weights
     if gguf_file is not None:
-        return _load_gguf(gguf_file, _runtime_dtype(dtype, device), device)
+        return _load_gguf(gguf_file, _runtime_dtype(dtype, device), device, weights)
     if not folder.is_dir():
         raise ModelLoadError(f"{folder} is neither a model folder nor a .gguf file")
     hf_config = _read_json(folder / "config.json", required=True)
     generation = _read_json(folder / "generation_config.json", required=False)
     name = _runtime_dtype(dtype, device)
     config = parse_config(hf_config, generation, source=str(folder / "config.json")).with_runtime(name, str(device))
-    model = _assemble(config, _read_tensors(folder), folder)
-    return LoadedModel(model=model, config=config, path=folder)
+    tensors: dict[str, Any] = dict(_read_tensors(folder))
+    if weights in ("int8", "int4"):
+        # A folder's matrices are quantized at load; the rest stays dense.
+        for key, tensor in tensors.items():
+            if tensor.dim() == 2:
+                use_int4 = weights == "int4" and tensor.shape[1] % quant.GROUP_SIZE == 0
+                tensors[key] = quant.to_int4(tensor) if use_int4 else quant.to_int8(tensor)
+    model = _assemble(config, tensors, folder)
+    return LoadedModel(model=model, config=config, path=folder, weights=_weights_kind(model))
 
 
-def _load_gguf(file: Path, dtype: str, device: str) -> LoadedModel:
+def _load_gguf(file: Path, dtype: str, device: str, weights: str) -> LoadedModel:
     checkpoint = read_gguf(file)
     config = parse_config(checkpoint.hf_config, checkpoint.generation_config, source=str(file))
     config = config.with_runtime(dtype, str(device))
-    model = _assemble(config, checkpoint.tensors(config.torch_dtype), file)
-    return LoadedModel(model=model, config=config, path=file, tokenizer=checkpoint.tokenizer())
+    if weights != "dense" and torch.device(device).type != "cpu":
+        # int4 packs for the CPU kernel only; int8 weights run anywhere.
+        weights = "int8" if weights in ("auto", "int4") else weights
+    model = _assemble(config, checkpoint.tensors(config.torch_dtype, weights=weights), file)
+    return LoadedModel(model=model, config=config, path=file, tokenizer=checkpoint.tokenizer(),
+                       weights=_weights_kind(model))
+
+
+def _weights_kind(model: CausalLM) -> str:
+    """``dense``, ``int4``, ``int8`` or ``int4+int8``: the kinds of the model's projections."""
+    kinds = sorted({module.weight.kind for module in model.modules() if isinstance(module, quant.QuantizedLinear)})
+    return "+".join(kinds) if kinds else "dense"
 
 
 def _assemble(config: ModelConfig, tensors: dict[str, torch.Tensor], source: Path) -> CausalLM:
@@ -134,8 +163,18 @@ def _assemble(config: ModelConfig, tensors: dict[str, torch.Tensor], source: Pat
         model = family.build(config)
     _check_tensors(family.to_hf(model.state_dict(), config), tensors, source)
     state = family.from_hf(tensors, config)
-    state = {key: value.to(dtype=config.torch_dtype, device=config.device) for key, value in state.items()}
-    model.load_state_dict(state, assign=True, strict=True)
+    state = {key: value if quant.is_quantized(value) else value.to(dtype=config.torch_dtype, device=config.device)
+             for key, value in state.items()}
+    dense = quant.install(model, state, config.torch_dtype, config.device)
+    if len(dense) == len(state):
+        model.load_state_dict(dense, assign=True, strict=True)
+    else:
+        result = model.load_state_dict(dense, assign=True, strict=False)
+        # Quantized modules came with their buffers (and biases); nothing may be left unloaded.
+        left = [name for name, value in [*model.named_parameters(), *model.named_buffers()] if value.is_meta]
+        if left or result.unexpected_keys:
+            raise ModelLoadError(f"{source}: weights do not fit the model: missing {left[:5]}, "
+                                 f"unexpected {result.unexpected_keys[:5]}")
     model.eval().requires_grad_(False)
     return model
 

@@ -52,6 +52,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     Falls back to ``F.linear`` when autograd needs the weight (packed kernels have no backward).
     """
+    if not isinstance(weight, torch.Tensor):  # a quantized weight (rill.models.quant) has its own kernel
+        out = weight.linear(x)
+        return out if bias is None else out + bias
     packed = getattr(weight, _PACKED, None)
     if packed is None or (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad)):
         return F.linear(x, weight, bias)
@@ -60,7 +63,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def pack_weight(weight: torch.Tensor) -> int:
     """Attach a packed copy to ``weight`` if it can be packed; return the bytes it takes."""
-    if getattr(weight, _PACKED, None) is not None or not can_pack(weight):
+    if not isinstance(weight, torch.Tensor) or getattr(weight, _PACKED, None) is not None or not can_pack(weight):
         return 0
     with torch.no_grad():
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)

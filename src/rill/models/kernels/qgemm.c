@@ -1,0 +1,129 @@
+/* Quantized matrix products for x86 CPUs with AVX-512 VNNI: y[M, N] = x[M, K] @ w[N, K]^T.
+ *
+ * Weights are unsigned bytes u (4-bit values 0..15, or int8 values + 128) with a scale s and
+ * an offset z per output row and group of 32 inputs: w = s * u + z. Activations are rounded
+ * to int8 per row and group of 32 (x ~ dx * xq), so one group's contribution is
+ *     dx * (s * sum(u * xq) + z * sum(xq)),
+ * and sum(u * xq) is what VPDPBUSD computes (unsigned bytes times signed bytes, four at a
+ * time into 32-bit lanes). This is the scheme llama.cpp's CPU kernels use; the code and the
+ * layout are rill's own (see rill/models/qkernel.py for the layout and the Python side).
+ *
+ * Layout of one block of 16 output rows (lane l = row % 16), groups g of 32 inputs:
+ *   4-bit: per group 4 chunks of 64 bytes; chunk c, lane l, byte i holds input 8c+i (low
+ *          nibble) and 8c+4+i (high nibble) of row l.
+ *   8-bit: per group 8 chunks of 64 bytes; chunk c, lane l, byte i holds input 4c+i of row l.
+ *   scales and offsets: fp16, [block][group][16].
+ * Blocks are consecutive; rows past N in the last block are zero and never stored.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#define GROUP 32
+
+/* Round each row of x [M, K] (float32) to int8 per group of 32: xq [M, K], dx [M, K/32] the
+ * scale, dsx [M, K/32] the scale times the sum of the group's int8 values. */
+void rill_quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, float *dx, float *dsx)
+{
+    const int64_t G = K / GROUP;
+#pragma omp parallel for schedule(static) if (M * K >= 65536)
+    for (int64_t mg = 0; mg < M * G; mg++) {
+        const int64_t m = mg / G, g = mg % G;
+        const float *p = x + m * K + g * GROUP;
+        __m512 a = _mm512_loadu_ps(p), b = _mm512_loadu_ps(p + 16);
+        float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+        float d = amax / 127.0f;
+        float id = d > 0.0f ? 1.0f / d : 0.0f;
+        __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(id)));
+        __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(id)));
+        _mm_storeu_si128((__m128i *)(xq + m * K + g * GROUP), _mm512_cvtsepi32_epi8(qa));
+        _mm_storeu_si128((__m128i *)(xq + m * K + g * GROUP + 16), _mm512_cvtsepi32_epi8(qb));
+        int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+        dx[mg] = d;
+        dsx[mg] = d * (float)sum;
+    }
+}
+
+static inline __m512i bcast4(const int8_t *p)
+{
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+/* One block of 16 rows against MT activation rows starting at m0. */
+#define DEFINE_BLOCK(MT)                                                                                  \
+    static void block_##MT(int bits, const uint8_t *wb, const uint16_t *sb, const uint16_t *zb, int64_t K, \
+                           const int8_t *xq, const float *dx, const float *dsx, int64_t m0, float *y,        \
+                           int64_t N, int64_t n0)                                                           \
+    {                                                                                                     \
+        const int64_t G = K / GROUP;                                                                      \
+        const __m512i low = _mm512_set1_epi8(0x0F);                                                       \
+        __m512 acc[MT];                                                                                   \
+        for (int i = 0; i < MT; i++) acc[i] = _mm512_setzero_ps();                                        \
+        for (int64_t g = 0; g < G; g++) {                                                                 \
+            __m512i dot[MT];                                                                              \
+            for (int i = 0; i < MT; i++) dot[i] = _mm512_setzero_si512();                                 \
+            if (bits == 4) {                                                                              \
+                const uint8_t *w = wb + g * 256;                                                          \
+                for (int c = 0; c < 4; c++) {                                                             \
+                    __m512i v = _mm512_loadu_si512((const void *)(w + c * 64));                           \
+                    __m512i lo = _mm512_and_si512(v, low);                                                \
+                    __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);                          \
+                    for (int i = 0; i < MT; i++) {                                                        \
+                        const int8_t *xr = xq + (m0 + i) * K + g * GROUP + c * 8;                         \
+                        dot[i] = _mm512_dpbusd_epi32(dot[i], lo, bcast4(xr));                             \
+                        dot[i] = _mm512_dpbusd_epi32(dot[i], hi, bcast4(xr + 4));                         \
+                    }                                                                                     \
+                }                                                                                         \
+            } else {                                                                                      \
+                const uint8_t *w = wb + g * 512;                                                          \
+                for (int c = 0; c < 8; c++) {                                                             \
+                    __m512i v = _mm512_loadu_si512((const void *)(w + c * 64));                           \
+                    for (int i = 0; i < MT; i++) {                                                        \
+                        const int8_t *xr = xq + (m0 + i) * K + g * GROUP + c * 4;                         \
+                        dot[i] = _mm512_dpbusd_epi32(dot[i], v, bcast4(xr));                              \
+                    }                                                                                     \
+                }                                                                                         \
+            }                                                                                             \
+            __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sb + g * 16)));              \
+            __m512 z = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(zb + g * 16)));              \
+            for (int i = 0; i < MT; i++) {                                                                \
+                const int64_t mg = (m0 + i) * G + g;                                                      \
+                __m512 t = _mm512_mul_ps(s, _mm512_cvtepi32_ps(dot[i]));                                  \
+                acc[i] = _mm512_fmadd_ps(t, _mm512_set1_ps(dx[mg]), acc[i]);                              \
+                acc[i] = _mm512_fmadd_ps(z, _mm512_set1_ps(dsx[mg]), acc[i]);                             \
+            }                                                                                             \
+        }                                                                                                 \
+        const int64_t valid = N - n0 < 16 ? N - n0 : 16;                                                  \
+        const __mmask16 mask = (__mmask16)((1u << valid) - 1u);                                           \
+        for (int i = 0; i < MT; i++) _mm512_mask_storeu_ps(y + (m0 + i) * N + n0, mask, acc[i]);          \
+    }
+
+DEFINE_BLOCK(1)
+DEFINE_BLOCK(2)
+DEFINE_BLOCK(3)
+DEFINE_BLOCK(4)
+
+/* y [M, N] float32 = dequantized activations (xq, dx, dsx from rill_quantize_rows) times the
+ * blocked weights w (bits 4 or 8) with scales s and offsets z. */
+void rill_qgemm(int bits, const uint8_t *w, const uint16_t *s, const uint16_t *z, int64_t N, int64_t K,
+                const int8_t *xq, const float *dx, const float *dsx, int64_t M, float *y)
+{
+    const int64_t G = K / GROUP;
+    const int64_t blocks = (N + 15) / 16;
+    const int64_t block_bytes = G * (bits == 4 ? 256 : 512);
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *wb = w + b * block_bytes;
+        const uint16_t *sb = s + b * G * 16, *zb = z + b * G * 16;
+        int64_t m0 = 0;
+        for (; m0 + 4 <= M; m0 += 4) block_4(bits, wb, sb, zb, K, xq, dx, dsx, m0, y, N, b * 16);
+        switch (M - m0) {
+        case 3: block_3(bits, wb, sb, zb, K, xq, dx, dsx, m0, y, N, b * 16); break;
+        case 2: block_2(bits, wb, sb, zb, K, xq, dx, dsx, m0, y, N, b * 16); break;
+        case 1: block_1(bits, wb, sb, zb, K, xq, dx, dsx, m0, y, N, b * 16); break;
+        default: break;
+        }
+    }
+}

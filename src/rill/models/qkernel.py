@@ -1,0 +1,192 @@
+"""rill's own quantized matmul for x86 CPUs with AVX-512 VNNI (``kernels/qgemm.c``).
+
+torch's CPU kernels for int4 and int8 weights (``aten._weight_int4pack_mm_for_cpu``,
+``aten._weight_int8pack_mm``) read a one-row product's weights at about 18 GB/s where the
+machine reads 28-33, and their cost grows with every row (an 8960x1536 int4 product: 0.39 ms
+at one row, 5.75 ms at 32, 1.47 s for an 8,190-token prefill). This kernel rounds the
+activations to int8 per group of 32 and multiplies them with the weights' bytes by VPDPBUSD,
+sixteen output rows at a time and up to four activation rows per weight load, so a step
+reads each weight once whatever its batch.
+
+The C source is compiled once per machine with the system's C compiler into rill's cache
+(``~/.cache/rill/kernels``, keyed by the source's hash) and loaded with ``ctypes``; it uses
+the OpenMP runtime torch has already loaded, so its threads are torch's. Where the CPU lacks
+AVX-512 VNNI, no compiler is found or the build fails, ``available()`` is False (with the
+reason in ``unavailable_reason()``) and rill uses torch's kernels.
+
+``BlockedWeight`` holds a weight in the kernel's layout (documented in the C file) with fp16
+scales and offsets: 4-bit values cost 0.625 bytes a weight, 8-bit values 1.125.
+
+Imports torch and ``rill.models.quant``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from rill.models.quant import GROUP_SIZE, Int4Values, Int8Values, QuantWeight
+
+log = logging.getLogger("rill.models")
+
+SOURCE = Path(__file__).with_name("kernels") / "qgemm.c"
+CFLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni",
+          "-mf16c", "-mfma")
+REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma")
+"""/proc/cpuinfo flags the kernel needs."""
+
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+_reason: str | None = None
+
+
+def cache_dir() -> Path:
+    """Where compiled kernels are kept (``RILL_CACHE_DIR`` or ``~/.cache/rill``, then ``kernels``)."""
+    root = os.environ.get("RILL_CACHE_DIR") or Path.home() / ".cache" / "rill"
+    return Path(root) / "kernels"
+
+
+def available() -> bool:
+    """Whether the kernel runs here (compiling it on the first call)."""
+    return _load() is not None
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernel does not run here (None when it does)."""
+    _load()
+    return _reason
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def _load() -> ctypes.CDLL | None:
+    global _library, _reason
+    with _lock:
+        if _library is not None or _reason is not None:
+            return _library
+        if os.environ.get("RILL_QKERNEL", "1") == "0":
+            _reason = "turned off by RILL_QKERNEL=0"
+            return None
+        missing = [flag for flag in REQUIRED_FLAGS if flag not in _cpu_flags()]
+        if missing:
+            _reason = f"the CPU lacks {', '.join(missing)}"
+            return None
+        try:
+            path = _build()
+            library = ctypes.CDLL(str(path))
+        except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
+            _reason = f"the kernel could not be built: {exc}"
+            log.warning("quantized kernel: %s; using torch's kernels", _reason)
+            return None
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        library.rill_quantize_rows.argtypes = (ptr, i64, i64, ptr, ptr, ptr)
+        library.rill_quantize_rows.restype = None
+        library.rill_qgemm.argtypes = (ctypes.c_int, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, i64, ptr)
+        library.rill_qgemm.restype = None
+        _library = library
+        return library
+
+
+def _build() -> Path:
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(source + " ".join(CFLAGS).encode()).hexdigest()[:16]
+    target = cache_dir() / f"qgemm-{digest}.so"
+    if target.is_file():
+        return target
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc or gcc) on PATH")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        built = Path(scratch) / target.name
+        result = subprocess.run([compiler, *CFLAGS, str(SOURCE), "-o", str(built)],
+                                capture_output=True, text=True, timeout=120)
+        if result.returncode != 0:
+            raise RuntimeError(result.stderr.strip()[-500:] or f"{compiler} exited {result.returncode}")
+        os.replace(built, target)  # atomic: a concurrent start sees the whole file or none
+    log.info("quantized kernel compiled into %s", target)
+    return target
+
+
+def _ptr(tensor: torch.Tensor) -> int:
+    return tensor.data_ptr()
+
+
+class BlockedWeight(QuantWeight):
+    """A weight in the VNNI kernel's layout: 4-bit (``int4``) or 8-bit (``int8``) values,
+    fp16 scales and offsets per 16 rows and 32 inputs."""
+
+    def __init__(self, values: Int4Values | Int8Values, dtype: torch.dtype) -> None:
+        super().__init__(tuple(values.shape))
+        rows, cols = values.shape
+        if cols % GROUP_SIZE:
+            raise ValueError(f"the quantized kernel needs an input width that is a multiple of {GROUP_SIZE}, not {cols}")
+        self._dtype = dtype
+        self.bits = 4 if isinstance(values, Int4Values) else 8
+        self.kind = "int4" if self.bits == 4 else "int8"
+        blocks, groups = -(-rows // 16), cols // GROUP_SIZE
+        padded = blocks * 16
+        if self.bits == 4:
+            u = values.q.to(torch.uint8)
+            scale, offset = values.scale, values.offset
+        else:
+            u = (values.q.to(torch.int16) + 128).to(torch.uint8)  # unsigned bytes for VPDPBUSD
+            scale = values.scale.expand(rows, groups) if values.scale.shape[1] == 1 else values.scale
+            if values.scale.shape[1] != groups:
+                raise ValueError("int8 weights for the quantized kernel need one scale per 32 inputs")
+            offset = -128.0 * scale
+        u = torch.nn.functional.pad(u, (0, 0, 0, padded - rows))
+        if self.bits == 4:
+            # [block, lane, chunk, half, byte] -> [block, chunk, lane, byte], halves as nibbles.
+            v = u.view(blocks, 16, cols // 8, 2, 4)
+            packed = (v[:, :, :, 0] | (v[:, :, :, 1] << 4)).permute(0, 2, 1, 3)
+        else:
+            packed = u.view(blocks, 16, cols // 4, 4).permute(0, 2, 1, 3)
+        self.register_buffer("packed", packed.contiguous().view(-1))
+
+        def per_block(t: torch.Tensor) -> torch.Tensor:
+            t = torch.nn.functional.pad(t.float(), (0, 0, 0, padded - rows))
+            return t.view(blocks, 16, groups).permute(0, 2, 1).to(torch.float16).contiguous()
+
+        self.register_buffer("scales", per_block(scale))
+        self.register_buffer("offsets", per_block(offset))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype of the model around it (activations in and out)."""
+        return self._dtype
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., K] @ w.T`` → ``[..., N]`` in ``x``'s dtype."""
+        library = _load()
+        assert library is not None, "BlockedWeight is built only where the kernel runs"
+        rows, cols = self.shape
+        flat = x.reshape(-1, cols).to(torch.float32).contiguous()
+        m = flat.shape[0]
+        groups = cols // GROUP_SIZE
+        xq = torch.empty((m, cols), dtype=torch.int8)
+        dx = torch.empty((m, groups), dtype=torch.float32)
+        dsx = torch.empty((m, groups), dtype=torch.float32)
+        y = torch.empty((m, rows), dtype=torch.float32)
+        library.rill_quantize_rows(_ptr(flat), m, cols, _ptr(xq), _ptr(dx), _ptr(dsx))
+        library.rill_qgemm(self.bits, _ptr(self.packed), _ptr(self.scales), _ptr(self.offsets), rows, cols,
+                           _ptr(xq), _ptr(dx), _ptr(dsx), m, _ptr(y))
+        return y.view(*x.shape[:-1], rows).to(x.dtype)
