@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from rill.engine.batch import RowWork
 from rill.engine.runner import TorchModelRunner
 from rill.models import load_model, packed
+from rill.models.quant import weight_bytes
 
 needs_packing = pytest.mark.skipif(not packed.can_pack(torch.empty(2, 2, dtype=torch.bfloat16)),
                                    reason="this CPU's oneDNN has no bf16 kernels")
@@ -72,16 +73,18 @@ def test_a_packed_runner_gives_the_same_logits_as_plain_weights(checkpoint: Call
     folder = checkpoint(case)
     plain = load_model(folder, dtype="bfloat16")
     expected_full = plain.model(torch.tensor([[5, 9, 13, 2]]))
-    plain_runner = TorchModelRunner(plain, num_rows=3, max_len=32)
-    # Packing happens in the runner; undo it on the reference so it runs plain F.linear.
-    for module in plain.model.modules():
-        if isinstance(module, torch.nn.Linear):
-            module.__dict__.pop("forward", None)
-    for weight in plain.model.parameters():
-        weight.__dict__.pop(packed._PACKED, None)
+    plain_runner = TorchModelRunner(plain, num_rows=3, max_len=32, pack_weights=False)
     packed_loaded = load_model(folder, dtype="bfloat16")
+    dense_bytes = weight_bytes(packed_loaded.model)
     packed_runner = TorchModelRunner(packed_loaded, num_rows=3, max_len=32)
-    assert packed_runner.packed_weight_bytes > 0
+    # Packing replaces: the projections' originals are freed; only a tied head keeps two forms.
+    linears = [m.weight for m in packed_loaded.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(w.numel() == 0 and getattr(w, packed._PACKED, None) is not None for w in linears)
+    tied = packed_loaded.model.lm_head is None
+    assert (packed_runner.packed_weight_bytes > 0) == tied
+    embedding = packed_loaded.model.embed_tokens.weight
+    second_form = embedding.numel() * embedding.element_size() if tied else 0
+    assert weight_bytes(packed_loaded.model) <= 1.1 * dense_bytes + second_form
 
     def steps(runner: TorchModelRunner) -> list[torch.Tensor]:
         out = [runner.forward([RowWork(row=0, start=0, token_ids=[5, 9, 13, 2]),

@@ -37,11 +37,14 @@ class TorchModelRunner:
         kv_bytes_per_token: bytes of keys and values of one token over all layers.
         vocab_size: width of the returned logits.
         kv_capacity_bytes: size of the whole cache.
-        packed_weight_bytes: memory taken by weights packed for the CPU's GEMM kernels
-            (``rill.models.packed``; 0 where nothing could be packed).
+        packed_weight_bytes: memory added by packing weights for the CPU's GEMM kernels
+            (``rill.models.packed``): the packed copies replace the originals, so only a tied
+            LM head's second form counts; 0 where nothing was packed.
+
+    ``pack_weights=False`` keeps the plain weights (a reference for tests).
     """
 
-    def __init__(self, loaded_model: LoadedModel, num_rows: int, max_len: int) -> None:
+    def __init__(self, loaded_model: LoadedModel, num_rows: int, max_len: int, pack_weights: bool = True) -> None:
         if num_rows < 1 or max_len < 1:
             raise ValueError(f"num_rows ({num_rows}) and max_len ({max_len}) must be >= 1")
         config = loaded_model.config
@@ -69,8 +72,10 @@ class TorchModelRunner:
         self._windows = sorted(self.model.windows, key=lambda w: -1 if w is None else w)
         self._group = config.num_heads // config.num_kv_heads
         self.model.ensure_rope(max_len)
-        # Serving never trains: pack the projections for the CPU's GEMM kernels once, here.
-        self.packed_weight_bytes = packed.pack_linears(self.model, self.model.lm_weight())
+        # Serving never trains: pack the projections for the CPU's GEMM kernels once, here,
+        # in place of the originals (one copy of each weight).
+        self.packed_weight_bytes = (packed.pack_linears(self.model, self.model.lm_weight(), release=True)
+                                    if pack_weights else 0)
 
     @torch.inference_mode()
     def forward(self, work: Sequence[RowWork]) -> torch.Tensor:

@@ -17,8 +17,12 @@ gives every row the same bits at any batch size (tested) and differs from MKL's 
 rounding only (~1e-4 on unit-scale products). SmolLM2-135M float32 decode steps there: B=1
 71.1 → 52.7 ms, B=32 187.8 → 140.1 ms (medians of 40 steps on the runner alone).
 
-The cost is memory: the packed copy sits beside the original weight, which the cache-free
-forward, ``state_dict`` and the embedding (tied LM heads) keep using.
+Packing replaces: ``pack_linears(..., release=True)`` (what the runner does) frees each
+projection's original storage once its packed copy exists, so a served model holds one copy of
+every weight (the 1.5B Qwen2.5 in bf16 held 2,944 MiB twice before). A tied LM head's matrix
+is the embedding, which lookups still read in its plain layout: it keeps both forms. A
+released weight is an empty tensor: the packed forward works, ``state_dict`` and autograd do
+not (serving never trains).
 
 ``pack_linears(model)`` packs every ``nn.Linear`` of a model plus its LM head where the
 device and dtype allow; ``linear(x, weight)`` is ``F.linear`` that uses a weight's packed copy
@@ -61,13 +65,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def pack_weight(weight: torch.Tensor) -> int:
-    """Attach a packed copy to ``weight`` if it can be packed; return the bytes it takes."""
+def pack_weight(weight: torch.Tensor, release: bool = False) -> int:
+    """Attach a packed copy to ``weight`` if it can be packed; return the bytes it adds
+    (0 with ``release``: the original's storage is freed, leaving an empty tensor)."""
     if not isinstance(weight, torch.Tensor) or getattr(weight, _PACKED, None) is not None or not can_pack(weight):
         return 0
     with torch.no_grad():
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
     setattr(weight, _PACKED, packed)
+    if release:
+        weight.data = weight.data.new_empty((0,))
+        return 0
     return weight.numel() * weight.element_size()
 
 
@@ -81,18 +89,21 @@ class _PackedForward:
         return linear(x, self.module.weight, self.module.bias)
 
 
-def pack_linears(model: nn.Module, lm_weight: torch.Tensor | None = None) -> int:
+def pack_linears(model: nn.Module, lm_weight: torch.Tensor | None = None, release: bool = False) -> int:
     """Pack every ``nn.Linear`` in ``model`` and ``lm_weight`` (the LM head matrix); return bytes added.
 
-    A no-op (0) on devices or dtypes without packed kernels. Idempotent.
+    With ``release`` the originals are freed (see the module doc), except an ``lm_weight``
+    that an ``nn.Embedding`` of ``model`` also uses. A no-op (0) on devices or dtypes without
+    packed kernels. Idempotent.
     """
     added = 0
     for module in model.modules():
-        if isinstance(module, nn.Linear):
-            size = pack_weight(module.weight)
-            if size:
+        if isinstance(module, nn.Linear) and isinstance(module.weight, torch.Tensor):
+            packable = can_pack(module.weight) and getattr(module.weight, _PACKED, None) is None
+            added += pack_weight(module.weight, release)
+            if packable:
                 module.forward = _PackedForward(module)  # type: ignore[method-assign]
-            added += size
     if lm_weight is not None:
-        added += pack_weight(lm_weight)
+        embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+        added += pack_weight(lm_weight, release and id(lm_weight) not in embeddings)
     return added

@@ -304,7 +304,9 @@ def pack(values: QuantValues, dtype: torch.dtype, device: torch.device | str = "
     if isinstance(values, Int4Values):
         if device.type != "cpu":
             raise ValueError(f"int4 weights run on the CPU only; use --weights int8 or dense on {device}")
-        return Int4Weight(values, dtype)
+        if values.shape[0] % 16 == 0:
+            return Int4Weight(values, dtype)
+        values = to_int8(values)  # torch's int4 packing takes whole blocks of 16 output rows
     return Int8Weight(Int8Values(values.q.to(device), values.scale.to(device)), dtype)
 
 
@@ -367,12 +369,18 @@ def install(model: nn.Module, state: dict[str, object], dtype: torch.dtype, devi
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of every parameter and buffer of ``model`` (each storage once)."""
+    """Bytes of every parameter and buffer of ``model`` and of the packed copies attached to
+    them (``rill.models.packed``), each storage once."""
     seen: set[int] = set()
     total = 0
-    for tensor in [*model.parameters(), *model.buffers()]:
+    tensors = [*model.parameters(), *model.buffers()]
+    tensors += [t._rill_packed for t in tensors if getattr(t, "_rill_packed", None) is not None]
+    for tensor in tensors:
+        if tensor.device.type == "meta" or tensor.is_mkldnn:
+            total += 0 if tensor.device.type == "meta" else tensor.numel() * tensor.element_size()
+            continue
         key = tensor.untyped_storage().data_ptr()
-        if key in seen or tensor.device.type == "meta":
+        if key in seen:
             continue
         seen.add(key)
         total += tensor.untyped_storage().nbytes()

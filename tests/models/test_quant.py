@@ -1,0 +1,202 @@
+"""Quantized weights: GGUF blocks become exact int4 or bounded int8 values, every kernel
+multiplies like the dequantized matrix, a GGUF served with ``--weights auto`` answers like its
+dense twin, and a quantized model holds one copy of each weight."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from rill.engine.runner import TorchModelRunner
+from rill.errors import ModelLoadError
+from rill.models import load_model, qkernel, quant
+from rill.models.gguf_loader import read_gguf
+from rill.testing.gguf_files import write_gguf
+
+from rill_model_helpers import Sequence, random_prompts, run_greedy
+
+_BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+
+
+def _blocks(kind: str, rows: int, cols: int, seed: int) -> np.ndarray:
+    """Raw GGUF blocks of ``kind`` for a ``[rows, cols]`` matrix: quantized from random values
+    where the ``gguf`` package can quantize, else random bytes with sane fp16 scales."""
+    rng = np.random.default_rng(seed)
+    if kind not in _BLOCK_BYTES:
+        values = rng.standard_normal((rows, cols)).astype(np.float32) * 0.05
+        return quants.quantize(values, GGMLQuantizationType[kind])
+    raw = rng.integers(0, 256, (rows * cols // 256, _BLOCK_BYTES[kind]), dtype=np.uint8)
+    scales = (rng.random((raw.shape[0], 2)) * 0.004 + 0.0005).astype(np.float16).view(np.uint8)
+    if kind == "Q6_K":
+        raw[:, 208:210] = scales[:, 0:2]  # d is the block's last field
+    else:
+        raw[:, 0:4] = scales  # d, dmin
+    return raw.reshape(rows, -1)
+
+
+def _dequantized(raw: np.ndarray, kind: str) -> torch.Tensor:
+    return torch.from_numpy(np.array(quants.dequantize(raw, GGMLQuantizationType[kind]), dtype=np.float32))
+
+
+@pytest.mark.parametrize("kind", quant.INT4_TYPES)
+def test_q4_blocks_become_the_same_values_as_int4(kind: str) -> None:
+    """Q4_0, Q4_1 and Q4_K are 4-bit values with a scale and offset per 32: kept exactly."""
+    rows, cols = 24, 512
+    raw = _blocks(kind, rows, cols, seed=1)
+    values = quant.gguf_int4(raw, kind, (rows, cols))
+    reference = _dequantized(raw, kind)
+    assert values.q.dtype == torch.uint8 and int(values.q.max()) <= 15
+    assert values.scale.shape == (rows, cols // quant.GROUP_SIZE)
+    torch.testing.assert_close(values.dequantize(), reference, rtol=1e-6, atol=1e-7)
+    assert reference.abs().max() > 0
+
+
+@pytest.mark.parametrize("kind", ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0"))
+def test_other_types_become_int8_within_half_a_step(kind: str) -> None:
+    """int8 with a scale per 32 inputs: every value within half its group's step, and the
+    error a small fraction of the type's own spread."""
+    rows, cols = 16, 512
+    reference = _dequantized(_blocks(kind, rows, cols, seed=2), kind)
+    values = quant.to_int8(reference)
+    groups = reference.reshape(rows, -1, quant.GROUP_SIZE)
+    step = groups.abs().amax(dim=2, keepdim=True) / 127.0
+    error = (values.dequantize().reshape(groups.shape) - groups).abs()
+    assert bool((error <= step / 2 * (1 + 1e-5) + 1e-7).all())  # a value can sit exactly on a half step
+    assert error.max() > 0 or kind == "Q8_0"
+
+
+def test_int4_from_float_keeps_values_on_a_16_level_grid() -> None:
+    weight = torch.randn(8, 64)
+    values = quant.to_int4(weight)
+    groups = weight.reshape(8, 2, 32)
+    step = (groups.amax(dim=2) - groups.amin(dim=2)) / 15
+    error = (values.dequantize() - weight).reshape(8, 2, 32).abs()
+    assert bool((error <= step[..., None] / 2 + 1e-6).all())
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quant.to_int4(torch.randn(4, 40))
+
+
+def _kernels() -> list[str]:
+    return ["torch", "vnni"] if qkernel.available() else ["torch"]
+
+
+@pytest.mark.parametrize("backend", _kernels())
+@pytest.mark.parametrize("bits", (4, 8))
+@pytest.mark.parametrize("rows", (1, 2, 3, 5, 9))
+def test_kernels_multiply_like_the_dequantized_matrix(backend: str, bits: int, rows: int) -> None:
+    """Every kernel, any batch: ``x @ w.T`` within 2 % of the product with the dequantized
+    weights (the VNNI kernel rounds activations to int8 per 32; torch's rounds scales to bf16).
+    N = 40 leaves a partial block of 16 output rows in rill's kernel."""
+    torch.manual_seed(rows)
+    # torch's int4 packing needs whole blocks of 16 output rows; rill's kernel takes any.
+    num_out = 48 if (backend, bits) == ("torch", 4) else 40
+    weight = torch.randn(num_out, 256)
+    values = quant.to_int4(weight) if bits == 4 else quant.to_int8(weight)
+    dtype = torch.bfloat16 if backend == "vnni" or bits == 8 else torch.float32
+    if backend == "vnni":
+        packed: quant.QuantWeight = qkernel.BlockedWeight(values, dtype)
+    elif bits == 4:
+        packed = quant.Int4Weight(values, dtype)  # type: ignore[arg-type]
+    else:
+        packed = quant.Int8Weight(values, dtype)  # type: ignore[arg-type]
+    x = torch.randn(rows, 256).to(dtype)
+    got = packed.linear(x).float()
+    expected = x.float() @ values.dequantize().t()
+    assert got.shape == (rows, num_out) and got.dtype == torch.float32
+    assert float((got - expected).norm() / expected.norm()) < 0.02
+
+
+@pytest.mark.skipif(not qkernel.available(), reason=f"the VNNI kernel does not run here: {qkernel.unavailable_reason()}")
+def test_the_vnni_kernel_gives_each_row_the_same_result_at_any_batch_size() -> None:
+    """Activations are rounded per row and the weights read the same way for any batch, so a
+    row's output does not depend on what it is batched with."""
+    weight = qkernel.BlockedWeight(quant.to_int4(torch.randn(48, 128)), torch.bfloat16)
+    x = torch.randn(7, 128)
+    alone = torch.cat([weight.linear(x[i : i + 1].float()) for i in range(7)])
+    assert torch.equal(weight.linear(x.float()), alone)
+
+
+def _mixed(name: str, tensor: torch.Tensor) -> str:
+    # Q4_0 MLPs (int4), Q8_0 attention and embeddings (int8): both kinds, fused q/k/v too.
+    return "Q4_0" if ".mlp." in name else "Q8_0"
+
+
+@pytest.fixture(scope="module")
+def quantized_files(checkpoint, tmp_path_factory) -> dict[str, Path]:
+    out = tmp_path_factory.mktemp("quant-gguf")
+    return {case: write_gguf(checkpoint(case), out / f"{case}.gguf", _mixed) for case in ("llama", "qwen2-tied")}
+
+
+@pytest.mark.parametrize("case", ("llama", "qwen2-tied"))
+def test_a_gguf_keeps_its_quantized_matrices_and_only_them(quantized_files, case: str) -> None:
+    checkpoint = read_gguf(quantized_files[case])
+    tensors = checkpoint.tensors(torch.bfloat16, weights="auto")
+    kinds = {name: type(value).__name__ for name, value in tensors.items()}
+    assert kinds["model.layers.0.mlp.up_proj.weight"] == "Int4Values"
+    assert kinds["model.layers.0.self_attn.q_proj.weight"] == "Int8Values"
+    assert kinds["model.norm.weight"] == "Tensor"
+    loaded = load_model(quantized_files[case], dtype="bfloat16", weights="auto")
+    assert loaded.weights == "int4+int8"
+    linear = [m for m in loaded.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert not linear, "every projection is quantized"
+
+
+@pytest.mark.parametrize("case", ("llama", "qwen2-tied"))
+def test_quantized_weights_answer_like_the_dense_twin(quantized_files, case: str) -> None:
+    """The same GGUF served quantized (``auto``) and dequantized (``dense``): greedy tokens
+    agree (random-init models have near-ties, so at least 90 % of positions) and each
+    position's logits stay within a few percent of the dense ones."""
+    file = quantized_files[case]
+    prompts = random_prompts([12, 9, 15], vocab_size=200, seed=5)
+    outputs = {}
+    for weights in ("dense", "auto"):
+        runner = TorchModelRunner(load_model(file, dtype="bfloat16", weights=weights), num_rows=4, max_len=64)
+        sequences = [Sequence(p, row, num_new=16) for row, p in enumerate(prompts)]
+        run_greedy(runner, sequences)
+        outputs[weights] = sequences
+    agree = total = 0
+    for dense, quantized in zip(outputs["dense"], outputs["auto"]):
+        for a, b in zip(dense.tokens, quantized.tokens):
+            agree, total = agree + (a == b), total + 1
+            if a != b:
+                break  # later tokens follow different contexts
+        first_dense, first_quant = dense.logprobs[0], quantized.logprobs[0]
+        assert float((first_quant - first_dense).abs().max()) < 0.1 * float(first_dense.abs().max())
+    assert agree / total >= 0.9
+
+
+def test_quantized_weights_take_half_the_dense_memory_or_less_and_are_the_only_copy(quantized_files) -> None:
+    file = quantized_files["llama"]
+    dense = load_model(file, dtype="bfloat16", weights="dense")
+    quantized = load_model(file, dtype="bfloat16", weights="auto")
+    dense_bytes, quant_bytes = quant.weight_bytes(dense.model), quant.weight_bytes(quantized.model)
+    values = 0
+    for module in quantized.model.modules():
+        if isinstance(module, quant.QuantWeight):
+            rows, cols = module.shape
+            values += rows * cols * (0.5 if module.kind == "int4" else 1.0)  # bytes of the values alone
+    # Norms and biases stay dense (parameters); quantized weights are buffers.
+    rest = sum(p.numel() * p.element_size() for p in quantized.model.parameters())
+    runner = TorchModelRunner(quantized, num_rows=2, max_len=32)
+    assert runner.packed_weight_bytes == 0  # nothing left for oneDNN to pack beside them
+    assert quant.weight_bytes(quantized.model) == quant_bytes
+    # Scales and offsets (fp16 per 32 values) add at most a quarter to the values.
+    assert values + rest <= quant_bytes <= 1.3 * values + rest
+    assert quant_bytes < 0.55 * dense_bytes
+
+
+def test_weights_modes_are_checked_and_a_folder_quantizes_at_load(checkpoint) -> None:
+    folder = checkpoint("qwen2")
+    with pytest.raises(ModelLoadError, match="--weights"):
+        load_model(folder, weights="int3")
+    assert load_model(folder, weights="auto").weights == "dense"
+    loaded = load_model(folder, dtype="bfloat16", weights="int4")
+    assert "int4" in loaded.weights
+    runner = TorchModelRunner(loaded, num_rows=2, max_len=32)
+    sequences = [Sequence([3, 5, 7, 9], 0, num_new=4)]
+    run_greedy(runner, sequences)
+    assert len(sequences[0].tokens) == 4
