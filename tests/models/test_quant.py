@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType, quants
 
 from rill.engine.runner import TorchModelRunner
 from rill.errors import ModelLoadError
-from rill.models import load_model, qkernel, quant
+from rill.models import load_model, qkernel, quant, quant_cache
 from rill.models.gguf_loader import read_gguf
 from rill.testing.gguf_files import write_gguf
 
@@ -200,3 +200,26 @@ def test_weights_modes_are_checked_and_a_folder_quantizes_at_load(checkpoint) ->
     sequences = [Sequence([3, 5, 7, 9], 0, num_new=4)]
     run_greedy(runner, sequences)
     assert len(sequences[0].tokens) == 4
+
+
+def test_a_quantized_gguf_is_cached_and_the_cache_gives_the_same_model(quantized_files) -> None:
+    """The first load writes the packed model and the file's metadata to the cache; the second
+    reads them (no GGUF parsing) and computes the same logits; a damaged entry is ignored."""
+    file = quantized_files["qwen2-tied"]
+    dtype = torch.bfloat16
+    folder = quant_cache.entry_folder(file, "auto", dtype, "cpu")
+    ids = torch.tensor([[5, 9, 13, 2, 7]])
+    first = load_model(file, dtype="bfloat16", weights="auto")
+    assert (folder / "weights.safetensors").is_file()
+    with torch.inference_mode():
+        expected = first.model(ids)
+    second = load_model(file, dtype="bfloat16", weights="auto")
+    assert second.tokenizer.encode("hello", add_special_tokens=False) == first.tokenizer.encode("hello", add_special_tokens=False)
+    assert second.weights == first.weights and second.config.num_layers == first.config.num_layers
+    with torch.inference_mode():
+        assert torch.equal(second.model(ids), expected)
+    (folder / "weights.safetensors").write_bytes(b"damaged")
+    third = load_model(file, dtype="bfloat16", weights="auto")
+    with torch.inference_mode():
+        assert torch.equal(third.model(ids), expected)
+    assert (folder / "weights.safetensors").stat().st_size > 1000  # rebuilt

@@ -24,7 +24,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from rill.errors import ModelLoadError
-from rill.models import quant
+from rill.models import quant, quant_cache
 from rill.models.config import ModelConfig, dtype_name, parse_config
 from rill.models.gguf_loader import find_gguf, read_gguf
 from rill.models.quant import WEIGHT_MODES
@@ -139,15 +139,55 @@ def load_model(path: str | Path, dtype: str = "auto", device: str = "cpu", weigh
 
 
 def _load_gguf(file: Path, dtype: str, device: str, weights: str) -> LoadedModel:
-    checkpoint = read_gguf(file)
-    config = parse_config(checkpoint.hf_config, checkpoint.generation_config, source=str(file))
-    config = config.with_runtime(dtype, str(device))
     if weights != "dense" and torch.device(device).type != "cpu":
         # int4 packs for the CPU kernel only; int8 weights run anywhere.
         weights = "int8" if weights in ("auto", "int4") else weights
+    if weights != "dense":
+        cached = _load_cached_gguf(file, dtype, device, weights)
+        if cached is not None:
+            return cached
+    checkpoint = read_gguf(file)
+    config = parse_config(checkpoint.hf_config, checkpoint.generation_config, source=str(file))
+    config = config.with_runtime(dtype, str(device))
     model = _assemble(config, checkpoint.tensors(config.torch_dtype, weights=weights), file)
-    return LoadedModel(model=model, config=config, path=file, tokenizer=checkpoint.tokenizer(),
-                       weights=_weights_kind(model))
+    loaded = LoadedModel(model=model, config=config, path=file, tokenizer=checkpoint.tokenizer(),
+                         weights=_weights_kind(model))
+    if weights != "dense":
+        spec = checkpoint.tokenizer_spec()
+        saved = {"hf_config": checkpoint.hf_config, "generation_config": checkpoint.generation_config,
+                 "tokenizer": {"backend": spec.backend.to_str(), "special_tokens": spec.special_tokens,
+                               "chat_template": spec.chat_template, "eos_token_ids": spec.eos_token_ids}}
+        try:
+            quant_cache.save(quant_cache.entry_folder(file, weights, config.torch_dtype, device), model, saved)
+        except OSError as exc:  # a read-only or full cache costs the next start time, nothing more
+            log.warning("could not cache the quantized model: %s", exc)
+    return loaded
+
+
+def _load_cached_gguf(file: Path, dtype: str, device: str, weights: str) -> LoadedModel | None:
+    """The model from ``rill.models.quant_cache`` when an entry for this file and setting exists."""
+    import tokenizers
+
+    from rill.models.tokenizer import Tokenizer
+
+    torch_dtype = getattr(torch, dtype)
+    folder = quant_cache.entry_folder(file, weights, torch_dtype, device)
+    meta = quant_cache.peek(folder)
+    if meta is None:
+        return None
+    config = parse_config(meta["hf_config"], meta["generation_config"], source=str(file)).with_runtime(dtype, str(device))
+    family = family_for_config(config.hf_config, str(file))
+    with torch.device("meta"):
+        model = family.build(config)
+    if quant_cache.load(folder, model, config.torch_dtype, device) is None:
+        return None
+    model.eval().requires_grad_(False)
+    spec = meta["tokenizer"]
+    tokenizer = Tokenizer(tokenizers.Tokenizer.from_str(spec["backend"]), special_tokens=spec["special_tokens"],
+                          chat_templates={"default": spec["chat_template"]} if spec["chat_template"] else {},
+                          extra_eos_token_ids=spec["eos_token_ids"], name=str(file))
+    log.info("loaded the quantized model from the cache (%s)", folder)
+    return LoadedModel(model=model, config=config, path=file, tokenizer=tokenizer, weights=_weights_kind(model))
 
 
 def _weights_kind(model: CausalLM) -> str:

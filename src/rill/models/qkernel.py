@@ -31,6 +31,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -50,9 +51,10 @@ _reason: str | None = None
 
 
 def cache_dir() -> Path:
-    """Where compiled kernels are kept (``RILL_CACHE_DIR`` or ``~/.cache/rill``, then ``kernels``)."""
-    root = os.environ.get("RILL_CACHE_DIR") or Path.home() / ".cache" / "rill"
-    return Path(root) / "kernels"
+    """Where compiled kernels are kept (``<cache root>/kernels``, ``rill.cache``)."""
+    from rill.cache import cache_root
+
+    return cache_root() / "kernels"
 
 
 def available() -> bool:
@@ -173,6 +175,15 @@ class BlockedWeight(QuantWeight):
     def dtype(self) -> torch.dtype:
         """The compute dtype of the model around it (activations in and out)."""
         return self._dtype
+
+    def cache_attrs(self) -> dict[str, Any]:
+        """Bits and compute dtype (the buffers hold the rest)."""
+        return {"bits": self.bits, "dtype": str(self._dtype).removeprefix("torch.")}
+
+    def _restore(self, attrs: dict[str, Any]) -> None:
+        self.bits = int(attrs["bits"])
+        self.kind = "int4" if self.bits == 4 else "int8"
+        self._dtype = getattr(torch, attrs["dtype"])
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., K] @ w.T`` → ``[..., N]`` in ``x``'s dtype."""

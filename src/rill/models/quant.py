@@ -26,6 +26,7 @@ Imports numpy and torch only.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -236,6 +237,23 @@ class QuantWeight(nn.Module):
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def cache_attrs(self) -> dict[str, Any]:
+        """What besides its buffers rebuilds this weight (``from_buffers``), as JSON values."""
+        return {}
+
+    @classmethod
+    def from_buffers(cls, shape: tuple[int, ...], buffers: dict[str, torch.Tensor], attrs: dict[str, Any]) -> QuantWeight:
+        """The weight whose buffers and ``cache_attrs`` were saved (``rill.models.quant_cache``)."""
+        weight = cls.__new__(cls)
+        QuantWeight.__init__(weight, tuple(shape))  # type: ignore[arg-type]
+        weight._restore(attrs)
+        for name, tensor in buffers.items():
+            weight.register_buffer(name, tensor)
+        return weight
+
+    def _restore(self, attrs: dict[str, Any]) -> None:
+        """Set what ``cache_attrs`` saved."""
+
     def extra_repr(self) -> str:
         """Shown by ``print(model)``."""
         return f"{self.kind}, shape={tuple(self.shape)}"
@@ -273,8 +291,10 @@ class Int8Weight(QuantWeight):
     def __init__(self, values: Int8Values, dtype: torch.dtype) -> None:
         super().__init__(tuple(values.shape))
         values = to_int8(values, per_row=True)  # the kernel takes one scale per row
-        self.register_buffer("q", values.q.contiguous())
-        self.register_buffer("scale", values.scale[:, 0].to(dtype).contiguous())
+        # torch's kernel reads whole blocks of 16 rows (a 840-row matrix crashed it): pad with zeros.
+        padding = -values.q.shape[0] % 16
+        self.register_buffer("q", torch.nn.functional.pad(values.q, (0, 0, 0, padding)).contiguous())
+        self.register_buffer("scale", torch.nn.functional.pad(values.scale[:, 0], (0, padding)).to(dtype).contiguous())
 
     @property
     def dtype(self) -> torch.dtype:
@@ -282,7 +302,8 @@ class Int8Weight(QuantWeight):
         return self.scale.dtype
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
+        out = torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
+        return out if out.shape[1] == self.shape[0] else out[:, : self.shape[0]]
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The dequantized rows ``ids`` (an embedding lookup) in the compute dtype."""
