@@ -431,7 +431,7 @@ def make_system(name: str, model: PeerModel, args: argparse.Namespace, out: Path
                 raise PeerUnavailable("the llama.cpp runner needs the llamacpp extra: make setup-llamacpp") from exc
             served, extra = served_gguf(model, args), ["--runner", "llamacpp"]  # the file llama-server serves
         else:
-            # A catalog GGUF is served as it is: rill's default --weights auto keeps its Q4/Q6 matrices quantized.
+            # A catalog GGUF is served as it is: rill's default --weights auto keeps its quantized matrices quantized.
             served = model.gguf if model.is_gguf else model.hf_folder()
             extra = ["--dtype", args.dtype, *(["--num-threads", "1"] if name == "rill-t1" else [])]
         cmd = rill_serve_cmd(served, port, max_seqs, args.context, *extra)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -194,3 +195,25 @@ def test_bfloat16_runner_tracks_the_reference(model_dir: Path) -> None:
     assert logits.shape[0] == 0
     assert (ours.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.75
     assert (torch.log_softmax(ours, -1) - torch.log_softmax(reference, -1)).abs().max() < 0.5
+
+
+def _resident_mib() -> float:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs Linux /proc to read resident memory")
+def test_the_kv_cache_is_zeros_and_resident_only_where_written() -> None:
+    """A 512 MiB cache adds (almost) nothing to resident memory until rows are written, and
+    reads as zeros everywhere: a sequence's memory follows its use, not the budget."""
+    from rill.engine.runner import zeroed_cache
+
+    before = _resident_mib()
+    cache = zeroed_cache((4, 2, 16, 2, 4096, 256), torch.bfloat16, torch.device("cpu"))  # 512 MiB
+    allocated = _resident_mib()
+    assert cache.shape == (4, 2, 16, 2, 4096, 256) and cache.dtype == torch.bfloat16
+    assert allocated - before < 64
+    assert not bool(cache[:, :, 15].any())  # reading untouched pages maps the shared zero page
+    cache[:, :, 3] = 1.0  # one row of 16: 32 MiB
+    written = _resident_mib()
+    assert 24 < written - allocated < 96
+    assert float(cache[:, :, 3].float().mean()) == 1.0 and not bool(cache[:, :, 4].any())

@@ -16,6 +16,8 @@ The model is any ``rill.models.registry.CausalLM`` (every registered family). Im
 
 from __future__ import annotations
 
+import math
+import mmap
 import time
 from typing import Sequence
 
@@ -26,6 +28,21 @@ from rill.models import packed
 from rill.models.attention import PrefillLayout, StepBatch
 from rill.models.loader import LoadedModel
 from rill.models.registry import CausalLM
+
+
+def zeroed_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor for the KV cache that, on the CPU, takes memory only as rows are written.
+
+    ``torch.zeros`` writes every byte, so a 2 GiB budget was resident from the start whatever
+    the load. An anonymous ``mmap`` is zero-filled by the kernel page by page on first touch:
+    the cache is still zeros everywhere, and the process holds what its sequences used.
+    """
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    pages = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # frombuffer keeps ``pages`` alive for as long as the tensor (and its views) live.
+    return torch.frombuffer(pages, dtype=dtype, count=math.prod(shape)).view(shape)
 
 
 class TorchModelRunner:
@@ -63,7 +80,7 @@ class TorchModelRunner:
         self.device = torch.device(config.device)
         shape = (config.num_layers, 2, num_rows, config.num_kv_heads, max_len, config.head_dim)
         # Zeros, not empty: masked-out positions still enter SDPA's matmul (as 0 * value).
-        self._kv = torch.zeros(shape, dtype=config.torch_dtype, device=self.device)
+        self._kv = zeroed_cache(shape, config.torch_dtype, self.device)
         self.kv_capacity_bytes = self._kv.numel() * self._kv.element_size()
         self._caches = [(self._kv[layer, 0], self._kv[layer, 1]) for layer in range(config.num_layers)]
         self._physical = list(range(num_rows))  # logical row -> physical row
