@@ -17,20 +17,36 @@
  */
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define GROUP 32
 
-/* Round each row of x [M, K] (float32) to int8 per group of 32: xq [M, K], dx [M, K/32] the
- * scale, dsx [M, K/32] the scale times the sum of the group's int8 values. */
-void rill_quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, float *dx, float *dsx)
+static inline __m512 load_bf16(const uint16_t *p)
+{
+    /* bfloat16 is the top half of a float32. */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* Round each row of x [M, K] (float32, or bfloat16 when x_bf16) to int8 per group of 32:
+ * xq [M, K], dx [M, K/32] the scale, dsx [M, K/32] the scale times the sum of the group's
+ * int8 values. */
+static void quantize_rows(const void *x, int x_bf16, int64_t M, int64_t K, int8_t *xq, float *dx, float *dsx)
 {
     const int64_t G = K / GROUP;
 #pragma omp parallel for schedule(static) if (M * K >= 65536)
     for (int64_t mg = 0; mg < M * G; mg++) {
         const int64_t m = mg / G, g = mg % G;
-        const float *p = x + m * K + g * GROUP;
-        __m512 a = _mm512_loadu_ps(p), b = _mm512_loadu_ps(p + 16);
+        __m512 a, b;
+        if (x_bf16) {
+            const uint16_t *p = (const uint16_t *)x + m * K + g * GROUP;
+            a = load_bf16(p);
+            b = load_bf16(p + 16);
+        } else {
+            const float *p = (const float *)x + m * K + g * GROUP;
+            a = _mm512_loadu_ps(p);
+            b = _mm512_loadu_ps(p + 16);
+        }
         float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
         float d = amax / 127.0f;
         float id = d > 0.0f ? 1.0f / d : 0.0f;
@@ -105,6 +121,12 @@ DEFINE_BLOCK(2)
 DEFINE_BLOCK(3)
 DEFINE_BLOCK(4)
 
+/* Kept for tests: rill_quantize_rows on float32 rows. */
+void rill_quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, float *dx, float *dsx)
+{
+    quantize_rows(x, 0, M, K, xq, dx, dsx);
+}
+
 /* y [M, N] float32 = dequantized activations (xq, dx, dsx from rill_quantize_rows) times the
  * blocked weights w (bits 4 or 8) with scales s and offsets z. */
 void rill_qgemm(int bits, const uint8_t *w, const uint16_t *s, const uint16_t *z, int64_t N, int64_t K,
@@ -126,4 +148,45 @@ void rill_qgemm(int bits, const uint8_t *w, const uint16_t *s, const uint16_t *z
         default: break;
         }
     }
+}
+
+/* y [M, N] = x [M, K] @ w^T in one call: x and y float32, or both bfloat16 when x_bf16 (y
+ * rounded to nearest even). Scratch for the rounded activations comes from malloc; returns
+ * 0, or -1 when it could not be had (y untouched). */
+int rill_linear(int bits, const uint8_t *w, const uint16_t *s, const uint16_t *z, int64_t N, int64_t K,
+                const void *x, int x_bf16, int64_t M, void *y)
+{
+    const int64_t G = K / GROUP;
+    int8_t *xq = malloc((size_t)(M * K));
+    float *dx = malloc((size_t)(M * G) * sizeof(float));
+    float *dsx = malloc((size_t)(M * G) * sizeof(float));
+    float *yf = x_bf16 ? malloc((size_t)(M * N) * sizeof(float)) : (float *)y;
+    int status = -1;
+    if (xq && dx && dsx && yf) {
+        quantize_rows(x, x_bf16, M, K, xq, dx, dsx);
+        rill_qgemm(bits, w, s, z, N, K, xq, dx, dsx, M, yf);
+        if (x_bf16) {
+            uint16_t *yb = (uint16_t *)y;
+            const int64_t total = M * N, full = total / 16 * 16;
+#pragma omp parallel for schedule(static) if (total >= 65536)
+            for (int64_t i = 0; i < full; i += 16) {
+                __m512i u = _mm512_castps_si512(_mm512_loadu_ps(yf + i));
+                __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+                u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
+                _mm256_storeu_si256((__m256i *)(yb + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+            }
+            for (int64_t i = full; i < total; i++) {
+                uint32_t u;
+                memcpy(&u, yf + i, 4);
+                u += 0x7FFF + ((u >> 16) & 1);
+                yb[i] = (uint16_t)(u >> 16);
+            }
+        }
+        status = 0;
+    }
+    free(xq);
+    free(dx);
+    free(dsx);
+    if (x_bf16) free(yf);
+    return status;
 }
