@@ -44,7 +44,10 @@ class EngineConfig:
     weights: str = _f("auto", "how the torch runner holds the model's matrices: auto (a GGUF file's own precision: "
                               "Q4 types as int4, other quantized types as int8, float tensors and folders dense), "
                               "dense (alias bf16: dequantized to --dtype), int8 or int4 (quantized at load)")
-    kv_cache_memory: str = _f("2GiB", "KV cache memory budget: bytes or a size such as 512MiB or 4GiB")
+    kv_cache_memory: str = _f("auto", "KV cache memory budget: bytes, a size such as 512MiB or 4GiB, or auto (room for "
+                                      "--max-num-seqs sequences of --max-model-len tokens plus cached prefixes, at most "
+                                      "40%% of the memory available at start; with the torch runner on the CPU the cache "
+                                      "takes memory only as sequences use it)")
     max_model_len: int | None = _f(None, "context length per sequence (default: the model's, at most 4096)")
     max_num_seqs: int = _f(64, "most sequences generating at once")
     max_num_batched_tokens: int = _f(8192, "token budget of one engine step; while streams decode, prefill chunks are capped further so their inter-token latency at most doubles")
@@ -366,7 +369,8 @@ def _validate_engine(e: EngineConfig) -> None:
     """The engine's dtype, sizes and runner."""
     _one_of("dtype", e.dtype, ("auto", "float32", "bfloat16", "float16"))
     _one_of("weights", e.weights, ("auto", "dense", "bf16", "int8", "int4"))
-    parse_size(e.kv_cache_memory, "kv_cache_memory")
+    if e.kv_cache_memory != "auto":
+        parse_size(e.kv_cache_memory, "kv_cache_memory")
     _at_least_one(e, "max_num_seqs", "max_num_batched_tokens", "max_queue", "max_prompt_chars", "tokenizer_threads")
     if e.max_model_len is not None and e.max_model_len < 16:
         raise ConfigError(f"max_model_len must be >= 16, not {e.max_model_len}")

@@ -165,7 +165,7 @@ def build_engine(config: EngineConfig, progress: Progress | None = None) -> Engi
     tokenizer = loaded.tokenizer or Tokenizer.from_folder(path)
     mc = loaded.config
     max_len = _max_len(config, mc)
-    num_rows = _cache_rows(config, mc.kv_bytes_per_token(), max_len)
+    num_rows = _cache_rows(config, mc.kv_bytes_per_token(), max_len, lazy=torch.device(config.device).type == "cpu")
     report(90.0, "allocating KV cache")
     governor = default_governor(threads, config.num_threads, torch.set_num_threads)
     runner = TorchModelRunner(loaded, num_rows=num_rows, max_len=max_len)
@@ -215,7 +215,8 @@ def _build_llamacpp_engine(config: EngineConfig, progress: Progress | None) -> E
     mc = parse_config(checkpoint.hf_config, checkpoint.generation_config, source=str(file))
     tokenizer = checkpoint.tokenizer()
     max_len = _max_len(config, mc)
-    num_rows = _cache_rows(config, mc.kv_bytes_per_token(torch.float16), max_len, limit=MAX_SEQUENCES)  # F16 cache
+    num_rows = _cache_rows(config, mc.kv_bytes_per_token(torch.float16), max_len, limit=MAX_SEQUENCES,
+                           lazy=False)  # llama.cpp's F16 cache is resident from the start
     report(30.0, "loading the model into llama.cpp")
     runner = LlamaCppRunner(file, num_rows=num_rows, max_len=max_len, num_threads=threads.num_threads,
                             batch_tokens=min(config.max_num_batched_tokens, 2048))
@@ -285,16 +286,39 @@ def _max_len(config: EngineConfig, mc: ModelConfig) -> int:
     return min(config.max_model_len or min(mc.max_context_tokens, DEFAULT_MAX_CONTEXT), mc.max_context_tokens)
 
 
-def _cache_rows(config: EngineConfig, kv_bytes_per_token: int, max_len: int, limit: int | None = None) -> int:
+AUTO_KV_SHARE = 0.4
+"""``--kv-cache-memory auto``: the most of the memory available at start the cache may take."""
+AUTO_KV_RESIDENT_AT_START = "2GiB"
+"""``auto`` where the cache is resident from the start (llama.cpp's, or off the CPU): the old default."""
+
+
+def _cache_rows(config: EngineConfig, kv_bytes_per_token: int, max_len: int, limit: int | None = None,
+                lazy: bool = True) -> int:
     """How many sequences of ``max_len`` tokens fit in ``--kv-cache-memory``: a few more than
     ``--max-num-seqs`` (room for cached prefixes and beams), at most ``limit``.
+
+    ``auto`` sizes the cache from the load rather than a fixed budget: every row the engine can
+    use (``--max-num-seqs`` plus the prefix-cache headroom), at most ``AUTO_KV_SHARE`` of the
+    memory available now. The torch runner's CPU cache is an anonymous mapping that takes
+    memory as rows are written (``rill.engine.runner.zeroed_cache``), so a large budget costs
+    nothing until sequences fill it; a cache resident from the start (``lazy=False``) keeps the
+    fixed ``AUTO_KV_RESIDENT_AT_START``.
 
     Raises:
         ModelLoadError: not even one sequence fits.
     """
-    budget = parse_size(config.kv_cache_memory, "kv_cache_memory")
     row_bytes = kv_bytes_per_token * max_len
-    num_rows = min(budget // row_bytes, config.max_num_seqs + max(8, config.max_num_seqs // 2))
+    wanted = config.max_num_seqs + max(8, config.max_num_seqs // 2)
+    if config.kv_cache_memory != "auto":
+        budget = parse_size(config.kv_cache_memory, "kv_cache_memory")
+    elif lazy:
+        budget = min(wanted * row_bytes, int(AUTO_KV_SHARE * _available_memory()))
+        log.info("KV cache: --kv-cache-memory auto: %d rows of %d tokens want %.0f MiB; %.0f%% of the %.0f MiB "
+                 "available caps it (memory is taken as rows are used)", wanted, max_len, wanted * row_bytes / 2**20,
+                 100 * AUTO_KV_SHARE, _available_memory() / 2**20)
+    else:
+        budget = parse_size(AUTO_KV_RESIDENT_AT_START, "kv_cache_memory")
+    num_rows = min(budget // row_bytes, wanted)
     if limit is not None:
         num_rows = min(num_rows, limit)
     if num_rows < 1:
@@ -302,6 +326,17 @@ def _cache_rows(config: EngineConfig, kv_bytes_per_token: int, max_len: int, lim
             f"--kv-cache-memory {config.kv_cache_memory} holds no sequence of {max_len} tokens "
             f"({row_bytes} bytes each); raise it or lower --max-model-len")
     return int(num_rows)
+
+
+def _available_memory() -> int:
+    """Bytes of memory available now (``MemAvailable``; 8 GiB where it cannot be read)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 8 * 2**30
 
 
 def _quantization(tensor_types: dict[str, str]) -> str:
