@@ -155,7 +155,8 @@ def build_engine(config: EngineConfig, progress: Progress | None = None) -> Engi
     path = _model_path(config.model, report)
     report(60.0, "loading weights")
     # Weights first: load_model names a missing folder, config or architecture best.
-    loaded = load_model(path, dtype=config.dtype, device=config.device, weights=config.weights)
+    loaded = load_model(path, dtype=config.dtype, device=config.device, weights=config.weights,
+                        progress=lambda done, stage: report(60.0 + 25.0 * done, stage))
     log.info("weights: %s (--weights %s%s)", loaded.weights, config.weights, _WEIGHTS_REASONS.get(config.weights, ""))
     # Loading's float32 copies are freed by now: return them, then keep step memory from here on.
     release_free_memory()

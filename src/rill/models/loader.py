@@ -17,7 +17,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from safetensors import SafetensorError
@@ -95,7 +95,8 @@ def _runtime_dtype(dtype: str, device: str) -> str:
     return name
 
 
-def load_model(path: str | Path, dtype: str = "auto", device: str = "cpu", weights: str = "dense") -> LoadedModel:
+def load_model(path: str | Path, dtype: str = "auto", device: str = "cpu", weights: str = "dense",
+               progress: Callable[[float, str], None] | None = None) -> LoadedModel:
     """Load a Hugging Face style checkpoint folder or a GGUF file.
 
     Args:
@@ -106,7 +107,8 @@ def load_model(path: str | Path, dtype: str = "auto", device: str = "cpu", weigh
         weights: ``rill.models.quant.WEIGHT_MODES``: ``dense`` dequantizes every tensor to
             ``dtype``; ``auto`` keeps a GGUF file's quantized matrices quantized (int4 for Q4
             types, int8 for the others) and a folder dense; ``int8``/``int4`` quantize every
-            matrix (see ``resolve_weights`` for what is logged).
+            matrix.
+        progress: called with (fraction done 0-1, stage) while a GGUF is read.
 
     Raises:
         ModelLoadError: missing folder, ``config.json`` or weights; unsupported architecture
@@ -120,7 +122,7 @@ def load_model(path: str | Path, dtype: str = "auto", device: str = "cpu", weigh
         raise ModelLoadError(f"--weights must be one of {', '.join(WEIGHT_MODES)}, not {weights!r}")
     weights = "dense" if weights == "bf16" else weights
     if gguf_file is not None:
-        return _load_gguf(gguf_file, _runtime_dtype(dtype, device), device, weights)
+        return _load_gguf(gguf_file, _runtime_dtype(dtype, device), device, weights, progress or (lambda f, s: None))
     if not folder.is_dir():
         raise ModelLoadError(f"{folder} is neither a model folder nor a .gguf file")
     hf_config = _read_json(folder / "config.json", required=True)
@@ -138,21 +140,30 @@ def load_model(path: str | Path, dtype: str = "auto", device: str = "cpu", weigh
     return LoadedModel(model=model, config=config, path=folder, weights=_weights_kind(model))
 
 
-def _load_gguf(file: Path, dtype: str, device: str, weights: str) -> LoadedModel:
+def _load_gguf(file: Path, dtype: str, device: str, weights: str,
+               progress: Callable[[float, str], None]) -> LoadedModel:
     if weights != "dense" and torch.device(device).type != "cpu":
         # int4 packs for the CPU kernel only; int8 weights run anywhere.
         weights = "int8" if weights in ("auto", "int4") else weights
     if weights != "dense":
+        progress(0.0, "reading the cached quantized model")
         cached = _load_cached_gguf(file, dtype, device, weights)
         if cached is not None:
             return cached
+    progress(0.0, "reading the GGUF metadata")
     checkpoint = read_gguf(file)
     config = parse_config(checkpoint.hf_config, checkpoint.generation_config, source=str(file))
     config = config.with_runtime(dtype, str(device))
-    model = _assemble(config, checkpoint.tensors(config.torch_dtype, weights=weights), file)
+    stage = "reading tensors" if weights == "dense" else "reading and packing quantized tensors"
+
+    def tensor_done(done: int, total: int) -> None:
+        progress(0.1 + 0.8 * done / total, stage)
+
+    model = _assemble(config, checkpoint.tensors(config.torch_dtype, tensor_done, weights=weights), file)
     loaded = LoadedModel(model=model, config=config, path=file, tokenizer=checkpoint.tokenizer(),
                          weights=_weights_kind(model))
     if weights != "dense":
+        progress(0.95, "caching the quantized model for the next start")
         spec = checkpoint.tokenizer_spec()
         saved = {"hf_config": checkpoint.hf_config, "generation_config": checkpoint.generation_config,
                  "tokenizer": {"backend": spec.backend.to_str(), "special_tokens": spec.special_tokens,
