@@ -111,3 +111,38 @@ def test_bad_constraints_are_invalid_requests(grammars: GrammarCompiler, fmt: Re
     with pytest.raises(InvalidRequest) as caught:
         grammars.matcher(fmt)
     assert caught.value.field == "response_format"
+
+
+def test_a_forced_tool_call_survives_an_added_non_special_opener() -> None:
+    """Qwen2.5's ``<tool_call>`` is an added token that is not special. llguidance used to
+    force it as the opener's only allowed token and then refuse it when consumed, so every
+    forced call on that model failed. Walking the mask (always the highest allowed id, which
+    would pick such a token) now ends in an accepted, parseable call."""
+    from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+    from tokenizers import AddedToken
+
+    from rill.protocols._shared.tool_calls import call_grammar
+
+    tokenizer = make_tokenizer()
+    tokenizer.add_tokens([AddedToken("<tool_call>", normalized=False, special=False),
+                          AddedToken("</tool_call>", normalized=False, special=False)])
+    vocab = tokenizer.get_vocab_size()
+    compiler = GrammarCompiler(tokenizer.to_str(), vocab, [EOS])
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}}}]
+    matcher = compiler.matcher(ResponseFormat(type="grammar", grammar=call_grammar("hermes", tools)))
+    mask = allocate_token_bitmask(1, vocab)
+    tokens: list[int] = []
+    for _ in range(200):
+        if matcher.is_accepting():
+            break
+        fill_next_token_bitmask(matcher, mask, 0)
+        allowed = [i for i in range(vocab) if (int(mask[0, i // 32]) >> (i % 32)) & 1 and i != EOS]
+        assert allowed, matcher.get_error()
+        token = max(allowed)
+        assert matcher.consume_token(token), matcher.get_error()
+        tokens.append(token)
+    text = tokenizer.decode(tokens, skip_special_tokens=False)
+    assert text.startswith("<tool_call>\n") and text.endswith("\n</tool_call>")
+    call = json.loads(text.removeprefix("<tool_call>\n").removesuffix("\n</tool_call>"))
+    assert call["name"] == "get_weather" and isinstance(call["arguments"]["city"], str)

@@ -58,7 +58,7 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]) -> None:
         self.vocab_size = vocab_size
-        self._tokenizer_args = (tokenizer_json, vocab_size, sorted(eos_token_ids))
+        self._tokenizer_args = (_plain_added_tokens(tokenizer_json), vocab_size, sorted(eos_token_ids))
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
@@ -106,6 +106,26 @@ class GrammarCompiler:
         if matcher.is_error():
             raise InvalidRequest(f"response_format cannot be enforced: {matcher.get_error()}", field="response_format")
         return matcher
+
+
+def _plain_added_tokens(tokenizer_json: str) -> str:
+    """The tokenizer without its non-special added tokens, which stay in the vocabulary as text.
+
+    llguidance marks every added token as special when it checks a sampled token, yet spells a
+    forced literal with the tokenizer, which matches added tokens: Qwen2.5's ``<tool_call>``
+    (id 151657, added but not special) was the only token a forced tool call allowed and then
+    "doesn't satisfy the grammar" (every forced call failed). As plain vocabulary the literal is
+    forced as text pieces and the call parses the same; special (control) tokens are untouched.
+    """
+    try:
+        spec = json.loads(tokenizer_json)
+    except ValueError:
+        return tokenizer_json
+    added = spec.get("added_tokens") if isinstance(spec, dict) else None
+    if not isinstance(added, list) or all(entry.get("special", True) for entry in added):
+        return tokenizer_json
+    spec["added_tokens"] = [entry for entry in added if entry.get("special", True)]
+    return json.dumps(spec)
 
 
 def grammar_of(fmt: ResponseFormat) -> str:
