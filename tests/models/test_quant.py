@@ -107,6 +107,7 @@ def test_kernels_multiply_like_the_dequantized_matrix(backend: str, bits: int, r
     got = packed.linear(x).float()
     expected = x.float() @ values.dequantize().t()
     assert got.shape == (rows, num_out) and got.dtype == torch.float32
+    assert packed.linear(x[:0]).shape == (0, num_out)  # an empty batch is an empty product
     assert float((got - expected).norm() / expected.norm()) < 0.02
 
 
