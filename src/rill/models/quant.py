@@ -11,8 +11,10 @@ error is a fraction of the 5-6-bit types' own step (bounded in ``tests/models/te
 Measured on a 2-core AVX-512-BF16 machine, an 8960x1536 projection (Qwen2.5-1.5B's down
 projection) read from memory, bf16 activations: int4 0.39 ms at one row against 1.09 ms for
 the oneDNN-packed bf16 weight and 0.78 ms for int8; at 8 rows int4 1.41 ms, bf16 0.92 ms,
-int8 2.38 ms; at 32 rows 5.75, 2.48 and 8.05 ms. So quantized weights take a third to a
-quarter of the memory and speed up one stream, and cost batch speed where the kernels lose.
+int8 2.38 ms; at 32 rows 5.75, 2.48 and 8.05 ms: torch's kernels cost more with every row.
+Where the CPU has AVX-512 VNNI, ``pack`` puts weights in rill's own kernel's layout instead
+(``rill.models.qkernel``: 0.29 ms at one row, 0.67 at 8, 2.08 at 32), and torch's kernels
+remain the fallback.
 
 ``QuantizedLinear`` and ``QuantizedEmbedding`` replace a model's ``nn.Linear`` and
 ``nn.Embedding`` modules; ``packed.linear`` sends a quantized weight to its own kernel, so
