@@ -169,12 +169,13 @@ def build_engine(config: EngineConfig, progress: Progress | None = None) -> Engi
     num_rows = _cache_rows(config, mc.kv_bytes_per_token(), max_len, lazy=torch.device(config.device).type == "cpu")
     report(90.0, "allocating KV cache")
     governor = default_governor(threads, config.num_threads, torch.set_num_threads)
+    num_parameters = _parameter_count(loaded.model)  # before packing frees the originals
     runner = TorchModelRunner(loaded, num_rows=num_rows, max_len=max_len)
     if runner.packed_weight_bytes:
         log.info("weights packed for oneDNN's CPU kernels (originals freed; the tied LM head kept in both forms): "
                  "+%.0f MiB", runner.packed_weight_bytes / 2**20)
     report(95.0, "warming up")
-    warm_tokens = warm_up_tokens(config.max_num_batched_tokens, _parameter_count(loaded.model))
+    warm_tokens = warm_up_tokens(config.max_num_batched_tokens, num_parameters)
 
     def warm_up() -> tuple[int, int, float, float]:
         return runner.warm_up(warm_tokens, max_rows=config.max_num_seqs)
@@ -313,10 +314,11 @@ def _cache_rows(config: EngineConfig, kv_bytes_per_token: int, max_len: int, lim
     if config.kv_cache_memory != "auto":
         budget = parse_size(config.kv_cache_memory, "kv_cache_memory")
     elif lazy:
-        budget = min(wanted * row_bytes, int(AUTO_KV_SHARE * _available_memory()))
-        log.info("KV cache: --kv-cache-memory auto: %d rows of %d tokens want %.0f MiB; %.0f%% of the %.0f MiB "
-                 "available caps it (memory is taken as rows are used)", wanted, max_len, wanted * row_bytes / 2**20,
-                 100 * AUTO_KV_SHARE, _available_memory() / 2**20)
+        available = _available_memory()
+        budget = min(wanted * row_bytes, int(AUTO_KV_SHARE * available))
+        log.info("KV cache: --kv-cache-memory auto: %d rows of %d tokens want %.0f MiB, at most %.0f%% of the %.0f MiB "
+                 "available: %.0f MiB (memory is taken as rows are used)", wanted, max_len, wanted * row_bytes / 2**20,
+                 100 * AUTO_KV_SHARE, available / 2**20, budget / 2**20)
     else:
         budget = parse_size(AUTO_KV_RESIDENT_AT_START, "kv_cache_memory")
     num_rows = min(budget // row_bytes, wanted)
