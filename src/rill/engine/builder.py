@@ -157,7 +157,8 @@ def build_engine(config: EngineConfig, progress: Progress | None = None) -> Engi
     # Weights first: load_model names a missing folder, config or architecture best.
     loaded = load_model(path, dtype=config.dtype, device=config.device, weights=config.weights,
                         progress=lambda done, stage: report(60.0 + 25.0 * done, stage))
-    log.info("weights: %s (--weights %s%s)", loaded.weights, config.weights, _WEIGHTS_REASONS.get(config.weights, ""))
+    log.info("weights: %s (--weights %s%s)", loaded.weights, config.weights,
+             AUTO_WEIGHTS_REASON if config.weights == "auto" else "")
     # Loading's float32 copies are freed by now: return them, then keep step memory from here on.
     release_free_memory()
     log.info(tune_allocator())
@@ -233,10 +234,9 @@ def _build_llamacpp_engine(config: EngineConfig, progress: Progress | None) -> E
     return engine
 
 
-_WEIGHTS_REASONS = {
-    "auto": ": a GGUF file's Q4 matrices stay int4 and its other quantized ones become int8, so the weights "
-            "take about the file's size; float tensors and folders stay dense",
-}
+AUTO_WEIGHTS_REASON = (": a GGUF file's Q4 matrices stay int4 and its other quantized ones become int8, so the "
+                       "weights take about the file's size; float tensors and folders stay dense")
+"""Why ``--weights auto`` chose what it did (logged at start)."""
 
 
 WARM_UP_MACS = 4 * 10**11

@@ -172,25 +172,14 @@ class GGUFCheckpoint:
             # dequantize() gives float32 in the Hugging Face [out, in] layout; copy off the mmap.
             values = np.array(quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32, copy=True)
             if is_matrix and (weights in ("int4", "int8") or (weights == "auto" and kind not in _DENSE_TYPES)):
-                matrix = torch.from_numpy(values)
-                # int4 groups are 32 wide: a narrower or ragged input width stays int8.
-                use_int4 = weights == "int4" and shape[1] % quant.GROUP_SIZE == 0
-                yield tensor.name, quant.to_int4(matrix) if use_int4 else quant.to_int8(matrix)
+                # auto: the quantized types left here (Q5, Q6, Q8) are kept as int8.
+                yield tensor.name, quant.quantize(torch.from_numpy(values), "int4" if weights == "int4" else "int8")
                 continue
             yield tensor.name, values
 
     def tokenizer(self) -> "Any":
         """The ``rill.models.tokenizer.Tokenizer`` the file's metadata describes."""
-        from rill.models.tokenizer import Tokenizer
-
-        spec = self.tokenizer_spec()
-        return Tokenizer(
-            spec.backend,
-            special_tokens=spec.special_tokens,
-            chat_templates={"default": spec.chat_template} if spec.chat_template else {},
-            extra_eos_token_ids=spec.eos_token_ids,
-            name=str(self.path),
-        )
+        return self.tokenizer_spec().tokenizer(str(self.path))
 
     def tokenizer_spec(self) -> "TokenizerSpec":
         """The tokenizer's parts (backend, special tokens, template, flags)."""
@@ -215,6 +204,30 @@ class TokenizerSpec:
     eos_token_ids: list[int]
     add_bos_token: bool
     add_eos_token: bool
+
+    def tokenizer(self, name: str) -> "Any":
+        """The ``rill.models.tokenizer.Tokenizer`` of these parts, named ``name``."""
+        from rill.models.tokenizer import Tokenizer
+
+        return Tokenizer(
+            self.backend,
+            special_tokens=self.special_tokens,
+            chat_templates={"default": self.chat_template} if self.chat_template else {},
+            extra_eos_token_ids=self.eos_token_ids,
+            name=name,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON values ``from_json`` rebuilds the spec from (the packed-model cache keeps them)."""
+        return {"backend": self.backend.to_str(), "special_tokens": self.special_tokens,
+                "chat_template": self.chat_template, "eos_token_ids": self.eos_token_ids,
+                "add_bos_token": self.add_bos_token, "add_eos_token": self.add_eos_token}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "TokenizerSpec":
+        """The spec ``to_json`` wrote."""
+        return cls(tokenizers.Tokenizer.from_str(data["backend"]), data["special_tokens"], data["chat_template"],
+                   data["eos_token_ids"], data.get("add_bos_token", False), data.get("add_eos_token", False))
 
 
 def read_gguf(path: str | Path) -> GGUFCheckpoint:

@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from rill.errors import ModelLoadError
 from rill.models import quant, quant_cache
 from rill.models.config import ModelConfig, dtype_name, parse_config
-from rill.models.gguf_loader import find_gguf, read_gguf
+from rill.models.gguf_loader import TokenizerSpec, find_gguf, read_gguf
 from rill.models.quant import WEIGHT_MODES
 from rill.models.registry import CausalLM, family_for_config
 
@@ -134,8 +134,7 @@ def load_model(path: str | Path, dtype: str = "auto", device: str = "cpu", weigh
         # A folder's matrices are quantized at load; the rest stays dense.
         for key, tensor in tensors.items():
             if tensor.dim() == 2:
-                use_int4 = weights == "int4" and tensor.shape[1] % quant.GROUP_SIZE == 0
-                tensors[key] = quant.to_int4(tensor) if use_int4 else quant.to_int8(tensor)
+                tensors[key] = quant.quantize(tensor, weights)
     model = _assemble(config, tensors, folder)
     return LoadedModel(model=model, config=config, path=folder, weights=_weights_kind(model))
 
@@ -164,10 +163,8 @@ def _load_gguf(file: Path, dtype: str, device: str, weights: str,
                          weights=_weights_kind(model))
     if weights != "dense":
         progress(0.95, "caching the quantized model for the next start")
-        spec = checkpoint.tokenizer_spec()
         saved = {"hf_config": checkpoint.hf_config, "generation_config": checkpoint.generation_config,
-                 "tokenizer": {"backend": spec.backend.to_str(), "special_tokens": spec.special_tokens,
-                               "chat_template": spec.chat_template, "eos_token_ids": spec.eos_token_ids}}
+                 "tokenizer": checkpoint.tokenizer_spec().to_json()}
         try:
             quant_cache.save(quant_cache.entry_folder(file, weights, config.torch_dtype, device), model, saved)
         except OSError as exc:  # a read-only or full cache costs the next start time, nothing more
@@ -177,10 +174,6 @@ def _load_gguf(file: Path, dtype: str, device: str, weights: str,
 
 def _load_cached_gguf(file: Path, dtype: str, device: str, weights: str) -> LoadedModel | None:
     """The model from ``rill.models.quant_cache`` when an entry for this file and setting exists."""
-    import tokenizers
-
-    from rill.models.tokenizer import Tokenizer
-
     torch_dtype = getattr(torch, dtype)
     folder = quant_cache.entry_folder(file, weights, torch_dtype, device)
     meta = quant_cache.peek(folder)
@@ -193,10 +186,7 @@ def _load_cached_gguf(file: Path, dtype: str, device: str, weights: str) -> Load
     if quant_cache.load(folder, model, config.torch_dtype, device) is None:
         return None
     model.eval().requires_grad_(False)
-    spec = meta["tokenizer"]
-    tokenizer = Tokenizer(tokenizers.Tokenizer.from_str(spec["backend"]), special_tokens=spec["special_tokens"],
-                          chat_templates={"default": spec["chat_template"]} if spec["chat_template"] else {},
-                          extra_eos_token_ids=spec["eos_token_ids"], name=str(file))
+    tokenizer = TokenizerSpec.from_json(meta["tokenizer"]).tokenizer(str(file))
     log.info("loaded the quantized model from the cache (%s)", folder)
     return LoadedModel(model=model, config=config, path=file, tokenizer=tokenizer, weights=_weights_kind(model))
 
@@ -217,15 +207,12 @@ def _assemble(config: ModelConfig, tensors: dict[str, torch.Tensor], source: Pat
     state = {key: value if quant.is_quantized(value) else value.to(dtype=config.torch_dtype, device=config.device)
              for key, value in state.items()}
     dense = quant.install(model, state, config.torch_dtype, config.device)
-    if len(dense) == len(state):
-        model.load_state_dict(dense, assign=True, strict=True)
-    else:
-        result = model.load_state_dict(dense, assign=True, strict=False)
-        # Quantized modules came with their buffers (and biases); nothing may be left unloaded.
-        left = [name for name, value in [*model.named_parameters(), *model.named_buffers()] if value.is_meta]
-        if left or result.unexpected_keys:
-            raise ModelLoadError(f"{source}: weights do not fit the model: missing {left[:5]}, "
-                                 f"unexpected {result.unexpected_keys[:5]}")
+    # Quantized modules came with their buffers (and biases): check what is left on meta instead of strict names.
+    result = model.load_state_dict(dense, assign=True, strict=False)
+    left = quant.unloaded(model)
+    if left or result.unexpected_keys:
+        raise ModelLoadError(f"{source}: weights do not fit the model: missing {left[:5]}, "
+                             f"unexpected {result.unexpected_keys[:5]}")
     model.eval().requires_grad_(False)
     return model
 

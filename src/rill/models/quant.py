@@ -22,7 +22,7 @@ the models' LM-head code is unchanged. An embedding keeps int8 rows (a lookup re
 and a tied LM head multiplies them). Fusing q/k/v and gate/up concatenates quantized
 weights by rows (``cat``); parts of mixed kinds are all made int8.
 
-Imports numpy and torch only.
+Imports numpy, torch and ``rill.models.packed``.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+
+from rill.models import packed
 
 GROUP_SIZE = 32
 """Values per scale/offset group of int4 weights (the GGUF Q4 types' block)."""
@@ -136,6 +138,19 @@ def to_int4(weight: torch.Tensor | QuantValues) -> Int4Values:
     scale = ((high - low) / 15.0).clamp_min(1e-12)
     q = torch.round((groups - low[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8)
     return Int4Values(q.reshape(rows, cols), scale, low)
+
+
+def quantize(weight: torch.Tensor | QuantValues, mode: str) -> QuantValues:
+    """``weight`` in ``mode`` (``int4`` or ``int8``); int4 groups are 32 wide, so a matrix whose
+    input width is not a multiple of 32 becomes int8."""
+    if mode == "int4" and weight.shape[1] % GROUP_SIZE == 0:
+        return to_int4(weight)
+    return to_int8(weight)
+
+
+def unloaded(model: nn.Module) -> list[str]:
+    """Names of ``model``'s parameters and buffers still on the meta device (never loaded)."""
+    return [name for name, value in [*model.named_parameters(), *model.named_buffers()] if value.is_meta]
 
 
 def cat(parts: list[torch.Tensor | QuantValues]) -> torch.Tensor | QuantValues:
@@ -343,8 +358,7 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ w.T + b``."""
-        out = self.weight.linear(x)
-        return out if self.bias is None else out + self.bias
+        return packed.linear(x, self.weight, self.bias)  # type: ignore[arg-type]
 
 
 class QuantizedEmbedding(nn.Module):

@@ -124,7 +124,7 @@ def load(folder: Path, model: nn.Module, dtype: torch.dtype, device: str) -> dic
         for alias, name in meta["aliases"].items():
             state.setdefault(alias, state.get(name, _find(model, name)))
         model.load_state_dict(state, assign=True, strict=False)
-        left = [name for name, value in [*model.named_parameters(), *model.named_buffers()] if value.is_meta]
+        left = quant.unloaded(model)
         if left:
             raise ValueError(f"not in the cache: {left[:3]}")
     except (OSError, ValueError, KeyError, RuntimeError, TypeError, SafetensorError) as exc:
