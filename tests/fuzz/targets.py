@@ -74,6 +74,21 @@ def outputs(rng: random.Random, request_id: str, n: int = 3) -> list[RequestOutp
     return out
 
 
+CALL_TEXTS = ['```json\n{"name": "f", "arguments": {}}\n```', '{"name": "f", "parameters": {"x": [1, "\\u00e9"]}}',
+              '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>', '```\n{"name": "g", "arguments": 1}```']
+"""Replies that are (or nearly are) tool calls of the generated requests' function ``f``."""
+
+
+def call_outputs(rng: random.Random, request_id: str) -> list[RequestOutput]:
+    """One of ``CALL_TEXTS`` cut in random pieces, as engine outputs ending with ``stop``."""
+    text = rng.choice(CALL_TEXTS)
+    cuts = sorted(rng.sample(range(1, len(text)), rng.randint(0, 3)))
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+    return [RequestOutput(request_id=request_id, text=piece, finished=i == len(pieces) - 1,
+                          finish_reason="stop" if i == len(pieces) - 1 else None,
+                          usage=Usage(prompt_tokens=3, completion_tokens=i + 1)) for i, piece in enumerate(pieces)]
+
+
 Target = Callable[[random.Random, "bytes | None"], tuple[str, bool]]
 """One run: ``(rng, given)`` → the input's kind and whether codec and session accepted it;
 ``given`` replaces the generated wire bytes (kind ``"raw"``)."""
@@ -103,12 +118,16 @@ def openai_session(req: Any, kind: OpenAIKind, rng: random.Random) -> None:
         prompts = [p if isinstance(p, list) else fake_tokens(p) for p in openai_codec.completion_prompts(req)]
     requests = openai_codec.generate_requests(req, prompts, SERVED, "cmpl-x")
     logprobs = ((req.top_logprobs or 0) if req.logprobs else None) if kind is OpenAIKind.CHAT else req.logprobs
+    tool_format = "hermes" if kind is OpenAIKind.CHAT and openai_codec.parses_tool_calls(req) else None
+    text_calls = openai_codec.text_call_check(req) if tool_format is not None else None
     session = ResponseSession(kind=kind, response_id="cmpl-x", created=0, model="fake", num_choices=len(requests),
                               n=req.n or 1, logprobs=logprobs,
-                              include_usage=bool(req.stream_options and req.stream_options.include_usage))
+                              include_usage=bool(req.stream_options and req.stream_options.include_usage),
+                              tool_format=tool_format, text_calls=text_calls)
     session.start()
     for index, request in enumerate(requests):
-        for output in outputs(rng, request.request_id):
+        is_call = tool_format is not None and rng.random() < 0.5
+        for output in (call_outputs(rng, request.request_id) if is_call else outputs(rng, request.request_id)):
             session.on_output(index, output)
     session.end() if req.stream else session.body()
 

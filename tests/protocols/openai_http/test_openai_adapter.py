@@ -2,7 +2,7 @@
 ``FakeRunner`` (the real engine code, no model; one character per token).
 
 Covers the routes, every error status of the issue, streaming shapes, ``n``, logprobs,
-keep-alive comments and disconnect = cancel. The same behaviour on the real engine is in
+keep-alive comments, disconnect = cancel, and a tool call the model writes as a JSON object. The same behaviour on the real engine is in
 ``test_openai_e2e.py``.
 """
 
@@ -27,7 +27,7 @@ from rill.frontend.inproc import InprocClient
 from rill.protocols.openai_http import adapter
 from rill.server import make_deps
 from rill.testing.fake_client import fake_client, record_requests
-from rill.testing.fake_runner import fake_tokenizer
+from rill.testing.fake_runner import fake_tokenizer, reply_script
 from rill.types import GenerateRequest
 from tests.helpers import serving, wait_until
 
@@ -537,3 +537,63 @@ async def test_hostile_bodies_are_400s_not_500s(fake: Fake, body: bytes) -> None
             if path == "/v1/completions":  # chat refuses the missing messages (bytes of unknown fields are skipped)
                 assert "JSON" in e["message"]
     assert fake.requests == []
+
+
+# -- a tool call written as a JSON object (tool_choice auto) ------------------------------------
+
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+
+
+def reply_with(fake: Fake, text: str) -> None:
+    """Make the fake model answer the last submitted request with ``text``, then end of sequence."""
+    reply = fake.encode(text, add_special_tokens=False)
+
+    def script(tokens: Any) -> int | None:
+        return reply_script(fake.requests[-1].prompt_token_ids, reply)(tokens) if fake.requests else None
+
+    fake.engine.runner.script = script
+
+
+def _weather_chat(**fields: Any) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": "What is the weather in Paris?"}], "tools": [WEATHER_TOOL],
+            "tool_choice": "auto", "max_tokens": 200, **fields}
+
+
+async def test_a_reply_that_is_only_a_fenced_call_comes_back_as_tool_calls(fake: Fake) -> None:
+    reply_with(fake, f"```json\n{CALL}\n```")
+    async with live_app(fake) as url, httpx.AsyncClient(base_url=url, timeout=60) as http:
+        body = (await http.post("/v1/chat/completions", json=_weather_chat())).json()
+        async with http.stream("POST", "/v1/chat/completions", json=_weather_chat(stream=True)) as r:
+            events = await sse_events(r)
+    (choice,) = body["choices"]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    (call,) = choice["message"]["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    chunks = [c for c in events[:-1] if c["choices"]]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == ""
+    (streamed,) = [tc for c in chunks for tc in c["choices"][0]["delta"].get("tool_calls") or []]
+    assert streamed["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+async def test_the_same_reply_is_the_answer_when_json_was_asked_for(fake: Fake) -> None:
+    # Bare and compact: the constraint lets out JSON without free whitespace, and no fence.
+    compact = CALL.replace(": ", ":").replace(", ", ",")
+    reply_with(fake, compact)
+    async with live_app(fake) as url, httpx.AsyncClient(base_url=url, timeout=60) as http:
+        auto = (await http.post("/v1/chat/completions", json=_weather_chat())).json()["choices"][0]
+        shaped = _weather_chat(response_format={"type": "json_object"})
+        body = (await http.post("/v1/chat/completions", json=shaped)).json()
+        async with http.stream("POST", "/v1/chat/completions", json={**shaped, "stream": True}) as r:
+            events = await sse_events(r)
+    assert auto["finish_reason"] == "tool_calls", "without response_format the bare object is a call"
+    (choice,) = body["choices"]
+    assert choice["finish_reason"] == "stop" and choice["message"]["content"] == compact
+    assert "tool_calls" not in choice["message"]
+    chunks = [c for c in events[:-1] if c["choices"]]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == compact
+    assert not any(c["choices"][0]["delta"].get("tool_calls") for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"

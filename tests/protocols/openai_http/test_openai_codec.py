@@ -251,6 +251,50 @@ def test_bad_tools_are_400s_naming_the_field(body: dict, needle: str) -> None:
     assert caught.value.field in ("tools", "tool_choice", "chat_template_kwargs")
 
 
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def test_text_call_check_validates_names_and_arguments_against_the_schemas() -> None:
+    check = codec.text_call_check(_chat(tools=[WEATHER_TOOL, {"type": "function", "function": {"name": "now"}}]))
+    assert check is not None
+    assert check("get_weather", {"city": "Paris"})
+    assert not check("get_weather", {"city": 75})
+    assert not check("get_weather", {})
+    assert not check("get_time", {"city": "Paris"}), "not a declared tool"
+    assert check("now", {}) and check("now", {"any": 1}), "no parameters: any object"
+
+
+@pytest.mark.parametrize("parameters", [
+    {"type": 5},
+    {"$ref": "https://example.invalid/schema.json"},
+    # A client's regex would run on the event loop with Python's backtracking re.
+    {"type": "object", "properties": {"s": {"type": "string", "pattern": "^(a+)+$"}}},
+    {"type": "object", "$defs": {"x": {"patternProperties": {"(a|a)+": {}}}}},
+])
+def test_text_call_check_accepts_nothing_for_a_schema_it_cannot_use(parameters: dict) -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
+    check = codec.text_call_check(_chat(tools=[tool]))
+    assert check is not None and not check("f", {})
+
+
+@pytest.mark.parametrize(("fields", "is_checked"), [
+    ({}, True),
+    ({"tool_choice": "auto"}, True),
+    ({"response_format": {"type": "text"}}, True),
+    ({"tool_choice": "none"}, False),
+    ({"tool_choice": "required"}, False),
+    ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, False),
+    ({"response_format": {"type": "json_object"}}, False),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}}, False),
+    ({"structured_outputs": {"json_object": True}}, False),
+])
+def test_text_calls_only_at_tool_choice_auto_and_never_when_json_is_asked_for(fields: dict, is_checked: bool) -> None:
+    assert (codec.text_call_check(_chat(tools=[WEATHER_TOOL], **fields)) is not None) is is_checked
+    if "tool_choice" not in fields:
+        assert codec.text_call_check(_chat(**fields)) is None, "no tools, no calls"
+
+
 def test_chat_content_the_model_cannot_take() -> None:
     req = _chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:"}}]}])
     with pytest.raises(errors.InvalidRequest) as caught:

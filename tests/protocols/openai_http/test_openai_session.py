@@ -118,6 +118,55 @@ def test_text_without_a_call_keeps_stop() -> None:
     assert "tool_calls" not in choice["message"]
 
 
+FENCED_CALL = ['```json\n{"name": "get_weather", "argu', 'ments": {"city": "Paris"}}\n``', '`\n']
+
+
+def _text_call_session() -> ResponseSession:
+    def is_declared(name: str, arguments: dict) -> bool:
+        return name == "get_weather" and isinstance(arguments.get("city"), str)
+
+    return ResponseSession(kind=Kind.CHAT, response_id="id-1", created=1, model="m", num_choices=1,
+                           tool_format="hermes", text_calls=is_declared)
+
+
+def test_a_reply_that_is_only_a_fenced_call_streams_as_a_call() -> None:
+    session = _text_call_session()
+    session.start()
+    chunks = []
+    for i, text in enumerate(FENCED_CALL):
+        last = i == len(FENCED_CALL) - 1
+        out = RequestOutput(request_id="r", text=text, finished=last, finish_reason="stop" if last else None)
+        chunks += [json.loads(e.decode().removeprefix("data: ")) for e in session.on_output(0, out)]
+    (chunk,) = chunks  # held until the end: more text could still follow the block
+    assert chunk["choices"][0]["finish_reason"] == "tool_calls"
+    delta = chunk["choices"][0]["delta"]
+    assert delta.get("content") is None
+    (call,) = delta["tool_calls"]
+    assert call["index"] == 0 and call["id"].startswith("call_") and call["type"] == "function"
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+
+
+def test_a_reply_that_is_only_a_fenced_call_in_a_body() -> None:
+    session = _text_call_session()
+    for i, text in enumerate(FENCED_CALL):
+        last = i == len(FENCED_CALL) - 1
+        out = RequestOutput(request_id="r", text=text, finished=last, finish_reason="stop" if last else None)
+        session.on_output(0, out)
+    choice = json.loads(session.body())["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+
+
+def test_a_fenced_call_with_prose_stays_the_answer() -> None:
+    session = _text_call_session()
+    text = "".join(FENCED_CALL) + "I would call that."
+    session.on_output(0, RequestOutput(request_id="r", text=text, finished=True, finish_reason="stop"))
+    choice = json.loads(session.body())["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["message"]["content"] == text
+    assert "tool_calls" not in choice["message"]
+
+
 # -- echo, prompt logprobs and best_of ----------------------------------------------------------
 
 def _prompt_logprobs() -> list[TokenLogprob | None]:

@@ -19,6 +19,15 @@ Formats (``FORMATS``):
 grammar that forces an output to be valid calls of the offered functions, in the same format
 (used for ``tool_choice: required`` and named functions).
 
+Calls written as plain JSON (``accept_text_calls``): some tool models, Qwen2.5-Coder among
+them, answer a question that needs a tool with a reply that is only the call object, fenced
+(```` ```json ````, or ```` ``` ```` alone) or bare, instead of their template's tags. Wrapped
+around any format's parser, ``TextCallParser`` makes such a reply one call when its whole text
+(surrounding whitespace aside) is ``{"name": ..., "arguments": {...}}`` (or ``"parameters"``)
+and an injected check says the name is a declared tool and the arguments are valid for it.
+Anything else is the inner parser's output, unchanged: text exactly as written, tagged calls
+as the format reads them. While the text could still become such a call, it is held back.
+
 Imports only the standard library.
 """
 
@@ -28,7 +37,7 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 FORMATS = ("hermes", "llama3_json")
 """The tool-call formats a parser exists for."""
@@ -87,6 +96,16 @@ def make_parser(fmt: str, call_id_prefix: str) -> ToolCallParser:
     raise ValueError(f"unknown tool-call format {fmt!r}; use one of {', '.join(FORMATS)}")
 
 
+def accept_text_calls(inner: ToolCallParser, is_valid: Callable[[str, dict[str, Any]], bool],
+                      call_id_prefix: str) -> ToolCallParser:
+    """``inner``, also reading a reply that is only a JSON call object as a call (``TextCallParser``).
+
+    ``is_valid(name, arguments)`` says whether ``name`` is a declared tool and ``arguments``
+    (the parsed object) are valid for it; ``call_id_prefix`` is the one ``inner`` was made with.
+    """
+    return TextCallParser(inner, is_valid, call_id_prefix)
+
+
 def call_id(prefix: str, index: int) -> str:
     """A stable, OpenAI-looking id (``call_`` + 24 hex digits) for call ``index`` of a choice."""
     return "call_" + hashlib.sha256(f"{prefix}/{index}".encode()).hexdigest()[:24]
@@ -133,7 +152,8 @@ class _CallScanner:
         return self.name is not None
 
     def feed(self, text: str) -> tuple[list[Delta], str]:
-        """Take text; return the deltas and the text after the object's end (if it ended)."""
+        """Take text; return the deltas and the text after the object's end (if it ended) or
+        after the character that showed it is not an object (``is_broken``)."""
         self.buf += text
         leftover = self._scan()
         deltas: list[Delta] = []
@@ -180,7 +200,11 @@ class _CallScanner:
                 self.is_broken = True  # not an object: nothing here is a call
             i += 1
             if self.depth == 0 and i > 0 and self.is_broken:
-                break
+                # What follows is the caller's to read again (it may hold a call), as it
+                # would be had it come in a later chunk.
+                self.buf, rest = buf[:i], buf[i:]
+                self._scanned = i
+                return rest
         self._scanned = i
         return ""
 
@@ -228,7 +252,7 @@ class _CallScanner:
         """At the object's end: the call (None if it is not a valid call) and any last deltas."""
         try:
             obj = json.loads(self.buf)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than json's stack allows
             return None, []
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return None, []
@@ -296,6 +320,7 @@ class HermesParser(_Base):
     def __init__(self, prefix: str) -> None:
         super().__init__(prefix)
         self._state = "content"
+        self._is_after_call = False  # only whitespace since the last call (or its closing tag)
 
     def feed(self, text: str) -> list[Delta]:
         """Take the next chunk of generated text; return what can be shown now."""
@@ -308,8 +333,11 @@ class HermesParser(_Base):
     def _step(self, out: list[Delta]) -> bool:
         pending = self._pending
         if self._state == "content":
-            if self.calls:  # whitespace between or after calls is layout, not an answer
+            if self._is_after_call and self.calls:
+                # Whitespace between or after calls is layout, not an answer; only that
+                # whitespace: a later chunk of text that starts with a space keeps it.
                 pending = self._pending = pending.lstrip()
+                self._is_after_call = not pending
             at = pending.find(self.OPEN)
             if at >= 0:
                 if pending[:at].strip() or not self.calls:
@@ -329,13 +357,14 @@ class HermesParser(_Base):
             self._pending = ""
             if self._scanner.is_broken:
                 _add_content(out, self.OPEN + self._scanner.buf)
-                self._scanner, self._state = None, "content"
+                self._scanner, self._pending, self._state = None, rest, "content"
                 return bool(rest)
             if not self._scanner.is_done:
                 return False
             if not self._close(self._scanner, out):
                 _add_content(out, self.OPEN + self._scanner.buf)
             self._scanner, self._pending, self._state = None, rest, "after"
+            self._is_after_call = True
             return True
         # after a call: expect the closing tag (whitespace around it is layout)
         stripped = pending.lstrip()
@@ -420,6 +449,223 @@ class Llama3JsonParser(_Base):
             _add_content(out, self._pending)
         self._pending, self._scanner = "", None
         return _merge_content(out)
+
+
+class TextCallParser:
+    """A reply whose whole text is one JSON call object becomes that call; else ``inner``'s output.
+
+    The text is given to ``inner`` as it comes. While what came so far could still be such a
+    reply (whitespace, an opening fence or a prefix of one, an unfinished object, a finished
+    valid call followed only by whitespace or the closing fence), ``inner``'s deltas are held;
+    the moment it cannot, they are all released and the rest passes straight through. A call
+    is made only at ``finish``: until the generation ends, more text may follow the object.
+    A call ``inner`` finds itself (its format's tags) ends the holding too: ``inner`` owns the
+    reply then. ``calls`` is ``inner``'s list, to which the text call is added.
+    """
+
+    def __init__(self, inner: ToolCallParser, is_valid: Callable[[str, dict[str, Any]], bool],
+                 call_id_prefix: str) -> None:
+        self.inner = inner
+        self.calls = inner.calls
+        self._shape = _TextCallShape(is_valid)
+        self._prefix = call_id_prefix
+        self._held: list[Delta] | None = []  # None once the reply cannot be a text call
+
+    def feed(self, text: str) -> list[Delta]:
+        """Take the next chunk of generated text; return what can be shown now."""
+        out = self.inner.feed(text)
+        if self._held is None:
+            return out
+        self._held += out
+        self._shape.feed(text)
+        if self._shape.is_broken or _has_call(out):
+            return self._release()
+        return []
+
+    def finish(self) -> list[Delta]:
+        """The generation ended: the text call, or everything still held back."""
+        out = self.inner.finish()
+        if self._held is None:
+            return out
+        call = self._shape.call()
+        if call is None or _has_call(out) or self.calls:
+            self._held += out
+            return self._release()
+        self._held = None  # what inner made of the text (content) is the call's text: dropped
+        name, arguments = call
+        index = len(self.calls)
+        id_ = call_id(self._prefix, index)
+        self.calls.append(ToolCall(id=id_, name=name, arguments=arguments))
+        return [ToolCallDelta(index, arguments, id=id_, name=name)]
+
+    def _release(self) -> list[Delta]:
+        held, self._held = self._held or [], None
+        return _merge_content(held)
+
+
+def _has_call(deltas: list[Delta]) -> bool:
+    return any(isinstance(d, ToolCallDelta) for d in deltas)
+
+
+_CALL_KEYS = ("name", "arguments", "parameters")
+
+
+class _TextCallShape:
+    """Follows a reply character by character: could it still be one (fenced) JSON call object?
+
+    ``is_broken`` turns true as soon as it cannot (and stays so); ``call`` at the end gives the
+    name and the arguments text of a reply that is one. States, in order: ``lead`` (whitespace),
+    ``ticks`` (the opening fence's backticks), ``info`` (its language: none or ``json``),
+    ``gap`` (whitespace before the object), ``object``, then ``after`` (bare: whitespace) or
+    ``tail`` / ``closing`` / ``done`` (fenced: whitespace, the closing backticks, whitespace).
+    """
+
+    def __init__(self, is_valid: Callable[[str, dict[str, Any]], bool]) -> None:
+        self.is_valid = is_valid
+        self.is_broken = False
+        self.state = "lead"
+        self.is_fenced = False
+        self.ticks = 0
+        self.info = ""
+        self.obj: list[str] = []
+        self.depth = 0
+        self.in_string = False
+        self.escaped = False
+        self.key_start: int | None = None  # where the object's first key starts (-1 once checked)
+        self.found: tuple[str, str] | None = None
+
+    def feed(self, text: str) -> None:
+        """Take the next chunk of the reply."""
+        for ch in text:
+            if self.is_broken:
+                return
+            self.is_broken = not self._step(ch)
+
+    def call(self) -> tuple[str, str] | None:
+        """At the end of the reply: ``(name, arguments text)`` if it is one call, else None."""
+        if self.is_broken:
+            return None
+        if self.state == "after" or self.state == "done" or (self.state == "closing" and self.ticks == 3):
+            return self.found
+        return None
+
+    def _step(self, ch: str) -> bool:
+        state = self.state
+        if state == "object":
+            return self._object_step(ch)
+        if ch.isspace():
+            if state == "ticks":
+                if self.ticks != 3:
+                    return False
+                self.state = "gap"
+            elif state == "info":
+                if self.info.lower() != "json":
+                    return False
+                self.state = "gap"
+            elif state == "closing":
+                if self.ticks != 3:
+                    return False
+                self.state = "done"
+            return True
+        if ch == "`":
+            if state == "lead":
+                self.state, self.is_fenced, self.ticks = "ticks", True, 1
+                return True
+            if state == "tail":
+                self.state, self.ticks = "closing", 1
+                return True
+            if state in ("ticks", "closing"):
+                self.ticks += 1
+                return self.ticks <= 3
+            return False
+        if ch == "{" and (state in ("lead", "gap") or (state == "ticks" and self.ticks == 3)
+                          or (state == "info" and self.info.lower() == "json")):
+            self.state = "object"
+            return self._object_step(ch)
+        if ch.isalpha() and (state == "info" or (state == "ticks" and self.ticks == 3)):
+            self.state, self.info = "info", self.info + ch
+            return "json".startswith(self.info.lower())
+        return False
+
+    def _object_step(self, ch: str) -> bool:
+        self.obj.append(ch)
+        if self.in_string:
+            if self.escaped:
+                self.escaped = False
+            elif ch == "\\":
+                self.escaped = True
+            elif ch == '"':
+                self.in_string = False
+                if self.key_start is not None and self.key_start >= 0:
+                    # A call object starts with one of its keys: anything else (a JSON answer)
+                    # is released now instead of being held until its end.
+                    key = "".join(self.obj[self.key_start:])
+                    self.key_start = -1
+                    return _unescape(key[1:-1]) in _CALL_KEYS
+            return True
+        if self.key_start is None and self.depth == 1 and not ch.isspace() and ch not in '"}':
+            return False  # the first thing in the object is not a key
+        if ch == '"':
+            self.in_string = True
+            if self.key_start is None:
+                self.key_start = len(self.obj) - 1
+        elif ch in "{[":
+            self.depth += 1
+        elif ch in "}]":
+            self.depth -= 1
+            if self.depth == 0:
+                self.found = _call_parts("".join(self.obj), self.is_valid)
+                self.state = "tail" if self.is_fenced else "after"
+                return self.found is not None
+        return True
+
+
+def _call_parts(text: str, is_valid: Callable[[str, dict[str, Any]], bool]) -> tuple[str, str] | None:
+    """``(name, arguments text as written)`` of a JSON call object accepted by ``is_valid``, else None."""
+    try:
+        obj = json.loads(text, parse_constant=_no_constant)
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than json's stack allows
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    spans = _member_spans(text)
+    if len(spans) != 2 or set(spans) not in ({"name", "arguments"}, {"name", "parameters"}):
+        return None  # duplicate or extra keys: not the shape a call is written in
+    key = "arguments" if "arguments" in spans else "parameters"
+    arguments = obj[key]
+    if not isinstance(arguments, dict) or not is_valid(obj["name"], arguments):
+        return None
+    start, end = spans[key]
+    return obj["name"], text[start:end]
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")  # Python's json reads NaN and Infinity; clients would not
+
+
+def _member_spans(text: str) -> dict[str, tuple[int, int]]:
+    """Where each member's value starts and ends in a valid JSON object's text; empty when a
+    key repeats (the object then holds fewer members than were written)."""
+    decoder = json.JSONDecoder()
+    spans: dict[str, tuple[int, int]] = {}
+    num_members = 0
+    i = _skip_space(text, 1)
+    while text[i] != "}":
+        key, i = decoder.raw_decode(text, i)
+        i = _skip_space(text, _skip_space(text, i) + 1)  # past the ':'
+        _, end = decoder.raw_decode(text, i)
+        spans[key] = (i, end)
+        num_members += 1
+        i = _skip_space(text, end)
+        if text[i] == ",":
+            i = _skip_space(text, i + 1)
+    return spans if num_members == len(spans) else {}
+
+
+def _skip_space(text: str, i: int) -> int:
+    while i < len(text) and text[i] in " \t\n\r":  # JSON's whitespace, not Unicode's
+        i += 1
+    return i
 
 
 def _add_content(out: list[Delta], text: str) -> None:

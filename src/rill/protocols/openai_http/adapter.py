@@ -187,6 +187,7 @@ class OpenAIApi:
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
             tool_format=self._tool_format() if kind is Kind.CHAT and codec.parses_tool_calls(req) else None,
             candidates=codec.candidates_per_prompt(req), echo=echo, prompt_logprobs=req.prompt_logprobs,
+            text_calls=codec.text_call_check(req) if kind is Kind.CHAT else None,
         )
         return _Responder(session, streams, is_streaming=bool(req.stream),
                           keepalive_s=self.deps.config.http.sse_keepalive_s)

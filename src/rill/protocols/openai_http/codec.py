@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import msgspec
 
@@ -295,6 +295,81 @@ def _check_tools(req: ChatCompletionRequest) -> None:
 def parses_tool_calls(req: ChatCompletionRequest) -> bool:
     """Whether the output is read for tool calls: tools offered and ``tool_choice`` not ``none``."""
     return bool(req.tools) and req.tool_choice != "none"
+
+
+def text_call_check(req: ChatCompletionRequest) -> Callable[[str, dict[str, Any]], bool] | None:
+    """The check that makes a reply written only as a JSON call object a tool call
+    (``tool_calls.accept_text_calls``), or None when such a reply stays the answer.
+
+    Only at ``tool_choice`` ``auto`` (or unset) with tools offered: ``required`` and a named
+    function are forced into the format's own call syntax by a grammar already. Never when the
+    request shapes the output (``response_format`` other than ``text``, ``structured_outputs``):
+    a client that asked for JSON gets its JSON as the answer. The check passes when the name is
+    an offered function and the arguments are valid for its ``parameters`` (JSON Schema). A
+    function whose schema holds a regular expression (``pattern``, ``patternProperties``) is
+    never matched: ``jsonschema`` runs them with Python's backtracking ``re`` on the event loop,
+    where the client's pattern over the model's text could take minutes.
+    """
+    if not parses_tool_calls(req) or req.tool_choice not in (None, "auto"):
+        return None
+    shaped = req.response_format is not None and req.response_format.get("type", "text") != "text"
+    if shaped or req.structured_outputs is not None:
+        return None
+    functions = (tool["function"] for tool in req.tools or [])
+    return _ArgumentsCheck({fn["name"]: fn.get("parameters") or {"type": "object"} for fn in functions})
+
+
+class _ArgumentsCheck:
+    """``check(name, arguments)``: ``name`` is one of ``schemas`` and ``arguments`` satisfy it.
+
+    A function's validator is built the first time a reply names it, so requests whose
+    replies are prose never pay for ``jsonschema`` (nor its import).
+    """
+
+    def __init__(self, schemas: dict[str, dict[str, Any]]) -> None:
+        self.schemas = schemas
+        self.validators: dict[str, Any] = {}
+
+    def __call__(self, name: str, arguments: dict[str, Any]) -> bool:
+        """True when ``name`` is offered and ``arguments`` are valid for its schema."""
+        if name not in self.schemas:
+            return False
+        if name not in self.validators:
+            self.validators[name] = _validator(self.schemas[name])
+        validator = self.validators[name]
+        try:
+            return validator is not None and bool(validator.is_valid(arguments))
+        except Exception:  # the client's schema: an unknown type, a $ref nowhere to be found, ...
+            return False
+
+
+def _validator(schema: dict[str, Any]) -> Any:
+    """A ``jsonschema`` validator of ``schema``, or None when it is malformed or holds a regex."""
+    if _has_regex(schema):
+        return None
+    import jsonschema
+
+    try:
+        cls = jsonschema.validators.validator_for(schema)
+        cls.check_schema(schema)
+        return cls(schema)
+    except Exception:  # the client's schema: SchemaError, or a "$schema" of the wrong type, ...
+        return None
+
+
+def _has_regex(schema: Any) -> bool:
+    """Whether a schema may hold a regular expression (a key ``pattern`` with a string or
+    ``patternProperties`` with an object anywhere, a property so named included)."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if isinstance(node.get("pattern"), str) or isinstance(node.get("patternProperties"), dict):
+                return True
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return False
 
 
 def _decode(decoder: msgspec.json.Decoder, body: bytes) -> Any:

@@ -25,13 +25,19 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import msgspec
 
 from rill.errors import GenerationError, RillError
 from rill.protocols._shared import sse
-from rill.protocols._shared.tool_calls import ContentDelta, ToolCallDelta, ToolCallParser, make_parser
+from rill.protocols._shared.tool_calls import (
+    ContentDelta,
+    ToolCallDelta,
+    ToolCallParser,
+    accept_text_calls,
+    make_parser,
+)
 from rill.protocols.openai_http import codec
 from rill.protocols.openai_http.messages import (
     ChatChoice,
@@ -106,6 +112,9 @@ class ResponseSession:
         token_text: the text of one token id (for logprobs).
         tool_format: chat only: read each choice's text for tool calls in this format
             (``rill.protocols._shared.tool_calls.FORMATS``); None leaves the text as it is.
+        text_calls: with ``tool_format``: a reply that is only a JSON call object (fenced or
+            bare) becomes a call when this ``(name, arguments) -> bool`` accepts it
+            (``codec.text_call_check``); None leaves such a reply as content.
         candidates: engine requests per prompt (``best_of``; ``n`` when None); the best ``n``
             of each prompt are shown (not streamed).
         echo: completions only: the prompt of each prompt index, put before its completions.
@@ -116,7 +125,8 @@ class ResponseSession:
                  n: int = 1, include_usage: bool = False, logprobs: int | None = None,
                  token_text: Callable[[int], str] = str, tool_format: str | None = None,
                  candidates: int | None = None, echo: list[EchoPrompt] | None = None,
-                 prompt_logprobs: int | None = None) -> None:
+                 prompt_logprobs: int | None = None,
+                 text_calls: Callable[[str, dict[str, Any]], bool] | None = None) -> None:
         self.kind = kind
         self.response_id = response_id
         self.created = created
@@ -131,7 +141,9 @@ class ResponseSession:
         self.choices = [_Choice() for _ in range(num_choices)]
         if tool_format is not None and kind is Kind.CHAT:
             for i, choice in enumerate(self.choices):
-                choice.parser = make_parser(tool_format, f"{response_id}/{i}")
+                prefix = f"{response_id}/{i}"
+                parser = make_parser(tool_format, prefix)
+                choice.parser = parser if text_calls is None else accept_text_calls(parser, text_calls, prefix)
         self.failed: BaseException | None = None
 
     @property
