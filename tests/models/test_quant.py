@@ -11,6 +11,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
+from rill.engine.batch import RowWork
 from rill.engine.runner import TorchModelRunner
 from rill.errors import ModelLoadError
 from rill.models import load_model, qkernel, quant, quant_cache
@@ -121,6 +122,37 @@ def test_the_vnni_kernel_gives_each_row_the_same_result_at_any_batch_size() -> N
     assert torch.equal(weight.linear(x.float()), alone)
 
 
+@pytest.mark.skipif(not qkernel.available(), reason=f"the VNNI kernel does not run here: {qkernel.unavailable_reason()}")
+@pytest.mark.parametrize("bits", (4, 8))
+@pytest.mark.parametrize("rows", (1, 3, 6))
+def test_the_vnni_kernel_applies_a_norm_or_a_swiglu_as_the_unfused_steps_do(bits: int, rows: int) -> None:
+    """``linear_rms`` is ``RMSNorm`` then the product and ``linear_swiglu`` is ``silu(gate) * up``
+    then the product: in float32 the same within rounding of the activations' sums; in bf16
+    within the two roundings to bf16 that the unfused path makes and the fused one skips."""
+    torch.manual_seed(bits * 10 + rows)
+    values = quant.to_int4(torch.randn(40, 96)) if bits == 4 else quant.to_int8(torch.randn(40, 96))
+    for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        weight = qkernel.BlockedWeight(values, dtype)
+        x = (3 * torch.randn(rows, 96)).to(dtype)
+        norm = (torch.rand(96) + 0.5).to(dtype)
+        fused = weight.linear_rms(x, norm, 1e-6).float()
+        unfused = weight.linear(norm * torch.nn.functional.rms_norm(x, (96,), eps=1e-6)).float()
+        assert fused.shape == (rows, 40)
+        assert float((fused - unfused).norm() / unfused.norm()) < tolerance
+        gate_up = (3 * torch.randn(rows, 192)).to(dtype)
+        gate, up = gate_up.chunk(2, dim=-1)
+        fused = weight.linear_swiglu(gate_up).float()
+        unfused = weight.linear(torch.nn.functional.silu(gate) * up).float()
+        assert float((fused - unfused).norm() / unfused.norm()) < tolerance
+    # Large negative and positive gates: SiLU's exponential saturates to 0 and to the identity.
+    weight = qkernel.BlockedWeight(values, torch.float32)
+    gate_up = torch.cat((torch.tensor([[-200.0, -90.0, 90.0, 200.0]]).repeat(rows, 24), torch.ones(rows, 96)), dim=1)
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = weight.linear(torch.nn.functional.silu(gate) * up)
+    assert torch.isfinite(weight.linear_swiglu(gate_up)).all()
+    assert torch.allclose(weight.linear_swiglu(gate_up), expected, rtol=1e-5, atol=1e-3)
+
+
 def _mixed(name: str, tensor: torch.Tensor) -> str:
     # Q4_0 MLPs (int4), Q8_0 attention and embeddings (int8): both kinds, fused q/k/v too.
     return "Q4_0" if ".mlp." in name else "Q8_0"
@@ -148,26 +180,31 @@ def test_a_gguf_keeps_its_quantized_matrices_and_only_them(quantized_files, case
 
 @pytest.mark.parametrize("case", ("llama", "qwen2-tied"))
 def test_quantized_weights_answer_like_the_dense_twin(quantized_files, case: str) -> None:
-    """The same GGUF served quantized (``auto``) and dequantized (``dense``): greedy tokens
-    agree (random-init models have near-ties, so at least 90 % of positions) and each
-    position's logits stay within a few percent of the dense ones."""
+    """The same GGUF served quantized (``auto``) and dequantized (``dense``), teacher-forced on
+    the same 20 prompts: the top token agrees at 90 % of the 480 positions or more (random-init
+    models have near-ties everywhere, so not all), each position's logits stay within a few
+    percent of the dense ones, and a greedy answer starts with the dense answer's token."""
     file = quantized_files[case]
-    prompts = random_prompts([12, 9, 15], vocab_size=200, seed=5)
+    prompts = random_prompts([24] * 20, vocab_size=200, seed=5)
+    logits = {}
+    for weights in ("dense", "auto"):
+        runner = TorchModelRunner(load_model(file, dtype="bfloat16", weights=weights), num_rows=1, max_len=64)
+        logits[weights] = [runner.forward([RowWork(0, p, 0, all_logits=True)]).float() for p in prompts]
+    agree = total = 0
+    for dense, quantized in zip(logits["dense"], logits["auto"]):
+        agree += int((dense.argmax(-1) == quantized.argmax(-1)).sum())
+        total += dense.shape[0]
+        assert float((quantized - dense).abs().max()) < 0.1 * float(dense.abs().max())
+    assert agree / total >= 0.9
+    # Greedy generation through the runner's decode path (cached steps, batch of 3).
     outputs = {}
     for weights in ("dense", "auto"):
         runner = TorchModelRunner(load_model(file, dtype="bfloat16", weights=weights), num_rows=4, max_len=64)
-        sequences = [Sequence(p, row, num_new=16) for row, p in enumerate(prompts)]
+        sequences = [Sequence(p, row, num_new=8) for row, p in enumerate(prompts[:3])]
         run_greedy(runner, sequences)
-        outputs[weights] = sequences
-    agree = total = 0
-    for dense, quantized in zip(outputs["dense"], outputs["auto"]):
-        for a, b in zip(dense.tokens, quantized.tokens):
-            agree, total = agree + (a == b), total + 1
-            if a != b:
-                break  # later tokens follow different contexts
-        first_dense, first_quant = dense.logprobs[0], quantized.logprobs[0]
-        assert float((first_quant - first_dense).abs().max()) < 0.1 * float(first_dense.abs().max())
-    assert agree / total >= 0.9
+        outputs[weights] = [s.tokens for s in sequences]
+    firsts = [(a[0], b[0]) for a, b in zip(outputs["dense"], outputs["auto"])]
+    assert sum(a == b for a, b in firsts) >= 2, firsts
 
 
 def test_quantized_weights_take_half_the_dense_memory_or_less_and_are_the_only_copy(quantized_files) -> None:

@@ -56,6 +56,13 @@ def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), eps=eps)
 
 
+def _norm_then(norm: RMSNorm, proj: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``proj(norm(x))``; one kernel call when ``proj`` holds quantized weights (``packed.normed_linear``)."""
+    if isinstance(proj, quant.QuantizedLinear):
+        return packed.normed_linear(x, norm.weight, norm.eps, proj.weight, proj.bias)  # type: ignore[arg-type]
+    return proj(norm(x))
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm attention + SwiGLU MLP block with fused projections."""
 
@@ -82,7 +89,7 @@ class DecoderLayer(nn.Module):
         Returns ``q [..., heads, hd]``, ``k`` and ``v [..., kv_heads, hd]``; ``cos/sin`` broadcast
         as ``[..., 1, hd]``.
         """
-        qkv = self.qkv(self.input_norm(x))
+        qkv = _norm_then(self.input_norm, self.qkv, x)
         num_qk = self.num_heads + self.num_kv_heads
         qk = qkv[..., : num_qk * self.head_dim].unflatten(-1, (num_qk, self.head_dim))
         v = qkv[..., num_qk * self.head_dim :].unflatten(-1, (self.num_kv_heads, self.head_dim))
@@ -97,7 +104,10 @@ class DecoderLayer(nn.Module):
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         """Post-attention norm + SwiGLU MLP (without the residual)."""
-        gate, up = self.gate_up(self.post_norm(x)).chunk(2, dim=-1)
+        gate_up = _norm_then(self.post_norm, self.gate_up, x)
+        if isinstance(self.down, quant.QuantizedLinear):
+            return packed.swiglu_linear(gate_up, self.down.weight, self.down.bias)  # type: ignore[arg-type]
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down(F.silu(gate) * up)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -197,7 +207,7 @@ class LlamaModel(nn.Module):
             if not batch.logits_index.numel():
                 return x.new_empty((0, self.config.vocab_size), dtype=torch.float32)
             x = x.index_select(0, batch.logits_index)
-        return packed.linear(self.norm(x), self.lm_weight()).float()
+        return packed.normed_linear(x, self.norm.weight, self.norm.eps, self.lm_weight()).float()
 
     def to_hf_state_dict(self) -> dict[str, torch.Tensor]:
         """Return the weights under Hugging Face names (projections unfused), sharing no storage."""

@@ -26,7 +26,10 @@ not (serving never trains).
 
 ``pack_linears(model)`` packs every ``nn.Linear`` of a model plus its LM head where the
 device and dtype allow; ``linear(x, weight)`` is ``F.linear`` that uses a weight's packed copy
-when it has one. Imports torch only.
+when it has one. ``normed_linear`` (an RMS norm, then a projection) and ``swiglu_linear``
+(SiLU-gated product, then a projection) let a quantized weight's kernel do the step before it
+while reading its activations: on Qwen2.5-Coder-1.5B that removed 85 small operations from
+each decode step. Imports torch only.
 """
 
 from __future__ import annotations
@@ -63,6 +66,32 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if packed is None or (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad)):
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def normed_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``linear(norm_weight * rms_norm(x), weight, bias)``: an RMS norm and the projection after it.
+
+    A quantized weight whose kernel can apply the norm as it reads the activations
+    (``linear_rms``) does it in one call; any other weight gets the norm as ``RMSNorm`` modules
+    compute it, then ``linear``.
+    """
+    fused = getattr(weight, "linear_rms", None)
+    if fused is not None:
+        out = fused(x, norm_weight, eps)
+        return out if bias is None else out + bias
+    return linear(norm_weight * F.rms_norm(x, (x.shape[-1],), eps=eps), weight, bias)
+
+
+def swiglu_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``linear(silu(gate) * up, weight, bias)`` for ``gate_up [..., 2K]`` (gate first), in one
+    kernel call where the weight's kernel can (``linear_swiglu``)."""
+    fused = getattr(weight, "linear_swiglu", None)
+    if fused is not None:
+        out = fused(gate_up)
+        return out if bias is None else out + bias
+    gate, up = gate_up.chunk(2, dim=-1)
+    return linear(F.silu(gate) * up, weight, bias)
 
 
 def pack_weight(weight: torch.Tensor, release: bool = False) -> int:

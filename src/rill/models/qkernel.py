@@ -41,7 +41,7 @@ log = logging.getLogger("rill.models")
 
 SOURCE = Path(__file__).with_name("kernels") / "qgemm.c"
 CFLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni",
-          "-mf16c", "-mfma")
+          "-mf16c", "-mfma", "-fno-math-errno")
 REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma")
 """/proc/cpuinfo flags the kernel needs."""
 
@@ -103,7 +103,8 @@ def _load() -> ctypes.CDLL | None:
         library.rill_quantize_rows.restype = None
         library.rill_qgemm.argtypes = (ctypes.c_int, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, i64, ptr)
         library.rill_qgemm.restype = None
-        library.rill_linear.argtypes = (ctypes.c_int, ptr, ptr, ptr, i64, i64, ptr, ctypes.c_int, i64, ptr)
+        library.rill_linear.argtypes = (ctypes.c_int, ptr, ptr, ptr, i64, i64, ptr, ctypes.c_int, i64, ptr,
+                                        ctypes.c_int, ptr, ctypes.c_float)
         library.rill_linear.restype = ctypes.c_int
         _library = library
         return library
@@ -121,13 +122,20 @@ def _build() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
-        result = subprocess.run([compiler, *CFLAGS, str(SOURCE), "-o", str(built)],
+        result = subprocess.run([compiler, *CFLAGS, str(SOURCE), "-o", str(built), "-lm"],
                                 capture_output=True, text=True, timeout=120)
         if result.returncode != 0:
             raise RuntimeError(result.stderr.strip()[-500:] or f"{compiler} exited {result.returncode}")
         os.replace(built, target)  # atomic: a concurrent start sees the whole file or none
     log.info("quantized kernel compiled into %s", target)
     return target
+
+
+_PRE_NONE, _PRE_RMS, _PRE_SWIGLU = 0, 1, 2
+"""What the kernel does to activations before rounding them (``PRE_*`` in the C file)."""
+
+_NORM_F32 = "_rill_norm_f32"
+"""Attribute of a norm's weight that holds its float32 copy for ``linear_rms``."""
 
 
 def _ptr(tensor: torch.Tensor) -> int:
@@ -189,10 +197,28 @@ class BlockedWeight(QuantWeight):
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., K] @ w.T`` → ``[..., N]`` in ``x``'s dtype."""
+        return self._call(x, self.shape[1], _PRE_NONE)
+
+    def linear_rms(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """``(norm_weight * rms_norm(x, eps)) @ w.T`` in one call: the norm is applied to the
+        activations as the kernel rounds them, so the normalised rows are never written out
+        (in float32, where the module path rounds them to the model dtype twice)."""
+        norm = getattr(norm_weight, _NORM_F32, None)
+        if norm is None or norm.shape != norm_weight.shape:
+            norm = norm_weight.detach().to(torch.float32).contiguous()
+            setattr(norm_weight, _NORM_F32, norm)  # once per norm: a step makes no conversion
+        return self._call(x, self.shape[1], _PRE_RMS, norm, eps)
+
+    def linear_swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``(silu(gate) * up) @ w.T`` for ``gate_up [..., 2K]`` (gate first), in one call."""
+        return self._call(gate_up, 2 * self.shape[1], _PRE_SWIGLU)
+
+    def _call(self, x: torch.Tensor, width: int, pre: int, norm: torch.Tensor | None = None,
+              eps: float = 0.0) -> torch.Tensor:
         library = _load()
         assert library is not None, "BlockedWeight is built only where the kernel runs"
         rows, cols = self.shape
-        flat = x.reshape(-1, cols)
+        flat = x.reshape(-1, width)
         if flat.dtype not in (torch.bfloat16, torch.float32) or not flat.is_contiguous():
             flat = flat.to(torch.float32).contiguous()
         m = flat.shape[0]
@@ -200,8 +226,9 @@ class BlockedWeight(QuantWeight):
         if m == 0:  # malloc(0) may give NULL: nothing to compute anyway
             return y.view(*x.shape[:-1], rows).to(x.dtype)
         # One call per product (~40 us of Python per call was ~10 % of a 1.5B decode step).
-        status = library.rill_linear(self.bits, _ptr(self.packed), _ptr(self.scales), _ptr(self.offsets), rows, cols, _ptr(flat),
-                                     int(flat.dtype == torch.bfloat16), m, _ptr(y))
+        status = library.rill_linear(self.bits, _ptr(self.packed), _ptr(self.scales), _ptr(self.offsets), rows, cols,
+                                     _ptr(flat), int(flat.dtype == torch.bfloat16), m, _ptr(y), pre,
+                                     None if norm is None else _ptr(norm), eps)
         if status != 0:
             raise MemoryError(f"the quantized kernel could not allocate scratch for {m} x {cols} activations")
         out = y.view(*x.shape[:-1], rows)

@@ -16,6 +16,7 @@
  * Blocks are consecutive; rows past N in the last block are zero and never stored.
  */
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -28,24 +29,73 @@ static inline __m512 load_bf16(const uint16_t *p)
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
-/* Round each row of x [M, K] (float32, or bfloat16 when x_bf16) to int8 per group of 32:
- * xq [M, K], dx [M, K/32] the scale, dsx [M, K/32] the scale times the sum of the group's
- * int8 values. */
-static void quantize_rows(const void *x, int x_bf16, int64_t M, int64_t K, int8_t *xq, float *dx, float *dsx)
+/* e^x for float lanes (|error| < 2 ulp over the range SiLU needs): x = n ln2 + r, |r| <= ln2/2,
+ * e^r by a degree-6 polynomial, times 2^n by VSCALEFPS (which saturates to 0 and inf). */
+static inline __m512 exp_ps(__m512 x)
+{
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-103.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline __m512 load_ps(const void *x, int x_bf16, int64_t at)
+{
+    return x_bf16 ? load_bf16((const uint16_t *)x + at) : _mm512_loadu_ps((const float *)x + at);
+}
+
+/* What is done to each row of x before it is rounded (PRE_*):
+ *   PRE_NONE:   x [M, K] as it is;
+ *   PRE_RMS:    x [M, K] times 1/sqrt(mean(x^2) + eps), times norm [K] (float32): an RMS norm,
+ *               so the normalised rows are never written out;
+ *   PRE_SWIGLU: x [M, 2K] holds gate and up halves; silu(gate) * up. */
+enum { PRE_NONE = 0, PRE_RMS = 1, PRE_SWIGLU = 2 };
+
+/* Round each (prepared) row of x to int8 per group of 32: xq [M, K], dx [M, K/32] the scale,
+ * dsx [M, K/32] the scale times the sum of the group's int8 values. x is float32, or bfloat16
+ * when x_bf16. Returns 0, or -1 when scratch could not be had. */
+static int quantize_rows(const void *x, int x_bf16, int64_t M, int64_t K, int8_t *xq, float *dx, float *dsx,
+                         int pre, const float *norm, float eps)
 {
     const int64_t G = K / GROUP;
+    const int64_t stride = pre == PRE_SWIGLU ? 2 * K : K;
+    float *inv_rms = NULL;
+    if (pre == PRE_RMS) {
+        inv_rms = malloc((size_t)M * sizeof(float));
+        if (inv_rms == NULL) return -1;
+#pragma omp parallel for schedule(static) if (M * K >= 65536)
+        for (int64_t m = 0; m < M; m++) {
+            __m512 ss = _mm512_setzero_ps();
+            for (int64_t k = 0; k < K; k += 16) {
+                const __m512 v = load_ps(x, x_bf16, m * K + k);
+                ss = _mm512_fmadd_ps(v, v, ss);
+            }
+            inv_rms[m] = 1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)K + eps);
+        }
+    }
 #pragma omp parallel for schedule(static) if (M * K >= 65536)
     for (int64_t mg = 0; mg < M * G; mg++) {
         const int64_t m = mg / G, g = mg % G;
-        __m512 a, b;
-        if (x_bf16) {
-            const uint16_t *p = (const uint16_t *)x + m * K + g * GROUP;
-            a = load_bf16(p);
-            b = load_bf16(p + 16);
-        } else {
-            const float *p = (const float *)x + m * K + g * GROUP;
-            a = _mm512_loadu_ps(p);
-            b = _mm512_loadu_ps(p + 16);
+        const int64_t at = m * stride + g * GROUP;
+        __m512 a = load_ps(x, x_bf16, at), b = load_ps(x, x_bf16, at + 16);
+        if (pre == PRE_RMS) {
+            const __m512 r = _mm512_set1_ps(inv_rms[m]);
+            a = _mm512_mul_ps(_mm512_mul_ps(a, r), _mm512_loadu_ps(norm + g * GROUP));
+            b = _mm512_mul_ps(_mm512_mul_ps(b, r), _mm512_loadu_ps(norm + g * GROUP + 16));
+        } else if (pre == PRE_SWIGLU) {
+            const __m512 one = _mm512_set1_ps(1.0f);
+            const __m512 ua = load_ps(x, x_bf16, at + K), ub = load_ps(x, x_bf16, at + K + 16);
+            a = _mm512_mul_ps(_mm512_div_ps(a, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), a)))), ua);
+            b = _mm512_mul_ps(_mm512_div_ps(b, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), b)))), ub);
         }
         float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
         float d = amax / 127.0f;
@@ -58,6 +108,8 @@ static void quantize_rows(const void *x, int x_bf16, int64_t M, int64_t K, int8_
         dx[mg] = d;
         dsx[mg] = d * (float)sum;
     }
+    free(inv_rms);
+    return 0;
 }
 
 static inline __m512i bcast4(const int8_t *p)
@@ -124,7 +176,7 @@ DEFINE_BLOCK(4)
 /* Kept for tests: rill_quantize_rows on float32 rows. */
 void rill_quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, float *dx, float *dsx)
 {
-    quantize_rows(x, 0, M, K, xq, dx, dsx);
+    (void)quantize_rows(x, 0, M, K, xq, dx, dsx, PRE_NONE, NULL, 0.0f);
 }
 
 /* y [M, N] float32 = dequantized activations (xq, dx, dsx from rill_quantize_rows) times the
@@ -150,11 +202,12 @@ void rill_qgemm(int bits, const uint8_t *w, const uint16_t *s, const uint16_t *z
     }
 }
 
-/* y [M, N] = x [M, K] @ w^T in one call: x and y float32, or both bfloat16 when x_bf16 (y
- * rounded to nearest even). Scratch for the rounded activations comes from malloc; returns
- * 0, or -1 when it could not be had (y untouched). */
+/* y [M, N] = pre(x) [M, K] @ w^T in one call: x and y float32, or both bfloat16 when x_bf16
+ * (y rounded to nearest even); pre, norm and eps as quantize_rows takes them (x is [M, 2K]
+ * for PRE_SWIGLU). Scratch for the rounded activations comes from malloc; returns 0, or -1
+ * when it could not be had (y untouched). */
 int rill_linear(int bits, const uint8_t *w, const uint16_t *s, const uint16_t *z, int64_t N, int64_t K,
-                const void *x, int x_bf16, int64_t M, void *y)
+                const void *x, int x_bf16, int64_t M, void *y, int pre, const float *norm, float eps)
 {
     const int64_t G = K / GROUP;
     int8_t *xq = malloc((size_t)(M * K));
@@ -162,8 +215,7 @@ int rill_linear(int bits, const uint8_t *w, const uint16_t *s, const uint16_t *z
     float *dsx = malloc((size_t)(M * G) * sizeof(float));
     float *yf = x_bf16 ? malloc((size_t)(M * N) * sizeof(float)) : (float *)y;
     int status = -1;
-    if (xq && dx && dsx && yf) {
-        quantize_rows(x, x_bf16, M, K, xq, dx, dsx);
+    if (xq && dx && dsx && yf && quantize_rows(x, x_bf16, M, K, xq, dx, dsx, pre, norm, eps) == 0) {
         rill_qgemm(bits, w, s, z, N, K, xq, dx, dsx, M, yf);
         if (x_bf16) {
             uint16_t *yb = (uint16_t *)y;
