@@ -80,11 +80,13 @@ class StepBatch:
 
 
 def write_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: StepBatch
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: StepBatch, first: int = 0
 ) -> None:
-    """Store the step's keys/values ``[N, kv_heads, head_dim]`` at (row, position) in the caches."""
-    k_cache[batch.write_rows, :, batch.positions] = k
-    v_cache[batch.write_rows, :, batch.positions] = v
+    """Store keys/values ``[N - first, kv_heads, head_dim]`` of the step's tokens ``first..N-1``
+    at (row, position) in the caches."""
+    rows, positions = batch.write_rows[first:], batch.positions[first:]
+    k_cache[rows, :, positions] = k
+    v_cache[rows, :, positions] = v
 
 
 def cached_attention(
@@ -116,7 +118,7 @@ def cached_attention(
             out_d = _decode_attention_bmm(q_d, keys, values, mask, scale)
         outputs.append(out_d.reshape(num_decode, num_heads * head_dim))
     if batch.prefill is not None:
-        outputs.append(_prefill_attention(q[num_decode:], k_cache, v_cache, batch.prefill, window, scale))
+        outputs.append(prefill_attention(q[num_decode:], k_cache, v_cache, batch.prefill, window, scale))
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
 
@@ -145,11 +147,12 @@ def _decode_attention_bmm(
     return torch.bmm(probs, flat_values).view(rows, num_kv_heads, group, head_dim)
 
 
-def _prefill_attention(
+def prefill_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: PrefillLayout, window: int | None,
     scale: float | None = None,
 ) -> torch.Tensor:
-    # q: [N_p, heads, head_dim] packed prefill queries.
+    """Attend the prefill chunks' queries ``[N_p, heads, head_dim]`` (the step's tokens after
+    its decode rows, keys already written) over the caches; return ``[N_p, heads * head_dim]``."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads

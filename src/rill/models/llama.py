@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from rill.errors import ModelLoadError
-from rill.models import packed, quant
-from rill.models.attention import StepBatch, cached_attention, write_kv
+from rill.models import packed, qkernel, quant
+from rill.models.attention import StepBatch, cached_attention, prefill_attention, write_kv
 from rill.models.config import ModelConfig, parse_llama_config
 from rill.models.gguf_loader import metadata_value, rename_tensor, shape_of
 from rill.models.registry import ModelFamily
@@ -89,7 +89,11 @@ class DecoderLayer(nn.Module):
         Returns ``q [..., heads, hd]``, ``k`` and ``v [..., kv_heads, hd]``; ``cos/sin`` broadcast
         as ``[..., 1, hd]``.
         """
-        qkv = _norm_then(self.input_norm, self.qkv, x)
+        return self._split(_norm_then(self.input_norm, self.qkv, x), cos, sin)
+
+    def _split(
+        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         num_qk = self.num_heads + self.num_kv_heads
         qk = qkv[..., : num_qk * self.head_dim].unflatten(-1, (num_qk, self.head_dim))
         v = qkv[..., num_qk * self.head_dim :].unflatten(-1, (self.num_kv_heads, self.head_dim))
@@ -127,8 +131,27 @@ class DecoderLayer(nn.Module):
     def forward_step(
         self, x: torch.Tensor, batch: StepBatch, k_cache: torch.Tensor, v_cache: torch.Tensor
     ) -> torch.Tensor:
-        """Cached block on packed tokens ``x [N, hidden]`` (see ``rill.models.attention``)."""
-        q, k, v = self.project(x, batch.cos, batch.sin)  # [N, heads, hd]
+        """Cached block on packed tokens ``x [N, hidden]`` (see ``rill.models.attention``).
+
+        With quantized projections the decode rows' RoPE, cache writes and attention are one
+        kernel call (``qkernel.decode_attention``); prefill chunks, and every model whose
+        projections are dense (bit-for-bit with transformers), take the torch path.
+        """
+        if batch.num_decode and self.q_norm is None and isinstance(self.qkv, quant.QuantizedLinear):
+            qkv = _norm_then(self.input_norm, self.qkv, x)
+            decode = batch.num_decode
+            attn = qkernel.decode_attention(qkv[:decode], batch.cos[:decode], batch.sin[:decode],
+                                            batch.positions[:decode], k_cache, v_cache, self.num_heads, self.window)
+            if attn is not None:
+                if batch.prefill is not None:
+                    q, k, v = self._split(qkv[decode:], batch.cos[decode:], batch.sin[decode:])
+                    write_kv(k_cache, v_cache, k, v, batch, first=decode)
+                    attn = torch.cat((attn, prefill_attention(q, k_cache, v_cache, batch.prefill, self.window)))
+                x = x + self.o_proj(attn)
+                return x + self.mlp(x)
+            q, k, v = self._split(qkv, batch.cos, batch.sin)
+        else:
+            q, k, v = self.project(x, batch.cos, batch.sin)  # [N, heads, hd]
         write_kv(k_cache, v_cache, k, v, batch)
         x = x + self.o_proj(cached_attention(q, k_cache, v_cache, batch, self.window))
         return x + self.mlp(x)

@@ -39,9 +39,11 @@ from rill.models.quant import GROUP_SIZE, Int4Values, Int8Values, QuantWeight
 
 log = logging.getLogger("rill.models")
 
-SOURCE = Path(__file__).with_name("kernels") / "qgemm.c"
+KERNELS = Path(__file__).with_name("kernels")
+SOURCES = (KERNELS / "qgemm.c", KERNELS / "attention.c")
+HEADERS = (KERNELS / "simd.h",)
 CFLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni",
-          "-mf16c", "-mfma", "-fno-math-errno")
+          "-mf16c", "-mfma", "-fno-math-errno", "-ffp-contract=off")
 REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma")
 """/proc/cpuinfo flags the kernel needs."""
 
@@ -106,12 +108,15 @@ def _load() -> ctypes.CDLL | None:
         library.rill_linear.argtypes = (ctypes.c_int, ptr, ptr, ptr, i64, i64, ptr, ctypes.c_int, i64, ptr,
                                         ctypes.c_int, ptr, ctypes.c_float)
         library.rill_linear.restype = ctypes.c_int
+        library.rill_decode_attention.argtypes = (ptr, ctypes.c_int, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr,
+                                                  i64, i64, ctypes.c_float, ptr)
+        library.rill_decode_attention.restype = ctypes.c_int
         _library = library
         return library
 
 
 def _build() -> Path:
-    source = SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
     digest = hashlib.sha256(source + " ".join(CFLAGS).encode()).hexdigest()[:16]
     target = cache_dir() / f"qgemm-{digest}.so"
     if target.is_file():
@@ -122,7 +127,7 @@ def _build() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
-        result = subprocess.run([compiler, *CFLAGS, str(SOURCE), "-o", str(built), "-lm"],
+        result = subprocess.run([compiler, *CFLAGS, *map(str, SOURCES), "-o", str(built), "-lm"],
                                 capture_output=True, text=True, timeout=120)
         if result.returncode != 0:
             raise RuntimeError(result.stderr.strip()[-500:] or f"{compiler} exited {result.returncode}")
@@ -233,3 +238,33 @@ class BlockedWeight(QuantWeight):
             raise MemoryError(f"the quantized kernel could not allocate scratch for {m} x {cols} activations")
         out = y.view(*x.shape[:-1], rows)
         return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
+def decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, window: int | None,
+                     scale: float | None = None) -> torch.Tensor | None:
+    """One decode step of attention for rows ``0..B-1`` in one call (``kernels/attention.c``):
+    RoPE on the query and key heads of ``qkv [B, (H + 2 KVH) * D]``, the keys and values written
+    at ``positions [B]`` of the caches ``[rows, KVH, max_len, D]``, and attention over each
+    row's keys up to its position (the last ``window`` of them with a sliding window).
+
+    Returns ``[B, H * D]`` in ``qkv``'s dtype, or None where the kernel does not apply (no
+    kernel here, another dtype or layout, a head size that is not a multiple of 32): the
+    caller then takes the torch path, which computes the same thing.
+    """
+    library = _load()
+    rows, kv_heads, max_len, head_dim = k_cache.shape
+    batch = qkv.shape[0]
+    if (library is None or qkv.dtype not in (torch.bfloat16, torch.float32) or head_dim % 32 or head_dim > 256
+            or not all(t.dtype == qkv.dtype and t.is_contiguous() for t in (qkv, k_cache, v_cache))
+            or qkv.device.type != "cpu" or batch > rows or num_heads % kv_heads
+            or qkv.shape[1] != (num_heads + 2 * kv_heads) * head_dim):
+        return None
+    cos, sin = cos.reshape(batch, head_dim).contiguous(), sin.reshape(batch, head_dim).contiguous()
+    positions = positions.to(torch.int64).contiguous()
+    out = torch.empty((batch, num_heads * head_dim), dtype=qkv.dtype)
+    status = library.rill_decode_attention(
+        _ptr(qkv), int(qkv.dtype == torch.bfloat16), batch, num_heads, kv_heads, head_dim, _ptr(cos), _ptr(sin),
+        _ptr(positions), _ptr(k_cache), _ptr(v_cache), max_len, window or 0,
+        head_dim ** -0.5 if scale is None else scale, _ptr(out))
+    return out if status == 0 else None
