@@ -56,6 +56,44 @@ def test_q4_blocks_become_the_same_values_as_int4(kind: str) -> None:
     assert reference.abs().max() > 0
 
 
+def test_q6_k_blocks_become_the_same_values_as_int6() -> None:
+    """Q6_K is kept as it is: 6-bit values, an int8 scale per 16 and an fp16 scale per 256,
+    dequantizing to exactly what ``gguf`` gives; without rill's kernel it packs as int8."""
+    rows, cols = 20, 512
+    raw = _blocks("Q6_K", rows, cols, seed=4)
+    values = quant.gguf_int6(raw, (rows, cols))
+    assert values.q.dtype == torch.uint8 and int(values.q.max()) <= 63 and int(values.q.max()) > 15
+    assert values.sub.shape == (rows, cols // 16) and values.d.shape == (rows, cols // 256)
+    reference = _dequantized(raw, "Q6_K")
+    assert torch.equal(values.dequantize(), reference) and reference.abs().max() > 0
+    fused = quant.cat([values, values])  # gate/up of one kind stay that kind
+    assert isinstance(fused, quant.Int6Values) and torch.equal(fused.dequantize()[rows:], reference)
+    mixed = quant.cat([quant.gguf_int4(_blocks("Q4_K", 16, cols, seed=5), "Q4_K", (16, cols)), values])
+    assert isinstance(mixed, quant.Int8Values)  # q/k of Q4_K beside a Q6_K v: all int8
+    assert isinstance(quant.pack(values, torch.float32, "cpu"), (quant.Int8Weight, qkernel.BlockedWeight))
+
+
+@pytest.mark.skipif(not qkernel.available(), reason=f"the VNNI kernel does not run here: {qkernel.unavailable_reason()}")
+@pytest.mark.parametrize("rows", (1, 2, 4, 5, 9))
+def test_the_vnni_kernel_multiplies_six_bit_weights_like_their_dequantized_matrix(rows: int) -> None:
+    """6-bit weights in rill's kernel: within 1 % of the product with the dequantized matrix
+    at any batch (the activations are rounded to int8 per 32), 0.82 bytes a weight, and each
+    row the same alone as in a batch. N = 40 leaves a partial block of 16 output rows."""
+    values = quant.gguf_int6(_blocks("Q6_K", 40, 768, seed=rows), (40, 768))
+    weight = qkernel.BlockedWeight(values, torch.bfloat16)
+    assert weight.kind == "int6" and weight.bits == 6
+    stored = sum(b.numel() * b.element_size() for b in weight.buffers())
+    assert stored <= 48 * 768 * (6.5625 / 8)  # 48 rows: three whole blocks of 16
+    x = torch.randn(rows, 768)
+    got = weight.linear(x.bfloat16()).float()
+    expected = x @ values.dequantize().t()
+    assert float((got - expected).norm() / expected.norm()) < 0.01
+    alone = torch.cat([weight.linear(x[i:i + 1]) for i in range(rows)])
+    assert torch.equal(weight.linear(x), alone)
+    with pytest.raises(ValueError, match="256"):
+        qkernel.BlockedWeight(quant.Int6Values(values.q[:, :96], values.sub[:, :6], values.d[:, :1]), torch.bfloat16)
+
+
 @pytest.mark.parametrize("kind", ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0"))
 def test_other_types_become_int8_within_half_a_step(kind: str) -> None:
     """int8 with a scale per 32 inputs: every value within half its group's step, and the
@@ -358,3 +396,35 @@ def test_a_quantized_model_decodes_through_the_attention_kernel_like_the_torch_p
         for a, b in zip(fused.logprobs[:first + 1], plain.logprobs[:first + 1]):
             assert float((a - b).abs().max()) < 0.05 * float(b.abs().max())
     assert agree / total >= 0.8
+
+
+def _with_q6_k(name: str, tensor: torch.Tensor) -> str:
+    # Q6_K where Q4_K_M files put it (down projections, the LM head), Q4_0 elsewhere.
+    return "Q6_K" if name.endswith(("down_proj.weight", "lm_head.weight")) else "Q4_0"
+
+
+def test_a_gguf_with_q6_k_tensors_serves_them_as_six_bit_weights_like_its_dense_twin(tmp_path) -> None:
+    """Q6_K down projections and LM head stay 6-bit (with the kernel; int8 without) and the
+    model answers like the same file dequantized: top token at 90 % of teacher-forced
+    positions or more, logits within a few percent."""
+    from rill.testing.checkpoints import make_checkpoint
+
+    folder = make_checkpoint(tmp_path / "q6", arch="qwen2", hidden_size=256, intermediate_size=512, num_heads=8,
+                             num_kv_heads=2)
+    file = write_gguf(folder, tmp_path / "q6.gguf", _with_q6_k)
+    tensors = read_gguf(file).tensors(torch.bfloat16, weights="auto")
+    assert isinstance(tensors["model.layers.0.mlp.down_proj.weight"], quant.Int6Values)
+    quantized = load_model(file, dtype="bfloat16", weights="auto")
+    assert quantized.weights == ("int4+int6" if qkernel.available() else "int4+int8")
+    prompts = random_prompts([24] * 10, vocab_size=200, seed=8)
+    logits = {}
+    for weights, loaded in (("dense", load_model(file, dtype="bfloat16", weights="dense")), ("auto", quantized)):
+        runner = TorchModelRunner(loaded, num_rows=1, max_len=64)
+        logits[weights] = [runner.forward([RowWork(0, p, 0, all_logits=True)]).float() for p in prompts]
+    agree = sum(int((a.argmax(-1) == b.argmax(-1)).sum()) for a, b in zip(logits["dense"], logits["auto"]))
+    assert agree / (10 * 24) >= 0.9
+    for dense, quant_logits in zip(logits["dense"], logits["auto"]):
+        assert float((quant_logits - dense).abs().max()) < 0.1 * float(dense.abs().max())
+    # The second load comes from the packed-model cache: the same weights, the same logits.
+    again = TorchModelRunner(load_model(file, dtype="bfloat16", weights="auto"), num_rows=1, max_len=64)
+    assert torch.equal(again.forward([RowWork(0, prompts[0], 0, all_logits=True)]).float(), logits["auto"][0])

@@ -169,6 +169,9 @@ class GGUFCheckpoint:
                 exact = quant.gguf_int4(tensor.data, kind, shape)
                 yield tensor.name, quant.to_int8(exact) if weights == "int8" else exact
                 continue
+            if is_matrix and kind == "Q6_K" and weights == "auto" and shape[1] % 256 == 0:
+                yield tensor.name, quant.gguf_int6(tensor.data, shape)  # kept 6-bit where rill's kernel runs
+                continue
             # dequantize() gives float32 in the Hugging Face [out, in] layout; copy off the mmap.
             values = np.array(quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32, copy=True)
             if is_matrix and (weights in ("int4", "int8") or (weights == "auto" and kind not in _DENSE_TYPES)):

@@ -14,8 +14,9 @@ the OpenMP runtime torch has already loaded, so its threads are torch's. Where t
 AVX-512 VNNI, no compiler is found or the build fails, ``available()`` is False (with the
 reason in ``unavailable_reason()``) and rill uses torch's kernels.
 
-``BlockedWeight`` holds a weight in the kernel's layout (documented in the C file) with fp16
-scales and offsets: 4-bit values cost 0.625 bytes a weight, 8-bit values 1.125.
+``BlockedWeight`` holds a weight in the kernel's layout (documented in the C file): 4-bit
+values with fp16 scales and offsets cost 0.625 bytes a weight, 8-bit values 1.125, and a
+GGUF Q6_K tensor's own 6-bit values 0.82 (what the file holds), where int8 took 1.125.
 
 Imports torch and ``rill.models.quant``.
 """
@@ -35,7 +36,7 @@ from typing import Any
 
 import torch
 
-from rill.models.quant import GROUP_SIZE, Int4Values, Int8Values, QuantWeight
+from rill.models.quant import GROUP_SIZE, Int4Values, Int6Values, Int8Values, QuantWeight
 
 log = logging.getLogger("rill.models")
 
@@ -101,10 +102,6 @@ def _load() -> ctypes.CDLL | None:
             log.warning("quantized kernel: %s; using torch's kernels", _reason)
             return None
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        library.rill_quantize_rows.argtypes = (ptr, i64, i64, ptr, ptr, ptr)
-        library.rill_quantize_rows.restype = None
-        library.rill_qgemm.argtypes = (ctypes.c_int, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, i64, ptr)
-        library.rill_qgemm.restype = None
         library.rill_linear.argtypes = (ctypes.c_int, ptr, ptr, ptr, i64, i64, ptr, ctypes.c_int, i64, ptr,
                                         ctypes.c_int, ptr, ctypes.c_float)
         library.rill_linear.restype = ctypes.c_int
@@ -147,20 +144,46 @@ def _ptr(tensor: torch.Tensor) -> int:
     return tensor.data_ptr()
 
 
-class BlockedWeight(QuantWeight):
-    """A weight in the VNNI kernel's layout: 4-bit (``int4``) or 8-bit (``int8``) values,
-    fp16 scales and offsets per 16 rows and 32 inputs."""
+_KINDS = {4: "int4", 6: "int6", 8: "int8"}
 
-    def __init__(self, values: Int4Values | Int8Values, dtype: torch.dtype) -> None:
+
+class BlockedWeight(QuantWeight):
+    """A weight in the VNNI kernel's layout (documented in ``kernels/qgemm.c``): 4-bit
+    (``int4``) or 8-bit (``int8``) values with fp16 scales and offsets per 16 rows and 32
+    inputs, or a Q6_K tensor's own 6-bit values (``int6``) with its int8 sub-scales per 16
+    inputs and fp16 scales per 256."""
+
+    def __init__(self, values: Int4Values | Int6Values | Int8Values, dtype: torch.dtype) -> None:
         super().__init__(tuple(values.shape))
         rows, cols = values.shape
-        if cols % GROUP_SIZE:
-            raise ValueError(f"the quantized kernel needs an input width that is a multiple of {GROUP_SIZE}, not {cols}")
+        if cols % GROUP_SIZE or (isinstance(values, Int6Values) and cols % 256):
+            raise ValueError(f"the quantized kernel needs an input width that is a multiple of {GROUP_SIZE} "
+                             f"(256 for 6-bit values), not {cols}")
         self._dtype = dtype
-        self.bits = 4 if isinstance(values, Int4Values) else 8
-        self.kind = "int4" if self.bits == 4 else "int8"
+        self.bits = 4 if isinstance(values, Int4Values) else 6 if isinstance(values, Int6Values) else 8
+        self.kind = _KINDS[self.bits]
         blocks, groups = -(-rows // 16), cols // GROUP_SIZE
         padded = blocks * 16
+
+        def rows_padded(t: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.pad(t, (0, 0, 0, padded - rows))
+
+        def per_block(t: torch.Tensor) -> torch.Tensor:
+            t = rows_padded(t.float())
+            return t.view(blocks, 16, -1).permute(0, 2, 1).to(torch.float16).contiguous()
+
+        if isinstance(values, Int6Values):
+            u = rows_padded(values.q.to(torch.uint8))
+            nibbles = self._nibbles(u & 0x0F, blocks, cols).reshape(blocks, groups, 4 * 64)
+            # [block, lane, group, vector k, pair j, byte i]: operand 4k + j of a group.
+            pairs = (u >> 4).view(blocks, 16, groups, 2, 4, 4)
+            high = pairs[:, :, :, :, 0] | (pairs[:, :, :, :, 1] << 2) | (pairs[:, :, :, :, 2] << 4) | (pairs[:, :, :, :, 3] << 6)
+            high = high.permute(0, 2, 3, 1, 4).reshape(blocks, groups, 2 * 64)  # [block, group, k, lane, i]
+            self.register_buffer("packed", torch.cat((nibbles, high), dim=2).contiguous().view(-1))
+            subs = rows_padded(values.sub).view(blocks, 16, groups, 2).permute(0, 2, 3, 1)
+            self.register_buffer("scales", subs.contiguous())
+            self.register_buffer("offsets", per_block(values.d))
+            return
         if self.bits == 4:
             u = values.q.to(torch.uint8)
             scale, offset = values.scale, values.offset
@@ -170,21 +193,20 @@ class BlockedWeight(QuantWeight):
             if values.scale.shape[1] != groups:
                 raise ValueError("int8 weights for the quantized kernel need one scale per 32 inputs")
             offset = -128.0 * scale
-        u = torch.nn.functional.pad(u, (0, 0, 0, padded - rows))
+        u = rows_padded(u)
         if self.bits == 4:
-            # [block, lane, chunk, half, byte] -> [block, chunk, lane, byte], halves as nibbles.
-            v = u.view(blocks, 16, cols // 8, 2, 4)
-            packed = (v[:, :, :, 0] | (v[:, :, :, 1] << 4)).permute(0, 2, 1, 3)
+            packed = self._nibbles(u, blocks, cols)
         else:
             packed = u.view(blocks, 16, cols // 4, 4).permute(0, 2, 1, 3)
         self.register_buffer("packed", packed.contiguous().view(-1))
-
-        def per_block(t: torch.Tensor) -> torch.Tensor:
-            t = torch.nn.functional.pad(t.float(), (0, 0, 0, padded - rows))
-            return t.view(blocks, 16, groups).permute(0, 2, 1).to(torch.float16).contiguous()
-
         self.register_buffer("scales", per_block(scale))
         self.register_buffer("offsets", per_block(offset))
+
+    @staticmethod
+    def _nibbles(u: torch.Tensor, blocks: int, cols: int) -> torch.Tensor:
+        # [block, lane, chunk, half, byte] -> [block, chunk, lane, byte], halves as nibbles.
+        v = u.view(blocks, 16, cols // 8, 2, 4)
+        return (v[:, :, :, 0] | (v[:, :, :, 1] << 4)).permute(0, 2, 1, 3)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -197,7 +219,7 @@ class BlockedWeight(QuantWeight):
 
     def _restore(self, attrs: dict[str, Any]) -> None:
         self.bits = int(attrs["bits"])
-        self.kind = "int4" if self.bits == 4 else "int8"
+        self.kind = _KINDS[self.bits]
         self._dtype = getattr(torch, attrs["dtype"])
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:

@@ -99,12 +99,38 @@ class Int8Values:
         return self.q.float() * self.scale.repeat_interleave(self.q.shape[1] // self.scale.shape[1], 1)
 
 
-QuantValues = Int4Values | Int8Values
+@dataclass
+class Int6Values:
+    """A GGUF Q6_K tensor's own values before packing: ``w[n, k] = d[n, k // 256] *
+    sub[n, k // 16] * (q[n, k] - 32)``.
+
+    Attributes:
+        q: uint8 ``[N, K]`` holding 0..63.
+        sub: int8 ``[N, K / 16]``: the 8-bit scale of each 16 inputs.
+        d: float32 ``[N, K / 256]``: the fp16 scale of each 256 inputs.
+    """
+
+    q: torch.Tensor
+    sub: torch.Tensor
+    d: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        """``[N, K]``."""
+        return self.q.shape
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 ``[N, K]`` (the products in the order ``gguf`` dequantizes them, so equal to it)."""
+        scale = self.d.repeat_interleave(16, 1) * self.sub.float()
+        return scale.repeat_interleave(16, 1) * (self.q.float() - 32.0)
+
+
+QuantValues = Int4Values | Int8Values | Int6Values
 
 
 def is_quantized(value: object) -> bool:
     """Whether ``value`` is a quantized weight (before or after packing)."""
-    return isinstance(value, (Int4Values, Int8Values, QuantWeight))
+    return isinstance(value, (Int4Values, Int8Values, Int6Values, QuantWeight))
 
 
 def to_int8(weight: torch.Tensor | QuantValues, per_row: bool = False) -> Int8Values:
@@ -163,6 +189,8 @@ def cat(parts: list[torch.Tensor | QuantValues]) -> torch.Tensor | QuantValues:
         return torch.cat(parts)  # type: ignore[arg-type]
     if all(isinstance(part, Int4Values) for part in parts):
         return Int4Values(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "scale", "offset")))
+    if all(isinstance(part, Int6Values) for part in parts):
+        return Int6Values(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "sub", "d")))
     eights = [to_int8(part) for part in parts]
     return Int8Values(torch.cat([p.q for p in eights]), torch.cat([p.scale for p in eights]))
 
@@ -198,6 +226,31 @@ def gguf_int4(data: np.ndarray, kind: str, shape: tuple[int, int]) -> Int4Values
         torch.from_numpy(np.ascontiguousarray(q).reshape(rows, cols)),
         torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float32).reshape(rows, groups)),
         torch.from_numpy(np.ascontiguousarray(offset, dtype=np.float32).reshape(rows, groups)),
+    )
+
+
+def gguf_int6(data: np.ndarray, shape: tuple[int, int]) -> Int6Values:
+    """The exact form of a Q6_K tensor's raw blocks (``shape`` = ``[N, K]``, K a multiple of 256).
+
+    A block of 256 values is 128 bytes of low nibbles, 64 bytes of high 2-bit pairs, 16 int8
+    sub-scales and an fp16 scale. Each half block of 128 values takes 64 low-nibble bytes
+    ``ql`` and 32 high-bit bytes ``qh``: value ``32 j + l`` (``j`` = 0..3, ``l`` = 0..31) has
+    the low nibble of ``ql[l]`` (``j`` = 0), of ``ql[l + 32]`` (1), the high nibble of ``ql[l]``
+    (2) or of ``ql[l + 32]`` (3), and bits ``2 j, 2 j + 1`` of ``qh[l]`` above it.
+    """
+    rows, cols = shape
+    blocks = np.ascontiguousarray(data).view(np.uint8).reshape(-1, 210)
+    ql = blocks[:, 0:128].reshape(-1, 2, 2, 32)  # [B, half, first/second 32 bytes, l]
+    qh = blocks[:, 128:192].reshape(-1, 2, 1, 32)  # [B, half, 1, l]
+    low = np.stack([ql[:, :, 0] & 0x0F, ql[:, :, 1] & 0x0F, ql[:, :, 0] >> 4, ql[:, :, 1] >> 4], axis=2)
+    high = np.stack([(qh[:, :, 0] >> (2 * j)) & 3 for j in range(4)], axis=2)
+    q = (low | (high << 4)).reshape(-1, 256)  # [B, half, j, l] -> 128 * half + 32 * j + l
+    sub = blocks[:, 192:208].copy().view(np.int8)
+    d = blocks[:, 208:210].copy().view(np.float16).astype(np.float32)
+    return Int6Values(
+        torch.from_numpy(np.ascontiguousarray(q).reshape(rows, cols)),
+        torch.from_numpy(np.ascontiguousarray(sub).reshape(rows, cols // 16)),
+        torch.from_numpy(np.ascontiguousarray(d).reshape(rows, cols // 256)),
     )
 
 
@@ -339,6 +392,8 @@ def pack(values: QuantValues, dtype: torch.dtype, device: torch.device | str = "
 
         if qkernel.available():
             return qkernel.BlockedWeight(values, dtype)
+    if isinstance(values, Int6Values):
+        values = to_int8(values)  # torch has no 6-bit kernel: the nearest 8-bit values, a scale per 32
     if isinstance(values, Int4Values):
         if device.type != "cpu":
             raise ValueError(f"int4 weights run on the CPU only; use --weights int8 or dense on {device}")
@@ -386,7 +441,7 @@ def install(model: nn.Module, state: dict[str, object], dtype: torch.dtype, devi
     """
     rest = dict(state)
     for name, value in state.items():
-        if not isinstance(value, (Int4Values, Int8Values)):
+        if not isinstance(value, (Int4Values, Int8Values, Int6Values)):
             continue
         module_name = name.removesuffix(".weight")
         parent_name, _, child = module_name.rpartition(".")

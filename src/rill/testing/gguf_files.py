@@ -97,6 +97,8 @@ def write_gguf(folder: str | Path, out: str | Path, quant: Callable[[str, torch.
             writer.add_tensor(gguf_name(name, arch), values)
         elif kind == "F16":
             writer.add_tensor(gguf_name(name, arch), values.astype(np.float16))
+        elif kind == "Q6_K":  # the gguf package cannot quantize to Q6_K
+            writer.add_tensor(gguf_name(name, arch), quantize_q6_k(values), raw_dtype=Q.Q6_K)
         else:
             qtype = Q[kind]
             writer.add_tensor(gguf_name(name, arch), gguf.quants.quantize(values, qtype), raw_dtype=qtype)
@@ -105,6 +107,28 @@ def write_gguf(folder: str | Path, out: str | Path, quant: Callable[[str, torch.
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def quantize_q6_k(values: np.ndarray) -> np.ndarray:
+    """Raw Q6_K blocks ``[rows, cols / 256 * 210]`` for a float32 ``[rows, cols]`` matrix (cols a
+    multiple of 256): per 16 values an int8 scale of an fp16 scale per 256, 6-bit values with
+    32 as zero, packed as GGML packs them (``rill.models.quant.gguf_int6`` reads them back)."""
+    rows, cols = values.shape
+    x = values.reshape(-1, 16, 16).astype(np.float32)  # [blocks, 16 sub-blocks, 16 values]
+    step = np.abs(x).max(axis=2) / 31.0  # each sub-block's step
+    d = (step.max(axis=1) / 127.0).astype(np.float16).astype(np.float32)
+    safe_d = np.where(d > 0, d, 1.0)
+    sub = np.clip(np.round(step / safe_d[:, None]), -127, 127).astype(np.int8)
+    scale = d[:, None] * sub.astype(np.float32)
+    safe_scale = np.where(scale != 0, scale, 1.0)
+    q = np.where(scale[..., None] != 0, np.round(x / safe_scale[..., None]), 0)
+    q = (np.clip(q, -32, 31) + 32).astype(np.uint8).reshape(-1, 2, 4, 32)  # value 128 h + 32 j + l
+    ql = np.concatenate([(q[:, :, 0] & 15) | ((q[:, :, 2] & 15) << 4), (q[:, :, 1] & 15) | ((q[:, :, 3] & 15) << 4)],
+                        axis=2)  # [blocks, half, 64]
+    qh = (q[:, :, 0] >> 4) | ((q[:, :, 1] >> 4) << 2) | ((q[:, :, 2] >> 4) << 4) | ((q[:, :, 3] >> 4) << 6)
+    blocks = np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), sub.view(np.uint8),
+                             d.astype(np.float16).view(np.uint8).reshape(-1, 2)], axis=1)
+    return blocks.reshape(rows, cols // 256 * 210)
 
 
 def _write_metadata(writer, config: dict, arch: str) -> None:
