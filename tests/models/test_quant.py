@@ -74,6 +74,25 @@ def test_q6_k_blocks_become_the_same_values_as_int6() -> None:
 
 
 @pytest.mark.skipif(not qkernel.available(), reason=f"the VNNI kernel does not run here: {qkernel.unavailable_reason()}")
+@pytest.mark.parametrize("rows", (1, 4, 7))
+def test_the_vnni_kernel_keeps_q4_k_scales_as_the_file_does(rows: int) -> None:
+    """Q4_K values keep their 6-bit scales and mins in rill's kernel (4.625 bits a weight where
+    fp16 scales and offsets take 5) and multiply like the dequantized matrix, at least as
+    closely as with fp16 scales (which round ``d * sc``); a row alone equals it in a batch."""
+    values = quant.gguf_int4(_blocks("Q4_K", 40, 768, seed=rows), "Q4_K", (40, 768))
+    compact = qkernel.BlockedWeight(values, torch.bfloat16)
+    plain = qkernel.BlockedWeight(quant.Int4Values(values.q, values.scale, values.offset), torch.bfloat16)
+    assert (compact.bits, plain.bits, compact.kind) == (5, 4, "int4")
+    stored = sum(b.numel() * b.element_size() for b in compact.buffers())
+    assert stored <= 48 * 768 * 4.625 / 8 < sum(b.numel() * b.element_size() for b in plain.buffers())
+    x = torch.randn(rows, 768)
+    expected = x @ values.dequantize().t()
+    error = float((compact.linear(x) - expected).norm() / expected.norm())
+    assert error < 0.01 and error <= float((plain.linear(x) - expected).norm() / expected.norm()) * 1.01
+    assert torch.equal(compact.linear(x), torch.cat([compact.linear(x[i:i + 1]) for i in range(rows)]))
+
+
+@pytest.mark.skipif(not qkernel.available(), reason=f"the VNNI kernel does not run here: {qkernel.unavailable_reason()}")
 @pytest.mark.parametrize("rows", (1, 2, 4, 5, 9))
 def test_the_vnni_kernel_multiplies_six_bit_weights_like_their_dequantized_matrix(rows: int) -> None:
     """6-bit weights in rill's kernel: within 1 % of the product with the dequantized matrix
@@ -398,22 +417,27 @@ def test_a_quantized_model_decodes_through_the_attention_kernel_like_the_torch_p
     assert agree / total >= 0.8
 
 
-def _with_q6_k(name: str, tensor: torch.Tensor) -> str:
-    # Q6_K where Q4_K_M files put it (down projections, the LM head), Q4_0 elsewhere.
-    return "Q6_K" if name.endswith(("down_proj.weight", "lm_head.weight")) else "Q4_0"
+def _q4_k_m(name: str, tensor: torch.Tensor) -> str:
+    # As Q4_K_M files are: Q6_K down projections and LM head, Q4_K elsewhere.
+    return "Q6_K" if name.endswith(("down_proj.weight", "lm_head.weight")) else "Q4_K"
 
 
-def test_a_gguf_with_q6_k_tensors_serves_them_as_six_bit_weights_like_its_dense_twin(tmp_path) -> None:
-    """Q6_K down projections and LM head stay 6-bit (with the kernel; int8 without) and the
-    model answers like the same file dequantized: top token at 90 % of teacher-forced
-    positions or more, logits within a few percent."""
+@pytest.mark.parametrize("arch", ("qwen2", "llama"))
+def test_a_q4_k_m_gguf_serves_its_own_k_quant_scales_and_six_bit_weights_like_its_dense_twin(tmp_path, arch) -> None:
+    """Q6_K down projections and LM head stay 6-bit, Q4_K projections keep the file's 6-bit
+    scales (with the kernel; int8 and fp16 scales without; llama's q/k row permutation moves
+    them too), and the model answers like the same file dequantized: top token at 90 % of
+    teacher-forced positions or more, logits within a few percent."""
     from rill.testing.checkpoints import make_checkpoint
 
-    folder = make_checkpoint(tmp_path / "q6", arch="qwen2", hidden_size=256, intermediate_size=512, num_heads=8,
+    folder = make_checkpoint(tmp_path / "q6", arch=arch, hidden_size=256, intermediate_size=512, num_heads=8,
                              num_kv_heads=2)
-    file = write_gguf(folder, tmp_path / "q6.gguf", _with_q6_k)
+    file = write_gguf(folder, tmp_path / "q6.gguf", _q4_k_m)
     tensors = read_gguf(file).tensors(torch.bfloat16, weights="auto")
     assert isinstance(tensors["model.layers.0.mlp.down_proj.weight"], quant.Int6Values)
+    q_proj = tensors["model.layers.0.self_attn.q_proj.weight"]
+    assert isinstance(q_proj, quant.Int4Values) and q_proj.k is not None
+    assert torch.equal((q_proj.k.d.repeat_interleave(8, 1) * q_proj.k.sc.float()), q_proj.scale)
     quantized = load_model(file, dtype="bfloat16", weights="auto")
     assert quantized.weights == ("int4+int6" if qkernel.available() else "int4+int8")
     prompts = random_prompts([24] * 10, vocab_size=200, seed=8)

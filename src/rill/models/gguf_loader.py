@@ -144,8 +144,11 @@ class GGUFCheckpoint:
                 out[hf_name] = fix(hf_name, torch.from_numpy(values), self.hf_config).to(dtype).contiguous()
             else:
                 # Row fix-ups (llama.cpp's q/k permutation) move every per-row field alike.
-                for name in values.__dataclass_fields__:
-                    setattr(values, name, fix(hf_name, getattr(values, name), self.hf_config).contiguous())
+                for holder in (values, getattr(values, "k", None)):
+                    for name in getattr(holder, "__dataclass_fields__", ()):
+                        field = getattr(holder, name)
+                        if isinstance(field, torch.Tensor):
+                            setattr(holder, name, fix(hf_name, field, self.hf_config).contiguous())
                 out[hf_name] = values
             if progress is not None:
                 progress(done, total)

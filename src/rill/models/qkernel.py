@@ -144,7 +144,8 @@ def _ptr(tensor: torch.Tensor) -> int:
     return tensor.data_ptr()
 
 
-_KINDS = {4: "int4", 6: "int6", 8: "int8"}
+_KINDS = {4: "int4", 5: "int4", 6: "int6", 8: "int8"}
+"""Kernel layout (``bits`` in the C file) -> kind; 5 is 4-bit values with Q4_K's own scales."""
 
 
 class BlockedWeight(QuantWeight):
@@ -183,6 +184,15 @@ class BlockedWeight(QuantWeight):
             subs = rows_padded(values.sub).view(blocks, 16, groups, 2).permute(0, 2, 3, 1)
             self.register_buffer("scales", subs.contiguous())
             self.register_buffer("offsets", per_block(values.d))
+            return
+        if isinstance(values, Int4Values) and values.k is not None and cols % 256 == 0:
+            self.bits = 5  # the file's 6-bit sub-scales and mins: 4.625 bits a weight, not 5
+            self.register_buffer("packed", self._nibbles(rows_padded(values.q.to(torch.uint8)), blocks, cols)
+                                 .contiguous().view(-1))
+            k = values.k
+            subs = torch.stack([rows_padded(t).view(blocks, 16, groups).permute(0, 2, 1) for t in (k.sc, k.mn)], dim=2)
+            self.register_buffer("scales", subs.contiguous())  # [block, group, sc/mn, lane]
+            self.register_buffer("offsets", torch.stack([per_block(k.d), per_block(-k.dmin)], dim=2).contiguous())
             return
         if self.bits == 4:
             u = values.q.to(torch.uint8)

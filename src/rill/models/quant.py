@@ -65,6 +65,7 @@ class Int4Values:
     q: torch.Tensor
     scale: torch.Tensor
     offset: torch.Tensor
+    k: KScales | None = None
 
     @property
     def shape(self) -> torch.Size:
@@ -74,6 +75,23 @@ class Int4Values:
     def dequantize(self) -> torch.Tensor:
         """float32 ``[N, K]``."""
         return self.q.float() * self.scale.repeat_interleave(GROUP_SIZE, 1) + self.offset.repeat_interleave(GROUP_SIZE, 1)
+
+
+@dataclass
+class KScales:
+    """A Q4_K tensor's own scales, from which ``Int4Values.scale = d * sc`` and ``offset =
+    -dmin * mn`` were computed: kept so rill's kernel can store 4.625 bits a weight, as the
+    file does, instead of fp16 scales and offsets per 32 (5 bits).
+
+    Attributes:
+        sc, mn: uint8 ``[N, K / 32]`` (6-bit values).
+        d, dmin: float32 ``[N, K / 256]`` (fp16 values).
+    """
+
+    sc: torch.Tensor
+    mn: torch.Tensor
+    d: torch.Tensor
+    dmin: torch.Tensor
 
 
 @dataclass
@@ -188,7 +206,10 @@ def cat(parts: list[torch.Tensor | QuantValues]) -> torch.Tensor | QuantValues:
     if not any(is_quantized(part) for part in parts):
         return torch.cat(parts)  # type: ignore[arg-type]
     if all(isinstance(part, Int4Values) for part in parts):
-        return Int4Values(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "scale", "offset")))
+        fused = Int4Values(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "scale", "offset")))
+        if all(p.k is not None for p in parts):  # type: ignore[union-attr]
+            fused.k = KScales(*(torch.cat([getattr(p.k, f) for p in parts]) for f in ("sc", "mn", "d", "dmin")))  # type: ignore[union-attr]
+        return fused
     if all(isinstance(part, Int6Values) for part in parts):
         return Int6Values(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "sub", "d")))
     eights = [to_int8(part) for part in parts]
@@ -211,6 +232,7 @@ def gguf_int4(data: np.ndarray, kind: str, shape: tuple[int, int]) -> Int4Values
         q = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(-1, 256)  # chunk c: low → 2c, high → 2c+1
         scale = d * sc
         offset = -(dmin * mn)
+        k_parts = (sc.astype(np.uint8), mn.astype(np.uint8), d, dmin)
     elif kind in ("Q4_0", "Q4_1"):
         size = 18 if kind == "Q4_0" else 20
         blocks = raw.reshape(-1, size)
@@ -222,11 +244,18 @@ def gguf_int4(data: np.ndarray, kind: str, shape: tuple[int, int]) -> Int4Values
     else:
         raise ValueError(f"{kind} is not an int4 GGUF type ({', '.join(INT4_TYPES)})")
     groups = cols // GROUP_SIZE
-    return Int4Values(
+    values = Int4Values(
         torch.from_numpy(np.ascontiguousarray(q).reshape(rows, cols)),
         torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float32).reshape(rows, groups)),
         torch.from_numpy(np.ascontiguousarray(offset, dtype=np.float32).reshape(rows, groups)),
     )
+    if kind == "Q4_K":
+        sc8, mn8, d32, dmin32 = k_parts
+        values.k = KScales(torch.from_numpy(np.ascontiguousarray(sc8).reshape(rows, groups)),
+                           torch.from_numpy(np.ascontiguousarray(mn8).reshape(rows, groups)),
+                           torch.from_numpy(np.ascontiguousarray(d32, dtype=np.float32).reshape(rows, cols // 256)),
+                           torch.from_numpy(np.ascontiguousarray(dmin32, dtype=np.float32).reshape(rows, cols // 256)))
+    return values
 
 
 def gguf_int6(data: np.ndarray, shape: tuple[int, int]) -> Int6Values:

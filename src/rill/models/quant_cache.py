@@ -31,7 +31,7 @@ from rill.models import quant
 
 log = logging.getLogger("rill.models")
 
-FORMAT = 3
+FORMAT = 4
 """Version of the folder's layout; bump it when a weight class's buffers change."""
 
 _WEIGHTS_FILE = "weights.safetensors"

@@ -97,8 +97,10 @@ def write_gguf(folder: str | Path, out: str | Path, quant: Callable[[str, torch.
             writer.add_tensor(gguf_name(name, arch), values)
         elif kind == "F16":
             writer.add_tensor(gguf_name(name, arch), values.astype(np.float16))
-        elif kind == "Q6_K":  # the gguf package cannot quantize to Q6_K
+        elif kind == "Q6_K":  # the gguf package cannot quantize to the K types
             writer.add_tensor(gguf_name(name, arch), quantize_q6_k(values), raw_dtype=Q.Q6_K)
+        elif kind == "Q4_K":
+            writer.add_tensor(gguf_name(name, arch), quantize_q4_k(values), raw_dtype=Q.Q4_K)
         else:
             qtype = Q[kind]
             writer.add_tensor(gguf_name(name, arch), gguf.quants.quantize(values, qtype), raw_dtype=qtype)
@@ -107,6 +109,30 @@ def write_gguf(folder: str | Path, out: str | Path, quant: Callable[[str, torch.
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def quantize_q4_k(values: np.ndarray) -> np.ndarray:
+    """Raw Q4_K blocks ``[rows, cols / 256 * 144]`` for a float32 ``[rows, cols]`` matrix (cols a
+    multiple of 256): per 32 values a 6-bit scale and a 6-bit min of fp16 ``d`` and ``dmin`` per
+    256, 4-bit values, packed as GGML packs them (``rill.models.quant.gguf_int4`` reads them)."""
+    rows, cols = values.shape
+    x = values.reshape(-1, 8, 32).astype(np.float32)  # [blocks, 8 sub-blocks, 32 values]
+    low = np.minimum(x.min(axis=2), 0.0)  # Q4_K's offsets are -dmin * mn <= 0
+    step = (x.max(axis=2) - low) / 15.0
+    d = (step.max(axis=1) / 63.0).astype(np.float16).astype(np.float32)
+    dmin = (-low.min(axis=1) / 63.0).astype(np.float16).astype(np.float32)
+    sc = np.clip(np.round(step / np.where(d > 0, d, 1.0)[:, None]), 0, 63).astype(np.uint8)
+    mn = np.clip(np.round(-low / np.where(dmin > 0, dmin, 1.0)[:, None]), 0, 63).astype(np.uint8)
+    scale = d[:, None] * sc
+    q = np.round((x + (dmin[:, None] * mn)[..., None]) / np.where(scale > 0, scale, 1.0)[..., None])
+    q = np.clip(q, 0, 15).astype(np.uint8).reshape(-1, 4, 2, 32)  # value 64 c + 32 h + l
+    qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
+    packed = np.empty((x.shape[0], 12), dtype=np.uint8)
+    packed[:, 0:4] = (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6)
+    packed[:, 4:8] = (mn[:, :4] & 63) | ((mn[:, 4:] >> 4) << 6)
+    packed[:, 8:12] = (sc[:, 4:] & 15) | ((mn[:, 4:] & 15) << 4)
+    head = np.stack([d, dmin], axis=1).astype(np.float16).view(np.uint8)
+    return np.concatenate([head, packed, qs], axis=1).reshape(rows, cols // 256 * 144)
 
 
 def quantize_q6_k(values: np.ndarray) -> np.ndarray:

@@ -22,6 +22,11 @@
  *          4o+i of row l;
  *   "scales": int8 subs [block][group][half][16]; "offsets": fp16 d [block][group/8][16].
  * The offset -32 d sub takes the sum of each half group's int8 activations (dsh).
+ *
+ * "bits 5" is 4-bit values with a GGUF Q4_K tensor's own scales (w = d sc u - dmin mn, 6-bit
+ * sc and mn per 32 inputs, fp16 d and dmin per 256): values laid out as the 4-bit ones,
+ * "scales" u8 [block][group][sc, mn][16], "offsets" fp16 [block][group/8][d, -dmin][16]:
+ * 4.625 bits a weight where fp16 scales and offsets per 32 take 5.
  * Blocks are consecutive; rows past N in the last block are zero and never stored.
  */
 #include <immintrin.h>
@@ -130,12 +135,12 @@ static inline __m512i bcast4(const int8_t *p)
     {                                                                                                     \
         const int64_t G = K / GROUP;                                                                      \
         const __m512i low = _mm512_set1_epi8(0x0F);                                                       \
-        __m512 acc[MT];                                                                                   \
+        __m512 acc[MT], d = _mm512_setzero_ps(), dm = _mm512_setzero_ps();                                \
         for (int i = 0; i < MT; i++) acc[i] = _mm512_setzero_ps();                                        \
         for (int64_t g = 0; g < G; g++) {                                                                 \
             __m512i dot[MT];                                                                              \
             for (int i = 0; i < MT; i++) dot[i] = _mm512_setzero_si512();                                 \
-            if (bits == 4) {                                                                              \
+            if (bits == 4 || bits == 5) {                                                                 \
                 const uint8_t *w = wb + g * 256;                                                          \
                 prefetch(w + PF_BYTES, 256);                                                              \
                 for (int c = 0; c < 4; c++) {                                                             \
@@ -158,12 +163,24 @@ static inline __m512i bcast4(const int8_t *p)
                     }                                                                                     \
                 }                                                                                         \
             }                                                                                             \
-            if (bits == 4 && g % 2 == 0) { /* 8-bit weights stream fast enough without */                 \
-                prefetch(sb + (g + PF_BYTES / 256) * 16, 64);                                             \
-                prefetch(zb + (g + PF_BYTES / 256) * 16, 64);                                             \
+            __m512 s, z;                                                                                  \
+            if (bits == 5) { /* 6-bit sub-scales and mins (u8) of fp16 d and -dmin per 8 groups */        \
+                const uint8_t *sm = (const uint8_t *)sb + g * 32;                                         \
+                if (g % 2 == 0) prefetch(sm + PF_BYTES / 8, 64);                                          \
+                if (g % 8 == 0) {                                                                         \
+                    d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(zb + g / 8 * 32)));         \
+                    dm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(zb + g / 8 * 32 + 16)));   \
+                }                                                                                         \
+                s = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)sm)))); \
+                z = _mm512_mul_ps(dm, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sm + 16))))); \
+            } else {                                                                                      \
+                if (bits == 4 && g % 2 == 0) { /* 8-bit weights stream fast enough without */             \
+                    prefetch(sb + (g + PF_BYTES / 256) * 16, 64);                                         \
+                    prefetch(zb + (g + PF_BYTES / 256) * 16, 64);                                         \
+                }                                                                                         \
+                s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sb + g * 16)));                 \
+                z = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(zb + g * 16)));                 \
             }                                                                                             \
-            __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sb + g * 16)));              \
-            __m512 z = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(zb + g * 16)));              \
             for (int i = 0; i < MT; i++) {                                                                \
                 const int64_t mg = (m0 + i) * G + g;                                                      \
                 __m512 t = _mm512_mul_ps(s, _mm512_cvtepi32_ps(dot[i]));                                  \
@@ -256,7 +273,7 @@ static void qgemm(int bits, const uint8_t *w, const void *s, const uint16_t *z, 
 {
     const int64_t G = K / GROUP;
     const int64_t blocks = (N + 15) / 16;
-    const int64_t block_bytes = G * (bits == 4 ? 256 : bits == 6 ? 384 : 512);
+    const int64_t block_bytes = G * (bits == 4 || bits == 5 ? 256 : bits == 6 ? 384 : 512);
 #pragma omp parallel for schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *wb = w + b * block_bytes;
@@ -273,7 +290,9 @@ static void qgemm(int bits, const uint8_t *w, const void *s, const uint16_t *z, 
             }
             continue;
         }
-        const uint16_t *sb = (const uint16_t *)s + b * G * 16, *zb = z + b * G * 16;
+        /* bits 5: u8 sub-scales and mins [block][group][2][16], fp16 [block][group/8][2][16] */
+        const uint16_t *sb = bits == 5 ? (const uint16_t *)((const uint8_t *)s + b * G * 32) : (const uint16_t *)s + b * G * 16;
+        const uint16_t *zb = bits == 5 ? z + b * (G / 8) * 32 : z + b * G * 16;
         for (; m0 + 4 <= M; m0 += 4) block_4(bits, wb, sb, zb, K, xq, dx, dsx, m0, y, N, b * 16);
         switch (M - m0) {
         case 3: block_3(bits, wb, sb, zb, K, xq, dx, dsx, m0, y, N, b * 16); break;
