@@ -31,18 +31,7 @@ def run(fmt: str, text: str, chunks: list[int]) -> tuple[str, list[dict]]:
         deltas += parser.feed(text[pos : pos + n])
         pos += n
     deltas += parser.finish()
-    content = "".join(d.text for d in deltas if isinstance(d, ContentDelta))
-    calls: dict[int, dict] = {}
-    for d in deltas:
-        if isinstance(d, ToolCallDelta):
-            if d.id is not None:
-                assert d.index not in calls, "a call is announced once"
-                calls[d.index] = {"id": d.id, "name": d.name, "arguments": ""}
-            calls[d.index]["arguments"] += d.arguments
-    rebuilt = [calls[i] for i in sorted(calls)]
-    # The deltas agree with the parser's own list of complete calls.
-    assert [(c.id, c.name, c.arguments) for c in parser.calls] == [(c["id"], c["name"], c["arguments"]) for c in rebuilt]
-    return content, rebuilt
+    return _rebuilt(parser, deltas)
 
 
 def chunkings(text: str, seed: int = 0) -> list[list[int]]:
@@ -165,6 +154,8 @@ def run_text(text: str, chunks: list[int], fmt: str = "hermes") -> tuple[str, li
 
 
 def _rebuilt(parser: object, deltas: list) -> tuple[str, list[dict]]:
+    """The content and the calls rebuilt from ``deltas``, checked against the parser's own
+    list of complete calls (a call is announced once)."""
     content = "".join(d.text for d in deltas if isinstance(d, ContentDelta))
     calls: dict[int, dict] = {}
     for d in deltas:

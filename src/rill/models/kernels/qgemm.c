@@ -266,8 +266,22 @@ DEFINE_BLOCK6(2)
 DEFINE_BLOCK6(3)
 DEFINE_BLOCK6(4)
 
+/* Every activation row against one block of weights: four rows a call, then the rest
+ * (BLOCK##_MT takes the arguments given, then m0, y, N and the block's first row). */
+#define OVER_ROWS(BLOCK, ...)                                                                             \
+    do {                                                                                                  \
+        int64_t m0 = 0;                                                                                   \
+        for (; m0 + 4 <= M; m0 += 4) BLOCK##_4(__VA_ARGS__, m0, y, N, b * 16);                            \
+        switch (M - m0) {                                                                                 \
+        case 3: BLOCK##_3(__VA_ARGS__, m0, y, N, b * 16); break;                                          \
+        case 2: BLOCK##_2(__VA_ARGS__, m0, y, N, b * 16); break;                                          \
+        case 1: BLOCK##_1(__VA_ARGS__, m0, y, N, b * 16); break;                                          \
+        default: break;                                                                                   \
+        }                                                                                                 \
+    } while (0)
+
 /* y [M, N] float32 = dequantized activations (xq, dx, dsx, dsh from quantize_rows) times the
- * blocked weights w (bits 4, 6 or 8) with scales s and offsets z. */
+ * blocked weights w (bits 4, 5, 6 or 8) with scales s and offsets z. */
 static void qgemm(int bits, const uint8_t *w, const void *s, const uint16_t *z, int64_t N, int64_t K,
                   const int8_t *xq, const float *dx, const float *dsx, const float *dsh, int64_t M, float *y)
 {
@@ -277,28 +291,14 @@ static void qgemm(int bits, const uint8_t *w, const void *s, const uint16_t *z, 
 #pragma omp parallel for schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *wb = w + b * block_bytes;
-        int64_t m0 = 0;
         if (bits == 6) {
-            const int8_t *sb = (const int8_t *)s + b * G * 32;
-            const uint16_t *db = z + b * (G / 8) * 16;
-            for (; m0 + 4 <= M; m0 += 4) block6_4(wb, sb, db, K, xq, dx, dsh, m0, y, N, b * 16);
-            switch (M - m0) {
-            case 3: block6_3(wb, sb, db, K, xq, dx, dsh, m0, y, N, b * 16); break;
-            case 2: block6_2(wb, sb, db, K, xq, dx, dsh, m0, y, N, b * 16); break;
-            case 1: block6_1(wb, sb, db, K, xq, dx, dsh, m0, y, N, b * 16); break;
-            default: break;
-            }
-            continue;
-        }
-        /* bits 5: u8 sub-scales and mins [block][group][2][16], fp16 [block][group/8][2][16] */
-        const uint16_t *sb = bits == 5 ? (const uint16_t *)((const uint8_t *)s + b * G * 32) : (const uint16_t *)s + b * G * 16;
-        const uint16_t *zb = bits == 5 ? z + b * (G / 8) * 32 : z + b * G * 16;
-        for (; m0 + 4 <= M; m0 += 4) block_4(bits, wb, sb, zb, K, xq, dx, dsx, m0, y, N, b * 16);
-        switch (M - m0) {
-        case 3: block_3(bits, wb, sb, zb, K, xq, dx, dsx, m0, y, N, b * 16); break;
-        case 2: block_2(bits, wb, sb, zb, K, xq, dx, dsx, m0, y, N, b * 16); break;
-        case 1: block_1(bits, wb, sb, zb, K, xq, dx, dsx, m0, y, N, b * 16); break;
-        default: break;
+            OVER_ROWS(block6, wb, (const int8_t *)s + b * G * 32, z + b * (G / 8) * 16, K, xq, dx, dsh);
+        } else if (bits == 5) {
+            /* u8 sub-scales and mins [block][group][2][16], fp16 [block][group/8][2][16] */
+            OVER_ROWS(block, bits, wb, (const uint16_t *)((const uint8_t *)s + b * G * 32), z + b * (G / 8) * 32, K,
+                      xq, dx, dsx);
+        } else {
+            OVER_ROWS(block, bits, wb, (const uint16_t *)s + b * G * 16, z + b * G * 16, K, xq, dx, dsx);
         }
     }
 }

@@ -117,6 +117,41 @@ _NAME = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
 _ARGS_KEY = re.compile(r'\s*,\s*"(?:arguments|parameters)"\s*:\s*')
 
 
+class _Nesting:
+    """Where a JSON text stands after each character: inside a string (and just after a
+    backslash in it), and how many objects and arrays deep."""
+
+    __slots__ = ("depth", "in_string", "escaped")
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.in_string = False
+        self.escaped = False
+
+    def step(self, ch: str) -> str:
+        """Take one character; return ``"string-start"``, ``"string-end"``, ``"open"``,
+        ``"close"`` or ``""`` (anything else, inside a string or not)."""
+        if self.in_string:
+            if self.escaped:
+                self.escaped = False
+            elif ch == "\\":
+                self.escaped = True
+            elif ch == '"':
+                self.in_string = False
+                return "string-end"
+            return ""
+        if ch == '"':
+            self.in_string = True
+            return "string-start"
+        if ch in "{[":
+            self.depth += 1
+            return "open"
+        if ch in "}]":
+            self.depth -= 1
+            return "close"
+        return ""
+
+
 class _CallScanner:
     """Follows the text of one JSON call object as it arrives.
 
@@ -130,9 +165,7 @@ class _CallScanner:
         self.index = index
         self.id = id_
         self.buf = ""
-        self.depth = 0
-        self.in_string = False
-        self.escaped = False
+        self.nesting = _Nesting()
         self.is_done = False
         self.is_broken = False  # the text is not a JSON object
         self.name: str | None = None
@@ -142,9 +175,7 @@ class _CallScanner:
         self.num_args_sent = 0
         self._scanned = 0
         self._value_scanned = 0
-        self._value_depth = 0
-        self._value_in_string = False
-        self._value_escaped = False
+        self._value = _Nesting()  # the arguments value on its own
 
     @property
     def has_emitted(self) -> bool:
@@ -176,30 +207,19 @@ class _CallScanner:
     def _scan(self) -> str:
         buf = self.buf
         i = self._scanned
+        nesting = self.nesting
         while i < len(buf):
             ch = buf[i]
-            if self.in_string:
-                if self.escaped:
-                    self.escaped = False
-                elif ch == "\\":
-                    self.escaped = True
-                elif ch == '"':
-                    self.in_string = False
-            elif ch == '"':
-                self.in_string = True
-            elif ch in "{[":
-                self.depth += 1
-            elif ch in "}]":
-                self.depth -= 1
-                if self.depth == 0:
-                    self.is_done = True
-                    self.buf, rest = buf[: i + 1], buf[i + 1 :]
-                    self._scanned = i + 1
-                    return rest
-            elif self.depth == 0 and not ch.isspace():
+            event = nesting.step(ch)
+            if event == "close" and nesting.depth == 0:
+                self.is_done = True
+                self.buf, rest = buf[: i + 1], buf[i + 1 :]
+                self._scanned = i + 1
+                return rest
+            if not event and not nesting.in_string and nesting.depth == 0 and not ch.isspace():
                 self.is_broken = True  # not an object: nothing here is a call
             i += 1
-            if self.depth == 0 and i > 0 and self.is_broken:
+            if nesting.depth == 0 and i > 0 and self.is_broken:
                 # What follows is the caller's to read again (it may hold a call), as it
                 # would be had it come in a later chunk.
                 self.buf, rest = buf[:i], buf[i:]
@@ -213,23 +233,13 @@ class _CallScanner:
         assert self.args_start is not None
         buf = self.buf
         i = max(self._value_scanned, self.args_start)
+        value = self._value
         while i < len(buf) and self.args_end is None:
             ch = buf[i]
-            if self._value_in_string:
-                if self._value_escaped:
-                    self._value_escaped = False
-                elif ch == "\\":
-                    self._value_escaped = True
-                elif ch == '"':
-                    self._value_in_string = False
-            elif ch == '"':
-                self._value_in_string = True
-            elif ch in "{[":
-                self._value_depth += 1
-            elif ch in "}]" and self._value_depth > 0:
-                self._value_depth -= 1
-            elif ch in ",}]" and self._value_depth == 0:
+            if not value.in_string and value.depth == 0 and ch in ",}]":
                 self.args_end = i
+            else:
+                value.step(ch)
             i += 1
         self._value_scanned = i
 
@@ -238,7 +248,7 @@ class _CallScanner:
         self._scan_value()
         if self.args_end is not None:
             upto = len(self.buf[: self.args_end].rstrip())
-        elif self._value_depth > 0 or self._value_in_string:
+        elif self._value.depth > 0 or self._value.in_string:
             upto = len(self.buf)
         else:
             upto = len(self.buf.rstrip())
@@ -528,9 +538,7 @@ class _TextCallShape:
         self.ticks = 0
         self.info = ""
         self.obj: list[str] = []
-        self.depth = 0
-        self.in_string = False
-        self.escaped = False
+        self.nesting = _Nesting()
         self.key_start: int | None = None  # where the object's first key starts (-1 once checked)
         self.found: tuple[str, str] | None = None
 
@@ -589,34 +597,23 @@ class _TextCallShape:
 
     def _object_step(self, ch: str) -> bool:
         self.obj.append(ch)
-        if self.in_string:
-            if self.escaped:
-                self.escaped = False
-            elif ch == "\\":
-                self.escaped = True
-            elif ch == '"':
-                self.in_string = False
-                if self.key_start is not None and self.key_start >= 0:
-                    # A call object starts with one of its keys: anything else (a JSON answer)
-                    # is released now instead of being held until its end.
-                    key = "".join(self.obj[self.key_start:])
-                    self.key_start = -1
-                    return _unescape(key[1:-1]) in _CALL_KEYS
-            return True
-        if self.key_start is None and self.depth == 1 and not ch.isspace() and ch not in '"}':
+        nesting = self.nesting
+        if (self.key_start is None and not nesting.in_string and nesting.depth == 1 and not ch.isspace()
+                and ch not in '"}'):
             return False  # the first thing in the object is not a key
-        if ch == '"':
-            self.in_string = True
-            if self.key_start is None:
-                self.key_start = len(self.obj) - 1
-        elif ch in "{[":
-            self.depth += 1
-        elif ch in "}]":
-            self.depth -= 1
-            if self.depth == 0:
-                self.found = _call_parts("".join(self.obj), self.is_valid)
-                self.state = "tail" if self.is_fenced else "after"
-                return self.found is not None
+        event = nesting.step(ch)
+        if event == "string-end" and self.key_start is not None and self.key_start >= 0:
+            # A call object starts with one of its keys: anything else (a JSON answer) is
+            # released now instead of being held until its end.
+            key = "".join(self.obj[self.key_start:])
+            self.key_start = -1
+            return _unescape(key[1:-1]) in _CALL_KEYS
+        if event == "string-start" and self.key_start is None:
+            self.key_start = len(self.obj) - 1
+        elif event == "close" and nesting.depth == 0:
+            self.found = _call_parts("".join(self.obj), self.is_valid)
+            self.state = "tail" if self.is_fenced else "after"
+            return self.found is not None
         return True
 
 
