@@ -22,15 +22,18 @@ from rill.protocols._shared.tool_calls import (
 
 def run(fmt: str, text: str, chunks: list[int]) -> tuple[str, list[dict]]:
     """Feed ``text`` cut at ``chunks`` sizes; return the content and the calls rebuilt from deltas."""
-    parser = make_parser(fmt, "resp-0")
+    return _fed(make_parser(fmt, "resp-0"), text, chunks)
+
+
+def _fed(parser: object, text: str, chunks: list[int]) -> tuple[str, list[dict]]:
     deltas = []
     pos = 0
     sizes = iter(chunks)
     while pos < len(text):
         n = next(sizes, len(text))
-        deltas += parser.feed(text[pos : pos + n])
+        deltas += parser.feed(text[pos : pos + n])  # type: ignore[attr-defined]
         pos += n
-    deltas += parser.finish()
+    deltas += parser.finish()  # type: ignore[attr-defined]
     return _rebuilt(parser, deltas)
 
 
@@ -141,16 +144,7 @@ def declared(name: str, arguments: dict) -> bool:
 
 def run_text(text: str, chunks: list[int], fmt: str = "hermes") -> tuple[str, list[dict]]:
     """``run`` with the parser wrapped by ``accept_text_calls``."""
-    parser = accept_text_calls(make_parser(fmt, "resp-0"), declared, "resp-0")
-    deltas = []
-    pos = 0
-    sizes = iter(chunks)
-    while pos < len(text):
-        n = next(sizes, len(text))
-        deltas += parser.feed(text[pos : pos + n])
-        pos += n
-    deltas += parser.finish()
-    return _rebuilt(parser, deltas)
+    return _fed(accept_text_calls(make_parser(fmt, "resp-0"), declared, "resp-0"), text, chunks)
 
 
 def _rebuilt(parser: object, deltas: list) -> tuple[str, list[dict]]:

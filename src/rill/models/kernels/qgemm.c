@@ -127,6 +127,14 @@ static inline __m512i bcast4(const int8_t *p)
     return _mm512_set1_epi32(v);
 }
 
+/* The 16 outputs of each of MT activation rows (fewer in the last block, where n0 + 16 > N). */
+static inline void store_rows(const __m512 *acc, int mt, float *y, int64_t m0, int64_t N, int64_t n0)
+{
+    const int64_t valid = N - n0 < 16 ? N - n0 : 16;
+    const __mmask16 mask = (__mmask16)((1u << valid) - 1u);
+    for (int i = 0; i < mt; i++) _mm512_mask_storeu_ps(y + (m0 + i) * N + n0, mask, acc[i]);
+}
+
 /* One block of 16 rows against MT activation rows starting at m0. */
 #define DEFINE_BLOCK(MT)                                                                                  \
     static void block_##MT(int bits, const uint8_t *wb, const uint16_t *sb, const uint16_t *zb, int64_t K, \
@@ -188,9 +196,7 @@ static inline __m512i bcast4(const int8_t *p)
                 acc[i] = _mm512_fmadd_ps(z, _mm512_set1_ps(dsx[mg]), acc[i]);                             \
             }                                                                                             \
         }                                                                                                 \
-        const int64_t valid = N - n0 < 16 ? N - n0 : 16;                                                  \
-        const __mmask16 mask = (__mmask16)((1u << valid) - 1u);                                           \
-        for (int i = 0; i < MT; i++) _mm512_mask_storeu_ps(y + (m0 + i) * N + n0, mask, acc[i]);          \
+        store_rows(acc, MT, y, m0, N, n0);                                                                \
     }
 
 DEFINE_BLOCK(1)
@@ -256,9 +262,7 @@ static inline __m512i high_pair(__m512i h, int j)
                 acc[i] = _mm512_fmadd_ps(sbv, _mm512_set1_ps(-32.0f * dsh[2 * mg + 1]), acc[i]);          \
             }                                                                                             \
         }                                                                                                 \
-        const int64_t valid = N - n0 < 16 ? N - n0 : 16;                                                  \
-        const __mmask16 mask = (__mmask16)((1u << valid) - 1u);                                           \
-        for (int i = 0; i < MT; i++) _mm512_mask_storeu_ps(y + (m0 + i) * N + n0, mask, acc[i]);          \
+        store_rows(acc, MT, y, m0, N, n0);                                                                \
     }
 
 DEFINE_BLOCK6(1)
