@@ -10,7 +10,10 @@ GQA is computed without repeating keys: the ``g`` query heads that share one KV 
 folded into the query-length dimension, so SDPA sees ``num_kv_heads`` heads and a query
 length of ``g`` (decode) or ``T * g`` (prefill).
 
-The runner builds a ``StepBatch`` once per step; layers only index into it.
+The runner builds a ``StepBatch`` once per step; layers only index into it. A model with
+quantized projections may do its decode rows in one C call instead
+(``rill.models.qkernel.decode_attention``: RoPE, cache write and attention), then
+``write_kv(..., first=B)`` and ``prefill_attention`` for the step's prefill chunks.
 """
 
 from __future__ import annotations

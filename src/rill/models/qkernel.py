@@ -1,4 +1,5 @@
-"""rill's own quantized matmul for x86 CPUs with AVX-512 VNNI (``kernels/qgemm.c``).
+"""rill's own CPU kernels for x86 CPUs with AVX-512 VNNI: the quantized matmul
+(``kernels/qgemm.c``) and one decode step of attention (``kernels/attention.c``).
 
 torch's CPU kernels for int4 and int8 weights (``aten._weight_int4pack_mm_for_cpu``,
 ``aten._weight_int8pack_mm``) read a one-row product's weights at about 18 GB/s where the

@@ -1,12 +1,15 @@
 """Weights that stay quantized: int4 with per-group scales and offsets, int8 per output row.
 
 A GGUF file's Q4_0, Q4_1 and Q4_K tensors are 4-bit values ``q`` in groups of 32 with one
-scale ``s`` and one offset ``b`` per group (``w = s * q + b``). ``Int4Weight`` keeps exactly
-that (no requantization: only the scales are rounded to the compute dtype) and multiplies
-through torch's CPU kernel for it (``aten._weight_int4pack_mm_for_cpu``). Other quantized
-types (Q5_0, Q5_1, Q5_K, Q6_K, Q8_0) become ``Int8Weight``: the dequantized values rounded to
-8 bits with one scale per output row, multiplied by ``aten._weight_int8pack_mm``; the added
-error is a fraction of the 5-6-bit types' own step (bounded in ``tests/models/test_quant.py``).
+scale ``s`` and one offset ``b`` per group (``w = s * q + b``): ``Int4Values`` keeps exactly
+that (no requantization), and for Q4_K also the file's own 6-bit scales (``KScales``), so
+rill's kernel can store 4.625 bits a weight as the file does. Q6_K tensors stay as they are
+(``Int6Values``: 6-bit values, an int8 scale per 16, an fp16 scale per 256). Other quantized
+types (Q5_0, Q5_1, Q5_K, Q8_0) become ``Int8Values``: the dequantized values rounded to 8 bits
+with one scale per 32 inputs; the added error is a fraction of those types' own step (bounded
+in ``tests/models/test_quant.py``). Where rill's kernel does not run, ``Int4Weight`` and
+``Int8Weight`` multiply through torch's CPU kernels (``aten._weight_int4pack_mm_for_cpu``,
+``aten._weight_int8pack_mm``; one scale per row for int8, and Q6_K held as int8).
 
 Measured on a 2-core AVX-512-BF16 machine, an 8960x1536 projection (Qwen2.5-1.5B's down
 projection) read from memory, bf16 activations: int4 0.39 ms at one row against 1.09 ms for

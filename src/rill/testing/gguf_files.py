@@ -69,7 +69,9 @@ def write_gguf(folder: str | Path, out: str | Path, quant: Callable[[str, torch.
 
     Args:
         quant: a GGML type name (``F32``, ``F16``, ``Q8_0``, ``Q4_0``...) for every 2-D weight,
-            or ``(hf_name, tensor) -> type name``.
+            or ``(hf_name, tensor) -> type name``. ``Q4_K`` and ``Q6_K``, which the ``gguf``
+            package cannot quantize to, go through ``quantize_q4_k`` / ``quantize_q6_k``
+            (input widths a multiple of 256).
     """
     import gguf
     from gguf.constants import GGMLQuantizationType as Q
