@@ -234,8 +234,9 @@ def _build_llamacpp_engine(config: EngineConfig, progress: Progress | None) -> E
     return engine
 
 
-AUTO_WEIGHTS_REASON = (": a GGUF file's Q4 matrices stay int4 and its other quantized ones become int8, so the "
-                       "weights take about the file's size; float tensors and folders stay dense")
+AUTO_WEIGHTS_REASON = (": a GGUF file's Q4 matrices stay int4 (Q4_K with its own scales), its Q6_K ones 6-bit "
+                       "where rill's kernel runs and its other quantized ones become int8, so the weights take "
+                       "about the file's size; float tensors and folders stay dense")
 """Why ``--weights auto`` chose what it did (logged at start)."""
 
 

@@ -129,6 +129,7 @@ class GGUFCheckpoint:
             ModelLoadError: a tensor type outside ``SUPPORTED_TENSOR_TYPES``, or a tensor name
                 the architecture does not know.
         """
+        from rill.models import quant
         from rill.models.registry import family_for_gguf
 
         family = family_for_gguf(self.architecture, str(self.path))
@@ -144,12 +145,7 @@ class GGUFCheckpoint:
                 out[hf_name] = fix(hf_name, torch.from_numpy(values), self.hf_config).to(dtype).contiguous()
             else:
                 # Row fix-ups (llama.cpp's q/k permutation) move every per-row field alike.
-                for holder in (values, getattr(values, "k", None)):
-                    for name in getattr(holder, "__dataclass_fields__", ()):
-                        field = getattr(holder, name)
-                        if isinstance(field, torch.Tensor):
-                            setattr(holder, name, fix(hf_name, field, self.hf_config).contiguous())
-                out[hf_name] = values
+                out[hf_name] = quant.map_rows(values, lambda t: fix(hf_name, t, self.hf_config).contiguous())
             if progress is not None:
                 progress(done, total)
         return out
@@ -178,7 +174,7 @@ class GGUFCheckpoint:
             # dequantize() gives float32 in the Hugging Face [out, in] layout; copy off the mmap.
             values = np.array(quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32, copy=True)
             if is_matrix and (weights in ("int4", "int8") or (weights == "auto" and kind not in _DENSE_TYPES)):
-                # auto: the quantized types left here (Q5, Q6, Q8) are kept as int8.
+                # auto: the quantized types left here (Q5, Q8, a Q6_K narrower than 256) are kept as int8.
                 yield tensor.name, quant.quantize(torch.from_numpy(values), "int4" if weights == "int4" else "int8")
                 continue
             yield tensor.name, values

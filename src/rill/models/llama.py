@@ -56,13 +56,6 @@ def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), eps=eps)
 
 
-def _norm_then(norm: RMSNorm, proj: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``proj(norm(x))``; one kernel call when ``proj`` holds quantized weights (``packed.normed_linear``)."""
-    if isinstance(proj, quant.QuantizedLinear):
-        return packed.normed_linear(x, norm.weight, norm.eps, proj.weight, proj.bias)  # type: ignore[arg-type]
-    return proj(norm(x))
-
-
 class DecoderLayer(nn.Module):
     """Pre-norm attention + SwiGLU MLP block with fused projections."""
 
@@ -89,7 +82,7 @@ class DecoderLayer(nn.Module):
         Returns ``q [..., heads, hd]``, ``k`` and ``v [..., kv_heads, hd]``; ``cos/sin`` broadcast
         as ``[..., 1, hd]``.
         """
-        return self._split(_norm_then(self.input_norm, self.qkv, x), cos, sin)
+        return self._split(packed.normed_linear(x, self.input_norm, self.qkv.weight, self.qkv.bias), cos, sin)
 
     def _split(
         self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -108,11 +101,8 @@ class DecoderLayer(nn.Module):
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         """Post-attention norm + SwiGLU MLP (without the residual)."""
-        gate_up = _norm_then(self.post_norm, self.gate_up, x)
-        if isinstance(self.down, quant.QuantizedLinear):
-            return packed.swiglu_linear(gate_up, self.down.weight, self.down.bias)  # type: ignore[arg-type]
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        gate_up = packed.normed_linear(x, self.post_norm, self.gate_up.weight, self.gate_up.bias)
+        return packed.swiglu_linear(gate_up, self.down.weight, self.down.bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """Cache-free block on ``x [B, T, hidden]``; ``mask`` [T, T] bool or None for plain causal."""
@@ -138,7 +128,7 @@ class DecoderLayer(nn.Module):
         projections are dense (bit-for-bit with transformers), take the torch path.
         """
         if batch.num_decode and self.q_norm is None and isinstance(self.qkv, quant.QuantizedLinear):
-            qkv = _norm_then(self.input_norm, self.qkv, x)
+            qkv = packed.normed_linear(x, self.input_norm, self.qkv.weight, self.qkv.bias)
             decode = batch.num_decode
             attn = qkernel.decode_attention(qkv[:decode], batch.cos[:decode], batch.sin[:decode],
                                             batch.positions[:decode], k_cache, v_cache, self.num_heads, self.window)
@@ -230,7 +220,7 @@ class LlamaModel(nn.Module):
             if not batch.logits_index.numel():
                 return x.new_empty((0, self.config.vocab_size), dtype=torch.float32)
             x = x.index_select(0, batch.logits_index)
-        return packed.normed_linear(x, self.norm.weight, self.norm.eps, self.lm_weight()).float()
+        return packed.normed_linear(x, self.norm, self.lm_weight()).float()
 
     def to_hf_state_dict(self) -> dict[str, torch.Tensor]:
         """Return the weights under Hugging Face names (projections unfused), sharing no storage."""

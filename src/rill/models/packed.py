@@ -68,30 +68,30 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def normed_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+def normed_linear(x: torch.Tensor, norm: nn.Module, weight: torch.Tensor,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``linear(norm_weight * rms_norm(x), weight, bias)``: an RMS norm and the projection after it.
+    """``linear(norm(x), weight, bias)`` for an RMS norm module (``weight``, ``eps``).
 
     A quantized weight whose kernel can apply the norm as it reads the activations
-    (``linear_rms``) does it in one call; any other weight gets the norm as ``RMSNorm`` modules
-    compute it, then ``linear``.
+    (``linear_rms``) does both in one call; any other weight gets ``norm(x)`` as the module
+    computes it (bit for bit), then ``linear``.
     """
     fused = getattr(weight, "linear_rms", None)
-    if fused is not None:
-        out = fused(x, norm_weight, eps)
-        return out if bias is None else out + bias
-    return linear(norm_weight * F.rms_norm(x, (x.shape[-1],), eps=eps), weight, bias)
+    if fused is None:
+        return linear(norm(x), weight, bias)
+    out = fused(x, norm.weight, norm.eps)
+    return out if bias is None else out + bias
 
 
 def swiglu_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``linear(silu(gate) * up, weight, bias)`` for ``gate_up [..., 2K]`` (gate first), in one
     kernel call where the weight's kernel can (``linear_swiglu``)."""
     fused = getattr(weight, "linear_swiglu", None)
-    if fused is not None:
-        out = fused(gate_up)
-        return out if bias is None else out + bias
-    gate, up = gate_up.chunk(2, dim=-1)
-    return linear(F.silu(gate) * up, weight, bias)
+    if fused is None:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, weight, bias)
+    out = fused(gate_up)
+    return out if bias is None else out + bias
 
 
 def pack_weight(weight: torch.Tensor, release: bool = False) -> int:

@@ -31,7 +31,7 @@ Imports numpy, torch and ``rill.models.packed``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -147,6 +147,19 @@ class Int6Values:
 
 
 QuantValues = Int4Values | Int8Values | Int6Values
+
+
+def map_rows(values: QuantValues, fn: Callable[[torch.Tensor], torch.Tensor]) -> QuantValues:
+    """``values`` (changed in place) with ``fn`` applied to each of its tensors, the Q4_K scales
+    included: every field of every values class is per output row, so a row reordering moves
+    them all alike."""
+    for name in values.__dataclass_fields__:
+        field = getattr(values, name)
+        if isinstance(field, torch.Tensor):
+            setattr(values, name, fn(field))
+        elif isinstance(field, KScales):
+            map_rows(field, fn)  # type: ignore[arg-type]
+    return values
 
 
 def is_quantized(value: object) -> bool:

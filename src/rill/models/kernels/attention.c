@@ -26,26 +26,15 @@
 
 #define MAX_D 256
 
-static inline __m512 load(const void *p, int bf16, int64_t at)
-{
-    return bf16 ? load_bf16((const uint16_t *)p + at) : _mm512_loadu_ps((const float *)p + at);
-}
-
-static inline void store(void *p, int bf16, int64_t at, __m512 v)
-{
-    if (bf16) _mm256_storeu_si256((__m256i *)((uint16_t *)p + at), to_bf16(v));
-    else _mm512_storeu_ps((float *)p + at, v);
-}
-
 /* Rotate one head x (D values at x_at) into out (float32, rounded to the dtype's precision). */
 static void rope(const void *x, int bf16, int64_t x_at, const void *cos, const void *sin, int64_t cs_at, int64_t D,
                  float *out)
 {
     const int64_t half = D / 2;
     for (int64_t i = 0; i < half; i += 16) {
-        const __m512 x1 = load(x, bf16, x_at + i), x2 = load(x, bf16, x_at + half + i);
-        const __m512 c1 = load(cos, bf16, cs_at + i), c2 = load(cos, bf16, cs_at + half + i);
-        const __m512 s1 = load(sin, bf16, cs_at + i), s2 = load(sin, bf16, cs_at + half + i);
+        const __m512 x1 = load_ps(x, bf16, x_at + i), x2 = load_ps(x, bf16, x_at + half + i);
+        const __m512 c1 = load_ps(cos, bf16, cs_at + i), c2 = load_ps(cos, bf16, cs_at + half + i);
+        const __m512 s1 = load_ps(sin, bf16, cs_at + i), s2 = load_ps(sin, bf16, cs_at + half + i);
         /* torch: x * cos + cat(-x2, x1) * sin, each product and the sum rounded to the dtype. */
         __m512 a1 = _mm512_mul_ps(x1, c1), b1 = _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2), s1);
         __m512 a2 = _mm512_mul_ps(x2, c2), b2 = _mm512_mul_ps(x1, s2);
@@ -64,7 +53,7 @@ static void rope(const void *x, int bf16, int64_t x_at, const void *cos, const v
 static inline float dot(const float *q, const void *k, int bf16, int64_t k_at, int64_t D)
 {
     __m512 acc = _mm512_setzero_ps();
-    for (int64_t i = 0; i < D; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load(k, bf16, k_at + i), acc);
+    for (int64_t i = 0; i < D; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load_ps(k, bf16, k_at + i), acc);
     return _mm512_reduce_add_ps(acc);
 }
 
@@ -111,8 +100,8 @@ int rill_decode_attention(const void *qkv, int bf16, int64_t B, int64_t H, int64
         for (int64_t j = 0; j < G; j++) rope(qkv, bf16, b * width + (kv * G + j) * D, cos, sin, b * D, D, q[j]);
         rope(qkv, bf16, b * width + (H + kv) * D, cos, sin, b * D, D, k);
         for (int64_t i = 0; i < D; i += 16) {
-            store(k_cache, bf16, head_at + p * D + i, _mm512_loadu_ps(k + i));
-            store(v_cache, bf16, head_at + p * D + i, load(qkv, bf16, b * width + (H + KVH + kv) * D + i));
+            store_ps(k_cache, bf16, head_at + p * D + i, _mm512_loadu_ps(k + i));
+            store_ps(v_cache, bf16, head_at + p * D + i, load_ps(qkv, bf16, b * width + (H + KVH + kv) * D + i));
         }
         float *s = scores + item * G * longest;
         for (int64_t l = 0; l < L; l++) {
@@ -124,10 +113,10 @@ int rill_decode_attention(const void *qkv, int bf16, int64_t B, int64_t H, int64
             __m512 acc[G];
             for (int64_t j = 0; j < G; j++) acc[j] = _mm512_setzero_ps();
             for (int64_t l = 0; l < L; l++) {
-                const __m512 v = load(v_cache, bf16, head_at + (lo + l) * D + i);
+                const __m512 v = load_ps(v_cache, bf16, head_at + (lo + l) * D + i);
                 for (int64_t j = 0; j < G; j++) acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(s[j * L + l]), v, acc[j]);
             }
-            for (int64_t j = 0; j < G; j++) store(out, bf16, b * H * D + (kv * G + j) * D + i, acc[j]);
+            for (int64_t j = 0; j < G; j++) store_ps(out, bf16, b * H * D + (kv * G + j) * D + i, acc[j]);
         }
     }
     free(scores);

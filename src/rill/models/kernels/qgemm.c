@@ -53,10 +53,6 @@ static inline void prefetch(const void *p, int bytes)
 }
 
 
-static inline __m512 load_ps(const void *x, int x_bf16, int64_t at)
-{
-    return x_bf16 ? load_bf16((const uint16_t *)x + at) : _mm512_loadu_ps((const float *)x + at);
-}
 
 /* What is done to each row of x before it is rounded (PRE_*):
  *   PRE_NONE:   x [M, K] as it is;
@@ -327,17 +323,10 @@ int rill_linear(int bits, const uint8_t *w, const void *s, const uint16_t *z, in
             uint16_t *yb = (uint16_t *)y;
             const int64_t total = M * N, full = total / 16 * 16;
 #pragma omp parallel for schedule(static) if (total >= 65536)
-            for (int64_t i = 0; i < full; i += 16) {
-                __m512i u = _mm512_castps_si512(_mm512_loadu_ps(yf + i));
-                __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-                u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
-                _mm256_storeu_si256((__m256i *)(yb + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
-            }
-            for (int64_t i = full; i < total; i++) {
-                uint32_t u;
-                memcpy(&u, yf + i, 4);
-                u += 0x7FFF + ((u >> 16) & 1);
-                yb[i] = (uint16_t)(u >> 16);
+            for (int64_t i = 0; i < full; i += 16) store_ps(yb, 1, i, _mm512_loadu_ps(yf + i));
+            if (full < total) {
+                const __mmask16 rest = (__mmask16)((1u << (total - full)) - 1u);
+                _mm256_mask_storeu_epi16(yb + full, rest, to_bf16(_mm512_maskz_loadu_ps(rest, yf + full)));
             }
         }
         status = 0;

@@ -29,6 +29,19 @@ static inline __m512 round_bf16(__m512 v)
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(v)), 16));
 }
 
+/* 16 lanes at element ``at`` of a float32 array, or of a bfloat16 one when bf16. */
+static inline __m512 load_ps(const void *p, int bf16, int64_t at)
+{
+    return bf16 ? load_bf16((const uint16_t *)p + at) : _mm512_loadu_ps((const float *)p + at);
+}
+
+/* 16 lanes to element ``at`` of a float32 array, or of a bfloat16 one (rounded) when bf16. */
+static inline void store_ps(void *p, int bf16, int64_t at, __m512 v)
+{
+    if (bf16) _mm256_storeu_si256((__m256i *)((uint16_t *)p + at), to_bf16(v));
+    else _mm512_storeu_ps((float *)p + at, v);
+}
+
 /* e^x for float lanes (|error| < 2 ulp over the range SiLU needs): x = n ln2 + r, |r| <= ln2/2,
  * e^r by a degree-6 polynomial, times 2^n by VSCALEFPS (which saturates to 0 and inf). */
 static inline __m512 exp_ps(__m512 x)
