@@ -56,6 +56,7 @@ MAX_ALLOWED_TOKEN_IDS = 2**18  # more than any vocabulary holds
 MAX_NUM_BEAMS = 16
 MAX_ABS_LENGTH_PENALTY = 10.0  # beam scores stay finite for any length (see engine.beam)
 MAX_SEED = 2**63
+MAX_SPECULATIVE_TOKENS = 16  # draft tokens one request may ask to have verified per step
 MAX_CONSTRAINT_CHARS = 65536  # a JSON schema, regex or grammar; compiling is linear in it
 
 
@@ -149,6 +150,11 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     response_format: ResponseFormat | None = None
     """Constrained decoding (``ResponseFormat``); a ``modify`` that sets it constrains the text
     generated from then on (not the text before)."""
+    speculative: bool | int = True
+    """Speculative decoding for this request, when the server runs it (``--speculative``):
+    true takes the server's draft length, false or 0 turns it off, N in [1, 16] caps the draft
+    at N tokens. Output is the same either way (greedy token for token; sampled from the same
+    distribution, and with a seed the same text); only the speed differs."""
 
     def validate(self, vocab_size: int | None = None, max_logprobs: int = 20,
                  allow_prefill_only: bool = False) -> "SamplingParams":
@@ -201,6 +207,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         _check(1 <= self.num_beams <= MAX_NUM_BEAMS, "num_beams", f"must be in [1, {MAX_NUM_BEAMS}]")
         _range(self.length_penalty, -MAX_ABS_LENGTH_PENALTY, MAX_ABS_LENGTH_PENALTY, "length_penalty")
         _check(self.seed is None or 0 <= self.seed < MAX_SEED, "seed", "must be in [0, 2**63)")
+        _check(isinstance(self.speculative, bool) or (_is_int(self.speculative)
+                                                       and 0 <= self.speculative <= MAX_SPECULATIVE_TOKENS),
+               "speculative", f"must be true, false or a number of draft tokens in [0, {MAX_SPECULATIVE_TOKENS}]")
 
     def _check_stop_strings(self) -> None:
         """Stop strings: a list of non-empty strings, few and short enough."""
@@ -263,6 +272,12 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         except msgspec.ValidationError as exc:
             raise InvalidRequest(f"invalid sampling parameter: {exc}", field=_path_field(str(exc))) from exc
         return new.validate()
+
+    def speculative_tokens(self, server_k: int) -> int:
+        """The most draft tokens this request lets the server verify per step, given the server's ``k``."""
+        if self.speculative is True:
+            return server_k
+        return min(int(self.speculative), server_k)
 
     @property
     def is_greedy(self) -> bool:
@@ -521,6 +536,8 @@ class EngineStats(msgspec.Struct, kw_only=True):
     generation_tokens_total: int = 0
     num_steps_total: int = 0
     num_preemptions_total: int = 0
+    spec_draft_tokens_total: int = 0  # speculative draft tokens verified
+    spec_accepted_tokens_total: int = 0  # of those, emitted as drafted
     last_batch_size: int = 0
     last_step_ms: float = 0.0
     step_ms_ewma: float = 0.0

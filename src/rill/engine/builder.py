@@ -25,7 +25,8 @@ from rill.config import EngineConfig, parse_size
 from rill.engine.batch import ModelRunner
 from rill.engine.core import CoreConfig, EngineCore
 from rill.engine.grammar import GrammarCompiler
-from rill.errors import ModelLoadError, RillError
+from rill.engine.speculative import SpeculativeConfig
+from rill.errors import ConfigError, ModelLoadError, RillError
 from rill.types import ModelInfo
 
 if TYPE_CHECKING:
@@ -102,7 +103,8 @@ def assemble_engine(
     """
     eos = frozenset(set(eos_token_ids) | set(tokenizer.eos_token_ids))
     grammars = _grammar_compiler(tokenizer, runner.vocab_size, eos, warm=warm_grammars)
-    core_config = CoreConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens)
+    core_config = CoreConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+                             speculative=speculative_config(config))
     core = EngineCore(runner, tokenizer, core_config, clock or time.monotonic, thread_governor)
     model_info = ModelInfo(
         name=config.served_model_name or name,
@@ -117,6 +119,19 @@ def assemble_engine(
     )
     return Engine(core=core, runner=runner, tokenizer=tokenizer, grammars=grammars, eos_token_ids=eos,
                   model_info=model_info, generation_defaults=dict(generation_defaults or {}))
+
+
+def speculative_config(config: EngineConfig) -> SpeculativeConfig:
+    """The engine's speculation settings from the server's flags.
+
+    Raises:
+        ConfigError: a flag out of range.
+    """
+    try:
+        return SpeculativeConfig(method=config.speculative, num_tokens=config.num_speculative_tokens,
+                                 max_batch=config.speculative_max_batch)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
 
 
 def _grammar_compiler(tokenizer: Any, vocab_size: int, eos: frozenset[int], *, warm: bool) -> GrammarCompiler:

@@ -7,6 +7,10 @@ steps. Each request's ``OutputStage`` (detokenization, stop strings, held-back t
 the step, so a stop string ends the request (and frees its row) in the very step that
 produced it.
 
+Speculative decoding (``rill.engine.speculative``): before the forward, a decoding request may
+get draft tokens appended to its one-token feed; after it, ``_sample_verified`` samples depth
+by depth and keeps a request going while its sampled token equals its draft.
+
 Fault isolation: whatever is done for one request alone (applying its commands, sampler
 setup, sampling, beam scoring, detokenizing, stop checks) runs under ``_isolated``; if it
 raises, that request alone ends with ``GenerationError`` and its KV rows are freed, while every
@@ -41,6 +45,7 @@ from rill.engine.request import (
 )
 from rill.engine.sampler import Sampler
 from rill.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from rill.engine.speculative import SpeculativeConfig, Speculator
 from rill.errors import GenerationError, RequestTimeout, RillError
 from rill.types import EngineStats, FinishReason, RequestEvent, RequestOutput, TokenLogprob, Usage
 
@@ -67,6 +72,7 @@ class CoreConfig:
     max_num_batched_tokens: int = 8192
     min_prefill_chunk_tokens: int = 4
     min_reuse_tokens: int = 8  # shorter shared prefixes (a BOS, a common first word) are not worth a copy
+    speculative: SpeculativeConfig = SpeculativeConfig()
 
 
 class EngineCore:
@@ -97,6 +103,7 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self.touched: dict[str, Request] = {}
         self.deadlines: dict[str, Request] = {}
+        self.speculator = Speculator(config.speculative) if config.speculative.enabled else None
         self.stats_counters = EngineStats()
         self._decode_step_s: float | None = None
         self._seq_no = 0
@@ -186,6 +193,8 @@ class EngineCore:
         request.output.reset(request.prompt_ids, request.params.stop)
         if request.sampler_key is not None:
             self.sampler.reset(request.sampler_key, request.prompt_ids)
+        if request.speculation is not None:
+            self.speculator.rewind(request.speculation, num_prompt)
         if request.row is not None:
             reused = min(request.num_computed, num_prompt - 1)
             request.num_computed = reused
@@ -237,6 +246,9 @@ class EngineCore:
         work: list[RowWork] = [w for item in scheduled for w in item.work]
         if not work:
             return
+        if self.speculator is not None:
+            self._add_drafts(scheduled, plan)
+            work = [w for item in scheduled for w in item.work]
         t0 = time.perf_counter()
         with self.thread_governor.step() if self.thread_governor is not None else nullcontext():
             logits = self.runner.forward(work)
@@ -257,9 +269,44 @@ class EngineCore:
             self.stats_counters.prompt_tokens_total += len(request.prompt_ids)
             self._event(request, RequestEvent.SCHEDULED)
 
+    def _add_drafts(self, scheduled: list[ScheduledRequest], plan: SchedulerOutput) -> None:
+        """Append draft tokens to the feeds of decoding requests that speculate this step.
+
+        Only a plain decode (one row, the request's last token, sampled after) speculates, and
+        none does in a step with more decoding requests than ``max_batch``.
+        """
+        speculator = self.speculator
+        decoding = [item for item in scheduled
+                    if len(item.work) == 1 and item.request.beam is None and not item.request.is_beam
+                    and len(item.work[0].token_ids) == 1 and item.work[0].need_logits and not item.work[0].all_logits]
+        if len(decoding) > speculator.config.max_batch:
+            return
+        for item in decoding:
+            self._isolated(item.request, "drafting speculative tokens", self._draft_for, item, plan)
+
+    def _draft_for(self, item: ScheduledRequest, plan: SchedulerOutput) -> None:
+        request = item.request
+        params = request.params
+        if params.max_tokens == 0 or not self.speculator.wants(params, request.is_beam):
+            return
+        if request.speculation is None:
+            request.speculation = self.speculator.new_state()
+        num_tokens = request.num_tokens
+        limit = min(params.speculative_tokens(self.speculator.config.num_tokens),
+                    params.max_tokens - len(request.output_ids) - 1,  # the last token needs no draft
+                    self.max_len - num_tokens)  # the fed tokens must fit in the row
+        draft = self.speculator.draft(request.speculation, num_tokens,
+                                      lambda start: request.token_at(start, num_tokens), limit)
+        if not draft:
+            return
+        work = item.work[0]
+        item.work[0] = RowWork(work.row, work.token_ids + draft, work.start, need_logits=True, all_logits=True,
+                               draft=True)
+        item.draft = draft
+        plan.num_draft_tokens += len(draft)
+
     def _sample_and_advance(self, scheduled: list[ScheduledRequest], logits: torch.Tensor) -> None:
-        sample_rows: list[int] = []
-        sample_reqs: list[Request] = []
+        sample_items: list[tuple[Request, int, list[int]]] = []  # (request, its first logits row, its draft)
         beam_items: list[tuple[Request, int, int]] = []
         prefilled: list[Request] = []
         index = 0
@@ -271,6 +318,11 @@ class EngineCore:
                 request.beam.computed()
                 continue
             work = item.work[0]
+            if item.draft:  # a speculative decode: only its fed token is known to be right yet
+                request.num_computed += 1
+                sample_items.append((request, index, item.draft))
+                index += work.num_logits
+                continue
             request.num_computed += len(work.token_ids)
             if work.all_logits:
                 self._isolated(request, "computing prompt logprobs", self._on_prompt_logits, request, work.start,
@@ -284,28 +336,54 @@ class EngineCore:
             elif request.is_beam:
                 beam_items.append((request, last, 1))
             else:
-                sample_rows.append(last)
-                sample_reqs.append(request)
+                sample_items.append((request, last, []))
         for request in prefilled:  # max_tokens 0: the prompt is computed, nothing is generated
             self._isolated(request, "finishing", self._finish_prefilled, request)
         now = self.clock()
-        if sample_reqs:
-            rows = logits if len(sample_rows) == logits.shape[0] else logits[sample_rows]
-            try:
-                result = self.sampler.sample(rows, [r.sampler_key for r in sample_reqs])
-            except Exception:  # not one row's fault (the sampler isolates those): fail the sampled rows
-                log.exception("sampling failed for the whole batch")
-                for request in sample_reqs:
-                    self._fail(request, "sampling")
-            else:
-                for i, (request, token, logprob) in enumerate(zip(sample_reqs, result.token_ids, result.logprobs)):
-                    if i in result.errors:
-                        self._fail(request, "sampling", exc=result.errors[i])
-                    else:
-                        self._isolated(request, "processing its new token", self._on_token, request, token, logprob, now)
+        if sample_items:
+            self._sample_verified(sample_items, logits, now)
         for request, start, count in beam_items:
             self._isolated(request, "beam search", self._beam_step, request, logits[start : start + count], now,
                            rows=self._rows_of(request))
+
+    def _sample_verified(self, items: list[tuple[Request, int, list[int]]], logits: torch.Tensor, now: float) -> None:
+        """Sample every request's next token; a speculating one goes on while it matches its draft.
+
+        Depth ``j`` samples row ``first + j`` of each request still going, in one sampler call:
+        the very draw a non-speculative step would make for that position (see
+        ``rill.engine.speculative``). A request stops at its first token that differs from its
+        draft (that token is still emitted), at the end of its draft (the token after it is
+        emitted too), or when a token finishes it. A fed draft token's KV becomes part of the
+        request (``num_computed``) only once the token was emitted.
+        """
+        depth = 0
+        while items:
+            reqs = [request for request, _, _ in items]
+            rows = [first + depth for _, first, _ in items]
+            block = logits if rows == list(range(logits.shape[0])) else logits[rows]
+            try:
+                result = self.sampler.sample(block, [r.sampler_key for r in reqs])
+            except Exception:  # not one row's fault (the sampler isolates those): fail the sampled rows
+                log.exception("sampling failed for the whole batch")
+                for request in reqs:
+                    self._fail(request, "sampling")
+                return
+            going = []
+            for i, (request, first, draft) in enumerate(items):
+                if i in result.errors:
+                    self._fail(request, "sampling", exc=result.errors[i])
+                    continue
+                token = result.token_ids[i]
+                self._isolated(request, "processing its new token", self._on_token, request, token,
+                               result.logprobs[i], now)
+                matched = depth < len(draft) and token == draft[depth]
+                if matched and not request.is_finished:
+                    request.num_computed += 1
+                    going.append((request, first, draft))
+                elif draft and request.speculation is not None:
+                    self.speculator.observe(request.speculation, len(draft), depth + int(matched))
+            items = going
+            depth += 1
 
     def _on_prompt_logits(self, request: Request, start: int, logits: torch.Tensor) -> None:
         """Turn a chunk's logits (row ``i``: after position ``start + i``) into prompt logprobs."""
@@ -518,7 +596,9 @@ class EngineCore:
         """
         alpha = 0.2
         cap = self.scheduler.prefill_chunk_tokens
-        if plan.num_prefill_tokens == 0 and plan.num_decode_tokens:
+        if plan.num_draft_tokens:
+            pass  # a verification step is no measure of a plain decode step
+        elif plan.num_prefill_tokens == 0 and plan.num_decode_tokens:
             self._decode_step_s = elapsed_s if self._decode_step_s is None else (1 - alpha) * self._decode_step_s + alpha * elapsed_s
         elif plan.num_prefill_tokens and plan.num_decode_tokens and self._decode_step_s:
             ratio = elapsed_s / self._decode_step_s
@@ -558,6 +638,8 @@ class EngineCore:
             last_step_ms=s.last_step_ms,
             step_ms_ewma=s.step_ms_ewma,
             requests_finished_total=dict(s.requests_finished_total),
+            spec_draft_tokens_total=self.speculator.stats.draft_tokens_total if self.speculator else 0,
+            spec_accepted_tokens_total=self.speculator.stats.accepted_tokens_total if self.speculator else 0,
         )
 
 

@@ -60,9 +60,13 @@ class NgramProposer:
             index.clear()
         self.extend(kept)
 
-    def propose(self, k: int | None = None) -> list[int]:
+    def propose(self, k: int | None = None, at_most_n: bool = False) -> list[int]:
         """Up to ``k`` (default ``self.k``) tokens that followed the longest recurring suffix,
-        or ``[]`` when no suffix of ``min_n`` tokens or more has occurred before."""
+        or ``[]`` when no suffix of ``min_n`` tokens or more has occurred before.
+
+        ``at_most_n``: no more tokens than the matched suffix is long (a one-token match is a
+        weaker sign of a copy than a four-token one).
+        """
         limit = self.k if k is None else k
         if limit < 1:
             return []
@@ -70,5 +74,5 @@ class NgramProposer:
         for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):
             after = self._after[n].get(tuple(tokens[len(tokens) - n:]))
             if after is not None:
-                return tokens[after:after + limit]
+                return tokens[after:after + (min(limit, n) if at_most_n else limit)]
         return []

@@ -60,6 +60,7 @@ class Request:
     output: OutputStage | None = None  # detokenizer, stop strings, undelivered tokens (made on add)
     beam: BeamGroup | None = None  # num_beams > 1: its search and rows, while it holds rows
     num_beam_tokens_emitted: int = 0  # agreed beam tokens already streamed (survives a restart)
+    speculation: Any = None  # rill.engine.speculative.SpeculationState while the request speculates
     # What the next RequestOutput will carry (besides the output stage's tokens).
     pending_events: list[RequestEvent] = field(default_factory=list)
     pending_modified: list[SamplingParams] = field(default_factory=list)  # one per pending MODIFIED event

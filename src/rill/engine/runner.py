@@ -235,6 +235,7 @@ class TorchModelRunner:
             decode_masks=self._decode_masks(decode, decode_len),
             prefill=self._prefill_layout(prefill) if prefill else None,
             logits_index=logits_index,
+            drafts_only=bool(prefill) and all(item.draft for item in prefill),
         )
 
     def _decode_masks(self, decode: list[RowWork], decode_len: int) -> dict[int | None, torch.Tensor | None]:

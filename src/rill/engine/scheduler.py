@@ -40,6 +40,7 @@ class ScheduledRequest:
 
     request: Request
     work: list[RowWork]
+    draft: list[int] = field(default_factory=list)  # speculative tokens the core appended to a decode
 
 
 @dataclass(slots=True)
@@ -51,6 +52,7 @@ class SchedulerOutput:
     failed: list[tuple[Request, Exception]] = field(default_factory=list)
     num_decode_tokens: int = 0
     num_prefill_tokens: int = 0
+    num_draft_tokens: int = 0  # speculative tokens the core added to decodes (not counted above)
 
     @property
     def is_empty(self) -> bool:

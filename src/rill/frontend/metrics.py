@@ -190,6 +190,9 @@ class _EngineCollector(Collector):
         yield counter("rill_generation_tokens", "Tokens generated", stats.generation_tokens_total)
         yield counter("rill_engine_steps", "Engine steps run", stats.num_steps_total)
         yield counter("rill_num_preemptions", "Requests preempted under KV memory pressure", stats.num_preemptions_total)
+        yield counter("rill_spec_decode_draft_tokens", "Speculative draft tokens verified", stats.spec_draft_tokens_total)
+        yield counter("rill_spec_decode_accepted_tokens", "Speculative draft tokens accepted (emitted as drafted)",
+                      stats.spec_accepted_tokens_total)
         yield gauge("rill_engine_step_seconds", "Moving average of one engine step", stats.step_ms_ewma / 1000.0)
 
 

@@ -68,6 +68,8 @@ class StepBatch:
         logits_index: ``[M]`` packed positions whose logits are wanted (may be empty), or
             None for every token in packed order.
         cos, sin: ``[N, 1, head_dim]`` RoPE rows in the activation dtype (set by the model).
+        drafts_only: every prefill chunk is a speculative draft (``RowWork.draft``): a model
+            with a decode kernel may run them through it like decode tokens.
     """
 
     input_ids: torch.Tensor
@@ -80,6 +82,7 @@ class StepBatch:
     logits_index: torch.Tensor | None
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
+    drafts_only: bool = False
 
 
 def write_kv(

@@ -124,16 +124,21 @@ class DecoderLayer(nn.Module):
         """Cached block on packed tokens ``x [N, hidden]`` (see ``rill.models.attention``).
 
         With quantized projections the decode rows' RoPE, cache writes and attention are one
-        kernel call (``qkernel.decode_attention``); prefill chunks, and every model whose
-        projections are dense (bit-for-bit with transformers), take the torch path.
+        kernel call (``qkernel.decode_attention``), and so are the chunks of a step whose
+        chunks are all speculative drafts (``StepBatch.drafts_only``), token by token exactly as
+        decode steps compute them; prompt chunks, and every model whose projections are dense
+        (bit-for-bit with transformers), take the torch path.
         """
-        if batch.num_decode and self.q_norm is None and isinstance(self.qkv, quant.QuantizedLinear):
+        if self.q_norm is None and isinstance(self.qkv, quant.QuantizedLinear) and (
+                batch.num_decode or batch.drafts_only):
             qkv = packed.normed_linear(x, self.input_norm, self.qkv.weight, self.qkv.bias)
-            decode = batch.num_decode
+            whole = batch.prefill is None or batch.drafts_only
+            decode = qkv.shape[0] if whole else batch.num_decode
             attn = qkernel.decode_attention(qkv[:decode], batch.cos[:decode], batch.sin[:decode],
-                                            batch.positions[:decode], k_cache, v_cache, self.num_heads, self.window)
+                                            batch.positions[:decode], k_cache, v_cache, self.num_heads, self.window,
+                                            cache_rows=batch.write_rows if batch.prefill is not None and whole else None)
             if attn is not None:
-                if batch.prefill is not None:
+                if not whole:
                     q, k, v = self._split(qkv[decode:], batch.cos[decode:], batch.sin[decode:])
                     write_kv(k_cache, v_cache, k, v, batch, first=decode)
                     attn = torch.cat((attn, prefill_attention(q, k_cache, v_cache, batch.prefill, self.window)))

@@ -106,7 +106,7 @@ def _load() -> ctypes.CDLL | None:
         library.rill_linear.argtypes = (ctypes.c_int, ptr, ptr, ptr, i64, i64, ptr, ctypes.c_int, i64, ptr,
                                         ctypes.c_int, ptr, ctypes.c_float)
         library.rill_linear.restype = ctypes.c_int
-        library.rill_decode_attention.argtypes = (ptr, ctypes.c_int, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr,
+        library.rill_decode_attention.argtypes = (ptr, ctypes.c_int, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr,
                                                   i64, i64, ctypes.c_float, ptr)
         library.rill_decode_attention.restype = ctypes.c_int
         _library = library
@@ -275,11 +275,17 @@ class BlockedWeight(QuantWeight):
 
 def decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                      k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, window: int | None,
-                     scale: float | None = None) -> torch.Tensor | None:
-    """One decode step of attention for rows ``0..B-1`` in one call (``kernels/attention.c``):
-    RoPE on the query and key heads of ``qkv [B, (H + 2 KVH) * D]``, the keys and values written
-    at ``positions [B]`` of the caches ``[rows, KVH, max_len, D]``, and attention over each
-    row's keys up to its position (the last ``window`` of them with a sliding window).
+                     scale: float | None = None, cache_rows: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Attention of tokens that each attend from their own position, in one call
+    (``kernels/attention.c``): RoPE on the query and key heads of ``qkv [B, (H + 2 KVH) * D]``,
+    the keys and values written at ``positions [B]`` of the caches ``[rows, KVH, max_len, D]``,
+    and attention over each token's row up to its position (the last ``window`` keys with a
+    sliding window).
+
+    Token ``b`` goes to cache row ``b`` (decode rows ``0..B-1``), or to ``cache_rows[b]``: then
+    several tokens may be consecutive positions of one row (a speculative draft), every key is
+    written before any token attends, and each token's result is bit for bit what a one-token
+    step at its position gives.
 
     Returns ``[B, H * D]`` in ``qkv``'s dtype, or None where the kernel does not apply (no
     kernel here, another dtype or layout, a head size that is not a multiple of 32): the
@@ -290,14 +296,16 @@ def decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, po
     batch = qkv.shape[0]
     if (library is None or qkv.dtype not in (torch.bfloat16, torch.float32) or head_dim % 32 or head_dim > 256
             or not all(t.dtype == qkv.dtype and t.is_contiguous() for t in (qkv, k_cache, v_cache))
-            or qkv.device.type != "cpu" or batch > rows or num_heads % kv_heads
+            or qkv.device.type != "cpu" or (cache_rows is None and batch > rows) or num_heads % kv_heads
             or qkv.shape[1] != (num_heads + 2 * kv_heads) * head_dim):
         return None
     cos, sin = cos.reshape(batch, head_dim).contiguous(), sin.reshape(batch, head_dim).contiguous()
     positions = positions.to(torch.int64).contiguous()
+    if cache_rows is not None:
+        cache_rows = cache_rows.to(torch.int64).contiguous()
     out = torch.empty((batch, num_heads * head_dim), dtype=qkv.dtype)
     status = library.rill_decode_attention(
         _ptr(qkv), int(qkv.dtype == torch.bfloat16), batch, num_heads, kv_heads, head_dim, _ptr(cos), _ptr(sin),
-        _ptr(positions), _ptr(k_cache), _ptr(v_cache), max_len, window or 0,
-        head_dim ** -0.5 if scale is None else scale, _ptr(out))
+        _ptr(positions), None if cache_rows is None else _ptr(cache_rows), _ptr(k_cache), _ptr(v_cache), max_len,
+        window or 0, head_dim ** -0.5 if scale is None else scale, _ptr(out))
     return out if status == 0 else None

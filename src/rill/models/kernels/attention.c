@@ -12,7 +12,7 @@
  * Layouts (all contiguous; "elem" is float32, or bfloat16 when bf16):
  *   qkv  [B, (H + 2 KVH) * D]: query heads, then key heads, then value heads;
  *   cos, sin [B, D]; pos [B] int64;
- *   caches [rows, KVH, max_len, D] (rows >= B: decode rows are rows 0..B-1);
+ *   caches [rows, KVH, max_len, D]: token b's row is rows[b], or b when rows is NULL;
  *   out [B, H * D]. Query head h reads KV head h / (H / KVH).
  * D must be a multiple of 32. Work items are (row, KV head) pairs, spread over OpenMP threads.
  */
@@ -80,10 +80,49 @@ static void softmax(float *s, int64_t n)
     }
 }
 
-/* Returns 0, or -1 when scratch for the scores could not be had (nothing written). */
+/* Attention of one (token, KV head) item whose G query heads, rotated, are q: scores over the
+ * keys lo..p of the cache head at head_at, softmax, weighted values into out. */
+static void attend(const float (*q)[MAX_D], int64_t G, int64_t D, int bf16, const void *k_cache,
+                   const void *v_cache, int64_t head_at, int64_t lo, int64_t L, float scale, float *s, void *out,
+                   int64_t out_at)
+{
+    for (int64_t l = 0; l < L; l++) {
+        for (int64_t j = 0; j < G; j++) s[j * L + l] = scale * dot(q[j], k_cache, bf16, head_at + (lo + l) * D, D);
+    }
+    for (int64_t j = 0; j < G; j++) softmax(s + j * L, L);
+    /* Values: each chunk of 16 lanes read once for all G heads of the group. */
+    for (int64_t i = 0; i < D; i += 16) {
+        __m512 acc[G];
+        for (int64_t j = 0; j < G; j++) acc[j] = _mm512_setzero_ps();
+        for (int64_t l = 0; l < L; l++) {
+            const __m512 v = load_ps(v_cache, bf16, head_at + (lo + l) * D + i);
+            for (int64_t j = 0; j < G; j++) acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(s[j * L + l]), v, acc[j]);
+        }
+        for (int64_t j = 0; j < G; j++) store_ps(out, bf16, out_at + j * D + i, acc[j]);
+    }
+}
+
+/* Rotate token b's key head kv and write it and the value head at position p of the cache head at head_at. */
+static void write_key_value(const void *qkv, int bf16, int64_t b, int64_t kv, int64_t H, int64_t KVH, int64_t D,
+                            int64_t width, const void *cos, const void *sin, void *k_cache, void *v_cache,
+                            int64_t head_at, int64_t p)
+{
+    float k[MAX_D];
+    rope(qkv, bf16, b * width + (H + kv) * D, cos, sin, b * D, D, k);
+    for (int64_t i = 0; i < D; i += 16) {
+        store_ps(k_cache, bf16, head_at + p * D + i, _mm512_loadu_ps(k + i));
+        store_ps(v_cache, bf16, head_at + p * D + i, load_ps(qkv, bf16, b * width + (H + KVH + kv) * D + i));
+    }
+}
+
+/* Token b goes to cache row rows[b] (rows may be NULL: row b). With rows, several tokens may
+ * share a row (a draft being verified: consecutive positions of one sequence); every key and
+ * value is then written before any token attends, so each sees the tokens before it. Each
+ * token's result equals what a one-token call at its position computes, bit for bit.
+ * Returns 0, or -1 when scratch for the scores could not be had (nothing written). */
 int rill_decode_attention(const void *qkv, int bf16, int64_t B, int64_t H, int64_t KVH, int64_t D,
-                          const void *cos, const void *sin, const int64_t *pos, void *k_cache, void *v_cache,
-                          int64_t max_len, int64_t window, float scale, void *out)
+                          const void *cos, const void *sin, const int64_t *pos, const int64_t *rows, void *k_cache,
+                          void *v_cache, int64_t max_len, int64_t window, float scale, void *out)
 {
     if (D % 32 || D > MAX_D || H % KVH) return -1;
     const int64_t G = H / KVH, width = (H + 2 * KVH) * D;
@@ -91,33 +130,24 @@ int rill_decode_attention(const void *qkv, int bf16, int64_t B, int64_t H, int64
     for (int64_t b = 0; b < B; b++) longest = pos[b] + 1 > longest ? pos[b] + 1 : longest;
     float *scores = malloc((size_t)(B * KVH * G * longest) * sizeof(float));
     if (scores == NULL) return -1;
+    if (rows != NULL) {
+#pragma omp parallel for schedule(static) if (B * KVH > 1)
+        for (int64_t item = 0; item < B * KVH; item++) {
+            const int64_t b = item / KVH, kv = item % KVH;
+            write_key_value(qkv, bf16, b, kv, H, KVH, D, width, cos, sin, k_cache, v_cache,
+                            (rows[b] * KVH + kv) * max_len * D, pos[b]);
+        }
+    }
 #pragma omp parallel for schedule(static) if (B * KVH > 1)
     for (int64_t item = 0; item < B * KVH; item++) {
         const int64_t b = item / KVH, kv = item % KVH, p = pos[b];
         const int64_t lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0, L = p + 1 - lo;
-        const int64_t head_at = (b * KVH + kv) * max_len * D;  /* start of this row's head in a cache */
-        float q[G][MAX_D], k[MAX_D];
+        const int64_t head_at = ((rows != NULL ? rows[b] : b) * KVH + kv) * max_len * D;  /* this row's head */
+        float q[G][MAX_D];
         for (int64_t j = 0; j < G; j++) rope(qkv, bf16, b * width + (kv * G + j) * D, cos, sin, b * D, D, q[j]);
-        rope(qkv, bf16, b * width + (H + kv) * D, cos, sin, b * D, D, k);
-        for (int64_t i = 0; i < D; i += 16) {
-            store_ps(k_cache, bf16, head_at + p * D + i, _mm512_loadu_ps(k + i));
-            store_ps(v_cache, bf16, head_at + p * D + i, load_ps(qkv, bf16, b * width + (H + KVH + kv) * D + i));
-        }
-        float *s = scores + item * G * longest;
-        for (int64_t l = 0; l < L; l++) {
-            for (int64_t j = 0; j < G; j++) s[j * L + l] = scale * dot(q[j], k_cache, bf16, head_at + (lo + l) * D, D);
-        }
-        for (int64_t j = 0; j < G; j++) softmax(s + j * L, L);
-        /* Values: each chunk of 16 lanes read once for all G heads of the group. */
-        for (int64_t i = 0; i < D; i += 16) {
-            __m512 acc[G];
-            for (int64_t j = 0; j < G; j++) acc[j] = _mm512_setzero_ps();
-            for (int64_t l = 0; l < L; l++) {
-                const __m512 v = load_ps(v_cache, bf16, head_at + (lo + l) * D + i);
-                for (int64_t j = 0; j < G; j++) acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(s[j * L + l]), v, acc[j]);
-            }
-            for (int64_t j = 0; j < G; j++) store_ps(out, bf16, b * H * D + (kv * G + j) * D + i, acc[j]);
-        }
+        if (rows == NULL) write_key_value(qkv, bf16, b, kv, H, KVH, D, width, cos, sin, k_cache, v_cache, head_at, p);
+        attend((const float (*)[MAX_D])q, G, D, bf16, k_cache, v_cache, head_at, lo, L, scale,
+               scores + item * G * longest, out, b * H * D + kv * G * D);
     }
     free(scores);
     return 0;

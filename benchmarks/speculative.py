@@ -1,0 +1,243 @@
+"""Speculative decoding side by side: rill with prompt lookup against llama-server with and
+without a draft model, on Qwen2.5-Coder-1.5B-Instruct, one user at a time.
+
+    .venv/bin/python benchmarks/speculative.py                       # every system, 2 rounds
+    .venv/bin/python benchmarks/speculative.py --systems rill,rill-ngram,llama-server --rounds 1
+
+Two loads of chat requests (``benchmarks/ngram_acceptance.py``'s prompts), greedy, answers up to
+``--max-tokens`` tokens (ending at the model's end of turn, as a user would see them):
+
+* **code edits**: each prompt gives code and asks for it back with a change, so the answer
+  quotes its context (prompt lookup's best case);
+* **chat**: questions whose answers quote nothing.
+
+Systems (each one a server started once and paused with SIGSTOP while another is measured;
+the order rotates every round, so load that comes and goes on a shared machine hits all alike):
+
+* ``rill``: no speculation; ``rill-ngram``: ``--speculative ngram`` (prompt lookup);
+* ``llama-server``: no speculation; ``llama-server-draft``: ``-md`` with
+  Qwen2.5-Coder-0.5B-Instruct (the same tokenizer), llama.cpp's default draft settings;
+  ``llama-server-ngram``: llama.cpp's own prompt lookup (``--spec-type ngram-simple``).
+
+For every system and load it prints the output tokens per second over each request's whole
+time (prefill included, what a user waits for) and over its decode alone (tokens after the
+first over the time after the first), with the ratios to llama-server; rill's acceptance
+figures come from its ``/metrics`` (draft tokens proposed and accepted). With ``--c8`` it also
+runs the code-edit load at 8 concurrent requests on ``rill`` and ``rill-ngram`` (speculation
+must never be slower there). Greedy answers are compared between rill and rill-ngram: they
+must be equal (speculation is exact).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from compare import PeerUnavailable, Server, ensure_llama_server, free_port  # noqa: E402
+from ngram_acceptance import LOADS  # noqa: E402
+from peers import load_average, rill_serve_cmd, say, stop_server  # noqa: E402
+
+SYSTEMS = ("rill", "rill-ngram", "llama-server", "llama-server-draft", "llama-server-ngram")
+TARGET = "qwen2.5-coder-1.5b-instruct"
+DRAFT = "qwen2.5-coder-0.5b-instruct"
+
+
+def gguf_of(name: str) -> Path:
+    """The catalog model's GGUF file (pulled if missing)."""
+    from rill.models.catalog import resolve
+
+    path = resolve(name)
+    if path is None:
+        raise SystemExit(f"cannot find {name}; run `rill pull {name}` first")
+    return Path(path)
+
+
+def make_server(name: str, args: argparse.Namespace, out: Path) -> Server:
+    """The command of one system."""
+    port = free_port()
+    log = out / f"{name}.log"
+    target = gguf_of(TARGET)
+    if name.startswith("rill"):
+        extra = ["--speculative", "ngram", "--num-speculative-tokens", str(args.k)] if name == "rill-ngram" else []
+        cmd = rill_serve_cmd(target, port, 8, args.context, *extra)
+        return Server(name, cmd, port, log, "/health", {**os.environ, "HF_HUB_OFFLINE": "1"})
+    threads = str(len(os.sched_getaffinity(0)))
+    cmd = [str(ensure_llama_server()), "-m", str(target), "--host", "127.0.0.1", "--port", str(port), "-np", "8",
+           "-c", str(8 * args.context), "--cont-batching", "--no-kv-unified", "-t", threads, "-tb", threads,
+           "-ngl", "0", "--no-webui"]
+    if name == "llama-server-draft":
+        cmd += ["-md", str(gguf_of(DRAFT)), "-ngld", "0", "-td", threads, "-tbd", threads]
+    elif name == "llama-server-ngram":
+        cmd += ["--spec-type", "ngram-simple"]
+    return Server(name, cmd, port, log, "/health")
+
+
+async def one_request(client: httpx.AsyncClient, port: int, prompt: str, max_tokens: int) -> dict[str, Any]:
+    """Stream one greedy chat completion; its text, token count and timings."""
+    body = {"model": "default", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    started = time.perf_counter()
+    first = last = None
+    text, tokens = [], None
+    async with client.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:300]!r}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            for choice in chunk.get("choices") or []:
+                piece = (choice.get("delta") or {}).get("content")
+                if piece:
+                    now = time.perf_counter()
+                    first = first or now
+                    last = now
+                    text.append(piece)
+    end = time.perf_counter()
+    return {"text": "".join(text), "tokens": tokens or 0, "total_s": end - started,
+            "decode_s": (last - first) if first and last else 0.0}
+
+
+async def run_load(port: int, prompts: list[str], concurrency: int, max_tokens: int) -> list[dict[str, Any]]:
+    """``prompts`` with ``concurrency`` in flight; results in prompt order."""
+    limit = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(timeout=600) as client:
+        async def go(prompt: str) -> dict[str, Any]:
+            async with limit:
+                return await one_request(client, port, prompt, max_tokens)
+        return await asyncio.gather(*(go(p) for p in prompts))
+
+
+def spec_counters(port: int) -> tuple[float, float]:
+    """rill's draft tokens proposed and accepted so far (0, 0 for other servers)."""
+    try:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return 0.0, 0.0
+    def value(name: str) -> float:
+        m = re.search(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+]+)$", text, re.MULTILINE)
+        return float(m.group(1)) if m else 0.0
+    return value("rill_spec_decode_draft_tokens_total"), value("rill_spec_decode_accepted_tokens_total")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Start the systems, run the rounds, print the tables."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=200)
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--k", type=int, default=4, help="rill's --num-speculative-tokens (default: 4)")
+    parser.add_argument("--c8", action="store_true", help="also the code-edit load at c=8 on rill and rill-ngram")
+    parser.add_argument("--out", default="/tmp/rill-speculative")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    names = [n for n in args.systems.split(",") if n]
+    servers: dict[str, Server] = {}
+    try:
+        for name in names:
+            say(f"{name}: starting")
+            try:
+                server = make_server(name, args, out)
+                server.__enter__()
+                server.wait_ready(600)
+                asyncio.run(run_load(server.port, ["Hello"], 1, 2))  # the first request pays one-time costs
+            except (PeerUnavailable, RuntimeError, httpx.HTTPError) as exc:
+                say(f"{name}: skipped: {exc}")
+                continue
+            servers[name] = server
+            server.pause()
+        results: dict[tuple[str, str, int], list[dict]] = {}
+        accept: dict[tuple[str, str], list[float]] = {}
+        levels = [(load, 1) for load in LOADS] + ([("code edits", 8)] if args.c8 else [])
+        live = list(servers)
+        for round_index in range(args.rounds):
+            order = live[round_index % len(live):] + live[:round_index % len(live)]
+            for load, level in levels:
+                prompts = LOADS[load] * (2 if level > 1 else 1)
+                for name in order:
+                    if level > 1 and not name.startswith("rill"):
+                        continue
+                    server = servers[name]
+                    server.resume()
+                    before_counts = spec_counters(server.port)
+                    before = load_average()
+                    rows = asyncio.run(run_load(server.port, prompts, level, args.max_tokens))
+                    after_counts = spec_counters(server.port)
+                    server.pause()
+                    results.setdefault((name, load, level), []).extend(rows)
+                    drafted = after_counts[0] - before_counts[0]
+                    accepted = after_counts[1] - before_counts[1]
+                    a = accept.setdefault((name, f"{load} c={level}"), [0.0, 0.0])
+                    a[0] += drafted
+                    a[1] += accepted
+                    tokens = sum(r["tokens"] for r in rows)
+                    wall = sum(r["total_s"] for r in rows) / level
+                    say(f"  round {round_index + 1} {name:<20} {load:<10} c={level}: {tokens / wall:6.1f} tok/s "
+                        f"(load {before} -> {load_average()})")
+        print_tables(results, accept, names, levels)
+        if "rill" in results.__repr__() and any(k[0] == "rill-ngram" for k in results):
+            check_equal(results, levels)
+    finally:
+        for server in servers.values():
+            server.resume()
+            stop_server(server)
+    return 0
+
+
+def rates(rows: list[dict], level: int) -> tuple[float, float]:
+    """(end-to-end tok/s, decode tok/s) over a run's requests."""
+    tokens = sum(r["tokens"] for r in rows)
+    total = sum(r["total_s"] for r in rows) / level
+    decode_tokens = sum(max(0, r["tokens"] - 1) for r in rows)
+    decode = sum(r["decode_s"] for r in rows) / level
+    return tokens / total, decode_tokens / decode if decode > 0 else float("nan")
+
+
+def print_tables(results: dict, accept: dict, names: list[str], levels: list[tuple[str, int]]) -> None:
+    """One table per load and level."""
+    for load, level in levels:
+        print(f"\n### {load}, c={level}\n")
+        print("| system | tok/s (whole request) | x llama-server | decode tok/s | x llama-server | drafts accepted |")
+        print("|---|---|---|---|---|---|")
+        base = results.get(("llama-server", load, level))
+        base_rates = rates(base, level) if base else (float("nan"), float("nan"))
+        for name in names:
+            rows = results.get((name, load, level))
+            if not rows:
+                continue
+            total, decode = rates(rows, level)
+            drafted, accepted = accept.get((name, f"{load} c={level}"), [0.0, 0.0])
+            acc = f"{accepted:.0f}/{drafted:.0f} ({100 * accepted / drafted:.0f} %)" if drafted else "-"
+            print(f"| {name} | {total:.1f} | {total / base_rates[0]:.2f} | {decode:.1f} | {decode / base_rates[1]:.2f} "
+                  f"| {acc} |")
+
+
+def check_equal(results: dict, levels: list[tuple[str, int]]) -> None:
+    """rill's answers with and without speculation, compared text for text."""
+    same = total = 0
+    for load, level in levels:
+        plain = results.get(("rill", load, level)) or []
+        spec = results.get(("rill-ngram", load, level)) or []
+        for a, b in zip(plain, spec):
+            total += 1
+            same += a["text"] == b["text"]
+    print(f"\nrill vs rill-ngram: {same}/{total} answers identical")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
