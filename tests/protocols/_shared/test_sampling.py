@@ -73,6 +73,7 @@ ENGINE_VALUES: dict[str, Any] = {
     "presence_penalty": 0.5, "frequency_penalty": -0.5, "logit_bias": {3: 1.5}, "seed": 42, "max_tokens": 33,
     "min_tokens": 2, "stop": ["END"], "stop_token_ids": [4], "allowed_token_ids": [5, 6], "ignore_eos": True, "logprobs": 3, "num_beams": 2,
     "length_penalty": 0.75, "early_stopping": True, "response_format": ResponseFormat(type="regex", regex="a+"),
+    "speculative": 3,
 }
 """A valid value, other than the default, for each ``SamplingParams`` field."""
 

@@ -45,7 +45,9 @@ class GenerationConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     ``do_sample`` false means greedy; ``num_beams`` > 1 means beam search (deterministic,
     sampling fields ignored) ranked with ``length_penalty``. ``top_k`` 0 disables top-k.
     ``response_format`` constrains every prompt's output (``rill.types.ResponseFormat``, as
-    OpenAI's). Unknown keys are ignored, as the source project does.
+    OpenAI's). ``speculative`` (rill's): speculative decoding when the server runs it; false
+    or 0 turns it off, N drafts at most N tokens (same output, only the speed differs).
+    Unknown keys are ignored, as the source project does.
     """
 
     num_beams: int | None = None
@@ -57,6 +59,7 @@ class GenerationConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     repetition_penalty: float | None = None
     length_penalty: float | None = None
     response_format: ResponseFormat | None = None
+    speculative: bool | int | None = None
 
     def filled_from(self, defaults: "GenerationConfig") -> "GenerationConfig":
         """A copy where every field left None takes the value from ``defaults``."""
@@ -69,7 +72,8 @@ class GenerationConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
 SAMPLING = SamplingMap(
     GenerationConfig,
     Field("max_new_tokens", "max_tokens"),
-    same("temperature", "top_p", "top_k", "repetition_penalty", "num_beams", "length_penalty", "response_format"),
+    same("temperature", "top_p", "top_k", "repetition_penalty", "num_beams", "length_penalty", "response_format",
+         "speculative"),
 )
 """``generation_config`` → ``SamplingParams``; without ``do_sample`` (or with beams) the session
 drops ``rill.types.DRAW_ONLY_FIELDS`` and decodes greedily, as Hugging Face does."""

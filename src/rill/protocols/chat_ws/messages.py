@@ -81,6 +81,9 @@ class GenerationConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     allowed_token_ids: list[int] | None = None
     num_beams: int | None = None
     do_sample: bool | None = None
+    speculative: bool | int | None = None
+    """Speculative decoding when the server runs it: false or 0 off, N at most N draft tokens
+    (the server's length when unset); the output is the same, only the speed differs."""
 
 
 SAMPLING = SamplingMap(
@@ -88,7 +91,7 @@ SAMPLING = SamplingMap(
     Field("max_new_tokens", "max_tokens"),
     Field("min_new_tokens", "min_tokens"),
     same("temperature", "top_p", "length_penalty", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-         "frequency_penalty", "seed", "stop", "allowed_token_ids", "num_beams"),
+         "frequency_penalty", "seed", "stop", "allowed_token_ids", "num_beams", "speculative"),
 )
 """``generation`` → ``SamplingParams`` (``do_sample: false`` forces greedy: the session's rule)."""
 

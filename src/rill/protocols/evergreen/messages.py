@@ -110,6 +110,7 @@ class GenerateConfig(msgspec.Struct, frozen=True, kw_only=True):
     stop: tuple[str, ...] = ()
     ignore_eos: bool | None = None
     response_format: str | None = None  # JSON text of a rill.types.ResponseFormat
+    speculative: int | None = None  # 0 = off, N = at most N draft tokens
 
 
 def _response_format(text: str) -> ResponseFormat:
@@ -122,7 +123,7 @@ def _response_format(text: str) -> ResponseFormat:
 SAMPLING = SamplingMap(
     GenerateConfig,
     same("temperature", "top_k", "top_p", "min_p", "max_tokens", "min_tokens", "repetition_penalty",
-         "presence_penalty", "frequency_penalty", "seed", "ignore_eos"),
+         "presence_penalty", "frequency_penalty", "seed", "ignore_eos", "speculative"),
     Field("stop", "stop", list),
     Field("response_format", "response_format", _response_format),
 )

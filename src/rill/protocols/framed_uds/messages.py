@@ -48,6 +48,8 @@ class Request(msgspec.Struct, kw_only=True):
         metadata: any JSON object; echoed as ``metadata`` in every event of this request.
         response_format: constrained decoding (``rill.types.ResponseFormat``: json_object,
             json_schema, regex, grammar), as OpenAI's ``response_format``.
+        speculative: speculative decoding when the server runs it: false or 0 off, N at most
+            N draft tokens (default: the server's); same output, only the speed differs.
         api_key: one of the server's API keys; required when it has any (``--api-key``),
             ignored otherwise.
     """
@@ -62,10 +64,11 @@ class Request(msgspec.Struct, kw_only=True):
     slo: Slo | None = None
     metadata: dict[str, Any] | None = None
     response_format: ResponseFormat | None = None
+    speculative: bool | int | None = None
     api_key: str | None = None
 
 
-SAMPLING = SamplingMap(Request, same("temperature", "top_p", "top_k", "max_tokens", "response_format"))
+SAMPLING = SamplingMap(Request, same("temperature", "top_p", "top_k", "max_tokens", "response_format", "speculative"))
 """``Request`` → ``SamplingParams``; a field left out (None) keeps the engine's default."""
 
 

@@ -51,6 +51,10 @@ class Parameters(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_
     """Constrained decoding (``rill.types.ResponseFormat``: json_object, json_schema, regex,
     grammar); set by ``modify`` it constrains the text generated from then on, and
     ``{"type": "text"}`` lifts it."""
+    speculative: bool | int | None = None
+    """Speculative decoding when the server runs it (``--speculative``): true takes the
+    server's draft length, false or 0 turns it off, N in [1, 16] drafts at most N tokens.
+    The output is the same either way; only the speed differs."""
 
 
 SAMPLING = SamplingMap(Parameters, same(*Parameters.__struct_fields__))

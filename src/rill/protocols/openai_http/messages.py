@@ -8,7 +8,9 @@ sampling knobs vLLM also accepts (``top_k``, ``min_p``, ``repetition_penalty``,
 ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``allowed_token_ids``), ``response_format`` on completions
 too, with the extra types ``regex`` and ``grammar``, vLLM's ``structured_outputs``
 (``json``, ``regex``, ``grammar``, ``choice``, ``json_object``) and vLLM's ``prompt_logprobs``
-(requests) with its answer shape (``PromptLogprobOut``; left out of responses unless asked).
+(requests) with its answer shape (``PromptLogprobOut``; left out of responses unless asked),
+and rill's ``speculative`` (speculative decoding when the server runs it: false or 0 off, N at
+most N draft tokens; the output is the same, only the speed differs).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ class _CommonRequest(msgspec.Struct, kw_only=True):
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     prompt_logprobs: int | None = None
+    speculative: bool | int | None = None
 
 
 def _stop_list(stop: str | list[str]) -> list[str]:
@@ -64,7 +67,8 @@ def _stop_list(stop: str | list[str]) -> list[str]:
 SAMPLING = SamplingMap(
     _CommonRequest,
     same("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
-         "seed", "stop_token_ids", "allowed_token_ids", "logit_bias", "min_tokens", "ignore_eos"),
+         "seed", "stop_token_ids", "allowed_token_ids", "logit_bias", "min_tokens", "ignore_eos",
+         "speculative"),
     Field("stop", "stop", _stop_list),
 )
 """The sampling fields both endpoints share → ``SamplingParams``. ``max_tokens`` (resolved
