@@ -58,9 +58,13 @@ class EngineConfig:
     max_prompt_chars: int = _f(1024 * 1024, "most prompt characters of one request (messages and template variables "
                                             "included), refused before tokenizing; raise it for long-context models")
     tokenizer_threads: int = _f(2, "worker threads that render chat templates and tokenize prompts off the event loop")
-    speculative: str = _f("off", "speculative decoding: off, or ngram (prompt lookup: draft tokens copied from the "
-                                 "request's own context, verified by the model in one forward; output unchanged, a "
-                                 "request may opt out with its 'speculative' sampling field)")
+    speculative: str = _f("off", "speculative decoding: off, ngram (prompt lookup: draft tokens copied from the "
+                                 "request's own context) or draft (a --draft-model proposes them); the model verifies "
+                                 "a draft in one forward, output unchanged; a request may opt out with its "
+                                 "'speculative' sampling field")
+    draft_model: str | None = _f(None, "draft model for --speculative draft (a name `rill models` lists, a .gguf file "
+                                       "or a folder): a smaller model with the same tokenizer; implies "
+                                       "--speculative draft")
     num_speculative_tokens: int = _f(4, "most draft tokens verified per request and step (each request adapts its "
                                         "own draft length to how often its drafts are accepted)")
     speculative_max_batch: int = _f(4, "speculate only in steps with at most this many decoding sequences (past it "

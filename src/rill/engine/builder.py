@@ -81,6 +81,7 @@ def assemble_engine(
     clock: Callable[[], float] | None = None,
     warm_grammars: bool = True,
     thread_governor: ThreadGovernor | None = None,
+    draft_runner: ModelRunner | None = None,
 ) -> Engine:
     """Build the engine around ``runner`` and ``tokenizer`` (no model is loaded here).
 
@@ -100,12 +101,16 @@ def assemble_engine(
             thread (else on the first constrained request).
         thread_governor: steers the runner's thread count around every step
             (``rill.engine.threads.default_governor``); None keeps the count fixed.
+        draft_runner: the draft model's runner, for ``--speculative draft``.
     """
     eos = frozenset(set(eos_token_ids) | set(tokenizer.eos_token_ids))
     grammars = _grammar_compiler(tokenizer, runner.vocab_size, eos, warm=warm_grammars)
     core_config = CoreConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                              speculative=speculative_config(config))
-    core = EngineCore(runner, tokenizer, core_config, clock or time.monotonic, thread_governor)
+    if core_config.speculative.method == "draft" and draft_runner is None:
+        raise ConfigError("--speculative draft needs a draft model runner")
+    core = EngineCore(runner, tokenizer, core_config, clock or time.monotonic, thread_governor,
+                      draft_runner=draft_runner if core_config.speculative.method == "draft" else None)
     model_info = ModelInfo(
         name=config.served_model_name or name,
         architecture=architecture,
@@ -127,8 +132,15 @@ def speculative_config(config: EngineConfig) -> SpeculativeConfig:
     Raises:
         ConfigError: a flag out of range.
     """
+    method = config.speculative
+    if config.draft_model:
+        if method not in ("off", "draft"):
+            raise ConfigError(f"--draft-model needs --speculative draft, not {method}")
+        method = "draft"
+    elif method == "draft":
+        raise ConfigError("--speculative draft needs a --draft-model")
     try:
-        return SpeculativeConfig(method=config.speculative, num_tokens=config.num_speculative_tokens,
+        return SpeculativeConfig(method=method, num_tokens=config.num_speculative_tokens,
                                  max_batch=config.speculative_max_batch)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
@@ -201,16 +213,42 @@ def build_engine(config: EngineConfig, progress: Progress | None = None) -> Engi
     if tokens:
         log.info("warm-up: a prefill step of %d rows, %d tokens, in %.2f s, then a decode step in %.0f ms",
                  rows, tokens, prefill_s, decode_s * 1000)
+    draft_runner = _draft_runner(config, tokenizer, runner, report) if config.draft_model else None
     engine = assemble_engine(
         config, runner, tokenizer,
         name=_served_name(config.model, path),
         architecture=mc.architecture, dtype=mc.dtype, device=mc.device,
         quantization=None if loaded.weights == "dense" else loaded.weights,
         eos_token_ids=mc.eos_token_ids, generation_defaults=mc.generation_defaults,
-        thread_governor=governor,
+        thread_governor=governor, draft_runner=draft_runner,
     )
     report(100.0, "ready")
     return engine
+
+
+def _draft_runner(config: EngineConfig, tokenizer: Any, target: ModelRunner, report: Progress) -> ModelRunner:
+    """The draft model's runner: loaded like the target (same dtype and --weights), with as many
+    KV rows of the same length, after checking it reads and writes the same tokens.
+
+    Raises:
+        ModelLoadError: it cannot be loaded, or its tokenizer differs from the target's.
+    """
+    from rill.engine.runner import TorchModelRunner
+    from rill.models.loader import load_model
+    from rill.models.tokenizer import Tokenizer
+
+    speculative_config(config)  # a contradiction in the flags is named before anything is loaded
+    report(95.0, "loading the draft model")
+    path = _model_path(config.draft_model, lambda pct, stage: None)
+    loaded = load_model(path, dtype=config.dtype, device=config.device, weights=config.weights)
+    draft_tokenizer = loaded.tokenizer or Tokenizer.from_folder(path)
+    if draft_tokenizer.backend.get_vocab() != tokenizer.backend.get_vocab():
+        raise ModelLoadError(f"the draft model {config.draft_model} has another tokenizer than the model; "
+                             "speculative decoding needs the same vocabulary")
+    runner = TorchModelRunner(loaded, num_rows=target.num_rows, max_len=target.max_len)
+    log.info("draft model: %s (%s weights), %d KV rows of %d tokens", path, loaded.weights, runner.num_rows,
+             runner.max_len)
+    return runner
 
 
 def _build_llamacpp_engine(config: EngineConfig, progress: Progress | None) -> Engine:

@@ -45,7 +45,7 @@ from rill.engine.request import (
 )
 from rill.engine.sampler import Sampler
 from rill.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
-from rill.engine.speculative import SpeculativeConfig, Speculator
+from rill.engine.speculative import SpeculativeConfig, Speculator, step_cost
 from rill.errors import GenerationError, RequestTimeout, RillError
 from rill.types import EngineStats, FinishReason, RequestEvent, RequestOutput, TokenLogprob, Usage
 
@@ -86,7 +86,7 @@ class EngineCore:
 
     def __init__(self, runner: ModelRunner, tokenizer: Any, config: CoreConfig = CoreConfig(),
                  clock: Callable[[], float] = time.monotonic,
-                 thread_governor: ThreadGovernor | None = None) -> None:
+                 thread_governor: ThreadGovernor | None = None, draft_runner: ModelRunner | None = None) -> None:
         self.runner = runner
         self.thread_governor = thread_governor
         self.tokenizer = tokenizer
@@ -103,7 +103,8 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self.touched: dict[str, Request] = {}
         self.deadlines: dict[str, Request] = {}
-        self.speculator = Speculator(config.speculative) if config.speculative.enabled else None
+        self.speculator = (Speculator(config.speculative, draft_runner, runner.vocab_size)
+                           if config.speculative.enabled else None)
         self.stats_counters = EngineStats()
         self._decode_step_s: float | None = None
         self._seq_no = 0
@@ -193,7 +194,7 @@ class EngineCore:
         request.output.reset(request.prompt_ids, request.params.stop)
         if request.sampler_key is not None:
             self.sampler.reset(request.sampler_key, request.prompt_ids)
-        if request.speculation is not None:
+        if request.speculation is not None and self.speculator is not None:
             self.speculator.rewind(request.speculation, num_prompt)
         if request.row is not None:
             reused = min(request.num_computed, num_prompt - 1)
@@ -273,7 +274,9 @@ class EngineCore:
         """Append draft tokens to the feeds of decoding requests that speculate this step.
 
         Only a plain decode (one row, the request's last token, sampled after) speculates, and
-        none does in a step with more decoding requests than ``max_batch``.
+        none does in a step with more decoding requests than ``max_batch``. A proposer that
+        raises (a draft model's forward) turns speculation off for the rest of the engine's
+        life, logged once; the step itself goes on without drafts.
         """
         speculator = self.speculator
         decoding = [item for item in scheduled
@@ -281,29 +284,37 @@ class EngineCore:
                     and len(item.work[0].token_ids) == 1 and item.work[0].need_logits and not item.work[0].all_logits]
         if len(decoding) > speculator.config.max_batch:
             return
-        for item in decoding:
-            self._isolated(item.request, "drafting speculative tokens", self._draft_for, item, plan)
+        asking = [(item, limit) for item in decoding if (limit := self._draft_limit(item.request)) > 0]
+        if not asking:
+            return
+        entries = []
+        for item, limit in asking:
+            request = item.request
+            if request.speculation is None:
+                request.speculation = speculator.new_state()
+            entries.append((request.speculation, request.row, request.num_tokens, request.token_at, limit))
+        try:
+            drafts = speculator.propose(entries)
+        except Exception:
+            log.exception("the speculative proposer failed; speculative decoding is off from now on")
+            self.speculator = None
+            return
+        for (item, _), draft in zip(asking, drafts):
+            if draft:
+                work = item.work[0]
+                item.work[0] = RowWork(work.row, work.token_ids + draft, work.start, need_logits=True, all_logits=True,
+                                       draft=True)
+                item.draft = draft
+                plan.num_draft_tokens += len(draft)
 
-    def _draft_for(self, item: ScheduledRequest, plan: SchedulerOutput) -> None:
-        request = item.request
+    def _draft_limit(self, request: Request) -> int:
+        """The most draft tokens ``request`` may have verified this step (0: none)."""
         params = request.params
         if params.max_tokens == 0 or not self.speculator.wants(params, request.is_beam):
-            return
-        if request.speculation is None:
-            request.speculation = self.speculator.new_state()
-        num_tokens = request.num_tokens
-        limit = min(params.speculative_tokens(self.speculator.config.num_tokens),
-                    params.max_tokens - len(request.output_ids) - 1,  # the last token needs no draft
-                    self.max_len - num_tokens)  # the fed tokens must fit in the row
-        draft = self.speculator.draft(request.speculation, num_tokens,
-                                      lambda start: request.token_at(start, num_tokens), limit)
-        if not draft:
-            return
-        work = item.work[0]
-        item.work[0] = RowWork(work.row, work.token_ids + draft, work.start, need_logits=True, all_logits=True,
-                               draft=True)
-        item.draft = draft
-        plan.num_draft_tokens += len(draft)
+            return 0
+        return min(params.speculative_tokens(self.speculator.config.num_tokens),
+                   params.max_tokens - len(request.output_ids) - 1,  # the last token needs no draft
+                   self.max_len - request.num_tokens)  # the fed tokens must fit in the row
 
     def _sample_and_advance(self, scheduled: list[ScheduledRequest], logits: torch.Tensor) -> None:
         sample_items: list[tuple[Request, int, list[int]]] = []  # (request, its first logits row, its draft)
@@ -380,7 +391,7 @@ class EngineCore:
                 if matched and not request.is_finished:
                     request.num_computed += 1
                     going.append((request, first, draft))
-                elif draft and request.speculation is not None:
+                elif draft and request.speculation is not None and self.speculator is not None:
                     self.speculator.observe(request.speculation, len(draft), depth + int(matched))
             items = going
             depth += 1
@@ -596,10 +607,13 @@ class EngineCore:
         """
         alpha = 0.2
         cap = self.scheduler.prefill_chunk_tokens
-        if plan.num_draft_tokens:
-            pass  # a verification step is no measure of a plain decode step
-        elif plan.num_prefill_tokens == 0 and plan.num_decode_tokens:
-            self._decode_step_s = elapsed_s if self._decode_step_s is None else (1 - alpha) * self._decode_step_s + alpha * elapsed_s
+        if plan.num_prefill_tokens == 0 and plan.num_decode_tokens:
+            plain_s = elapsed_s
+            if plan.num_draft_tokens:  # a verification step: what a plain step would have cost
+                plain_s = elapsed_s / step_cost(max(len(item.draft) for item in plan.scheduled))
+            self._decode_step_s = plain_s if self._decode_step_s is None else (1 - alpha) * self._decode_step_s + alpha * plain_s
+            if self.speculator is not None:
+                self.speculator.target_step_s = self._decode_step_s
         elif plan.num_prefill_tokens and plan.num_decode_tokens and self._decode_step_s:
             ratio = elapsed_s / self._decode_step_s
             if ratio > ITL_TARGET_HIGH:

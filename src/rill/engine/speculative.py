@@ -31,16 +31,27 @@ chat, against 1.40 / 1.15 for the best fixed ``k``, 3.) Speculation is off for a
 decoding batch is larger than ``max_batch``: the extra rows then cost full price, since the
 weights are read once for the batch anyway.
 
-Pure Python (imports ``rill.engine.ngram``); the core calls it.
+Proposers: ``ngram`` (prompt lookup, ``rill.engine.ngram``: no second model) and ``draft``
+(``DraftModel``: a smaller model with the same vocabulary, greedy, on its own runner whose KV
+row ``i`` sits beside the target's row ``i``). A draft token costs the draft model a step, so
+for ``draft`` the length chooser adds the measured ratio of a draft step to a target step to
+each token's cost.
+
+Imports ``rill.engine.ngram`` and the runner boundary (``rill.engine.batch``); the core calls it.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
+from rill.engine.batch import ModelRunner, RowWork
+from rill.engine.kv_cache import common_prefix_len
 from rill.engine.ngram import NgramProposer
 
-METHODS = ("off", "ngram")
+METHODS = ("off", "ngram", "draft")
 
 # What a step that verifies k draft tokens costs, in one-token steps, for k = 0, 1, 2, ...:
 # the quantized kernel multiplies up to four activation rows per pass over the weights, so
@@ -59,7 +70,8 @@ class SpeculativeConfig:
     """Server-wide speculation settings (``--speculative``, ``--num-speculative-tokens``).
 
     Attributes:
-        method: ``off`` or ``ngram`` (prompt lookup in the request's own context).
+        method: ``off``, ``ngram`` (prompt lookup in the request's own context) or ``draft``
+            (a draft model, given to the ``Speculator``).
         num_tokens: the most draft tokens per request and step (``k``).
         min_n, max_n: n-gram lengths prompt lookup matches, longest first.
         max_batch: speculation runs only in steps with at most this many decoding requests.
@@ -124,60 +136,139 @@ def step_cost(k: int) -> float:
     return STEP_COST[-1] + STEP_COST_PER_TOKEN * (k - len(STEP_COST) + 1)
 
 
-def best_draft_length(rate: float, k_max: int) -> int:
-    """The draft length in ``[0, k_max]`` with the most expected tokens per unit of step cost."""
+def best_draft_length(rate: float, k_max: int, draft_cost: float = 0.0) -> int:
+    """The draft length in ``[0, k_max]`` with the most expected tokens per unit of step cost
+    (``draft_cost``: what making one draft token costs, in target steps)."""
     best_k, best = 0, 1.0
     expected = 1.0
     power = 1.0
     for k in range(1, k_max + 1):
         power *= rate
         expected += power  # 1 + r + ... + r^k
-        value = expected / step_cost(k)
+        value = expected / (step_cost(k) + draft_cost * k)
         if value > best + 1e-9:
             best_k, best = k, value
     return best_k
 
 
-class Speculator:
-    """Draft tokens for the core's decoding requests and the bookkeeping of their verification."""
+class DraftModel:
+    """Greedy draft tokens from a smaller model with the target's vocabulary.
 
-    def __init__(self, config: SpeculativeConfig) -> None:
+    Its runner has as many KV rows as the target's, and draft row ``i`` serves the request in
+    target row ``i``; what each draft row holds is remembered as tokens, so a row taken over
+    by another request, a rejected draft or a regenerate is caught up by feeding the tokens
+    past the common prefix (the first proposal of a request prefills its prompt in the draft).
+    One ``propose`` is one batched draft forward per draft position.
+
+    Args:
+        runner: the draft model's runner.
+        vocab_size: the target's vocabulary (a draft token past it is never proposed).
+    """
+
+    def __init__(self, runner: ModelRunner, vocab_size: int) -> None:
+        self.runner = runner
+        self.vocab_size = vocab_size
+        self.held: list[list[int]] = [[] for _ in range(runner.num_rows)]
+        self.step_s: float | None = None  # moving average of one draft decode forward
+
+    def propose(self, entries: Sequence[tuple[int, list[int], int]]) -> list[list[int]]:
+        """Drafts for ``(row, context, k)`` entries: up to ``k`` greedy tokens after ``context``."""
+        drafts: list[list[int]] = [[] for _ in entries]
+        work, live = [], []
+        for i, (row, context, k) in enumerate(entries):
+            if k <= 0 or not context:
+                continue
+            held = self.held[row]
+            valid = min(common_prefix_len(held, context), len(context) - 1)
+            work.append(RowWork(row, context[valid:], valid))
+            self.held[row] = list(context)
+            live.append(i)
+        first = True
+        while work:
+            started = time.perf_counter()
+            logits = self.runner.forward(work)
+            if not first:  # a decode step (the first may prefill)
+                elapsed = time.perf_counter() - started
+                self.step_s = elapsed if self.step_s is None else 0.8 * self.step_s + 0.2 * elapsed
+            first = False
+            tokens = logits[:, :self.vocab_size].argmax(dim=-1).tolist()
+            work, going = [], []
+            for token, i in zip(tokens, live):
+                drafts[i].append(token)
+                row, _, k = entries[i]
+                if len(drafts[i]) < k:
+                    work.append(RowWork(row, [token], len(self.held[row])))
+                    self.held[row].append(token)
+                    going.append(i)
+            live = going
+        return drafts
+
+
+class Speculator:
+    """Draft tokens for the core's decoding requests and the bookkeeping of their verification.
+
+    Args:
+        config: the server's settings.
+        draft_runner: the draft model's runner (``method`` ``draft`` only).
+        vocab_size: the target's vocabulary.
+    """
+
+    def __init__(self, config: SpeculativeConfig, draft_runner: ModelRunner | None = None,
+                 vocab_size: int = 0) -> None:
+        if (config.method == "draft") != (draft_runner is not None):
+            raise ValueError("a draft model is needed for speculative method 'draft', and only for it")
         self.config = config
         self.stats = SpeculationStats(per_depth_accepted=[0] * config.num_tokens)
+        self.draft_model = DraftModel(draft_runner, vocab_size) if draft_runner is not None else None
+        self.target_step_s: float | None = None  # the core's plain decode step, for the draft's cost
 
-    def wants(self, request_params, is_beam: bool) -> bool:
+    def wants(self, request_params: Any, is_beam: bool) -> bool:
         """True when a request with these parameters speculates (server on, request not opted out)."""
         return self.config.enabled and not is_beam and request_params.speculative_tokens(self.config.num_tokens) > 0
 
     def new_state(self) -> SpeculationState:
-        """A fresh state for a request (its context is given at the first ``draft``)."""
+        """A fresh state for a request (its context is given at the first ``propose``)."""
         c = self.config
         return SpeculationState(NgramProposer(c.num_tokens, c.min_n, c.max_n))
 
-    def draft(self, state: SpeculationState, context_len: int, new_tokens, limit: int) -> list[int]:
-        """Up to ``limit`` draft tokens after a context of ``context_len`` tokens.
+    def draft_cost(self) -> float:
+        """What one draft token costs, in target decode steps (0 for prompt lookup)."""
+        if self.draft_model is None:
+            return 0.0
+        draft, target = self.draft_model.step_s, self.target_step_s
+        return draft / target if draft is not None and target else 0.5
 
-        ``new_tokens(start)`` returns the context's tokens from ``start`` on; the proposer takes
-        what it lacks (after a regenerate it must have been ``rewind``-ed first).
-        """
-        proposer = state.proposer
-        have = len(proposer.tokens)
-        if have > context_len:
-            proposer.truncate(context_len)
-        elif have < context_len:
-            proposer.extend(new_tokens(have))
-        if limit <= 0:
-            return []
-        k = limit
-        if self.config.adaptive:
-            k = min(limit, best_draft_length(state.rate, limit))
-            if k == 0:
-                state.steps_since_probe += 1
-                if state.steps_since_probe < PROBE_EVERY:
-                    return []
-                k = 1
-            state.steps_since_probe = 0
-        return proposer.propose(k, at_most_n=self.config.adaptive)
+    def propose(self, entries: Sequence[tuple[SpeculationState, int, int, Callable[[int, int], list[int]], int]]
+                ) -> list[list[int]]:
+        """Drafts for ``(state, row, context length, tokens(start, stop), limit)`` entries, one
+        list per entry (empty: no draft); ``tokens`` reads the request's context."""
+        lengths = [self._length(state, limit) for state, _, _, _, limit in entries]
+        if self.draft_model is not None:
+            return self.draft_model.propose([(row, tokens(0, n), k) if k > 0 else (row, [], 0)
+                                             for (_, row, n, tokens, _), k in zip(entries, lengths)])
+        drafts = []
+        for (state, _, n, tokens, _), k in zip(entries, lengths):
+            proposer = state.proposer
+            have = len(proposer.tokens)
+            if have > n:
+                proposer.truncate(n)
+            elif have < n:
+                proposer.extend(tokens(have, n))
+            drafts.append(proposer.propose(k, at_most_n=self.config.adaptive) if k > 0 else [])
+        return drafts
+
+    def _length(self, state: SpeculationState, limit: int) -> int:
+        """How many draft tokens to ask for (0: none this step)."""
+        if limit <= 0 or not self.config.adaptive:
+            return max(0, limit)
+        k = min(limit, best_draft_length(state.rate, limit, self.draft_cost()))
+        if k == 0:
+            state.steps_since_probe += 1
+            if state.steps_since_probe < PROBE_EVERY:
+                return 0
+            k = 1
+        state.steps_since_probe = 0
+        return k
 
     def rewind(self, state: SpeculationState, length: int) -> None:
         """Forget the context past ``length`` tokens (a regenerate)."""
