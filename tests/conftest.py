@@ -208,3 +208,25 @@ def server(tiny_model_dir: Path) -> LiveServer:
     live = start_server(tiny_model_dir)
     yield live
     live.stop()
+
+
+@pytest.fixture(scope="session")
+def spec_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small random-init Llama with head size 32: with quantized weights, draft verification
+    runs through the decode-attention kernel, bit for bit what decoding computes."""
+    from rill.testing.checkpoints import make_checkpoint
+
+    return make_checkpoint(tmp_path_factory.mktemp("models") / "tiny-llama-hd32", arch="llama", head_dim=32)
+
+
+@pytest.fixture(scope="session")
+def spec_server(spec_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> LiveServer:
+    """One shared server that speculates (prompt lookup, int8 weights) on every protocol: HTTP
+    and WebSockets, the Unix socket (``config.uds.socket``) and gRPC (``config.evergreen.grpc_port``).
+    Tests must leave it idle."""
+    socket_path = tmp_path_factory.mktemp("spec-uds") / "rill.sock"
+    live = start_server(spec_model_dir, **{"engine.speculative": "ngram", "engine.weights": "int8",
+                                           "uds.no_socket": False, "uds.socket": str(socket_path),
+                                           "evergreen.grpc_port": free_port()})
+    yield live
+    live.stop()

@@ -1,4 +1,5 @@
-"""Helpers shared by several test files: an ASGI app on a loopback port, bounded polling, WebSocket reads.
+"""Helpers shared by several test files: an ASGI app on a loopback port, bounded polling, WebSocket reads,
+the speculative-decoding check every protocol runs.
 
 Import as ``from tests.helpers import ...`` (like ``tests.conftest``).
 """
@@ -8,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import uvicorn
 
@@ -77,3 +78,32 @@ async def recv_json(ws: Any) -> Any:
         TimeoutError: nothing came within ``RECV_LIMIT_S`` (a missing message fails the test).
     """
     return json.loads(await asyncio.wait_for(ws.recv(), RECV_LIMIT_S))
+
+
+SPEC_PROMPT = "the cat sat on the mat. the cat sat on the mat. the cat"
+"""A prompt that repeats itself: random-init models then loop, so prompt lookup's drafts get accepted."""
+
+
+async def same_output_with_and_without_speculation(server: Any, run: Callable[[bool | None], Awaitable[Any]]) -> Any:
+    """Run one greedy request twice on a speculating ``server``: ``run(None)`` leaves the wire's
+    ``speculative`` field out (the server's default: on), ``run(False)`` sends ``false``.
+
+    ``run`` returns what the client saw (token ids, text); it must be equal both times. Engine
+    counters prove speculation happened: draft tokens were accepted during the first run, and
+    none was drafted during the second. Returns the first run's output.
+    """
+    before = server.wait_idle()
+    speculated = await run(None)
+    between = server.wait_idle()
+    plain = await run(False)
+    after = server.wait_idle()
+    assert speculated == plain
+    assert between.spec_accepted_tokens_total > before.spec_accepted_tokens_total, "no draft token was accepted"
+    assert after.spec_draft_tokens_total == between.spec_draft_tokens_total, "drafted with speculative: false"
+    assert after.spec_accepted_tokens_total == between.spec_accepted_tokens_total
+    return speculated
+
+
+def speculative_field(value: bool | int | None) -> dict[str, Any]:
+    """``{"speculative": value}`` for a JSON body, or ``{}`` for None (the field left out)."""
+    return {} if value is None else {"speculative": value}
