@@ -15,6 +15,7 @@ Systems (each one a server started once and paused with SIGSTOP while another is
 the order rotates every round, so load that comes and goes on a shared machine hits all alike):
 
 * ``rill``: no speculation; ``rill-ngram``: ``--speculative ngram`` (prompt lookup);
+  ``rill-draft``: ``--draft-model`` Qwen2.5-Coder-0.5B-Instruct;
 * ``llama-server``: no speculation; ``llama-server-draft``: ``-md`` with
   Qwen2.5-Coder-0.5B-Instruct (the same tokenizer), llama.cpp's default draft settings;
   ``llama-server-ngram``: llama.cpp's own prompt lookup (``--spec-type ngram-simple``).
@@ -23,8 +24,8 @@ For every system and load it prints the output tokens per second over each reque
 time (prefill included, what a user waits for) and over its decode alone (tokens after the
 first over the time after the first), with the ratios to llama-server; rill's acceptance
 figures come from its ``/metrics`` (draft tokens proposed and accepted). With ``--c8`` it also
-runs the code-edit load at 8 concurrent requests on ``rill`` and ``rill-ngram`` (speculation
-must never be slower there). Greedy answers are compared between rill and rill-ngram: they
+runs the code-edit load at 8 concurrent requests on the rill systems (speculation must never
+be slower there). Greedy answers of each speculating rill are compared with plain rill's: they
 must be equal (speculation is exact).
 """
 
@@ -48,7 +49,7 @@ from compare import PeerUnavailable, Server, ensure_llama_server, free_port  # n
 from ngram_acceptance import LOADS  # noqa: E402
 from peers import load_average, rill_serve_cmd, say, stop_server  # noqa: E402
 
-SYSTEMS = ("rill", "rill-ngram", "llama-server", "llama-server-draft", "llama-server-ngram")
+SYSTEMS = ("rill", "rill-ngram", "rill-draft", "llama-server", "llama-server-draft", "llama-server-ngram")
 TARGET = "qwen2.5-coder-1.5b-instruct"
 DRAFT = "qwen2.5-coder-0.5b-instruct"
 
@@ -69,7 +70,8 @@ def make_server(name: str, args: argparse.Namespace, out: Path) -> Server:
     log = out / f"{name}.log"
     target = gguf_of(TARGET)
     if name.startswith("rill"):
-        extra = ["--speculative", "ngram", "--num-speculative-tokens", str(args.k)] if name == "rill-ngram" else []
+        extra = {"rill-ngram": ["--speculative", "ngram", "--num-speculative-tokens", str(args.k)],
+                 "rill-draft": ["--draft-model", str(gguf_of(DRAFT)), "--num-speculative-tokens", str(args.k)]}.get(name, [])
         cmd = rill_serve_cmd(target, port, 8, args.context, *extra)
         return Server(name, cmd, port, log, "/health", {**os.environ, "HF_HUB_OFFLINE": "1"})
     threads = str(len(os.sched_getaffinity(0)))
@@ -190,8 +192,7 @@ def main(argv: list[str] | None = None) -> int:
                     say(f"  round {round_index + 1} {name:<20} {load:<10} c={level}: {tokens / wall:6.1f} tok/s "
                         f"(load {before} -> {load_average()})")
         print_tables(results, accept, names, levels)
-        if "rill" in results.__repr__() and any(k[0] == "rill-ngram" for k in results):
-            check_equal(results, levels)
+        check_equal(results, levels)
     finally:
         for server in servers.values():
             server.resume()
@@ -229,14 +230,16 @@ def print_tables(results: dict, accept: dict, names: list[str], levels: list[tup
 
 def check_equal(results: dict, levels: list[tuple[str, int]]) -> None:
     """rill's answers with and without speculation, compared text for text."""
-    same = total = 0
-    for load, level in levels:
-        plain = results.get(("rill", load, level)) or []
-        spec = results.get(("rill-ngram", load, level)) or []
-        for a, b in zip(plain, spec):
-            total += 1
-            same += a["text"] == b["text"]
-    print(f"\nrill vs rill-ngram: {same}/{total} answers identical")
+    for other in ("rill-ngram", "rill-draft"):
+        same = total = 0
+        for load, level in levels:
+            plain = results.get(("rill", load, level)) or []
+            spec = results.get((other, load, level)) or []
+            for a, b in zip(plain, spec):
+                total += 1
+                same += a["text"] == b["text"]
+        if total:
+            print(f"\nrill vs {other}: {same}/{total} answers identical")
 
 
 if __name__ == "__main__":

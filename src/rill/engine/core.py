@@ -287,12 +287,13 @@ class EngineCore:
         asking = [(item, limit) for item in decoding if (limit := self._draft_limit(item.request)) > 0]
         if not asking:
             return
-        entries = []
-        for item, limit in asking:
-            request = item.request
-            if request.speculation is None:
-                request.speculation = speculator.new_state()
-            entries.append((request.speculation, request.row, request.num_tokens, request.token_at, limit))
+        for item, _ in asking:
+            if item.request.speculation is None:
+                item.request.speculation = speculator.new_state()
+        ks = speculator.allocate([item.request.speculation for item, _ in asking], [limit for _, limit in asking],
+                                 len(decoding))
+        entries = [(item.request.speculation, item.request.row, item.request.num_tokens, item.request.token_at, k)
+                   for (item, _), k in zip(asking, ks)]
         try:
             drafts = speculator.propose(entries)
         except Exception:

@@ -20,16 +20,18 @@ probability ``p(x)``, and on rejection the token is drawn from ``p`` with ``x`` 
 Rejected tokens' keys and values are in the KV row past the request's ``num_computed``; the
 next step writes over them, and the prefix cache only ever keeps the first ``num_computed``.
 
-The length of the draft adapts per request: the expected tokens per step of a draft of ``k``
-tokens, each accepted with the request's running acceptance rate ``r``, is
-``(1 - r^(k+1)) / (1 - r)``, and the step costs ``STEP_COST[k]`` plain steps; the core takes
-the ``k`` with the best ratio, and when that is 0, probes with one token every
-``PROBE_EVERY`` steps so that a request whose text turns repetitive is noticed. Prompt lookup
-then proposes no more tokens than its matched n-gram is long. (Replayed on Qwen2.5-Coder-1.5B's
-greedy answers, this policy made 1.43 tokens per unit of step cost on code edits and 1.16 on
-chat, against 1.40 / 1.15 for the best fixed ``k``, 3.) Speculation is off for a step whose
-decoding batch is larger than ``max_batch``: the extra rows then cost full price, since the
-weights are read once for the batch anyway.
+The length of each draft adapts (``Speculator.allocate``): a request's ``j``-th draft token is
+accepted with probability ``r^j`` under its running acceptance rate ``r``, and a step of ``M``
+rows costs ``step_cost(M - 1)`` one-row steps. Draft tokens are handed out, likeliest first,
+while the step's expected tokens per unit of cost grow. One request alone gets the ``k`` with
+the best ratio; in a batch every extra row costs more nearly its full share (the weights are
+read once for all rows anyway), so speculation turns itself down as the batch grows (at 8
+decoding requests only drafts accepted more than ~70 % of the time still pay), and it is off
+for steps with more than ``max_batch`` decoding requests. A request whose drafts never pay
+probes with one token every ``PROBE_EVERY`` steps per decoding request, so that text turning
+repetitive is noticed. Prompt lookup proposes no more tokens than its matched n-gram is long. (Replayed on
+Qwen2.5-Coder-1.5B's greedy answers, this policy made 1.43 tokens per unit of step cost on code
+edits and 1.16 on chat, against 1.40 / 1.15 for the best fixed ``k``, 3.)
 
 Proposers: ``ngram`` (prompt lookup, ``rill.engine.ngram``: no second model) and ``draft``
 (``DraftModel``: a smaller model with the same vocabulary, greedy, on its own runner whose KV
@@ -60,7 +62,7 @@ METHODS = ("off", "ngram", "draft")
 # about 0.17 of a step. Longer drafts continue the last step.
 STEP_COST = (1.0, 1.07, 1.14, 1.21, 1.38, 1.55, 1.72, 1.89, 2.06)
 STEP_COST_PER_TOKEN = 0.17
-PROBE_EVERY = 8  # a request whose best draft length is 0 still tries one token this often
+PROBE_EVERY = 8  # a request whose drafts do not pay still tries one token every this many steps per decoding request
 PRIOR_RATE = 0.5  # acceptance assumed before a request has any history
 HISTORY = 0.5  # weight of the history in the running acceptance (per verification)
 
@@ -130,7 +132,8 @@ class SpeculationStats:
 
 
 def step_cost(k: int) -> float:
-    """A step verifying ``k`` draft tokens, in one-token steps (``STEP_COST``)."""
+    """A step of ``k + 1`` rows (one decode and ``k`` draft tokens, or any ``k + 1`` tokens
+    decoded together), in one-row steps (``STEP_COST``)."""
     if k < len(STEP_COST):
         return STEP_COST[k]
     return STEP_COST[-1] + STEP_COST_PER_TOKEN * (k - len(STEP_COST) + 1)
@@ -238,11 +241,51 @@ class Speculator:
         draft, target = self.draft_model.step_s, self.target_step_s
         return draft / target if draft is not None and target else 0.5
 
+    def allocate(self, states: Sequence[SpeculationState], limits: Sequence[int], batch: int) -> list[int]:
+        """How many draft tokens each of a step's speculating requests asks for.
+
+        ``batch`` requests decode in the step; ``states[i]`` may have at most ``limits[i]``.
+        Draft tokens are handed out one at a time to the request whose next one is likeliest
+        to be accepted (``rate ** (k + 1)``), while the step's expected tokens per unit of cost
+        grow: the step's cost is ``step_cost`` of all its rows (plus the draft model's steps),
+        so in a large batch, where every extra row costs nearly its full share, only drafts
+        that are very likely accepted are taken. A request whose drafts are never worth it
+        still gets one token every ``PROBE_EVERY`` steps per decoding request.
+        """
+        ks = [0] * len(states)
+        if not self.config.adaptive:
+            return [max(0, limit) for limit in limits]
+        rates = [state.rate for state in states]
+        draft_cost = self.draft_cost()
+        tokens, cost, longest = float(batch), step_cost(batch - 1), 0
+        while True:
+            best, gain = -1, 0.0
+            for i, (k, limit) in enumerate(zip(ks, limits)):
+                g = rates[i] ** (k + 1) if k < limit else 0.0
+                if g > gain:
+                    best, gain = i, g
+            if best < 0:
+                break
+            rows = batch + sum(ks) + 1
+            new_cost = step_cost(rows - 1) + draft_cost * max(longest, ks[best] + 1)
+            if (tokens + gain) / new_cost <= tokens / cost + 1e-9:
+                break
+            ks[best] += 1
+            tokens, cost, longest = tokens + gain, new_cost, max(longest, ks[best])
+        for i, state in enumerate(states):
+            if ks[i] or limits[i] <= 0:
+                state.steps_since_probe = 0
+                continue
+            state.steps_since_probe += 1
+            if state.steps_since_probe >= PROBE_EVERY * batch:
+                ks[i], state.steps_since_probe = 1, 0
+        return ks
+
     def propose(self, entries: Sequence[tuple[SpeculationState, int, int, Callable[[int, int], list[int]], int]]
                 ) -> list[list[int]]:
-        """Drafts for ``(state, row, context length, tokens(start, stop), limit)`` entries, one
-        list per entry (empty: no draft); ``tokens`` reads the request's context."""
-        lengths = [self._length(state, limit) for state, _, _, _, limit in entries]
+        """Drafts for ``(state, row, context length, tokens(start, stop), k)`` entries, one list
+        per entry of at most ``k`` tokens (empty: no draft); ``tokens`` reads the request's context."""
+        lengths = [k for _, _, _, _, k in entries]
         if self.draft_model is not None:
             return self.draft_model.propose([(row, tokens(0, n), k) if k > 0 else (row, [], 0)
                                              for (_, row, n, tokens, _), k in zip(entries, lengths)])
@@ -256,19 +299,6 @@ class Speculator:
                 proposer.extend(tokens(have, n))
             drafts.append(proposer.propose(k, at_most_n=self.config.adaptive) if k > 0 else [])
         return drafts
-
-    def _length(self, state: SpeculationState, limit: int) -> int:
-        """How many draft tokens to ask for (0: none this step)."""
-        if limit <= 0 or not self.config.adaptive:
-            return max(0, limit)
-        k = min(limit, best_draft_length(state.rate, limit, self.draft_cost()))
-        if k == 0:
-            state.steps_since_probe += 1
-            if state.steps_since_probe < PROBE_EVERY:
-                return 0
-            k = 1
-        state.steps_since_probe = 0
-        return k
 
     def rewind(self, state: SpeculationState, length: int) -> None:
         """Forget the context past ``length`` tokens (a regenerate)."""
