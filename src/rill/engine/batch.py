@@ -28,9 +28,10 @@ class RowWork:
         all_logits: the logits after *every* token of ``token_ids`` are wanted (prompt
             logprobs); the item then has ``len(token_ids)`` rows of logits, whatever
             ``need_logits`` says, and its last row is the one ``need_logits`` asks for.
-        draft: the tokens after the first are a speculative draft being verified: a runner
-            may compute the item token by token as decode steps would (so that each position's
-            logits are exactly those decoding would give), rather than as a prefill chunk.
+        draft: a short chunk of a sequence that is decoding (a speculative draft being
+            verified, a draft model catching up): a runner may compute it token by token as
+            decode steps would (so that each position's logits are exactly those decoding
+            would give), rather than as a prefill chunk.
     """
 
     row: int

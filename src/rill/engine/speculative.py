@@ -64,6 +64,7 @@ STEP_COST = (1.0, 1.07, 1.14, 1.21, 1.38, 1.55, 1.72, 1.89, 2.06)
 STEP_COST_PER_TOKEN = 0.17
 PROBE_EVERY = 8  # a request whose drafts do not pay still tries one token every this many steps per decoding request
 PRIOR_RATE = 0.5  # acceptance assumed before a request has any history
+CATCH_UP_AS_DECODE = 8  # a draft model catches up on this many tokens or fewer through its decode path
 HISTORY = 0.5  # weight of the history in the running acceptance (per verification)
 
 
@@ -183,7 +184,9 @@ class DraftModel:
                 continue
             held = self.held[row]
             valid = min(common_prefix_len(held, context), len(context) - 1)
-            work.append(RowWork(row, context[valid:], valid))
+            fed = context[valid:]
+            # A short catch-up (the last verified tokens) runs like decode steps; a prompt, as a prefill.
+            work.append(RowWork(row, fed, valid, draft=len(fed) <= CATCH_UP_AS_DECODE))
             self.held[row] = list(context)
             live.append(i)
         first = True
