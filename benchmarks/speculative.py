@@ -85,9 +85,12 @@ def make_server(name: str, args: argparse.Namespace, out: Path) -> Server:
     return Server(name, cmd, port, log, "/health")
 
 
+MODEL_IDS: dict[int, str] = {}  # port -> the model name its /v1/models gives
+
+
 async def one_request(client: httpx.AsyncClient, port: int, prompt: str, max_tokens: int) -> dict[str, Any]:
     """Stream one greedy chat completion; its text, token count and timings."""
-    body = {"model": "default", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+    body = {"model": MODEL_IDS.get(port, "default"), "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     started = time.perf_counter()
     first = last = None
@@ -116,7 +119,8 @@ async def one_request(client: httpx.AsyncClient, port: int, prompt: str, max_tok
 async def run_load(port: int, prompts: list[str], concurrency: int, max_tokens: int) -> list[dict[str, Any]]:
     """``prompts`` with ``concurrency`` in flight; results in prompt order."""
     limit = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(timeout=600) as client:
+    # A new connection per request: llama-server closes kept-alive connections that httpx may reuse.
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_keepalive_connections=0)) as client:
         async def go(prompt: str) -> dict[str, Any]:
             async with limit:
                 return await one_request(client, port, prompt, max_tokens)
@@ -157,9 +161,12 @@ def main(argv: list[str] | None = None) -> int:
                 server = make_server(name, args, out)
                 server.__enter__()
                 server.wait_ready(600)
+                models = httpx.get(f"http://127.0.0.1:{server.port}/v1/models", timeout=30).json().get("data") or []
+                MODEL_IDS[server.port] = models[0]["id"] if models else "default"
                 asyncio.run(run_load(server.port, ["Hello"], 1, 2))  # the first request pays one-time costs
             except (PeerUnavailable, RuntimeError, httpx.HTTPError) as exc:
                 say(f"{name}: skipped: {exc}")
+                stop_server(server)
                 continue
             servers[name] = server
             server.pause()

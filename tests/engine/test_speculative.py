@@ -24,7 +24,7 @@ from rill.config import EngineConfig
 from rill.engine.batch import RowWork
 from rill.engine.builder import Engine, assemble_engine, build_engine
 from rill.engine.request import AbortCommand, AddCommand, ModifyCommand, PauseCommand, RegenerateCommand, Request, ResumeCommand
-from rill.engine.speculative import SpeculativeConfig, Speculator, best_draft_length, step_cost
+from rill.engine.speculative import SpeculativeConfig, Speculator, Track, step_cost
 from rill.errors import ConfigError
 from rill.testing.fake_runner import FakeRunner, fake_tokenizer, history_hash
 from rill.types import ResponseFormat, SamplingParams
@@ -92,7 +92,8 @@ def both(prompt: str, **params: Any) -> tuple[Result, Result, Engine]:
 # -- the policy --------------------------------------------------------------------------------
 
 def test_the_draft_length_grows_with_the_acceptance_rate() -> None:
-    lengths = [best_draft_length(r / 10, 8) for r in range(11)]
+    speculator = Speculator(SpeculativeConfig(method="ngram", num_tokens=8))
+    lengths = [speculator.allocate([Track(trials=100.0, accepted=10.0 * r)], [8], 1)[0] for r in range(11)]
     assert lengths[0] == 0  # nothing is ever accepted: do not pay for drafts
     assert lengths == sorted(lengths)
     assert lengths[-1] == 8  # everything is accepted: the longest draft
@@ -103,12 +104,7 @@ def test_drafts_are_handed_out_while_they_pay() -> None:
     speculator = Speculator(SpeculativeConfig(method="ngram", num_tokens=8))
 
     def states(*rates: float):
-        out = []
-        for rate in rates:
-            state = speculator.new_state()
-            state.trials, state.accepted = 100.0, 100.0 * rate
-            out.append(state)
-        return out
+        return [Track(trials=100.0, accepted=100.0 * rate) for rate in rates]
 
     assert speculator.allocate(states(0.9), [8], 1)[0] >= 4  # alone and likely: a long draft
     assert speculator.allocate(states(0.05), [8], 1) == [0]  # alone and unlikely: none

@@ -290,12 +290,10 @@ class EngineCore:
         for item, _ in asking:
             if item.request.speculation is None:
                 item.request.speculation = speculator.new_state()
-        ks = speculator.allocate([item.request.speculation for item, _ in asking], [limit for _, limit in asking],
-                                 len(decoding))
-        entries = [(item.request.speculation, item.request.row, item.request.num_tokens, item.request.token_at, k)
-                   for (item, _), k in zip(asking, ks)]
+        entries = [(item.request.speculation, item.request.row, item.request.num_tokens, item.request.token_at, limit)
+                   for item, limit in asking]
         try:
-            drafts = speculator.propose(entries)
+            drafts = speculator.propose(entries, len(decoding))
         except Exception:
             log.exception("the speculative proposer failed; speculative decoding is off from now on")
             self.speculator = None

@@ -37,7 +37,9 @@ Proposers: ``ngram`` (prompt lookup, ``rill.engine.ngram``: no second model) and
 (``DraftModel``: a smaller model with the same vocabulary, greedy, on its own runner whose KV
 row ``i`` sits beside the target's row ``i``). A draft token costs the draft model a step, so
 for ``draft`` the length chooser adds the measured ratio of a draft step to a target step to
-each token's cost.
+each token's cost. With a draft model, prompt lookup is still asked first: where the context
+predicts the next tokens they cost nothing to draft, and the draft model drafts for the
+requests it has no proposal for. Each source keeps its own acceptance rate per request.
 
 Imports ``rill.engine.ngram`` and the runner boundary (``rill.engine.batch``); the core calls it.
 """
@@ -105,21 +107,36 @@ class SpeculativeConfig:
 
 
 @dataclass(slots=True)
-class SpeculationState:
-    """One request's proposer and acceptance history."""
+class Track:
+    """The acceptance history of one source of drafts for one request."""
 
-    proposer: NgramProposer
     trials: float = 2.0  # running (decayed) counts; the prior is PRIOR_RATE over two trials
     accepted: float = 2.0 * PRIOR_RATE
     steps_since_probe: int = 0
-    num_proposed: int = 0
-    num_accepted: int = 0
-    num_verifications: int = 0
 
     @property
     def rate(self) -> float:
         """Running share of draft tokens accepted."""
         return self.accepted / self.trials if self.trials > 0 else PRIOR_RATE
+
+    def record(self, proposed: int, accepted: int) -> None:
+        """One verification of ``proposed`` tokens from this source, ``accepted`` of them kept."""
+        tried = accepted + (1 if accepted < proposed else 0)  # tokens tried until the first miss
+        self.trials = HISTORY * self.trials + tried
+        self.accepted = HISTORY * self.accepted + accepted
+
+
+@dataclass(slots=True)
+class SpeculationState:
+    """One request's prompt-lookup index and the acceptance of its drafts, per source."""
+
+    proposer: NgramProposer
+    lookup: Track = field(default_factory=Track)
+    model: Track = field(default_factory=Track)
+    source: str = "lookup"  # of the draft being verified
+    num_proposed: int = 0
+    num_accepted: int = 0
+    num_verifications: int = 0
 
 
 @dataclass
@@ -138,21 +155,6 @@ def step_cost(k: int) -> float:
     if k < len(STEP_COST):
         return STEP_COST[k]
     return STEP_COST[-1] + STEP_COST_PER_TOKEN * (k - len(STEP_COST) + 1)
-
-
-def best_draft_length(rate: float, k_max: int, draft_cost: float = 0.0) -> int:
-    """The draft length in ``[0, k_max]`` with the most expected tokens per unit of step cost
-    (``draft_cost``: what making one draft token costs, in target steps)."""
-    best_k, best = 0, 1.0
-    expected = 1.0
-    power = 1.0
-    for k in range(1, k_max + 1):
-        power *= rate
-        expected += power  # 1 + r + ... + r^k
-        value = expected / (step_cost(k) + draft_cost * k)
-        if value > best + 1e-9:
-            best_k, best = k, value
-    return best_k
 
 
 class DraftModel:
@@ -244,23 +246,27 @@ class Speculator:
         draft, target = self.draft_model.step_s, self.target_step_s
         return draft / target if draft is not None and target else 0.5
 
-    def allocate(self, states: Sequence[SpeculationState], limits: Sequence[int], batch: int) -> list[int]:
-        """How many draft tokens each of a step's speculating requests asks for.
+    def allocate(self, tracks: Sequence[Track], limits: Sequence[int], batch: int, *, rows: int | None = None,
+                 tokens: float | None = None, draft_cost: float = 0.0) -> list[int]:
+        """How many draft tokens each of a step's speculating requests asks for from one source.
 
-        ``batch`` requests decode in the step; ``states[i]`` may have at most ``limits[i]``.
-        Draft tokens are handed out one at a time to the request whose next one is likeliest
-        to be accepted (``rate ** (k + 1)``), while the step's expected tokens per unit of cost
-        grow: the step's cost is ``step_cost`` of all its rows (plus the draft model's steps),
-        so in a large batch, where every extra row costs nearly its full share, only drafts
-        that are very likely accepted are taken. A request whose drafts are never worth it
-        still gets one token every ``PROBE_EVERY`` steps per decoding request.
+        ``batch`` requests decode in the step (``rows`` rows are in it already, expecting
+        ``tokens`` tokens: by default ``batch`` of each); ``tracks[i]`` is request ``i``'s history
+        with this source, and it may have at most ``limits[i]``. Draft tokens are handed out
+        one at a time to the request whose next one is likeliest to be accepted
+        (``rate ** (k + 1)``), while the step's expected tokens per unit of cost grow: the
+        step's cost is ``step_cost`` of all its rows plus ``draft_cost`` per draft position, so
+        in a large batch, where every extra row costs nearly its full share, only drafts that
+        are very likely accepted are taken. A request whose drafts are never worth it still
+        gets one token every ``PROBE_EVERY`` steps per decoding request.
         """
-        ks = [0] * len(states)
+        ks = [0] * len(tracks)
         if not self.config.adaptive:
             return [max(0, limit) for limit in limits]
-        rates = [state.rate for state in states]
-        draft_cost = self.draft_cost()
-        tokens, cost, longest = float(batch), step_cost(batch - 1), 0
+        rates = [track.rate for track in tracks]
+        rows = batch if rows is None else rows
+        tokens = float(batch) if tokens is None else tokens
+        cost, longest = step_cost(rows - 1), 0
         while True:
             best, gain = -1, 0.0
             for i, (k, limit) in enumerate(zip(ks, limits)):
@@ -269,38 +275,57 @@ class Speculator:
                     best, gain = i, g
             if best < 0:
                 break
-            rows = batch + sum(ks) + 1
-            new_cost = step_cost(rows - 1) + draft_cost * max(longest, ks[best] + 1)
+            new_cost = step_cost(rows + sum(ks)) + draft_cost * max(longest, ks[best] + 1)
             if (tokens + gain) / new_cost <= tokens / cost + 1e-9:
                 break
             ks[best] += 1
             tokens, cost, longest = tokens + gain, new_cost, max(longest, ks[best])
-        for i, state in enumerate(states):
+        for i, track in enumerate(tracks):
             if ks[i] or limits[i] <= 0:
-                state.steps_since_probe = 0
+                track.steps_since_probe = 0
                 continue
-            state.steps_since_probe += 1
-            if state.steps_since_probe >= PROBE_EVERY * batch:
-                ks[i], state.steps_since_probe = 1, 0
+            track.steps_since_probe += 1
+            if track.steps_since_probe >= PROBE_EVERY * batch:
+                ks[i], track.steps_since_probe = 1, 0
         return ks
 
-    def propose(self, entries: Sequence[tuple[SpeculationState, int, int, Callable[[int, int], list[int]], int]]
-                ) -> list[list[int]]:
-        """Drafts for ``(state, row, context length, tokens(start, stop), k)`` entries, one list
-        per entry of at most ``k`` tokens (empty: no draft); ``tokens`` reads the request's context."""
-        lengths = [k for _, _, _, _, k in entries]
-        if self.draft_model is not None:
-            return self.draft_model.propose([(row, tokens(0, n), k) if k > 0 else (row, [], 0)
-                                             for (_, row, n, tokens, _), k in zip(entries, lengths)])
-        drafts = []
-        for (state, _, n, tokens, _), k in zip(entries, lengths):
+    def propose(self, entries: Sequence[tuple[SpeculationState, int, int, Callable[[int, int], list[int]], int]],
+                batch: int) -> list[list[int]]:
+        """Drafts for ``(state, row, context length, tokens(start, stop), limit)`` entries of a
+        step where ``batch`` requests decode: one list per entry of at most ``limit`` tokens
+        (empty: no draft); ``tokens`` reads the request's context.
+
+        Prompt lookup first; with a draft model, the requests lookup has nothing for (or is
+        not trusted for) then get the draft model's tokens, sized by its own acceptance and cost.
+        """
+        states = [entry[0] for entry in entries]
+        limits = [entry[4] for entry in entries]
+        for state, _, n, tokens, _ in entries:
             proposer = state.proposer
             have = len(proposer.tokens)
             if have > n:
                 proposer.truncate(n)
             elif have < n:
                 proposer.extend(tokens(have, n))
-            drafts.append(proposer.propose(k, at_most_n=self.config.adaptive) if k > 0 else [])
+        ks = self.allocate([state.lookup for state in states], limits, batch)
+        drafts = [state.proposer.propose(k, at_most_n=self.config.adaptive) if k > 0 else []
+                  for state, k in zip(states, ks)]
+        for state, draft in zip(states, drafts):
+            state.source = "lookup"
+        if self.draft_model is None:
+            return drafts
+        rest = [i for i, draft in enumerate(drafts) if not draft and limits[i] > 0]
+        if not rest:
+            return drafts
+        rows = batch + sum(len(d) for d in drafts)
+        expected = batch + sum(states[i].lookup.rate * len(d) for i, d in enumerate(drafts))  # roughly
+        model_ks = self.allocate([states[i].model for i in rest], [limits[i] for i in rest], batch, rows=rows,
+                                 tokens=expected, draft_cost=self.draft_cost())
+        entries_rest = [(entries[i][1], entries[i][3](0, entries[i][2]) if k > 0 else [], k)
+                        for i, k in zip(rest, model_ks)]
+        for i, draft in zip(rest, self.draft_model.propose(entries_rest)):
+            drafts[i] = draft
+            states[i].source = "model"
         return drafts
 
     def rewind(self, state: SpeculationState, length: int) -> None:
@@ -311,9 +336,7 @@ class Speculator:
         """Record one verification: ``accepted`` of ``proposed`` draft tokens were emitted as drafted."""
         if proposed <= 0:
             return
-        trials = accepted + (1 if accepted < proposed else 0)  # tokens tried until the first miss
-        state.trials = HISTORY * state.trials + trials
-        state.accepted = HISTORY * state.accepted + accepted
+        (state.model if state.source == "model" else state.lookup).record(proposed, accepted)
         state.num_proposed += proposed
         state.num_accepted += accepted
         state.num_verifications += 1

@@ -69,3 +69,18 @@ async def test_bad_speculative_is_an_invalid_request_naming_the_field(spec_serve
         await send(ws, type="control", action="stop")
         assert (await until(ws, is_type("completion")))[-1]["finish_reason"] == "cancelled"
     spec_server.wait_idle()
+
+
+async def test_a_disconnect_mid_speculation_frees_the_kv(spec_server: Any) -> None:
+    """The client goes away while drafts are being verified: the request ends and its KV rows
+    (accepted and rejected positions alike) are freed."""
+    before = spec_server.wait_idle()
+    async with connect(f"{spec_server.ws_url}/generate") as ws:
+        await send(ws, type="config", prompt=SPEC_PROMPT, parameters={**GREEDY, "max_tokens": 2000},
+                   options={"include_token_ids": True})
+        seen = []
+        await until(ws, lambda m: m["type"] == "token" and (seen.append(m) or len(seen) >= 20))
+        assert spec_server.stats().spec_draft_tokens_total > before.spec_draft_tokens_total
+    stats = spec_server.wait_idle()
+    assert stats.kv_used_tokens == 0 and stats.num_running == 0
+    assert stats.requests_finished_total.get("cancelled", 0) > before.requests_finished_total.get("cancelled", 0)
