@@ -67,6 +67,8 @@ STEP_COST_PER_TOKEN = 0.17
 PROBE_EVERY = 8  # a request whose drafts do not pay still tries one token every this many steps per decoding request
 PRIOR_RATE = 0.5  # acceptance assumed before a request has any history
 CATCH_UP_AS_DECODE = 8  # a draft model catches up on this many tokens or fewer through its decode path
+MAX_CATCH_UP = 64  # in a batch, a request whose draft row lags more than this gets no model draft
+MODEL_PROBE_MAX_BATCH = 1  # the draft model is probed only for a request decoding alone
 HISTORY = 0.5  # weight of the history in the running acceptance (per verification)
 
 
@@ -113,6 +115,7 @@ class Track:
     trials: float = 2.0  # running (decayed) counts; the prior is PRIOR_RATE over two trials
     accepted: float = 2.0 * PRIOR_RATE
     steps_since_probe: int = 0
+    history: float = HISTORY
 
     @property
     def rate(self) -> float:
@@ -122,8 +125,8 @@ class Track:
     def record(self, proposed: int, accepted: int) -> None:
         """One verification of ``proposed`` tokens from this source, ``accepted`` of them kept."""
         tried = accepted + (1 if accepted < proposed else 0)  # tokens tried until the first miss
-        self.trials = HISTORY * self.trials + tried
-        self.accepted = HISTORY * self.accepted + accepted
+        self.trials = self.history * self.trials + tried
+        self.accepted = self.history * self.accepted + accepted
 
 
 @dataclass(slots=True)
@@ -177,6 +180,10 @@ class DraftModel:
         self.held: list[list[int]] = [[] for _ in range(runner.num_rows)]
         self.step_s: float | None = None  # moving average of one draft decode forward
 
+    def lag(self, row: int, context: list[int]) -> int:
+        """Tokens draft row ``row`` would have to catch up on before drafting after ``context``."""
+        return len(context) - common_prefix_len(self.held[row], context)
+
     def propose(self, entries: Sequence[tuple[int, list[int], int]]) -> list[list[int]]:
         """Drafts for ``(row, context, k)`` entries: up to ``k`` greedy tokens after ``context``."""
         drafts: list[list[int]] = [[] for _ in entries]
@@ -229,6 +236,9 @@ class Speculator:
         self.stats = SpeculationStats(per_depth_accepted=[0] * config.num_tokens)
         self.draft_model = DraftModel(draft_runner, vocab_size) if draft_runner is not None else None
         self.target_step_s: float | None = None  # the core's plain decode step, for the draft's cost
+        # The draft model's acceptance over every request: a new request's model track starts
+        # from it, so a draft that agrees well is used from the first tokens on.
+        self.model_track = Track(history=0.95)
 
     def wants(self, request_params: Any, is_beam: bool) -> bool:
         """True when a request with these parameters speculates (server on, request not opted out)."""
@@ -237,7 +247,9 @@ class Speculator:
     def new_state(self) -> SpeculationState:
         """A fresh state for a request (its context is given at the first ``propose``)."""
         c = self.config
-        return SpeculationState(NgramProposer(c.num_tokens, c.min_n, c.max_n))
+        shared = self.model_track
+        return SpeculationState(NgramProposer(c.num_tokens, c.min_n, c.max_n),
+                                model=Track(trials=shared.trials, accepted=shared.accepted))
 
     def draft_cost(self) -> float:
         """What one draft token costs, in target decode steps (0 for prompt lookup)."""
@@ -247,7 +259,7 @@ class Speculator:
         return draft / target if draft is not None and target else 0.5
 
     def allocate(self, tracks: Sequence[Track], limits: Sequence[int], batch: int, *, rows: int | None = None,
-                 tokens: float | None = None, draft_cost: float = 0.0) -> list[int]:
+                 tokens: float | None = None, draft_cost: float = 0.0, probe_max_batch: int | None = None) -> list[int]:
         """How many draft tokens each of a step's speculating requests asks for from one source.
 
         ``batch`` requests decode in the step (``rows`` rows are in it already, expecting
@@ -258,7 +270,8 @@ class Speculator:
         step's cost is ``step_cost`` of all its rows plus ``draft_cost`` per draft position, so
         in a large batch, where every extra row costs nearly its full share, only drafts that
         are very likely accepted are taken. A request whose drafts are never worth it still
-        gets one token every ``PROBE_EVERY`` steps per decoding request.
+        gets one token every ``PROBE_EVERY`` steps per decoding request (only in batches of at
+        most ``probe_max_batch`` requests, when given).
         """
         ks = [0] * len(tracks)
         if not self.config.adaptive:
@@ -285,7 +298,7 @@ class Speculator:
                 track.steps_since_probe = 0
                 continue
             track.steps_since_probe += 1
-            if track.steps_since_probe >= PROBE_EVERY * batch:
+            if track.steps_since_probe >= PROBE_EVERY * batch and (probe_max_batch is None or batch <= probe_max_batch):
                 ks[i], track.steps_since_probe = 1, 0
         return ks
 
@@ -314,15 +327,18 @@ class Speculator:
             state.source = "lookup"
         if self.draft_model is None:
             return drafts
-        rest = [i for i, draft in enumerate(drafts) if not draft and limits[i] > 0]
+        # A request whose draft row lags far behind (it never drafted with the model, or long
+        # ago) would first cost the draft model a prefill: in a batch that is not worth it.
+        contexts = {i: entries[i][3](0, entries[i][2]) for i, draft in enumerate(drafts) if not draft and limits[i] > 0}
+        rest = [i for i, context in contexts.items()
+                if batch == 1 or self.draft_model.lag(entries[i][1], context) <= MAX_CATCH_UP]
         if not rest:
             return drafts
         rows = batch + sum(len(d) for d in drafts)
         expected = batch + sum(states[i].lookup.rate * len(d) for i, d in enumerate(drafts))  # roughly
         model_ks = self.allocate([states[i].model for i in rest], [limits[i] for i in rest], batch, rows=rows,
-                                 tokens=expected, draft_cost=self.draft_cost())
-        entries_rest = [(entries[i][1], entries[i][3](0, entries[i][2]) if k > 0 else [], k)
-                        for i, k in zip(rest, model_ks)]
+                                 tokens=expected, draft_cost=self.draft_cost(), probe_max_batch=MODEL_PROBE_MAX_BATCH)
+        entries_rest = [(entries[i][1], contexts[i] if k > 0 else [], k) for i, k in zip(rest, model_ks)]
         for i, draft in zip(rest, self.draft_model.propose(entries_rest)):
             drafts[i] = draft
             states[i].source = "model"
@@ -336,7 +352,11 @@ class Speculator:
         """Record one verification: ``accepted`` of ``proposed`` draft tokens were emitted as drafted."""
         if proposed <= 0:
             return
-        (state.model if state.source == "model" else state.lookup).record(proposed, accepted)
+        if state.source == "model":
+            state.model.record(proposed, accepted)
+            self.model_track.record(proposed, accepted)
+        else:
+            state.lookup.record(proposed, accepted)
         state.num_proposed += proposed
         state.num_accepted += accepted
         state.num_verifications += 1
