@@ -107,7 +107,7 @@ def vllm_server(name: str, port: int, log: Path, args: argparse.Namespace) -> Se
     elif name == "vllm-cpu-draft":
         cmd += ["--speculative-config", json.dumps({"model": str(peer_model(DRAFT).hf_folder()),
                                                     "num_speculative_tokens": args.k})]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": cpu_list(),
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": cpu_list(),
            "LD_PRELOAD": ":".join(vllm_preload(python)), "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
     return Server(name, cmd, port, log, "/health", env)
 
