@@ -107,10 +107,7 @@ def assemble_engine(
     grammars = _grammar_compiler(tokenizer, runner.vocab_size, eos, warm=warm_grammars)
     core_config = CoreConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                              speculative=speculative_config(config))
-    if core_config.speculative.method == "draft" and draft_runner is None:
-        raise ConfigError("--speculative draft needs a draft model runner")
-    core = EngineCore(runner, tokenizer, core_config, clock or time.monotonic, thread_governor,
-                      draft_runner=draft_runner if core_config.speculative.method == "draft" else None)
+    core = EngineCore(runner, tokenizer, core_config, clock or time.monotonic, thread_governor, draft_runner=draft_runner)
     model_info = ModelInfo(
         name=config.served_model_name or name,
         architecture=architecture,
@@ -161,8 +158,12 @@ def build_engine(config: EngineConfig, progress: Progress | None = None) -> Engi
 
     Raises:
         ModelLoadError: the model cannot be loaded, or the KV budget holds no sequence.
+        ConfigError: contradictory speculative decoding flags.
     """
+    speculative_config(config)  # contradictory flags are named before any model is loaded
     if config.runner == "llamacpp":
+        if config.draft_model:
+            raise ConfigError("--draft-model needs the torch runner (--runner torch)")
         return _build_llamacpp_engine(config, progress)
     import torch
 
@@ -237,7 +238,6 @@ def _draft_runner(config: EngineConfig, tokenizer: Any, target: ModelRunner, rep
     from rill.models.loader import load_model
     from rill.models.tokenizer import Tokenizer
 
-    speculative_config(config)  # a contradiction in the flags is named before anything is loaded
     report(95.0, "loading the draft model")
     path = _model_path(config.draft_model, lambda pct, stage: None)
     loaded = load_model(path, dtype=config.dtype, device=config.device, weights=config.weights)

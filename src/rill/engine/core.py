@@ -244,12 +244,11 @@ class EngineCore:
             self._isolated(item.request, "preparing to sample", self._on_scheduled, item.request)
         # A request that failed above is finished and its rows are freed: leave it out.
         scheduled = [item for item in plan.scheduled if not item.request.is_finished]
+        if self.speculator is not None:
+            self._add_drafts(scheduled, plan)
         work: list[RowWork] = [w for item in scheduled for w in item.work]
         if not work:
             return
-        if self.speculator is not None:
-            self._add_drafts(scheduled, plan)
-            work = [w for item in scheduled for w in item.work]
         t0 = time.perf_counter()
         with self.thread_governor.step() if self.thread_governor is not None else nullcontext():
             logits = self.runner.forward(work)
@@ -279,9 +278,8 @@ class EngineCore:
         life, logged once; the step itself goes on without drafts.
         """
         speculator = self.speculator
-        decoding = [item for item in scheduled
-                    if len(item.work) == 1 and item.request.beam is None and not item.request.is_beam
-                    and len(item.work[0].token_ids) == 1 and item.work[0].need_logits and not item.work[0].all_logits]
+        decoding = [item for item in scheduled if len(item.work) == 1 and len(item.work[0].token_ids) == 1
+                    and item.work[0].need_logits and not item.work[0].all_logits]
         if len(decoding) > speculator.config.max_batch:
             return
         asking = [(item, limit) for item in decoding if (limit := self._draft_limit(item.request)) > 0]
@@ -308,7 +306,7 @@ class EngineCore:
 
     def _draft_limit(self, request: Request) -> int:
         """The most draft tokens ``request`` may have verified this step (0: none)."""
-        params = request.params
+        params = request.params  # beams and prefill-only requests (max_tokens 0) never speculate
         if params.max_tokens == 0 or not self.speculator.wants(params, request.is_beam):
             return 0
         return min(params.speculative_tokens(self.speculator.config.num_tokens),

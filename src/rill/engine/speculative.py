@@ -54,6 +54,7 @@ from typing import Any
 from rill.engine.batch import ModelRunner, RowWork
 from rill.engine.kv_cache import common_prefix_len
 from rill.engine.ngram import NgramProposer
+from rill.types import MAX_SPECULATIVE_TOKENS
 
 METHODS = ("off", "ngram", "draft")
 
@@ -95,8 +96,9 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"speculative method must be one of {', '.join(METHODS)}, not {self.method!r}")
-        if not 1 <= self.num_tokens <= 16:
-            raise ValueError(f"the number of speculative tokens must be in [1, 16], not {self.num_tokens}")
+        if not 1 <= self.num_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"the number of speculative tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], "
+                             f"not {self.num_tokens}")
         if not 1 <= self.min_n <= self.max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, not {self.min_n}, {self.max_n}")
         if self.max_batch < 1:
@@ -137,9 +139,6 @@ class SpeculationState:
     lookup: Track = field(default_factory=Track)
     model: Track = field(default_factory=Track)
     source: str = "lookup"  # of the draft being verified
-    num_proposed: int = 0
-    num_accepted: int = 0
-    num_verifications: int = 0
 
 
 @dataclass
@@ -148,8 +147,6 @@ class SpeculationStats:
 
     draft_tokens_total: int = 0
     accepted_tokens_total: int = 0
-    verifications_total: int = 0
-    per_depth_accepted: list[int] = field(default_factory=list)
 
 
 def step_cost(k: int) -> float:
@@ -185,7 +182,8 @@ class DraftModel:
         return len(context) - common_prefix_len(self.held[row], context)
 
     def propose(self, entries: Sequence[tuple[int, list[int], int]]) -> list[list[int]]:
-        """Drafts for ``(row, context, k)`` entries: up to ``k`` greedy tokens after ``context``."""
+        """Drafts for ``(row, context, k)`` entries: up to ``k`` greedy tokens after ``context``
+        (a list the draft model keeps as its record of the row, and extends)."""
         drafts: list[list[int]] = [[] for _ in entries]
         work, live = [], []
         for i, (row, context, k) in enumerate(entries):
@@ -196,7 +194,7 @@ class DraftModel:
             fed = context[valid:]
             # A short catch-up (the last verified tokens) runs like decode steps; a prompt, as a prefill.
             work.append(RowWork(row, fed, valid, draft=len(fed) <= CATCH_UP_AS_DECODE))
-            self.held[row] = list(context)
+            self.held[row] = context  # the row's record from now on (drafts are appended to it)
             live.append(i)
         first = True
         while work:
@@ -233,7 +231,7 @@ class Speculator:
         if (config.method == "draft") != (draft_runner is not None):
             raise ValueError("a draft model is needed for speculative method 'draft', and only for it")
         self.config = config
-        self.stats = SpeculationStats(per_depth_accepted=[0] * config.num_tokens)
+        self.stats = SpeculationStats()
         self.draft_model = DraftModel(draft_runner, vocab_size) if draft_runner is not None else None
         self.target_step_s: float | None = None  # the core's plain decode step, for the draft's cost
         # The draft model's acceptance over every request: a new request's model track starts
@@ -323,7 +321,7 @@ class Speculator:
         ks = self.allocate([state.lookup for state in states], limits, batch)
         drafts = [state.proposer.propose(k, at_most_n=self.config.adaptive) if k > 0 else []
                   for state, k in zip(states, ks)]
-        for state, draft in zip(states, drafts):
+        for state in states:
             state.source = "lookup"
         if self.draft_model is None:
             return drafts
@@ -357,12 +355,5 @@ class Speculator:
             self.model_track.record(proposed, accepted)
         else:
             state.lookup.record(proposed, accepted)
-        state.num_proposed += proposed
-        state.num_accepted += accepted
-        state.num_verifications += 1
-        s = self.stats
-        s.draft_tokens_total += proposed
-        s.accepted_tokens_total += accepted
-        s.verifications_total += 1
-        for depth in range(accepted):
-            s.per_depth_accepted[depth] += 1
+        self.stats.draft_tokens_total += proposed
+        self.stats.accepted_tokens_total += accepted
