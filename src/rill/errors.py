@@ -9,6 +9,7 @@ client as text: protocols answer them with a generic message.
     │   └── ModelLoadError          checkpoint missing files / unsupported architecture
     ├── InvalidRequest              a field of a request is invalid; .field names it
     │   ├── ContextLengthExceeded   prompt (+ generation) longer than the context
+    │   ├── ConstraintFailed        a grammar that compiled could not be followed while sampling
     │   ├── PromptTooLarge          prompt over the character bound (checked before tokenizing)
     │   └── BodyTooLarge            HTTP request body over the configured limit
     ├── Unauthorized                no API key or a wrong one
@@ -21,7 +22,8 @@ client as text: protocols answer them with a generic message.
     │   ├── RateLimited             token bucket empty (retryable, .retry_after_s)
     │   ├── ModelNotReady           model still loading (retryable)
     │   ├── TooManyConnections      connection limit (total or per client) reached (retryable)
-    │   └── StorageFull             a durable store is at its size cap (nothing deleted for room)
+    │   ├── StorageFull             a durable store is at its size cap (nothing deleted for room)
+    │   └── ResourceExhausted       a server-wide budget (session memory) or this principal's share of it is used up
     ├── RequestNotFound             control action for an unknown or finished request
     ├── CacheMiss                   a required cached prefix was evicted
     ├── RequestTimeout              per-request time limit reached
@@ -185,6 +187,29 @@ class StorageFull(RequestRejected):
 
     code = "storage_full"
     retryable = False
+
+
+class ResourceExhausted(RequestRejected):
+    """A server-wide budget shared by every client (``--max-session-memory``), or this
+    principal's share of it, is used up; retry once other work has ended."""
+
+    code = "resource_exhausted"
+    retryable = True
+
+    def __init__(self, message: str = "", retry_after_s: float = 1.0) -> None:
+        super().__init__(message or "the server's session memory is used up; retry later")
+        self.retry_after_s = retry_after_s
+
+
+class ConstraintFailed(InvalidRequest):
+    """The request's grammar (``response_format``, a tool schema) compiled, but sampling
+    could not follow it (no token allowed, or the matcher refused a token): the request
+    ends; its problem is the constraint it gave, not the server."""
+
+    code = "constraint_failed"
+
+    def __init__(self, message: str, field: str | None = "response_format") -> None:
+        super().__init__(message, field=field)
 
 
 class EngineError(RillError):

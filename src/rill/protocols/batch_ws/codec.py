@@ -27,6 +27,7 @@ from rill.errors import (
     RateLimited,
     RequestRejected,
     RequestTimeout,
+    ResourceExhausted,
     RouteNotFound,
     Unauthorized,
 )
@@ -80,6 +81,7 @@ ERROR_TABLE: ErrorTable = {
     InvalidRequest: _OWN_TEXT,
     QueueFull: ErrorEntry(text="the server's waiting queue is full; retry later"),
     RateLimited: _OWN_TEXT,
+    ResourceExhausted: _OWN_TEXT,
     MemoryPressure: ErrorEntry(text="the prompt can never fit in the server's KV cache memory"),
     ModelNotReady: ErrorEntry(text="the model is still loading; retry later"),
     RequestRejected: ErrorEntry(text="the server refused the request; retry later"),

@@ -17,6 +17,7 @@ from rill.errors import (
     RateLimited,
     RequestRejected,
     RequestTimeout,
+    ResourceExhausted,
     RillError,
 )
 from rill.protocols._shared import jsonguard
@@ -38,6 +39,7 @@ GENERIC_ERROR = "Internal server error"
 ERROR_TABLE: ErrorTable = {
     QueueFull: ErrorEntry(status=CLOSE_TRY_AGAIN_LATER, text="Queue full"),
     RateLimited: ErrorEntry(status=CLOSE_TRY_AGAIN_LATER),
+    ResourceExhausted: ErrorEntry(status=CLOSE_TRY_AGAIN_LATER),
     ModelNotReady: ErrorEntry(status=CLOSE_TRY_AGAIN_LATER, text="Service not ready: the model is still loading"),
     RequestRejected: ErrorEntry(status=CLOSE_NORMAL),
     ContextLengthExceeded: ErrorEntry(status=CLOSE_NORMAL),

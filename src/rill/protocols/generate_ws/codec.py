@@ -30,6 +30,7 @@ from rill.errors import (
     RequestNotFound,
     RequestRejected,
     RequestTimeout,
+    ResourceExhausted,
     RillError,
     StorageFull,
 )
@@ -62,6 +63,7 @@ ERROR_TABLE: ErrorTable = {
     ContextLengthExceeded: ErrorEntry("context_length_exceeded", 400, action="shorten_prompt"),
     RequestNotFound: ErrorEntry("invalid_request", 400, action="send_config"),
     MemoryPressure: ErrorEntry("memory_pressure", 503, action="retry"),
+    ResourceExhausted: ErrorEntry("memory_pressure", 503, action="retry"),
     QueueFull: ErrorEntry("rate_limited", 429, action="retry"),
     RateLimited: ErrorEntry("rate_limited", 429, action="retry"),
     ModelNotReady: ErrorEntry("model_loading_error", 503, action="retry"),
