@@ -263,36 +263,41 @@ def big_schema(index: int, num_bytes: int = 63_000) -> dict[str, Any]:
 
 
 async def modify_schemas_case(ws_url: str, probe: HealthProbe, num_schemas: int = 100) -> str:
-    """A running /generate generation sent ``num_schemas`` distinct 63 KB schemas as ``modify``."""
+    """A running /generate generation sent ``num_schemas`` distinct 63 KB schemas as ``modify``,
+    one after another (each waits for its answer; when a generation ends, a new connection
+    starts another)."""
     from websockets.asyncio.client import connect
 
     schemas = [big_schema(i) for i in range(num_schemas)]
     kinds: dict[str, int] = {}
     messages: list[str] = []
-    async with connect(ws_url, max_size=None) as ws:
-        await ws.send(json.dumps({"type": "config", "prompt": "Once upon a time",
-                                  "parameters": {"max_tokens": 100000, "ignore_eos": True, "temperature": 0}}))
-
-        async def drain() -> None:
-            async for raw in ws:
-                msg = json.loads(raw)
-                key = msg["type"] if msg["type"] != "error" else f"error:{msg.get('error')}"
+    config = {"type": "config", "prompt": "Once upon a time", "parameters": {"max_tokens": 100000, "temperature": 0}}
+    ws = None
+    probe.reset()  # the schemas were built before: their cost is this process's, not the server's
+    for schema in schemas:
+        if ws is None:
+            ws = await connect(ws_url, max_size=None)
+            await ws.send(json.dumps(config))
+            while json.loads(await ws.recv())["type"] != "init":
+                pass
+        await ws.send(json.dumps({"type": "control", "action": "modify", "parameters": {
+            "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}}))
+        while True:
+            msg = json.loads(await asyncio.wait_for(ws.recv(), 60))
+            if msg["type"] == "status" and msg.get("operation") == "modified":
+                kinds["modified"] = kinds.get("modified", 0) + 1
+                break
+            if msg["type"] in ("error", "completion"):
+                key = f"error:{msg.get('error')}" if msg["type"] == "error" else "ended first"
                 kinds[key] = kinds.get(key, 0) + 1
                 if kinds[key] == 1 and msg["type"] == "error":
                     messages.append(str(msg.get("message"))[:100])
-                if msg["type"] == "completion":
-                    return
-
-        reader = asyncio.create_task(drain())
-        probe.reset()  # the schemas were built before: their cost is this process's, not the server's
-        for schema in schemas:
-            await ws.send(json.dumps({"type": "control", "action": "modify", "parameters": {
-                "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}}))
-        await asyncio.sleep(2.0)  # let the last compiles land while the probe watches
-        p99 = probe.p99_ms
-        await ws.send(json.dumps({"type": "control", "action": "stop"}))
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(reader, 30)
+                await ws.close()
+                ws = None
+                break
+    p99 = probe.p99_ms
+    if ws is not None:
+        await ws.close()
     return f"/health p99 {p99:.0f} ms (goal < 50 ms); replies {dict(sorted(kinds.items()))} {messages}"
 
 
@@ -415,6 +420,8 @@ async def run31(args: argparse.Namespace, server: Server, root: Path, data_dir: 
         ("6 13 KB prompt + 16 feedback of 41 bytes", lambda: small_feedback_case(ws_url)),
         ("8 /detokenize 585k ids", lambda: detokenize_case(base)),
     ]
+    if args.only:
+        cases = [case for case in cases if case[0].split()[0] in args.only]
     await run_cases(cases, pid, data_dir, probe)
     await probe.stop()
 
@@ -482,6 +489,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="tiny", help="tiny, demo or a model folder (the scoring case needs a "
                                                         "context of 4,096 tokens: give a real model, e.g. SmolLM2)")
     parser.add_argument("--issue", choices=("12", "31", "all"), default="all", help="which audit's cases to run")
+    parser.add_argument("--only", action="append", default=[], help="run only issue 31's cases of this item "
+                                                                     "number (repeatable, e.g. --only 1 --only 7)")
     parser.add_argument("--server-arg", action="append", default=[], help="extra rill serve flag (repeatable)")
     args = parser.parse_args(argv)
     model_dir = resolve_model(args.model)
@@ -505,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.issue in ("31", "all"):
                 print("# issue 31's cases")
                 asyncio.run(run31(args, server, root, data_dir))
-        if args.issue in ("31", "all"):
+        if args.issue in ("31", "all") and (not args.only or "7" in args.only):
             # Its own server: a request-count limit would refuse the other cases' requests.
             port, args.grpc_port = free_port(), free_port()
             with Server("rill", command(port, "--rate-limit-requests", "3"), port, Path(tmp) / "server2.log",
