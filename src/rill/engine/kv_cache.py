@@ -135,29 +135,30 @@ class KVManager:
             return None, 0, False
         return best_row, best_len, best_cached
 
-    def pending_overlap(self, token_ids: list[int]) -> int:
+    def pending_overlap(self, token_ids: list[int], available: int = 0) -> int:
         """Tokens of ``token_ids`` that a live row will hold once its prefill advances, beyond
-        what it holds now (used to wait for a sibling's prefill rather than compute twice)."""
+        what it holds now and beyond the ``available`` leading tokens some row already holds
+        (used to wait for a sibling's prefill rather than compute twice)."""
         best = 0
         first = token_ids[0] if token_ids else None
         for holder in self.live.values():
             head = holder.token_at(0, len(token_ids))
             if head and head[0] == first:
                 n = common_prefix_len(head, token_ids)
-                best = max(best, n - holder.num_computed)
+                best = max(best, n - max(holder.num_computed, available))
         return best
 
     # -- acquire / release ---------------------------------------------------------------
-    def acquire(self, holder: RowHolder, token_ids: list[int], reuse: bool = True) -> Acquired | None:
-        """Give ``holder`` a row for ``token_ids``, reusing the longest cached prefix (unless
-        ``reuse`` is False: then every token is computed).
+    def acquire(self, holder: RowHolder, token_ids: list[int], max_reuse: int | None = None) -> Acquired | None:
+        """Give ``holder`` a row for ``token_ids``, reusing the longest cached prefix, of at most
+        ``max_reuse`` tokens when given (0: every token is computed).
 
         At least one token is always left to compute, because its logits are needed.
         Returns None when no row is free or evictable.
         """
         if self.num_available_rows == 0:
             return None
-        limit = len(token_ids) - 1 if reuse else 0
+        limit = len(token_ids) - 1 if max_reuse is None else max(0, min(max_reuse, len(token_ids) - 1))
         src, length, src_is_cached = self.best_match(token_ids, limit)
         self.num_query_tokens += len(token_ids)
         if src is not None and src_is_cached and (length >= len(self.cached[src]) or not self._spare_row(exclude=src)):

@@ -73,6 +73,7 @@ class Request:
     finish_reason: Any = None
     stop_reason: Any = None
     error: Any = None
+    _prompt_key: int | None = field(default=None, repr=False)
 
     @property
     def all_ids(self) -> list[int]:
@@ -98,6 +99,26 @@ class Request:
         """True while prompt logprobs are asked and not all computed: the prefill then needs
         the logits of every position, so the prefix cache cannot serve any of them."""
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids)
+
+    @property
+    def max_reuse_tokens(self) -> int | None:
+        """Most leading tokens the prefix cache may serve (None: any number).
+
+        While prompt logprobs are missing, the logits after every position from the last
+        scored token on are needed, so only the positions before it may come from a cached
+        prefix: none at first, the part already scored after a preemption.
+        """
+        if not self.needs_prompt_logits:
+            return None
+        return len(self.prompt_logprobs) - 1
+
+    @property
+    def prompt_key(self) -> int:
+        """A hash of the prompt, made once: requests with equal keys (the ``n``/``best_of``
+        candidates of one prompt) count as one request starting (see ``Scheduler.schedule``)."""
+        if self._prompt_key is None:
+            self._prompt_key = hash(tuple(self.prompt_ids))
+        return self._prompt_key
 
     @property
     def is_finished(self) -> bool:

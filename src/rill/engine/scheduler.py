@@ -10,7 +10,17 @@ That protection is for a few new prompts beside many streams: when the requests 
 waiting for their first token outnumber the streams decoding (a burst of arrivals, a
 batch filling up), holding them to small chunks would keep the batch small for many steps
 and starve the queue, so the step takes the whole token budget instead, as when nothing
-decodes.
+decodes. One client cannot trigger that exception with many requests of one prompt or with
+scoring requests: the count leaves out requests asking prompt logprobs and counts the
+requests of one prompt (``n``/``best_of`` candidates) once (``_outnumbers``); and a chunk
+whose every position returns logits (prompt logprobs) stays under the protected cap while
+anything decodes, whatever the count.
+
+Requests of one prompt share its prefill: a waiting prompt that a live row is still
+prefilling waits for it and then copies its keys and values (``MIN_SHARED_PREFILL_TOKENS``),
+so only one of them (the one asking prompt logprobs, if any) computes the prompt. A request
+asking prompt logprobs computes every position whose logits it still needs, but reuses a
+cached prefix for the positions it scored before a preemption (``Request.max_reuse_tokens``).
 
 Admission takes waiting requests by ``(priority, arrival)``. A new request needs a KV row:
 a free or cached one (LRU eviction), else a paused request's row (its KV is dropped and
@@ -149,21 +159,55 @@ class Scheduler:
             else:
                 prefilling.append(request)
         free_slots = self.max_num_seqs - len(self.running)
-        num_starting = len(prefilling) + (min(free_slots, self.num_waiting) if free_slots > 0 else 0)
-        protect = out.num_decode_tokens and num_starting <= len(out.scheduled)  # scheduled so far: the decoding ones
+        num_decoding = len(out.scheduled)  # scheduled so far: the decoding ones
+        protect = out.num_decode_tokens and not self._outnumbers(prefilling, free_slots, num_decoding)
         chunk_cap = self.prefill_chunk_tokens if protect else self.max_num_batched_tokens
         prefill_budget = max(0, min(budget, chunk_cap))
+        # A scoring chunk (all logits) is one request's work whatever the count above says: it
+        # never takes more than the protected cap while anything decodes.
+        logits_cap = self.max_logits_chunk_tokens
+        if out.num_decode_tokens:
+            logits_cap = min(logits_cap, self.prefill_chunk_tokens)
         for request in prefilling:
             if prefill_budget <= 0:
                 break
-            prefill_budget -= self._schedule_chunk(request, prefill_budget, out)
-        self._admit(out, prefill_budget)
+            prefill_budget -= self._schedule_chunk(request, prefill_budget, out, logits_cap)
+        self._admit(out, prefill_budget, logits_cap)
         return out
 
-    def _schedule_chunk(self, request: Request, budget: int, out: SchedulerOutput) -> int:
+    def _outnumbers(self, prefilling: list[Request], free_slots: int, num_decoding: int) -> bool:
+        """True when the requests that would start prefilling now outnumber the decoding ones.
+
+        Counted: the running requests still prefilling, then waiting ones up to the free
+        slots. Not counted: a request asking prompt logprobs (its chunks stay under the
+        protected cap anyway, so a larger budget would not start it sooner), and a request
+        whose prompt equals one already counted (candidates of one prompt wait for one
+        prefill and copy it, so they do not fill the batch any sooner). Stops as soon as the
+        answer is known.
+        """
+        prompts: set[int] = set()
+        for request in prefilling:
+            if not request.needs_prompt_logits:
+                prompts.add(request.prompt_key)
+                if len(prompts) > num_decoding:
+                    return True
+        num_taken = 0
+        for _, _, request in self.waiting:
+            if num_taken >= free_slots:
+                break
+            if request.status is not RequestStatus.WAITING:
+                continue
+            num_taken += 1
+            if not request.needs_prompt_logits:
+                prompts.add(request.prompt_key)
+                if len(prompts) > num_decoding:
+                    return True
+        return False
+
+    def _schedule_chunk(self, request: Request, budget: int, out: SchedulerOutput, logits_cap: int) -> int:
         remaining = request.num_tokens - request.num_computed
         all_logits = request.needs_prompt_logits
-        n = min(remaining, budget, self.max_logits_chunk_tokens) if all_logits else min(remaining, budget)
+        n = min(remaining, budget, logits_cap) if all_logits else min(remaining, budget)
         start = request.num_computed
         item = RowWork(request.row, request.token_at(start, start + n), start, need_logits=(n == remaining),
                        all_logits=all_logits)
@@ -171,7 +215,7 @@ class Scheduler:
         out.num_prefill_tokens += n
         return n
 
-    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+    def _admit(self, out: SchedulerOutput, budget: int, logits_cap: int) -> None:
         deferred: list[tuple[int, int, Request]] = []
         while self.waiting and budget > 0:
             entry = heapq.heappop(self.waiting)
@@ -179,7 +223,7 @@ class Scheduler:
             if request.status is not RequestStatus.WAITING:
                 continue  # stale: finished, paused or already running
             tokens = request.all_ids
-            if not request.needs_prompt_logits and self.kv.pending_overlap(tokens) >= MIN_SHARED_PREFILL_TOKENS:
+            if not request.needs_prompt_logits and self._awaits_shared_prefill(tokens):
                 deferred.append(entry)
                 continue
             error = self._check_cached_prefix(request, tokens)
@@ -190,9 +234,19 @@ class Scheduler:
                 heapq.heappush(self.waiting, entry)
                 break
             self._place(request, tokens)
-            budget -= self._schedule_chunk(request, budget, out)
+            budget -= self._schedule_chunk(request, budget, out, logits_cap)
         for entry in deferred:
             heapq.heappush(self.waiting, entry)
+
+    def _awaits_shared_prefill(self, tokens: list[int]) -> bool:
+        """True when a live row's prefill will soon hold ``MIN_SHARED_PREFILL_TOKENS`` or more of
+        ``tokens`` beyond what any row holds now (else waiting would gain nothing: e.g. a
+        request recomputing a cached prompt for its prompt logprobs, while its candidates may
+        copy the cached one at once)."""
+        if self.kv.pending_overlap(tokens) < MIN_SHARED_PREFILL_TOKENS:
+            return False
+        _, available, _ = self.kv.best_match(tokens, len(tokens) - 1)
+        return self.kv.pending_overlap(tokens, available) >= MIN_SHARED_PREFILL_TOKENS
 
     def _check_cached_prefix(self, request: Request, tokens: list[int]) -> Exception | None:
         need = request.require_cached_prefix_tokens
@@ -269,7 +323,7 @@ class Scheduler:
         self._release_rows(request)
 
     def _place(self, request: Request, tokens: list[int]) -> None:
-        acquired = self.kv.acquire(request, tokens, reuse=not request.needs_prompt_logits)
+        acquired = self.kv.acquire(request, tokens, max_reuse=request.max_reuse_tokens)
         assert acquired is not None  # _make_room guaranteed a row
         if acquired.copy_from is not None:
             src, num_tokens = acquired.copy_from
