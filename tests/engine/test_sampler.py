@@ -388,3 +388,34 @@ def test_the_sampler_owns_its_keys() -> None:
         sampler.open(SamplingParams(), [1], {0})
     sampler.remove(first)
     assert sampler.open(SamplingParams(), [2], {0}) == first  # a freed key is handed out again
+
+
+def test_score_matches_log_softmax_in_bounded_memory() -> None:
+    """Prompt logprobs of a long all-logits chunk (200 rows, 20 alternatives: the k > 12 path):
+    each entry is torch's log-softmax, rank and top alternatives, and the scoring allocates less
+    than one copy of the chunk's logits (rows are scored a block at a time; numpy's allocations
+    are traced by tracemalloc)."""
+    import tracemalloc
+
+    vocab, rows, num_top = 8192, 200, 20
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(rows, vocab, generator=gen) * 4
+    targets = torch.randint(0, vocab, (rows,), generator=gen).tolist()
+    sampler = Sampler(vocab, 4)
+    tracemalloc.start()
+    try:
+        got = sampler.score(logits, targets, num_top)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < logits.numel() * 4 // 2, (peak, logits.numel() * 4)
+    assert all(a.size < rows * vocab for a in sampler._ws._arrays.values())  # the workspace kept between steps
+    ref = torch.log_softmax(logits.double(), dim=-1)
+    for j, entry in enumerate(got):
+        row = ref[j]
+        assert entry.token_id == targets[j]
+        assert math.isclose(entry.logprob, row[targets[j]].item(), abs_tol=1e-4)
+        assert entry.rank == 1 + int((logits[j] > logits[j][targets[j]]).sum())
+        others = [t for t in torch.argsort(logits[j], descending=True, stable=True).tolist() if t != targets[j]][:num_top]
+        assert [alt.token_id for alt in entry.top] == others
+        assert all(math.isclose(alt.logprob, row[alt.token_id].item(), abs_tol=1e-4) for alt in entry.top)

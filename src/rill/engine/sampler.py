@@ -57,6 +57,9 @@ from llguidance.numpy import fill_next_token_bitmask_par
 from rill.engine.sampler_kernels import BLOCK, apply_penalties, inverse_cdf, keep_thresholds, top_n
 from rill.types import SamplingParams, TokenLogprob, TopLogprob
 
+SCORE_BLOCK_ROWS = 32
+"""Rows of logits ``Sampler.score`` works on at once (bounds its scratch memory per vocabulary)."""
+
 GREEDY_TEMPERATURE = 1e-5  # below this a row is greedy (x / T would overflow float32)
 # Columns of the persistent per-key parameter table.
 _TEMP, _TOP_K, _TOP_P, _MIN_P, _REP, _PRES, _FREQ = range(7)
@@ -322,11 +325,20 @@ class Sampler:
         under the LM head's cost for those rows.
         """
         raw = np.ascontiguousarray(logits.detach().to("cpu", torch.float32).numpy())
-        l, vocab = raw.shape
+        l = raw.shape[0]
         if l != len(token_ids):
             raise ValueError(f"{l} rows of logits for {len(token_ids)} tokens")
-        if l == 0:
-            return []
+        # Rows are independent: scoring them a block at a time keeps the scratch arrays at
+        # SCORE_BLOCK_ROWS x vocab whatever the chunk's length (two such arrays and a few
+        # boolean ones per block, rather than several copies of the whole chunk's logits).
+        out: list[TokenLogprob] = []
+        for start in range(0, l, SCORE_BLOCK_ROWS):
+            out += self._score_block(raw[start : start + SCORE_BLOCK_ROWS], token_ids[start : start + SCORE_BLOCK_ROWS],
+                                     num_top)
+        return out
+
+    def _score_block(self, raw: np.ndarray, token_ids: list[int], num_top: int) -> list[TokenLogprob]:
+        l, vocab = raw.shape
         targets = np.asarray(token_ids, np.int64)
         with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
             peak = raw.max(axis=1)
