@@ -57,6 +57,10 @@ class EngineConfig:
     num_threads: int | None = _f(None, "torch intra-op threads (default: the CPUs this process may use: affinity set and cgroup quota)")
     max_prompt_chars: int = _f(1024 * 1024, "most prompt characters of one request (messages and template variables "
                                             "included), refused before tokenizing; raise it for long-context models")
+    max_prompt_logprobs_tokens: int = _f(8192, "most prompt tokens of a request asking prompt logprobs (vLLM's "
+                                                "prompt_logprobs, or /v1/completions echo with logprobs): each is a "
+                                                "scored position whose logits over the whole vocabulary are computed; "
+                                                "longer prompts are refused (invalid_request, field prompt_logprobs)")
     tokenizer_threads: int = _f(2, "worker threads that render chat templates and tokenize prompts off the event loop")
     speculative: str = _f("off", "speculative decoding: off, ngram (prompt lookup: draft tokens copied from the "
                                  "request's own context) or draft (a --draft-model proposes them); the model verifies "
@@ -382,7 +386,8 @@ def _validate_engine(e: EngineConfig) -> None:
     _one_of("weights", e.weights, ("auto", "dense", "bf16", "int8", "int4"))
     if e.kv_cache_memory != "auto":
         parse_size(e.kv_cache_memory, "kv_cache_memory")
-    _at_least_one(e, "max_num_seqs", "max_num_batched_tokens", "max_queue", "max_prompt_chars", "tokenizer_threads")
+    _at_least_one(e, "max_num_seqs", "max_num_batched_tokens", "max_queue", "max_prompt_chars", "tokenizer_threads",
+                  "max_prompt_logprobs_tokens")
     if e.max_model_len is not None and e.max_model_len < 16:
         raise ConfigError(f"max_model_len must be >= 16, not {e.max_model_len}")
     _one_of("runner", e.runner, ("torch", "llamacpp"))

@@ -172,6 +172,13 @@ class InprocClient:
         matcher = await asyncio.to_thread(engine.grammars.matcher, params.constraint) if params.constraint else None
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty", field="prompt")
+        limit = self.config.max_prompt_logprobs_tokens
+        if params.prompt_logprobs is not None and len(prompt_ids) > limit:
+            # Every scored position costs a forward and logits over the vocabulary that the
+            # prefix cache cannot serve: bounded per request, on every protocol alike.
+            raise InvalidRequest(f"prompt logprobs are computed for prompts of at most {limit} tokens "
+                                 f"(--max-prompt-logprobs-tokens); this prompt has {len(prompt_ids)}",
+                                 field="prompt_logprobs")
         if params.num_beams > engine.runner.num_rows:
             raise MemoryPressure(f"num_beams={params.num_beams} needs more KV rows than the cache has ({engine.runner.num_rows})")
         if self._num_queued >= self.config.max_queue:
