@@ -90,6 +90,35 @@ def test_a_prefix_shared_with_a_live_row_is_copied_not_taken() -> None:
     assert isinstance(kv.live[kv.acquire_empty() or 0], EmptyRow)
 
 
+def test_max_reuse_bounds_the_prefix_taken_from_the_cache() -> None:
+    """``max_reuse`` (a request needing prompt logits): 0 computes everything; N takes at most N."""
+    kv = KVManager(num_rows=3, max_len=64, bytes_per_token=8, min_reuse_tokens=2)
+    first = kv.acquire(Holder([]), list(range(1, 11)))
+    assert first is not None
+    kv.release(first.row, list(range(1, 11)))
+    none = kv.acquire(Holder([]), list(range(1, 11)), max_reuse=0)
+    assert none is not None and none.num_cached_tokens == 0 and none.copy_from is None
+    part = kv.acquire(Holder([]), list(range(1, 11)), max_reuse=6)
+    assert part is not None and part.num_cached_tokens == 6
+
+
+class Prefilling(Holder):
+    """A live row's owner that has computed only the first ``num_computed`` of its tokens."""
+
+    def __init__(self, tokens: list[int], num_computed: int) -> None:
+        super().__init__(tokens)
+        self.num_computed = num_computed
+
+
+def test_pending_overlap_counts_only_what_no_row_holds_yet() -> None:
+    kv = KVManager(num_rows=3, max_len=64, bytes_per_token=8)
+    prompt = list(range(1, 41))
+    kv.live[0] = Prefilling(prompt, 8)
+    kv.free_rows.remove(0)
+    assert kv.pending_overlap(prompt) == 32  # the live prefill will add 32 more tokens of it
+    assert kv.pending_overlap(prompt, available=39) == 1  # but another row already holds 39
+
+
 def test_rows_are_freed_in_the_step_that_finishes_or_aborts_a_request() -> None:
     engine = make_engine()
     core = engine.core
