@@ -62,6 +62,8 @@ class EngineConfig:
                                                 "scored position whose logits over the whole vocabulary are computed; "
                                                 "longer prompts are refused (invalid_request, field prompt_logprobs)")
     tokenizer_threads: int = _f(2, "worker threads that render chat templates and tokenize prompts off the event loop")
+    grammar_threads: int = _f(2, "worker threads that compile response_format grammars off the event loop (a "
+                                 "client's compiles run one at a time; more wait for a free thread)")
     speculative: str = _f("off", "speculative decoding: off, ngram (prompt lookup: draft tokens copied from the "
                                  "request's own context) or draft (a --draft-model proposes them); the model verifies "
                                  "a draft in one forward, output unchanged; a request may opt out with its "
@@ -387,7 +389,7 @@ def _validate_engine(e: EngineConfig) -> None:
     if e.kv_cache_memory != "auto":
         parse_size(e.kv_cache_memory, "kv_cache_memory")
     _at_least_one(e, "max_num_seqs", "max_num_batched_tokens", "max_queue", "max_prompt_chars", "tokenizer_threads",
-                  "max_prompt_logprobs_tokens")
+                  "max_prompt_logprobs_tokens", "grammar_threads")
     if e.max_model_len is not None and e.max_model_len < 16:
         raise ConfigError(f"max_model_len must be >= 16, not {e.max_model_len}")
     _one_of("runner", e.runner, ("torch", "llamacpp"))

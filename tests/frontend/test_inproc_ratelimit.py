@@ -99,11 +99,11 @@ async def test_modify_raising_max_tokens_reserves_the_difference_first() -> None
         client.engine.runner.gate = threading.Event()  # nothing runs until set
         held = await client.generate(GenerateRequest(prompt="hello", principal="key:a",
                                                      sampling=SamplingParams(max_tokens=4, ignore_eos=True)))
-        assert held.modify({"max_tokens": 9}).max_tokens == 9  # 5 more of the 6 left
+        assert (await held.modify({"max_tokens": 9})).max_tokens == 9  # 5 more of the 6 left
         with pytest.raises(RateLimited):
             await client.generate(ask(2))  # 1 left
         with pytest.raises(RateLimited) as refused:
-            held.modify({"max_tokens": 12, "temperature": 0.5})
+            await held.modify({"max_tokens": 12, "temperature": 0.5})
         assert "3 more tokens" in str(refused.value)
         client.engine.runner.gate.set()
         used = 0
@@ -121,8 +121,8 @@ async def test_lowering_then_raising_max_tokens_again_needs_nothing_more() -> No
         client.set_rate_limits(RateLimits(tokens_per_s=1.0, burst=BURST), clock=lambda: 0.0)
         client.engine.runner.gate = threading.Event()
         held = await client.generate(ask(9))
-        held.modify({"max_tokens": 5})
-        assert held.modify({"max_tokens": 9}).max_tokens == 9  # 9 were reserved all along; 1 left
+        await held.modify({"max_tokens": 5})
+        assert (await held.modify({"max_tokens": 9})).max_tokens == 9  # 9 were reserved all along; 1 left
         with pytest.raises(RateLimited):
             await client.generate(ask(2))
         client.engine.runner.gate.set()

@@ -46,7 +46,7 @@ from rill.engine.request import (
 from rill.engine.sampler import Sampler
 from rill.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from rill.engine.speculative import SpeculativeConfig, Speculator, step_cost
-from rill.errors import GenerationError, RequestTimeout, RillError
+from rill.errors import ConstraintFailed, GenerationError, RequestTimeout, RillError
 from rill.types import EngineStats, FinishReason, RequestEvent, RequestOutput, TokenLogprob, Usage
 
 if TYPE_CHECKING:
@@ -502,19 +502,31 @@ class EngineCore:
 
         ``rows`` (a beam request's, from ``_rows_of``) are dropped: their content may be half
         updated. The client gets the stage, never the exception text (that goes to the log).
+        A ``ConstraintFailed`` (the request's grammar could not be followed) is the client's
+        own problem: it ends the request as it is, and the log gets its bounded message on one
+        line, no traceback (the grammar module keeps it short: no grammar text in it).
         """
+        if isinstance(exc, ConstraintFailed):
+            if not request.is_finished:
+                log.warning("request %s: %s", request.request_id, exc.message)
+                self._drop_rows(request, rows)
+                self._finish(request, "error", error=exc, flush=False)
+            return
         if exc is not None:
             log.error("request %s failed while %s; the other requests continue", request.request_id, stage, exc_info=exc)
         if request.is_finished:
             return
+        self._drop_rows(request, rows)
+        error = GenerationError(message or f"the request failed while {stage}; other requests are not affected")
+        self._finish(request, "error", error=error, flush=False)
+
+    def _drop_rows(self, request: Request, rows: Iterable[int]) -> None:
         rows = list(rows)
         if rows:
             for row in rows:
                 if self.kv.is_live(row):
                     self.kv.drop(row)
             request.beam, request.row = None, None  # its rows are dropped above
-        error = GenerationError(message or f"the request failed while {stage}; other requests are not affected")
-        self._finish(request, "error", error=error, flush=False)
 
     # -- finishing ----------------------------------------------------------------------------
     def _finish(self, request: Request, reason: FinishReason, stop_reason: Any = None, error: Any = None, flush: bool = True) -> None:

@@ -33,11 +33,18 @@ from typing import Any
 
 import llguidance
 
-from rill.errors import InvalidRequest
+from rill.errors import ConstraintFailed, InvalidRequest
 from rill.types import ResponseFormat
 
 CACHE_SIZE = 256
 """Distinct constraints whose compiled matcher is kept."""
+
+MAX_ERROR_CHARS = 200
+"""Most characters of a grammar engine's message kept in an error (and so in a log line)."""
+
+# Without verbose errors: llguidance's default appends the parser state and the whole grammar
+# to every message, and a 60 KB schema's failure then logged 60 KB per request.
+_LIMITS = llguidance.LLParserLimits(verbose_errors=False)
 
 _ANY_OBJECT = {"type": "object"}
 # Compact JSON (", " and ": " separators, no free whitespace): a model may not pad its output
@@ -100,12 +107,32 @@ class GrammarCompiler:
                     self._cache.popitem(last=False)
         return pristine.deep_copy()
 
+    def is_cached(self, fmt: ResponseFormat | None) -> bool:
+        """Whether ``matcher(fmt)`` would copy a compiled grammar rather than compile one
+        (true for a format that does not constrain: there is nothing to compile)."""
+        if fmt is None or not fmt.is_constraint:
+            return True
+        with self._lock:
+            return fmt.cache_key() in self._cache
+
     def _compile(self, fmt: ResponseFormat) -> llguidance.LLMatcher:
         grammar = grammar_of(fmt)
-        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=_LIMITS)
         if matcher.is_error():
             raise InvalidRequest(f"response_format cannot be enforced: {matcher.get_error()}", field="response_format")
         return matcher
+
+
+def bounded(message: str) -> str:
+    """A grammar engine's message cut to ``MAX_ERROR_CHARS`` (its first line: the rest is state)."""
+    first = message.strip().split("\n", 1)[0]
+    return first if len(first) <= MAX_ERROR_CHARS else first[: MAX_ERROR_CHARS - 3] + "..."
+
+
+def constraint_failed(matcher: llguidance.LLMatcher, what: str) -> ConstraintFailed:
+    """The error of a row whose grammar could not be followed while sampling (``what``
+    happened); the engine ends that request with it and logs it as one short line."""
+    return ConstraintFailed(f"the response_format grammar could not be followed: {what}: {bounded(matcher.get_error())}")
 
 
 def _plain_added_tokens(tokenizer_json: str) -> str:

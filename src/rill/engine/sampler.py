@@ -4,8 +4,9 @@ Owns the per-sequence sampling state, keyed by small ints the engine picks (vLLM
 style): a row of parameters per key in one preallocated table, output-token counts and prompt
 masks for the penalties, per-request seeded ``torch.Generator``s. ``Sampler.sample`` turns one
 step's logits into tokens (and logprobs) with no per-row Python work over the vocabulary; the
-numpy kernels live in ``rill.engine.sampler_kernels``. Imports numpy, torch, llguidance (masks), ``rill.types`` and
-that module only; knows nothing of requests, scheduling or protocols.
+numpy kernels live in ``rill.engine.sampler_kernels``. Imports numpy, torch, llguidance (masks),
+``rill.types``, that module and ``rill.engine.grammar`` (for its errors) only; knows nothing of
+requests, scheduling or protocols.
 
 Processing order (vLLM / OpenAI semantics): repetition penalty (HF, prompt + output tokens) →
 presence / frequency penalties (OpenAI, output tokens) → logit_bias → bans (eos and stop ids while
@@ -22,8 +23,8 @@ Constrained decoding (``SamplingParams.response_format``): a row with a grammar 
 every token the grammar forbids, so temperature, top-k/p and min-p work within the allowed set;
 the chosen token then advances the matcher. If the bans leave none of the allowed tokens
 (eos banned by min_tokens when only eos may follow), the grammar wins: the row is redone with
-the mask alone. A matcher that is in error (it cannot happen with masks applied, barring a
-tokenizer mismatch) fails its row alone. The masks of all constrained rows are filled in one
+the mask alone. A matcher that is in error (a grammar over llguidance's per-step limits, or a
+tokenizer mismatch) fails its row alone, with ``ConstraintFailed``. The masks of all constrained rows are filled in one
 call that runs across llguidance's threads without the GIL.
 
 Seeds: a seeded row draws exactly one uniform per sampled step from its own generator, and its
@@ -54,6 +55,7 @@ import torch
 from llguidance import LLExecutor
 from llguidance.numpy import fill_next_token_bitmask_par
 
+from rill.engine.grammar import constraint_failed
 from rill.engine.sampler_kernels import BLOCK, apply_penalties, inverse_cdf, keep_thresholds, top_n
 from rill.types import SamplingParams, TokenLogprob, TopLogprob
 
@@ -293,7 +295,7 @@ class Sampler:
         token_list = tokens.tolist()
         for i in plan.mask_rows:  # advance the grammars before any history is written
             if i not in errors and not slots[i].matcher.consume_token(token_list[i]):
-                errors[i] = RuntimeError(f"the grammar refused token {token_list[i]}: {slots[i].matcher.get_error()}")
+                errors[i] = constraint_failed(slots[i].matcher, f"it refused token {token_list[i]}")
                 logprobs[i] = None
         ok = [i for i in range(n) if i not in errors]
         for i in ok:
@@ -436,7 +438,7 @@ class Sampler:
         """-inf on every token a row's grammar forbids (all rows' masks filled in one call)."""
         for matcher in matchers:
             if matcher.is_error():
-                raise RuntimeError(f"the grammar matcher failed: {matcher.get_error()}")
+                raise constraint_failed(matcher, "no token is allowed")
         vocab = self.vocab_size
         words = -(-vocab // 32)
         bitmask = self._ws.get("bitmask", (len(rows), words), np.int32)

@@ -105,11 +105,15 @@ class EngineClient(Protocol):
         """Resume a paused request (``RESUMED`` event follows)."""
         ...
 
-    def modify(self, request_id: RequestId, patch: dict[str, Any]) -> SamplingParams:
+    async def modify(self, request_id: RequestId, patch: dict[str, Any]) -> SamplingParams:
         """Apply a sampling-parameter patch from the next token on; return the new params.
 
-        Raises ``InvalidRequest`` for a bad value and ``RateLimited`` when a raised
-        ``max_tokens`` needs tokens the principal's bucket lacks; either way nothing changes."""
+        Async because a new ``response_format`` is compiled off the event loop first;
+        concurrent modifies of one request apply in call order. Raises ``InvalidRequest`` for
+        a bad value and ``RateLimited`` when a raised ``max_tokens`` needs tokens the
+        principal's bucket lacks, or a new grammar's compile finds the principal's request
+        window full; either way the request's parameters do not change.
+        ``RequestNotFound`` when the request ended, also while the patch waited its turn."""
         ...
 
     def regenerate(self, request_id: RequestId) -> None:

@@ -43,6 +43,7 @@ from rill.errors import (
 )
 from rill.frontend.admission import Prompt, PromptAdmission
 from rill.frontend.client import MetricsSink
+from rill.frontend.grammars import GrammarAdmission
 from rill.frontend.ratelimit import Account, RateLimiter, RateLimits
 from rill.frontend.stream import RequestStream
 from rill.types import EngineStats, GenerateRequest, ModelInfo, RequestEvent, RequestId, RequestOutput, SamplingParams
@@ -102,6 +103,9 @@ class InprocClient:
         self._max_tokens_cap: int | None = None
         self._limiter: RateLimiter | None = None
         self._accounts: dict[RequestId, Account] = {}
+        self._grammars = GrammarAdmission(num_threads=config.grammar_threads)
+        self._principals: dict[RequestId, str] = {}  # who each running request belongs to
+        self._modify_turns: dict[RequestId, asyncio.Lock] = {}  # modifies of one request, in order
 
     # -- lifecycle -------------------------------------------------------------------------
     @classmethod
@@ -157,6 +161,7 @@ class InprocClient:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 10)
         self._admission.close()
+        self._grammars.close()
 
     # -- requests ----------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> RequestStream:
@@ -165,11 +170,19 @@ class InprocClient:
         # Prefill-only (max_tokens 0) is the engine's to do; each protocol decides whether it offers it.
         params = self._capped(request.sampling).validate(vocab_size=engine.model_info.vocab_size,
                                                          allow_prefill_only=True)
+        principal = request.principal or ANONYMOUS_PRINCIPAL
         [prompt_ids] = await self._admission.token_ids(engine.tokenizer, [request], engine.model_info)
         engine = self._require_engine()  # the engine may have died while the prompt was tokenized
-        # A new constraint compiles in milliseconds (more for huge schemas): not on the event
-        # loop, and before the checks below, so that nothing changes between them and the submit.
-        matcher = await asyncio.to_thread(engine.grammars.matcher, params.constraint) if params.constraint else None
+        # A new constraint compiles in milliseconds (more for huge schemas): in the grammar pool
+        # (``rill.frontend.grammars``), and before the checks below, so that nothing changes
+        # between them and the submit.
+        matcher = None
+        if params.constraint:
+            if self._limiter is not None:
+                # The limits would refuse it at the end: refuse it before its compile costs anything.
+                self._limiter.check(principal, params.max_tokens)
+            matcher = await self._grammars.matcher(engine.grammars, params.constraint, principal)
+            engine = self._require_engine()
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty", field="prompt")
         limit = self.config.max_prompt_logprobs_tokens
@@ -188,8 +201,7 @@ class InprocClient:
             raise InvalidRequest(f"request_id '{request_id}' is already running", field="request_id")
         # Last of the checks, so that a request refused for another reason counts for nothing.
         if self._limiter is not None:
-            self._accounts[request_id] = self._limiter.open(request.principal or ANONYMOUS_PRINCIPAL,
-                                                            params.max_tokens)
+            self._accounts[request_id] = self._limiter.open(principal, params.max_tokens)
         now = time.monotonic()
         deadline = now + request.deadline_s if request.deadline_s else None
         engine_request = Request(
@@ -201,6 +213,7 @@ class InprocClient:
         stream = RequestStream(self, request_id, prompt_ids, params, on_close=self._forget)
         self._streams[request_id] = stream
         self._params[request_id] = params
+        self._principals[request_id] = principal
         self._tracks[request_id] = _Track(protocol=request.protocol, arrival=now)
         self._num_queued += 1
         self._inbox.put(AddCommand(engine_request))
@@ -262,9 +275,33 @@ class InprocClient:
         self._live(request_id)
         self._inbox.put(ResumeCommand(request_id))
 
-    def modify(self, request_id: RequestId, patch: dict[str, Any]) -> SamplingParams:
-        """Validate ``patch`` against the current parameters and apply it from the next token."""
-        self._live(request_id)
+    async def modify(self, request_id: RequestId, patch: dict[str, Any]) -> SamplingParams:
+        """Validate ``patch`` against the current parameters and apply it from the next token.
+
+        Modifies of one request are applied one after the other, in the order they were
+        called, each patching what the previous one left. A new ``response_format`` is compiled
+        as a new request's is (``rill.frontend.grammars``: in the grammar pool, one compile per
+        principal at a time) and, one not compiled before, counts as one request in the
+        principal's rate-limit window (refused with ``RateLimited`` before compiling when the
+        window is full; counted even if the patch is refused after). ``RequestNotFound`` if the
+        request ended before its patch could be applied.
+        """
+        stream = self._live(request_id)
+        turn = self._modify_turns.get(request_id)
+        if turn is None:
+            turn = self._modify_turns[request_id] = asyncio.Lock()
+        async with turn:
+            return await self._modify(stream, patch)
+
+    def _same(self, stream: RequestStream) -> None:
+        """Raise ``RequestNotFound`` unless ``stream``'s request still runs (not ended, nor
+        replaced by a new request under the same id)."""
+        if self._live(stream.request_id) is not stream:
+            raise RequestNotFound(f"no running request '{stream.request_id}'")
+
+    async def _modify(self, stream: RequestStream, patch: dict[str, Any]) -> SamplingParams:
+        request_id = stream.request_id
+        self._same(stream)  # again: it may have ended while an earlier modify compiled
         engine = self._require_engine()
         old = self._params[request_id]
         params = self._capped(old.updated(patch))
@@ -272,10 +309,15 @@ class InprocClient:
         matcher = None
         if params.constraint is not None and (old.constraint is None
                                               or old.constraint.cache_key() != params.constraint.cache_key()):
-            matcher = engine.grammars.matcher(params.constraint)
+            principal = self._principals.get(request_id, ANONYMOUS_PRINCIPAL)
+            if self._limiter is not None and not engine.grammars.is_cached(params.constraint):
+                self._limiter.count_work(principal)
+            matcher = await self._grammars.matcher(engine.grammars, params.constraint, principal)
+            self._same(stream)  # the request may have ended while its grammar compiled
+            engine = self._require_engine()
         account = self._accounts.get(request_id)
         if account is not None:
-            account.set_max_tokens(params.max_tokens)  # last of the checks: a refused modify changes nothing
+            account.set_max_tokens(params.max_tokens)  # last of the checks: a refused modify changes nothing more
         self._params[request_id] = params
         self._inbox.put(ModifyCommand(request_id, params, matcher))
         return params
@@ -404,6 +446,8 @@ class InprocClient:
             if output.finished:
                 # The stream keeps the final output for its reader; controls now raise RequestNotFound.
                 self._params.pop(output.request_id, None)
+                self._principals.pop(output.request_id, None)
+                self._modify_turns.pop(output.request_id, None)  # a modify still holding it then finds no request
                 self._streams.pop(output.request_id, None)
                 self._release(output.request_id, output.usage.completion_tokens)
 
@@ -458,6 +502,8 @@ class InprocClient:
             stream.put(RequestOutput(request_id=request_id, finished=True, finish_reason="error",
                                      error=EngineDead("the engine stopped")))
         self._streams.clear()
+        self._principals.clear()
+        self._modify_turns.clear()
         for account in self._accounts.values():
             account.settle()  # what the engine made before it stopped stays spent
         self._accounts.clear()

@@ -8,6 +8,9 @@ Two limits, each off unless configured, both keyed by the request's principal
   it; the first request after it ends opens the next window. Fixed windows keep one counter
   per principal (a sliding log would keep N times), at the price of allowing up to 2N
   requests across a window's edge;
+  A running request's ``modify`` that compiles a new grammar (``response_format``) counts
+  as one more request in the window (``count_work``): a compile costs the server what a new
+  constrained request's does;
 * a generation-token rate (``--rate-limit-tokens-per-s``, ``--rate-limit-burst``): a token
   bucket. A request reserves its ``max_tokens`` (at most the burst) before it starts and
   gives back what it did not use when it ends, so a principal never has more tokens in
@@ -124,6 +127,35 @@ class RateLimiter:
         (with ``retry_after_s``) and change nothing."""
         now = self._clock()
         state = self._state(principal, now)
+        amount = self._check(state, max_tokens, now)
+        if state.bucket is not None:
+            state.bucket.take(amount, now)
+        state.count += 1
+        return Reservation(principal, amount)
+
+    def check(self, principal: str, max_tokens: int) -> None:
+        """Raise ``RateLimited`` if ``admit`` would now; change nothing (no state is made for a
+        new principal). For refusing before costly work (a grammar compile) a request that
+        the limits would refuse at its end anyway."""
+        state = self._principals.get(principal)
+        if state is not None:
+            self._check(state, max_tokens, self._clock())
+
+    def count_work(self, principal: str) -> None:
+        """Count one request in ``principal``'s window for work a running request asks for
+        (a ``modify`` that compiles a new grammar costs what a new request's compile would),
+        or raise ``RateLimited`` and change nothing. Reserves no tokens."""
+        if self.limits.requests is None:
+            return
+        now = self._clock()
+        state = self._state(principal, now)
+        self._check(state, 0, now)
+        state.count += 1
+
+    def _check(self, state: _Principal, max_tokens: int, now: float) -> float:
+        """Raise ``RateLimited`` when ``state`` admits no request of ``max_tokens`` now (a
+        window that has ended is restarted: that changes nothing the limits allow); else the
+        tokens to reserve."""
         limits = self.limits
         if limits.requests is not None:
             if state.window_start is None or now >= state.window_start + limits.window_s:
@@ -139,9 +171,7 @@ class RateLimiter:
             if wait_s > 0:
                 raise RateLimited(f"rate limit reached: {amount:.0f} tokens asked; retry in {wait_s:.2f} s "
                                   "(or ask for fewer max_tokens)", retry_after_s=wait_s)
-            state.bucket.take(amount, now)
-        state.count += 1
-        return Reservation(principal, amount)
+        return amount
 
     def extend(self, reservation: Reservation, more_tokens: int) -> Reservation:
         """Reserve ``more_tokens`` (at most the burst) for a running request; return the larger

@@ -104,11 +104,13 @@ class RequestStream:
         """Put a paused request back into the batch."""
         self.client.resume(self.request_id)
 
-    def modify(self, patch: dict[str, Any]) -> SamplingParams:
+    async def modify(self, patch: dict[str, Any]) -> SamplingParams:
         """Change sampling parameters from the next token on; returns the parameters now in
-        force. Raises ``InvalidRequest`` if a value is invalid and ``RateLimited`` if a raised
-        ``max_tokens`` needs tokens the principal lacks; either way nothing changes."""
-        self.sampling = self.client.modify(self.request_id, patch)
+        force (a new ``response_format`` is compiled off the event loop first). Raises
+        ``InvalidRequest`` if a value is invalid and ``RateLimited`` if a raised ``max_tokens``
+        needs tokens the principal lacks (or its compile, requests it has not left); either
+        way nothing changes. ``RequestNotFound`` if the request ended meanwhile."""
+        self.sampling = await self.client.modify(self.request_id, patch)
         return self.sampling
 
     def regenerate(self) -> None:

@@ -323,7 +323,9 @@ class _Connection:
                 stream.resume()
             elif isinstance(action, s.Modify):
                 try:
-                    self.session.on_modify_applied(stream.modify(action.patch))
+                    # Awaited here: the connection's next messages wait for a compile, so
+                    # they apply in the order they were sent.
+                    self.session.on_modify_applied(await stream.modify(action.patch))
                 except RillError as exc:
                     await self.perform(self.session.on_modify_refused(exc))
             elif isinstance(action, s.Regenerate):
