@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import functools
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, TypeAlias
 
@@ -124,18 +123,19 @@ class PromptAdmission:
                                           self.max_prompt_chars, add_special_tokens)
 
     async def detokenize(self, tokenizer: Any, token_ids: Sequence[int], model: ModelInfo) -> str:
-        """The text of ``token_ids`` (``/detokenize``), decoded in the pool.
+        """The text of ``token_ids`` (``/detokenize``), checked and decoded in the pool.
+
+        On the loop only the length is compared (no walk over the ids); the vocabulary check
+        and the decode, O(n) each, run in a worker, the decode without holding the GIL.
 
         Raises:
             PromptTooLarge: more than ``max_prompt_chars`` ids (each counts one, as in prompts).
             InvalidRequest: an id outside the vocabulary.
         """
-        check_size([list(token_ids)], self.max_prompt_chars)
-        ids = _checked_ids(token_ids, model.vocab_size, field="tokens")
+        if len(token_ids) > self.max_prompt_chars:
+            raise PromptTooLarge(len(token_ids), self.max_prompt_chars)
         loop = asyncio.get_running_loop()
-        # Special tokens stay in the text, so that tokenizing it again gives the ids back.
-        text: str = await loop.run_in_executor(self._pool, functools.partial(tokenizer.decode, ids,
-                                                                             skip_special_tokens=False))
+        text: str = await loop.run_in_executor(self._pool, _detokenize, tokenizer, token_ids, model.vocab_size)
         return text
 
     def close(self) -> None:
@@ -259,6 +259,16 @@ def _checked_ids(ids: Sequence[int], vocab_size: int, field: str = "prompt_token
         raise InvalidRequest(f"prompt token id {bad} is outside the vocabulary (0..{vocab_size - 1})",
                              field=field)
     return list(ids)
+
+
+def _detokenize(tokenizer: Any, token_ids: Sequence[int], vocab_size: int) -> str:
+    """The body of ``PromptAdmission.detokenize`` (runs in a worker thread)."""
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})", field="tokens")
+    # Special tokens stay in the text, so that tokenizing it again gives the ids back.
+    texts: list[str] = tokenizer.decode_batch([token_ids], skip_special_tokens=False)
+    return texts[0]
 
 
 def _tokenize_one(tokenizer: PromptTokenizer, prompt: Prompt, model: ModelInfo, max_prompt_chars: int,

