@@ -9,11 +9,14 @@ outputs come back to the event loop in one ``call_soon_threadsafe`` hop.
 
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence
+from collections.abc import Callable
+from typing import Any, Protocol, Sequence, TypeVar
 
 from rill.frontend.admission import Prompt
 from rill.frontend.stream import RequestStream
 from rill.types import EngineStats, GenerateRequest, ModelInfo, RequestId, SamplingParams
+
+T = TypeVar("T")
 
 
 class MetricsSink(Protocol):
@@ -114,6 +117,12 @@ class EngineClient(Protocol):
         principal's bucket lacks, or a new grammar's compile finds the principal's request
         window full; either way the request's parameters do not change.
         ``RequestNotFound`` when the request ended, also while the patch waited its turn."""
+        ...
+
+    async def run_compile(self, principal: str | None, work: Callable[[], T]) -> T:
+        """Run ``work()`` off the event loop as grammar compiles run (a bounded pool, one at a
+        time per principal): for per-request CPU work a protocol needs before its request
+        starts, such as building the JSON Schema validators of offered tools."""
         ...
 
     def regenerate(self, request_id: RequestId) -> None:

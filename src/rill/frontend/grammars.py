@@ -17,6 +17,10 @@ large ones (llguidance drops the GIL meanwhile), so:
    request in the principal's window), and what bounds them at once is this queue, so one
    principal's stream of schemas occupies at most one worker and others' compiles still run.
 
+Other per-request CPU work of the kind runs the same way (``GrammarAdmission.run``): the OpenAI
+API's JSON Schema validators of offered tools (``InprocClient.run_compile``), which took 300 ms
+for a 45 KB schema when they were built on the loop.
+
 Formats compiled before are copied from ``GrammarCompiler``'s cache (microseconds); the copy
 goes through the same path, so nothing a client sends costs the loop more than a hop.
 """
@@ -25,9 +29,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
 from rill.types import ResponseFormat
+
+T = TypeVar("T")
 
 
 class Compiler(Protocol):
@@ -57,16 +64,23 @@ class GrammarAdmission:
 
     async def matcher(self, compiler: Compiler, fmt: ResponseFormat, principal: str) -> Any:
         """A fresh matcher for ``fmt``, made in the pool once ``principal``'s earlier compile
-        has ended (raises as ``Compiler.matcher``). A caller cancelled while it waits leaves
-        the queue; one cancelled during its compile lets the compile finish (into the cache)
-        before the principal's next one starts, so cancelling never lets compiles pile up."""
+        has ended (raises as ``Compiler.matcher``)."""
+        return await self.run(principal, compiler.matcher, fmt)
+
+    async def run(self, principal: str, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` in the pool, once ``principal``'s earlier compile has ended: for any
+        per-request CPU work of the same kind (a protocol's JSON Schema validators).
+
+        A caller cancelled while it waits leaves the queue; one cancelled during its work lets
+        the work finish before the principal's next one starts, so cancelling never lets
+        compiles pile up."""
         lock = self._turns.get(principal)
         if lock is None:
             lock = self._turns[principal] = asyncio.Lock()
         self._waiting[principal] = self._waiting.get(principal, 0) + 1
         try:
             async with lock:
-                future = asyncio.get_running_loop().run_in_executor(self._pool, compiler.matcher, fmt)
+                future = asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
                 try:
                     return await asyncio.shield(future)
                 except asyncio.CancelledError:

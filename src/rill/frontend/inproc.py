@@ -17,7 +17,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Sequence, TypeVar
 
 import msgspec
 
@@ -49,6 +49,7 @@ from rill.frontend.stream import RequestStream
 from rill.types import EngineStats, GenerateRequest, ModelInfo, RequestEvent, RequestId, RequestOutput, SamplingParams
 
 log = logging.getLogger("rill.client")
+T = TypeVar("T")
 
 QUEUE_POSITIONS_TTL_S = 0.25
 """How long ``InprocClient.queue_position`` reuses one pass over the queued requests."""
@@ -321,6 +322,12 @@ class InprocClient:
         self._params[request_id] = params
         self._inbox.put(ModifyCommand(request_id, params, matcher))
         return params
+
+    async def run_compile(self, principal: str | None, work: Callable[[], T]) -> T:
+        """``work()`` run as grammar compiles are: in the grammar pool, after ``principal``'s
+        earlier compile (``rill.frontend.grammars``); for a protocol's per-request CPU work of
+        that kind, such as building JSON Schema validators."""
+        return await self._grammars.run(principal or ANONYMOUS_PRINCIPAL, work)
 
     def _capped(self, params: SamplingParams) -> SamplingParams:
         cap = self._max_tokens_cap

@@ -158,12 +158,17 @@ class OpenAIApi:
             requests = codec.generate_requests(req, prompts, served, response_id,
                                                deadline_s=self.deps.config.http.request_timeout_s)
             echo = self._echo(req, kind, given, prompts)
-            streams = await self._submit(requests, auth.scope_principal(request.scope))
+            principal = auth.scope_principal(request.scope)
+            text_calls = codec.text_call_check(req) if kind is Kind.CHAT else None
+            if text_calls is not None:
+                # The tools' JSON Schema validators: CPU work per request, done where grammar compiles are.
+                await self.client.run_compile(principal, text_calls.prepare)
+            streams = await self._submit(requests, principal)
         except Exception as exc:
             self._count_rejection(exc)
             return error_response(exc)
         try:
-            return self._responder(kind, req, served.name, response_id, streams, echo)
+            return self._responder(kind, req, served.name, response_id, streams, echo, text_calls)
         except BaseException:
             await _close_all(streams)  # submitted requests must never outlive a failed handler
             raise
@@ -176,7 +181,8 @@ class OpenAIApi:
                 for p, ids in zip(given, prompts)]
 
     def _responder(self, kind: Kind, req: Any, model: str, response_id: str,
-                   streams: list[RequestStream], echo: list[EchoPrompt] | None = None) -> "_Responder":
+                   streams: list[RequestStream], echo: list[EchoPrompt] | None = None,
+                   text_calls: codec.ArgumentsCheck | None = None) -> "_Responder":
         if kind is Kind.CHAT:
             logprobs = (req.top_logprobs or 0) if req.logprobs else None
         else:
@@ -187,7 +193,7 @@ class OpenAIApi:
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
             tool_format=self._tool_format() if kind is Kind.CHAT and codec.parses_tool_calls(req) else None,
             candidates=codec.candidates_per_prompt(req), echo=echo, prompt_logprobs=req.prompt_logprobs,
-            text_calls=codec.text_call_check(req) if kind is Kind.CHAT else None,
+            text_calls=text_calls,
         )
         return _Responder(session, streams, is_streaming=bool(req.stream),
                           keepalive_s=self.deps.config.http.sse_keepalive_s)

@@ -297,7 +297,7 @@ def parses_tool_calls(req: ChatCompletionRequest) -> bool:
     return bool(req.tools) and req.tool_choice != "none"
 
 
-def text_call_check(req: ChatCompletionRequest) -> Callable[[str, dict[str, Any]], bool] | None:
+def text_call_check(req: ChatCompletionRequest) -> "ArgumentsCheck | None":
     """The check that makes a reply written only as a JSON call object a tool call
     (``tool_calls.accept_text_calls``), or None when such a reply stays the answer.
 
@@ -309,6 +309,9 @@ def text_call_check(req: ChatCompletionRequest) -> Callable[[str, dict[str, Any]
     function whose schema holds a regular expression (``pattern``, ``patternProperties``) is
     never matched: ``jsonschema`` runs them with Python's backtracking ``re`` on the event loop,
     where the client's pattern over the model's text could take minutes.
+
+    Building a validator is costly (``check_schema`` of a 45 KB schema takes ~300 ms): the
+    adapter calls ``ArgumentsCheck.prepare`` off the event loop before the request starts.
     """
     if not parses_tool_calls(req) or req.tool_choice not in (None, "auto"):
         return None
@@ -316,19 +319,25 @@ def text_call_check(req: ChatCompletionRequest) -> Callable[[str, dict[str, Any]
     if shaped or req.structured_outputs is not None:
         return None
     functions = (tool["function"] for tool in req.tools or [])
-    return _ArgumentsCheck({fn["name"]: fn.get("parameters") or {"type": "object"} for fn in functions})
+    return ArgumentsCheck({fn["name"]: fn.get("parameters") or {"type": "object"} for fn in functions})
 
 
-class _ArgumentsCheck:
+class ArgumentsCheck:
     """``check(name, arguments)``: ``name`` is one of ``schemas`` and ``arguments`` satisfy it.
 
-    A function's validator is built the first time a reply names it, so requests whose
-    replies are prose never pay for ``jsonschema`` (nor its import).
+    ``prepare`` builds every validator (in a worker thread: the adapter runs it where grammar
+    compiles run); without it, a function's validator is built the first time a reply names it.
     """
 
     def __init__(self, schemas: dict[str, dict[str, Any]]) -> None:
         self.schemas = schemas
         self.validators: dict[str, Any] = {}
+
+    def prepare(self) -> None:
+        """Build the validator of every function now (CPU work: call it off the event loop)."""
+        for name, schema in self.schemas.items():
+            if name not in self.validators:
+                self.validators[name] = _validator(schema)
 
     def __call__(self, name: str, arguments: dict[str, Any]) -> bool:
         """True when ``name`` is offered and ``arguments`` are valid for its schema."""

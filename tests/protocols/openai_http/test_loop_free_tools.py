@@ -1,0 +1,40 @@
+"""The JSON Schema validators of offered tools are built off the event loop (issue 31).
+
+``text_call_check`` validates a reply written as a bare JSON call object against the tool's
+``parameters``; building a validator (``check_schema``) of a 45 KB schema took ~300 ms, on
+the loop, when the reply came. Now the adapter builds every offered tool's validator in the
+frontend's grammar pool before the request starts.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import httpx
+import pytest
+
+from rill.protocols.openai_http import codec
+from tests.protocols.openai_http.test_openai_adapter import CALL, WEATHER_TOOL, live_app, make_fake, reply_with
+
+
+async def test_tool_validators_are_built_in_the_grammar_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    threads: list[threading.Thread] = []
+    real = codec._validator
+
+    def recording(schema: dict[str, Any]) -> Any:
+        threads.append(threading.current_thread())
+        return real(schema)
+
+    monkeypatch.setattr(codec, "_validator", recording)
+    async with make_fake() as fake:
+        reply_with(fake, CALL)
+        other = {"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}
+        chat = {"messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+                "tools": [WEATHER_TOOL, other], "tool_choice": "auto", "max_tokens": 200}
+        async with live_app(fake) as url, httpx.AsyncClient(base_url=url, timeout=60) as http:
+            body = (await http.post("/v1/chat/completions", json=chat)).json()
+    (choice,) = body["choices"]
+    assert choice["finish_reason"] == "tool_calls", body  # the reply was checked, as before
+    assert len(threads) == 2  # both offered tools, built once each
+    assert all(t.name.startswith("rill-grammar") for t in threads), threads
