@@ -122,8 +122,9 @@ class PromptAdmission:
         return await loop.run_in_executor(self._pool, _tokenize_one, tokenizer, prompt, model,
                                           self.max_prompt_chars, add_special_tokens)
 
-    async def detokenize(self, tokenizer: Any, token_ids: Sequence[int], model: ModelInfo) -> str:
-        """The text of ``token_ids`` (``/detokenize``), checked and decoded in the pool.
+    async def detokenize(self, tokenizer: Any, token_ids: Sequence[int], model: ModelInfo, *,
+                         skip_special_tokens: bool = False) -> str:
+        """The text of ``token_ids`` (``/detokenize``, echoed prompts), checked and decoded in the pool.
 
         On the loop only the length is compared (no walk over the ids); the vocabulary check
         and the decode, O(n) each, run in a worker, the decode without holding the GIL.
@@ -135,7 +136,8 @@ class PromptAdmission:
         if len(token_ids) > self.max_prompt_chars:
             raise PromptTooLarge(len(token_ids), self.max_prompt_chars)
         loop = asyncio.get_running_loop()
-        text: str = await loop.run_in_executor(self._pool, _detokenize, tokenizer, token_ids, model.vocab_size)
+        text: str = await loop.run_in_executor(self._pool, _detokenize, tokenizer, token_ids, model.vocab_size,
+                                               skip_special_tokens)
         return text
 
     def close(self) -> None:
@@ -261,13 +263,13 @@ def _checked_ids(ids: Sequence[int], vocab_size: int, field: str = "prompt_token
     return list(ids)
 
 
-def _detokenize(tokenizer: Any, token_ids: Sequence[int], vocab_size: int) -> str:
-    """The body of ``PromptAdmission.detokenize`` (runs in a worker thread)."""
+def _detokenize(tokenizer: Any, token_ids: Sequence[int], vocab_size: int, skip_special_tokens: bool) -> str:
+    """The body of ``PromptAdmission.detokenize`` (runs in a worker thread); ``/detokenize``
+    keeps special tokens, so that tokenizing its text again gives the ids back."""
     bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise InvalidRequest(f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})", field="tokens")
-    # Special tokens stay in the text, so that tokenizing it again gives the ids back.
-    texts: list[str] = tokenizer.decode_batch([token_ids], skip_special_tokens=False)
+    texts: list[str] = tokenizer.decode_batch([token_ids], skip_special_tokens=skip_special_tokens)
     return texts[0]
 
 

@@ -91,9 +91,10 @@ class EngineClient(Protocol):
         a prompt longer than the context is counted rather than refused."""
         ...
 
-    async def detokenize(self, token_ids: list[int]) -> str:
-        """The text of ``token_ids`` (special tokens kept), decoded off the event loop;
-        ``PromptTooLarge`` past the prompt bound, ``InvalidRequest`` for an id outside the vocabulary."""
+    async def detokenize(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        """The text of ``token_ids`` (special tokens kept unless ``skip_special_tokens``),
+        checked and decoded off the event loop; ``PromptTooLarge`` past the prompt bound,
+        ``InvalidRequest`` for an id outside the vocabulary."""
         ...
 
     def abort(self, request_id: RequestId) -> None:

@@ -231,10 +231,11 @@ class InprocClient:
         return await self._admission.tokenize(engine.tokenizer, prompt, engine.model_info,
                                               add_special_tokens=add_special_tokens)
 
-    async def detokenize(self, token_ids: list[int]) -> str:
+    async def detokenize(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         """The text of ``token_ids`` (``/detokenize``), decoded off the event loop, size-bounded."""
         engine = self._require_engine()
-        return await self._admission.detokenize(engine.tokenizer, token_ids, engine.model_info)
+        return await self._admission.detokenize(engine.tokenizer, token_ids, engine.model_info,
+                                                skip_special_tokens=skip_special_tokens)
 
     def require_model(self) -> ModelInfo:
         """The served model's facts, or the error a request must get now.

@@ -1,4 +1,5 @@
-"""The JSON Schema validators of offered tools are built off the event loop (issue 31).
+"""Per-request O(n) work of the OpenAI routes runs off the event loop (issue 31): the JSON
+Schema validators of offered tools, and the decoding of echoed token-id prompts.
 
 ``text_call_check`` validates a reply written as a bare JSON call object against the tool's
 ``parameters``; building a validator (``check_schema``) of a 45 KB schema took ~300 ms, on
@@ -38,3 +39,34 @@ async def test_tool_validators_are_built_in_the_grammar_pool(monkeypatch: pytest
     assert choice["finish_reason"] == "tool_calls", body  # the reply was checked, as before
     assert len(threads) == 2  # both offered tools, built once each
     assert all(t.name.startswith("rill-grammar") for t in threads), threads
+
+
+class RecordingTokenizer:
+    """Delegates to the real tokenizer; records the thread of every decode of more than one id."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.threads: list[threading.Thread] = []
+
+    def decode(self, ids: Any, *args: Any, **kwargs: Any) -> str:
+        if len(ids) > 1:
+            self.threads.append(threading.current_thread())
+        return self.inner.decode(ids, *args, **kwargs)
+
+    def decode_batch(self, sequences: Any, *args: Any, **kwargs: Any) -> list[str]:
+        self.threads.append(threading.current_thread())
+        return self.inner.decode_batch(sequences, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+async def test_echoed_token_id_prompts_are_decoded_off_the_event_loop() -> None:
+    async with make_fake() as fake:
+        recorder = RecordingTokenizer(fake.engine.tokenizer)
+        fake.engine.tokenizer = recorder
+        ids = fake.encode("Once upon a time, far away", add_special_tokens=False)
+        async with live_app(fake) as url, httpx.AsyncClient(base_url=url, timeout=60) as http:
+            body = (await http.post("/v1/completions", json={"prompt": ids, "echo": True, "max_tokens": 1})).json()
+    assert body["choices"][0]["text"].startswith("Once upon a time, far away"), body
+    assert recorder.threads and threading.main_thread() not in recorder.threads

@@ -157,7 +157,7 @@ class OpenAIApi:
             prompts = await self.client.tokenize(given)
             requests = codec.generate_requests(req, prompts, served, response_id,
                                                deadline_s=self.deps.config.http.request_timeout_s)
-            echo = self._echo(req, kind, given, prompts)
+            echo = await self._echo(req, kind, given, prompts)
             principal = auth.scope_principal(request.scope)
             text_calls = codec.text_call_check(req) if kind is Kind.CHAT else None
             if text_calls is not None:
@@ -173,11 +173,13 @@ class OpenAIApi:
             await _close_all(streams)  # submitted requests must never outlive a failed handler
             raise
 
-    def _echo(self, req: Any, kind: Kind, given: list[Any], prompts: list[list[int]]) -> list[EchoPrompt] | None:
-        """Completions ``echo``: each prompt as sent (token-id prompts decoded) with its token ids."""
+    async def _echo(self, req: Any, kind: Kind, given: list[Any], prompts: list[list[int]]) -> list[EchoPrompt] | None:
+        """Completions ``echo``: each prompt as sent (token-id prompts decoded, off the event
+        loop: a prompt may be as long as the context) with its token ids."""
         if kind is not Kind.COMPLETION or not req.echo:
             return None
-        return [EchoPrompt(text=p if isinstance(p, str) else self.client.decode(ids), token_ids=ids)
+        return [EchoPrompt(text=p if isinstance(p, str) else await self.client.detokenize(ids, skip_special_tokens=True),
+                           token_ids=ids)
                 for p, ids in zip(given, prompts)]
 
     def _responder(self, kind: Kind, req: Any, model: str, response_id: str,
