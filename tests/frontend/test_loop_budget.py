@@ -166,6 +166,25 @@ async def test_a_constrained_request_over_the_limit_is_refused_before_its_compil
         await stream.aclose()
 
 
+async def test_a_format_compiled_before_waits_for_no_compile() -> None:
+    """A cached format is copied at once: a principal's requests sharing one schema are not
+    queued behind its compile of another."""
+    async with fake_client() as client:
+        shared = ResponseFormat(type="regex", regex="[ab]{3}")
+        client.engine.grammars.matcher(shared)  # compiled before
+        stream = await held_request(client)
+        compiler = client.engine.grammars = BlockingCompiler(client.engine.grammars)
+        modifying = asyncio.ensure_future(stream.modify(regex("(yes|no)!")))
+        assert await asyncio.to_thread(compiler.entered.wait, WAIT_S)
+        other = await asyncio.wait_for(client.generate(GenerateRequest(  # the bound only guards against a hang
+            prompt="x", principal="key:a", sampling=SamplingParams(max_tokens=3, response_format=shared))), WAIT_S)
+        assert not modifying.done() and len(compiler.threads) == 1  # the copy needed no compile
+        compiler.release.set()
+        await modifying
+        await other.aclose()
+        await stream.aclose()
+
+
 async def test_one_compile_per_principal_at_a_time() -> None:
     """A principal's second compile starts only once its first has ended; another principal's
     runs meanwhile; no state is left once they end."""
@@ -185,6 +204,9 @@ async def test_one_compile_per_principal_at_a_time() -> None:
 
         def is_cached(self, fmt: Any) -> bool:
             return False
+
+        def cached(self, fmt: Any) -> None:
+            return None
 
     try:
         a1 = asyncio.ensure_future(admission.matcher(Compiler(), "a1", "key:a"))

@@ -107,6 +107,19 @@ class GrammarCompiler:
                     self._cache.popitem(last=False)
         return pristine.deep_copy()
 
+    def cached(self, fmt: ResponseFormat | None) -> llguidance.LLMatcher | None:
+        """A fresh matcher for ``fmt`` if its grammar is compiled already (a copy, ~0.1 ms for
+        a 45 KB schema), else None: never compiles, so callers may use it on an event loop."""
+        if fmt is None or not fmt.is_constraint:
+            return None
+        key = fmt.cache_key()
+        with self._lock:
+            pristine = self._cache.get(key)
+            if pristine is None:
+                return None
+            self._cache.move_to_end(key)
+        return pristine.deep_copy()
+
     def is_cached(self, fmt: ResponseFormat | None) -> bool:
         """Whether ``matcher(fmt)`` would copy a compiled grammar rather than compile one
         (true for a format that does not constrain: there is nothing to compile)."""

@@ -21,8 +21,9 @@ Other per-request CPU work of the kind runs the same way (``GrammarAdmission.run
 API's JSON Schema validators of offered tools (``InprocClient.run_compile``), which took 300 ms
 for a 45 KB schema when they were built on the loop.
 
-Formats compiled before are copied from ``GrammarCompiler``'s cache (microseconds); the copy
-goes through the same path, so nothing a client sends costs the loop more than a hop.
+Formats compiled before are copied from ``GrammarCompiler``'s cache on the loop (~0.1 ms for a
+45 KB schema, less than a hop to a worker) without waiting for the principal's turn, so a batch
+of requests sharing one schema is not serialised behind itself.
 """
 
 from __future__ import annotations
@@ -49,6 +50,10 @@ class Compiler(Protocol):
         """Whether ``matcher(fmt)`` would only copy a compiled grammar."""
         ...
 
+    def cached(self, fmt: ResponseFormat | None) -> Any:
+        """A copy of ``fmt``'s compiled matcher, or None if it is not compiled (never compiles)."""
+        ...
+
 
 class GrammarAdmission:
     """Compiles constraints in a bounded pool, one at a time per principal (see module docstring).
@@ -63,8 +68,12 @@ class GrammarAdmission:
         self._waiting: dict[str, int] = {}
 
     async def matcher(self, compiler: Compiler, fmt: ResponseFormat, principal: str) -> Any:
-        """A fresh matcher for ``fmt``, made in the pool once ``principal``'s earlier compile
-        has ended (raises as ``Compiler.matcher``)."""
+        """A fresh matcher for ``fmt``: a copy of the compiled grammar, made at once, if there
+        is one; else compiled in the pool once ``principal``'s earlier compile has ended
+        (raises as ``Compiler.matcher``)."""
+        copied = compiler.cached(fmt)  # a copy costs less than the hop to a worker, and waits for no one
+        if copied is not None:
+            return copied
         return await self.run(principal, compiler.matcher, fmt)
 
     async def run(self, principal: str, fn: Callable[..., T], *args: Any) -> T:
