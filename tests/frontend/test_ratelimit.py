@@ -205,3 +205,39 @@ def test_extending_keeps_a_principal_recently_seen() -> None:
     lim.admit("c", 1)  # forgets "b", not "a"
     with pytest.raises(RateLimited):
         lim.admit("a", 9)  # "a" kept its 2 reserved tokens
+
+
+def test_count_work_takes_a_request_of_the_window_and_no_tokens() -> None:
+    clock = Clock()
+    lim = limiter(clock, requests=2, window_s=10.0, tokens_per_s=1.0, burst=10)
+    lim.admit("a", 10)  # every token held
+    lim.count_work("a")  # a compile needs no tokens, only the window's second request
+    with pytest.raises(RateLimited):
+        lim.count_work("a")
+    with pytest.raises(RateLimited):
+        lim.admit("a", 0)
+    clock.now += 10.0
+    lim.count_work("a")  # the next window
+
+
+def test_count_work_is_free_without_a_request_limit() -> None:
+    lim = limiter(Clock(), tokens_per_s=1.0, burst=10)
+    for _ in range(100):
+        lim.count_work("a")
+    assert len(lim) == 0  # no state made for it
+
+
+def test_check_refuses_as_admit_would_and_changes_nothing() -> None:
+    clock = Clock()
+    lim = limiter(clock, requests=1, window_s=10.0, tokens_per_s=0.01, burst=10)
+    lim.check("new", 10)
+    assert len(lim) == 0  # a principal seen by check only has no state
+    lim.check("a", 10)
+    lim.admit("a", 4)
+    with pytest.raises(RateLimited):
+        lim.check("a", 1)  # the window's one request is taken
+    clock.now += 10.0
+    lim.check("a", 6)  # a new window; 6.1 tokens are there
+    with pytest.raises(RateLimited):
+        lim.check("a", 7)
+    lim.admit("a", 6)  # check took nothing
