@@ -78,6 +78,11 @@ class LiveServer:
         """The server's ``InprocClient`` (for engine stats in assertions)."""
         return self.state["client"]
 
+    @property
+    def gate(self) -> Any:
+        """The server's ``ConnectionGate`` (read it on the server loop, with ``call``)."""
+        return self.client._metrics.gate
+
     def call(self, fn: Any, *args: Any) -> Any:
         """Run ``fn(*args)`` on the server's event loop and return its result."""
         done = threading.Event()

@@ -336,12 +336,16 @@ async def test_connections_past_the_limits_get_503_and_leases_are_returned() -> 
         writer.close()
         assert answer.startswith(b"HTTP/1.1 503") and b"too_many_connections" in answer and b"127.0.0.2" in answer
         b = [await idle_from("127.0.0.3") for _ in range(3)]  # the total (6) is now used up
+        # A third address's fair share is 6 // 3 = 2: its first two connections each close an
+        # idle one of the address most over its share; its third is refused.
+        c = [await idle_from("127.0.0.4") for _ in range(2)]
         reader, writer = await idle_from("127.0.0.4")
         answer = await _read_all(reader)
         writer.close()
         assert answer.startswith(b"HTTP/1.1 503") and b"limit of 6 connections" in answer
-        assert gate.total == 6 and gate.refused == 2
-        for _, w in a + b:
+        assert gate.total == 6 and gate.refused == 2 and gate.evicted == 2
+        assert gate.per_client == {"127.0.0.2": 2, "127.0.0.3": 2, "127.0.0.4": 2}
+        for _, w in a + b + c:
             w.close()
         async with httpx.AsyncClient(base_url=f"http://{host}") as http:  # places come back as clients leave
             for _ in range(200):

@@ -129,10 +129,20 @@ class HttpConfig:
 class ConnectionConfig:
     """Bounds on client connections, shared by every listener (HTTP/WebSocket port, Unix socket, gRPC)."""
 
-    max_connections: int = _f(2048, "most client connections open at once, all listeners together (over it: "
-                                    "HTTP 503, a refused gRPC call, an error frame on the Unix socket)")
-    max_connections_per_client: int = _f(1024, "most connections open at once from one client IP address "
-                                               "(HTTP/WebSocket port and gRPC; the Unix socket counts in the total only)")
+    max_connections: int = _f(2048, "most client connections open at once, all listeners together; when all are "
+                                    "taken, a client address under its fair share (this over the number of "
+                                    "addresses connected) gets in by closing an idle connection of the address "
+                                    "most over its share, else it is refused (HTTP 503, a refused gRPC call, an "
+                                    "error frame on the Unix socket)")
+    max_connections_per_client: int | None = _f(None, "most connections open at once from one client IP address "
+                                                      "(HTTP/WebSocket port and gRPC; the Unix socket counts in the "
+                                                      "total only); unset: an eighth of --max-connections")
+
+    def per_client_limit(self) -> int:
+        """``max_connections_per_client``, or its default: an eighth of ``max_connections`` (at least 1)."""
+        if self.max_connections_per_client is not None:
+            return self.max_connections_per_client
+        return max(1, self.max_connections // 8)
     first_message_timeout_s: float = _f(60.0, "seconds a WebSocket or Unix-socket connection may stay open without "
                                               "sending its first message")
     header_timeout_s: float = _f(10.0, "seconds an HTTP client has to send a request's headers (on a new or idle "

@@ -1,8 +1,20 @@
 """Connection accounting and connection-level timeouts, shared by every listener.
 
 One ``ConnectionGate`` per server counts open client connections, in total and per client
-IP address, and refuses (``TooManyConnections``) past ``--max-connections`` or
-``--max-connections-per-client``. Every listener takes a ``Lease`` from it:
+IP address, and refuses (``TooManyConnections``) past ``--max-connections-per-client`` or,
+when it cannot make room, past ``--max-connections``.
+
+Fair share: when every place is taken, a newcomer from an address holding less than its
+fair share (``--max-connections`` over the number of addresses connected, the newcomer's
+included) is let in by closing one idle connection of the address holding the most
+connections over its share (``ConnectionGate.victim``), so a few addresses holding idle
+sockets cannot lock everyone else out. Idle means nothing of the client is being served:
+an HTTP connection between requests (or before its first), a WebSocket that has not sent
+its first message. A connection with a request or a generation in flight is never closed.
+The listener marks its leases idle or busy (``Lease.set_idle``) and gives each the means
+to close it (``Lease.evict``).
+
+Every listener takes a ``Lease`` from the gate:
 
 * the HTTP/WebSocket port through ``http_protocol_factory``: uvicorn's protocol runs inside
   ``GuardedProtocol``, which takes the lease when the TCP connection is accepted (before a
@@ -40,18 +52,45 @@ REFUSAL_LOG_INTERVAL_S = 60.0
 
 
 class Lease:
-    """One counted connection; ``release()`` (idempotent) gives its place back."""
+    """One counted connection; ``release()`` (idempotent) gives its place back.
 
-    __slots__ = ("_gate", "client", "_released")
+    A lease starts busy. A listener that can tell when its connection is idle (nothing of
+    the client being served) marks it with ``set_idle(True)``, having set ``evict``: a
+    function that closes the connection at once (called synchronously by the gate, which
+    releases the lease right after). Only idle leases with an ``evict`` can be closed to
+    make room for another address.
+    """
+
+    __slots__ = ("_gate", "client", "_released", "evict")
 
     def __init__(self, gate: "ConnectionGate", client: str | None) -> None:
         self._gate = gate
         self.client = client
         self._released = False
+        self.evict: Callable[[], None] | None = None
+
+    @property
+    def idle(self) -> bool:
+        """Whether the gate may close this connection to make room."""
+        return self.client is not None and self in self._gate._idle.get(self.client, ())
+
+    def set_idle(self, idle: bool) -> None:
+        """Mark the connection idle (closable to make room, when ``evict`` is set) or busy."""
+        if self._released or self.client is None:
+            return
+        held = self._gate._idle.setdefault(self.client, {})
+        if idle and self.evict is not None:
+            held.pop(self, None)  # re-marked: it now counts as idle since this moment
+            held[self] = None
+        else:
+            held.pop(self, None)
+        if not held:
+            del self._gate._idle[self.client]
 
     def release(self) -> None:
         """Stop counting this connection (later calls do nothing)."""
         if not self._released:
+            self.set_idle(False)
             self._released = True
             self._gate._release(self.client)
 
@@ -70,26 +109,83 @@ class ConnectionGate:
         self.total = 0
         self.per_client: dict[str, int] = {}
         self.refused = 0
+        self.evicted = 0
         self._last_warning = -REFUSAL_LOG_INTERVAL_S
         self.http_connections: dict[tuple[str, int], GuardedProtocol] = {}
+        # Idle leases per address, the longest idle first (dicts keep insertion order).
+        self._idle: dict[str, dict[Lease, None]] = {}
 
     def open(self, client: str | None) -> Lease:
         """Count a new connection from ``client`` (None: no address, total only).
 
+        At the total limit, an idle connection of the address most over its fair share is
+        closed to make room for a ``client`` under its share (``victim``).
+
         Raises:
-            TooManyConnections: the total or this client's share is used up.
+            TooManyConnections: this client's share is used up, or the total is and no
+                connection could be closed for it.
         """
-        if self.total >= self.max_total:
-            self._refuse()
-            raise TooManyConnections(f"the server holds its limit of {self.max_total} connections; retry later")
         if client is not None and self.per_client.get(client, 0) >= self.max_per_client:
             self._refuse()
             raise TooManyConnections(f"too many connections from {client} (at most {self.max_per_client}); "
                                      "close some or retry later")
+        if self.total >= self.max_total:
+            victim = self.victim(client)
+            if victim is None:
+                self._refuse()
+                raise TooManyConnections(f"the server holds its limit of {self.max_total} connections; retry later")
+            self._evict(victim)
         self.total += 1
         if client is not None:
             self.per_client[client] = self.per_client.get(client, 0) + 1
         return Lease(self, client)
+
+    @property
+    def num_idle(self) -> int:
+        """Connections marked idle (closable to make room for another address)."""
+        return sum(len(leases) for leases in self._idle.values())
+
+    def fair_share(self, newcomer: str | None = None) -> int:
+        """How many connections each address may hold when all places are taken: the total
+        shared evenly among the addresses connected (and ``newcomer``, if it is not)."""
+        num_clients = len(self.per_client) + (newcomer is not None and newcomer not in self.per_client)
+        return max(1, self.max_total // max(1, num_clients))
+
+    def victim(self, newcomer: str | None) -> Lease | None:
+        """The connection to close so ``newcomer`` can connect at the total limit, or None.
+
+        Only a newcomer with an address holding fewer than its fair share may displace
+        anyone, and only an idle connection of another address holding more than its fair
+        share: of those, the address holding the most, and its connection idle the longest.
+        Pure: nothing is closed here.
+        """
+        if newcomer is None:
+            return None  # no address, no share to compare (Unix-socket peers)
+        share = self.fair_share(newcomer)
+        if self.per_client.get(newcomer, 0) >= share:
+            return None
+        candidates = [(count, client) for client, count in self.per_client.items()
+                      if count > share and client != newcomer and self._idle.get(client)]
+        if not candidates:
+            return None
+        _, client = max(candidates)
+        return next(iter(self._idle[client]))
+
+    def _evict(self, lease: Lease) -> None:
+        assert lease.evict is not None
+        self.evicted += 1
+        now = time.monotonic()
+        if now - self._last_warning >= REFUSAL_LOG_INTERVAL_S:
+            self._last_warning = now
+            log.warning("at the limit of %d connections: closing an idle connection of %s (holding %d, over its "
+                        "fair share) to let another address in; %d closed so far", self.max_total, lease.client,
+                        self.per_client.get(lease.client or "", 0), self.evicted)
+        evict = lease.evict
+        lease.release()  # its place is free now, whenever the socket actually goes
+        try:
+            evict()
+        except Exception:  # noqa: BLE001 - a peer already gone must not refuse the newcomer
+            log.debug("closing an idle connection failed", exc_info=True)
 
     def _release(self, client: str | None) -> None:
         self.total -= 1
@@ -181,6 +277,12 @@ def _raw_response(exc: TooManyConnections | IdleTimeout) -> bytes:
     return head.encode("latin-1") + b"\r\n" + wire.body
 
 
+def _close_frame(code: int, reason: str) -> bytes:
+    """A server's WebSocket close frame (unmasked, FIN): ``code`` and a short ``reason``."""
+    payload = code.to_bytes(2, "big") + reason.encode("utf-8")[:123]
+    return bytes((0x88, len(payload))) + payload
+
+
 class GuardedProtocol(asyncio.Protocol):
     """uvicorn's HTTP protocol (and, after an upgrade, its WebSocket protocol) under a lease.
 
@@ -192,6 +294,11 @@ class GuardedProtocol(asyncio.Protocol):
     Header timeout: armed on accept and again whenever a response has ended
     (``request_done``); disarmed when the app receives a request (``request_started``).
     On expiry the connection is closed, after a 408 if part of a request had arrived.
+
+    Idle (closable by the gate to make room for another address, ``Lease.evict``): while
+    the header timer runs, and while a WebSocket has not sent its first message
+    (``set_idle``, from the middleware). Closed that way, a client that had sent part of
+    a request gets a 503, a WebSocket a close frame 1013 (try again later).
     """
 
     def __init__(self, inner: asyncio.Protocol, gate: ConnectionGate, header_timeout_s: float) -> None:
@@ -204,6 +311,8 @@ class GuardedProtocol(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._partial = False
         self._connected = False
+        self._websocket = False
+        self.evicted = False
 
     # asyncio.Protocol --------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -218,6 +327,7 @@ class GuardedProtocol(asyncio.Protocol):
             transport.write(_raw_response(exc))
             transport.close()
             return
+        self.lease.evict = self._evict
         if isinstance(peername, (tuple, list)) and len(peername) >= 2:
             self.key = (peername[0], peername[1])
             self.gate.http_connections[self.key] = self
@@ -262,9 +372,20 @@ class GuardedProtocol(asyncio.Protocol):
             self.inner.resume_writing()
 
     # called by the ASGI middleware -------------------------------------------------------------
-    def request_started(self) -> None:
-        """The app has a request (its headers are complete): stop the header timer."""
+    def request_started(self) -> bool:
+        """The app has a request (its headers are complete): stop the header timer.
+
+        Returns False when the gate has already closed this connection to make room (the
+        request must not run: its client is gone).
+        """
         self._disarm()
+        self.set_idle(False)
+        return not self.evicted
+
+    def set_idle(self, idle: bool) -> None:
+        """Whether the gate may close this connection to make room (nothing in flight)."""
+        if self.lease is not None:
+            self.lease.set_idle(idle)
 
     def request_done(self) -> None:
         """A response has ended: the next request's headers are due within the timeout."""
@@ -280,12 +401,28 @@ class GuardedProtocol(asyncio.Protocol):
         if current is not self and not transport.is_closing():
             # uvicorn upgraded to a WebSocket: keep receiving the events, hand them on.
             self.inner = current
+            self._websocket = True
             transport.set_protocol(self)
 
     def _arm(self) -> None:
         self._disarm()
         self._partial = False
         self._timer = asyncio.get_running_loop().call_later(self.header_timeout_s, self._on_header_timeout)
+        self.set_idle(True)
+
+    def _evict(self) -> None:
+        # Called by the gate (synchronously, while accepting another connection).
+        self.evicted = True
+        self._disarm()
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        reason = "the server is at its connection limit; this idle connection was closed for another client"
+        if self._websocket:
+            transport.write(_close_frame(1013, "server busy; retry later"))
+        elif self._partial:
+            transport.write(_raw_response(TooManyConnections(reason)))
+        transport.close()
 
     def _disarm(self) -> None:
         if self._timer is not None:

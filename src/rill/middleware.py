@@ -39,9 +39,10 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rill import auth
-from rill.connections import ConnectionGate
+from rill.connections import ConnectionGate, GuardedProtocol
 from rill.deps import Deps
-from rill.errors import BodyTooLarge, Forbidden, IdleTimeout, MethodNotAllowed, RouteNotFound, Unauthorized
+from rill.errors import (BodyTooLarge, Forbidden, IdleTimeout, MethodNotAllowed, RouteNotFound, TooManyConnections,
+                         Unauthorized)
 
 ErrorRenderer = Callable[[BaseException], tuple[int, dict[str, str], bytes]]
 """Turns an error into (HTTP status, extra headers, JSON body). The server passes the OpenAI
@@ -115,17 +116,29 @@ class Guard:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         connection = self.gate.http_connection(scope) if self.gate is not None else None
         if connection is not None and scope["type"] in ("http", "websocket"):
-            connection.request_started()
+            if not connection.request_started():
+                # Closed by the gate for another client before this request reached the app.
+                await self._refuse_evicted(scope, receive, send)
+                return
             if scope["type"] == "http":
                 send = _on_response_end(send, connection.request_done)
         if scope["type"] == "websocket" and self.first_message_timeout_s is not None:
-            watch = _FirstMessageWatch(receive, send, self.first_message_timeout_s)
+            watch = _FirstMessageWatch(receive, send, self.first_message_timeout_s, connection)
             try:
                 await self._handle(scope, watch.receive, watch.send)
             finally:
                 watch.stop()
             return
         await self._handle(scope, receive, send)
+
+    async def _refuse_evicted(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Answer a request whose connection the gate has closed (the answer goes nowhere;
+        it keeps the ASGI server from reporting an app that returned without one)."""
+        exc = TooManyConnections("the server is at its connection limit; retry later")
+        if scope["type"] == "http":
+            await _send_error(self.render_error, send, exc, {"Connection": "close"})
+        else:
+            await _deny_websocket(self.render_error, scope, receive, send, exc)
 
     async def _handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] in ("http", "websocket") and self.sites is not None and scope.get("path") not in PUBLIC_PATHS:
@@ -273,13 +286,16 @@ class _FirstMessageWatch:
 
     Wraps the app's ``receive`` and ``send``: the clock starts when the app accepts and stops
     at the first message (or disconnect). After the close, the app's pending ``receive``
-    sees the disconnect, and its sends are dropped (the peer is being closed).
+    sees the disconnect, and its sends are dropped (the peer is being closed). Meanwhile the
+    connection (``rill.connections.GuardedProtocol``, when known) is marked idle, so the
+    connection gate may close it to make room for another client.
     """
 
-    def __init__(self, receive: Receive, send: Send, timeout_s: float) -> None:
+    def __init__(self, receive: Receive, send: Send, timeout_s: float, connection: "GuardedProtocol | None" = None) -> None:
         self._receive = receive
         self._send = send
         self.timeout_s = timeout_s
+        self._connection = connection
         self._timer: asyncio.Task[None] | None = None
         self.heard = False
         self.closed = False
@@ -290,6 +306,8 @@ class _FirstMessageWatch:
         if message["type"] in ("websocket.receive", "websocket.disconnect"):
             self.heard = True
             self.stop()
+            if self._connection is not None:
+                self._connection.set_idle(False)
         return message
 
     async def send(self, message: Message) -> None:
@@ -302,6 +320,8 @@ class _FirstMessageWatch:
         await self._send(message)
         if message["type"] == "websocket.accept" and not self.heard:
             self._timer = asyncio.create_task(self._expire())
+            if self._connection is not None:
+                self._connection.set_idle(True)
 
     def stop(self) -> None:
         """Stop the clock (the app has finished, closed, or heard from the client)."""

@@ -95,7 +95,7 @@ def build_app(deps: Deps) -> ASGIApp:
 def make_deps(config: ServerConfig, client: EngineClient) -> Deps:
     """Deps with the metrics registry (when the metrics module exists) and the API keys."""
     limits = config.connections
-    gate = ConnectionGate(limits.max_connections, limits.max_connections_per_client)
+    gate = ConnectionGate(limits.max_connections, limits.per_client_limit())
     # Until the model has loaded, label refusals with the name it will be served under.
     metrics = Metrics(client, gate, model_name=config.engine.served_model_name or Path(config.engine.model or "").stem)
     if hasattr(client, "set_metrics_sink"):

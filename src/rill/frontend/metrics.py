@@ -66,6 +66,7 @@ class Metrics:
 
     def __init__(self, client: Any, gate: Any = None, model_name: str = "") -> None:
         self.client = client
+        self.gate = gate
         self.default_model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
         self.ttft = self._histogram("rill_time_to_first_token_seconds", "Time from arrival to the first generated token",
@@ -211,6 +212,8 @@ class _ConnectionCollector(Collector):
         yield _gauge(model, "rill_connections_open", "Client connections open, all listeners", self.gate.total)
         yield _counter(model, "rill_connections_refused", "Client connections refused at the connection limits",
                        self.gate.refused)
+        yield _counter(model, "rill_connections_evicted", "Idle client connections closed at the connection limit "
+                       "to let another address in", getattr(self.gate, "evicted", 0))
 
 
 def _gauge(model_name: str, name: str, doc: str, value: float) -> GaugeMetricFamily:
