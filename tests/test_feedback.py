@@ -151,3 +151,113 @@ def test_a_store_from_before_the_truncated_column_is_upgraded(tmp_path: Path) ->
     store.add({"request_id": "g", "rating": -1})
     assert [(r["rating"], r["truncated"]) for r in store.records()] == [(1.0, []), (-1.0, [])]
     store.close()
+
+
+# -- issue 31 finding 6: a prompt stored once, a quota per principal ---------------------------------------
+
+
+PROMPT = "Summarise the following report. " + "The quarterly figures rose again. " * 400  # ~13 KB
+
+
+def test_a_hundred_feedback_records_on_one_generation_store_its_prompt_once(tmp_path: Path) -> None:
+    import sqlite3
+
+    store = FeedbackStore(tmp_path)
+    store.add({"request_id": "warm", "rating": 1})  # the tables' first pages exist before measuring
+    before = store.used_bytes()
+    for i in range(100):
+        store.add({"request_id": "gen_1", "rating": 1, "text": "good", "position": i, "prompt": PROMPT,
+                   "generated_text": "The figures rose.", "is_generation_finished": True},
+                  principal="peer:10.0.0.1")
+    grown = store.used_bytes() - before
+    # Before: every record held its own copy, 100 x 13 KB = 1.3 MB for 100 short ratings.
+    assert grown < len(PROMPT) + 100 * 400, grown
+    records = [r for r in store.records() if r["request_id"] == "gen_1"]
+    assert len(records) == 100 and {r["prompt"] for r in records} == {PROMPT}
+    assert [r["position"] for r in records] == list(range(100))
+    assert {r["generated_text"] for r in records} == {"The figures rose."}
+    store.close()
+    db = sqlite3.connect(tmp_path / "feedback.sqlite3")
+    assert db.execute("SELECT COUNT(*) FROM texts WHERE body = ?", (PROMPT,)).fetchone() == (1,)
+    db.close()
+
+
+def test_a_principal_over_its_quota_is_refused_while_another_still_stores(tmp_path: Path) -> None:
+    import pytest
+
+    from rill.errors import StorageFull
+    from rill.feedback import ROW_OVERHEAD_BYTES, TEXT_OVERHEAD_BYTES
+
+    store = FeedbackStore(tmp_path, max_store_bytes=1 << 30, max_principal_bytes=20_000)
+    stored = 0
+    with pytest.raises(StorageFull, match="feedback-max-bytes-per-principal"):
+        for i in range(100):  # each record a new generation: a new 2 KB text each time
+            store.add({"request_id": f"a{i}", "rating": 1, "prompt": f"{i} " + "x" * 2000}, principal="key:aaaa")
+            stored += 1
+    # Each record is charged its row and the new text it brought: the quota holds 8 of them.
+    per_record = ROW_OVERHEAD_BYTES + TEXT_OVERHEAD_BYTES + 2002
+    assert stored == 20_000 // per_record == 8 and store.principal_bytes("key:aaaa") == 8 * per_record
+    other = store.add({"request_id": "b0", "rating": -1, "prompt": "y" * 2000}, principal="key:bbbb")
+    assert other > 0 and [r["request_id"] for r in store.records()] == [f"a{i}" for i in range(8)] + ["b0"]
+    store.close()
+    # The charge survives a restart (read back from the stored records).
+    reopened = FeedbackStore(tmp_path, max_principal_bytes=20_000)
+    with pytest.raises(StorageFull):
+        reopened.add({"request_id": "late", "rating": 1, "prompt": "z" * 5000}, principal="key:aaaa")
+    reopened.add({"request_id": "b1", "rating": 1, "prompt": "z" * 5000}, principal="key:bbbb")
+    reopened.close()
+
+
+def test_retention_frees_the_quota_and_the_texts_no_record_names(tmp_path: Path, monkeypatch) -> None:
+    import sqlite3
+
+    import pytest
+
+    import rill.feedback as feedback_mod
+    from rill.errors import StorageFull
+
+    clock = [1_000_000.0]
+    monkeypatch.setattr(feedback_mod.time, "time", lambda: clock[0])
+    store = FeedbackStore(tmp_path, retention_s=100, max_principal_bytes=6000)
+    store.add({"request_id": "old", "rating": 1, "prompt": "p" * 5000}, principal="peer:10.0.0.1")
+    with pytest.raises(StorageFull):
+        store.add({"request_id": "new", "rating": 1, "prompt": "q" * 5000}, principal="peer:10.0.0.1")
+    clock[0] += 120  # "old" has expired: its bytes and its prompt go with it
+    store.add({"request_id": "new", "rating": 1, "prompt": "q" * 5000}, principal="peer:10.0.0.1")
+    assert [(r["request_id"], r["prompt"]) for r in store.records()] == [("new", "q" * 5000)]
+    store.close()
+    db = sqlite3.connect(tmp_path / "feedback.sqlite3")
+    assert db.execute("SELECT COUNT(*) FROM texts").fetchone() == (1,)
+    db.execute("DELETE FROM feedback")  # deleting by hand removes the texts too
+    db.commit()
+    assert db.execute("SELECT COUNT(*) FROM texts").fetchone() == (0,)
+    db.close()
+
+
+def test_a_store_written_by_the_previous_layout_opens_and_exports(tmp_path: Path) -> None:
+    import sqlite3
+
+    db = sqlite3.connect(tmp_path / "feedback.sqlite3")  # the layout with texts inline in every row
+    db.execute("CREATE TABLE feedback (id INTEGER PRIMARY KEY AUTOINCREMENT, created_at REAL NOT NULL, protocol TEXT "
+               "NOT NULL, request_id TEXT, rating REAL NOT NULL, text TEXT, position INTEGER, model TEXT, prompt TEXT, "
+               "generated_text TEXT, is_generation_finished INTEGER, api_key_hint TEXT, truncated TEXT)")
+    db.execute("CREATE INDEX feedback_created_at ON feedback (created_at)")
+    for i in range(2):
+        db.execute("INSERT INTO feedback (created_at, protocol, request_id, rating, prompt, generated_text) "
+                   "VALUES (?, 'generate_ws', 'gen_old', 1, ?, 'out')", (float(i), PROMPT))
+    db.commit()
+    db.close()
+    store = FeedbackStore(tmp_path)
+    for _ in range(3):
+        store.add({"request_id": "gen_new", "rating": -1, "prompt": PROMPT, "generated_text": "out"},
+                  principal="peer:10.0.0.2")
+    store.close()
+    out = subprocess.run([sys.executable, "-m", "rill", "feedback", "export", "--data-dir", str(tmp_path)],
+                         capture_output=True, text=True, check=True).stdout
+    records = [json.loads(line) for line in out.splitlines()]
+    assert [r["request_id"] for r in records] == ["gen_old"] * 2 + ["gen_new"] * 3
+    assert {r["prompt"] for r in records} == {PROMPT} and {r["generated_text"] for r in records} == {"out"}
+    db = sqlite3.connect(tmp_path / "feedback.sqlite3")
+    # The new records share one copy; the old ones keep theirs.
+    assert db.execute("SELECT COUNT(*) FROM texts WHERE body = ?", (PROMPT,)).fetchone() == (1,)
+    db.close()

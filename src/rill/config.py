@@ -117,9 +117,20 @@ class HttpConfig:
                                              "'truncated' names the fields cut)")
     feedback_max_store_bytes: str = _f("1GiB", "size cap of the feedback store; when full, new feedback is "
                                                "refused with an error and nothing stored is deleted")
+    feedback_max_bytes_per_principal: str | None = _f(None, "most bytes of the feedback store one principal (an "
+                                                            "API key; without keys, a client address) may fill; past "
+                                                            "it that principal's feedback is refused with an error "
+                                                            "while others' is stored (unset: an eighth of "
+                                                            "--feedback-max-store-bytes)")
     feedback_retention_days: float | None = _f(None, "feedback records older than this many days are deleted "
                                                      "(unset: kept until deleted by hand)")
     log_level: str = _f("info", "log level: debug, info, warning, error")
+
+    def feedback_quota_bytes(self) -> int:
+        """``feedback_max_bytes_per_principal`` in bytes, or its default: an eighth of the store's cap."""
+        if self.feedback_max_bytes_per_principal is not None:
+            return parse_size(self.feedback_max_bytes_per_principal, "feedback_max_bytes_per_principal")
+        return max(1, parse_size(self.feedback_max_store_bytes, "feedback_max_store_bytes") // 8)
     tool_call_parser: str = _f("auto", "how /v1/chat/completions reads tool calls in the model's output: hermes "
                                        "(<tool_call>{json}</tool_call>, Qwen/Hermes), llama3_json, none, or auto "
                                        "(detected from the chat template; hermes when it shows no format)")
@@ -428,6 +439,8 @@ def _validate_stores(h: HttpConfig, chat: ChatConfig) -> None:
     """The limits of the feedback store and of the chat record store."""
     _at_least_one(h, "feedback_max_per_generation", "feedback_max_per_connection", "feedback_max_text_bytes")
     parse_size(h.feedback_max_store_bytes, "feedback_max_store_bytes")
+    if h.feedback_max_bytes_per_principal is not None:
+        parse_size(h.feedback_max_bytes_per_principal, "feedback_max_bytes_per_principal")
     _positive_when_set(h, "feedback_retention_days")
     parse_size(chat.record_max_bytes, "record_max_bytes")
     _positive_when_set(chat, "record_retention_days")

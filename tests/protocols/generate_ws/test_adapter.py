@@ -586,6 +586,35 @@ async def test_stored_feedback_text_is_cut_and_a_full_store_refuses(make_server:
         assert error["type"] == "error" and "feedback store is full" in error["message"] and error["recoverable"]
 
 
+async def test_one_client_over_its_feedback_quota_leaves_room_for_others(make_server: Any, tmp_path: Any) -> None:
+    # Issue 31 finding 6: the store's cap was shared, so one client could fill it and
+    # refuse everyone's feedback. Without keys the principal is the client address.
+    live = await make_server(feedback_max_bytes_per_principal="1500")
+    port = int(live.ws.rsplit(":", 1)[1].split("/")[0])
+
+    async def rate(source: str, times: int) -> list[dict]:
+        async with connect(live.ws, host="127.0.0.1", port=port, local_addr=(source, 0)) as ws:
+            await send(ws, type="config", prompt="a prompt", parameters={"max_tokens": 1})
+            await until(ws, is_type("completion"))
+            replies = []
+            for _ in range(times):
+                await send(ws, type="feedback", rating=1, text="x" * 200)
+                replies.append(await recv(ws))
+            return replies
+
+    greedy = await rate("127.0.0.2", 8)
+    outcomes = [r.get("operation") or r["error"] for r in greedy]
+    # The spec's code for a store that cannot take the record (StorageFull) is internal_error.
+    assert "feedback_received" in outcomes and outcomes[-1] == "internal_error", outcomes
+    refusal = greedy[-1]
+    assert "feedback-max-bytes-per-principal" in refusal["message"] and refusal["recoverable"] is True
+    [other] = await rate("127.0.0.3", 1)
+    assert other["type"] == "status" and other["operation"] == "feedback_received"
+    records = list(FeedbackStore(tmp_path / "data").records())
+    assert len(records) == outcomes.count("feedback_received") + 1
+    assert {r["prompt"] for r in records} == {"a prompt"}
+
+
 async def test_hostile_frames_get_invalid_request_and_the_socket_stays_usable(make_server: Any) -> None:
     # Issue 12 item 5: deep nesting raised RecursionError out of the handler (an ASGI
     # traceback and a 1011 close); bad UTF-8 in a binary frame was handled by luck.

@@ -75,6 +75,7 @@ class GenerateService:
             self._feedback = FeedbackStore(
                 self.http.data_dir, max_text_bytes=self.http.feedback_max_text_bytes,
                 max_store_bytes=parse_size(self.http.feedback_max_store_bytes, "feedback_max_store_bytes"),
+                max_principal_bytes=self.http.feedback_quota_bytes(),
                 retention_s=None if days is None else days * 86400)
         return self._feedback
 
@@ -336,7 +337,8 @@ class _Connection:
     async def _store_feedback(self, record: dict[str, Any]) -> None:
         hint = self.api_key[-4:] if self.api_key else None
         try:
-            feedback_id = await asyncio.to_thread(self.service.feedback_store().add, record, s.PROTOCOL, hint)
+            feedback_id = await asyncio.to_thread(self.service.feedback_store().add, record, s.PROTOCOL, hint,
+                                                  self.principal)
         except RillError as exc:  # the store is full: its message says so
             await self.perform(self.session.on_invalid(exc))
             return
