@@ -94,6 +94,8 @@ def test_api_keys_from_flags_and_file(tmp_path: Path) -> None:
         ("flags", {"http.rate_limit_burst": "0"}, "rate_limit_burst must be >= 1"),
         ("flags", {"http.request_timeout_s": "nan"}, "request_timeout_s must be > 0 and finite, not nan"),
         ("flags", {"http.request_timeout_s": "inf"}, "request_timeout_s must be > 0 and finite, not inf"),
+        ("flags", {"http.forwarded_allow_ips": ["proxy.local"]}, "forwarded_allow_ips: 'proxy.local' is not an IP"),
+        ("flags", {"http.feedback_max_bytes_per_principal": "lots"}, "feedback_max_bytes_per_principal"),
     ],
 )
 def test_bad_values_name_the_setting(source: str, value: dict, message: str) -> None:
@@ -165,3 +167,11 @@ def test_a_bad_key_in_the_file_names_its_line(tmp_path: Path) -> None:
     key_file.write_text("# keys\nalpha\nbad key\n")
     with pytest.raises(ConfigError, match="line 3: an API key must be printable ASCII"):
         config.load({"http.api_key_file": str(key_file)}, env={}).api_keys()
+
+
+def test_per_client_shares_default_to_an_eighth_of_their_total() -> None:
+    cfg = config.load({"connections.max_connections": "400", "http.feedback_max_store_bytes": "8MiB",
+                       "http.forwarded_allow_ips": ["10.0.0.0/8", "127.0.0.1"]}, env={})
+    assert cfg.connections.per_client_limit() == 50 and cfg.http.feedback_quota_bytes() == 1024 * 1024
+    assert cfg.http.forwarded_allow_ips == ["10.0.0.0/8", "127.0.0.1"]
+    assert config.load({}, env={}).http.forwarded_allow_ips == []  # default: no proxy believed

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import ipaddress
 import os
 import re
 import tomllib
@@ -95,6 +96,12 @@ class HttpConfig:
     allowed_hosts: list[str] = _f([], "Host header names accepted besides IP addresses, localhost and the bound "
                                       "host (repeatable; '.example.com' also allows subdomains; '*' for any)",
                                   repeat=True)
+    forwarded_allow_ips: list[str] = _f([], "addresses of reverse proxies (IPs, networks such as 10.0.0.0/8, or '*') "
+                                            "whose X-Forwarded-For and X-Forwarded-Proto headers are believed: a "
+                                            "request arriving from one counts as coming from the address it names "
+                                            "(rate limits, feedback quotas and other per-client limits follow it; "
+                                            "connection limits still count the proxy). Repeatable; default none: "
+                                            "the headers are ignored", repeat=True)
     max_choices_per_request: int = _f(256, "most choices (prompts x n, or x best_of) one /v1/completions or /v1/chat/completions "
                                            "request may ask for; more is refused (400) before anything runs")
     request_timeout_s: float | None = _f(None, "per-request time limit in seconds")
@@ -430,6 +437,13 @@ def _validate_http(h: HttpConfig) -> None:
     _positive_when_set(h, "request_timeout_s")
     if h.sse_keepalive_s < 0:
         raise ConfigError(f"sse_keepalive_s must be >= 0 (0 disables keep-alives), not {h.sse_keepalive_s}")
+    for entry in h.forwarded_allow_ips:
+        try:
+            if entry.strip() != "*":
+                ipaddress.ip_network(entry.strip(), strict=False)
+        except ValueError as exc:
+            raise ConfigError(f"forwarded_allow_ips: {entry!r} is not an IP address, a network (10.0.0.0/8) "
+                              "or '*'") from exc
     _one_of("tool_call_parser", h.tool_call_parser, ("auto", "none", "hermes", "llama3_json"))
     if h.log_level.lower() not in ("critical", "error", "warning", "info", "debug", "trace"):
         raise ConfigError(f"log_level must be debug, info, warning or error, not {h.log_level!r}")

@@ -11,6 +11,11 @@
    (408), an accepted WebSocket must send its first message within
    ``--first-message-timeout-s`` (close 1008), and it tells the connection's
    ``rill.connections.GuardedProtocol`` when a request starts and ends (header timeout).
+   Only then, for a request from an address in ``--forwarded-allow-ips``, does it take the
+   client address (and scheme) from ``X-Forwarded-For`` (``X-Forwarded-Proto``), so every
+   per-client limit (``rill.auth.scope_principal``) follows the one setting, while the
+   connection is still found, and counted, by its socket's peer. With no such address
+   (the default) the headers are ignored: a client cannot name itself anew per request.
 
 Keys: when any key is configured (``--api-key``, ``--api-key-file``), every route but
 ``/health`` and the playground's static files need ``Authorization: Bearer KEY``; WebSockets
@@ -70,7 +75,8 @@ def wrap(app: ASGIApp, deps: Deps, render_error: ErrorRenderer) -> ASGIApp:
     wrapped: ASGIApp = Guard(app, render_error, api_keys=set(deps.api_keys or ()), max_body_bytes=http.max_body_bytes,
                              sites=sites,
                              gate=getattr(deps, "gate", None), body_timeout_s=limits.body_timeout_s,
-                             first_message_timeout_s=limits.first_message_timeout_s)
+                             first_message_timeout_s=limits.first_message_timeout_s,
+                             forwarded_allow_ips=http.forwarded_allow_ips)
     if http.cors_origins:
         wrapped = CORSMiddleware(
             wrapped,
@@ -98,12 +104,14 @@ class Guard:
         body_timeout_s: time allowed to receive a whole request body (408 beyond).
         first_message_timeout_s: time an accepted WebSocket may go without sending a
             message (closed with 1008 beyond).
+        forwarded_allow_ips: proxies whose ``X-Forwarded-For`` / ``X-Forwarded-Proto`` are
+            believed (IPs, networks, ``*``); empty: none.
     """
 
     def __init__(self, app: ASGIApp, render_error: ErrorRenderer, api_keys: set[str], max_body_bytes: int,
                  sites: "SiteCheck | None" = None,
                  gate: ConnectionGate | None = None, body_timeout_s: float | None = None,
-                 first_message_timeout_s: float | None = None) -> None:
+                 first_message_timeout_s: float | None = None, forwarded_allow_ips: list[str] | None = None) -> None:
         self.app = app
         self.render_error = render_error
         self.api_keys = frozenset(api_keys)
@@ -112,6 +120,11 @@ class Guard:
         self.gate = gate
         self.body_timeout_s = body_timeout_s
         self.first_message_timeout_s = first_message_timeout_s
+        self._checked: ASGIApp = self._handle
+        if forwarded_allow_ips:
+            from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
+
+            self._checked = ProxyHeadersMiddleware(self._handle, trusted_hosts=list(forwarded_allow_ips))  # type: ignore[arg-type]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         connection = self.gate.http_connection(scope) if self.gate is not None else None
@@ -125,11 +138,11 @@ class Guard:
         if scope["type"] == "websocket" and self.first_message_timeout_s is not None:
             watch = _FirstMessageWatch(receive, send, self.first_message_timeout_s, connection)
             try:
-                await self._handle(scope, watch.receive, watch.send)
+                await self._checked(scope, watch.receive, watch.send)
             finally:
                 watch.stop()
             return
-        await self._handle(scope, receive, send)
+        await self._checked(scope, receive, send)
 
     async def _refuse_evicted(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Answer a request whose connection the gate has closed (the answer goes nowhere;

@@ -192,6 +192,10 @@ def _http_server(config: ServerConfig, app: ASGIApp, gate: ConnectionGate) -> uv
     server = uvicorn.Server(
         uvicorn.Config(app, host=config.http.host, port=config.http.port, log_level=config.http.log_level,
                        ws_max_size=config.http.max_body_bytes, timeout_graceful_shutdown=2, lifespan="off",
+                       # Never uvicorn's: it would believe X-Forwarded-For from 127.0.0.1 by default,
+                       # and rewrite the client before the connection gate could find its socket.
+                       # rill.middleware applies --forwarded-allow-ips itself.
+                       proxy_headers=False,
                        http=http_protocol_factory(gate, config.connections.header_timeout_s))  # type: ignore[arg-type]
     )
     for logger_name in ("uvicorn.error", "uvicorn.access"):  # after uvicorn.Config set its logging up
