@@ -24,7 +24,8 @@ from tests.conftest import LiveServer, start_server
 from tests.test_isolation_e2e import wait_waiting
 
 MAX_CONNECTIONS = 8
-PER_CLIENT = 4
+PER_CLIENT = 5
+HELD = 4  # idle connections each of two addresses holds in the first test
 HANG_S = 60  # a hang bound, never a pass condition
 HTTP_SOURCE, WS_SOURCE = "127.0.0.2", "127.0.0.3"  # the served client comes from 127.0.0.1
 
@@ -40,6 +41,15 @@ def small_server(tiny_model_dir) -> LiveServer:
     })
     yield live
     live.stop()
+
+
+async def _until_no_connection(live: LiveServer) -> None:
+    """Wait until the server has seen every earlier connection close (a hang bound only)."""
+    for _ in range(HANG_S * 50):
+        if live.call(lambda: live.gate.total) == 0:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"the server still counts {live.call(lambda: live.gate.total)} connections")
 
 
 async def _read_head(reader: asyncio.StreamReader) -> bytes:
@@ -90,15 +100,16 @@ def _close_codes(frames: bytes) -> list[int]:
 
 async def test_two_addresses_holding_idle_sockets_cannot_lock_a_third_out(small_server: LiveServer) -> None:
     port, gate = small_server.port, small_server.gate
-    held_http = [await _idle_http(port) for _ in range(PER_CLIENT)]
-    held_ws = [await _idle_websocket(port) for _ in range(PER_CLIENT)]
+    await _until_no_connection(small_server)
+    held_http = [await _idle_http(port) for _ in range(HELD)]
+    held_ws = [await _idle_websocket(port) for _ in range(HELD)]
     # Every place is taken, by connections the server itself counts as idle.
     for _ in range(HANG_S * 50):
         if small_server.call(lambda: (gate.total, gate.num_idle)) == (MAX_CONNECTIONS, MAX_CONNECTIONS):
             break
         await asyncio.sleep(0.02)
     assert small_server.call(lambda: (gate.total, gate.num_idle, dict(gate.per_client))) == (
-        MAX_CONNECTIONS, MAX_CONNECTIONS, {HTTP_SOURCE: PER_CLIENT, WS_SOURCE: PER_CLIENT})
+        MAX_CONNECTIONS, MAX_CONNECTIONS, {HTTP_SOURCE: HELD, WS_SOURCE: HELD})
     watchers = {asyncio.create_task(_until_closed(reader)): source
                 for source, held in ((HTTP_SOURCE, held_http), (WS_SOURCE, held_ws)) for reader, _ in held}
 
@@ -130,11 +141,44 @@ async def test_two_addresses_holding_idle_sockets_cannot_lock_a_third_out(small_
     assert closed[HTTP_SOURCE] == b""  # nothing asked: closed without a word
     assert _close_codes(closed[WS_SOURCE]) == [1013]  # no first message yet: try again later
     counts = small_server.call(lambda: (dict(gate.per_client), gate.evicted, gate.refused))
-    assert {k: v for k, v in counts[0].items() if k != "127.0.0.1"} == {HTTP_SOURCE: PER_CLIENT - 1,
-                                                                        WS_SOURCE: PER_CLIENT - 1}
+    assert {k: v for k, v in counts[0].items() if k != "127.0.0.1"} == {HTTP_SOURCE: HELD - 1, WS_SOURCE: HELD - 1}
     assert counts[1:] == (2, 0)
 
     for watcher in watchers:
         watcher.cancel()
     for reader, writer in (*held_http, *held_ws):
+        writer.close()
+
+
+async def test_a_connection_with_a_request_in_flight_is_never_closed_to_make_room(small_server: LiveServer) -> None:
+    port, gate = small_server.port, small_server.gate
+    await _until_no_connection(small_server)
+    evicted_before = small_server.call(lambda: gate.evicted)
+
+    async def complete(source: str) -> httpx.Response:
+        transport = httpx.AsyncHTTPTransport(local_address=source)
+        async with httpx.AsyncClient(base_url=small_server.url, timeout=HANG_S, transport=transport) as http:
+            return await http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2})
+
+    with small_server.hold_engine():
+        # 127.0.0.2 holds the most (5), all with a request in flight; 127.0.0.3 holds 3 idle.
+        busy = [asyncio.create_task(complete(HTTP_SOURCE)) for _ in range(PER_CLIENT)]
+        await wait_waiting(small_server, PER_CLIENT)
+        idle = [await asyncio.open_connection("127.0.0.1", port, local_addr=(WS_SOURCE, 0))
+                for _ in range(MAX_CONNECTIONS - PER_CLIENT)]
+        for _ in range(HANG_S * 50):
+            if small_server.call(lambda: (gate.total, gate.num_idle)) == (MAX_CONNECTIONS, 3):
+                break
+            await asyncio.sleep(0.02)
+        assert small_server.call(lambda: (gate.total, gate.num_idle)) == (MAX_CONNECTIONS, 3)
+        # A third address: the room comes from 127.0.0.3's idle connections, not from the
+        # busier 127.0.0.2, whose every connection has a request in flight.
+        newcomer = asyncio.create_task(complete("127.0.0.1"))
+        await wait_waiting(small_server, PER_CLIENT + 1)
+        counts = small_server.call(lambda: (dict(gate.per_client), gate.evicted))
+    replies = await asyncio.wait_for(asyncio.gather(*busy, newcomer), HANG_S)
+    assert [reply.status_code for reply in replies] == [200] * (PER_CLIENT + 1)
+    assert counts == ({HTTP_SOURCE: PER_CLIENT, WS_SOURCE: 2, "127.0.0.1": 1}, evicted_before + 1)
+    assert await asyncio.wait_for(_until_closed(idle[0][0]), HANG_S) == b""  # the one idle the longest
+    for _, writer in idle:
         writer.close()
