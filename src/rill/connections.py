@@ -125,15 +125,18 @@ class ConnectionGate:
             TooManyConnections: this client's share is used up, or the total is and no
                 connection could be closed for it.
         """
-        if client is not None and self.per_client.get(client, 0) >= self.max_per_client:
-            self._refuse()
-            raise TooManyConnections(f"too many connections from {client} (at most {self.max_per_client}); "
-                                     "close some or retry later")
+        over_own_limit = client is not None and self.per_client.get(client, 0) >= self.max_per_client
+        victim = None
         if self.total >= self.max_total:
-            victim = self.victim(client)
+            victim = None if over_own_limit else self.victim(client)
             if victim is None:
                 self._refuse()
                 raise TooManyConnections(f"the server holds its limit of {self.max_total} connections; retry later")
+        if over_own_limit:
+            self._refuse()
+            raise TooManyConnections(f"too many connections from {client} (at most {self.max_per_client}); "
+                                     "close some or retry later")
+        if victim is not None:
             self._evict(victim)
         self.total += 1
         if client is not None:
