@@ -131,3 +131,23 @@ def test_an_address_within_its_share_is_never_displaced_and_unix_peers_displace_
     assert gate.victim("10.0.0.1") is None and closed == []
     for lease in leases:
         lease.release()
+
+
+def test_peers_without_an_address_share_as_one_group() -> None:
+    from rill.connections import UNADDRESSED
+
+    gate = ConnectionGate(max_total=8, max_per_client=8)
+    closed: list = []
+    unix = []
+    for _ in range(6):
+        lease = gate.open(None)
+        lease.evict = lambda lease=lease: closed.append(lease)
+        lease.set_idle(True)
+        unix.append(lease)
+    a = [_idle_lease(gate, "10.0.0.1", closed) for _ in range(2)]
+    # Groups: 10.0.0.1 holds 2, the Unix peers 6; a newcomer makes three: share 8 // 3 = 2.
+    assert gate.fair_share("10.0.0.2") == 2 and gate.victim("10.0.0.2") is unix[0]
+    gate.open("10.0.0.2")
+    assert closed == [unix[0]] and gate.per_client == {"10.0.0.1": 2, "10.0.0.2": 1}
+    assert gate._groups()[UNADDRESSED] == 5
+    assert all(lease not in closed for lease in a)

@@ -9,8 +9,8 @@ fair share (``--max-connections`` over the number of addresses connected, the ne
 included) is let in by closing one idle connection of the address holding the most
 connections over its share (``ConnectionGate.victim``), so a few addresses holding idle
 sockets cannot lock everyone else out. Idle means nothing of the client is being served:
-an HTTP connection between requests (or before its first), a WebSocket that has not sent
-its first message. A connection with a request or a generation in flight is never closed.
+an HTTP connection between requests (or before its first), a WebSocket or Unix-socket
+connection that has not sent its first message. A connection with a request or a generation in flight is never closed.
 The listener marks its leases idle or busy (``Lease.set_idle``) and gives each the means
 to close it (``Lease.evict``).
 
@@ -22,7 +22,8 @@ Every listener takes a ``Lease`` from the gate:
   a connection whose request headers do not arrive within ``--header-timeout-s`` (408);
   the ASGI middleware (``rill.middleware``) tells it when a request's headers are complete
   and when its response has ended, and applies the body and first-message timeouts;
-* the Unix socket through ``stream_handler`` (total only: a Unix peer has no address);
+* the Unix socket through ``stream_handler`` (total only: a Unix peer has no address; for
+  fair shares its peers together count as one address, ``UNADDRESSED``);
 * gRPC per call (``ConnectionGate.open`` in the servicer), besides gRPC's own handshake and
   idle-connection timeouts.
 
@@ -51,6 +52,11 @@ REFUSAL_LOG_INTERVAL_S = 60.0
 """At most one warning per this many seconds when connections are refused."""
 
 
+UNADDRESSED = "(no address)"
+"""The fair-share group of connections without an address (Unix-socket peers): together they
+count as one more address when the total limit is shared out."""
+
+
 class Lease:
     """One counted connection; ``release()`` (idempotent) gives its place back.
 
@@ -70,22 +76,27 @@ class Lease:
         self.evict: Callable[[], None] | None = None
 
     @property
+    def group(self) -> str:
+        """Whom this connection counts for in fair shares: its address, or ``UNADDRESSED``."""
+        return UNADDRESSED if self.client is None else self.client
+
+    @property
     def idle(self) -> bool:
         """Whether the gate may close this connection to make room."""
-        return self.client is not None and self in self._gate._idle.get(self.client, ())
+        return self in self._gate._idle.get(self.group, ())
 
     def set_idle(self, idle: bool) -> None:
         """Mark the connection idle (closable to make room, when ``evict`` is set) or busy."""
-        if self._released or self.client is None:
+        if self._released:
             return
-        held = self._gate._idle.setdefault(self.client, {})
+        held = self._gate._idle.setdefault(self.group, {})
         if idle and self.evict is not None:
             held.pop(self, None)  # re-marked: it now counts as idle since this moment
             held[self] = None
         else:
             held.pop(self, None)
         if not held:
-            del self._gate._idle[self.client]
+            del self._gate._idle[self.group]
 
     def release(self) -> None:
         """Stop counting this connection (later calls do nothing)."""
@@ -150,29 +161,39 @@ class ConnectionGate:
 
     def fair_share(self, newcomer: str | None = None) -> int:
         """How many connections each address may hold when all places are taken: the total
-        shared evenly among the addresses connected (and ``newcomer``, if it is not)."""
-        num_clients = len(self.per_client) + (newcomer is not None and newcomer not in self.per_client)
-        return max(1, self.max_total // max(1, num_clients))
+        shared evenly among the addresses connected (and ``newcomer``, if it is not; the
+        peers without an address count as one)."""
+        groups = self._groups()
+        return max(1, self.max_total // max(1, len(groups) + (newcomer is not None and newcomer not in groups)))
 
     def victim(self, newcomer: str | None) -> Lease | None:
         """The connection to close so ``newcomer`` can connect at the total limit, or None.
 
         Only a newcomer with an address holding fewer than its fair share may displace
-        anyone, and only an idle connection of another address holding more than its fair
-        share: of those, the address holding the most, and its connection idle the longest.
-        Pure: nothing is closed here.
+        anyone, and only an idle connection of another address (or of the peers without
+        one, together) holding more than its fair share: of those, the one holding the
+        most, and its connection idle the longest. Pure: nothing is closed here.
         """
         if newcomer is None:
-            return None  # no address, no share to compare (Unix-socket peers)
+            return None  # no address, no share of its own to claim (Unix-socket peers)
+        groups = self._groups()
         share = self.fair_share(newcomer)
-        if self.per_client.get(newcomer, 0) >= share:
+        if groups.get(newcomer, 0) >= share:
             return None
-        candidates = [(count, client) for client, count in self.per_client.items()
-                      if count > share and client != newcomer and self._idle.get(client)]
+        candidates = [(count, group) for group, count in groups.items()
+                      if count > share and group != newcomer and self._idle.get(group)]
         if not candidates:
             return None
-        _, client = max(candidates)
-        return next(iter(self._idle[client]))
+        _, group = max(candidates)
+        return next(iter(self._idle[group]))
+
+    def _groups(self) -> dict[str, int]:
+        """Connections held by each address, and by the peers without one (``UNADDRESSED``)."""
+        groups = dict(self.per_client)
+        unaddressed = self.total - sum(groups.values())
+        if unaddressed > 0:
+            groups[UNADDRESSED] = unaddressed
+        return groups
 
     def _evict(self, lease: Lease) -> None:
         assert lease.evict is not None
@@ -468,14 +489,17 @@ def http_protocol_factory(gate: ConnectionGate, header_timeout_s: float, inner_c
 
 
 StreamHandler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+LeasedHandler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, "Lease | None"], Awaitable[None]]
 Refuser = Callable[[asyncio.StreamReader, asyncio.StreamWriter, TooManyConnections], Awaitable[None]]
 
 
-def stream_handler(gate: ConnectionGate, handler: StreamHandler, refuse: Refuser) -> StreamHandler:
+def stream_handler(gate: ConnectionGate, handler: LeasedHandler, refuse: Refuser) -> StreamHandler:
     """``handler`` for ``asyncio.start_server``/``start_unix_server`` under a lease of ``gate``.
 
-    Past the limits ``refuse`` runs instead (it should answer in the protocol's own error
-    format); the writer is closed after it either way.
+    ``handler`` gets the connection's lease, to mark it idle while the peer has sent
+    nothing (``Lease.set_idle``, with ``Lease.evict`` set). Past the limits ``refuse`` runs
+    instead (it should answer in the protocol's own error format); the writer is closed
+    after it either way.
     """
 
     async def guarded(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -488,7 +512,7 @@ def stream_handler(gate: ConnectionGate, handler: StreamHandler, refuse: Refuser
                 writer.close()
             return
         try:
-            await handler(reader, writer)
+            await handler(reader, writer, lease)
         finally:
             lease.release()
 

@@ -436,6 +436,41 @@ async def test_connections_past_the_limit_are_refused(sock_path, fake_client):
         await stop()
 
 
+async def test_idle_unix_connections_make_room_for_other_addresses(sock_path, fake_client):
+    # Issue 31 finding 5: at the total limit, Unix-socket peers (together one group for fair
+    # shares) that sent nothing yet are closed to let a client of another address in; one
+    # that has sent its first message is never closed.
+    import pytest
+
+    from rill.connections import ConnectionGate
+    from rill.errors import TooManyConnections
+
+    gate = ConnectionGate(3, 3)
+    cfg = uds_config(sock_path, **{"connections.first_message_timeout_s": 600})
+    stop = await adapter.start(Deps(config=cfg, client=fake_client, gate=gate))
+    try:
+        busy = await FramedClient.connect(str(sock_path))
+        await busy.send({"id": "r1", "prompt": "hi", "max_tokens": 2})
+        assert (await busy.until_end())[-1]["event"] == "eos"
+        idle = [await FramedClient.connect(str(sock_path)) for _ in range(2)]
+        await wait_until(lambda: (gate.total, gate.num_idle) == (3, 2), attempts=500, interval_s=0.01)
+        # Two other addresses (as the HTTP port or gRPC would take them): fair share 3 // 2,
+        # then 3 // 3; the Unix peers hold more, so their idle connections go, oldest first.
+        first, second = gate.open("10.0.0.9"), gate.open("10.0.0.8")
+        assert gate.evicted == 2 and await idle[0].is_closed() and await idle[1].is_closed()
+        with pytest.raises(TooManyConnections):  # only the busy one is left: nobody is over a share
+            gate.open("10.0.0.7")
+        await busy.send({"id": "r2", "prompt": "hi", "max_tokens": 2})
+        assert (await busy.until_end())[-1]["event"] == "eos"
+        for client in (busy, *idle):
+            await client.close()
+        first.release()
+        second.release()
+        await wait_until(lambda: gate.total == 0, attempts=500, interval_s=0.01)
+    finally:
+        await stop()
+
+
 async def test_idle_connections_time_out_and_free_their_places(sock_path, fake_client):
     # Regression (issue 12 item 8): a Unix-socket client that never sent a frame was held forever.
     from rill.connections import ConnectionGate

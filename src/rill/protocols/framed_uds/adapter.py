@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 import msgspec
 
 from rill import auth
-from rill.connections import stream_handler
+from rill.connections import Lease, stream_handler
 from rill.errors import ConfigError, IdleTimeout, RillError, Unauthorized
 from rill.frontend.stream import RequestStream
 from rill.protocols.framed_uds import codec
@@ -164,8 +164,9 @@ class UdsListener:
         await connection.perform(connection.session.on_protocol_error(exc))
         await connection.close()
 
-    async def _on_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        connection = Connection(self, reader, writer)
+    async def _on_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                             lease: Lease | None = None) -> None:
+        connection = Connection(self, reader, writer, lease)
         self.connections.add(connection)
         try:
             await connection.run()
@@ -195,8 +196,10 @@ def peer_principal(writer: asyncio.StreamWriter) -> str:
 class Connection:
     """One client connection: performs its session's actions."""
 
-    def __init__(self, listener: UdsListener, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, listener: UdsListener, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 lease: Lease | None = None) -> None:
         self.listener = listener
+        self.lease = lease
         self.client = listener.deps.client
         self.reader = reader
         self.writer = writer
@@ -217,6 +220,10 @@ class Connection:
         # Until a first whole message arrives, the connection lives on a deadline: an idle
         # client must not hold a connection (and a file descriptor) forever.
         deadline: float | None = asyncio.get_running_loop().time() + first_message_s
+        if self.lease is not None:
+            # Meanwhile it is idle: the connection gate may close it to let another client in.
+            self.lease.evict = self.writer.close
+            self.lease.set_idle(True)
         while not self.is_closed:
             try:
                 async with asyncio.timeout_at(deadline):
@@ -237,6 +244,8 @@ class Connection:
                 break
             if items:
                 deadline = None
+                if self.lease is not None:
+                    self.lease.set_idle(False)
             for item in items:
                 await self.perform(self._receive(item))
                 if self.is_closed:
