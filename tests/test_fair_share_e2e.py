@@ -3,8 +3,9 @@
 Before: with every place taken by two addresses holding idle sockets (each within its
 per-address limit), every other client was refused (503) until the idle ones timed out,
 over and over. Now a client from a third address is served: an idle connection of the
-address most over its fair share is closed to make room (an HTTP keep-alive connection
-silently, a WebSocket that sent nothing with close code 1013).
+address most over its fair share is closed to make room (an HTTP connection with no
+request under way silently, a WebSocket that sent nothing with close code 1013), and never
+one with a request in flight.
 
 Assertions are on events and on the server's own connection gate, never on elapsed time;
 the bounded waits only turn a hang into a failure.
