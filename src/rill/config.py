@@ -166,6 +166,13 @@ class ConnectionConfig:
     header_timeout_s: float = _f(10.0, "seconds an HTTP client has to send a request's headers (on a new or idle "
                                        "connection)")
     body_timeout_s: float = _f(60.0, "seconds an HTTP client has to send a request's whole body (408 after)")
+    max_session_memory: str = _f("2GiB", "memory all clients together may make the server hold besides the KV "
+                                         "cache (a size such as 512MiB or 2GiB): Evergreen sessions, batch /ws "
+                                         "kept generations, outputs waiting for a client that does not read; past "
+                                         "it new charges are refused (resource_exhausted, retryable)")
+    max_session_memory_per_principal: str | None = _f(None, "most of --max-session-memory one principal (an API "
+                                                            "key; without keys, a client address) may hold "
+                                                            "(default: a quarter of it)")
 
 
 @dataclass(frozen=True)
@@ -402,6 +409,7 @@ def validate(config: ServerConfig) -> None:
                   "evergreen_max_actions", "evergreen_max_fragments", "evergreen_max_id_bytes",
                   "evergreen_max_prompt_bytes")
     _at_least_one(config.connections, "max_connections", "max_connections_per_client")
+    _validate_session_memory(config.connections)
     _positive_seconds(config.connections, "first_message_timeout_s", "header_timeout_s", "body_timeout_s")
     _one_of("uds_protocol", config.uds.uds_protocol, ("framed", "newline"))
     try:
@@ -458,6 +466,25 @@ def _validate_stores(h: HttpConfig, chat: ChatConfig) -> None:
     _positive_when_set(h, "feedback_retention_days")
     parse_size(chat.record_max_bytes, "record_max_bytes")
     _positive_when_set(chat, "record_retention_days")
+
+
+def _validate_session_memory(c: ConnectionConfig) -> None:
+    """The session-memory budget and a principal's share of it (both sizes, share <= total)."""
+    total = parse_size(c.max_session_memory, "max_session_memory")
+    if total < 1:
+        raise ConfigError(f"max_session_memory must be at least 1 byte, not {c.max_session_memory!r}")
+    if c.max_session_memory_per_principal is not None:
+        share = parse_size(c.max_session_memory_per_principal, "max_session_memory_per_principal")
+        if not 1 <= share <= total:
+            raise ConfigError(f"max_session_memory_per_principal must be between 1 byte and max_session_memory "
+                              f"({c.max_session_memory}), not {c.max_session_memory_per_principal!r}")
+
+
+def session_memory_bytes(c: ConnectionConfig) -> tuple[int, int]:
+    """The session-memory budget in bytes and a principal's share of it (default: a quarter)."""
+    total = parse_size(c.max_session_memory, "max_session_memory")
+    share = c.max_session_memory_per_principal
+    return total, parse_size(share, "max_session_memory_per_principal") if share is not None else max(1, total // 4)
 
 
 def _at_least_one(section: object, *names: str) -> None:

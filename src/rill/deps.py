@@ -12,6 +12,7 @@ from typing import Any
 
 from rill.config import ServerConfig
 from rill.connections import ConnectionGate
+from rill.frontend.budget import MemoryBudget
 from rill.frontend.client import EngineClient
 from rill.frontend.metrics import Metrics
 
@@ -27,3 +28,5 @@ class Deps:
     extras: dict[str, Any] = field(default_factory=dict)
     gate: ConnectionGate | None = None
     """Counts client connections for every listener (``rill.connections``)."""
+    memory: MemoryBudget | None = None
+    """The server-wide session-memory budget (``rill.frontend.budget``); None: unbounded."""

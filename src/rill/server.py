@@ -28,10 +28,11 @@ from starlette.routing import BaseRoute
 from starlette.types import ASGIApp
 
 from rill import auth, middleware, observability
-from rill.config import ServerConfig
+from rill.config import ServerConfig, session_memory_bytes
 from rill.connections import FD_RESERVE, ConnectionGate, http_protocol_factory, raise_fd_limit
 from rill.deps import Deps
 from rill.errors import EngineDead, RillError
+from rill.frontend.budget import MemoryBudget, MemoryReturner, malloc_trim
 from rill.frontend.client import EngineClient
 from rill.frontend.metrics import Metrics
 from rill.frontend.ratelimit import RateLimits
@@ -93,11 +94,15 @@ def build_app(deps: Deps) -> ASGIApp:
 
 
 def make_deps(config: ServerConfig, client: EngineClient) -> Deps:
-    """Deps with the metrics registry (when the metrics module exists) and the API keys."""
+    """Deps with the metrics registry, the API keys, the connection gate and the one
+    session-memory budget every protocol charges (freed memory goes back to the OS)."""
     limits = config.connections
     gate = ConnectionGate(limits.max_connections, limits.per_client_limit())
+    total, per_principal = session_memory_bytes(limits)
+    memory = MemoryBudget(total, per_principal, on_release=MemoryReturner(malloc_trim()).released)
     # Until the model has loaded, label refusals with the name it will be served under.
-    metrics = Metrics(client, gate, model_name=config.engine.served_model_name or Path(config.engine.model or "").stem)
+    metrics = Metrics(client, gate, model_name=config.engine.served_model_name or Path(config.engine.model or "").stem,
+                      memory=memory)
     if hasattr(client, "set_metrics_sink"):
         client.set_metrics_sink(metrics)
     if hasattr(client, "set_max_tokens_cap"):
@@ -106,7 +111,7 @@ def make_deps(config: ServerConfig, client: EngineClient) -> Deps:
         http = config.http
         client.set_rate_limits(RateLimits(requests=http.rate_limit_requests, window_s=http.rate_limit_window,
                                           tokens_per_s=http.rate_limit_tokens_per_s, burst=http.rate_limit_burst))
-    return Deps(config=config, client=client, metrics=metrics, api_keys=config.api_keys(), gate=gate)
+    return Deps(config=config, client=client, metrics=metrics, api_keys=config.api_keys(), gate=gate, memory=memory)
 
 
 GIL_SWITCH_INTERVAL_S = 0.001

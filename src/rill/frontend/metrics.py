@@ -62,9 +62,10 @@ class Metrics:
             ``model_info.name`` is the ``model_name`` label once the model has loaded.
         gate: the server's ``rill.connections.ConnectionGate`` (connection gauges), or None.
         model_name: the label before the model has loaded (requests refused while loading).
+        memory: the server's ``rill.frontend.budget.MemoryBudget`` (session-memory gauges), or None.
     """
 
-    def __init__(self, client: Any, gate: Any = None, model_name: str = "") -> None:
+    def __init__(self, client: Any, gate: Any = None, model_name: str = "", memory: Any = None) -> None:
         self.client = client
         self.gate = gate
         self.default_model_name = model_name
@@ -102,6 +103,8 @@ class Metrics:
         self.registry.register(_EngineCollector(client, self.model_name))
         if gate is not None:
             self.registry.register(_ConnectionCollector(gate, self.model_name))
+        if memory is not None:
+            self.registry.register(_MemoryCollector(memory, self.model_name))
 
     def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
         return Histogram(name, doc, _REQUEST, buckets=buckets, registry=self.registry)
@@ -214,6 +217,26 @@ class _ConnectionCollector(Collector):
                        self.gate.refused)
         yield _counter(model, "rill_connections_evicted", "Idle client connections closed at the connection limit "
                        "to let another address in", getattr(self.gate, "evicted", 0))
+
+
+class _MemoryCollector(Collector):
+    """The session-memory budget (``rill.frontend.budget.MemoryBudget``), read at scrape time."""
+
+    def __init__(self, memory: Any, model_name: Callable[[], str]) -> None:
+        self.memory = memory
+        self.model_name = model_name
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+    def collect(self) -> Iterable[Metric]:
+        model = self.model_name()
+        yield _gauge(model, "rill_session_memory_used_bytes", "Session memory held for clients (Evergreen sessions, "
+                     "kept generations, unread outputs)", self.memory.used)
+        yield _gauge(model, "rill_session_memory_capacity_bytes", "Session memory budget (--max-session-memory)",
+                     self.memory.total)
+        yield _counter(model, "rill_session_memory_refused", "Charges refused at the session-memory budget or a "
+                       "principal's share", self.memory.refused)
 
 
 def _gauge(model_name: str, name: str, doc: str, value: float) -> GaugeMetricFamily:

@@ -103,12 +103,16 @@ class SessionRunner:
         self._streams: dict[int, RequestStream] = {}
         self._is_over = False
         self._lock = asyncio.Lock()  # held by every call into the session (one may run in a thread)
+        # What the session holds is charged to the server-wide budget under the principal,
+        # and all of it given back when the session ends (close()).
+        self._lease = deps.memory.lease(principal) if deps.memory is not None else None
 
     async def _ensure_session(self) -> EvergreenSession:
         if self._session is None:
             # The session needs the model's name and template: wait for loading to finish.
             await self.deps.client.wait_ready()
-            self._session = EvergreenSession(session_limits(self.deps), model_facts(self.deps))
+            self._session = EvergreenSession(session_limits(self.deps), model_facts(self.deps),
+                                             charge=self._lease.grow if self._lease is not None else None)
         return self._session
 
     async def feed(self, message: Any, decode: Callable[[Any], SessionMessage] | None = None) -> None:
@@ -214,7 +218,8 @@ class SessionRunner:
             task.cancel()
 
     async def close(self) -> None:
-        """End the session from our side (cancelled call, disconnect): abort everything."""
+        """End the session (normally, cancelled, disconnected): abort everything, drop what
+        the session and the outbox hold and give its memory back to the budget."""
         self._is_over = True
         streams = list(self._streams.values())
         tasks = list(self._tasks.values())
@@ -225,6 +230,13 @@ class SessionRunner:
         for task in tasks:
             with contextlib.suppress(BaseException):
                 await task
+        # The runner may outlive the call (a reference held by a finished task or a traceback):
+        # drop the session's store and the unsent messages now, not whenever it is collected.
+        self._session = None
+        while not self.outbox.empty():
+            self.outbox.get_nowait()
+        if self._lease is not None:
+            self._lease.close()
 
 
 def _decode_and_receive(session: EvergreenSession, message: Any,
@@ -574,8 +586,10 @@ async def _read_ws(ws: WebSocket, runner: SessionRunner) -> None:
             if event["type"] == "websocket.disconnect":
                 # A WebSocket has no half-close: the client leaving ends the session and cancels
                 # every action.
-                runner.outbox.put_nowait(_DISCONNECTED)
+                # close() empties the outbox (unsent messages are dropped at once), so the
+                # marker that ends the writer goes in after it.
                 await runner.close()
+                runner.outbox.put_nowait(_DISCONNECTED)
                 return
             text = event.get("text")
             data = text if text is not None else event.get("bytes") or b""

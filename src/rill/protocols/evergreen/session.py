@@ -39,7 +39,7 @@ Pure: no I/O, no ``await``, no clock, no engine import; errors are ``evergreen.e
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Union
+from typing import Callable, Union
 
 from rill.protocols._shared.actions import Close, Send
 from rill.protocols.evergreen.errors import InputMissing, RuleBroken, SessionLimit, UnknownTarget
@@ -159,11 +159,20 @@ class _Action:
 
 
 class EvergreenSession:
-    """State of one Evergreen session (see the module docstring for the rules)."""
+    """State of one Evergreen session (see the module docstring for the rules).
 
-    def __init__(self, limits: SessionLimits, model: ModelFacts) -> None:
+    ``charge`` (optional) is told of every byte the session comes to hold, after the
+    per-session ``max_bytes`` check and before the bytes are kept: the adapter charges them
+    to the server-wide budget, and an exception it raises (``ResourceExhausted``) aborts
+    the session like a broken limit. The session never gives bytes back before it ends, so
+    the adapter releases the whole charge when the session is over.
+    """
+
+    def __init__(self, limits: SessionLimits, model: ModelFacts,
+                 charge: Callable[[int], None] | None = None) -> None:
         self.limits = limits
         self.model = model
+        self._charge = charge
         self._nodes: dict[NodeId, _Node] = {}
         self._waiting: dict[ActionId, _Action] = {}
         self._running: dict[ActionId, _Action] = {}
@@ -298,6 +307,8 @@ class EvergreenSession:
         if self._num_bytes + num_bytes > self.limits.max_bytes:
             raise SessionLimit(f"the session would hold more than {self.limits.max_bytes} bytes "
                                "(--evergreen-max-bytes)")
+        if self._charge is not None:
+            self._charge(num_bytes)
         self._num_bytes += num_bytes
 
     def _add_edge(self, parent: _Node, child_id: NodeId) -> None:
