@@ -74,6 +74,11 @@ class MemoryBudget:
         """Bytes ``principal`` holds now."""
         return self._by_principal.get(principal, 0)
 
+    def room_for(self, principal: str) -> int:
+        """Most bytes ``principal`` could be charged now (both bounds)."""
+        with self._lock:
+            return max(0, min(self.per_principal - self._by_principal.get(principal, 0), self.total - self.used))
+
     @property
     def num_principals(self) -> int:
         """Principals holding any bytes now."""

@@ -292,7 +292,7 @@ def fake_app(api_keys: set[str] | None = None, **engine: Any) -> Iterator[tuple[
         client.engine.runner.gate = StepGate()
         requests = record_requests(client)
         deps = SimpleNamespace(config=config.load({}, env={}), client=client, metrics=None,
-                               api_keys=api_keys or set(), extras={adapter.DEFAULTS_EXTRA: config.SamplingDefaults()})
+                               api_keys=api_keys or set(), memory=None, extras={adapter.DEFAULTS_EXTRA: config.SamplingDefaults()})
         app: Any = Starlette(routes=adapter.routes(deps))
         if api_keys:
             from rill.middleware import Guard
@@ -430,7 +430,8 @@ async def test_continuations_are_scoped_by_key_whichever_way_it_is_sent() -> Non
     async with fake_client(EngineConfig(model="fake")) as client:
         requests = record_requests(client)
         deps = SimpleNamespace(config=config.load({}, env={}), client=client, metrics=None,
-                               api_keys={"alice", "mallory"}, extras={adapter.DEFAULTS_EXTRA: config.SamplingDefaults()})
+                               api_keys={"alice", "mallory"}, memory=None,
+                               extras={adapter.DEFAULTS_EXTRA: config.SamplingDefaults()})
         app = Guard(Starlette(routes=adapter.routes(deps)), http_error, api_keys={"alice", "mallory"},
                     max_body_bytes=1 << 20)
         async with serving(app) as port:
@@ -453,3 +454,42 @@ async def test_continuations_are_scoped_by_key_whichever_way_it_is_sent() -> Non
     assert requests[1].prompt == "x marks the spot" and requests[1].prompt_token_ids is None  # mallory starts afresh
     assert requests[2].prompt_token_ids is not None  # alice continues her own generation
     assert requests[0].principal == requests[2].principal != requests[1].principal
+
+
+async def test_kept_generations_are_charged_to_the_session_memory_budget() -> None:
+    """Issue 31: a kept generation is charged to its principal; one that does not fit the
+    principal's share drops that principal's own oldest entry, one that does not fit the
+    server's budget is not kept, and the next use of either id is told so (ERROR, evicted)."""
+    from rill.frontend.budget import MemoryBudget
+
+    budget = MemoryBudget(total=1 << 20, per_principal=1 << 20)
+    async with fake_client(EngineConfig(model="fake")) as client:
+        deps = SimpleNamespace(config=config.load({}, env={}), client=client, metrics=None, api_keys=set(),
+                               memory=budget, extras={adapter.DEFAULTS_EXTRA: config.SamplingDefaults()})
+        async with serving(Starlette(routes=adapter.routes(deps))) as port:
+            async with connect(f"ws://127.0.0.1:{port}/ws") as ws:
+                async def run(request_id: str, prompt: str | None = "four") -> dict:
+                    item = {"request_id": request_id} | ({"prompt": prompt} if prompt is not None else {})
+                    frames = await run_batch(ws, {"prompts": [item], "generation_config": {"max_new_tokens": 2}})
+                    return events_of(frames, request_id)[-1]
+
+                assert (await run("a"))["type"] == "COMPLETE"
+                [principal] = budget._by_principal
+                one_entry = budget.used
+                assert one_entry > 0 and budget.used_by(principal) == one_entry
+                # Room for one entry and a half: keeping "b" drops "a", this principal's oldest.
+                budget.per_principal = one_entry + one_entry // 2
+                assert (await run("b"))["type"] == "COMPLETE"
+                assert budget.used == one_entry
+                evicted = await run("a", None)
+                assert evicted["type"] == "ERROR" and "evicted" in evicted["error"]
+                # The server's budget taken by someone else: "c" (larger than "b" and the room
+                # left together) is not kept, and "b" is not dropped for nothing.
+                budget.per_principal = budget.total
+                budget.charge("someone else", budget.total - budget.used - one_entry // 2)
+                kept_c = await run("c", "four" * 40)
+                assert kept_c["type"] == "COMPLETE", kept_c
+                assert budget.used_by(principal) == one_entry
+                refused = await run("c", None)
+                assert refused["type"] == "ERROR" and "evicted" in refused["error"]
+                budget.release("someone else", budget.total)

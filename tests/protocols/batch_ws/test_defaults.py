@@ -38,7 +38,8 @@ def test_bad_value_names_the_variable() -> None:
 
 
 def fake_deps(extras: dict | None = None) -> SimpleNamespace:
-    return SimpleNamespace(client=None, config=config.load({}, env={}), extras=extras or {}, api_keys=set(), metrics=None)
+    return SimpleNamespace(client=None, config=config.load({}, env={}), extras=extras or {}, api_keys=set(), metrics=None,
+                           memory=None)
 
 
 def test_adapter_reads_dotenv_of_the_working_folder_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -51,3 +51,38 @@ def test_tombstones_are_bounded() -> None:
         store.keep(("", str(i)), [1], "x", None, now=0.0)
     assert len(store._tombstones) == 1024  # max(1024, 4 * max_entries)
     assert store.claim(("", "0"), now=0.0) is None  # the oldest tombstones are forgotten
+
+
+def test_kept_generations_are_charged_to_their_owner_and_given_back_when_they_leave() -> None:
+    from rill.frontend.budget import MemoryBudget
+    from rill.protocols.batch_ws.store import kept_bytes
+
+    size = kept_bytes([1, 2], "ab")
+    budget = MemoryBudget(total=10 * size, per_principal=2 * size)
+    store = ContinuationStore(max_entries=10, max_tokens=100, ttl_s=10.0, memory=budget)
+    store.keep(A, [1, 2], "ab", None, now=0.0, owner="p")
+    store.keep(B, [3, 4], "cd", None, now=0.0, owner="p")
+    store.keep(C, [5, 6], "ef", None, now=0.0, owner="q")
+    assert (budget.used_by("p"), budget.used_by("q")) == (2 * size, size)
+    store.keep(("", "d"), [7, 8], "gh", None, now=1.0, owner="p")  # p's share is full: its oldest ("a") goes
+    assert store.claim(A, now=1.0) == Evicted("evicted") and budget.used_by("p") == 2 * size
+    assert isinstance(store.claim(B, now=1.0), Kept)  # taken out to be continued: no longer held
+    assert budget.used_by("p") == size
+    store.keep(("", "big"), list(range(50)), "x" * 50, None, now=1.0, owner="q")  # more than q's whole share
+    assert store.claim(("", "big"), now=1.0) == Evicted("evicted") and budget.used_by("q") == size  # C kept
+    assert store.claim(C, now=20.0) == Evicted("expired")  # expiry gives the bytes back too
+    assert budget.used == 0
+
+
+def test_a_full_server_budget_refuses_a_keep_without_dropping_anything() -> None:
+    from rill.frontend.budget import MemoryBudget
+    from rill.protocols.batch_ws.store import kept_bytes
+
+    size = kept_bytes([1, 2], "ab")
+    budget = MemoryBudget(total=3 * size, per_principal=3 * size)
+    budget.charge("other", 2 * size)
+    store = ContinuationStore(max_entries=10, max_tokens=100, ttl_s=10.0, memory=budget)
+    store.keep(A, [1, 2], "ab", None, now=0.0, owner="p")
+    store.keep(B, list(range(40)), "x" * 40, None, now=0.0, owner="p")  # "a" would not free enough
+    assert len(store) == 1 and budget.used_by("p") == size
+    assert store.claim(B, now=0.0) == Evicted("evicted")

@@ -61,7 +61,9 @@ class _Shared:
         cfg = deps.config.batch_ws
         self.limits = Limits(max_inflight_prompts=cfg.batch_max_inflight_prompts,
                              request_timeout_s=deps.config.http.request_timeout_s)
-        self.store = ContinuationStore(cfg.batch_cache_max_entries, cfg.batch_cache_max_tokens, cfg.batch_cache_ttl_s)
+        # Kept generations are charged to the server's session-memory budget.
+        self.store = ContinuationStore(cfg.batch_cache_max_entries, cfg.batch_cache_max_tokens, cfg.batch_cache_ttl_s,
+                                       memory=deps.memory)
         try:  # a bad MODEL_DEFAULT_* value must stop startup, not fail every message later
             BatchSession(self.store, self.defaults, self.limits, "check").default_sampling()
         except InvalidRequest as exc:
@@ -87,8 +89,9 @@ class _Connection:
         # NOTE: continuations are scoped by the credentials presented, so one API key can
         # never continue (and read) another key's generation by guessing its request_id.
         scope = _credential(ws)
-        self.session = BatchSession(shared.store, shared.defaults, shared.limits, f"bws-{uuid.uuid4().hex[:12]}", scope)
         self.principal = auth.scope_principal(ws.scope)
+        self.session = BatchSession(shared.store, shared.defaults, shared.limits, f"bws-{uuid.uuid4().hex[:12]}", scope,
+                                    principal=self.principal)
         self.slots: dict[PromptKey, RequestOutput] = {}
         self.wake = asyncio.Event()
         self.readers: dict[PromptKey, asyncio.Task[None]] = {}
@@ -106,6 +109,9 @@ class _Connection:
             for action in self.session.on_disconnect():
                 if isinstance(action, Abort):
                     self.client.abort(action.key)
+            # Expired generations would otherwise stay charged to the budget until the next
+            # prompt anyone sends.
+            self.session.store.expire(time.monotonic())
             pump.cancel()
             readers = list(self.readers.values())
             for task in readers:

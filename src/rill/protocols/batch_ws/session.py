@@ -121,8 +121,10 @@ class BatchSession:
     """
 
     def __init__(self, store: ContinuationStore, defaults: GenerationConfig, limits: Limits,
-                 key_prefix: str, scope: str = "") -> None:
+                 key_prefix: str, scope: str = "", principal: str = "") -> None:
         self.store = store
+        self.principal = principal
+        """Who the kept generations of this socket are charged to (the store's ``owner``)."""
         self.defaults = defaults
         self.limits = limits
         self.scope = scope
@@ -301,7 +303,7 @@ class BatchSession:
             # cached: a beam continuation recomputes its (kept, exact) ids instead of failing.
             num_cached = 0 if prompt.is_beam else None
             self.store.keep((self.scope, rid), prompt.prompt_token_ids + prompt.generated_ids,
-                            prompt.initial_text + generated, prompt.config, now, num_cached)
+                            prompt.initial_text + generated, prompt.config, now, num_cached, owner=self.principal)
         return "COMPLETE", Complete(
             request_id=rid,
             text=generated if prompt.batch.only_new_tokens else prompt.initial_text + generated,
