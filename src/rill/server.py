@@ -105,6 +105,8 @@ def make_deps(config: ServerConfig, client: EngineClient) -> Deps:
                       memory=memory)
     if hasattr(client, "set_metrics_sink"):
         client.set_metrics_sink(metrics)
+    if hasattr(client, "set_memory_budget"):
+        client.set_memory_budget(memory)
     if hasattr(client, "set_max_tokens_cap"):
         client.set_max_tokens_cap(config.http.max_tokens_cap)
     if hasattr(client, "set_rate_limits"):

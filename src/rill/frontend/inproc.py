@@ -41,6 +41,7 @@ from rill.errors import (
     RequestNotFound,
     RillError,
 )
+from rill.frontend.budget import MemoryBudget
 from rill.frontend.admission import Prompt, PromptAdmission
 from rill.frontend.client import MetricsSink
 from rill.frontend.grammars import GrammarAdmission
@@ -107,6 +108,7 @@ class InprocClient:
         self._grammars = GrammarAdmission(num_threads=config.grammar_threads)
         self._principals: dict[RequestId, str] = {}  # who each running request belongs to
         self._modify_turns: dict[RequestId, asyncio.Lock] = {}  # modifies of one request, in order
+        self._memory: MemoryBudget | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
     @classmethod
@@ -129,6 +131,11 @@ class InprocClient:
         protocol alike, at submission and on ``modify``; the stream's ``sampling`` and
         ``modify``'s answer carry the clamped value."""
         self._max_tokens_cap = cap
+
+    def set_memory_budget(self, budget: MemoryBudget | None) -> None:
+        """Charge every stream's unread output to ``budget`` under the request's principal
+        (``RequestStream``): a client that does not read piles up at most its share."""
+        self._memory = budget
 
     def set_rate_limits(self, limits: RateLimits, clock: Callable[[], float] = time.monotonic) -> None:
         """Apply ``limits`` per principal to every request from now on, on every protocol alike
@@ -211,7 +218,8 @@ class InprocClient:
             require_cached_prefix_tokens=request.require_cached_prefix_tokens,
             matcher=matcher,
         )
-        stream = RequestStream(self, request_id, prompt_ids, params, on_close=self._forget)
+        lease = self._memory.lease(request.principal or ANONYMOUS_PRINCIPAL) if self._memory is not None else None
+        stream = RequestStream(self, request_id, prompt_ids, params, on_close=self._forget, lease=lease)
         self._streams[request_id] = stream
         self._params[request_id] = params
         self._principals[request_id] = principal

@@ -1,9 +1,12 @@
 """RequestStream: the async iterator a protocol adapter reads one request's outputs from.
 
 One slot, coalescing: if the consumer is slower than the engine, pending deltas are merged
-into one (vLLM's ``RequestOutputCollector``), so a slow client never blocks the engine and
-the memory held per stream stays bounded by the request's own output. Closing the stream
-before the request finished cancels it in the engine at once.
+into one (vLLM's ``RequestOutputCollector``), so a slow client never blocks the engine.
+What waits in the slot is charged to the server's session-memory budget under the
+request's principal (a ``Lease``) until the consumer takes it: a client that does not read
+can pile up at most its share, and past it (or past the server's budget) its request ends
+with ``ResourceExhausted`` and what was pending is dropped. Closing the stream before the
+request finished cancels it in the engine at once.
 """
 
 from __future__ import annotations
@@ -11,10 +14,30 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any, Callable
 
+from rill.errors import ResourceExhausted
 from rill.types import RequestId, RequestOutput, SamplingParams
 
 if TYPE_CHECKING:
+    from rill.frontend.budget import Lease
     from rill.frontend.client import EngineClient
+
+OUTPUT_COST_BYTES = 256
+"""Bytes a pending delta counts besides its tokens (its objects)."""
+TOKEN_COST_BYTES = 96
+"""Bytes each pending token counts besides its text: its id, its text's string object, list slots."""
+LOGPROB_COST_BYTES = 96
+"""Bytes each logprob entry (the chosen token's and every alternative's) counts."""
+
+
+def output_bytes(output: RequestOutput) -> int:
+    """What one delta is charged while it waits for its reader (an estimate of its memory)."""
+    num_bytes = OUTPUT_COST_BYTES + 2 * len(output.text) + TOKEN_COST_BYTES * len(output.token_ids)
+    num_bytes += sum(len(t) for t in output.token_texts)
+    for entries in (output.logprobs, output.prompt_logprobs):
+        for entry in entries or ():
+            if entry is not None:
+                num_bytes += LOGPROB_COST_BYTES * (1 + len(entry.top))
+    return num_bytes
 
 
 class RequestStream:
@@ -32,6 +55,7 @@ class RequestStream:
         prompt_token_ids: list[int],
         sampling: SamplingParams,
         on_close: Callable[[RequestId], None] | None = None,
+        lease: "Lease | None" = None,
     ) -> None:
         self.client = client
         self.request_id = request_id
@@ -42,14 +66,41 @@ class RequestStream:
         self._ready = asyncio.Event()
         self._closed = False
         self._on_close = on_close
+        self._lease = lease
+        self._is_overflowed = False
 
     # -- producer side (called on the event loop by the client's dispatcher) --------------
     def put(self, output: RequestOutput) -> None:
-        """Queue one delta, merging it into a pending one the consumer has not taken yet."""
-        if self._closed:
+        """Queue one delta, merging it into a pending one the consumer has not taken yet.
+
+        Past the budget, the request is cancelled and the reader gets a final error output
+        instead of what was pending; a final delta is always taken (it is one step's worth).
+        """
+        if self._closed or self._is_overflowed:
+            return
+        if self._lease is not None and not self._lease.try_grow(output_bytes(output)) and not output.finished:
+            self._overflow()
             return
         self._pending = output if self._pending is None else self._pending.merge(output)
         self._ready.set()
+
+    def _overflow(self) -> None:
+        """The reader left too much unread: end the request, drop what it has not read."""
+        self._is_overflowed = True
+        assert self._lease is not None
+        self.client.abort(self.request_id)
+        self._pending = RequestOutput(request_id=self.request_id, finished=True, finish_reason="error",
+                                      error=ResourceExhausted(
+                                          "the client read this request's output too slowly: the unread output "
+                                          "passed its share of the server's session memory "
+                                          "(--max-session-memory-per-principal, --max-session-memory)"))
+        self._lease.close()
+        self._ready.set()
+
+    def _taken(self) -> None:
+        # What was pending is the reader's now: it no longer counts against the budget.
+        if self._lease is not None:
+            self._lease.shrink(self._lease.held)
 
     # -- consumer side ---------------------------------------------------------------
     def __aiter__(self) -> "RequestStream":
@@ -63,6 +114,7 @@ class RequestStream:
         assert output is not None  # _ready is only set together with _pending
         self._pending = None
         self._ready.clear()
+        self._taken()
         if output.finished:
             self.is_finished = True
         return output
@@ -71,6 +123,7 @@ class RequestStream:
         """Take the pending delta if there is one (no waiting)."""
         output, self._pending = self._pending, None
         self._ready.clear()
+        self._taken()
         if output is not None and output.finished:
             self.is_finished = True
         return output
@@ -88,6 +141,9 @@ class RequestStream:
         self._closed = True
         if not self.is_finished and not (self._pending is not None and self._pending.finished):
             self.client.abort(self.request_id)
+        self._pending = None  # nobody will read it: drop it now, not when the stream is collected
+        if self._lease is not None:
+            self._lease.close()
         if self._on_close is not None:
             self._on_close(self.request_id)
 
