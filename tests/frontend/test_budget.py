@@ -157,3 +157,20 @@ def test_the_budget_flags_parse_sizes_and_default_to_a_quarter_share():
                          "connections.max_session_memory_per_principal": "2MiB"}, env={})
     with pytest.raises(ConfigError, match="max_session_memory"):
         config_mod.load({"connections.max_session_memory": "lots"}, env={})
+
+
+def test_what_is_released_while_a_trim_runs_gets_a_trim_of_its_own():
+    clock = FakeClock()
+    started: list[tuple] = []
+    returner: MemoryReturner
+
+    def trim() -> None:  # sessions end while the trim runs
+        returner.released(100)
+
+    returner = MemoryReturner(trim, threshold_bytes=100, interval_s=1.0, clock=clock,
+                              start=lambda run, delay: started.append((run, delay)))
+    returner.released(100)
+    started.pop()[0]()
+    assert returner.num_trims == 1
+    [(run, delay)] = started  # the next trim, an interval after the first
+    assert delay == 1.0

@@ -237,16 +237,23 @@ class MemoryReturner:
             return
         with self._lock:
             self._released += num_bytes
-            if self._released < self.threshold_bytes or self._is_scheduled:
-                return
-            self._is_scheduled = True
-            now = self.clock()
-            delay = 0.0 if self._last_trim is None else max(0.0, self._last_trim + self.interval_s - now)
-        self.start(self._run, delay)
+            delay = self._schedule()
+        if delay is not None:
+            self.start(self._run, delay)
+
+    def _schedule(self) -> float | None:
+        """Under the lock: the delay of the trim to start now, or None (not enough released,
+        or one is already on its way)."""
+        if self._released < self.threshold_bytes or self._is_scheduled:
+            return None
+        self._is_scheduled = True
+        if self._last_trim is None:
+            return 0.0
+        return max(0.0, self._last_trim + self.interval_s - self.clock())
 
     def _run(self) -> None:
         with self._lock:
-            self._released = 0
+            self._released = 0  # what is released from now on needs the next trim
             self._last_trim = self.clock()
         try:
             assert self.trim is not None
@@ -257,6 +264,10 @@ class MemoryReturner:
         finally:
             with self._lock:
                 self._is_scheduled = False
+                # Enough may have been released while this trim ran: the next one, an interval on.
+                delay = self._schedule()
+            if delay is not None:
+                self.start(self._run, delay)
 
 
 def _start_thread(run: Callable[[], None], delay_s: float) -> None:
