@@ -174,3 +174,11 @@ def test_what_is_released_while_a_trim_runs_gets_a_trim_of_its_own():
     assert returner.num_trims == 1
     [(run, delay)] = started  # the next trim, an interval after the first
     assert delay == 1.0
+
+
+def test_a_lease_fits_to_a_size_as_far_as_the_budget_allows():
+    budget = MemoryBudget(total=100, per_principal=60)
+    lease = budget.lease("a")
+    assert lease.fit(40) == 40
+    assert lease.fit(90) == 60  # the share's room, no more
+    assert lease.fit(10) == 10 and budget.used == 10

@@ -176,6 +176,15 @@ class Lease:
         self.held -= num_bytes
         self.budget.release(self.principal, num_bytes)
 
+    def fit(self, num_bytes: int) -> int:
+        """Hold as close to ``num_bytes`` as the budget allows now (all of it if it fits, else
+        what is held plus the room left); return what is held after."""
+        if num_bytes <= self.held:
+            self.shrink(self.held - num_bytes)
+        elif not self.try_grow(num_bytes - self.held):
+            self.try_grow(min(num_bytes - self.held, self.budget.room_for(self.principal)))
+        return self.held
+
     def close(self) -> None:
         """Give back everything held; later grows charge nothing."""
         self.is_closed = True

@@ -651,3 +651,29 @@ async def test_a_session_bug_is_the_generic_error_frame_not_a_dead_handler(make_
         with pytest.raises(ConnectionClosed) as info:
             await ws.recv()
         assert info.value.rcvd is not None and info.value.rcvd.code == 1011
+
+
+async def test_remembered_generations_are_charged_and_the_oldest_forgotten_when_memory_is_short(make_server: Any) -> None:
+    """Issue 31: the generations a connection remembers for feedback count against the
+    session-memory budget; past the principal's share the oldest is forgotten (feedback on it
+    is refused as for an unknown id), and everything is given back when the socket closes."""
+    live = await make_server()
+    budget = live.deps.memory
+    prompt = "x" * 1500
+    async with connect(live.ws) as ws:
+        await send(ws, type="config", prompt=prompt, parameters={"max_tokens": 2})
+        first = (await until(ws, is_type("completion")))[-1]["request_id"]
+        await send(ws, type="feedback", rating=1)  # makes the adapter charge what the session holds
+        assert (await recv(ws))["operation"] == "feedback_received"
+        one = budget.used
+        assert one > len(prompt)
+        budget.per_principal = one + one // 2  # room for one remembered generation, not two
+        await send(ws, type="config", prompt=prompt, parameters={"max_tokens": 2})
+        second = (await until(ws, is_type("completion")))[-1]["request_id"]
+        await send(ws, type="feedback", rating=1, request_id=second)
+        assert (await recv(ws))["operation"] == "feedback_received"
+        assert budget.used <= budget.per_principal
+        await send(ws, type="feedback", rating=1, request_id=first)
+        refused = await recv(ws)
+        assert refused["type"] == "error" and refused["field"] == "request_id"
+    await eventually(lambda: budget.used == 0)

@@ -349,3 +349,21 @@ def test_queue_status_while_waiting_for_the_engine() -> None:
                       "queue_length": 3, "message": "waiting for the engine: 2 of 3"}
     sess.on_output(out("a", finished=True, reason="length", n=1), now=11.0)
     assert sent(sess.queue_status(1, 1)) == []  # finished: a late notice is dropped
+
+
+def test_remembered_generations_are_counted_and_the_oldest_forgotten_on_request() -> None:
+    sess = new_session()
+    for _ in range(3):
+        started(sess)
+        sess.on_output(out("ab", finished=True, reason="length", n=2), now=11.0)
+    one = s.remembered_bytes(sess.gen)  # "Hi" and "ab"
+    assert sess.num_history_bytes == 3 * one
+    sess.forget_history(2 * one)
+    assert sess.num_history_bytes == 2 * one
+    [err] = sent(sess.receive(codec.decode(msgspec.json.encode({"type": "feedback", "rating": 1,
+                                                                 "request_id": "gen_0"})), now=12.0))
+    assert err["field"] == "request_id"  # forgotten
+    assert not any(a for a in sent(sess.receive(codec.decode(msgspec.json.encode(
+        {"type": "feedback", "rating": 1, "request_id": "gen_2"})), now=12.0)) if a.get("type") == "error")
+    sess.forget_history(0)
+    assert sess.num_history_bytes == 0

@@ -270,6 +270,10 @@ class _Connection:
         self.principal = principal
         self.stream: RequestStream | None = None
         self.task: asyncio.Task[None] | None = None
+        # The generations remembered for feedback (prompts up to --max-prompt-chars each) are
+        # charged to the server's session-memory budget; when it is short, the oldest are forgotten.
+        memory = service.deps.memory
+        self._lease = memory.lease(principal) if memory is not None else None
 
     async def handle_text(self, text: str | bytes) -> None:
         """One frame from the client (JSON text, or the same as UTF-8 bytes)."""
@@ -295,6 +299,7 @@ class _Connection:
 
     async def perform(self, actions: list[s.Action]) -> None:
         """Carry out the session's actions in order."""
+        self._charge_history()
         for action in actions:
             if isinstance(action, s.Send):
                 await self._send(action.message)
@@ -306,6 +311,15 @@ class _Connection:
                 await self._close(action.code if action.code is not None else 1011, action.reason)
             else:
                 await self._control(action)
+
+    def _charge_history(self) -> None:
+        lease, wanted = self._lease, self.session.num_history_bytes
+        if lease is None or lease.held == wanted:
+            return
+        held = lease.fit(wanted)
+        if held < wanted:
+            self.session.forget_history(held)
+            lease.fit(self.session.num_history_bytes)
 
     async def _control(self, action: s.Action) -> None:
         stream = self.stream
@@ -427,13 +441,15 @@ class _Connection:
                 await self.task
 
     async def shutdown(self) -> None:
-        """The connection ends: abort and forget whatever runs."""
+        """The connection ends: abort and forget whatever runs, and give the memory back."""
         self.session.on_disconnect()
         task = self.task
         if task is not None and not task.done():
             task.cancel()
             with contextlib.suppress(BaseException):
                 await task
+        if self._lease is not None:
+            self._lease.close()
 
 
 def routes(deps: Deps) -> list[BaseRoute]:

@@ -49,6 +49,14 @@ from rill.types import GenerateRequest, ModelInfo, RequestEvent, RequestOutput, 
 PROTOCOL = "generate_ws"
 DEFAULT_TOP_LOGPROBS = 5  # alternatives sent with include_logprobs when parameters.logprobs is unset
 MAX_REMEMBERED_GENERATIONS = 32  # earlier generations feedback may still name by request_id
+REMEMBERED_COST_BYTES = 512
+"""Bytes a remembered generation counts besides its prompt and text (its objects)."""
+
+
+def remembered_bytes(gen: "Generation") -> int:
+    """What a remembered generation holds: its prompt and text (one byte a character, the
+    size of an ASCII string) and ``REMEMBERED_COST_BYTES``."""
+    return REMEMBERED_COST_BYTES + len(gen.prompt) + len(gen.text)
 
 
 class State(enum.Enum):
@@ -123,6 +131,10 @@ class GenerateSession:
         self._token_text = token_text
         self._new_request_id = new_request_id
         self._history: OrderedDict[str, Generation] = OrderedDict()
+        self._history_bytes: dict[str, int] = {}
+        self.num_history_bytes = 0
+        """What the remembered generations hold (``remembered_bytes``): the adapter charges it
+        to the server's session-memory budget and ``forget_history`` makes room."""
         self._num_feedback = 0
 
     # ------------------------------------------------------------------ client messages
@@ -457,7 +469,24 @@ class GenerateSession:
         return self.gen.request_id if self.gen is not None else None
 
     def _remember(self, gen: Generation) -> None:
+        self._forget(gen.request_id)  # remembered again: counted once, with its text now
         self._history[gen.request_id] = gen
+        self._history_bytes[gen.request_id] = num_bytes = remembered_bytes(gen)
+        self.num_history_bytes += num_bytes
         while len(self._history) > MAX_REMEMBERED_GENERATIONS:
-            self._history.popitem(last=False)
+            self._forget(next(iter(self._history)))
+
+    def _forget(self, request_id: str) -> None:
+        if self._history.pop(request_id, None) is not None:
+            self.num_history_bytes -= self._history_bytes.pop(request_id)
+
+    def forget_history(self, max_bytes: int) -> None:
+        """Forget the oldest remembered generations until the rest hold at most ``max_bytes``
+        (the server's memory is short): feedback naming them is refused as for an unknown id.
+        The running generation is never forgotten."""
+        for request_id in list(self._history):
+            if self.num_history_bytes <= max_bytes:
+                return
+            if self.gen is None or request_id != self.gen.request_id or self.gen.is_finished:
+                self._forget(request_id)
 
