@@ -49,6 +49,9 @@ class EngineConfig:
                                       "--max-num-seqs sequences of --max-model-len tokens plus cached prefixes, at most "
                                       "40%% of the memory available at start; with the torch runner on the CPU the cache "
                                       "takes memory only as sequences use it)")
+    prefix_cache_memory: str = _f("1GiB", "most KV memory finished sequences keep for prefix reuse (a size such as "
+                                          "512MiB; 0 keeps none): past it the oldest entries are dropped and their "
+                                          "memory given back to the operating system")
     max_model_len: int | None = _f(None, "context length per sequence (default: the model's, at most 4096)")
     max_num_seqs: int = _f(64, "most sequences generating at once")
     max_num_batched_tokens: int = _f(8192, "token budget of one engine step; while streams decode, prefill chunks are capped further so their inter-token latency at most doubles")

@@ -186,3 +186,33 @@ def test_a_sibling_sharing_a_live_prefix_gets_a_copy_and_leaves_the_source_intac
     assert results["fork"].token_ids == solo(fork).token_ids
     assert results["parent"].token_ids == solo(parent).token_ids
     assert_idle(engine)
+
+
+def test_the_runner_is_told_what_a_row_no_longer_needs() -> None:
+    """A freed row is discarded whole; a row kept as a cache entry past its valid tokens; a
+    dropped one whole (the runner gives that memory back to the operating system)."""
+    told: list[tuple[int, int]] = []
+    kv = KVManager(num_rows=3, max_len=64, bytes_per_token=8, discard=lambda row, keep: told.append((row, keep)))
+    a, b, c = (kv.acquire(Holder([]), [i, 1, 2, 3]) for i in (1, 2, 3))
+    assert a is not None and b is not None and c is not None
+    kv.release(a.row, [1, 1, 2, 3, 4])
+    kv.release(b.row, [])
+    kv.drop(c.row)
+    assert told == [(a.row, 5), (b.row, 0), (c.row, 0)]
+
+
+def test_cache_entries_past_their_token_bound_go_oldest_first_and_are_discarded() -> None:
+    told: list[tuple[int, int]] = []
+    kv = KVManager(num_rows=4, max_len=64, bytes_per_token=8, max_cached_tokens=10,
+                   discard=lambda row, keep: told.append((row, keep)))
+    rows = [kv.acquire(Holder([]), [i, 1, 2, 3]) for i in range(4)]
+    assert all(rows)
+    for i, acquired in enumerate(rows[:3]):
+        assert acquired is not None
+        kv.release(acquired.row, [i] * 4)  # 4, 8, then 12 tokens: the oldest entry goes
+    assert kv.cached_tokens() == 8 and list(kv.cached) == [rows[1].row, rows[2].row]  # type: ignore[union-attr]
+    assert told[-1] == (rows[0].row, 0)  # type: ignore[union-attr]
+    assert rows[0].row in kv.free_rows  # type: ignore[union-attr]
+    # Taking an entry over or evicting it keeps the count right.
+    taken = kv.acquire(Holder([]), [1, 1, 1, 1, 9])
+    assert taken is not None and taken.row == rows[1].row and kv.cached_tokens() == 4  # type: ignore[union-attr]

@@ -217,3 +217,41 @@ def test_the_kv_cache_is_zeros_and_resident_only_where_written() -> None:
     written = _resident_mib()
     assert 24 < written - allocated < 96
     assert float(cache[:, :, 3].float().mean()) == 1.0 and not bool(cache[:, :, 4].any())
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs Linux /proc to read resident memory")
+def test_released_pages_leave_resident_memory_and_read_as_zeros() -> None:
+    """``release_pages`` gives a written stretch of the cache back: resident memory drops by
+    about its size and the stretch reads as zeros, as in a fresh cache."""
+    from rill.engine.runner import release_pages, zeroed_cache
+
+    cache = zeroed_cache((2, 2, 4, 2, 4096, 256), torch.bfloat16, torch.device("cpu"))  # 64 MiB
+    cache[:, :, 1] = 1.0  # one row of 4: 16 MiB
+    written = _resident_mib()
+    row = cache[0, 0, 1]  # 4 MiB, contiguous
+    assert release_pages(row.data_ptr(), row.numel() * row.element_size()) == 4 * 2**20
+    assert 2 < written - _resident_mib() < 6
+    assert not bool(row.any()) and float(cache[1, 0, 1].float().mean()) == 1.0
+
+
+def test_discard_zeroes_a_row_past_the_kept_tokens_and_nothing_else(loaded) -> None:
+    """What a finished row no longer needs goes back: positions from ``keep_tokens`` on read as
+    zeros; its kept positions and every other row are untouched, and later steps agree with a
+    fresh runner's."""
+    runner = _runner(loaded, num_rows=3, max_len=2048)
+    prompts = [_prompt(600, seed) for seed in range(3)]
+    runner.forward([RowWork(row, prompts[row], 0) for row in range(3)])
+    before = runner._kv.clone()
+    runner.discard(1, 100)
+    after = runner._kv
+    physical = runner._physical[1]
+    assert torch.equal(after[:, :, physical, :, :100], before[:, :, physical, :, :100])
+    # Whole pages past position 100 are zero (the page holding position 100 may keep a tail).
+    assert not bool(after[:, :, physical, :, 1024:].any()) and bool(before[:, :, physical, :, 128:600].any())
+    others = [p for p in range(3) if p != physical]
+    assert torch.equal(after[:, :, others], before[:, :, others])
+    # A row cut back to 100 tokens goes on from there exactly as a row that only ever held them.
+    fresh = _runner(loaded, num_rows=3, max_len=2048)
+    fresh.forward([RowWork(1, prompts[1][:100], 0)])
+    step = [RowWork(1, prompts[1][100:110], 100)]
+    assert torch.allclose(runner.forward(step), fresh.forward(step), atol=1e-5)

@@ -106,7 +106,9 @@ def assemble_engine(
     eos = frozenset(set(eos_token_ids) | set(tokenizer.eos_token_ids))
     grammars = _grammar_compiler(tokenizer, runner.vocab_size, eos, warm=warm_grammars)
     core_config = CoreConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-                             speculative=speculative_config(config))
+                             speculative=speculative_config(config),
+                             max_cached_tokens=parse_size(config.prefix_cache_memory, "prefix_cache_memory")
+                             // max(1, runner.kv_bytes_per_token))
     core = EngineCore(runner, tokenizer, core_config, clock or time.monotonic, thread_governor, draft_runner=draft_runner)
     model_info = ModelInfo(
         name=config.served_model_name or name,

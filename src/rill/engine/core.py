@@ -72,6 +72,7 @@ class CoreConfig:
     max_num_batched_tokens: int = 8192
     min_prefill_chunk_tokens: int = 4
     min_reuse_tokens: int = 8  # shorter shared prefixes (a BOS, a common first word) are not worth a copy
+    max_cached_tokens: int | None = None  # tokens finished sequences keep for prefix reuse (None: no bound)
     speculative: SpeculativeConfig = SpeculativeConfig()
 
 
@@ -94,7 +95,8 @@ class EngineCore:
         self.clock = clock
         self.max_len = runner.max_len
         self.kv = KVManager(runner.num_rows, runner.max_len, runner.kv_bytes_per_token, min_reuse_tokens=config.min_reuse_tokens,
-                            pack_rows=getattr(runner, "packs_rows", False))
+                            pack_rows=getattr(runner, "packs_rows", False), discard=getattr(runner, "discard", None),
+                            max_cached_tokens=config.max_cached_tokens)
         self.scheduler = Scheduler(self.kv, runner.copy_row, min(config.max_num_seqs, runner.num_rows), config.max_num_batched_tokens)
         self.scheduler.prefill_chunk_tokens = min(128, config.max_num_batched_tokens)
         self.scheduler.max_logits_chunk_tokens = max(16, PROMPT_LOGITS_BUDGET // max(1, runner.vocab_size))

@@ -12,6 +12,13 @@ sequence uses and what the rows hold:
 
 "Used" memory counts only live rows' valid tokens, so "all KV memory is free" means no live
 row, while cached rows stay reusable until evicted.
+
+Memory comes back. On the CPU the runner's cache takes memory page by page as rows are
+written (``rill.engine.runner.zeroed_cache``), so every row a sequence once filled would keep
+its pages for the life of the process. The manager tells the runner (``discard``) what a row
+no longer needs: all of it when the row is freed, its positions past the valid tokens when it
+becomes a cache entry. Cache entries are bounded in tokens (``max_cached_tokens``: the oldest
+go first past it), so what idle entries hold has a ceiling below the whole cache.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 
 class RowHolder(Protocol):
@@ -78,7 +85,14 @@ class KVManager:
     """
 
     def __init__(self, num_rows: int, max_len: int, bytes_per_token: int, min_reuse_tokens: int = 1,
-                 pack_rows: bool = False) -> None:
+                 pack_rows: bool = False, discard: Callable[[int, int], None] | None = None,
+                 max_cached_tokens: int | None = None) -> None:
+        """``discard(row, keep_tokens)``: the runner may give back the memory of ``row``'s
+        positions from ``keep_tokens`` on (None: it cannot). ``max_cached_tokens``: the most
+        tokens cache entries hold together (None: as many as the rows)."""
+        self.discard = discard
+        self.max_cached_tokens = max_cached_tokens
+        self._num_cached_tokens = 0
         self.num_rows = num_rows
         self.pack_rows = pack_rows
         self.max_len = max_len
@@ -107,7 +121,7 @@ class KVManager:
 
     def cached_tokens(self) -> int:
         """Valid tokens held by cached (evictable) rows."""
-        return sum(len(tokens) for tokens in self.cached.values())
+        return self._num_cached_tokens
 
     # -- matching ------------------------------------------------------------------------
     def best_match(self, token_ids: list[int], limit: int) -> tuple[int | None, int, bool]:
@@ -163,7 +177,7 @@ class KVManager:
         self.num_query_tokens += len(token_ids)
         if src is not None and src_is_cached and (length >= len(self.cached[src]) or not self._spare_row(exclude=src)):
             # The prompt extends the whole cached sequence (or no other row is left): take it over.
-            del self.cached[src]
+            self._num_cached_tokens -= len(self.cached.pop(src))
             self.live[src] = holder
             self.num_hit_tokens += length
             return Acquired(src, length)
@@ -187,10 +201,22 @@ class KVManager:
     def release(self, row: int, valid_tokens: list[int]) -> None:
         """A live row's owner is done; keep its valid tokens as a cache entry (or free it)."""
         self.live.pop(row, None)
-        if valid_tokens:
-            self.cached[row] = valid_tokens
-        else:
-            self.free_rows.append(row)
+        if not valid_tokens:
+            self._free(row)
+            return
+        self.cached[row] = valid_tokens
+        self._num_cached_tokens += len(valid_tokens)
+        if self.discard is not None:
+            self.discard(row, len(valid_tokens))
+        while self.max_cached_tokens is not None and self._num_cached_tokens > self.max_cached_tokens:
+            oldest, tokens = self.cached.popitem(last=False)
+            self._num_cached_tokens -= len(tokens)
+            self._free(oldest)
+
+    def _free(self, row: int) -> None:
+        self.free_rows.append(row)
+        if self.discard is not None:
+            self.discard(row, 0)
 
     def assign(self, row: int, holder: RowHolder) -> None:
         """A live row changes owner (a beam takes over its parent's row or a forked copy)."""
@@ -214,7 +240,7 @@ class KVManager:
     def drop(self, row: int) -> None:
         """A live row's content is worthless (e.g. a dead beam): free it."""
         self.live.pop(row, None)
-        self.free_rows.append(row)
+        self._free(row)
 
     def _spare_row(self, exclude: int | None) -> bool:
         return bool(self.free_rows) or any(r != exclude for r in self.cached)
@@ -227,7 +253,7 @@ class KVManager:
         if row is None:
             raise RuntimeError("no row available")  # callers check num_available_rows first
         if row in self.cached:
-            del self.cached[row]
+            self._num_cached_tokens -= len(self.cached.pop(row))
         else:
             self.free_rows.remove(row)
         return row

@@ -16,6 +16,8 @@ The model is any ``rill.models.registry.CausalLM`` (every registered family). Im
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import math
 import mmap
 import time
@@ -43,6 +45,23 @@ def zeroed_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     pages = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     # frombuffer keeps ``pages`` alive for as long as the tensor (and its views) live.
     return torch.frombuffer(pages, dtype=dtype, count=math.prod(shape)).view(shape)
+
+
+_MADV_DONTNEED = 4
+_PAGE = mmap.PAGESIZE
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+_madvise = getattr(_libc, "madvise", None)
+
+
+def release_pages(address: int, length: int) -> int:
+    """Give the whole pages inside ``[address, address + length)`` of an anonymous private
+    mapping back to the kernel; they read as zeros when next touched. Returns the bytes
+    released (0 where ``madvise`` is missing or refuses)."""
+    start = -(-address // _PAGE) * _PAGE
+    end = (address + length) // _PAGE * _PAGE
+    if _madvise is None or end <= start:
+        return 0
+    return end - start if _madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED) == 0 else 0
 
 
 class TorchModelRunner:
@@ -81,6 +100,7 @@ class TorchModelRunner:
         shape = (config.num_layers, 2, num_rows, config.num_kv_heads, max_len, config.head_dim)
         # Zeros, not empty: masked-out positions still enter SDPA's matmul (as 0 * value).
         self._kv = zeroed_cache(shape, config.torch_dtype, self.device)
+        self._kv_is_mapped = self.device.type == "cpu"  # zeroed_cache's mmap: pages can be given back
         self.kv_capacity_bytes = self._kv.numel() * self._kv.element_size()
         self._caches = [(self._kv[layer, 0], self._kv[layer, 1]) for layer in range(config.num_layers)]
         self._physical = list(range(num_rows))  # logical row -> physical row
@@ -173,6 +193,28 @@ class TorchModelRunner:
                 cache = self._kv[:, :, :, :, :num_tokens]
                 cache[:, :, self._physical[dst]] = cache[:, :, self._physical[src]]
         self._lengths[dst] = num_tokens
+
+    def discard(self, row: int, keep_tokens: int) -> None:
+        """Give the memory of logical row ``row``'s positions from ``keep_tokens`` on back to the
+        operating system (they read as zeros again, as in a fresh cache).
+
+        The cache takes memory page by page as rows are written, so without this a row that
+        once held a long sequence kept its memory after the sequence ended, and the process
+        grew with every row any client had filled. No-op off the CPU.
+        """
+        if not self._kv_is_mapped or not 0 <= keep_tokens < self.max_len:
+            return
+        physical = self._physical[row]
+        item = self._kv.element_size()
+        head_dim = self._kv.shape[-1]
+        head_bytes = self.max_len * head_dim * item
+        skip = keep_tokens * head_dim * item
+        for layer in range(self._kv.shape[0]):
+            for kind in (0, 1):
+                base = self._kv[layer, kind, physical].data_ptr()
+                for head in range(self._kv.shape[3]):
+                    release_pages(base + head * head_bytes + skip, head_bytes - skip)
+        self._lengths[row] = min(self._lengths[row], keep_tokens)
 
     def _check(self, work: Sequence[RowWork]) -> None:
         check_work(work, self.num_rows, self.max_len)

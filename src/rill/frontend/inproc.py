@@ -43,6 +43,7 @@ from rill.errors import (
 )
 from rill.frontend.budget import MemoryBudget
 from rill.frontend.admission import Prompt, PromptAdmission
+from rill.frontend.budget import malloc_trim
 from rill.frontend.client import MetricsSink
 from rill.frontend.grammars import GrammarAdmission
 from rill.frontend.ratelimit import Account, RateLimiter, RateLimits
@@ -54,6 +55,11 @@ T = TypeVar("T")
 
 QUEUE_POSITIONS_TTL_S = 0.25
 """How long ``InprocClient.queue_position`` reuses one pass over the queued requests."""
+
+IDLE_TRIM_INTERVAL_S = 2.0
+"""When the engine goes idle after steps, it returns the heap's free memory to the OS
+(``malloc_trim``), at most once per this many seconds: a step's activations, logits and
+prompt-logprob scratch are freed into the C heap, which keeps them unless trimmed."""
 
 _STOP = object()
 ANONYMOUS_PRINCIPAL = "anonymous"
@@ -428,8 +434,16 @@ class InprocClient:
     def _loop(self, engine: Engine) -> None:
         core = engine.core
         inbox = self._inbox
+        trim = malloc_trim()
+        last_trim = -IDLE_TRIM_INTERVAL_S
+        has_stepped = False  # since the last trim
         while True:
             if not core.has_work():
+                now = time.monotonic()
+                if trim is not None and has_stepped and now - last_trim >= IDLE_TRIM_INTERVAL_S:
+                    # Idle: nobody waits for a step, so give the heap's free memory back now.
+                    trim()
+                    last_trim, has_stepped = now, False
                 command = inbox.get()
                 if command is _STOP:
                     return
@@ -443,6 +457,7 @@ class InprocClient:
                     return
                 core.apply(command)
             outputs = core.step()
+            has_stepped = True
             if outputs:
                 self.loop.call_soon_threadsafe(self._dispatch, outputs)
 
