@@ -439,12 +439,18 @@ class InprocClient:
         has_stepped = False  # since the last trim
         while True:
             if not core.has_work():
-                now = time.monotonic()
-                if trim is not None and has_stepped and now - last_trim >= IDLE_TRIM_INTERVAL_S:
-                    # Idle: nobody waits for a step, so give the heap's free memory back now.
-                    trim()
-                    last_trim, has_stepped = now, False
-                command = inbox.get()
+                wait_s = None
+                if trim is not None and has_stepped:
+                    now = time.monotonic()
+                    wait_s = last_trim + IDLE_TRIM_INTERVAL_S - now
+                    if wait_s <= 0:
+                        # Idle: nobody waits for a step, so give the heap's free memory back now.
+                        trim()
+                        last_trim, has_stepped, wait_s = now, False, None
+                try:
+                    command = inbox.get(timeout=wait_s)
+                except queue.Empty:
+                    continue  # the trim is due now
                 if command is _STOP:
                     return
                 core.apply(command)
