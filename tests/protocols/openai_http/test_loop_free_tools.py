@@ -70,3 +70,27 @@ async def test_echoed_token_id_prompts_are_decoded_off_the_event_loop() -> None:
             body = (await http.post("/v1/completions", json={"prompt": ids, "echo": True, "max_tokens": 1})).json()
     assert body["choices"][0]["text"].startswith("Once upon a time, far away"), body
     assert recorder.threads and threading.main_thread() not in recorder.threads
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_scored_echo_is_built_off_the_event_loop(monkeypatch: pytest.MonkeyPatch, stream: bool) -> None:
+    """Echo with logprobs and prompt logprobs: the per-token entries (thousands for a long
+    prompt, ~0.4 s of building for 3,885 tokens with 20 alternatives) are built in a worker,
+    so the loop keeps writing other clients' streams meanwhile."""
+    from rill.protocols.openai_http import session as session_module
+
+    threads: list[threading.Thread] = []
+    real = session_module.ResponseSession._echo
+
+    def recording(self: Any, index: int) -> Any:
+        threads.append(threading.current_thread())
+        return real(self, index)
+
+    monkeypatch.setattr(session_module.ResponseSession, "_echo", recording)
+    async with make_fake() as fake:
+        request = {"prompt": "Once upon a time, far away", "echo": True, "logprobs": 3, "max_tokens": 2,
+                   "stream": stream, **({} if stream else {"prompt_logprobs": 3})}
+        async with live_app(fake) as url, httpx.AsyncClient(base_url=url, timeout=60) as http:
+            reply = await http.post("/v1/completions", json=request)
+    assert reply.status_code == 200 and "Once upon a time, far away" in reply.text, reply.text[:300]
+    assert threads and threading.main_thread() not in threads

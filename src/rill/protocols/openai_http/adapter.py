@@ -310,7 +310,7 @@ class _Responder(Response):
                 if item is None:
                     await _send_body(send, sse.KEEP_ALIVE)
                     continue
-                events = session.on_output(*item)
+                events = await _take(session, item)
                 if events:
                     await _send_body(send, b"".join(events))
                 if session.failed is not None:
@@ -327,12 +327,15 @@ class _Responder(Response):
         try:
             async for item in _merge(self.streams, None):
                 assert item is not None  # no keep-alive ticks without a timeout
-                session.on_output(*item)
+                await _take(session, item)
                 if session.failed is not None:
                     break
             if session.failed is not None:
                 raise session.failed
-            body, status, headers = session.body(), 200, {}
+            # Per-token detail of a long prompt or reply takes long to build (a 3,885-token prompt
+            # scored with 20 alternatives: ~0.4 s): in a worker, so the loop keeps serving others.
+            body = await asyncio.to_thread(session.body) if session.builds_per_token_detail else session.body()
+            status, headers = 200, {}
         except (asyncio.CancelledError, OSError):
             raise
         except Exception as exc:
@@ -362,6 +365,14 @@ async def _close_all(streams: list[RequestStream]) -> None:
     for stream in streams:
         with contextlib.suppress(Exception):
             await stream.aclose()
+
+
+async def _take(session: ResponseSession, item: tuple[int, RequestOutput]) -> list[bytes]:
+    """``session.on_output(*item)``, in a worker when the output brings a scored prompt to
+    echo or show (thousands of per-token entries to build: not on the event loop)."""
+    if session.builds_per_token_detail and item[1].prompt_logprobs is not None:
+        return await asyncio.to_thread(session.on_output, *item)
+    return session.on_output(*item)
 
 
 async def _merge(streams: list[RequestStream], idle_s: float | None) -> AsyncIterator[tuple[int, RequestOutput] | None]:

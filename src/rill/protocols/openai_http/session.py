@@ -147,6 +147,13 @@ class ResponseSession:
         self.failed: BaseException | None = None
 
     @property
+    def builds_per_token_detail(self) -> bool:
+        """True when the response carries per-token detail (logprobs, prompt logprobs, an
+        echoed prompt): building it costs time in proportion to the tokens, up to hundreds of
+        milliseconds for a long scored prompt, so the adapter builds it off the event loop."""
+        return self.logprobs is not None or self.prompt_logprobs is not None or self.echo is not None
+
+    @property
     def is_done(self) -> bool:
         """True once every choice finished or one failed."""
         return self.failed is not None or all(c.finish_reason is not None for c in self.choices)
