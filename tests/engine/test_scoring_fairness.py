@@ -238,3 +238,32 @@ def test_a_preempted_scoring_request_reuses_the_positions_it_already_scored() ->
         alone_outputs += alone_engine.core.step()
     assert_same_logprobs(prompt_logprobs_of("scored", outputs), prompt_logprobs_of("scored", alone_outputs))
     assert_idle(engine)
+
+
+def test_candidates_copying_a_long_prompt_start_one_per_step_beside_a_stream() -> None:
+    """Each candidate that copies the 400-token prompt moves its keys and values into a row
+    that joins the decoding ones; beside a stream, at most one starts per step, so a step
+    carries one such copy, never three."""
+    engine = make_engine(num_rows=16, max_len=512, max_num_batched_tokens=512)
+    core = engine.core
+    results: dict[str, Result] = {}
+    start_stream(engine, results)
+    ids = random_prompt(engine, 400, seed=3)
+    group = candidates(engine, ids, 4, scoring=False)
+    plans = record_plans(engine)
+    for request in group:
+        core.apply(AddCommand(request))
+    while any(not request.is_finished for request in group):
+        assert len(plans) < 500, "the candidates did not finish"
+        core.scheduler.prefill_chunk_tokens = CAP
+        step(engine, results)
+    first_steps = [next(i for i, plan in enumerate(plans) if any(rid == r.request_id for rid, _, _ in plan.items))
+                   for r in group[1:]]
+    assert all(r.num_cached_prompt_tokens >= 256 for r in group[1:])  # each copied the prompt
+    assert len(set(first_steps)) == 3, first_steps  # in three different steps
+    for request in group:
+        assert results[request.request_id].token_ids == solo(request, max_len=512).token_ids
+    core.apply(AbortCommand("stream"))
+    while core.has_work():
+        core.step()
+    assert_idle(engine)

@@ -43,6 +43,12 @@ from rill.engine.request import Request, RequestStatus
 # prefilled waits for it (n > 1, identical system prompts) instead of computing them twice.
 MIN_SHARED_PREFILL_TOKENS = 16
 
+LONG_REUSE_TOKENS = 256
+"""A request that starts from at least this many reused tokens (a cached prompt copied into
+its row, or taken over) moves that much KV when it joins the decoding rows; while streams
+decode, at most one such request starts per step, so the copies of a ``best_of`` group's
+long prompt are spread over steps instead of all landing in one."""
+
 
 @dataclass(slots=True)
 class ScheduledRequest:
@@ -217,6 +223,7 @@ class Scheduler:
 
     def _admit(self, out: SchedulerOutput, budget: int, logits_cap: int) -> None:
         deferred: list[tuple[int, int, Request]] = []
+        num_long_reuses = 0
         while self.waiting and budget > 0:
             entry = heapq.heappop(self.waiting)
             request = entry[2]
@@ -226,6 +233,9 @@ class Scheduler:
             if not request.needs_prompt_logits and self._awaits_shared_prefill(tokens):
                 deferred.append(entry)
                 continue
+            if num_long_reuses and out.num_decode_tokens and self._reuses_long(request, tokens):
+                deferred.append(entry)  # one long copy per step while streams decode
+                continue
             error = self._check_cached_prefix(request, tokens)
             if error is not None:
                 out.failed.append((request, error))
@@ -234,9 +244,14 @@ class Scheduler:
                 heapq.heappush(self.waiting, entry)
                 break
             self._place(request, tokens)
+            num_long_reuses += request.num_computed >= LONG_REUSE_TOKENS
             budget -= self._schedule_chunk(request, budget, out, logits_cap)
         for entry in deferred:
             heapq.heappush(self.waiting, entry)
+
+    def _reuses_long(self, request: Request, tokens: list[int]) -> bool:
+        limit = len(tokens) - 1 if request.max_reuse_tokens is None else min(request.max_reuse_tokens, len(tokens) - 1)
+        return self.kv.best_match(tokens, limit)[1] >= LONG_REUSE_TOKENS
 
     def _awaits_shared_prefill(self, tokens: list[int]) -> bool:
         """True when a live row's prefill will soon hold ``MIN_SHARED_PREFILL_TOKENS`` or more of
