@@ -227,19 +227,22 @@ class TorchModelRunner:
         if not movers:
             return
         holes = [p for p in range(num_decode) if self._logical[p] not in wanted]
-        involved = [self._logical[p] for p in movers + holes]
-        num_tokens = max(self._lengths[row] for row in involved)
-        if num_tokens:
-            cache = self._kv[:, :, :, :, :num_tokens]
-            src = torch.tensor(movers, device=self.device)
-            dst = torch.tensor(holes, device=self.device)
-            parked = cache[:, :, dst].clone()
-            cache[:, :, dst] = cache[:, :, src]
-            cache[:, :, src] = parked
-        for mover, hole in zip(movers, holes):
-            moved, evicted = self._logical[mover], self._logical[hole]
-            self._logical[hole], self._logical[mover] = moved, evicted
-            self._physical[moved], self._physical[evicted] = hole, mover
+        with torch.inference_mode():
+            for mover, hole in zip(movers, holes):
+                moved, evicted = self._logical[mover], self._logical[hole]
+                # Each row's own written positions only, by plain strided copies: a row joining
+                # the decoding ones with a 3,885-token prompt used to move every involved row's
+                # longest length through indexed copies (hundreds of ms beside a stream), and a
+                # freed row (nothing written) has nothing to park.
+                num_moved, num_evicted = self._lengths[moved], self._lengths[evicted]
+                src, dst = self._kv[:, :, mover], self._kv[:, :, hole]
+                parked = dst[:, :, :, :num_evicted].clone() if num_evicted else None
+                if num_moved:
+                    dst[:, :, :, :num_moved].copy_(src[:, :, :, :num_moved])
+                if parked is not None:
+                    src[:, :, :, :num_evicted].copy_(parked)
+                self._logical[hole], self._logical[mover] = moved, evicted
+                self._physical[moved], self._physical[evicted] = hole, mover
 
     def _build_batch(self, work: Sequence[RowWork], decode: list[RowWork]) -> StepBatch:
         """Pack the step's tokens (decode rows in physical order, then prefill chunks)."""
