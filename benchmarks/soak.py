@@ -244,7 +244,7 @@ async def soak(args: argparse.Namespace, server: Server, port: int, grpc_port: i
                data_dir: Path) -> int:
     pid = server.proc.pid  # type: ignore[union-attr]
     runner = Soak(args, port, grpc_port, socket, random.Random(args.seed))
-    samples: list[tuple[float, int, float, float]] = []  # (s since start, rss, running, kv bytes)
+    samples: list[tuple[float, int, float, float, float]] = []  # (s, rss, running, kv used, kv cached)
     async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=200)) as http:
         runner.model = (await http.get(f"{runner.base}/v1/models")).json()["data"][0]["id"]
         started = time.monotonic()
@@ -254,7 +254,8 @@ async def soak(args: argparse.Namespace, server: Server, port: int, grpc_port: i
             while True:
                 text = (await http.get(f"{runner.base}/metrics")).text
                 samples.append((time.monotonic() - started, proc_status(pid, "VmRSS"),
-                                metric(text, "rill_num_requests_running"), metric(text, "rill_kv_cache_used_bytes")))
+                                metric(text, "rill_num_requests_running"), metric(text, "rill_kv_cache_used_bytes"),
+                                metric(text, "rill_kv_cache_cached_bytes")))
                 await asyncio.sleep(10)
 
         sampler = asyncio.create_task(sample())
@@ -277,6 +278,7 @@ async def soak(args: argparse.Namespace, server: Server, port: int, grpc_port: i
     print(f"RSS: first minute {mean(minute):.0f} MiB, last minute {mean(last):.0f} MiB, "
           f"max {max((s[1] for s in samples), default=0) / 2**20:.0f} MiB, after quiet {rss_end / 2**20:.0f} MiB")
     print("RSS every 10 s (MiB): " + " ".join(f"{s[1] / 2**20:.0f}" for s in samples))
+    print("of which prefix cache (MiB): " + " ".join(f"{s[4] / 2**20:.0f}" for s in samples))
     print(f"after the soak: {running:.0f} running requests, {kv:.0f} KV bytes in use")
     with sqlite3.connect(data_dir / "feedback.sqlite3") as db:
         stored = {row[0] for row in db.execute("SELECT text FROM feedback")}
