@@ -20,6 +20,7 @@ import ctypes
 import ctypes.util
 import math
 import mmap
+import sys
 import time
 from typing import Sequence
 
@@ -50,7 +51,8 @@ def zeroed_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
 _MADV_DONTNEED = 4
 _PAGE = mmap.PAGESIZE
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-_madvise = getattr(_libc, "madvise", None)
+# Only Linux promises that an anonymous private page given back reads as zeros when touched again.
+_madvise = getattr(_libc, "madvise", None) if sys.platform.startswith("linux") else None
 
 
 def release_pages(address: int, length: int) -> int:
