@@ -39,6 +39,8 @@ import logging
 import time
 from typing import Any, Awaitable, Callable
 
+from websockets.frames import Close, Frame, Opcode
+
 from rill.errors import IdleTimeout, TooManyConnections
 from rill.protocols.openai_http import codec
 
@@ -302,9 +304,8 @@ def _raw_response(exc: TooManyConnections | IdleTimeout) -> bytes:
 
 
 def _close_frame(code: int, reason: str) -> bytes:
-    """A server's WebSocket close frame (unmasked, FIN): ``code`` and a short ``reason``."""
-    payload = code.to_bytes(2, "big") + reason.encode("utf-8")[:123]
-    return bytes((0x88, len(payload))) + payload
+    """A server's WebSocket close frame (unmasked): ``code`` and a short ``reason``."""
+    return Frame(Opcode.CLOSE, Close(code, reason).serialize()).serialize(mask=False)
 
 
 class GuardedProtocol(asyncio.Protocol):

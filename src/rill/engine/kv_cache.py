@@ -172,8 +172,7 @@ class KVManager:
         """
         if self.num_available_rows == 0:
             return None
-        limit = len(token_ids) - 1 if max_reuse is None else max(0, min(max_reuse, len(token_ids) - 1))
-        src, length, src_is_cached = self.best_match(token_ids, limit)
+        src, length, src_is_cached = self.best_match(token_ids, _reuse_limit(token_ids, max_reuse))
         self.num_query_tokens += len(token_ids)
         if src is not None and src_is_cached and (length >= len(self.cached[src]) or not self._spare_row(exclude=src)):
             # The prompt extends the whole cached sequence (or no other row is left): take it over.
@@ -189,6 +188,10 @@ class KVManager:
         if src_is_cached:
             self.cached.move_to_end(src)
         return Acquired(row, length, copy_from=(src, length))
+
+    def reusable(self, token_ids: list[int], max_reuse: int | None = None) -> int:
+        """Tokens ``acquire(holder, token_ids, max_reuse)`` would reuse now (0: none)."""
+        return self.best_match(token_ids, _reuse_limit(token_ids, max_reuse))[1]
 
     def acquire_empty(self) -> int | None:
         """A reserved row with no reuse (beam forks); None when none is available."""
@@ -257,3 +260,8 @@ class KVManager:
         else:
             self.free_rows.remove(row)
         return row
+
+
+def _reuse_limit(token_ids: list[int], max_reuse: int | None) -> int:
+    # At least one token is left to compute: its logits are needed.
+    return len(token_ids) - 1 if max_reuse is None else max(0, min(max_reuse, len(token_ids) - 1))

@@ -233,7 +233,8 @@ class Scheduler:
             if not request.needs_prompt_logits and self._awaits_shared_prefill(tokens):
                 deferred.append(entry)
                 continue
-            if num_long_reuses and out.num_decode_tokens and self._reuses_long(request, tokens):
+            if (num_long_reuses and out.num_decode_tokens
+                    and self.kv.reusable(tokens, request.max_reuse_tokens) >= LONG_REUSE_TOKENS):
                 deferred.append(entry)  # one long copy per step while streams decode
                 continue
             error = self._check_cached_prefix(request, tokens)
@@ -248,10 +249,6 @@ class Scheduler:
             budget -= self._schedule_chunk(request, budget, out, logits_cap)
         for entry in deferred:
             heapq.heappush(self.waiting, entry)
-
-    def _reuses_long(self, request: Request, tokens: list[int]) -> bool:
-        limit = len(tokens) - 1 if request.max_reuse_tokens is None else min(request.max_reuse_tokens, len(tokens) - 1)
-        return self.kv.best_match(tokens, limit)[1] >= LONG_REUSE_TOKENS
 
     def _awaits_shared_prefill(self, tokens: list[int]) -> bool:
         """True when a live row's prefill will soon hold ``MIN_SHARED_PREFILL_TOKENS`` or more of

@@ -41,9 +41,8 @@ from rill.errors import (
     RequestNotFound,
     RillError,
 )
-from rill.frontend.budget import MemoryBudget
 from rill.frontend.admission import Prompt, PromptAdmission
-from rill.frontend.budget import malloc_trim
+from rill.frontend.budget import MemoryBudget, malloc_trim
 from rill.frontend.client import MetricsSink
 from rill.frontend.grammars import GrammarAdmission
 from rill.frontend.ratelimit import Account, RateLimiter, RateLimits
@@ -224,7 +223,7 @@ class InprocClient:
             require_cached_prefix_tokens=request.require_cached_prefix_tokens,
             matcher=matcher,
         )
-        lease = self._memory.lease(request.principal or ANONYMOUS_PRINCIPAL) if self._memory is not None else None
+        lease = self._memory.lease(principal) if self._memory is not None else None
         stream = RequestStream(self, request_id, prompt_ids, params, on_close=self._forget, lease=lease)
         self._streams[request_id] = stream
         self._params[request_id] = params
