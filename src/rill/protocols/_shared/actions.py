@@ -1,7 +1,7 @@
 """The actions every protocol session returns to its adapter, defined once (plain data, no I/O).
 
 A sans-I/O session answers each input with a list of actions; its adapter performs them.
-``Send``, ``Start``, ``Abort`` and ``Close`` mean the same on every wire, so they live here;
+``Send``, ``Start``, ``Abort``, ``Rejected`` and ``Close`` mean the same on every wire, so they live here;
 a protocol adds only the actions its wire alone has (``/generate``'s ``Pause`` and ``Modify``,
 chat's ``Speak``, Evergreen's ``Generate``…) in its own session module.
 """
@@ -50,3 +50,11 @@ class Close:
 
     code: int | None = None
     reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    """Count a request the session refused before it reached the engine (a bad frame, a broken
+    rule) in ``rill_requests_rejected_total``, under the error's wire-neutral ``code``."""
+
+    code: str

@@ -1,0 +1,399 @@
+"""The session driver: the engine plumbing every protocol adapter shares, written once.
+
+A protocol is four parts: its messages, its codec, a pure session and a small adapter. The
+session decides (it answers every input with a list of actions); the adapter owns its
+transport (the handshake, the read loop, framing, the actions only its wire has); this
+driver performs what means the same on every wire:
+
+* ``Send``: hand the message to the transport (which encodes and writes it);
+* ``Start``: submit the request under the connection's principal (after waiting for the
+  model when the protocol reports loading), count a refusal in the rejection metric, tell the
+  session it started (``on_started``) or failed (``on_start_failed``), then pump the
+  request's outputs into ``on_output`` until it finishes;
+* ``Abort``: abort the request of a key (its final output still comes back), or cancel the
+  start that is still waiting for the model or its submission;
+* ``Rejected``: count a refusal the session made itself (a bad frame);
+* ``Close``: ask the transport to close;
+* anything else: the transport's ``perform`` (``/generate``'s ``Pause``, chat's ``Speak``...).
+
+``aclose()`` ends the connection's requests at once: closing a ``RequestStream`` aborts its
+request in the engine, which frees its KV memory at the next step.
+
+The driver does no protocol decision and no I/O of its own; it never imports a protocol.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, cast
+
+import msgspec
+
+from rill.errors import EngineDead, ModelLoadError, RillError
+from rill.frontend.client import EngineClient
+from rill.frontend.stream import RequestStream
+from rill.protocols._shared.actions import Abort, Close, Rejected, Send, Start
+from rill.types import GenerateRequest, RequestOutput, SamplingParams
+
+log = logging.getLogger("rill.protocols.driver")
+
+Key = str | None
+"""Names one request of a connection; None where a connection runs one at a time."""
+
+LOADING_STATUS_PERIOD_S = 0.5
+"""How often a start that waits for the model reports the loading progress."""
+
+QUEUE_STATUS_PERIOD_S = 0.5
+"""How often a waiting request's place in the queue is looked at (reported only when it changes)."""
+
+
+class Gone(Exception):
+    """Raised by a transport's ``send`` once the peer has left: stop sending."""
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    """What a session learns when its request was accepted by the engine."""
+
+    key: Key
+    prompt_token_ids: Sequence[int]
+    sampling: SamplingParams
+
+
+class Session(Protocol):
+    """What a pure session answers to, so that one driver can run any protocol.
+
+    Every method returns the actions to perform. A session class subclasses this protocol
+    and inherits the defaults of the hooks its wire has no use for.
+    """
+
+    def on_started(self, started: Started) -> list[Any]:
+        """The engine accepted the request of ``started.key``."""
+        return []
+
+    def on_output(self, key: Key, output: RequestOutput, now: float) -> list[Any]:
+        """A request produced ``output`` (the last one has ``finished`` set)."""
+        ...
+
+    def on_start_failed(self, key: Key, exc: BaseException, now: float) -> list[Any]:
+        """The request of ``key`` never started: refused, or the model could not load."""
+        ...
+
+    def on_error(self, exc: BaseException) -> list[Any]:
+        """The connection failed (a bug, a broken peer): what to say, if anything, before closing."""
+        return []
+
+    def on_disconnect(self) -> list[Any]:
+        """The peer left: the running requests are aborted."""
+        return []
+
+    def on_loading(self, progress: float, eta_s: float | None) -> list[Any]:
+        """A start waits for the model (only for ``Driver(waits_for_model=True)``)."""
+        return []
+
+    def on_queued(self, key: Key, position: int, queue_length: int) -> list[Any]:
+        """A submitted request waits in the engine's queue (only for ``Driver(reports_queue=True)``)."""
+        return []
+
+
+class StepSession(Session, Protocol):
+    """A session that takes one engine step's outputs of all its requests at once
+    (``Driver(groups_steps=True)``: batch ``/ws``'s PROGRESS arrays)."""
+
+    def on_outputs(self, outputs: list[tuple[Key, RequestOutput]], now: float) -> list[Any]:
+        """The outputs of every request that produced something since the last call."""
+        ...
+
+
+class Transport(Protocol):
+    """The adapter's side: the wire."""
+
+    async def send(self, message: Any) -> None:
+        """Encode and write one message; raise ``Gone`` when the peer has left."""
+        ...
+
+    async def close(self, code: int | None, reason: str) -> None:
+        """Close the connection once what was sent is flushed."""
+        ...
+
+    async def perform(self, action: Any) -> None:
+        """Carry out an action only this wire has."""
+        ...
+
+
+class RejectionSink(Protocol):
+    """Counts refused requests (``rill.frontend.metrics.Metrics``)."""
+
+    def observe_rejection(self, *, protocol: str, code: str) -> None:
+        """Count one refusal of ``protocol`` with error ``code``."""
+        ...
+
+
+def split_by_token(output: RequestOutput) -> list[RequestOutput]:
+    """``output`` as one output per new token, for a wire that promises an event per token.
+
+    A request stream folds outputs together when its reader lags; this undoes the fold: each
+    piece carries one token, its text (``token_texts`` concatenate to ``text``) and its
+    logprob; the first carries the prompt logprobs, the last the events, the finish and the
+    error. An output with at most one token is returned as it is.
+    """
+    n = len(output.token_ids)
+    if n <= 1 or len(output.token_texts) != n:
+        return [output]
+    pieces = []
+    for i in range(n):
+        last = i == n - 1
+        pieces.append(msgspec.structs.replace(
+            output, text=output.token_texts[i], token_ids=output.token_ids[i:i + 1],
+            token_texts=output.token_texts[i:i + 1],
+            logprobs=output.logprobs[i:i + 1] if output.logprobs is not None else None,
+            prompt_logprobs=output.prompt_logprobs if i == 0 else None,
+            events=output.events if last else [], modified=output.modified if last else [],
+            finished=output.finished and last, finish_reason=output.finish_reason if last else None,
+            stop_reason=output.stop_reason if last else None, error=output.error if last else None))
+    return pieces
+
+
+class Driver:
+    """Performs a session's shared actions and runs its requests (see the module docstring).
+
+    Args:
+        session: the pure session.
+        transport: the adapter's wire.
+        client: the engine client.
+        protocol: the protocol's name, for the rejection metric.
+        principal: who the connection acts for; every request is submitted under it.
+        metrics: counts refusals; None counts nothing.
+        waits_for_model: a start waits for the model to load (reporting ``on_loading``)
+            instead of being refused with ``ModelNotReady``.
+        reports_queue: while a request waits in the engine's queue, report its place
+            (``on_queued``) whenever it changes; a request alone in the queue is not reported.
+        groups_steps: the session is a ``StepSession``: outputs are gathered per key and
+            handed over together, one call per wake-up.
+        one_event_per_token: a coalesced output is split into one output per token
+            (``split_by_token``) before the session sees it.
+        clock: the time passed to the session (``time.monotonic``).
+    """
+
+    def __init__(self, session: Session, transport: Transport, client: EngineClient, *, protocol: str,
+                 principal: str, metrics: RejectionSink | None = None, waits_for_model: bool = False,
+                 reports_queue: bool = False, groups_steps: bool = False, one_event_per_token: bool = False,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.session = session
+        self.transport = transport
+        self.client = client
+        self.protocol = protocol
+        self.principal = principal
+        self.metrics = metrics
+        self.waits_for_model = waits_for_model
+        self.reports_queue = reports_queue
+        self.groups_steps = groups_steps
+        self.one_event_per_token = one_event_per_token
+        self.clock = clock
+        self.streams: dict[Key, RequestStream] = {}
+        self.tasks: dict[Key, asyncio.Task[None]] = {}
+        self.is_closed = False
+        self._slots: dict[Key, RequestOutput] = {}
+        self._wake = asyncio.Event()
+        self._flusher: asyncio.Task[None] | None = None
+        self._reporters: set[asyncio.Task[None]] = set()  # held: the loop keeps only weak references
+
+    # -------------------------------------------------------------- actions
+    async def perform(self, actions: Sequence[Any]) -> None:
+        """Carry out ``actions`` in order."""
+        for action in actions:
+            if isinstance(action, Send):
+                await self.transport.send(action.message)
+            elif isinstance(action, Start):
+                self.start(action.request, action.key)
+            elif isinstance(action, Abort):
+                self.abort(action.key)
+            elif isinstance(action, Rejected):
+                self.count_rejection(action.code)
+            elif isinstance(action, Close):
+                await self.transport.close(action.code, action.reason)
+            else:
+                await self.transport.perform(action)
+
+    def start(self, request: GenerateRequest, key: Key = None) -> None:
+        """Run ``request`` as ``key`` in its own task: submit, then pump its outputs."""
+        self.tasks[key] = asyncio.create_task(self._run(key, request))
+
+    async def submit(self, request: GenerateRequest, key: Key = None) -> RequestStream | None:
+        """Submit ``request`` under the principal; on success the session hears ``on_started``
+        and the stream is the key's, else it hears ``on_start_failed`` and this returns None."""
+        try:
+            if self.waits_for_model:
+                await self._wait_for_model()
+            stream = await self.client.generate(msgspec.structs.replace(request, principal=self.principal))
+        except (Gone, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - refusals are answered in the protocol's own format
+            self._note_refusal(exc)
+            await self.perform(self.session.on_start_failed(key, exc, self.clock()))
+            return None
+        if self.is_closed:  # the peer left while the request was being submitted
+            await stream.aclose()
+            return None
+        self.streams[key] = stream
+        try:
+            await self.perform(self.session.on_started(Started(key, stream.prompt_token_ids, stream.sampling)))
+        except BaseException:  # the peer left (or a bug) before the pump took the stream over
+            if self.streams.get(key) is stream:
+                del self.streams[key]
+            await stream.aclose()
+            raise
+        return stream
+
+    async def pump(self, stream: RequestStream, key: Key = None) -> None:
+        """Feed ``stream``'s outputs to the session until it finishes; a stream that breaks
+        is reported as a finished output with ``finish_reason`` "error"."""
+        scheduled = asyncio.Event()  # set at the first output: the engine took the request
+        if self.reports_queue:
+            reporter = asyncio.create_task(self._report_queue(stream, key, scheduled))
+            self._reporters.add(reporter)
+            reporter.add_done_callback(self._reporters.discard)
+        try:
+            async with stream:  # leaving early (close, cancel) aborts the request
+                async for output in stream:
+                    scheduled.set()
+                    await self._deliver(key, output)
+                    if output.finished:
+                        break
+        except (Gone, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - a broken stream ends this request only
+            log.exception("%s: stream of %s failed", self.protocol, stream.request_id)
+            await self._deliver(key, RequestOutput(request_id=stream.request_id, finished=True,
+                                                   finish_reason="error", error=exc))
+        finally:
+            scheduled.set()
+            if self.streams.get(key) is stream:
+                del self.streams[key]
+
+    def abort(self, key: Key = None) -> None:
+        """Abort the request of ``key``: its final output still comes back. A start still
+        waiting for the model or its submission is cancelled instead."""
+        stream = self.streams.get(key)
+        if stream is not None:
+            if not stream.is_finished:
+                stream.abort()
+            return
+        task = self.tasks.get(key)
+        if task is not None and not task.done():
+            task.cancel()
+
+    def stream(self, key: Key = None) -> RequestStream | None:
+        """The running request of ``key``, if any (for a wire's own controls)."""
+        return self.streams.get(key)
+
+    def count_rejection(self, code: str) -> None:
+        """Count one refusal in the rejection metric."""
+        if self.metrics is not None:
+            self.metrics.observe_rejection(protocol=self.protocol, code=code)
+
+    async def aclose(self) -> None:
+        """End every request of the connection now (freeing their KV memory) and the tasks."""
+        self.is_closed = True
+        streams = list(self.streams.values())
+        for stream in streams:
+            await stream.aclose()
+        current = asyncio.current_task()
+        tasks = [t for t in [*self.tasks.values(), self._flusher] if t is not None and t is not current]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(BaseException):
+                await task
+
+    async def wait(self) -> None:
+        """Wait until every started request has ended (a whole-response wire: REST, SSE)."""
+        while True:
+            tasks = [t for t in self.tasks.values() if not t.done()]
+            if not tasks:
+                return
+            await asyncio.wait(tasks)
+
+    # -------------------------------------------------------------- internals
+    async def _run(self, key: Key, request: GenerateRequest) -> None:
+        try:
+            stream = await self.submit(request, key)
+            if stream is not None:
+                await self.pump(stream, key)
+        except (Gone, asyncio.CancelledError):
+            return  # the peer left, or the start was aborted: aclose()/abort() did the rest
+        except Exception as exc:  # noqa: BLE001 - a bug in a session or transport: the connection fails
+            log.exception("%s: request %s failed", self.protocol, key)
+            with contextlib.suppress(Gone):
+                await self.perform(self.session.on_error(exc))
+        finally:
+            if self.tasks.get(key) is asyncio.current_task():
+                del self.tasks[key]
+
+    async def _deliver(self, key: Key, output: RequestOutput) -> None:
+        if self.groups_steps:
+            pending = self._slots.get(key)
+            self._slots[key] = output if pending is None else pending.merge(output)
+            self._wake.set()
+            if self._flusher is None:
+                self._flusher = asyncio.create_task(self._flush_steps())
+            return
+        for piece in split_by_token(output) if self.one_event_per_token else (output,):
+            await self.perform(self.session.on_output(key, piece, self.clock()))
+
+    async def _flush_steps(self) -> None:
+        session = cast(StepSession, self.session)
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            # Every stream of one engine step was filled in one loop callback and their pumps
+            # ran before this task woke, so this drain groups that step's outputs.
+            drained, self._slots = self._slots, {}
+            if self.one_event_per_token:
+                # One group per token position: a request whose reader lagged gets one event
+                # per token, beside the other requests' tokens of the same position.
+                pieces = {key: split_by_token(output) for key, output in drained.items()}
+                depth = max((len(p) for p in pieces.values()), default=0)
+                groups = [[(key, p[i]) for key, p in pieces.items() if i < len(p)] for i in range(depth)]
+            else:
+                groups = [list(drained.items())] if drained else []
+            for group in groups:
+                await self.perform(session.on_outputs(group, self.clock()))
+
+    async def _wait_for_model(self) -> None:
+        client = self.client
+        while not client.is_ready():
+            if client.load_error is not None:
+                raise ModelLoadError("the model failed to load")
+            if client.model_info is not None:  # it had loaded: the engine has stopped, for good
+                raise EngineDead("the engine has stopped")
+            progress, eta_s = client.load_progress()
+            await self.perform(self.session.on_loading(progress, eta_s))
+            try:
+                await asyncio.wait_for(asyncio.shield(client.wait_ready()), LOADING_STATUS_PERIOD_S)
+            except TimeoutError:
+                continue
+            except EngineDead as exc:
+                raise ModelLoadError("the model failed to load") from exc
+
+    async def _report_queue(self, stream: RequestStream, key: Key, scheduled: asyncio.Event) -> None:
+        # Never cancelled mid-send (that could cut a frame): it stops at its next wait once
+        # ``scheduled`` is set.
+        last: tuple[int, int] | None = None
+        with contextlib.suppress(Gone):
+            while not scheduled.is_set() and (place := self.client.queue_position(stream.request_id)) is not None:
+                if place != last and (last is not None or place[1] > 1):
+                    last = place
+                    await self.perform(self.session.on_queued(key, *place))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(scheduled.wait(), QUEUE_STATUS_PERIOD_S)
+
+    def _note_refusal(self, exc: BaseException) -> None:
+        if not isinstance(exc, RillError):
+            log.error("%s: a request failed at submission", self.protocol, exc_info=exc)
+        self.count_rejection(exc.code if isinstance(exc, RillError) else RillError.code)
