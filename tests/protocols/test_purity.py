@@ -21,6 +21,7 @@ PROTOCOLS_DIR = Path(rill.protocols.__file__).parent
 
 NOT_PURE = {
     "adapter.py": "the one file of each protocol that does I/O",
+    "_shared/driver.py": "the adapters' shared engine plumbing: runs a session's requests on the engine client",
     "chat_ws/media.py": "decodes media in memory (MEDIA_ALLOWED; its own test below)",
     "evergreen/protogen.py": "build tool: runs protoc and writes the generated modules",
 }
