@@ -1,4 +1,5 @@
-# The README's two commands: `make serve` and `make test`. Both set everything up first.
+# The README's two commands: `make serve` and `make test`. Both set everything up first, as does
+# `make lint`.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -6,7 +7,7 @@ STAMP := $(VENV)/.rill-installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: serve test setup setup-llamacpp bench clean
+.PHONY: serve test lint setup setup-llamacpp bench clean
 
 setup: $(STAMP)
 
@@ -17,7 +18,7 @@ $(STAMP): pyproject.toml requirements-no-deps.txt
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==2.13.0
 	$(BIN)/python -m pip install --quiet --no-deps -r requirements-no-deps.txt
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet -e '.[test,lint]'
 	touch $(STAMP)
 
 # --runner llamacpp: the optional extra, compiled from llama-cpp-python's source distribution
@@ -31,6 +32,17 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# All three checks run even when one fails, so one pass shows everything to fix; the last line
+# names the failed ones.
+LINT_PATHS := src tests benchmarks
+lint: $(STAMP)
+	@failed=""; \
+	echo "== ruff check"; $(BIN)/ruff check $(LINT_PATHS) || failed="$$failed ruff-check"; \
+	echo "== ruff format --check"; $(BIN)/ruff format --check $(LINT_PATHS) || failed="$$failed ruff-format"; \
+	echo "== mypy"; $(BIN)/mypy || failed="$$failed mypy"; \
+	if [ -n "$$failed" ]; then echo "make lint: FAILED:$$failed" >&2; exit 1; fi; \
+	echo "make lint: ruff check, ruff format --check and mypy passed"
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/engine.py
