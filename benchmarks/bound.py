@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peers import model_folder  # noqa: E402
+from peers import model_folder
 
 
 def _best_s(fn, repeat: int) -> float:

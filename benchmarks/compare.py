@@ -36,8 +36,8 @@ import json
 import math
 import os
 import shutil
-import socket
 import signal
+import socket
 import subprocess
 import sys
 import tarfile
@@ -176,7 +176,7 @@ class Server:
         self.env = env
         self.proc: subprocess.Popen | None = None
 
-    def __enter__(self) -> "Server":
+    def __enter__(self) -> Server:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with self.log.open("w") as out:
             # Its own process group, so pause/resume reach the workers a server spawns (vLLM's engine core).

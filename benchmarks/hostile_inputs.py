@@ -46,17 +46,19 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from compare import Server, free_port, resolve_model  # noqa: E402
+from compare import Server, free_port, resolve_model
 
-from rill.clients.evergreen import EvergreenClient, EvergreenError  # noqa: E402
-from rill.protocols.evergreen.messages import (  # noqa: E402
+from rill.clients.evergreen import EvergreenClient, EvergreenError
+from rill.protocols.evergreen import codec
+from rill.protocols.evergreen.messages import (
     Action,
     Chunk,
     ChunkMetadata,
@@ -65,7 +67,6 @@ from rill.protocols.evergreen.messages import (  # noqa: E402
     NodeFragment,
     SessionMessage,
 )
-from rill.protocols.evergreen import codec  # noqa: E402
 
 MB = 1_000_000
 TEXT = ChunkMetadata(mimetype="text/plain")

@@ -30,7 +30,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from compare import Server, free_port, resolve_model  # noqa: E402
+from compare import Server, free_port, resolve_model
 
 KINDS = ("bare", "request line", "unfinished body", "websocket")
 

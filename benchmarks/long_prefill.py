@@ -21,12 +21,12 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch  # noqa: E402
+import torch
 
-from rill.config import EngineConfig  # noqa: E402
-from rill.engine.request import AbortCommand, AddCommand, Request  # noqa: E402
-from rill.engine.builder import Engine, build_engine  # noqa: E402
-from rill.types import SamplingParams  # noqa: E402
+from rill.config import EngineConfig
+from rill.engine.builder import Engine, build_engine
+from rill.engine.request import AbortCommand, AddCommand, Request
+from rill.types import SamplingParams
 
 CACHE = Path(os.environ.get("RILL_CACHE_DIR", Path.home() / ".cache" / "rill")) / "bench"
 

@@ -34,7 +34,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from compare import Server, free_port, resolve_model  # noqa: E402
+from compare import Server, free_port, resolve_model
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven small owls watch from an old tree".split()
 

@@ -30,12 +30,12 @@ import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from compare import PeerUnavailable, Server, free_port, resolve_model  # noqa: E402
+from compare import PeerUnavailable, Server, free_port, resolve_model
 
-from rill.bench.drivers import DRIVERS, Options, Target  # noqa: E402
-from rill.bench.runner import measure  # noqa: E402
-from rill.bench.stats import RequestRecord, Summary, format_report, summarize  # noqa: E402
-from rill.bench.workload import synthetic_prompts  # noqa: E402
+from rill.bench.drivers import DRIVERS, Options, Target
+from rill.bench.runner import measure
+from rill.bench.stats import RequestRecord, Summary, format_report, summarize
+from rill.bench.workload import synthetic_prompts
 
 
 def raise_fd_limit(needed: int) -> int:

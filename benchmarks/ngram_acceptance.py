@@ -21,10 +21,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quant_quality import generate  # noqa: E402  (benchmarks/ is not a package)
+from quant_quality import generate  # benchmarks/ is not a package
 
-from rill.engine.ngram import NgramProposer  # noqa: E402
-from rill.models.loader import load_model  # noqa: E402
+from rill.engine.ngram import NgramProposer
+from rill.models.loader import load_model
 
 _CODE = '''def average(values):
     total = 0

@@ -88,7 +88,7 @@ import httpx
 import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare import (  # noqa: E402  (benchmarks/ is not a package)
+from compare import (  # benchmarks/ is not a package
     PEERS_DIR,
     PeerUnavailable,
     Server,
@@ -100,11 +100,11 @@ from compare import (  # noqa: E402  (benchmarks/ is not a package)
     resolve_model,
 )
 
-from rill.bench.drivers import BenchError, Options, Target  # noqa: E402
-from rill.bench.runner import measure  # noqa: E402
-from rill.bench.stats import Summary  # noqa: E402
-from rill.bench.workload import WORDS, BenchRequest  # noqa: E402
-from rill.errors import ModelLoadError  # noqa: E402
+from rill.bench.drivers import BenchError, Options, Target
+from rill.bench.runner import measure
+from rill.bench.stats import Summary
+from rill.bench.workload import WORDS, BenchRequest
+from rill.errors import ModelLoadError
 
 GGUF_TYPES = ("bf16", "f32", "q8_0")
 """GGUF weight types the converter writes for llama-server and rill-llamacpp."""
@@ -587,7 +587,7 @@ class Hog:
         self.procs = procs
         self._running: list[subprocess.Popen] = []
 
-    def __enter__(self) -> "Hog":
+    def __enter__(self) -> Hog:
         for _ in range(self.procs):
             self._running.append(subprocess.Popen(["yes"], stdout=subprocess.DEVNULL))
         return self

@@ -43,11 +43,11 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare import PEERS_DIR, PeerUnavailable, llama_source  # noqa: E402  (benchmarks/ is not a package)
+from compare import PEERS_DIR, PeerUnavailable, llama_source  # benchmarks/ is not a package
 
-from rill.engine.batch import RowWork  # noqa: E402
-from rill.engine.runner import TorchModelRunner  # noqa: E402
-from rill.models.loader import load_model  # noqa: E402
+from rill.engine.batch import RowWork
+from rill.engine.runner import TorchModelRunner
+from rill.models.loader import load_model
 
 GPL_3 = Path("/usr/share/common-licenses/GPL-3")
 PYTHON_REFERENCE_CHARS = 40_000

@@ -38,12 +38,12 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare import Server, ensure_gguf, free_port  # noqa: E402
-from peers import GGUF_TYPE_OF_DTYPE, exact_prompts, load_average, model_folder, rill_serve_cmd  # noqa: E402
+from compare import Server, ensure_gguf, free_port
+from peers import GGUF_TYPE_OF_DTYPE, exact_prompts, load_average, model_folder, rill_serve_cmd
 
-from rill.bench.drivers import Options, Target  # noqa: E402
-from rill.bench.runner import measure  # noqa: E402
-from rill.bench.workload import BenchRequest  # noqa: E402
+from rill.bench.drivers import Options, Target
+from rill.bench.runner import measure
+from rill.bench.workload import BenchRequest
 
 PY_SPY = Path(sys.executable).parent / "py-spy"
 

@@ -32,12 +32,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from compare import PeerUnavailable, Server, free_port, resolve_model  # noqa: E402
+from compare import PeerUnavailable, Server, free_port, resolve_model
 
-from rill.bench.drivers import DRIVERS, Options, Target, server_protocol  # noqa: E402
-from rill.bench.runner import measure  # noqa: E402
-from rill.bench.stats import Distribution, distribution  # noqa: E402
-from rill.bench.workload import synthetic_prompts  # noqa: E402
+from rill.bench.drivers import DRIVERS, Options, Target, server_protocol
+from rill.bench.runner import measure
+from rill.bench.stats import Distribution, distribution
+from rill.bench.workload import synthetic_prompts
 
 
 class Row:
@@ -52,7 +52,6 @@ def engine_rows(model_dir: Path, levels: list[int], args: argparse.Namespace) ->
     import torch
 
     from engine import run_rill  # benchmarks/engine.py (the lead's engine benchmark)
-
     from rill.config import EngineConfig
     from rill.engine.builder import build_engine
 

@@ -27,8 +27,8 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-import httpx  # noqa: E402
-import torch  # noqa: E402
+import httpx
+import torch
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -105,7 +105,7 @@ class Server:
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self.url = f"http://127.0.0.1:{self.port}"
 
-    def __enter__(self) -> "Server":
+    def __enter__(self) -> Server:
         deadline = time.monotonic() + 900
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

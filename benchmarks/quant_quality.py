@@ -22,11 +22,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quality import QUESTIONS  # noqa: E402  (benchmarks/ is not a package)
+from quality import QUESTIONS  # benchmarks/ is not a package
 
-from rill.engine.batch import RowWork  # noqa: E402
-from rill.engine.runner import TorchModelRunner  # noqa: E402
-from rill.models.loader import LoadedModel, load_model  # noqa: E402
+from rill.engine.batch import RowWork
+from rill.engine.runner import TorchModelRunner
+from rill.models.loader import LoadedModel, load_model
 
 
 def generate(loaded: LoadedModel, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:

@@ -20,10 +20,9 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine import run_rill  # noqa: E402  (benchmarks/ is not a package)
-
-from rill.config import EngineConfig  # noqa: E402
-from rill.engine.builder import build_engine  # noqa: E402
+from engine import run_rill  # benchmarks/ is not a package
+from rill.config import EngineConfig
+from rill.engine.builder import build_engine
 
 
 def run_row(engine, concurrency: int, prompt_len: int, new_tokens: int, tag: int) -> tuple[float, float]:

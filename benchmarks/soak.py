@@ -34,18 +34,17 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from compare import Server, free_port, resolve_model  # noqa: E402
-from hostile_inputs import proc_status  # noqa: E402
+from compare import Server, free_port, resolve_model
+from hostile_inputs import proc_status
 
-from rill.clients.evergreen import EvergreenClient, EvergreenError  # noqa: E402
-from rill.clients.uds import UdsClient, UdsConnectionError  # noqa: E402
-from rill.protocols.evergreen.messages import GenerateConfig  # noqa: E402
+from rill.clients.evergreen import EvergreenClient, EvergreenError
+from rill.clients.uds import UdsClient, UdsConnectionError
+from rill.protocols.evergreen.messages import GenerateConfig
 
 PROMPTS = ("Once upon a time", "The little robot", "Write a list of fruits:", "In the morning the cat",
            "Here is a poem about the sea:")
@@ -78,7 +77,7 @@ class Soak:
             name = case.__name__
             try:
                 await asyncio.wait_for(case(http), 120)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 self.note(name, "client timeout (120 s)")
             except Exception as exc:  # the soak counts what broke; it goes on
                 self.note(name, f"client saw {type(exc).__name__}")

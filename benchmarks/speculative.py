@@ -36,7 +36,6 @@ import asyncio
 import json
 import os
 import re
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -45,9 +44,9 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare import PeerUnavailable, Server, ensure_llama_server, free_port  # noqa: E402
-from ngram_acceptance import LOADS  # noqa: E402
-from peers import cpu_list, ensure_vllm, load_average, peer_model, rill_serve_cmd, say, stop_server, vllm_preload  # noqa: E402
+from compare import PeerUnavailable, Server, ensure_llama_server, free_port
+from ngram_acceptance import LOADS
+from peers import cpu_list, ensure_vllm, load_average, peer_model, rill_serve_cmd, say, stop_server, vllm_preload
 
 SYSTEMS = ("rill", "rill-ngram", "rill-draft", "llama-server", "llama-server-draft", "llama-server-ngram")
 VLLM_SYSTEMS = ("vllm-cpu", "vllm-cpu-ngram", "vllm-cpu-draft")

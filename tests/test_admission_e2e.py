@@ -14,8 +14,9 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import httpx
 import pytest
@@ -193,7 +194,7 @@ RATE_LIMITED = {
 }
 """How each protocol says "rate limited"."""
 
-UNAUTHENTICATED = {protocol: 401 for protocol in PROTOCOLS} | {"evergreen_grpc": "UNAUTHENTICATED",
+UNAUTHENTICATED = dict.fromkeys(PROTOCOLS, 401) | {"evergreen_grpc": "UNAUTHENTICATED",
                                                                "framed_uds": "E_AUTH_UNAUTHORIZED"}
 """How each protocol refuses a key: WebSocket handshakes and HTTP answer 401, gRPC and the Unix
 socket their own codes."""

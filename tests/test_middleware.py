@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator
 from types import SimpleNamespace
-from typing import Any, AsyncIterator
+from typing import Any
 
 import httpx
 import pytest
@@ -20,9 +21,8 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
-from rill import auth
+from rill import auth, middleware
 from rill import config as config_mod
-from rill import middleware
 from rill.protocols.openai_http.adapter import http_error
 from tests.helpers import serving
 

@@ -15,8 +15,8 @@ import pytest
 
 from tests.conftest import LiveServer, start_server
 from tests.test_isolation_e2e import (
-    N,
     STREAM_LIMIT_S,
+    N,
     batch_ws_stream,
     chat_ws_stream,
     evergreen_stream,

@@ -48,14 +48,14 @@ def test_every_numeric_field_has_finite_bounds(field: str, good: list, bad: list
 
 def test_list_and_mapping_fields_are_bounded() -> None:
     SamplingParams(stop=["x" * types.MAX_STOP_STRING_CHARS] * types.MAX_STOP_STRINGS).validate()
-    SamplingParams(logit_bias={i: 100.0 for i in range(types.MAX_LOGIT_BIAS_ENTRIES)}).validate()
+    SamplingParams(logit_bias=dict.fromkeys(range(types.MAX_LOGIT_BIAS_ENTRIES), 100.0)).validate()
     SamplingParams(stop_token_ids=list(range(types.MAX_STOP_TOKEN_IDS))).validate(vocab_size=types.MAX_STOP_TOKEN_IDS)
     SamplingParams(allowed_token_ids=[0, 9]).validate(vocab_size=10)
     refused = [
         ("stop", dict(stop=["x"] * (types.MAX_STOP_STRINGS + 1))),
         ("stop", dict(stop=["x" * (types.MAX_STOP_STRING_CHARS + 1)])),
         ("stop", dict(stop=[""])),
-        ("logit_bias", dict(logit_bias={i: 1.0 for i in range(types.MAX_LOGIT_BIAS_ENTRIES + 1)})),
+        ("logit_bias", dict(logit_bias=dict.fromkeys(range(types.MAX_LOGIT_BIAS_ENTRIES + 1), 1.0))),
         ("logit_bias", dict(logit_bias={-1: 1.0})),
         ("logit_bias", dict(logit_bias={1: math.nan})),
         ("logit_bias", dict(logit_bias={1: 100.5})),

@@ -22,7 +22,8 @@ import hashlib
 import hmac
 import logging
 import re
-from typing import Any, Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
+from typing import Any
 
 APP_SUBPROTOCOL = "rill"
 """The subprotocol a server selects when a client offers it (with or without a key)."""

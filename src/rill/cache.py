@@ -15,8 +15,8 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 
 def cache_root() -> Path:

@@ -37,7 +37,8 @@ import asyncio
 import ipaddress
 import logging
 import time
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from websockets.frames import Close, Frame, Opcode
 
@@ -71,7 +72,7 @@ class Lease:
 
     __slots__ = ("_gate", "client", "_released", "evict")
 
-    def __init__(self, gate: "ConnectionGate", client: str | None) -> None:
+    def __init__(self, gate: ConnectionGate, client: str | None) -> None:
         self._gate = gate
         self.client = client
         self._released = False
@@ -210,7 +211,7 @@ class ConnectionGate:
         lease.release()  # its place is free now, whenever the socket actually goes
         try:
             evict()
-        except Exception:  # noqa: BLE001 - a peer already gone must not refuse the newcomer
+        except Exception:  # a peer already gone must not refuse the newcomer
             log.debug("closing an idle connection failed", exc_info=True)
 
     def _release(self, client: str | None) -> None:
@@ -230,7 +231,7 @@ class ConnectionGate:
             log.warning("refusing connections: %d open (limit %d, %d per client); %d refused so far",
                         self.total, self.max_total, self.max_per_client, self.refused)
 
-    def http_connection(self, scope: dict[str, Any]) -> "GuardedProtocol | None":
+    def http_connection(self, scope: dict[str, Any]) -> GuardedProtocol | None:
         """The HTTP-port connection an ASGI ``scope`` arrived on (None if unknown)."""
         client = scope.get("client")
         return self.http_connections.get((client[0], client[1])) if client else None

@@ -39,8 +39,9 @@ import sqlite3
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from rill.errors import StorageFull
 

@@ -37,7 +37,7 @@ import asyncio
 import contextlib
 import ipaddress
 import socket
-from typing import Callable
+from collections.abc import Callable
 from urllib.parse import parse_qs, urlsplit
 
 from starlette.middleware.cors import CORSMiddleware
@@ -46,8 +46,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from rill import auth
 from rill.connections import ConnectionGate, GuardedProtocol
 from rill.deps import Deps
-from rill.errors import (BodyTooLarge, Forbidden, IdleTimeout, MethodNotAllowed, RouteNotFound, TooManyConnections,
-                         Unauthorized)
+from rill.errors import (
+    BodyTooLarge,
+    Forbidden,
+    IdleTimeout,
+    MethodNotAllowed,
+    RouteNotFound,
+    TooManyConnections,
+    Unauthorized,
+)
 
 ErrorRenderer = Callable[[BaseException], tuple[int, dict[str, str], bytes]]
 """Turns an error into (HTTP status, extra headers, JSON body). The server passes the OpenAI
@@ -109,7 +116,7 @@ class Guard:
     """
 
     def __init__(self, app: ASGIApp, render_error: ErrorRenderer, api_keys: set[str], max_body_bytes: int,
-                 sites: "SiteCheck | None" = None,
+                 sites: SiteCheck | None = None,
                  gate: ConnectionGate | None = None, body_timeout_s: float | None = None,
                  first_message_timeout_s: float | None = None, forwarded_allow_ips: list[str] | None = None) -> None:
         self.app = app
@@ -304,7 +311,7 @@ class _FirstMessageWatch:
     connection gate may close it to make room for another client.
     """
 
-    def __init__(self, receive: Receive, send: Send, timeout_s: float, connection: "GuardedProtocol | None" = None) -> None:
+    def __init__(self, receive: Receive, send: Send, timeout_s: float, connection: GuardedProtocol | None = None) -> None:
         self._receive = receive
         self._send = send
         self.timeout_s = timeout_s

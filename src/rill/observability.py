@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from rill.deps import Deps
 
 
-def routes(deps: "Deps") -> list[BaseRoute]:
+def routes(deps: Deps) -> list[BaseRoute]:
     """``/health`` always; ``/metrics`` when the server keeps a metrics registry."""
     probes = _Probes(deps.client, deps.metrics)
     found: list[BaseRoute] = [Route("/health", probes.health, methods=["GET"])]

@@ -76,7 +76,7 @@ class ResponseFormat(msgspec.Struct, kw_only=True):
     regex: str | None = None
     grammar: str | None = None
 
-    def validate(self) -> "ResponseFormat":
+    def validate(self) -> ResponseFormat:
         """Check that the field ``type`` needs is there and bounded; raise ``InvalidRequest``."""
         field = "response_format"
         if self.type == "json_schema":
@@ -157,7 +157,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     distribution, and with a seed the same text); only the speed differs."""
 
     def validate(self, vocab_size: int | None = None, max_logprobs: int = 20,
-                 allow_prefill_only: bool = False) -> "SamplingParams":
+                 allow_prefill_only: bool = False) -> SamplingParams:
         """Check the type and range of every field; raise ``InvalidRequest`` naming the first bad
         one (``field`` is the engine's name; protocols rename it to their wire's). Returns self.
 
@@ -252,12 +252,12 @@ class SamplingParams(msgspec.Struct, kw_only=True):
                    "cannot be combined with beam search (num_beams > 1)")
 
     @property
-    def constraint(self) -> "ResponseFormat | None":
+    def constraint(self) -> ResponseFormat | None:
         """The response format when it constrains decoding, else None."""
         fmt = self.response_format
         return fmt if fmt is not None and fmt.is_constraint else None
 
-    def updated(self, patch: dict[str, Any]) -> "SamplingParams":
+    def updated(self, patch: dict[str, Any]) -> SamplingParams:
         """Return a copy with ``patch`` applied, validated; raise ``InvalidRequest`` on a bad field.
 
         Unknown field names are rejected too, so a typo never passes silently.
@@ -476,7 +476,7 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     first_token_time: float | None = None
     last_token_time: float | None = None
 
-    def merge(self, later: "RequestOutput") -> "RequestOutput":
+    def merge(self, later: RequestOutput) -> RequestOutput:
         """Fold a later delta of the same request into this one (coalescing for slow consumers)."""
         logprobs = None
         if self.logprobs is not None or later.logprobs is not None:

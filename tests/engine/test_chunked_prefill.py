@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import random
 import time
-from pathlib import Path
 
 import pytest
 
 from rill.config import EngineConfig
-from rill.engine.request import AbortCommand, AddCommand, Request
 from rill.engine.builder import Engine, build_engine
+from rill.engine.request import AbortCommand, AddCommand, Request
 from rill.types import SamplingParams
 
 

@@ -8,11 +8,20 @@ from rill.engine.request import AbortCommand, AddCommand, ModifyCommand, PauseCo
 from rill.errors import RequestTimeout
 from rill.types import RequestEvent, SamplingParams
 from tests.engine.fake_core import (
-    PROMPTS, Clock, Result, assert_idle, make_engine, make_request, run, solo, step, step_until_finished,
+    PROMPTS,
+    Clock,
+    Result,
+    assert_idle,
+    make_engine,
+    make_request,
+    run,
+    solo,
+    step,
+    step_until_finished,
 )
 
 
-def steps_until(engine, results: dict[str, Result], rid: str, num_tokens: int) -> None:  # noqa: ANN001 - Engine
+def steps_until(engine, results: dict[str, Result], rid: str, num_tokens: int) -> None:  # engine: an Engine
     """Step until ``rid`` has ``num_tokens`` tokens (bounded)."""
     for _ in range(500):
         if len(results.get(rid, Result()).token_ids) >= num_tokens:

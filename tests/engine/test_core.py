@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from rill.config import EngineConfig
+from rill.engine.builder import Engine, build_engine
 from rill.engine.request import (
     AbortCommand,
     AddCommand,
@@ -22,9 +23,7 @@ from rill.engine.request import (
     ResumeCommand,
 )
 from rill.errors import CacheMiss
-from rill.engine.builder import Engine, build_engine
 from rill.types import RequestEvent, SamplingParams
-
 from tests.engine.fake_core import Result, assert_idle, run
 
 PROMPTS = [

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from rill.config import EngineConfig
+from rill.engine.builder import Engine, build_engine
 from rill.engine.request import AddCommand, ModifyCommand
 from rill.errors import GenerationError
-from rill.engine.builder import Engine, build_engine
 from rill.testing.faults import fail_sampling
 from rill.types import SamplingParams
 from tests.engine.test_core import MIXED, PROMPTS, Result, assert_idle, make_request, run

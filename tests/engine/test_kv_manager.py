@@ -6,7 +6,15 @@ from rill.engine.kv_cache import EmptyRow, KVManager
 from rill.engine.request import AbortCommand, AddCommand
 from rill.types import RequestEvent
 from tests.engine.fake_core import (
-    PROMPTS, Result, assert_idle, make_engine, make_request, run, solo, step, step_until_finished,
+    PROMPTS,
+    Result,
+    assert_idle,
+    make_engine,
+    make_request,
+    run,
+    solo,
+    step,
+    step_until_finished,
 )
 
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from rill.config import EngineConfig
+from rill.engine.builder import Engine, build_engine
 from rill.engine.request import AddCommand, Request
 from rill.errors import InvalidRequest
-from rill.engine.builder import Engine, build_engine
 from rill.types import RequestEvent, RequestOutput, SamplingParams
 
 TEXT = ("Once upon a time there was a little fox who lived in a den under an old oak tree. Every morning the fox "

@@ -23,12 +23,19 @@ import torch
 from rill.config import EngineConfig
 from rill.engine.batch import RowWork
 from rill.engine.builder import Engine, assemble_engine, build_engine
-from rill.engine.request import AbortCommand, AddCommand, ModifyCommand, PauseCommand, RegenerateCommand, Request, ResumeCommand
+from rill.engine.request import (
+    AbortCommand,
+    AddCommand,
+    ModifyCommand,
+    PauseCommand,
+    RegenerateCommand,
+    Request,
+    ResumeCommand,
+)
 from rill.engine.speculative import SpeculativeConfig, Speculator, Track, step_cost
 from rill.errors import ConfigError
 from rill.testing.fake_runner import FakeRunner, fake_tokenizer, history_hash
 from rill.types import ResponseFormat, SamplingParams
-
 from tests.engine.fake_core import Result, assert_idle, make_request, run, step
 
 PROMPTS = [

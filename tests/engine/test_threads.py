@@ -281,7 +281,6 @@ def test_the_engine_asks_the_governor_before_every_forward_and_tells_it_after_ev
     from rill.engine.builder import assemble_engine
     from rill.engine.request import AddCommand
     from rill.testing.fake_runner import FakeRunner, fake_tokenizer
-
     from tests.engine.fake_core import make_request
 
     calls: list[str] = []

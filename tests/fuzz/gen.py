@@ -17,7 +17,8 @@ from __future__ import annotations
 import json
 import random
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 RAW_TOKENS = ["1e400", "-1e400", "NaN", "Infinity", "1" + "0" * 400, "-" + "9" * 400, "1e-400", "0.0e99999", "-0"]
 """JSON number tokens that json.dumps cannot write: placed as ``"\\u0000RAW<i>"`` then swapped in."""

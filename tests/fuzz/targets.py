@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from rill.config import SamplingDefaults
 from rill.errors import InvalidRequest, RillError
@@ -396,7 +397,7 @@ def run_one(name: str, seed: int, stats: Stats, given: bytes | None = None) -> N
         kind, is_accepted = TARGETS[name](rng, given)
     except (AssertionError, KeyboardInterrupt):
         raise
-    except BaseException as exc:  # noqa: BLE001 - the property under test
+    except BaseException as exc:  # the property under test
         raise Undocumented(f"{name}: seed {seed}: {type(exc).__name__}: {exc!r}"[:2000]) from exc
     if kind == "valid" and not is_accepted:
         raise AssertionError(f"{name}: seed {seed}: a valid input was refused")

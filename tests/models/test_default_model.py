@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from rill.errors import ModelLoadError
 from rill.engine.builder import _model_path
+from rill.errors import ModelLoadError
 from rill.models import default as default_model
 from rill.models.gguf_loader import read_gguf
 
@@ -66,11 +66,11 @@ def test_serve_without_model_resolves_to_the_prepared_default(prepared) -> None:
 
 
 def test_the_prepared_default_answers_a_question(prepared) -> None:
+    from rill_model_helpers import Sequence, run_greedy
+
     from rill.engine.runner import TorchModelRunner
     from rill.models import load_model
     from rill.models.tokenizer import Tokenizer
-
-    from rill_model_helpers import Sequence, run_greedy
 
     folder, _ = prepared
     tokenizer = Tokenizer.from_folder(folder)

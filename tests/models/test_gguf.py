@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from rill_model_helpers import Sequence, random_prompts, run_greedy
 
 from rill.engine.runner import TorchModelRunner
 from rill.errors import ModelLoadError
@@ -18,8 +19,6 @@ from rill.models.gguf_loader import find_gguf, read_gguf
 from rill.models.tokenizer import Tokenizer
 from rill.testing.checkpoints import generate_text
 from rill.testing.gguf_files import gguf_name, source_tensors, write_gguf
-
-from rill_model_helpers import Sequence, random_prompts, run_greedy
 
 
 def _mixed_quant(name: str, tensor: torch.Tensor) -> str:
@@ -128,7 +127,8 @@ def test_a_folder_holding_one_gguf_file_loads_it(gguf_files, tmp_path) -> None:
 
 def test_an_unknown_quantization_type_is_refused_by_name(tmp_path) -> None:
     import gguf
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+    from gguf.constants import GGML_QUANT_SIZES
+    from gguf.constants import GGMLQuantizationType as Q
 
     path = tmp_path / "iq.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")

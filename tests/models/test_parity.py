@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from rill_model_helpers import CASES, Sequence, hf_greedy, load_hf, random_prompts, run_greedy
 
 from rill.engine.runner import TorchModelRunner
 from rill.models import load_model
-
-from rill_model_helpers import CASES, Sequence, hf_greedy, load_hf, random_prompts, run_greedy
 
 TOLERANCE = 1e-3
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
+from rill_model_helpers import Sequence, random_prompts, run_greedy
 
 from rill.engine.batch import RowWork
 from rill.engine.runner import TorchModelRunner
@@ -17,8 +18,6 @@ from rill.errors import ModelLoadError
 from rill.models import load_model, qkernel, quant, quant_cache
 from rill.models.gguf_loader import read_gguf
 from rill.testing.gguf_files import write_gguf
-
-from rill_model_helpers import Sequence, random_prompts, run_greedy
 
 _BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 

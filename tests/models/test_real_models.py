@@ -16,13 +16,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from rill_model_helpers import Sequence, hf_greedy, run_greedy
 
 from rill.engine.runner import TorchModelRunner
 from rill.models import load_model
 from rill.models.default import default_gguf_path
 from rill.testing.checkpoints import generate_text
-
-from rill_model_helpers import Sequence, hf_greedy, run_greedy
 
 # Loading a model twice (rill, transformers) takes minutes on a loaded 2-core machine.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]

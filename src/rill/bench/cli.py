@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
         if summary.num_ok == 0:
             exit_code = 1
     path = Path(args.output or f"rill-bench-{datetime.datetime.now():%Y%m%d-%H%M%S}.json")
-    document = {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(), "command": sys.argv,
+    document = {"created": datetime.datetime.now(datetime.UTC).isoformat(), "command": sys.argv,
                 "workload": {"num_requests": args.num_requests, "prompt_len_words": args.prompt_len,
                              "max_tokens": args.max_tokens, "prompts_file": args.prompts_file,
                              "temperature": args.temperature, "ignore_eos": not args.no_ignore_eos},

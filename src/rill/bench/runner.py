@@ -16,7 +16,7 @@ import asyncio
 import errno
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from rill.bench.drivers import BenchError, Driver, Options, Target, Timer
 from rill.bench.stats import RequestRecord, Summary

@@ -23,7 +23,8 @@ import argparse
 import asyncio
 import sys
 import uuid
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from rill.config import EvergreenConfig
 from rill.protocols.evergreen import codec
@@ -129,7 +130,7 @@ class EvergreenClient:
         self.api_key = api_key
         self._channel: Any = None
 
-    async def __aenter__(self) -> "EvergreenClient":
+    async def __aenter__(self) -> EvergreenClient:
         import grpc
 
         self._channel = grpc.aio.insecure_channel(self.address)

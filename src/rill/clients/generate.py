@@ -23,7 +23,8 @@ import contextlib
 import json
 import signal
 import sys
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 DEFAULT_URL = "ws://127.0.0.1:8000/generate"
 
@@ -50,7 +51,7 @@ class GenerateClient:
         self._ws: Any = None
         self.request_id: str | None = None
 
-    async def __aenter__(self) -> "GenerateClient":
+    async def __aenter__(self) -> GenerateClient:
         await self.connect()
         return self
 

@@ -26,7 +26,8 @@ import socket
 import sys
 import threading
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from rill.config import UdsConfig
 from rill.protocols.framed_uds.framing import FrameDecoder, FramingError, encode_frame
@@ -51,7 +52,7 @@ class UdsClient:
         self._decoder = FrameDecoder(MAX_EVENT_BYTES)
         self._pending: list[bytes] = []
 
-    def __enter__(self) -> "UdsClient":
+    def __enter__(self) -> UdsClient:
         self.connect()
         return self
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -191,7 +192,7 @@ class _Progress:
         self.report = report
         self.percent = 0.0
 
-    def __enter__(self) -> "_Progress":
+    def __enter__(self) -> _Progress:
         return self
 
     def __exit__(self, *exc_info: object) -> None:

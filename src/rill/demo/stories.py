@@ -11,7 +11,7 @@ Imports only the standard library.
 from __future__ import annotations
 
 import random
-from typing import Callable
+from collections.abc import Callable
 
 from rill.demo import lexicon as lx
 from rill.demo.lexicon import Character, a
@@ -214,7 +214,7 @@ def plot_help(s: Story, hero: Character, place: str, thing: str) -> None:
     s.say(other, "Help! Please help me!", "cried")
     s.para()
     s.add(f"{hero.ref} {fix.format(him=other.him, own=hero.his)}.")
-    s.say(other, f"Thank you! You are very kind.")
+    s.say(other, "Thank you! You are very kind.")
     s.add(f"{hero.ref} felt warm and happy inside.")
     close_story(s, ("Helping others is a good thing to do.", "A little kindness goes a long way."))
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -151,8 +151,8 @@ class ThreadTuner:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         self.candidates = candidates or sorted({cpus, 1}, reverse=True)
         self.times: dict[int, list[float]] = {n: [] for n in self.candidates}
-        self.num_steps: dict[int, int] = {n: 0 for n in self.candidates}
-        self.interval = {n: self.FIRST_RECHECK for n in self.candidates}
+        self.num_steps: dict[int, int] = dict.fromkeys(self.candidates, 0)
+        self.interval = dict.fromkeys(self.candidates, self.FIRST_RECHECK)
         # Step 0 is a warm-up; the first candidate is timed next, then each other one.
         self.next_probe = {n: 1 + self.PROBE_STEPS * i for i, n in enumerate(self.candidates)}
         self.best = self.current = self.candidates[0]

@@ -10,8 +10,9 @@ This module is pure: no torch import, so the scheduler can be tested without a m
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 
 @dataclass(slots=True)

@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -46,7 +46,7 @@ from rill.engine.request import (
 from rill.engine.sampler import Sampler
 from rill.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from rill.engine.speculative import SpeculativeConfig, Speculator, step_cost
-from rill.errors import ConstraintFailed, GenerationError, RequestTimeout, RillError
+from rill.errors import ConstraintFailed, GenerationError, RequestTimeout
 from rill.types import EngineStats, FinishReason, RequestEvent, RequestOutput, TokenLogprob, Usage
 
 if TYPE_CHECKING:
@@ -206,7 +206,7 @@ class EngineCore:
             self.scheduler.resume(request)
         self._event(request, RequestEvent.REGENERATING)
 
-    _handlers: dict[type, Callable[["EngineCore", Any], None]] = {
+    _handlers: dict[type, Callable[[EngineCore, Any], None]] = {
         AddCommand: _add,
         AbortCommand: _abort,
         PauseCommand: _pause,

@@ -38,8 +38,9 @@ from __future__ import annotations
 import ctypes
 import itertools
 import logging
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch

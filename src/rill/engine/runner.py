@@ -22,7 +22,7 @@ import math
 import mmap
 import sys
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

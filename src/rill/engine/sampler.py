@@ -51,7 +51,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
 from llguidance import LLExecutor
 from llguidance.numpy import fill_next_token_bitmask_par
 
@@ -304,7 +303,7 @@ class Sampler:
             self._counts[key_arr[ok], tokens[ok]] += 1  # keys are distinct, so no index repeats
         return SampleOutput(token_list, logprobs, errors)
 
-    def _sample_rows(self, raw: np.ndarray, key_arr: np.ndarray, slots: list[_Slot], plan: "_Plan",
+    def _sample_rows(self, raw: np.ndarray, key_arr: np.ndarray, slots: list[_Slot], plan: _Plan,
                      uniforms: np.ndarray) -> tuple[np.ndarray, list[TokenLogprob | None]]:
         """Tokens and logprobs of every row (no history is written here)."""
         with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
@@ -383,7 +382,7 @@ class Sampler:
         slots = [self._slot(k) for k in keys]
         return self._process(raw, np.asarray(keys, np.int64), slots, _Plan.build(slots)).copy()
 
-    def _choose(self, raw: np.ndarray, key_arr: np.ndarray, slots: list[_Slot], plan: "_Plan",
+    def _choose(self, raw: np.ndarray, key_arr: np.ndarray, slots: list[_Slot], plan: _Plan,
                 uniforms: np.ndarray) -> np.ndarray:
         x = self._process(raw, key_arr, slots, plan)
         tokens = np.empty(len(slots), np.int64)
@@ -404,7 +403,7 @@ class Sampler:
             tokens[rows] = drawn
         return tokens
 
-    def _process(self, raw: np.ndarray, key_arr: np.ndarray, slots: list[_Slot], plan: "_Plan") -> np.ndarray:
+    def _process(self, raw: np.ndarray, key_arr: np.ndarray, slots: list[_Slot], plan: _Plan) -> np.ndarray:
         """Penalties, logit_bias and bans applied to a copy of ``raw`` (``raw`` if none apply)."""
         if not (plan.penalty_rows or plan.bias_rows or plan.ban_rows or plan.allow_rows or plan.mask_rows):
             return raw
@@ -569,7 +568,7 @@ class _Plan:
                     or self.allow_rows)
 
     @classmethod
-    def build(cls, slots: list[_Slot]) -> "_Plan":
+    def build(cls, slots: list[_Slot]) -> _Plan:
         """Sort the rows of one step by the work they need."""
         plan = cls([], [], [], [], [], [], [], [])
         for i, sl in enumerate(slots):

@@ -31,8 +31,8 @@ recomputed on resume), else a running request of strictly lower priority is pree
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from rill.engine.batch import RowWork
 from rill.engine.beam import BeamGroup, BeamSearch

@@ -36,10 +36,11 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable, Iterator, MutableMapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, MutableMapping, TypeVar
+from typing import TypeVar
 
 T = TypeVar("T")
 

@@ -26,7 +26,7 @@ import ctypes.util
 import logging
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from rill.errors import ResourceExhausted
 
@@ -133,7 +133,7 @@ class MemoryBudget:
         if self.on_release is not None and num_bytes:
             self.on_release(num_bytes)
 
-    def lease(self, principal: str) -> "Lease":
+    def lease(self, principal: str) -> Lease:
         """A new, empty running total charged to ``principal``."""
         return Lease(self, principal)
 

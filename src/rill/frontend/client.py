@@ -9,8 +9,8 @@ outputs come back to the event loop in one ``call_soon_threadsafe`` hop.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, Protocol, Sequence, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TypeVar
 
 from rill.frontend.admission import Prompt
 from rill.frontend.stream import RequestStream

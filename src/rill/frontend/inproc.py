@@ -15,9 +15,9 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence, TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -118,7 +118,7 @@ class InprocClient:
     # -- lifecycle -------------------------------------------------------------------------
     @classmethod
     def start(cls, config: EngineConfig, engine: Engine | None = None,
-              build: Callable[[EngineConfig, Callable[[float, str], None]], Engine] | None = None) -> "InprocClient":
+              build: Callable[[EngineConfig, Callable[[float, str], None]], Engine] | None = None) -> InprocClient:
         """Create the client on the running loop and start the engine thread (which builds the
         engine with ``build``, default ``build_engine``, unless a ready ``engine`` is given)."""
         client = cls(config, asyncio.get_running_loop())

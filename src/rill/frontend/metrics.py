@@ -18,8 +18,9 @@ reads rill after one relabel rule (``docs/metrics.md``).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterable
 from functools import partial
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,

@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from rill.errors import RateLimited
 
@@ -203,7 +203,7 @@ class RateLimiter:
         else:
             state.bucket.charge(-unused, self._clock())
 
-    def open(self, principal: str, max_tokens: int) -> "Account":
+    def open(self, principal: str, max_tokens: int) -> Account:
         """``admit`` a request and return its ``Account`` (``RateLimited``: nothing changed)."""
         return Account(self, self.admit(principal, max_tokens), max_tokens)
 

@@ -21,8 +21,9 @@ import concurrent.futures
 import contextlib
 import ctypes
 import threading
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import AsyncIterator, Protocol
+from typing import Protocol
 
 import numpy as np
 
@@ -127,11 +128,11 @@ class _Espeak:
     """The process's one libespeak-ng: the library keeps global state (voice, callback), so
     every ``EspeakSynth`` shares this object and its lock."""
 
-    _instance: "_Espeak | None" = None
+    _instance: _Espeak | None = None
     _instance_lock = threading.Lock()
 
     @classmethod
-    def get(cls) -> "_Espeak":
+    def get(cls) -> _Espeak:
         """The shared instance, loading the library on first use."""
         with cls._instance_lock:
             if cls._instance is None:
@@ -207,7 +208,7 @@ class SpeechService:
             self._synth = EspeakSynth()
         return self._synth
 
-    def open(self, language: str | None, max_pending: int = 8) -> "SpeechStream":
+    def open(self, language: str | None, max_pending: int = 8) -> SpeechStream:
         """A stream for one reply; close it with ``aclose()`` (or ``async with``)."""
         return SpeechStream(self, language, max_pending)
 
@@ -283,7 +284,7 @@ class SpeechStream:
                 raise item
             yield item
 
-    async def __aenter__(self) -> "SpeechStream":
+    async def __aenter__(self) -> SpeechStream:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:

@@ -12,7 +12,8 @@ request finished cancels it in the engine at once.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from rill.errors import ResourceExhausted
 from rill.types import RequestId, RequestOutput, SamplingParams
@@ -50,12 +51,12 @@ class RequestStream:
 
     def __init__(
         self,
-        client: "EngineClient",
+        client: EngineClient,
         request_id: RequestId,
         prompt_token_ids: list[int],
         sampling: SamplingParams,
         on_close: Callable[[RequestId], None] | None = None,
-        lease: "Lease | None" = None,
+        lease: Lease | None = None,
     ) -> None:
         self.client = client
         self.request_id = request_id
@@ -103,7 +104,7 @@ class RequestStream:
             self._lease.shrink(self._lease.held)
 
     # -- consumer side ---------------------------------------------------------------
-    def __aiter__(self) -> "RequestStream":
+    def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
@@ -128,7 +129,7 @@ class RequestStream:
             self.is_finished = True
         return output
 
-    async def __aenter__(self) -> "RequestStream":
+    async def __aenter__(self) -> RequestStream:
         return self
 
     async def __aexit__(self, *exc_info: Any) -> None:

@@ -61,7 +61,7 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, s
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
-def _strftime_now(format: str) -> str:  # noqa: A002 - the name templates use
+def _strftime_now(format: str) -> str:  # `format` shadows the builtin: it is the name templates use
     return datetime.now().strftime(format)
 
 
@@ -78,7 +78,7 @@ class _TemplateDict:
 class _TemplateNamespace(jinja2.utils.Namespace):
     """``namespace()`` that refuses underscore-prefixed attributes (no path to internals)."""
 
-    def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 - same trick as jinja's Namespace
+    def __init__(*args: Any, **kwargs: Any) -> None:  # same trick as jinja's Namespace
         self, args = args[0], args[1:]
         attrs = dict(*args, **kwargs)
         for name in attrs:

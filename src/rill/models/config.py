@@ -119,7 +119,7 @@ class ModelConfig:
         itemsize = torch.empty((), dtype=dtype or self.torch_dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
 
-    def with_runtime(self, dtype: str, device: str) -> "ModelConfig":
+    def with_runtime(self, dtype: str, device: str) -> ModelConfig:
         """Return a copy with the runtime dtype and device filled in."""
         values = {name: getattr(self, name) for name in self.__dataclass_fields__}
         return ModelConfig(**(values | {"dtype": dtype, "device": device}))

@@ -19,8 +19,8 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from rill.cache import build_atomically, cache_root
 from rill.errors import ModelLoadError

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 import tokenizers
@@ -179,11 +180,11 @@ class GGUFCheckpoint:
                 continue
             yield tensor.name, values
 
-    def tokenizer(self) -> "Any":
+    def tokenizer(self) -> Any:
         """The ``rill.models.tokenizer.Tokenizer`` the file's metadata describes."""
         return self.tokenizer_spec().tokenizer(str(self.path))
 
-    def tokenizer_spec(self) -> "TokenizerSpec":
+    def tokenizer_spec(self) -> TokenizerSpec:
         """The tokenizer's parts (backend, special tokens, template, flags)."""
         return build_tokenizer(self.reader, self.metadata, str(self.path))
 
@@ -207,7 +208,7 @@ class TokenizerSpec:
     add_bos_token: bool
     add_eos_token: bool
 
-    def tokenizer(self, name: str) -> "Any":
+    def tokenizer(self, name: str) -> Any:
         """The ``rill.models.tokenizer.Tokenizer`` of these parts, named ``name``."""
         from rill.models.tokenizer import Tokenizer
 
@@ -226,7 +227,7 @@ class TokenizerSpec:
                 "add_bos_token": self.add_bos_token, "add_eos_token": self.add_eos_token}
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "TokenizerSpec":
+    def from_json(cls, data: dict[str, Any]) -> TokenizerSpec:
         """The spec ``to_json`` wrote."""
         return cls(tokenizers.Tokenizer.from_str(data["backend"]), data["special_tokens"], data["chat_template"],
                    data["eos_token_ids"], data.get("add_bos_token", False), data.get("add_eos_token", False))

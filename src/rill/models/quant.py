@@ -30,8 +30,9 @@ Imports numpy, torch and ``rill.models.packed``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch

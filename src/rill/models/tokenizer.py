@@ -103,7 +103,7 @@ class Tokenizer:
     # ----------------------------------------------------------------- loading
 
     @classmethod
-    def from_folder(cls, path: str | Path) -> "Tokenizer":
+    def from_folder(cls, path: str | Path) -> Tokenizer:
         """Load the tokenizer of the model folder ``path`` (see the module docstring).
 
         Raises:

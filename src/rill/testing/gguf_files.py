@@ -10,8 +10,8 @@ weights, and a ``gpt2`` (byte-level BPE) tokenizer taken from the folder's ``tok
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch

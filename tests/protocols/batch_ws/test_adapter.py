@@ -31,6 +31,7 @@ from rill.testing.faults import fail_requests
 from tests.conftest import start_server
 from tests.helpers import recv_json, serving
 
+
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path) -> Any:
     """A server of this module's own with one torch thread.

@@ -1,9 +1,12 @@
 # The Python example of shared/specs/chat-websocket.md, copied unchanged. The only change the
 # issue allows is in how it is called: the final ``asyncio.run(chat_streaming())`` line is
 # left out here; tests call ``chat_streaming(server_url=..., ref_audio_path=None)``.
-import asyncio, json, base64
+import base64
+import json
+
 import numpy as np
 import websockets
+
 
 def load_ref_audio(path: str) -> str:
     """Load a WAV file and return base64-encoded PCM float32 at 16kHz."""

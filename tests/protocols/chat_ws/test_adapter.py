@@ -9,8 +9,9 @@ import contextlib
 import json
 import threading
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any
 
 import httpx
 import numpy as np

@@ -26,8 +26,8 @@ import rill.frontend.speech as speech_module
 from rill.cli import main as rill_main
 from rill.frontend.speech import SAMPLE_RATE_HZ, EspeakSynth
 from rill.protocols.chat_ws.segmenter import Segmenter
-
 from tests.conftest import start_server
+
 from . import spec_example
 from .media_samples import pcm_b64, png_b64, tone, video_bytes
 

@@ -10,11 +10,30 @@ import pytest
 from rill.errors import InvalidRequest, QueueFull, RillError
 from rill.protocols.chat_ws import codec
 from rill.protocols.chat_ws.messages import (
-    ChatRequest, Chunk, Done, Error, GenerationConfig, Message, PrefillDone, QueueDone, Queued, QueueUpdate, TextPart,
+    ChatRequest,
+    Chunk,
+    Done,
+    Error,
+    GenerationConfig,
+    Message,
+    PrefillDone,
+    Queued,
+    QueueDone,
+    QueueUpdate,
+    TextPart,
 )
 from rill.protocols.chat_ws.queue import QueueStatus
 from rill.protocols.chat_ws.session import (
-    DONE, FAILED, ChatSession, Close, EndSpeech, Send, Speak, build_generate_request, refuse_modalities, sampling_params,
+    DONE,
+    FAILED,
+    ChatSession,
+    Close,
+    EndSpeech,
+    Send,
+    Speak,
+    build_generate_request,
+    refuse_modalities,
+    sampling_params,
 )
 from rill.types import RequestEvent, RequestOutput, Usage
 

@@ -9,8 +9,9 @@ import asyncio
 import contextlib
 import threading
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -20,18 +21,16 @@ from websockets.exceptions import ConnectionClosed
 
 from rill import config as config_mod
 from rill.clients.evergreen import EvergreenClient, EvergreenError, prompt_message
+from rill.deps import Deps
 from rill.errors import ConfigError
 from rill.frontend.inproc import InprocClient
 from rill.protocols.evergreen import adapter, codec
 from rill.protocols.evergreen.messages import GenerateConfig
-from rill.deps import Deps
 from rill.testing.fake_client import FAKE_MODEL_NAME, fake_client, record_aborts, record_requests
 from rill.testing.fake_runner import StepGate, fake_tokenizer
 from rill.types import GenerateRequest
-
 from tests.conftest import free_port
 from tests.helpers import serving, wait_until
-
 
 MAX_CONTEXT = 1024
 

@@ -18,8 +18,8 @@ from websockets.exceptions import ConnectionClosed
 from rill.clients.evergreen import EvergreenClient, EvergreenError, prompt_message
 from rill.protocols.evergreen import codec
 from rill.protocols.evergreen.messages import GenerateConfig, SessionMessage
-
 from tests.conftest import free_port, start_server
+
 from .helpers import (
     conversation_turn_1,
     conversation_turn_2,
@@ -396,8 +396,8 @@ print([(f.id, f.seq, f.continued, f.chunk_fragment.metadata.mimetype) for f in f
 
 
 def test_a_client_built_from_the_published_protos_completes_a_generate(live, tmp_path):
-    from grpc_tools import protoc
     import grpc_tools
+    from grpc_tools import protoc
 
     (tmp_path / "evergreen.proto").write_text(PUBLISHED_EVERGREEN)
     (tmp_path / "evergreen_service.proto").write_text(PUBLISHED_SERVICE)

@@ -16,8 +16,11 @@ from rill.frontend.inproc import InprocClient
 from rill.protocols.evergreen import adapter
 from rill.testing.fake_client import fake_client
 from tests.conftest import free_port
-from tests.protocols.evergreen.test_e2e import grpc_address, live  # noqa: F401  (the module's server fixture)
-from tests.protocols.evergreen.test_e2e import files  # noqa: F401
+from tests.protocols.evergreen.test_e2e import (  # noqa: F401  (the module's server fixtures: live and the files it needs)
+    files,
+    grpc_address,
+    live,
+)
 
 
 async def _check(address: str, service: str) -> int:
@@ -77,7 +80,7 @@ async def test_live_server_serves_health_and_reflection(live) -> None:  # noqa: 
         file_containing_symbol="evergreen.v2.EvergreenService"))
     from google.protobuf import descriptor_pb2
 
-    files = [descriptor_pb2.FileDescriptorProto.FromString(raw)
+    descriptors = [descriptor_pb2.FileDescriptorProto.FromString(raw)
              for raw in described.file_descriptor_response.file_descriptor_proto]
-    methods = {m.name for f in files for s in f.service if s.name == "EvergreenService" for m in s.method}
+    methods = {m.name for f in descriptors for s in f.service if s.name == "EvergreenService" for m in s.method}
     assert "StartSession" in methods

@@ -15,9 +15,9 @@ from websockets.exceptions import ConnectionClosed
 
 from rill.clients.evergreen import EvergreenClient, EvergreenError
 from rill.protocols.evergreen import codec
-
 from tests.conftest import free_port, start_server
 from tests.helpers import wait_until
+
 from .helpers import leaf, msg
 
 KIB = 1024

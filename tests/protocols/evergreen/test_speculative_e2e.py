@@ -16,7 +16,6 @@ from rill.clients.evergreen import EvergreenClient, EvergreenError, prompt_messa
 from rill.protocols.evergreen import codec
 from rill.protocols.evergreen.errors import InvalidMessage
 from rill.protocols.evergreen.messages import GENERATE_CONFIG_TYPE_URL, GenerateConfig
-
 from tests.conftest import LiveServer
 from tests.helpers import SPEC_PROMPT, same_output_with_and_without_speculation
 

@@ -7,8 +7,9 @@ import asyncio
 import contextlib
 import json
 import struct
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
 
 import pytest
 
@@ -33,7 +34,7 @@ class FramedClient:
         self.reader, self.writer = reader, writer
 
     @classmethod
-    async def connect(cls, path: str) -> "FramedClient":
+    async def connect(cls, path: str) -> FramedClient:
         reader, writer = await asyncio.open_unix_connection(path)
         return cls(reader, writer)
 

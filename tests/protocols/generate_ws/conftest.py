@@ -7,14 +7,15 @@ import asyncio
 import contextlib
 import dataclasses
 import threading
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import uvicorn
 
 from rill.config import EngineConfig, HttpConfig, ServerConfig
-from rill.frontend.inproc import InprocClient
 from rill.deps import Deps
+from rill.frontend.inproc import InprocClient
 from rill.server import build_app, make_deps
 from rill.testing.fake_client import fake_client, record_requests
 from rill.types import GenerateRequest

@@ -409,7 +409,7 @@ async def test_a_dead_engine_is_an_error_not_a_model_still_loading(make_server: 
     live = await make_server()
 
     def crash(tokens: Any) -> None:
-        raise EngineCrash()
+        raise EngineCrash
 
     live.engine.runner.script = crash
     for _ in range(2):  # the request the engine died in, then a new one

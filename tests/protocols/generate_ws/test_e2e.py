@@ -17,8 +17,8 @@ import pytest
 from websockets.asyncio.client import connect
 
 from rill.types import GenerateRequest, SamplingParams
-
 from tests.conftest import start_server
+
 from .test_adapter import is_status, is_type, recv, send, until
 
 PROMPT = "Once upon a time"

@@ -12,8 +12,9 @@ import asyncio
 import contextlib
 import json
 import threading
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any
 
 import httpx
 import pytest
@@ -390,7 +391,7 @@ class EngineCrash(BaseException):
 
 async def test_503_when_the_engine_is_dead_or_failed_to_load(fake: Fake) -> None:
     def crash(tokens: Any) -> None:
-        raise EngineCrash()
+        raise EngineCrash
 
     fake.engine.runner.script = crash
     async with live_app(fake) as url, httpx.AsyncClient(base_url=url) as http:

@@ -10,8 +10,7 @@ constrains decoding to a valid call; ``auto`` is checked for the template round 
 from __future__ import annotations
 
 import json
-from pathlib import Path
-from typing import Iterator
+from collections.abc import Iterator
 
 import openai
 import pytest

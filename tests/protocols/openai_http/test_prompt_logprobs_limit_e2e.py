@@ -6,8 +6,9 @@ shorter prompts, and long ones without prompt logprobs, are served as before."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import pytest

@@ -10,8 +10,9 @@ Imports nothing: no I/O, no engine, no frontend.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping, TypeVar
+from typing import TypeVar
 
 V = TypeVar("V")
 D = TypeVar("D")

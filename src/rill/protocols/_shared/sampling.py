@@ -11,8 +11,9 @@ stay code in that protocol, added to the patch.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import msgspec
 

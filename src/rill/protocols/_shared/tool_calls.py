@@ -36,8 +36,9 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 FORMATS = ("hermes", "llama3_json")
 """The tool-call formats a parser exists for."""

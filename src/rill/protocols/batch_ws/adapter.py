@@ -149,7 +149,7 @@ class _Connection:
                 try:
                     stream = await self.client.generate(msgspec.structs.replace(action.request,
                                                                                 principal=self.principal))
-                except Exception as exc:  # noqa: BLE001 - reported per prompt via the error table
+                except Exception as exc:  # reported per prompt via the error table
                     if not isinstance(exc, RillError):  # a bug: keep the traceback, tell the client nothing of it
                         log.error("batch /ws request %s failed at submission", action.key, exc_info=exc)
                     failures.append((action.key, exc))

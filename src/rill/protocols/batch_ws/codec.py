@@ -9,7 +9,7 @@ become a generic text, never ``str(exc)``.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import msgspec
 

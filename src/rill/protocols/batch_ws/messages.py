@@ -61,7 +61,7 @@ class GenerationConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     response_format: ResponseFormat | None = None
     speculative: bool | int | None = None
 
-    def filled_from(self, defaults: "GenerationConfig") -> "GenerationConfig":
+    def filled_from(self, defaults: GenerationConfig) -> GenerationConfig:
         """A copy where every field left None takes the value from ``defaults``."""
         return GenerationConfig(**{
             name: value if (value := getattr(self, name)) is not None else getattr(defaults, name)

@@ -86,7 +86,7 @@ class _Batch:
     stream_response: bool
     config: GenerationConfig | None  # as sent (None when empty): kept for continuations
     received_at: float
-    prompts: list["_Prompt"] = field(default_factory=list)
+    prompts: list[_Prompt] = field(default_factory=list)
     num_open: int = 0
 
 

@@ -20,8 +20,9 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import msgspec
 from starlette.requests import Request

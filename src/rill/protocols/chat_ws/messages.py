@@ -18,9 +18,9 @@ from __future__ import annotations
 from typing import Literal
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
 from rill.protocols._shared.sampling import Field, SamplingMap, same
-from msgspec import UNSET, UnsetType
 
 
 class TextPart(msgspec.Struct, tag_field="type", tag="text", kw_only=True):

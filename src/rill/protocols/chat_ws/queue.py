@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Hashable
 
 from rill.errors import QueueFull
 

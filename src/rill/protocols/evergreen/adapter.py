@@ -28,8 +28,9 @@ import contextlib
 import logging
 import os
 import stat
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
 
 import msgspec
 from google.protobuf.message import DecodeError
@@ -72,7 +73,7 @@ DRAIN_MAX_MESSAGES = 16
 DRAIN_NEXT_S = 1.0
 
 
-def session_limits(deps: "Deps") -> SessionLimits:
+def session_limits(deps: Deps) -> SessionLimits:
     """The per-session limits and file roots from the server config."""
     e = deps.config.evergreen
     roots = tuple(os.path.realpath(r) for r in e.evergreen_file_root)
@@ -83,7 +84,7 @@ def session_limits(deps: "Deps") -> SessionLimits:
                          request_timeout_s=deps.config.http.request_timeout_s, file_roots=roots)
 
 
-def model_facts(deps: "Deps") -> ModelFacts:
+def model_facts(deps: Deps) -> ModelFacts:
     """What the session knows of the model (the model must be loaded)."""
     info = deps.client.model_info
     if info is None:
@@ -94,7 +95,7 @@ def model_facts(deps: "Deps") -> ModelFacts:
 class SessionRunner:
     """Runs one session: feeds the pure session, runs its generations, fills the outbox."""
 
-    def __init__(self, deps: "Deps", principal: str) -> None:
+    def __init__(self, deps: Deps, principal: str) -> None:
         self.deps = deps
         self.principal = principal
         self.outbox: asyncio.Queue[Any] = asyncio.Queue()
@@ -339,7 +340,7 @@ def _too_big(uri: str, max_bytes: int) -> SessionLimit:
 # -- gRPC -----------------------------------------------------------------------------------------
 
 
-async def start(deps: "Deps") -> Callable[[], Awaitable[None]] | None:
+async def start(deps: Deps) -> Callable[[], Awaitable[None]] | None:
     """Start the gRPC server on ``--grpc-port`` (0: disabled); return its async stopper.
 
     Raises:
@@ -418,7 +419,7 @@ async def _set_health(health: Any, *, serving: bool) -> None:
         await health.set(name, status)
 
 
-async def _serving_when_ready(deps: "Deps", health: Any) -> None:
+async def _serving_when_ready(deps: Deps, health: Any) -> None:
     """Turn health to SERVING once the model is ready; a failed load keeps NOT_SERVING
     (and ends ``rill serve``)."""
     try:
@@ -431,7 +432,7 @@ async def _serving_when_ready(deps: "Deps", health: Any) -> None:
 class EvergreenServicer:
     """``evergreen.v2.EvergreenService``: one ``StartSession`` call is one session."""
 
-    def __init__(self, deps: "Deps") -> None:
+    def __init__(self, deps: Deps) -> None:
         self.deps = deps
 
     async def StartSession(self, request_iterator: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:  # noqa: N802
@@ -537,7 +538,7 @@ def grpc_peer_host(peer: str) -> str | None:
 # -- WebSocket ------------------------------------------------------------------------------------
 
 
-def routes(deps: "Deps") -> list[BaseRoute]:
+def routes(deps: Deps) -> list[BaseRoute]:
     """The ``/evergreen`` WebSocket: one proto3-JSON ``SessionMessage`` per message."""
 
     async def endpoint(ws: WebSocket) -> None:
@@ -546,7 +547,7 @@ def routes(deps: "Deps") -> list[BaseRoute]:
     return [WebSocketRoute("/evergreen", endpoint)]
 
 
-async def websocket_session(ws: WebSocket, deps: "Deps") -> None:
+async def websocket_session(ws: WebSocket, deps: Deps) -> None:
     """Run one session over a WebSocket (API keys are checked by the middleware)."""
     await ws.accept()
     runner = SessionRunner(deps, auth.scope_principal(ws.scope))

@@ -181,7 +181,7 @@ def decode_json(text: str | bytes) -> SessionMessage:
     # NOTE: json_format documents ParseError only, but wrong JSON types reach protobuf's
     # setters and raise TypeError, AttributeError, ValueError, OverflowError, even SystemError
     # from upb: at this library boundary every failure is the client's bad message.
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         raise errors.InvalidMessage(f"invalid SessionMessage: {_short(str(exc))}") from exc
     for index, type_urls in unknown_configs.items():
         for type_url in type_urls:

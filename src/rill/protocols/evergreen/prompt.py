@@ -70,7 +70,7 @@ class TextLeaf:
 
     node_id: str
     role: str
-    pieces: tuple[Union[bytes, FileRef], ...]
+    pieces: tuple[bytes | FileRef, ...]
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,7 @@ def leaf_item(node_id: str, metadata: ChunkMetadata, chunks: list[Chunk], model:
     role = ROLES.get(metadata.role.lower()) if metadata.role else "user"
     if role is None:
         raise UnsupportedInput(f"node '{node_id}' has role '{metadata.role}' (use one of {', '.join(ROLES)})")
-    pieces: list[Union[bytes, FileRef]] = []
+    pieces: list[bytes | FileRef] = []
     for chunk in chunks:
         if chunk.ref is not None:
             pieces.append(file_ref(chunk.ref, node_id, file_roots))

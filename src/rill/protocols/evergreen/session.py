@@ -38,10 +38,12 @@ Pure: no I/O, no ``await``, no clock, no engine import; errors are ``evergreen.e
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Union
+from typing import Union
 
 from rill.protocols._shared.actions import Close, Send
+from rill.protocols.evergreen import codec
 from rill.protocols.evergreen.errors import InputMissing, RuleBroken, SessionLimit, UnknownTarget
 from rill.protocols.evergreen.messages import (
     Action,
@@ -51,7 +53,6 @@ from rill.protocols.evergreen.messages import (
     NodeFragment,
     SessionMessage,
 )
-from rill.protocols.evergreen import codec
 from rill.protocols.evergreen.prompt import (
     ROLES,
     FileRef,
@@ -493,13 +494,13 @@ class EvergreenSession:
             raise SessionLimit(f"the prompt expands to more than {self.limits.max_prompt_bytes} bytes "
                                "(--evergreen-max-prompt-bytes; a shared node counts once per use)")
 
-    def ref_budget(self, command: "Generate") -> int:
+    def ref_budget(self, command: Generate) -> int:
         """Most bytes the adapter may read through ``command``'s file refs (each file once):
         what is left of the session's ``max_bytes`` and of the action's prompt budget."""
         return max(0, min(self.limits.max_bytes - self._num_bytes,
                           self.limits.max_prompt_bytes - command.num_inline_bytes))
 
-    def count_refs(self, command: "Generate", contents: dict[str, bytes], num_read_bytes: int) -> None:
+    def count_refs(self, command: Generate, contents: dict[str, bytes], num_read_bytes: int) -> None:
         """Count what the adapter read for ``command``: ``num_read_bytes`` (each file once)
         against the session's ``max_bytes``, and the prompt with each ref's content once per
         use against ``max_prompt_bytes``. Call it before ``request_for``.
@@ -514,7 +515,7 @@ class EvergreenSession:
                                "(--evergreen-max-prompt-bytes; a file counts once per ref)")
         self._add_bytes(num_read_bytes)
 
-    def request_for(self, command: "Generate", ref_bytes: dict[str, bytes]) -> GenerateRequest:
+    def request_for(self, command: Generate, ref_bytes: dict[str, bytes]) -> GenerateRequest:
         """The engine request of a started action, its file refs' contents given by path
         (see ``prompt.build_request`` for the rules and errors).
 

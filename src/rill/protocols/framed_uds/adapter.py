@@ -22,7 +22,8 @@ import os
 import socket
 import stat
 import struct
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -64,7 +65,7 @@ DISCARD_MAX_BYTES = 64 * 1024 * 1024
 """Longest wait for a peer to take the last frames before the connection is dropped."""
 
 
-async def start(deps: "Deps") -> Callable[[], Awaitable[None]] | None:
+async def start(deps: Deps) -> Callable[[], Awaitable[None]] | None:
     """Open the Unix-socket listener unless ``--no-socket``; return its async stopper.
 
     Raises:
@@ -127,7 +128,7 @@ def _remove_stale_socket(path: str) -> None:
 class UdsListener:
     """The listening socket and its live connections."""
 
-    def __init__(self, deps: "Deps") -> None:
+    def __init__(self, deps: Deps) -> None:
         self.deps = deps
         self.config = deps.config.uds
         self.limits = SessionLimits(one_request=self.config.uds_one_request,
@@ -295,7 +296,7 @@ class Connection:
         while num_bytes > 0:
             try:
                 data = await asyncio.wait_for(self.reader.read(min(READ_BYTES, num_bytes)), CLOSE_FLUSH_S)
-            except (asyncio.TimeoutError, ConnectionError):
+            except (TimeoutError, ConnectionError):
                 return
             if not data:
                 return
@@ -399,7 +400,7 @@ class Connection:
         self.writer.close()
         try:
             await asyncio.wait_for(self.writer.wait_closed(), CLOSE_FLUSH_S)
-        except (asyncio.TimeoutError, ConnectionError, OSError):
+        except (TimeoutError, ConnectionError, OSError):
             self.writer.transport.abort()
         finally:
             self._closed.set()

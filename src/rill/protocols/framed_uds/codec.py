@@ -37,7 +37,15 @@ from rill.errors import (
 from rill.protocols._shared import jsonguard
 from rill.protocols._shared.errors import ErrorEntry, ErrorTable, lookup
 from rill.protocols.framed_uds.framing import FrameTooLarge, InvalidFrameLength, encode_frame
-from rill.protocols.framed_uds.messages import SAMPLING, Cancel, ClientMessage, MetricsQuery, Request, ServerMessage, Slo
+from rill.protocols.framed_uds.messages import (
+    SAMPLING,
+    Cancel,
+    ClientMessage,
+    MetricsQuery,
+    Request,
+    ServerMessage,
+    Slo,
+)
 from rill.types import EngineStats, GenerateRequest, SamplingParams
 
 PROTOCOL_NAME = "framed_uds"

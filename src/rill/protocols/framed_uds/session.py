@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import enum
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Union
+from typing import Any, Union
 
 from rill.errors import GenerationError, InvalidRequest, RillError
 from rill.protocols._shared.actions import Abort, Close, Send, Start
@@ -42,8 +43,7 @@ from rill.protocols.framed_uds.messages import (
     ServerMessage,
     Token,
 )
-from rill.types import GenerateRequest, RequestOutput
-
+from rill.types import RequestOutput
 
 # -- actions -------------------------------------------------------------------------------
 
@@ -315,5 +315,5 @@ class NewlineSession:
         self.state = State.CLOSED
         self._queue.clear()
         code = codec.error_code(exc)
-        line = f"error: {code}: {codec.error_message(exc)}\n".encode("utf-8")
+        line = f"error: {code}: {codec.error_message(exc)}\n".encode()
         return ([Abort()] if was_active else []) + ([Rejected(code)] if is_rejection else []) + [Send(line), Close()]

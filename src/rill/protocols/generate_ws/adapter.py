@@ -16,8 +16,9 @@ import contextlib
 import logging
 import math
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import msgspec
 from starlette.requests import Request
@@ -30,8 +31,8 @@ from rill.config import parse_size
 from rill.deps import Deps
 from rill.errors import EngineDead, InvalidRequest, ModelLoadError, RequestTimeout, RillError
 from rill.feedback import FeedbackStore
-from rill.models.default import DEFAULT_MODEL_NAME
 from rill.frontend.stream import RequestStream
+from rill.models.default import DEFAULT_MODEL_NAME
 from rill.protocols._shared import sse
 from rill.protocols.generate_ws import codec
 from rill.protocols.generate_ws import messages as m
@@ -111,7 +112,7 @@ class GenerateService:
             async with send_lock:
                 try:
                     await ws.send_text(codec.encode(msg))
-                except Exception as exc:  # noqa: BLE001 - any send failure means the peer is gone
+                except Exception as exc:  # any send failure means the peer is gone
                     state["closed"] = True
                     raise _Gone from exc
 
@@ -356,7 +357,7 @@ class _Connection:
         except RillError as exc:  # the store is full: its message says so
             await self.perform(self.session.on_invalid(exc))
             return
-        except Exception:  # noqa: BLE001 - never leak storage internals
+        except Exception:  # never leak storage internals
             log.exception("storing feedback failed")
             await self.perform(self.session.on_invalid(RillError("feedback could not be stored")))
             return
@@ -373,7 +374,7 @@ class _Connection:
             await self.perform(self.session.loading_status(progress, eta_s))
             try:
                 await asyncio.wait_for(asyncio.shield(client.wait_ready()), LOADING_STATUS_PERIOD_S)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 continue
             except EngineDead as exc:
                 raise ModelLoadError("the model failed to load") from exc
@@ -405,7 +406,7 @@ class _Connection:
                 raise RequestTimeout(f"the generation ran past the server's time limit of {timeout_s:g} s") from exc
         except _Gone:
             return  # the peer left; the finally below aborts the request
-        except Exception as exc:  # noqa: BLE001 - mapped by the codec's table; unknown ones leak nothing
+        except Exception as exc:  # mapped by the codec's table; unknown ones leak nothing
             if not isinstance(exc, RillError):
                 log.exception("generation %s failed", request.request_id)
             with contextlib.suppress(_Gone):

@@ -23,8 +23,9 @@ from __future__ import annotations
 import enum
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import msgspec
 
@@ -53,7 +54,7 @@ REMEMBERED_COST_BYTES = 512
 """Bytes a remembered generation counts besides its prompt and text (its objects)."""
 
 
-def remembered_bytes(gen: "Generation") -> int:
+def remembered_bytes(gen: Generation) -> int:
     """What a remembered generation holds: its prompt and text (one byte a character, the
     size of an ASCII string) and ``REMEMBERED_COST_BYTES``."""
     return REMEMBERED_COST_BYTES + len(gen.prompt) + len(gen.text)

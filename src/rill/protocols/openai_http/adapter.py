@@ -28,7 +28,8 @@ import contextlib
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import msgspec
 from starlette.requests import ClientDisconnect, Request
@@ -184,7 +185,7 @@ class OpenAIApi:
 
     def _responder(self, kind: Kind, req: Any, model: str, response_id: str,
                    streams: list[RequestStream], echo: list[EchoPrompt] | None = None,
-                   text_calls: codec.ArgumentsCheck | None = None) -> "_Responder":
+                   text_calls: codec.ArgumentsCheck | None = None) -> _Responder:
         if kind is Kind.CHAT:
             logprobs = (req.top_logprobs or 0) if req.logprobs else None
         else:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import msgspec
 
@@ -41,6 +41,19 @@ from rill.errors import (  # the HTTP-level classes stay reachable as codec.X fo
 )
 from rill.protocols._shared import jsonguard
 from rill.protocols._shared.errors import ErrorEntry, ErrorTable, lookup
+from rill.protocols.openai_http.chat_messages import (  # reachable as codec.X, as before
+    chat_messages,
+)
+from rill.protocols.openai_http.chat_messages import (
+    template_kwargs as template_kwargs,
+)
+from rill.protocols.openai_http.chat_messages import (
+    template_messages as template_messages,
+)
+from rill.protocols.openai_http.chat_messages import (
+    template_tools as template_tools,
+)
+from rill.protocols.openai_http.constraints import check_formats, response_format
 from rill.protocols.openai_http.messages import (
     SAMPLING,
     ChatCompletionRequest,
@@ -50,13 +63,6 @@ from rill.protocols.openai_http.messages import (
     ErrorResponse,
     TokenizeRequest,
 )
-from rill.protocols.openai_http.chat_messages import (  # reachable as codec.X, as before
-    chat_messages,
-    template_kwargs,
-    template_messages,
-    template_tools,
-)
-from rill.protocols.openai_http.constraints import check_formats, response_format
 from rill.types import GenerateRequest, SamplingParams, check_template_kwargs
 
 PROTOCOL = "openai_http"
@@ -297,7 +303,7 @@ def parses_tool_calls(req: ChatCompletionRequest) -> bool:
     return bool(req.tools) and req.tool_choice != "none"
 
 
-def text_call_check(req: ChatCompletionRequest) -> "ArgumentsCheck | None":
+def text_call_check(req: ChatCompletionRequest) -> ArgumentsCheck | None:
     """The check that makes a reply written only as a JSON call object a tool call
     (``tool_calls.accept_text_calls``), or None when such a reply stays the answer.
 

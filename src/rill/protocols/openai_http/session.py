@@ -24,8 +24,9 @@ included) are shown, most likely first (never streamed).
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import msgspec
 
@@ -49,15 +50,15 @@ from rill.protocols.openai_http.messages import (
     ChatMessageOut,
     ChatTokenLogprob,
     Completion,
-    FunctionCallDelta,
-    FunctionCallOut,
-    ToolCallDeltaOut,
-    ToolCallOut,
     CompletionChoice,
     CompletionLogprobs,
+    FunctionCallDelta,
+    FunctionCallOut,
     PromptLogprobOut,
     PromptLogprobs,
     PromptTokensDetails,
+    ToolCallDeltaOut,
+    ToolCallOut,
     TopLogprobOut,
     UsageInfo,
 )
