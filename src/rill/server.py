@@ -220,7 +220,7 @@ async def _serve_http(server: uvicorn.Server, ready: asyncio.Event | None) -> No
     """Serve until the server exits, setting ``ready`` once it listens."""
     serve_task = asyncio.create_task(server.serve())
     if ready is not None:
-        while not server.started and not serve_task.done():
+        while not server.started and not serve_task.done():  # noqa: ASYNC110 - uvicorn's started is a flag, not an event
             await asyncio.sleep(0.01)
         ready.set()
     await serve_task

@@ -140,8 +140,8 @@ def format_report(summary: Summary) -> str:
     lines = [
         f"protocol {summary.protocol} → {summary.target} ({load})",
         f"requests: {summary.num_ok} ok, {summary.num_errors} failed of {summary.num_requests} in {summary.wall_s:.2f} s",
-        f"throughput: {summary.requests_per_s:.2f} req/s, {summary.output_tokens_per_s:.1f} output tokens/s "
-        f"({summary.num_output_tokens} tokens)",
+        (f"throughput: {summary.requests_per_s:.2f} req/s, {summary.output_tokens_per_s:.1f} output tokens/s "
+         f"({summary.num_output_tokens} tokens)"),
         f"{'latency (ms)':<14}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}{'max':>10}{'n':>8}",
     ]
     for name, dist in (("TTFT", summary.ttft), ("ITL", summary.itl), ("TPOT", summary.tpot), ("end-to-end", summary.e2e)):

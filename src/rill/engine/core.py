@@ -482,7 +482,7 @@ class EngineCore:
         """Call ``fn(*args)``; if it raises, fail ``request`` alone (``rows``: see ``_fail``)."""
         try:
             fn(*args)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any failure fails this request alone
             self._fail(request, stage, rows, exc=exc)
 
     def _rows_of(self, request: Request) -> list[int]:

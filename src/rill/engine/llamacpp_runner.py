@@ -317,7 +317,7 @@ class LlamaCppRunner:
     def __del__(self) -> None:
         try:
             self.close()
-        except Exception:  # interpreter shutdown may have torn llama_cpp down already
+        except Exception:  # noqa: BLE001 - interpreter shutdown may have torn llama_cpp down already
             pass
 
     def _decode(self, num_tokens: int, out: np.ndarray, dest: list[int]) -> int:

@@ -286,7 +286,7 @@ class Sampler:
         errors: dict[int, Exception] = {}
         try:
             tokens, logprobs = self._sample_rows(raw, key_arr, slots, plan, uniforms)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - retried row by row, so only the faulty rows fail
             if n == 1:
                 tokens, logprobs, errors = np.full(1, -1, np.int64), [None], {0: exc}
             else:
@@ -370,7 +370,7 @@ class Sampler:
             one = slice(i, i + 1)
             try:
                 tok, lps = self._sample_rows(raw[one], key_arr[one], slots[one], _Plan.build(slots[one]), uniforms[one])
-            except Exception as exc:  # this row alone fails; the caller fails its request
+            except Exception as exc:  # noqa: BLE001 - this row alone fails; the caller fails its request
                 errors[i] = exc
                 continue
             tokens[i], logprobs[i] = tok[0], lps[0]

@@ -267,7 +267,7 @@ class SpeechStream:
                                                  self._language, self._cancel)
                 self._service.num_segments_total += 1
                 await self._outbox.put(pcm)
-        except Exception as exc:  # handed to the consumer, which reports it
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which reports it
             await self._outbox.put(exc)
             return
         await self._outbox.put(self._END)

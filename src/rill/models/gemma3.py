@@ -346,7 +346,7 @@ def init_weights(model: Gemma3Model, initializer_range: float, seed: int | None 
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight") or name.endswith(".bias"):
+            if name.endswith(("norm.weight", ".bias")):
                 param.zero_()
             else:
                 param.copy_(torch.empty(param.shape).normal_(0.0, initializer_range, generator=generator))

@@ -146,7 +146,7 @@ class GGUFCheckpoint:
                 out[hf_name] = fix(hf_name, torch.from_numpy(values), self.hf_config).to(dtype).contiguous()
             else:
                 # Row fix-ups (llama.cpp's q/k permutation) move every per-row field alike.
-                out[hf_name] = quant.map_rows(values, lambda t: fix(hf_name, t, self.hf_config).contiguous())
+                out[hf_name] = quant.map_rows(values, lambda t: fix(hf_name, t, self.hf_config).contiguous())  # noqa: B023 - called before the loop moves on
             if progress is not None:
                 progress(done, total)
         return out

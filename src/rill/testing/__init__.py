@@ -18,7 +18,7 @@ _LAZY = {
     "fake_client": "rill.testing.fake_client",
 }
 
-__all__ = sorted(_LAZY)
+__all__ = sorted(_LAZY)  # noqa: PLE0605 - sorted() returns a list
 
 
 def __getattr__(name: str) -> Any:

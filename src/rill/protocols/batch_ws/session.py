@@ -25,7 +25,6 @@ of silently starting over; the use after that starts afresh.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Union
 
 import msgspec
 
@@ -62,7 +61,7 @@ class SendError(msgspec.Struct, frozen=True):
     text: str
 
 
-Action = Union[Send[list[ServerEvent]], SendError, Start, Abort]
+Action = Send[list[ServerEvent]] | SendError | Start | Abort
 """``Send``: one frame, the JSON array of the events (all of one batch). ``Start`` / ``Abort``
 carry the prompt's key (``PromptKey``); aborting frees its KV memory at once."""
 

@@ -130,7 +130,7 @@ class SessionRunner:
                 commands = await asyncio.to_thread(_decode_and_receive, session, message, decode)
             if not self._is_over:
                 self._perform(commands)
-        except Exception as exc:  # every failure aborts the session (spec "Error handling")
+        except Exception as exc:  # noqa: BLE001 - every failure aborts the session (spec "Error handling")
             self.fail(exc, is_rejection=True)
 
     async def input_ended(self) -> None:
@@ -142,7 +142,7 @@ class SessionRunner:
             async with self._lock:
                 commands = session.on_input_end()
             self._perform(commands)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - every failure aborts the session
             self.fail(exc, is_rejection=True)
 
     def fail(self, exc: BaseException, is_rejection: bool = False) -> None:
@@ -154,7 +154,7 @@ class SessionRunner:
         if self._is_over:
             return
         if not isinstance(exc, RillError):
-            log.exception("evergreen session failed", exc_info=exc)
+            log.error("evergreen session failed", exc_info=exc)
         metrics = self.deps.metrics
         if is_rejection and metrics is not None and hasattr(metrics, "observe_rejection"):
             code = exc.code if isinstance(exc, RillError) else RillError.code
@@ -203,7 +203,7 @@ class SessionRunner:
                     self._perform(commands)
         except asyncio.CancelledError:
             raise
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - every failure aborts the session
             self.fail(exc, is_rejection=stream is None)
         finally:
             self._streams.pop(command.action_id, None)
@@ -424,7 +424,7 @@ async def _serving_when_ready(deps: Deps, health: Any) -> None:
     (and ends ``rill serve``)."""
     try:
         await deps.client.wait_ready()
-    except Exception:
+    except Exception:  # noqa: BLE001 - an engine that never gets ready leaves health unset
         return
     await _set_health(health, serving=True)
 
@@ -509,7 +509,7 @@ class EvergreenServicer:
         except DecodeError as exc:  # grpc could not parse the client's bytes: the client's fault
             runner.fail(InvalidMessage(f"not a serialized evergreen.v2.SessionMessage: {exc}"), is_rejection=True)
             return
-        except Exception as exc:  # the transport failed (e.g. a message over the size limit)
+        except Exception as exc:  # noqa: BLE001 - the transport failed (e.g. a message over the size limit)
             runner.fail(exc)
             return
         await runner.input_ended()
@@ -597,5 +597,5 @@ async def _read_ws(ws: WebSocket, runner: SessionRunner) -> None:
             await runner.feed(data, codec.decode_json)  # decoded in the worker thread; an error aborts
     except asyncio.CancelledError:
         raise
-    except Exception as exc:  # a bug in this loop: abort with the table's generic status
+    except Exception as exc:  # noqa: BLE001 - a bug in this loop: abort with the table's generic status
         runner.fail(exc, is_rejection=True)

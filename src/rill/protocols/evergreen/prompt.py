@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import posixpath
 from dataclasses import dataclass
-from typing import Union
 from urllib.parse import unquote, urlsplit
 
 from rill.errors import InvalidRequest
@@ -78,7 +77,7 @@ class TurnEnd:
     """An ``EndOfTurn`` chunk."""
 
 
-PromptItem = Union[TextLeaf, TurnEnd]
+PromptItem = TextLeaf | TurnEnd
 
 
 def leaf_item(node_id: str, metadata: ChunkMetadata, chunks: list[Chunk], model: ModelFacts,

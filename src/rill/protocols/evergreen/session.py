@@ -40,7 +40,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Union
 
 from rill.protocols._shared.actions import Close, Send
 from rill.protocols.evergreen import codec
@@ -120,7 +119,7 @@ class Generate:
         return [p for item in self.items if isinstance(item, TextLeaf) for p in item.pieces if isinstance(p, FileRef)]
 
 
-Command = Union[Send[SessionMessage], Generate, Close]
+Command = Send[SessionMessage] | Generate | Close
 """``Close``: the session is over, end the stream with OK."""
 
 

@@ -13,7 +13,7 @@ Pure: msgspec structs (and ``rill.protocols._shared``'s sampling table) only.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import msgspec
 
@@ -91,7 +91,7 @@ class MetricsQuery(msgspec.Struct, kw_only=True, omit_defaults=True):
     api_key: str | None = None
 
 
-ClientMessage = Union[Request, Cancel, MetricsQuery]
+ClientMessage = Request | Cancel | MetricsQuery
 
 
 class Token(msgspec.Struct, kw_only=True, tag_field="event", tag="token", omit_defaults=True):
@@ -143,4 +143,4 @@ class Metrics(msgspec.Struct, kw_only=True, tag_field="event", tag="metrics"):
     metrics: dict[str, Any]
 
 
-ServerMessage = Union[Token, Eos, Error, Metrics]
+ServerMessage = Token | Eos | Error | Metrics

@@ -28,7 +28,7 @@ import enum
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 from rill.errors import GenerationError, InvalidRequest, RillError
 from rill.protocols._shared.actions import Abort, Close, Send, Start
@@ -59,7 +59,7 @@ class Rejected:
     code: str
 
 
-Action = Union[Send[ServerMessage | bytes], Start, Abort, SendMetrics, Rejected, Close]
+Action = Send[ServerMessage | bytes] | Start | Abort | SendMetrics | Rejected | Close
 """``Send``: a server message (framed mode) or raw bytes (newline mode). ``Start``: outputs go
 to ``on_output``; a refusal by the engine to ``on_start_failed``. ``Close``: flush, stop any
 running request, close."""

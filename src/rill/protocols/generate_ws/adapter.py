@@ -392,7 +392,8 @@ class _Connection:
                     self.stream = stream
                     await self.perform(self.session.on_started(len(stream.prompt_token_ids), stream.sampling))
                     scheduled = asyncio.Event()
-                    reporter = asyncio.create_task(self._report_queue(request.request_id, scheduled))
+                    # Held in a local: the event loop keeps only a weak reference to a task.
+                    _reporter = asyncio.create_task(self._report_queue(request.request_id, scheduled))
                     try:
                         async for output in stream:
                             scheduled.set()  # the engine took the request: its place no longer matters

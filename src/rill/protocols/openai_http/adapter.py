@@ -117,7 +117,7 @@ class OpenAIApi:
             tokens = await self.client.tokenize_prompt(prompt, add_special_tokens)
         except ClientDisconnect:
             return Response(status_code=499)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - answered through the error table
             return error_response(exc)
         return Response(codec.encode(TokenizeResponse(count=len(tokens), max_model_len=served.max_context_tokens,
                                                       tokens=tokens)), media_type=_JSON)
@@ -131,7 +131,7 @@ class OpenAIApi:
             text = await self.client.detokenize(req.tokens or [])
         except ClientDisconnect:
             return Response(status_code=499)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - answered through the error table
             return error_response(exc)
         return Response(codec.encode(DetokenizeResponse(prompt=text)), media_type=_JSON)
 
@@ -165,7 +165,7 @@ class OpenAIApi:
                 # The tools' JSON Schema validators: CPU work per request, done where grammar compiles are.
                 await self.client.run_compile(principal, text_calls.prepare)
             streams = await self._submit(requests, principal)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - answered through the error table
             self._count_rejection(exc)
             return error_response(exc)
         try:

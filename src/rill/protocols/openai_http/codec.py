@@ -354,7 +354,7 @@ class ArgumentsCheck:
         validator = self.validators[name]
         try:
             return validator is not None and bool(validator.is_valid(arguments))
-        except Exception:  # the client's schema: an unknown type, a $ref nowhere to be found, ...
+        except Exception:  # noqa: BLE001 - the client's schema: an unknown type, a $ref nowhere to be found, ...
             return False
 
 
@@ -368,7 +368,7 @@ def _validator(schema: dict[str, Any]) -> Any:
         cls = jsonschema.validators.validator_for(schema)
         cls.check_schema(schema)
         return cls(schema)
-    except Exception:  # the client's schema: SchemaError, or a "$schema" of the wrong type, ...
+    except Exception:  # noqa: BLE001 - the client's schema: SchemaError, or a "$schema" of the wrong type, ...
         return None
 
 
