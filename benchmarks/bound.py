@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     # Once for all models, before any is loaded: this machine's bandwidth varies with its neighbours.
     from rill.models.loader import auto_dtype
 
-    print(f"--dtype auto here: {'%s, because %s' % auto_dtype('cpu')}")
+    print("--dtype auto here: {}, because {}".format(*auto_dtype("cpu")))
     read_bps, sum_bps, copy_bps = read_speed(2 * args.repeat)
     print(f"memory read speed {read_bps / 1e9:.1f} GB/s (read-only sum {sum_bps / 1e9:.1f}, "
           f"copy read + write {copy_bps / 1e9:.1f})")

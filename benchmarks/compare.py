@@ -359,8 +359,8 @@ def _fmt(value: float | None, spec: str) -> str:
 
 def table(results: dict[str, dict[int, Summary]], levels: list[int]) -> str:
     """One table: a row per engine and concurrency, then the ratios rill / peer."""
-    lines = [f"{'engine':<14}{'N':>4}{'tok/s':>10}{'req/s':>8}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}"
-             f"{'ITL p99':>9}{'errors':>8}{'reqs':>6}   (latencies in ms)"]
+    lines = [(f"{'engine':<14}{'N':>4}{'tok/s':>10}{'req/s':>8}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}"
+              f"{'ITL p99':>9}{'errors':>8}{'reqs':>6}   (latencies in ms)")]
     for level in levels:
         for engine in ENGINES:
             summary = results.get(engine, {}).get(level)

@@ -469,7 +469,7 @@ async def run_cases(cases: list[tuple[str, Callable[[], Awaitable[str]]]], pid: 
         probe.reset()
         try:
             outcome = await case()
-        except Exception as exc:  # a benchmark row, not a crash: say what broke
+        except Exception as exc:  # noqa: BLE001 - a benchmark row, not a crash: say what broke
             outcome = f"FAILED: {type(exc).__name__}: {exc}"[:200]
         worst = probe.worst_ms
         after, peak = await settled_rss(pid, before), proc_status(pid, "VmHWM")

@@ -758,8 +758,8 @@ def _f(value: float, spec: str) -> str:
 def table(model: str, results: dict[str, dict[int, list[dict]]], levels: list[int]) -> str:
     """Median over rounds per system and level, with every round's tokens/s and load, then ratios."""
     lines = [f"model {model}: medians over rounds (latencies in ms); per round: tok/s @ load average before",
-             f"{'system':<13}{'c':>4}{'tok/s':>9}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}{'ITL p99':>9}"
-             f"{'err':>5}   rounds"]
+             (f"{'system':<13}{'c':>4}{'tok/s':>9}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}{'ITL p99':>9}"
+              f"{'err':>5}   rounds")]
     for level in levels:
         for name, by_level in results.items():
             rows = by_level.get(level) or []
@@ -814,8 +814,8 @@ def startup_table(systems: list[System], args: argparse.Namespace) -> str:
 
 def agreement_table(agreement: dict[str, dict], args: argparse.Namespace) -> str:
     """Answers equal to transformers' (greedy in ``--dtype``, up to ``--agreement-tokens`` tokens)."""
-    lines = [f"greedy agreement with transformers ({args.dtype}, {len(CHAT_PROMPTS)} chat prompts, "
-             f"up to {args.agreement_tokens} tokens): equal answers, mean shared prefix"]
+    lines = [(f"greedy agreement with transformers ({args.dtype}, {len(CHAT_PROMPTS)} chat prompts, "
+              f"up to {args.agreement_tokens} tokens): equal answers, mean shared prefix")]
     for name, row in agreement.items():
         if name == "transformers":
             continue

@@ -79,7 +79,7 @@ class Soak:
                 await asyncio.wait_for(case(http), 120)
             except TimeoutError:
                 self.note(name, "client timeout (120 s)")
-            except Exception as exc:  # the soak counts what broke; it goes on
+            except Exception as exc:  # noqa: BLE001 - the soak counts what broke; it goes on
                 self.note(name, f"client saw {type(exc).__name__}")
 
     def drop_after(self) -> int | None:
@@ -234,7 +234,7 @@ def metric(text: str, name: str) -> float:
     """The sum of a metric's samples in Prometheus text."""
     total = 0.0
     for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
+        if line.startswith((name + "{", name + " ")):
             total += float(line.rsplit(" ", 1)[1])
     return total
 

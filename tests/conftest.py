@@ -91,7 +91,7 @@ class LiveServer:
         def run() -> None:
             try:
                 box["value"] = fn(*args)
-            except BaseException as exc:  # re-raised in the test thread
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
                 box["error"] = exc
             done.set()
 
@@ -189,7 +189,7 @@ def start_server(model_dir: Path, wait_ready: bool = True, **overrides: Any) -> 
 
         try:
             asyncio.run(main())
-        except BaseException as exc:  # surfaced by the start check below
+        except BaseException as exc:  # noqa: BLE001 - surfaced by the start check below
             state["error"] = exc
             started.set()
 

@@ -131,7 +131,7 @@ async def _until_closed(idle: Idle) -> None:
 
 def _gauge(metrics: str, name: str) -> float:
     for line in metrics.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
+        if line.startswith((name + "{", name + " ")):
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"{name} not in /metrics")
 

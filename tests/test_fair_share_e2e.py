@@ -147,7 +147,7 @@ async def test_two_addresses_holding_idle_sockets_cannot_lock_a_third_out(small_
 
     for watcher in watchers:
         watcher.cancel()
-    for reader, writer in (*held_http, *held_ws):
+    for _reader, writer in (*held_http, *held_ws):
         writer.close()
 
 

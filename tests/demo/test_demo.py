@@ -155,7 +155,7 @@ def test_training_loop_lowers_loss_and_respects_limits():
     model = Bigram(16)
     seen = []
     config = TrainConfig(seq_len=32, batch_size=4, steps=30, time_budget_s=None, peak_lr=1e-1, warmup_steps=3, use_bf16=False, num_threads=1)
-    result = train(model, tokens, config, progress=lambda f, s, l: seen.append((f, s, l)), holdout=tokens[:200])
+    result = train(model, tokens, config, progress=lambda f, s, loss: seen.append((f, s, loss)), holdout=tokens[:200])
     assert result.num_steps == 30 and seen[-1][0] == 1.0 and [s for _, s, _ in seen] == list(range(1, 31))
     assert seen[-1][2] < seen[0][2]  # smoothed, so it lags
     assert result.eval_loss < 0.4 * math.log(16)

@@ -148,7 +148,7 @@ def test_seeded_rows_identical_alone_and_in_a_mixed_batch():
     batch = [[] for _ in seeded]
     for t in range(steps):
         x = torch.randn(32, vocab) * 3
-        for j, pos in enumerate(positions):
+        for pos in positions:
             x[pos] = _step_logits(t, 1, vocab)[0]
         out = s.sample(x, keys).token_ids
         for j, pos in enumerate(positions):

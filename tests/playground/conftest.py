@@ -34,7 +34,7 @@ WAIT_S = 60.0
 
 def browser_missing() -> str | None:
     """Why the browser tests cannot run here, or None."""
-    for path, package in ((CHROMIUM, "chromium"), (CHROMEDRIVER, "chromium-driver")):
+    for path, _package in ((CHROMIUM, "chromium"), (CHROMEDRIVER, "chromium-driver")):
         if not (path.is_file() and os.access(path, os.X_OK)):
             return (f"browser tests skipped: {path} not found (install Debian's chromium and chromium-driver: "
                     f"apt-get install -y chromium chromium-driver; .ci/run does this)")

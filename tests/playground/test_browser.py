@@ -339,7 +339,7 @@ def test_works_with_an_api_key(browser: Any, keyed: LiveServer, wait_for: Callab
     for key, verdict in (("wrong-key", "key refused"), (API_KEY, "key accepted")):
         browser.find_element("id", "api-key").send_keys(key)
         click(browser, "key-save")
-        wait_for(lambda d: data(d, "key-status") == verdict, verdict)
+        wait_for(lambda d: data(d, "key-status") == verdict, verdict)  # noqa: B023 - waited for at once
     assert browser.find_element("id", "api-key").get_attribute("value") == ""  # not left in the form
 
     with metered_engine(keyed) as meter:

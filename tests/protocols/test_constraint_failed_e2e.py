@@ -23,7 +23,7 @@ SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "big", "schema":
 
 
 @pytest.fixture
-async def live(make_server: Any) -> Any:
+async def live(make_server: Any) -> Any:  # noqa: F811 - the fixture imported above
     server = await make_server()
     server.engine.grammars.matcher = failing_matcher_factory(server.engine.grammars)
     return server

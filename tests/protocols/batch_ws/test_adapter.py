@@ -90,7 +90,7 @@ SPEC_CASES = [("/ws", True, True), ("/ws", True, False), ("/api/ws", False, True
 async def test_spec_example_event_sequence(server: Any) -> None:
     # The four flag combinations run at once on four sockets (they share the engine's batch).
     results = await asyncio.gather(*(spec_example(server, *case) for case in SPEC_CASES))
-    for (path, stream_response, only_new_tokens), (rid, frames) in zip(SPEC_CASES, results):
+    for (_path, stream_response, only_new_tokens), (rid, frames) in zip(SPEC_CASES, results):
         check_spec_sequence(rid, frames, stream_response, only_new_tokens)
     server.wait_idle()
 

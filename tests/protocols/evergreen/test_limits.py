@@ -177,7 +177,7 @@ def _in_a_thread(fn):
     def run() -> None:
         try:
             box["value"] = fn()
-        except BaseException as exc:  # handed to the test
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
             box["error"] = exc
 
     thread = threading.Thread(target=run, daemon=True)

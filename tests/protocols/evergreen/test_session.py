@@ -151,7 +151,7 @@ def test_a_streamed_parent_appends_child_ids_in_seq_order():
 def test_cycles_abort(edges):
     s = new()
     with pytest.raises(RuleBroken, match="cycle"):
-        for i, (p, c) in enumerate(edges):
+        for p, c in edges:
             feed(s, msg(parent(p, c, continued=True, seq=0)))
 
 

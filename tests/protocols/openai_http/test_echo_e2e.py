@@ -149,7 +149,7 @@ def test_best_of_returns_the_candidate_with_the_highest_mean_logprob(server: Liv
     body = {"max_tokens": 6, "temperature": 1.0, "seed": 11, "ignore_eos": True, "logprobs": 0}
     candidates = _completion(server, n=3, **body)["choices"]
     means = [sum(c["logprobs"]["token_logprobs"]) / 6 for c in candidates]
-    assert len(set(c["text"] for c in candidates)) > 1
+    assert len({c["text"] for c in candidates}) > 1
     best = _completion(server, n=1, best_of=3, **body)
     assert [c["text"] for c in best["choices"]] == [candidates[means.index(max(means))]["text"]]
     assert best["usage"]["completion_tokens"] == 18  # every candidate was generated

@@ -483,12 +483,12 @@ async def test_disconnect_before_first_token_aborts_without_a_write(fake: Fake, 
             held = fake.hold()
             async with httpx.AsyncClient(base_url=url) as http:
                 task = asyncio.create_task(http.post("/v1/completions", json={"prompt": "x", "stream": stream}))
-                await wait_until(lambda: len(fake.requests) == num and fake.client.stats().num_running == 1,
+                await wait_until(lambda: len(fake.requests) == num and fake.client.stats().num_running == 1,  # noqa: B023
                                  attempts=1000, interval_s=0.005)
                 task.cancel()  # closes the connection
                 with pytest.raises(asyncio.CancelledError):
                     await task
-            await wait_until(lambda: len(aborted) == num, attempts=1000, interval_s=0.005)
+            await wait_until(lambda: len(aborted) == num, attempts=1000, interval_s=0.005)  # noqa: B023 - awaited at once
             held.set()
             await idle(fake)
             assert fake.num_cancelled() == num
