@@ -37,8 +37,8 @@ import asyncio
 import ipaddress
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any, cast
 
 from websockets.frames import Close, Frame, Opcode
 
@@ -231,7 +231,7 @@ class ConnectionGate:
             log.warning("refusing connections: %d open (limit %d, %d per client); %d refused so far",
                         self.total, self.max_total, self.max_per_client, self.refused)
 
-    def http_connection(self, scope: dict[str, Any]) -> GuardedProtocol | None:
+    def http_connection(self, scope: MutableMapping[str, Any]) -> GuardedProtocol | None:
         """The HTTP-port connection an ASGI ``scope`` arrived on (None if unknown)."""
         client = scope.get("client")
         return self.http_connections.get((client[0], client[1])) if client else None
@@ -426,7 +426,7 @@ class GuardedProtocol(asyncio.Protocol):
         current = transport.get_protocol()
         if current is not self and not transport.is_closing():
             # uvicorn upgraded to a WebSocket: keep receiving the events, hand them on.
-            self.inner = current
+            self.inner = cast(asyncio.Protocol, current)  # uvicorn's WebSocket protocols are Protocols
             self._websocket = True
             transport.set_protocol(self)
 

@@ -176,7 +176,8 @@ class FeedbackStore:
                 num_bytes = ROW_OVERHEAD_BYTES + _num_bytes(texts["text"][0]) + sum(
                     TEXT_OVERHEAD_BYTES + _num_bytes(text) for text in new_texts.values())
                 self._check_room(principal, num_bytes)
-                stored = {digest: self._store_text(digest, text) for digest, text in new_texts.items()}
+                stored: dict[bytes | None, int] = {digest: self._store_text(digest, text)  # type: ignore[arg-type]  # a digest means a text
+                                                  for digest, text in new_texts.items()}
                 ids = {name: text_id if text_id is not None else stored.get(digest)
                        for name, (text_id, digest) in found.items()}
                 cur = self._db.execute(

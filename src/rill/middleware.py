@@ -131,7 +131,7 @@ class Guard:
         if forwarded_allow_ips:
             from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
-            self._checked = ProxyHeadersMiddleware(self._handle, trusted_hosts=list(forwarded_allow_ips))  # type: ignore[arg-type]
+            self._checked = ProxyHeadersMiddleware(self._handle, trusted_hosts=list(forwarded_allow_ips))  # type: ignore[arg-type,assignment]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         connection = self.gate.http_connection(scope) if self.gate is not None else None

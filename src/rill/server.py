@@ -208,7 +208,7 @@ def _http_server(config: ServerConfig, app: ASGIApp, gate: ConnectionGate) -> uv
     )
     for logger_name in ("uvicorn.error", "uvicorn.access"):  # after uvicorn.Config set its logging up
         logging.getLogger(logger_name).addFilter(auth.QUERY_KEY_REDACTOR)
-    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+    server.install_signal_handlers = lambda: None  # type: ignore[attr-defined]
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError):

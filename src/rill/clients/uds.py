@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 from rill.config import UdsConfig
 from rill.protocols.framed_uds.framing import FrameDecoder, FramingError, encode_frame
@@ -160,7 +160,7 @@ def register(client_subparsers: Any) -> None:
 
 def _exit_1_on_usage_errors(parser: argparse.ArgumentParser) -> None:
     # uma-cli exits 1 on a usage error; argparse would exit 2, which here means "error event".
-    def error(message: str) -> None:
+    def error(message: str) -> NoReturn:
         parser.print_usage(sys.stderr)
         print(f"{parser.prog}: error: {message}", file=sys.stderr)
         sys.exit(EXIT_USAGE)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, cast
 
 from rill.config import EngineConfig
 from rill.engine.builder import Engine, assemble_engine
@@ -64,8 +64,9 @@ async def fake_client(config: EngineConfig | None = None, runner: FakeRunner | N
             await client.wait_ready()
         yield client
     finally:
-        if engine.runner.gate is not None:
-            engine.runner.gate.set()  # a step held by the test must not outlive it
+        gate = cast(FakeRunner, engine.runner).gate
+        if gate is not None:
+            gate.set()  # a step held by the test must not outlive it
         if loading is not None:
             loading.set()
         await client.shutdown()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from typing import Any
 
 from websockets.asyncio.client import connect
 
@@ -29,7 +30,7 @@ class Driver(SocketPerRequestDriver):
         """Send one batch of one prompt; read events until its ``COMPLETE`` or ``ERROR``."""
         headers = self.auth_headers()
         request_id = f"bench-{request.index}-{uuid.uuid4().hex[:8]}"
-        config = {"max_new_tokens": request.max_tokens, "do_sample": self.options.temperature > 0, "num_beams": 1}
+        config: dict[str, Any] = {"max_new_tokens": request.max_tokens, "do_sample": self.options.temperature > 0, "num_beams": 1}
         if self.options.temperature > 0:
             config["temperature"] = self.options.temperature
         payload = {"prompts": [{"request_id": request_id, "prompt": request.prompt}], "only_new_tokens": True,

@@ -9,9 +9,14 @@ gRPC status name (``RESOURCE_EXHAUSTED``, ``UNAVAILABLE`` …).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from rill.bench.drivers import BenchError, Options, Target, Timer
 from rill.bench.stats import RequestRecord
 from rill.bench.workload import BenchRequest
+
+if TYPE_CHECKING:
+    from rill.clients.evergreen import EvergreenClient
 
 SERVER_PROTOCOL = "evergreen"
 
@@ -24,7 +29,7 @@ class Driver:
     def __init__(self, target: Target, options: Options) -> None:
         self.target = target
         self.options = options
-        self._client = None
+        self._client: EvergreenClient | None = None
 
     async def open(self) -> None:
         """Open the channel."""

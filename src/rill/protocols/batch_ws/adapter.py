@@ -17,6 +17,7 @@ import contextlib
 import logging
 import time
 import uuid
+from typing import cast
 
 import msgspec
 from starlette.routing import BaseRoute, WebSocketRoute
@@ -108,7 +109,7 @@ class _Connection:
         finally:
             for action in self.session.on_disconnect():
                 if isinstance(action, Abort):
-                    self.client.abort(action.key)
+                    self.client.abort(cast(PromptKey, action.key))  # batch /ws names every stream
             # Expired generations would otherwise stay charged to the budget until the next
             # prompt anyone sends.
             self.session.store.expire(time.monotonic())
@@ -146,18 +147,19 @@ class _Connection:
             elif isinstance(action, SendError):
                 await self._send(codec.encode_socket_error(action.text))
             elif isinstance(action, Start):
+                key = cast(PromptKey, action.key)  # batch /ws names every stream
                 try:
                     stream = await self.client.generate(msgspec.structs.replace(action.request,
                                                                                 principal=self.principal))
                 except Exception as exc:  # reported per prompt via the error table
                     if not isinstance(exc, RillError):  # a bug: keep the traceback, tell the client nothing of it
-                        log.error("batch /ws request %s failed at submission", action.key, exc_info=exc)
-                    failures.append((action.key, exc))
+                        log.error("batch /ws request %s failed at submission", key, exc_info=exc)
+                    failures.append((key, exc))
                     continue
-                self.session.on_submitted(action.key, stream.prompt_token_ids)
-                self._watch(action.key, stream)
+                self.session.on_submitted(key, stream.prompt_token_ids)
+                self._watch(key, stream)
             elif isinstance(action, Abort):
-                self.client.abort(action.key)
+                self.client.abort(cast(PromptKey, action.key))  # batch /ws names every stream
         if failures:
             await self._perform(self.session.on_start_failed(failures, time.monotonic()))
 

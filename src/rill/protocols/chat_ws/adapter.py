@@ -20,7 +20,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Hashable
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +79,7 @@ class ChatService:
                                          None if days is None else days * 86400)
         self.ref_audio_path = cfg.chat.ref_audio
         self._ref_audio: dict[str, Any] | None = None
-        self._mailboxes: dict[str, asyncio.Queue[Notice]] = {}
+        self._mailboxes: dict[Hashable, asyncio.Queue[Notice]] = {}
 
     # -- queue (event loop only) -------------------------------------------------------
     def join(self, ticket: str) -> tuple[Started | QueueStatus, asyncio.Queue[Notice]]:
@@ -233,7 +233,7 @@ class _Chat:
             error, close_code = codec.error_for(exc)
             if not isinstance(exc, (InvalidRequest, ModelNotReady)) and error.error == codec.GENERIC_ERROR:
                 log.exception("chat failed")
-            actions = self.session.on_error(exc) if self.session is not None else [Send(error), Close(close_code)]
+            actions: list[Action] = self.session.on_error(exc) if self.session is not None else [Send(error), Close(close_code)]
             await self._perform(actions)
         finally:
             watcher.cancel()

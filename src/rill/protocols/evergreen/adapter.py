@@ -29,7 +29,7 @@ import logging
 import os
 import stat
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import unquote
 
 import msgspec
@@ -451,7 +451,7 @@ class EvergreenServicer:
             except TooManyConnections as exc:
                 name, message = codec.status_of(exc)
                 await context.abort(grpc.StatusCode[name], message)
-        runner = SessionRunner(self.deps, principal)
+        runner = SessionRunner(self.deps, cast(str, principal))  # None: context.abort raised above
         first_message_s = self.deps.config.connections.first_message_timeout_s
         reader = asyncio.create_task(self._read(request_iterator, runner, first_message_s))
         try:

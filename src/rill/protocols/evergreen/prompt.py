@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import posixpath
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from rill.errors import InvalidRequest
@@ -159,7 +160,7 @@ def build_request(action_id: int, items: tuple[PromptItem, ...], config: Generat
     turns = chat_turns(items, ref_bytes)
     if not any(turn.content for turn in turns):
         raise InvalidRequest(f"action {action_id}: the prompt is empty", field="prompt")
-    common = dict(sampling=sampling_params(config), protocol=codec.PROTOCOL_NAME, deadline_s=deadline_s)
+    common: dict[str, Any] = dict(sampling=sampling_params(config), protocol=codec.PROTOCOL_NAME, deadline_s=deadline_s)
     if model.has_chat_template:
         return GenerateRequest(messages=turns, **common)
     if len(turns) > 1 or turns[0].role != "user":

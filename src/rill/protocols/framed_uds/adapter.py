@@ -279,7 +279,7 @@ class Connection:
 
     async def _refuse_frame(self, exc: FramingError) -> None:
         actions = self.session.on_protocol_error(exc)
-        closes = [action for action in actions if isinstance(action, Close)]
+        closes: list[Action] = [action for action in actions if isinstance(action, Close)]
         await self.perform([action for action in actions if not isinstance(action, Close)])
         if isinstance(exc, FrameTooLarge) and not self.is_closed:
             # Answer and half-close first (a reading client sees the error, then the end),

@@ -140,7 +140,7 @@ def decode(payload: bytes) -> ClientMessage:
         raise InvalidRequest(f"'event': unknown value {kind!r} (use cancel or metrics, or omit it for a request)",
                              field="event")
     try:
-        message = msgspec.convert(obj, cls)
+        message: Request | Cancel = msgspec.convert(obj, cls)
     except msgspec.ValidationError as exc:
         raise _bad_field(exc) from exc
     if isinstance(message, Request):
@@ -153,7 +153,7 @@ def decode(payload: bytes) -> ClientMessage:
 def _bad_field(exc: msgspec.ValidationError) -> InvalidRequest:
     text = str(exc)
     if text.startswith("Object missing required field `"):
-        field = text.split("`")[1]
+        field: str | None = text.split("`")[1]
         return InvalidRequest(f"missing required field '{field}'", field=field)
     field = None
     if " - at `$." in text:

@@ -180,7 +180,8 @@ class FramedSession:
     def _metrics(self, _query: MetricsQuery) -> list[Action]:
         was_active = self.state is State.ACTIVE
         self.state, self.running = State.CLOSED, None
-        return ([Abort()] if was_active else []) + [SendMetrics(), Close()]
+        aborts: list[Action] = [Abort()] if was_active else []
+        return aborts + [SendMetrics(), Close()]
 
     # -- helpers ---------------------------------------------------------------------------
     def _finish(self, output: RequestOutput, running: _Running) -> list[Action]:
@@ -205,7 +206,8 @@ class FramedSession:
         was_active = self.state is State.ACTIVE
         self.state, self.running = State.CLOSED, None
         error = _error(exc, wire_id, metadata)
-        return ([Abort()] if was_active else []) + [Rejected(error.code), Send(error), Close()]
+        aborts: list[Action] = [Abort()] if was_active else []
+        return aborts + [Rejected(error.code), Send(error), Close()]
 
 
 def _error(exc: BaseException, wire_id: str | None, metadata: dict[str, Any] | None) -> Error:
@@ -316,4 +318,5 @@ class NewlineSession:
         self._queue.clear()
         code = codec.error_code(exc)
         line = f"error: {code}: {codec.error_message(exc)}\n".encode()
-        return ([Abort()] if was_active else []) + ([Rejected(code)] if is_rejection else []) + [Send(line), Close()]
+        aborts: list[Action] = [Abort()] if was_active else []
+        return aborts + ([Rejected(code)] if is_rejection else []) + [Send(line), Close()]

@@ -18,7 +18,7 @@ import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 from starlette.requests import Request
@@ -187,7 +187,7 @@ class GenerateService:
                                           usage=msg.usage, timing=msg.timing)
                 return Response(codec.encode(response), media_type="application/json")
             if isinstance(msg, m.Error):
-                status = _HTTP_STATUS.get(msg.error, 500)
+                status = cast(int, _HTTP_STATUS.get(msg.error, 500))  # every entry of the table has one
                 # Rounded up: a client that waits the header's whole seconds must not be early.
                 headers = {"Retry-After": str(max(1, math.ceil(msg.retry_after_seconds)))} \
                     if isinstance(msg.retry_after_seconds, float) else None

@@ -145,7 +145,9 @@ class GenerateSession:
         allowed = TRANSITIONS[self.state]
         if kind not in allowed or (kind == "control" and msg.action not in allowed[kind]):  # type: ignore[union-attr]
             return self._refuse(kind, msg)
-        handler = {"config": self._on_config, "control": self._on_control, "feedback": self._on_feedback}[kind]
+        handlers: dict[str, Callable[[Any, float], list[Action]]] = {
+            "config": self._on_config, "control": self._on_control, "feedback": self._on_feedback}
+        handler = handlers[kind]
         try:
             return handler(msg, now)
         except (InvalidRequest, codec.FeedbackLimit) as exc:

@@ -383,7 +383,7 @@ async def _merge(streams: list[RequestStream], idle_s: float | None) -> AsyncIte
     Only one ``__anext__`` per stream is outstanding, so each stream keeps coalescing
     deltas while the client is slow instead of queueing them here.
     """
-    pending: dict[asyncio.Future[RequestOutput], int] = {
+    pending: dict[asyncio.Future[RequestOutput | None], int] = {
         asyncio.ensure_future(_next(stream)): i for i, stream in enumerate(streams)
     }
     try:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 
@@ -143,7 +143,7 @@ def error_detail(exc: BaseException) -> tuple[int, ErrorDetail]:
     entry = lookup(ERROR_TABLE, exc, None)
     if entry is None:
         return 500, ErrorDetail(message=_GENERIC_MESSAGE, type="server_error", code="internal_error")
-    status, kind = entry.status or 500, entry.code
+    status, kind = entry.status or 500, cast(str, entry.code)  # every entry of this table names a type
     assert isinstance(exc, RillError)  # only rill classes are in the table
     param = getattr(exc, "field", None)
     return status, ErrorDetail(message=exc.message, type=kind, param=param, code=exc.code)

@@ -253,7 +253,7 @@ class ResponseSession:
             out.text_offset.append(offset)
             offset += len(token)
             out.token_logprobs.append(None if lp is None else lp.logprob)
-            out.top_logprobs.append(None if lp is None else self._top_dict(token, lp))  # type: ignore[arg-type]
+            out.top_logprobs.append(None if lp is None else self._top_dict(token, lp))
         return prompt.text, out
 
     def _append_chat(self, index: int, choice: _Choice, out: RequestOutput, finish: str | None) -> list[bytes]:
@@ -306,7 +306,7 @@ class ResponseSession:
             return codec.encode(ChatCompletion(id=self.response_id, object="chat.completion", created=self.created,
                                                model=self.model, choices=choices, usage=self.usage(),
                                                prompt_logprobs=self._vllm_prompt_logprobs(self.choices[0].prompt_logprobs)))
-        choices_out = []
+        choices_out: list[CompletionChoice] = []
         for index in self._shown():
             c = self.choices[index]
             echo_text, echo_logprobs = self._echo(index) if self.echo is not None else ("", None)
