@@ -169,16 +169,16 @@ def build_demo_model(
         bar.stage("tokenizer", _CORPUS_END)
         tokenizer = tk.train_tokenizer(docs)
         ids = [e.ids for e in tokenizer.encode_batch(docs, add_special_tokens=False)]
-        tokens = pack_documents(ids, tokenizer.token_to_id(tk.BOS), tokenizer.token_to_id(tk.EOS))
+        tokens = pack_documents(ids, tokenizer.token_to_id(tk.BOS), tokenizer.token_to_id(tk.EOS))  # type: ignore[arg-type]
         config = model_config(tokenizer.get_vocab_size(), model_overrides)
         model = build_model(config, "float32", "cpu", seed=seed)
         budget = None if time_budget_s is None else max(1.0, time_budget_s - (time.monotonic() - start) - 3.0)
         train_config = TrainConfig(**({"steps": steps, "time_budget_s": budget, "seed": seed} | (train_overrides or {})))
         train_tokens, holdout = split_holdout(tokens, min_tokens=train_config.seq_len + 1)
         bar.stage("training", _TOKENIZER_END)
-        result = train(model, train_tokens, train_config, bar.training, holdout)
+        result = train(model, train_tokens, train_config, bar.training, holdout)  # type: ignore[arg-type]
         bar.stage("saving", _TRAINING_END, f"loss {result.train_loss:.3f}")
-        _save(folder, model, config, tokenizer, result, train_config, save_checkpoint)
+        _save(folder, model, config, tokenizer, result, train_config, save_checkpoint)  # type: ignore[arg-type]
         bar.stage("done", 100.0, f"loss {result.train_loss:.3f}")
     return folder
 

@@ -82,7 +82,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 4096) -> Tokenizer:
 
 def special_token_ids(tokenizer: Tokenizer) -> dict[str, int]:
     """Ids of every special token, by text."""
-    return {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
+    return {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}  # type: ignore[misc]
 
 
 def tokenizer_config(max_context_tokens: int) -> dict[str, Any]:

@@ -123,7 +123,7 @@ class BeamSearch:
         spare = list(spare_rows) + [b.row for i, b in enumerate(self.beams) if i not in children]
         used: set[int] = set()
         beams: list[Beam] = []
-        copies: list[tuple[int, int]] = []
+        copies: list[tuple[int, int, int]] = []
         for parent, token, score in new:
             p = self.beams[parent]
             if p.row not in used:

@@ -328,7 +328,7 @@ def _gguf_file(model: str | None) -> tuple[Path, str]:
 
     named = resolve(model)  # a catalog name (rill models): its pulled file, served under that name
     if named is not None:
-        return named, lookup(model).name
+        return named, lookup(model).name  # type: ignore[union-attr]
     path = Path(model)
     if not path.exists():
         raise ModelLoadError(f"model file {path} does not exist")

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -118,6 +118,7 @@ class EngineCore:
         A command that raises fails only the request it names (never the engine loop).
         """
         handler = self._handlers[type(command)]
+        request: Request | None
         if isinstance(command, AddCommand):
             request = command.request
         else:
@@ -174,6 +175,7 @@ class EngineCore:
         if request.sampler_key is not None and not request.is_beam:
             self.sampler.update(request.sampler_key, cmd.params, matcher=request.matcher)
         if list(cmd.params.stop) != list(old_stop):
+            assert request.output is not None  # set when the request was added
             request.output.set_stops(cmd.params.stop)
             self.touched[request.request_id] = request
         if request.beam is not None:
@@ -193,6 +195,7 @@ class EngineCore:
         request.num_output_tokens_counted = 0
         request.cumulative_logprob = 0.0
         request.first_token_time = None
+        assert request.output is not None  # set when the request was added
         request.output.reset(request.prompt_ids, request.params.stop)
         if request.sampler_key is not None:
             self.sampler.reset(request.sampler_key, request.prompt_ids)
@@ -280,6 +283,7 @@ class EngineCore:
         life, logged once; the step itself goes on without drafts.
         """
         speculator = self.speculator
+        assert speculator is not None  # called only while speculation is on
         decoding = [item for item in scheduled if len(item.work) == 1 and len(item.work[0].token_ids) == 1
                     and item.work[0].need_logits and not item.work[0].all_logits]
         if len(decoding) > speculator.config.max_batch:
@@ -293,7 +297,7 @@ class EngineCore:
         entries = [(item.request.speculation, item.request.row, item.request.num_tokens, item.request.token_at, limit)
                    for item, limit in asking]
         try:
-            drafts = speculator.propose(entries, len(decoding))
+            drafts = speculator.propose(entries, len(decoding))  # type: ignore[arg-type]  # scheduled: each has a row
         except Exception:
             log.exception("the speculative proposer failed; speculative decoding is off from now on")
             self.speculator = None
@@ -309,6 +313,7 @@ class EngineCore:
     def _draft_limit(self, request: Request) -> int:
         """The most draft tokens ``request`` may have verified this step (0: none)."""
         params = request.params  # beams and prefill-only requests (max_tokens 0) never speculate
+        assert self.speculator is not None  # called only while speculation is on
         if params.max_tokens == 0 or not self.speculator.wants(params, request.is_beam):
             return 0
         return min(params.speculative_tokens(self.speculator.config.num_tokens),
@@ -372,7 +377,7 @@ class EngineCore:
             rows = [first + depth for _, first, _ in items]
             block = logits if rows == list(range(logits.shape[0])) else logits[rows]
             try:
-                result = self.sampler.sample(block, [r.sampler_key for r in reqs])
+                result = self.sampler.sample(block, cast(list[int], [r.sampler_key for r in reqs]))  # sampled: keyed
             except Exception:  # not one row's fault (the sampler isolates those): fail the sampled rows
                 log.exception("sampling failed for the whole batch")
                 for request in reqs:
@@ -437,6 +442,7 @@ class EngineCore:
         if token in params.stop_token_ids:
             self._finish(request, "stop", stop_reason=token)
             return
+        assert request.output is not None  # set when the request was added
         matched = request.output.push(token, logprob if params.logprobs is not None else None)
         self.touched[request.request_id] = request
         if matched is not None:
@@ -457,6 +463,7 @@ class EngineCore:
             return
         self._mark_prefill_done(request)
         if not group.is_decoding:
+            assert request.row is not None  # a scheduled request holds a row
             group.start(request.row, request.prompt_ids, request.num_computed)
         result = group.step(logits, self.max_len)
         request.row = group.beams[0].row if group.beams else request.row
@@ -472,6 +479,7 @@ class EngineCore:
             self._finish(request, reason)
 
     def _emit_beam_tokens(self, request: Request, tokens: list[int]) -> None:
+        assert request.output is not None  # set when the request was added
         for token in tokens[request.num_beam_tokens_emitted :]:
             request.output.push(token, match_stops=False)
         request.num_beam_tokens_emitted = max(request.num_beam_tokens_emitted, len(tokens))
@@ -554,7 +562,7 @@ class EngineCore:
         for request in list(self.deadlines.values()):
             if request.is_finished:
                 self.deadlines.pop(request.request_id, None)
-            elif now >= request.deadline:
+            elif now >= cast(float, request.deadline):  # self.deadlines holds only requests with one
                 self._isolated(request, "finishing", self._finish, request, "error", None,
                                RequestTimeout("the request reached its time limit"))
 

@@ -172,13 +172,13 @@ def grammar_of(fmt: ResponseFormat) -> str:
     """The llguidance grammar text of a constraining ``fmt``; ``InvalidRequest`` when malformed."""
     try:
         if fmt.type == "json_object":
-            return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(_ANY_OBJECT), defaults=_JSON_DEFAULTS)
+            return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(_ANY_OBJECT), defaults=_JSON_DEFAULTS)  # type: ignore[arg-type]
         if fmt.type == "json_schema":
             spec = fmt.json_schema or {}
             schema: Any = spec.get("schema")
             # Not strict: keywords llguidance cannot enforce are skipped rather than refused.
             defaults = _JSON_DEFAULTS if spec.get("strict") else {**_JSON_DEFAULTS, "lenient": True}
-            return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=defaults)
+            return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=defaults)  # type: ignore[arg-type]
         if fmt.type == "regex":
             return llguidance.LLMatcher.grammar_from_regex(fmt.regex or "")
         if fmt.type == "grammar":

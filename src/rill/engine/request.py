@@ -110,7 +110,7 @@ class Request:
         """
         if not self.needs_prompt_logits:
             return None
-        return len(self.prompt_logprobs) - 1
+        return len(self.prompt_logprobs) - 1  # type: ignore[arg-type]
 
     @property
     def prompt_key(self) -> int:

@@ -113,7 +113,7 @@ class TorchModelRunner:
         self.model.ensure_rope(max_len)
         # Serving never trains: pack the projections for the CPU's GEMM kernels once, here,
         # in place of the originals (one copy of each weight).
-        self.packed_weight_bytes = (packed.pack_linears(self.model, self.model.lm_weight(), release=True)
+        self.packed_weight_bytes = (packed.pack_linears(self.model, self.model.lm_weight(), release=True)  # type: ignore[arg-type]
                                     if pack_weights else 0)
 
     @torch.inference_mode()
@@ -300,7 +300,7 @@ class TorchModelRunner:
                 lengths = torch.tensor([item.start + 1 for item in decode], device=self.device)[:, None]
                 keys = torch.arange(decode_len, device=self.device)[None, :]
                 full = keys < lengths
-            mask = full & (keys >= lengths - window) if is_windowed else full
+            mask = full & (keys >= lengths - window) if is_windowed else full  # type: ignore[operator]
             masks[window] = mask[:, None, None, :]  # [B, 1, 1, L]
         return masks
 
@@ -312,7 +312,9 @@ class TorchModelRunner:
         is_consecutive = physical == list(range(physical[0], physical[0] + num_chunks))
         pad_index = unpad_index = None
         if any(n != max_chunk for n in sizes):
-            pad, unpad, offset = [], [], 0
+            pad: list[int] = []
+            unpad: list[int] = []
+            offset = 0
             for chunk, n in enumerate(sizes):
                 pad.extend(offset + min(t, n - 1) for t in range(max_chunk))
                 unpad.extend(chunk * max_chunk + t for t in range(n))

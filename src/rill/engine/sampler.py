@@ -255,9 +255,9 @@ class Sampler:
         if self._counts is None:
             return
         self._counts[key] = 0
-        self._prompt_mask[key] = False
+        self._prompt_mask[key] = False  # type: ignore[index]
         prompt = np.asarray(slot.prompt, np.int64)
-        self._prompt_mask[key, prompt[(prompt >= 0) & (prompt < self.vocab_size)]] = True
+        self._prompt_mask[key, prompt[(prompt >= 0) & (prompt < self.vocab_size)]] = True  # type: ignore[index]
 
     # ----- one step ------------------------------------------------------------------------
 
@@ -414,20 +414,20 @@ class Sampler:
             rows = np.asarray(plan.penalty_rows)
             keys = key_arr[rows]
             prm = self._table[keys]
-            counts = np.take(self._counts, keys, axis=0, out=self._ws.get("scratch", (len(keys), vocab), np.float32))
-            prompt = np.take(self._prompt_mask, keys, axis=0, out=self._ws.get("flags", (len(keys), vocab), bool))
+            counts = np.take(self._counts, keys, axis=0, out=self._ws.get("scratch", (len(keys), vocab), np.float32))  # type: ignore[arg-type]
+            prompt = np.take(self._prompt_mask, keys, axis=0, out=self._ws.get("flags", (len(keys), vocab), bool))  # type: ignore[arg-type]
             apply_penalties(x, rows, counts, prompt, prm[:, _REP], prm[:, _PRES], prm[:, _FREQ])
         if plan.bias_rows:
             ids = [slots[i].bias_ids for i in plan.bias_rows]
-            rows = np.repeat(plan.bias_rows, [len(a) for a in ids])
-            x[rows, np.concatenate(ids)] += np.concatenate([slots[i].bias_values for i in plan.bias_rows])
+            rows = np.repeat(plan.bias_rows, [len(a) for a in ids])  # type: ignore[arg-type]
+            x[rows, np.concatenate(ids)] += np.concatenate([slots[i].bias_values for i in plan.bias_rows])  # type: ignore[arg-type]
         if plan.ban_rows:
             rows = np.repeat([i for i, _ in plan.ban_rows], [len(a) for _, a in plan.ban_rows])
             x[rows, np.concatenate([a for _, a in plan.ban_rows])] = -np.inf
         if plan.allow_rows:
             ids = [slots[i].allow_ids for i in plan.allow_rows]
             allowed = np.zeros((len(ids), raw.shape[1]), bool)
-            allowed[np.repeat(np.arange(len(ids)), [len(a) for a in ids]), np.concatenate(ids)] = True
+            allowed[np.repeat(np.arange(len(ids)), [len(a) for a in ids]), np.concatenate(ids)] = True  # type: ignore[arg-type]
             self._restrict(x, raw, np.asarray(plan.allow_rows), allowed)
         if plan.mask_rows:
             self._apply_masks(x, raw, [slots[i].matcher for i in plan.mask_rows], plan.mask_rows)
@@ -514,7 +514,7 @@ class Sampler:
         lse = peak + np.log(np.einsum("lv->l", np.exp(shifted, out=shifted)).astype(np.float64))
         chosen = (xr[np.arange(l), tokens[rows]] - lse).tolist()
         # One more than asked, so that N remain once the chosen token is left out.
-        num_top = min(max(slots[i].params.logprobs for i in rows) + 1, vocab)
+        num_top = min(max(slots[i].params.logprobs for i in rows) + 1, vocab)  # type: ignore[operator,type-var]
         top_ids: list[list[int]] = [[] for _ in rows]
         top_lps: list[list[float]] = [[] for _ in rows]
         if num_top > 1:

@@ -158,7 +158,7 @@ class Scheduler:
                 out.num_decode_tokens += len(items)
                 budget -= len(items)
             elif request.num_tokens - request.num_computed == 1:
-                item = RowWork(request.row, request.token_at(request.num_computed, request.num_tokens), request.num_computed)
+                item = RowWork(request.row, request.token_at(request.num_computed, request.num_tokens), request.num_computed)  # type: ignore[arg-type]
                 out.scheduled.append(ScheduledRequest(request, [item]))
                 out.num_decode_tokens += 1
                 budget -= 1
@@ -215,7 +215,7 @@ class Scheduler:
         all_logits = request.needs_prompt_logits
         n = min(remaining, budget, logits_cap) if all_logits else min(remaining, budget)
         start = request.num_computed
-        item = RowWork(request.row, request.token_at(start, start + n), start, need_logits=(n == remaining),
+        item = RowWork(request.row, request.token_at(start, start + n), start, need_logits=(n == remaining),  # type: ignore[arg-type]
                        all_logits=all_logits)
         out.scheduled.append(ScheduledRequest(request, [item]))
         out.num_prefill_tokens += n

@@ -169,7 +169,7 @@ def parse_llama_config(hf: dict[str, Any], generation: dict[str, Any] | None, so
     has_attention_bias = bool(hf.get("attention_bias", False)) and architecture != "MistralForCausalLM"
     return ModelConfig(
         architecture=architecture,
-        **sizes,
+        **sizes,  # type: ignore[arg-type]
         head_dim=head_dim,
         max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),

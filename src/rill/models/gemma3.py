@@ -133,7 +133,7 @@ class Gemma3Model(nn.Module):
     @property
     def windows(self) -> set[int | None]:
         """The distinct attention windows of the layers (None = full attention)."""
-        return {layer.window for layer in self.layers}
+        return {layer.window for layer in self.layers}  # type: ignore[misc]
 
     def lm_weight(self) -> torch.Tensor:
         """The LM head matrix ``[vocab, hidden]`` (the embedding when tied)."""
@@ -175,7 +175,7 @@ class Gemma3Model(nn.Module):
         masks = {window: _window_mask(num_tokens, window, x.device) for window in self.windows}
         for layer in self.layers:
             cos, sin = rope[layer.window is not None]
-            x = layer(x, cos, sin, masks[layer.window])
+            x = layer(x, cos, sin, masks[layer.window])  # type: ignore[index]
         return self._logits(x)
 
     def forward_step(self, batch: StepBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -184,7 +184,7 @@ class Gemma3Model(nn.Module):
         rope = self._rope_rows(batch.positions, x.dtype)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             cos, sin = rope[layer.window is not None]
-            x = layer.forward_step(x, batch, k_cache, v_cache, cos, sin)
+            x = layer.forward_step(x, batch, k_cache, v_cache, cos, sin)  # type: ignore[operator]
         if batch.logits_index is not None:
             if not batch.logits_index.numel():
                 return x.new_empty((0, self.config.vocab_size), dtype=torch.float32)
@@ -228,7 +228,7 @@ def parse_gemma3_config(hf: dict[str, Any], generation: dict[str, Any] | None, s
     generation = generation or {}
     return ModelConfig(
         architecture=architecture,
-        **sizes,
+        **sizes,  # type: ignore[arg-type]
         head_dim=head_dim,
         max_position_embeddings=int(hf.get("max_position_embeddings", 131072)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
@@ -319,7 +319,7 @@ def from_hf(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, 
     for i in range(config.num_layers):
         prefix = f"model.layers.{i}."
         out.update((f"layers.{i}.{ours}", tensors[prefix + theirs]) for ours, theirs in _RENAMES.items() if _has(config, ours))
-        out.update((f"layers.{i}.{ours}", quant.cat([tensors[prefix + p] for p in parts]))
+        out.update((f"layers.{i}.{ours}", quant.cat([tensors[prefix + p] for p in parts]))  # type: ignore[misc]
                    for ours, parts in _FUSED.items() if _has(config, ours))
     return out
 

@@ -146,7 +146,7 @@ class GGUFCheckpoint:
                 out[hf_name] = fix(hf_name, torch.from_numpy(values), self.hf_config).to(dtype).contiguous()
             else:
                 # Row fix-ups (llama.cpp's q/k permutation) move every per-row field alike.
-                out[hf_name] = quant.map_rows(values, lambda t: fix(hf_name, t, self.hf_config).contiguous())  # noqa: B023 - called before the loop moves on
+                out[hf_name] = quant.map_rows(values, lambda t: fix(hf_name, t, self.hf_config).contiguous())  # type: ignore[assignment]  # noqa: B023 - called before the loop moves on
             if progress is not None:
                 progress(done, total)
         return out
@@ -166,11 +166,11 @@ class GGUFCheckpoint:
             shape = tuple(reversed([int(n) for n in tensor.shape]))
             is_matrix = len(shape) == 2
             if is_matrix and kind in quant.INT4_TYPES and weights in ("auto", "int4", "int8"):
-                exact = quant.gguf_int4(tensor.data, kind, shape)
+                exact = quant.gguf_int4(tensor.data, kind, shape)  # type: ignore[arg-type]
                 yield tensor.name, quant.to_int8(exact) if weights == "int8" else exact
                 continue
             if is_matrix and kind == "Q6_K" and weights == "auto" and shape[1] % 256 == 0:
-                yield tensor.name, quant.gguf_int6(tensor.data, shape)  # kept 6-bit where rill's kernel runs
+                yield tensor.name, quant.gguf_int6(tensor.data, shape)  # type: ignore[arg-type]  # kept 6-bit where rill's kernel runs
                 continue
             # dequantize() gives float32 in the Hugging Face [out, in] layout; copy off the mmap.
             values = np.array(quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32, copy=True)
@@ -372,7 +372,7 @@ def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str, source: str)
     spelled = [t if set(t) <= alphabet else "".join(table[b] for b in t.encode("utf-8")) for t in tokens]
     vocab = {token: index for index, token in enumerate(spelled)}
     pairs = [tuple(merge.split(" ", 1)) for merge in merges]
-    backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
+    backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))  # type: ignore[arg-type]
     splits = BPE_PRE_TOKENIZERS.get(pre)
     if splits is None:
         log.warning("%s: unknown pre-tokenizer %r; splitting text as GPT-2 does", source, pre)
@@ -438,7 +438,7 @@ def _set_post_processor(backend: tokenizers.Tokenizer, special: dict[str, str], 
         return
     single = " ".join([f"{bos}:0"] * add_bos + ["$A:0"] + [f"{eos}:0"] * add_eos)
     pair = single + " " + " ".join([f"{bos}:1"] * add_bos + ["$B:1"] + [f"{eos}:1"] * add_eos)
-    ids = [(bos, backend.token_to_id(bos))] * add_bos + [(eos, backend.token_to_id(eos))] * add_eos
+    ids = [(bos, backend.token_to_id(bos))] * add_bos + [(eos, backend.token_to_id(eos))] * add_eos  # type: ignore[arg-type]
     backend.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=ids)
 
 

@@ -93,7 +93,7 @@ class DecoderLayer(nn.Module):
         if self.q_norm is not None:
             # One norm over q and k heads together, then each gets its own weight.
             weight = torch.cat(
-                (self.q_norm.weight.expand(self.num_heads, -1), self.k_norm.weight.expand(self.num_kv_heads, -1))
+                (self.q_norm.weight.expand(self.num_heads, -1), self.k_norm.weight.expand(self.num_kv_heads, -1))  # type: ignore[union-attr]
             )
             qk = weight * _rms(qk, self.q_norm.eps)
         qk = apply_rope(qk, cos, sin)
@@ -146,7 +146,7 @@ class DecoderLayer(nn.Module):
                 return x + self.mlp(x)
             q, k, v = self._split(qkv, batch.cos, batch.sin)
         else:
-            q, k, v = self.project(x, batch.cos, batch.sin)  # [N, heads, hd]
+            q, k, v = self.project(x, batch.cos, batch.sin)  # type: ignore[arg-type]  # [N, heads, hd]
         write_kv(k_cache, v_cache, k, v, batch)
         x = x + self.o_proj(cached_attention(q, k_cache, v_cache, batch, self.window))
         return x + self.mlp(x)
@@ -176,7 +176,7 @@ class LlamaModel(nn.Module):
     @property
     def windows(self) -> set[int | None]:
         """The distinct attention windows of the layers (None = full attention)."""
-        return {layer.window for layer in self.layers}
+        return {layer.window for layer in self.layers}  # type: ignore[misc]
 
     def lm_weight(self) -> torch.Tensor:
         """The LM head matrix ``[vocab, hidden]`` (the embedding when tied)."""
@@ -208,7 +208,7 @@ class LlamaModel(nn.Module):
         cos, sin = self.rope_rows(positions, x.dtype)  # [T, 1, hd]
         masks = {window: _window_mask(num_tokens, window, x.device) for window in self.windows}
         for layer in self.layers:
-            x = layer(x, cos, sin, masks[layer.window])
+            x = layer(x, cos, sin, masks[layer.window])  # type: ignore[index]
         return packed.linear(self.norm(x), self.lm_weight())
 
     def forward_step(self, batch: StepBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -220,7 +220,7 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(batch.input_ids)  # [N, hidden]
         batch.cos, batch.sin = self.rope_rows(batch.positions, x.dtype)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x = layer.forward_step(x, batch, k_cache, v_cache)
+            x = layer.forward_step(x, batch, k_cache, v_cache)  # type: ignore[operator]
         if batch.logits_index is not None:
             if not batch.logits_index.numel():
                 return x.new_empty((0, self.config.vocab_size), dtype=torch.float32)
@@ -300,7 +300,7 @@ def fuse_hf_state_dict(tensors: dict[str, torch.Tensor], config: ModelConfig) ->
                 out[f"layers.{i}.{ours}"] = tensors[prefix + theirs]
         for ours, parts in _FUSED.items():
             if _has_param(config, ours):
-                out[f"layers.{i}.{ours}"] = quant.cat([tensors[prefix + part] for part in parts])
+                out[f"layers.{i}.{ours}"] = quant.cat([tensors[prefix + part] for part in parts])  # type: ignore[assignment]
     return out
 
 

@@ -167,7 +167,7 @@ def _load_gguf(file: Path, dtype: str, device: str, weights: str,
         saved = {"hf_config": checkpoint.hf_config, "generation_config": checkpoint.generation_config,
                  "tokenizer": checkpoint.tokenizer_spec().to_json()}
         try:
-            quant_cache.save(quant_cache.entry_folder(file, weights, config.torch_dtype, device), model, saved)
+            quant_cache.save(quant_cache.entry_folder(file, weights, config.torch_dtype, device), model, saved)  # type: ignore[arg-type]
         except OSError as exc:  # a read-only or full cache costs the next start time, nothing more
             log.warning("could not cache the quantized model: %s", exc)
     return loaded
@@ -194,7 +194,7 @@ def _load_cached_gguf(file: Path, dtype: str, device: str, weights: str) -> Load
 
 def _weights_kind(model: CausalLM) -> str:
     """``dense``, ``int4``, ``int8`` or ``int4+int8``: the kinds of the model's projections."""
-    kinds = sorted({module.weight.kind for module in model.modules() if isinstance(module, quant.QuantizedLinear)})
+    kinds = sorted({module.weight.kind for module in model.modules() if isinstance(module, quant.QuantizedLinear)})  # type: ignore[attr-defined]
     return "+".join(kinds) if kinds else "dense"
 
 
@@ -207,7 +207,7 @@ def _assemble(config: ModelConfig, tensors: dict[str, torch.Tensor], source: Pat
     state = family.from_hf(tensors, config)
     state = {key: value if quant.is_quantized(value) else value.to(dtype=config.torch_dtype, device=config.device)
              for key, value in state.items()}
-    dense = quant.install(model, state, config.torch_dtype, config.device)
+    dense = quant.install(model, state, config.torch_dtype, config.device)  # type: ignore[arg-type]
     # Quantized modules came with their buffers (and biases): check what is left on meta instead of strict names.
     result = model.load_state_dict(dense, assign=True, strict=False)
     left = quant.unloaded(model)

@@ -131,7 +131,7 @@ def pack_linears(model: nn.Module, lm_weight: torch.Tensor | None = None, releas
             packable = can_pack(module.weight) and getattr(module.weight, _PACKED, None) is None
             added += pack_weight(module.weight, release)
             if packable:
-                module.forward = _PackedForward(module)  # type: ignore[method-assign]
+                module.forward = _PackedForward(module)  # type: ignore[method-assign,assignment]
     if lm_weight is not None:
         embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
         added += pack_weight(lm_weight, release and id(lm_weight) not in embeddings)

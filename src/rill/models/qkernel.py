@@ -156,7 +156,7 @@ class BlockedWeight(QuantWeight):
     inputs and fp16 scales per 256."""
 
     def __init__(self, values: Int4Values | Int6Values | Int8Values, dtype: torch.dtype) -> None:
-        super().__init__(tuple(values.shape))
+        super().__init__(tuple(values.shape))  # type: ignore[arg-type]
         rows, cols = values.shape
         if cols % GROUP_SIZE or (isinstance(values, Int6Values) and cols % 256):
             raise ValueError(f"the quantized kernel needs an input width that is a multiple of {GROUP_SIZE} "
@@ -197,7 +197,7 @@ class BlockedWeight(QuantWeight):
             return
         if self.bits == 4:
             u = values.q.to(torch.uint8)
-            scale, offset = values.scale, values.offset
+            scale, offset = values.scale, values.offset  # type: ignore[union-attr]
         else:
             u = (values.q.to(torch.int16) + 128).to(torch.uint8)  # unsigned bytes for VPDPBUSD
             scale = values.scale.expand(rows, groups) if values.scale.shape[1] == 1 else values.scale
@@ -264,7 +264,7 @@ class BlockedWeight(QuantWeight):
         if m == 0:  # malloc(0) may give NULL: nothing to compute anyway
             return y.view(*x.shape[:-1], rows).to(x.dtype)
         # One call per product (~40 us of Python per call was ~10 % of a 1.5B decode step).
-        status = library.rill_linear(self.bits, _ptr(self.packed), _ptr(self.scales), _ptr(self.offsets), rows, cols,
+        status = library.rill_linear(self.bits, _ptr(self.packed), _ptr(self.scales), _ptr(self.offsets), rows, cols,  # type: ignore[arg-type]
                                      _ptr(flat), int(flat.dtype == torch.bfloat16), m, _ptr(y), pre,
                                      None if norm is None else _ptr(norm), eps)
         if status != 0:

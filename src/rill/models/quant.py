@@ -223,7 +223,7 @@ def cat(parts: list[torch.Tensor | QuantValues]) -> torch.Tensor | QuantValues:
     if not any(is_quantized(part) for part in parts):
         return torch.cat(parts)  # type: ignore[arg-type]
     if all(isinstance(part, Int4Values) for part in parts):
-        fused = Int4Values(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "scale", "offset")))
+        fused = Int4Values(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "scale", "offset")))  # type: ignore[arg-type]
         if all(p.k is not None for p in parts):  # type: ignore[union-attr]
             fused.k = KScales(*(torch.cat([getattr(p.k, f) for p in parts]) for f in ("sc", "mn", "d", "dmin")))  # type: ignore[union-attr]
         return fused
@@ -381,7 +381,7 @@ class Int4Weight(QuantWeight):
     kind = "int4"
 
     def __init__(self, values: Int4Values, dtype: torch.dtype) -> None:
-        super().__init__(tuple(values.shape))
+        super().__init__(tuple(values.shape))  # type: ignore[arg-type]
         rows, cols = values.shape
         if cols % GROUP_SIZE:
             raise ValueError(f"int4 needs an input width that is a multiple of {GROUP_SIZE}, not {cols}")
@@ -393,7 +393,7 @@ class Int4Weight(QuantWeight):
     @property
     def dtype(self) -> torch.dtype:
         """The compute dtype."""
-        return self.scales_zeros.dtype
+        return self.scales_zeros.dtype  # type: ignore[return-value]
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP_SIZE, self.scales_zeros)
@@ -405,7 +405,7 @@ class Int8Weight(QuantWeight):
     kind = "int8"
 
     def __init__(self, values: Int8Values, dtype: torch.dtype) -> None:
-        super().__init__(tuple(values.shape))
+        super().__init__(tuple(values.shape))  # type: ignore[arg-type]
         values = to_int8(values, per_row=True)  # the kernel takes one scale per row
         # torch's kernel reads whole blocks of 16 rows (a 840-row matrix crashed it): pad with zeros.
         padding = -values.q.shape[0] % 16
@@ -415,7 +415,7 @@ class Int8Weight(QuantWeight):
     @property
     def dtype(self) -> torch.dtype:
         """The compute dtype."""
-        return self.scale.dtype
+        return self.scale.dtype  # type: ignore[return-value]
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
@@ -423,7 +423,7 @@ class Int8Weight(QuantWeight):
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The dequantized rows ``ids`` (an embedding lookup) in the compute dtype."""
-        return self.q[ids].to(self.dtype) * self.scale[ids].unsqueeze(-1)
+        return self.q[ids].to(self.dtype) * self.scale[ids].unsqueeze(-1)  # type: ignore[index]
 
 
 def pack(values: QuantValues, dtype: torch.dtype, device: torch.device | str = "cpu") -> QuantWeight:
@@ -498,7 +498,7 @@ def install(model: nn.Module, state: dict[str, object], dtype: torch.dtype, devi
             replacement: nn.Module = QuantizedEmbedding(Int8Weight(to_int8(value, per_row=True), dtype).to(device))
         elif isinstance(module, nn.Linear):
             bias = rest.pop(f"{module_name}.bias", None)
-            bias_tensor = None if bias is None else bias.to(dtype=dtype, device=device)  # type: ignore[union-attr]
+            bias_tensor = None if bias is None else bias.to(dtype=dtype, device=device)  # type: ignore[attr-defined]
             replacement = QuantizedLinear(pack(value, dtype, device), bias_tensor)
         else:
             raise ValueError(f"{name}: quantized weights serve linear layers and embeddings, not {type(module).__name__}")
@@ -512,7 +512,7 @@ def weight_bytes(model: nn.Module) -> int:
     seen: set[int] = set()
     total = 0
     tensors = [*model.parameters(), *model.buffers()]
-    tensors += [t._rill_packed for t in tensors if getattr(t, "_rill_packed", None) is not None]
+    tensors += [t._rill_packed for t in tensors if getattr(t, "_rill_packed", None) is not None]  # type: ignore[attr-defined]
     for tensor in tensors:
         if tensor.device.type == "meta" or tensor.is_mkldnn:
             total += 0 if tensor.device.type == "meta" else tensor.numel() * tensor.element_size()

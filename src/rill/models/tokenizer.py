@@ -408,7 +408,7 @@ def _config_eos_ids(folder: Path) -> list[int]:
     config = _read_json(folder / "config.json")
     text_config = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
     for source in (_read_json(folder / "generation_config.json"), config, text_config):
-        value = source.get("eos_token_id")
+        value = source.get("eos_token_id")  # type: ignore[union-attr]
         values = value if isinstance(value, list) else [value]
         ids.extend(v for v in values if isinstance(v, int) and not isinstance(v, bool) and v not in ids)
     return ids
