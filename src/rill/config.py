@@ -640,7 +640,7 @@ def _convert(raw: Any, hint: Any, where: str) -> Any:
         raise ConfigError(f"{where}: cannot use {raw!r} as {getattr(kind, '__name__', kind)}") from exc
 
 
-def _default_of(f: dataclasses.Field) -> Any:
+def _default_of(f: dataclasses.Field[Any]) -> Any:
     if f.default is not dataclasses.MISSING:
         return f.default
     if f.default_factory is not dataclasses.MISSING:

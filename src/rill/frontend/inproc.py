@@ -17,7 +17,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import msgspec
 
@@ -368,7 +368,7 @@ class InprocClient:
     # -- tokenizer ---------------------------------------------------------------------------
     def decode(self, token_ids: list[int]) -> str:
         """Text of ``token_ids`` (on the loop: callers pass a token or a few, never a prompt)."""
-        return self._require_engine().tokenizer.decode(token_ids)
+        return cast(str, self._require_engine().tokenizer.decode(token_ids))
 
     async def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                           **kwargs: Any) -> str:

@@ -37,7 +37,7 @@ log = logging.getLogger("rill.metrics")
 
 # ``*_created`` timestamp series double the output and no dashboard reads them (vLLM drops
 # them too). The switch is process-wide; this module is rill's only prometheus_client user.
-disable_created_metrics()
+disable_created_metrics()  # type: ignore[no-untyped-call]
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 """Content type of the text exposition format served at ``/metrics``."""

@@ -23,7 +23,7 @@ import ctypes
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 
@@ -121,7 +121,7 @@ class EspeakSynth:
         samples = pcm16.astype(np.float32) / 32768.0
         if not len(samples):
             return samples
-        return soxr.resample(samples, native_rate_hz, SAMPLE_RATE_HZ).astype(np.float32)
+        return cast(np.ndarray, soxr.resample(samples, native_rate_hz, SAMPLE_RATE_HZ).astype(np.float32))
 
 
 class _Espeak:
@@ -179,7 +179,7 @@ class _Espeak:
                 self._chunks, self._cancel = [], None
         return pcm16, self.native_rate_hz
 
-    def _on_audio(self, wav: ctypes.Array, num_samples: int, events: int) -> int:
+    def _on_audio(self, wav: ctypes.Array[Any], num_samples: int, events: int) -> int:
         # Called by espeak_Synth on the speaking thread for each block; 1 asks it to stop.
         if num_samples > 0:
             self._chunks.append(np.ctypeslib.as_array(wav, shape=(num_samples,)).copy())
@@ -240,8 +240,8 @@ class SpeechStream:
         self._service = service
         self._language = language
         self._cancel = threading.Event()
-        self._inbox: asyncio.Queue = asyncio.Queue()  # text; bounded by the reply's own length
-        self._outbox: asyncio.Queue = asyncio.Queue(maxsize=max_pending)
+        self._inbox: asyncio.Queue[Any] = asyncio.Queue()  # text; bounded by the reply's own length
+        self._outbox: asyncio.Queue[Any] = asyncio.Queue(maxsize=max_pending)
         self._worker = asyncio.create_task(self._work(), name="rill-speech-stream")
         self._closed = False
         service.num_open_streams += 1

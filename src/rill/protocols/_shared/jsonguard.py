@@ -16,10 +16,12 @@ Imports msgspec, numpy and the standard library only: no I/O.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TypeVar
 
 import msgspec
 import numpy as np
+
+T = TypeVar("T")
 
 MAX_DEPTH = 64
 """Deepest nesting of arrays and objects accepted (a chat request with tool schemas needs < 20)."""
@@ -80,7 +82,7 @@ def check_depth(data: str | bytes, limit: int = MAX_DEPTH) -> None:
         raise UnsafeJson(f"JSON nests arrays and objects deeper than {limit} levels")
 
 
-def decode(decoder: msgspec.json.Decoder, data: str | bytes, limit: int = MAX_DEPTH) -> Any:
+def decode(decoder: msgspec.json.Decoder[T], data: str | bytes, limit: int = MAX_DEPTH) -> T:
     """``decoder.decode(data)`` that raises only ``msgspec.DecodeError`` (or a subclass).
 
     Raises:

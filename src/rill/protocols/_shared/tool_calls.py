@@ -38,7 +38,7 @@ import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 FORMATS = ("hermes", "llama3_json")
 """The tool-call formats a parser exists for."""
@@ -282,7 +282,7 @@ class _CallScanner:
 
 def _unescape(raw: str) -> str:
     try:
-        return json.loads(f'"{raw}"')
+        return cast(str, json.loads(f'"{raw}"'))  # a JSON string literal
     except ValueError:
         return raw
 

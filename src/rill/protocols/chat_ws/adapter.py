@@ -352,7 +352,7 @@ class _Chat:
                 self.close_code = action.code if action.code is not None else codec.CLOSE_NORMAL
                 self.closed.set()
 
-    async def _send(self, action: Send) -> None:
+    async def _send(self, action: Send[Any]) -> None:
         message = action.message
         if isinstance(message, Done) and self.session is not None and self.session.recording_session_id is not None:
             await asyncio.to_thread(self.service.save_recording, self.session.recording_session_id,

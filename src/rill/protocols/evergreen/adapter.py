@@ -100,7 +100,7 @@ class SessionRunner:
         self.principal = principal
         self.outbox: asyncio.Queue[Any] = asyncio.Queue()
         self._session: EvergreenSession | None = None
-        self._tasks: dict[int, asyncio.Task] = {}
+        self._tasks: dict[int, asyncio.Task[None]] = {}
         self._streams: dict[int, RequestStream] = {}
         self._is_over = False
         self._lock = asyncio.Lock()  # held by every call into the session (one may run in a thread)
@@ -246,7 +246,7 @@ def _decode_and_receive(session: EvergreenSession, message: Any,
     return session.receive(decode(message) if decode is not None else message)
 
 
-def _ignore_result(task: asyncio.Future) -> None:
+def _ignore_result(task: asyncio.Future[Any]) -> None:
     if not task.cancelled():
         task.exception()
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from rill.protocols._shared.actions import Close, Send
 from rill.protocols.evergreen import codec
@@ -375,7 +376,7 @@ class EvergreenSession:
             self._waiting[action_id] = _Action(action_id, input_id, output_id, config)
 
     def _config(self, action: Action, label: str) -> GenerateConfig:
-        merged: dict = {}
+        merged: dict[str, Any] = {}
         for any_config in action.configs:
             config = codec.decode_config(any_config)
             if config is None:
@@ -385,7 +386,7 @@ class EvergreenSession:
         return GenerateConfig(**merged)
 
     @staticmethod
-    def _one_param(params: tuple, names: tuple[str, ...], what: str, label: str, *, required: bool,
+    def _one_param(params: tuple[Any, ...], names: tuple[str, ...], what: str, label: str, *, required: bool,
                    max_id_bytes: int) -> NodeId | None:
         found = None
         for param in params:
@@ -584,5 +585,5 @@ def _utf8_len(text: str) -> int:
     return len(text.encode("utf-8", "surrogatepass"))
 
 
-def _fields(struct: object) -> dict:
+def _fields(struct: object) -> dict[str, Any]:
     return {name: getattr(struct, name) for name in struct.__struct_fields__}  # type: ignore[attr-defined]

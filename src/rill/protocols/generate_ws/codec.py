@@ -115,7 +115,7 @@ def error_message(exc: BaseException, request_id: str | None = None, generated_t
     return msg
 
 
-_decoder = msgspec.json.Decoder(m.ClientMessage)
+_decoder: msgspec.json.Decoder[m.ClientMessage] = msgspec.json.Decoder(m.ClientMessage)
 _rest_decoder = msgspec.json.Decoder(m.RestRequest)
 _encoder = msgspec.json.Encoder()
 _UNKNOWN_RE = re.compile(r"unknown field `([^`]+)`")

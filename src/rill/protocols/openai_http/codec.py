@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, NoReturn, TypeVar, cast
 
 import msgspec
 
@@ -66,6 +66,8 @@ from rill.protocols.openai_http.messages import (
 from rill.types import GenerateRequest, SamplingParams, check_template_kwargs
 
 PROTOCOL = "openai_http"
+
+T = TypeVar("T")
 """``GenerateRequest.protocol`` of every request of this API (labels metrics)."""
 
 MAX_N = 128
@@ -387,7 +389,7 @@ def _has_regex(schema: Any) -> bool:
     return False
 
 
-def _decode(decoder: msgspec.json.Decoder, body: bytes) -> Any:
+def _decode(decoder: msgspec.json.Decoder[T], body: bytes) -> T:
     if not body.strip():
         raise InvalidRequest("request body is empty; send a JSON object")
     try:
@@ -399,7 +401,7 @@ def _decode(decoder: msgspec.json.Decoder, body: bytes) -> Any:
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
 
 
-def _raise_invalid(text: str, name: str | None) -> Any:
+def _raise_invalid(text: str, name: str | None) -> NoReturn:
     raise InvalidRequest(f"invalid request: {text}", field=name)
 
 
