@@ -267,7 +267,7 @@ class Driver:
                         break
         except (Gone, asyncio.CancelledError):
             raise
-        except Exception as exc:  # noqa: BLE001 - a broken stream ends this request only
+        except Exception as exc:  # a broken stream ends this request only
             log.exception("%s: stream of %s failed", self.protocol, stream.request_id)
             await self._deliver(key, RequestOutput(request_id=stream.request_id, finished=True,
                                                    finish_reason="error", error=exc))
@@ -327,7 +327,7 @@ class Driver:
                 await self.pump(stream, key)
         except (Gone, asyncio.CancelledError):
             return  # the peer left, or the start was aborted: aclose()/abort() did the rest
-        except Exception as exc:  # noqa: BLE001 - a bug in a session or transport: the connection fails
+        except Exception as exc:  # a bug in a session or transport: the connection fails
             log.exception("%s: request %s failed", self.protocol, key)
             with contextlib.suppress(Gone):
                 await self.perform(self.session.on_error(exc))
