@@ -34,12 +34,12 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # All three checks run even when one fails, so one pass shows everything to fix; the last line
-# names the failed ones.
+# names the failed ones. The format check lists files, not diffs (`ruff format --diff` shows them).
 LINT_PATHS := src tests benchmarks
 lint: $(STAMP)
 	@failed=""; \
 	echo "== ruff check"; $(BIN)/ruff check $(LINT_PATHS) || failed="$$failed ruff-check"; \
-	echo "== ruff format --check"; $(BIN)/ruff format --check $(LINT_PATHS) || failed="$$failed ruff-format"; \
+	echo "== ruff format --check"; $(BIN)/ruff format --check --output-format concise $(LINT_PATHS) || failed="$$failed ruff-format"; \
 	echo "== mypy"; $(BIN)/mypy || failed="$$failed mypy"; \
 	if [ -n "$$failed" ]; then echo "make lint: FAILED:$$failed" >&2; exit 1; fi; \
 	echo "make lint: ruff check, ruff format --check and mypy passed"
