@@ -19,7 +19,7 @@ import contextlib
 import logging
 import signal
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -81,11 +81,12 @@ def protocols() -> tuple[Protocol, ...]:
     )
 
 
-def build_app(deps: Deps) -> ASGIApp:
-    """The app with /health, /metrics, every protocol's routes and the playground, wrapped in
-    the HTTP middleware (keys, CORS, limits; errors in the OpenAI API's shape)."""
+def build_app(deps: Deps, served: Sequence[Protocol] | None = None) -> ASGIApp:
+    """The app with /health, /metrics, the routes of every protocol in ``served`` (default:
+    ``protocols()``) and the playground, wrapped in the HTTP middleware (keys, CORS, limits;
+    errors in the OpenAI API's shape)."""
     routes: list[BaseRoute] = list(observability.routes(deps))
-    for protocol in protocols():
+    for protocol in protocols() if served is None else served:
         if protocol.routes is not None:
             routes.extend(protocol.routes(deps))
     routes.extend(playground.routes(deps))
@@ -132,9 +133,11 @@ async def serve(
     client: EngineClient | None = None,
     ready: asyncio.Event | None = None,
     stop: asyncio.Event | None = None,
+    served: Sequence[Protocol] | None = None,
 ) -> None:
     """Run every front-end until SIGINT/SIGTERM (or ``stop`` is set); the model loads in the
-    background. ``ready`` is set once the HTTP port listens (tests use both events)."""
+    background. ``ready`` is set once the HTTP port listens (tests use both events).
+    ``served``: the protocols to serve instead of ``protocols()`` (a test adds one of its own)."""
     from rill.frontend.inproc import InprocClient
 
     config.api_keys()  # a key file with no key fails here, before the model starts loading
@@ -147,8 +150,9 @@ async def serve(
     if 0 < fd_limit - FD_RESERVE < deps.gate.max_total:
         # Past the open-file limit every listener would stop accepting: refuse before it.
         deps.gate.max_total = max(1, fd_limit - FD_RESERVE)
-    app = build_app(deps)
-    stoppers = await _start_listeners(deps, client)
+    served = protocols() if served is None else served
+    app = build_app(deps, served)
+    stoppers = await _start_listeners(deps, client, served)
     server = _http_server(config, app, deps.gate)
     log.info("rill listening on http://%s:%d", config.http.host, config.http.port)
     load_failure: list[BaseException] = []
@@ -166,7 +170,7 @@ async def serve(
         raise error if isinstance(error, RillError) else EngineDead(f"the model failed to load: {error}")
 
 
-async def _start_listeners(deps: Deps, client: EngineClient) -> list[Stopper]:
+async def _start_listeners(deps: Deps, client: EngineClient, served: Sequence[Protocol]) -> list[Stopper]:
     """Start every protocol's own listener and return what stops each.
 
     A listener that cannot start (socket held by a live server, port in use) ends the process
@@ -174,7 +178,7 @@ async def _start_listeners(deps: Deps, client: EngineClient) -> list[Stopper]:
     """
     stoppers: list[Stopper] = []
     try:
-        for protocol in protocols():
+        for protocol in served:
             if protocol.start is not None and (stopper := await protocol.start(deps)) is not None:
                 stoppers.append(stopper)
     except BaseException:
