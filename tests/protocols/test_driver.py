@@ -241,3 +241,47 @@ async def test_a_peer_that_left_ends_the_request() -> None:
         await driver.perform([Start(request(max_tokens=500))])
         await asyncio.wait_for(driver.wait(), 30)
         assert len(aborted) == 1 and client.stats().num_running == 0
+
+
+async def test_a_prepared_start_is_built_in_its_task_and_a_failed_build_is_a_refusal() -> None:
+    async with fake_client() as client:
+        session, wire, metrics = Recorder(), Wire(), Counter()
+        driver = Driver(session, wire, client, protocol="test", principal="p", metrics=metrics)
+        built = asyncio.Event()
+
+        async def prepare() -> GenerateRequest:
+            await built.wait()  # the request is built while the caller goes on
+            return request(max_tokens=3)
+
+        driver.start(prepare, key="a")
+        await asyncio.sleep(0)
+        assert driver.stream("a") is None and session.calls == []
+        built.set()
+        await asyncio.wait_for(driver.wait(), 30)
+        assert session.calls[0][0] == "started" and session.outputs()[-1].finished
+
+        async def broken() -> GenerateRequest:
+            raise InvalidRequest("the file is gone")
+
+        driver.start(broken, key="b")
+        await driver.wait()
+        (name, (key, exc)), = session.calls[-1:]
+        assert (name, key, str(exc)) == ("failed", "b", "the file is gone")
+        assert metrics.codes == [("test", "invalid_request")]
+
+
+async def test_aborting_a_start_still_being_prepared_cancels_it() -> None:
+    async with fake_client() as client:
+        session = Recorder()
+        driver = Driver(session, Wire(), client, protocol="test", principal="p")
+        never = asyncio.Event()
+
+        async def prepare() -> GenerateRequest:
+            await never.wait()
+            return request()
+
+        driver.start(prepare, key="k")
+        await asyncio.sleep(0)
+        driver.abort("k")
+        await asyncio.wait_for(driver.wait(), 30)
+        assert session.calls == [] and not driver.tasks

@@ -9,7 +9,9 @@ driver performs what means the same on every wire:
 * ``Start``: submit the request under the connection's principal (after waiting for the
   model when the protocol reports loading), count a refusal in the rejection metric, tell the
   session it started (``on_started``) or failed (``on_start_failed``), then pump the
-  request's outputs into ``on_output`` until it finishes;
+  request's outputs into ``on_output`` until it finishes; an adapter whose request must be
+  built with I/O first (files read, a large prompt joined off the event loop) starts a
+  ``Prepare`` instead, built in the request's task and failing like a refusal;
 * ``Abort``: abort the request of a key (its final output still comes back), or cancel the
   start that is still waiting for the model or its submission;
 * ``Rejected``: count a refusal the session made itself (a bad frame);
@@ -28,7 +30,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
@@ -50,6 +52,10 @@ LOADING_STATUS_PERIOD_S = 0.5
 
 QUEUE_STATUS_PERIOD_S = 0.5
 """How often a waiting request's place in the queue is looked at (reported only when it changes)."""
+
+
+Prepare = Callable[[], Awaitable[GenerateRequest]]
+"""Builds a request that needs I/O first; ``Driver.start`` awaits it in the request's own task."""
 
 
 class Gone(Exception):
@@ -220,14 +226,18 @@ class Driver:
             else:
                 await self.transport.perform(action)
 
-    def start(self, request: GenerateRequest, key: Key = None) -> None:
-        """Run ``request`` as ``key`` in its own task: submit, then pump its outputs."""
+    def start(self, request: GenerateRequest | Prepare, key: Key = None) -> None:
+        """Run ``request`` as ``key`` in its own task: build it (a ``Prepare``), submit it,
+        then pump its outputs. ``abort(key)`` cancels a start still being built."""
         self.tasks[key] = asyncio.create_task(self._run(key, request))
 
-    async def submit(self, request: GenerateRequest, key: Key = None) -> RequestStream | None:
-        """Submit ``request`` under the principal; on success the session hears ``on_started``
-        and the stream is the key's, else it hears ``on_start_failed`` and this returns None."""
+    async def submit(self, request: GenerateRequest | Prepare, key: Key = None) -> RequestStream | None:
+        """Submit ``request`` (built first if it is a ``Prepare``) under the principal; on
+        success the session hears ``on_started`` and the stream is the key's, else (a refusal,
+        or a ``Prepare`` that raised) it hears ``on_start_failed`` and this returns None."""
         try:
+            if not isinstance(request, GenerateRequest):
+                request = await request()
             if self.waits_for_model:
                 await self._wait_for_model()
             stream = await self.client.generate(msgspec.structs.replace(request, principal=self.principal))
@@ -320,7 +330,7 @@ class Driver:
             await asyncio.wait(tasks)
 
     # -------------------------------------------------------------- internals
-    async def _run(self, key: Key, request: GenerateRequest) -> None:
+    async def _run(self, key: Key, request: GenerateRequest | Prepare) -> None:
         try:
             stream = await self.submit(request, key)
             if stream is not None:
