@@ -285,3 +285,15 @@ async def test_aborting_a_start_still_being_prepared_cancels_it() -> None:
         driver.abort("k")
         await asyncio.wait_for(driver.wait(), 30)
         assert session.calls == [] and not driver.tasks
+
+
+async def test_the_session_lock_holds_every_hook_while_the_adapter_has_the_session() -> None:
+    async with fake_client() as client:
+        session, lock = Recorder(), asyncio.Lock()
+        driver = Driver(session, Wire(), client, protocol="test", principal="p", session_lock=lock)
+        async with lock:  # the adapter's own call into the session (Evergreen: in a worker thread)
+            await driver.perform([Start(request(max_tokens=3))])
+            await until(lambda: client.stats().requests_finished_total.get("length", 0) == 1)
+            assert session.calls == []  # accepted and finished, yet the session was not called
+        await asyncio.wait_for(driver.wait(), 30)
+        assert session.calls[0][0] == "started" and session.outputs()[-1].finished

@@ -184,12 +184,15 @@ class Driver:
         one_event_per_token: a coalesced output is split into one output per token
             (``split_by_token``) before the session sees it.
         clock: the time passed to the session (``time.monotonic``).
+        session_lock: held around every call into the session, for an adapter that also calls
+            its session from a worker thread (holding the same lock), so the session sees one
+            caller at a time; None: the session is only called on the event loop.
     """
 
     def __init__(self, session: Session, transport: Transport, client: EngineClient, *, protocol: str,
                  principal: str, metrics: RejectionSink | None = None, waits_for_model: bool = False,
                  reports_queue: bool = False, groups_steps: bool = False, one_event_per_token: bool = False,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, session_lock: asyncio.Lock | None = None) -> None:
         self.session = session
         self.transport = transport
         self.client = client
@@ -201,6 +204,7 @@ class Driver:
         self.groups_steps = groups_steps
         self.one_event_per_token = one_event_per_token
         self.clock = clock
+        self.session_lock = session_lock
         self.streams: dict[Key, RequestStream] = {}
         self.tasks: dict[Key, asyncio.Task[None]] = {}
         self.is_closed = False
@@ -245,14 +249,14 @@ class Driver:
             raise
         except Exception as exc:  # noqa: BLE001 - refusals are answered in the protocol's own format
             self._note_refusal(exc)
-            await self.perform(self.session.on_start_failed(key, exc, self.clock()))
+            await self._ask(self.session.on_start_failed, key, exc, self.clock())
             return None
         if self.is_closed:  # the peer left while the request was being submitted
             await stream.aclose()
             return None
         self.streams[key] = stream
         try:
-            await self.perform(self.session.on_started(Started(key, stream.prompt_token_ids, stream.sampling)))
+            await self._ask(self.session.on_started, Started(key, stream.prompt_token_ids, stream.sampling))
         except BaseException:  # the peer left (or a bug) before the pump took the stream over
             if self.streams.get(key) is stream:
                 del self.streams[key]
@@ -340,10 +344,20 @@ class Driver:
         except Exception as exc:  # a bug in a session or transport: the connection fails
             log.exception("%s: request %s failed", self.protocol, key)
             with contextlib.suppress(Gone):
-                await self.perform(self.session.on_error(exc))
+                await self._ask(self.session.on_error, exc)
         finally:
             if self.tasks.get(key) is asyncio.current_task():
                 del self.tasks[key]
+
+    async def _ask(self, hook: Callable[..., list[Any]], *args: Any) -> None:
+        # The session answers under its lock; its actions are performed after the lock is
+        # released, so a slow send never holds up the adapter's own calls into the session.
+        if self.session_lock is None:
+            actions = hook(*args)
+        else:
+            async with self.session_lock:
+                actions = hook(*args)
+        await self.perform(actions)
 
     async def _deliver(self, key: Key, output: RequestOutput) -> None:
         if self.groups_steps:
@@ -354,7 +368,7 @@ class Driver:
                 self._flusher = asyncio.create_task(self._flush_steps())
             return
         for piece in split_by_token(output) if self.one_event_per_token else (output,):
-            await self.perform(self.session.on_output(key, piece, self.clock()))
+            await self._ask(self.session.on_output, key, piece, self.clock())
 
     async def _flush_steps(self) -> None:
         session = cast(StepSession, self.session)
@@ -373,7 +387,7 @@ class Driver:
             else:
                 groups = [list(drained.items())] if drained else []
             for group in groups:
-                await self.perform(session.on_outputs(group, self.clock()))
+                await self._ask(session.on_outputs, group, self.clock())
 
     async def _wait_for_model(self) -> None:
         client = self.client
@@ -383,7 +397,7 @@ class Driver:
             if client.model_info is not None:  # it had loaded: the engine has stopped, for good
                 raise EngineDead("the engine has stopped")
             progress, eta_s = client.load_progress()
-            await self.perform(self.session.on_loading(progress, eta_s))
+            await self._ask(self.session.on_loading, progress, eta_s)
             try:
                 await asyncio.wait_for(asyncio.shield(client.wait_ready()), LOADING_STATUS_PERIOD_S)
             except TimeoutError:
@@ -399,7 +413,7 @@ class Driver:
             while not scheduled.is_set() and (place := self.client.queue_position(stream.request_id)) is not None:
                 if place != last and (last is not None or place[1] > 1):
                     last = place
-                    await self.perform(self.session.on_queued(key, *place))
+                    await self._ask(self.session.on_queued, key, *place)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(scheduled.wait(), QUEUE_STATUS_PERIOD_S)
 
