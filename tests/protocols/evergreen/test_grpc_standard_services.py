@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from rill.frontend.inproc import InprocClient
-from rill.protocols.evergreen import adapter
+from rill.protocols.evergreen import grpc_server
 from rill.testing.fake_client import fake_client
 from tests.conftest import free_port
 from tests.protocols.evergreen.test_e2e import (  # noqa: F401  (the module's server fixtures: live and the files it needs)
@@ -47,12 +47,12 @@ async def test_health_is_not_serving_until_the_model_is_ready(fails: bool) -> No
 
 async def _health_follows_the_load(client: InprocClient, loading: threading.Event, fails: bool) -> None:
     server = grpc.aio.server()
-    health = adapter._add_standard_services(server)
-    await adapter._set_health(health, serving=False)  # as adapter.start does before the port opens
+    health = grpc_server._add_standard_services(server)
+    await grpc_server._set_health(health, serving=False)  # as grpc_server.start does before the port opens
     address = f"127.0.0.1:{free_port()}"
     assert server.add_insecure_port(address)
     await server.start()
-    watch = asyncio.create_task(adapter._serving_when_ready(SimpleNamespace(client=client), health))
+    watch = asyncio.create_task(grpc_server._serving_when_ready(SimpleNamespace(client=client), health))
     try:
         assert await _check(address, "") == health_pb2.HealthCheckResponse.NOT_SERVING
         assert await _check(address, "evergreen.v2.EvergreenService") == health_pb2.HealthCheckResponse.NOT_SERVING

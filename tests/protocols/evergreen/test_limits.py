@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from rill.protocols.evergreen import adapter, codec
+from rill.protocols.evergreen import codec, file_refs
 from rill.protocols.evergreen.errors import RefNotFound, SessionLimit, UnsupportedInput
 from rill.protocols.evergreen.messages import Chunk, ChunkMetadata, NodeFragment
 from rill.protocols.evergreen.session import (
@@ -149,9 +149,9 @@ def test_read_refs_reads_each_file_once_and_counts_it_once(tmp_path, monkeypatch
     os.symlink(tmp_path / "a.txt", tmp_path / "link.txt")
     opened: list[str] = []
     real_open = os.open
-    monkeypatch.setattr(adapter.os, "open", lambda path, *a: opened.append(path) or real_open(path, *a))
+    monkeypatch.setattr(file_refs.os, "open", lambda path, *a: opened.append(path) or real_open(path, *a))
     refs = [FileRef("u", str(tmp_path / "a.txt"))] * 20 + [FileRef("l", str(tmp_path / "link.txt"))]
-    contents, num_read = adapter.read_refs(refs, (str(tmp_path),), 5000)
+    contents, num_read = file_refs.read_refs(refs, (str(tmp_path),), 5000)
     assert (opened, num_read) == ([str(tmp_path / "a.txt")], 1000)
     assert contents[str(tmp_path / "link.txt")] is contents[str(tmp_path / "a.txt")]
 
@@ -159,14 +159,14 @@ def test_read_refs_reads_each_file_once_and_counts_it_once(tmp_path, monkeypatch
 def test_read_refs_never_reads_past_its_budget(tmp_path, monkeypatch):
     (tmp_path / "a.txt").write_bytes(b"a" * 1000)
     with pytest.raises(SessionLimit):
-        adapter.read_refs([FileRef("u", str(tmp_path / "a.txt"))], (str(tmp_path),), 999)
+        file_refs.read_refs([FileRef("u", str(tmp_path / "a.txt"))], (str(tmp_path),), 999)
     # A file that grows after its stat is read to the budget + 1 at most, then refused.
     read_sizes: list[int] = []
     real_read, real_stat = os.read, os.stat
-    monkeypatch.setattr(adapter.os, "stat", lambda p: os.stat_result((*real_stat(p)[:6], 1, *real_stat(p)[7:])))
-    monkeypatch.setattr(adapter.os, "read", lambda fd, n: read_sizes.append(n) or real_read(fd, n))
+    monkeypatch.setattr(file_refs.os, "stat", lambda p: os.stat_result((*real_stat(p)[:6], 1, *real_stat(p)[7:])))
+    monkeypatch.setattr(file_refs.os, "read", lambda fd, n: read_sizes.append(n) or real_read(fd, n))
     with pytest.raises(SessionLimit):
-        adapter.read_refs([FileRef("u", str(tmp_path / "a.txt"))], (str(tmp_path),), 100)
+        file_refs.read_refs([FileRef("u", str(tmp_path / "a.txt"))], (str(tmp_path),), 100)
     assert sum(read_sizes) <= 101
 
 
@@ -190,22 +190,22 @@ def _in_a_thread(fn):
 def test_a_fifo_in_the_root_is_refused_without_blocking(tmp_path):
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)
-    box = _in_a_thread(lambda: adapter.read_refs([FileRef("f", str(fifo))], (str(tmp_path),), 1000))
+    box = _in_a_thread(lambda: file_refs.read_refs([FileRef("f", str(fifo))], (str(tmp_path),), 1000))
     assert isinstance(box.get("error"), UnsupportedInput) and "regular file" in str(box["error"])
     assert status(box["error"]) == "INVALID_ARGUMENT"
 
 
 def test_a_device_is_refused(tmp_path):
-    box = _in_a_thread(lambda: adapter.read_refs([FileRef("z", "/dev/zero")], ("/dev",), 1000))
+    box = _in_a_thread(lambda: file_refs.read_refs([FileRef("z", "/dev/zero")], ("/dev",), 1000))
     assert isinstance(box.get("error"), UnsupportedInput)
 
 
 def test_a_folder_or_missing_file_is_not_found(tmp_path):
     for path in (tmp_path, tmp_path / "missing"):
         with pytest.raises(RefNotFound):
-            adapter.read_refs([FileRef("d", str(path))], (str(tmp_path),), 1000)
+            file_refs.read_refs([FileRef("d", str(path))], (str(tmp_path),), 1000)
 
 
 def test_a_nul_path_reaching_the_reader_is_invalid_argument(tmp_path):
     with pytest.raises(UnsupportedInput):
-        adapter.read_refs([FileRef("n", f"{tmp_path}/a\x00b")], (str(tmp_path),), 1000)
+        file_refs.read_refs([FileRef("n", f"{tmp_path}/a\x00b")], (str(tmp_path),), 1000)

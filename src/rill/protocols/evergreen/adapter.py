@@ -7,8 +7,9 @@ Both transports run the same ``SessionRunner`` around the pure ``EvergreenSessio
   actions it starts) in a worker thread, so a 4 MiB message never stalls the event loop;
   every other call into the session holds the same lock, so the session sees one caller at
   a time;
-* each started action runs as a task: read its file refs and build the request (both in a
-  worker thread: a large prompt is joined and decoded off the event loop), ``client.generate``,
+* each started action runs as a task: read its file refs (``file_refs.read_refs``) and build
+  the request (both in a worker thread: a large prompt is joined and decoded off the event
+  loop), ``client.generate``,
   and turn every ``RequestOutput`` into output fragments;
 * an outbox queue carries messages to the writer, then either ``DONE`` (gRPC: status OK
   after the client half-closed and every action finished) or the exception that aborts the
@@ -18,7 +19,7 @@ Ending: a half-close on gRPC means "no more input" (running actions finish first
 cancelled call, a dropped connection, a closed WebSocket or an abort closes every running
 ``RequestStream`` at once, which aborts the requests in the engine and frees their KV memory.
 
-This is the only module of the protocol that does I/O.
+The gRPC server itself (binding, health, reflection) is ``grpc_server``.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import stat
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import unquote
@@ -39,21 +39,20 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from rill import auth
 from rill.connections import client_key
-from rill.errors import ConfigError, GenerationError, IdleTimeout, RillError, TooManyConnections
+from rill.errors import GenerationError, IdleTimeout, RillError, TooManyConnections
 from rill.frontend.stream import RequestStream
-from rill.protocols.evergreen import codec
-from rill.protocols.evergreen.errors import InvalidMessage, RefDenied, RefNotFound, SessionLimit, UnsupportedInput
+from rill.protocols.evergreen import codec, grpc_server
+from rill.protocols.evergreen.errors import InvalidMessage
+from rill.protocols.evergreen.file_refs import read_refs
 from rill.protocols.evergreen.messages import SessionMessage
 from rill.protocols.evergreen.session import (
     Close,
     Command,
     EvergreenSession,
-    FileRef,
     Generate,
     ModelFacts,
     Send,
     SessionLimits,
-    is_under,
 )
 
 if TYPE_CHECKING:
@@ -63,9 +62,6 @@ log = logging.getLogger("rill.protocols.evergreen")
 
 DONE = object()
 """Outbox marker: the session ended normally."""
-
-GRPC_GRACE_S = 1.0
-"""Seconds running calls get to finish when the server stops."""
 
 # A refused (unauthenticated) session: how many messages, and how long after the first, are
 # read before the UNAUTHENTICATED status is sent (see EvergreenServicer._drain_unauthenticated).
@@ -251,182 +247,18 @@ def _ignore_result(task: asyncio.Future[Any]) -> None:
         task.exception()
 
 
-def read_refs(refs: list[FileRef], roots: tuple[str, ...], max_bytes: int) -> tuple[dict[str, bytes], int]:
-    """Read the file refs of a started action (blocking: run it in a thread).
-
-    Each file is read once however many refs name it (by its real path). Symlinks are
-    resolved and the real path is checked against the roots again, so a link inside a root
-    cannot reach a file outside it. Only regular files are read: a FIFO, device or socket is
-    refused after a ``stat``, without opening it, and the file is opened non-blocking, so a
-    ref can never hold a worker thread. At most ``max_bytes + 1`` bytes are read in total.
-
-    Returns:
-        The content of each ref by its ``path``, and the number of bytes read (each file once).
-
-    Raises:
-        RefDenied: the real path leaves every root.
-        RefNotFound: the file is missing, a folder or unreadable.
-        UnsupportedInput: not a regular file, or a path the OS cannot take.
-        SessionLimit: the files hold more than ``max_bytes``.
-    """
-    contents: dict[str, bytes] = {}
-    by_real_path: dict[str, bytes] = {}
-    num_read_bytes = 0
-    for ref in refs:
-        if ref.path in contents:
-            continue
-        try:
-            real = os.path.realpath(ref.path)
-        except (ValueError, UnicodeError) as exc:  # NUL or an unencodable name: never a file
-            raise UnsupportedInput(f"ref '{ref.uri}' is not a valid path") from exc
-        if not any(is_under(real, root) for root in roots):
-            raise RefDenied(f"ref '{ref.uri}' resolves outside the allowed file roots")
-        data = by_real_path.get(real)
-        if data is None:
-            data = by_real_path[real] = _read_regular_file(ref.uri, real, max_bytes - num_read_bytes)
-            num_read_bytes += len(data)
-        contents[ref.path] = data
-    return contents, num_read_bytes
-
-
-READ_BLOCK_BYTES = 1024 * 1024
-
-
-def _read_regular_file(uri: str, path: str, max_bytes: int) -> bytes:
-    """The content of the regular file at real ``path``, read non-blocking, at most ``max_bytes``."""
-    try:
-        info = os.stat(path)
-        _check_regular(uri, info)
-        if info.st_size > max_bytes:
-            raise _too_big(uri, max_bytes)
-        # O_NOFOLLOW: the path was resolved; a symlink swapped in since then is refused.
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
-        try:
-            _check_regular(uri, os.fstat(fd))  # the file may have been replaced after the stat
-            blocks: list[bytes] = []
-            num_bytes = 0
-            while num_bytes <= max_bytes:
-                block = os.read(fd, min(READ_BLOCK_BYTES, max_bytes + 1 - num_bytes))
-                if not block:
-                    break
-                blocks.append(block)
-                num_bytes += len(block)
-        finally:
-            os.close(fd)
-    except FileNotFoundError as exc:
-        raise RefNotFound(f"ref '{uri}': no such file") from exc
-    except OSError as exc:
-        raise RefNotFound(f"ref '{uri}' cannot be read: {exc.strerror}") from exc
-    except (ValueError, UnicodeError) as exc:
-        raise UnsupportedInput(f"ref '{uri}' is not a valid path") from exc
-    if num_bytes > max_bytes:
-        raise _too_big(uri, max_bytes)  # it grew after the stat
-    return b"".join(blocks)
-
-
-def _check_regular(uri: str, info: os.stat_result) -> None:
-    if stat.S_ISDIR(info.st_mode):
-        raise RefNotFound(f"ref '{uri}' is a folder, not a file")
-    if not stat.S_ISREG(info.st_mode):
-        raise UnsupportedInput(f"ref '{uri}' is not a regular file (a FIFO, device or socket); "
-                               "rill reads regular files only")
-
-
-def _too_big(uri: str, max_bytes: int) -> SessionLimit:
-    return SessionLimit(f"ref '{uri}' holds more than the {max_bytes} bytes left to this session and prompt "
-                        "(--evergreen-max-bytes, --evergreen-max-prompt-bytes)")
-
-
 # -- gRPC -----------------------------------------------------------------------------------------
 
 
 async def start(deps: Deps) -> Callable[[], Awaitable[None]] | None:
-    """Start the gRPC server on ``--grpc-port`` (0: disabled); return its async stopper.
+    """Serve Evergreen over gRPC on ``--grpc-port`` (0: disabled); return the async stopper.
 
     Raises:
         ConfigError: the port cannot be bound.
     """
-    port = deps.config.evergreen.grpc_port
-    if not port:
+    if not deps.config.evergreen.grpc_port:
         return None
-    import grpc
-
-    from rill.protocols.evergreen._pb import evergreen_service_pb2_grpc as service_grpc
-
-    max_bytes = max(deps.config.http.max_body_bytes, 4 * 1024 * 1024)
-    limits = deps.config.connections
-    first_message_ms = int(limits.first_message_timeout_s * 1000)
-    server = grpc.aio.server(
-        options=[("grpc.max_receive_message_length", max_bytes), ("grpc.max_send_message_length", max_bytes),
-                 # grpc sets SO_REUSEPORT by default, which would let a second server share the port
-                 # silently (splitting sessions between two processes): refuse it, as for the HTTP port.
-                 ("grpc.so_reuseport", 0),
-                 # Connections that never finish the HTTP/2 handshake, or that hold no call, are
-                 # closed like idle WebSockets; calls themselves are counted by the gate.
-                 ("grpc.server_handshake_timeout_ms", first_message_ms),
-                 ("grpc.max_connection_idle_ms", first_message_ms)],
-        maximum_concurrent_rpcs=limits.max_connections)
-    service_grpc.add_EvergreenServiceServicer_to_server(EvergreenServicer(deps), server)
-    health = _add_standard_services(server)
-    await _set_health(health, serving=False)  # before the port opens: no probe sees SERVING early
-    address = f"{deps.config.http.host}:{port}"
-    try:
-        bound = server.add_insecure_port(address)
-    except RuntimeError as exc:
-        raise ConfigError(f"cannot listen for gRPC on {address} (--grpc-port): {exc}") from exc
-    if not bound:
-        raise ConfigError(f"cannot listen for gRPC on {address} (--grpc-port)")
-    await server.start()
-    log.info("evergreen gRPC listening on %s", address)
-    watch = asyncio.create_task(_serving_when_ready(deps, health))
-
-    async def stop() -> None:
-        watch.cancel()
-        await health.enter_graceful_shutdown()  # probes see NOT_SERVING while calls drain
-        await server.stop(GRPC_GRACE_S)
-
-    return stop
-
-
-def _add_standard_services(server: Any) -> Any:
-    """Add ``grpc.health.v1.Health`` (NOT_SERVING until the model is ready) and server
-    reflection (``grpcurl list``, ``grpcurl describe``) to ``server``; return the health servicer.
-
-    Both answer without an API key, as ``/health`` does: they tell nothing of any session.
-    """
-    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-    from grpc_reflection.v1alpha import reflection
-
-    from rill.protocols.evergreen._pb import evergreen_service_pb2 as service_pb2
-
-    servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    names = (service_pb2.DESCRIPTOR.services_by_name["EvergreenService"].full_name,
-             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
-    reflection.enable_server_reflection(names, server)
-    return servicer
-
-
-HEALTH_SERVICES = ("", "evergreen.v2.EvergreenService")
-"""Health-check service names: the whole server ("") and the Evergreen service."""
-
-
-async def _set_health(health: Any, *, serving: bool) -> None:
-    from grpc_health.v1 import health_pb2
-
-    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-    for name in HEALTH_SERVICES:
-        await health.set(name, status)
-
-
-async def _serving_when_ready(deps: Deps, health: Any) -> None:
-    """Turn health to SERVING once the model is ready; a failed load keeps NOT_SERVING
-    (and ends ``rill serve``)."""
-    try:
-        await deps.client.wait_ready()
-    except Exception:  # noqa: BLE001 - an engine that never gets ready leaves health unset
-        return
-    await _set_health(health, serving=True)
+    return await grpc_server.start(deps, EvergreenServicer(deps))
 
 
 class EvergreenServicer:
