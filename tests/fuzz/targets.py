@@ -338,7 +338,7 @@ def evergreen_semantic_target(rng: random.Random, given: bytes | None = None) ->
                     session.request_for(command, {})
                     num_started += 1
                     for output in outputs(rng, "e"):
-                        session.on_output(command.action_id, output.text, output.finished)
+                        session.on_output(command.action_id, output, 0.0)
         session.on_input_end()
     except (RillError, EvergreenInvalid):
         return "hostile", num_started > 0
@@ -367,7 +367,7 @@ def evergreen_target(rng: random.Random, given: bytes | None = None) -> tuple[st
         for command in started:
             session.request_for(command, {})
             for output in outputs(rng, "e"):
-                session.on_output(command.action_id, output.text, output.finished)
+                session.on_output(command.action_id, output, 0.0)
         session.on_input_end()
     except RillError:
         return kind, False

@@ -26,6 +26,7 @@ NOT_PURE = {
     "evergreen/protogen.py": "build tool: runs protoc and writes the generated modules",
     "evergreen/grpc_server.py": "binds --grpc-port and hosts the Evergreen service beside health and reflection",
     "evergreen/file_refs.py": "reads the files that file:// refs name (blocking, in a worker thread)",
+    "evergreen/runner.py": "runs a session on the driver for both transports: worker-thread receive, the outbox",
 }
 """Files under ``protocols/`` exempt from the purity rules (a bare name: in every folder).
 Every other ``.py`` file found there, including ones added later, is pure."""

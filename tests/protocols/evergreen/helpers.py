@@ -13,8 +13,14 @@ from rill.protocols.evergreen.messages import (
     SessionMessage,
     TargetSpec,
 )
+from rill.types import RequestOutput
 
 EOT = "application/x-protobuf; type=EndOfTurn"
+
+
+def engine_output(text: str, finished: bool = False) -> RequestOutput:
+    """An engine output of an action's request: ``text``, the last one if ``finished``."""
+    return RequestOutput(request_id="r", text=text, finished=finished, finish_reason="stop" if finished else None)
 
 
 def leaf(node_id: str, text: str | None = "", *, seq: int = 0, continued: bool = False, mimetype: str | None = "text/plain",

@@ -11,7 +11,7 @@ from rill.protocols.evergreen.errors import InvalidMessage
 from rill.protocols.evergreen.messages import GenerateConfig
 from rill.protocols.evergreen.session import EvergreenSession, Generate, ModelFacts, SessionLimits
 
-from .helpers import eot, generate, leaf, msg, parent
+from .helpers import engine_output, eot, generate, leaf, msg, parent
 
 IDS = [f"n{i}" for i in range(8)]
 
@@ -48,7 +48,7 @@ def test_random_sessions_raise_only_rill_errors():
                         session.request_for(command, {})
                         num_started += 1
                         for text, finished in (("x", False), ("y", True)):
-                            session.on_output(command.action_id, text, finished)
+                            session.on_output(command.action_id, engine_output(text, finished), 0.0)
             session.on_input_end()
         except RillError:
             pass

@@ -9,12 +9,14 @@ import threading
 
 import pytest
 
+from rill.protocols._shared.actions import Abort
 from rill.protocols.evergreen import codec, file_refs
 from rill.protocols.evergreen.errors import RefNotFound, SessionLimit, UnsupportedInput
 from rill.protocols.evergreen.messages import Chunk, ChunkMetadata, NodeFragment
 from rill.protocols.evergreen.session import (
     FRAGMENT_COST_BYTES,
     ID_COST_BYTES,
+    AbortSession,
     EvergreenSession,
     FileRef,
     Generate,
@@ -23,7 +25,7 @@ from rill.protocols.evergreen.session import (
     fragment_bytes,
 )
 
-from .helpers import generate, leaf, msg, parent
+from .helpers import engine_output, generate, leaf, msg, parent
 
 MIB = 1024 * 1024
 
@@ -62,10 +64,11 @@ def test_a_million_empty_fragments_stop_at_the_default_fragment_limit():
 def test_the_fragment_limit_is_a_setting_and_counts_generated_fragments():
     s = new(max_fragments=3)
     [g] = [c for c in s.receive(msg(leaf("p", "x"), generate("p", "r"))) if isinstance(c, Generate)]
-    s.on_output(g.action_id, "a", False)
-    s.on_output(g.action_id, "b", False)  # 3 fragments: p, r/0, r/1
-    with pytest.raises(SessionLimit, match="3 node fragments"):
-        s.on_output(g.action_id, "c", True)
+    s.on_output(g.action_id, engine_output("a"), 0.0)
+    s.on_output(g.action_id, engine_output("b"), 0.0)  # 3 fragments: p, r/0, r/1
+    abort, *rest = s.on_output(g.action_id, engine_output("c", True), 0.0)  # a limit aborts the session
+    assert isinstance(abort, AbortSession) and isinstance(abort.error, SessionLimit)
+    assert "3 node fragments" in str(abort.error) and rest == [Abort(g.action_id)]
 
 
 def test_empty_fragments_count_against_the_byte_limit():

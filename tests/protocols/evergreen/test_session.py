@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from rill.errors import InvalidRequest
+from rill.errors import GenerationError, InvalidRequest, RequestTimeout
+from rill.protocols._shared.actions import Abort, Rejected
 from rill.protocols.evergreen import codec
 from rill.protocols.evergreen.errors import (
     InputMissing,
@@ -17,6 +18,7 @@ from rill.protocols.evergreen.errors import (
 )
 from rill.protocols.evergreen.messages import AnyMessage, GenerateConfig
 from rill.protocols.evergreen.session import (
+    AbortSession,
     Close,
     EvergreenSession,
     FileRef,
@@ -28,11 +30,13 @@ from rill.protocols.evergreen.session import (
     TurnEnd,
     fragment_bytes,
 )
+from rill.types import RequestOutput
 
 from .helpers import (
     conversation_turn_1,
     conversation_turn_2,
     customized_generate,
+    engine_output,
     eot,
     generate,
     leaf,
@@ -218,7 +222,7 @@ def test_output_of_an_earlier_action_is_an_input_later():
     s = new()
     feed(s, *conversation_turn_1(GenerateConfig()))
     assert generates(feed(s, *conversation_turn_2(GenerateConfig()))) == []  # response_1 still running
-    commands = s.on_output(0, "Senna ", False) + s.on_output(0, "leads.", True)
+    commands = s.on_output("0", engine_output("Senna "), 0.0) + s.on_output("0", engine_output("leads.", True), 0.0)
     [g] = generates(commands)
     request = s.request_for(g, {})
     assert [(m.role, m.content) for m in request.messages] == [
@@ -376,8 +380,9 @@ def test_file_refs_inside_a_root_are_read_by_the_adapter():
 def test_output_fragments_seq_0_has_metadata_continued_until_the_last():
     s = new()
     feed(s, msg(leaf("p", "x")), msg(generate("p", "out")))
-    sent = [c.message.node_fragments[0] for c in s.on_output(0, "a", False) + s.on_output(0, "", False)
-            + s.on_output(0, "b", False) + s.on_output(0, "c", True) if isinstance(c, Send)]
+    sent = [c.message.node_fragments[0] for c in s.on_output("0", engine_output("a"), 0.0)
+            + s.on_output("0", engine_output(""), 0.0) + s.on_output("0", engine_output("b"), 0.0)
+            + s.on_output("0", engine_output("c", True), 0.0) if isinstance(c, Send)]
     assert [(f.id, f.seq, f.continued, f.chunk_fragment.data) for f in sent] == [
         ("out", 0, True, b"a"), ("out", 1, True, b"b"), ("out", 2, False, b"c")]
     assert sent[0].chunk_fragment.metadata.mimetype == "text/plain"
@@ -389,7 +394,7 @@ def test_input_end_closes_after_running_actions_finish():
     s = new()
     feed(s, msg(leaf("p", "x")), msg(generate("p")))
     assert s.on_input_end() == []
-    assert isinstance(s.on_output(0, "done", True)[-1], Close)
+    assert isinstance(s.on_output("0", engine_output("done", True), 0.0)[-1], Close)
 
 
 def test_input_end_with_a_missing_input_is_failed_precondition():
@@ -429,3 +434,49 @@ def test_media_the_model_takes_is_still_refused_with_a_clear_reason():
     s = EvergreenSession(SessionLimits(), ModelFacts(name="vlm", modalities=("text", "image")))
     with pytest.raises(UnsupportedInput, match="'image/png': Evergreen GENERATE does not pass image input"):
         feed(s, msg(leaf("p", "x", mimetype="image/png")), msg(generate("p")))
+
+
+# -- failures: every one aborts the whole session (spec "Error handling") -------------------------------
+
+
+def two_running() -> EvergreenSession:
+    s = new()
+    assert len(generates(feed(s, msg(leaf("p", "x"), generate("p", "r1"), generate("p", "r2"))))) == 2
+    return s
+
+
+def test_a_failed_output_aborts_the_session_and_every_running_action():
+    s = two_running()
+    timeout = RequestTimeout("the request reached its time limit")
+    failed = RequestOutput(request_id="r", finished=True, finish_reason="error", error=timeout)
+    assert s.on_output("0", failed, 0.0) == [AbortSession(timeout), Abort("0"), Abort("1")]
+    assert s.on_output("1", engine_output("late", True), 0.0) == []  # nothing more is said
+    assert s.on_error(RuntimeError("another")) == []  # the first failure wins
+
+
+def test_a_failed_output_without_its_error_is_a_generation_error():
+    s = two_running()
+    [abort, *_] = s.on_output("1", RequestOutput(request_id="r", finished=True, finish_reason="error"), 0.0)
+    assert isinstance(abort.error, GenerationError) and status(abort.error) == "INTERNAL"
+
+
+def test_a_start_that_failed_aborts_the_others_only():
+    s = two_running()
+    exc = InvalidRequest("refused")
+    assert s.on_start_failed("1", exc, 0.0) == [AbortSession(exc), Abort("0")]
+
+
+def test_a_refused_input_is_counted_under_its_code_then_aborts():
+    s = two_running()
+    exc = RuleBroken("bad")
+    assert s.on_refused(exc) == [Rejected("session_rule_broken"), AbortSession(exc), Abort("0"), Abort("1")]
+    assert s.on_refused(exc) == []
+    assert new().on_refused(ValueError("a bug"))[0] == Rejected("internal_error")
+
+
+def test_after_close_outputs_are_not_answered():
+    s = new()
+    feed(s, msg(leaf("p", "x")), msg(generate("p")))
+    s.on_input_end()
+    assert isinstance(s.on_output("0", engine_output("done", True), 0.0)[-1], Close)
+    assert s.on_error(RuntimeError("late")) == []

@@ -1,253 +1,43 @@
-"""Evergreen's I/O: the ``grpc.aio`` server on ``--grpc-port`` and the ``/evergreen`` WebSocket.
+"""Evergreen's transports: the ``EvergreenService`` on ``--grpc-port`` and the ``/evergreen``
+WebSocket (one proto3-JSON ``SessionMessage`` per message).
 
-Both transports run the same ``SessionRunner`` around the pure ``EvergreenSession``:
-
-* a reader feeds each inbound message to the session and performs its commands; the
-  message is converted and ``receive`` runs (storing fragments, expanding the inputs of the
-  actions it starts) in a worker thread, so a 4 MiB message never stalls the event loop;
-  every other call into the session holds the same lock, so the session sees one caller at
-  a time;
-* each started action runs as a task: read its file refs (``file_refs.read_refs``) and build
-  the request (both in a worker thread: a large prompt is joined and decoded off the event
-  loop), ``client.generate``,
-  and turn every ``RequestOutput`` into output fragments;
-* an outbox queue carries messages to the writer, then either ``DONE`` (gRPC: status OK
-  after the client half-closed and every action finished) or the exception that aborts the
-  session (gRPC status / WebSocket close code 4000 + status, see ``codec.ws_close``).
+Each connection runs one ``runner.SessionRunner`` (the session on the shared driver): a reader
+task feeds it what the client sends, and the handler drains its outbox, writing each message
+until ``DONE`` (gRPC status OK / WebSocket close 1000) or the error that aborts the session
+(its gRPC status / WebSocket close 4000 + status, ``codec.ws_close``).
 
 Ending: a half-close on gRPC means "no more input" (running actions finish first). A
-cancelled call, a dropped connection, a closed WebSocket or an abort closes every running
-``RequestStream`` at once, which aborts the requests in the engine and frees their KV memory.
-
-The gRPC server itself (binding, health, reflection) is ``grpc_server``.
+cancelled call, a dropped connection, a closed WebSocket or an abort ends the runner, which
+closes every running ``RequestStream`` at once: the requests are aborted in the engine and
+their KV memory freed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
-import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import unquote
 
-import msgspec
 from google.protobuf.message import DecodeError
 from starlette.routing import BaseRoute, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from rill import auth
 from rill.connections import client_key
-from rill.errors import GenerationError, IdleTimeout, RillError, TooManyConnections
-from rill.frontend.stream import RequestStream
+from rill.errors import IdleTimeout, TooManyConnections
 from rill.protocols.evergreen import codec, grpc_server
 from rill.protocols.evergreen.errors import InvalidMessage
-from rill.protocols.evergreen.file_refs import read_refs
-from rill.protocols.evergreen.messages import SessionMessage
-from rill.protocols.evergreen.session import (
-    Close,
-    Command,
-    EvergreenSession,
-    Generate,
-    ModelFacts,
-    Send,
-    SessionLimits,
-)
+from rill.protocols.evergreen.runner import DONE, SessionRunner
 
 if TYPE_CHECKING:
     from rill.deps import Deps
-
-log = logging.getLogger("rill.protocols.evergreen")
-
-DONE = object()
-"""Outbox marker: the session ended normally."""
 
 # A refused (unauthenticated) session: how many messages, and how long after the first, are
 # read before the UNAUTHENTICATED status is sent (see EvergreenServicer._drain_unauthenticated).
 DRAIN_MAX_MESSAGES = 16
 DRAIN_NEXT_S = 1.0
-
-
-def session_limits(deps: Deps) -> SessionLimits:
-    """The per-session limits and file roots from the server config."""
-    e = deps.config.evergreen
-    roots = tuple(os.path.realpath(r) for r in e.evergreen_file_root)
-    return SessionLimits(max_depth=e.evergreen_max_depth, max_nodes=e.evergreen_max_nodes,
-                         max_bytes=e.evergreen_max_bytes, max_actions=e.evergreen_max_actions,
-                         max_fragments=e.evergreen_max_fragments, max_id_bytes=e.evergreen_max_id_bytes,
-                         max_prompt_bytes=e.evergreen_max_prompt_bytes,
-                         request_timeout_s=deps.config.http.request_timeout_s, file_roots=roots)
-
-
-def model_facts(deps: Deps) -> ModelFacts:
-    """What the session knows of the model (the model must be loaded)."""
-    info = deps.client.model_info
-    if info is None:
-        return ModelFacts(name=deps.config.engine.served_model_name or "")
-    return ModelFacts(name=info.name, has_chat_template=info.has_chat_template, modalities=tuple(info.modalities))
-
-
-class SessionRunner:
-    """Runs one session: feeds the pure session, runs its generations, fills the outbox."""
-
-    def __init__(self, deps: Deps, principal: str) -> None:
-        self.deps = deps
-        self.principal = principal
-        self.outbox: asyncio.Queue[Any] = asyncio.Queue()
-        self._session: EvergreenSession | None = None
-        self._tasks: dict[int, asyncio.Task[None]] = {}
-        self._streams: dict[int, RequestStream] = {}
-        self._is_over = False
-        self._lock = asyncio.Lock()  # held by every call into the session (one may run in a thread)
-        # What the session holds is charged to the server-wide budget under the principal,
-        # and all of it given back when the session ends (close()).
-        self._lease = deps.memory.lease(principal) if deps.memory is not None else None
-
-    async def _ensure_session(self) -> EvergreenSession:
-        if self._session is None:
-            # The session needs the model's name and template: wait for loading to finish.
-            await self.deps.client.wait_ready()
-            self._session = EvergreenSession(session_limits(self.deps), model_facts(self.deps),
-                                             charge=self._lease.grow if self._lease is not None else None)
-        return self._session
-
-    async def feed(self, message: Any, decode: Callable[[Any], SessionMessage] | None = None) -> None:
-        """Hand one inbound message to the session; a broken rule aborts the session.
-
-        With ``decode``, ``message`` is the transport's form (a protobuf, JSON text) and is
-        decoded in the worker thread too; a decoding error aborts the session.
-        """
-        if self._is_over:
-            return
-        try:
-            session = await self._ensure_session()
-            async with self._lock:
-                commands = await asyncio.to_thread(_decode_and_receive, session, message, decode)
-            if not self._is_over:
-                self._perform(commands)
-        except Exception as exc:  # noqa: BLE001 - every failure aborts the session (spec "Error handling")
-            self.fail(exc, is_rejection=True)
-
-    async def input_ended(self) -> None:
-        """The client half-closed: no more input will come."""
-        if self._is_over:
-            return
-        try:
-            session = await self._ensure_session()
-            async with self._lock:
-                commands = session.on_input_end()
-            self._perform(commands)
-        except Exception as exc:  # noqa: BLE001 - every failure aborts the session
-            self.fail(exc, is_rejection=True)
-
-    def fail(self, exc: BaseException, is_rejection: bool = False) -> None:
-        """Abort the session with ``exc``'s status and cancel every action.
-
-        ``is_rejection``: the failure came before the engine saw the request (a broken rule,
-        a bad input, admission refused); it is counted in ``rill_requests_rejected_total``.
-        """
-        if self._is_over:
-            return
-        if not isinstance(exc, RillError):
-            log.error("evergreen session failed", exc_info=exc)
-        metrics = self.deps.metrics
-        if is_rejection and metrics is not None and hasattr(metrics, "observe_rejection"):
-            code = exc.code if isinstance(exc, RillError) else RillError.code
-            metrics.observe_rejection(protocol=codec.PROTOCOL_NAME, code=code)
-        self._is_over = True
-        self.outbox.put_nowait(exc)
-        self._cancel_all()
-
-    def _perform(self, commands: list[Command]) -> None:
-        for command in commands:
-            if isinstance(command, Send):
-                self.outbox.put_nowait(command.message)
-            elif isinstance(command, Generate):
-                self._tasks[command.action_id] = asyncio.create_task(self._run(command))
-            elif isinstance(command, Close):
-                self._is_over = True
-                self.outbox.put_nowait(DONE)
-
-    async def _run(self, command: Generate) -> None:
-        session = self._session
-        assert session is not None
-        stream: RequestStream | None = None
-        try:
-            refs: dict[str, bytes] = {}
-            if command.refs:  # reading files blocks: off the event loop
-                async with self._lock:
-                    budget = session.ref_budget(command)
-                refs, num_read_bytes = await asyncio.to_thread(read_refs, command.refs, session.limits.file_roots, budget)
-                async with self._lock:
-                    session.count_refs(command, refs, num_read_bytes)
-            # Joining and decoding a large prompt takes time: off the event loop too.
-            request = await asyncio.to_thread(session.request_for, command, refs)
-            if self._is_over:
-                return
-            stream = await self.deps.client.generate(msgspec.structs.replace(request, principal=self.principal))
-            self._streams[command.action_id] = stream
-            async with stream:
-                async for output in stream:
-                    if output.finish_reason == "error":
-                        raise output.error if isinstance(output.error, RillError) else GenerationError(
-                            f"action {command.action_id} failed while generating")
-                    if self._is_over:
-                        return
-                    async with self._lock:
-                        commands = session.on_output(command.action_id, output.text, output.finished)
-                    self._perform(commands)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - every failure aborts the session
-            self.fail(exc, is_rejection=stream is None)
-        finally:
-            self._streams.pop(command.action_id, None)
-            self._tasks.pop(command.action_id, None)
-
-    def _cancel_all(self) -> None:
-        # Close the streams first: aclose() sends the engine abort at once, even before the
-        # cancelled tasks get to run their own cleanup.
-        for stream in list(self._streams.values()):
-            task = asyncio.ensure_future(stream.aclose())
-            task.add_done_callback(_ignore_result)
-        for task in list(self._tasks.values()):
-            task.cancel()
-
-    async def close(self) -> None:
-        """End the session (normally, cancelled, disconnected): abort everything, drop what
-        the session and the outbox hold and give its memory back to the budget."""
-        self._is_over = True
-        streams = list(self._streams.values())
-        tasks = list(self._tasks.values())
-        for stream in streams:
-            await stream.aclose()
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(BaseException):
-                await task
-        # The runner may outlive the call (a reference held by a finished task or a traceback):
-        # drop the session's store and the unsent messages now, not whenever it is collected.
-        self._session = None
-        while not self.outbox.empty():
-            self.outbox.get_nowait()
-        if self._lease is not None:
-            self._lease.close()
-
-
-def _decode_and_receive(session: EvergreenSession, message: Any,
-                        decode: Callable[[Any], SessionMessage] | None) -> list[Command]:
-    # Runs in a worker thread, under the runner's lock.
-    return session.receive(decode(message) if decode is not None else message)
-
-
-def _ignore_result(task: asyncio.Future[Any]) -> None:
-    if not task.cancelled():
-        task.exception()
-
-
-# -- gRPC -----------------------------------------------------------------------------------------
 
 
 async def start(deps: Deps) -> Callable[[], Awaitable[None]] | None:
@@ -259,6 +49,9 @@ async def start(deps: Deps) -> Callable[[], Awaitable[None]] | None:
     if not deps.config.evergreen.grpc_port:
         return None
     return await grpc_server.start(deps, EvergreenServicer(deps))
+
+
+# -- gRPC -----------------------------------------------------------------------------------------
 
 
 class EvergreenServicer:
@@ -297,7 +90,7 @@ class EvergreenServicer:
                 yield codec.to_pb(item)
         finally:
             reader.cancel()
-            await runner.close()
+            await runner.aclose()
             if lease is not None:
                 lease.release()
 
@@ -331,7 +124,7 @@ class EvergreenServicer:
                 await runner.input_ended()
                 return
             except TimeoutError:
-                runner.fail(IdleTimeout(f"no message within {first_message_s:g} s of starting the session"))
+                await runner.fail(IdleTimeout(f"no message within {first_message_s:g} s of starting the session"))
                 return
             await runner.feed(first, codec.from_pb)
             async for message in messages:
@@ -339,10 +132,10 @@ class EvergreenServicer:
         except asyncio.CancelledError:
             raise
         except DecodeError as exc:  # grpc could not parse the client's bytes: the client's fault
-            runner.fail(InvalidMessage(f"not a serialized evergreen.v2.SessionMessage: {exc}"), is_rejection=True)
+            await runner.fail(InvalidMessage(f"not a serialized evergreen.v2.SessionMessage: {exc}"), is_refused=True)
             return
         except Exception as exc:  # noqa: BLE001 - the transport failed (e.g. a message over the size limit)
-            runner.fail(exc)
+            await runner.fail(exc)
             return
         await runner.input_ended()
 
@@ -401,10 +194,11 @@ async def websocket_session(ws: WebSocket, deps: Deps) -> None:
         return  # the peer went away while we were sending
     finally:
         reader.cancel()
-        await runner.close()
+        await runner.aclose()
 
 
 _DISCONNECTED = object()
+"""Outbox marker: the WebSocket peer left (nothing more can be written)."""
 
 
 async def _read_ws(ws: WebSocket, runner: SessionRunner) -> None:
@@ -419,9 +213,9 @@ async def _read_ws(ws: WebSocket, runner: SessionRunner) -> None:
             if event["type"] == "websocket.disconnect":
                 # A WebSocket has no half-close: the client leaving ends the session and cancels
                 # every action.
-                # close() empties the outbox (unsent messages are dropped at once), so the
+                # aclose() empties the outbox (unsent messages are dropped at once), so the
                 # marker that ends the writer goes in after it.
-                await runner.close()
+                await runner.aclose()
                 runner.outbox.put_nowait(_DISCONNECTED)
                 return
             text = event.get("text")
@@ -430,4 +224,4 @@ async def _read_ws(ws: WebSocket, runner: SessionRunner) -> None:
     except asyncio.CancelledError:
         raise
     except Exception as exc:  # noqa: BLE001 - a bug in this loop: abort with the table's generic status
-        runner.fail(exc, is_rejection=True)
+        await runner.fail(exc, is_refused=True)

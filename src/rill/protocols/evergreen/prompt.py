@@ -149,7 +149,7 @@ def file_ref(uri: str, node_id: str, file_roots: tuple[str, ...]) -> FileRef:
     return FileRef(uri, path)
 
 
-def build_request(action_id: int, items: tuple[PromptItem, ...], config: GenerateConfig, ref_bytes: dict[str, bytes],
+def build_request(action_id: str, items: tuple[PromptItem, ...], config: GenerateConfig, ref_bytes: dict[str, bytes],
                   model: ModelFacts, *, deadline_s: float | None = None) -> GenerateRequest:
     """The engine request of action ``action_id``; ``ref_bytes`` holds each file ref's content by path.
 

@@ -1,12 +1,19 @@
 """The sans-I/O Evergreen session: the node store, action readiness and output fragments.
 
-One ``EvergreenSession`` per stream. The adapter feeds it and performs what it returns:
+One ``EvergreenSession`` per stream, a driver ``Session`` (``protocols/_shared/driver.py``).
+The adapter feeds it and performs what it returns:
 
     receive(SessionMessage)        -> [Send | Generate | Close]   raises on a broken rule
     request_for(Generate, refs)    -> GenerateRequest             (after reading file refs)
-    on_output(action_id, text, finished) -> [Send | Generate | Close]
+    on_output(action_id, output, now) -> [Send | Generate | Close | AbortSession + Abort...]
     on_input_end()                 -> [Close] or raises InputMissing
+    on_refused(exc)                -> [Rejected, AbortSession, Abort...]   (receive or on_input_end raised)
+    on_error(exc) / on_start_failed(action_id, exc, now) -> [AbortSession, Abort...]
     ref_budget(Generate) / count_refs(Generate, contents, num_read)   (around reading refs)
+
+Every failure aborts the whole session (spec "Error handling"): ``AbortSession`` carries the
+error (its status comes from ``codec.status_of``) and the running actions are aborted; after
+that, and after ``Close``, the session answers nothing more.
 
 Rules of the node store (spec "Ordering", "Boundaries", "Mime type"; wire-notes §1.4):
 
@@ -42,7 +49,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rill.protocols._shared.actions import Close, Send
+from rill.errors import GenerationError, RillError
+from rill.protocols._shared.actions import Abort, Close, Rejected, Send
+from rill.protocols._shared.driver import Key, Session
 from rill.protocols.evergreen import codec
 from rill.protocols.evergreen.errors import InputMissing, RuleBroken, SessionLimit, UnknownTarget
 from rill.protocols.evergreen.messages import (
@@ -64,13 +73,14 @@ from rill.protocols.evergreen.prompt import (
     is_under,
     leaf_item,
 )
-from rill.types import GenerateRequest
+from rill.types import GenerateRequest, RequestOutput
 
-__all__ = ["EvergreenSession", "SessionLimits", "ModelFacts", "Send", "Generate", "Close", "Command", "FileRef",
-           "TextLeaf", "TurnEnd", "PromptItem", "is_under"]
+__all__ = ["EvergreenSession", "SessionLimits", "ModelFacts", "Send", "Generate", "Close", "AbortSession", "Command",
+           "FileRef", "TextLeaf", "TurnEnd", "PromptItem", "is_under"]
 
 NodeId = str
-ActionId = int
+ActionId = str
+"""An action's number in the session, in order of arrival ("0", "1"...): the driver's key of its request."""
 
 GENERATE = "GENERATE"
 INPUT_NAMES = ("prompt", "text")
@@ -120,8 +130,17 @@ class Generate:
         return [p for item in self.items if isinstance(item, TextLeaf) for p in item.pieces if isinstance(p, FileRef)]
 
 
-Command = Send[SessionMessage] | Generate | Close
-"""``Close``: the session is over, end the stream with OK."""
+@dataclass(frozen=True)
+class AbortSession:
+    """End the session with ``error``'s status (``codec.status_of``; over WebSocket the close
+    code 4000 + that status, ``codec.ws_close``)."""
+
+    error: BaseException
+
+
+Command = Send[SessionMessage] | Generate | Close | AbortSession | Abort | Rejected
+"""``Close``: the session is over, end the stream with OK. ``Abort``: stop a running action
+(the session is being aborted). ``Rejected``: count a refused input."""
 
 
 # -- state ---------------------------------------------------------------------------------------
@@ -159,7 +178,7 @@ class _Action:
     is_running: bool = False
 
 
-class EvergreenSession:
+class EvergreenSession(Session):
     """State of one Evergreen session (see the module docstring for the rules).
 
     ``charge`` (optional) is told of every byte the session comes to hold, after the
@@ -181,6 +200,7 @@ class EvergreenSession:
         self._num_bytes = 0
         self._num_fragments = 0
         self._is_input_ended = False
+        self._is_over = False  # aborted or closed: nothing more to say
         self._complete_subtrees: set[NodeId] = set()
 
     # -- inbound ---------------------------------------------------------------------------------
@@ -351,7 +371,7 @@ class EvergreenSession:
 
     # -- actions ---------------------------------------------------------------------------------
     def _add_action(self, action: Action) -> None:
-        action_id = self._num_actions
+        action_id = str(self._num_actions)
         label = f"action {action_id} ({action.name or 'unnamed'})"
         if action.name != GENERATE:
             raise RuleBroken(f"{label}: unknown action name '{action.name}' (rill runs {GENERATE})")
@@ -528,14 +548,25 @@ class EvergreenSession:
 
 
     # -- outbound ----------------------------------------------------------------------------------
-    def on_output(self, action_id: ActionId, text: str, finished: bool) -> list[Command]:
-        """New text of a running action: a fragment of its output node; when ``finished``,
-        the final fragment, then any action that waited for this output starts.
+    def on_output(self, key: Key, output: RequestOutput, now: float) -> list[Command]:
+        """New output of running action ``key``: its text is the next fragment of the action's
+        output node; the last output (``finished``) makes the final fragment, then any action
+        that waited for this output starts. A failed output (``finish_reason`` "error"), or
+        text past the session's bounds (``SessionLimit``), aborts the session."""
+        if self._is_over:
+            return []
+        if output.finish_reason == "error":
+            error = output.error
+            if not isinstance(error, BaseException):
+                error = GenerationError(f"action {key} failed while generating")
+            return self.on_error(error)
+        assert key is not None  # every request of this session is an action's
+        try:
+            return self._add_output(self._running[key], output.text, output.finished)
+        except RillError as exc:
+            return self.on_error(exc)
 
-        Raises:
-            SessionLimit: the generated text pushed the session past ``max_bytes``.
-        """
-        action = self._running[action_id]
+    def _add_output(self, action: _Action, text: str, finished: bool) -> list[Command]:
         assert action.output_id is not None
         node = self._nodes[action.output_id]
         commands: list[Command] = []
@@ -551,10 +582,32 @@ class EvergreenSession:
         if finished:
             node.output_done = True
             node.final_seq = len(node.fragments) - 1
-            del self._running[action_id]
+            del self._running[action.id]
             commands.extend(self._start_ready())
             commands.extend(self._maybe_close())
         return commands
+
+    def on_start_failed(self, key: Key, exc: BaseException, now: float) -> list[Command]:
+        """Action ``key`` never started (a file ref could not be read, its prompt is refused,
+        the engine refused it): the session aborts."""
+        if key is not None:
+            self._running.pop(key, None)  # it never runs: nothing to abort
+        return self.on_error(exc)
+
+    def on_error(self, exc: BaseException) -> list[Command]:
+        """The session fails with ``exc`` (a failed action, a bug): abort it and every running
+        action; the first failure wins, later ones are not answered."""
+        if self._is_over:
+            return []
+        self._is_over = True
+        return [AbortSession(exc), *(Abort(action_id) for action_id in self._running)]
+
+    def on_refused(self, exc: BaseException) -> list[Command]:
+        """The client's input was refused (``receive`` or ``on_input_end`` raised, or a message
+        could not be decoded): counted as a rejection under ``exc``'s code, then ``on_error``."""
+        if self._is_over:
+            return []
+        return [Rejected(exc.code if isinstance(exc, RillError) else RillError.code), *self.on_error(exc)]
 
     def _maybe_close(self) -> list[Command]:
         if not self._is_input_ended or self._running:
@@ -563,6 +616,7 @@ class EvergreenSession:
             stuck = next(iter(self._waiting.values()))
             raise InputMissing(f"action {stuck.id} waits for outputs of actions that can never run "
                                "(an action's input includes its own output)")
+        self._is_over = True
         return [Close()]
 
 
