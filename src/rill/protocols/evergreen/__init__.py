@@ -5,5 +5,7 @@ WebSocket (one proto3-JSON ``SessionMessage`` per message). See ``shared/specs/e
 Files: the ``.proto`` files and their generated ``_pb/`` modules (``protogen`` regenerates
 them), ``messages`` (wire structs), ``errors`` (the rules a session can break), ``codec``
 (protobuf and JSON ⇄ structs, the error table), ``session`` (sans-I/O node store and action
-readiness), ``prompt`` (flattened input → engine request), ``adapter`` (gRPC server and WebSocket route, the only modules with I/O).
+readiness), ``prompt`` (flattened input → engine request); with I/O: ``runner`` (one session on
+the shared driver), ``file_refs`` (reading ``file://`` refs), ``grpc_server`` (the gRPC
+listener, health, reflection) and ``adapter`` (the gRPC and WebSocket transports).
 """
