@@ -7,7 +7,7 @@ import asyncio
 import threading
 from typing import Any
 
-from rill.errors import InvalidRequest
+from rill.errors import InvalidRequest, RequestTimeout
 from rill.protocols._shared.actions import Abort, Close, Rejected, Send, Start
 from rill.protocols._shared.driver import Driver, Gone, Key, Session, Started, StepSession, split_by_token
 from rill.testing.fake_client import LOADING_PERCENT, fake_client, record_aborts
@@ -297,3 +297,34 @@ async def test_the_session_lock_holds_every_hook_while_the_adapter_has_the_sessi
             assert session.calls == []  # accepted and finished, yet the session was not called
         await asyncio.wait_for(driver.wait(), 30)
         assert session.calls[0][0] == "started" and session.outputs()[-1].finished
+
+
+async def test_a_request_past_the_time_limit_is_ended_and_told_so() -> None:
+    gate = StepGate()
+    async with fake_client() as client:
+        client.engine.runner.gate = gate  # no step runs: only the limit can end the request
+        aborted = record_aborts(client)
+        session, wire = Recorder(), Wire()
+        driver = Driver(session, wire, client, protocol="test", principal="p", time_limit_s=0.2)
+        await driver.perform([Start(request(max_tokens=500), key="k")])
+        await asyncio.wait_for(driver.wait(), 30)
+        last = session.outputs()[-1]
+        assert last.finished and last.finish_reason == "error" and isinstance(last.error, RequestTimeout)
+        assert "0.2 s" in str(last.error)
+        assert len(aborted) == 1 and driver.stream("k") is None
+        gate.set()
+        await until(lambda: client.stats().num_running == 0 and client.stats().num_waiting == 0)
+
+
+async def test_the_time_limit_counts_from_when_the_model_is_ready() -> None:
+    loading = threading.Event()
+    async with fake_client(loading=loading) as client:
+        session, wire = Recorder(), Wire()
+        driver = Driver(session, wire, client, protocol="test", principal="p", waits_for_model=True,
+                        time_limit_s=1.0)
+        await driver.perform([Start(request(max_tokens=1))])
+        await until(lambda: len(wire.sent) >= 4, timeout_s=60)  # four loading reports: over 1.5 s of waiting
+        loading.set()
+        await asyncio.wait_for(driver.wait(), 30)
+        last = session.outputs()[-1]
+        assert last.finished and last.finish_reason != "error"

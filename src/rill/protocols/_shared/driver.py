@@ -9,9 +9,10 @@ driver performs what means the same on every wire:
 * ``Start``: submit the request under the connection's principal (after waiting for the
   model when the protocol reports loading), count a refusal in the rejection metric, tell the
   session it started (``on_started``) or failed (``on_start_failed``), then pump the
-  request's outputs into ``on_output`` until it finishes; an adapter whose request must be
-  built with I/O first (files read, a large prompt joined off the event loop) starts a
-  ``Prepare`` instead, built in the request's task and failing like a refusal;
+  request's outputs into ``on_output`` until it finishes (or until the server's time limit,
+  where the protocol has one: ``time_limit_s``); an adapter whose request must be built with
+  I/O first (files read, a large prompt joined off the event loop) starts a ``Prepare``
+  instead, built in the request's task and failing like a refusal;
 * ``Abort``: abort the request of a key (its final output still comes back), or cancel the
   start that is still waiting for the model or its submission;
 * ``Rejected``: count a refusal the session made itself (a bad frame);
@@ -36,7 +37,7 @@ from typing import Any, Protocol, cast
 
 import msgspec
 
-from rill.errors import EngineDead, ModelLoadError, RillError
+from rill.errors import EngineDead, ModelLoadError, RequestTimeout, RillError
 from rill.frontend.client import EngineClient
 from rill.frontend.stream import RequestStream
 from rill.protocols._shared.actions import Abort, Close, Rejected, Send, Start
@@ -183,6 +184,11 @@ class Driver:
             handed over together, one call per wake-up.
         one_event_per_token: a coalesced output is split into one output per token
             (``split_by_token``) before the session sees it.
+        time_limit_s: a request still running this long after the model was ready for it
+            (submission and outputs) is ended: its stream is closed (aborting it in the
+            engine) and the session hears ``RequestTimeout``, through ``on_start_failed``
+            before it started, else as a finished output with ``finish_reason`` "error", as
+            when the engine enforces a request's ``deadline_s``. None: no limit.
         clock: the time passed to the session (``time.monotonic``).
         session_lock: held around every call into the session, for an adapter that also calls
             its session from a worker thread (holding the same lock), so the session sees one
@@ -192,7 +198,8 @@ class Driver:
     def __init__(self, session: Session, transport: Transport, client: EngineClient, *, protocol: str,
                  principal: str, metrics: RejectionSink | None = None, waits_for_model: bool = False,
                  reports_queue: bool = False, groups_steps: bool = False, one_event_per_token: bool = False,
-                 clock: Callable[[], float] = time.monotonic, session_lock: asyncio.Lock | None = None) -> None:
+                 time_limit_s: float | None = None, clock: Callable[[], float] = time.monotonic,
+                 session_lock: asyncio.Lock | None = None) -> None:
         self.session = session
         self.transport = transport
         self.client = client
@@ -203,6 +210,7 @@ class Driver:
         self.reports_queue = reports_queue
         self.groups_steps = groups_steps
         self.one_event_per_token = one_event_per_token
+        self.time_limit_s = time_limit_s
         self.clock = clock
         self.session_lock = session_lock
         self.streams: dict[Key, RequestStream] = {}
@@ -248,8 +256,7 @@ class Driver:
         except (Gone, asyncio.CancelledError):
             raise
         except Exception as exc:  # noqa: BLE001 - refusals are answered in the protocol's own format
-            self._note_refusal(exc)
-            await self._ask(self.session.on_start_failed, key, exc, self.clock())
+            await self._refuse(key, exc)
             return None
         if self.is_closed:  # the peer left while the request was being submitted
             await stream.aclose()
@@ -336,8 +343,9 @@ class Driver:
     # -------------------------------------------------------------- internals
     async def _run(self, key: Key, request: GenerateRequest | Prepare) -> None:
         try:
-            stream = await self.submit(request, key)
-            if stream is not None:
+            if self.time_limit_s is not None:
+                await self._run_limited(key, request, self.time_limit_s)
+            elif (stream := await self.submit(request, key)) is not None:
                 await self.pump(stream, key)
         except (Gone, asyncio.CancelledError):
             return  # the peer left, or the start was aborted: aclose()/abort() did the rest
@@ -358,6 +366,40 @@ class Driver:
             async with self.session_lock:
                 actions = hook(*args)
         await self.perform(actions)
+
+    async def _run_limited(self, key: Key, request: GenerateRequest | Prepare, limit_s: float) -> None:
+        # The limit counts from when the model is ready: a request sent while it loads gets
+        # its whole time once it can run, as it would from the engine's own deadline.
+        if self.waits_for_model and not await self._ready(key):
+            return
+        stream: RequestStream | None = None
+        try:
+            async with asyncio.timeout(limit_s):
+                stream = await self.submit(request, key)
+                if stream is not None:
+                    await self.pump(stream, key)  # cancelled by the limit: leaving it closes the stream
+        except TimeoutError:
+            exc = RequestTimeout(f"the generation ran past the server's time limit of {limit_s:g} s")
+            if stream is None:
+                await self._ask(self.session.on_start_failed, key, exc, self.clock())
+            else:
+                await self._deliver(key, RequestOutput(request_id=stream.request_id, finished=True,
+                                                       finish_reason="error", error=exc))
+
+    async def _ready(self, key: Key) -> bool:
+        """Wait for the model; False (the session was told why) when it will not come."""
+        try:
+            await self._wait_for_model()
+        except (Gone, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - answered in the protocol's own format
+            await self._refuse(key, exc)
+            return False
+        return True
+
+    async def _refuse(self, key: Key, exc: Exception) -> None:
+        self._note_refusal(exc)
+        await self._ask(self.session.on_start_failed, key, exc, self.clock())
 
     async def _deliver(self, key: Key, output: RequestOutput) -> None:
         if self.groups_steps:
