@@ -129,6 +129,22 @@ async def test_a_refusal_reaches_the_session_and_the_rejection_metric() -> None:
         assert metrics.codes[-1] == ("test", "bad_frame")
 
 
+class WireCodes(Recorder):
+    """A session counting refusals under its wire's own codes."""
+
+    def refusal_code(self, exc: BaseException) -> str:
+        return "E_" + type(exc).__name__.upper()
+
+
+async def test_a_session_may_count_refusals_under_its_wire_codes() -> None:
+    async with fake_client() as client:
+        metrics = Counter()
+        driver = Driver(WireCodes(), Wire(), client, protocol="test", principal="p", metrics=metrics)
+        await driver.perform([Start(request(max_tokens=4, temperature=-1.0))])
+        await driver.wait()
+        assert metrics.codes == [("test", "E_INVALIDREQUEST")]
+
+
 async def test_abort_keeps_the_final_output_and_frees_the_request() -> None:
     gate = StepGate()
     async with fake_client() as client:

@@ -107,6 +107,11 @@ class Session(Protocol):
         """A submitted request waits in the engine's queue (only for ``Driver(reports_queue=True)``)."""
         return []
 
+    def refusal_code(self, exc: BaseException) -> str:
+        """The code a refused start is counted under in the rejection metric: the error's
+        wire-neutral code, unless the protocol counts its own refusals under its wire's codes."""
+        return exc.code if isinstance(exc, RillError) else RillError.code
+
 
 class StepSession(Session, Protocol):
     """A session that takes one engine step's outputs of all its requests at once
@@ -462,4 +467,4 @@ class Driver:
     def _note_refusal(self, exc: BaseException) -> None:
         if not isinstance(exc, RillError):
             log.error("%s: a request failed at submission", self.protocol, exc_info=exc)
-        self.count_rejection(exc.code if isinstance(exc, RillError) else RillError.code)
+        self.count_rejection(self.session.refusal_code(exc))
