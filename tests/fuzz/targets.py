@@ -17,6 +17,7 @@ from typing import Any
 
 from rill.config import SamplingDefaults
 from rill.errors import InvalidRequest, RillError
+from rill.protocols._shared.driver import Started
 from rill.protocols.batch_ws import codec as batch_codec
 from rill.protocols.batch_ws import session as batch_session
 from rill.protocols.batch_ws.messages import GenerationConfig as BatchDefaults
@@ -161,9 +162,10 @@ def generate_target(rng: random.Random, given: bytes | None = None) -> tuple[str
     actions = session.receive(message, now=0.0)
     is_started = any(isinstance(a, generate_session.Start) for a in actions)
     if is_started:
-        session.on_started(3)
+        assert session.gen is not None
+        session.on_started(Started(None, [1, 2, 3], session.gen.sampling))
         for output in outputs(rng, "r"):
-            session.on_output(output, now=1.0)
+            session.on_output(None, output, now=1.0)
     for _ in range(rng.randrange(3)):  # later messages on the same socket
         try:
             later = generate_codec.decode(gen.dumps(rng, gen.mutate(rng, gen.generate_ws(rng))))

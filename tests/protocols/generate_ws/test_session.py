@@ -6,6 +6,7 @@ import msgspec
 import pytest
 
 from rill.errors import GenerationError, MemoryPressure, RequestTimeout
+from rill.protocols._shared.driver import Started
 from rill.protocols.generate_ws import codec
 from rill.protocols.generate_ws import messages as m
 from rill.protocols.generate_ws import session as s
@@ -40,10 +41,16 @@ def out(*texts: str, events: list[RequestEvent] = (), finished: bool = False, re
                          usage=Usage(prompt_tokens=2, completion_tokens=n), error=error, modified=list(modified))
 
 
+def accepted(sess: s.GenerateSession, sampling: SamplingParams | None = None) -> Started:
+    """What the driver tells the session when the engine took its request (2 prompt tokens)."""
+    assert sess.gen is not None
+    return Started(None, [1, 2], sampling if sampling is not None else sess.gen.sampling)
+
+
 def started(sess: s.GenerateSession, **kw: object) -> list[dict]:
     actions = sess.receive(config(**kw), now=10.0)
     assert [type(a) for a in actions] == [s.Start]
-    return sent(sess.on_started(2))
+    return sent(sess.on_started(accepted(sess)))
 
 
 @pytest.mark.parametrize("first", [{"type": "control", "action": "stop"}, {"type": "feedback", "rating": 1}])
@@ -62,7 +69,7 @@ def test_config_starts_a_generate_request() -> None:
     req = start.request
     assert req.prompt == "Hi" and req.protocol == "generate_ws" and req.request_id == "gen_0"
     assert (req.sampling.max_tokens, req.sampling.temperature, req.sampling.seed) == (5, 0.0, 3)
-    [init] = sent(sess.on_started(2))
+    [init] = sent(sess.on_started(accepted(sess)))
     parameters = init.pop("parameters")
     assert init == {"type": "init", "request_id": "gen_0", "model": "tiny",
                     "model_info": {"max_tokens": 128, "dtype": "float32", "quantization": None,
@@ -93,13 +100,13 @@ def test_tokens_and_completion_with_every_option() -> None:
     lp = TokenLogprob(token_id=7, logprob=-0.25, top=[TopLogprob(7, -0.25), TopLogprob(9, -2.0)])
     delta = out(" a", " b", n=2)
     delta.logprobs = [lp, TokenLogprob(token_id=8, logprob=-1.0)]
-    first, second = sent(sess.on_output(delta, now=10.5))
+    first, second = sent(sess.on_output(None, delta, now=10.5))
     assert first["token"] == " a" and first["generated_text"] == "Hi a" and first["token_id"] == 7
     assert first["logprobs"] == [{"token": " a", "logprob": -0.25, "token_id": 7},
                                  {"token": "<9>", "logprob": -2.0, "token_id": 9}]
     assert first["timing"] == {"token_ms": 250.0, "total_ms": 500.0}
     assert second["generated_text"] == "Hi a b" and second["finished"] is False
-    last, completion = sent(sess.on_output(out(" c", finished=True, reason="length", n=3), now=11.0))
+    last, completion = sent(sess.on_output(None, out(" c", finished=True, reason="length", n=3), now=11.0))
     assert last["finished"] is True and last["finish_reason"] == "length"
     assert completion == {"type": "completion", "generated_text": "Hi a b c", "finish_reason": "length",
                           "usage": {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5},
@@ -110,15 +117,15 @@ def test_tokens_and_completion_with_every_option() -> None:
 def test_plain_tokens_have_no_optional_fields() -> None:
     sess = new_session()
     started(sess)
-    [tok] = sent(sess.on_output(out(" a", n=1), now=11.0))
+    [tok] = sent(sess.on_output(None, out(" a", n=1), now=11.0))
     assert tok == {"type": "token", "token": " a", "generated_text": " a", "finished": False, "finish_reason": None}
 
 
 def test_stream_false_sends_only_the_completion() -> None:
     sess = new_session()
     started(sess, options={"stream": False})
-    assert sent(sess.on_output(out(" a", n=1), now=11.0)) == []
-    [completion] = sent(sess.on_output(out(" b", finished=True, reason="stop", n=2), now=12.0))
+    assert sent(sess.on_output(None, out(" a", n=1), now=11.0)) == []
+    [completion] = sent(sess.on_output(None, out(" b", finished=True, reason="stop", n=2), now=12.0))
     assert completion["generated_text"] == " a b" and completion["finish_reason"] == "stop"
 
 
@@ -129,10 +136,10 @@ def test_pause_resume_statuses_bracket_no_tokens() -> None:
     [err] = sent(sess.receive(control("pause"), now=11.0))
     assert err["error"] == "invalid_request" and "already paused" in err["message"]
     # A token made before the pause took effect arrives with the PAUSED event: token first.
-    msgs = sent(sess.on_output(out(" a", events=[RequestEvent.PAUSED], n=1), now=11.1))
+    msgs = sent(sess.on_output(None, out(" a", events=[RequestEvent.PAUSED], n=1), now=11.1))
     assert [x["type"] for x in msgs] == ["token", "status"] and msgs[1]["operation"] == "paused"
     assert sess.receive(control("resume"), now=12.0) == [s.Resume()]
-    msgs = sent(sess.on_output(out(" b", events=[RequestEvent.RESUMED], n=2), now=12.1))
+    msgs = sent(sess.on_output(None, out(" b", events=[RequestEvent.RESUMED], n=2), now=12.1))
     assert [x.get("operation", x["type"]) for x in msgs] == ["resumed", "token"]
 
 
@@ -150,7 +157,7 @@ def test_modify_valid_and_invalid() -> None:
     assert err["error"] == "invalid_request" and err["field"] == "parameters.temperature"
     assert sess.gen is not None and sess.gen.sampling.temperature == 0.8  # nothing changed
     assert sess.receive(control("modify", parameters={"temperature": 0.0}), now=11.0) == [s.Modify({"temperature": 0.0})]
-    msgs = sent(sess.on_output(out(" a", events=[RequestEvent.MODIFIED], n=1,
+    msgs = sent(sess.on_output(None, out(" a", events=[RequestEvent.MODIFIED], n=1,
                                    modified=[SamplingParams(temperature=0.0)]), now=11.1))
     assert msgs[0]["type"] == "token"
     assert msgs[1]["operation"] == "modified" and msgs[1]["parameters"]["temperature"] == 0.0
@@ -163,13 +170,13 @@ def test_the_servers_clamped_parameters_are_the_ones_reported() -> None:
     sess = new_session()
     sess.receive(config(parameters={"max_tokens": 500, "temperature": 0.8}), now=10.0)
     assert sess.gen is not None and sess.gen.sampling.max_tokens == 500  # no refusal here
-    [init] = sent(sess.on_started(2, SamplingParams(max_tokens=5, temperature=0.8)))
+    [init] = sent(sess.on_started(accepted(sess, SamplingParams(max_tokens=5, temperature=0.8))))
     assert init["parameters"]["max_tokens"] == 5 and init["parameters"]["temperature"] == 0.8
     assert sess.receive(control("modify", parameters={"temperature": 0.1}), now=11.0) == [s.Modify({"temperature": 0.1})]
     sess.on_modify_applied(SamplingParams(max_tokens=5, temperature=0.1))
     assert sess.gen.sampling == SamplingParams(max_tokens=5, temperature=0.1)
     first, second = SamplingParams(max_tokens=5, temperature=0.1), SamplingParams(max_tokens=5, temperature=0.3)
-    msgs = sent(sess.on_output(out(" a", events=[RequestEvent.MODIFIED, RequestEvent.MODIFIED], n=1,
+    msgs = sent(sess.on_output(None, out(" a", events=[RequestEvent.MODIFIED, RequestEvent.MODIFIED], n=1,
                                    modified=[first, second]), now=11.1))
     assert [m["parameters"]["temperature"] for m in msgs[1:]] == [0.1, 0.3]  # each event its own data
     assert msgs[1]["operation"] == "modified" and msgs[1]["parameters"]["max_tokens"] == 5
@@ -185,9 +192,9 @@ def test_modify_needs_parameters_and_parameters_need_modify() -> None:
 def test_regenerate_sends_status_and_fresh_init_and_resets_text() -> None:
     sess = new_session()
     started(sess)
-    sess.on_output(out(" a", " b", n=2), now=11.0)
+    sess.on_output(None, out(" a", " b", n=2), now=11.0)
     assert sess.receive(control("regenerate"), now=11.0) == [s.Regenerate()]
-    msgs = sent(sess.on_output(out(" x", events=[RequestEvent.REGENERATING], n=1), now=11.5))
+    msgs = sent(sess.on_output(None, out(" x", events=[RequestEvent.REGENERATING], n=1), now=11.5))
     assert [x.get("operation", x["type"]) for x in msgs] == ["regenerating", "init", "token"]
     assert msgs[1]["request_id"] == "gen_0" and msgs[2]["generated_text"] == " x"
 
@@ -195,9 +202,9 @@ def test_regenerate_sends_status_and_fresh_init_and_resets_text() -> None:
 def test_stop_is_answered_by_the_cancelled_completion() -> None:
     sess = new_session()
     started(sess)
-    sess.on_output(out(" a", n=1), now=11.0)
+    sess.on_output(None, out(" a", n=1), now=11.0)
     assert sess.receive(control("stop"), now=11.0) == [s.Abort()]
-    [completion] = sent(sess.on_output(out(finished=True, reason="cancelled", n=1), now=11.2))
+    [completion] = sent(sess.on_output(None, out(finished=True, reason="cancelled", n=1), now=11.2))
     assert completion["finish_reason"] == "cancelled" and completion["generated_text"] == " a"
 
 
@@ -214,7 +221,7 @@ def test_stop_before_start_answers_at_once() -> None:
 def test_control_when_nothing_runs_is_a_clear_error(action: str) -> None:
     sess = new_session()
     started(sess)
-    sess.on_output(out(" a", finished=True, reason="stop", n=1), now=11.0)
+    sess.on_output(None, out(" a", finished=True, reason="stop", n=1), now=11.0)
     [err] = sent(sess.receive(control(action), now=12.0))
     assert err["error"] == "invalid_request" and "none is running" in err["message"]
 
@@ -229,8 +236,8 @@ def test_config_while_generating_is_refused_and_keeps_the_generation() -> None:
 def test_engine_error_mid_stream_carries_partial_text_then_recovery() -> None:
     sess = new_session()
     started(sess)
-    sess.on_output(out(" a", n=1), now=11.0)
-    [err] = sent(sess.on_output(out(finished=True, reason="error", n=1, error=GenerationError("0xdead")), now=11.1))
+    sess.on_output(None, out(" a", n=1), now=11.0)
+    [err] = sent(sess.on_output(None, out(finished=True, reason="error", n=1, error=GenerationError("0xdead")), now=11.1))
     assert err["error"] == "internal_error" and err["generated_text"] == " a" and err["recoverable"] is True
     assert "0xdead" not in err["message"]
     assert isinstance(sess.receive(config(), now=12.0)[0], s.Start)  # the recovery flow
@@ -239,7 +246,7 @@ def test_engine_error_mid_stream_carries_partial_text_then_recovery() -> None:
 def test_timeout_error_carries_partial_text() -> None:
     sess = new_session()
     started(sess)
-    sess.on_output(out(" a", n=1), now=11.0)
+    sess.on_output(None, out(" a", n=1), now=11.0)
     [err] = sent(sess.on_error(RequestTimeout("late")))
     assert err["error"] == "timeout" and err["generated_text"] == " a" and err["request_id"] == "gen_0"
 
@@ -262,7 +269,7 @@ def test_fatal_error_closes() -> None:
 def test_feedback_for_current_and_earlier_generations() -> None:
     sess = new_session()
     started(sess)
-    sess.on_output(out(" a", finished=True, reason="stop", n=1), now=11.0)
+    sess.on_output(None, out(" a", finished=True, reason="stop", n=1), now=11.0)
     fb = codec.decode(b'{"type":"feedback","rating":-0.5,"text":"meh","position":1}')
     [store] = sess.receive(fb, now=12.0)
     assert isinstance(store, s.StoreFeedback)
@@ -278,7 +285,7 @@ def test_feedback_for_current_and_earlier_generations() -> None:
 
 
 def test_loading_status() -> None:
-    [st] = sent(new_session().loading_status(67.04, 3.46))
+    [st] = sent(new_session().on_loading(67.04, 3.46))
     assert st["operation"] == "model_loading" and st["progress"] == 67.0 and st["eta_seconds"] == 3.5
 
 
@@ -292,10 +299,10 @@ def test_disconnect_aborts_a_running_generation() -> None:
 def test_regenerate_delta_merged_with_older_tokens_keeps_them_before_the_restart() -> None:
     sess = new_session()
     started(sess)
-    sess.on_output(out(" a", n=1), now=11.0)
+    sess.on_output(None, out(" a", n=1), now=11.0)
     sess.receive(control("regenerate"), now=11.0)
     # The stream merged the old run's " b" with the restart and the new run's " x".
-    msgs = sent(sess.on_output(out(" b", " x", events=[RequestEvent.REGENERATING], n=1), now=11.5))
+    msgs = sent(sess.on_output(None, out(" b", " x", events=[RequestEvent.REGENERATING], n=1), now=11.5))
     assert [m.get("operation", m["type"]) for m in msgs] == ["token", "regenerating", "init", "token"]
     assert msgs[0]["generated_text"] == " a b" and msgs[3]["generated_text"] == " x"
 
@@ -333,7 +340,7 @@ def test_feedback_is_capped_per_generation_and_per_connection() -> None:
     assert kinds == ["StoreFeedback", "StoreFeedback", "Send"]
     [err] = sent(sess.receive(fb, now=11.0))
     assert (err["error"], err["recoverable"]) == ("rate_limited", True) and "generation 'gen_0'" in err["message"]
-    sess.on_output(out(" a", finished=True, reason="stop", n=1), now=12.0)
+    sess.on_output(None, out(" a", finished=True, reason="stop", n=1), now=12.0)
     started(sess)
     assert isinstance(sess.receive(fb, now=13.0)[0], s.StoreFeedback)
     [err] = sent(sess.receive(fb, now=13.0))
@@ -342,20 +349,20 @@ def test_feedback_is_capped_per_generation_and_per_connection() -> None:
 
 def test_queue_status_while_waiting_for_the_engine() -> None:
     sess = new_session()
-    assert sent(sess.queue_status(1, 1)) == []  # nothing started: nothing to report
+    assert sent(sess.on_queued(None, 1, 1)) == []  # nothing started: nothing to report
     started(sess)
-    [status] = sent(sess.queue_status(2, 3))
+    [status] = sent(sess.on_queued(None, 2, 3))
     assert status == {"type": "status", "operation": "queued", "request_id": "gen_0", "position": 2,
                       "queue_length": 3, "message": "waiting for the engine: 2 of 3"}
-    sess.on_output(out("a", finished=True, reason="length", n=1), now=11.0)
-    assert sent(sess.queue_status(1, 1)) == []  # finished: a late notice is dropped
+    sess.on_output(None, out("a", finished=True, reason="length", n=1), now=11.0)
+    assert sent(sess.on_queued(None, 1, 1)) == []  # finished: a late notice is dropped
 
 
 def test_remembered_generations_are_counted_and_the_oldest_forgotten_on_request() -> None:
     sess = new_session()
     for _ in range(3):
         started(sess)
-        sess.on_output(out("ab", finished=True, reason="length", n=2), now=11.0)
+        sess.on_output(None, out("ab", finished=True, reason="length", n=2), now=11.0)
     one = s.remembered_bytes(sess.gen)  # "Hi" and "ab"
     assert sess.num_history_bytes == 3 * one
     sess.forget_history(2 * one)

@@ -47,5 +47,5 @@ class StoreFeedback:
 
 
 Action = Send[m.ServerMessage] | Start | Abort | Pause | Resume | Modify | Regenerate | StoreFeedback | Close
-"""``Start``: wait for the model, then submit (``on_started`` or ``on_error`` follows); ``Abort``
-stops the current generation or cancels its start; ``Close`` follows a fatal error."""
+"""``Start``: wait for the model, then submit (``on_started`` or ``on_start_failed`` follows);
+``Abort`` stops the current generation or cancels its start; ``Close`` follows a fatal error."""

@@ -81,6 +81,10 @@ ERROR_TABLE: ErrorTable = {
 }
 
 
+HTTP_STATUS = {entry.code: entry.status for entry in ERROR_TABLE.values()} | {"internal_error": 500}
+"""The HTTP status of each wire error code (``POST /v1/generate``)."""
+
+
 def wire_error(exc: BaseException) -> ErrorEntry:
     """The table entry of ``exc``'s most specific class."""
     return lookup(ERROR_TABLE, exc, ERROR_TABLE[BaseException])
@@ -113,6 +117,29 @@ def error_message(exc: BaseException, request_id: str | None = None, generated_t
     if generated_text is not None:
         msg.generated_text = generated_text
     return msg
+
+
+def rest_reply(sent: list[m.ServerMessage], model_name: str) -> tuple[int, m.RestResponse | m.Error, dict[str, str]]:
+    """The ``POST /v1/generate`` answer once a generation's messages were all sent: (HTTP
+    status, body, headers).
+
+    A completion becomes the spec's REST shape (its id and model from ``init`` when one was
+    sent); an error keeps the socket's message with its code's HTTP status and, with a retry
+    hint, ``Retry-After`` in whole seconds (rounded up: a client that waits the header's
+    whole seconds must not be early). Neither is an internal error.
+    """
+    init = next((x for x in sent if isinstance(x, m.Init)), None)
+    for msg in sent:
+        if isinstance(msg, m.Completion):
+            return 200, m.RestResponse(id=msg.request_id or (init.request_id if init else ""),
+                                       model=init.model if init else model_name, generated_text=msg.generated_text,
+                                       finish_reason=msg.finish_reason, usage=msg.usage, timing=msg.timing), {}
+        if isinstance(msg, m.Error):
+            headers = {"Retry-After": str(max(1, math.ceil(msg.retry_after_seconds)))} \
+                if isinstance(msg.retry_after_seconds, float) else {}
+            return HTTP_STATUS.get(msg.error, 500), msg, headers
+    exc = RillError("the generation ended without a result")
+    return wire_error(exc).status or 500, error_message(exc), {}
 
 
 _decoder: msgspec.json.Decoder[m.ClientMessage] = msgspec.json.Decoder(m.ClientMessage)

@@ -11,10 +11,11 @@ Message sequence (``shared/specs/generate-websocket.md``)::
     client: feedback ───────────▶ server: status feedback_received   (stored first)
     after completion or a recoverable error: a new config starts the next generation.
 
-The session turns each input into a list of actions for the adapter (``Send``, ``Start``,
-``Abort``, ``Pause``, ``Resume``, ``Modify``, ``Regenerate``, ``StoreFeedback``, ``Close``);
-it never awaits, reads no clock (``now`` is passed in, monotonic seconds) and imports no
-engine. Statuses answering pause/resume/modify/regenerate are sent when the engine's event
+The session turns each input into a list of actions (``Send``, ``Start``, ``Abort``,
+``Pause``, ``Resume``, ``Modify``, ``Regenerate``, ``StoreFeedback``, ``Close``); the session
+driver (``protocols/_shared/driver``) performs the shared ones and hands the adapter the
+rest. It never awaits, reads no clock (``now`` is passed in, monotonic seconds) and imports
+no engine. Statuses answering pause/resume/modify/regenerate are sent when the engine's event
 arrives, so "no token between paused and resumed" holds by construction.
 """
 
@@ -30,6 +31,7 @@ from typing import Any
 import msgspec
 
 from rill.errors import InvalidRequest, RillError
+from rill.protocols._shared.driver import Key, Session, Started
 from rill.protocols.generate_ws import codec
 from rill.protocols.generate_ws import messages as m
 from rill.protocols.generate_ws.actions import (
@@ -119,14 +121,17 @@ def _new_request_id() -> str:
     return f"gen_{uuid.uuid4().hex[:16]}"
 
 
-class GenerateSession:
+class GenerateSession(Session):
     """State machine of one connection; every method returns the actions to perform."""
 
     def __init__(self, limits: Limits, token_text: Callable[[int], str] = str,
-                 new_request_id: Callable[[], str] = _new_request_id) -> None:
+                 new_request_id: Callable[[], str] = _new_request_id,
+                 current_limits: Callable[[], Limits] | None = None) -> None:
         """``token_text`` names a token id for logprob alternatives (the adapter passes the
-        tokenizer's decode); ``new_request_id`` makes generation ids."""
+        tokenizer's decode); ``new_request_id`` makes generation ids; ``current_limits``, when
+        given, is asked again as each generation starts (the model may have loaded meanwhile)."""
         self.limits = limits
+        self._current_limits = current_limits
         self.state = State.AWAIT_CONFIG
         self.gen: Generation | None = None
         self._token_text = token_text
@@ -280,29 +285,30 @@ class GenerateSession:
                               message="feedback stored"))]
 
     # ------------------------------------------------------------------ engine side
-    def loading_status(self, progress: float, eta_s: float | None) -> list[Action]:
-        """Model still loading: a ``status`` the adapter sends every ~0.5 s."""
+    def on_loading(self, progress: float, eta_s: float | None) -> list[Action]:
+        """Model still loading: a ``status`` the driver asks for every ~0.5 s."""
         return [Send(m.Status(operation="model_loading", progress=round(max(0.0, min(100.0, progress)), 1),
                               eta_seconds=None if eta_s is None else round(eta_s, 1),
                               message="loading the model; the generation starts when it is ready"))]
 
-    def queue_status(self, position: int, queue_length: int) -> list[Action]:
-        """The started generation still waits for the engine: where it stands (the adapter
-        sends this when the position changes, until the first output)."""
+    def on_queued(self, key: Key, position: int, queue_length: int) -> list[Action]:
+        """The started generation still waits for the engine: where it stands (the driver
+        asks for this when the position changes, until the first output)."""
         gen = self.gen
         if gen is None or gen.is_finished or self.state not in (State.GENERATING, State.PAUSED):
             return []
         return [Send(m.Status(operation="queued", request_id=gen.request_id, position=position,
                               queue_length=queue_length, message=f"waiting for the engine: {position} of {queue_length}"))]
 
-    def on_started(self, num_prompt_tokens: int, sampling: SamplingParams | None = None) -> list[Action]:
-        """The engine accepted the request: send ``init``. ``sampling`` is what the server put
-        in force (``max_tokens`` clamped to ``--max-tokens-cap``): ``init`` reports it and later
-        ``modify`` patches start from it."""
+    def on_started(self, started: Started) -> list[Action]:
+        """The engine accepted the request: send ``init``. ``started.sampling`` is what the
+        server put in force (``max_tokens`` clamped to ``--max-tokens-cap``): ``init`` reports
+        it and later ``modify`` patches start from it."""
         assert self.gen is not None
-        if sampling is not None:
-            self.gen.sampling = sampling
-        self.gen.num_prompt_tokens = num_prompt_tokens
+        if self._current_limits is not None:
+            self.limits = self._current_limits()
+        self.gen.sampling = started.sampling
+        self.gen.num_prompt_tokens = len(started.prompt_token_ids)
         self.gen.is_started = True
         self.state = State.GENERATING
         return [Send(self._init())]
@@ -320,7 +326,7 @@ class GenerateSession:
                 msg.model_info.version = self.limits.version
         return msg
 
-    def on_output(self, out: RequestOutput, now: float) -> list[Action]:
+    def on_output(self, key: Key, out: RequestOutput, now: float) -> list[Action]:
         """One engine delta → statuses, tokens and, at the end, the completion or error."""
         gen = self.gen
         if gen is None or gen.is_finished:
@@ -437,9 +443,14 @@ class GenerateSession:
                                             total_ms=codec.round_ms(now - gen.started_at) or 0.0)
         return msg
 
+    def on_start_failed(self, key: Key, exc: BaseException, now: float) -> list[Action]:
+        """The generation never started (refused, the model failed to load, the time limit):
+        as ``on_error``."""
+        return self.on_error(exc)
+
     def on_error(self, exc: BaseException) -> list[Action]:
-        """Starting or running the generation failed (admission, timeout, engine): send the
-        error with the partial text; close the socket when it is not recoverable."""
+        """The generation or the connection failed (a bug, a frame that broke the decoder):
+        send the error with the partial text; close the socket when it is not recoverable."""
         if self.gen is not None and not self.gen.is_finished:
             self.gen.is_finished = True
             self._remember(self.gen)
