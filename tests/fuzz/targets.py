@@ -247,9 +247,10 @@ def uds_target(rng: random.Random, given: bytes | None = None) -> tuple[str, boo
             continue
         actions = session.receive(message)
         is_accepted = is_accepted or not any(_is_error(a) for a in actions)
-        if any(isinstance(a, uds_session.Start) for a in actions):
+        if starts := [a for a in actions if isinstance(a, uds_session.Start)]:
+            session.on_started(Started(None, [1, 2, 3], starts[0].request.sampling))
             for output in outputs(rng, "u"):
-                session.on_output(output)
+                session.on_output(None, output, 1.0)
     return kind, is_accepted
 
 
@@ -267,7 +268,7 @@ def newline_target(rng: random.Random, given: bytes | None = None) -> tuple[str,
         kind, line = "raw", rng.randbytes(rng.randrange(32))
     actions = session.receive_line(line)
     for output in outputs(rng, "n"):
-        session.on_output(output)
+        session.on_output(None, output, 1.0)
     session.on_end_of_input()
     return kind, any(isinstance(a, uds_session.Start) for a in actions)
 

@@ -23,6 +23,7 @@ NOT_PURE = {
     "adapter.py": "the one file of each protocol that does I/O",
     "_shared/driver.py": "the adapters' shared engine plumbing: runs a session's requests on the engine client",
     "chat_ws/media.py": "decodes media in memory (MEDIA_ALLOWED; its own test below)",
+    "framed_uds/listener.py": "binds the Unix socket (stale files replaced) and accepts connections",
     "generate_ws/service.py": "/generate's state beyond one connection: reads the engine client, writes feedback to disk",
     "evergreen/protogen.py": "build tool: runs protoc and writes the generated modules",
     "evergreen/grpc_server.py": "binds --grpc-port and hosts the Evergreen service beside health and reflection",

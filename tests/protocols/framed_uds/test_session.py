@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rill.errors import ContextLengthExceeded, GenerationError, QueueFull
+from rill.protocols._shared.driver import Started
 from rill.protocols.framed_uds import codec
 from rill.protocols.framed_uds.framing import FrameTooLarge
 from rill.protocols.framed_uds.messages import Cancel, Eos, Error, MetricsQuery, Request, Slo, Token
@@ -30,9 +31,17 @@ def out(text: str = "", ids: list[int] | None = None, texts: list[str] | None = 
                          ([text] if text else []), finished=finish is not None, finish_reason=finish, error=error)  # type: ignore[arg-type]
 
 
-def started(session: FramedSession, **fields: object) -> Start:
+def feed(session: FramedSession | NewlineSession, output: RequestOutput) -> list:
+    """The session's answer to one output of its request, as the driver hands it over."""
+    return session.on_output(None, output, 0.0)
+
+
+def started(session: FramedSession, is_accepted: bool = True, **fields: object) -> Start:
+    """Send a request; with ``is_accepted`` the engine takes it (the driver's ``on_started``)."""
     actions = session.receive(Request(id=str(fields.pop("id", "r1")), prompt="Hello", **fields))  # type: ignore[arg-type]
     assert len(actions) == 1 and isinstance(actions[0], Start)
+    if is_accepted:
+        assert session.on_started(Started(None, [1, 2], actions[0].request.sampling)) == []
     return actions[0]
 
 
@@ -40,8 +49,8 @@ def test_streamed_request_then_eos_and_back_to_idle() -> None:
     session = FramedSession()
     start = started(session)
     assert start.request.protocol == "framed_uds" and session.state is State.ACTIVE
-    assert session.on_output(out("He", ids=[1])) == [Send(Token(id="r1", text="He", token_id=1))]
-    assert session.on_output(out("llo", ids=[2], finish="length")) == [
+    assert feed(session, out("He", ids=[1])) == [Send(Token(id="r1", text="He", token_id=1))]
+    assert feed(session, out("llo", ids=[2], finish="length")) == [
         Send(Token(id="r1", text="llo", token_id=2)), Send(Eos(id="r1", reason="length"))]
     assert session.state is State.IDLE
     started(session, id="r2")  # the connection takes the next request
@@ -51,7 +60,7 @@ def test_streamed_request_then_eos_and_back_to_idle() -> None:
 def test_coalesced_delta_gives_one_token_event_per_token() -> None:
     session = FramedSession()
     started(session)
-    actions = session.on_output(out("abc", ids=[1, 2, 3], texts=["a", "b", "c"], finish="stop"))
+    actions = feed(session, out("abc", ids=[1, 2, 3], texts=["a", "b", "c"], finish="stop"))
     assert actions == [Send(Token(id="r1", text=t, token_id=i)) for t, i in (("a", 1), ("b", 2), ("c", 3))] + [
         Send(Eos(id="r1", reason="stop"))]
 
@@ -60,7 +69,7 @@ def test_metadata_is_echoed_in_every_event() -> None:
     session = FramedSession()
     meta = {"trace": "t-1"}
     started(session, metadata=meta)
-    actions = session.on_output(out("a", ids=[1])) + session.on_output(out("", finish="stop"))
+    actions = feed(session, out("a", ids=[1])) + feed(session, out("", finish="stop"))
     assert actions == [Send(Token(id="r1", text="a", token_id=1, metadata=meta)),
                        Send(Eos(id="r1", reason="stop", metadata=meta))]
 
@@ -68,8 +77,8 @@ def test_metadata_is_echoed_in_every_event() -> None:
 def test_stream_false_sends_one_eos_with_the_whole_text() -> None:
     session = FramedSession()
     started(session, stream=False)
-    assert session.on_output(out("Hel", ids=[1])) == []
-    assert session.on_output(out("lo", ids=[2], finish="length")) == [Send(Eos(id="r1", reason="length", text="Hello"))]
+    assert feed(session, out("Hel", ids=[1])) == []
+    assert feed(session, out("lo", ids=[2], finish="length")) == [Send(Eos(id="r1", reason="length", text="Hello"))]
 
 
 def test_cancel_aborts_and_exactly_one_cancelled_eos_follows() -> None:
@@ -78,10 +87,20 @@ def test_cancel_aborts_and_exactly_one_cancelled_eos_follows() -> None:
     assert session.receive(Cancel(id="other")) == []
     assert session.receive(Cancel(id="r1")) == [Abort()]
     assert session.receive(Cancel(id="r1")) == [Abort()]  # repeated cancels are harmless aborts
-    assert session.on_output(out("x", ids=[5], finish="cancelled")) == [
+    assert feed(session, out("x", ids=[5], finish="cancelled")) == [
         Send(Token(id="r1", text="x", token_id=5)), Send(Eos(id="r1", reason="cancelled"))]
     assert session.receive(Cancel(id="r1")) == []  # crossed its eos on the wire: ignored
     assert session.state is State.IDLE
+
+
+def test_a_cancel_before_the_engine_took_the_request_is_answered_at_once() -> None:
+    session = FramedSession()
+    started(session, is_accepted=False, stream=False)
+    # The Abort cancels the submission, so no output will come: the session answers itself.
+    assert session.receive(Cancel(id="r1")) == [Abort(), Send(Eos(id="r1", reason="cancelled", text=""))]
+    assert session.state is State.IDLE
+    assert session.on_start_failed(None, QueueFull(), 0.0) == []  # a refusal racing the cancel changes nothing
+    started(session, id="r2")
 
 
 def test_second_request_while_busy_is_rejected_and_closes() -> None:
@@ -93,7 +112,7 @@ def test_second_request_while_busy_is_rejected_and_closes() -> None:
     assert actions[2].message.code == "E_PROTO_BUSY" and actions[2].message.id == "r2"
     assert actions[2].message.metadata == {"m": 1} and "r1" in actions[2].message.message
     assert actions[3:] == [Close()] and session.state is State.CLOSED
-    assert session.on_output(out("late", ids=[1])) == []  # outputs racing the close are dropped
+    assert feed(session, out("late", ids=[1])) == []  # outputs racing the close are dropped
 
 
 def test_metrics_query_sends_the_snapshot_and_closes() -> None:
@@ -129,19 +148,19 @@ def test_bad_sampling_field_is_a_bad_request_naming_it() -> None:
                                        (RuntimeError("boom /etc"), "E_RUNTIME_INTERNAL")])
 def test_refused_start_sends_the_mapped_error(exc: Exception, code: str) -> None:
     session = FramedSession()
-    started(session, metadata={"a": 1})
-    actions = session.on_start_failed(exc)
-    assert actions[0] == Rejected(code)
-    assert isinstance(actions[1], Send) and isinstance(actions[1].message, Error)
-    assert (actions[1].message.code, actions[1].message.id, actions[1].message.metadata) == (code, "r1", {"a": 1})
-    assert "/etc" not in actions[1].message.message
-    assert actions[2:] == [Close()]
+    started(session, is_accepted=False, metadata={"a": 1})
+    actions = session.on_start_failed(None, exc, 0.0)
+    assert session.refusal_code(exc) == code  # the driver counts the refusal under the wire's code
+    assert isinstance(actions[0], Send) and isinstance(actions[0].message, Error)
+    assert (actions[0].message.code, actions[0].message.id, actions[0].message.metadata) == (code, "r1", {"a": 1})
+    assert "/etc" not in actions[0].message.message
+    assert actions[1:] == [Close()]
 
 
 def test_generation_error_sends_error_then_eos_error_then_closes() -> None:
     session = FramedSession()
     started(session)
-    actions = session.on_output(out("", finish="error", error=GenerationError("decode failed")))
+    actions = feed(session, out("", finish="error", error=GenerationError("decode failed")))
     assert actions == [Send(Error(code="E_RUNTIME_DECODE", message="decode failed", id="r1")),
                        Send(Eos(id="r1", reason="error")), Close()]
 
@@ -149,7 +168,7 @@ def test_generation_error_sends_error_then_eos_error_then_closes() -> None:
 def test_one_request_option_closes_after_eos() -> None:
     session = FramedSession(SessionLimits(one_request=True))
     started(session)
-    assert session.on_output(out("a", ids=[1], finish="stop"))[-2:] == [Send(Eos(id="r1", reason="stop")), Close()]
+    assert feed(session, out("a", ids=[1], finish="stop"))[-2:] == [Send(Eos(id="r1", reason="stop")), Close()]
     assert session.state is State.CLOSED
 
 
@@ -177,12 +196,12 @@ def test_newline_lines_run_one_after_another_with_a_blank_line_after_each() -> N
     assert len(first) == 1 and isinstance(first[0], Start) and first[0].request.prompt == "first prompt"
     assert session.receive_line(b"second") == []  # queued behind the first
     assert session.receive_line(b"   ") == []  # blank lines are skipped
-    assert session.on_output(out("ab", ids=[1])) == [Send(b"ab")]
-    actions = session.on_output(out("c", ids=[2], finish="length"))
+    assert feed(session, out("ab", ids=[1])) == [Send(b"ab")]
+    actions = feed(session, out("c", ids=[2], finish="length"))
     assert actions[:2] == [Send(b"c"), Send(b"\n\n")] and isinstance(actions[2], Start)
     assert actions[2].request.prompt == "second"
     assert session.on_end_of_input() == []  # still answering
-    assert session.on_output(out("z", finish="stop"))[-2:] == [Send(b"\n\n"), Close()]
+    assert feed(session, out("z", finish="stop"))[-2:] == [Send(b"\n\n"), Close()]
 
 
 def test_newline_end_of_input_when_idle_closes() -> None:
@@ -192,7 +211,7 @@ def test_newline_end_of_input_when_idle_closes() -> None:
 def test_newline_errors_are_one_line_then_close() -> None:
     session = NewlineSession()
     session.receive_line(b"x")
-    actions = session.on_output(out("", finish="error", error=GenerationError("decode failed")))
+    actions = feed(session, out("", finish="error", error=GenerationError("decode failed")))
     assert actions == [Send(b"error: E_RUNTIME_DECODE: decode failed\n"), Close()]
     bad = NewlineSession()
     assert bad.receive_line(b"\xff\xfe") == [Rejected("E_PROTO_INVALID_JSON"),
@@ -200,14 +219,14 @@ def test_newline_errors_are_one_line_then_close() -> None:
                                              Close()]
     refused = NewlineSession()
     refused.receive_line(b"x")
-    assert refused.on_start_failed(QueueFull())[-1] == Close()
+    assert refused.on_start_failed(None, QueueFull(), 0.0)[-1] == Close()
 
 
 def test_newline_one_request_and_disconnect() -> None:
     session = NewlineSession(SessionLimits(one_request=True))
     session.receive_line(b"a")
     session.receive_line(b"b")
-    assert session.on_output(out("x", finish="stop"))[-1] == Close()
+    assert feed(session, out("x", finish="stop"))[-1] == Close()
     busy = NewlineSession()
     busy.receive_line(b"a")
     assert busy.on_disconnect() == [Abort()]

@@ -1,68 +1,47 @@
-"""The Unix-socket listener: sockets and the engine client meet the pure session here.
+"""The Unix-socket protocol's transport: one ``Connection`` per accepted socket.
 
-``start(deps)`` binds ``--socket`` (unless ``--no-socket``) with mode ``--socket-mode``,
-replacing a stale socket file left by a dead server and refusing to start when a live server
-holds the path. Each connection runs a reader loop (bytes → ``FrameDecoder`` / ``LineDecoder``
-→ codec → session) and, while a request runs, a pump task (``RequestStream`` → session →
-frames). The session decides; this module only performs its actions.
+``start(deps)`` opens the listener (``listener.py``: binding, accepting, stopping). Each
+connection reads bytes (``FrameDecoder`` / ``LineDecoder`` → codec → session) under a
+first-message deadline, answers an oversized frame before closing, writes frames, and runs
+its session on one session driver (``protocols/_shared/driver``), which submits the requests
+under the peer's principal and pumps their outputs. The session decides; this module only
+carries bytes.
 
 Cancellation: a ``cancel`` frame aborts the request in the engine and its final output still
-flows (one ``eos`` "cancelled"); a disconnect or any close closes the ``RequestStream`` at
-once, which aborts the request and frees its KV memory.
-
-This is the only module of the protocol that does I/O.
+flows (one ``eos`` "cancelled"); a disconnect or any close ends the connection's request at
+once, which frees its KV memory.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
-import os
-import socket
-import stat
-import struct
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-import msgspec
-
 from rill import auth
-from rill.connections import Lease, stream_handler
-from rill.errors import ConfigError, IdleTimeout, RillError, Unauthorized
-from rill.frontend.stream import RequestStream
+from rill.connections import Lease
+from rill.errors import IdleTimeout, RillError, Unauthorized
+from rill.protocols._shared.actions import Close
+from rill.protocols._shared.driver import Driver, Gone, Transport
 from rill.protocols.framed_uds import codec
 from rill.protocols.framed_uds.framing import FrameDecoder, FrameTooLarge, FramingError, LineDecoder
-from rill.protocols.framed_uds.messages import Metrics, MetricsQuery, Request
-from rill.protocols.framed_uds.session import (
-    Abort,
-    Action,
-    Close,
-    FramedSession,
-    NewlineSession,
-    Rejected,
-    Send,
-    SendMetrics,
-    SessionLimits,
-    Start,
-)
-from rill.types import RequestOutput
+from rill.protocols.framed_uds.listener import READ_BYTES, UdsListener, peer_principal
+from rill.protocols.framed_uds.messages import Metrics, MetricsQuery, Request, ServerMessage
+from rill.protocols.framed_uds.session import Action, FramedSession, NewlineSession, SessionLimits
 
 if TYPE_CHECKING:
     from rill.deps import Deps
 
 log = logging.getLogger("rill.protocols.framed_uds")
 
-READ_BYTES = 64 * 1024
-"""Bytes asked of the socket per read (frames larger than this arrive in several reads)."""
-
-LISTEN_BACKLOG = 128
-
 CLOSE_FLUSH_S = 5.0
+"""Longest wait for a peer to take the last frames before the connection is dropped."""
 
 DISCARD_MAX_BYTES = 64 * 1024 * 1024
 """Most payload bytes of a refused oversized frame read and dropped before the close."""
-"""Longest wait for a peer to take the last frames before the connection is dropped."""
 
 
 async def start(deps: Deps) -> Callable[[], Awaitable[None]] | None:
@@ -73,151 +52,38 @@ async def start(deps: Deps) -> Callable[[], Awaitable[None]] | None:
     """
     if deps.config.uds.no_socket:
         return None
-    listener = UdsListener(deps)
+    limits = SessionLimits(one_request=deps.config.uds.uds_one_request,
+                           request_timeout_s=deps.config.http.request_timeout_s)
+    listener = UdsListener(deps.config.uds, deps.gate, functools.partial(Connection, deps, limits))
     await listener.open()
     return listener.close
 
 
-def bind_unix_socket(path: str, mode: int) -> socket.socket:
-    """A listening Unix stream socket at ``path`` whose file has permissions ``mode``.
+class Connection(Transport):
+    """One client connection: reads and writes its socket; its driver runs the rest."""
 
-    A socket file nobody listens on (a dead server's) is replaced; a live one, or a path
-    that is not a socket, makes this raise ``ConfigError`` with a message saying what to do.
-    The mode is set between ``bind`` and ``listen``: connecting is refused until ``listen``,
-    so no client ever connects through a wider mode.
-    """
-    _remove_stale_socket(path)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.bind(path)
-        os.chmod(path, mode)
-        sock.listen(LISTEN_BACKLOG)
-    except OSError as exc:
-        sock.close()
-        raise ConfigError(f"cannot listen on Unix socket {path}: {exc.strerror or exc}") from exc
-    sock.setblocking(False)
-    return sock
-
-
-def _remove_stale_socket(path: str) -> None:
-    try:
-        info = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(info.st_mode):
-        raise ConfigError(f"--socket {path} exists and is not a socket; remove it or choose another path")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(path)
-    except ConnectionRefusedError:
-        # Nobody listens: a server died without removing its socket file.
-        log.info("replacing stale Unix socket %s", path)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-        return
-    except FileNotFoundError:
-        return
-    except OSError as exc:
-        raise ConfigError(f"cannot check Unix socket {path}: {exc.strerror or exc}") from exc
-    finally:
-        probe.close()
-    raise ConfigError(f"another server is already listening on Unix socket {path}; stop it, "
-                      "or use --socket PATH (or --no-socket) for this one")
-
-
-class UdsListener:
-    """The listening socket and its live connections."""
-
-    def __init__(self, deps: Deps) -> None:
-        self.deps = deps
-        self.config = deps.config.uds
-        self.limits = SessionLimits(one_request=self.config.uds_one_request,
-                                    request_timeout_s=deps.config.http.request_timeout_s)
-        self.connections: set[Connection] = set()
-        self._server: asyncio.AbstractServer | None = None
-        self._inode: int | None = None
-
-    async def open(self) -> None:
-        """Bind and start accepting (see ``bind_unix_socket``)."""
-        path = self.config.socket
-        sock = bind_unix_socket(path, int(self.config.socket_mode, 8))
-        self._inode = os.stat(path).st_ino
-        gate = self.deps.gate
-        handler = self._on_connection if gate is None else stream_handler(gate, self._on_connection, self._refuse)
-        self._server = await asyncio.start_unix_server(handler, sock=sock, limit=READ_BYTES)
-        log.info("framed-uds (%s) listening on %s (mode %s)", self.config.uds_protocol, path, self.config.socket_mode)
-
-    async def close(self) -> None:
-        """Stop accepting, stop every connection's request, remove the socket file."""
-        if self._server is not None:
-            self._server.close()
-        for connection in list(self.connections):
-            await connection.close()
-        if self._server is not None:
-            await self._server.wait_closed()
-        with contextlib.suppress(OSError):
-            if os.stat(self.config.socket).st_ino == self._inode:  # never remove a successor's socket
-                os.unlink(self.config.socket)
-
-    async def _refuse(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, exc: RillError) -> None:
-        """Past the connection limit: one error frame (``E_LIMIT_REJECTED``), then close."""
-        connection = Connection(self, reader, writer)
-        await connection.perform(connection.session.on_protocol_error(exc))
-        await connection.close()
-
-    async def _on_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                             lease: Lease | None = None) -> None:
-        connection = Connection(self, reader, writer, lease)
-        self.connections.add(connection)
-        try:
-            await connection.run()
-        except Exception:  # a bug here must not take the listener down
-            log.exception("framed-uds connection failed")
-        finally:
-            self.connections.discard(connection)
-            await connection.close()
-
-
-def peer_principal(writer: asyncio.StreamWriter) -> str:
-    """The principal of a Unix-socket peer when the server has no API keys: ``uds:uid=N``, the
-    user id of the process at the other end (``SO_PEERCRED``, which the peer cannot forge), or
-    ``uds:unknown`` where the OS does not say. (With keys, a request's ``api_key`` names it.)"""
-    sock = writer.get_extra_info("socket")
-    option = getattr(socket, "SO_PEERCRED", None)  # Linux; other systems have other calls
-    if sock is None or option is None:
-        return auth.principal(None, "uds:unknown")
-    try:
-        raw = sock.getsockopt(socket.SOL_SOCKET, option, struct.calcsize("3i"))
-    except OSError:
-        return auth.principal(None, "uds:unknown")
-    _pid, uid, _gid = struct.unpack("3i", raw)
-    return auth.principal(None, f"uds:uid={uid}")
-
-
-class Connection:
-    """One client connection: performs its session's actions."""
-
-    def __init__(self, listener: UdsListener, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                 lease: Lease | None = None) -> None:
-        self.listener = listener
-        self.lease = lease
-        self.client = listener.deps.client
-        self.reader = reader
-        self.writer = writer
-        self.principal = peer_principal(writer)
+    def __init__(self, deps: Deps, limits: SessionLimits, listener: UdsListener, reader: asyncio.StreamReader,
+                 writer: asyncio.StreamWriter, lease: Lease | None = None) -> None:
+        self.deps, self.listener, self.lease = deps, listener, lease
+        self.reader, self.writer = reader, writer
         self.is_newline = listener.config.uds_protocol == "newline"
-        self.session: Any = (NewlineSession if self.is_newline else FramedSession)(listener.limits)
+        self.session: Any = (NewlineSession if self.is_newline else FramedSession)(limits)
+        self.driver = Driver(self.session, self, deps.client, protocol=codec.PROTOCOL_NAME,
+                             principal=peer_principal(writer), metrics=deps.metrics)
         self.is_closed = False
         self._closed = asyncio.Event()
         self._send_lock = asyncio.Lock()
-        self._stream: RequestStream | None = None
-        self._pump: asyncio.Task[None] | None = None
 
     async def run(self) -> None:
         """Read until the peer or the session ends the connection."""
+        with contextlib.suppress(Gone):  # the peer left while we wrote: send() closed the connection
+            await self._read()
+        await self._closed.wait()
+
+    async def _read(self) -> None:
         max_bytes = self.listener.config.max_frame_bytes
         decoder: Any = LineDecoder(max_bytes) if self.is_newline else FrameDecoder(max_bytes)
-        first_message_s = self.listener.deps.config.connections.first_message_timeout_s
+        first_message_s = self.deps.config.connections.first_message_timeout_s
         # Until a first whole message arrives, the connection lives on a deadline: an idle
         # client must not hold a connection (and a file descriptor) forever.
         deadline: float | None = asyncio.get_running_loop().time() + first_message_s
@@ -232,30 +98,29 @@ class Connection:
             except ConnectionError:
                 data = b""
             except TimeoutError:
-                await self.perform(self.session.on_protocol_error(
+                await self.driver.perform(self.session.on_protocol_error(
                     IdleTimeout(f"no message within {first_message_s:g} s of connecting")))
-                break
+                return
             if not data:
                 await self._on_eof(decoder)
-                break
+                return
             try:
                 items = decoder.feed(data)
             except FramingError as exc:
                 await self._refuse_frame(exc)
-                break
-            if items:
+                return
+            if items and deadline is not None:
                 deadline = None
                 if self.lease is not None:
                     self.lease.set_idle(False)
             for item in items:
-                await self.perform(self._receive(item))
+                await self.driver.perform(self._receive(item))
                 if self.is_closed:
-                    break
-        await self._closed.wait()
+                    return
 
     def _receive(self, item: bytes) -> list[Action]:
         try:
-            keys = self.listener.deps.api_keys
+            keys = self.deps.api_keys
             if self.is_newline:
                 if keys:  # a line is a bare prompt: it has no room for a key
                     return self.session.on_protocol_error(Unauthorized(
@@ -271,16 +136,15 @@ class Connection:
                 if not auth.key_matches(message.api_key, keys):
                     return self.session.on_protocol_error(Unauthorized(
                         "missing or unknown API key: send one of the server's keys as 'api_key'"), wire_id)
-                self.principal = auth.principal(message.api_key, None)
+                self.driver.principal = auth.principal(message.api_key, None)
             return self.session.receive(message)
-        except Exception as exc:  # a bug must still answer with an error frame, not a bare close
+        except Exception as exc:  # noqa: BLE001 - a bug must still answer with an error frame, not a bare close
             log.exception("framed-uds: a client frame could not be handled")
             return self.session.on_protocol_error(exc)
 
     async def _refuse_frame(self, exc: FramingError) -> None:
-        actions = self.session.on_protocol_error(exc)
-        closes: list[Action] = [action for action in actions if isinstance(action, Close)]
-        await self.perform([action for action in actions if not isinstance(action, Close)])
+        # The session answers with the error and a Close; the close waits for what follows.
+        await self.driver.perform([a for a in self.session.on_protocol_error(exc) if not isinstance(a, Close)])
         if isinstance(exc, FrameTooLarge) and not self.is_closed:
             # Answer and half-close first (a reading client sees the error, then the end),
             # then take the rest of the frame: closing with unread bytes resets the
@@ -288,7 +152,7 @@ class Connection:
             with contextlib.suppress(ConnectionError, OSError, RuntimeError):
                 self.writer.write_eof()
                 await self._discard(min(exc.num_unread_bytes, DISCARD_MAX_BYTES))
-        await self.perform(closes)
+        await self.close()
 
     async def _discard(self, num_bytes: int) -> None:
         # Ends at the frame's end, the peer's close, or CLOSE_FLUSH_S without a byte (a peer
@@ -308,97 +172,47 @@ class Connection:
             actions: list[Action] = []
             for line in decoder.finish():
                 actions += self.session.receive_line(line)
-            await self.perform(actions + self.session.on_end_of_input())
+            await self.driver.perform(actions + self.session.on_end_of_input())
         else:
-            await self.perform(self.session.on_disconnect())
+            await self.driver.perform(self.session.on_disconnect())
             await self.close()
 
-    async def perform(self, actions: list[Action]) -> None:
-        """Carry out the session's actions in order; a broken peer ends the connection."""
+    async def send(self, message: ServerMessage | bytes) -> None:
+        """Write one frame (framed mode) or raw bytes (newline mode); a broken peer ends the connection."""
+        if self.is_closed:
+            raise Gone
+        data = message if isinstance(message, bytes) else codec.encode(message)
         try:
-            for action in actions:
-                await self._perform_one(action)
-        except (ConnectionError, OSError):
-            # The peer is gone (EPIPE / ECONNRESET while writing): same as a disconnect.
-            for action in self.session.on_disconnect():
-                if isinstance(action, Abort):
-                    self._abort()
+            async with self._send_lock:
+                self.writer.write(data)
+                await self.writer.drain()
+        except (ConnectionError, OSError) as exc:
+            # The peer is gone (EPIPE / ECONNRESET while writing): as a disconnect.
+            self.session.on_disconnect()
             await self.close()
+            raise Gone from exc
 
-    async def _perform_one(self, action: Action) -> None:
-        if isinstance(action, Send):
-            message = action.message
-            await self._send(message if isinstance(message, bytes) else codec.encode(message))
-        elif isinstance(action, Start):
-            await self._start(action)
-        elif isinstance(action, Abort):
-            self._abort()
-        elif isinstance(action, SendMetrics):
-            snapshot = codec.metrics_snapshot(self.client.stats(), len(self.listener.connections))
-            await self._send(codec.encode(Metrics(metrics=snapshot)))
-        elif isinstance(action, Rejected):
-            metrics = self.listener.deps.metrics
-            if metrics is not None and hasattr(metrics, "observe_rejection"):
-                metrics.observe_rejection(protocol=codec.PROTOCOL_NAME, code=action.code)
-        elif isinstance(action, Close):
-            await self.close()
+    async def perform(self, action: Any) -> None:
+        """The metrics frame (``SendMetrics``, this wire's one action of its own)."""
+        snapshot = codec.metrics_snapshot(self.deps.client.stats(), len(self.listener.connections))
+        await self.send(Metrics(metrics=snapshot))
 
-    async def _send(self, data: bytes) -> None:
-        async with self._send_lock:
-            if self.is_closed:
-                return
-            self.writer.write(data)
-            await self.writer.drain()
+    async def refuse(self, exc: RillError) -> None:
+        """Past the connection limit: one error frame (``E_LIMIT_REJECTED``), then close."""
+        with contextlib.suppress(Gone):
+            await self.driver.perform(self.session.on_protocol_error(exc))
+        await self.close()
 
-    async def _start(self, action: Start) -> None:
-        try:
-            stream = await self.client.generate(msgspec.structs.replace(action.request, principal=self.principal))
-        except Exception as exc:  # refused: bad input, queue full, not ready, ...
-            if not isinstance(exc, RillError):
-                log.exception("framed-uds: generate failed")
-            await self.perform(self.session.on_start_failed(exc))
-            return
-        if self.is_closed:  # the peer left while the request was being submitted
-            await stream.aclose()
-            return
-        self._stream = stream
-        self._pump = asyncio.create_task(self._pump_outputs(stream))
-
-    async def _pump_outputs(self, stream: RequestStream) -> None:
-        try:
-            async with stream:  # leaving early (close, cancel) aborts the request
-                async for output in stream:
-                    await self.perform(self.session.on_output(output))
-                    if output.finished or self.is_closed:
-                        break
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            log.exception("framed-uds: stream of %s failed", stream.request_id)
-            failed = RequestOutput(request_id=stream.request_id, finished=True, finish_reason="error", error=exc)
-            await self.perform(self.session.on_output(failed))
-        finally:
-            if self._stream is stream:
-                self._stream, self._pump = None, None
-
-    def _abort(self) -> None:
-        if self._stream is not None and not self._stream.is_finished:
-            self._stream.abort()
-
-    async def close(self) -> None:
+    async def close(self, code: int | None = None, reason: str = "") -> None:
         """Flush, stop the running request (freeing its KV memory) and close the socket."""
         if self.is_closed:
             return
         self.is_closed = True
-        stream, pump = self._stream, self._pump
-        if stream is not None:
-            await stream.aclose()
-        if pump is not None and pump is not asyncio.current_task():
-            pump.cancel()
-        # close() sends what is still buffered before closing (the error frame of a failure);
-        # a peer that stopped reading must not pin the connection forever, hence the bound.
-        self.writer.close()
         try:
+            await self.driver.aclose()
+            # close() sends what is still buffered before closing (the error frame of a failure);
+            # a peer that stopped reading must not pin the connection forever, hence the bound.
+            self.writer.close()
             await asyncio.wait_for(self.writer.wait_closed(), CLOSE_FLUSH_S)
         except (TimeoutError, ConnectionError, OSError):
             self.writer.transport.abort()

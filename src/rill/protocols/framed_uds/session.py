@@ -18,8 +18,8 @@ RECV_REQ), ACTIVE (prefill, decode and streaming happen in the engine) and CLOSE
 Newline mode (``NewlineSession``): each input line is a prompt; raw token text goes out and a
 blank line ends each answer. Lines that arrive while one runs wait their turn.
 
-Sessions return ``Action`` lists; the adapter performs them in order. No ``await``, no clock,
-no engine import.
+Sessions return ``Action`` lists; the session driver (``protocols/_shared/driver``) performs
+them in order, handing the adapter ``SendMetrics``. No ``await``, no clock, no engine import.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from rill.errors import GenerationError, InvalidRequest, RillError
-from rill.protocols._shared.actions import Abort, Close, Send, Start
+from rill.protocols._shared.actions import Abort, Close, Rejected, Send, Start
+from rill.protocols._shared.driver import Key, Session, Started
 from rill.protocols.framed_uds import codec
 from rill.protocols.framed_uds.messages import (
     Cancel,
@@ -52,17 +53,11 @@ class SendMetrics:
     """Send the metrics frame built by ``codec.metrics_snapshot`` from the engine's stats."""
 
 
-@dataclass(frozen=True, slots=True)
-class Rejected:
-    """Count a request refused before it reached the engine (``rill_requests_rejected_total``)."""
-
-    code: str
-
-
 Action = Send[ServerMessage | bytes] | Start | Abort | SendMetrics | Rejected | Close
 """``Send``: a server message (framed mode) or raw bytes (newline mode). ``Start``: outputs go
-to ``on_output``; a refusal by the engine to ``on_start_failed``. ``Close``: flush, stop any
-running request, close."""
+to ``on_output``; a refusal by the engine to ``on_start_failed`` (the driver counts it under
+``refusal_code``). ``Rejected``: a refusal of the session's own, counted under its wire code.
+``Close``: flush, stop any running request, close."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,17 +84,19 @@ class _Running:
     is_streaming: bool
     metadata: dict[str, Any] | None
     text_parts: list[str] | None = None  # stream: false collects the completion here
+    is_started: bool = False  # the engine took it (on_started); before that a cancel is answered at once
 
 
 # -- framed mode ---------------------------------------------------------------------------
 
-class FramedSession:
+class FramedSession(Session):
     """Sans-I/O state of one framed-JSON connection.
 
     Calling order: ``receive`` for each decoded client message (``on_protocol_error`` for a
-    frame that failed to decode); after a ``Start``, ``on_output`` for each output of that
-    request or ``on_start_failed`` if the engine refused it; ``on_disconnect`` when the peer
-    is gone. Every method returns the actions to perform, in order.
+    frame that failed to decode); after a ``Start``, ``on_started`` then ``on_output`` for
+    each output of that request, or ``on_start_failed`` if the engine refused it;
+    ``on_disconnect`` when the peer is gone. Every method returns the actions to perform, in
+    order.
     """
 
     def __init__(self, limits: SessionLimits = SessionLimits()) -> None:
@@ -121,14 +118,34 @@ class FramedSession:
             return []
         return self._fail(exc, wire_id, self.running.metadata if self.running and self.running.wire_id == wire_id else None)
 
-    def on_start_failed(self, exc: BaseException) -> list[Action]:
-        """The engine refused the request just started (bad input, queue full, …)."""
+    def on_start_failed(self, key: Key, exc: BaseException, now: float) -> list[Action]:
+        """The engine refused the request just started (bad input, queue full, …); the driver
+        counted the refusal."""
         running = self.running
-        assert running is not None, "on_start_failed without a running request"
+        if running is None:
+            return []  # a refusal racing a close
         self.state, self.running = State.IDLE, None  # nothing runs: no Abort
-        return self._fail(exc, running.wire_id, running.metadata)
+        return self._fail(exc, running.wire_id, running.metadata, is_rejection=False)
 
-    def on_output(self, output: RequestOutput) -> list[Action]:
+    def on_started(self, started: Started) -> list[Action]:
+        """The engine took the request: from now on a cancel is answered by its final output."""
+        if self.running is not None:
+            self.running.is_started = True
+        return []
+
+    def on_error(self, exc: BaseException) -> list[Action]:
+        """The connection failed (a bug): the generic error frame, then close."""
+        if self.state is State.CLOSED:
+            return []
+        running = self.running
+        return self._fail(exc, running.wire_id if running else None, running.metadata if running else None,
+                          is_rejection=False)
+
+    def refusal_code(self, exc: BaseException) -> str:
+        """Refusals count under this wire's error codes (``E_LIMIT_QUEUE_FULL``...)."""
+        return codec.error_code(exc)
+
+    def on_output(self, key: Key, output: RequestOutput, now: float) -> list[Action]:
         """Turn one output delta of the running request into events."""
         running = self.running
         if self.state is not State.ACTIVE or running is None:
@@ -140,7 +157,7 @@ class FramedSession:
             actions.extend(Send(Token(id=running.wire_id, text=text, token_id=token_id, metadata=running.metadata))
                            for text, token_id in zip(output.token_texts, output.token_ids))
         if output.finished:
-            actions.extend(self._finish(output, running))
+            actions.extend(self._finish(running, output.finish_reason or "stop", output.error))
         return actions
 
     def on_disconnect(self) -> list[Action]:
@@ -170,9 +187,13 @@ class FramedSession:
     def _cancel(self, cancel: Cancel) -> list[Action]:
         # Best effort, as the spec says: a cancel for a request that already ended (it may
         # cross its eos on the wire) or for another id changes nothing.
-        if self.running is not None and cancel.id == self.running.wire_id:
-            return [Abort()]
-        return []
+        running = self.running
+        if running is None or cancel.id != running.wire_id:
+            return []
+        if running.is_started:
+            return [Abort()]  # the engine's final output (cancelled) makes the eos
+        # Still being submitted: the Abort cancels the submission, so nothing will come back.
+        return [Abort(), *self._finish(running, "cancelled")]
 
     def _ignore(self, _message: Any) -> list[Action]:
         return []
@@ -184,12 +205,11 @@ class FramedSession:
         return aborts + [SendMetrics(), Close()]
 
     # -- helpers ---------------------------------------------------------------------------
-    def _finish(self, output: RequestOutput, running: _Running) -> list[Action]:
+    def _finish(self, running: _Running, reason: str, error: object = None) -> list[Action]:
         self.running = None
-        reason = output.finish_reason or "stop"
         text = "".join(running.text_parts) if running.text_parts is not None else None
         if reason == "error":
-            exc = output.error if isinstance(output.error, RillError) else GenerationError("generation failed")
+            exc = error if isinstance(error, RillError) else GenerationError("generation failed")
             self.state = State.CLOSED
             return [Send(_error(exc, running.wire_id, running.metadata)),
                     Send(Eos(id=running.wire_id, reason="error", text=text, metadata=running.metadata)), Close()]
@@ -201,13 +221,14 @@ class FramedSession:
             self.state = State.IDLE
         return actions
 
-    def _fail(self, exc: BaseException, wire_id: str | None, metadata: dict[str, Any] | None) -> list[Action]:
+    def _fail(self, exc: BaseException, wire_id: str | None, metadata: dict[str, Any] | None,
+              is_rejection: bool = True) -> list[Action]:
         # Every caller refuses a frame or a request before it ran (generation errors end in _finish).
         was_active = self.state is State.ACTIVE
         self.state, self.running = State.CLOSED, None
         error = _error(exc, wire_id, metadata)
         aborts: list[Action] = [Abort()] if was_active else []
-        return aborts + [Rejected(error.code), Send(error), Close()]
+        return aborts + ([Rejected(error.code)] if is_rejection else []) + [Send(error), Close()]
 
 
 def _error(exc: BaseException, wire_id: str | None, metadata: dict[str, Any] | None) -> Error:
@@ -229,7 +250,7 @@ _HANDLERS: dict[tuple[State, type], _Handler] = {
 
 # -- newline mode --------------------------------------------------------------------------
 
-class NewlineSession:
+class NewlineSession(Session):
     """Sans-I/O state of one newline-mode connection (a debugging aid).
 
     Calling order: ``receive_line`` per input line, ``on_end_of_input`` at EOF (answers to
@@ -262,7 +283,7 @@ class NewlineSession:
         self.is_input_done = True
         return [Close()] if self.state is State.IDLE else []
 
-    def on_output(self, output: RequestOutput) -> list[Action]:
+    def on_output(self, key: Key, output: RequestOutput, now: float) -> list[Action]:
         """Raw text of the running answer; a blank line and the next prompt when it ends."""
         if self.state is not State.ACTIVE:
             return []
@@ -275,12 +296,20 @@ class NewlineSession:
             return actions + self._fail(exc, is_rejection=False)
         return actions + [Send(b"\n\n")] + self._next()
 
-    def on_start_failed(self, exc: BaseException) -> list[Action]:
-        """The engine refused the current line (or the input broke a limit)."""
+    def on_start_failed(self, key: Key, exc: BaseException, now: float) -> list[Action]:
+        """The engine refused the current line; the driver counted the refusal."""
         if self.state is State.CLOSED:
             return []
         self.state = State.IDLE  # nothing runs: no Abort
-        return self._fail(exc)
+        return self._fail(exc, is_rejection=False)
+
+    def on_error(self, exc: BaseException) -> list[Action]:
+        """The connection failed (a bug): an error line, then close."""
+        return [] if self.state is State.CLOSED else self._fail(exc, is_rejection=False)
+
+    def refusal_code(self, exc: BaseException) -> str:
+        """Refusals count under this wire's error codes (``E_LIMIT_QUEUE_FULL``...)."""
+        return codec.error_code(exc)
 
     def on_protocol_error(self, exc: BaseException) -> list[Action]:
         """The input broke a limit (a line over ``max_frame_bytes``): error line, then close."""
