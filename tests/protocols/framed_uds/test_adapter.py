@@ -519,3 +519,92 @@ async def test_a_session_bug_answers_with_the_generic_error_frame(make_listener,
     event = await conn.recv()
     assert event is not None and event["code"] == "E_RUNTIME_INTERNAL" and "secret" not in event["message"]
     assert await conn.is_closed()
+
+
+class _Rejections:
+    """Records what a protocol counts in ``rill_requests_rejected_total``."""
+
+    def __init__(self) -> None:
+        self.codes: list[tuple[str, str]] = []
+
+    def observe_rejection(self, *, protocol: str, code: str) -> None:
+        self.codes.append((protocol, code))
+
+
+async def test_refusals_are_counted_once_under_the_wire_codes(sock_path, fake_client) -> None:
+    rejections = _Rejections()
+    stop = await adapter.start(Deps(config=uds_config(sock_path), client=fake_client, metrics=rejections))
+    try:
+        conn = await FramedClient.connect(str(sock_path))
+        await conn.send({"id": "big", "prompt": "word " * 300})  # refused by the engine: over the context
+        assert (await conn.recv())["code"] == "E_LIMIT_PROMPT_TOO_LARGE" and await conn.is_closed()
+        conn = await FramedClient.connect(str(sock_path))
+        await conn.send({"id": "bad"})  # refused by the session: no prompt
+        assert (await conn.recv())["code"] == "E_PROTO_BAD_REQUEST" and await conn.is_closed()
+        assert rejections.codes == [("framed_uds", "E_LIMIT_PROMPT_TOO_LARGE"), ("framed_uds", "E_PROTO_BAD_REQUEST")]
+    finally:
+        await stop()
+
+
+async def test_a_cancel_while_the_request_is_submitted_is_answered_at_once(make_listener, fake_client,
+                                                                          monkeypatch) -> None:
+    listener = await make_listener()
+    submitted, entered = asyncio.Event(), asyncio.Event()
+    generate = fake_client.generate
+
+    async def held(request: Any) -> Any:
+        entered.set()
+        await submitted.wait()
+        return await generate(request)
+
+    monkeypatch.setattr(fake_client, "generate", held)
+    conn = await listener.connect()
+    await conn.send({"id": "c1", "prompt": "hi", "max_tokens": 5})
+    await asyncio.wait_for(entered.wait(), 30)
+    await conn.send({"event": "cancel", "id": "c1"})
+    assert await asyncio.wait_for(conn.recv(), 30) == {"event": "eos", "id": "c1", "reason": "cancelled"}
+    submitted.set()
+    await conn.send({"id": "c2", "prompt": "next", "max_tokens": 1})
+    assert [e["event"] for e in await conn.until_end()] == ["token", "eos"]
+    assert [r.prompt for r in listener.requests] == ["next"]  # the cancelled one never reached the engine
+    await conn.close()
+
+
+async def test_a_lagging_reader_still_gets_one_token_event_per_token(fake_client) -> None:
+    """The request stream folds outputs together while its reader is behind (a slow peer):
+    the session still sends one ``token`` event per token."""
+    from rill.protocols._shared.driver import Driver
+    from rill.protocols.framed_uds.messages import Eos, Request, Token
+    from rill.protocols.framed_uds.session import FramedSession
+
+    sent: list[Any] = []
+    release = asyncio.Event()
+
+    class SlowPeer:
+        async def send(self, message: Any) -> None:
+            sent.append(message)
+            await release.wait()  # the first write blocks: the engine runs on meanwhile
+
+        async def close(self, code: Any, reason: str) -> None:
+            pass
+
+        async def perform(self, action: Any) -> None:
+            pass
+
+    session = FramedSession()
+    folded: list[int] = []
+    on_output = session.on_output
+
+    def counting(key: Any, out: Any, now: float) -> Any:
+        folded.append(len(out.token_ids))
+        return on_output(key, out, now)
+
+    session.on_output = counting  # type: ignore[method-assign]
+    driver = Driver(session, SlowPeer(), fake_client, protocol="framed_uds", principal="uds:test")
+    await driver.perform(session.receive(Request(id="r", prompt="hello", max_tokens=20)))
+    await _until(lambda: bool(sent) and fake_client.stats().num_running == 0 and fake_client.stats().num_waiting == 0)
+    release.set()
+    await asyncio.wait_for(driver.wait(), 30)
+    tokens = [x for x in sent if isinstance(x, Token)]
+    assert len(tokens) == 20 and isinstance(sent[-1], Eos) and sent[-1].reason == "length"
+    assert max(folded) > 1  # the stream did fold outputs: the case under test happened

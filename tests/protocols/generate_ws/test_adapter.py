@@ -3,6 +3,7 @@ engine client over a ``FakeRunner`` (the real engine code, no model)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 from typing import Any
@@ -677,3 +678,57 @@ async def test_remembered_generations_are_charged_and_the_oldest_forgotten_when_
         refused = await recv(ws)
         assert refused["type"] == "error" and refused["field"] == "request_id"
     await eventually(lambda: budget.used == 0)
+
+
+async def test_a_lagging_reader_still_gets_one_token_message_per_token(make_server: Any) -> None:
+    """The request stream folds outputs together while its reader is behind (a slow client):
+    the session still sends one ``token`` per token, and the completion counts them all."""
+    from rill.protocols.generate_ws import codec
+    from rill.protocols.generate_ws import messages as m
+    from rill.protocols.generate_ws.adapter import _Wire
+    from rill.protocols.generate_ws.service import GenerateService
+
+    live = await make_server()
+    sent: list[Any] = []
+    release = asyncio.Event()
+
+    async def write(msg: Any) -> None:
+        sent.append(msg)
+        if isinstance(msg, m.Token):
+            await release.wait()  # the first token's write blocks: the engine runs on meanwhile
+
+    wire = _Wire(GenerateService(live.deps), write, None, "peer:test")
+    folded: list[int] = []
+    on_output = wire.session.on_output
+
+    def counting(key: Any, out: Any, now: float) -> Any:
+        folded.append(len(out.token_ids))
+        return on_output(key, out, now)
+
+    wire.session.on_output = counting  # type: ignore[method-assign]
+    await wire.receive(codec.decode(json.dumps({"type": "config", "prompt": "Once", "parameters": {"max_tokens": 20}})))
+    await eventually(lambda: any(isinstance(x, m.Token) for x in sent) and live.is_idle())
+    release.set()
+    await asyncio.wait_for(wire.driver.wait(), 30)
+    await wire.shutdown()
+    tokens = [x for x in sent if isinstance(x, m.Token)]
+    assert isinstance(sent[-1], m.Completion) and sent[-1].usage.completion_tokens == 20
+    assert len(tokens) == 20 and "".join(t.token for t in tokens) == sent[-1].generated_text
+    assert max(folded) > 1  # the stream did fold outputs: the case under test happened
+
+
+async def test_refusals_are_counted_in_the_rejection_metric(make_server: Any) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    live = await make_server()
+    limit_to_one_request(live)
+    async with connect(live.ws) as ws:
+        await send(ws, type="config", prompt="p", parameters={"max_tokens": 1})
+        await until(ws, is_type("completion"))
+        await send(ws, type="config", prompt="p", parameters={"max_tokens": 1})
+        assert (await recv(ws))["error"] == "rate_limited"
+    async with httpx.AsyncClient(base_url=live.url) as http:
+        text = (await http.get("/metrics")).text
+    counted = {s.labels["code"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "rill_requests_rejected_total" and s.labels["protocol"] == "generate_ws"}
+    assert counted == {"rate_limited": 1.0}

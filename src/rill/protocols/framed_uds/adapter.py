@@ -179,11 +179,11 @@ class Connection(Transport):
 
     async def send(self, message: ServerMessage | bytes) -> None:
         """Write one frame (framed mode) or raw bytes (newline mode); a broken peer ends the connection."""
-        if self.is_closed:
-            raise Gone
         data = message if isinstance(message, bytes) else codec.encode(message)
         try:
             async with self._send_lock:
+                if self.is_closed:
+                    raise Gone
                 self.writer.write(data)
                 await self.writer.drain()
         except (ConnectionError, OSError) as exc:

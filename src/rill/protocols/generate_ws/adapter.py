@@ -28,6 +28,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from rill.deps import Deps
 from rill.errors import InvalidRequest, RillError
+from rill.frontend.stream import RequestStream
 from rill.protocols._shared import sse
 from rill.protocols._shared.driver import Driver, Gone, Transport
 from rill.protocols.generate_ws import codec
@@ -38,6 +39,10 @@ from rill.protocols.generate_ws.service import GenerateService
 log = logging.getLogger("rill.protocols.generate_ws")
 
 Write = Callable[[m.ServerMessage], Awaitable[None]]
+
+_STREAM_CONTROLS: dict[type, Callable[[RequestStream], None]] = {
+    s.Pause: RequestStream.pause, s.Resume: RequestStream.resume, s.Regenerate: RequestStream.regenerate}
+"""The controls that act on the running request at once."""
 
 
 class _Wire(Transport):
@@ -54,8 +59,8 @@ class _Wire(Transport):
         self.driver = Driver(self.session, self, service.client, protocol=s.PROTOCOL, principal=principal,
                              metrics=service.deps.metrics, waits_for_model=True, reports_queue=True,
                              time_limit_s=service.http.request_timeout_s)
-        self._controls: dict[type, Callable[[Any], Awaitable[None]]] = {
-            s.Pause: self._pause, s.Resume: self._resume, s.Regenerate: self._regenerate,
+        self._handlers: dict[type, Callable[[Any], Awaitable[None]]] = {
+            s.Pause: self._control, s.Resume: self._control, s.Regenerate: self._control,
             s.Modify: self._modify, s.StoreFeedback: self._store_feedback}
 
     async def receive_text(self, text: str | bytes) -> None:
@@ -92,7 +97,7 @@ class _Wire(Transport):
 
     async def perform(self, action: Any) -> None:
         """A control of the running generation, or a feedback write."""
-        await self._controls[type(action)](action)
+        await self._handlers[type(action)](action)
 
     async def shutdown(self) -> None:
         """The conversation ends: stop whatever runs and give the memory back."""
@@ -100,19 +105,10 @@ class _Wire(Transport):
         await self.driver.aclose()
         self.history.close()
 
-    async def _pause(self, action: s.Pause) -> None:
-        await self._on_stream(lambda stream: stream.pause())
-
-    async def _resume(self, action: s.Resume) -> None:
-        await self._on_stream(lambda stream: stream.resume())
-
-    async def _regenerate(self, action: s.Regenerate) -> None:
-        await self._on_stream(lambda stream: stream.regenerate())
-
-    async def _on_stream(self, control: Callable[[Any], None]) -> None:
+    async def _control(self, action: s.Pause | s.Resume | s.Regenerate) -> None:
         if (stream := self.driver.stream()) is not None:
             try:
-                control(stream)
+                _STREAM_CONTROLS[type(action)](stream)
             except RillError as exc:  # e.g. the request finished meanwhile
                 await self.driver.perform(self.session.on_invalid(exc))
 
@@ -211,23 +207,14 @@ async def rest(service: GenerateService, request: Request) -> Response:
 
 
 async def _sse(service: GenerateService, config: m.Config, key: str | None, principal: str) -> AsyncIterator[bytes]:
-    queue: asyncio.Queue[m.ServerMessage | None] = asyncio.Queue()
-
-    async def enqueue(msg: m.ServerMessage) -> None:
-        queue.put_nowait(msg)  # unbounded but short: one generation's messages
-
-    wire = _Wire(service, enqueue, key, principal)
-
-    async def generate() -> None:
-        try:
-            await wire.receive(config)
-            await wire.driver.wait()
-        finally:
-            queue.put_nowait(None)
-
-    task = asyncio.create_task(generate())
+    queue: asyncio.Queue[m.ServerMessage | None] = asyncio.Queue()  # unbounded but short: one generation's messages
+    wire = _Wire(service, queue.put, key, principal)
+    ended: asyncio.Task[None] | None = None
     keepalive_s = service.http.sse_keepalive_s or None
     try:
+        await wire.receive(config)
+        ended = asyncio.create_task(wire.driver.wait())
+        ended.add_done_callback(lambda _: queue.put_nowait(None))
         while True:
             try:
                 msg = await asyncio.wait_for(queue.get(), keepalive_s)
@@ -238,11 +225,10 @@ async def _sse(service: GenerateService, config: m.Config, key: str | None, prin
                 break
             yield codec.encode_sse(msg)
     finally:
-        # Client disconnect cancels this generator: stop the generation at once.
-        task.cancel()
-        with contextlib.suppress(BaseException):
-            await task
+        # A client that went away closes this generator: stop the generation at once.
         await wire.shutdown()
+        if ended is not None:
+            ended.cancel()
 
 
 async def _ended_before_disconnect(driver: Driver, request: Request) -> bool:
