@@ -138,7 +138,7 @@ class Connection(Transport):
                         "missing or unknown API key: send one of the server's keys as 'api_key'"), wire_id)
                 self.driver.principal = auth.principal(message.api_key, None)
             return self.session.receive(message)
-        except Exception as exc:  # noqa: BLE001 - a bug must still answer with an error frame, not a bare close
+        except Exception as exc:  # a bug must still answer with an error frame, not a bare close
             log.exception("framed-uds: a client frame could not be handled")
             return self.session.on_protocol_error(exc)
 

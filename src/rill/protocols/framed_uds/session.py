@@ -44,7 +44,7 @@ from rill.protocols.framed_uds.messages import (
     ServerMessage,
     Token,
 )
-from rill.types import RequestOutput
+from rill.types import FinishReason, RequestOutput
 
 # -- actions -------------------------------------------------------------------------------
 
@@ -205,7 +205,7 @@ class FramedSession(Session):
         return aborts + [SendMetrics(), Close()]
 
     # -- helpers ---------------------------------------------------------------------------
-    def _finish(self, running: _Running, reason: str, error: object = None) -> list[Action]:
+    def _finish(self, running: _Running, reason: FinishReason, error: object = None) -> list[Action]:
         self.running = None
         text = "".join(running.text_parts) if running.text_parts is not None else None
         if reason == "error":

@@ -70,7 +70,7 @@ class _Wire(Transport):
         except InvalidRequest as exc:
             await self.driver.perform(self.session.on_invalid(exc))
             return
-        except Exception as exc:  # noqa: BLE001 - a decoder bug: the generic error frame, never a dead handler
+        except Exception as exc:  # a decoder bug: the generic error frame, never a dead handler
             log.exception("a /generate frame could not be decoded")
             await self.driver.perform(self.session.on_error(exc))
             return
@@ -80,7 +80,7 @@ class _Wire(Transport):
         """One decoded client message."""
         try:
             actions = self.session.receive(msg, time.monotonic())
-        except Exception as exc:  # noqa: BLE001 - a session bug: the generic error frame (and close), logged
+        except Exception as exc:  # a session bug: the generic error frame (and close), logged
             log.exception("a /generate message could not be handled")
             actions = self.session.on_error(exc)
         await self.driver.perform(actions)
@@ -182,7 +182,7 @@ async def rest(service: GenerateService, request: Request) -> Response:
         return _json_error(InvalidRequest(f"request body over {service.http.max_body_bytes} bytes"), 413)
     try:
         config = codec.decode_rest(body)
-    except Exception as exc:  # noqa: BLE001 - InvalidRequest; anything else is a bug, answered generically
+    except Exception as exc:  # InvalidRequest; anything else is a bug, answered generically
         if not isinstance(exc, InvalidRequest):
             log.exception("a /v1/generate body could not be decoded")
         return _json_error(exc)

@@ -81,7 +81,8 @@ ERROR_TABLE: ErrorTable = {
 }
 
 
-HTTP_STATUS = {entry.code: entry.status for entry in ERROR_TABLE.values()} | {"internal_error": 500}
+HTTP_STATUS: dict[str | None, int | None] = {entry.code: entry.status for entry in ERROR_TABLE.values()} | {
+    "internal_error": 500}
 """The HTTP status of each wire error code (``POST /v1/generate``)."""
 
 
@@ -137,7 +138,7 @@ def rest_reply(sent: list[m.ServerMessage], model_name: str) -> tuple[int, m.Res
         if isinstance(msg, m.Error):
             headers = {"Retry-After": str(max(1, math.ceil(msg.retry_after_seconds)))} \
                 if isinstance(msg.retry_after_seconds, float) else {}
-            return HTTP_STATUS.get(msg.error, 500), msg, headers
+            return HTTP_STATUS.get(msg.error, 500) or 500, msg, headers
     exc = RillError("the generation ended without a result")
     return wire_error(exc).status or 500, error_message(exc), {}
 

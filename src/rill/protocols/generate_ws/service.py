@@ -94,7 +94,7 @@ class GenerateService:
             return await asyncio.to_thread(self.feedback_store().add, record, s.PROTOCOL, hint, principal)
         except RillError:
             raise
-        except Exception as exc:  # noqa: BLE001 - never leak storage internals
+        except Exception as exc:  # never leak storage internals
             log.exception("storing feedback failed")
             raise RillError("feedback could not be stored") from exc
 
