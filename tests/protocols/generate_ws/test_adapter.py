@@ -732,3 +732,42 @@ async def test_refusals_are_counted_in_the_rejection_metric(make_server: Any) ->
     counted = {s.labels["code"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
                if s.name == "rill_requests_rejected_total" and s.labels["protocol"] == "generate_ws"}
     assert counted == {"rate_limited": 1.0}
+
+
+async def test_a_folded_output_reaches_the_session_whole(make_server: Any) -> None:
+    """A folded output that ends resumed carries the tokens made after the resume: the
+    ``resumed`` status goes before all of them, which the session can only do when the driver
+    hands the output over whole (not cut into one output per token, events on the last)."""
+    from rill.protocols._shared.driver import Driver, Started
+    from rill.protocols.generate_ws import codec
+    from rill.protocols.generate_ws import messages as m
+    from rill.protocols.generate_ws.service import GenerateService
+    from rill.types import RequestEvent, RequestOutput, Usage
+
+    live = await make_server()
+    sent: list[Any] = []
+
+    class Peer:
+        async def send(self, message: Any) -> None:
+            sent.append(message)
+
+        async def close(self, code: Any, reason: str) -> None:
+            pass
+
+        async def perform(self, action: Any) -> None:
+            pass
+
+    service = GenerateService(live.deps)
+    session = service.new_session()
+    session.receive(codec.decode('{"type": "config", "prompt": "p"}'), 1.0)
+    assert session.gen is not None
+    session.on_started(Started(None, [1], session.gen.sampling))
+    session.receive(codec.decode('{"type": "control", "action": "pause"}'), 1.1)
+    session.receive(codec.decode('{"type": "control", "action": "resume"}'), 1.2)
+    driver = Driver(session, Peer(), live.client, protocol="generate_ws", principal="peer:test")
+    folded = RequestOutput(request_id=session.gen.request_id, text="xy", token_ids=[5, 6], token_texts=["x", "y"],
+                           events=[RequestEvent.RESUMED], usage=Usage(prompt_tokens=1, completion_tokens=2))
+    await driver._deliver(None, folded)
+    assert [(type(x).__name__, getattr(x, "operation", None) or getattr(x, "token", None)) for x in sent] == [
+        ("Status", "resumed"), ("Token", "x"), ("Token", "y")]
+    assert all(isinstance(x, (m.Status, m.Token)) for x in sent)

@@ -68,6 +68,8 @@ class Connection(Transport):
         self.reader, self.writer = reader, writer
         self.is_newline = listener.config.uds_protocol == "newline"
         self.session: Any = (NewlineSession if self.is_newline else FramedSession)(limits)
+        # No one_event_per_token: the framed session sends one token event per token of an
+        # output itself; the newline session writes raw text.
         self.driver = Driver(self.session, self, deps.client, protocol=codec.PROTOCOL_NAME,
                              principal=peer_principal(writer), metrics=deps.metrics)
         self.is_closed = False

@@ -56,6 +56,10 @@ class _Wire(Transport):
         self._write, self._close = write, close
         self.session = service.new_session()
         self.history = service.history(principal, self.session)
+        # Outputs reach the session whole (no one_event_per_token): it sends one token per
+        # token itself, and needs a folded output's events beside its tokens to order them
+        # (a resume before the tokens after it, a restart's stale tokens before the new init)
+        # and to spread the output's time over its tokens.
         self.driver = Driver(self.session, self, service.client, protocol=s.PROTOCOL, principal=principal,
                              metrics=service.deps.metrics, waits_for_model=True, reports_queue=True,
                              time_limit_s=service.http.request_timeout_s)
