@@ -39,6 +39,7 @@ from rill.protocols.generate_ws.service import GenerateService
 log = logging.getLogger("rill.protocols.generate_ws")
 
 Write = Callable[[m.ServerMessage], Awaitable[None]]
+"""Writes one message to a conversation's peer (raises ``Gone`` once the peer has left)."""
 
 _STREAM_CONTROLS: dict[type, Callable[[RequestStream], None]] = {
     s.Pause: RequestStream.pause, s.Resume: RequestStream.resume, s.Regenerate: RequestStream.regenerate}
