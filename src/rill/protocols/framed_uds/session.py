@@ -223,7 +223,7 @@ class FramedSession(Session):
 
     def _fail(self, exc: BaseException, wire_id: str | None, metadata: dict[str, Any] | None,
               is_rejection: bool = True) -> list[Action]:
-        # Every caller refuses a frame or a request before it ran (generation errors end in _finish).
+        # A frame or a request refused before it ran, or a bug (generation errors end in _finish).
         was_active = self.state is State.ACTIVE
         self.state, self.running = State.CLOSED, None
         error = _error(exc, wire_id, metadata)
