@@ -77,7 +77,7 @@ class ResponseFormat(msgspec.Struct, kw_only=True):
     grammar: str | None = None
 
     def validate(self) -> ResponseFormat:
-        """Check that the field ``type`` needs is there and bounded; raise ``InvalidRequest``."""
+        """Check that the field ``type`` needs is there and bounded; raise ``InvalidParameter``."""
         field = "response_format"
         if self.type == "json_schema":
             schema = (self.json_schema or {}).get("schema")
@@ -158,7 +158,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
 
     def validate(self, vocab_size: int | None = None, max_logprobs: int = 20,
                  allow_prefill_only: bool = False) -> SamplingParams:
-        """Check the type and range of every field; raise ``InvalidRequest`` naming the first bad
+        """Check the type and range of every field; raise ``InvalidParameter`` naming the first bad
         one (``field`` is the engine's name; protocols rename it to their wire's). Returns self.
 
         ``max_tokens`` 0 (prefill only) passes only with ``allow_prefill_only``: the engine can
@@ -257,21 +257,28 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         fmt = self.response_format
         return fmt if fmt is not None and fmt.is_constraint else None
 
-    def updated(self, patch: dict[str, Any]) -> SamplingParams:
-        """Return a copy with ``patch`` applied, validated; raise ``InvalidRequest`` on a bad field.
+    def patched(self, patch: dict[str, Any]) -> SamplingParams:
+        """A copy with ``patch`` applied and its values converted to the fields' types, NOT
+        range-checked: for a caller that validates the result once (``validate``, with the
+        vocabulary), as the frontend does for a ``modify``.
 
-        Unknown field names are rejected too, so a typo never passes silently.
+        Raises:
+            InvalidParameter: an unknown field name (a typo never passes silently) or a value
+                that cannot become its field's type.
         """
-        known = set(self.__struct_fields__)
+        known = self.__struct_fields__
         for name in patch:
             if name not in known:
-                raise InvalidRequest(f"unknown sampling parameter '{name}'", field=name)
+                raise InvalidParameter(f"unknown sampling parameter '{name}'", field=name)
         merged = msgspec.structs.asdict(self) | dict(patch)
         try:
-            new = msgspec.convert(merged, SamplingParams, strict=False)
+            return msgspec.convert(merged, SamplingParams, strict=False)
         except msgspec.ValidationError as exc:
-            raise InvalidRequest(f"invalid sampling parameter: {exc}", field=_path_field(str(exc))) from exc
-        return new.validate()
+            raise InvalidParameter(f"invalid sampling parameter: {exc}", field=_path_field(str(exc))) from exc
+
+    def updated(self, patch: dict[str, Any]) -> SamplingParams:
+        """``patched`` then ``validate`` (no vocabulary); raise ``InvalidParameter`` on a bad field."""
+        return self.patched(patch).validate()
 
     def speculative_tokens(self, server_k: int) -> int:
         """The most draft tokens this request lets the server verify per step, given the server's ``k``."""
@@ -309,9 +316,16 @@ def _range(value: float, low: float, high: float, field: str) -> None:
     _check(low <= value <= high, field, f"must be in [{low:g}, {high:g}]")
 
 
+class InvalidParameter(InvalidRequest):
+    """A sampling parameter (a ``SamplingParams`` or ``ResponseFormat`` field) has a wrong type
+    or value. An ``InvalidRequest`` on every wire; a protocol whose parameters sit under a key
+    of their own names the field as its wire does (``/generate``: ``parameters.<name>``), unlike
+    other refusals of the same field (a grammar that does not compile)."""
+
+
 def _check(ok: bool, field: str, why: str) -> None:
     if not ok:
-        raise InvalidRequest(f"'{field}' {why}", field=field)
+        raise InvalidParameter(f"'{field}' {why}", field=field)
 
 
 def _path_field(text: str) -> str | None:
@@ -382,7 +396,9 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     ``principal`` says who asks (``rill.auth.principal``: a digest of the API key that
     authenticated, else the client's address); the admission step's per-principal rate
     limits key on it, and in-process callers that set none share one principal.
-    ``request_id`` is generated when None. ``deadline_s`` is a wall-clock time limit.
+    ``request_id`` is generated when None. ``deadline_s`` is a wall-clock time limit (the
+    server's ``--request-timeout-s`` applies too: the shorter one wins). ``tools`` are the
+    functions offered to the chat template (its own ``tools`` argument), with ``messages``.
     """
 
     prompt: str | None = None
@@ -395,6 +411,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     principal: str | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] = {}
+    tools: list[dict[str, Any]] | None = None
     deadline_s: float | None = None
     require_cached_prefix_tokens: int | None = None
     """If set, the engine finishes it with ``rill.errors.CacheMiss`` unless at least
