@@ -81,7 +81,7 @@ class LiveServer:
     @property
     def gate(self) -> Any:
         """The server's ``ConnectionGate`` (read it on the server loop, with ``call``)."""
-        return self.client._metrics.gate
+        return self.state["deps"].gate
 
     def call(self, fn: Any, *args: Any) -> Any:
         """Run ``fn(*args)`` on the server's event loop and return its result."""
@@ -152,7 +152,6 @@ class LiveServer:
 def start_server(model_dir: Path, wait_ready: bool = True, **overrides: Any) -> LiveServer:
     """Start ``rill serve`` on a free port with ``overrides`` (``area.field`` or field names)."""
     from rill import config as config_mod
-    from rill.frontend.inproc import InprocClient
     from rill.server import serve
 
     port = free_port()
@@ -179,9 +178,11 @@ def start_server(model_dir: Path, wait_ready: bool = True, **overrides: Any) -> 
             state["loop"] = asyncio.get_running_loop()
             state["stop"] = asyncio.Event()
             ready = asyncio.Event()
-            client = InprocClient.start(cfg.engine)
-            state["client"] = client
-            task = asyncio.create_task(serve(cfg, client=client, ready=ready, stop=state["stop"]))
+
+            def keep(deps: Any) -> None:  # the server's own client, built with its policy
+                state["deps"], state["client"] = deps, deps.client
+
+            task = asyncio.create_task(serve(cfg, ready=ready, stop=state["stop"], started=keep))
             waiter = asyncio.create_task(ready.wait())
             await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
             started.set()

@@ -108,3 +108,14 @@ async def same_output_with_and_without_speculation(server: Any, run: Callable[[b
 def speculative_field(value: bool | int | None) -> dict[str, Any]:
     """``{"speculative": value}`` for a JSON body, or ``{}`` for None (the field left out)."""
     return {} if value is None else {"speculative": value}
+
+
+def limit(client: Any, limits: Any, clock: Callable[[], float] | None = None) -> None:
+    """Rate-limit ``client``'s requests by ``limits`` (a ``RateLimits``) from now on, on
+    ``clock`` (a test's clock, often one that stands still): its submission policy's limiter
+    replaced, as a server built with those limits would have it."""
+    import time
+
+    from rill.frontend.ratelimit import RateLimiter
+
+    client.policy.limiter = RateLimiter(limits, clock or time.monotonic) if limits.is_on else None

@@ -23,7 +23,7 @@ def _toml(tmp_path: Path, text: str) -> str:
 
 def test_defaults_without_any_source() -> None:
     cfg = config.load({}, env={})
-    assert cfg.http.port == 8000 and cfg.http.api_key == [] and cfg.engine.max_queue == 1024
+    assert cfg.http.port == 8000 and cfg.policy.api_key == [] and cfg.engine.max_queue == 1024
     assert cfg.api_keys() == set()
 
 
@@ -31,7 +31,7 @@ def test_precedence_flag_over_env_over_file(tmp_path: Path) -> None:
     path = _toml(tmp_path, "port = 7001\nmax_queue = 11\nhost = '0.0.0.0'\n[http]\nmax_tokens_cap = 99\n")
     file_only = config.load({"config": path}, env={})
     assert (file_only.http.port, file_only.engine.max_queue, file_only.http.host) == (7001, 11, "0.0.0.0")
-    assert file_only.http.max_tokens_cap == 99  # from the [http] section
+    assert file_only.policy.max_tokens_cap == 99  # from the [http] section, where it was before [policy]
 
     env = {"RILL_PORT": "7002", "RILL_MAX_QUEUE": "22"}
     with_env = config.load({"config": path}, env=env)
@@ -47,7 +47,7 @@ def test_precedence_through_the_cli_parser(tmp_path: Path) -> None:
     args = parser.parse_args(["serve", "--config", path, "--api-key", "k1", "--api-key", "k2", "--max-queue", "5"])
     cfg = config.load(_config_flags(args), env={"RILL_PORT": "7100", "RILL_API_KEY": "from-env"})
     assert cfg.http.port == 7100  # env beats the file
-    assert cfg.http.api_key == ["k1", "k2"]  # repeated flag beats env and file
+    assert cfg.policy.api_key == ["k1", "k2"]  # repeated flag beats env and file
     assert cfg.engine.max_queue == 5
     assert cfg.http.cors_origins == ["https://a.example"]
 
@@ -60,9 +60,9 @@ def test_config_file_from_the_environment(tmp_path: Path) -> None:
 def test_env_conversions() -> None:
     cfg = config.load({}, env={"RILL_API_KEY": "a, b,,c", "RILL_NO_SOCKET": "yes", "RILL_SSE_KEEPALIVE_S": "0.5",
                                "RILL_MAX_TOKENS_CAP": ""})
-    assert cfg.http.api_key == ["a", "b", "c"]
+    assert cfg.policy.api_key == ["a", "b", "c"]
     assert cfg.uds.no_socket is True and cfg.http.sse_keepalive_s == 0.5
-    assert cfg.http.max_tokens_cap is None  # empty means unset for an optional setting
+    assert cfg.policy.max_tokens_cap is None  # empty means unset for an optional setting
     assert config.load({}, env={"RILL_NO_SOCKET": "off"}).uds.no_socket is False
 
 
@@ -175,3 +175,34 @@ def test_per_client_shares_default_to_an_eighth_of_their_total() -> None:
     assert cfg.connections.per_client_limit() == 50 and cfg.http.feedback_quota_bytes() == 1024 * 1024
     assert cfg.http.forwarded_allow_ips == ["10.0.0.0/8", "127.0.0.1"]
     assert config.load({}, env={}).http.forwarded_allow_ips == []  # default: no proxy believed
+
+
+def test_policy_settings_have_their_own_section_and_keep_their_old_names(tmp_path: Path) -> None:
+    # What binds every protocol lives in [policy]; the flags keep their names, and the old
+    # [http] section and ``http.`` destinations still reach the settings that moved.
+    path = _toml(tmp_path, "[policy]\nmax_tokens_cap = 7\nrate_limit_requests = 3\n[http]\nrequest_timeout_s = 2.5\n")
+    cfg = config.load({"config": path}, env={})
+    assert (cfg.policy.max_tokens_cap, cfg.policy.rate_limit_requests, cfg.policy.request_timeout_s) == (7, 3, 2.5)
+    assert not hasattr(cfg.http, "max_tokens_cap") and not hasattr(cfg.http, "api_key")
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--max-tokens-cap", "9", "--api-key", "k", "--rate-limit-burst", "5"])
+    flags = _config_flags(args)
+    assert {"policy.max_tokens_cap", "policy.api_key", "policy.rate_limit_burst"} <= set(flags)
+    from_flags = config.load(flags, env={})
+    assert (from_flags.policy.max_tokens_cap, from_flags.api_keys(), from_flags.policy.rate_limit_burst) == (9, {"k"}, 5)
+    assert config.load({"http.max_tokens_cap": "4"}, env={}).policy.max_tokens_cap == 4
+    with pytest.raises(ConfigError, match="unknown setting 'port' in \\[policy\\]"):
+        config.load({"config": _toml(tmp_path, "[policy]\nport = 1\n")}, env={})
+
+
+def test_served_model_name_before_and_after_the_model_loads() -> None:
+    from rill.models.default import DEFAULT_MODEL_NAME
+    from rill.types import ModelInfo
+
+    name = config.served_model_name
+    assert name(config.EngineConfig(model="/m/tiny-llama")) == "tiny-llama"
+    assert name(config.EngineConfig(model="/m/Qwen2.5-0.5B.Q4_K_M.GGUF")) == "Qwen2.5-0.5B.Q4_K_M"
+    assert name(config.EngineConfig()) == DEFAULT_MODEL_NAME
+    assert name(config.EngineConfig(model="/m/tiny-llama", served_model_name="mine")) == "mine"
+    loaded = ModelInfo(name="loaded", architecture="a", max_context_tokens=8, vocab_size=8, dtype="f", device="cpu")
+    assert name(config.EngineConfig(model="/m/tiny-llama", served_model_name="mine"), loaded) == "loaded"

@@ -22,9 +22,12 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, get_args, get_origin, get_type_hints
+from typing import TYPE_CHECKING, Any, get_args, get_origin, get_type_hints
 
 from rill.errors import ConfigError
+
+if TYPE_CHECKING:
+    from rill.types import ModelInfo
 
 
 def _f(default: Any, help: str, **extra: Any) -> Any:
@@ -82,17 +85,33 @@ class EngineConfig:
                                        "the extra tokens cost more than they save)")
 
 
+def served_model_name(engine: EngineConfig, model_info: ModelInfo | None = None) -> str:
+    """The model name clients see and metrics carry: the one function every part asks.
+
+    Once the model has loaded, ``model_info.name`` (the loader applies ``--served-model-name``).
+    Before, the name it will be served under: ``--served-model-name``, else the default
+    model's name when ``--model`` is not given, else a ``.gguf`` file's stem or the folder's
+    (or catalog entry's) name.
+    """
+    if model_info is not None:
+        return model_info.name
+    if engine.served_model_name:
+        return engine.served_model_name
+    if not engine.model:
+        from rill.models.default import DEFAULT_MODEL_NAME  # here: rill.models imports torch
+
+        return DEFAULT_MODEL_NAME
+    path = Path(engine.model)
+    return path.stem if path.suffix.lower() == ".gguf" else path.name
+
+
 @dataclass(frozen=True)
 class HttpConfig:
-    """HTTP listener, keys and limits."""
+    """HTTP listener, browser and proxy rules, the OpenAI API's own limits, feedback and logs."""
 
     host: str = _f("127.0.0.1", "HTTP host to bind")
     port: int = _f(8000, "HTTP port")
-    api_key: list[str] = _f([], "API key clients must send as 'Authorization: Bearer KEY' (repeatable)", repeat=True)
-    api_key_file: str | None = _f(None, "file with one API key per line")
     max_body_bytes: int = _f(4 * 1024 * 1024, "largest HTTP request body accepted")
-    max_tokens_cap: int | None = _f(None, "upper bound for max_tokens of any request (larger asks are clamped; "
-                                          "without max_tokens a request may fill the rest of the context, up to this)")
     cors_origins: list[str] = _f([], "allowed CORS origins (repeatable; '*' for any)", repeat=True)
     allowed_origins: list[str] = _f([], "web page origins (scheme://host[:port]) that may call this server from a "
                                         "browser besides its own pages and --cors-origins (repeatable; '*' for any)",
@@ -108,16 +127,6 @@ class HttpConfig:
                                             "the headers are ignored", repeat=True)
     max_choices_per_request: int = _f(256, "most choices (prompts x n, or x best_of) one /v1/completions or /v1/chat/completions "
                                            "request may ask for; more is refused (400) before anything runs")
-    request_timeout_s: float | None = _f(None, "per-request time limit in seconds")
-    rate_limit_requests: int | None = _f(None, "most requests one principal (an API key; without keys, a client "
-                                               "address) may start per --rate-limit-window, on all protocols "
-                                               "together (past it: a rate_limited error with a retry time)")
-    rate_limit_window: float = _f(60.0, "seconds of one --rate-limit-requests window (it opens at a principal's "
-                                        "first request)")
-    rate_limit_tokens_per_s: float | None = _f(None, "per-principal generation rate limit (tokens/s) on all "
-                                                     "protocols: a request reserves its max_tokens, the unused "
-                                                     "part comes back when it ends")
-    rate_limit_burst: int = _f(2048, "token-bucket burst size for the rate limit")
     sse_keepalive_s: float = _f(5.0, "seconds without output after which an SSE stream gets a keep-alive comment")
     data_dir: str = _f("data", "folder for feedback, recordings and other durable data")
     feedback_max_per_generation: int = _f(16, "most feedback messages one /generate generation may receive "
@@ -145,6 +154,27 @@ class HttpConfig:
     tool_call_parser: str = _f("auto", "how /v1/chat/completions reads tool calls in the model's output: hermes "
                                        "(<tool_call>{json}</tool_call>, Qwen/Hermes), llama3_json, none, or auto "
                                        "(detected from the chat template; hermes when it shows no format)")
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """What binds every request on every protocol alike: API keys, the token cap, rate limits,
+    the time limit (``rill.frontend.policy.SubmissionPolicy`` applies them)."""
+
+    api_key: list[str] = _f([], "API key clients must send as 'Authorization: Bearer KEY' (repeatable)", repeat=True)
+    api_key_file: str | None = _f(None, "file with one API key per line")
+    max_tokens_cap: int | None = _f(None, "upper bound for max_tokens of any request (larger asks are clamped; "
+                                          "without max_tokens a request may fill the rest of the context, up to this)")
+    request_timeout_s: float | None = _f(None, "per-request time limit in seconds")
+    rate_limit_requests: int | None = _f(None, "most requests one principal (an API key; without keys, a client "
+                                               "address) may start per --rate-limit-window, on all protocols "
+                                               "together (past it: a rate_limited error with a retry time)")
+    rate_limit_window: float = _f(60.0, "seconds of one --rate-limit-requests window (it opens at a principal's "
+                                        "first request)")
+    rate_limit_tokens_per_s: float | None = _f(None, "per-principal generation rate limit (tokens/s) on all "
+                                                     "protocols: a request reserves its max_tokens, the unused "
+                                                     "part comes back when it ends")
+    rate_limit_burst: int = _f(2048, "token-bucket burst size for the rate limit")
 
 
 @dataclass(frozen=True)
@@ -238,6 +268,7 @@ class ServerConfig:
 
     engine: EngineConfig = field(default_factory=EngineConfig)
     http: HttpConfig = field(default_factory=HttpConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
     connections: ConnectionConfig = field(default_factory=ConnectionConfig)
     uds: UdsConfig = field(default_factory=UdsConfig)
     batch_ws: BatchWsConfig = field(default_factory=BatchWsConfig)
@@ -246,8 +277,8 @@ class ServerConfig:
 
     def api_keys(self) -> set[str]:
         """Keys from ``--api-key`` and ``--api-key-file`` (empty set: no auth)."""
-        keys = set(self.http.api_key)
-        path = self.http.api_key_file
+        keys = set(self.policy.api_key)
+        path = self.policy.api_key_file
         if path:
             try:
                 text = Path(path).read_text()
@@ -335,12 +366,17 @@ def sampling_defaults(env: Mapping[str, str] | None = None, dotenv_path: str | P
 AREAS: dict[str, type] = {
     "engine": EngineConfig,
     "http": HttpConfig,
+    "policy": PolicyConfig,
     "connections": ConnectionConfig,
     "uds": UdsConfig,
     "batch_ws": BatchWsConfig,
     "chat": ChatConfig,
     "evergreen": EvergreenConfig,
 }
+
+FORMER_AREAS: dict[str, str] = {f.name: "http" for f in dataclasses.fields(PolicyConfig)}
+"""Settings that moved to ``[policy]``, by the area they were in: their old flag destinations
+(``http.api_key``) and TOML section (``[http] api_key``) still name them."""
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]i?[bB]?|[bB])?\s*$")
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "ki": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
@@ -396,7 +432,7 @@ def load(args: argparse.Namespace | Mapping[str, Any] | None = None, env: Mappin
             raw, source = _pick(area, f.name, flag_values, env, file_values)
             if source is not None:
                 values[f.name] = _convert(raw, hints[f.name], source)
-                if (area, f.name) == ("http", "api_key"):
+                if (area, f.name) == ("policy", "api_key"):
                     _check_api_key_setting(raw, values[f.name], source)
         areas[area] = cls(**values)
     config = ServerConfig(**areas)
@@ -408,6 +444,7 @@ def validate(config: ServerConfig) -> None:
     """Cross-field checks; raise ``ConfigError`` naming the field and value."""
     _validate_engine(config.engine)
     _validate_http(config.http)
+    _validate_policy(config.policy)
     _validate_stores(config.http, config.chat)
     _at_least_one(config.evergreen, "evergreen_max_depth", "evergreen_max_nodes", "evergreen_max_bytes",
                   "evergreen_max_actions", "evergreen_max_fragments", "evergreen_max_id_bytes",
@@ -438,15 +475,10 @@ def _validate_engine(e: EngineConfig) -> None:
 
 
 def _validate_http(h: HttpConfig) -> None:
-    """The HTTP port, body and token caps, rate limits, timeouts, tool-call parser and log level."""
+    """The HTTP port, body cap, choices per request, forwarding, tool-call parser and log level."""
     if not (0 <= h.port < 65536):
         raise ConfigError(f"port must be in 0..65535, not {h.port}")
-    _at_least_one(h, "max_body_bytes", "max_tokens_cap", "rate_limit_requests")
-    _positive_seconds(h, "rate_limit_window")
-    if h.rate_limit_tokens_per_s is not None and not 0 < h.rate_limit_tokens_per_s < float("inf"):
-        raise ConfigError(f"rate_limit_tokens_per_s must be > 0, not {h.rate_limit_tokens_per_s}")
-    _at_least_one(h, "rate_limit_burst", "max_choices_per_request")
-    _positive_when_set(h, "request_timeout_s")
+    _at_least_one(h, "max_body_bytes", "max_choices_per_request")
     if h.sse_keepalive_s < 0:
         raise ConfigError(f"sse_keepalive_s must be >= 0 (0 disables keep-alives), not {h.sse_keepalive_s}")
     for entry in h.forwarded_allow_ips:
@@ -459,6 +491,16 @@ def _validate_http(h: HttpConfig) -> None:
     _one_of("tool_call_parser", h.tool_call_parser, ("auto", "none", "hermes", "llama3_json"))
     if h.log_level.lower() not in ("critical", "error", "warning", "info", "debug", "trace"):
         raise ConfigError(f"log_level must be debug, info, warning or error, not {h.log_level!r}")
+
+
+def _validate_policy(p: PolicyConfig) -> None:
+    """The token cap, the rate limits and the time limit."""
+    _at_least_one(p, "max_tokens_cap", "rate_limit_requests")
+    _positive_seconds(p, "rate_limit_window")
+    if p.rate_limit_tokens_per_s is not None and not 0 < p.rate_limit_tokens_per_s < float("inf"):
+        raise ConfigError(f"rate_limit_tokens_per_s must be > 0, not {p.rate_limit_tokens_per_s}")
+    _at_least_one(p, "rate_limit_burst")
+    _positive_when_set(p, "request_timeout_s")
 
 
 def _validate_stores(h: HttpConfig, chat: ChatConfig) -> None:
@@ -543,16 +585,19 @@ def _check_llamacpp_model(e: EngineConfig) -> None:
 def _pick(area: str, name: str, flags: Mapping[str, Any], env: Mapping[str, str], file: Mapping[str, Any]) -> tuple[Any, str | None]:
     # The second item names where the value came from, as the user wrote it, for errors.
     flag = "--" + name.replace("_", "-")
-    if f"{area}.{name}" in flags:
-        return flags[f"{area}.{name}"], f"flag {flag}"
+    areas = (area, FORMER_AREAS[name]) if area == "policy" and name in FORMER_AREAS else (area,)
+    for where in areas:
+        if f"{where}.{name}" in flags:
+            return flags[f"{where}.{name}"], f"flag {flag}"
     if name in flags:
         return flags[name], f"flag {flag}"
     env_name = "RILL_" + name.upper()
     if env_name in env:
         return env[env_name], f"environment variable {env_name}"
-    section = file.get(area)
-    if isinstance(section, dict) and name in section:
-        return section[name], f"config file key [{area}] {name}"
+    for where in areas:
+        section = file.get(where)
+        if isinstance(section, dict) and name in section:
+            return section[name], f"config file key [{where}] {name}"
     if name in file:
         return file[name], f"config file key {name}"
     return None, None
@@ -575,6 +620,7 @@ def _check_file_keys(path: str, values: Mapping[str, Any]) -> None:
             if not isinstance(value, dict):
                 raise ConfigError(f"config file {path}: [{key}] must be a table of settings")
             known = {f.name for f in dataclasses.fields(AREAS[key])}
+            known |= {name for name, former in FORMER_AREAS.items() if former == key}
             for name in value:
                 if name not in known:
                     raise ConfigError(f"config file {path}: unknown setting '{name}' in [{key}]{_did_you_mean(name, known)}")

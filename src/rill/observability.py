@@ -1,7 +1,7 @@
 """``GET /health`` and ``GET /metrics``: the server's own HTTP routes, apart from any protocol.
 
-``/health`` answers 200 when the model is ready and 503 with the loading progress (or the
-failure) before; load balancers and orchestrators probe it without a key. ``/metrics`` is
+``/health`` answers 200 when the model is ready and 503 with the loading progress (or why
+it cannot serve: a failed load, a stopped engine) otherwise; load balancers and orchestrators probe it without a key. ``/metrics`` is
 the Prometheus text exposition of ``rill.frontend.metrics`` (names and types that vLLM's
 Grafana dashboard reads after one relabel rule, see ``docs/metrics.md``).
 Registered once by ``rill.server.build_app``.
@@ -39,15 +39,18 @@ class _Probes:
         self.registry = registry
 
     async def health(self, request: Request) -> Response:
-        """``GET /health``: 200 ``{"status": "ok"}`` when ready; 503 with progress while loading."""
-        client = self.client
-        if client.is_ready():
-            return JSONResponse({"status": "ok", "model": client.model_info.name if client.model_info else None})
-        if client.load_error is not None:
-            return JSONResponse({"status": "error", "error": "model failed to load"}, status_code=503)
-        progress, eta = client.load_progress()
-        return JSONResponse({"status": "loading", "progress": round(progress, 1), "eta_seconds": eta},
-                            status_code=503)
+        """``GET /health`` from ``client.state()``: 200 ``{"status": "ok", "model"}`` when ready;
+        503 with the progress while loading, and with the reason once the engine cannot serve
+        (a failed load, a stopped engine)."""
+        state = self.client.state()
+        if state.phase == "ready":
+            return JSONResponse({"status": "ok", "model": self.client.served_model_name})
+        if state.phase == "loading":
+            progress = round(state.progress, 1) if state.progress is not None else None
+            return JSONResponse({"status": "loading", "progress": progress, "eta_seconds": state.eta_s},
+                                status_code=503)
+        reason = "model failed to load" if state.phase == "failed" else "engine stopped"
+        return JSONResponse({"status": "error", "error": reason}, status_code=503)
 
     async def metrics(self, request: Request) -> Response:
         """``GET /metrics``: the registry in Prometheus text format."""

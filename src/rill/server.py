@@ -10,6 +10,10 @@ server mounts, each with what its ``adapter`` module provides:
 
 ``/health`` and ``/metrics`` come from ``rill.observability``. ``GET /`` is the browser
 playground (``rill.playground``).
+
+Built in this order: the parts every protocol shares (``make_parts``: connection gate,
+session-memory budget, metrics registry), the engine client with its submission policy and
+metrics sink (``start_client``), then the ``Deps`` adapters receive (``make_deps``).
 """
 
 from __future__ import annotations
@@ -21,7 +25,6 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from starlette.applications import Starlette
@@ -29,24 +32,22 @@ from starlette.routing import BaseRoute
 from starlette.types import ASGIApp
 
 from rill import auth, middleware, observability
-from rill.config import ServerConfig, session_memory_bytes
+from rill.config import ServerConfig, served_model_name, session_memory_bytes
 from rill.connections import FD_RESERVE, ConnectionGate, http_protocol_factory, raise_fd_limit
-from rill.deps import Deps
+from rill.deps import Deps, Stopper
 from rill.errors import EngineDead, RillError
 from rill.frontend.budget import MemoryBudget, MemoryReturner, malloc_trim
 from rill.frontend.client import EngineClient
 from rill.frontend.metrics import Metrics
-from rill.frontend.ratelimit import RateLimits
 from rill.playground import routes as playground
 from rill.protocols.openai_http import adapter as openai_http
 
 if TYPE_CHECKING:
     import uvicorn
 
-log = logging.getLogger("rill.server")
+    from rill.frontend.inproc import InprocClient
 
-Stopper = Callable[[], Awaitable[None]]
-"""Stops a listener a protocol started."""
+log = logging.getLogger("rill.server")
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +76,7 @@ def protocols() -> tuple[Protocol, ...]:
         Protocol("openai_http", routes=openai_http.routes),
         Protocol("generate_ws", routes=generate_ws.routes),
         Protocol("batch_ws", routes=batch_ws.routes),
-        Protocol("chat_ws", routes=chat_ws.routes, start=chat_ws.start),
+        Protocol("chat_ws", routes=chat_ws.routes),
         Protocol("evergreen", routes=evergreen.routes, start=evergreen.start),
         Protocol("framed_uds", start=framed_uds.start),
     )
@@ -95,27 +96,47 @@ def build_app(deps: Deps, served: Sequence[Protocol] | None = None) -> ASGIApp:
     return middleware.wrap(app, deps, render_error=openai_http.http_error)
 
 
-def make_deps(config: ServerConfig, client: EngineClient) -> Deps:
-    """Deps with the metrics registry, the API keys, the connection gate and the one
-    session-memory budget every protocol charges (freed memory goes back to the OS)."""
+@dataclass(frozen=True, slots=True)
+class Parts:
+    """What every protocol and the engine client share, made before the client."""
+
+    gate: ConnectionGate
+    """Counts client connections for every listener."""
+    memory: MemoryBudget
+    """The one session-memory budget every protocol charges (freed memory goes back to the OS)."""
+    metrics: Metrics
+    """The registry: the engine client's metrics sink, and ``/metrics``."""
+
+
+def make_parts(config: ServerConfig) -> Parts:
+    """The connection gate, the session-memory budget and the metrics registry of ``config``."""
     limits = config.connections
     gate = ConnectionGate(limits.max_connections, limits.per_client_limit())
     total, per_principal = session_memory_bytes(limits)
     memory = MemoryBudget(total, per_principal, on_release=MemoryReturner(malloc_trim()).released)
-    # Until the model has loaded, label refusals with the name it will be served under.
-    metrics = Metrics(client, gate, model_name=config.engine.served_model_name or Path(config.engine.model or "").stem,
-                      memory=memory)
-    if hasattr(client, "set_metrics_sink"):
-        client.set_metrics_sink(metrics)
-    if hasattr(client, "set_memory_budget"):
-        client.set_memory_budget(memory)
-    if hasattr(client, "set_max_tokens_cap"):
-        client.set_max_tokens_cap(config.http.max_tokens_cap)
-    if hasattr(client, "set_rate_limits"):
-        http = config.http
-        client.set_rate_limits(RateLimits(requests=http.rate_limit_requests, window_s=http.rate_limit_window,
-                                          tokens_per_s=http.rate_limit_tokens_per_s, burst=http.rate_limit_burst))
-    return Deps(config=config, client=client, metrics=metrics, api_keys=config.api_keys(), gate=gate, memory=memory)
+    # Until a client is watched (and its model has loaded), refusals carry the name it will be served under.
+    metrics = Metrics(gate=gate, model_name=served_model_name(config.engine), memory=memory)
+    return Parts(gate=gate, memory=memory, metrics=metrics)
+
+
+def start_client(config: ServerConfig, parts: Parts) -> InprocClient:
+    """The in-process engine client, constructed with its submission policy (``config.policy``,
+    the frontend's bounds of ``config.engine``, ``parts.memory``) and ``parts.metrics`` as its
+    sink; its engine starts loading in the background."""
+    from rill.frontend.inproc import InprocClient
+    from rill.frontend.policy import SubmissionPolicy
+
+    policy = SubmissionPolicy(config.policy, config.engine, memory=parts.memory)
+    return InprocClient.start(config.engine, policy=policy, metrics=parts.metrics)
+
+
+def make_deps(config: ServerConfig, client: EngineClient, parts: Parts | None = None) -> Deps:
+    """The ``Deps`` adapters receive: ``client``, the API keys and ``parts`` (made from
+    ``config`` when None), whose registry then reads ``client``'s gauges."""
+    parts = parts or make_parts(config)
+    parts.metrics.watch(client)
+    return Deps(config=config, client=client, metrics=parts.metrics, api_keys=config.api_keys(), gate=parts.gate,
+                memory=parts.memory)
 
 
 GIL_SWITCH_INTERVAL_S = 0.001
@@ -134,22 +155,25 @@ async def serve(
     ready: asyncio.Event | None = None,
     stop: asyncio.Event | None = None,
     served: Sequence[Protocol] | None = None,
+    started: Callable[[Deps], None] | None = None,
 ) -> None:
     """Run every front-end until SIGINT/SIGTERM (or ``stop`` is set); the model loads in the
-    background. ``ready`` is set once the HTTP port listens (tests use both events).
-    ``served``: the protocols to serve instead of ``protocols()`` (a test adds one of its own)."""
-    from rill.frontend.inproc import InprocClient
-
+    background. ``ready`` is set once the HTTP port listens; ``started`` is called with the
+    server's ``Deps`` once they are built (tests use all three). ``client``: one already built
+    with its own policy and sink (a test's fake) instead of ``start_client``'s; ``served``: the
+    protocols to serve instead of ``protocols()`` (a test adds one of its own)."""
     config.api_keys()  # a key file with no key fails here, before the model starts loading
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     fd_limit = raise_fd_limit(config.connections.max_connections)
-    if client is None:
-        client = InprocClient.start(config.engine)
-    deps = make_deps(config, client)
-    assert deps.gate is not None
-    if 0 < fd_limit - FD_RESERVE < deps.gate.max_total:
+    parts = make_parts(config)
+    if 0 < fd_limit - FD_RESERVE < parts.gate.max_total:
         # Past the open-file limit every listener would stop accepting: refuse before it.
-        deps.gate.max_total = max(1, fd_limit - FD_RESERVE)
+        parts.gate.max_total = max(1, fd_limit - FD_RESERVE)
+    if client is None:
+        client = start_client(config, parts)
+    deps = make_deps(config, client, parts)
+    if started is not None:
+        started(deps)
     served = protocols() if served is None else served
     app = build_app(deps, served)
     stoppers = await _start_listeners(deps, client, served)
@@ -164,7 +188,7 @@ async def serve(
     finally:
         for watcher in watchers:
             watcher.cancel()
-        await _stop_all(stoppers, client)
+        await _stop_all([*stoppers, *deps.stoppers], client)
     if load_failure:
         error = load_failure[0]
         raise error if isinstance(error, RillError) else EngineDead(f"the model failed to load: {error}")
@@ -238,11 +262,14 @@ async def _watch_stop(stop: asyncio.Event, server: uvicorn.Server) -> None:
 
 async def _watch_load(client: EngineClient, server: uvicorn.Server, load_failure: list[BaseException]) -> None:
     """A server whose model cannot load has nothing to serve: say why, record it in
-    ``load_failure`` and ask the server to exit."""
+    ``load_failure`` (the loader's own error, the cause of the one requests get) and ask the
+    server to exit."""
     try:
         await client.wait_ready()
     except EngineDead as exc:
-        error = client.load_error or exc
+        if client.state().phase != "failed":
+            return  # it loaded, then stopped: requests get EngineDead, the server stays up
+        error = exc.__cause__ if exc.__cause__ is not None else exc
         log.error("the model failed to load: %s", error)
         load_failure.append(error)
         server.should_exit = True

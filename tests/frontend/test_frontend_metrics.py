@@ -8,7 +8,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from rill.config import EngineConfig
 from rill.frontend.metrics import Metrics
-from rill.testing.fake_client import fake_client
+from rill.testing.fake_client import FAKE_MODEL_NAME, fake_client
 from rill.testing.fake_runner import StepGate
 from rill.types import EngineStats, GenerateRequest, SamplingParams
 
@@ -17,6 +17,8 @@ class _Client:
     """Stats of the test's choosing: the gauges' arithmetic over exact values, and a client
     whose ``stats()`` fails (the in-process client over a FakeRunner stands in where the
     engine's own state is what a test needs)."""
+
+    served_model_name = "m"
 
     def __init__(self, stats: EngineStats | None) -> None:
         self.value = stats
@@ -91,11 +93,12 @@ def test_each_server_has_its_own_registry() -> None:
 
 
 async def test_vllm_named_request_histograms_and_the_model_label() -> None:
-    # The in-process client over a FakeRunner: the label follows its model's load, the gauges
-    # its engine's state (a request held after its prefill holds KV).
+    # The in-process client over a FakeRunner: the label follows its model's load (the name it
+    # will be served under, then the loaded model's), the gauges its engine's state (a request
+    # held after its prefill holds KV).
     loading = threading.Event()
-    async with fake_client(EngineConfig(model="fake", served_model_name="served-name"), loading=loading) as client:
-        metrics = Metrics(client, model_name="before-load")
+    async with fake_client(EngineConfig(model="/models/before-load"), loading=loading) as client:
+        metrics = Metrics(client, model_name="ignored once a client is watched")
         assert metrics.model_name() == "before-load"
         loading.set()
         await client.wait_ready()
@@ -110,7 +113,7 @@ async def test_vllm_named_request_histograms_and_the_model_label() -> None:
     _check_two_requests(s)
     assert stats.kv_used_bytes > 0 and s[("rill_kv_cache_usage_perc", ())] == stats.kv_used_bytes / stats.kv_capacity_bytes
     assert s[("rill_num_requests_running", ())] == 1
-    assert metrics.model_name() == "served-name"  # _samples checked every sample carries it
+    assert metrics.model_name() == FAKE_MODEL_NAME  # _samples checked every sample carries it
 
 
 def _observe_two_requests(metrics: Metrics) -> None:
@@ -141,7 +144,7 @@ def _check_two_requests(s: dict[tuple[str, tuple], float]) -> None:
 
 
 def test_the_configured_name_labels_refusals_before_the_model_loads() -> None:
-    metrics = Metrics(_Client(None), model_name="before-load")
+    metrics = Metrics(model_name="before-load")  # as the server makes it, before its engine client
     metrics.observe_rejection(protocol="p", code="model_loading")
     families = text_string_to_metric_families(metrics.render().decode())
     [sample] = [s for f in families for s in f.samples if s.name == "rill_requests_rejected_total"]

@@ -16,6 +16,7 @@ import pytest
 from rill.errors import InvalidRequest, RateLimited
 from rill.frontend.ratelimit import RateLimits
 from rill.testing.fake_client import fake_client
+from tests.helpers import limit
 from rill.testing.fake_runner import StepGate
 from rill.types import GenerateRequest, RequestEvent, SamplingParams
 
@@ -38,7 +39,7 @@ async def run_to_end(client: object, request: GenerateRequest) -> int:
 
 async def test_requests_per_window_by_principal() -> None:
     async with fake_client() as client:
-        client.set_rate_limits(RateLimits(requests=2, window_s=60.0), clock=lambda: 0.0)
+        limit(client, RateLimits(requests=2, window_s=60.0), clock=lambda: 0.0)
         for principal in ("key:a", "key:a", "key:b", None, None):
             await run_to_end(client, ask(1, principal))
         with pytest.raises(RateLimited) as refused:
@@ -51,7 +52,7 @@ async def test_requests_per_window_by_principal() -> None:
 
 async def test_a_request_refused_for_another_reason_counts_for_nothing() -> None:
     async with fake_client() as client:
-        client.set_rate_limits(RateLimits(requests=2, window_s=60.0, tokens_per_s=1.0, burst=BURST),
+        limit(client, RateLimits(requests=2, window_s=60.0, tokens_per_s=1.0, burst=BURST),
                                clock=lambda: 0.0)
         client.engine.runner.gate = threading.Event()  # the first request stays running
         first = await client.generate(GenerateRequest(prompt="hello", request_id="dup", principal="key:a",
@@ -71,7 +72,7 @@ async def test_a_request_refused_for_another_reason_counts_for_nothing() -> None
 
 async def test_tokens_are_held_while_a_request_runs_and_the_unused_come_back() -> None:
     async with fake_client() as client:
-        client.set_rate_limits(RateLimits(tokens_per_s=1.0, burst=BURST), clock=lambda: 0.0)
+        limit(client, RateLimits(tokens_per_s=1.0, burst=BURST), clock=lambda: 0.0)
         runner = client.engine.runner
         eos = client.engine.tokenizer.eos_token_id
         prompt_len = len(client.engine.tokenizer.encode("hello"))
@@ -95,7 +96,7 @@ async def test_tokens_are_held_while_a_request_runs_and_the_unused_come_back() -
 
 async def test_modify_raising_max_tokens_reserves_the_difference_first() -> None:
     async with fake_client() as client:
-        client.set_rate_limits(RateLimits(tokens_per_s=1.0, burst=BURST), clock=lambda: 0.0)
+        limit(client, RateLimits(tokens_per_s=1.0, burst=BURST), clock=lambda: 0.0)
         client.engine.runner.gate = threading.Event()  # nothing runs until set
         held = await client.generate(GenerateRequest(prompt="hello", principal="key:a",
                                                      sampling=SamplingParams(max_tokens=4, ignore_eos=True)))
@@ -118,7 +119,7 @@ async def test_modify_raising_max_tokens_reserves_the_difference_first() -> None
 
 async def test_lowering_then_raising_max_tokens_again_needs_nothing_more() -> None:
     async with fake_client() as client:
-        client.set_rate_limits(RateLimits(tokens_per_s=1.0, burst=BURST), clock=lambda: 0.0)
+        limit(client, RateLimits(tokens_per_s=1.0, burst=BURST), clock=lambda: 0.0)
         client.engine.runner.gate = threading.Event()
         held = await client.generate(ask(9))
         await held.modify({"max_tokens": 5})
@@ -154,7 +155,7 @@ async def test_regenerated_tokens_stay_spent() -> None:
 async def _after_three_tokens(client: Any, burst: int) -> tuple[StepGate, Any]:
     """A request of 8 tokens (eos ignored) under a token bucket of ``burst``, read to its third
     token; its engine steps wait at the returned gate from the fourth on."""
-    client.set_rate_limits(RateLimits(tokens_per_s=1.0, burst=burst), clock=lambda: 0.0)
+    limit(client, RateLimits(tokens_per_s=1.0, burst=burst), clock=lambda: 0.0)
     gate = client.engine.runner.gate = StepGate()
     stream = await client.generate(GenerateRequest(prompt="hello", principal="key:a",
                                                    sampling=SamplingParams(max_tokens=8, ignore_eos=True)))

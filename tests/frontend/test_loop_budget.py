@@ -21,6 +21,7 @@ from rill.engine.grammar import grammar_of
 from rill.errors import ConstraintFailed, InvalidRequest, RateLimited, RequestNotFound
 from rill.frontend.ratelimit import RateLimits
 from rill.testing.fake_client import fake_client
+from tests.helpers import limit
 from rill.types import GenerateRequest, ResponseFormat, SamplingParams
 
 WAIT_S = 30  # only reached if the code under test is broken
@@ -133,7 +134,7 @@ async def test_a_modify_compiling_a_new_grammar_counts_as_a_request() -> None:
     format compiled before is only copied and costs nothing; once the window is full, a
     compile-modify is refused before compiling and nothing changes."""
     async with fake_client() as client:
-        client.set_rate_limits(RateLimits(requests=3, window_s=60.0), clock=lambda: 0.0)
+        limit(client, RateLimits(requests=3, window_s=60.0), clock=lambda: 0.0)
         stream = await held_request(client)  # 1 of 3
         compiler = client.engine.grammars = BlockingCompiler(client.engine.grammars)
         compiler.hold = False
@@ -155,7 +156,7 @@ async def test_a_modify_compiling_a_new_grammar_counts_as_a_request() -> None:
 
 async def test_a_constrained_request_over_the_limit_is_refused_before_its_compile() -> None:
     async with fake_client() as client:
-        client.set_rate_limits(RateLimits(requests=1, window_s=60.0), clock=lambda: 0.0)
+        limit(client, RateLimits(requests=1, window_s=60.0), clock=lambda: 0.0)
         stream = await held_request(client)
         compiler = client.engine.grammars = BlockingCompiler(client.engine.grammars)
         compiler.hold = False

@@ -9,6 +9,7 @@ from typing import Any
 from rill.errors import ResourceExhausted
 from rill.frontend.budget import MemoryBudget
 from rill.frontend.stream import RequestStream, output_bytes
+from rill.frontend.policy import SubmissionPolicy
 from rill.testing.fake_client import fake_client
 from rill.types import GenerateRequest, RequestOutput, SamplingParams, TokenLogprob, TopLogprob
 from tests.helpers import wait_until
@@ -82,10 +83,9 @@ def test_logprobs_count_with_every_alternative():
 
 
 async def test_a_client_that_does_not_read_is_stopped_at_its_share_by_the_engine_client():
-    """Through ``InprocClient``: the budget set by the server charges every stream."""
-    async with fake_client() as client:
-        budget = MemoryBudget(total=1 << 20, per_principal=4096)
-        client.set_memory_budget(budget)
+    """Through ``InprocClient``: the budget the server builds its policy with charges every stream."""
+    budget = MemoryBudget(total=1 << 20, per_principal=4096)
+    async with fake_client(policy=SubmissionPolicy(memory=budget)) as client:
         slow = await client.generate(GenerateRequest(prompt="hello", principal="key:slow",
                                                      sampling=SamplingParams(max_tokens=500, ignore_eos=True)))
         async with slow:

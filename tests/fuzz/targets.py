@@ -107,7 +107,7 @@ def fake_tokens(text: str) -> list[int]:
 
 # -- openai_http ---------------------------------------------------------------------------------
 
-SERVED = openai_codec.ServedModel(name="fake", max_context_tokens=256, vocab_size=1000, max_tokens_cap=64)
+SERVED = openai_codec.ServedModel(name="fake", max_context_tokens=256, vocab_size=1000)
 
 
 def openai_session(req: Any, kind: OpenAIKind, rng: random.Random) -> None:
@@ -118,18 +118,24 @@ def openai_session(req: Any, kind: OpenAIKind, rng: random.Random) -> None:
         prompts = [fake_tokens(json.dumps(messages))]
     else:
         prompts = [p if isinstance(p, list) else fake_tokens(p) for p in openai_codec.completion_prompts(req)]
-    requests = openai_codec.generate_requests(req, prompts, SERVED, "cmpl-x")
+    num_choices = openai_codec.check_choices(req, len(prompts), SERVED)
+    sampling = openai_codec.sampling_params(req, SERVED)
+    try:  # as the submission policy validates a request's parameters
+        sampling.validate(vocab_size=SERVED.vocab_size, allow_prefill_only=kind is OpenAIKind.COMPLETION)
+    except InvalidRequest as exc:
+        raise openai_codec.renamed(exc, req) from exc
+    request_ids = [f"cmpl-x-{k}" for k in range(num_choices)]
     logprobs = ((req.top_logprobs or 0) if req.logprobs else None) if kind is OpenAIKind.CHAT else req.logprobs
     tool_format = "hermes" if kind is OpenAIKind.CHAT and openai_codec.parses_tool_calls(req) else None
     text_calls = openai_codec.text_call_check(req) if tool_format is not None else None
-    session = ResponseSession(kind=kind, response_id="cmpl-x", created=0, model="fake", num_choices=len(requests),
+    session = ResponseSession(kind=kind, response_id="cmpl-x", created=0, model="fake", num_choices=num_choices,
                               n=req.n or 1, logprobs=logprobs,
                               include_usage=bool(req.stream_options and req.stream_options.include_usage),
                               tool_format=tool_format, text_calls=text_calls)
     session.start()
-    for index, request in enumerate(requests):
+    for index, request_id in enumerate(request_ids):
         is_call = tool_format is not None and rng.random() < 0.5
-        for output in (call_outputs(rng, request.request_id) if is_call else outputs(rng, request.request_id)):
+        for output in (call_outputs(rng, request_id) if is_call else outputs(rng, request_id)):
             session.on_output(index, output)
     session.end() if req.stream else session.body()
 

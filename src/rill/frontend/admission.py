@@ -1,9 +1,9 @@
 """The CPU part of admitting a request: prompt size bound, chat templating, tokenization.
 
-Every protocol reaches the engine through ``InprocClient.generate`` (one request) or
-``InprocClient.tokenize`` (the OpenAI routes, which need the token counts of several prompts
-before they build their requests); both call ``PromptAdmission.token_ids``, so the same
-rules hold on every protocol:
+Every protocol reaches the engine through the client's ``SubmissionPolicy``
+(``rill.frontend.policy``: one request, or the choices of one OpenAI request), which calls
+``PromptAdmission.token_ids``, as ``InprocClient.tokenize`` does, so the same rules hold on
+every protocol:
 
 1. the prompt's size in characters is checked first (``PromptTooLarge`` past
    ``--max-prompt-chars``), so a huge prompt costs no tokenizer time at all;
@@ -163,7 +163,8 @@ def prompt_token_ids(tokenizer: PromptTokenizer, prompts: Sequence[Prompt], mode
             out[i] = _checked_ids(prompt, vocab_size)
         elif prompt.messages is not None:
             _check_one_field(prompt)
-            text = render(tokenizer, prompt.messages, prompt.add_generation_prompt, prompt.chat_template_kwargs)
+            text = render(tokenizer, prompt.messages, prompt.add_generation_prompt, prompt.chat_template_kwargs,
+                          prompt.tools)
             # The template writes every special token it wants (BOS included): no post-processor.
             out[i] = _encode(tokenizer, [text], False, context)[0]
         else:
@@ -182,10 +183,10 @@ def prompt_token_ids(tokenizer: PromptTokenizer, prompts: Sequence[Prompt], mode
 
 
 def render(tokenizer: PromptTokenizer, messages: Sequence[Any], add_generation_prompt: bool,
-           chat_template_kwargs: Mapping[str, Any]) -> str:
+           chat_template_kwargs: Mapping[str, Any], tools: Sequence[Any] | None = None) -> str:
     """The chat template's text for ``messages``, after the checks every protocol shares.
 
-    ``chat_template_kwargs`` are template variables; a ``tools`` entry among them is the
+    ``chat_template_kwargs`` are template variables; ``tools`` the functions offered, the
     template's own ``tools`` argument (it picks a ``tool_use`` template where there is one).
 
     Raises:
@@ -193,17 +194,15 @@ def render(tokenizer: PromptTokenizer, messages: Sequence[Any], add_generation_p
             or the template failed.
     """
     check_chat_messages(list(messages))
-    variables = dict(chat_template_kwargs)
-    tools = variables.pop("tools", None)
     return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools,
-                                         chat_template_kwargs=check_template_kwargs(variables))
+                                         chat_template_kwargs=check_template_kwargs(dict(chat_template_kwargs)))
 
 
 def check_size(prompts: Sequence[Prompt], max_prompt_chars: int) -> None:
     """Raise ``PromptTooLarge`` when the prompts hold more than ``max_prompt_chars`` characters.
 
-    Token ids count one each; messages count the characters of every string in them and in
-    the template variables. The walk stops as soon as the bound is passed.
+    Token ids count one each; messages count the characters of every string in them, in the
+    template variables and in the tools. The walk stops as soon as the bound is passed.
     """
     total = 0
     for prompt in prompts:
@@ -212,7 +211,7 @@ def check_size(prompts: Sequence[Prompt], max_prompt_chars: int) -> None:
         else:
             total += len(prompt.prompt or "") + len(prompt.prompt_token_ids or ())
             if prompt.messages is not None:
-                total += _chars_in([prompt.messages, prompt.chat_template_kwargs], max_prompt_chars - total)
+                total += _chars_in([prompt.messages, prompt.chat_template_kwargs, prompt.tools], max_prompt_chars - total)
         if total > max_prompt_chars:
             raise PromptTooLarge(total, max_prompt_chars)
 
@@ -282,7 +281,8 @@ def _tokenize_one(tokenizer: PromptTokenizer, prompt: Prompt, model: ModelInfo, 
         text = prompt
     elif prompt.messages is not None:
         _check_one_field(prompt)
-        text = render(tokenizer, prompt.messages, prompt.add_generation_prompt, prompt.chat_template_kwargs)
+        text = render(tokenizer, prompt.messages, prompt.add_generation_prompt, prompt.chat_template_kwargs,
+                      prompt.tools)
     else:
         _check_one_field(prompt)
         if prompt.prompt_token_ids is not None:

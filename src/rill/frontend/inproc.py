@@ -5,6 +5,11 @@ with progress meanwhile), then loops: take commands from a thread-safe inbox (bl
 run one step, and hand the step's outputs to the event loop in ONE
 ``call_soon_threadsafe`` hop. The event loop routes each output to its ``RequestStream``
 and records per-request figures for metrics.
+
+What gets in, and with which parameters, is the client's ``SubmissionPolicy``'s to decide
+(``rill.frontend.policy``); the client keeps the bookkeeping: streams, timings, accounts.
+A running request's parameters live in one place on this side of the engine: its
+``RequestStream.sampling``, which only the client writes (at submission and on ``modify``).
 """
 
 from __future__ import annotations
@@ -14,14 +19,11 @@ import logging
 import queue
 import threading
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar, cast
+from typing import Any, Self, cast
 
-import msgspec
-
-from rill.config import EngineConfig
+from rill.config import EngineConfig, served_model_name
 from rill.engine.builder import Engine, build_engine
 from rill.engine.request import (
     AbortCommand,
@@ -32,25 +34,16 @@ from rill.engine.request import (
     Request,
     ResumeCommand,
 )
-from rill.errors import (
-    EngineDead,
-    InvalidRequest,
-    MemoryPressure,
-    ModelNotReady,
-    QueueFull,
-    RequestNotFound,
-    RillError,
-)
-from rill.frontend.admission import Prompt, PromptAdmission
-from rill.frontend.budget import MemoryBudget, malloc_trim
-from rill.frontend.client import MetricsSink
-from rill.frontend.grammars import GrammarAdmission
-from rill.frontend.ratelimit import Account, RateLimiter, RateLimits
+from rill.errors import EngineDead, ModelNotReady, RequestNotFound, RillError
+from rill.frontend.admission import Prompt
+from rill.frontend.budget import malloc_trim
+from rill.frontend.client import EngineState, MetricsSink, ModelLoadFailed, Submission
+from rill.frontend.policy import Choice, SubmissionPolicy
+from rill.frontend.ratelimit import Account
 from rill.frontend.stream import RequestStream
 from rill.types import EngineStats, GenerateRequest, ModelInfo, RequestEvent, RequestId, RequestOutput, SamplingParams
 
 log = logging.getLogger("rill.client")
-T = TypeVar("T")
 
 QUEUE_POSITIONS_TTL_S = 0.25
 """How long ``InprocClient.queue_position`` reuses one pass over the queued requests."""
@@ -61,8 +54,7 @@ IDLE_TRIM_INTERVAL_S = 2.0
 prompt-logprob scratch are freed into the C heap, which keeps them unless trimmed."""
 
 _STOP = object()
-ANONYMOUS_PRINCIPAL = "anonymous"
-"""The principal of requests that name none (in-process callers such as benchmarks)."""
+_READY = EngineState(phase="ready")
 
 
 @dataclass
@@ -82,78 +74,83 @@ class _Track:
 
 
 class InprocClient:
-    """``EngineClient`` running ``EngineCore`` in one dedicated thread of this process."""
+    """``EngineClient`` running ``EngineCore`` in one dedicated thread of this process.
 
-    def __init__(self, config: EngineConfig, loop: asyncio.AbstractEventLoop) -> None:
+    Args:
+        config: the engine's settings.
+        loop: the event loop the client serves.
+        policy: what admits requests (default: ``SubmissionPolicy`` with no cap, no limits).
+        metrics: receives each finished request's figures (None: none kept).
+    """
+
+    def __init__(self, config: EngineConfig, loop: asyncio.AbstractEventLoop, policy: SubmissionPolicy | None = None,
+                 metrics: MetricsSink | None = None) -> None:
         self.config = config
         self.loop = loop
+        self.policy = policy or SubmissionPolicy(engine=config)
+        self.metrics = metrics
         self.model_info: ModelInfo | None = None
         self.engine: Engine | None = None
         self.load_error: BaseException | None = None
+        """Why the model failed to load (the engine is then dead); None while loading or loaded."""
         self._progress = 0.0
         self._stage = ""
         self._load_started = time.monotonic()
         self._ready = asyncio.Event()
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._streams: dict[RequestId, RequestStream] = {}
-        self._params: dict[RequestId, SamplingParams] = {}
         self._tracks: dict[RequestId, _Track] = {}
         self._num_queued = 0
         self._positions: dict[RequestId, int] = {}  # queue_position's last pass
         self._positions_at: float | None = None
-        self._metrics: MetricsSink | None = None
         self._thread: threading.Thread | None = None
         self._build: Callable[[EngineConfig, Callable[[float, str], None]], Engine] = build_engine
         self._is_dead = False
-        self._admission = PromptAdmission(max_prompt_chars=config.max_prompt_chars,
-                                          num_threads=config.tokenizer_threads)
-        self._max_tokens_cap: int | None = None
-        self._limiter: RateLimiter | None = None
+        self._is_shut_down = False
         self._accounts: dict[RequestId, Account] = {}
-        self._grammars = GrammarAdmission(num_threads=config.grammar_threads)
         self._principals: dict[RequestId, str] = {}  # who each running request belongs to
         self._modify_turns: dict[RequestId, asyncio.Lock] = {}  # modifies of one request, in order
-        self._memory: MemoryBudget | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
     @classmethod
-    def start(cls, config: EngineConfig, engine: Engine | None = None,
-              build: Callable[[EngineConfig, Callable[[float, str], None]], Engine] | None = None) -> InprocClient:
-        """Create the client on the running loop and start the engine thread (which builds the
-        engine with ``build``, default ``build_engine``, unless a ready ``engine`` is given)."""
-        client = cls(config, asyncio.get_running_loop())
+    def start(cls, config: EngineConfig, *, policy: SubmissionPolicy | None = None, metrics: MetricsSink | None = None,
+              engine: Engine | None = None,
+              build: Callable[[EngineConfig, Callable[[float, str], None]], Engine] | None = None) -> Self:
+        """Create the client on the running loop with its ``policy`` and ``metrics`` sink and
+        start the engine thread (which builds the engine with ``build``, default
+        ``build_engine``, unless a ready ``engine`` is given)."""
+        client = cls(config, asyncio.get_running_loop(), policy, metrics)
         client._build = build or build_engine
         client._thread = threading.Thread(target=client._thread_main, args=(engine,), name="rill-engine", daemon=True)
         client._thread.start()
         return client
 
-    def set_metrics_sink(self, sink: MetricsSink) -> None:
-        """Receive per-request figures when requests end."""
-        self._metrics = sink
+    @property
+    def served_model_name(self) -> str:
+        """The model's name for clients and metrics (``rill.config.served_model_name``)."""
+        return served_model_name(self.config, self.model_info)
 
-    def set_max_tokens_cap(self, cap: int | None) -> None:
-        """Clamp every request's ``max_tokens`` to ``cap`` (``--max-tokens-cap``), on every
-        protocol alike, at submission and on ``modify``; the stream's ``sampling`` and
-        ``modify``'s answer carry the clamped value."""
-        self._max_tokens_cap = cap
-
-    def set_memory_budget(self, budget: MemoryBudget | None) -> None:
-        """Charge every stream's unread output to ``budget`` under the request's principal
-        (``RequestStream``): a client that does not read piles up at most its share."""
-        self._memory = budget
-
-    def set_rate_limits(self, limits: RateLimits, clock: Callable[[], float] = time.monotonic) -> None:
-        """Apply ``limits`` per principal to every request from now on, on every protocol alike
-        (``rill.frontend.ratelimit``); ``clock`` is for tests."""
-        self._limiter = RateLimiter(limits, clock) if limits.is_on else None
+    def state(self) -> EngineState:
+        """The engine's phase, and the error a request gets in it; see ``EngineState``."""
+        if self._is_dead or self._is_shut_down:
+            return EngineState(phase="stopped", error=EngineDead("the engine has stopped; the server needs a restart"))
+        if self.engine is not None:
+            return _READY
+        if self.load_error is not None:
+            failed = ModelLoadFailed("the model failed to load; see the server log")
+            failed.__cause__ = self.load_error  # for the server's log and exit status, never a client
+            return EngineState(phase="failed", error=failed)
+        progress, eta_s = self.load_progress()
+        return EngineState(phase="loading", progress=progress, eta_s=eta_s,
+                           error=ModelNotReady("the model is still loading; retry later"))
 
     def is_ready(self) -> bool:
-        """True once the model is loaded and the engine runs."""
-        return self.engine is not None and not self._is_dead
+        """True once the model is loaded and the engine runs (``state().phase == "ready"``)."""
+        return self.state() is _READY
 
     def load_progress(self) -> tuple[float, float | None]:
-        """Loading progress in percent and a rough ETA in seconds."""
-        if self.is_ready():
+        """Loading progress in percent and a rough ETA in seconds (100 and 0 once loaded)."""
+        if self.engine is not None:
             return 100.0, 0.0
         elapsed = time.monotonic() - self._load_started
         pct = self._progress
@@ -161,74 +158,76 @@ class InprocClient:
         return pct, eta
 
     async def wait_ready(self) -> None:
-        """Return once the model is loaded; raise ``EngineDead`` if loading failed."""
+        """Return once the model is loaded; raise ``state().error`` if it failed to load or the
+        engine has stopped."""
         await self._ready.wait()
-        if self.engine is None:
-            raise EngineDead("the model failed to load")
+        self._require_engine()
 
     async def shutdown(self) -> None:
         """Cancel every request and stop the engine thread."""
         for request_id in list(self._streams):
             self.abort(request_id)
         self._inbox.put(_STOP)
+        self._is_shut_down = True
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 10)
-        self._admission.close()
-        self._grammars.close()
+        self.policy.close()
+
+    def require_model(self) -> ModelInfo:
+        """The served model's facts, or raise ``state().error``: ``ModelNotReady`` while the
+        model loads (retry later), ``ModelLoadFailed`` or ``EngineDead`` once it never will be
+        ready (a failed load, a stopped engine)."""
+        return self._require_engine().model_info
+
+    def _require_engine(self) -> Engine:
+        state = self.state()
+        if state.error is not None:
+            raise state.error
+        assert self.engine is not None  # ready
+        return self.engine
 
     # -- requests ----------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> RequestStream:
-        """Tokenize (off the event loop), validate and submit; see ``EngineClient.generate``."""
+        """Admit one request through the policy and start it; see ``EngineClient.generate``."""
+        choice = await self.policy.plan_one(request, self._require_engine)
+        return await self._start(choice)
+
+    async def submit(self, submission: Submission) -> list[RequestStream]:
+        """Admit the choices of one request and start them, all or none; see ``EngineClient.submit``."""
+        choices = await self.policy.plan(submission, self._require_engine)
+        streams: list[RequestStream] = []
+        try:
+            for choice in choices:
+                streams.append(await self._start(choice))
+        except BaseException:
+            for stream in streams:
+                await stream.aclose()  # a refused choice leaves nothing of its request behind
+            raise
+        return streams
+
+    async def _start(self, choice: Choice) -> RequestStream:
+        """Compile the choice's grammar, make its last checks and put it in the engine."""
+        # A new constraint compiles in milliseconds (more for huge schemas): in the grammar pool,
+        # and before the checks below, so that nothing changes between them and the submit.
+        matcher = await self.policy.matcher(choice, self._require_engine)
         engine = self._require_engine()
-        # Prefill-only (max_tokens 0) is the engine's to do; each protocol decides whether it offers it.
-        params = self._capped(request.sampling).validate(vocab_size=engine.model_info.vocab_size,
-                                                         allow_prefill_only=True)
-        principal = request.principal or ANONYMOUS_PRINCIPAL
-        [prompt_ids] = await self._admission.token_ids(engine.tokenizer, [request], engine.model_info)
-        engine = self._require_engine()  # the engine may have died while the prompt was tokenized
-        # A new constraint compiles in milliseconds (more for huge schemas): in the grammar pool
-        # (``rill.frontend.grammars``), and before the checks below, so that nothing changes
-        # between them and the submit.
-        matcher = None
-        if params.constraint:
-            if self._limiter is not None:
-                # The limits would refuse it at the end: refuse it before its compile costs anything.
-                self._limiter.check(principal, params.max_tokens)
-            matcher = await self._grammars.matcher(engine.grammars, params.constraint, principal)
-            engine = self._require_engine()
-        if not prompt_ids:
-            raise InvalidRequest("the prompt is empty", field="prompt")
-        limit = self.config.max_prompt_logprobs_tokens
-        if params.prompt_logprobs is not None and len(prompt_ids) > limit:
-            # Every scored position costs a forward and logits over the vocabulary that the
-            # prefix cache cannot serve: bounded per request, on every protocol alike.
-            raise InvalidRequest(f"prompt logprobs are computed for prompts of at most {limit} tokens "
-                                 f"(--max-prompt-logprobs-tokens); this prompt has {len(prompt_ids)}",
-                                 field="prompt_logprobs")
-        if params.num_beams > engine.runner.num_rows:
-            raise MemoryPressure(f"num_beams={params.num_beams} needs more KV rows than the cache has ({engine.runner.num_rows})")
-        if self._num_queued >= self.config.max_queue:
-            raise QueueFull(f"the waiting queue is full ({self.config.max_queue} requests); retry later", retry_after_s=1.0)
-        request_id = request.request_id or f"req-{uuid.uuid4().hex}"
-        if request_id in self._streams:
-            raise InvalidRequest(f"request_id '{request_id}' is already running", field="request_id")
-        # Last of the checks, so that a request refused for another reason counts for nothing.
-        if self._limiter is not None:
-            self._accounts[request_id] = self._limiter.open(principal, params.max_tokens)
+        request_id = choice.request_id
+        account = self.policy.admit(choice, engine, self._num_queued, self._streams.__contains__)
+        if account is not None:
+            self._accounts[request_id] = account
         now = time.monotonic()
-        deadline = now + request.deadline_s if request.deadline_s else None
         engine_request = Request(
-            request_id=request_id, prompt_ids=prompt_ids, params=params, eos_token_ids=engine.eos_token_ids,
-            arrival_time=now, seq_no=0, priority=request.priority, protocol=request.protocol, deadline=deadline,
-            require_cached_prefix_tokens=request.require_cached_prefix_tokens,
-            matcher=matcher,
+            request_id=request_id, prompt_ids=choice.prompt_ids, params=choice.params,
+            eos_token_ids=engine.eos_token_ids, arrival_time=now, seq_no=0, priority=choice.priority,
+            protocol=choice.protocol, deadline=now + choice.deadline_s if choice.deadline_s else None,
+            require_cached_prefix_tokens=choice.require_cached_prefix_tokens, matcher=matcher,
         )
-        lease = self._memory.lease(principal) if self._memory is not None else None
-        stream = RequestStream(self, request_id, prompt_ids, params, on_close=self._forget, lease=lease)
+        memory = self.policy.memory
+        lease = memory.lease(choice.principal) if memory is not None else None
+        stream = RequestStream(self, request_id, choice.prompt_ids, choice.params, on_close=self._forget, lease=lease)
         self._streams[request_id] = stream
-        self._params[request_id] = params
-        self._principals[request_id] = principal
-        self._tracks[request_id] = _Track(protocol=request.protocol, arrival=now)
+        self._principals[request_id] = choice.principal
+        self._tracks[request_id] = _Track(protocol=choice.protocol, arrival=now)
         self._num_queued += 1
         self._inbox.put(AddCommand(engine_request))
         return stream
@@ -236,37 +235,19 @@ class InprocClient:
     async def tokenize(self, prompts: Sequence[Prompt]) -> list[list[int]]:
         """Token ids of each prompt, by the same admission step as ``generate``."""
         engine = self._require_engine()
-        return await self._admission.token_ids(engine.tokenizer, prompts, engine.model_info)
+        return await self.policy.admission.token_ids(engine.tokenizer, prompts, engine.model_info)
 
     async def tokenize_prompt(self, prompt: Prompt, add_special_tokens: bool) -> list[int]:
         """Token ids of one prompt for counting (``/tokenize``); see ``PromptAdmission.tokenize``."""
         engine = self._require_engine()
-        return await self._admission.tokenize(engine.tokenizer, prompt, engine.model_info,
-                                              add_special_tokens=add_special_tokens)
+        return await self.policy.admission.tokenize(engine.tokenizer, prompt, engine.model_info,
+                                                    add_special_tokens=add_special_tokens)
 
     async def detokenize(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         """The text of ``token_ids`` (``/detokenize``), decoded off the event loop, size-bounded."""
         engine = self._require_engine()
-        return await self._admission.detokenize(engine.tokenizer, token_ids, engine.model_info,
-                                                skip_special_tokens=skip_special_tokens)
-
-    def require_model(self) -> ModelInfo:
-        """The served model's facts, or the error a request must get now.
-
-        Raises:
-            ModelNotReady: the model is still loading (retry later).
-            EngineDead: the model failed to load, or the engine has stopped (it never will be ready).
-        """
-        return self._require_engine().model_info
-
-    def _require_engine(self) -> Engine:
-        if self._is_dead:
-            raise EngineDead("the engine has stopped; the server needs a restart")
-        if self.engine is None:
-            if self.load_error is not None:
-                raise EngineDead("the model failed to load; see the server log")
-            raise ModelNotReady("the model is still loading; retry later")
-        return self.engine
+        return await self.policy.admission.detokenize(engine.tokenizer, token_ids, engine.model_info,
+                                                      skip_special_tokens=skip_special_tokens)
 
     # -- controls ----------------------------------------------------------------------------
     def _live(self, request_id: RequestId) -> RequestStream:
@@ -291,14 +272,11 @@ class InprocClient:
         self._inbox.put(ResumeCommand(request_id))
 
     async def modify(self, request_id: RequestId, patch: dict[str, Any]) -> SamplingParams:
-        """Validate ``patch`` against the current parameters and apply it from the next token.
+        """Patch the request's parameters through the policy and apply them from the next token.
 
         Modifies of one request are applied one after the other, in the order they were
         called, each patching what the previous one left. A new ``response_format`` is compiled
-        as a new request's is (``rill.frontend.grammars``: in the grammar pool, one compile per
-        principal at a time) and, one not compiled before, counts as one request in the
-        principal's rate-limit window (refused with ``RateLimited`` before compiling when the
-        window is full; counted even if the patch is refused after). ``RequestNotFound`` if the
+        as a new request's is (``SubmissionPolicy.new_matcher``). ``RequestNotFound`` if the
         request ended before its patch could be applied.
         """
         stream = self._live(request_id)
@@ -317,37 +295,17 @@ class InprocClient:
     async def _modify(self, stream: RequestStream, patch: dict[str, Any]) -> SamplingParams:
         request_id = stream.request_id
         self._same(stream)  # again: it may have ended while an earlier modify compiled
-        engine = self._require_engine()
-        old = self._params[request_id]
-        params = self._capped(old.updated(patch))
-        params.validate(vocab_size=engine.model_info.vocab_size)
-        matcher = None
-        if params.constraint is not None and (old.constraint is None
-                                              or old.constraint.cache_key() != params.constraint.cache_key()):
-            principal = self._principals.get(request_id, ANONYMOUS_PRINCIPAL)
-            if self._limiter is not None and not engine.grammars.is_cached(params.constraint):
-                self._limiter.count_work(principal)
-            matcher = await self._grammars.matcher(engine.grammars, params.constraint, principal)
-            self._same(stream)  # the request may have ended while its grammar compiled
-            engine = self._require_engine()
+        old = stream.sampling
+        params = self.policy.modified(old, patch, self._require_engine().model_info.vocab_size)
+        principal = self._principals[request_id]
+        matcher = await self.policy.new_matcher(old, params, principal, self._require_engine)
+        self._same(stream)  # the request may have ended while its grammar compiled
         account = self._accounts.get(request_id)
         if account is not None:
             account.set_max_tokens(params.max_tokens)  # last of the checks: a refused modify changes nothing more
-        self._params[request_id] = params
+        stream.sampling = params
         self._inbox.put(ModifyCommand(request_id, params, matcher))
         return params
-
-    async def run_compile(self, principal: str | None, work: Callable[[], T]) -> T:
-        """``work()`` run as grammar compiles are: in the grammar pool, after ``principal``'s
-        earlier compile (``rill.frontend.grammars``); for a protocol's per-request CPU work of
-        that kind, such as building JSON Schema validators."""
-        return await self._grammars.run(principal or ANONYMOUS_PRINCIPAL, work)
-
-    def _capped(self, params: SamplingParams) -> SamplingParams:
-        cap = self._max_tokens_cap
-        if cap is None or params.max_tokens <= cap:
-            return params
-        return msgspec.structs.replace(params, max_tokens=cap, min_tokens=min(params.min_tokens, cap))
 
     def regenerate(self, request_id: RequestId) -> None:
         """Restart a request from its prompt.
@@ -373,8 +331,9 @@ class InprocClient:
     async def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                           **kwargs: Any) -> str:
         """The prompt the chat template makes of ``messages`` (rendered off the event loop)."""
-        return await self._admission.render_chat(self._require_engine().tokenizer, messages,
-                                                 add_generation_prompt=add_generation_prompt, chat_template_kwargs=kwargs)
+        return await self.policy.admission.render_chat(self._require_engine().tokenizer, messages,
+                                                       add_generation_prompt=add_generation_prompt,
+                                                       chat_template_kwargs=kwargs)
 
     def queue_position(self, request_id: RequestId) -> tuple[int, int] | None:
         """``(position, num_waiting)``: the request's 1-based place among the submitted requests
@@ -481,7 +440,6 @@ class InprocClient:
                 stream.put(output)
             if output.finished:
                 # The stream keeps the final output for its reader; controls now raise RequestNotFound.
-                self._params.pop(output.request_id, None)
                 self._principals.pop(output.request_id, None)
                 self._modify_turns.pop(output.request_id, None)  # a modify still holding it then finds no request
                 self._streams.pop(output.request_id, None)
@@ -515,10 +473,10 @@ class InprocClient:
             track.last_token_at = None  # a pause or restart is not inter-token latency
         if output.finished:
             self._tracks.pop(output.request_id, None)
-            if self._metrics is not None:
+            if self.metrics is not None:
                 first, scheduled, final = output.first_token_time, track.scheduled_at, track.final_token_at
                 try:
-                    self._metrics.observe_request(
+                    self.metrics.observe_request(
                         protocol=track.protocol,
                         finish_reason=output.finish_reason or "error",
                         queue_s=(track.scheduled_at - track.arrival) if track.scheduled_at else None,

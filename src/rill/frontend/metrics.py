@@ -5,7 +5,7 @@ many servers in one process):
 
 * per-request figures, pushed by the engine client through ``observe_request`` when a
   request ends (``MetricsSink``): latency, phase-time and token-count histograms and the
-  finished-request counters;
+  finished-request counters; refusals counted by adapters through ``observe_rejection``;
 * engine gauges and counters, pulled from ``client.stats()`` at scrape time by a custom
   collector, so they are never stale and cost nothing between scrapes.
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -32,6 +32,8 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from rill.types import EngineStats
 
 log = logging.getLogger("rill.metrics")
 
@@ -55,19 +57,43 @@ _TOKEN_BUCKETS = tuple(float(m * 10 ** e) for e in range(7) for m in (1, 2, 5) i
 _REQUEST = ["model_name", "protocol"]
 
 
+class EngineView(Protocol):
+    """What the registry reads of the engine client (``rill.frontend.client.EngineClient`` has it)."""
+
+    @property
+    def served_model_name(self) -> str:
+        """The ``model_name`` label."""
+        ...
+
+    def stats(self) -> EngineStats:
+        """The engine's gauges and counters (may raise while there is no engine)."""
+        ...
+
+
+class GateView(Protocol):
+    """What the registry reads of the connection gate (``rill.connections.ConnectionGate``)."""
+
+    total: int
+    refused: int
+    evicted: int
+
+
 class Metrics:
     """The server's Prometheus registry; implements ``rill.frontend.client.MetricsSink``.
 
+    The server makes it before the engine client (which receives it as its sink) and then
+    has it ``watch`` that client.
+
     Args:
-        client: the engine client whose ``stats()`` the gauges read at scrape time, and whose
-            ``model_info.name`` is the ``model_name`` label once the model has loaded.
-        gate: the server's ``rill.connections.ConnectionGate`` (connection gauges), or None.
-        model_name: the label before the model has loaded (requests refused while loading).
+        client: the engine client to ``watch`` now, or None (later).
+        gate: the server's connection gate (connection gauges), or None.
+        model_name: the ``model_name`` label until a client is watched.
         memory: the server's ``rill.frontend.budget.MemoryBudget`` (session-memory gauges), or None.
     """
 
-    def __init__(self, client: Any, gate: Any = None, model_name: str = "", memory: Any = None) -> None:
-        self.client = client
+    def __init__(self, client: EngineView | None = None, gate: GateView | None = None, model_name: str = "",
+                 memory: Any = None) -> None:
+        self.client: EngineView | None = None
         self.gate = gate
         self.default_model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
@@ -101,19 +127,31 @@ class Metrics:
                                 [*_REQUEST, "finish_reason"], registry=self.registry)
         self.rejected = Counter("rill_requests_rejected", "Requests refused before reaching the engine, by error code",
                                 [*_REQUEST, "code"], registry=self.registry)
-        self.registry.register(_EngineCollector(client, self.model_name))
         if gate is not None:
             self.registry.register(_ConnectionCollector(gate, self.model_name))
         if memory is not None:
             self.registry.register(_MemoryCollector(memory, self.model_name))
+        if client is not None:
+            self.watch(client)
+
+    def watch(self, client: EngineView) -> None:
+        """Read ``client``'s gauges at scrape time and label everything with its
+        ``served_model_name`` from now on (one client per registry; watching it again changes
+        nothing)."""
+        if self.client is client:
+            return
+        if self.client is not None:
+            raise ValueError("this registry already watches another engine client")
+        self.client = client
+        self.registry.register(_EngineCollector(client, self.model_name))
 
     def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
         return Histogram(name, doc, _REQUEST, buckets=buckets, registry=self.registry)
 
     def model_name(self) -> str:
-        """The ``model_name`` label: the loaded model's name, or the configured one before."""
-        info = getattr(self.client, "model_info", None)
-        return info.name if info is not None else self.default_model_name
+        """The ``model_name`` label: the watched client's ``served_model_name`` (the loaded
+        model's name, or the name it will be served under), else ``model_name`` as given."""
+        return self.client.served_model_name if self.client is not None else self.default_model_name
 
     def observe_request(
         self,
@@ -160,7 +198,7 @@ class Metrics:
 class _EngineCollector(Collector):
     """Reads ``client.stats()`` once per scrape and exposes it as gauges and counters."""
 
-    def __init__(self, client: Any, model_name: Callable[[], str]) -> None:
+    def __init__(self, client: EngineView, model_name: Callable[[], str]) -> None:
         self.client = client
         self.model_name = model_name
 
@@ -204,7 +242,7 @@ class _EngineCollector(Collector):
 class _ConnectionCollector(Collector):
     """Open and refused client connections, read from the connection gate at scrape time."""
 
-    def __init__(self, gate: Any, model_name: Callable[[], str]) -> None:
+    def __init__(self, gate: GateView, model_name: Callable[[], str]) -> None:
         self.gate = gate
         self.model_name = model_name
 
@@ -217,7 +255,7 @@ class _ConnectionCollector(Collector):
         yield _counter(model, "rill_connections_refused", "Client connections refused at the connection limits",
                        self.gate.refused)
         yield _counter(model, "rill_connections_evicted", "Idle client connections closed at the connection limit "
-                       "to let another address in", getattr(self.gate, "evicted", 0))
+                       "to let another address in", self.gate.evicted)
 
 
 class _MemoryCollector(Collector):

@@ -47,6 +47,10 @@ class RequestStream:
     Iterating yields ``RequestOutput`` deltas; the last one has ``finished=True`` and then
     iteration stops. Use ``async with`` (or ``aclose()``) so that leaving early cancels the
     request. Controls (``pause``, ``modify``, …) are forwarded to the engine client.
+
+    ``sampling`` is the request's parameters in force: the one record of them on this side of
+    the engine, written by the engine client only (at admission, and when a ``modify`` is
+    applied).
     """
 
     def __init__(
@@ -167,8 +171,7 @@ class RequestStream:
         ``InvalidRequest`` if a value is invalid and ``RateLimited`` if a raised ``max_tokens``
         needs tokens the principal lacks (or its compile, requests it has not left); either
         way nothing changes. ``RequestNotFound`` if the request ended meanwhile."""
-        self.sampling = await self.client.modify(self.request_id, patch)
-        return self.sampling
+        return await self.client.modify(self.request_id, patch)
 
     def regenerate(self) -> None:
         """Drop the generation and restart from the prompt with the current parameters.

@@ -293,7 +293,7 @@ def fake_app(api_keys: set[str] | None = None, **engine: Any) -> Iterator[tuple[
         client.engine.runner.gate = StepGate()
         requests = record_requests(client)
         deps = SimpleNamespace(config=config.load({}, env={}), client=client, metrics=None,
-                               api_keys=api_keys or set(), memory=None, extras={adapter.DEFAULTS_EXTRA: config.SamplingDefaults()})
+                               api_keys=api_keys or set(), memory=None, sampling_defaults=config.SamplingDefaults())
         app: Any = Starlette(routes=adapter.routes(deps))
         if api_keys:
             from rill.middleware import Guard
@@ -432,7 +432,7 @@ async def test_continuations_are_scoped_by_key_whichever_way_it_is_sent() -> Non
         requests = record_requests(client)
         deps = SimpleNamespace(config=config.load({}, env={}), client=client, metrics=None,
                                api_keys={"alice", "mallory"}, memory=None,
-                               extras={adapter.DEFAULTS_EXTRA: config.SamplingDefaults()})
+                               sampling_defaults=config.SamplingDefaults())
         app = Guard(Starlette(routes=adapter.routes(deps)), http_error, api_keys={"alice", "mallory"},
                     max_body_bytes=1 << 20)
         async with serving(app) as port:
@@ -466,7 +466,7 @@ async def test_kept_generations_are_charged_to_the_session_memory_budget() -> No
     budget = MemoryBudget(total=1 << 20, per_principal=1 << 20)
     async with fake_client(EngineConfig(model="fake")) as client:
         deps = SimpleNamespace(config=config.load({}, env={}), client=client, metrics=None, api_keys=set(),
-                               memory=budget, extras={adapter.DEFAULTS_EXTRA: config.SamplingDefaults()})
+                               memory=budget, sampling_defaults=config.SamplingDefaults())
         async with serving(Starlette(routes=adapter.routes(deps))) as port:
             async with connect(f"ws://127.0.0.1:{port}/ws") as ws:
                 async def run(request_id: str, prompt: str | None = "four") -> dict:

@@ -37,9 +37,9 @@ def test_bad_value_names_the_variable() -> None:
         config.sampling_defaults({"MODEL_DEFAULT_MAX_NEW_TOKENS": "lots"}, None)
 
 
-def fake_deps(extras: dict | None = None) -> SimpleNamespace:
-    return SimpleNamespace(client=None, config=config.load({}, env={}), extras=extras or {}, api_keys=set(), metrics=None,
-                           memory=None)
+def fake_deps(defaults: config.SamplingDefaults | None = None) -> SimpleNamespace:
+    return SimpleNamespace(client=None, config=config.load({}, env={}), sampling_defaults=defaults, api_keys=set(),
+                           metrics=None, memory=None)
 
 
 def test_adapter_reads_dotenv_of_the_working_folder_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -55,4 +55,4 @@ def test_adapter_reads_dotenv_of_the_working_folder_once(tmp_path: Path, monkeyp
 def test_adapter_refuses_to_start_with_invalid_defaults() -> None:
     bad = config.SamplingDefaults(top_p=3.0)
     with pytest.raises(ConfigError, match="MODEL_DEFAULT_.*'top_p' must be in"):
-        adapter.routes(fake_deps({adapter.DEFAULTS_EXTRA: bad}))
+        adapter.routes(fake_deps(bad))

@@ -83,7 +83,7 @@ async def serve_chat(client_args: dict[str, Any] | None = None, **settings: Any)
         cfg = rill_config.load({"chat.chat_max_active": 1, **settings}, env={})
         synth = RecordingSynth()
         requests = record_requests(client)
-        deps = Deps(config=cfg, client=client, extras={adapter.SYNTH_EXTRA: synth})
+        deps = Deps(config=cfg, client=client, speech_synth=synth)
         async with serving(Starlette(routes=adapter.routes(deps))) as port:
             yield Chat(f"127.0.0.1:{port}", client, requests, synth)
 

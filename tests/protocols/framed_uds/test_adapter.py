@@ -346,7 +346,7 @@ async def test_stopper_ends_live_connections(sock_path: Path, fake_client: Inpro
 
 
 async def test_newline_mode(make_listener, fake_client: InprocClient) -> None:
-    fake_client.set_max_tokens_cap(2)  # lines carry no max_tokens: the server's cap (admission's) bounds them
+    fake_client.policy.max_tokens_cap = 2  # lines carry no max_tokens: the server's cap (admission's) bounds them
     listener = await make_listener(**{"uds.uds_protocol": "newline"})
     reader, writer = await asyncio.open_unix_connection(str(listener.path))
     writer.write(b"first\nsecond\n")

@@ -246,7 +246,7 @@ async def test_newline_mode(uds_server: LiveServer, tmp_path: Path) -> None:
     # A second listener in newline mode on the same engine (as `--uds-protocol newline` would run).
     path = tmp_path / "nl.sock"
     deps = Deps(config=uds_config(path, **{"uds.uds_protocol": "newline"}), client=uds_server.client)
-    uds_server.call(uds_server.client.set_max_tokens_cap, 3)  # lines carry no max_tokens: the cap bounds them
+    uds_server.call(setattr, uds_server.client.policy, "max_tokens_cap", 3)  # lines carry no max_tokens: the cap bounds them
     stop = asyncio.run_coroutine_threadsafe(adapter.start(deps), uds_server.loop).result(10)
     try:
         framed = await connect(uds_server)
@@ -263,7 +263,7 @@ async def test_newline_mode(uds_server: LiveServer, tmp_path: Path) -> None:
         assert output == "".join(text + "\n\n" for text in expected)
     finally:
         asyncio.run_coroutine_threadsafe(stop(), uds_server.loop).result(10)
-        uds_server.call(uds_server.client.set_max_tokens_cap, None)
+        uds_server.call(setattr, uds_server.client.policy, "max_tokens_cap", None)
 
 
 async def test_slo_request_overtakes_queued_requests(uds_server: LiveServer) -> None:

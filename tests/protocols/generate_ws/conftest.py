@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import uvicorn
 
-from rill.config import EngineConfig, HttpConfig, ServerConfig
+from rill.config import EngineConfig, HttpConfig, PolicyConfig, ServerConfig
 from rill.deps import Deps
 from rill.frontend.inproc import InprocClient
 from rill.server import build_app, make_deps
@@ -53,8 +53,10 @@ class LiveServer:
 
 
 async def start_server(client: InprocClient, **http: Any) -> LiveServer:
-    """The whole app around ``client`` on a free loopback port (``http``: ``HttpConfig`` fields)."""
-    config = ServerConfig(http=dataclasses.replace(HttpConfig(), port=0, **http))
+    """The whole app around ``client`` on a free loopback port (``http``: ``HttpConfig`` and
+    ``PolicyConfig`` fields)."""
+    policy = {f.name: http.pop(f.name) for f in dataclasses.fields(PolicyConfig) if f.name in http}
+    config = ServerConfig(http=dataclasses.replace(HttpConfig(), port=0, **http), policy=PolicyConfig(**policy))
     deps = make_deps(config, client)
     requests = record_requests(client)
     server, task = await start_uvicorn(build_app(deps))

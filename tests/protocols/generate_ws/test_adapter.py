@@ -19,7 +19,7 @@ from rill.frontend.ratelimit import RateLimits
 from rill.testing.fake_client import LOADING_PERCENT
 from rill.testing.fake_runner import StepGate
 from tests.helpers import recv_json as recv
-from tests.helpers import wait_until
+from tests.helpers import limit, wait_until
 
 from .conftest import MAX_CONTEXT
 
@@ -325,7 +325,7 @@ async def test_unexpected_exception_is_generic_and_closes(make_server: Any, monk
 
 def limit_to_one_request(live: Any, window_s: float = 2.5) -> None:
     """One request per principal per ``window_s`` on a clock that stands still."""
-    live.client.set_rate_limits(RateLimits(requests=1, window_s=window_s), clock=lambda: 1000.0)
+    limit(live.client, RateLimits(requests=1, window_s=window_s), clock=lambda: 1000.0)
 
 
 async def test_rate_limited_with_retry_hint(make_server: Any) -> None:
@@ -337,7 +337,7 @@ async def test_rate_limited_with_retry_hint(make_server: Any) -> None:
         await send(ws, type="config", prompt="limited: p", parameters={"max_tokens": 8})
         err = await recv(ws)
         assert err["error"] == "rate_limited" and err["recoverable"] is True and err["retry_after_seconds"] == 2.5
-        live.client.set_rate_limits(RateLimits())
+        limit(live.client, RateLimits())
         await send(ws, type="config", prompt="p", parameters={"max_tokens": 2})  # socket still usable
         assert (await until(ws, is_type("completion")))[-1]["usage"]["completion_tokens"] == 2
 

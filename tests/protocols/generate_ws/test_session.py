@@ -5,12 +5,12 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from rill.errors import GenerationError, MemoryPressure, RequestTimeout
+from rill.errors import GenerationError, InvalidRequest, MemoryPressure, RequestTimeout
 from rill.protocols._shared.driver import Started
 from rill.protocols.generate_ws import codec
 from rill.protocols.generate_ws import messages as m
 from rill.protocols.generate_ws import session as s
-from rill.types import ModelInfo, RequestEvent, RequestOutput, SamplingParams, TokenLogprob, TopLogprob, Usage
+from rill.types import InvalidParameter, ModelInfo, RequestEvent, RequestOutput, SamplingParams, TokenLogprob, TopLogprob, Usage
 
 INFO = ModelInfo(name="tiny", architecture="LlamaForCausalLM", max_context_tokens=128, vocab_size=1000,
                  dtype="float32", device="cpu")
@@ -151,11 +151,21 @@ def test_resume_when_not_paused_is_refused() -> None:
 
 
 def test_modify_valid_and_invalid() -> None:
+    # The session maps the wire's patch; the server's policy validates it once, with the
+    # vocabulary, and a refusal is reported with the field named as on this wire.
     sess = new_session()
     started(sess, parameters={"temperature": 0.8})
-    [err] = sent(sess.receive(control("modify", parameters={"temperature": -2}), now=11.0))
+    assert sess.receive(control("modify", parameters={"temperature": -2}), now=11.0) == [s.Modify({"temperature": -2})]
+    with pytest.raises(InvalidParameter) as refused:
+        SamplingParams().patched({"temperature": -2}).validate()
+    [err] = sent(sess.on_modify_refused(refused.value))
     assert err["error"] == "invalid_request" and err["field"] == "parameters.temperature"
+    assert err["message"] == "'temperature' must be >= 0" and err["recoverable"] is True
     assert sess.gen is not None and sess.gen.sampling.temperature == 0.8  # nothing changed
+    # A refusal that is not about a value keeps its own field (a grammar that does not compile).
+    [compile_err] = sent(sess.on_modify_refused(InvalidRequest("response_format cannot be enforced: x",
+                                                               field="response_format")))
+    assert compile_err["field"] == "response_format"
     assert sess.receive(control("modify", parameters={"temperature": 0.0}), now=11.0) == [s.Modify({"temperature": 0.0})]
     msgs = sent(sess.on_output(None, out(" a", events=[RequestEvent.MODIFIED], n=1,
                                    modified=[SamplingParams(temperature=0.0)]), now=11.1))

@@ -23,10 +23,11 @@ from starlette.applications import Starlette
 
 from rill import config as config_mod
 from rill import middleware, observability
-from rill.config import EngineConfig
+from rill.config import EngineConfig, PolicyConfig
 from rill.frontend.inproc import InprocClient
+from rill.frontend.policy import SubmissionPolicy
 from rill.protocols.openai_http import adapter
-from rill.server import make_deps
+from rill.server import Parts, make_deps, make_parts
 from rill.testing.fake_client import fake_client, record_requests
 from rill.testing.fake_runner import fake_tokenizer, reply_script
 from rill.types import GenerateRequest
@@ -39,10 +40,12 @@ STEP_S = 0.005
 
 @dataclass
 class Fake:
-    """The client under test and what the protocol submitted to it."""
+    """The client under test, what the protocol submitted to it, and the server's parts it was
+    built with (its metrics sink and memory budget)."""
 
     client: InprocClient
     requests: list[GenerateRequest]
+    parts: Parts
 
     @property
     def engine(self) -> Any:
@@ -70,13 +73,18 @@ class Fake:
 
 
 @contextlib.asynccontextmanager
-async def make_fake(config: EngineConfig | None = None, **args: Any) -> AsyncIterator[Fake]:
-    """A ``Fake`` over ``fake_client`` (``args``: its keyword arguments)."""
+async def make_fake(config: EngineConfig | None = None, policy: PolicyConfig | None = None,
+                    **args: Any) -> AsyncIterator[Fake]:
+    """A ``Fake`` over ``fake_client`` (``args``: its keyword arguments), built as the server
+    builds its client: with a submission policy of ``policy`` and the parts' metrics sink."""
     args.setdefault("max_len", MAX_CONTEXT)
-    async with fake_client(config or EngineConfig(model="fake"), **args) as client:
+    config = config or EngineConfig(model="fake")
+    parts = make_parts(make_config())
+    submission_policy = SubmissionPolicy(policy, config, memory=parts.memory)
+    async with fake_client(config, policy=submission_policy, metrics=parts.metrics, **args) as client:
         if client.engine is not None:
             client.engine.runner.delay_s = STEP_S
-        yield Fake(client, record_requests(client))
+        yield Fake(client, record_requests(client), parts)
 
 
 async def idle(fake: Fake) -> None:
@@ -98,7 +106,7 @@ async def live_app(fake: Fake, **overrides: Any) -> AsyncIterator[str]:
     Only this protocol's routes are mounted, so other protocols' work in progress cannot
     break these tests (the end-to-end tests use the whole server).
     """
-    deps = make_deps(make_config(**overrides), fake.client)
+    deps = make_deps(make_config(**overrides), fake.client, fake.parts)
     inner = Starlette(routes=[*observability.routes(deps), *adapter.routes(deps)])
     inner.state.deps = deps
     app = middleware.wrap(inner, deps, render_error=adapter.http_error)
@@ -260,8 +268,8 @@ async def test_default_max_tokens_is_the_rest_of_the_context_capped(fake: Fake) 
     async with live_app(fake) as url, httpx.AsyncClient(base_url=url, timeout=60) as http:
         await http.post("/v1/completions", json={"prompt": "a b c"})
     assert fake.requests[0].sampling.max_tokens == MAX_CONTEXT - 6
-    async with make_fake() as capped:
-        async with live_app(capped, **{"http.max_tokens_cap": 5}) as url, httpx.AsyncClient(base_url=url) as http:
+    async with make_fake(policy=PolicyConfig(max_tokens_cap=5)) as capped:  # --max-tokens-cap 5
+        async with live_app(capped) as url, httpx.AsyncClient(base_url=url) as http:
             await http.post("/v1/completions", json={"prompt": "a b c"})
             await http.post("/v1/completions", json={"prompt": "a", "max_tokens": 50})
     assert [r.sampling.max_tokens for r in capped.requests] == [5, 5]

@@ -1,4 +1,10 @@
-"""``codec`` (pure): request decoding and validation, ``GenerateRequest`` building, error table."""
+"""``codec`` (pure): request decoding, the parameters of a request's choices, error naming, error table.
+
+Parameters are validated once, by the frontend's submission policy; ``_admitted`` validates
+them as it does (with ``SERVED``'s vocabulary) and names errors as the adapter does
+(``codec.renamed``). Fitting ``max_tokens`` to the context and per-candidate seeds are the
+policy's: ``tests/frontend/test_policy.py``.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +16,19 @@ from rill import errors
 from rill.protocols._shared import sse
 from rill.protocols.openai_http import codec
 from rill.protocols.openai_http.messages import ChatCompletionRequest, CompletionRequest
+from rill.types import MAX_TOKENS_LIMIT, SamplingParams
 
 SERVED = codec.ServedModel(name="m", max_context_tokens=100, vocab_size=1000)
+
+
+def _admitted(req: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
+    """The request's parameters validated as the submission policy validates them, a refusal
+    named as the adapter names it."""
+    params = codec.sampling_params(req, SERVED)
+    try:
+        return params.validate(vocab_size=SERVED.vocab_size, allow_prefill_only=isinstance(req, CompletionRequest))
+    except errors.InvalidRequest as exc:
+        raise codec.renamed(exc, req) from exc
 
 
 def _completion(**fields: object) -> CompletionRequest:
@@ -55,7 +72,7 @@ def test_completion_decode_errors_name_the_field(body: bytes, field: str | None,
         ({"messages": []}, "messages"),
         ({"messages": [{"content": "no role"}]}, "messages"),
         ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}}, "response_format"),
-        ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "regex"}}, "response_format"),
+        ({"messages": [{"role": "user", "content": "x"}], "response_format": {"regex": 5}}, "response_format"),
         ({"messages": [{"role": "user", "content": "x"}], "structured_outputs": {"choice": []}}, "structured_outputs"),
         ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
     ],
@@ -70,7 +87,7 @@ def test_unknown_fields_and_nulls_are_accepted() -> None:
     req = codec.decode_completion(b'{"prompt": "x", "temperature": null, "user": "u", "some_new_field": {"a": 1}}')
     assert req.temperature is None
     chat = codec.decode_chat(b'{"messages": [{"role": "user", "content": "x"}], "logprobs": false, "top_logprobs": 0}')
-    assert codec.sampling_params(chat, 4, SERVED).logprobs is None
+    assert codec.sampling_params(chat, SERVED).logprobs is None
 
 
 @pytest.mark.parametrize(
@@ -98,47 +115,47 @@ def test_model_check() -> None:
 
 # -- max tokens and sampling ---------------------------------------------------------------
 
-def test_max_tokens_default_is_what_remains_of_the_context() -> None:
-    assert codec.resolve_max_tokens(_completion(), 30, SERVED) == 70
-    assert codec.resolve_max_tokens(_completion(max_tokens=10), 30, SERVED) == 10
-    assert codec.resolve_max_tokens(_completion(max_tokens=500), 30, SERVED) == 70  # clamped, not refused
-    assert codec.resolve_max_tokens(_chat(max_tokens=9, max_completion_tokens=4), 30, SERVED) == 4
-    capped = codec.ServedModel(name="m", max_context_tokens=100, max_tokens_cap=16)
-    assert codec.resolve_max_tokens(_completion(), 30, capped) == 16
-    assert codec.resolve_max_tokens(_completion(max_tokens=50), 30, capped) == 16
+def test_max_tokens_asked_before_the_context_lowers_it() -> None:
+    # What remains of the context, and the server's cap, are the policy's to apply.
+    assert codec.max_tokens_asked(_completion()) == MAX_TOKENS_LIMIT  # the whole rest of the context
+    assert codec.max_tokens_asked(_completion(max_tokens=10)) == 10
+    assert codec.max_tokens_asked(_completion(max_tokens=500)) == 500  # lowered later, never refused
+    assert codec.max_tokens_asked(_chat(max_tokens=9, max_completion_tokens=4)) == 4
+    assert codec.sampling_params(_completion(max_tokens=7), SERVED).max_tokens == 7
 
 
-def test_prompt_filling_the_context_names_both_lengths() -> None:
-    with pytest.raises(errors.ContextLengthExceeded) as caught:
-        codec.resolve_max_tokens(_completion(), 100, SERVED)
-    assert "100 tokens" in caught.value.message and "at most 100" in caught.value.message
-    assert caught.value.num_prompt_tokens == 100 and caught.value.max_context_tokens == 100
+def test_max_tokens_below_range_names_the_field_as_sent() -> None:
     with pytest.raises(errors.InvalidRequest) as zero:
-        codec.resolve_max_tokens(_chat(max_tokens=0), 5, SERVED)
-    assert zero.value.field == "max_tokens"
+        codec.max_tokens_asked(_chat(max_tokens=0))
+    assert zero.value.field == "max_tokens" and "'max_tokens' must be >= 1" in zero.value.message
     with pytest.raises(errors.InvalidRequest) as negative:
-        codec.resolve_max_tokens(_completion(max_tokens=-1), 5, SERVED)
-    assert negative.value.field == "max_tokens"
+        codec.sampling_params(_completion(max_tokens=-1), SERVED)
+    assert negative.value.field == "max_tokens" and ">= 0" in negative.value.message
+    with pytest.raises(errors.InvalidRequest) as newer:
+        codec.max_tokens_asked(_chat(max_completion_tokens=0))
+    assert newer.value.field == "max_completion_tokens"
 
 
 def test_max_tokens_zero_on_completions_prefills_only() -> None:
-    assert codec.resolve_max_tokens(_completion(max_tokens=0), 100, SERVED) == 0  # a whole context: no room needed
-    params = codec.sampling_params(_completion(max_tokens=0, echo=True, logprobs=2), 0, SERVED)
+    assert codec.max_tokens_asked(_completion(max_tokens=0)) == 0
+    params = _admitted(_completion(max_tokens=0, echo=True, logprobs=2))
     assert (params.max_tokens, params.logprobs, params.prompt_logprobs) == (0, 2, 2)
 
 
 def test_echo_and_best_of_mapping() -> None:
-    assert codec.sampling_params(_completion(echo=True), 5, SERVED).prompt_logprobs is None  # no logprobs: text only
-    assert codec.sampling_params(_completion(echo=True, logprobs=1, prompt_logprobs=4), 5, SERVED).prompt_logprobs == 4
-    ranked = codec.sampling_params(_completion(best_of=3), 5, SERVED)
+    assert codec.sampling_params(_completion(echo=True), SERVED).prompt_logprobs is None  # no logprobs: text only
+    assert codec.sampling_params(_completion(echo=True, logprobs=1, prompt_logprobs=4), SERVED).prompt_logprobs == 4
+    ranked = codec.sampling_params(_completion(best_of=3), SERVED)
     assert ranked.logprobs == 0  # candidates are ranked by their tokens' logprobs
-    ids = [[1, 2], [3]]
-    reqs = codec.generate_requests(_completion(best_of=3, n=2, seed=5), ids, SERVED, "cmpl-x")
-    assert [r.prompt_token_ids for r in reqs] == [[1, 2]] * 3 + [[3]] * 3
-    assert [r.sampling.seed for r in reqs] == [5, 6, 7] * 2
-    echoed = codec.generate_requests(_completion(n=3, echo=True, logprobs=1), ids, SERVED, "cmpl-y")
-    # A prompt's logprobs are computed once, by its first candidate.
-    assert [r.sampling.prompt_logprobs for r in echoed] == [1, None, None] * 2
+    assert codec.candidates_per_prompt(_completion(best_of=3, n=2)) == 3
+    assert codec.check_choices(_completion(best_of=3, n=2), 2, SERVED) == 6
+
+
+def test_choices_over_the_server_bound_are_refused() -> None:
+    few = codec.ServedModel(name="m", max_context_tokens=100, max_choices=4)
+    with pytest.raises(errors.InvalidRequest) as caught:
+        codec.check_choices(_chat(n=5), 1, few)
+    assert caught.value.field == "n" and "at most 4" in caught.value.message
 
 
 @pytest.mark.parametrize(
@@ -148,19 +165,19 @@ def test_echo_and_best_of_mapping() -> None:
 )
 def test_chat_prompt_logprobs_and_echo_errors(fields: dict, field: str) -> None:
     with pytest.raises(errors.InvalidRequest) as caught:
-        codec.sampling_params(_chat(**fields), 5, SERVED)
+        _admitted(_chat(**fields))
     assert caught.value.field == field
 
 
 def test_sampling_mapping() -> None:
-    params = codec.sampling_params(_completion(temperature=0, top_k=-1, stop="END", logit_bias={"5": 2.5},
-                                               logprobs=3, seed=9, min_tokens=2), 8, SERVED)
+    params = _admitted(_completion(temperature=0, top_k=-1, stop="END", logit_bias={"5": 2.5}, logprobs=3, seed=9,
+                                   min_tokens=2, max_tokens=8))
     # -1 is "off" (the engine's rule on every protocol), passed through as /generate does.
     assert (params.temperature, params.top_k, params.stop, params.logit_bias) == (0, -1, ["END"], {5: 2.5})
     assert (params.logprobs, params.seed, params.max_tokens, params.min_tokens) == (3, 9, 8, 2)
-    assert codec.sampling_params(_chat(logprobs=True, top_logprobs=4), 8, SERVED).logprobs == 4
-    assert codec.sampling_params(_chat(logprobs=True), 8, SERVED).logprobs == 0
-    assert codec.sampling_params(_chat(), 8, SERVED).logprobs is None
+    assert codec.sampling_params(_chat(logprobs=True, top_logprobs=4), SERVED).logprobs == 4
+    assert codec.sampling_params(_chat(logprobs=True), SERVED).logprobs == 0
+    assert codec.sampling_params(_chat(), SERVED).logprobs is None
 
 
 @pytest.mark.parametrize(
@@ -182,25 +199,39 @@ def test_sampling_mapping() -> None:
 )
 def test_bad_sampling_values_name_the_field(fields: dict, field: str) -> None:
     with pytest.raises(errors.InvalidRequest) as caught:
-        codec.sampling_params(_completion(**fields), 8, SERVED)
+        _admitted(_completion(**fields))
     assert caught.value.field == field
 
 
 def test_chat_top_logprobs_errors_use_the_chat_field_name() -> None:
     with pytest.raises(errors.InvalidRequest) as caught:
-        codec.sampling_params(_chat(logprobs=True, top_logprobs=21), 8, SERVED)
+        _admitted(_chat(logprobs=True, top_logprobs=21))
     assert caught.value.field == "top_logprobs" and "top_logprobs" in caught.value.message
 
 
-def test_generate_requests_one_per_choice_with_seeds() -> None:
-    reqs = codec.generate_requests(_completion(n=2, seed=5), [[1, 2], [3]], SERVED, "cmpl-x", deadline_s=30.0)
-    assert [r.request_id for r in reqs] == ["cmpl-x-0", "cmpl-x-1", "cmpl-x-2", "cmpl-x-3"]
-    assert [r.sampling.seed for r in reqs] == [5, 6, 5, 6]
-    assert [r.prompt_token_ids for r in reqs] == [[1, 2], [1, 2], [3], [3]]
-    assert [r.sampling.max_tokens for r in reqs] == [98, 98, 99, 99]
-    assert {r.protocol for r in reqs} == {"openai_http"} and {r.deadline_s for r in reqs} == {30.0}
-    unseeded = codec.generate_requests(_completion(n=2), [[1]], SERVED, "c")
-    assert [r.sampling.seed for r in unseeded] == [None, None]
+@pytest.mark.parametrize(
+    ("fields", "field", "words"),
+    [
+        ({"response_format": {"type": "regex"}}, "response_format", "'response_format' of type regex needs 'regex'"),
+        ({"structured_outputs": {"regex": ""}}, "structured_outputs", "'structured_outputs' of type regex needs"),
+        ({"structured_outputs": {"json": [1]}}, "structured_outputs", "needs json_schema.schema"),
+    ],
+)
+def test_constraint_bounds_are_checked_at_admission_and_named_as_sent(fields: dict, field: str, words: str) -> None:
+    # The shape is checked when decoding (the request decodes); the bounds once, with the
+    # other parameters, named by the field the constraint came from.
+    req = _chat(**fields)
+    with pytest.raises(errors.InvalidRequest) as caught:
+        _admitted(req)
+    assert caught.value.field == field and words in caught.value.message
+
+
+def test_only_parameter_errors_are_renamed() -> None:
+    chat = _chat(logprobs=True, top_logprobs=2)
+    compile_error = errors.InvalidRequest("response_format cannot be enforced", field="logprobs")
+    assert codec.renamed(compile_error, chat) is compile_error
+    queue_full = errors.QueueFull("full")
+    assert codec.renamed(queue_full, chat) is queue_full
 
 
 # -- chat messages -----------------------------------------------------------------------

@@ -47,9 +47,6 @@ from rill.types import RequestOutput
 log = logging.getLogger("rill.protocols.batch_ws")
 
 PATHS = ("/ws", "/api/ws")
-DEFAULTS_EXTRA = "batch_ws.sampling_defaults"
-"""``deps.extras`` key: a ``rill.config.SamplingDefaults`` to use instead of reading the
-environment and ``.env`` (tests, embedders)."""
 
 
 class _Shared:
@@ -57,11 +54,11 @@ class _Shared:
 
     def __init__(self, deps: Deps) -> None:
         self.client: EngineClient = deps.client
-        defaults = deps.extras.get(DEFAULTS_EXTRA) or rill_config.sampling_defaults()
+        defaults = deps.sampling_defaults or rill_config.sampling_defaults()
         self.defaults = GenerationConfig(**{name: getattr(defaults, name, None) for name in GenerationConfig.__struct_fields__})
         cfg = deps.config.batch_ws
         self.limits = Limits(max_inflight_prompts=cfg.batch_max_inflight_prompts,
-                             request_timeout_s=deps.config.http.request_timeout_s)
+                             request_timeout_s=deps.config.policy.request_timeout_s)
         # Kept generations are charged to the server's session-memory budget.
         self.store = ContinuationStore(cfg.batch_cache_max_entries, cfg.batch_cache_max_tokens, cfg.batch_cache_ttl_s,
                                        memory=deps.memory)

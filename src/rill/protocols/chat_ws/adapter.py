@@ -56,10 +56,6 @@ from rill.recordings import RecordingStore
 
 log = logging.getLogger("rill.protocols.chat_ws")
 
-EXTRA = "chat_ws"
-"""``deps.extras`` key of the server's ``ChatService`` (created by ``routes`` if absent)."""
-SYNTH_EXTRA = "chat_ws.speech_synth"
-"""``deps.extras`` key: a ``SpeechSynth`` to use instead of espeak-ng (tests, embedders)."""
 
 class ChatService:
     """What every ``/ws/chat`` connection of one server shares: the engine client, the fair
@@ -69,9 +65,9 @@ class ChatService:
         cfg = deps.config
         self.client: EngineClient = deps.client
         self.queue = FairQueue(cfg.chat.chat_max_active, cfg.chat.chat_max_queue)
-        self.speech = SpeechService(deps.extras.get(SYNTH_EXTRA))
+        self.speech = SpeechService(deps.speech_synth)
         self.media_limits = media.MediaLimits()
-        self.request_timeout_s = cfg.http.request_timeout_s
+        self.request_timeout_s = cfg.policy.request_timeout_s
         self.recordings_dir = Path(cfg.http.data_dir) / "recordings" if cfg.chat.record else None
         days = cfg.chat.record_retention_days
         self.recordings = RecordingStore(Path(cfg.http.data_dir) / "recordings",
@@ -139,8 +135,12 @@ class ChatService:
 
 def routes(deps: Deps) -> list[BaseRoute]:
     """``/ws/chat`` and the recordings / reference-audio HTTP routes."""
-    service: ChatService = deps.extras.get(EXTRA) or ChatService(deps)
-    deps.extras[EXTRA] = service
+    service = ChatService(deps)
+
+    async def stop_speech() -> None:
+        service.speech.shutdown()
+
+    deps.stoppers.append(stop_speech)  # the speech worker thread ends with the server
 
     async def chat_endpoint(ws: WebSocket) -> None:
         await _Chat(service, ws).run()
@@ -175,18 +175,6 @@ def routes(deps: Deps) -> list[BaseRoute]:
         Route("/api/recordings/{recording_id}/reply.wav", recording_wav, methods=["GET"]),
         Route("/api/default_ref_audio", default_ref_audio, methods=["GET"]),
     ]
-
-
-async def start(deps: Deps) -> Callable[[], Awaitable[None]] | None:
-    """No listener of its own; the returned stopper ends the speech worker thread at shutdown."""
-    service: ChatService | None = deps.extras.get(EXTRA)
-    if service is None:
-        return None
-
-    async def stop() -> None:
-        service.speech.shutdown()
-
-    return stop
 
 
 def _recording_folder(service: ChatService, recording_id: str) -> Path | None:

@@ -51,14 +51,14 @@ def session_limits(deps: Deps) -> SessionLimits:
                          max_bytes=e.evergreen_max_bytes, max_actions=e.evergreen_max_actions,
                          max_fragments=e.evergreen_max_fragments, max_id_bytes=e.evergreen_max_id_bytes,
                          max_prompt_bytes=e.evergreen_max_prompt_bytes,
-                         request_timeout_s=deps.config.http.request_timeout_s, file_roots=roots)
+                         request_timeout_s=deps.config.policy.request_timeout_s, file_roots=roots)
 
 
 def model_facts(deps: Deps) -> ModelFacts:
     """What the session knows of the model (the model must be loaded)."""
     info = deps.client.model_info
     if info is None:
-        return ModelFacts(name=deps.config.engine.served_model_name or "")
+        return ModelFacts(name=deps.client.served_model_name)
     return ModelFacts(name=info.name, has_chat_template=info.has_chat_template, modalities=tuple(info.modalities))
 
 

@@ -53,7 +53,7 @@ async def start(deps: Deps) -> Callable[[], Awaitable[None]] | None:
     if deps.config.uds.no_socket:
         return None
     limits = SessionLimits(one_request=deps.config.uds.uds_one_request,
-                           request_timeout_s=deps.config.http.request_timeout_s)
+                           request_timeout_s=deps.config.policy.request_timeout_s)
     listener = UdsListener(deps.config.uds, deps.gate, functools.partial(Connection, deps, limits))
     await listener.open()
     return listener.close

@@ -63,7 +63,7 @@ class _Wire(Transport):
         # and to spread the output's time over its tokens.
         self.driver = Driver(self.session, self, service.client, protocol=s.PROTOCOL, principal=principal,
                              metrics=service.deps.metrics, waits_for_model=True, reports_queue=True,
-                             time_limit_s=service.http.request_timeout_s)
+                             time_limit_s=service.deps.config.policy.request_timeout_s)
         self._handlers: dict[type, Callable[[Any], Awaitable[None]]] = {
             s.Pause: self._control, s.Resume: self._control, s.Regenerate: self._control,
             s.Modify: self._modify, s.StoreFeedback: self._store_feedback}

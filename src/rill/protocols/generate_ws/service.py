@@ -22,7 +22,6 @@ from rill.deps import Deps
 from rill.errors import RillError
 from rill.feedback import FeedbackStore
 from rill.frontend.budget import Lease
-from rill.models.default import DEFAULT_MODEL_NAME
 from rill.protocols.generate_ws import session as s
 
 log = logging.getLogger("rill.protocols.generate_ws")
@@ -39,12 +38,7 @@ class GenerateService:
 
     def limits(self) -> s.Limits:
         """What the session knows of the model (it changes once the model has loaded)."""
-        info = self.client.model_info
-        name = self.deps.config.engine.served_model_name or (info.name if info else None)
-        if name is None:
-            model = self.deps.config.engine.model
-            name = (Path(model).stem if model.endswith(".gguf") else Path(model).name) if model else DEFAULT_MODEL_NAME
-        return s.Limits(model_name=name, model_info=info, version=__version__,
+        return s.Limits(model_name=self.client.served_model_name, model_info=self.client.model_info, version=__version__,
                         max_feedback_per_generation=self.http.feedback_max_per_generation,
                         max_feedback_per_connection=self.http.feedback_max_per_connection)
 

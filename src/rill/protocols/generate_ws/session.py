@@ -47,7 +47,7 @@ from rill.protocols.generate_ws.actions import (
     StoreFeedback,
 )
 from rill.protocols.generate_ws.deltas import split_at_restart
-from rill.types import GenerateRequest, ModelInfo, RequestEvent, RequestOutput, SamplingParams
+from rill.types import GenerateRequest, InvalidParameter, ModelInfo, RequestEvent, RequestOutput, SamplingParams
 
 PROTOCOL = "generate_ws"
 DEFAULT_TOP_LOGPROBS = 5  # alternatives sent with include_logprobs when parameters.logprobs is unset
@@ -222,7 +222,8 @@ class GenerateSession(Session):
         patch = m.SAMPLING.patch(msg.parameters) if msg.parameters is not None else {}
         if not patch:
             raise InvalidRequest("'modify' needs 'parameters' with at least one field", field="parameters")
-        self._validated(self.gen.sampling, patch)  # a bad value is refused here, in this wire's words
+        # Validated once, by the server's policy, with the vocabulary: on_modify_refused
+        # reports a bad value in this wire's words.
         return [Modify(patch)]
 
     def _on_stop(self) -> list[Action]:
@@ -276,7 +277,11 @@ class GenerateSession(Session):
             self.gen.sampling = params
 
     def on_modify_refused(self, exc: RillError) -> list[Action]:
-        """The server refused the last ``Modify`` (e.g. the request just ended): nothing changed."""
+        """The server refused the last ``Modify`` (a bad value, the request just ended, a rate
+        limit): nothing changed. A bad value is named as on this wire, ``parameters.<name>``."""
+        if isinstance(exc, InvalidParameter):
+            wire = m.SAMPLING.renamed(exc)
+            exc = InvalidRequest(wire.message, field=f"parameters.{wire.field}" if wire.field else "parameters")
         return self.on_invalid(exc)
 
     def on_feedback_stored(self, request_id: str, feedback_id: int) -> list[Action]:

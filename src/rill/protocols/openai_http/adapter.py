@@ -5,14 +5,15 @@ Routes: ``GET /v1/models`` (and ``/v1/models/{model}``), ``POST /v1/completions`
 
 One request, start to end:
 
-1. read the body; ``codec`` parses it and checks the model name (503 while loading);
-2. tokenize through ``client.tokenize`` (the frontend's admission step: chat template and
-   tokenizer off the event loop, prompt size bounded) before building the requests, so the
-   default ``max_tokens`` can be "what remains of the context" and an over-long prompt is
-   a 400 naming both lengths;
-3. submit one engine request per choice; if any submission fails (queue full, ...) the
-   others are closed and the client gets the error with its status, before any byte of
-   a 200 is sent;
+1. read the body; ``codec`` parses it, checks the model name (503 while loading) and maps
+   it to the prompts and the parameters of its choices;
+2. one ``client.submit``: the frontend's policy tokenizes the prompts (chat template and
+   tokenizer off the event loop, prompt size bounded), fits ``max_tokens`` to what remains
+   of the context and the server's cap, validates the parameters once, builds the tools'
+   argument validators off the loop, and starts one engine request per choice. If any
+   choice is refused (queue full, ...) the others are cancelled and the client gets the
+   error with its status (its field named as sent: ``codec.renamed``), before any byte of a
+   200 is sent;
 4. ``_Responder`` writes the SSE stream or the JSON body, while a watcher task waits for
    the ASGI ``http.disconnect`` message: a client that goes away closes every
    ``RequestStream`` at once, which aborts its requests in the engine (their KV is freed in
@@ -31,7 +32,6 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import msgspec
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
@@ -40,6 +40,7 @@ from starlette.types import Receive, Scope, Send
 from rill import auth
 from rill.deps import Deps
 from rill.errors import RillError
+from rill.frontend.client import Submission
 from rill.frontend.stream import RequestStream
 from rill.protocols._shared import sse
 from rill.protocols.openai_http import codec
@@ -150,38 +151,48 @@ class OpenAIApi:
         except ClientDisconnect:
             return Response(status_code=499)  # nobody is listening; nothing was started
         response_id = ("chatcmpl-" if kind is Kind.CHAT else "cmpl-") + uuid.uuid4().hex
+        streams: list[RequestStream] = []
         try:
             served = self._served()
             req: Any = codec.decode_chat(body) if kind is Kind.CHAT else codec.decode_completion(body)
             codec.check_model(req.model, served)
             given = self._prompts(req, kind, served)
-            prompts = await self.client.tokenize(given)
-            requests = codec.generate_requests(req, prompts, served, response_id,
-                                               deadline_s=self.deps.config.http.request_timeout_s)
-            echo = await self._echo(req, kind, given, prompts)
-            principal = auth.scope_principal(request.scope)
+            codec.check_choices(req, len(given), served)
+            sampling = codec.sampling_params(req, served)
+            # A reply written as a bare JSON call is a call when its arguments are valid for the
+            # tool's schema: the validators are CPU work, built where grammar compiles run.
             text_calls = codec.text_call_check(req) if kind is Kind.CHAT else None
-            if text_calls is not None:
-                # The tools' JSON Schema validators: CPU work per request, done where grammar compiles are.
-                await self.client.run_compile(principal, text_calls.prepare)
-            streams = await self._submit(requests, principal)
+            submission = Submission(prompts=given, sampling=sampling, num_candidates=codec.candidates_per_prompt(req),
+                                    allow_prefill_only=kind is Kind.COMPLETION, request_id=response_id,
+                                    protocol=codec.PROTOCOL, principal=auth.scope_principal(request.scope),
+                                    prepare=text_calls.prepare if text_calls is not None else None)
+            try:
+                streams = await self.client.submit(submission)
+            except RillError as exc:
+                raise codec.renamed(exc, req) from exc
+            echo = await self._echo(req, kind, given, streams)
+            return self._responder(kind, req, served.name, response_id, streams, echo, text_calls)
         except Exception as exc:  # noqa: BLE001 - answered through the error table
+            await _close_all(streams)  # submitted requests must never outlive a failed handler
             self._count_rejection(exc)
             return error_response(exc)
-        try:
-            return self._responder(kind, req, served.name, response_id, streams, echo, text_calls)
         except BaseException:
-            await _close_all(streams)  # submitted requests must never outlive a failed handler
+            await _close_all(streams)
             raise
 
-    async def _echo(self, req: Any, kind: Kind, given: list[Any], prompts: list[list[int]]) -> list[EchoPrompt] | None:
+    async def _echo(self, req: Any, kind: Kind, given: list[Any], streams: list[RequestStream]) -> list[EchoPrompt] | None:
         """Completions ``echo``: each prompt as sent (token-id prompts decoded, off the event
-        loop: a prompt may be as long as the context) with its token ids."""
+        loop: a prompt may be as long as the context) with its token ids (those of the
+        prompt's first choice)."""
         if kind is not Kind.COMPLETION or not req.echo:
             return None
-        return [EchoPrompt(text=p if isinstance(p, str) else await self.client.detokenize(ids, skip_special_tokens=True),
-                           token_ids=ids)
-                for p, ids in zip(given, prompts)]
+        candidates = codec.candidates_per_prompt(req)
+        echoed = []
+        for index, prompt in enumerate(given):
+            ids = streams[index * candidates].prompt_token_ids
+            text = prompt if isinstance(prompt, str) else await self.client.detokenize(ids, skip_special_tokens=True)
+            echoed.append(EchoPrompt(text=text, token_ids=ids))
+        return echoed
 
     def _responder(self, kind: Kind, req: Any, model: str, response_id: str,
                    streams: list[RequestStream], echo: list[EchoPrompt] | None = None,
@@ -203,17 +214,17 @@ class OpenAIApi:
 
     def _tool_format(self) -> str | None:
         """The tool-call format to read: ``--tool-call-parser``, or the chat template's (hermes if none)."""
-        chosen = getattr(self.deps.config.http, "tool_call_parser", "auto")
+        chosen = self.deps.config.http.tool_call_parser
         if chosen == "none":
             return None  # forced calls (tool_choice required) are written as hermes, returned as text
         if chosen != "auto":
             return chosen
         info = self.client.model_info
-        return getattr(info, "tool_call_format", None) or "hermes"
+        return (info.tool_call_format if info is not None else None) or "hermes"
 
     def _count_rejection(self, exc: Exception) -> None:
         metrics = self.deps.metrics
-        if metrics is not None and hasattr(metrics, "observe_rejection"):
+        if metrics is not None:
             code = codec.error_detail(exc)[1].code or "internal_error"
             metrics.observe_rejection(protocol=codec.PROTOCOL, code=code)
 
@@ -221,24 +232,10 @@ class OpenAIApi:
         """The prompts to tokenize: texts and id lists as they came, or the chat as a request
         holding only its messages and template settings."""
         if kind is Kind.CHAT:
-            kwargs = codec.template_kwargs(req)
-            tools = codec.template_tools(req)
-            if tools is not None:
-                kwargs["tools"] = tools  # admission hands it to the template's own tools argument
             return [GenerateRequest(messages=codec.chat_messages(req, served),
                                     add_generation_prompt=req.add_generation_prompt is not False,
-                                    chat_template_kwargs=kwargs)]
+                                    chat_template_kwargs=codec.template_kwargs(req), tools=codec.template_tools(req))]
         return codec.completion_prompts(req, max_choices=self.deps.config.http.max_choices_per_request)
-
-    async def _submit(self, requests: list[GenerateRequest], principal: str) -> list[RequestStream]:
-        streams: list[RequestStream] = []
-        try:
-            for req in requests:
-                streams.append(await self.client.generate(msgspec.structs.replace(req, principal=principal)))
-        except BaseException:
-            await _close_all(streams)  # all choices or none: a refused n=4 leaves nothing behind
-            raise
-        return streams
 
     def _served(self) -> codec.ServedModel:
         info = self.client.require_model()
@@ -247,7 +244,6 @@ class OpenAIApi:
             max_context_tokens=info.max_context_tokens,
             vocab_size=info.vocab_size,
             has_chat_template=info.has_chat_template,
-            max_tokens_cap=self.deps.config.http.max_tokens_cap,
             max_choices=self.deps.config.http.max_choices_per_request,
             modalities=tuple(info.modalities),
             tool_format=self._tool_format() or "hermes",

@@ -1,7 +1,10 @@
 """Pure translation between OpenAI's HTTP wire format and rill's neutral types.
 
 Request side: ``decode_*`` turns a body into a typed request (or ``InvalidRequest`` naming
-the field), ``*_generate_requests`` turns it into one ``GenerateRequest`` per choice.
+the field); ``sampling_params`` maps it to the parameters of its choices, which the
+adapter submits with the prompts in one ``Submission`` (the frontend's policy tokenizes,
+fits ``max_tokens`` to the context, validates once and starts one engine request per
+choice); ``renamed`` names the policy's refusals as this request named the fields.
 Error side: ``ERROR_TABLE`` maps every ``rill.errors`` class (looked up by MRO, so the most
 specific class wins) to an HTTP status and OpenAI error ``type``; ``error_for`` renders the
 status, headers and ``{"error": {...}}`` body. Unexpected exceptions get a generic message:
@@ -53,7 +56,7 @@ from rill.protocols.openai_http.chat_messages import (
 from rill.protocols.openai_http.chat_messages import (
     template_tools as template_tools,
 )
-from rill.protocols.openai_http.constraints import check_formats, response_format
+from rill.protocols.openai_http.constraints import check_formats, constraint_field, response_format
 from rill.protocols.openai_http.messages import (
     SAMPLING,
     ChatCompletionRequest,
@@ -63,7 +66,7 @@ from rill.protocols.openai_http.messages import (
     ErrorResponse,
     TokenizeRequest,
 )
-from rill.types import GenerateRequest, SamplingParams, check_template_kwargs
+from rill.types import MAX_TOKENS_LIMIT, GenerateRequest, InvalidParameter, SamplingParams, check_template_kwargs
 
 PROTOCOL = "openai_http"
 
@@ -181,7 +184,6 @@ class ServedModel:
     vocab_size: int | None = None
     tool_format: str = "hermes"  # how tool calls are written (and forced), see _shared.tool_calls
     has_chat_template: bool = True
-    max_tokens_cap: int | None = None
     modalities: tuple[str, ...] = ("text",)
     max_choices: int | None = None  # --max-choices-per-request: prompts x n of one request
 
@@ -253,11 +255,9 @@ def tokenize_prompt(req: TokenizeRequest, served: ServedModel) -> tuple[str | Ge
     defaults: yes for a prompt, no for messages, whose template writes its own)."""
     if req.messages is None:
         return req.prompt or "", req.add_special_tokens is not False
-    kwargs = check_template_kwargs(req.chat_template_kwargs or {})
-    if req.tools:
-        kwargs["tools"] = list(req.tools)
     prompt = GenerateRequest(messages=chat_messages(req, served), add_generation_prompt=req.add_generation_prompt is not False,
-                             chat_template_kwargs=kwargs)
+                             chat_template_kwargs=check_template_kwargs(req.chat_template_kwargs or {}),
+                             tools=list(req.tools) if req.tools else None)
     return prompt, bool(req.add_special_tokens)
 
 
@@ -471,97 +471,77 @@ def _is_token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def resolve_max_tokens(req: CompletionRequest | ChatCompletionRequest, num_prompt_tokens: int,
-                       served: ServedModel) -> int:
-    """The number of tokens to generate at most.
+def max_tokens_asked(req: CompletionRequest | ChatCompletionRequest) -> int:
+    """The most tokens the request lets each choice generate, before the context and the
+    server's cap lower it (the submission policy does): ``max_completion_tokens`` (the newer
+    name) wins over ``max_tokens``; neither set asks for the whole rest of the context
+    (``MAX_TOKENS_LIMIT``). A request never fails for asking too much: it ends with
+    ``finish_reason: length``. ``max_tokens`` 0 on ``/v1/completions`` computes the prompt
+    only (echo and prompt logprobs of a whole context).
 
-    ``max_completion_tokens`` (the newer name) wins over ``max_tokens``. When neither is set
-    the default is what remains of the context after the prompt. Either way the result is
-    clamped to what remains of the context and to ``--max-tokens-cap``: a request never
-    fails for asking too much, it ends with ``finish_reason: length``. A prompt that leaves
-    no room at all is ``ContextLengthExceeded`` naming both lengths. ``max_tokens`` 0 on
-    ``/v1/completions`` computes the prompt only (echo and prompt logprobs of a whole context).
+    Raises:
+        InvalidRequest: a value below 1 (below 0 on ``/v1/completions``), named as sent.
     """
-    room = served.max_context_tokens - num_prompt_tokens
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    if asked == 0 and isinstance(req, CompletionRequest) and room >= 0:
-        return 0
-    if room < 1:
-        raise ContextLengthExceeded(
-            num_prompt_tokens, served.max_context_tokens,
-            f"prompt has {num_prompt_tokens} tokens but the model's context holds at most "
-            f"{served.max_context_tokens} (prompt and completion together)",
-        )
-    name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    if asked is not None and asked < 1:
-        low = 0 if isinstance(req, CompletionRequest) else 1
+    if asked is None:
+        return MAX_TOKENS_LIMIT
+    low = 0 if isinstance(req, CompletionRequest) else 1
+    if asked < low:
+        name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         raise InvalidRequest(f"'{name}' must be >= {low}", field=name)
-    limit = room if asked is None else min(asked, room)
-    if served.max_tokens_cap is not None:
-        limit = min(limit, served.max_tokens_cap)
-    return max(1, limit)
+    return asked
 
 
-def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int,
-                    served: ServedModel) -> SamplingParams:
-    """Neutral sampling parameters of one choice (``seed`` is the request's, not per choice)."""
+def sampling_params(req: CompletionRequest | ChatCompletionRequest, served: ServedModel) -> SamplingParams:
+    """The parameters of every choice (``seed`` is the request's; the policy varies it per
+    candidate), mapped from the wire and not yet validated: the submission policy validates
+    them once, and ``renamed`` names its refusals as the request did.
+
+    Raises:
+        InvalidRequest: ``max_tokens`` below range, ``n`` outside ``[1, MAX_N]``, or two
+            fields that both constrain the output.
+    """
+    max_tokens = max_tokens_asked(req)
     n = 1 if req.n is None else req.n
     if not 1 <= n <= MAX_N:
         raise InvalidRequest(f"'n' must be in [1, {MAX_N}]", field="n")
     prompt_logprobs = req.prompt_logprobs
     if isinstance(req, ChatCompletionRequest):
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        logprobs_field = "top_logprobs"
     else:
-        logprobs, logprobs_field = req.logprobs, "logprobs"
+        logprobs = req.logprobs
         if req.echo and logprobs is not None and (prompt_logprobs is None or 0 <= prompt_logprobs < logprobs):
             prompt_logprobs = logprobs  # the echoed prompt's tokens get the same alternatives as generated ones
         if req.best_of is not None and req.best_of > (req.n or 1) and logprobs is None:
             logprobs = 0  # candidates are ranked by their tokens' mean logprob (not shown unless asked)
     patch = SAMPLING.patch(req) | {"max_tokens": max_tokens, "logprobs": logprobs, "prompt_logprobs": prompt_logprobs,
                                    "response_format": response_format(req, served)}
-    patch["min_tokens"] = min(patch.get("min_tokens", 0), max_tokens)
-    try:
-        return SAMPLING.params(patch, vocab_size=served.vocab_size, max_logprobs=MAX_LOGPROBS,
-                               allow_prefill_only=isinstance(req, CompletionRequest))
-    except InvalidRequest as exc:
-        if exc.field == "logprobs" and logprobs_field != "logprobs":
-            raise InvalidRequest(str(exc).replace("'logprobs'", f"'{logprobs_field}'"), field=logprobs_field) from exc
-        raise
+    return SAMPLING.build(patch)
 
 
-def generate_requests(
-    req: CompletionRequest | ChatCompletionRequest,
-    prompts_token_ids: list[list[int]],
-    served: ServedModel,
-    response_id: str,
-    deadline_s: float | None = None,
-) -> list[GenerateRequest]:
-    """One ``GenerateRequest`` per candidate: for each prompt, ``n`` (or ``best_of``) in a row.
-
-    Candidate ``k`` belongs to prompt ``k // n``. With a ``seed``, candidate ``i`` of a prompt
-    gets ``seed + i`` so that the ``n`` candidates differ yet repeat between runs. Only a
-    prompt's first candidate asks for prompt logprobs.
-    """
-    n = candidates_per_prompt(req)
-    if served.max_choices is not None and len(prompts_token_ids) * n > served.max_choices:
-        raise InvalidRequest(f"{len(prompts_token_ids) * n} choices asked (prompts x n); this server takes at most "
+def check_choices(req: CompletionRequest | ChatCompletionRequest, num_prompts: int, served: ServedModel) -> int:
+    """The number of engine requests (choices) the request asks for: each prompt's ``n`` (or
+    ``best_of``) candidates; ``InvalidRequest`` when that is over ``--max-choices-per-request``."""
+    num_choices = num_prompts * candidates_per_prompt(req)
+    if served.max_choices is not None and num_choices > served.max_choices:
+        raise InvalidRequest(f"{num_choices} choices asked (prompts x n); this server takes at most "
                              f"{served.max_choices} per request", field="n")
-    out: list[GenerateRequest] = []
-    for ids in prompts_token_ids:
-        max_tokens = resolve_max_tokens(req, len(ids), served)
-        base = sampling_params(req, max_tokens, served)
-        for i in range(n):
-            sampling = base if base.seed is None or i == 0 else msgspec.structs.replace(base, seed=(base.seed + i) % 2**63)
-            if i and sampling.prompt_logprobs is not None:
-                # The prompt is the same: its logprobs come with the first candidate, and the
-                # others may share that candidate's prefill (the prefix cache) instead of redoing it.
-                sampling = msgspec.structs.replace(sampling, prompt_logprobs=None)
-            out.append(GenerateRequest(
-                prompt_token_ids=ids,
-                sampling=sampling,
-                request_id=f"{response_id}-{len(out)}",
-                protocol=PROTOCOL,
-                deadline_s=deadline_s,
-            ))
-    return out
+    return num_choices
+
+
+def renamed(exc: BaseException, req: CompletionRequest | ChatCompletionRequest) -> BaseException:
+    """``exc`` as this request names the field: the policy's parameter errors carry the
+    engine's names, a chat request says ``top_logprobs`` for ``logprobs`` and a constraint given
+    as ``structured_outputs`` is named so (``exc`` itself when nothing is renamed)."""
+    if not isinstance(exc, InvalidParameter):
+        return exc
+    wire = exc.field
+    if exc.field == "logprobs" and isinstance(req, ChatCompletionRequest):
+        wire = "top_logprobs"
+    elif exc.field == "response_format" and constraint_field(req) == "structured_outputs":
+        wire = "structured_outputs"
+    else:
+        wire = SAMPLING.wire_name(exc.field)
+    if wire == exc.field:
+        return exc
+    return InvalidParameter(exc.message.replace(f"'{exc.field}'", f"'{wire}'"), field=wire)

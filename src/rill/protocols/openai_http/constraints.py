@@ -1,6 +1,11 @@
 """The output constraint of an OpenAI request: ``response_format``, ``structured_outputs``
 or a forced tool call (``tool_choice`` ``required`` or a named function), as one
 ``ResponseFormat``. Pure.
+
+Shapes are checked here (a value that cannot be a ``ResponseFormat`` is a 400 when the request
+is decoded); bounds (a schema's size, a regex that is there) once, when the frontend's
+submission policy validates the request's parameters, whose errors ``constraint_field``
+then names as the request did.
 """
 
 from __future__ import annotations
@@ -20,11 +25,33 @@ if TYPE_CHECKING:
 
 
 def response_format(req: CompletionRequest | ChatCompletionRequest, served: ServedModel) -> ResponseFormat | None:
-    """The constraint of a request: ``response_format``, ``structured_outputs`` or a forced tool call.
+    """The constraint of a request: ``response_format``, ``structured_outputs`` or a forced tool
+    call (not validated: the submission policy does that once).
 
     At most one of them may constrain; ``tool_choice`` ``required`` / a named function is
     enforced with a grammar of valid calls in the model's tool-call format.
     """
+    found = _constraints(req, served)
+    if len(found) > 1:
+        raise InvalidRequest(f"'{found[0][0]}' and '{found[1][0]}' both constrain the output; send one",
+                             field=found[1][0])
+    return found[0][1] if found else None
+
+
+def constraint_field(req: CompletionRequest | ChatCompletionRequest) -> str | None:
+    """The wire field the request's constraint came from (``response_format``,
+    ``structured_outputs`` or ``tool_choice``), None without one."""
+    if req.response_format is not None and req.response_format.get("type", "text") != "text":
+        return "response_format"
+    if req.structured_outputs is not None:
+        return "structured_outputs"
+    if isinstance(req, ChatCompletionRequest) and forced_tool(req)[0]:
+        return "tool_choice"
+    return None
+
+
+def _constraints(req: CompletionRequest | ChatCompletionRequest,
+                 served: ServedModel | None) -> list[tuple[str, ResponseFormat]]:
     found: list[tuple[str, ResponseFormat]] = []
     if req.response_format is not None:
         fmt = _convert_format(req.response_format, "response_format")
@@ -34,31 +61,24 @@ def response_format(req: CompletionRequest | ChatCompletionRequest, served: Serv
         found.append(("structured_outputs", _structured_outputs(req.structured_outputs)))
     if isinstance(req, ChatCompletionRequest):
         forced, name = forced_tool(req)
-        if forced:
+        if forced and served is not None:
             grammar = call_grammar(served.tool_format, list(req.tools or []), name)
             found.append(("tool_choice", ResponseFormat(type="grammar", grammar=grammar)))
-    if len(found) > 1:
-        raise InvalidRequest(f"'{found[0][0]}' and '{found[1][0]}' both constrain the output; send one",
-                             field=found[1][0])
-    return found[0][1] if found else None
+    return found
 
 
 def check_formats(req: CompletionRequest | ChatCompletionRequest) -> None:
-    """Refuse a malformed ``response_format`` or ``structured_outputs`` when the request is
-    decoded: shape errors are 400s before any tokenizing; compiling happens at admission."""
-    if req.response_format is not None:
-        _convert_format(req.response_format, "response_format")
-    if req.structured_outputs is not None:
-        _structured_outputs(req.structured_outputs)
+    """Refuse a ``response_format`` or ``structured_outputs`` of the wrong shape when the
+    request is decoded (a 400 before any tokenizing); bounds are checked at admission, with the
+    other parameters, and compiling after."""
+    _constraints(req, None)
 
 
 def _convert_format(value: Any, field: str) -> ResponseFormat:
     try:
-        return msgspec.convert(value, ResponseFormat).validate()
+        return msgspec.convert(value, ResponseFormat)
     except msgspec.ValidationError as exc:
         raise InvalidRequest(f"invalid {field}: {exc}", field=field) from exc
-    except InvalidRequest as exc:
-        raise InvalidRequest(exc.message.replace("'response_format'", f"'{field}'"), field=field) from exc
 
 
 def _structured_outputs(spec: dict[str, Any]) -> ResponseFormat:
