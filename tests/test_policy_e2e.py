@@ -54,8 +54,8 @@ async def test_the_token_cap_clamps_alike_on_every_protocol(capped: LiveServer) 
             "evergreen": asyncio.create_task(evergreen_stream(capped)),
         }
         await wait_waiting(capped, len(streams))
-        admitted = capped.call(lambda: sorted((t.protocol, p.max_tokens) for t, p in zip(
-            capped.client._tracks.values(), capped.client._params.values())))
+        admitted = capped.call(lambda: sorted((t.protocol, s.sampling.max_tokens) for t, s in zip(
+            capped.client._tracks.values(), capped.client._streams.values())))
     results = await asyncio.wait_for(asyncio.gather(*streams.values()), STREAM_LIMIT_S)
     by_name = dict(zip(streams, results))
 

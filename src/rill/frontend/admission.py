@@ -30,6 +30,8 @@ import concurrent.futures
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, TypeAlias
 
+import msgspec
+
 from rill.errors import ContextLengthExceeded, InvalidRequest, PromptTooLarge
 from rill.types import GenerateRequest, ModelInfo, check_chat_messages, check_template_kwargs
 
@@ -229,7 +231,7 @@ def _chars_in(root: Any, budget: int) -> int:
             stack.extend(item.values())
         elif isinstance(item, (list, tuple)):
             stack.extend(item)
-        elif hasattr(item, "__struct_fields__"):
+        elif isinstance(item, msgspec.Struct):
             stack.extend(getattr(item, name) for name in item.__struct_fields__)
     return total
 

@@ -13,12 +13,12 @@ large ones (llguidance drops the GIL meanwhile), so:
 3. a principal has at most one compile in flight: the next one of the same principal WAITS
    for it (in arrival order) rather than being refused, because agents legitimately send
    several constrained requests at once under one key; what bounds a principal's compiles
-   over time is the rate limit (``InprocClient`` counts a ``modify`` that compiles as one
+   over time is the rate limit (``SubmissionPolicy`` counts a ``modify`` that compiles as one
    request in the principal's window), and what bounds them at once is this queue, so one
    principal's stream of schemas occupies at most one worker and others' compiles still run.
 
 Other per-request CPU work of the kind runs the same way (``GrammarAdmission.run``): the OpenAI
-API's JSON Schema validators of offered tools (``InprocClient.run_compile``), which took 300 ms
+API's JSON Schema validators of offered tools (a ``Submission``'s ``prepare``), which took 300 ms
 for a 45 KB schema when they were built on the loop.
 
 Formats compiled before are copied from ``GrammarCompiler``'s cache on the loop (~0.1 ms for a

@@ -150,7 +150,7 @@ def error_detail(exc: BaseException) -> tuple[int, ErrorDetail]:
         return 500, ErrorDetail(message=_GENERIC_MESSAGE, type="server_error", code="internal_error")
     status, kind = entry.status or 500, cast(str, entry.code)  # every entry of this table names a type
     assert isinstance(exc, RillError)  # only rill classes are in the table
-    param = getattr(exc, "field", None)
+    param = exc.field if isinstance(exc, InvalidRequest) else None
     return status, ErrorDetail(message=exc.message, type=kind, param=param, code=exc.code)
 
 
@@ -446,7 +446,7 @@ def completion_prompts(req: CompletionRequest, max_choices: int | None = None) -
 def candidates_per_prompt(req: CompletionRequest | ChatCompletionRequest) -> int:
     """How many completions are generated per prompt: ``best_of`` when set, else ``n``."""
     n = 1 if req.n is None else req.n
-    best_of = getattr(req, "best_of", None)
+    best_of = req.best_of if isinstance(req, CompletionRequest) else None
     return max(n, best_of) if best_of is not None else n
 
 
