@@ -177,7 +177,7 @@ async def serve(
     served = protocols() if served is None else served
     app = build_app(deps, served)
     stoppers = await _start_listeners(deps, client, served)
-    server = _http_server(config, app, deps.gate)
+    server = _http_server(config, app, parts.gate)
     log.info("rill listening on http://%s:%d", config.http.host, config.http.port)
     load_failure: list[BaseException] = []
     watchers = [asyncio.create_task(_watch_load(client, server, load_failure))]

@@ -128,7 +128,7 @@ class EngineCrash(BaseException):
 async def test_state_reports_a_stopped_engine() -> None:
     async with fake_client() as client, _health(client) as http:
         def crash(tokens: Any) -> None:
-            raise EngineCrash()
+            raise EngineCrash
 
         client.runner.script = crash
         stream = await client.generate(GenerateRequest(prompt="x", sampling=SamplingParams(max_tokens=4)))

@@ -16,9 +16,9 @@ import pytest
 from rill.errors import InvalidRequest, RateLimited
 from rill.frontend.ratelimit import RateLimits
 from rill.testing.fake_client import fake_client
-from tests.helpers import limit
 from rill.testing.fake_runner import StepGate
 from rill.types import GenerateRequest, RequestEvent, SamplingParams
+from tests.helpers import limit
 
 BURST = 10
 

@@ -21,8 +21,8 @@ from rill.engine.grammar import grammar_of
 from rill.errors import ConstraintFailed, InvalidRequest, RateLimited, RequestNotFound
 from rill.frontend.ratelimit import RateLimits
 from rill.testing.fake_client import fake_client
-from tests.helpers import limit
 from rill.types import GenerateRequest, ResponseFormat, SamplingParams
+from tests.helpers import limit
 
 WAIT_S = 30  # only reached if the code under test is broken
 

@@ -19,6 +19,7 @@ from rill.frontend.client import Submission
 from rill.frontend.policy import SubmissionPolicy
 from rill.testing.fake_client import fake_client
 from rill.types import MAX_TOKENS_LIMIT, GenerateRequest, InvalidParameter, SamplingParams
+from tests.helpers import wait_until
 
 CONTEXT = 100
 
@@ -131,15 +132,16 @@ async def test_a_submission_is_admitted_all_or_none() -> None:
             await client.submit(Submission(prompts=["a"], sampling=SamplingParams(max_tokens=5), num_candidates=3,
                                            request_id="r"))
         client.runner.gate.set()
+        # The two admitted were withdrawn (counted once the engine has applied the aborts).
+        await wait_until(lambda: client.stats().requests_finished_total.get("cancelled", 0) == 2, attempts=1000,
+                         interval_s=0.01)
         await _until_idle(client)
-        assert client.stats().requests_finished_total == {"cancelled": 2}  # the two admitted were withdrawn
+        assert client.stats().requests_finished_total == {"cancelled": 2}
         with pytest.raises(InvalidRequest, match="empty"):
             await client.submit(Submission(prompts=[[]], sampling=SamplingParams(max_tokens=5), request_id="e"))
 
 
 async def _until_idle(client: Any) -> None:
-    from tests.helpers import wait_until
-
     def idle() -> bool:
         stats = client.stats()
         return stats.num_running == 0 and stats.num_waiting == 0

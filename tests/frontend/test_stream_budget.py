@@ -8,8 +8,8 @@ from typing import Any
 
 from rill.errors import ResourceExhausted
 from rill.frontend.budget import MemoryBudget
-from rill.frontend.stream import RequestStream, output_bytes
 from rill.frontend.policy import SubmissionPolicy
+from rill.frontend.stream import RequestStream, output_bytes
 from rill.testing.fake_client import fake_client
 from rill.types import GenerateRequest, RequestOutput, SamplingParams, TokenLogprob, TopLogprob
 from tests.helpers import wait_until

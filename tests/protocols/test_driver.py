@@ -123,7 +123,7 @@ async def test_a_refusal_reaches_the_session_and_the_rejection_metric() -> None:
         await driver.wait()
         (name, (key, exc)), = session.calls
         assert name == "failed" and key is None and isinstance(exc, InvalidRequest)
-        assert wire.sent == [("error", None, "InvalidRequest")]
+        assert wire.sent == [("error", None, "InvalidParameter")]  # an InvalidRequest naming a sampling field
         assert metrics.codes == [("test", "invalid_request")]
         await driver.perform([Rejected("bad_frame")])
         assert metrics.codes[-1] == ("test", "bad_frame")

@@ -46,7 +46,8 @@ class FakeClient(InprocClient):
     def runner(self) -> FakeRunner:
         """The engine's ``FakeRunner`` (``script``, ``gate``, ``delay_s``); the model must be loaded."""
         assert self.engine is not None, "the fake model has not loaded"
-        runner: FakeRunner = self.engine.runner
+        runner = self.engine.runner
+        assert isinstance(runner, FakeRunner)
         return runner
 
 

@@ -18,8 +18,8 @@ from rill.feedback import FeedbackStore
 from rill.frontend.ratelimit import RateLimits
 from rill.testing.fake_client import LOADING_PERCENT
 from rill.testing.fake_runner import StepGate
-from tests.helpers import recv_json as recv
 from tests.helpers import limit, wait_until
+from tests.helpers import recv_json as recv
 
 from .conftest import MAX_CONTEXT
 

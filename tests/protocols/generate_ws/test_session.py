@@ -10,7 +10,16 @@ from rill.protocols._shared.driver import Started
 from rill.protocols.generate_ws import codec
 from rill.protocols.generate_ws import messages as m
 from rill.protocols.generate_ws import session as s
-from rill.types import InvalidParameter, ModelInfo, RequestEvent, RequestOutput, SamplingParams, TokenLogprob, TopLogprob, Usage
+from rill.types import (
+    InvalidParameter,
+    ModelInfo,
+    RequestEvent,
+    RequestOutput,
+    SamplingParams,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
 
 INFO = ModelInfo(name="tiny", architecture="LlamaForCausalLM", max_context_tokens=128, vocab_size=1000,
                  dtype="float32", device="cpu")

@@ -37,7 +37,7 @@ from typing import Any, Protocol, cast
 
 import msgspec
 
-from rill.errors import EngineDead, ModelLoadError, RequestTimeout, RillError
+from rill.errors import RequestTimeout, RillError
 from rill.frontend.client import EngineClient
 from rill.frontend.stream import RequestStream
 from rill.protocols._shared.actions import Abort, Close, Rejected, Send, Start
@@ -438,19 +438,12 @@ class Driver:
 
     async def _wait_for_model(self) -> None:
         client = self.client
-        while not client.is_ready():
-            if client.load_error is not None:
-                raise ModelLoadError("the model failed to load")
-            if client.model_info is not None:  # it had loaded: the engine has stopped, for good
-                raise EngineDead("the engine has stopped")
-            progress, eta_s = client.load_progress()
-            await self._ask(self.session.on_loading, progress, eta_s)
-            try:
+        while (state := client.state()).phase == "loading":
+            await self._ask(self.session.on_loading, state.progress or 0.0, state.eta_s)
+            with contextlib.suppress(TimeoutError, RillError):  # the next state() says which
                 await asyncio.wait_for(asyncio.shield(client.wait_ready()), LOADING_STATUS_PERIOD_S)
-            except TimeoutError:
-                continue
-            except EngineDead as exc:
-                raise ModelLoadError("the model failed to load") from exc
+        if state.error is not None:  # the load failed, or the engine has stopped: for good
+            raise state.error
 
     async def _report_queue(self, stream: RequestStream, key: Key, scheduled: asyncio.Event) -> None:
         # Never cancelled mid-send (that could cut a frame): it stops at its next wait once

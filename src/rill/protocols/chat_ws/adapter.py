@@ -20,7 +20,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Hashable
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
 

@@ -30,7 +30,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, cast
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
@@ -40,6 +40,7 @@ from starlette.types import Receive, Scope, Send
 from rill import auth
 from rill.deps import Deps
 from rill.errors import RillError
+from rill.frontend.admission import Prompt
 from rill.frontend.client import Submission
 from rill.frontend.stream import RequestStream
 from rill.protocols._shared import sse
@@ -228,14 +229,15 @@ class OpenAIApi:
             code = codec.error_detail(exc)[1].code or "internal_error"
             metrics.observe_rejection(protocol=codec.PROTOCOL, code=code)
 
-    def _prompts(self, req: Any, kind: Kind, served: codec.ServedModel) -> list[str | list[int]] | list[GenerateRequest]:
+    def _prompts(self, req: Any, kind: Kind, served: codec.ServedModel) -> list[Prompt]:
         """The prompts to tokenize: texts and id lists as they came, or the chat as a request
-        holding only its messages and template settings."""
+        holding only its messages, template settings and tools."""
         if kind is Kind.CHAT:
             return [GenerateRequest(messages=codec.chat_messages(req, served),
                                     add_generation_prompt=req.add_generation_prompt is not False,
                                     chat_template_kwargs=codec.template_kwargs(req), tools=codec.template_tools(req))]
-        return codec.completion_prompts(req, max_choices=self.deps.config.http.max_choices_per_request)
+        # A list of texts and id lists is a list of prompts (lists are invariant to the checker).
+        return cast(list[Prompt], codec.completion_prompts(req, max_choices=self.deps.config.http.max_choices_per_request))
 
     def _served(self) -> codec.ServedModel:
         info = self.client.require_model()
