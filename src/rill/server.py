@@ -206,7 +206,7 @@ async def _start_listeners(deps: Deps, client: EngineClient, served: Sequence[Pr
             if protocol.start is not None and (stopper := await protocol.start(deps)) is not None:
                 stoppers.append(stopper)
     except BaseException:
-        await _stop_all(stoppers, client)
+        await _stop_all([*stoppers, *deps.stoppers], client)
         raise
     return stoppers
 
