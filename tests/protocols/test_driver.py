@@ -142,7 +142,7 @@ async def test_a_session_may_count_refusals_under_its_wire_codes() -> None:
         driver = Driver(WireCodes(), Wire(), client, protocol="test", principal="p", metrics=metrics)
         await driver.perform([Start(request(max_tokens=4, temperature=-1.0))])
         await driver.wait()
-        assert metrics.codes == [("test", "E_INVALIDREQUEST")]
+        assert metrics.codes == [("test", "E_INVALIDPARAMETER")]  # the policy's InvalidRequest on a sampling field
 
 
 async def test_abort_keeps_the_final_output_and_frees_the_request() -> None:
