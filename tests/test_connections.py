@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import resource
+from typing import Any
 
 import pytest
 
-from rill.connections import FD_RESERVE, ConnectionGate, peer_host, raise_fd_limit
+from rill.connections import FD_RESERVE, ConnectionGate, GuardedProtocol, peer_host, raise_fd_limit
 from rill.errors import TooManyConnections
 
 
@@ -36,6 +38,46 @@ def test_peer_host() -> None:
     assert peer_host(("2001:db8:1:3::a", 1)) == "2001:db8:1:3::/64"
     assert peer_host(("::ffff:10.0.0.1", 1, 0, 0)) == "10.0.0.1"  # dual-stack listener
     assert peer_host("") is None and peer_host(None) is None  # Unix sockets
+
+
+class _Transport(asyncio.Transport):
+    """A socket stand-in that records what is written to it."""
+
+    def __init__(self, peername: tuple[str, int]) -> None:
+        super().__init__()
+        self.peername = peername
+        self.written = b""
+        self.closed = False
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return self.peername if name == "peername" else default
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.written += bytes(data)
+
+    def close(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+
+def test_a_refused_http_connection_is_answered_in_the_format_the_server_passes() -> None:
+    # rill.connections knows no protocol: the 503 is whatever render_error makes of the refusal.
+    gate = ConnectionGate(max_total=1, max_per_client=1)
+    gate.open("10.0.0.1")
+    refusals: list[BaseException] = []
+
+    def render(exc: BaseException) -> tuple[int, dict[str, str], bytes]:
+        refusals.append(exc)
+        return 503, {"Retry-After": "1"}, b'{"error":"full"}'
+
+    transport = _Transport(("10.0.0.1", 5000))
+    GuardedProtocol(asyncio.Protocol(), gate, 1.0, render).connection_made(transport)
+    assert len(refusals) == 1 and isinstance(refusals[0], TooManyConnections)
+    assert transport.written == (b"HTTP/1.1 503 Service Unavailable\r\nretry-after: 1\r\ncontent-type: application/json\r\n"
+                                 b"content-length: 16\r\nconnection: close\r\n\r\n{\"error\":\"full\"}")
+    assert transport.closed and gate.total == 1
 
 
 def test_raise_fd_limit_lifts_the_soft_limit_up_to_the_hard_one() -> None:

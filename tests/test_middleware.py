@@ -40,7 +40,7 @@ async def _ws(websocket: WebSocket) -> None:
 
 def _deps(**overrides: Any) -> Any:
     cfg = config_mod.load(overrides, env={})
-    return SimpleNamespace(config=cfg, api_keys=cfg.api_keys())
+    return SimpleNamespace(config=cfg, api_keys=cfg.api_keys(), gate=None)
 
 
 @contextlib.asynccontextmanager
@@ -248,7 +248,7 @@ async def serve_limited(max_total: int = 100, per_client: int = 100, timeout_s: 
     inner = Starlette(routes=[Route("/v1/echo", _echo, methods=["GET", "POST"]), WebSocketRoute("/quiet", quiet_ws)])
     app = middleware.wrap(inner, deps, render_error=http_error)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off",
-                                           http=http_protocol_factory(deps.gate, timeout_s)))  # type: ignore[arg-type]
+                                           http=http_protocol_factory(deps.gate, timeout_s, http_error)))  # type: ignore[arg-type]
     server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
     task = asyncio.create_task(server.serve())
     while not server.started:

@@ -20,6 +20,7 @@ import base64
 import binascii
 import hashlib
 import hmac
+import ipaddress
 import logging
 import re
 from collections.abc import Collection, Iterable, Mapping
@@ -85,7 +86,7 @@ def principal(key: str | None, peer: str | None) -> str:
     With an API key that authenticated: ``key:`` and the first 16 hex digits of the key's
     SHA-256, so every connection and protocol using one key shares its limits, and logs or
     metrics that show a principal never show a key. Without one (auth off): ``peer:`` and
-    the client's address as ``rill.connections.client_key`` counts it (an IPv4 address, an
+    the client's address as ``client_key`` counts it (an IPv4 address, an
     IPv6 /64), or ``uds:uid=N`` for a Unix-socket peer; ``peer:unknown`` when the transport
     does not say.
     """
@@ -101,14 +102,27 @@ def scope_principal(scope: Mapping[str, Any]) -> str:
     if isinstance(recorded, str):
         return recorded
     client = scope.get("client")
-    return principal(None, _client_key(client[0]) if client else None)
+    return principal(None, client_key(client[0]) if client else None)
 
 
-def _client_key(host: str) -> str:
-    # Imported late: rill.connections loads the OpenAI codec, which importing auth must not.
-    from rill.connections import client_key
+def client_key(host: str) -> str:
+    """The per-client unit of an IP address: itself for IPv4, its /64 network for IPv6.
 
-    return client_key(host)
+    Every per-client count uses it: principals without a key (``principal``) and the
+    connection gate's per-address limits (``rill.connections``). One IPv6 host usually holds
+    a whole /64 (SLAAC, privacy addresses), so counting single IPv6 addresses would let one
+    client open the per-client limit 2**64 times. An IPv4-mapped IPv6 address (a dual-stack
+    listener) counts as its IPv4 address.
+    """
+    try:
+        address = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return host
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            return str(address.ipv4_mapped)
+        return str(ipaddress.IPv6Network((address, 64), strict=False))
+    return str(address)
 
 
 def key_subprotocol(key: str) -> str:

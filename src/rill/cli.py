@@ -19,7 +19,7 @@ import sys
 from rill import __version__, config
 from rill.errors import ConfigError, RillError
 
-PLUGINS = ("rill.bench", "rill.feedback")
+PLUGINS = ("rill.bench",)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -82,6 +82,14 @@ def _cmd_pull(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_feedback_export(args: argparse.Namespace) -> int:
+    from rill import feedback
+
+    # Here, not in rill.feedback: the store sits below the configuration it is given.
+    data_dir = args.data_dir if args.data_dir is not None else config.load({}).http.data_dir
+    return feedback.export(data_dir, sys.stdout)
+
+
 def _config_flags(args: argparse.Namespace) -> dict:
     return {k: v for k, v in vars(args).items() if k == "config" or "." in k}
 
@@ -125,6 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
             module = importlib.import_module(name)
             if hasattr(module, "register"):
                 module.register(sub)
+
+    feedback = sub.add_parser("feedback", help="stored client feedback")
+    feedback_sub = feedback.add_subparsers(dest="feedback_command", required=True)
+    export = feedback_sub.add_parser("export", help="print every feedback record as JSON lines")
+    export.add_argument("--data-dir", default=None, help="the server's data folder (default: the configured data_dir)")
+    export.set_defaults(func=_cmd_feedback_export)
     return parser
 
 

@@ -21,7 +21,9 @@ Every listener takes a ``Lease`` from the gate:
   byte is read, so idle sockets count too), refuses with a 503 past the limits, and closes
   a connection whose request headers do not arrive within ``--header-timeout-s`` (408);
   the ASGI middleware (``rill.middleware``) tells it when a request's headers are complete
-  and when its response has ended, and applies the body and first-message timeouts;
+  and when its response has ended, and applies the body and first-message timeouts; the
+  refusals it writes itself (503, 408) come from the error renderer the server passes
+  (``ErrorRenderer``: the OpenAI API's error JSON), so this module knows no protocol;
 * the Unix socket through ``stream_handler`` (total only: a Unix peer has no address; for
   fair shares its peers together count as one address, ``UNADDRESSED``);
 * gRPC per call (``ConnectionGate.open`` in the servicer), besides gRPC's own handshake and
@@ -34,7 +36,6 @@ not the kernel, is what refuses: at the fd limit every listener would stop accep
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -42,10 +43,17 @@ from typing import Any, cast
 
 from websockets.frames import Close, Frame, Opcode
 
+# client_key is the identity auth's principals are built on; listeners that count peers
+# (evergreen's servicer) still find it here, beside peer_host.
+from rill.auth import client_key as client_key
 from rill.errors import IdleTimeout, TooManyConnections
-from rill.protocols.openai_http import codec
 
 log = logging.getLogger("rill.connections")
+
+ErrorRenderer = Callable[[BaseException], tuple[int, dict[str, str], bytes]]
+"""Turns an error into (HTTP status, extra headers, JSON body). The server passes the OpenAI
+API's error format (``openai_http.adapter.http_error``) to this module and to
+``rill.middleware``, so neither knows a protocol."""
 
 FD_RESERVE = 256
 """File descriptors kept free beyond ``--max-connections``: model files, the feedback
@@ -238,28 +246,11 @@ class ConnectionGate:
 
 
 def peer_host(peername: Any) -> str | None:
-    """The client a socket's peer name counts as (``client_key``); None for Unix sockets and unknowns."""
+    """The client a socket's peer name counts as (``rill.auth.client_key``); None for Unix
+    sockets and unknowns."""
     if isinstance(peername, (tuple, list)) and peername and isinstance(peername[0], str):
         return client_key(peername[0])
     return None
-
-
-def client_key(host: str) -> str:
-    """The per-client unit of an IP address: itself for IPv4, its /64 network for IPv6.
-
-    One IPv6 host usually holds a whole /64 (SLAAC, privacy addresses), so counting single
-    IPv6 addresses would let one client open the per-client limit 2**64 times. An
-    IPv4-mapped IPv6 address (a dual-stack listener) counts as its IPv4 address.
-    """
-    try:
-        address = ipaddress.ip_address(host.split("%", 1)[0])
-    except ValueError:
-        return host
-    if isinstance(address, ipaddress.IPv6Address):
-        if address.ipv4_mapped is not None:
-            return str(address.ipv4_mapped)
-        return str(ipaddress.IPv6Network((address, 64), strict=False))
-    return str(address)
 
 
 def raise_fd_limit(max_connections: int) -> int:
@@ -294,14 +285,14 @@ def raise_fd_limit(max_connections: int) -> int:
 _REASONS = {408: "Request Timeout", 503: "Service Unavailable"}
 
 
-def _raw_response(exc: TooManyConnections | IdleTimeout) -> bytes:
-    """A whole HTTP/1.1 error response for ``exc``, as the HTTP routes answer it (OpenAI JSON)."""
-    wire = codec.error_for(exc)  # the HTTP routes' own error table
-    headers = {**wire.headers, "content-type": "application/json", "content-length": str(len(wire.body)),
+def _raw_response(render: ErrorRenderer, exc: TooManyConnections | IdleTimeout) -> bytes:
+    """A whole HTTP/1.1 error response for ``exc``, as the HTTP routes answer it (``render``)."""
+    status, wire_headers, body = render(exc)
+    headers = {**wire_headers, "content-type": "application/json", "content-length": str(len(body)),
                "connection": "close"}
-    head = f"HTTP/1.1 {wire.status} {_REASONS.get(wire.status, 'Error')}\r\n"
+    head = f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\n"
     head += "".join(f"{name.lower()}: {value}\r\n" for name, value in headers.items())
-    return head.encode("latin-1") + b"\r\n" + wire.body
+    return head.encode("latin-1") + b"\r\n" + body
 
 
 def _close_frame(code: int, reason: str) -> bytes:
@@ -325,12 +316,20 @@ class GuardedProtocol(asyncio.Protocol):
     the header timer runs, and while a WebSocket has not sent its first message
     (``set_idle``, from the middleware). Closed that way, a client that had sent part of
     a request gets a 503, a WebSocket a close frame 1013 (try again later).
+
+    Args:
+        inner: uvicorn's protocol for this connection.
+        gate: the server's connection gate.
+        header_timeout_s: time allowed for a request's headers.
+        render_error: writes the 503 and 408 answers (status, headers, JSON body).
     """
 
-    def __init__(self, inner: asyncio.Protocol, gate: ConnectionGate, header_timeout_s: float) -> None:
+    def __init__(self, inner: asyncio.Protocol, gate: ConnectionGate, header_timeout_s: float,
+                 render_error: ErrorRenderer) -> None:
         self.inner = inner
         self.gate = gate
         self.header_timeout_s = header_timeout_s
+        self.render_error = render_error
         self.transport: asyncio.Transport | None = None
         self.lease: Lease | None = None
         self.key: tuple[str, int] | None = None
@@ -350,7 +349,7 @@ class GuardedProtocol(asyncio.Protocol):
             self.lease = self.gate.open(peer_host(peername))
         except TooManyConnections as exc:
             # Refused before reading: nothing of this client is parsed or handed to the app.
-            transport.write(_raw_response(exc))
+            transport.write(_raw_response(self.render_error, exc))
             transport.close()
             return
         self.lease.evict = self._evict
@@ -447,7 +446,7 @@ class GuardedProtocol(asyncio.Protocol):
         if self._websocket:
             transport.write(_close_frame(1013, "server busy; retry later"))
         elif self._partial:
-            transport.write(_raw_response(TooManyConnections(reason)))
+            transport.write(_raw_response(self.render_error, TooManyConnections(reason)))
         transport.close()
 
     def _disarm(self) -> None:
@@ -462,18 +461,20 @@ class GuardedProtocol(asyncio.Protocol):
             return
         if self._partial:
             exc = IdleTimeout(f"no complete request headers within {self.header_timeout_s:g} s")
-            transport.write(_raw_response(exc))
+            transport.write(_raw_response(self.render_error, exc))
         # With no byte of a request, close without a word: a keep-alive client could take an
         # unasked 408 for the answer to a request it is sending right now.
         transport.close()
 
 
-def http_protocol_factory(gate: ConnectionGate, header_timeout_s: float, inner_class: Any = None) -> Callable[..., asyncio.Protocol]:
+def http_protocol_factory(gate: ConnectionGate, header_timeout_s: float, render_error: ErrorRenderer,
+                          inner_class: Any = None) -> Callable[..., asyncio.Protocol]:
     """A uvicorn ``http=`` protocol class stand-in: its protocol wrapped in ``GuardedProtocol``.
 
     Args:
         gate: the server's connection gate.
         header_timeout_s: time allowed for a request's headers.
+        render_error: writes the refusals made before the app sees a request (503, 408).
         inner_class: uvicorn's HTTP protocol class (default: its ``auto`` choice).
     """
     if inner_class is None:
@@ -482,7 +483,7 @@ def http_protocol_factory(gate: ConnectionGate, header_timeout_s: float, inner_c
         inner_class = AutoHTTPProtocol
 
     def create(**kwargs: Any) -> asyncio.Protocol:
-        return GuardedProtocol(inner_class(**kwargs), gate, header_timeout_s)
+        return GuardedProtocol(inner_class(**kwargs), gate, header_timeout_s, render_error)
 
     return create
 

@@ -31,7 +31,6 @@ Blocking I/O: call ``add`` from a worker thread (``asyncio.to_thread``) in async
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import logging
@@ -41,7 +40,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from rill.errors import StorageFull
 
@@ -294,12 +293,10 @@ def _cut(text: Any, max_bytes: int | None) -> tuple[str | None, bool]:
     return data[:max_bytes].decode("utf-8", "ignore"), True
 
 
-def _cmd_export(args: argparse.Namespace) -> int:
-    data_dir = args.data_dir
-    if data_dir is None:
-        from rill import config
-
-        data_dir = config.load({}).http.data_dir
+def export(data_dir: str | Path, out: TextIO) -> int:
+    """Write every record of the store in ``data_dir`` to ``out``, one JSON object per line
+    (``rill feedback export``, whose command line lives in ``rill.cli``); returns the exit
+    code. A folder without a store is said so on stderr and exports nothing."""
     path = Path(data_dir) / DB_NAME
     if not path.exists():
         print(f"rill: no feedback stored yet ({path} does not exist)", file=sys.stderr)
@@ -307,16 +304,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     store = FeedbackStore(data_dir)
     try:
         for record in store.records():
-            sys.stdout.write(json.dumps(record, ensure_ascii=False) + "\n")
+            out.write(json.dumps(record, ensure_ascii=False) + "\n")
     finally:
         store.close()
     return 0
-
-
-def register(subparsers: Any) -> None:
-    """Add ``rill feedback export [--data-dir DIR]``."""
-    parser = subparsers.add_parser("feedback", help="stored client feedback")
-    sub = parser.add_subparsers(dest="feedback_command", required=True)
-    export = sub.add_parser("export", help="print every feedback record as JSON lines")
-    export.add_argument("--data-dir", default=None, help="the server's data folder (default: the configured data_dir)")
-    export.set_defaults(func=_cmd_export)

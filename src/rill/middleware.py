@@ -44,7 +44,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rill import auth
-from rill.connections import ConnectionGate, GuardedProtocol
+from rill.connections import ConnectionGate, ErrorRenderer, GuardedProtocol
 from rill.deps import Deps
 from rill.errors import (
     BodyTooLarge,
@@ -55,10 +55,6 @@ from rill.errors import (
     TooManyConnections,
     Unauthorized,
 )
-
-ErrorRenderer = Callable[[BaseException], tuple[int, dict[str, str], bytes]]
-"""Turns an error into (HTTP status, extra headers, JSON body). The server passes the OpenAI
-API's error format (``openai_http.adapter.http_error``), so this module knows no protocol."""
 
 PUBLIC_PATHS = frozenset({"/health"})
 """Paths that never need a key (load balancers and orchestrators probe them)."""
@@ -75,13 +71,14 @@ DRAIN_LIMIT_BYTES = 16 * 1024 * 1024
 
 def wrap(app: ASGIApp, deps: Deps, render_error: ErrorRenderer) -> ASGIApp:
     """The server's app wrapped in the guard and, when origins are configured, CORS; refusals
-    are written by ``render_error``."""
+    are written by ``render_error`` (``rill.connections.ErrorRenderer``: the server passes
+    the OpenAI API's error format, so this module knows no protocol)."""
     http = deps.config.http
     limits = deps.config.connections
     sites = SiteCheck(http.host, http.allowed_hosts, [*http.allowed_origins, *http.cors_origins])
     wrapped: ASGIApp = Guard(app, render_error, api_keys=set(deps.api_keys or ()), max_body_bytes=http.max_body_bytes,
                              sites=sites,
-                             gate=getattr(deps, "gate", None), body_timeout_s=limits.body_timeout_s,
+                             gate=deps.gate, body_timeout_s=limits.body_timeout_s,
                              first_message_timeout_s=limits.first_message_timeout_s,
                              forwarded_allow_ips=http.forwarded_allow_ips)
     if http.cors_origins:

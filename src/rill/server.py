@@ -232,7 +232,8 @@ def _http_server(config: ServerConfig, app: ASGIApp, gate: ConnectionGate) -> uv
                        # and rewrite the client before the connection gate could find its socket.
                        # rill.middleware applies --forwarded-allow-ips itself.
                        proxy_headers=False,
-                       http=http_protocol_factory(gate, config.connections.header_timeout_s))  # type: ignore[arg-type]
+                       http=http_protocol_factory(gate, config.connections.header_timeout_s,  # type: ignore[arg-type]
+                                                  openai_http.http_error))
     )
     for logger_name in ("uvicorn.error", "uvicorn.access"):  # after uvicorn.Config set its logging up
         logging.getLogger(logger_name).addFilter(auth.QUERY_KEY_REDACTOR)
