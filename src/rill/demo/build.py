@@ -22,8 +22,8 @@ import torch
 from tqdm import tqdm
 
 from rill.cache import build_atomically, cache_root
-from rill.demo import corpus
-from rill.demo import tokenizer as tk
+import rill.demo.corpus as corpus
+import rill.demo.tokenizer as tk
 from rill.demo.train import TrainConfig, TrainResult, pack_documents, split_holdout, train
 
 DEMO_NAME = "rill-demo-v1"

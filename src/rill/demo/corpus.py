@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import random
 
-from rill.demo import lexicon as lx
+import rill.demo.lexicon as lx
 from rill.demo.lexicon import a
 from rill.demo.stories import story
 from rill.demo.tokenizer import render_chat

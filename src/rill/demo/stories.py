@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from rill.demo import lexicon as lx
+import rill.demo.lexicon as lx
 from rill.demo.lexicon import Character, a
 
 QUESTION_VERBS = ("asked",)

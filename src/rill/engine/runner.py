@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import torch
 
 from rill.engine.batch import RowWork, check_work
-from rill.models import packed
+import rill.models.packed as packed
 from rill.models.attention import PrefillLayout, StepBatch
 from rill.models.loader import LoadedModel
 from rill.models.registry import CausalLM

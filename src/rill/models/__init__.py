@@ -4,10 +4,10 @@ Public entry points: ``load_model`` (Hugging Face folders and GGUF files), ``bui
 ``save_checkpoint``, ``LoadedModel``, ``ModelConfig``, ``CausalLM``, ``LlamaModel``.
 """
 
-from rill.models.config import ModelConfig, parse_config
+from rill.models.config import ModelConfig
 from rill.models.llama import LlamaModel
 from rill.models.loader import LoadedModel, auto_dtype, build_model, default_dtype, load_model, save_checkpoint
-from rill.models.registry import CausalLM, supported_architectures
+from rill.models.registry import CausalLM, parse_config, supported_architectures
 
 SUPPORTED_ARCHITECTURES = supported_architectures()
 """Hugging Face ``architectures`` names this package can load."""

@@ -180,3 +180,14 @@ def prefill_attention(
     if layout.unpad_index is not None:
         out = out.index_select(0, layout.unpad_index)
     return out
+
+
+def window_mask(num_tokens: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+    """The ``[T, T]`` bool mask of a cache-free causal forward over ``num_tokens`` tokens
+    attending to the last ``window`` keys, or None where plain causal attention (SDPA's
+    ``is_causal``) already is that: no window, or one at least as long as the input."""
+    if window is None or window >= num_tokens:
+        return None
+    q = torch.arange(num_tokens, device=device)[:, None]
+    k = torch.arange(num_tokens, device=device)[None, :]
+    return (k <= q) & (k > q - window)

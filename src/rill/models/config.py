@@ -1,13 +1,14 @@
-"""Model configuration: a Hugging Face ``config.json`` dict → ``ModelConfig``.
+"""Model configuration: ``ModelConfig`` and what every family's ``config.json`` parser shares.
 
-``ModelConfig`` is the one set of facts the model code, the runner and the engine read.
-``parse_config`` finds the family of the file's architecture in ``rill.models.registry`` and
-lets it parse; the helpers here (RoPE settings, special ids, generation defaults) are shared by
-the families. Both spellings of RoPE settings are read: ``rope_theta`` + ``rope_scaling``
-(older files) and ``rope_parameters`` (what transformers 5.x ``save_pretrained`` writes).
+``ModelConfig`` is the one set of facts the model code, the runner and the engine read. Each
+family parses its own files (``rill.models.llama_config``, ``rill.models.gemma3_config``);
+``rill.models.registry.parse_config`` picks the parser of a file's architecture. The helpers
+here (required sizes, RoPE settings, special ids, generation defaults) are shared by the
+parsers. Both spellings of RoPE settings are read: ``rope_theta`` + ``rope_scaling`` (older
+files) and ``rope_parameters`` (what transformers 5.x ``save_pretrained`` writes).
 
-Imports only the standard library, torch (for dtype names) and ``rill.errors`` (the registry
-is imported when parsing).
+Imports only the standard library, torch (for dtype names) and ``rill.errors``: nothing of
+the registry or the families, which import this module.
 """
 
 from __future__ import annotations
@@ -136,59 +137,6 @@ def dtype_name(dtype: str | torch.dtype) -> str:
     return name
 
 
-def parse_config(
-    hf: dict[str, Any], generation: dict[str, Any] | None = None, *, source: str = "config.json"
-) -> ModelConfig:
-    """Build a ``ModelConfig`` from a ``config.json`` dict (and optional ``generation_config.json``)
-    with the parser of its architecture's family (``rill.models.registry``).
-
-    Raises:
-        ModelLoadError: unsupported architecture, activation, RoPE type, or a missing field;
-            the message names ``source``.
-    """
-    from rill.models.registry import family_for_config
-
-    return family_for_config(hf, source).parse_config(hf, generation, source)
-
-
-def parse_llama_config(hf: dict[str, Any], generation: dict[str, Any] | None, source: str) -> ModelConfig:
-    """The Llama family's parser: Llama, Mistral (sliding window), Qwen2 (q/k/v bias), Qwen3 (q/k norm)."""
-    from rill.models.registry import resolve_architecture
-
-    architecture = resolve_architecture(hf, source)[0]
-    act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
-    if act not in ("silu", "swish"):
-        raise ModelLoadError(f"{source}: hidden_act '{act}' is not supported (only silu)")
-    if hf.get("mlp_bias"):
-        raise ModelLoadError(f"{source}: mlp_bias=true is not supported")
-    sizes = required_sizes(hf, source)
-    head_dim = int(hf.get("head_dim") or sizes["hidden_size"] // sizes["num_heads"])
-    rope_theta, rope_scaling = rope_settings(hf, source)
-    generation = generation or {}
-    is_qwen2 = architecture == "Qwen2ForCausalLM"
-    has_attention_bias = bool(hf.get("attention_bias", False)) and architecture != "MistralForCausalLM"
-    return ModelConfig(
-        architecture=architecture,
-        **sizes,  # type: ignore[arg-type]
-        head_dim=head_dim,
-        max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        # generate() stops on generation_config's ids when that file names them, else config's.
-        eos_token_ids=eos_ids(generation.get("eos_token_id", hf.get("eos_token_id"))),
-        generation_defaults=generation_defaults(generation),
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        rope_theta=rope_theta,
-        rope_scaling=rope_scaling,
-        has_qkv_bias=is_qwen2 or has_attention_bias,
-        has_o_bias=has_attention_bias and not is_qwen2,
-        has_qk_norm=architecture == "Qwen3ForCausalLM",
-        sliding_windows=_sliding_windows(hf, architecture, sizes["num_layers"]),
-        bos_token_id=first_id(hf.get("bos_token_id")),
-        pad_token_id=first_id(hf.get("pad_token_id")),
-        hf_config=dict(hf),
-    )
-
-
 def required_sizes(hf: dict[str, Any], source: str) -> dict[str, int]:
     """The sizes every decoder's ``config.json`` must give (hidden size, heads, layers,
     vocabulary, MLP width) and its key/value heads (default: as many as the heads), named as
@@ -239,21 +187,6 @@ def rope_settings(hf: dict[str, Any], source: str) -> tuple[float, dict[str, Any
     if missing:
         raise ModelLoadError(f"{source}: RoPE type '{rope_type}' needs {', '.join(missing)}")
     return rope_theta, params
-
-
-def _sliding_windows(hf: dict[str, Any], architecture: str, num_layers: int) -> tuple[int | None, ...]:
-    window = hf.get("sliding_window")
-    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not hf.get("use_sliding_window", False):
-        window = None
-    if window is None:
-        return (None,) * num_layers
-    layer_types = hf.get("layer_types")
-    if layer_types is None and architecture != "MistralForCausalLM":
-        start = int(hf.get("max_window_layers", 0))
-        layer_types = ["sliding_attention" if i >= start else "full_attention" for i in range(num_layers)]
-    if layer_types is None:
-        return (int(window),) * num_layers
-    return tuple(int(window) if kind == "sliding_attention" else None for kind in layer_types)
 
 
 def eos_ids(value: Any) -> tuple[int, ...]:

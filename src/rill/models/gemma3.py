@@ -13,7 +13,8 @@ How a Gemma 3 block differs from a Llama one:
 * attention scaled by ``query_pre_attn_scalar ** -0.5`` instead of ``head_dim ** -0.5``;
 * optional final logit soft-capping ``cap * tanh(logits / cap)``.
 
-Weights are stored fused like ``rill.models.llama`` (``qkv``, ``gate_up``). ``FAMILY``
+Weights are stored fused like ``rill.models.llama`` (``qkv``, ``gate_up``; ``WEIGHTS``, see
+``rill.models.weights``); ``rill.models.gemma3_config`` parses ``config.json``. ``FAMILY``
 registers the family in ``rill.models.registry``, with how GGUF files map onto it (llama.cpp
 stores the norm weights as ``1 + weight``).
 
@@ -29,18 +30,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rill.errors import ModelLoadError
-from rill.models import packed, quant
-from rill.models.attention import StepBatch, cached_attention, write_kv
-from rill.models.config import ModelConfig, eos_ids, first_id, generation_defaults, required_sizes, rope_settings
+import rill.models.packed as packed
+import rill.models.quant as quant
+from rill.models.attention import StepBatch, cached_attention, window_mask, write_kv
+from rill.models.config import ModelConfig
+from rill.models.gemma3_config import LOCAL_ROPE_THETA, SLIDING_WINDOW_PATTERN, parse_gemma3_config
 from rill.models.gguf_loader import metadata_value, rename_tensor, shape_of
-from rill.models.registry import ModelFamily, resolve_architecture
+from rill.models.registry import ModelFamily
 from rill.models.rope import apply_rope, cos_sin_table, inverse_frequencies
+from rill.models.weights import WeightNames
 
 ARCHITECTURE = "Gemma3ForCausalLM"
-SLIDING_WINDOW_PATTERN = 6
-"""Every 6th layer is global unless ``layer_types`` says otherwise (as transformers and llama.cpp)."""
-LOCAL_ROPE_THETA = 10000.0
 
 
 class GemmaRMSNorm(nn.Module):
@@ -172,7 +172,7 @@ class Gemma3Model(nn.Module):
         x = self._embed(input_ids)
         self.ensure_rope(num_tokens)
         rope = self._rope_rows(torch.arange(num_tokens, device=input_ids.device), x.dtype)
-        masks = {window: _window_mask(num_tokens, window, x.device) for window in self.windows}
+        masks = {window: window_mask(num_tokens, window, x.device) for window in self.windows}
         for layer in self.layers:
             cos, sin = rope[layer.window is not None]
             x = layer(x, cos, sin, masks[layer.window])  # type: ignore[index]
@@ -193,94 +193,12 @@ class Gemma3Model(nn.Module):
 
     def to_hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The weights under Hugging Face names (projections unfused), sharing no storage."""
-        return to_hf(self.state_dict(), self.config)
-
-
-def _window_mask(num_tokens: int, window: int | None, device: torch.device) -> torch.Tensor | None:
-    if window is None or window >= num_tokens:
-        return None
-    q = torch.arange(num_tokens, device=device)[:, None]
-    k = torch.arange(num_tokens, device=device)[None, :]
-    return (k <= q) & (k > q - window)
-
-
-# ------------------------------------------------------------------------- config.json
-
-def parse_gemma3_config(hf: dict[str, Any], generation: dict[str, Any] | None, source: str) -> ModelConfig:
-    """``config.json`` of ``Gemma3ForCausalLM`` → ``ModelConfig``.
-
-    Raises:
-        ModelLoadError: a setting this implementation does not compute (attention soft-capping,
-            bidirectional attention, RoPE scaling on local layers, another activation).
-    """
-    architecture = resolve_architecture(hf, source)[0]
-    act = hf.get("hidden_activation", hf.get("hidden_act", "gelu_pytorch_tanh"))
-    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
-        raise ModelLoadError(f"{source}: hidden_activation '{act}' is not supported (only gelu_pytorch_tanh)")
-    if hf.get("attn_logit_softcapping") is not None:
-        raise ModelLoadError(f"{source}: attn_logit_softcapping is not supported")
-    if hf.get("use_bidirectional_attention"):
-        raise ModelLoadError(f"{source}: use_bidirectional_attention=true is not supported")
-    sizes = required_sizes(hf, source)
-    head_dim = int(hf.get("head_dim") or 256)
-    global_rope, local_theta = _rope(hf, source)
-    rope_theta, rope_scaling = rope_settings({"rope_parameters": global_rope}, source)
-    generation = generation or {}
-    return ModelConfig(
-        architecture=architecture,
-        **sizes,  # type: ignore[arg-type]
-        head_dim=head_dim,
-        max_position_embeddings=int(hf.get("max_position_embeddings", 131072)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
-        eos_token_ids=eos_ids(generation.get("eos_token_id", hf.get("eos_token_id", 1))),
-        generation_defaults=generation_defaults(generation),
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        rope_theta=rope_theta,
-        rope_scaling=rope_scaling,
-        has_qkv_bias=bool(hf.get("attention_bias", False)),
-        has_o_bias=bool(hf.get("attention_bias", False)),
-        has_qk_norm=True,
-        sliding_windows=_windows(hf, sizes["num_layers"]),
-        attention_scale=float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
-        local_rope_theta=local_theta,
-        final_logit_softcapping=None if hf.get("final_logit_softcapping") is None else float(hf["final_logit_softcapping"]),
-        bos_token_id=first_id(hf.get("bos_token_id", 2)),
-        pad_token_id=first_id(hf.get("pad_token_id", 0)),
-        hf_config=dict(hf),
-    )
-
-
-def _rope(hf: dict[str, Any], source: str) -> tuple[dict[str, Any], float]:
-    # transformers 5 writes rope_parameters per layer type; older files have rope_theta,
-    # rope_local_base_freq and an optional rope_scaling (for the global layers).
-    params = hf.get("rope_parameters") or {}
-    if "full_attention" in params or "sliding_attention" in params:
-        full = dict(params.get("full_attention") or {"rope_type": "default"})
-        local = dict(params.get("sliding_attention") or {"rope_type": "default"})
-    else:
-        full = dict(hf.get("rope_scaling") or params or {"rope_type": "default"})
-        full.setdefault("rope_theta", hf.get("rope_theta", 1_000_000.0))
-        local = {"rope_type": "default", "rope_theta": hf.get("rope_local_base_freq", LOCAL_ROPE_THETA)}
-    full.setdefault("rope_theta", 1_000_000.0)
-    if local.get("rope_type", local.get("type", "default")) != "default":
-        raise ModelLoadError(f"{source}: RoPE scaling on sliding-window layers is not supported")
-    return full, float(local.get("rope_theta", LOCAL_ROPE_THETA))
-
-
-def _windows(hf: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
-    window = hf.get("sliding_window")
-    layer_types = hf.get("layer_types")
-    if layer_types is None:
-        pattern = int(hf.get("sliding_window_pattern", SLIDING_WINDOW_PATTERN))
-        layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
-    if window is None:
-        return (None,) * num_layers
-    return tuple(int(window) if kind == "sliding_attention" else None for kind in layer_types)
+        return WEIGHTS.to_hf(self.state_dict(), self.config)
 
 
 # ------------------------------------------------------------------------- weight names
 
-_RENAMES = {  # our name -> Hugging Face name, inside one layer
+WEIGHTS = WeightNames(layer={  # our name -> Hugging Face's, inside one layer (q/k/v, gate/up: weights.FUSED)
     "input_norm.weight": "input_layernorm.weight",
     "q_norm.weight": "self_attn.q_norm.weight",
     "k_norm.weight": "self_attn.k_norm.weight",
@@ -290,55 +208,8 @@ _RENAMES = {  # our name -> Hugging Face name, inside one layer
     "pre_mlp_norm.weight": "pre_feedforward_layernorm.weight",
     "post_mlp_norm.weight": "post_feedforward_layernorm.weight",
     "down.weight": "mlp.down_proj.weight",
-}
-_FUSED = {
-    "qkv.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
-    "qkv.bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
-    "gate_up.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-}
-
-
-def _has(config: ModelConfig, name: str) -> bool:
-    return config.has_qkv_bias if name.endswith(".bias") else True
-
-
-def expected_hf_names(config: ModelConfig) -> list[str]:
-    """The Hugging Face tensor names a checkpoint of ``config`` must contain."""
-    names = ["model.embed_tokens.weight", "model.norm.weight"] + ([] if config.tie_word_embeddings else ["lm_head.weight"])
-    for i in range(config.num_layers):
-        names += [f"model.layers.{i}.{theirs}" for ours, theirs in _RENAMES.items() if _has(config, ours)]
-        names += [f"model.layers.{i}.{part}" for ours, parts in _FUSED.items() if _has(config, ours) for part in parts]
-    return names
-
-
-def from_hf(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Hugging Face tensors → this model's state dict (q/k/v and gate/up concatenated)."""
-    out = {"embed_tokens.weight": tensors["model.embed_tokens.weight"], "norm.weight": tensors["model.norm.weight"]}
-    if not config.tie_word_embeddings:
-        out["lm_head.weight"] = tensors["lm_head.weight"]
-    for i in range(config.num_layers):
-        prefix = f"model.layers.{i}."
-        out.update((f"layers.{i}.{ours}", tensors[prefix + theirs]) for ours, theirs in _RENAMES.items() if _has(config, ours))
-        out.update((f"layers.{i}.{ours}", quant.cat([tensors[prefix + p] for p in parts]))  # type: ignore[misc]
-                   for ours, parts in _FUSED.items() if _has(config, ours))
-    return out
-
-
-def to_hf(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Inverse of ``from_hf``."""
-    hd = config.head_dim
-    qkv = [config.num_heads * hd, config.num_kv_heads * hd, config.num_kv_heads * hd]
-    sizes = {"qkv.weight": qkv, "qkv.bias": qkv, "gate_up.weight": [config.intermediate_size] * 2}
-    out = {"model.embed_tokens.weight": state["embed_tokens.weight"], "model.norm.weight": state["norm.weight"]}
-    if not config.tie_word_embeddings:
-        out["lm_head.weight"] = state["lm_head.weight"]
-    for i in range(config.num_layers):
-        prefix = f"model.layers.{i}."
-        out.update((prefix + theirs, state[f"layers.{i}.{ours}"]) for ours, theirs in _RENAMES.items() if f"layers.{i}.{ours}" in state)
-        for ours, parts in _FUSED.items():
-            if f"layers.{i}.{ours}" in state:
-                out.update(zip((prefix + p for p in parts), state[f"layers.{i}.{ours}"].split(sizes[ours])))
-    return {name: tensor.detach().clone().contiguous() for name, tensor in out.items()}
+})
+"""The Gemma 3 family's weight names (``rill.models.weights``)."""
 
 
 def init_weights(model: Gemma3Model, initializer_range: float, seed: int | None = None) -> None:
@@ -423,9 +294,9 @@ FAMILY = ModelFamily(
     gguf_architectures=("gemma3",),
     parse_config=parse_gemma3_config,
     build=Gemma3Model,
-    expected_hf_names=expected_hf_names,
-    from_hf=from_hf,
-    to_hf=to_hf,
+    expected_hf_names=WEIGHTS.expected_hf_names,
+    from_hf=WEIGHTS.from_hf,
+    to_hf=WEIGHTS.to_hf,
     init_weights=lambda model, initializer_range, seed: init_weights(model, initializer_range, seed),
     gguf_config=gguf_config,
     gguf_tensor_name=lambda name: rename_tensor(name, _GGUF_LAYER_NAMES),

@@ -130,7 +130,7 @@ class GGUFCheckpoint:
             ModelLoadError: a tensor type outside ``SUPPORTED_TENSOR_TYPES``, or a tensor name
                 the architecture does not know.
         """
-        from rill.models import quant
+        import rill.models.quant as quant
         from rill.models.registry import family_for_gguf
 
         family = family_for_gguf(self.architecture, str(self.path))
@@ -154,7 +154,7 @@ class GGUFCheckpoint:
     def _read(self, weights: str) -> Iterator[tuple[str, Any]]:
         from gguf import quants
 
-        from rill.models import quant
+        import rill.models.quant as quant
 
         for tensor in self.reader.tensors:
             kind = tensor.tensor_type.name

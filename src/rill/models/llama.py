@@ -3,8 +3,8 @@ Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm).
 
 Weights are stored fused: ``qkv`` (q, k, v projections stacked) and ``gate_up`` (gate and up
 projections stacked), so each block runs three large matmuls plus the output and down
-projections. ``fuse_hf_state_dict`` / ``LlamaModel.to_hf_state_dict`` convert from/to the
-Hugging Face tensor names.
+projections. ``WEIGHTS`` (``rill.models.weights``) converts from/to the Hugging Face tensor
+names; ``rill.models.llama_config`` parses ``config.json``.
 
 Two entry points:
 
@@ -29,12 +29,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from rill.errors import ModelLoadError
-from rill.models import packed, qkernel, quant
-from rill.models.attention import StepBatch, cached_attention, prefill_attention, write_kv
-from rill.models.config import ModelConfig, parse_llama_config
+import rill.models.packed as packed
+import rill.models.qkernel as qkernel
+import rill.models.quant as quant
+from rill.models.attention import StepBatch, cached_attention, prefill_attention, window_mask, write_kv
+from rill.models.config import ModelConfig
 from rill.models.gguf_loader import metadata_value, rename_tensor, shape_of
+from rill.models.llama_config import parse_llama_config
 from rill.models.registry import ModelFamily
 from rill.models.rope import apply_rope, cos_sin_table, inverse_frequencies
+from rill.models.weights import WeightNames
 
 
 class RMSNorm(nn.Module):
@@ -206,7 +210,7 @@ class LlamaModel(nn.Module):
         self.ensure_rope(num_tokens)
         positions = torch.arange(num_tokens, device=input_ids.device)
         cos, sin = self.rope_rows(positions, x.dtype)  # [T, 1, hd]
-        masks = {window: _window_mask(num_tokens, window, x.device) for window in self.windows}
+        masks = {window: window_mask(num_tokens, window, x.device) for window in self.windows}
         for layer in self.layers:
             x = layer(x, cos, sin, masks[layer.window])  # type: ignore[index]
         return packed.linear(self.norm(x), self.lm_weight())
@@ -229,19 +233,10 @@ class LlamaModel(nn.Module):
 
     def to_hf_state_dict(self) -> dict[str, torch.Tensor]:
         """Return the weights under Hugging Face names (projections unfused), sharing no storage."""
-        return unfuse_state_dict(self.state_dict(), self.config)
+        return WEIGHTS.to_hf(self.state_dict(), self.config)
 
 
-def _window_mask(num_tokens: int, window: int | None, device: torch.device) -> torch.Tensor | None:
-    # Plain causal attention needs no mask (SDPA's is_causal); a window adds a lower bound.
-    if window is None or window >= num_tokens:
-        return None
-    q = torch.arange(num_tokens, device=device)[:, None]
-    k = torch.arange(num_tokens, device=device)[None, :]
-    return (k <= q) & (k > q - window)
-
-
-_LAYER_RENAMES = {  # our name -> Hugging Face name, inside one layer
+WEIGHTS = WeightNames(layer={  # our name -> Hugging Face's, inside one layer (q/k/v, gate/up: weights.FUSED)
     "input_norm.weight": "input_layernorm.weight",
     "post_norm.weight": "post_attention_layernorm.weight",
     "o_proj.weight": "self_attn.o_proj.weight",
@@ -249,79 +244,8 @@ _LAYER_RENAMES = {  # our name -> Hugging Face name, inside one layer
     "q_norm.weight": "self_attn.q_norm.weight",
     "k_norm.weight": "self_attn.k_norm.weight",
     "down.weight": "mlp.down_proj.weight",
-}
-_FUSED = {
-    "qkv.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
-    "qkv.bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
-    "gate_up.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-}
-
-
-def expected_hf_names(config: ModelConfig) -> list[str]:
-    """The Hugging Face tensor names a checkpoint of ``config`` must contain."""
-    names = ["model.embed_tokens.weight", "model.norm.weight"]
-    if not config.tie_word_embeddings:
-        names.append("lm_head.weight")
-    for i in range(config.num_layers):
-        for ours, theirs in _LAYER_RENAMES.items():
-            if _has_param(config, ours):
-                names.append(f"model.layers.{i}.{theirs}")
-        for ours, parts in _FUSED.items():
-            if _has_param(config, ours):
-                names.extend(f"model.layers.{i}.{part}" for part in parts)
-    return names
-
-
-def _has_param(config: ModelConfig, name: str) -> bool:
-    if name == "qkv.bias":
-        return config.has_qkv_bias
-    if name == "o_proj.bias":
-        return config.has_o_bias
-    if name in ("q_norm.weight", "k_norm.weight"):
-        return config.has_qk_norm
-    return True
-
-
-def fuse_hf_state_dict(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Map Hugging Face tensors to this model's names, concatenating q/k/v and gate/up.
-
-    Missing names raise ``KeyError`` listing them; extra names (e.g. rotary buffers) are ignored.
-    """
-    missing = [name for name in expected_hf_names(config) if name not in tensors]
-    if missing:
-        raise KeyError(missing)
-    out = {"embed_tokens.weight": tensors["model.embed_tokens.weight"], "norm.weight": tensors["model.norm.weight"]}
-    if not config.tie_word_embeddings:
-        out["lm_head.weight"] = tensors["lm_head.weight"]
-    for i in range(config.num_layers):
-        prefix = f"model.layers.{i}."
-        for ours, theirs in _LAYER_RENAMES.items():
-            if _has_param(config, ours):
-                out[f"layers.{i}.{ours}"] = tensors[prefix + theirs]
-        for ours, parts in _FUSED.items():
-            if _has_param(config, ours):
-                out[f"layers.{i}.{ours}"] = quant.cat([tensors[prefix + part] for part in parts])  # type: ignore[assignment]
-    return out
-
-
-def unfuse_state_dict(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Inverse of ``fuse_hf_state_dict``: this model's state dict → Hugging Face names."""
-    hd = config.head_dim
-    qkv_sizes = [config.num_heads * hd, config.num_kv_heads * hd, config.num_kv_heads * hd]
-    split_sizes = {"qkv.weight": qkv_sizes, "qkv.bias": qkv_sizes, "gate_up.weight": [config.intermediate_size] * 2}
-    out = {"model.embed_tokens.weight": state["embed_tokens.weight"], "model.norm.weight": state["norm.weight"]}
-    if not config.tie_word_embeddings:
-        out["lm_head.weight"] = state["lm_head.weight"]
-    for i in range(config.num_layers):
-        prefix = f"model.layers.{i}."
-        for ours, theirs in _LAYER_RENAMES.items():
-            if f"layers.{i}.{ours}" in state:
-                out[prefix + theirs] = state[f"layers.{i}.{ours}"]
-        for ours, parts in _FUSED.items():
-            if f"layers.{i}.{ours}" in state:
-                pieces = state[f"layers.{i}.{ours}"].split(split_sizes[ours])
-                out.update((prefix + part, piece) for part, piece in zip(parts, pieces))
-    return {name: tensor.detach().clone().contiguous() for name, tensor in out.items()}
+})
+"""The Llama family's weight names (``rill.models.weights``)."""
 
 
 def init_weights(model: LlamaModel, initializer_range: float, seed: int | None = None) -> None:
@@ -428,9 +352,9 @@ FAMILY = ModelFamily(
     gguf_architectures=tuple(_GGUF_ARCHITECTURES),
     parse_config=parse_llama_config,
     build=LlamaModel,
-    expected_hf_names=expected_hf_names,
-    from_hf=fuse_hf_state_dict,
-    to_hf=unfuse_state_dict,
+    expected_hf_names=WEIGHTS.expected_hf_names,
+    from_hf=WEIGHTS.from_hf,
+    to_hf=WEIGHTS.to_hf,
     init_weights=lambda model, initializer_range, seed: init_weights(model, initializer_range, seed),
     gguf_config=gguf_config,
     gguf_tensor_name=gguf_tensor_name,

@@ -25,11 +25,12 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from rill.errors import ModelLoadError
-from rill.models import quant, quant_cache
-from rill.models.config import ModelConfig, dtype_name, parse_config
+import rill.models.quant as quant
+import rill.models.quant_cache as quant_cache
+from rill.models.config import ModelConfig, dtype_name
 from rill.models.gguf_loader import TokenizerSpec, find_gguf, read_gguf
 from rill.models.quant import WEIGHT_MODES
-from rill.models.registry import CausalLM, family_for_config
+from rill.models.registry import CausalLM, family_for_config, parse_config
 
 log = logging.getLogger("rill.models")
 

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from rill.models import packed
+import rill.models.packed as packed
 
 GROUP_SIZE = 32
 """Values per scale/offset group of int4 weights (the GGUF Q4 types' block)."""
@@ -434,7 +434,7 @@ def pack(values: QuantValues, dtype: torch.dtype, device: torch.device | str = "
     """
     device = torch.device(device)
     if device.type == "cpu" and values.shape[1] % GROUP_SIZE == 0:
-        from rill.models import qkernel
+        import rill.models.qkernel as qkernel
 
         if qkernel.available():
             return qkernel.BlockedWeight(values, dtype)

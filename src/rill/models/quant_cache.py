@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from rill.cache import build_atomically, cache_root
-from rill.models import quant
+import rill.models.quant as quant
 
 log = logging.getLogger("rill.models")
 
@@ -48,7 +48,7 @@ def entry_folder(file: Path, weights: str, dtype: torch.dtype, device: str) -> P
 
 
 def _backend() -> str:
-    from rill.models import qkernel
+    import rill.models.qkernel as qkernel
 
     return "vnni" if qkernel.available() else "torch"
 
@@ -139,7 +139,7 @@ def _find(model: nn.Module, name: str) -> torch.Tensor:
 
 
 def _weight_class(name: str) -> type[quant.QuantWeight]:
-    from rill.models import qkernel
+    import rill.models.qkernel as qkernel
 
     classes = {"Int4Weight": quant.Int4Weight, "Int8Weight": quant.Int8Weight, "BlockedWeight": qkernel.BlockedWeight}
     if name not in classes:

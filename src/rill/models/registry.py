@@ -4,7 +4,7 @@ A *family* is one module (listed in ``FAMILY_MODULES``) exposing ``FAMILY``, a `
 that names the Hugging Face architectures (``config.json`` ``architectures``) and GGUF
 architectures (``general.architecture``) it serves and says how to:
 
-* parse ``config.json`` into a ``ModelConfig``;
+* parse ``config.json`` into a ``ModelConfig`` (``parse_config`` picks the family's parser);
 * build the model (a ``CausalLM``) and map Hugging Face tensor names onto its weights;
 * read a GGUF file: its metadata → a ``config.json`` dict, its tensor names → Hugging Face
   names, and the fix-ups llama.cpp's converter applied to some tensors.
@@ -70,7 +70,8 @@ class ModelFamily:
         name: a short label (``"llama"``, ``"gemma3"``).
         model_types: Hugging Face architecture name → ``config.json`` ``model_type``.
         gguf_architectures: ``general.architecture`` values this family reads.
-        parse_config: ``(config.json dict, generation_config dict or None, source) → ModelConfig``.
+        parse_config: ``(architecture, config.json dict, generation_config dict or None, source)
+            → ModelConfig``; ``architecture`` is the name ``resolve_architecture`` chose.
         build: ``ModelConfig → CausalLM`` (uninitialised weights; works on the meta device).
         expected_hf_names: ``ModelConfig →`` the Hugging Face tensor names a checkpoint needs.
         from_hf: ``(HF tensors, ModelConfig) →`` the model's state dict.
@@ -85,7 +86,7 @@ class ModelFamily:
     name: str
     model_types: dict[str, str]
     gguf_architectures: tuple[str, ...]
-    parse_config: Callable[[dict[str, Any], dict[str, Any] | None, str], ModelConfig]
+    parse_config: Callable[[str, dict[str, Any], dict[str, Any] | None, str], ModelConfig]
     build: Callable[[ModelConfig], Any]
     expected_hf_names: Callable[[ModelConfig], list[str]]
     from_hf: Callable[[dict[str, torch.Tensor], ModelConfig], dict[str, torch.Tensor]]
@@ -135,6 +136,19 @@ def resolve_architecture(hf: dict[str, Any], source: str) -> tuple[str, ModelFam
             return name, family
     shown = ", ".join(names) if names else f"none (model_type={hf.get('model_type')!r})"
     raise ModelLoadError(f"{source}: unsupported architecture {shown}; supported: {', '.join(supported_architectures())}")
+
+
+def parse_config(hf: dict[str, Any], generation: dict[str, Any] | None = None, *,
+                 source: str = "config.json") -> ModelConfig:
+    """Build a ``ModelConfig`` from a ``config.json`` dict (and optional ``generation_config.json``)
+    with the parser of its architecture's family.
+
+    Raises:
+        ModelLoadError: unsupported architecture, activation, RoPE type, or a missing field;
+            the message names ``source``.
+    """
+    architecture, family = resolve_architecture(hf, source)
+    return family.parse_config(architecture, hf, generation, source)
 
 
 def family_for_config(hf: dict[str, Any], source: str = "config.json") -> ModelFamily:
