@@ -644,7 +644,9 @@ def _read_toml(path: str) -> dict[str, Any]:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
 
 
-def _base_type(hint: Any) -> Any:
+def _base_type(hint: Any) -> type:
+    """The class a field's type hint stores: ``list`` for ``list[...]``, the first non-None
+    member of a union, else the hint itself (every config field's hint ends in a class)."""
     args = [a for a in get_args(hint) if a is not type(None)]
     if get_origin(hint) is list:
         return list
@@ -683,7 +685,7 @@ def _convert(raw: Any, hint: Any, where: str) -> Any:
             return float(raw)
         return str(raw)
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{where}: cannot use {raw!r} as {getattr(kind, '__name__', kind)}") from exc
+        raise ConfigError(f"{where}: cannot use {raw!r} as {kind.__name__}") from exc
 
 
 def _default_of(f: dataclasses.Field[Any]) -> Any:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import msgspec
@@ -343,14 +344,17 @@ RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_promp
 """Chat-template variables a client's ``chat_template_kwargs`` may not set (the server sets them)."""
 
 
-def check_chat_messages(messages: list[Any]) -> None:
-    """Refuse a message list with an unknown role (``ChatMessage`` structs or plain dicts).
+def check_chat_messages(messages: Sequence[ChatMessage | dict[str, Any]]) -> None:
+    """Refuse a message list with an unknown role (``ChatMessage`` structs or plain dicts; an
+    item that is neither, from a caller that did not validate its input, has no role and is
+    refused too).
 
     Raises:
         InvalidRequest: ``field`` is ``messages``; the message names the index and the roles allowed.
     """
     for index, message in enumerate(messages):
-        role = message.get("role") if isinstance(message, dict) else getattr(message, "role", None)
+        role = (message.role if isinstance(message, ChatMessage)
+                else message.get("role") if isinstance(message, dict) else None)
         if role not in CHAT_ROLES:
             shown = repr(role) if isinstance(role, str) and len(role) <= 40 else "this value"
             raise InvalidRequest(f"messages[{index}].role {shown} is not a chat role; use one of "

@@ -79,7 +79,7 @@ def test_a_packed_runner_gives_the_same_logits_as_plain_weights(checkpoint: Call
     packed_runner = TorchModelRunner(packed_loaded, num_rows=3, max_len=32)
     # Packing replaces: the projections' originals are freed; only a tied head keeps two forms.
     linears = [m.weight for m in packed_loaded.model.modules() if isinstance(m, torch.nn.Linear)]
-    assert linears and all(w.numel() == 0 and getattr(w, packed._PACKED, None) is not None for w in linears)
+    assert linears and all(w.numel() == 0 and packed.packed_copy(w) is not None for w in linears)
     tied = packed_loaded.model.lm_head is None
     assert (packed_runner.packed_weight_bytes > 0) == tied
     embedding = packed_loaded.model.embed_tokens.weight

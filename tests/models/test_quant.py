@@ -210,6 +210,28 @@ def test_the_vnni_kernel_applies_a_norm_or_a_swiglu_as_the_unfused_steps_do(bits
     assert torch.allclose(weight.linear_swiglu(gate_up), expected, rtol=1e-5, atol=1e-3)
 
 
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_torch_kernels_take_a_norm_or_a_swiglu_as_the_dense_model_computes_them(dtype: torch.dtype) -> None:
+    """Where the weight's kernel cannot fuse them (torch's int8 and int4 kernels), ``normed_linear``
+    and ``swiglu_linear`` give bit for bit what the norm module or ``silu(gate) * up`` and then
+    the product give."""
+    from rill.models import packed
+    from rill.models.llama import RMSNorm
+
+    torch.manual_seed(3)
+    norm = RMSNorm(96, 1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(96) + 0.5)
+    x, gate_up = (3 * torch.randn(5, 96)).to(dtype), (3 * torch.randn(5, 192)).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    bias = torch.randn(32).to(dtype)
+    for weight in (quant.Int8Weight(quant.to_int8(torch.randn(32, 96)), dtype),
+                   quant.Int4Weight(quant.to_int4(torch.randn(32, 96)), dtype)):
+        with torch.inference_mode():
+            assert torch.equal(packed.normed_linear(x, norm, weight, bias), weight.linear(norm(x)) + bias)
+            assert torch.equal(packed.swiglu_linear(gate_up, weight), weight.linear(torch.nn.functional.silu(gate) * up))
+
+
 def _mixed(name: str, tensor: torch.Tensor) -> str:
     # Q4_0 MLPs (int4), Q8_0 attention and embeddings (int8): both kinds, fused q/k/v too.
     return "Q4_0" if ".mlp." in name else "Q8_0"

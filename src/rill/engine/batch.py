@@ -12,7 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(slots=True)
@@ -82,15 +85,21 @@ class ModelRunner(Protocol):
         max_len: tokens per row (the engine's context length).
         kv_bytes_per_token: KV memory of one token over all layers.
         vocab_size: width of the logits rows.
-        packs_rows: optional, default False: True when steps over rows with low, consecutive
-            numbers run faster (the llama.cpp runner); the KV manager then gives a new
-            sequence the lowest row it may take instead of the least recently used one.
+        packs_rows: True when steps over rows with low, consecutive numbers run faster (the
+            llama.cpp runner); the KV manager then gives a new sequence the lowest row it may
+            take instead of the least recently used one.
     """
 
     num_rows: int
     max_len: int
     kv_bytes_per_token: int
     vocab_size: int
+    packs_rows: bool
+
+    @property
+    def device(self) -> str | torch.device:
+        """Where the logits live (the sampler works there)."""
+        ...
 
     def forward(self, work: Sequence[RowWork]) -> Any:
         """Run one step; return float32 logits ``[n, vocab_size]`` (a torch tensor): each item's
@@ -99,4 +108,9 @@ class ModelRunner(Protocol):
 
     def copy_row(self, src: int, dst: int, num_tokens: int) -> None:
         """Copy the first ``num_tokens`` positions of row ``src`` into row ``dst``."""
+        ...
+
+    def discard(self, row: int, keep_tokens: int) -> None:
+        """Row ``row``'s positions from ``keep_tokens`` on will not be read again: a runner may
+        give their memory back (the KV manager calls it when a row's sequence shrinks or ends)."""
         ...

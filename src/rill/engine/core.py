@@ -95,13 +95,13 @@ class EngineCore:
         self.clock = clock
         self.max_len = runner.max_len
         self.kv = KVManager(runner.num_rows, runner.max_len, runner.kv_bytes_per_token, min_reuse_tokens=config.min_reuse_tokens,
-                            pack_rows=getattr(runner, "packs_rows", False), discard=getattr(runner, "discard", None),
+                            pack_rows=runner.packs_rows, discard=runner.discard,
                             max_cached_tokens=config.max_cached_tokens)
         self.scheduler = Scheduler(self.kv, runner.copy_row, min(config.max_num_seqs, runner.num_rows), config.max_num_batched_tokens)
         self.scheduler.prefill_chunk_tokens = min(128, config.max_num_batched_tokens)
         self.scheduler.max_logits_chunk_tokens = max(16, PROMPT_LOGITS_BUDGET // max(1, runner.vocab_size))
         num_keys = runner.num_rows + 2 * config.max_num_seqs
-        self.sampler = Sampler(runner.vocab_size, num_keys, device=getattr(runner, "device", "cpu"))
+        self.sampler = Sampler(runner.vocab_size, num_keys, device=runner.device)
         self.requests: dict[str, Request] = {}
         self.touched: dict[str, Request] = {}
         self.deadlines: dict[str, Request] = {}

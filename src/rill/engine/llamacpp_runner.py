@@ -280,6 +280,10 @@ class LlamaCppRunner:
             done += self._decode(filled, out, dest)
         return done
 
+    def discard(self, row: int, keep_tokens: int) -> None:
+        """Nothing to give back: llama.cpp's cache is one buffer allocated with the context, and
+        a row's stale positions are removed when the row is next written (``forward``)."""
+
     def copy_row(self, src: int, dst: int, num_tokens: int) -> None:
         """Make row ``dst`` hold positions ``[0, num_tokens)`` of row ``src``."""
         if not (0 <= src < self.num_rows and 0 <= dst < self.num_rows):

@@ -74,6 +74,9 @@ class TorchModelRunner:
         max_len: tokens per row.
         kv_bytes_per_token: bytes of keys and values of one token over all layers.
         vocab_size: width of the returned logits.
+        packs_rows: False: any rows decode together as fast (decode rows are swapped into
+            place, see the module docstring).
+        device: the model's device.
         kv_capacity_bytes: size of the whole cache.
         packed_weight_bytes: memory added by packing weights for the CPU's GEMM kernels
             (``rill.models.packed``): the packed copies replace the originals, so only a tied
@@ -81,6 +84,8 @@ class TorchModelRunner:
 
     ``pack_weights=False`` keeps the plain weights (a reference for tests).
     """
+
+    packs_rows = False
 
     def __init__(self, loaded_model: LoadedModel, num_rows: int, max_len: int, pack_weights: bool = True) -> None:
         if num_rows < 1 or max_len < 1:

@@ -34,12 +34,23 @@ each decode step. Imports torch only.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+if TYPE_CHECKING:
+    from rill.models.quant import QuantWeight
+
 _PACKED = "_rill_packed"
-"""Attribute of a weight ``Parameter`` that holds its packed copy."""
+"""Attribute of a weight ``Parameter`` that holds its packed copy.
+
+NOTE: the copy rides on the tensor, read with one ``getattr`` per product: the weight is all
+``linear`` is given (the models pass ``module.weight``, the LM head's matrix is the embedding's
+when tied), and that lookup (~50 ns) is as cheap as any typed home keyed by the tensor
+(a ``Parameter`` subclass costs an ``isinstance`` more; a weak-key registry, a hash call
+more). ``packed_copy`` is the one reader outside the hot path."""
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -54,12 +65,19 @@ def can_pack(weight: torch.Tensor) -> bool:
     )
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def packed_copy(weight: torch.Tensor) -> torch.Tensor | None:
+    """The packed copy ``pack_weight`` attached to ``weight``, or None."""
+    return getattr(weight, _PACKED, None)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, through the weight's packed copy when it has one.
 
     Falls back to ``F.linear`` when autograd needs the weight (packed kernels have no backward).
     """
-    if not isinstance(weight, torch.Tensor):  # a quantized weight (rill.models.quant) has its own kernel
+    # A quantized weight (rill.models.quant) is a module with its own kernel; isinstance on
+    # nn.Module is the cheaper test (torch.Tensor's metaclass makes that one a Python call).
+    if isinstance(weight, nn.Module):
         out = weight.linear(x)
         return out if bias is None else out + bias
     packed = getattr(weight, _PACKED, None)
@@ -68,36 +86,36 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def normed_linear(x: torch.Tensor, norm: nn.Module, weight: torch.Tensor,
+def normed_linear(x: torch.Tensor, norm: nn.Module, weight: torch.Tensor | QuantWeight,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``linear(norm(x), weight, bias)`` for an RMS norm module (``weight``, ``eps``).
+    """``linear(norm(x), weight, bias)`` for an RMS norm module (``weight * rms_norm(x)``:
+    ``weight``, ``eps``).
 
-    A quantized weight whose kernel can apply the norm as it reads the activations
-    (``linear_rms``) does both in one call; any other weight gets ``norm(x)`` as the module
-    computes it (bit for bit), then ``linear``.
+    A quantized weight does both in its ``linear_rms`` (one kernel call where its kernel
+    applies the norm as it reads the activations); a dense weight gets ``norm(x)`` as the
+    module computes it (bit for bit), then ``linear``.
     """
-    fused = getattr(weight, "linear_rms", None)
-    if fused is None:
-        return linear(norm(x), weight, bias)
-    out = fused(x, norm.weight, norm.eps)
-    return out if bias is None else out + bias
+    if isinstance(weight, nn.Module):
+        out = weight.linear_rms(x, norm.weight, norm.eps)
+        return out if bias is None else out + bias
+    return linear(norm(x), weight, bias)
 
 
-def swiglu_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``linear(silu(gate) * up, weight, bias)`` for ``gate_up [..., 2K]`` (gate first), in one
-    kernel call where the weight's kernel can (``linear_swiglu``)."""
-    fused = getattr(weight, "linear_swiglu", None)
-    if fused is None:
-        gate, up = gate_up.chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, weight, bias)
-    out = fused(gate_up)
-    return out if bias is None else out + bias
+def swiglu_linear(gate_up: torch.Tensor, weight: torch.Tensor | QuantWeight,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``linear(silu(gate) * up, weight, bias)`` for ``gate_up [..., 2K]`` (gate first); a
+    quantized weight does it in its ``linear_swiglu`` (one kernel call where its kernel can)."""
+    if isinstance(weight, nn.Module):
+        out = weight.linear_swiglu(gate_up)
+        return out if bias is None else out + bias
+    gate, up = gate_up.chunk(2, dim=-1)
+    return linear(F.silu(gate) * up, weight, bias)
 
 
 def pack_weight(weight: torch.Tensor, release: bool = False) -> int:
     """Attach a packed copy to ``weight`` if it can be packed; return the bytes it adds
     (0 with ``release``: the original's storage is freed, leaving an empty tensor)."""
-    if not isinstance(weight, torch.Tensor) or getattr(weight, _PACKED, None) is not None or not can_pack(weight):
+    if not isinstance(weight, torch.Tensor) or packed_copy(weight) is not None or not can_pack(weight):
         return 0
     with torch.no_grad():
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
@@ -128,7 +146,7 @@ def pack_linears(model: nn.Module, lm_weight: torch.Tensor | None = None, releas
     added = 0
     for module in model.modules():
         if isinstance(module, nn.Linear) and isinstance(module.weight, torch.Tensor):
-            packable = can_pack(module.weight) and getattr(module.weight, _PACKED, None) is None
+            packable = can_pack(module.weight) and packed_copy(module.weight) is None
             added += pack_weight(module.weight, release)
             if packable:
                 module.forward = _PackedForward(module)  # type: ignore[method-assign,assignment]

@@ -137,9 +137,6 @@ def _build() -> Path:
 _PRE_NONE, _PRE_RMS, _PRE_SWIGLU = 0, 1, 2
 """What the kernel does to activations before rounding them (``PRE_*`` in the C file)."""
 
-_NORM_F32 = "_rill_norm_f32"
-"""Attribute of a norm's weight that holds its float32 copy for ``linear_rms``."""
-
 
 def _ptr(tensor: torch.Tensor) -> int:
     return tensor.data_ptr()
@@ -154,6 +151,10 @@ class BlockedWeight(QuantWeight):
     (``int4``) or 8-bit (``int8``) values with fp16 scales and offsets per 16 rows and 32
     inputs, or a Q6_K tensor's own 6-bit values (``int6``) with its int8 sub-scales per 16
     inputs and fp16 scales per 256."""
+
+    _norm_f32: tuple[torch.Tensor, torch.Tensor] | None = None
+    """The norm weight ``linear_rms`` last applied and its float32 copy (a tuple, not a
+    tensor attribute: ``nn.Module`` would register a ``Parameter`` as this module's own)."""
 
     def __init__(self, values: Int4Values | Int6Values | Int8Values, dtype: torch.dtype) -> None:
         super().__init__(tuple(values.shape))  # type: ignore[arg-type]
@@ -241,11 +242,11 @@ class BlockedWeight(QuantWeight):
         """``(norm_weight * rms_norm(x, eps)) @ w.T`` in one call: the norm is applied to the
         activations as the kernel rounds them, so the normalised rows are never written out
         (in float32, where the module path rounds them to the model dtype twice)."""
-        norm = getattr(norm_weight, _NORM_F32, None)
-        if norm is None or norm.shape != norm_weight.shape:
-            norm = norm_weight.detach().to(torch.float32).contiguous()
-            setattr(norm_weight, _NORM_F32, norm)  # once per norm: a step makes no conversion
-        return self._call(x, self.shape[1], _PRE_RMS, norm, eps)
+        cached = self._norm_f32
+        if cached is None or cached[0] is not norm_weight or cached[1].shape != norm_weight.shape:
+            # Once per weight (each projection always follows the same norm): a step makes no conversion.
+            cached = self._norm_f32 = (norm_weight, norm_weight.detach().to(torch.float32).contiguous())
+        return self._call(x, self.shape[1], _PRE_RMS, cached[1], eps)
 
     def linear_swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``(silu(gate) * up) @ w.T`` for ``gate_up [..., 2K]`` (gate first), in one call."""

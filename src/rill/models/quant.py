@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import rill.models.packed as packed
@@ -350,6 +351,18 @@ class QuantWeight(nn.Module):
         out = self._mm(flat.contiguous())
         return out.reshape(*x.shape[:-1], self.shape[0]).to(x.dtype)
 
+    def linear_rms(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """``(norm_weight * rms_norm(x, eps)) @ w.T``: the norm as ``rill.models.llama``'s
+        ``RMSNorm`` computes it (bit for bit), then the product. A kernel that can apply the
+        norm as it reads the activations overrides this (``rill.models.qkernel``)."""
+        return self.linear(norm_weight * F.rms_norm(x, (x.shape[-1],), eps=eps))
+
+    def linear_swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``(silu(gate) * up) @ w.T`` for ``gate_up [..., 2K]`` (gate first). A kernel that
+        can gate the activations as it reads them overrides this (``rill.models.qkernel``)."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.linear(F.silu(gate) * up)
+
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
@@ -512,7 +525,7 @@ def weight_bytes(model: nn.Module) -> int:
     seen: set[int] = set()
     total = 0
     tensors = [*model.parameters(), *model.buffers()]
-    tensors += [t._rill_packed for t in tensors if getattr(t, "_rill_packed", None) is not None]  # type: ignore[attr-defined]
+    tensors += [copy for t in tensors if (copy := packed.packed_copy(t)) is not None]
     for tensor in tensors:
         if tensor.device.type == "meta" or tensor.is_mkldnn:
             total += 0 if tensor.device.type == "meta" else tensor.numel() * tensor.element_size()

@@ -108,9 +108,12 @@ class FakeRunner:
         num_forwards: ``forward`` calls so far.
         num_tokens_fed: tokens fed to ``forward`` so far (prefill and decode).
         copies: every ``copy_row`` as ``(src, dst, num_tokens)``.
+        packs_rows: False (a step costs the same over any rows).
+        device: ``"cpu"``.
     """
 
     device = "cpu"
+    packs_rows = False
 
     def __init__(self, num_rows: int = 16, max_len: int = 256, vocab_size: int | None = None,
                  likely_ids: Sequence[int] | None = None, eos_token_id: int | None = None,
@@ -174,6 +177,10 @@ class FakeRunner:
         self.copies.append((src, dst, num_tokens))
         self._rows[dst] = self._rows[src][:num_tokens]
         self._hashes[dst] = self._hashes[src][:num_tokens]
+
+    def discard(self, row: int, keep_tokens: int) -> None:
+        """Nothing to give back: the rows are lists of token ids, and they keep their tokens
+        (``row_tokens`` shows what a row last held)."""
 
     # -- what the rows hold ------------------------------------------------------------------
     def row_tokens(self, row: int) -> list[int]:
