@@ -85,7 +85,7 @@ def test_chunk_cap_follows_measured_costs(long_engine: Engine) -> None:
     from rill.engine.scheduler import SchedulerOutput
 
     core = long_engine.core
-    core._decode_step_s = 0.020
+    core.chunk_tuner.decode_step_s = 0.020
     core.scheduler.prefill_chunk_tokens = 200
     core._update_costs(SchedulerOutput(num_decode_tokens=4, num_prefill_tokens=200), 0.060)  # 3 decode steps
     assert core.scheduler.prefill_chunk_tokens == 140  # too slow: shrink

@@ -260,8 +260,8 @@ def _build_llamacpp_engine(config: EngineConfig, progress: Progress | None) -> E
 
     from rill.engine.llamacpp_runner import MAX_SEQUENCES, LlamaCppRunner, import_llama_cpp
     from rill.engine.threads import default_choice, default_governor
-    from rill.models.registry import parse_config
     from rill.models.gguf_loader import read_gguf
+    from rill.models.registry import parse_config
 
     report = progress or (lambda pct, stage: None)
     import_llama_cpp()  # a missing extra is named before anything is read

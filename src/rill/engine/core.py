@@ -12,17 +12,22 @@ get draft tokens appended to its one-token feed; after it, ``_sample_verified`` 
 by depth and keeps a request going while its sampled token equals its draft.
 
 Fault isolation: whatever is done for one request alone (applying its commands, sampler
-setup, sampling, beam scoring, detokenizing, stop checks) runs under ``_isolated``; if it
-raises, that request alone ends with ``GenerationError`` and its KV rows are freed, while every
-other request of the step carries on exactly as it would have. Only a failure of what the
-requests share (scheduling, the model forward) fails the whole step.
+setup, sampling, beam scoring, detokenizing, stop checks) runs under the ledger's
+``isolated`` (``rill.engine.lifecycle``); if it raises, that request alone ends with
+``GenerationError`` and its KV rows are freed, while every other request of the step carries
+on exactly as it would have. Only a failure of what the requests share (scheduling, the
+model forward) fails the whole step.
+
+Collaborators: ``RequestLedger`` (the live requests, their events, endings and outputs),
+``PrefillChunkTuner`` (``rill.engine.chunking``: the adaptive prefill chunk), ``Speculator``
+(which requests draft, and verification bookkeeping).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
@@ -30,7 +35,9 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from rill.engine.batch import ModelRunner, RowWork
+from rill.engine.chunking import PrefillChunkTuner
 from rill.engine.kv_cache import KVManager
+from rill.engine.lifecycle import RequestLedger
 from rill.engine.output import OutputStage
 from rill.engine.request import (
     AbortCommand,
@@ -45,19 +52,13 @@ from rill.engine.request import (
 )
 from rill.engine.sampler import Sampler
 from rill.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
-from rill.engine.speculative import SpeculativeConfig, Speculator, step_cost
-from rill.errors import ConstraintFailed, GenerationError, RequestTimeout
-from rill.types import EngineStats, FinishReason, RequestEvent, RequestOutput, TokenLogprob, Usage
+from rill.engine.speculative import SpeculativeConfig, Speculator
+from rill.types import EngineStats, FinishReason, RequestEvent, RequestOutput
 
 if TYPE_CHECKING:
     from rill.engine.threads import ThreadGovernor
 
 log = logging.getLogger("rill.engine")
-
-# A step that also prefills a chunk should cost at most about two decode steps (so running
-# streams' inter-token latency at most doubles while a long prompt is prefilled).
-ITL_TARGET_HIGH = 1.8
-ITL_TARGET_LOW = 1.4
 
 # A prefill chunk of a request asking prompt logprobs returns the logits of every position;
 # its length is capped so that they hold at most this many floats (64 MiB).
@@ -102,14 +103,17 @@ class EngineCore:
         self.scheduler.max_logits_chunk_tokens = max(16, PROMPT_LOGITS_BUDGET // max(1, runner.vocab_size))
         num_keys = runner.num_rows + 2 * config.max_num_seqs
         self.sampler = Sampler(runner.vocab_size, num_keys, device=runner.device)
-        self.requests: dict[str, Request] = {}
-        self.touched: dict[str, Request] = {}
-        self.deadlines: dict[str, Request] = {}
         self.speculator = (Speculator(config.speculative, draft_runner, runner.vocab_size)
                            if config.speculative.enabled else None)
         self.stats_counters = EngineStats()
-        self._decode_step_s: float | None = None
+        self.ledger = RequestLedger(self.scheduler, self.sampler, self.kv, self.stats_counters)
+        self.chunk_tuner = PrefillChunkTuner(config.min_prefill_chunk_tokens, config.max_num_batched_tokens)
         self._seq_no = 0
+
+    @property
+    def requests(self) -> dict[str, Request]:
+        """The live requests by id (``RequestLedger.requests``)."""
+        return self.ledger.requests
 
     # -- commands ---------------------------------------------------------------------------
     def apply(self, command: Command) -> None:
@@ -122,50 +126,50 @@ class EngineCore:
         if isinstance(command, AddCommand):
             request = command.request
         else:
-            request = self.requests.get(command.request_id)
+            request = self.ledger.requests.get(command.request_id)
         if request is None:
             handler(self, command)
         else:
-            self._isolated(request, f"applying {type(command).__name__}", handler, self, command)
+            self.ledger.isolated(request, f"applying {type(command).__name__}", handler, self, command)
 
     def _add(self, cmd: AddCommand) -> None:
         request = cmd.request
         self._seq_no += 1
         request.seq_no = self._seq_no
-        self.requests[request.request_id] = request
+        self.ledger.requests[request.request_id] = request
         if request.deadline is not None:
-            self.deadlines[request.request_id] = request
+            self.ledger.deadlines[request.request_id] = request
         request.output = OutputStage(self.tokenizer, request.prompt_ids, request.params.stop)
         if request.params.prompt_logprobs is not None:
             request.prompt_logprobs = [None]  # the first token has no context to be predicted from
         request.pending_events.append(RequestEvent.QUEUED)
-        self.touched[request.request_id] = request
+        self.ledger.touched[request.request_id] = request
         self.scheduler.enqueue(request)
 
     def _abort(self, cmd: AbortCommand) -> None:
-        request = self.requests.get(cmd.request_id)
+        request = self.ledger.requests.get(cmd.request_id)
         if request is None or request.is_finished:
             return
-        self._finish(request, "cancelled")
+        self.ledger.finish(request, "cancelled")
 
     def _pause(self, cmd: PauseCommand) -> None:
-        request = self.requests.get(cmd.request_id)
+        request = self.ledger.requests.get(cmd.request_id)
         if request is None or request.is_finished:
             return
         if request.status is not RequestStatus.PAUSED:
             self.scheduler.pause(request)
-        self._event(request, RequestEvent.PAUSED)
+        self.ledger.event(request, RequestEvent.PAUSED)
 
     def _resume(self, cmd: ResumeCommand) -> None:
-        request = self.requests.get(cmd.request_id)
+        request = self.ledger.requests.get(cmd.request_id)
         if request is None or request.is_finished:
             return
         if request.status is RequestStatus.PAUSED:
             self.scheduler.resume(request)
-        self._event(request, RequestEvent.RESUMED)
+        self.ledger.event(request, RequestEvent.RESUMED)
 
     def _modify(self, cmd: ModifyCommand) -> None:
-        request = self.requests.get(cmd.request_id)
+        request = self.ledger.requests.get(cmd.request_id)
         if request is None or request.is_finished:
             return
         old_stop = request.params.stop
@@ -177,14 +181,14 @@ class EngineCore:
         if list(cmd.params.stop) != list(old_stop):
             assert request.output is not None  # set when the request was added
             request.output.set_stops(cmd.params.stop)
-            self.touched[request.request_id] = request
+            self.ledger.touched[request.request_id] = request
         if request.beam is not None:
             request.beam.set_max_tokens(cmd.params.max_tokens)
         request.pending_modified.append(cmd.params)
-        self._event(request, RequestEvent.MODIFIED)
+        self.ledger.event(request, RequestEvent.MODIFIED)
 
     def _regenerate(self, cmd: RegenerateCommand) -> None:
-        request = self.requests.get(cmd.request_id)
+        request = self.ledger.requests.get(cmd.request_id)
         if request is None or request.is_finished:
             return
         num_prompt = len(request.prompt_ids)
@@ -207,7 +211,7 @@ class EngineCore:
             self.kv.count_reuse(num_prompt, reused)
         if request.status is RequestStatus.PAUSED:
             self.scheduler.resume(request)
-        self._event(request, RequestEvent.REGENERATING)
+        self.ledger.event(request, RequestEvent.REGENERATING)
 
     _handlers: dict[type, Callable[[EngineCore, Any], None]] = {
         AddCommand: _add,
@@ -221,18 +225,18 @@ class EngineCore:
     # -- the step ---------------------------------------------------------------------------
     def has_work(self) -> bool:
         """True when a step would compute something or has outputs to deliver."""
-        return self.scheduler.num_running > 0 or self.scheduler.num_waiting > 0 or bool(self.touched)
+        return self.scheduler.num_running > 0 or self.scheduler.num_waiting > 0 or bool(self.ledger.touched)
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step and return the outputs it produced."""
         now = self.clock()
-        self._check_deadlines(now)
+        self.ledger.check_deadlines(now)
         plan = self.scheduler.schedule()
         for request, error in plan.failed:
-            self._isolated(request, "finishing", self._finish, request, "error", None, error)
+            self.ledger.isolated(request, "finishing", self.ledger.finish, request, "error", None, error)
         for request in plan.preempted:
             self.stats_counters.num_preemptions_total += 1
-            self._event(request, RequestEvent.PREEMPTED)
+            self.ledger.event(request, RequestEvent.PREEMPTED)
         if not plan.is_empty:
             try:
                 self._run(plan)
@@ -240,17 +244,21 @@ class EngineCore:
                 log.exception("engine step failed; failing the %d requests of the step", len(plan.scheduled))
                 for item in plan.scheduled:
                     if not item.request.is_finished:
-                        self._fail(item.request, "generating", self._rows_of(item.request),
+                        self.ledger.fail(item.request, "generating", self.ledger.rows_of(item.request),
                                    message="the engine step failed while generating")
-        return self._collect_outputs()
+        return self.ledger.take_outputs()
 
     def _run(self, plan: SchedulerOutput) -> None:
         for item in plan.scheduled:
-            self._isolated(item.request, "preparing to sample", self._on_scheduled, item.request)
+            self.ledger.isolated(item.request, "preparing to sample", self._on_scheduled, item.request)
         # A request that failed above is finished and its rows are freed: leave it out.
         scheduled = [item for item in plan.scheduled if not item.request.is_finished]
         if self.speculator is not None:
-            self._add_drafts(scheduled, plan)
+            added = self.speculator.add_drafts(scheduled, self.max_len)
+            if added is None:
+                self.speculator = None  # its proposer failed: no more speculation, this step goes on without
+            else:
+                plan.num_draft_tokens += added
         work: list[RowWork] = [w for item in scheduled for w in item.work]
         if not work:
             return
@@ -272,53 +280,7 @@ class EngineCore:
             request.is_scheduled_once = True
             request.scheduled_time = self.clock()
             self.stats_counters.prompt_tokens_total += len(request.prompt_ids)
-            self._event(request, RequestEvent.SCHEDULED)
-
-    def _add_drafts(self, scheduled: list[ScheduledRequest], plan: SchedulerOutput) -> None:
-        """Append draft tokens to the feeds of decoding requests that speculate this step.
-
-        Only a plain decode (one row, the request's last token, sampled after) speculates, and
-        none does in a step with more decoding requests than ``max_batch``. A proposer that
-        raises (a draft model's forward) turns speculation off for the rest of the engine's
-        life, logged once; the step itself goes on without drafts.
-        """
-        speculator = self.speculator
-        assert speculator is not None  # called only while speculation is on
-        decoding = [item for item in scheduled if len(item.work) == 1 and len(item.work[0].token_ids) == 1
-                    and item.work[0].need_logits and not item.work[0].all_logits]
-        if len(decoding) > speculator.config.max_batch:
-            return
-        asking = [(item, limit) for item in decoding if (limit := self._draft_limit(item.request)) > 0]
-        if not asking:
-            return
-        for item, _ in asking:
-            if item.request.speculation is None:
-                item.request.speculation = speculator.new_state()
-        entries = [(item.request.speculation, item.request.row, item.request.num_tokens, item.request.token_at, limit)
-                   for item, limit in asking]
-        try:
-            drafts = speculator.propose(entries, len(decoding))  # type: ignore[arg-type]  # scheduled: each has a row
-        except Exception:
-            log.exception("the speculative proposer failed; speculative decoding is off from now on")
-            self.speculator = None
-            return
-        for (item, _), draft in zip(asking, drafts):
-            if draft:
-                work = item.work[0]
-                item.work[0] = RowWork(work.row, work.token_ids + draft, work.start, need_logits=True, all_logits=True,
-                                       draft=True)
-                item.draft = draft
-                plan.num_draft_tokens += len(draft)
-
-    def _draft_limit(self, request: Request) -> int:
-        """The most draft tokens ``request`` may have verified this step (0: none)."""
-        params = request.params  # beams and prefill-only requests (max_tokens 0) never speculate
-        assert self.speculator is not None  # called only while speculation is on
-        if params.max_tokens == 0 or not self.speculator.wants(params, request.is_beam):
-            return 0
-        return min(params.speculative_tokens(self.speculator.config.num_tokens),
-                   params.max_tokens - len(request.output_ids) - 1,  # the last token needs no draft
-                   self.max_len - request.num_tokens)  # the fed tokens must fit in the row
+            self.ledger.event(request, RequestEvent.SCHEDULED)
 
     def _sample_and_advance(self, scheduled: list[ScheduledRequest], logits: torch.Tensor) -> None:
         sample_items: list[tuple[Request, int, list[int]]] = []  # (request, its first logits row, its draft)
@@ -340,7 +302,7 @@ class EngineCore:
                 continue
             request.num_computed += len(work.token_ids)
             if work.all_logits:
-                self._isolated(request, "computing prompt logprobs", self._on_prompt_logits, request, work.start,
+                self.ledger.isolated(request, "computing prompt logprobs", self._on_prompt_logits, request, work.start,
                                logits[index : index + work.num_logits])
             index += work.num_logits
             if not work.need_logits or request.is_finished:
@@ -353,13 +315,13 @@ class EngineCore:
             else:
                 sample_items.append((request, last, []))
         for request in prefilled:  # max_tokens 0: the prompt is computed, nothing is generated
-            self._isolated(request, "finishing", self._finish_prefilled, request)
+            self.ledger.isolated(request, "finishing", self._finish_prefilled, request)
         now = self.clock()
         if sample_items:
             self._sample_verified(sample_items, logits, now)
         for request, start, count in beam_items:
-            self._isolated(request, "beam search", self._beam_step, request, logits[start : start + count], now,
-                           rows=self._rows_of(request))
+            self.ledger.isolated(request, "beam search", self._beam_step, request, logits[start : start + count], now,
+                           rows=self.ledger.rows_of(request))
 
     def _sample_verified(self, items: list[tuple[Request, int, list[int]]], logits: torch.Tensor, now: float) -> None:
         """Sample every request's next token; a speculating one goes on while it matches its draft.
@@ -381,15 +343,15 @@ class EngineCore:
             except Exception:  # not one row's fault (the sampler isolates those): fail the sampled rows
                 log.exception("sampling failed for the whole batch")
                 for request in reqs:
-                    self._fail(request, "sampling")
+                    self.ledger.fail(request, "sampling")
                 return
             going = []
             for i, (request, first, draft) in enumerate(items):
                 if i in result.errors:
-                    self._fail(request, "sampling", exc=result.errors[i])
+                    self.ledger.fail(request, "sampling", exc=result.errors[i])
                     continue
                 token = result.token_ids[i]
-                self._isolated(request, "processing its new token", self._on_token, request, token,
+                self.ledger.isolated(request, "processing its new token", self._on_token, request, token,
                                result.logprobs[i], now)
                 matched = depth < len(draft) and token == draft[depth]
                 if matched and not request.is_finished:
@@ -420,7 +382,7 @@ class EngineCore:
         if request.is_finished:
             return
         self._mark_prefill_done(request)
-        self._finish(request, "length")
+        self.ledger.finish(request, "length")
 
     # -- per-token output stage ------------------------------------------------------------
     def _on_token(self, request: Request, token: int, logprob: Any, now: float) -> None:
@@ -437,25 +399,25 @@ class EngineCore:
         request.last_token_time = now
         params = request.params
         if token in request.eos_token_ids and not params.ignore_eos:
-            self._finish(request, "stop")
+            self.ledger.finish(request, "stop")
             return
         if token in params.stop_token_ids:
-            self._finish(request, "stop", stop_reason=token)
+            self.ledger.finish(request, "stop", stop_reason=token)
             return
         assert request.output is not None  # set when the request was added
         matched = request.output.push(token, logprob if params.logprobs is not None else None)
-        self.touched[request.request_id] = request
+        self.ledger.touched[request.request_id] = request
         if matched is not None:
-            self._finish(request, "stop", stop_reason=matched, flush=False)
+            self.ledger.finish(request, "stop", stop_reason=matched, flush=False)
         elif request.sampler_key is not None and self.sampler.is_constraint_complete(request.sampler_key):
-            self._finish(request, "stop")  # the grammar allows nothing more (only eos would follow)
+            self.ledger.finish(request, "stop")  # the grammar allows nothing more (only eos would follow)
         elif len(request.output_ids) >= params.max_tokens or request.num_tokens >= self.max_len:
-            self._finish(request, "length")
+            self.ledger.finish(request, "length")
 
     def _mark_prefill_done(self, request: Request) -> None:
         if not request.is_prefill_reported:
             request.is_prefill_reported = True
-            self._event(request, RequestEvent.PREFILL_DONE)
+            self.ledger.event(request, RequestEvent.PREFILL_DONE)
 
     def _beam_step(self, request: Request, logits: torch.Tensor, now: float) -> None:
         group = request.beam
@@ -476,170 +438,23 @@ class EngineCore:
             request.output_ids = list(result.best)
             request.num_output_tokens_counted = len(result.best)
             reason: FinishReason = "stop" if result.best and result.best[-1] in group.eos_token_ids else "length"
-            self._finish(request, reason)
+            self.ledger.finish(request, reason)
 
     def _emit_beam_tokens(self, request: Request, tokens: list[int]) -> None:
         assert request.output is not None  # set when the request was added
         for token in tokens[request.num_beam_tokens_emitted :]:
             request.output.push(token, match_stops=False)
         request.num_beam_tokens_emitted = max(request.num_beam_tokens_emitted, len(tokens))
-        self.touched[request.request_id] = request
+        self.ledger.touched[request.request_id] = request
 
-    # -- fault isolation -----------------------------------------------------------------------
-    def _isolated(self, request: Request, stage: str, fn: Callable[..., Any], *args: Any, rows: Iterable[int] = ()) -> None:
-        """Call ``fn(*args)``; if it raises, fail ``request`` alone (``rows``: see ``_fail``)."""
-        try:
-            fn(*args)
-        except Exception as exc:  # noqa: BLE001 - any failure fails this request alone
-            self._fail(request, stage, rows, exc=exc)
-
-    def _rows_of(self, request: Request) -> list[int]:
-        """Every KV row a beam request holds now (empty for other requests: ``_finish`` frees theirs).
-
-        Taken before a beam step, because a step that fails half-way may have moved its beams
-        to other rows of the same set.
-        """
-        if not request.is_beam:
-            return []
-        rows = set(request.beam.rows()) if request.beam is not None else set()
-        if request.row is not None:
-            rows.add(request.row)
-        return sorted(rows)
-
-    def _fail(self, request: Request, stage: str, rows: Iterable[int] = (), exc: BaseException | None = None,
-              message: str | None = None) -> None:
-        """End ``request`` with ``GenerationError`` after it raised while ``stage``; free its KV.
-
-        ``rows`` (a beam request's, from ``_rows_of``) are dropped: their content may be half
-        updated. The client gets the stage, never the exception text (that goes to the log).
-        A ``ConstraintFailed`` (the request's grammar could not be followed) is the client's
-        own problem: it ends the request as it is, and the log gets its bounded message on one
-        line, no traceback (the grammar module keeps it short: no grammar text in it).
-        """
-        if isinstance(exc, ConstraintFailed):
-            if not request.is_finished:
-                log.warning("request %s: %s", request.request_id, exc.message)
-                self._drop_rows(request, rows)
-                self._finish(request, "error", error=exc, flush=False)
-            return
-        if exc is not None:
-            log.error("request %s failed while %s; the other requests continue", request.request_id, stage, exc_info=exc)
-        if request.is_finished:
-            return
-        self._drop_rows(request, rows)
-        error = GenerationError(message or f"the request failed while {stage}; other requests are not affected")
-        self._finish(request, "error", error=error, flush=False)
-
-    def _drop_rows(self, request: Request, rows: Iterable[int]) -> None:
-        rows = list(rows)
-        if rows:
-            for row in rows:
-                if self.kv.is_live(row):
-                    self.kv.drop(row)
-            request.beam, request.row = None, None  # its rows are dropped above
-
-    # -- finishing ----------------------------------------------------------------------------
-    def _finish(self, request: Request, reason: FinishReason, stop_reason: Any = None, error: Any = None, flush: bool = True) -> None:
-        if flush and request.output is not None:
-            matched = request.output.flush()
-            if matched is not None:
-                reason, stop_reason = "stop", matched
-        request.finish_reason = reason
-        request.stop_reason = stop_reason
-        request.error = error
-        if request.status is not RequestStatus.FINISHED:
-            self.scheduler.remove(request)
-            self.scheduler.release(request)
-        request.status = RequestStatus.FINISHED
-        if request.sampler_key is not None:
-            self.sampler.remove(request.sampler_key)
-            request.sampler_key = None
-        finished = self.stats_counters.requests_finished_total
-        finished[reason] = finished.get(reason, 0) + 1
-        self.touched[request.request_id] = request
-
-    def _check_deadlines(self, now: float) -> None:
-        for request in list(self.deadlines.values()):
-            if request.is_finished:
-                self.deadlines.pop(request.request_id, None)
-            elif now >= cast(float, request.deadline):  # self.deadlines holds only requests with one
-                self._isolated(request, "finishing", self._finish, request, "error", None,
-                               RequestTimeout("the request reached its time limit"))
-
-    def _event(self, request: Request, event: RequestEvent) -> None:
-        request.pending_events.append(event)
-        self.touched[request.request_id] = request
-
-    def _take_prompt_logprobs(self, request: Request) -> list[TokenLogprob | None] | None:
-        """The request's prompt logprobs the first time they are complete, else None."""
-        if request.prompt_logprobs is None or request.is_prompt_logprobs_sent or request.needs_prompt_logits:
-            return None
-        request.is_prompt_logprobs_sent = True
-        return request.prompt_logprobs
-
-    def _collect_outputs(self) -> list[RequestOutput]:
-        outputs = []
-        for request in self.touched.values():
-            finished = request.is_finished
-            wants_logprobs = request.params.logprobs is not None
-            # No stage: its AddCommand failed before making one.
-            token_ids, token_texts, logprobs = request.output.take(finished) if request.output else ([], [], [])
-            outputs.append(
-                RequestOutput(
-                    request_id=request.request_id,
-                    text="".join(token_texts),
-                    token_ids=token_ids,
-                    token_texts=token_texts,
-                    logprobs=[lp for lp in logprobs if lp is not None] if wants_logprobs else None,
-                    prompt_logprobs=self._take_prompt_logprobs(request),
-                    cumulative_logprob=request.cumulative_logprob if wants_logprobs else None,
-                    events=request.pending_events,
-                    modified=request.pending_modified,
-                    finished=finished,
-                    finish_reason=request.finish_reason if finished else None,
-                    stop_reason=request.stop_reason if finished else None,
-                    error=request.error if finished else None,
-                    usage=Usage(prompt_tokens=len(request.prompt_ids), completion_tokens=request.num_output_tokens_counted,
-                                cached_tokens=request.num_cached_prompt_tokens),
-                    arrival_time=request.arrival_time,
-                    scheduled_time=request.scheduled_time,
-                    first_token_time=request.first_token_time,
-                    last_token_time=request.last_token_time,
-                )
-            )
-            request.pending_events = []
-            request.pending_modified = []
-            if finished:
-                self.requests.pop(request.request_id, None)
-        self.touched = {}
-        return outputs
-
-    # -- adaptive prefill chunk ------------------------------------------------------------------
+    # -- step timing -----------------------------------------------------------------------------
     def _update_costs(self, plan: SchedulerOutput, elapsed_s: float) -> None:
-        """Steer the prefill chunk cap so a step with a chunk costs about twice a decode step.
-
-        A feedback loop rather than a cost model: a chunk also has a fixed cost (masks, its own
-        attention call), so "decode time / per-token prefill time" measured on small chunks
-        overstates the per-token cost and spirals the cap down. Instead the cap shrinks when a
-        step with a chunk took more than ``ITL_TARGET_HIGH`` decode steps and grows while it
-        took less than ``ITL_TARGET_LOW`` with the cap binding.
-        """
-        alpha = 0.2
-        cap = self.scheduler.prefill_chunk_tokens
-        if plan.num_prefill_tokens == 0 and plan.num_decode_tokens:
-            plain_s = elapsed_s
-            if plan.num_draft_tokens:  # a verification step: what a plain step would have cost
-                plain_s = elapsed_s / step_cost(max(len(item.draft) for item in plan.scheduled))
-            self._decode_step_s = plain_s if self._decode_step_s is None else (1 - alpha) * self._decode_step_s + alpha * plain_s
-            if self.speculator is not None:
-                self.speculator.target_step_s = self._decode_step_s
-        elif plan.num_prefill_tokens and plan.num_decode_tokens and self._decode_step_s:
-            ratio = elapsed_s / self._decode_step_s
-            if ratio > ITL_TARGET_HIGH:
-                cap = int(cap * 0.7)
-            elif ratio < ITL_TARGET_LOW and plan.num_prefill_tokens >= 0.9 * cap:
-                cap = int(cap * 1.3) + 1
-            self.scheduler.prefill_chunk_tokens = max(self.config.min_prefill_chunk_tokens, min(cap, self.config.max_num_batched_tokens))
+        """Feed one step's time to the prefill chunk cap (``PrefillChunkTuner``), the
+        speculator's cost of a decode step and the step-time gauges."""
+        scheduler = self.scheduler
+        scheduler.prefill_chunk_tokens = self.chunk_tuner.observe(plan, elapsed_s, scheduler.prefill_chunk_tokens)
+        if self.speculator is not None:
+            self.speculator.target_step_s = self.chunk_tuner.decode_step_s
         s = self.stats_counters
         s.last_step_ms = elapsed_s * 1000
         s.step_ms_ewma = s.last_step_ms if s.step_ms_ewma == 0 else 0.9 * s.step_ms_ewma + 0.1 * s.last_step_ms

@@ -12,17 +12,23 @@ exists, ``take`` keeps the last token back while the stage holds text: an incomp
 character or a possible start of a stop string. Its id, text so far and logprob then come
 with the next output.
 
+``take_outputs`` turns what each request gained since its last output (the stage's tokens, its
+events, a finish) into the ``RequestOutput`` the core returns from a step.
+
 Pure: the tokenizer is duck-typed (see ``rill.engine.detokenizer``); no torch, no I/O.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from rill.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from rill.types import TokenLogprob
+from rill.types import RequestOutput, TokenLogprob, Usage
+
+if TYPE_CHECKING:
+    from rill.engine.request import Request
 
 log = logging.getLogger("rill.engine")
 
@@ -107,3 +113,54 @@ class OutputStage:
             # Unreachable while the decoder never rewrites text it already gave out: held text
             # keeps its token back. Kept for the next token rather than breaking the contract.
             self._carry += text
+
+
+def take_outputs(touched: Iterable[Request], live: dict[str, Request]) -> list[RequestOutput]:
+    """What each ``touched`` request gained since its last output, as ``RequestOutput``s: its
+    pending events and modifications are handed over (cleared), its prompt logprobs the first
+    time they are complete, and a finished request leaves ``live`` (the core's requests).
+
+    One call per step, one loop over the requests it touched.
+    """
+    outputs = []
+    for request in touched:
+        finished = request.is_finished
+        wants_logprobs = request.params.logprobs is not None
+        # No stage: its AddCommand failed before making one.
+        token_ids, token_texts, logprobs = request.output.take(finished) if request.output else ([], [], [])
+        outputs.append(
+            RequestOutput(
+                request_id=request.request_id,
+                text="".join(token_texts),
+                token_ids=token_ids,
+                token_texts=token_texts,
+                logprobs=[lp for lp in logprobs if lp is not None] if wants_logprobs else None,
+                prompt_logprobs=_take_prompt_logprobs(request),
+                cumulative_logprob=request.cumulative_logprob if wants_logprobs else None,
+                events=request.pending_events,
+                modified=request.pending_modified,
+                finished=finished,
+                finish_reason=request.finish_reason if finished else None,
+                stop_reason=request.stop_reason if finished else None,
+                error=request.error if finished else None,
+                usage=Usage(prompt_tokens=len(request.prompt_ids), completion_tokens=request.num_output_tokens_counted,
+                            cached_tokens=request.num_cached_prompt_tokens),
+                arrival_time=request.arrival_time,
+                scheduled_time=request.scheduled_time,
+                first_token_time=request.first_token_time,
+                last_token_time=request.last_token_time,
+            )
+        )
+        request.pending_events = []
+        request.pending_modified = []
+        if finished:
+            live.pop(request.request_id, None)
+    return outputs
+
+
+def _take_prompt_logprobs(request: Request) -> list[TokenLogprob | None] | None:
+    """The request's prompt logprobs the first time they are complete, else None."""
+    if request.prompt_logprobs is None or request.is_prompt_logprobs_sent or request.needs_prompt_logits:
+        return None
+    request.is_prompt_logprobs_sent = True
+    return request.prompt_logprobs

@@ -26,8 +26,8 @@ from collections.abc import Sequence
 
 import torch
 
-from rill.engine.batch import RowWork, check_work
 import rill.models.packed as packed
+from rill.engine.batch import RowWork, check_work
 from rill.models.attention import PrefillLayout, StepBatch
 from rill.models.loader import LoadedModel
 from rill.models.registry import CausalLM

@@ -34,27 +34,36 @@ Qwen2.5-Coder-1.5B's greedy answers, this policy made 1.43 tokens per unit of st
 edits and 1.16 on chat, against 1.40 / 1.15 for the best fixed ``k``, 3.)
 
 Proposers: ``ngram`` (prompt lookup, ``rill.engine.ngram``: no second model) and ``draft``
-(``DraftModel``: a smaller model with the same vocabulary, greedy, on its own runner whose KV
+(``rill.engine.draft_model.DraftModel``: a smaller model with the same vocabulary, greedy, on its own runner whose KV
 row ``i`` sits beside the target's row ``i``). A draft token costs the draft model a step, so
 for ``draft`` the length chooser adds the measured ratio of a draft step to a target step to
 each token's cost. With a draft model, prompt lookup is still asked first: where the context
 predicts the next tokens they cost nothing to draft, and the draft model drafts for the
 requests it has no proposal for. Each source keeps its own acceptance rate per request.
 
-Imports ``rill.engine.ngram`` and the runner boundary (``rill.engine.batch``); the core calls it.
+Which decoding requests speculate in a step, and with how many tokens, is ``Speculator.add_drafts``.
+
+Imports the proposers (``rill.engine.ngram``, ``rill.engine.draft_model``) and the runner
+boundary (``rill.engine.batch``); the core calls it.
 """
 
 from __future__ import annotations
 
-import time
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rill.engine.batch import ModelRunner, RowWork
-from rill.engine.kv_cache import common_prefix_len
+from rill.engine.draft_model import DraftModel
 from rill.engine.ngram import NgramProposer
 from rill.types import MAX_SPECULATIVE_TOKENS
+
+if TYPE_CHECKING:
+    from rill.engine.request import Request
+    from rill.engine.scheduler import ScheduledRequest
+
+log = logging.getLogger("rill.engine")
 
 METHODS = ("off", "ngram", "draft")
 
@@ -67,7 +76,6 @@ STEP_COST = (1.0, 1.07, 1.14, 1.21, 1.38, 1.55, 1.72, 1.89, 2.06)
 STEP_COST_PER_TOKEN = 0.17
 PROBE_EVERY = 8  # a request whose drafts do not pay still tries one token every this many steps per decoding request
 PRIOR_RATE = 0.5  # acceptance assumed before a request has any history
-CATCH_UP_AS_DECODE = 8  # a draft model catches up on this many tokens or fewer through its decode path
 MAX_CATCH_UP = 64  # in a batch, a request whose draft row lags more than this gets no model draft
 MODEL_PROBE_MAX_BATCH = 1  # the draft model is probed only for a request decoding alone
 HISTORY = 0.5  # weight of the history in the running acceptance (per verification)
@@ -157,66 +165,6 @@ def step_cost(k: int) -> float:
     return STEP_COST[-1] + STEP_COST_PER_TOKEN * (k - len(STEP_COST) + 1)
 
 
-class DraftModel:
-    """Greedy draft tokens from a smaller model with the target's vocabulary.
-
-    Its runner has as many KV rows as the target's, and draft row ``i`` serves the request in
-    target row ``i``; what each draft row holds is remembered as tokens, so a row taken over
-    by another request, a rejected draft or a regenerate is caught up by feeding the tokens
-    past the common prefix (the first proposal of a request prefills its prompt in the draft).
-    One ``propose`` is one batched draft forward per draft position.
-
-    Args:
-        runner: the draft model's runner.
-        vocab_size: the target's vocabulary (a draft token past it is never proposed).
-    """
-
-    def __init__(self, runner: ModelRunner, vocab_size: int) -> None:
-        self.runner = runner
-        self.vocab_size = vocab_size
-        self.held: list[list[int]] = [[] for _ in range(runner.num_rows)]
-        self.step_s: float | None = None  # moving average of one draft decode forward
-
-    def lag(self, row: int, context: list[int]) -> int:
-        """Tokens draft row ``row`` would have to catch up on before drafting after ``context``."""
-        return len(context) - common_prefix_len(self.held[row], context)
-
-    def propose(self, entries: Sequence[tuple[int, list[int], int]]) -> list[list[int]]:
-        """Drafts for ``(row, context, k)`` entries: up to ``k`` greedy tokens after ``context``
-        (a list the draft model keeps as its record of the row, and extends)."""
-        drafts: list[list[int]] = [[] for _ in entries]
-        work, live = [], []
-        for i, (row, context, k) in enumerate(entries):
-            if k <= 0 or not context:
-                continue
-            held = self.held[row]
-            valid = min(common_prefix_len(held, context), len(context) - 1)
-            fed = context[valid:]
-            # A short catch-up (the last verified tokens) runs like decode steps; a prompt, as a prefill.
-            work.append(RowWork(row, fed, valid, draft=len(fed) <= CATCH_UP_AS_DECODE))
-            self.held[row] = context  # the row's record from now on (drafts are appended to it)
-            live.append(i)
-        first = True
-        while work:
-            started = time.perf_counter()
-            logits = self.runner.forward(work)
-            if not first:  # a decode step (the first may prefill)
-                elapsed = time.perf_counter() - started
-                self.step_s = elapsed if self.step_s is None else 0.8 * self.step_s + 0.2 * elapsed
-            first = False
-            tokens = logits[:, :self.vocab_size].argmax(dim=-1).tolist()
-            work, going = [], []
-            for token, i in zip(tokens, live):
-                drafts[i].append(token)
-                row, _, k = entries[i]
-                if len(drafts[i]) < k:
-                    work.append(RowWork(row, [token], len(self.held[row])))
-                    self.held[row].append(token)
-                    going.append(i)
-            live = going
-        return drafts
-
-
 class Speculator:
     """Draft tokens for the core's decoding requests and the bookkeeping of their verification.
 
@@ -237,6 +185,51 @@ class Speculator:
         # The draft model's acceptance over every request: a new request's model track starts
         # from it, so a draft that agrees well is used from the first tokens on.
         self.model_track = Track(history=0.95)
+
+    def add_drafts(self, scheduled: list[ScheduledRequest], max_len: int) -> int | None:
+        """Append draft tokens to the feeds of ``scheduled`` decoding requests that speculate
+        this step; return how many were added, or None when the proposer raised (logged).
+
+        Only a plain decode (one row, the request's last token, sampled after) speculates, and
+        none does in a step with more decoding requests than ``max_batch``. A proposer that
+        raises (a draft model's forward) is the caller's cue to turn speculation off for good;
+        the step itself goes on without drafts. ``max_len``: tokens per KV row.
+        """
+        decoding = [item for item in scheduled if len(item.work) == 1 and len(item.work[0].token_ids) == 1
+                    and item.work[0].need_logits and not item.work[0].all_logits]
+        if len(decoding) > self.config.max_batch:
+            return 0
+        asking = [(item, limit) for item in decoding if (limit := self.draft_limit(item.request, max_len)) > 0]
+        if not asking:
+            return 0
+        for item, _ in asking:
+            if item.request.speculation is None:
+                item.request.speculation = self.new_state()
+        entries = [(item.request.speculation, item.request.row, item.request.num_tokens, item.request.token_at, limit)
+                   for item, limit in asking]
+        try:
+            drafts = self.propose(entries, len(decoding))  # type: ignore[arg-type]  # scheduled: each has a row
+        except Exception:
+            log.exception("the speculative proposer failed; speculative decoding is off from now on")
+            return None
+        added = 0
+        for (item, _), draft in zip(asking, drafts):
+            if draft:
+                work = item.work[0]
+                item.work[0] = RowWork(work.row, work.token_ids + draft, work.start, need_logits=True, all_logits=True,
+                                       draft=True)
+                item.draft = draft
+                added += len(draft)
+        return added
+
+    def draft_limit(self, request: Request, max_len: int) -> int:
+        """The most draft tokens ``request`` may have verified this step (0: none)."""
+        params = request.params  # beams and prefill-only requests (max_tokens 0) never speculate
+        if params.max_tokens == 0 or not self.wants(params, request.is_beam):
+            return 0
+        return min(params.speculative_tokens(self.config.num_tokens),
+                   params.max_tokens - len(request.output_ids) - 1,  # the last token needs no draft
+                   max_len - request.num_tokens)  # the fed tokens must fit in the row
 
     def wants(self, request_params: Any, is_beam: bool) -> bool:
         """True when a request with these parameters speculates (server on, request not opted out)."""
