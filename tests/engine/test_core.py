@@ -343,18 +343,18 @@ def test_preemption_under_memory_pressure_favours_priority(tiny_model_dir: Path)
 def test_auto_kv_budget_holds_every_sequence_the_engine_runs_and_a_fixed_one_caps_it(monkeypatch) -> None:
     """``--kv-cache-memory auto`` sizes the cache from the load (``--max-num-seqs`` plus the
     prefix headroom), capped at a share of the memory available; a size caps it as before."""
-    from rill.engine import builder
+    from rill.engine import sizing
 
-    monkeypatch.setattr(builder, "_available_memory", lambda: 16 * 2**30)
+    monkeypatch.setattr(sizing, "available_memory", lambda: 16 * 2**30)
     auto = EngineConfig(max_num_seqs=32)
     row = 23_040 * 4096  # SmolLM2's bf16 KV bytes per token x 4096 tokens
-    assert builder._cache_rows(auto, 23_040, 4096) == 32 + 16
+    assert sizing.cache_rows(auto, 23_040, 4096) == 32 + 16
     # A resident cache (llama.cpp's) keeps the fixed 2 GiB: 22 rows of 94 MB.
-    assert builder._cache_rows(auto, 23_040, 4096, lazy=False) == 2 * 2**30 // row
-    monkeypatch.setattr(builder, "_available_memory", lambda: 2 * 2**30)
-    assert builder._cache_rows(auto, 23_040, 4096) == int(0.4 * 2 * 2**30) // row
+    assert sizing.cache_rows(auto, 23_040, 4096, lazy=False) == 2 * 2**30 // row
+    monkeypatch.setattr(sizing, "available_memory", lambda: 2 * 2**30)
+    assert sizing.cache_rows(auto, 23_040, 4096) == int(0.4 * 2 * 2**30) // row
     fixed = EngineConfig(max_num_seqs=32, kv_cache_memory="512MiB")
-    assert builder._cache_rows(fixed, 23_040, 4096) == 512 * 2**20 // row
-    assert builder.warm_up_tokens(8192, 135_000_000) == 2962
-    assert builder.warm_up_tokens(8192, 1_540_000_000) == 259
-    assert builder.warm_up_tokens(1024, 135_000_000) == 1024
+    assert sizing.cache_rows(fixed, 23_040, 4096) == 512 * 2**20 // row
+    assert sizing.warm_up_tokens(8192, 135_000_000) == 2962
+    assert sizing.warm_up_tokens(8192, 1_540_000_000) == 259
+    assert sizing.warm_up_tokens(1024, 135_000_000) == 1024

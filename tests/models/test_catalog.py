@@ -211,13 +211,13 @@ def test_the_bundled_entries_match_their_packages() -> None:
 
 def test_serve_resolves_a_catalog_name_to_its_pulled_file(cache: Path) -> None:
     from rill.config import load
-    from rill.engine.builder import _gguf_file, _model_path
+    from rill.engine.model_source import gguf_file, model_path
 
     with pytest.raises(ModelLoadError, match="run: rill pull qwen2.5-coder-0.5b-instruct"):
-        _model_path("qwen0.5b", lambda pct, stage: None)
+        model_path("qwen0.5b", lambda pct, stage: None)
     path = install_sparse(catalog.QWEN_0_5B)
-    assert _model_path("qwen0.5b", lambda pct, stage: None) == path
-    # The torch runner serves a file under its stem, llama.cpp's under the name _gguf_file gives.
+    assert model_path("qwen0.5b", lambda pct, stage: None) == path
+    # The torch runner serves a file under its stem, llama.cpp's under the name gguf_file gives.
     assert path.stem == "qwen2.5-coder-0.5b-instruct"
-    assert _gguf_file("qwen2.5-coder-0.5b") == (path, "qwen2.5-coder-0.5b-instruct")
+    assert gguf_file("qwen2.5-coder-0.5b") == (path, "qwen2.5-coder-0.5b-instruct")
     assert load({"engine.runner": "llamacpp", "engine.model": "qwen0.5b"}, env={}).engine.model == "qwen0.5b"

@@ -21,26 +21,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import rill.engine.sizing as sizing
 from rill.config import EngineConfig, parse_size
 from rill.engine.batch import ModelRunner
 from rill.engine.core import CoreConfig, EngineCore
 from rill.engine.grammar import GrammarCompiler
+from rill.engine.model_source import Progress, gguf_file, model_path, served_name
 from rill.engine.speculative import SpeculativeConfig
 from rill.errors import ConfigError, ModelLoadError, RillError
 from rill.types import ModelInfo
 
 if TYPE_CHECKING:
+    from rill.engine.runner import TorchModelRunner
     from rill.engine.threads import ThreadGovernor
-    from rill.models.config import ModelConfig
+    from rill.models.loader import LoadedModel
 
 log = logging.getLogger("rill.engine")
 
-DEFAULT_MAX_CONTEXT = 4096
-DEMO_MODEL = "demo"
-"""``--model demo`` serves the story model rill trains itself (``rill.demo``)."""
-
-Progress = Callable[[float, str], None]
-"""Loading progress callback: percent done and the stage's name."""
 
 
 @dataclass
@@ -110,17 +107,10 @@ def assemble_engine(
                              max_cached_tokens=parse_size(config.prefix_cache_memory, "prefix_cache_memory")
                              // max(1, runner.kv_bytes_per_token))
     core = EngineCore(runner, tokenizer, core_config, clock or time.monotonic, thread_governor, draft_runner=draft_runner)
-    model_info = ModelInfo(
-        name=config.served_model_name or name,
-        architecture=architecture,
-        max_context_tokens=runner.max_len,
-        vocab_size=runner.vocab_size,
-        dtype=dtype,
-        device=device,
-        quantization=quantization,
-        has_chat_template=tokenizer.has_chat_template,
-        tool_call_format=_tool_call_format(tokenizer),
-    )
+    model_info = ModelInfo(name=config.served_model_name or name, architecture=architecture,
+                           max_context_tokens=runner.max_len, vocab_size=runner.vocab_size, dtype=dtype, device=device,
+                           quantization=quantization, has_chat_template=tokenizer.has_chat_template,
+                           tool_call_format=_tool_call_format(tokenizer))
     return Engine(core=core, runner=runner, tokenizer=tokenizer, grammars=grammars, eos_token_ids=eos,
                   model_info=model_info, generation_defaults=dict(generation_defaults or {}))
 
@@ -167,22 +157,55 @@ def build_engine(config: EngineConfig, progress: Progress | None = None) -> Engi
         if config.draft_model:
             raise ConfigError("--draft-model needs the torch runner (--runner torch)")
         return _build_llamacpp_engine(config, progress)
+    return _build_torch_engine(config, progress or (lambda pct, stage: None))
+
+
+def _build_torch_engine(config: EngineConfig, report: Progress) -> Engine:
+    """``--runner torch``: the model's weights in torch, packed or quantized for the CPU's kernels."""
     import torch
 
     from rill.engine.runner import TorchModelRunner
     from rill.engine.threads import default_choice, default_governor
-    from rill.models.loader import load_model
-    from rill.models.tokenizer import Tokenizer
 
-    report = progress or (lambda pct, stage: None)
     threads = default_choice(config.num_threads)
     torch.set_num_threads(threads.num_threads)
     import rill
 
     log.info("engine threads: %d (%s); OpenMP wait policy: %s", threads.num_threads, threads.reason, rill.WAIT_POLICY)
-    from rill.engine.allocator import release_free_memory, tune_allocator
+    path, loaded, tokenizer = _load_torch_model(config, report)
+    mc = loaded.config
+    max_len = sizing.max_len(config, mc)
+    num_rows = sizing.cache_rows(config, mc.kv_bytes_per_token(), max_len, lazy=torch.device(config.device).type == "cpu")
+    report(90.0, "allocating KV cache")
+    governor = default_governor(threads, config.num_threads, torch.set_num_threads)
+    num_parameters = sizing.parameter_count(loaded.model)  # before packing frees the originals
+    runner = TorchModelRunner(loaded, num_rows=num_rows, max_len=max_len)
+    if runner.packed_weight_bytes:
+        log.info("weights packed for oneDNN's CPU kernels (originals freed; the tied LM head kept in both forms): "
+                 "+%.0f MiB", runner.packed_weight_bytes / 2**20)
+    report(95.0, "warming up")
+    _warm_up(runner, sizing.warm_up_tokens(config.max_num_batched_tokens, num_parameters), config.max_num_seqs, governor)
+    draft_runner = _draft_runner(config, tokenizer, runner, report) if config.draft_model else None
+    engine = assemble_engine(
+        config, runner, tokenizer,
+        name=served_name(config.model, path),
+        architecture=mc.architecture, dtype=mc.dtype, device=mc.device,
+        quantization=None if loaded.weights == "dense" else loaded.weights,
+        eos_token_ids=mc.eos_token_ids, generation_defaults=mc.generation_defaults,
+        thread_governor=governor, draft_runner=draft_runner,
+    )
+    report(100.0, "ready")
+    return engine
 
-    path = _model_path(config.model, report)
+
+def _load_torch_model(config: EngineConfig, report: Progress) -> tuple[Path, LoadedModel, Any]:
+    """The folder or file ``--model`` names, its weights loaded (``--dtype``, ``--weights``) and
+    its tokenizer (a GGUF file's own, else ``tokenizer.json`` beside the weights)."""
+    from rill.engine.allocator import release_free_memory, tune_allocator
+    from rill.models.loader import load_model
+    from rill.models.tokenizer import Tokenizer
+
+    path = model_path(config.model, report)
     report(60.0, "loading weights")
     # Weights first: load_model names a missing folder, config or architecture best.
     loaded = load_model(path, dtype=config.dtype, device=config.device, weights=config.weights,
@@ -193,40 +216,20 @@ def build_engine(config: EngineConfig, progress: Progress | None = None) -> Engi
     release_free_memory()
     log.info(tune_allocator())
     report(85.0, "loading tokenizer")
-    # A GGUF file carries its tokenizer; a folder has tokenizer.json beside the weights.
-    tokenizer = loaded.tokenizer or Tokenizer.from_folder(path)
-    mc = loaded.config
-    max_len = _max_len(config, mc)
-    num_rows = _cache_rows(config, mc.kv_bytes_per_token(), max_len, lazy=torch.device(config.device).type == "cpu")
-    report(90.0, "allocating KV cache")
-    governor = default_governor(threads, config.num_threads, torch.set_num_threads)
-    num_parameters = _parameter_count(loaded.model)  # before packing frees the originals
-    runner = TorchModelRunner(loaded, num_rows=num_rows, max_len=max_len)
-    if runner.packed_weight_bytes:
-        log.info("weights packed for oneDNN's CPU kernels (originals freed; the tied LM head kept in both forms): "
-                 "+%.0f MiB", runner.packed_weight_bytes / 2**20)
-    report(95.0, "warming up")
-    warm_tokens = warm_up_tokens(config.max_num_batched_tokens, num_parameters)
+    return path, loaded, loaded.tokenizer or Tokenizer.from_folder(path)
+
+
+def _warm_up(runner: TorchModelRunner, num_tokens: int, max_rows: int, governor: ThreadGovernor | None) -> None:
+    """One prefill step of ``num_tokens`` and a decode step, judged by the thread governor
+    before the engine reports ready, so a busy machine is seen before the first request."""
 
     def warm_up() -> tuple[int, int, float, float]:
-        return runner.warm_up(warm_tokens, max_rows=config.max_num_seqs)
+        return runner.warm_up(num_tokens, max_rows=max_rows)
 
-    # Judged before the engine reports ready, so a busy machine is seen before the first request.
     rows, tokens, prefill_s, decode_s = governor.judge(warm_up) if governor is not None else warm_up()
     if tokens:
         log.info("warm-up: a prefill step of %d rows, %d tokens, in %.2f s, then a decode step in %.0f ms",
                  rows, tokens, prefill_s, decode_s * 1000)
-    draft_runner = _draft_runner(config, tokenizer, runner, report) if config.draft_model else None
-    engine = assemble_engine(
-        config, runner, tokenizer,
-        name=_served_name(config.model, path),
-        architecture=mc.architecture, dtype=mc.dtype, device=mc.device,
-        quantization=None if loaded.weights == "dense" else loaded.weights,
-        eos_token_ids=mc.eos_token_ids, generation_defaults=mc.generation_defaults,
-        thread_governor=governor, draft_runner=draft_runner,
-    )
-    report(100.0, "ready")
-    return engine
 
 
 def _draft_runner(config: EngineConfig, tokenizer: Any, target: ModelRunner, report: Progress) -> ModelRunner:
@@ -241,7 +244,7 @@ def _draft_runner(config: EngineConfig, tokenizer: Any, target: ModelRunner, rep
     from rill.models.tokenizer import Tokenizer
 
     report(95.0, "loading the draft model")
-    path = _model_path(config.draft_model, lambda pct, stage: None)
+    path = model_path(config.draft_model, lambda pct, stage: None)
     loaded = load_model(path, dtype=config.dtype, device=config.device, weights=config.weights)
     draft_tokenizer = loaded.tokenizer or Tokenizer.from_folder(path)
     if draft_tokenizer.backend.get_vocab() != tokenizer.backend.get_vocab():
@@ -265,15 +268,15 @@ def _build_llamacpp_engine(config: EngineConfig, progress: Progress | None) -> E
 
     report = progress or (lambda pct, stage: None)
     import_llama_cpp()  # a missing extra is named before anything is read
-    file, name = _gguf_file(config.model)
+    file, name = gguf_file(config.model)
     threads = default_choice(config.num_threads)
     log.info("llama.cpp threads: %d (%s)", threads.num_threads, threads.reason)
     report(10.0, "reading the GGUF metadata")
     checkpoint = read_gguf(file)
     mc = parse_config(checkpoint.hf_config, checkpoint.generation_config, source=str(file))
     tokenizer = checkpoint.tokenizer()
-    max_len = _max_len(config, mc)
-    num_rows = _cache_rows(config, mc.kv_bytes_per_token(torch.float16), max_len, limit=MAX_SEQUENCES,
+    max_len = sizing.max_len(config, mc)
+    num_rows = sizing.cache_rows(config, mc.kv_bytes_per_token(torch.float16), max_len, limit=MAX_SEQUENCES,
                            lazy=False)  # llama.cpp's F16 cache is resident from the start
     report(30.0, "loading the model into llama.cpp")
     runner = LlamaCppRunner(file, num_rows=num_rows, max_len=max_len, num_threads=threads.num_threads,
@@ -295,146 +298,12 @@ AUTO_WEIGHTS_REASON = (": a GGUF file's Q4 matrices stay int4 (Q4_K with its own
 """Why ``--weights auto`` chose what it did (logged at start)."""
 
 
-WARM_UP_MACS = 4 * 10**11
-"""Multiply-adds the warm-up's prefill may cost: about 2 s on a 2-core AVX-512 machine. The
-first big step pays for first-touch memory and kernel set-up; a model whose full-budget
-prefill takes minutes (Qwen2.5-1.5B: 8,190 tokens in 160 s) warms as well on fewer tokens."""
-
-
-def warm_up_tokens(budget: int, num_parameters: int) -> int:
-    """Tokens of the warm-up prefill: the step budget, capped so it costs about
-    ``WARM_UP_MACS`` (at least 256 tokens)."""
-    return min(budget, max(256, WARM_UP_MACS // max(1, num_parameters)))
-
-
-def _parameter_count(model: Any) -> int:
-    """Weights of ``model`` (quantized ones by their shape)."""
-    from rill.models.quant import QuantWeight
-
-    dense = sum(p.numel() for p in model.parameters())
-    quantized = sum(m.shape.numel() for m in model.modules() if isinstance(m, QuantWeight))
-    return dense + quantized
-
-
-def _gguf_file(model: str | None) -> tuple[Path, str]:
-    """The GGUF file ``--model`` names (or the default model's) and the name it is served under."""
-    from rill.models.gguf_loader import find_gguf
-
-    if not model:
-        from rill.models.default import DEFAULT_MODEL_NAME, default_gguf_path
-
-        return default_gguf_path(), DEFAULT_MODEL_NAME  # the default model keeps its name on either runner
-    from rill.models.catalog import lookup, resolve
-
-    named = resolve(model)  # a catalog name (rill models): its pulled file, served under that name
-    if named is not None:
-        return named, lookup(model).name  # type: ignore[union-attr]
-    path = Path(model)
-    if not path.exists():
-        raise ModelLoadError(f"model file {path} does not exist")
-    file = find_gguf(path)
-    if file is None:
-        raise ModelLoadError(f"--runner llamacpp needs a .gguf file; {path} is not one")
-    return file, file.stem
-
-
-def _max_len(config: EngineConfig, mc: ModelConfig) -> int:
-    """Tokens per sequence: ``--max-model-len``, else the model's context up to
-    ``DEFAULT_MAX_CONTEXT``; never more than the model's context."""
-    return min(config.max_model_len or min(mc.max_context_tokens, DEFAULT_MAX_CONTEXT), mc.max_context_tokens)
-
-
-AUTO_KV_SHARE = 0.4
-"""``--kv-cache-memory auto``: the most of the memory available at start the cache may take."""
-AUTO_KV_RESIDENT_AT_START = "2GiB"
-"""``auto`` where the cache is resident from the start (llama.cpp's, or off the CPU): the old default."""
-
-
-def _cache_rows(config: EngineConfig, kv_bytes_per_token: int, max_len: int, limit: int | None = None,
-                lazy: bool = True) -> int:
-    """How many sequences of ``max_len`` tokens fit in ``--kv-cache-memory``: a few more than
-    ``--max-num-seqs`` (room for cached prefixes and beams), at most ``limit``.
-
-    ``auto`` sizes the cache from the load rather than a fixed budget: every row the engine can
-    use (``--max-num-seqs`` plus the prefix-cache headroom), at most ``AUTO_KV_SHARE`` of the
-    memory available now. The torch runner's CPU cache is an anonymous mapping that takes
-    memory as rows are written (``rill.engine.runner.zeroed_cache``), so a large budget costs
-    nothing until sequences fill it; a cache resident from the start (``lazy=False``) keeps the
-    fixed ``AUTO_KV_RESIDENT_AT_START``.
-
-    Raises:
-        ModelLoadError: not even one sequence fits.
-    """
-    row_bytes = kv_bytes_per_token * max_len
-    wanted = config.max_num_seqs + max(8, config.max_num_seqs // 2)
-    if config.kv_cache_memory != "auto":
-        budget = parse_size(config.kv_cache_memory, "kv_cache_memory")
-    elif lazy:
-        available = _available_memory()
-        budget = min(wanted * row_bytes, int(AUTO_KV_SHARE * available))
-        log.info("KV cache: --kv-cache-memory auto: %d rows of %d tokens want %.0f MiB, at most %.0f%% of the %.0f MiB "
-                 "available: %.0f MiB (memory is taken as rows are used)", wanted, max_len, wanted * row_bytes / 2**20,
-                 100 * AUTO_KV_SHARE, available / 2**20, budget / 2**20)
-    else:
-        budget = parse_size(AUTO_KV_RESIDENT_AT_START, "kv_cache_memory")
-    num_rows = min(budget // row_bytes, wanted)
-    if limit is not None:
-        num_rows = min(num_rows, limit)
-    if num_rows < 1:
-        raise ModelLoadError(
-            f"--kv-cache-memory {config.kv_cache_memory} holds no sequence of {max_len} tokens "
-            f"({row_bytes} bytes each); raise it or lower --max-model-len")
-    return int(num_rows)
-
-
-def _available_memory() -> int:
-    """Bytes of memory available now (``MemAvailable``; 8 GiB where it cannot be read)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 8 * 2**30
-
-
 def _quantization(tensor_types: dict[str, str]) -> str:
     """The GGUF's quantization: the commonest type of its non-F32 weights (F32 when all are)."""
     from collections import Counter
 
     kinds = Counter(kind for name, kind in tensor_types.items() if name.endswith(".weight") and kind != "F32")
     return kinds.most_common(1)[0][0] if kinds else "F32"
-
-
-def _served_name(model: str | None, path: Path) -> str:
-    """A catalog model's catalog name; else the file's stem or the folder's name."""
-    from rill.models.catalog import lookup
-
-    entry = lookup(model) if model and not Path(model).exists() else None
-    if entry is not None:
-        return entry.name
-    return path.stem if path.is_file() else path.name
-
-
-def _model_path(model: str | None, report: Progress) -> Path:
-    """``--model``: a path; a catalog name (``rill.models.catalog``): its pulled file; ``demo``
-    (unless a path of that name exists): the story model rill trains itself; none: the default
-    model (SmolLM2-135M-Instruct)."""
-    # Preparing a cached model reports 0-100 %; it is the first 55 % of loading.
-    scaled = lambda pct, stage: report(1.0 + 0.54 * pct, stage)  # noqa: E731 - a local shorthand
-    if model == DEMO_MODEL and not Path(model).exists():
-        from rill.demo import ensure_demo_model
-
-        report(1.0, "building the demo model (first run only)")
-        return ensure_demo_model(progress=True, report=scaled)
-    if model:
-        from rill.models.catalog import resolve
-
-        return resolve(model) or Path(model)  # a catalog name (rill models) means its pulled file
-    from rill.models.default import ensure_default_model
-
-    report(1.0, "preparing the default model")
-    return ensure_default_model(progress=True, report=scaled)
 
 
 def _tool_call_format(tokenizer: Any) -> str | None:
