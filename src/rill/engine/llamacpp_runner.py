@@ -161,6 +161,25 @@ class LlamaCppRunner:
         self.max_len = max_len
         self.num_threads = num_threads
         self._model = self._ctx = None
+        self.unified = unified
+        self.packs_rows = not unified
+        self._load(path, batch_tokens)
+        self._batch_tokens = int(llama.llama_n_batch(self._ctx))  # llama.cpp caps it at the context size
+        self._memory = llama.llama_get_memory(self._ctx)
+        self.vocab_size = int(llama.llama_vocab_n_tokens(llama.llama_model_get_vocab(self._model)))
+        self.kv_bytes_per_token = self._kv_bytes_per_token()
+        self.kv_capacity_bytes = self.kv_bytes_per_token * num_rows * max_len
+        self._batch = _Batch(llama, self._batch_tokens)
+        self._lengths = [0] * num_rows  # per row: positions llama.cpp holds (0 .. length - 1)
+
+    def _load(self, path: str | Path, batch_tokens: int) -> None:
+        """Load the model's weights and create its context (``self._model``, ``self._ctx``).
+
+        Raises:
+            ValueError: ``max_len`` exceeds the model's training context.
+            ModelLoadError: llama.cpp cannot load the file or create the context.
+        """
+        llama, num_rows, max_len = self._ll, self.num_rows, self.max_len
         llama.llama_backend_init()
         model_params = llama.llama_model_default_params()
         model_params.n_gpu_layers = 0
@@ -176,22 +195,13 @@ class LlamaCppRunner:
         params.n_batch = batch_tokens
         params.n_ubatch = min(512, batch_tokens)
         params.n_seq_max = num_rows
-        params.n_threads = params.n_threads_batch = num_threads
-        params.kv_unified = unified
-        self.unified = unified
-        self.packs_rows = not unified
+        params.n_threads = params.n_threads_batch = self.num_threads
+        params.kv_unified = self.unified
         params.no_perf = True
         self._ctx = llama.llama_init_from_model(self._model, params)
         if not self._ctx:
             self.close()
             raise ModelLoadError(f"llama.cpp cannot create a context of {num_rows} x {max_len} tokens for {path}")
-        self._batch_tokens = int(llama.llama_n_batch(self._ctx))  # llama.cpp caps it at the context size
-        self._memory = llama.llama_get_memory(self._ctx)
-        self.vocab_size = int(llama.llama_vocab_n_tokens(llama.llama_model_get_vocab(self._model)))
-        self.kv_bytes_per_token = self._kv_bytes_per_token()
-        self.kv_capacity_bytes = self.kv_bytes_per_token * num_rows * max_len
-        self._batch = _Batch(llama, self._batch_tokens)
-        self._lengths = [0] * num_rows  # per row: positions llama.cpp holds (0 .. length - 1)
 
     def _kv_bytes_per_token(self) -> int:
         """Keys and values of one token over all layers in the F16 cache.

@@ -31,7 +31,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import rill.models.packed as packed
-import rill.models.quant as quant
 from rill.models.attention import StepBatch, cached_attention, window_mask, write_kv
 from rill.models.config import ModelConfig
 from rill.models.gemma3_config import LOCAL_ROPE_THETA, SLIDING_WINDOW_PATTERN, parse_gemma3_config

@@ -28,10 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rill.errors import ModelLoadError
 import rill.models.packed as packed
 import rill.models.qkernel as qkernel
 import rill.models.quant as quant
+from rill.errors import ModelLoadError
 from rill.models.attention import StepBatch, cached_attention, prefill_attention, window_mask, write_kv
 from rill.models.config import ModelConfig
 from rill.models.gguf_loader import metadata_value, rename_tensor, shape_of

@@ -24,9 +24,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from rill.errors import ModelLoadError
 import rill.models.quant as quant
 import rill.models.quant_cache as quant_cache
+from rill.errors import ModelLoadError
 from rill.models.config import ModelConfig, dtype_name
 from rill.models.gguf_loader import TokenizerSpec, find_gguf, read_gguf
 from rill.models.quant import WEIGHT_MODES

@@ -157,68 +157,24 @@ class BlockedWeight(QuantWeight):
     tensor attribute: ``nn.Module`` would register a ``Parameter`` as this module's own)."""
 
     def __init__(self, values: Int4Values | Int6Values | Int8Values, dtype: torch.dtype) -> None:
-        super().__init__(tuple(values.shape))  # type: ignore[arg-type]
-        rows, cols = values.shape
+        super().__init__(tuple(values.shape))
+        cols = values.shape[1]
         if cols % GROUP_SIZE or (isinstance(values, Int6Values) and cols % 256):
             raise ValueError(f"the quantized kernel needs an input width that is a multiple of {GROUP_SIZE} "
                              f"(256 for 6-bit values), not {cols}")
         self._dtype = dtype
-        self.bits = 4 if isinstance(values, Int4Values) else 6 if isinstance(values, Int6Values) else 8
-        self.kind = _KINDS[self.bits]
-        blocks, groups = -(-rows // 16), cols // GROUP_SIZE
-        padded = blocks * 16
-
-        def rows_padded(t: torch.Tensor) -> torch.Tensor:
-            return torch.nn.functional.pad(t, (0, 0, 0, padded - rows))
-
-        def per_block(t: torch.Tensor) -> torch.Tensor:
-            t = rows_padded(t.float())
-            return t.view(blocks, 16, -1).permute(0, 2, 1).to(torch.float16).contiguous()
-
         if isinstance(values, Int6Values):
-            u = rows_padded(values.q.to(torch.uint8))
-            nibbles = self._nibbles(u & 0x0F, blocks, cols).reshape(blocks, groups, 4 * 64)
-            # [block, lane, group, vector k, pair j, byte i]: operand 4k + j of a group.
-            pairs = (u >> 4).view(blocks, 16, groups, 2, 4, 4)
-            high = pairs[:, :, :, :, 0] | (pairs[:, :, :, :, 1] << 2) | (pairs[:, :, :, :, 2] << 4) | (pairs[:, :, :, :, 3] << 6)
-            high = high.permute(0, 2, 3, 1, 4).reshape(blocks, groups, 2 * 64)  # [block, group, k, lane, i]
-            self.register_buffer("packed", torch.cat((nibbles, high), dim=2).contiguous().view(-1))
-            subs = rows_padded(values.sub).view(blocks, 16, groups, 2).permute(0, 2, 3, 1)
-            self.register_buffer("scales", subs.contiguous())
-            self.register_buffer("offsets", per_block(values.d))
-            return
-        if isinstance(values, Int4Values) and values.k is not None and cols % 256 == 0:
-            self.bits = 5  # the file's 6-bit sub-scales and mins: 4.625 bits a weight, not 5
-            self.register_buffer("packed", self._nibbles(rows_padded(values.q.to(torch.uint8)), blocks, cols)
-                                 .contiguous().view(-1))
-            k = values.k
-            subs = torch.stack([rows_padded(t).view(blocks, 16, groups).permute(0, 2, 1) for t in (k.sc, k.mn)], dim=2)
-            self.register_buffer("scales", subs.contiguous())  # [block, group, sc/mn, lane]
-            self.register_buffer("offsets", torch.stack([per_block(k.d), per_block(-k.dmin)], dim=2).contiguous())
-            return
-        if self.bits == 4:
-            u = values.q.to(torch.uint8)
-            scale, offset = values.scale, values.offset  # type: ignore[union-attr]
+            self.bits, (packed, scales, offsets) = 6, _q6k_layout(values)
+        elif isinstance(values, Int4Values) and values.k is not None and cols % 256 == 0:
+            # The file's 6-bit sub-scales and mins: 4.625 bits a weight, not 5.
+            self.bits, (packed, scales, offsets) = 5, _q4k_layout(values)
         else:
-            u = (values.q.to(torch.int16) + 128).to(torch.uint8)  # unsigned bytes for VPDPBUSD
-            scale = values.scale.expand(rows, groups) if values.scale.shape[1] == 1 else values.scale
-            if values.scale.shape[1] != groups:
-                raise ValueError("int8 weights for the quantized kernel need one scale per 32 inputs")
-            offset = -128.0 * scale
-        u = rows_padded(u)
-        if self.bits == 4:
-            packed = self._nibbles(u, blocks, cols)
-        else:
-            packed = u.view(blocks, 16, cols // 4, 4).permute(0, 2, 1, 3)
-        self.register_buffer("packed", packed.contiguous().view(-1))
-        self.register_buffer("scales", per_block(scale))
-        self.register_buffer("offsets", per_block(offset))
-
-    @staticmethod
-    def _nibbles(u: torch.Tensor, blocks: int, cols: int) -> torch.Tensor:
-        # [block, lane, chunk, half, byte] -> [block, chunk, lane, byte], halves as nibbles.
-        v = u.view(blocks, 16, cols // 8, 2, 4)
-        return (v[:, :, :, 0] | (v[:, :, :, 1] << 4)).permute(0, 2, 1, 3)
+            self.bits = 4 if isinstance(values, Int4Values) else 8
+            packed, scales, offsets = _grouped_layout(values, self.bits)
+        self.kind = _KINDS[self.bits]
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales", scales)
+        self.register_buffer("offsets", offsets)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -272,6 +228,76 @@ class BlockedWeight(QuantWeight):
             raise MemoryError(f"the quantized kernel could not allocate scratch for {m} x {cols} activations")
         out = y.view(*x.shape[:-1], rows)
         return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
+Layout = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+"""A weight in the kernel's layout: its packed values, scales and offsets (``kernels/qgemm.c``)."""
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` with zero rows appended up to a multiple of 16 (the kernel's blocks)."""
+    return torch.nn.functional.pad(t, (0, 0, 0, -rows % 16))
+
+
+def _per_block(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """Per-row values ``[rows, G]`` as fp16 ``[block, G, lane]`` (16 lanes a block)."""
+    return _pad_rows(t.float(), rows).view(-(-rows // 16), 16, -1).permute(0, 2, 1).to(torch.float16).contiguous()
+
+
+def _nibbles(u: torch.Tensor, blocks: int, cols: int) -> torch.Tensor:
+    # [block, lane, chunk, half, byte] -> [block, chunk, lane, byte], halves as nibbles.
+    v = u.view(blocks, 16, cols // 8, 2, 4)
+    return (v[:, :, :, 0] | (v[:, :, :, 1] << 4)).permute(0, 2, 1, 3)
+
+
+def _q6k_layout(values: Int6Values) -> Layout:
+    """A Q6_K tensor's own 6-bit values: low nibbles, then the high bit pairs of each group;
+    int8 sub-scales per 16 inputs; fp16 scales per 256."""
+    rows, cols = values.shape
+    blocks, groups = -(-rows // 16), cols // GROUP_SIZE
+    u = _pad_rows(values.q.to(torch.uint8), rows)
+    nibbles = _nibbles(u & 0x0F, blocks, cols).reshape(blocks, groups, 4 * 64)
+    # [block, lane, group, vector k, pair j, byte i]: operand 4k + j of a group.
+    pairs = (u >> 4).view(blocks, 16, groups, 2, 4, 4)
+    high = pairs[:, :, :, :, 0] | (pairs[:, :, :, :, 1] << 2) | (pairs[:, :, :, :, 2] << 4) | (pairs[:, :, :, :, 3] << 6)
+    high = high.permute(0, 2, 3, 1, 4).reshape(blocks, groups, 2 * 64)  # [block, group, k, lane, i]
+    subs = _pad_rows(values.sub, rows).view(blocks, 16, groups, 2).permute(0, 2, 3, 1)
+    return torch.cat((nibbles, high), dim=2).contiguous().view(-1), subs.contiguous(), _per_block(values.d, rows)
+
+
+def _q4k_layout(values: Int4Values) -> Layout:
+    """A Q4_K tensor's 4-bit values with the file's own 6-bit sub-scales and mins per 32
+    inputs and fp16 scales per 256."""
+    rows, cols = values.shape
+    blocks, groups = -(-rows // 16), cols // GROUP_SIZE
+    assert values.k is not None
+    packed = _nibbles(_pad_rows(values.q.to(torch.uint8), rows), blocks, cols).contiguous().view(-1)
+    k = values.k
+    subs = torch.stack([_pad_rows(t, rows).view(blocks, 16, groups).permute(0, 2, 1) for t in (k.sc, k.mn)], dim=2)
+    offsets = torch.stack([_per_block(k.d, rows), _per_block(-k.dmin, rows)], dim=2).contiguous()
+    return packed, subs.contiguous(), offsets  # scales: [block, group, sc/mn, lane]
+
+
+def _grouped_layout(values: Int4Values | Int8Values, bits: int) -> Layout:
+    """4-bit or 8-bit values with an fp16 scale and offset per 16 rows and 32 inputs.
+
+    Raises:
+        ValueError: int8 values with other than one scale per 32 inputs.
+    """
+    rows, cols = values.shape
+    blocks, groups = -(-rows // 16), cols // GROUP_SIZE
+    if isinstance(values, Int4Values):
+        u = values.q.to(torch.uint8)
+        scale, offset = values.scale, values.offset
+    else:
+        u = (values.q.to(torch.int16) + 128).to(torch.uint8)  # unsigned bytes for VPDPBUSD
+        scale = values.scale.expand(rows, groups) if values.scale.shape[1] == 1 else values.scale
+        if values.scale.shape[1] != groups:
+            raise ValueError("int8 weights for the quantized kernel need one scale per 32 inputs")
+        offset = -128.0 * scale
+    u = _pad_rows(u, rows)
+    packed = _nibbles(u, blocks, cols) if bits == 4 else u.view(blocks, 16, cols // 4, 4).permute(0, 2, 1, 3)
+    return packed.contiguous().view(-1), _per_block(scale, rows), _per_block(offset, rows)
 
 
 def decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,

@@ -26,8 +26,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from rill.cache import build_atomically, cache_root
 import rill.models.quant as quant
+from rill.cache import build_atomically, cache_root
 
 log = logging.getLogger("rill.models")
 
