@@ -15,7 +15,7 @@ from rill_model_helpers import Sequence, random_prompts, run_greedy
 from rill.engine.batch import RowWork
 from rill.engine.runner import TorchModelRunner
 from rill.errors import ModelLoadError
-from rill.models import load_model, qkernel, quant, quant_cache
+from rill.models import load_model, qkernel, quant, quant_cache, quant_values
 from rill.models.gguf_loader import read_gguf
 from rill.testing.gguf_files import write_gguf
 
@@ -42,15 +42,15 @@ def _dequantized(raw: np.ndarray, kind: str) -> torch.Tensor:
     return torch.from_numpy(np.array(quants.dequantize(raw, GGMLQuantizationType[kind]), dtype=np.float32))
 
 
-@pytest.mark.parametrize("kind", quant.INT4_TYPES)
+@pytest.mark.parametrize("kind", quant_values.INT4_TYPES)
 def test_q4_blocks_become_the_same_values_as_int4(kind: str) -> None:
     """Q4_0, Q4_1 and Q4_K are 4-bit values with a scale and offset per 32: kept exactly."""
     rows, cols = 24, 512
     raw = _blocks(kind, rows, cols, seed=1)
-    values = quant.gguf_int4(raw, kind, (rows, cols))
+    values = quant_values.gguf_int4(raw, kind, (rows, cols))
     reference = _dequantized(raw, kind)
     assert values.q.dtype == torch.uint8 and int(values.q.max()) <= 15
-    assert values.scale.shape == (rows, cols // quant.GROUP_SIZE)
+    assert values.scale.shape == (rows, cols // quant_values.GROUP_SIZE)
     torch.testing.assert_close(values.dequantize(), reference, rtol=1e-6, atol=1e-7)
     assert reference.abs().max() > 0
 
@@ -60,15 +60,15 @@ def test_q6_k_blocks_become_the_same_values_as_int6() -> None:
     dequantizing to exactly what ``gguf`` gives; without rill's kernel it packs as int8."""
     rows, cols = 20, 512
     raw = _blocks("Q6_K", rows, cols, seed=4)
-    values = quant.gguf_int6(raw, (rows, cols))
+    values = quant_values.gguf_int6(raw, (rows, cols))
     assert values.q.dtype == torch.uint8 and int(values.q.max()) <= 63 and int(values.q.max()) > 15
     assert values.sub.shape == (rows, cols // 16) and values.d.shape == (rows, cols // 256)
     reference = _dequantized(raw, "Q6_K")
     assert torch.equal(values.dequantize(), reference) and reference.abs().max() > 0
-    fused = quant.cat([values, values])  # gate/up of one kind stay that kind
-    assert isinstance(fused, quant.Int6Values) and torch.equal(fused.dequantize()[rows:], reference)
-    mixed = quant.cat([quant.gguf_int4(_blocks("Q4_K", 16, cols, seed=5), "Q4_K", (16, cols)), values])
-    assert isinstance(mixed, quant.Int8Values)  # q/k of Q4_K beside a Q6_K v: all int8
+    fused = quant_values.cat([values, values])  # gate/up of one kind stay that kind
+    assert isinstance(fused, quant_values.Int6Values) and torch.equal(fused.dequantize()[rows:], reference)
+    mixed = quant_values.cat([quant_values.gguf_int4(_blocks("Q4_K", 16, cols, seed=5), "Q4_K", (16, cols)), values])
+    assert isinstance(mixed, quant_values.Int8Values)  # q/k of Q4_K beside a Q6_K v: all int8
     assert isinstance(quant.pack(values, torch.float32, "cpu"), (quant.Int8Weight, qkernel.BlockedWeight))
 
 
@@ -78,9 +78,9 @@ def test_the_vnni_kernel_keeps_q4_k_scales_as_the_file_does(rows: int) -> None:
     """Q4_K values keep their 6-bit scales and mins in rill's kernel (4.625 bits a weight where
     fp16 scales and offsets take 5) and multiply like the dequantized matrix and like the same
     values with fp16 scales (which round ``d * sc``); a row alone equals it in a batch."""
-    values = quant.gguf_int4(_blocks("Q4_K", 40, 768, seed=rows), "Q4_K", (40, 768))
+    values = quant_values.gguf_int4(_blocks("Q4_K", 40, 768, seed=rows), "Q4_K", (40, 768))
     compact = qkernel.BlockedWeight(values, torch.bfloat16)
-    plain = qkernel.BlockedWeight(quant.Int4Values(values.q, values.scale, values.offset), torch.bfloat16)
+    plain = qkernel.BlockedWeight(quant_values.Int4Values(values.q, values.scale, values.offset), torch.bfloat16)
     assert (compact.bits, plain.bits, compact.kind) == (5, 4, "int4")
     stored = sum(b.numel() * b.element_size() for b in compact.buffers())
     assert stored <= 48 * 768 * 4.625 / 8 < sum(b.numel() * b.element_size() for b in plain.buffers())
@@ -98,7 +98,7 @@ def test_the_vnni_kernel_multiplies_six_bit_weights_like_their_dequantized_matri
     """6-bit weights in rill's kernel: within 1 % of the product with the dequantized matrix
     at any batch (the activations are rounded to int8 per 32), 0.82 bytes a weight, and each
     row the same alone as in a batch. N = 40 leaves a partial block of 16 output rows."""
-    values = quant.gguf_int6(_blocks("Q6_K", 40, 768, seed=rows), (40, 768))
+    values = quant_values.gguf_int6(_blocks("Q6_K", 40, 768, seed=rows), (40, 768))
     weight = qkernel.BlockedWeight(values, torch.bfloat16)
     assert weight.kind == "int6" and weight.bits == 6
     stored = sum(b.numel() * b.element_size() for b in weight.buffers())
@@ -110,7 +110,7 @@ def test_the_vnni_kernel_multiplies_six_bit_weights_like_their_dequantized_matri
     alone = torch.cat([weight.linear(x[i:i + 1]) for i in range(rows)])
     assert torch.equal(weight.linear(x), alone)
     with pytest.raises(ValueError, match="256"):
-        qkernel.BlockedWeight(quant.Int6Values(values.q[:, :96], values.sub[:, :6], values.d[:, :1]), torch.bfloat16)
+        qkernel.BlockedWeight(quant_values.Int6Values(values.q[:, :96], values.sub[:, :6], values.d[:, :1]), torch.bfloat16)
 
 
 @pytest.mark.parametrize("kind", ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0"))
@@ -119,8 +119,8 @@ def test_other_types_become_int8_within_half_a_step(kind: str) -> None:
     error a small fraction of the type's own spread."""
     rows, cols = 16, 512
     reference = _dequantized(_blocks(kind, rows, cols, seed=2), kind)
-    values = quant.to_int8(reference)
-    groups = reference.reshape(rows, -1, quant.GROUP_SIZE)
+    values = quant_values.to_int8(reference)
+    groups = reference.reshape(rows, -1, quant_values.GROUP_SIZE)
     step = groups.abs().amax(dim=2, keepdim=True) / 127.0
     error = (values.dequantize().reshape(groups.shape) - groups).abs()
     assert bool((error <= step / 2 * (1 + 1e-5) + 1e-7).all())  # a value can sit exactly on a half step
@@ -129,13 +129,13 @@ def test_other_types_become_int8_within_half_a_step(kind: str) -> None:
 
 def test_int4_from_float_keeps_values_on_a_16_level_grid() -> None:
     weight = torch.randn(8, 64)
-    values = quant.to_int4(weight)
+    values = quant_values.to_int4(weight)
     groups = weight.reshape(8, 2, 32)
     step = (groups.amax(dim=2) - groups.amin(dim=2)) / 15
     error = (values.dequantize() - weight).reshape(8, 2, 32).abs()
     assert bool((error <= step[..., None] / 2 + 1e-6).all())
     with pytest.raises(ValueError, match="multiple of 32"):
-        quant.to_int4(torch.randn(4, 40))
+        quant_values.to_int4(torch.randn(4, 40))
 
 
 def _kernels() -> list[str]:
@@ -153,7 +153,7 @@ def test_kernels_multiply_like_the_dequantized_matrix(backend: str, bits: int, r
     # torch's int4 packing needs whole blocks of 16 output rows; rill's kernel takes any.
     num_out = 48 if (backend, bits) == ("torch", 4) else 40
     weight = torch.randn(num_out, 256)
-    values = quant.to_int4(weight) if bits == 4 else quant.to_int8(weight)
+    values = quant_values.to_int4(weight) if bits == 4 else quant_values.to_int8(weight)
     dtype = torch.bfloat16 if backend == "vnni" or bits == 8 else torch.float32
     if backend == "vnni":
         packed: quant.QuantWeight = qkernel.BlockedWeight(values, dtype)
@@ -173,7 +173,7 @@ def test_kernels_multiply_like_the_dequantized_matrix(backend: str, bits: int, r
 def test_the_vnni_kernel_gives_each_row_the_same_result_at_any_batch_size() -> None:
     """Activations are rounded per row and the weights read the same way for any batch, so a
     row's output does not depend on what it is batched with."""
-    weight = qkernel.BlockedWeight(quant.to_int4(torch.randn(48, 128)), torch.bfloat16)
+    weight = qkernel.BlockedWeight(quant_values.to_int4(torch.randn(48, 128)), torch.bfloat16)
     x = torch.randn(7, 128)
     alone = torch.cat([weight.linear(x[i : i + 1].float()) for i in range(7)])
     assert torch.equal(weight.linear(x.float()), alone)
@@ -187,7 +187,7 @@ def test_the_vnni_kernel_applies_a_norm_or_a_swiglu_as_the_unfused_steps_do(bits
     then the product: in float32 the same within rounding of the activations' sums; in bf16
     within the two roundings to bf16 that the unfused path makes and the fused one skips."""
     torch.manual_seed(bits * 10 + rows)
-    values = quant.to_int4(torch.randn(40, 96)) if bits == 4 else quant.to_int8(torch.randn(40, 96))
+    values = quant_values.to_int4(torch.randn(40, 96)) if bits == 4 else quant_values.to_int8(torch.randn(40, 96))
     for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
         weight = qkernel.BlockedWeight(values, dtype)
         x = (3 * torch.randn(rows, 96)).to(dtype)
@@ -225,8 +225,8 @@ def test_torch_kernels_take_a_norm_or_a_swiglu_as_the_dense_model_computes_them(
     x, gate_up = (3 * torch.randn(5, 96)).to(dtype), (3 * torch.randn(5, 192)).to(dtype)
     gate, up = gate_up.chunk(2, dim=-1)
     bias = torch.randn(32).to(dtype)
-    for weight in (quant.Int8Weight(quant.to_int8(torch.randn(32, 96)), dtype),
-                   quant.Int4Weight(quant.to_int4(torch.randn(32, 96)), dtype)):
+    for weight in (quant.Int8Weight(quant_values.to_int8(torch.randn(32, 96)), dtype),
+                   quant.Int4Weight(quant_values.to_int4(torch.randn(32, 96)), dtype)):
         with torch.inference_mode():
             assert torch.equal(packed.normed_linear(x, norm, weight, bias), weight.linear(norm(x)) + bias)
             assert torch.equal(packed.swiglu_linear(gate_up, weight), weight.linear(torch.nn.functional.silu(gate) * up))
@@ -456,9 +456,9 @@ def test_a_q4_k_m_gguf_serves_its_own_k_quant_scales_and_six_bit_weights_like_it
                              num_kv_heads=2)
     file = write_gguf(folder, tmp_path / "q6.gguf", _q4_k_m)
     tensors = read_gguf(file).tensors(torch.bfloat16, weights="auto")
-    assert isinstance(tensors["model.layers.0.mlp.down_proj.weight"], quant.Int6Values)
+    assert isinstance(tensors["model.layers.0.mlp.down_proj.weight"], quant_values.Int6Values)
     q_proj = tensors["model.layers.0.self_attn.q_proj.weight"]
-    assert isinstance(q_proj, quant.Int4Values) and q_proj.k is not None
+    assert isinstance(q_proj, quant_values.Int4Values) and q_proj.k is not None
     assert torch.equal((q_proj.k.d.repeat_interleave(8, 1) * q_proj.k.sc.float()), q_proj.scale)
     quantized = load_model(file, dtype="bfloat16", weights="auto")
     assert quantized.weights == ("int4+int6" if qkernel.available() else "int4+int8")

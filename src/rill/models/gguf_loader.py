@@ -29,6 +29,7 @@ import tokenizers
 import torch
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
+import rill.models.quant_values as quant_values
 from rill.errors import ModelLoadError
 
 log = logging.getLogger("rill.models.gguf")
@@ -130,7 +131,6 @@ class GGUFCheckpoint:
             ModelLoadError: a tensor type outside ``SUPPORTED_TENSOR_TYPES``, or a tensor name
                 the architecture does not know.
         """
-        import rill.models.quant as quant
         from rill.models.registry import family_for_gguf
 
         family = family_for_gguf(self.architecture, str(self.path))
@@ -146,15 +146,13 @@ class GGUFCheckpoint:
                 out[hf_name] = fix(hf_name, torch.from_numpy(values), self.hf_config).to(dtype).contiguous()
             else:
                 # Row fix-ups (llama.cpp's q/k permutation) move every per-row field alike.
-                out[hf_name] = quant.map_rows(values, lambda t: fix(hf_name, t, self.hf_config).contiguous())  # type: ignore[assignment]  # noqa: B023 - called before the loop moves on
+                out[hf_name] = quant_values.map_rows(values, lambda t: fix(hf_name, t, self.hf_config).contiguous())  # type: ignore[assignment]  # noqa: B023 - called before the loop moves on
             if progress is not None:
                 progress(done, total)
         return out
 
     def _read(self, weights: str) -> Iterator[tuple[str, Any]]:
         from gguf import quants
-
-        import rill.models.quant as quant
 
         for tensor in self.reader.tensors:
             kind = tensor.tensor_type.name
@@ -165,18 +163,18 @@ class GGUFCheckpoint:
                 )
             shape = tuple(reversed([int(n) for n in tensor.shape]))
             is_matrix = len(shape) == 2
-            if is_matrix and kind in quant.INT4_TYPES and weights in ("auto", "int4", "int8"):
-                exact = quant.gguf_int4(tensor.data, kind, shape)  # type: ignore[arg-type]
-                yield tensor.name, quant.to_int8(exact) if weights == "int8" else exact
+            if is_matrix and kind in quant_values.INT4_TYPES and weights in ("auto", "int4", "int8"):
+                exact = quant_values.gguf_int4(tensor.data, kind, shape)  # type: ignore[arg-type]
+                yield tensor.name, quant_values.to_int8(exact) if weights == "int8" else exact
                 continue
             if is_matrix and kind == "Q6_K" and weights == "auto" and shape[1] % 256 == 0:
-                yield tensor.name, quant.gguf_int6(tensor.data, shape)  # type: ignore[arg-type]  # kept 6-bit where rill's kernel runs
+                yield tensor.name, quant_values.gguf_int6(tensor.data, shape)  # type: ignore[arg-type]  # kept 6-bit where rill's kernel runs
                 continue
             # dequantize() gives float32 in the Hugging Face [out, in] layout; copy off the mmap.
             values = np.array(quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32, copy=True)
             if is_matrix and (weights in ("int4", "int8") or (weights == "auto" and kind not in _DENSE_TYPES)):
                 # auto: the quantized types left here (Q5, Q8, a Q6_K narrower than 256) are kept as int8.
-                yield tensor.name, quant.quantize(torch.from_numpy(values), "int4" if weights == "int4" else "int8")
+                yield tensor.name, quant_values.quantize(torch.from_numpy(values), "int4" if weights == "int4" else "int8")
                 continue
             yield tensor.name, values
 

@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 
 import rill.models.quant as quant
 import rill.models.quant_cache as quant_cache
+import rill.models.quant_values as quant_values
 from rill.errors import ModelLoadError
 from rill.models.config import ModelConfig, dtype_name
 from rill.models.gguf_loader import TokenizerSpec, find_gguf, read_gguf
@@ -136,7 +137,7 @@ def load_model(path: str | Path, dtype: str = "auto", device: str = "cpu", weigh
         # A folder's matrices are quantized at load; the rest stays dense.
         for key, tensor in tensors.items():
             if tensor.dim() == 2:
-                tensors[key] = quant.quantize(tensor, weights)
+                tensors[key] = quant_values.quantize(tensor, weights)
     model = _assemble(config, tensors, folder)
     return LoadedModel(model=model, config=config, path=folder, weights=_weights_kind(model))
 

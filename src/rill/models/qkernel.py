@@ -19,7 +19,7 @@ reason in ``unavailable_reason()``) and rill uses torch's kernels.
 values with fp16 scales and offsets cost 0.625 bytes a weight, 8-bit values 1.125, and a
 GGUF Q6_K tensor's own 6-bit values 0.82 (what the file holds), where int8 took 1.125.
 
-Imports torch and ``rill.models.quant``.
+Imports torch, ``rill.models.quant`` (``QuantWeight``) and ``rill.models.quant_values``.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ from typing import Any
 
 import torch
 
-from rill.models.quant import GROUP_SIZE, Int4Values, Int6Values, Int8Values, QuantWeight
+from rill.models.quant import QuantWeight
+from rill.models.quant_values import GROUP_SIZE, Int4Values, Int6Values, Int8Values
 
 log = logging.getLogger("rill.models")
 

@@ -11,8 +11,8 @@ its ``ModelFamily``.
 Which optional tensors a checkpoint holds is the config's to say (``present``): the q/k/v
 and output biases, and the q/k norms.
 
-Imports torch and ``rill.models.config`` / ``rill.models.quant`` (quantized parts are
-concatenated by ``quant.cat``).
+Imports torch and ``rill.models.config`` / ``rill.models.quant_values`` (quantized parts are
+concatenated by ``quant_values.cat``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-import rill.models.quant as quant
+import rill.models.quant_values as quant_values
 from rill.models.config import ModelConfig
 
 FUSED: Mapping[str, tuple[str, ...]] = {
@@ -80,7 +80,7 @@ class WeightNames:
 
     def from_hf(self, tensors: Mapping[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
         """Hugging Face tensors → this family's state dict, q/k/v and gate/up concatenated
-        (quantized parts by ``quant.cat``).
+        (quantized parts by ``quant_values.cat``).
 
         Missing names raise ``KeyError`` listing them; extra names (e.g. rotary buffers) are ignored.
         """
@@ -94,7 +94,7 @@ class WeightNames:
             prefix = f"model.layers.{i}."
             out.update((f"layers.{i}.{ours}", tensors[prefix + theirs])
                        for ours, theirs in self.layer.items() if present(config, ours))
-            out.update((f"layers.{i}.{ours}", quant.cat([tensors[prefix + part] for part in parts]))
+            out.update((f"layers.{i}.{ours}", quant_values.cat([tensors[prefix + part] for part in parts]))
                        for ours, parts in FUSED.items() if present(config, ours))
         return out
 

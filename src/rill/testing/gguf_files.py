@@ -116,7 +116,7 @@ def write_gguf(folder: str | Path, out: str | Path, quant: Callable[[str, torch.
 def quantize_q4_k(values: np.ndarray) -> np.ndarray:
     """Raw Q4_K blocks ``[rows, cols / 256 * 144]`` for a float32 ``[rows, cols]`` matrix (cols a
     multiple of 256): per 32 values a 6-bit scale and a 6-bit min of fp16 ``d`` and ``dmin`` per
-    256, 4-bit values, packed as GGML packs them (``rill.models.quant.gguf_int4`` reads them)."""
+    256, 4-bit values, packed as GGML packs them (``rill.models.quant_values.gguf_int4`` reads them)."""
     rows, cols = values.shape
     x = values.reshape(-1, 8, 32).astype(np.float32)  # [blocks, 8 sub-blocks, 32 values]
     low = np.minimum(x.min(axis=2), 0.0)  # Q4_K's offsets are -dmin * mn <= 0
@@ -140,7 +140,7 @@ def quantize_q4_k(values: np.ndarray) -> np.ndarray:
 def quantize_q6_k(values: np.ndarray) -> np.ndarray:
     """Raw Q6_K blocks ``[rows, cols / 256 * 210]`` for a float32 ``[rows, cols]`` matrix (cols a
     multiple of 256): per 16 values an int8 scale of an fp16 scale per 256, 6-bit values with
-    32 as zero, packed as GGML packs them (``rill.models.quant.gguf_int6`` reads them back)."""
+    32 as zero, packed as GGML packs them (``rill.models.quant_values.gguf_int6`` reads them back)."""
     rows, cols = values.shape
     x = values.reshape(-1, 16, 16).astype(np.float32)  # [blocks, 16 sub-blocks, 16 values]
     step = np.abs(x).max(axis=2) / 31.0  # each sub-block's step
