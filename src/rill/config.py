@@ -652,6 +652,8 @@ def _base_type(hint: Any) -> type:
         return list
     if args:
         return _base_type(args[0])
+    if not isinstance(hint, type):
+        raise TypeError(f"a config field's type must end in a class, not {hint!r}")
     return hint
 
 

@@ -211,8 +211,8 @@ def test_kv_bytes_per_token_follow_the_file_s_head_width(arch: str, tmp_path: Pa
     """Heads 32 wide where hidden / heads is 16: the runner's KV accounting (memory gauges,
     ``kv_capacity_bytes``) equals what the builder sized the cache by."""
     from rill.engine.llamacpp_runner import LlamaCppRunner
-    from rill.models.registry import parse_config
     from rill.models.gguf_loader import read_gguf
+    from rill.models.registry import parse_config
     from rill.testing.checkpoints import make_checkpoint
     from rill.testing.gguf_files import write_gguf
 

@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from rill.cache import build_atomically, cache_root
 import rill.demo.corpus as corpus
 import rill.demo.tokenizer as tk
+from rill.cache import build_atomically, cache_root
 from rill.demo.train import TrainConfig, TrainResult, pack_documents, split_holdout, train
 
 DEMO_NAME = "rill-demo-v1"

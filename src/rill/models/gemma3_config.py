@@ -42,7 +42,7 @@ def parse_gemma3_config(architecture: str, hf: dict[str, Any], generation: dict[
     generation = generation or {}
     return ModelConfig(
         architecture=architecture,
-        **sizes,
+        **sizes,  # type: ignore[arg-type]
         head_dim=head_dim,
         max_position_embeddings=int(hf.get("max_position_embeddings", 131072)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),

@@ -36,7 +36,7 @@ def parse_llama_config(architecture: str, hf: dict[str, Any], generation: dict[s
     has_attention_bias = bool(hf.get("attention_bias", False)) and architecture != "MistralForCausalLM"
     return ModelConfig(
         architecture=architecture,
-        **sizes,
+        **sizes,  # type: ignore[arg-type]
         head_dim=head_dim,
         max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),

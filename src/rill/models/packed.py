@@ -34,7 +34,7 @@ each decode step. Imports torch only.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -65,6 +65,24 @@ def can_pack(weight: torch.Tensor) -> bool:
     )
 
 
+class RMSNormModule(Protocol):
+    """What ``normed_linear`` needs of a norm: ``weight * rms_norm(x, eps)`` when called."""
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The per-channel scale."""
+        ...
+
+    @property
+    def eps(self) -> float:
+        """Added to the mean square before its root."""
+        ...
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """The normalised ``x``."""
+        ...
+
+
 def packed_copy(weight: torch.Tensor) -> torch.Tensor | None:
     """The packed copy ``pack_weight`` attached to ``weight``, or None."""
     return getattr(weight, _PACKED, None)
@@ -86,7 +104,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: torch.Tens
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def normed_linear(x: torch.Tensor, norm: nn.Module, weight: torch.Tensor | QuantWeight,
+def normed_linear(x: torch.Tensor, norm: RMSNormModule, weight: torch.Tensor | QuantWeight,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
     """``linear(norm(x), weight, bias)`` for an RMS norm module (``weight * rms_norm(x)``:
     ``weight``, ``eps``).

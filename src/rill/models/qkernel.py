@@ -158,7 +158,7 @@ class BlockedWeight(QuantWeight):
     tensor attribute: ``nn.Module`` would register a ``Parameter`` as this module's own)."""
 
     def __init__(self, values: Int4Values | Int6Values | Int8Values, dtype: torch.dtype) -> None:
-        super().__init__(tuple(values.shape))
+        super().__init__(tuple(values.shape))  # type: ignore[arg-type]
         cols = values.shape[1]
         if cols % GROUP_SIZE or (isinstance(values, Int6Values) and cols % 256):
             raise ValueError(f"the quantized kernel needs an input width that is a multiple of {GROUP_SIZE} "

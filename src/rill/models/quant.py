@@ -208,7 +208,7 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ w.T + b``."""
-        return packed.linear(x, self.weight, self.bias)  # type: ignore[arg-type]
+        return packed.linear(x, self.weight, self.bias)
 
 
 class QuantizedEmbedding(nn.Module):

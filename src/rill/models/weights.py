@@ -94,7 +94,7 @@ class WeightNames:
             prefix = f"model.layers.{i}."
             out.update((f"layers.{i}.{ours}", tensors[prefix + theirs])
                        for ours, theirs in self.layer.items() if present(config, ours))
-            out.update((f"layers.{i}.{ours}", quant_values.cat([tensors[prefix + part] for part in parts]))
+            out.update((f"layers.{i}.{ours}", quant_values.cat([tensors[prefix + part] for part in parts]))  # type: ignore[misc]
                        for ours, parts in FUSED.items() if present(config, ours))
         return out
 

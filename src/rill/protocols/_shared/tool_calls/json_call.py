@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
+from typing import cast
 
 from rill.protocols._shared.tool_calls.deltas import Delta, ToolCall, ToolCallDelta, call_id
 
@@ -184,7 +185,7 @@ def unescape(raw: str) -> str:
     """The text of a JSON string's contents as written (``raw``, without its quotes); ``raw``
     itself when it is not valid JSON string text."""
     try:
-        return json.loads(f'"{raw}"')
+        return cast(str, json.loads(f'"{raw}"'))  # a JSON string literal
     except ValueError:
         return raw
 
