@@ -4,9 +4,10 @@ Owns the per-sequence sampling state, keyed by small ints the engine picks (vLLM
 style): a row of parameters per key in one preallocated table, output-token counts and prompt
 masks for the penalties, per-request seeded ``torch.Generator``s. ``Sampler.sample`` turns one
 step's logits into tokens (and logprobs) with no per-row Python work over the vocabulary; the
-numpy kernels live in ``rill.engine.sampler_kernels``. Imports numpy, torch, llguidance (masks),
-``rill.types``, that module and ``rill.engine.grammar`` (for its errors) only; knows nothing of
-requests, scheduling or protocols.
+numpy kernels live in ``rill.engine.sampler_kernels``, the per-key state and the per-step plan
+in ``rill.engine.sampler_state``, logprobs of chosen and given tokens in ``rill.engine.logprobs``.
+Imports numpy, torch, llguidance (masks), ``rill.types``, those modules and
+``rill.engine.grammar`` (for its errors) only; knows nothing of requests, scheduling or protocols.
 
 Processing order (vLLM / OpenAI semantics): repetition penalty (HF, prompt + output tokens) →
 presence / frequency penalties (OpenAI, output tokens) → logit_bias → bans (eos and stop ids while
@@ -55,8 +56,10 @@ from llguidance import LLExecutor
 from llguidance.numpy import fill_next_token_bitmask_par
 
 from rill.engine.grammar import constraint_failed
-from rill.engine.sampler_kernels import BLOCK, apply_penalties, inverse_cdf, keep_thresholds, top_n
-from rill.types import SamplingParams, TokenLogprob, TopLogprob
+from rill.engine.logprobs import chosen_logprobs, score_block
+from rill.engine.sampler_kernels import BLOCK, apply_penalties, inverse_cdf, keep_thresholds
+from rill.engine.sampler_state import Plan, Slot, Workspace
+from rill.types import SamplingParams, TokenLogprob
 
 SCORE_BLOCK_ROWS = 32
 """Rows of logits ``Sampler.score`` works on at once (bounds its scratch memory per vocabulary)."""
@@ -86,26 +89,6 @@ class SampleOutput:
     errors: dict[int, Exception] = field(default_factory=dict)
 
 
-@dataclass(slots=True)
-class _Slot:
-    """Everything the sampler keeps for one key, with flags precomputed for the per-step plan."""
-
-    params: SamplingParams
-    eos_ids: set[int]
-    prompt: list[int]
-    outputs: list[int] = field(default_factory=list)
-    generator: torch.Generator | None = None
-    is_greedy: bool = False
-    is_penalized: bool = False
-    is_filtered: bool = False  # top_k, top_p or min_p active
-    bias_ids: np.ndarray | None = None
-    bias_values: np.ndarray | None = None
-    ban_always: np.ndarray | None = None  # eos ids under ignore_eos
-    ban_early: np.ndarray | None = None  # ids banned while len(outputs) < min_tokens
-    allow_ids: np.ndarray | None = None  # allowed_token_ids within the vocabulary
-    matcher: Any = None  # llguidance.LLMatcher of a constrained row (rill.engine.grammar)
-
-
 class Sampler:
     """Vectorised per-request sampler with persistent per-key state (vLLM ``InputBatch`` style).
 
@@ -133,7 +116,7 @@ class Sampler:
         self._width = -(-vocab_size // BLOCK) * BLOCK  # padded vocab; pad columns weigh 0
         # Persistent per-key parameters, written on add/update only; one gather per step.
         self._table = np.zeros((max_rows, 7), dtype=np.float32)
-        self._slots: list[_Slot | None] = [None] * max_rows
+        self._slots: list[Slot | None] = [None] * max_rows
         self._free_keys = list(range(max_rows - 1, -1, -1))  # open() takes the lowest free key
         self._generator = torch.Generator()
         self._generator.seed()  # unseeded rows share this one, randomly seeded
@@ -141,7 +124,7 @@ class Sampler:
         # any key uses a penalty (they cost 5 bytes per key and token), then kept for every key.
         self._counts: np.ndarray | None = None
         self._prompt_mask: np.ndarray | None = None
-        self._ws = _Workspace()
+        self._ws = Workspace()
         self._executor: Any = None  # llguidance's thread pool, made on the first constrained row
 
     # ----- per-key state -------------------------------------------------------------------
@@ -156,7 +139,7 @@ class Sampler:
         """
         if self._slots[key] is not None:
             raise ValueError(f"sampler key {key} is already in use")
-        slot = _Slot(params=params, eos_ids=set(eos_token_ids), prompt=list(prompt_ids), matcher=matcher)
+        slot = Slot(params=params, eos_ids=set(eos_token_ids), prompt=list(prompt_ids), matcher=matcher)
         self._slots[key] = slot
         self._configure(key, slot, params, reseed=True)
         self._clear_penalty_rows(key, slot)
@@ -215,13 +198,13 @@ class Sampler:
         matcher = self._slot(key).matcher
         return matcher is not None and matcher.is_stopped() and not matcher.is_error()
 
-    def _slot(self, key: int) -> _Slot:
+    def _slot(self, key: int) -> Slot:
         slot = self._slots[key]
         if slot is None:
             raise KeyError(f"sampler key {key} is not in use")
         return slot
 
-    def _configure(self, key: int, slot: _Slot, p: SamplingParams, reseed: bool) -> None:
+    def _configure(self, key: int, slot: Slot, p: SamplingParams, reseed: bool) -> None:
         vocab = self.vocab_size
         top_k = p.top_k if 0 < p.top_k < vocab else 0
         self._table[key] = (p.temperature, top_k, p.top_p, p.min_p, p.repetition_penalty,
@@ -251,7 +234,7 @@ class Sampler:
                 self._clear_penalty_rows(key, slot)
                 np.add.at(self._counts[key], np.asarray(slot.outputs, np.int64), 1)
 
-    def _clear_penalty_rows(self, key: int, slot: _Slot) -> None:
+    def _clear_penalty_rows(self, key: int, slot: Slot) -> None:
         if self._counts is None:
             return
         self._counts[key] = 0
@@ -279,7 +262,7 @@ class Sampler:
             raise ValueError(f"logits {tuple(raw.shape)} do not match {n} keys x vocab {self.vocab_size}")
         slots = [self._slot(k) for k in keys]
         key_arr = np.asarray(keys, np.int64)
-        plan = _Plan.build(slots)
+        plan = Plan.build(slots)
         # Drawn first, so that a batch redone row by row uses the very same numbers.
         uniforms = np.full(n, np.nan)
         uniforms[plan.sampled_rows] = self._uniforms([slots[i] for i in plan.sampled_rows])
@@ -303,7 +286,7 @@ class Sampler:
             self._counts[key_arr[ok], tokens[ok]] += 1  # keys are distinct, so no index repeats
         return SampleOutput(token_list, logprobs, errors)
 
-    def _sample_rows(self, raw: np.ndarray, key_arr: np.ndarray, slots: list[_Slot], plan: _Plan,
+    def _sample_rows(self, raw: np.ndarray, key_arr: np.ndarray, slots: list[Slot], plan: Plan,
                      uniforms: np.ndarray) -> tuple[np.ndarray, list[TokenLogprob | None]]:
         """Tokens and logprobs of every row (no history is written here)."""
         with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
@@ -311,7 +294,7 @@ class Sampler:
                 tokens = raw.argmax(axis=1)
             else:
                 tokens = self._choose(raw, key_arr, slots, plan, uniforms)
-            logprobs = self._logprobs(raw, tokens, slots, plan.logprob_rows, len(slots))
+            logprobs = chosen_logprobs(raw, tokens, slots, plan.logprob_rows, self._ws)
         return tokens, logprobs
 
     def score(self, logits: torch.Tensor, token_ids: list[int], num_top: int) -> list[TokenLogprob]:
@@ -334,32 +317,11 @@ class Sampler:
         # boolean ones per block, rather than several copies of the whole chunk's logits).
         out: list[TokenLogprob] = []
         for start in range(0, l, SCORE_BLOCK_ROWS):
-            out += self._score_block(raw[start : start + SCORE_BLOCK_ROWS], token_ids[start : start + SCORE_BLOCK_ROWS],
-                                     num_top)
+            out += score_block(raw[start : start + SCORE_BLOCK_ROWS], token_ids[start : start + SCORE_BLOCK_ROWS],
+                               num_top, self._ws)
         return out
 
-    def _score_block(self, raw: np.ndarray, token_ids: list[int], num_top: int) -> list[TokenLogprob]:
-        l, vocab = raw.shape
-        targets = np.asarray(token_ids, np.int64)
-        with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-            peak = raw.max(axis=1)
-            shifted = np.subtract(raw, peak[:, None], out=self._ws.get("w", (l, vocab), np.float32))
-            lse = peak + np.log(np.einsum("lv->l", np.exp(shifted, out=shifted)).astype(np.float64))
-            given = raw[np.arange(l), targets]
-            chosen = (given - lse).tolist()
-            ranks = (1 + np.count_nonzero(raw > given[:, None], axis=1)).tolist()
-            top_ids: list[list[int]] = [[] for _ in range(l)]
-            top_lps: list[list[float]] = [[] for _ in range(l)]
-            if num_top > 0:  # one more than asked, so that N remain once the given token is left out
-                ids, values = top_n(raw, min(num_top + 1, vocab), scratch=self._ws.get("scratch", (l, vocab), np.float32))
-                top_ids, top_lps = ids.tolist(), (values - lse[:, None]).tolist()
-        out = []
-        for j, tok in enumerate(targets.tolist()):
-            top = [TopLogprob(t, lp) for t, lp in zip(top_ids[j], top_lps[j]) if t != tok][:num_top]
-            out.append(TokenLogprob(token_id=tok, logprob=chosen[j], top=top, rank=ranks[j]))
-        return out
-
-    def _sample_each(self, raw: np.ndarray, key_arr: np.ndarray, slots: list[_Slot], uniforms: np.ndarray
+    def _sample_each(self, raw: np.ndarray, key_arr: np.ndarray, slots: list[Slot], uniforms: np.ndarray
                      ) -> tuple[np.ndarray, list[TokenLogprob | None], dict[int, Exception]]:
         """The batch raised: sample row by row and report the rows that raise on their own."""
         n = len(slots)
@@ -369,7 +331,7 @@ class Sampler:
         for i in range(n):
             one = slice(i, i + 1)
             try:
-                tok, lps = self._sample_rows(raw[one], key_arr[one], slots[one], _Plan.build(slots[one]), uniforms[one])
+                tok, lps = self._sample_rows(raw[one], key_arr[one], slots[one], Plan.build(slots[one]), uniforms[one])
             except Exception as exc:  # noqa: BLE001 - this row alone fails; the caller fails its request
                 errors[i] = exc
                 continue
@@ -380,9 +342,9 @@ class Sampler:
         # For tests: the logits after penalties, bias and bans, before temperature.
         raw = np.ascontiguousarray(logits.detach().to("cpu", torch.float32).numpy())
         slots = [self._slot(k) for k in keys]
-        return self._process(raw, np.asarray(keys, np.int64), slots, _Plan.build(slots)).copy()
+        return self._process(raw, np.asarray(keys, np.int64), slots, Plan.build(slots)).copy()
 
-    def _choose(self, raw: np.ndarray, key_arr: np.ndarray, slots: list[_Slot], plan: _Plan,
+    def _choose(self, raw: np.ndarray, key_arr: np.ndarray, slots: list[Slot], plan: Plan,
                 uniforms: np.ndarray) -> np.ndarray:
         x = self._process(raw, key_arr, slots, plan)
         tokens = np.empty(len(slots), np.int64)
@@ -403,7 +365,7 @@ class Sampler:
             tokens[rows] = drawn
         return tokens
 
-    def _process(self, raw: np.ndarray, key_arr: np.ndarray, slots: list[_Slot], plan: _Plan) -> np.ndarray:
+    def _process(self, raw: np.ndarray, key_arr: np.ndarray, slots: list[Slot], plan: Plan) -> np.ndarray:
         """Penalties, logit_bias and bans applied to a copy of ``raw`` (``raw`` if none apply)."""
         if not (plan.penalty_rows or plan.bias_rows or plan.ban_rows or plan.allow_rows or plan.mask_rows):
             return raw
@@ -460,7 +422,7 @@ class Sampler:
             self._executor = LLExecutor()
         return self._executor
 
-    def _draw(self, x: np.ndarray, rows: np.ndarray, keys: np.ndarray, slots: list[_Slot],
+    def _draw(self, x: np.ndarray, rows: np.ndarray, keys: np.ndarray, slots: list[Slot],
               uniforms: np.ndarray) -> np.ndarray:
         """Temperature, top-k/top-p/min-p and one inverse-CDF draw per row; -1 marks dead rows."""
         s, vocab, width = len(rows), self.vocab_size, self._width
@@ -490,7 +452,7 @@ class Sampler:
         tokens[dead] = -1
         return tokens
 
-    def _uniforms(self, slots: list[_Slot]) -> np.ndarray:
+    def _uniforms(self, slots: list[Slot]) -> np.ndarray:
         # Seeded rows draw from their own generator, exactly one value per sampled step, so their
         # stream does not depend on the batch; unseeded rows share one draw.
         shared = [i for i, sl in enumerate(slots) if sl.generator is None]
@@ -501,91 +463,3 @@ class Sampler:
             if sl.generator is not None:
                 u[i] = torch.rand(1, generator=sl.generator, dtype=torch.float64).item()
         return u
-
-    def _logprobs(self, raw: np.ndarray, tokens: np.ndarray, slots: list[_Slot], rows: list[int],
-                  n: int) -> list[TokenLogprob | None]:
-        out: list[TokenLogprob | None] = [None] * n
-        if not rows:
-            return out
-        l, vocab = len(rows), self.vocab_size
-        xr = raw if l == n else np.take(raw, rows, axis=0, out=self._ws.get("x", (l, vocab), np.float32))
-        peak = xr.max(axis=1)
-        shifted = np.subtract(xr, peak[:, None], out=self._ws.get("w", (l, vocab), np.float32))
-        lse = peak + np.log(np.einsum("lv->l", np.exp(shifted, out=shifted)).astype(np.float64))
-        chosen = (xr[np.arange(l), tokens[rows]] - lse).tolist()
-        # One more than asked, so that N remain once the chosen token is left out.
-        num_top = min(max(slots[i].params.logprobs for i in rows) + 1, vocab)  # type: ignore[operator,type-var]
-        top_ids: list[list[int]] = [[] for _ in rows]
-        top_lps: list[list[float]] = [[] for _ in rows]
-        if num_top > 1:
-            ids, values = top_n(xr, num_top, scratch=self._ws.get("scratch", (l, vocab), np.float32))
-            top_ids, top_lps = ids.tolist(), (values - lse[:, None]).tolist()
-        for j, i in enumerate(rows):
-            tok, k = int(tokens[i]), slots[i].params.logprobs
-            top = [TopLogprob(t, lp) for t, lp in zip(top_ids[j], top_lps[j]) if t != tok][:k]
-            out[i] = TokenLogprob(token_id=tok, logprob=chosen[j], top=top)
-        return out
-
-
-class _Workspace:
-    """Scratch arrays kept across steps, reshaped per use.
-
-    NOTE(sampler): fresh multi-megabyte temporaries page-fault on every step (glibc hands freed
-    ones back to the OS), which measured up to 2x the arithmetic at 64 rows x 16k. The workspace
-    holds about 13 bytes per row and vocabulary entry, sized to the largest batch seen.
-    """
-
-    def __init__(self) -> None:
-        self._arrays: dict[str, np.ndarray] = {}
-
-    def get(self, name: str, shape: tuple[int, int], dtype) -> np.ndarray:
-        """A C-contiguous array of ``shape`` with arbitrary contents; valid until the next get
-        of ``name`` (callers keep the lifetimes of same-named uses apart)."""
-        size = shape[0] * shape[1]
-        flat = self._arrays.get(name)
-        if flat is None or flat.size < size:
-            flat = self._arrays[name] = np.empty(max(size, 0 if flat is None else 2 * flat.size), dtype)
-        return flat[:size].reshape(shape)
-
-
-@dataclass(slots=True)
-class _Plan:
-    """Which rows of this step need which work, from one pass over the slots."""
-
-    greedy_rows: list[int]
-    sampled_rows: list[int]
-    penalty_rows: list[int]
-    bias_rows: list[int]
-    ban_rows: list[tuple[int, np.ndarray]]
-    logprob_rows: list[int]
-    mask_rows: list[int]
-    allow_rows: list[int]
-
-    @property
-    def is_plain_greedy(self) -> bool:
-        """All rows greedy and nothing changes the logits: a bare argmax."""
-        return not (self.sampled_rows or self.penalty_rows or self.bias_rows or self.ban_rows or self.mask_rows
-                    or self.allow_rows)
-
-    @classmethod
-    def build(cls, slots: list[_Slot]) -> _Plan:
-        """Sort the rows of one step by the work they need."""
-        plan = cls([], [], [], [], [], [], [], [])
-        for i, sl in enumerate(slots):
-            (plan.greedy_rows if sl.is_greedy else plan.sampled_rows).append(i)
-            if sl.is_penalized:
-                plan.penalty_rows.append(i)
-            if sl.bias_ids is not None:
-                plan.bias_rows.append(i)
-            # ban_early (eos + stop ids) includes ban_always (eos under ignore_eos).
-            early = sl.ban_early is not None and len(sl.outputs) < sl.params.min_tokens
-            ban = sl.ban_early if early else sl.ban_always
-            if ban is not None:
-                plan.ban_rows.append((i, ban))
-            if sl.params.logprobs is not None:
-                plan.logprob_rows.append(i)
-            if sl.matcher is not None:
-                plan.mask_rows.append(i)
-            if sl.allow_ids is not None:
-                plan.allow_rows.append(i)
-        return plan
