@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rill.engine.builder import _model_path
+from rill.engine.model_source import model_path
 from rill.errors import ModelLoadError
 from rill.models import default as default_model
 from rill.models.gguf_loader import read_gguf
@@ -60,7 +60,7 @@ def test_serve_without_model_resolves_to_the_prepared_default(prepared) -> None:
     assert reports[-1][0] == 100.0 and all(a[0] <= b[0] for a, b in zip(reports, reports[1:]))
     stamp = (folder / "model.safetensors").stat().st_mtime_ns
     seen: list[float] = []
-    assert _model_path(None, lambda pct, stage: seen.append(pct)) == folder
+    assert model_path(None, lambda pct, stage: seen.append(pct)) == folder
     assert (folder / "model.safetensors").stat().st_mtime_ns == stamp, "a prepared model must not be converted again"
     assert sorted(p.name for p in folder.parent.iterdir()) == [f".{folder.name}.lock", folder.name]
 
@@ -103,6 +103,6 @@ def test_model_demo_builds_the_story_model_unless_a_path_has_that_name(monkeypat
     built = tmp_path / "built-demo"
     monkeypatch.setattr(rill.demo, "ensure_demo_model", lambda progress, report: built)
     monkeypatch.chdir(tmp_path)
-    assert _model_path("demo", lambda pct, stage: None) == built
+    assert model_path("demo", lambda pct, stage: None) == built
     (tmp_path / "demo").mkdir()
-    assert _model_path("demo", lambda pct, stage: None) == Path("demo")
+    assert model_path("demo", lambda pct, stage: None) == Path("demo")

@@ -29,7 +29,8 @@ import rill.models.quant_cache as quant_cache
 import rill.models.quant_values as quant_values
 from rill.errors import ModelLoadError
 from rill.models.config import ModelConfig, dtype_name
-from rill.models.gguf_loader import TokenizerSpec, find_gguf, read_gguf
+from rill.models.gguf_loader import find_gguf, read_gguf
+from rill.models.gguf_tokenizer import TokenizerSpec
 from rill.models.quant import WEIGHT_MODES
 from rill.models.registry import CausalLM, family_for_config, parse_config
 
