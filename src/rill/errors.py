@@ -42,10 +42,13 @@ class RillError(Exception):
     Attributes:
         code: a short stable machine name (``snake_case``) that protocols may put on the wire.
         retryable: whether the same request may succeed if sent again later.
+        retry_after_s: seconds after which a retry may succeed, or None when the error
+            gives no such hint (the refusals that know one set it).
     """
 
     code = "internal_error"
     retryable = False
+    retry_after_s: float | None = None
 
     def __init__(self, message: str = "") -> None:
         super().__init__(message)

@@ -112,9 +112,8 @@ def error_message(exc: BaseException, request_id: str | None = None, generated_t
     if isinstance(exc, ContextLengthExceeded):
         msg.prompt_tokens = exc.num_prompt_tokens
         msg.max_context_tokens = exc.max_context_tokens
-    retry_after_s = getattr(exc, "retry_after_s", None)
-    if isinstance(exc, (RateLimited, QueueFull)) and isinstance(retry_after_s, (int, float)):
-        msg.retry_after_seconds = round(float(retry_after_s), 3)
+    if isinstance(exc, (RateLimited, QueueFull)) and exc.retry_after_s is not None:
+        msg.retry_after_seconds = round(float(exc.retry_after_s), 3)
     if generated_text is not None:
         msg.generated_text = generated_text
     return msg

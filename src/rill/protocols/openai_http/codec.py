@@ -158,7 +158,7 @@ def error_for(exc: BaseException) -> WireError:
     """The complete HTTP error for ``exc``, with ``Retry-After`` for retryable refusals."""
     status, detail = error_detail(exc)
     headers = {}
-    retry_after_s = getattr(exc, "retry_after_s", None)
+    retry_after_s = exc.retry_after_s if isinstance(exc, RillError) else None
     if retry_after_s is None and isinstance(exc, ModelNotReady):
         retry_after_s = 1.0  # loading progress lives on /health; a second is a fair poll
     if retry_after_s is not None and status in (429, 503):
