@@ -14,16 +14,14 @@ from rill.protocols.evergreen import codec, file_refs
 from rill.protocols.evergreen.errors import RefNotFound, SessionLimit, UnsupportedInput
 from rill.protocols.evergreen.messages import Chunk, ChunkMetadata, NodeFragment
 from rill.protocols.evergreen.session import (
-    FRAGMENT_COST_BYTES,
-    ID_COST_BYTES,
     AbortSession,
     EvergreenSession,
     FileRef,
     Generate,
     ModelFacts,
     SessionLimits,
-    fragment_bytes,
 )
+from rill.protocols.evergreen.store import FRAGMENT_COST_BYTES, ID_COST_BYTES, fragment_bytes
 
 from .helpers import engine_output, generate, leaf, msg, parent
 

@@ -28,8 +28,8 @@ from rill.protocols.evergreen.session import (
     SessionLimits,
     TextLeaf,
     TurnEnd,
-    fragment_bytes,
 )
+from rill.protocols.evergreen.store import fragment_bytes
 from rill.types import RequestOutput
 
 from .helpers import (
