@@ -7,7 +7,7 @@ import pytest
 
 from rill.errors import GenerationError, InvalidRequest, MemoryPressure, RequestTimeout
 from rill.protocols._shared.driver import Started
-from rill.protocols.generate_ws import codec
+from rill.protocols.generate_ws import codec, generation
 from rill.protocols.generate_ws import messages as m
 from rill.protocols.generate_ws import session as s
 from rill.types import (
@@ -382,7 +382,7 @@ def test_remembered_generations_are_counted_and_the_oldest_forgotten_on_request(
     for _ in range(3):
         started(sess)
         sess.on_output(None, out("ab", finished=True, reason="length", n=2), now=11.0)
-    one = s.remembered_bytes(sess.gen)  # "Hi" and "ab"
+    one = generation.remembered_bytes(sess.gen)  # "Hi" and "ab"
     assert sess.num_history_bytes == 3 * one
     sess.forget_history(2 * one)
     assert sess.num_history_bytes == 2 * one

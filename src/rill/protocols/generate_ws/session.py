@@ -16,19 +16,16 @@ The session turns each input into a list of actions (``Send``, ``Start``, ``Abor
 driver (``protocols/_shared/driver``) performs the shared ones and hands the adapter the
 rest. It never awaits, reads no clock (``now`` is passed in, monotonic seconds) and imports
 no engine. Statuses answering pause/resume/modify/regenerate are sent when the engine's event
-arrives, so "no token between paused and resumed" holds by construction.
+arrives, so "no token between paused and resumed" holds by construction. What a generation
+shows, and the finished generations feedback may still name, are ``generation.py``'s.
 """
 
 from __future__ import annotations
 
 import enum
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
-
-import msgspec
 
 from rill.errors import InvalidRequest, RillError
 from rill.protocols._shared.driver import Key, Session, Started
@@ -47,21 +44,11 @@ from rill.protocols.generate_ws.actions import (
     StoreFeedback,
 )
 from rill.protocols.generate_ws.deltas import split_at_restart
-from rill.types import GenerateRequest, InvalidParameter, ModelInfo, RequestEvent, RequestOutput, SamplingParams
+from rill.protocols.generate_ws.generation import Generation, History, Limits
+from rill.types import GenerateRequest, InvalidParameter, RequestEvent, RequestOutput, SamplingParams
 
 PROTOCOL = "generate_ws"
 DEFAULT_TOP_LOGPROBS = 5  # alternatives sent with include_logprobs when parameters.logprobs is unset
-MAX_REMEMBERED_GENERATIONS = 32  # earlier generations feedback may still name by request_id
-REMEMBERED_COST_BYTES = 512
-"""Bytes a remembered generation counts besides its prompt and text (its objects)."""
-
-
-def remembered_bytes(gen: Generation) -> int:
-    """What a remembered generation holds: its prompt and text (one byte a character, the
-    size of an ASCII string) and ``REMEMBERED_COST_BYTES``."""
-    return REMEMBERED_COST_BYTES + len(gen.prompt) + len(gen.text)
-
-
 class State(enum.Enum):
     """Where the connection is; see ``TRANSITIONS``."""
 
@@ -80,41 +67,6 @@ TRANSITIONS: dict[State, dict[str, tuple[str, ...]]] = {
     State.PAUSED: {"control": ("stop", "resume", "modify", "regenerate"), "feedback": ()},
     State.IDLE: {"config": (), "feedback": ()},
 }
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What the session needs to know about the server and the model."""
-
-    model_name: str
-    model_info: ModelInfo | None = None
-    version: str | None = None
-    max_feedback_per_generation: int | None = None
-    max_feedback_per_connection: int | None = None
-
-
-@dataclass
-class Generation:
-    """Presentation state of one generation (the text so far lives here, not in the engine)."""
-
-    request_id: str
-    prompt: str
-    options: m.Options
-    sampling: SamplingParams
-    started_at: float
-    text: str = ""
-    num_prompt_tokens: int = 0
-    num_completion_tokens: int = 0
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    is_finished: bool = False
-    is_started: bool = False  # the engine accepted it (init sent); a refused one has nothing to rate
-    num_feedback: int = 0
-
-    @property
-    def visible_text(self) -> str:
-        """``generated_text`` as the client sees it (with the prompt when echoing)."""
-        return self.prompt + self.text if self.options.echo_prompt else self.text
 
 
 def _new_request_id() -> str:
@@ -136,11 +88,7 @@ class GenerateSession(Session):
         self.gen: Generation | None = None
         self._token_text = token_text
         self._new_request_id = new_request_id
-        self._history: OrderedDict[str, Generation] = OrderedDict()
-        self._history_bytes: dict[str, int] = {}
-        self.num_history_bytes = 0
-        """What the remembered generations hold (``remembered_bytes``): the adapter charges it
-        to the server's session-memory budget and ``forget_history`` makes room."""
+        self._history = History()
         self._num_feedback = 0
 
     # ------------------------------------------------------------------ client messages
@@ -233,8 +181,8 @@ class GenerateSession(Session):
         # Not submitted yet: nothing reaches the engine, answer at once.
         self.state = State.IDLE
         self.gen.is_finished = True
-        self._remember(self.gen)
-        return [Abort(), Send(self._completion("cancelled", self.gen.started_at))]
+        self._history.remember(self.gen)
+        return [Abort(), Send(self.gen.completion("cancelled", self.gen.started_at))]
 
     def _on_feedback(self, msg: m.Feedback, now: float) -> list[Action]:
         gen = self._history.get(msg.request_id) if msg.request_id else self.gen
@@ -316,20 +264,7 @@ class GenerateSession(Session):
         self.gen.num_prompt_tokens = len(started.prompt_token_ids)
         self.gen.is_started = True
         self.state = State.GENERATING
-        return [Send(self._init())]
-
-    def _init(self) -> m.Init:
-        assert self.gen is not None
-        info = self.limits.model_info
-        msg = m.Init(request_id=self.gen.request_id, model=self.limits.model_name,
-                     parameters=msgspec.structs.asdict(self.gen.sampling))
-        if info is not None:
-            msg.model_info = m.ModelInfoWire(max_tokens=info.max_context_tokens, dtype=info.dtype,
-                                             quantization=info.quantization, architecture=info.architecture,
-                                             vocab_size=info.vocab_size)
-            if self.limits.version:
-                msg.model_info.version = self.limits.version
-        return msg
+        return [Send(self.gen.init_message(self.limits))]
 
     def on_output(self, key: Key, out: RequestOutput, now: float) -> list[Action]:
         """One engine delta → statuses, tokens and, at the end, the completion or error."""
@@ -339,10 +274,10 @@ class GenerateSession(Session):
         actions: list[Action] = []
         if RequestEvent.REGENERATING in out.events:
             stale, out = split_at_restart(out)
-            actions += [Send(t) for t in self._tokens(stale, now)]
-        before, after = self._event_statuses(out)
+            actions += [Send(t) for t in gen.tokens(stale, now, self._token_text)]
+        before, after = gen.event_statuses(out, self.limits)
         actions += [Send(s) for s in before]
-        actions += [Send(t) for t in self._tokens(out, now)]
+        actions += [Send(t) for t in gen.tokens(out, now, self._token_text)]
         actions += [Send(s) for s in after]
         if out.usage.prompt_tokens:
             gen.num_prompt_tokens = out.usage.prompt_tokens
@@ -351,102 +286,16 @@ class GenerateSession(Session):
             actions += self._on_finished(out, now)
         return actions
 
-    def _event_statuses(self, out: RequestOutput) -> tuple[list[m.ServerMessage], list[m.ServerMessage]]:
-        """Statuses to send before and after this delta's tokens.
-
-        A merged delta loses the order of tokens and events; tokens after a pause are
-        impossible, so statuses go after the tokens unless the delta ends resumed (then
-        the tokens may be post-resume) or restarted (tokens belong to the new run).
-        """
-        gen = self.gen
-        assert gen is not None
-        statuses: list[m.ServerMessage] = []
-        is_restart = False
-        modified = iter(out.modified)
-        events = out.events
-        for event in events:
-            if event is RequestEvent.PAUSED:
-                statuses.append(m.Status(operation="paused", request_id=gen.request_id, message="generation paused"))
-            elif event is RequestEvent.RESUMED:
-                statuses.append(m.Status(operation="resumed", request_id=gen.request_id, message="generation resumed"))
-            elif event is RequestEvent.MODIFIED:
-                params = next(modified, gen.sampling)
-                statuses.append(m.Status(operation="modified", request_id=gen.request_id,
-                                         message="parameters in force from the next token",
-                                         parameters=msgspec.structs.asdict(params)))
-            elif event is RequestEvent.REGENERATING:
-                is_restart = True
-                gen.text, gen.first_token_at, gen.last_token_at, gen.num_completion_tokens = "", None, None, 0
-                statuses.append(m.Status(operation="regenerating", request_id=gen.request_id,
-                                         message="restarting from the prompt"))
-                statuses.append(self._init())
-        pause_events = [e for e in events if e in (RequestEvent.PAUSED, RequestEvent.RESUMED)]
-        if is_restart or (pause_events and pause_events[-1] is RequestEvent.RESUMED):
-            return statuses, []
-        return [], statuses
-
-    def _tokens(self, out: RequestOutput, now: float) -> list[m.Token]:
-        gen = self.gen
-        assert gen is not None
-        pieces = out.token_texts
-        num_new = len(pieces)
-        if num_new == 0:
-            return []
-        previous_at = gen.last_token_at if gen.last_token_at is not None else gen.started_at
-        token_ms = codec.round_ms((now - previous_at) / num_new)
-        if gen.first_token_at is None:
-            gen.first_token_at = now
-        gen.last_token_at = now
-        messages: list[m.Token] = []
-        opts = gen.options
-        want_logprobs = out.logprobs is not None and (opts.include_logprobs or gen.sampling.logprobs is not None)
-        for i, piece in enumerate(pieces):
-            gen.text += piece
-            if not opts.stream:
-                continue
-            is_last = out.finished and i == num_new - 1
-            tok = m.Token(token=piece, generated_text=gen.visible_text, finished=is_last,
-                          finish_reason=out.finish_reason if is_last else None)
-            if opts.include_token_ids and i < len(out.token_ids):
-                tok.token_id = out.token_ids[i]
-            if want_logprobs and out.logprobs is not None and i < len(out.logprobs):
-                tok.logprobs = self._logprobs(out.logprobs[i], piece)
-            if opts.include_timing:
-                tok.timing = m.TokenTiming(token_ms=token_ms or 0.0, total_ms=codec.round_ms(now - gen.started_at) or 0.0)
-            messages.append(tok)
-        return messages
-
-    def _logprobs(self, lp: Any, chosen_text: str) -> list[m.TokenLogprobWire]:
-        entries = [m.TokenLogprobWire(token=chosen_text, logprob=lp.logprob, token_id=lp.token_id)]
-        for alt in lp.top:
-            if alt.token_id != lp.token_id:
-                entries.append(m.TokenLogprobWire(token=self._token_text(alt.token_id), logprob=alt.logprob,
-                                                  token_id=alt.token_id))
-        return entries
-
     def _on_finished(self, out: RequestOutput, now: float) -> list[Action]:
         gen = self.gen
         assert gen is not None
         gen.is_finished = True
-        self._remember(gen)
+        self._history.remember(gen)
         self.state = State.IDLE
         if out.finish_reason == "error":
             exc = out.error if isinstance(out.error, BaseException) else RillError("generation failed")
             return self._error_actions(exc)
-        return [Send(self._completion(out.finish_reason or "stop", now))]
-
-    def _completion(self, finish_reason: str, now: float) -> m.Completion:
-        gen = self.gen
-        assert gen is not None
-        usage = m.UsageWire(prompt_tokens=gen.num_prompt_tokens, completion_tokens=gen.num_completion_tokens,
-                            total_tokens=gen.num_prompt_tokens + gen.num_completion_tokens)
-        msg = m.Completion(generated_text=gen.visible_text, finish_reason=finish_reason, usage=usage,
-                           request_id=gen.request_id)
-        if gen.options.include_timing:
-            first = None if gen.first_token_at is None else gen.first_token_at - gen.started_at
-            msg.timing = m.CompletionTiming(first_token_ms=codec.round_ms(first),
-                                            total_ms=codec.round_ms(now - gen.started_at) or 0.0)
-        return msg
+        return [Send(gen.completion(out.finish_reason or "stop", now))]
 
     def on_start_failed(self, key: Key, exc: BaseException, now: float) -> list[Action]:
         """The generation never started (refused, the model failed to load, the time limit):
@@ -458,7 +307,7 @@ class GenerateSession(Session):
         send the error with the partial text; close the socket when it is not recoverable."""
         if self.gen is not None and not self.gen.is_finished:
             self.gen.is_finished = True
-            self._remember(self.gen)
+            self._history.remember(self.gen)
         if self.state is not State.AWAIT_CONFIG:
             self.state = State.IDLE
         return self._error_actions(exc)
@@ -487,25 +336,15 @@ class GenerateSession(Session):
     def _current_id(self) -> str | None:
         return self.gen.request_id if self.gen is not None else None
 
-    def _remember(self, gen: Generation) -> None:
-        self._forget(gen.request_id)  # remembered again: counted once, with its text now
-        self._history[gen.request_id] = gen
-        self._history_bytes[gen.request_id] = num_bytes = remembered_bytes(gen)
-        self.num_history_bytes += num_bytes
-        while len(self._history) > MAX_REMEMBERED_GENERATIONS:
-            self._forget(next(iter(self._history)))
-
-    def _forget(self, request_id: str) -> None:
-        if self._history.pop(request_id, None) is not None:
-            self.num_history_bytes -= self._history_bytes.pop(request_id)
+    @property
+    def num_history_bytes(self) -> int:
+        """What the remembered generations hold (``generation.remembered_bytes``): the adapter
+        charges it to the server's session-memory budget and ``forget_history`` makes room."""
+        return self._history.num_bytes
 
     def forget_history(self, max_bytes: int) -> None:
         """Forget the oldest remembered generations until the rest hold at most ``max_bytes``
         (the server's memory is short): feedback naming them is refused as for an unknown id.
         The running generation is never forgotten."""
-        for request_id in list(self._history):
-            if self.num_history_bytes <= max_bytes:
-                return
-            if self.gen is None or request_id != self.gen.request_id or self.gen.is_finished:
-                self._forget(request_id)
-
+        running = self.gen.request_id if self.gen is not None and not self.gen.is_finished else None
+        self._history.shrink(max_bytes, keep=running)
