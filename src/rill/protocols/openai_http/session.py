@@ -10,7 +10,8 @@ index it belongs to, in arrival order, and writes what it returns:
 A choice's failure (``finish_reason`` ``error``, or ``cancelled`` while the client is still
 there) sets ``failed``; the adapter then stops, sends ``end()`` (streamed: an error event,
 then ``[DONE]``) or an error response (not streamed). Token strings for logprobs come from
-``token_text`` (the client's ``decode([id])``), passed in so this module stays pure.
+``token_text`` (the client's ``decode([id])``), passed in so this module stays pure; the
+logprobs' shapes are ``logprobs.py``'s.
 
 Completions ``echo``: a choice's text starts with its prompt, and with ``logprobs`` its legacy
 ``logprobs`` lists start with the prompt tokens (the first one's logprob and alternatives
@@ -28,8 +29,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
-
 from rill.errors import GenerationError, RillError
 from rill.protocols._shared import sse
 from rill.protocols._shared.tool_calls import (
@@ -40,26 +39,22 @@ from rill.protocols._shared.tool_calls import (
     make_parser,
 )
 from rill.protocols.openai_http import codec
+from rill.protocols.openai_http.logprobs import LogprobShapes, join
 from rill.protocols.openai_http.messages import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
     ChatCompletionChunk,
     ChatDelta,
-    ChatLogprobs,
     ChatMessageOut,
-    ChatTokenLogprob,
     Completion,
     CompletionChoice,
     CompletionLogprobs,
     FunctionCallDelta,
     FunctionCallOut,
-    PromptLogprobOut,
-    PromptLogprobs,
     PromptTokensDetails,
     ToolCallDeltaOut,
     ToolCallOut,
-    TopLogprobOut,
     UsageInfo,
 )
 from rill.types import RequestOutput, TokenLogprob, Usage
@@ -139,6 +134,7 @@ class ResponseSession:
         self.include_usage = include_usage
         self.logprobs = logprobs
         self.token_text = token_text
+        self.shapes = LogprobShapes(logprobs, prompt_logprobs, token_text)
         self.choices = [_Choice() for _ in range(num_choices)]
         if tool_format is not None and kind is Kind.CHAT:
             for i, choice in enumerate(self.choices):
@@ -212,7 +208,7 @@ class ResponseSession:
         if self.echo is not None:
             offset += len(self.echo[index // self.candidates].text)
         choice_chunk = CompletionChoice(index=index, text=out.text, finish_reason=finish,
-                                        logprobs=self._completion_logprobs(out.logprobs, offset))
+                                        logprobs=self.shapes.completion(out.logprobs, offset))
         return [sse.encode_event(codec.encode(self._completion([choice_chunk])))]
 
     def _echo_chunk(self, index: int) -> list[bytes]:
@@ -225,9 +221,9 @@ class ResponseSession:
             return []
         choice.is_echoed = True
         echo_text, echo_logprobs = self._echo(index)
-        logprobs = self._completion_logprobs(choice.logprobs, len(echo_text))
+        logprobs = self.shapes.completion(choice.logprobs, len(echo_text))
         if echo_logprobs is not None and logprobs is not None:
-            logprobs = _join_logprobs(echo_logprobs, logprobs)
+            logprobs = join(echo_logprobs, logprobs)
         chunk = CompletionChoice(index=index, text=echo_text + "".join(choice.text), finish_reason=choice.finish_reason,
                                  logprobs=logprobs)
         return [sse.encode_event(codec.encode(self._completion([chunk])))]
@@ -243,18 +239,7 @@ class ResponseSession:
         prompt = self.echo[index // self.candidates]
         if self.logprobs is None:
             return prompt.text, None
-        out = CompletionLogprobs(top_logprobs=[])
-        assert out.top_logprobs is not None
-        entries = self._prompt_logprobs_of(index) or [None] * len(prompt.token_ids)
-        offset = 0
-        for token_id, lp in zip(prompt.token_ids, entries):
-            token = self.token_text(token_id)
-            out.tokens.append(token)
-            out.text_offset.append(offset)
-            offset += len(token)
-            out.token_logprobs.append(None if lp is None else lp.logprob)
-            out.top_logprobs.append(None if lp is None else self._top_dict(token, lp))
-        return prompt.text, out
+        return prompt.text, self.shapes.prompt(prompt.token_ids, self._prompt_logprobs_of(index))
 
     def _append_chat(self, index: int, choice: _Choice, out: RequestOutput, finish: str | None) -> list[bytes]:
         text, calls = out.text, []
@@ -272,7 +257,7 @@ class ResponseSession:
             return []
         content = text if text or (finish is None and not calls) else None
         delta = ChatDelta(content=content, tool_calls=calls or None)
-        chunk = ChatChunkChoice(index=index, delta=delta, logprobs=self._chat_logprobs(out.logprobs),
+        chunk = ChatChunkChoice(index=index, delta=delta, logprobs=self.shapes.chat(out.logprobs),
                                 finish_reason=finish)
         return [self._chat_chunk(chunk)]
 
@@ -299,23 +284,23 @@ class ResponseSession:
         """The whole JSON response, once ``is_done`` and not ``failed``."""
         if self.kind is Kind.CHAT:
             choices = [
-                ChatChoice(index=i, message=_message(c), logprobs=self._chat_logprobs(c.logprobs),
+                ChatChoice(index=i, message=_message(c), logprobs=self.shapes.chat(c.logprobs),
                            finish_reason=c.finish_reason)
                 for i, c in enumerate(self.choices)
             ]
             return codec.encode(ChatCompletion(id=self.response_id, object="chat.completion", created=self.created,
                                                model=self.model, choices=choices, usage=self.usage(),
-                                               prompt_logprobs=self._vllm_prompt_logprobs(self.choices[0].prompt_logprobs)))
+                                               prompt_logprobs=self.shapes.vllm_prompt(self.choices[0].prompt_logprobs)))
         choices_out: list[CompletionChoice] = []
         for index in self._shown():
             c = self.choices[index]
             echo_text, echo_logprobs = self._echo(index) if self.echo is not None else ("", None)
-            logprobs = self._completion_logprobs(c.logprobs, len(echo_text))
+            logprobs = self.shapes.completion(c.logprobs, len(echo_text))
             if echo_logprobs is not None and logprobs is not None:
-                logprobs = _join_logprobs(echo_logprobs, logprobs)
+                logprobs = join(echo_logprobs, logprobs)
             choices_out.append(CompletionChoice(index=len(choices_out), text=echo_text + "".join(c.text),
                                                 finish_reason=c.finish_reason, logprobs=logprobs,
-                                                prompt_logprobs=self._vllm_prompt_logprobs(self._prompt_logprobs_of(index))))
+                                                prompt_logprobs=self.shapes.vllm_prompt(self._prompt_logprobs_of(index))))
         return codec.encode(self._completion(choices_out, usage=self.usage()))
 
     def _shown(self) -> list[int]:
@@ -353,67 +338,6 @@ class ResponseSession:
                                     model=self.model, choices=[choice] if choice else [], usage=usage)
         return sse.encode_event(codec.encode(chunk))
 
-    def _completion_logprobs(self, logprobs: list[TokenLogprob] | None, offset: int) -> CompletionLogprobs | None:
-        if self.logprobs is None or logprobs is None:
-            return None
-        out = CompletionLogprobs(top_logprobs=[])
-        for lp in logprobs:
-            token = self.token_text(lp.token_id)
-            out.tokens.append(token)
-            out.token_logprobs.append(lp.logprob)
-            out.text_offset.append(offset)
-            offset += len(token)
-            assert out.top_logprobs is not None
-            out.top_logprobs.append(self._top_dict(token, lp))
-        return out
-
-    def _top_dict(self, token: str, lp: TokenLogprob) -> dict[str, float]:
-        # As vLLM does: the top alternatives plus the chosen token, most likely first.
-        top = {token: lp.logprob}
-        for alt in lp.top[: self.logprobs]:
-            top.setdefault(self.token_text(alt.token_id), alt.logprob)
-        return dict(sorted(top.items(), key=lambda kv: -kv[1]))
-
-    def _vllm_prompt_logprobs(self, entries: list[TokenLogprob | None] | None) -> PromptLogprobs | msgspec.UnsetType:
-        """vLLM's ``prompt_logprobs`` of one prompt (left out of the response unless asked)."""
-        if self.prompt_logprobs is None or entries is None:
-            return msgspec.UNSET
-        out: PromptLogprobs = []
-        for lp in entries:
-            if lp is None:
-                out.append(None)
-                continue
-            shown = {str(lp.token_id): PromptLogprobOut(logprob=lp.logprob, rank=lp.rank,
-                                                        decoded_token=self.token_text(lp.token_id))}
-            for rank, alt in enumerate(lp.top[: self.prompt_logprobs], start=1):
-                # Alternatives are the most likely tokens in order: their rank is their place.
-                place = rank if lp.rank is None or rank < lp.rank else rank + 1
-                shown.setdefault(str(alt.token_id), PromptLogprobOut(logprob=alt.logprob, rank=place,
-                                                                     decoded_token=self.token_text(alt.token_id)))
-            out.append(shown)
-        return out
-
-    def _chat_logprobs(self, logprobs: list[TokenLogprob] | None) -> ChatLogprobs | None:
-        if self.logprobs is None or logprobs is None:
-            return None
-        content = []
-        for lp in logprobs:
-            token = self.token_text(lp.token_id)
-            # OpenAI's top_logprobs are the N most likely tokens at the position, which may
-            # or may not include the chosen one: merge it in, sort, keep N.
-            ranked = sorted([(lp.token_id, lp.logprob)] + [(a.token_id, a.logprob) for a in lp.top],
-                            key=lambda kv: -kv[1])[: self.logprobs]
-            top = [_top(self.token_text(tid), value) for tid, value in ranked]
-            content.append(ChatTokenLogprob(token=token, logprob=lp.logprob, bytes=list(token.encode()),
-                                            top_logprobs=top))
-        return ChatLogprobs(content=content)
-
-
-def _join_logprobs(first: CompletionLogprobs, then: CompletionLogprobs) -> CompletionLogprobs:
-    return CompletionLogprobs(tokens=first.tokens + then.tokens, token_logprobs=first.token_logprobs + then.token_logprobs,
-                              top_logprobs=(first.top_logprobs or []) + (then.top_logprobs or []),
-                              text_offset=first.text_offset + then.text_offset)
-
 
 def _call_delta(delta: ToolCallDelta) -> ToolCallDeltaOut:
     if delta.id is not None:
@@ -429,10 +353,6 @@ def _message(choice: _Choice) -> ChatMessageOut:
         return ChatMessageOut(content=content)
     tool_calls = [ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments)) for c in calls]
     return ChatMessageOut(content=content if content.strip() else None, tool_calls=tool_calls)
-
-
-def _top(token: str, logprob: float) -> TopLogprobOut:
-    return TopLogprobOut(token=token, logprob=logprob, bytes=list(token.encode()))
 
 
 def _failure(out: RequestOutput) -> RillError:
