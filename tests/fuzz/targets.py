@@ -36,6 +36,7 @@ from rill.protocols.generate_ws import codec as generate_codec
 from rill.protocols.generate_ws import messages as generate_messages
 from rill.protocols.generate_ws import session as generate_session
 from rill.protocols.openai_http import codec as openai_codec
+from rill.protocols.openai_http import tools as openai_tools
 from rill.protocols.openai_http.session import Kind as OpenAIKind
 from rill.protocols.openai_http.session import ResponseSession
 from rill.types import ModelInfo, RequestOutput, Usage
@@ -126,8 +127,8 @@ def openai_session(req: Any, kind: OpenAIKind, rng: random.Random) -> None:
         raise openai_codec.renamed(exc, req) from exc
     request_ids = [f"cmpl-x-{k}" for k in range(num_choices)]
     logprobs = ((req.top_logprobs or 0) if req.logprobs else None) if kind is OpenAIKind.CHAT else req.logprobs
-    tool_format = "hermes" if kind is OpenAIKind.CHAT and openai_codec.parses_tool_calls(req) else None
-    text_calls = openai_codec.text_call_check(req) if tool_format is not None else None
+    tool_format = "hermes" if kind is OpenAIKind.CHAT and openai_tools.parses_tool_calls(req) else None
+    text_calls = openai_tools.text_call_check(req) if tool_format is not None else None
     session = ResponseSession(kind=kind, response_id="cmpl-x", created=0, model="fake", num_choices=num_choices,
                               n=req.n or 1, logprobs=logprobs,
                               include_usage=bool(req.stream_options and req.stream_options.include_usage),

@@ -15,19 +15,19 @@ from typing import Any
 import httpx
 import pytest
 
-from rill.protocols.openai_http import codec
+from rill.protocols.openai_http import tools
 from tests.protocols.openai_http.test_openai_adapter import CALL, WEATHER_TOOL, live_app, make_fake, reply_with
 
 
 async def test_tool_validators_are_built_in_the_grammar_pool(monkeypatch: pytest.MonkeyPatch) -> None:
     threads: list[threading.Thread] = []
-    real = codec._validator
+    real = tools._validator
 
     def recording(schema: dict[str, Any]) -> Any:
         threads.append(threading.current_thread())
         return real(schema)
 
-    monkeypatch.setattr(codec, "_validator", recording)
+    monkeypatch.setattr(tools, "_validator", recording)
     async with make_fake() as fake:
         reply_with(fake, CALL)
         other = {"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}

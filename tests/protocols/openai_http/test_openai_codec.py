@@ -14,7 +14,7 @@ import pytest
 
 from rill import errors
 from rill.protocols._shared import sse
-from rill.protocols.openai_http import codec
+from rill.protocols.openai_http import codec, tools
 from rill.protocols.openai_http.messages import ChatCompletionRequest, CompletionRequest
 from rill.types import MAX_TOKENS_LIMIT, SamplingParams
 
@@ -287,7 +287,7 @@ WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "paramet
 
 
 def test_text_call_check_validates_names_and_arguments_against_the_schemas() -> None:
-    check = codec.text_call_check(_chat(tools=[WEATHER_TOOL, {"type": "function", "function": {"name": "now"}}]))
+    check = tools.text_call_check(_chat(tools=[WEATHER_TOOL, {"type": "function", "function": {"name": "now"}}]))
     assert check is not None
     assert check("get_weather", {"city": "Paris"})
     assert not check("get_weather", {"city": 75})
@@ -305,7 +305,7 @@ def test_text_call_check_validates_names_and_arguments_against_the_schemas() -> 
 ])
 def test_text_call_check_accepts_nothing_for_a_schema_it_cannot_use(parameters: dict) -> None:
     tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
-    check = codec.text_call_check(_chat(tools=[tool]))
+    check = tools.text_call_check(_chat(tools=[tool]))
     assert check is not None and not check("f", {})
 
 
@@ -321,9 +321,9 @@ def test_text_call_check_accepts_nothing_for_a_schema_it_cannot_use(parameters: 
     ({"structured_outputs": {"json_object": True}}, False),
 ])
 def test_text_calls_only_at_tool_choice_auto_and_never_when_json_is_asked_for(fields: dict, is_checked: bool) -> None:
-    assert (codec.text_call_check(_chat(tools=[WEATHER_TOOL], **fields)) is not None) is is_checked
+    assert (tools.text_call_check(_chat(tools=[WEATHER_TOOL], **fields)) is not None) is is_checked
     if "tool_choice" not in fields:
-        assert codec.text_call_check(_chat(**fields)) is None, "no tools, no calls"
+        assert tools.text_call_check(_chat(**fields)) is None, "no tools, no calls"
 
 
 def test_chat_content_the_model_cannot_take() -> None:

@@ -44,7 +44,7 @@ from rill.frontend.admission import Prompt
 from rill.frontend.client import Submission
 from rill.frontend.stream import RequestStream
 from rill.protocols._shared import sse
-from rill.protocols.openai_http import codec
+from rill.protocols.openai_http import codec, tools
 from rill.protocols.openai_http.messages import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
 from rill.protocols.openai_http.session import EchoPrompt, Kind, ResponseSession
 from rill.types import GenerateRequest, RequestOutput
@@ -162,7 +162,7 @@ class OpenAIApi:
             sampling = codec.sampling_params(req, served)
             # A reply written as a bare JSON call is a call when its arguments are valid for the
             # tool's schema: the validators are CPU work, built where grammar compiles run.
-            text_calls = codec.text_call_check(req) if kind is Kind.CHAT else None
+            text_calls = tools.text_call_check(req) if kind is Kind.CHAT else None
             submission = Submission(prompts=given, sampling=sampling, num_candidates=codec.candidates_per_prompt(req),
                                     allow_prefill_only=kind is Kind.COMPLETION, request_id=response_id,
                                     protocol=codec.PROTOCOL, principal=auth.scope_principal(request.scope),
@@ -197,7 +197,7 @@ class OpenAIApi:
 
     def _responder(self, kind: Kind, req: Any, model: str, response_id: str,
                    streams: list[RequestStream], echo: list[EchoPrompt] | None = None,
-                   text_calls: codec.ArgumentsCheck | None = None) -> _Responder:
+                   text_calls: tools.ArgumentsCheck | None = None) -> _Responder:
         if kind is Kind.CHAT:
             logprobs = (req.top_logprobs or 0) if req.logprobs else None
         else:
@@ -206,7 +206,7 @@ class OpenAIApi:
             kind=kind, response_id=response_id, created=int(time.time()), model=model,
             num_choices=len(streams), n=req.n or 1, logprobs=logprobs, token_text=_token_texts(self.client),
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
-            tool_format=self._tool_format() if kind is Kind.CHAT and codec.parses_tool_calls(req) else None,
+            tool_format=self._tool_format() if kind is Kind.CHAT and tools.parses_tool_calls(req) else None,
             candidates=codec.candidates_per_prompt(req), echo=echo, prompt_logprobs=req.prompt_logprobs,
             text_calls=text_calls,
         )

@@ -110,7 +110,7 @@ class ResponseSession:
             (``rill.protocols._shared.tool_calls.FORMATS``); None leaves the text as it is.
         text_calls: with ``tool_format``: a reply that is only a JSON call object (fenced or
             bare) becomes a call when this ``(name, arguments) -> bool`` accepts it
-            (``codec.text_call_check``); None leaves such a reply as content.
+            (``tools.text_call_check``); None leaves such a reply as content.
         candidates: engine requests per prompt (``best_of``; ``n`` when None); the best ``n``
             of each prompt are shown (not streamed).
         echo: completions only: the prompt of each prompt index, put before its completions.
