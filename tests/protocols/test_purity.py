@@ -29,6 +29,7 @@ NOT_PURE = {
     "evergreen/grpc_server.py": "binds --grpc-port and hosts the Evergreen service beside health and reflection",
     "evergreen/file_refs.py": "reads the files that file:// refs name (blocking, in a worker thread)",
     "evergreen/runner.py": "runs a session on the driver for both transports: worker-thread receive, the outbox",
+    "openai_http/responder.py": "writes one response (SSE or JSON) to the ASGI connection, watching for a disconnect",
 }
 """Files under ``protocols/`` exempt from the purity rules (a bare name: in every folder).
 Every other ``.py`` file found there, including ones added later, is pure."""

@@ -14,8 +14,8 @@ One request, start to end:
    choice is refused (queue full, ...) the others are cancelled and the client gets the
    error with its status (its field named as sent: ``codec.renamed``), before any byte of a
    200 is sent;
-4. ``_Responder`` writes the SSE stream or the JSON body, while a watcher task waits for
-   the ASGI ``http.disconnect`` message: a client that goes away closes every
+4. a ``Responder`` (``responder.py``) writes the SSE stream or the JSON body, while a watcher
+   task waits for the ASGI ``http.disconnect`` message: a client that goes away closes every
    ``RequestStream`` at once, which aborts its requests in the engine (their KV is freed in
    the next step) — not only at the next failed write.
 
@@ -24,18 +24,15 @@ Protocol decisions live in ``codec`` and ``session``; this module only moves byt
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any, cast
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
-from starlette.types import Receive, Scope, Send
 
 from rill import auth
 from rill.deps import Deps
@@ -43,15 +40,13 @@ from rill.errors import RillError
 from rill.frontend.admission import Prompt
 from rill.frontend.client import Submission
 from rill.frontend.stream import RequestStream
-from rill.protocols._shared import sse
 from rill.protocols.openai_http import codec, tools
 from rill.protocols.openai_http.messages import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
+from rill.protocols.openai_http.responder import JSON_MEDIA_TYPE, Responder, close_all
 from rill.protocols.openai_http.session import EchoPrompt, Kind, ResponseSession
-from rill.types import GenerateRequest, RequestOutput
+from rill.types import GenerateRequest
 
 log = logging.getLogger("rill.openai_http")
-
-_JSON = "application/json"
 
 
 def routes(deps: Deps) -> list[BaseRoute]:
@@ -79,7 +74,7 @@ def error_response(exc: BaseException) -> Response:
     if not isinstance(exc, RillError):
         log.error("unexpected error in the OpenAI API", exc_info=exc)
     wire = codec.error_for(exc)
-    return Response(wire.body, status_code=wire.status, headers=wire.headers, media_type=_JSON)
+    return Response(wire.body, status_code=wire.status, headers=wire.headers, media_type=JSON_MEDIA_TYPE)
 
 
 class OpenAIApi:
@@ -97,7 +92,7 @@ class OpenAIApi:
             served = self._served()
         except RillError as exc:
             return error_response(exc)
-        return Response(codec.encode(ModelList(data=[self._card(served)])), media_type=_JSON)
+        return Response(codec.encode(ModelList(data=[self._card(served)])), media_type=JSON_MEDIA_TYPE)
 
     async def get_model(self, request: Request) -> Response:
         """``GET /v1/models/{model}``: the served model, or 404 for any other name."""
@@ -106,7 +101,7 @@ class OpenAIApi:
             codec.check_model(request.path_params["model"], served)
         except RillError as exc:
             return error_response(exc)
-        return Response(codec.encode(self._card(served)), media_type=_JSON)
+        return Response(codec.encode(self._card(served)), media_type=JSON_MEDIA_TYPE)
 
     # -- tokenizer -----------------------------------------------------------------------
     async def tokenize(self, request: Request) -> Response:
@@ -122,7 +117,7 @@ class OpenAIApi:
         except Exception as exc:  # noqa: BLE001 - answered through the error table
             return error_response(exc)
         return Response(codec.encode(TokenizeResponse(count=len(tokens), max_model_len=served.max_context_tokens,
-                                                      tokens=tokens)), media_type=_JSON)
+                                                      tokens=tokens)), media_type=JSON_MEDIA_TYPE)
 
     async def detokenize(self, request: Request) -> Response:
         """``POST /detokenize`` (vLLM's shape): ``{tokens}`` → ``{prompt}``."""
@@ -135,7 +130,7 @@ class OpenAIApi:
             return Response(status_code=499)
         except Exception as exc:  # noqa: BLE001 - answered through the error table
             return error_response(exc)
-        return Response(codec.encode(DetokenizeResponse(prompt=text)), media_type=_JSON)
+        return Response(codec.encode(DetokenizeResponse(prompt=text)), media_type=JSON_MEDIA_TYPE)
 
     # -- generation ----------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
@@ -174,11 +169,11 @@ class OpenAIApi:
             echo = await self._echo(req, kind, given, streams)
             return self._responder(kind, req, served.name, response_id, streams, echo, text_calls)
         except Exception as exc:  # noqa: BLE001 - answered through the error table
-            await _close_all(streams)  # submitted requests must never outlive a failed handler
+            await close_all(streams)  # submitted requests must never outlive a failed handler
             self._count_rejection(exc)
             return error_response(exc)
         except BaseException:
-            await _close_all(streams)
+            await close_all(streams)
             raise
 
     async def _echo(self, req: Any, kind: Kind, given: list[Any], streams: list[RequestStream]) -> list[EchoPrompt] | None:
@@ -197,7 +192,7 @@ class OpenAIApi:
 
     def _responder(self, kind: Kind, req: Any, model: str, response_id: str,
                    streams: list[RequestStream], echo: list[EchoPrompt] | None = None,
-                   text_calls: tools.ArgumentsCheck | None = None) -> _Responder:
+                   text_calls: tools.ArgumentsCheck | None = None) -> Responder:
         if kind is Kind.CHAT:
             logprobs = (req.top_logprobs or 0) if req.logprobs else None
         else:
@@ -210,7 +205,7 @@ class OpenAIApi:
             candidates=codec.candidates_per_prompt(req), echo=echo, prompt_logprobs=req.prompt_logprobs,
             text_calls=text_calls,
         )
-        return _Responder(session, streams, is_streaming=bool(req.stream),
+        return Responder(session, streams, is_streaming=bool(req.stream),
                           keepalive_s=self.deps.config.http.sse_keepalive_s)
 
     def _tool_format(self) -> str | None:
@@ -264,149 +259,5 @@ def _token_texts(client: Any) -> Callable[[int], str]:
         return cache[token_id]
 
     return token_text
-
-
-class _Responder(Response):
-    """Writes one generation response while watching for the client going away.
-
-    Not a ``StreamingResponse``: that one only notices a disconnect when a write fails (or
-    polls); here a watcher task awaits ``http.disconnect`` and the streams are closed the
-    moment it arrives, also during a long prefill when nothing is being written.
-    """
-
-    def __init__(self, session: ResponseSession, streams: list[RequestStream], *, is_streaming: bool,
-                 keepalive_s: float) -> None:
-        super().__init__(status_code=200)
-        self.session = session
-        self.streams = streams
-        self.is_streaming = is_streaming
-        self.keepalive_s = keepalive_s if keepalive_s and keepalive_s > 0 else None
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        work = asyncio.create_task(self._write_stream(send) if self.is_streaming else self._write_body(send))
-        watcher = asyncio.create_task(_wait_for_disconnect(receive))
-        try:
-            done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            if work in done and not work.cancelled() and work.exception() is not None:
-                exc = work.exception()
-                if not isinstance(exc, OSError):  # a write to a closed socket is a disconnect
-                    log.error("error while writing a response", exc_info=exc)
-        finally:
-            # Abort first: the engine should drop the requests before anything else happens.
-            await _close_all(self.streams)
-            for task in (work, watcher):
-                task.cancel()
-            await asyncio.gather(work, watcher, return_exceptions=True)
-
-    async def _write_stream(self, send: Send) -> None:
-        headers = [(b"content-type", sse.MEDIA_TYPE.encode())]
-        headers += [(k.lower().encode(), v.encode()) for k, v in sse.HEADERS.items()]
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
-        session = self.session
-        await _send_body(send, b"".join(session.start()))
-        try:
-            async for item in _merge(self.streams, self.keepalive_s):
-                if item is None:
-                    await _send_body(send, sse.KEEP_ALIVE)
-                    continue
-                events = await _take(session, item)
-                if events:
-                    await _send_body(send, b"".join(events))
-                if session.failed is not None:
-                    break
-        except (asyncio.CancelledError, OSError):
-            raise
-        except Exception as exc:  # the status is sent already: report it in the stream
-            log.error("error while streaming a response", exc_info=exc)
-            await _send_body(send, b"".join(session.fail(exc)))
-        await _send_body(send, b"".join(session.end()), more=False)
-
-    async def _write_body(self, send: Send) -> None:
-        session = self.session
-        try:
-            async for item in _merge(self.streams, None):
-                assert item is not None  # no keep-alive ticks without a timeout
-                await _take(session, item)
-                if session.failed is not None:
-                    break
-            if session.failed is not None:
-                raise session.failed
-            # Per-token detail of a long prompt or reply takes long to build (a 3,885-token prompt
-            # scored with 20 alternatives: ~0.4 s): in a worker, so the loop keeps serving others.
-            body = await asyncio.to_thread(session.body) if session.builds_per_token_detail else session.body()
-            status, headers = 200, {}
-        except (asyncio.CancelledError, OSError):
-            raise
-        except Exception as exc:
-            if not isinstance(exc, RillError):
-                log.error("error while building a response", exc_info=exc)
-            wire = codec.error_for(exc)
-            body, status, headers = wire.body, wire.status, wire.headers
-        raw_headers = [(b"content-type", _JSON.encode()), (b"content-length", str(len(body)).encode())]
-        raw_headers += [(k.lower().encode(), v.encode()) for k, v in headers.items()]
-        await send({"type": "http.response.start", "status": status, "headers": raw_headers})
-        await _send_body(send, body, more=False)
-
-
-async def _send_body(send: Send, body: bytes, more: bool = True) -> None:
-    if body or not more:
-        await send({"type": "http.response.body", "body": body, "more_body": more})
-
-
-async def _wait_for_disconnect(receive: Receive) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def _close_all(streams: list[RequestStream]) -> None:
-    for stream in streams:
-        with contextlib.suppress(Exception):
-            await stream.aclose()
-
-
-async def _take(session: ResponseSession, item: tuple[int, RequestOutput]) -> list[bytes]:
-    """``session.on_output(*item)``, in a worker when the output brings a scored prompt to
-    echo or show (thousands of per-token entries to build: not on the event loop)."""
-    if session.builds_per_token_detail and item[1].prompt_logprobs is not None:
-        return await asyncio.to_thread(session.on_output, *item)
-    return session.on_output(*item)
-
-
-async def _merge(streams: list[RequestStream], idle_s: float | None) -> AsyncIterator[tuple[int, RequestOutput] | None]:
-    """Outputs of all streams as ``(choice index, output)`` in arrival order, until all finish.
-
-    Yields ``None`` after ``idle_s`` seconds without output (the caller sends a keep-alive).
-    Only one ``__anext__`` per stream is outstanding, so each stream keeps coalescing
-    deltas while the client is slow instead of queueing them here.
-    """
-    pending: dict[asyncio.Future[RequestOutput | None], int] = {
-        asyncio.ensure_future(_next(stream)): i for i, stream in enumerate(streams)
-    }
-    try:
-        while pending:
-            done, _ = await asyncio.wait(pending, timeout=idle_s, return_when=asyncio.FIRST_COMPLETED)
-            if not done:
-                yield None
-                continue
-            for future in sorted(done, key=lambda f: pending[f]):
-                index = pending.pop(future)
-                output = future.result()
-                if output is None:
-                    continue
-                yield index, output
-                if not output.finished:
-                    pending[asyncio.ensure_future(_next(streams[index]))] = index
-    finally:
-        for future in pending:
-            future.cancel()
-
-
-async def _next(stream: RequestStream) -> RequestOutput | None:
-    try:
-        return await stream.__anext__()
-    except StopAsyncIteration:
-        return None
 
 
