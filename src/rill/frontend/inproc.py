@@ -1,10 +1,11 @@
 """InprocClient: the engine in a dedicated thread of this process, behind ``EngineClient``.
 
 The engine thread builds the engine with ``rill.engine.builder`` (so ``/health`` answers 503
-with progress meanwhile), then loops: take commands from a thread-safe inbox (blocking only when idle), apply them,
-run one step, and hand the step's outputs to the event loop in ONE
-``call_soon_threadsafe`` hop. The event loop routes each output to its ``RequestStream``
-and records per-request figures for metrics.
+with progress meanwhile), then loops (``rill.frontend.engine_loop``): take commands from a
+thread-safe inbox (blocking only when idle), apply them, run one step, and hand the step's
+outputs to the event loop in ONE ``call_soon_threadsafe`` hop. The event loop routes each
+output to its ``RequestStream`` and records per-request figures for metrics
+(``rill.frontend.timings``).
 
 What gets in, and with which parameters, is the client's ``SubmissionPolicy``'s to decide
 (``rill.frontend.policy``); the client keeps the bookkeeping: streams, timings, accounts.
@@ -20,7 +21,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Self, cast
 
 from rill.config import EngineConfig, served_model_name
@@ -38,39 +38,16 @@ from rill.errors import EngineDead, ModelNotReady, RequestNotFound, RillError
 from rill.frontend.admission import Prompt
 from rill.frontend.budget import malloc_trim
 from rill.frontend.client import EngineState, MetricsSink, ModelLoadFailed, Submission
+from rill.frontend.engine_loop import STOP, run
 from rill.frontend.policy import Choice, SubmissionPolicy
 from rill.frontend.ratelimit import Account
 from rill.frontend.stream import RequestStream
+from rill.frontend.timings import RequestTracks
 from rill.types import EngineStats, GenerateRequest, ModelInfo, RequestEvent, RequestId, RequestOutput, SamplingParams
 
 log = logging.getLogger("rill.client")
 
-QUEUE_POSITIONS_TTL_S = 0.25
-"""How long ``InprocClient.queue_position`` reuses one pass over the queued requests."""
-
-IDLE_TRIM_INTERVAL_S = 2.0
-"""When the engine goes idle after steps, it returns the heap's free memory to the OS
-(``malloc_trim``), at most once per this many seconds: a step's activations, logits and
-prompt-logprob scratch are freed into the C heap, which keeps them unless trimmed."""
-
-_STOP = object()
 _READY = EngineState(phase="ready")
-
-
-@dataclass
-class _Track:
-    """Per-request timing the client keeps for metrics."""
-
-    protocol: str
-    arrival: float
-    is_queued: bool = True
-    scheduled_at: float | None = None
-    last_token_at: float | None = None
-    final_token_at: float | None = None
-    """When the latest token came (kept across pauses, unlike ``last_token_at``)."""
-    inter_token_s: list[float] = field(default_factory=list)
-    num_generated: int = 0
-    """Tokens generated so far (``usage``: counts a token whose text is still held back)."""
 
 
 class InprocClient:
@@ -99,10 +76,7 @@ class InprocClient:
         self._ready = asyncio.Event()
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._streams: dict[RequestId, RequestStream] = {}
-        self._tracks: dict[RequestId, _Track] = {}
-        self._num_queued = 0
-        self._positions: dict[RequestId, int] = {}  # queue_position's last pass
-        self._positions_at: float | None = None
+        self._tracks = RequestTracks()
         self._thread: threading.Thread | None = None
         self._build: Callable[[EngineConfig, Callable[[float, str], None]], Engine] = build_engine
         self._is_dead = False
@@ -167,7 +141,7 @@ class InprocClient:
         """Cancel every request and stop the engine thread."""
         for request_id in list(self._streams):
             self.abort(request_id)
-        self._inbox.put(_STOP)
+        self._inbox.put(STOP)
         self._is_shut_down = True
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 10)
@@ -212,7 +186,7 @@ class InprocClient:
         matcher = await self.policy.matcher(choice, self._require_engine)
         engine = self._require_engine()
         request_id = choice.request_id
-        account = self.policy.admit(choice, engine, self._num_queued, self._streams.__contains__)
+        account = self.policy.admit(choice, engine, self._tracks.num_queued, self._streams.__contains__)
         if account is not None:
             self._accounts[request_id] = account
         now = time.monotonic()
@@ -227,8 +201,7 @@ class InprocClient:
         stream = RequestStream(self, request_id, choice.prompt_ids, choice.params, on_close=self._forget, lease=lease)
         self._streams[request_id] = stream
         self._principals[request_id] = choice.principal
-        self._tracks[request_id] = _Track(protocol=choice.protocol, arrival=now)
-        self._num_queued += 1
+        self._tracks.open(request_id, choice.protocol, now)
         self._inbox.put(AddCommand(engine_request))
         return stream
 
@@ -338,26 +311,13 @@ class InprocClient:
     def queue_position(self, request_id: RequestId) -> tuple[int, int] | None:
         """``(position, num_waiting)``: the request's 1-based place among the submitted requests
         the engine has not scheduled yet (in arrival order), and how many those are; None once
-        it runs, ends, or is unknown.
-
-        Positions are computed in one pass for every request and reused for
-        ``QUEUE_POSITIONS_TTL_S``, so many waiting clients asking cost one pass, not one each.
-        """
-        track = self._tracks.get(request_id)
-        if track is None or not track.is_queued:
-            return None
-        now = time.monotonic()
-        is_stale = self._positions_at is None or now - self._positions_at > QUEUE_POSITIONS_TTL_S
-        if is_stale or request_id not in self._positions:
-            queued = [rid for rid, track in self._tracks.items() if track.is_queued]
-            self._positions = {rid: index + 1 for index, rid in enumerate(queued)}
-            self._positions_at = now
-        return self._positions[request_id], len(self._positions)
+        it runs, ends, or is unknown (``RequestTracks.queue_position``)."""
+        return self._tracks.queue_position(request_id, time.monotonic())
 
     def stats(self) -> EngineStats:
         """Engine gauges and counters (a consistent snapshot taken without stopping the engine)."""
         if self.engine is None:
-            return EngineStats(num_waiting=self._num_queued)
+            return EngineStats(num_waiting=self._tracks.num_queued)
         return self.engine.core.stats()
 
     # -- engine thread -----------------------------------------------------------------------
@@ -377,7 +337,7 @@ class InprocClient:
         self.engine = engine
         self.loop.call_soon_threadsafe(self._ready.set)
         try:
-            self._loop(engine)
+            run(engine.core, self._inbox, self._hand_over, malloc_trim())
         except BaseException:
             log.exception("engine loop crashed")
             self._is_dead = True
@@ -389,49 +349,15 @@ class InprocClient:
         self._progress = pct
         self._stage = stage
 
-    def _loop(self, engine: Engine) -> None:
-        core = engine.core
-        inbox = self._inbox
-        trim = malloc_trim()
-        last_trim = -IDLE_TRIM_INTERVAL_S
-        has_stepped = False  # since the last trim
-        while True:
-            if not core.has_work():
-                wait_s = None
-                if trim is not None and has_stepped:
-                    now = time.monotonic()
-                    wait_s = last_trim + IDLE_TRIM_INTERVAL_S - now
-                    if wait_s <= 0:
-                        # Idle: nobody waits for a step, so give the heap's free memory back now.
-                        trim()
-                        last_trim, has_stepped, wait_s = now, False, None
-                try:
-                    command = inbox.get(timeout=wait_s)
-                except queue.Empty:
-                    continue  # the trim is due now
-                if command is _STOP:
-                    return
-                core.apply(command)
-            while True:
-                try:
-                    command = inbox.get_nowait()
-                except queue.Empty:
-                    break
-                if command is _STOP:
-                    return
-                core.apply(command)
-            outputs = core.step()
-            has_stepped = True
-            if outputs:
-                self.loop.call_soon_threadsafe(self._dispatch, outputs)
+    def _hand_over(self, outputs: list[RequestOutput]) -> None:
+        """One step's outputs to the event loop, in one hop (runs on the engine thread)."""
+        self.loop.call_soon_threadsafe(self._dispatch, outputs)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         """Route one step's outputs to their streams (runs on the event loop)."""
         now = time.monotonic()
         for output in outputs:
-            track = self._tracks.get(output.request_id)
-            if track is not None:
-                self._track(track, output, now)
+            self._tracks.observe(output, now, self.metrics)
             account = self._accounts.get(output.request_id)
             if account is not None:
                 account.observe(output.usage.completion_tokens, RequestEvent.REGENERATING in output.events)
@@ -451,45 +377,6 @@ class InprocClient:
         account = self._accounts.pop(request_id, None)
         if account is not None:
             account.settle(num_used)
-
-    def _track(self, track: _Track, output: RequestOutput, now: float) -> None:
-        if track.is_queued and (RequestEvent.SCHEDULED in output.events or output.finished):
-            track.is_queued = False
-            self._num_queued -= 1
-            if RequestEvent.SCHEDULED in output.events:
-                # The engine's own time: by the time the loop sees the event, a short prompt's
-                # prefill has run already.
-                track.scheduled_at = output.scheduled_time if output.scheduled_time is not None else now
-        if RequestEvent.REGENERATING in output.events:
-            track.num_generated = 0  # usage counts the new run only
-        num_new = output.usage.completion_tokens - track.num_generated
-        track.num_generated = output.usage.completion_tokens
-        if num_new > 0 and output.last_token_time is not None:
-            if track.last_token_at is not None:
-                gap = (output.last_token_time - track.last_token_at) / num_new
-                track.inter_token_s.extend([gap] * num_new)
-            track.last_token_at = track.final_token_at = output.last_token_time
-        if RequestEvent.REGENERATING in output.events or RequestEvent.PAUSED in output.events:
-            track.last_token_at = None  # a pause or restart is not inter-token latency
-        if output.finished:
-            self._tracks.pop(output.request_id, None)
-            if self.metrics is not None:
-                first, scheduled, final = output.first_token_time, track.scheduled_at, track.final_token_at
-                try:
-                    self.metrics.observe_request(
-                        protocol=track.protocol,
-                        finish_reason=output.finish_reason or "error",
-                        queue_s=(track.scheduled_at - track.arrival) if track.scheduled_at else None,
-                        ttft_s=(output.first_token_time - track.arrival) if output.first_token_time else None,
-                        inter_token_s=track.inter_token_s,
-                        e2e_s=now - track.arrival,
-                        num_prompt_tokens=output.usage.prompt_tokens,
-                        num_generated_tokens=output.usage.completion_tokens,
-                        prefill_s=(first - scheduled) if first and scheduled else None,
-                        decode_s=(final - first) if first and final else None,
-                    )
-                except Exception:  # metrics must never break a stream
-                    log.exception("metrics sink failed")
 
     def _fail_all(self) -> None:
         for request_id, stream in list(self._streams.items()):
