@@ -6,6 +6,7 @@ parser, so the dest names the CLI produces are covered too.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -131,7 +132,7 @@ def test_missing_config_file() -> None:
 def test_every_field_has_a_flag_and_help() -> None:
     help_text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()  # type: ignore[union-attr]
     for cls in config.AREAS.values():
-        for f in config.dataclasses.fields(cls):
+        for f in dataclasses.fields(cls):
             assert "--" + f.name.replace("_", "-") in help_text
             assert f.metadata.get("help")
 
