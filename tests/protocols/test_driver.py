@@ -240,6 +240,37 @@ async def test_grouped_steps_keep_one_event_per_token_beside_the_other_requests(
         await driver.aclose()
 
 
+class BrokenStepSession(StepRecorder):
+    """A step session with a bug: handing it a step raises."""
+
+    def on_outputs(self, outputs: list[tuple[Key, RequestOutput]], now: float) -> list[Any]:
+        raise KeyError("bug")
+
+    def on_error(self, exc: BaseException) -> list[Any]:
+        self.calls.append(("error", exc))
+        return [Send(("error", type(exc).__name__)), Close(1011, "")]
+
+
+async def test_a_step_session_that_fails_fails_the_connection_and_a_peer_gone_stops_the_steps() -> None:
+    async with fake_client() as client:
+        session, wire = BrokenStepSession(), Wire()
+        driver = Driver(session, wire, client, protocol="test", principal="p", groups_steps=True)
+        await driver._deliver("a", RequestOutput(request_id="a", text="x", token_ids=[1], token_texts=["x"]))
+        await asyncio.wait_for(wire.done.wait(), 30)
+        assert wire.sent == [("error", "KeyError")] and wire.closed == [(1011, "")]
+        assert driver._flusher is not None and driver._flusher.exception() is None
+
+        session, wire = StepRecorder(), Wire()
+        wire.gone = True
+        session.on_outputs = lambda outputs, now: [Send("progress")]  # type: ignore[method-assign]
+        driver = Driver(session, wire, client, protocol="test", principal="p", groups_steps=True)
+        await driver._deliver("a", RequestOutput(request_id="a", text="x", token_ids=[1], token_texts=["x"]))
+        flusher = driver._flusher
+        assert flusher is not None
+        await asyncio.wait_for(asyncio.shield(flusher), 30)  # ends by itself, quietly
+        assert flusher.exception() is None and wire.sent == []
+
+
 async def test_actions_only_the_wire_has_go_to_the_transport() -> None:
     async with fake_client() as client:
         wire = Wire()

@@ -418,7 +418,18 @@ class Driver:
             await self._ask(self.session.on_output, key, piece, self.clock())
 
     async def _flush_steps(self) -> None:
-        session = cast(StepSession, self.session)
+        # Runs for the whole connection: a peer that left stops it quietly (the adapter's read
+        # loop sees the leaving), a bug in the session fails the connection as ``_run`` does.
+        try:
+            await self._flush_forever(cast(StepSession, self.session))
+        except Gone:
+            return
+        except Exception as exc:  # a bug in a session or transport: the connection fails
+            log.exception("%s: handing over a step's outputs failed", self.protocol)
+            with contextlib.suppress(Gone):
+                await self._ask(self.session.on_error, exc)
+
+    async def _flush_forever(self, session: StepSession) -> None:
         while True:
             await self._wake.wait()
             self._wake.clear()
