@@ -204,6 +204,33 @@ async def test_without_waiting_a_start_while_loading_is_refused() -> None:
         assert [type(exc).__name__ for name, (_, exc) in session.calls] == ["ModelNotReady"]
 
 
+class TogetherRecorder(Recorder):
+    """A session that reports the refusals of starts made together as one message."""
+
+    def on_starts_failed(self, failures: list[tuple[Key, BaseException]], now: float) -> list[Any]:
+        self.calls.append(("all failed", [key for key, _ in failures]))
+        return [Send(("errors", [key for key, _ in failures]))]
+
+
+async def test_starts_submitted_together_are_submitted_in_order_and_refused_together() -> None:
+    async with fake_client() as client:
+        session, wire = TogetherRecorder(), Wire()
+        driver = Driver(session, wire, client, protocol="test", principal="p", submits_together=True)
+        bad = request(temperature=-1.0)
+        await driver.perform([Send("accepted"), Start(request(), key="a"), Start(bad, key="b"),
+                              Start(request(), key="c"), Start(bad, key="d")])
+        # Every submission was made, in order, before perform returned; the refusals come last.
+        assert wire.sent == ["accepted", ("started", "a"), ("started", "c"), ("errors", ["b", "d"])]
+        assert [name for name, _ in session.calls] == ["started", "started", "all failed"]
+        await asyncio.wait_for(driver.wait(), 30)
+        assert {key for key, _ in (value for name, value in session.calls if name == "output")} == {"a", "c"}
+
+        session, wire = Recorder(), Wire()  # the default: each refusal on its own
+        driver = Driver(session, wire, client, protocol="test", principal="p", submits_together=True)
+        await driver.perform([Start(bad, key="x"), Start(bad, key="y")])
+        assert wire.sent == [("error", "x", "InvalidParameter"), ("error", "y", "InvalidParameter")]
+
+
 def coalesced() -> RequestOutput:
     return RequestOutput(request_id="r", text="abc", token_ids=[1, 2, 3], token_texts=["a", "b", "c"],
                          prompt_logprobs=[None], finished=True, finish_reason="stop")
@@ -359,6 +386,22 @@ async def test_a_request_past_the_time_limit_is_ended_and_told_so() -> None:
         assert last.finished and last.finish_reason == "error" and isinstance(last.error, RequestTimeout)
         assert "0.2 s" in str(last.error)
         assert len(aborted) == 1 and driver.stream("k") is None
+        gate.set()
+        await until(lambda: client.stats().num_running == 0 and client.stats().num_waiting == 0)
+
+
+async def test_a_start_submitted_together_is_still_ended_by_the_time_limit() -> None:
+    gate = StepGate()
+    async with fake_client() as client:
+        client.engine.runner.gate = gate  # no step runs: only the limit can end the request
+        session, wire = TogetherRecorder(), Wire()
+        driver = Driver(session, wire, client, protocol="test", principal="p", submits_together=True,
+                        time_limit_s=0.2)
+        await driver.perform([Start(request(max_tokens=500), key="k")])
+        assert wire.sent == [("started", "k")]  # submitted before perform returned
+        await asyncio.wait_for(driver.wait(), 30)
+        last = session.outputs()[-1]
+        assert last.finished and isinstance(last.error, RequestTimeout) and driver.stream("k") is None
         gate.set()
         await until(lambda: client.stats().num_running == 0 and client.stats().num_waiting == 0)
 

@@ -12,7 +12,9 @@ driver performs what means the same on every wire:
   request's outputs into ``on_output`` until it finishes (or until the server's time limit,
   where the protocol has one: ``time_limit_s``); an adapter whose request must be built with
   I/O first (files read, a large prompt joined off the event loop) starts a ``Prepare``
-  instead, built in the request's task and failing like a refusal;
+  instead, built in the request's task and failing like a refusal; with ``submits_together``
+  the ``Start``s of one ``perform`` are submitted there, in order, and their refusals reported
+  in one ``on_starts_failed`` call (batch ``/ws``: one ERROR array per message);
 * ``Abort``: abort the request of a key (its final output still comes back), or cancel the
   start that is still waiting for the model or its submission;
 * ``Rejected``: count a refusal the session made itself (a bad frame);
@@ -90,6 +92,11 @@ class Session(Protocol):
     def on_start_failed(self, key: Key, exc: BaseException, now: float) -> list[Any]:
         """The request of ``key`` never started: refused, or the model could not load."""
         ...
+
+    def on_starts_failed(self, failures: list[tuple[Key, BaseException]], now: float) -> list[Any]:
+        """Requests started together (``Driver(submits_together=True)``) never started, in
+        their order; by default each is reported on its own (``on_start_failed``)."""
+        return [action for key, exc in failures for action in self.on_start_failed(key, exc, now)]
 
     def on_error(self, exc: BaseException) -> list[Any]:
         """The connection failed (a bug, a broken peer): what to say, if anything, before closing."""
@@ -189,6 +196,10 @@ class Driver:
             handed over together, one call per wake-up.
         one_event_per_token: a coalesced output is split into one output per token
             (``split_by_token``) before the session sees it.
+        submits_together: the ``Start``s of one ``perform`` call are submitted in order before
+            it returns (the read loop waits meanwhile), and those refused are handed to
+            ``on_starts_failed`` in one call once the whole list was performed; each accepted
+            one is then pumped in its own task (a time limit counts from its submission).
         time_limit_s: a request still running this long after the model was ready for it
             (submission and outputs) is ended: its stream is closed (aborting it in the
             engine) and the session hears ``RequestTimeout``, through ``on_start_failed``
@@ -203,8 +214,8 @@ class Driver:
     def __init__(self, session: Session, transport: Transport, client: EngineClient, *, protocol: str,
                  principal: str, metrics: RejectionSink | None = None, waits_for_model: bool = False,
                  reports_queue: bool = False, groups_steps: bool = False, one_event_per_token: bool = False,
-                 time_limit_s: float | None = None, clock: Callable[[], float] = time.monotonic,
-                 session_lock: asyncio.Lock | None = None) -> None:
+                 submits_together: bool = False, time_limit_s: float | None = None,
+                 clock: Callable[[], float] = time.monotonic, session_lock: asyncio.Lock | None = None) -> None:
         self.session = session
         self.transport = transport
         self.client = client
@@ -215,6 +226,7 @@ class Driver:
         self.reports_queue = reports_queue
         self.groups_steps = groups_steps
         self.one_event_per_token = one_event_per_token
+        self.submits_together = submits_together
         self.time_limit_s = time_limit_s
         self.clock = clock
         self.session_lock = session_lock
@@ -229,9 +241,16 @@ class Driver:
     # -------------------------------------------------------------- actions
     async def perform(self, actions: Sequence[Any]) -> None:
         """Carry out ``actions`` in order."""
+        refused: list[tuple[Key, BaseException]] = []
         for action in actions:
             if isinstance(action, Send):
                 await self.transport.send(action.message)
+            elif isinstance(action, Start) and self.submits_together:
+                outcome = await self._submit(action.request, action.key)
+                if isinstance(outcome, Exception):
+                    refused.append((action.key, outcome))
+                elif outcome is not None:
+                    self.tasks[action.key] = asyncio.create_task(self._run(action.key, action.request, outcome))
             elif isinstance(action, Start):
                 self.start(action.request, action.key)
             elif isinstance(action, Abort):
@@ -242,6 +261,10 @@ class Driver:
                 await self.transport.close(action.code, action.reason)
             else:
                 await self.transport.perform(action)
+        if refused:
+            for _, exc in refused:
+                self._note_refusal(exc)
+            await self._ask(self.session.on_starts_failed, refused, self.clock())
 
     def start(self, request: GenerateRequest | Prepare, key: Key = None) -> None:
         """Run ``request`` as ``key`` in its own task: build it (a ``Prepare``), submit it,
@@ -252,6 +275,14 @@ class Driver:
         """Submit ``request`` (built first if it is a ``Prepare``) under the principal; on
         success the session hears ``on_started`` and the stream is the key's, else (a refusal,
         or a ``Prepare`` that raised) it hears ``on_start_failed`` and this returns None."""
+        outcome = await self._submit(request, key)
+        if isinstance(outcome, Exception):
+            await self._refuse(key, outcome)
+            return None
+        return outcome
+
+    async def _submit(self, request: GenerateRequest | Prepare, key: Key) -> RequestStream | Exception | None:
+        # ``submit`` but a refusal is returned, neither counted nor told to the session.
         try:
             if not isinstance(request, GenerateRequest):
                 request = await request()
@@ -261,8 +292,7 @@ class Driver:
         except (Gone, asyncio.CancelledError):
             raise
         except Exception as exc:  # noqa: BLE001 - refusals are answered in the protocol's own format
-            await self._refuse(key, exc)
-            return None
+            return exc
         if self.is_closed:  # the peer left while the request was being submitted
             await stream.aclose()
             return None
@@ -346,11 +376,12 @@ class Driver:
             await asyncio.wait(tasks)
 
     # -------------------------------------------------------------- internals
-    async def _run(self, key: Key, request: GenerateRequest | Prepare) -> None:
+    async def _run(self, key: Key, request: GenerateRequest | Prepare, stream: RequestStream | None = None) -> None:
+        # Submits ``request`` and pumps it, or pumps ``stream`` where it was submitted already.
         try:
             if self.time_limit_s is not None:
-                await self._run_limited(key, request, self.time_limit_s)
-            elif (stream := await self.submit(request, key)) is not None:
+                await self._run_limited(key, request, self.time_limit_s, stream)
+            elif stream is not None or (stream := await self.submit(request, key)) is not None:
                 await self.pump(stream, key)
         except (Gone, asyncio.CancelledError):
             return  # the peer left, or the start was aborted: aclose()/abort() did the rest
@@ -372,15 +403,16 @@ class Driver:
                 actions = hook(*args)
         await self.perform(actions)
 
-    async def _run_limited(self, key: Key, request: GenerateRequest | Prepare, limit_s: float) -> None:
+    async def _run_limited(self, key: Key, request: GenerateRequest | Prepare, limit_s: float,
+                           stream: RequestStream | None) -> None:
         # The limit counts from when the model is ready: a request sent while it loads gets
         # its whole time once it can run, as it would from the engine's own deadline.
-        if self.waits_for_model and not await self._ready(key):
+        if stream is None and self.waits_for_model and not await self._ready(key):
             return
-        stream: RequestStream | None = None
         try:
             async with asyncio.timeout(limit_s):
-                stream = await self.submit(request, key)
+                if stream is None:
+                    stream = await self.submit(request, key)
                 if stream is not None:
                     await self.pump(stream, key)  # cancelled by the limit: leaving it closes the stream
         except TimeoutError:
