@@ -203,7 +203,7 @@ def batch_target(rng: random.Random, given: bytes | None = None) -> tuple[str, b
         return kind, False
     starts = [a for a in actions if isinstance(a, batch_session.Start)]
     for start in starts:
-        session.on_submitted(start.key, [1, 2, 3])
+        session.on_started(Started(start.key, [1, 2, 3], start.request.sampling))
     for output in outputs(rng, "x"):
         session.on_outputs([(s.key, output) for s in starts], 1.0)
     return kind, bool(starts)

@@ -22,6 +22,7 @@ PROTOCOLS_DIR = Path(rill.protocols.__file__).parent
 NOT_PURE = {
     "adapter.py": "the one file of each protocol that does I/O",
     "_shared/driver.py": "the adapters' shared engine plumbing: runs a session's requests on the engine client",
+    "batch_ws/service.py": "the batch sockets' server-wide state: reads the generation defaults (environment, .env)",
     "chat_ws/media.py": "decodes media in memory (MEDIA_ALLOWED; its own test below)",
     "framed_uds/listener.py": "binds the Unix socket (stale files replaced) and accepts connections",
     "generate_ws/service.py": "/generate's state beyond one connection: reads the engine client, writes feedback to disk",

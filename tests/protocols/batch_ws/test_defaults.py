@@ -9,7 +9,7 @@ import pytest
 
 from rill import config
 from rill.errors import ConfigError
-from rill.protocols.batch_ws import adapter
+from rill.protocols.batch_ws import adapter, service
 
 
 def test_source_project_names_and_rill_names(tmp_path: Path) -> None:
@@ -47,7 +47,7 @@ def test_adapter_reads_dotenv_of_the_working_folder_once(tmp_path: Path, monkeyp
     monkeypatch.delenv("MODEL_DEFAULT_TOP_K", raising=False)
     monkeypatch.delenv("RILL_DEFAULT_TOP_K", raising=False)
     (tmp_path / ".env").write_text("MODEL_DEFAULT_TOP_K=3\n")
-    shared = adapter._Shared(fake_deps())
+    shared = service.BatchService(fake_deps())
     assert shared.defaults.top_k == 3
     assert [route.path for route in adapter.routes(fake_deps())] == ["/ws", "/api/ws"]
 

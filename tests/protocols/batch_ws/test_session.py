@@ -11,6 +11,7 @@ import pytest
 
 from rill import errors
 from rill.config import SamplingDefaults
+from rill.protocols._shared.driver import Started
 from rill.protocols.batch_ws.messages import BatchRequest, GenerationConfig
 from rill.protocols.batch_ws.session import (
     Abort,
@@ -22,7 +23,7 @@ from rill.protocols.batch_ws.session import (
     SendError,
     Start,
 )
-from rill.types import RequestOutput
+from rill.types import RequestOutput, SamplingParams
 
 VECTORS = json.loads((Path(__file__).parent / "vectors" / "session.json").read_text())
 DEFAULTS = GenerationConfig(**msgspec.structs.asdict(msgspec.convert(vars(SamplingDefaults()), GenerationConfig)))
@@ -61,6 +62,11 @@ def receive(session: BatchSession, payload: dict, now: float = 0.0) -> list[Acti
     return session.receive(msgspec.convert(payload, BatchRequest), now)
 
 
+def submitted(session: BatchSession, key: str, prompt_token_ids: list[int]) -> None:
+    """The engine took the request of ``key`` (as the driver tells the session)."""
+    assert session.on_started(Started(key, prompt_token_ids, SamplingParams())) == []
+
+
 def output(key: str, **fields: Any) -> tuple[str, RequestOutput]:
     return key, RequestOutput(request_id=key, **fields)
 
@@ -77,7 +83,7 @@ def test_session_vectors(case: dict) -> None:
                 continue
             actions = receive(session, step["receive"], step["now"])
         elif "submitted" in step:
-            session.on_submitted(step["submitted"], step["prompt_token_ids"])
+            submitted(session, step["submitted"], step["prompt_token_ids"])
             continue
         else:
             outputs = [(key, msgspec.convert({"request_id": key, **fields}, RequestOutput)) for key, fields in step["outputs"]]
@@ -88,7 +94,7 @@ def test_session_vectors(case: dict) -> None:
 def test_engine_refusal_at_submit_is_an_error_for_that_prompt_only() -> None:
     session = make_session()
     receive(session, {"prompts": [{"request_id": "ok", "prompt": "a"}, {"request_id": "long", "prompt": "b" * 999}]})
-    actions = session.on_start_failed([("k-2", errors.ContextLengthExceeded(999, 256))], 0.1)
+    actions = session.on_starts_failed([("k-2", errors.ContextLengthExceeded(999, 256))], 0.1)
     assert render(actions) == [["send", [{"type": "ERROR", "request_id": "long",
                                           "error": "prompt has 999 tokens but the model's context holds at most 256"}]]]
     assert session.num_open_prompts == 1
@@ -141,7 +147,7 @@ def test_missing_prompt_without_kept_generation_is_an_error() -> None:
 
 
 def finish_with_length(session: BatchSession, key: str, prompt_ids: list[int], new_ids: list[int], now: float) -> None:
-    session.on_submitted(key, prompt_ids)
+    submitted(session, key, prompt_ids)
     session.on_outputs([output(key, token_ids=new_ids, text="t" * len(new_ids), finished=True, finish_reason="length")], now)
 
 
@@ -183,7 +189,7 @@ def test_engine_cache_miss_is_reported_for_that_request_id() -> None:
 def test_eos_ends_continuation() -> None:
     session = make_session()
     receive(session, {"prompts": [{"request_id": "a", "prompt": "x"}]})
-    session.on_submitted("k-1", [1])
+    submitted(session, "k-1", [1])
     session.on_outputs([output("k-1", token_ids=[2], text="y", finished=True, finish_reason="stop")], 1.0)
     actions = receive(session, {"prompts": [{"request_id": "a", "prompt": "fresh"}]}, 2.0)
     assert actions[1].request.prompt == "fresh"
@@ -240,7 +246,7 @@ def test_continuation_that_fills_the_context_says_so() -> None:
     receive(session, {"prompts": [{"request_id": "a", "prompt": "x"}]})
     finish_with_length(session, "k-1", [1, 2], [3, 4], 1.0)
     receive(session, {"prompts": [{"request_id": "a"}]}, 2.0)
-    actions = session.on_start_failed([("k-2", errors.ContextLengthExceeded(4, 4))], 2.0)
+    actions = session.on_start_failed("k-2", errors.ContextLengthExceeded(4, 4), 2.0)
     assert render(actions)[0][1][0]["error"] == (
         "request_id 'a' cannot continue: its text so far (4 tokens) already fills the model's context of 4 tokens")
 

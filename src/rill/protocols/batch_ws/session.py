@@ -1,12 +1,14 @@
 """Sans-I/O state of one batch ``/ws`` connection.
 
 Pure: no I/O, no await, no clock (``now`` is passed in, monotonic seconds), no engine or
-frontend import. The adapter feeds it decoded messages and engine outputs; it answers with
-actions (``Send``, ``SendError``, ``Start``, ``Abort``) that the adapter performs in order.
+frontend import. A ``StepSession`` of the session driver (``protocols/_shared/driver.py``):
+the adapter feeds it client frames (``on_frame``), the driver feeds it what the engine
+answers; it answers with actions (``Send``, ``SendError``, ``Start``, ``Abort``, ``Close``),
+performed in order.
 
 Per prompt (keyed by a session-made engine request id, ``PromptKey``)::
 
-    receive ─▶ ACCEPTED ─▶ Start ─┬─▶ on_start_failed ─▶ ERROR                       (done)
+    receive ─▶ ACCEPTED ─▶ Start ─┬─▶ on_starts_failed ─▶ ERROR                      (done)
                                   └─▶ on_outputs: STARTED ─▶ INITIALIZED ─▶ PROGRESS* ─┬▶ COMPLETE (done)
                                                                                       └▶ ERROR    (done)
 
@@ -29,7 +31,8 @@ from dataclasses import dataclass, field
 import msgspec
 
 from rill.errors import CacheMiss, ContextLengthExceeded, InvalidRequest
-from rill.protocols._shared.actions import Abort, Send, Start
+from rill.protocols._shared import driver
+from rill.protocols._shared.actions import Abort, Close, Send, Start
 from rill.protocols.batch_ws import codec
 from rill.protocols.batch_ws.messages import (
     SAMPLING,
@@ -46,12 +49,16 @@ from rill.protocols.batch_ws.messages import (
 from rill.protocols.batch_ws.store import ContinuationStore, Evicted
 from rill.types import DRAW_ONLY_FIELDS, GenerateRequest, RequestEvent, RequestOutput, SamplingParams
 
-__all__ = ["Abort", "Action", "BatchSession", "ContinuationStore", "Limits", "PromptKey", "Send", "SendError", "Start"]
+__all__ = ["Abort", "Action", "BatchSession", "Close", "ContinuationStore", "Limits", "PromptKey", "Send", "SendError",
+           "Start"]
 
 PromptKey = str
 """The engine request id the session gives one prompt of one message (unique per server)."""
 
 PROTOCOL = "batch_ws"
+
+CLOSE_INTERNAL_ERROR = 1011
+"""The WebSocket close code after a bug failed the connection."""
 
 
 # -- actions ---------------------------------------------------------------------------------
@@ -61,9 +68,10 @@ class SendError(msgspec.Struct, frozen=True):
     text: str
 
 
-Action = Send[list[ServerEvent]] | SendError | Start | Abort
+Action = Send[list[ServerEvent]] | SendError | Start | Abort | Close
 """``Send``: one frame, the JSON array of the events (all of one batch). ``Start`` / ``Abort``
-carry the prompt's key (``PromptKey``); aborting frees its KV memory at once."""
+carry the prompt's key (``PromptKey``); aborting frees its KV memory at once. ``Close`` ends
+the socket after a bug."""
 
 
 @dataclass(frozen=True)
@@ -110,13 +118,14 @@ class _Prompt:
 _ORDER = ("STARTED", "INITIALIZED", "PROGRESS", "COMPLETE", "ERROR")
 
 
-class BatchSession:
+class BatchSession(driver.StepSession):
     """State of one ``/ws`` connection: open batches, their prompts and event grouping.
 
-    Call ``receive`` for each decoded message, perform its actions in order (report failed
-    ``Start``s to ``on_start_failed``, successful ones to ``on_submitted``), feed engine
-    outputs to ``on_outputs`` in groups (one drain of all streams per wake-up), and call
-    ``on_disconnect`` when the socket goes away.
+    Call ``on_frame`` for each client frame (or ``receive`` for a decoded message) and
+    perform its actions in order: the ``Start``s of one message submitted together, their
+    refusals reported to ``on_starts_failed`` at once, the accepted ones to ``on_started``;
+    feed engine outputs to ``on_outputs`` in groups (one drain of all streams per wake-up),
+    and call ``on_disconnect`` when the socket goes away.
     """
 
     def __init__(self, store: ContinuationStore, defaults: GenerationConfig, limits: Limits,
@@ -129,7 +138,7 @@ class BatchSession:
         self.scope = scope
         self._key_prefix = key_prefix
         self._num_keys = 0
-        self._prompts: dict[PromptKey, _Prompt] = {}
+        self._prompts: dict[driver.Key, _Prompt] = {}  # keyed by PromptKey
 
     @property
     def num_open_prompts(self) -> int:
@@ -142,6 +151,16 @@ class BatchSession:
         return self._sampling(None)
 
     # -- client → server ---------------------------------------------------------------------
+    def on_frame(self, text: str | None, now: float) -> list[Action]:
+        """One client frame (None: a binary frame): the batch's actions, or a socket-level
+        error that leaves the socket usable."""
+        if text is None:
+            return [SendError(codec.BINARY_FRAME)]
+        try:
+            return self.receive(codec.decode(text), now)
+        except InvalidRequest as exc:
+            return [SendError(str(exc))]
+
     def receive(self, msg: BatchRequest, now: float) -> list[Action]:
         """Accept a batch: ACCEPTED for every prompt, then a ``Start`` per runnable prompt.
 
@@ -190,13 +209,19 @@ class BatchSession:
             actions.insert(1, Send(errors))
         return actions
 
-    def on_submitted(self, key: PromptKey, prompt_token_ids: list[int]) -> None:
-        """The engine took the request of ``key``; remember its prompt ids for continuation."""
-        prompt = self._prompts.get(key)
+    def on_started(self, started: driver.Started) -> list[Action]:
+        """The engine took the request of ``started.key``; remember its prompt ids for
+        continuation (STARTED waits for the engine's first output)."""
+        prompt = self._prompts.get(started.key)
         if prompt is not None:
-            prompt.prompt_token_ids = list(prompt_token_ids)
+            prompt.prompt_token_ids = list(started.prompt_token_ids)
+        return []
 
-    def on_start_failed(self, failures: list[tuple[PromptKey, BaseException]], now: float) -> list[Action]:
+    def on_start_failed(self, key: driver.Key, exc: BaseException, now: float) -> list[Action]:
+        """The engine refused the request of ``key`` at submission: its ERROR."""
+        return self.on_starts_failed([(key, exc)], now)
+
+    def on_starts_failed(self, failures: list[tuple[driver.Key, BaseException]], now: float) -> list[Action]:
         """The engine refused these requests at submission: one ERROR array per batch."""
         grouped: dict[int, tuple[_Batch, list[ServerEvent]]] = {}
         for key, exc in failures:
@@ -213,7 +238,11 @@ class BatchSession:
         return [Send(events) for _, events in grouped.values()]
 
     # -- engine → client ---------------------------------------------------------------------
-    def on_outputs(self, outputs: list[tuple[PromptKey, RequestOutput]], now: float) -> list[Action]:
+    def on_output(self, key: driver.Key, output: RequestOutput, now: float) -> list[Action]:
+        """One request's output alone (a group of one)."""
+        return self.on_outputs([(key, output)], now)
+
+    def on_outputs(self, outputs: list[tuple[driver.Key, RequestOutput]], now: float) -> list[Action]:
         """Turn one drain of engine outputs into event arrays (see the module docstring)."""
         per_batch: dict[int, tuple[_Batch, dict[str, list[tuple[int, ServerEvent]]]]] = {}
         for key, output in outputs:
@@ -229,6 +258,11 @@ class BatchSession:
                 if arrays[name]:
                     actions.append(Send([event for _, event in sorted(arrays[name], key=lambda pair: pair[0])]))
         return actions
+
+    def on_error(self, exc: BaseException) -> list[Action]:
+        """A bug failed the connection: the generic socket error, then close (nothing of the
+        exception reaches the client)."""
+        return [SendError(codec.GENERIC_ERROR), Close(CLOSE_INTERNAL_ERROR)]
 
     def on_disconnect(self) -> list[Action]:
         """The socket is gone: abort every open prompt and free its id."""
