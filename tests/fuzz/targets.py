@@ -218,14 +218,14 @@ def chat_target(rng: random.Random, given: bytes | None = None) -> tuple[str, bo
         kinds = [(getattr(part, "type", "text"), f"messages[{i}]") for i, m in enumerate(request.messages)
                  if isinstance(m.content, list) for part in m.content]
         chat_session.refuse_modalities([k for k in kinds if k[0] != "text"], "fake", ["text"])
-        chat_session.build_generate_request(request)
+        engine_request = chat_session.build_generate_request(request)
     except InvalidRequest:
         return kind, False
     session = chat_session.ChatSession(request, is_speaking=False)
     session.on_admitted()
-    session.on_started(3)
+    session.on_started(Started(None, [1, 2, 3], engine_request.sampling))
     for output in outputs(rng, "c"):
-        session.on_output(output)
+        session.on_output(None, output, 1.0)
     return kind, True
 
 

@@ -24,6 +24,7 @@ NOT_PURE = {
     "_shared/driver.py": "the adapters' shared engine plumbing: runs a session's requests on the engine client",
     "batch_ws/service.py": "the batch sockets' server-wide state: reads the generation defaults (environment, .env)",
     "chat_ws/media.py": "decodes media in memory (MEDIA_ALLOWED; its own test below)",
+    "chat_ws/service.py": "the chats' shared state: media decoded off the loop, queue mailboxes, recordings on disk",
     "framed_uds/listener.py": "binds the Unix socket (stale files replaced) and accepts connections",
     "generate_ws/service.py": "/generate's state beyond one connection: reads the engine client, writes feedback to disk",
     "evergreen/protogen.py": "build tool: runs protoc and writes the generated modules",

@@ -26,9 +26,9 @@ from rill.frontend.inproc import InprocClient
 from rill.protocols.chat_ws import adapter
 from rill.server import Deps
 from rill.testing.fake_client import fake_client, record_requests
-from rill.testing.fake_runner import fake_tokenizer, reply_script
+from rill.testing.fake_runner import StepGate, fake_tokenizer, reply_script
 from rill.types import GenerateRequest
-from tests.helpers import serving
+from tests.helpers import serving, wait_until
 
 THINKING_TEMPLATE = fake_tokenizer().chat_templates["default"] + "{% if enable_thinking %}<think>\n{% endif %}"
 """The fake model's chat template, opening the reasoning block in the generation prompt."""
@@ -122,6 +122,42 @@ async def test_reply_with_speech_in_order() -> None:
     assert chat.synth.spoken == ["Hello there.", "Bye."]
     audio_chunks = [m for m in messages if m["type"] == "chunk" and "audio_data" in m]
     assert len(audio_chunks) == 2
+
+
+def run_steps(gate: StepGate, num_steps: int) -> None:
+    """Let the engine run ``num_steps`` steps and wait until it waits for the next, blocking
+    the event loop the server runs on meanwhile: every output of those steps reaches the
+    request's stream before the protocol reads it (a reader that lagged)."""
+    target = gate.num_passed + num_steps
+    gate.allow(num_steps)
+    for _ in range(10_000):
+        if gate.num_passed >= target and gate.is_waiting:
+            return
+        time.sleep(0.001)  # the engine thread's progress, polled and bounded
+    raise AssertionError("the engine did not run the steps")
+
+
+async def test_a_reader_that_lagged_still_gets_one_chunk_per_token() -> None:
+    # The request stream folds the outputs of several steps into one when its reader lags;
+    # the spec streams one chunk per token all the same.
+    async with serve_chat() as chat:
+        chat.reply_with("Hello there.")
+        gate = chat.client.engine.runner.gate = StepGate()
+        try:
+            async with connect(f"ws://{chat.url}/ws/chat") as ws:
+                await ws.send(json.dumps({**BODY, "tts": {"enabled": False}}))
+                await wait_until(lambda: gate.is_waiting, attempts=3000, interval_s=0.01)  # the prefill step
+                run_steps(gate, 4)  # four tokens, folded into one output
+                gate.set()
+                messages = []
+                with contextlib.suppress(ConnectionClosed):
+                    while True:
+                        messages.append(json.loads(await ws.recv()))
+        finally:
+            gate.set()
+    chunks = [m["text_delta"] for m in messages if m["type"] == "chunk"]
+    assert chunks == list("Hello there.")  # one token (one character) each
+    assert messages[-1]["text"] == "Hello there." and messages[-1]["generated_tokens"] == len("Hello there.") + 1
 
 
 async def test_reasoning_is_shown_but_never_spoken() -> None:

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from rill.errors import InvalidRequest, QueueFull, RillError
+from rill.protocols._shared.driver import Started
 from rill.protocols.chat_ws import codec
 from rill.protocols.chat_ws.messages import (
     ChatRequest,
@@ -35,7 +36,7 @@ from rill.protocols.chat_ws.session import (
     refuse_modalities,
     sampling_params,
 )
-from rill.types import RequestEvent, RequestOutput, Usage
+from rill.types import RequestEvent, RequestOutput, SamplingParams, Usage
 
 
 def request(**kwargs) -> ChatRequest:
@@ -53,15 +54,20 @@ def sent(actions) -> list:
 
 def started(session: ChatSession, prompt_tokens: int = 7) -> ChatSession:
     session.on_admitted()
-    session.on_started(prompt_tokens)
+    session.on_started(Started(None, list(range(prompt_tokens)), SamplingParams()))
     return session
+
+
+def output_of(session: ChatSession, output: RequestOutput) -> list:
+    """The session's answer to one engine output (as the driver hands it over)."""
+    return session.on_output(None, output, 0.0)
 
 
 def test_streaming_without_speech() -> None:
     s = started(ChatSession(request(), is_speaking=False))
-    first = s.on_output(out("Hi", events=[RequestEvent.PREFILL_DONE]))
+    first = output_of(s, out("Hi", events=[RequestEvent.PREFILL_DONE]))
     assert sent(first) == [PrefillDone(input_tokens=7), Chunk(text_delta="Hi")]
-    end = s.on_output(out(" there.", finished=True, reason="stop"))
+    end = output_of(s, out(" there.", finished=True, reason="stop"))
     assert sent(end) == [Chunk(text_delta=" there."),
                          Done(text="Hi there.", generated_tokens=2, input_tokens=7, audio_data=None)]
     assert isinstance(end[-1], Close) and s.state == DONE
@@ -69,21 +75,21 @@ def test_streaming_without_speech() -> None:
 
 def test_prefill_done_is_sent_once_even_without_the_event() -> None:
     s = started(ChatSession(request(), is_speaking=False))
-    assert isinstance(sent(s.on_output(out("a")))[0], PrefillDone)
-    assert not any(isinstance(m, PrefillDone) for m in sent(s.on_output(out("b"))))
+    assert isinstance(sent(output_of(s, out("a")))[0], PrefillDone)
+    assert not any(isinstance(m, PrefillDone) for m in sent(output_of(s, out("b"))))
 
 
 def test_empty_delta_sends_no_chunk() -> None:
     s = started(ChatSession(request(), is_speaking=False))
-    s.on_output(out("a"))
-    assert sent(s.on_output(out("", n=1))) == []
+    output_of(s, out("a"))
+    assert sent(output_of(s, out("", n=1))) == []
 
 
 def test_speech_segments_then_done_after_the_last_audio() -> None:
     s = started(ChatSession(request(), is_speaking=True))
-    actions = s.on_output(out("One. Two"))
+    actions = output_of(s, out("One. Two"))
     assert [a for a in actions if isinstance(a, Speak)] == [Speak("One.")]
-    end = s.on_output(out(" three.", finished=True, reason="length"))
+    end = output_of(s, out(" three.", finished=True, reason="length"))
     assert [a for a in end if isinstance(a, (Speak, EndSpeech))] == [Speak("Two three."), EndSpeech()]
     assert not any(isinstance(m, Done) for m in sent(end))
     audio = s.on_audio(np.ones(10, np.float32))
@@ -101,9 +107,9 @@ def test_long_audio_is_split_into_one_second_chunks() -> None:
 
 def test_non_streaming_sends_only_done_with_whole_text_and_audio() -> None:
     s = started(ChatSession(request(streaming=False), is_speaking=True))
-    assert sent(s.on_output(out("Hi. ", events=[RequestEvent.PREFILL_DONE]))) == [PrefillDone(input_tokens=7)]
+    assert sent(output_of(s, out("Hi. ", events=[RequestEvent.PREFILL_DONE]))) == [PrefillDone(input_tokens=7)]
     assert sent(s.on_audio(np.full(3, 0.5, np.float32))) == []
-    s.on_output(out("Bye.", finished=True, reason="stop"))
+    output_of(s, out("Bye.", finished=True, reason="stop"))
     assert sent(s.on_audio(np.full(2, 0.25, np.float32))) == []
     (done,) = sent(s.on_speech_end())
     pcm = np.frombuffer(base64.b64decode(done.audio_data), "<f4")
@@ -112,13 +118,13 @@ def test_non_streaming_sends_only_done_with_whole_text_and_audio() -> None:
 
 def test_recording_id_goes_on_done() -> None:
     s = started(ChatSession(request(), is_speaking=False, recording_session_id="chat_0000000000000000"))
-    (done,) = [m for m in sent(s.on_output(out("x", finished=True, reason="stop"))) if isinstance(m, Done)]
+    (done,) = [m for m in sent(output_of(s, out("x", finished=True, reason="stop"))) if isinstance(m, Done)]
     assert done.recording_session_id == "chat_0000000000000000"
 
 
 def test_queue_messages() -> None:
     s = ChatSession(request(), is_speaking=False)
-    assert sent(s.on_queued(QueueStatus(2, 20.0, 3))) == [Queued(position=2, estimated_wait_s=20.0, queue_length=3)]
+    assert sent(s.on_queue_joined(QueueStatus(2, 20.0, 3))) == [Queued(position=2, estimated_wait_s=20.0, queue_length=3)]
     assert sent(s.on_queue_moved(QueueStatus(1, 10.0, 2))) == [QueueUpdate(position=1, estimated_wait_s=10.0, queue_length=2)]
     assert sent(s.on_admitted()) == [QueueDone()]
 
@@ -129,7 +135,7 @@ def test_queue_messages() -> None:
 ])
 def test_engine_end_with_error_sends_error_and_close(output: RequestOutput, text: str) -> None:
     s = started(ChatSession(request(), is_speaking=True))
-    actions = s.on_output(output)
+    actions = output_of(s, output)
     assert sent(actions) == [Error(error=text)] and isinstance(actions[-1], Close)
     assert s.state == FAILED and s.on_error(RillError("again")) == [] and s.on_audio(np.ones(3, np.float32)) == []
 

@@ -7,8 +7,10 @@ States and transitions (one request per connection)::
        │                     │  └──────── text finished, no speech ──────────────▶ DONE
        └──── error ──────────┴──────────── error ──────────────────────────────▶ FAILED
 
-The adapter performs the returned actions in order: ``Send`` a message, ``Speak`` a text
-segment (to the reply's speech stream), ``EndSpeech`` (no more segments), ``Close`` the
+A ``Session`` of the session driver (``protocols/_shared/driver.py``), which feeds it the
+engine's answers; the adapter feeds it the queue's and the speech's. The returned actions
+are performed in order: ``Send`` a message, ``Speak`` a text segment (to the reply's speech
+stream), ``EndSpeech`` (no more segments), ``Record`` the finished chat, ``Close`` the
 socket. The session never reads a clock, awaits or touches the engine. Pure: msgspec,
 numpy (for PCM), ``rill.types``, ``rill.errors`` and this package.
 """
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from rill.errors import InvalidRequest, RillError
-from rill.protocols._shared import b64pcm
+from rill.protocols._shared import b64pcm, driver
 from rill.protocols._shared.actions import Close, Send
 from rill.protocols.chat_ws import codec
 from rill.protocols.chat_ws.messages import (
@@ -65,7 +67,16 @@ class EndSpeech:
     """No more segments for this reply."""
 
 
-Action = Send[ServerMessage] | Speak | EndSpeech | Close
+@dataclass(frozen=True)
+class Record:
+    """Keep the finished chat as recording ``done.recording_session_id``: its request, ``done``
+    and the reply's whole audio (None when the reply was not spoken). Before ``done`` is sent."""
+
+    done: Done
+    audio: np.ndarray | None
+
+
+Action = Send[ServerMessage] | Speak | EndSpeech | Record | Close
 """``Close`` carries the WebSocket close code (``codec.CLOSE_*``)."""
 
 # Which engine modality a media part needs.
@@ -129,7 +140,7 @@ def refuse_modalities(kinds_and_places: list[tuple[str, str]], model_name: str, 
                                  f"(it takes: {', '.join(model_modalities)})", field="messages")
 
 
-class ChatSession:
+class ChatSession(driver.Session):
     """One chat's presentation state: accumulated text and audio, what was sent, its state.
 
     Args:
@@ -155,9 +166,9 @@ class ChatSession:
         self._prefill_sent = False
         self.max_chunk_samples = b64pcm.OUTPUT_SAMPLE_RATE_HZ  # one second of audio per chunk
 
-    # -- queue -------------------------------------------------------------------------
-    def on_queued(self, status: QueueStatus) -> list[Action]:
-        """The chat had to wait: tell the client where it stands."""
+    # -- queue (the server's fair queue of chats, not the engine's) ---------------------
+    def on_queue_joined(self, status: QueueStatus) -> list[Action]:
+        """The chat had to wait for a turn: tell the client where it stands."""
         return [Send(Queued(position=status.position, estimated_wait_s=status.estimated_wait_s,
                             queue_length=status.queue_length))]
 
@@ -172,12 +183,16 @@ class ChatSession:
         return [Send(QueueDone())]
 
     # -- engine ------------------------------------------------------------------------
-    def on_started(self, num_prompt_tokens: int) -> list[Action]:
-        """The engine accepted the request with this many prompt tokens."""
-        self.input_tokens = num_prompt_tokens
+    def on_started(self, started: driver.Started) -> list[Action]:
+        """The engine accepted the request (its prompt tokens are ``input_tokens``)."""
+        self.input_tokens = len(started.prompt_token_ids)
         return []
 
-    def on_output(self, output: RequestOutput) -> list[Action]:
+    def on_start_failed(self, key: driver.Key, exc: BaseException, now: float) -> list[Action]:
+        """The engine refused the request: the error, then close."""
+        return self.on_error(exc)
+
+    def on_output(self, key: driver.Key, output: RequestOutput, now: float) -> list[Action]:
         """One engine delta → ``prefill_done`` (first time), chunks, speech segments, the end."""
         actions: list[Action] = []
         if output.finished and output.finish_reason in ("error", "cancelled"):
@@ -230,9 +245,10 @@ class ChatSession:
             audio = b64pcm.encode(np.concatenate(self.audio) if self.audio else np.zeros(0, np.float32))
         done = Done(text=self.text, generated_tokens=self.generated_tokens, input_tokens=self.input_tokens,
                     audio_data=audio)
-        if self.recording_session_id is not None:
-            done.recording_session_id = self.recording_session_id
-        return [Send(done), Close(codec.CLOSE_NORMAL)]
+        if self.recording_session_id is None:
+            return [Send(done), Close(codec.CLOSE_NORMAL)]
+        done.recording_session_id = self.recording_session_id
+        return [Record(done, self.whole_audio() if self.is_speaking else None), Send(done), Close(codec.CLOSE_NORMAL)]
 
     def on_error(self, exc: BaseException) -> list[Action]:
         """Anything failed: one ``error`` message (from the error table), then close."""

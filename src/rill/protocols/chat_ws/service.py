@@ -1,0 +1,215 @@
+"""What every ``/ws/chat`` connection of one server shares: ``ChatService``, and a chat's
+``Turn`` in the server's fair queue.
+
+Not pure (``tests/protocols/test_purity.py`` lists it): it decodes media on a worker
+thread, asks the engine client whether the model is ready and how it renders a prompt,
+writes recordings to disk and reads them back, reads the reference audio file, and waits
+on the queue's mailboxes. The socket itself is the adapter's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Hashable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rill.config import parse_size
+from rill.deps import Deps
+from rill.frontend.client import EngineClient
+from rill.frontend.speech import SAMPLE_RATE_HZ, SpeechService
+from rill.protocols._shared import b64pcm
+from rill.protocols.chat_ws import codec, media
+from rill.protocols.chat_ws.messages import ChatRequest, Done
+from rill.protocols.chat_ws.queue import FairQueue, Moved, Notice, QueueStatus, Started
+from rill.protocols.chat_ws.segmenter import THINK_TAGS, Segmenter
+from rill.protocols.chat_ws.session import Action, ChatSession, build_generate_request, refuse_modalities
+from rill.recordings import RecordingStore
+from rill.types import GenerateRequest
+
+
+class ChatService:
+    """What every ``/ws/chat`` connection of one server shares: the engine client, the fair
+    queue, the speech worker, recordings and limits.
+
+    Args:
+        deps: the server's dependencies (``speech_synth``: the synthesizer; None: espeak-ng,
+            created on first use).
+    """
+
+    def __init__(self, deps: Deps) -> None:
+        cfg = deps.config
+        self.client: EngineClient = deps.client
+        self.metrics = deps.metrics
+        self.queue = FairQueue(cfg.chat.chat_max_active, cfg.chat.chat_max_queue)
+        self.speech = SpeechService(deps.speech_synth)
+        self.media_limits = media.MediaLimits()
+        self.request_timeout_s = cfg.policy.request_timeout_s
+        self.recordings_dir = Path(cfg.http.data_dir) / "recordings" if cfg.chat.record else None
+        days = cfg.chat.record_retention_days
+        self.recordings = RecordingStore(Path(cfg.http.data_dir) / "recordings",
+                                         parse_size(cfg.chat.record_max_bytes, "record_max_bytes"),
+                                         None if days is None else days * 86400)
+        self.ref_audio_path = cfg.chat.ref_audio
+        self._ref_audio: dict[str, Any] | None = None
+        self._mailboxes: dict[Hashable, asyncio.Queue[Notice]] = {}
+
+    # -- a new chat --------------------------------------------------------------------
+    async def prepare(self, request_text: str) -> tuple[ChatSession, GenerateRequest]:
+        """The session and the engine request of a chat's request, once every check passed
+        (decoded, model ready, speech settings honoured, media decoded and taken by the model).
+
+        Raises:
+            InvalidRequest, ModelNotReady, EngineDead, ...: what the client is told, then the socket closes.
+        """
+        request = codec.decode_request(request_text)
+        info = self.client.require_model()
+        if request.tts.enabled:
+            self.speech.synth.check(language=request.tts.language, mode=request.tts.mode,
+                                    has_ref_audio=bool(request.tts.ref_audio_data or request.tts.ref_audio_path))
+        decoded = await asyncio.to_thread(media.decode_media, request.messages, self.media_limits)
+        refuse_modalities([(d.kind, d.where) for d in decoded], info.name, list(info.modalities))
+        generate_request = build_generate_request(request, deadline_s=self.request_timeout_s)
+        recording_id = f"chat_{uuid.uuid4().hex[:16]}" if self.recordings_dir is not None else None
+        session = ChatSession(request, is_speaking=request.tts.enabled,
+                              segmenter=Segmenter(starts_in_thinking=await self._starts_in_thinking(request)),
+                              recording_session_id=recording_id, keep_audio=recording_id is not None)
+        return session, generate_request
+
+    async def _starts_in_thinking(self, request: ChatRequest) -> bool:
+        # Some templates open the reasoning block in the generation prompt itself (the reply
+        # then starts inside it); only a rendered prompt tells.
+        if not (request.enable_thinking and request.tts.enabled):
+            return False
+        try:
+            rendered = await self.client.render_chat(
+                [{"role": m.role, "content": m.content if isinstance(m.content, str) else ""} for m in request.messages],
+                add_generation_prompt=True, enable_thinking=True)
+        except Exception:  # noqa: BLE001 - a template that cannot render opens no thinking block
+            return False
+        return any(rendered.rstrip().endswith(opener) for opener, _ in THINK_TAGS)
+
+    # -- queue (event loop only) -------------------------------------------------------
+    def join(self, ticket: str) -> tuple[Started | QueueStatus, asyncio.Queue[Notice]]:
+        """Enter the queue; the mailbox receives this ticket's later notices."""
+        mailbox: asyncio.Queue[Notice] = asyncio.Queue()
+        first = self.queue.join(ticket)  # QueueFull propagates
+        self._mailboxes[ticket] = mailbox
+        return first, mailbox
+
+    def leave(self, ticket: str, duration_s: float | None = None) -> None:
+        """Leave the queue or free the slot; deliver the notices to the chats concerned."""
+        self._mailboxes.pop(ticket, None)
+        notices = self.queue.leave(ticket) if duration_s is None else self.queue.finish(ticket, duration_s)
+        for notice in notices:
+            mailbox = self._mailboxes.get(notice.ticket)
+            if mailbox is not None:
+                mailbox.put_nowait(notice)
+
+    # -- recordings --------------------------------------------------------------------
+    def save_recording(self, request_text: str, done: Done, audio: np.ndarray | None) -> None:
+        """Write request.json, reply.json and, for a spoken reply, reply.wav under the folder of
+        recording ``done.recording_session_id``, then apply the recordings' size cap and
+        retention (blocking)."""
+        import soundfile
+
+        assert self.recordings_dir is not None and isinstance(done.recording_session_id, str)
+        recording_id = done.recording_session_id
+        folder = self.recordings_dir / recording_id
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "request.json").write_text(request_text)
+        reply = {"recording_session_id": recording_id, "text": done.text, "generated_tokens": done.generated_tokens,
+                 "input_tokens": done.input_tokens, "created_at": time.time(),
+                 "audio": None if audio is None else {
+                     "sample_rate": SAMPLE_RATE_HZ, "duration_s": round(len(audio) / SAMPLE_RATE_HZ, 3),
+                     "url": f"/api/recordings/{recording_id}/reply.wav"}}
+        if audio is not None:
+            soundfile.write(folder / "reply.wav", audio, SAMPLE_RATE_HZ, subtype="FLOAT")
+        (folder / "reply.json").write_text(json.dumps(reply))
+        self.recordings.commit(recording_id)
+
+    def recording(self, recording_id: str) -> dict[str, Any] | None:
+        """A stored recording's reply with its request (``GET /api/recordings/{id}``), or None."""
+        folder = self._recording_folder(recording_id)
+        if folder is None or not (folder / "reply.json").is_file():
+            return None
+        reply = json.loads((folder / "reply.json").read_text())
+        reply["request"] = json.loads((folder / "request.json").read_text())
+        return reply
+
+    def recording_audio(self, recording_id: str) -> Path | None:
+        """The reply.wav of a stored recording, or None."""
+        folder = self._recording_folder(recording_id)
+        return folder / "reply.wav" if folder is not None and (folder / "reply.wav").is_file() else None
+
+    def _recording_folder(self, recording_id: str) -> Path | None:
+        if self.recordings_dir is None:
+            return None
+        return self.recordings.path_of(recording_id)
+
+    def default_ref_audio(self) -> dict[str, Any] | None:
+        """``{name, duration, sample_rate, samples, base64}`` of ``--ref-audio`` at 16 kHz (cached)."""
+        if self.ref_audio_path is None:
+            return None
+        if self._ref_audio is None:
+            import soundfile
+            import soxr
+
+            audio, rate = soundfile.read(self.ref_audio_path, dtype="float32", always_2d=True)
+            mono = audio.mean(axis=1)
+            if rate != b64pcm.INPUT_SAMPLE_RATE_HZ:
+                mono = soxr.resample(mono, rate, b64pcm.INPUT_SAMPLE_RATE_HZ)
+            self._ref_audio = {"name": Path(self.ref_audio_path).name,
+                               "duration": round(len(mono) / b64pcm.INPUT_SAMPLE_RATE_HZ, 1),
+                               "sample_rate": b64pcm.INPUT_SAMPLE_RATE_HZ, "samples": int(len(mono)),
+                               "base64": b64pcm.encode(mono)}
+        return self._ref_audio
+
+
+class Turn:
+    """One chat's place in the server's fair queue: wait for it, then give it back (``leave``)."""
+
+    def __init__(self, service: ChatService) -> None:
+        self.service = service
+        self.ticket = f"chat-{uuid.uuid4().hex}"
+        self._is_in_queue = False
+        self._started_at: float | None = None
+
+    async def wait(self, session: ChatSession, perform: Callable[[list[Action]], Awaitable[None]],
+                   gone: asyncio.Event) -> bool:
+        """Queue until admitted (True) or the client left (False); ``perform`` tells the client
+        where it stands. ``QueueFull`` when no place is left in line."""
+        first, mailbox = self.service.join(self.ticket)
+        self._is_in_queue = True
+        if isinstance(first, QueueStatus):
+            await perform(session.on_queue_joined(first))
+            while True:
+                getter = asyncio.create_task(mailbox.get())
+                leaving = asyncio.create_task(gone.wait())
+                await asyncio.wait([getter, leaving], return_when=asyncio.FIRST_COMPLETED)
+                leaving.cancel()
+                if not getter.done():
+                    getter.cancel()
+                    return False
+                notice = getter.result()
+                if isinstance(notice, Started):
+                    break
+                assert isinstance(notice, Moved)
+                await perform(session.on_queue_moved(notice.status))
+        await perform(session.on_admitted())
+        if gone.is_set():
+            return False
+        self._started_at = time.monotonic()
+        return True
+
+    def leave(self) -> None:
+        """Leave the line or free the slot (how long the chat ran feeds the wait estimate)."""
+        if self._is_in_queue:
+            self._is_in_queue = False
+            duration = None if self._started_at is None else time.monotonic() - self._started_at
+            self.service.leave(self.ticket, duration)
