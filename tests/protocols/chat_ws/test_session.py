@@ -30,6 +30,7 @@ from rill.protocols.chat_ws.session import (
     ChatSession,
     Close,
     EndSpeech,
+    Record,
     Send,
     Speak,
     build_generate_request,
@@ -120,6 +121,21 @@ def test_recording_id_goes_on_done() -> None:
     s = started(ChatSession(request(), is_speaking=False, recording_session_id="chat_0000000000000000"))
     (done,) = [m for m in sent(output_of(s, out("x", finished=True, reason="stop"))) if isinstance(m, Done)]
     assert done.recording_session_id == "chat_0000000000000000"
+
+
+def test_a_recorded_chat_is_stored_before_done_goes_out() -> None:
+    s = started(ChatSession(request(), is_speaking=True, recording_session_id="chat_0000000000000001", keep_audio=True))
+    output_of(s, out("Hi.", finished=True, reason="stop"))
+    s.on_audio(np.full(4, 0.5, np.float32))
+    record, send, close = s.on_speech_end()
+    assert isinstance(record, Record) and isinstance(send, Send) and isinstance(close, Close)
+    assert record.done is send.message and record.done.recording_session_id == "chat_0000000000000001"
+    assert record.audio is not None and record.audio.tolist() == [0.5] * 4
+    unspoken = started(ChatSession(request(), is_speaking=False, recording_session_id="chat_0000000000000002"))
+    (record,) = [a for a in output_of(unspoken, out("x", finished=True, reason="stop")) if isinstance(a, Record)]
+    assert record.audio is None
+    assert not any(isinstance(a, Record) for a in output_of(started(ChatSession(request(), is_speaking=False)),
+                                                           out("x", finished=True, reason="stop")))
 
 
 def test_queue_messages() -> None:

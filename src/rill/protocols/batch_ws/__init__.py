@@ -1,5 +1,6 @@
 """Batch WebSocket ``/ws`` (and ``/api/ws``): many prompts per message, event arrays,
 continuation by ``request_id``. See ``shared/specs/batch-websocket.md``.
 
-``messages``, ``codec`` and ``session`` are pure; only ``adapter`` does I/O.
+``messages``, ``codec``, ``store`` and ``session`` are pure; ``adapter`` (the socket) and
+``service`` (what every socket of a server shares) do I/O.
 """

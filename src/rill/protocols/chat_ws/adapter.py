@@ -26,11 +26,10 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from rill import auth
 from rill.deps import Deps
-from rill.frontend.speech import SpeechStream
 from rill.protocols._shared.actions import Start
 from rill.protocols._shared.driver import Driver, Gone
 from rill.protocols.chat_ws import codec
-from rill.protocols.chat_ws.service import ChatService, Turn
+from rill.protocols.chat_ws.service import ChatService, ReplySpeech, Turn
 from rill.protocols.chat_ws.session import PROTOCOL, ChatSession, EndSpeech, Record, Speak
 
 log = logging.getLogger("rill.protocols.chat_ws")
@@ -85,12 +84,12 @@ class _Chat:
         self.turn = Turn(service)
         self.session: ChatSession | None = None
         self.driver: Driver | None = None
-        self.speech: SpeechStream | None = None
+        self.speech: ReplySpeech | None = None
         self.request_text = ""
         self.gone = asyncio.Event()  # the client left
         self.closed = asyncio.Event()  # the session asked to close
         self.close_code = codec.CLOSE_NORMAL
-        self._tasks: list[asyncio.Task[None]] = []
+        self._watcher: asyncio.Task[None] | None = None
 
     async def run(self) -> None:
         """Serve the connection; every exit path leaves the queue and frees engine and speech."""
@@ -101,7 +100,7 @@ class _Chat:
         # The request is JSON; accept it in a binary frame too (UTF-8), as some clients send that.
         raw = first.get("text")
         self.request_text = raw if raw is not None else (first.get("bytes") or b"").decode("utf-8", errors="replace")
-        self._tasks.append(asyncio.create_task(self._watch_disconnect()))
+        self._watcher = asyncio.create_task(self._watch_disconnect())
         try:
             await self._serve()
         except Gone:
@@ -152,36 +151,15 @@ class _Chat:
         self.closed.set()
 
     async def perform(self, action: Speak | EndSpeech | Record) -> None:
-        """Speak a segment, end the reply's speech, or store the finished chat."""
+        """Store the finished chat, or hand a segment (or the end) to the reply's speech,
+        opened at the first one."""
         if isinstance(action, Record):
             await asyncio.to_thread(self.service.save_recording, self.request_text, action.done, action.audio)
-        elif isinstance(action, Speak):
-            self._speech().say(action.text)
-        else:
-            self._speech().end()
-
-    def _speech(self) -> SpeechStream:
-        # Opened at the first segment (or the end of a reply that had none), read beside the
-        # engine request until its last segment.
-        if self.speech is None:
-            assert self.session is not None
-            self.speech = self.service.speech.open(self.session.request.tts.language)
-            self._tasks.append(asyncio.create_task(self._read_speech(self.speech)))
-        return self.speech
-
-    async def _read_speech(self, speech: SpeechStream) -> None:
-        assert self.session is not None and self.driver is not None
-        try:
-            async for samples in speech:
-                await self.driver.perform(self.session.on_audio(samples))
-            await self.driver.perform(self.session.on_speech_end())
-        except Gone:
             return
-        except Exception as exc:
-            if codec.error_for(exc)[0].error == codec.GENERIC_ERROR:
-                log.exception("chat speech failed")
-            with contextlib.suppress(Gone):
-                await self.driver.perform(self.session.on_error(exc))
+        if self.speech is None:
+            assert self.session is not None and self.driver is not None
+            self.speech = ReplySpeech(self.service.speech, self.session, self.driver.perform)
+        self.speech.take(action)
 
     async def _watch_disconnect(self) -> None:
         # The client sends nothing after its request; the next event is normally its leaving.
@@ -198,7 +176,6 @@ class _Chat:
             await self.driver.aclose()
         if self.speech is not None:
             await self.speech.aclose()
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._watcher is not None:
+            self._watcher.cancel()
         self.turn.leave()

@@ -1,16 +1,18 @@
-"""What every ``/ws/chat`` connection of one server shares: ``ChatService``, and a chat's
-``Turn`` in the server's fair queue.
+"""What every ``/ws/chat`` connection of one server shares (``ChatService``), a chat's
+``Turn`` in the server's fair queue and the ``ReplySpeech`` beside its engine request.
 
 Not pure (``tests/protocols/test_purity.py`` lists it): it decodes media on a worker
 thread, asks the engine client whether the model is ready and how it renders a prompt,
-writes recordings to disk and reads them back, reads the reference audio file, and waits
-on the queue's mailboxes. The socket itself is the adapter's.
+writes recordings to disk and reads them back, reads the reference audio file, waits on the
+queue's mailboxes and reads the speech worker's audio. The socket itself is the adapter's.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Hashable
@@ -22,15 +24,22 @@ import numpy as np
 from rill.config import parse_size
 from rill.deps import Deps
 from rill.frontend.client import EngineClient
-from rill.frontend.speech import SAMPLE_RATE_HZ, SpeechService
+from rill.frontend.speech import SAMPLE_RATE_HZ, SpeechService, SpeechStream
+from rill.protocols._shared.driver import Gone
 from rill.protocols._shared import b64pcm
 from rill.protocols.chat_ws import codec, media
 from rill.protocols.chat_ws.messages import ChatRequest, Done
 from rill.protocols.chat_ws.queue import FairQueue, Moved, Notice, QueueStatus, Started
 from rill.protocols.chat_ws.segmenter import THINK_TAGS, Segmenter
-from rill.protocols.chat_ws.session import Action, ChatSession, build_generate_request, refuse_modalities
+from rill.protocols.chat_ws.session import (Action, ChatSession, EndSpeech, Speak, build_generate_request,
+                                            refuse_modalities)
 from rill.recordings import RecordingStore
 from rill.types import GenerateRequest
+
+log = logging.getLogger("rill.protocols.chat_ws")
+
+Perform = Callable[[list[Action]], Awaitable[None]]
+"""Carries out a session's actions (the connection's driver)."""
 
 
 class ChatService:
@@ -180,8 +189,7 @@ class Turn:
         self._is_in_queue = False
         self._started_at: float | None = None
 
-    async def wait(self, session: ChatSession, perform: Callable[[list[Action]], Awaitable[None]],
-                   gone: asyncio.Event) -> bool:
+    async def wait(self, session: ChatSession, perform: Perform, gone: asyncio.Event) -> bool:
         """Queue until admitted (True) or the client left (False); ``perform`` tells the client
         where it stands. ``QueueFull`` when no place is left in line."""
         first, mailbox = self.service.join(self.ticket)
@@ -213,3 +221,41 @@ class Turn:
             self._is_in_queue = False
             duration = None if self._started_at is None else time.monotonic() - self._started_at
             self.service.leave(self.ticket, duration)
+
+
+class ReplySpeech:
+    """The speech of one reply, beside its engine request: segments go in (``take``), each
+    one's audio goes to the session (``on_audio``, then ``on_speech_end``), whose answers
+    ``perform`` carries out; a synthesizer that fails fails the chat (``on_error``)."""
+
+    def __init__(self, service: SpeechService, session: ChatSession, perform: Perform) -> None:
+        self.session = session
+        self.perform = perform
+        self.speech: SpeechStream = service.open(session.request.tts.language)
+        self._reader = asyncio.create_task(self._read())
+
+    def take(self, action: Speak | EndSpeech) -> None:
+        """Speak a segment after the earlier ones, or end the reply's speech."""
+        if isinstance(action, Speak):
+            self.speech.say(action.text)
+        else:
+            self.speech.end()
+
+    async def aclose(self) -> None:
+        """Cancel what is left to say, and the reading."""
+        await self.speech.aclose()
+        self._reader.cancel()
+        await asyncio.gather(self._reader, return_exceptions=True)
+
+    async def _read(self) -> None:
+        try:
+            async for samples in self.speech:
+                await self.perform(self.session.on_audio(samples))
+            await self.perform(self.session.on_speech_end())
+        except Gone:
+            return
+        except Exception as exc:  # noqa: BLE001 - reported to the client by the session
+            if codec.error_for(exc)[0].error == codec.GENERIC_ERROR:
+                log.exception("chat speech failed")
+            with contextlib.suppress(Gone):
+                await self.perform(self.session.on_error(exc))
