@@ -25,14 +25,20 @@ from rill.config import parse_size
 from rill.deps import Deps
 from rill.frontend.client import EngineClient
 from rill.frontend.speech import SAMPLE_RATE_HZ, SpeechService, SpeechStream
-from rill.protocols._shared.driver import Gone
 from rill.protocols._shared import b64pcm
+from rill.protocols._shared.driver import Gone
 from rill.protocols.chat_ws import codec, media
 from rill.protocols.chat_ws.messages import ChatRequest, Done
 from rill.protocols.chat_ws.queue import FairQueue, Moved, Notice, QueueStatus, Started
 from rill.protocols.chat_ws.segmenter import THINK_TAGS, Segmenter
-from rill.protocols.chat_ws.session import (Action, ChatSession, EndSpeech, Speak, build_generate_request,
-                                            refuse_modalities)
+from rill.protocols.chat_ws.session import (
+    Action,
+    ChatSession,
+    EndSpeech,
+    Speak,
+    build_generate_request,
+    refuse_modalities,
+)
 from rill.recordings import RecordingStore
 from rill.types import GenerateRequest
 
@@ -147,7 +153,7 @@ class ChatService:
         folder = self._recording_folder(recording_id)
         if folder is None or not (folder / "reply.json").is_file():
             return None
-        reply = json.loads((folder / "reply.json").read_text())
+        reply: dict[str, Any] = json.loads((folder / "reply.json").read_text())
         reply["request"] = json.loads((folder / "request.json").read_text())
         return reply
 
@@ -254,7 +260,7 @@ class ReplySpeech:
             await self.perform(self.session.on_speech_end())
         except Gone:
             return
-        except Exception as exc:  # noqa: BLE001 - reported to the client by the session
+        except Exception as exc:  # the synthesizer failed: the session tells the client
             if codec.error_for(exc)[0].error == codec.GENERIC_ERROR:
                 log.exception("chat speech failed")
             with contextlib.suppress(Gone):
