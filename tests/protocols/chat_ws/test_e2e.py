@@ -245,6 +245,13 @@ def test_disconnect_mid_reply_stops_generation_and_speech_and_frees_kv(live) -> 
             recv(ws)
         ws.close()
         after = live.wait_idle()
+        # The engine counts an ended request just after freeing it (another thread): wait,
+        # bounded, until this one is counted, then check how it ended.
+        for _ in range(1000):
+            if sum(after.requests_finished_total.values()) > sum(before.requests_finished_total.values()):
+                break
+            threading.Event().wait(0.01)
+            after = live.stats()
         while GatedSynth.num_active:  # the speech job notices the cancel within one gate poll
             threading.Event().wait(0.01)
     finally:
