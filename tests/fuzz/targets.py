@@ -17,7 +17,7 @@ from typing import Any
 
 from rill.config import SamplingDefaults
 from rill.errors import InvalidRequest, RillError
-from rill.protocols._shared.driver import Started
+from rill.protocols._shared.session import Started
 from rill.protocols.batch_ws import codec as batch_codec
 from rill.protocols.batch_ws import session as batch_session
 from rill.protocols.batch_ws.messages import GenerationConfig as BatchDefaults

@@ -9,7 +9,8 @@ from typing import Any
 
 from rill.errors import InvalidRequest, RequestTimeout
 from rill.protocols._shared.actions import Abort, Close, Rejected, Send, Start
-from rill.protocols._shared.driver import Driver, Gone, Key, Session, Started, StepSession, split_by_token
+from rill.protocols._shared.driver import Driver, Gone
+from rill.protocols._shared.session import Key, Session, Started, StepSession, split_by_token
 from rill.testing.fake_client import LOADING_PERCENT, fake_client, record_aborts
 from rill.testing.fake_runner import StepGate
 from rill.types import GenerateRequest, RequestOutput, SamplingParams

@@ -59,6 +59,8 @@ FORBIDDEN = (
     "PIL", "av",
     # layers above the pure files
     "rill.engine", "rill.frontend", "rill.server", "rill.config", "rill.feedback",
+    # the driver runs sessions; a session knows only its side of the contract (_shared/session.py)
+    "rill.protocols._shared.driver",
 )
 """Modules a pure file may not import (each with its submodules)."""
 

@@ -11,7 +11,7 @@ import pytest
 
 from rill import errors
 from rill.config import SamplingDefaults
-from rill.protocols._shared.driver import Started
+from rill.protocols._shared.session import Started
 from rill.protocols.batch_ws.messages import BatchRequest, GenerationConfig
 from rill.protocols.batch_ws.session import (
     Abort,

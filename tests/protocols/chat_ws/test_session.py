@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from rill.errors import InvalidRequest, QueueFull, RillError
-from rill.protocols._shared.driver import Started
+from rill.protocols._shared.session import Started
 from rill.protocols.chat_ws import codec
 from rill.protocols.chat_ws.messages import (
     ChatRequest,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rill.errors import ContextLengthExceeded, GenerationError, QueueFull
-from rill.protocols._shared.driver import Started
+from rill.protocols._shared.session import Started
 from rill.protocols.framed_uds import codec
 from rill.protocols.framed_uds.framing import FrameTooLarge
 from rill.protocols.framed_uds.messages import Cancel, Eos, Error, MetricsQuery, Request, Slo, Token

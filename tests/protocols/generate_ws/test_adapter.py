@@ -738,7 +738,8 @@ async def test_a_folded_output_reaches_the_session_whole(make_server: Any) -> No
     """A folded output that ends resumed carries the tokens made after the resume: the
     ``resumed`` status goes before all of them, which the session can only do when the driver
     hands the output over whole (not cut into one output per token, events on the last)."""
-    from rill.protocols._shared.driver import Driver, Started
+    from rill.protocols._shared.driver import Driver
+    from rill.protocols._shared.session import Started
     from rill.protocols.generate_ws import codec
     from rill.protocols.generate_ws import messages as m
     from rill.protocols.generate_ws.service import GenerateService

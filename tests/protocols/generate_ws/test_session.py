@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 from rill.errors import GenerationError, InvalidRequest, MemoryPressure, RequestTimeout
-from rill.protocols._shared.driver import Started
+from rill.protocols._shared.session import Started
 from rill.protocols.generate_ws import codec, generation
 from rill.protocols.generate_ws import messages as m
 from rill.protocols.generate_ws import session as s

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from rill.errors import CacheMiss, ContextLengthExceeded, InvalidRequest
-from rill.protocols._shared import driver
+from rill.protocols._shared import session as driver_session
 from rill.protocols._shared.actions import Abort, Close, Send, Start
 from rill.protocols.batch_ws import codec
 from rill.protocols.batch_ws.messages import (
@@ -118,7 +118,7 @@ class _Prompt:
 _ORDER = ("STARTED", "INITIALIZED", "PROGRESS", "COMPLETE", "ERROR")
 
 
-class BatchSession(driver.StepSession):
+class BatchSession(driver_session.StepSession):
     """State of one ``/ws`` connection: open batches, their prompts and event grouping.
 
     Call ``on_frame`` for each client frame (or ``receive`` for a decoded message) and
@@ -138,7 +138,7 @@ class BatchSession(driver.StepSession):
         self.scope = scope
         self._key_prefix = key_prefix
         self._num_keys = 0
-        self._prompts: dict[driver.Key, _Prompt] = {}  # keyed by PromptKey
+        self._prompts: dict[driver_session.Key, _Prompt] = {}  # keyed by PromptKey
 
     @property
     def num_open_prompts(self) -> int:
@@ -209,7 +209,7 @@ class BatchSession(driver.StepSession):
             actions.insert(1, Send(errors))
         return actions
 
-    def on_started(self, started: driver.Started) -> list[Action]:
+    def on_started(self, started: driver_session.Started) -> list[Action]:
         """The engine took the request of ``started.key``; remember its prompt ids for
         continuation (STARTED waits for the engine's first output)."""
         prompt = self._prompts.get(started.key)
@@ -217,11 +217,11 @@ class BatchSession(driver.StepSession):
             prompt.prompt_token_ids = list(started.prompt_token_ids)
         return []
 
-    def on_start_failed(self, key: driver.Key, exc: BaseException, now: float) -> list[Action]:
+    def on_start_failed(self, key: driver_session.Key, exc: BaseException, now: float) -> list[Action]:
         """The engine refused the request of ``key`` at submission: its ERROR."""
         return self.on_starts_failed([(key, exc)], now)
 
-    def on_starts_failed(self, failures: list[tuple[driver.Key, BaseException]], now: float) -> list[Action]:
+    def on_starts_failed(self, failures: list[tuple[driver_session.Key, BaseException]], now: float) -> list[Action]:
         """The engine refused these requests at submission: one ERROR array per batch."""
         grouped: dict[int, tuple[_Batch, list[ServerEvent]]] = {}
         for key, exc in failures:
@@ -238,11 +238,11 @@ class BatchSession(driver.StepSession):
         return [Send(events) for _, events in grouped.values()]
 
     # -- engine → client ---------------------------------------------------------------------
-    def on_output(self, key: driver.Key, output: RequestOutput, now: float) -> list[Action]:
+    def on_output(self, key: driver_session.Key, output: RequestOutput, now: float) -> list[Action]:
         """One request's output alone (a group of one)."""
         return self.on_outputs([(key, output)], now)
 
-    def on_outputs(self, outputs: list[tuple[driver.Key, RequestOutput]], now: float) -> list[Action]:
+    def on_outputs(self, outputs: list[tuple[driver_session.Key, RequestOutput]], now: float) -> list[Action]:
         """Turn one drain of engine outputs into event arrays (see the module docstring)."""
         per_batch: dict[int, tuple[_Batch, dict[str, list[tuple[int, ServerEvent]]]]] = {}
         for key, output in outputs:

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from rill.errors import InvalidRequest, RillError
-from rill.protocols._shared import b64pcm, driver
+from rill.protocols._shared import b64pcm
+from rill.protocols._shared import session as driver_session
 from rill.protocols._shared.actions import Close, Send
 from rill.protocols.chat_ws import codec
 from rill.protocols.chat_ws.messages import (
@@ -140,7 +141,7 @@ def refuse_modalities(kinds_and_places: list[tuple[str, str]], model_name: str, 
                                  f"(it takes: {', '.join(model_modalities)})", field="messages")
 
 
-class ChatSession(driver.Session):
+class ChatSession(driver_session.Session):
     """One chat's presentation state: accumulated text and audio, what was sent, its state.
 
     Args:
@@ -183,16 +184,16 @@ class ChatSession(driver.Session):
         return [Send(QueueDone())]
 
     # -- engine ------------------------------------------------------------------------
-    def on_started(self, started: driver.Started) -> list[Action]:
+    def on_started(self, started: driver_session.Started) -> list[Action]:
         """The engine accepted the request (its prompt tokens are ``input_tokens``)."""
         self.input_tokens = len(started.prompt_token_ids)
         return []
 
-    def on_start_failed(self, key: driver.Key, exc: BaseException, now: float) -> list[Action]:
+    def on_start_failed(self, key: driver_session.Key, exc: BaseException, now: float) -> list[Action]:
         """The engine refused the request: the error, then close."""
         return self.on_error(exc)
 
-    def on_output(self, key: driver.Key, output: RequestOutput, now: float) -> list[Action]:
+    def on_output(self, key: driver_session.Key, output: RequestOutput, now: float) -> list[Action]:
         """One engine delta → ``prefill_done`` (first time), chunks, speech segments, the end."""
         actions: list[Action] = []
         if output.finished and output.finish_reason in ("error", "cancelled"):

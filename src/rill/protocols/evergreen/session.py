@@ -39,7 +39,7 @@ from typing import Any
 
 from rill.errors import GenerationError, RillError
 from rill.protocols._shared.actions import Abort, Close, Rejected, Send
-from rill.protocols._shared.driver import Key, Session
+from rill.protocols._shared.session import Key, Session
 from rill.protocols.evergreen import codec
 from rill.protocols.evergreen.errors import InputMissing, RuleBroken, SessionLimit, UnknownTarget
 from rill.protocols.evergreen.messages import Action, GenerateConfig, SessionMessage

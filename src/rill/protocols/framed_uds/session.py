@@ -32,7 +32,7 @@ from typing import Any
 
 from rill.errors import GenerationError, InvalidRequest, RillError
 from rill.protocols._shared.actions import Abort, Close, Rejected, Send, Start
-from rill.protocols._shared.driver import Key, Session, Started
+from rill.protocols._shared.session import Key, Session, Started
 from rill.protocols.framed_uds import codec
 from rill.protocols.framed_uds.messages import (
     Cancel,

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rill.errors import InvalidRequest, RillError
-from rill.protocols._shared.driver import Key, Session, Started
+from rill.protocols._shared.session import Key, Session, Started
 from rill.protocols.generate_ws import codec
 from rill.protocols.generate_ws import messages as m
 from rill.protocols.generate_ws.actions import (
