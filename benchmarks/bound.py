@@ -88,8 +88,15 @@ def read_speed(repeat: int) -> tuple[float, float, float]:
     return max(sum_bps, copy_bps), sum_bps, copy_bps
 
 
-def bound(folder: Path, concurrency: int, prompt_tokens: int, max_tokens: int, repeat: int, read_bps: float,
-          dtype: str = "bfloat16") -> dict:
+def bound(
+    folder: Path,
+    concurrency: int,
+    prompt_tokens: int,
+    max_tokens: int,
+    repeat: int,
+    read_bps: float,
+    dtype: str = "bfloat16",
+) -> dict:
     """The wave's lower bound for the model in ``folder`` in ``dtype`` (see the module
     docstring), with memory read at ``read_bps`` bytes per second."""
     from rill.engine.runner import TorchModelRunner
@@ -109,16 +116,23 @@ def bound(folder: Path, concurrency: int, prompt_tokens: int, max_tokens: int, r
     gemm_s = prefill_s + decode_steps * decode_gemm_s
     wave_s = gemm_s + decode_steps * attention_floor_s
     return {
-        "model": folder.name, "dtype": loaded.config.dtype, "concurrency": concurrency, "prefill_gemm_s": prefill_s,
-        "decode_gemm_ms": decode_gemm_s * 1e3, "read_gb_s": read_bps / 1e9,
-        "kv_mb_per_step": kv_bytes_per_step / 1e6, "attention_floor_ms": attention_floor_s * 1e3,
+        "model": folder.name,
+        "dtype": loaded.config.dtype,
+        "concurrency": concurrency,
+        "prefill_gemm_s": prefill_s,
+        "decode_gemm_ms": decode_gemm_s * 1e3,
+        "read_gb_s": read_bps / 1e9,
+        "kv_mb_per_step": kv_bytes_per_step / 1e6,
+        "attention_floor_ms": attention_floor_s * 1e3,
         "gemm_ceiling_tok_s": concurrency * max_tokens / gemm_s,
-        "wave_s": wave_s, "ceiling_tok_s": concurrency * max_tokens / wave_s,
+        "wave_s": wave_s,
+        "ceiling_tok_s": concurrency * max_tokens / wave_s,
     }
 
 
-def peer_figures(path: Path | None, folder: Path, concurrency: int, prompt_tokens: int,
-                 max_tokens: int, dtype: str = "bfloat16") -> dict[str, float]:
+def peer_figures(
+    path: Path | None, folder: Path, concurrency: int, prompt_tokens: int, max_tokens: int, dtype: str = "bfloat16"
+) -> dict[str, float]:
     """Each system's median tokens/s over the rounds at ``concurrency`` for the model in
     ``folder``, from a ``peers.py`` JSON file (empty without one).
 
@@ -132,8 +146,10 @@ def peer_figures(path: Path | None, folder: Path, concurrency: int, prompt_token
     theirs = (run.get("prompt_tokens"), run.get("max_tokens"), bool(run.get("hog")), run.get("dtype", "bfloat16"))
     ours = (prompt_tokens, max_tokens, False, dtype)
     if theirs != ours:
-        raise SystemExit(f"{path} was measured with prompt_tokens, max_tokens, hog, dtype = {theirs}, not "
-                         f"{ours}: its figures are not of this bound's load")
+        raise SystemExit(
+            f"{path} was measured with prompt_tokens, max_tokens, hog, dtype = {theirs}, not "
+            f"{ours}: its figures are not of this bound's load"
+        )
     found: dict[str, float] = {}
     for entry in document["models"].values():
         if Path(entry["folder"]).resolve() != folder.resolve():
@@ -153,7 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeat", type=int, default=20)
-    parser.add_argument("--dtype", default="bfloat16", help="bfloat16 (peers.py's), float32, or auto (rill serve's choice)")
+    parser.add_argument(
+        "--dtype", default="bfloat16", help="bfloat16 (peers.py's), float32, or auto (rill serve's choice)"
+    )
     parser.add_argument("--peers-json", type=Path, default=None, help="peers.py's peers.json, for the peers' figures")
     args = parser.parse_args(argv)
     # Once for all models, before any is loaded: this machine's bandwidth varies with its neighbours.
@@ -161,21 +179,28 @@ def main(argv: list[str] | None = None) -> int:
 
     print("--dtype auto here: {}, because {}".format(*auto_dtype("cpu")))
     read_bps, sum_bps, copy_bps = read_speed(2 * args.repeat)
-    print(f"memory read speed {read_bps / 1e9:.1f} GB/s (read-only sum {sum_bps / 1e9:.1f}, "
-          f"copy read + write {copy_bps / 1e9:.1f})")
+    print(
+        f"memory read speed {read_bps / 1e9:.1f} GB/s (read-only sum {sum_bps / 1e9:.1f}, "
+        f"copy read + write {copy_bps / 1e9:.1f})"
+    )
     for name in args.models.split(","):
         folder = model_folder(name.strip())
         b = bound(folder, args.concurrency, args.prompt_tokens, args.max_tokens, args.repeat, read_bps, args.dtype)
-        print(f"{b['model']} ({b['dtype']}), c={b['concurrency']}, {args.prompt_tokens}-token prompts, "
-              f"{args.max_tokens} new tokens:")
+        print(
+            f"{b['model']} ({b['dtype']}), c={b['concurrency']}, {args.prompt_tokens}-token prompts, "
+            f"{args.max_tokens} new tokens:"
+        )
         print(f"  prefill GEMMs        {b['prefill_gemm_s']:.2f} s")
         print(f"  decode GEMMs         {b['decode_gemm_ms']:.1f} ms per step x {args.max_tokens - 1} steps")
         print(f"  GEMMs alone          at most {b['gemm_ceiling_tok_s']:.0f} tok/s")
-        print(f"  decode KV reads      {b['kv_mb_per_step']:.0f} MB per step at {b['read_gb_s']:.1f} GB/s: "
-              f">= {b['attention_floor_ms']:.1f} ms per step")
+        print(
+            f"  decode KV reads      {b['kv_mb_per_step']:.0f} MB per step at {b['read_gb_s']:.1f} GB/s: "
+            f">= {b['attention_floor_ms']:.1f} ms per step"
+        )
         print(f"  wave, all else free  >= {b['wave_s']:.2f} s: at most {b['ceiling_tok_s']:.0f} tok/s")
-        figures = peer_figures(args.peers_json, folder, args.concurrency, args.prompt_tokens, args.max_tokens,
-                               b["dtype"])
+        figures = peer_figures(
+            args.peers_json, folder, args.concurrency, args.prompt_tokens, args.max_tokens, b["dtype"]
+        )
         for system, tok_s in sorted(figures.items()):
             print(f"  {system:<14} measured {tok_s:7.1f} tok/s; the ceiling is {b['ceiling_tok_s'] / tok_s:.2f}x it")
     return 0

@@ -85,8 +85,22 @@ def llama_source(cache: Path = PEERS_DIR) -> Path:
     sdist = cache / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"
     if not sdist.exists():
         print(f"llama.cpp: downloading the llama-cpp-python=={LLAMA_CPP_PYTHON} source distribution ...", flush=True)
-        _run([sys.executable, "-m", "pip", "download", f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "--no-deps",
-              "--no-binary", ":all:", "-d", str(cache)], cache / "download.log", "pip download")
+        _run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                f"llama-cpp-python=={LLAMA_CPP_PYTHON}",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                "-d",
+                str(cache),
+            ],
+            cache / "download.log",
+            "pip download",
+        )
     with tarfile.open(sdist) as archive:
         archive.extractall(cache, filter="data")
     if not (source / "CMakeLists.txt").exists():
@@ -106,9 +120,23 @@ def ensure_llama_server(cache: Path = PEERS_DIR) -> Path:
     build = cache / "llama-build"
     log = cache / "build.log"
     print(f"llama.cpp: building llama-server (about 4 minutes on 2 cores; log: {log}) ...", flush=True)
-    _run(["cmake", "-S", str(source), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
-          "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_OPENSSL=OFF"],
-         log, "cmake configure")
+    _run(
+        [
+            "cmake",
+            "-S",
+            str(source),
+            "-B",
+            str(build),
+            "-DCMAKE_BUILD_TYPE=Release",
+            "-DLLAMA_CURL=OFF",
+            "-DLLAMA_BUILD_TESTS=OFF",
+            "-DLLAMA_BUILD_EXAMPLES=OFF",
+            "-DLLAMA_BUILD_SERVER=ON",
+            "-DLLAMA_OPENSSL=OFF",
+        ],
+        log,
+        "cmake configure",
+    )
     _run(["cmake", "--build", str(build), "--target", "llama-server", f"-j{os.cpu_count() or 2}"], log, "cmake build")
     if not binary.exists():
         raise PeerUnavailable(f"the build finished but {binary} is missing; see {log}")
@@ -152,8 +180,11 @@ def ensure_gguf(model_dir: Path, outtype: str, cache: Path = PEERS_DIR) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     print(f"llama.cpp: converting {model_dir} to GGUF ({outtype}) ...", flush=True)
     partial = out.with_suffix(".partial")
-    _run([sys.executable, "-c", _CONVERT, str(llama_source(cache)), str(model_dir), str(partial), outtype],
-         cache / "convert.log", "GGUF conversion")
+    _run(
+        [sys.executable, "-c", _CONVERT, str(llama_source(cache)), str(model_dir), str(partial), outtype],
+        cache / "convert.log",
+        "GGUF conversion",
+    )
     partial.rename(out)
     return out
 
@@ -171,7 +202,9 @@ def free_port() -> int:
 class Server:
     """A server subprocess on loopback, stopped (terminate, then kill) on exit."""
 
-    def __init__(self, name: str, cmd: list[str], port: int, log: Path, ready_path: str, env: dict | None = None) -> None:
+    def __init__(
+        self, name: str, cmd: list[str], port: int, log: Path, ready_path: str, env: dict | None = None
+    ) -> None:
         self.name, self.cmd, self.port, self.log, self.ready_path = name, cmd, port, log, ready_path
         self.env = env
         self.proc: subprocess.Popen | None = None
@@ -180,8 +213,9 @@ class Server:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with self.log.open("w") as out:
             # Its own process group, so pause/resume reach the workers a server spawns (vLLM's engine core).
-            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+            )
         return self
 
     def pause(self) -> None:
@@ -234,25 +268,77 @@ class Server:
 
 def rill_server(model_dir: Path, port: int, args: argparse.Namespace, log: Path, max_seqs: int) -> Server:
     """``rill serve`` with only HTTP listening (no Unix socket, no gRPC)."""
-    cmd = [sys.executable, "-m", "rill", "serve", "--model", str(model_dir), "--dtype", args.dtype, "--port", str(port),
-           "--host", "127.0.0.1", "--num-threads", str(args.threads), "--max-num-seqs", str(max_seqs),
-           "--max-queue", "4096", "--max-model-len", str(args.context), "--no-socket", "--grpc-port", "0",
-           "--log-level", "warning"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "rill",
+        "serve",
+        "--model",
+        str(model_dir),
+        "--dtype",
+        args.dtype,
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+        "--num-threads",
+        str(args.threads),
+        "--max-num-seqs",
+        str(max_seqs),
+        "--max-queue",
+        "4096",
+        "--max-model-len",
+        str(args.context),
+        "--no-socket",
+        "--grpc-port",
+        "0",
+        "--log-level",
+        "warning",
+    ]
     return Server("rill", cmd, port, log, "/health")
 
 
 def llama_server(binary: Path, gguf: Path, port: int, args: argparse.Namespace, log: Path, num_slots: int) -> Server:
     """``llama-server``: ``num_slots`` slots of ``--context`` tokens each, per-sequence KV."""
-    cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(num_slots),
-           "-c", str(num_slots * args.context), "--cont-batching", "--no-kv-unified", "-t", str(args.threads),
-           "-tb", str(args.threads), "-ngl", "0", "--no-webui"]
+    cmd = [
+        str(binary),
+        "-m",
+        str(gguf),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "-np",
+        str(num_slots),
+        "-c",
+        str(num_slots * args.context),
+        "--cont-batching",
+        "--no-kv-unified",
+        "-t",
+        str(args.threads),
+        "-tb",
+        str(args.threads),
+        "-ngl",
+        "0",
+        "--no-webui",
+    ]
     return Server("llama.cpp", cmd, port, log, "/health")
 
 
 def hf_server(model_dir: Path, port: int, args: argparse.Namespace, log: Path) -> Server:
     """The transformers floor (``benchmarks/hf_server.py``)."""
-    cmd = [sys.executable, str(HERE / "hf_server.py"), "--model", str(model_dir), "--port", str(port),
-           "--dtype", args.dtype, "--threads", str(args.threads)]
+    cmd = [
+        sys.executable,
+        str(HERE / "hf_server.py"),
+        "--model",
+        str(model_dir),
+        "--port",
+        str(port),
+        "--dtype",
+        args.dtype,
+        "--threads",
+        str(args.threads),
+    ]
     return Server("transformers", cmd, port, log, "/health")
 
 
@@ -290,7 +376,7 @@ def check_tokenizer(port: int, model_dir: Path) -> str | None:
     """Compare llama-server's tokenization with the checkpoint's; a message if they differ."""
     from tokenizers import Tokenizer
 
-    text = "Once upon a time, a little fox found 3 golden apples. \"Why?\" asked the owl — twice!"
+    text = 'Once upon a time, a little fox found 3 golden apples. "Why?" asked the owl — twice!'
     reference = Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(text, add_special_tokens=False).ids
     with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
         theirs = httpx.post(f"http://127.0.0.1:{port}/tokenize", json={"content": text}, timeout=10).json()["tokens"]
@@ -313,19 +399,33 @@ async def run_levels(engine: str, port: int, args: argparse.Namespace, levels: l
     results: dict[int, Summary] = {}
     for level in levels:
         # A seed per level: no prompt repeats between levels, so no prefix cache answers one.
-        requests = synthetic_prompts(num_requests_for(engine, level, args), args.prompt_len, args.max_tokens,
-                                     args.seed + level)
-        summary, _ = await measure("openai", target, options, requests, concurrency=level, num_warmup=1,
-                                   request_timeout_s=args.max_duration_s, max_duration_s=args.max_duration_s,
-                                   progress=sys.stderr.isatty())
+        requests = synthetic_prompts(
+            num_requests_for(engine, level, args), args.prompt_len, args.max_tokens, args.seed + level
+        )
+        summary, _ = await measure(
+            "openai",
+            target,
+            options,
+            requests,
+            concurrency=level,
+            num_warmup=1,
+            request_timeout_s=args.max_duration_s,
+            max_duration_s=args.max_duration_s,
+            progress=sys.stderr.isatty(),
+        )
         summary.extra = {"engine": engine, "num_requests": len(requests)}
         results[level] = summary
-        print(f"  {engine:<13} N={level:<3} {summary.output_tokens_per_s:9.1f} tok/s  TTFT p99 "
-              f"{summary.ttft.p99_ms:8.0f} ms  errors {summary.num_errors}", flush=True)
+        print(
+            f"  {engine:<13} N={level:<3} {summary.output_tokens_per_s:9.1f} tok/s  TTFT p99 "
+            f"{summary.ttft.p99_ms:8.0f} ms  errors {summary.num_errors}",
+            flush=True,
+        )
     return results
 
 
-def measure_engine(engine: str, args: argparse.Namespace, model_dir: Path, levels: list[int]) -> tuple[dict[int, Summary], dict]:
+def measure_engine(
+    engine: str, args: argparse.Namespace, model_dir: Path, levels: list[int]
+) -> tuple[dict[int, Summary], dict]:
     """Start one engine's server, run every level, stop it; returns figures and facts."""
     port = free_port()
     log = args.out / f"{engine}.log"
@@ -359,18 +459,24 @@ def _fmt(value: float | None, spec: str) -> str:
 
 def table(results: dict[str, dict[int, Summary]], levels: list[int]) -> str:
     """One table: a row per engine and concurrency, then the ratios rill / peer."""
-    lines = [(f"{'engine':<14}{'N':>4}{'tok/s':>10}{'req/s':>8}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}"
-              f"{'ITL p99':>9}{'errors':>8}{'reqs':>6}   (latencies in ms)")]
+    lines = [
+        (
+            f"{'engine':<14}{'N':>4}{'tok/s':>10}{'req/s':>8}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}"
+            f"{'ITL p99':>9}{'errors':>8}{'reqs':>6}   (latencies in ms)"
+        )
+    ]
     for level in levels:
         for engine in ENGINES:
             summary = results.get(engine, {}).get(level)
             if summary is None:
                 lines.append(f"{engine:<14}{level:>4}{'missing':>10}")
                 continue
-            lines.append(f"{engine:<14}{level:>4}{_fmt(summary.output_tokens_per_s, '.1f'):>10}"
-                         f"{_fmt(summary.requests_per_s, '.2f'):>8}{_fmt(summary.ttft.p50_ms, '.0f'):>10}"
-                         f"{_fmt(summary.ttft.p99_ms, '.0f'):>10}{_fmt(summary.itl.p50_ms, '.1f'):>9}"
-                         f"{_fmt(summary.itl.p99_ms, '.1f'):>9}{summary.num_errors:>8}{summary.num_requests:>6}")
+            lines.append(
+                f"{engine:<14}{level:>4}{_fmt(summary.output_tokens_per_s, '.1f'):>10}"
+                f"{_fmt(summary.requests_per_s, '.2f'):>8}{_fmt(summary.ttft.p50_ms, '.0f'):>10}"
+                f"{_fmt(summary.ttft.p99_ms, '.0f'):>10}{_fmt(summary.itl.p50_ms, '.1f'):>9}"
+                f"{_fmt(summary.itl.p99_ms, '.1f'):>9}{summary.num_errors:>8}{summary.num_requests:>6}"
+            )
     lines.append("")
     lines.append("ratios rill / peer: tokens/s (> 1: rill faster), TTFT p99 (< 1: rill sooner)")
     for level in levels:
@@ -387,7 +493,9 @@ def table(results: dict[str, dict[int, Summary]], levels: list[int]) -> str:
             parts.append(f"vs {peer}: tok/s {_fmt(tps, '.2f')}x, TTFT p99 {_fmt(ttft, '.2f')}x{capped}")
         lines.append(f"  N={level:<3} " + "   ".join(parts))
     if any("x*" in line for line in lines):
-        lines.append("  * the peer ran fewer requests than rill (--floor-requests): its TTFT under that load is understated")
+        lines.append(
+            "  * the peer ran fewer requests than rill (--floor-requests): its TTFT under that load is understated"
+        )
     return "\n".join(lines)
 
 
@@ -468,8 +576,11 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [p for p in peers if p not in ENGINES[1:]]
     if unknown:
         parser.error(f"unknown peer(s): {', '.join(unknown)}")
-    print(f"model {model_dir} ({args.dtype}), {args.threads} threads per engine, prompts of {args.prompt_len} words, "
-          f"{args.max_tokens} tokens each, concurrency {levels}", flush=True)
+    print(
+        f"model {model_dir} ({args.dtype}), {args.threads} threads per engine, prompts of {args.prompt_len} words, "
+        f"{args.max_tokens} tokens each, concurrency {levels}",
+        flush=True,
+    )
     results: dict[str, dict[int, Summary]] = {}
     facts: dict[str, Any] = {}
     skipped: dict[str, str] = {}
@@ -483,11 +594,24 @@ def main(argv: list[str] | None = None) -> int:
     for engine, reason in skipped.items():
         print(f"{engine}: skipped ({reason})")
     png = args.out / "compare.png"
-    if plot(results, levels, png, f"{model_dir.name}, {args.dtype}, {args.threads} threads, {args.max_tokens} tokens/request"):
+    if plot(
+        results,
+        levels,
+        png,
+        f"{model_dir.name}, {args.dtype}, {args.threads} threads, {args.max_tokens} tokens/request",
+    ):
         print(f"plot written to {png}")
-    document = {"model": str(model_dir), "dtype": args.dtype, "threads": args.threads, "levels": levels,
-                "prompt_len_words": args.prompt_len, "max_tokens": args.max_tokens, "facts": facts, "skipped": skipped,
-                "results": {e: {str(n): msgspec.to_builtins(s) for n, s in runs.items()} for e, runs in results.items()}}
+    document = {
+        "model": str(model_dir),
+        "dtype": args.dtype,
+        "threads": args.threads,
+        "levels": levels,
+        "prompt_len_words": args.prompt_len,
+        "max_tokens": args.max_tokens,
+        "facts": facts,
+        "skipped": skipped,
+        "results": {e: {str(n): msgspec.to_builtins(s) for n, s in runs.items()} for e, runs in results.items()},
+    }
     (args.out / "compare.json").write_text(json.dumps(document, indent=2) + "\n")
     print(f"figures written to {args.out / 'compare.json'}")
     return 0 if "rill" in results else 1

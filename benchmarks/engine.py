@@ -97,10 +97,16 @@ def make_prompts(engine: Engine, n: int, length: int, seed: int = 0) -> list[lis
 
 
 MIXED = [
-    dict(temperature=0.3 + 0.1 * (i % 10), top_k=(0, 20, 50)[i % 3], top_p=(1.0, 0.9, 0.8)[i % 3],
-         min_p=(0.0, 0.05)[i % 2], repetition_penalty=(1.0, 1.1)[(i // 2) % 2],
-         presence_penalty=(0.0, 0.3)[(i // 3) % 2], frequency_penalty=(0.0, 0.2)[(i // 4) % 2],
-         seed=(None, i)[i % 2])
+    dict(
+        temperature=0.3 + 0.1 * (i % 10),
+        top_k=(0, 20, 50)[i % 3],
+        top_p=(1.0, 0.9, 0.8)[i % 3],
+        min_p=(0.0, 0.05)[i % 2],
+        repetition_penalty=(1.0, 1.1)[(i // 2) % 2],
+        presence_penalty=(0.0, 0.3)[(i // 3) % 2],
+        frequency_penalty=(0.0, 0.2)[(i // 4) % 2],
+        seed=(None, i)[i % 2],
+    )
     for i in range(64)
 ]
 
@@ -115,8 +121,18 @@ def run_rill(engine: Engine, prompts: list[list[int]], new_tokens: int, mixed: b
     last: dict[str, float] = {}
     for i, ids in enumerate(prompts):
         params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, **(MIXED[i] if mixed else {"temperature": 0.0}))
-        core.apply(AddCommand(Request(request_id=f"b{i}", prompt_ids=ids, params=params, eos_token_ids=engine.eos_token_ids,
-                                      arrival_time=time.monotonic(), seq_no=0)))
+        core.apply(
+            AddCommand(
+                Request(
+                    request_id=f"b{i}",
+                    prompt_ids=ids,
+                    params=params,
+                    eos_token_ids=engine.eos_token_ids,
+                    arrival_time=time.monotonic(),
+                    seq_no=0,
+                )
+            )
+        )
     while core.has_work():
         outputs = core.step()
         now = time.perf_counter()
@@ -154,8 +170,14 @@ def run_hf_sequential(model, prompts: list[list[int]], new_tokens: int, concurre
             model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=1, do_sample=False, pad_token_id=pad_id)
             firsts.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                           do_sample=False, pad_token_id=pad_id)
+            model.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=pad_id,
+            )
             per_request.append(time.perf_counter() - t0)
     mean_request = statistics.mean(per_request)
     mean_first = statistics.mean(firsts)
@@ -177,7 +199,14 @@ def run_hf_padded(model, prompts: list[list[int]], new_tokens: int, pad_id: int)
         model.generate(x, attention_mask=mask, max_new_tokens=1, do_sample=False, pad_token_id=pad_id)
         first = time.perf_counter() - t0
         t0 = time.perf_counter()
-        model.generate(x, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad_id)
+        model.generate(
+            x,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=pad_id,
+        )
         fig.wall_s = time.perf_counter() - t0
     fig.num_tokens = new_tokens * len(prompts)
     fig.ttft_s = [first] * len(prompts)
@@ -198,8 +227,10 @@ def median_figure(runs: list[Figures]) -> Figures:
 def row(fig: Figures) -> str:
     """One table line."""
     ms = 1000.0
-    return (f"{fig.name:<32} {fig.concurrency:>4} {fig.tokens_per_s:>9.1f} {pct(fig.ttft_s, 50) * ms:>10.0f} "
-            f"{pct(fig.ttft_s, 99) * ms:>10.0f} {pct(fig.itl_s, 50) * ms:>9.1f} {pct(fig.itl_s, 99) * ms:>9.1f}  {fig.note}")
+    return (
+        f"{fig.name:<32} {fig.concurrency:>4} {fig.tokens_per_s:>9.1f} {pct(fig.ttft_s, 50) * ms:>10.0f} "
+        f"{pct(fig.ttft_s, 99) * ms:>10.0f} {pct(fig.itl_s, 50) * ms:>9.1f} {pct(fig.itl_s, 99) * ms:>9.1f}  {fig.note}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -209,19 +240,38 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", default="1,8,32,64")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--dtype", default="auto", help="auto, float32 or bfloat16 (the same for rill and transformers)")
+    parser.add_argument(
+        "--dtype", default="auto", help="auto, float32 or bfloat16 (the same for rill and transformers)"
+    )
     parser.add_argument("--skip-transformers", action="store_true")
-    parser.add_argument("--repeat", type=int, default=1,
-                        help="run each configuration this many times, interleaved, and report the median (machine noise)")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run each configuration this many times, interleaved, and report the median (machine noise)",
+    )
     args = parser.parse_args(argv)
     levels = [int(x) for x in args.concurrency.split(",")]
-    header = f"{'engine':<32} {'N':>4} {'tok/s':>9} {'TTFT p50':>10} {'TTFT p99':>10} {'ITL p50':>9} {'ITL p99':>9}  (ms)"
+    header = (
+        f"{'engine':<32} {'N':>4} {'tok/s':>9} {'TTFT p50':>10} {'TTFT p99':>10} {'ITL p50':>9} {'ITL p99':>9}  (ms)"
+    )
     for model_name in args.models.split(","):
         folder = model_folder(model_name)
-        engine = build_engine(EngineConfig(model=str(folder), dtype=args.dtype, kv_cache_memory="8GiB",
-                                     max_model_len=args.prompt_len + args.new_tokens + 8, max_num_seqs=max(levels)))
+        engine = build_engine(
+            EngineConfig(
+                model=str(folder),
+                dtype=args.dtype,
+                kv_cache_memory="8GiB",
+                max_model_len=args.prompt_len + args.new_tokens + 8,
+                max_num_seqs=max(levels),
+            )
+        )
         dtype = engine.model_info.dtype
-        params_m = sum(p.numel() for p in engine.runner.model.parameters()) / 1e6 if hasattr(engine.runner, "model") else float("nan")
+        params_m = (
+            sum(p.numel() for p in engine.runner.model.parameters()) / 1e6
+            if hasattr(engine.runner, "model")
+            else float("nan")
+        )
         print(f"\n## {model_name}: {folder} ({params_m:.1f}M parameters, {dtype}, {torch.get_num_threads()} threads)")
         hf = None if args.skip_transformers else load_hf(folder, dtype)
         pad_id = engine.tokenizer.pad_token_id or 0
@@ -236,7 +286,14 @@ def main(argv: list[str] | None = None) -> int:
                 prompts = make_prompts(engine, n, args.prompt_len, seed=n + 10000 * r)
                 figs = [run_rill(engine, prompts, args.new_tokens, mixed=False)]
                 if n == 32:
-                    figs.append(run_rill(engine, make_prompts(engine, n, args.prompt_len, seed=1000 + n + 10000 * r), args.new_tokens, mixed=True))
+                    figs.append(
+                        run_rill(
+                            engine,
+                            make_prompts(engine, n, args.prompt_len, seed=1000 + n + 10000 * r),
+                            args.new_tokens,
+                            mixed=True,
+                        )
+                    )
                 if hf is not None:
                     figs.append(run_hf_sequential(hf, prompts, args.new_tokens, n, pad_id))
                     figs.append(run_hf_padded(hf, prompts, args.new_tokens, pad_id))

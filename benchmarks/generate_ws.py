@@ -54,8 +54,15 @@ async def _one_socket(url: str, prompt: str, max_tokens: int, start: asyncio.Eve
     async with connect(url, max_size=None) as ws:
         await start.wait()
         sent_at = time.perf_counter()
-        await ws.send(json.dumps({"type": "config", "prompt": prompt, "parameters": {
-            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}}))
+        await ws.send(
+            json.dumps(
+                {
+                    "type": "config",
+                    "prompt": prompt,
+                    "parameters": {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
+                }
+            )
+        )
         ttft, gaps, num_tokens, last = float("nan"), [], 0, None
         while True:
             msg = json.loads(await ws.recv())
@@ -92,8 +99,13 @@ async def _engine_phase(client: Any, concurrency: int, prompt: str, max_tokens: 
 
     async def one() -> tuple[float, list[float], int]:
         sent_at = time.perf_counter()
-        stream = await client.generate(GenerateRequest(prompt=prompt, protocol="bench", sampling=SamplingParams(
-            max_tokens=max_tokens, temperature=0.0, ignore_eos=True)))
+        stream = await client.generate(
+            GenerateRequest(
+                prompt=prompt,
+                protocol="bench",
+                sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+            )
+        )
         ttft, gaps, num_tokens, last = float("nan"), [], 0, None
         async with stream:
             async for out in stream:
@@ -123,8 +135,11 @@ async def _start_server(client: Any) -> tuple[Any, asyncio.Task, str]:
     from rill.server import build_app, make_deps
 
     deps = make_deps(ServerConfig(), client)
-    server = uvicorn.Server(uvicorn.Config(build_app(deps), host="127.0.0.1", port=0, log_level="warning",
-                                           lifespan="off", ws_max_size=16 * 1024 * 1024))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            build_app(deps), host="127.0.0.1", port=0, log_level="warning", lifespan="off", ws_max_size=16 * 1024 * 1024
+        )
+    )
     server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
     task = asyncio.create_task(server.serve())
     while not server.started:
@@ -135,8 +150,18 @@ async def _start_server(client: Any) -> tuple[Any, asyncio.Task, str]:
 
 async def _protocol_phase(url: str, concurrency: int, prompt: str, max_tokens: int) -> dict[str, float]:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, __file__, "--load-only", url, "--concurrency", str(concurrency), "--max-tokens",
-        str(max_tokens), "--prompt", prompt, stdout=subprocess.PIPE)
+        sys.executable,
+        __file__,
+        "--load-only",
+        url,
+        "--concurrency",
+        str(concurrency),
+        "--max-tokens",
+        str(max_tokens),
+        "--prompt",
+        prompt,
+        stdout=subprocess.PIPE,
+    )
     out, _ = await proc.communicate()
     if proc.returncode != 0:
         raise SystemExit("the load generator failed")
@@ -146,9 +171,16 @@ async def _protocol_phase(url: str, concurrency: int, prompt: str, max_tokens: i
 def _print(engine: dict[str, float], proto: dict[str, float], concurrency: int, max_tokens: int) -> None:
     print(f"\n{concurrency} concurrent requests x {max_tokens} tokens (greedy, ignore_eos)\n")
     print(f"{'figure':<16}{'engine':>12}{'/generate':>12}{'ratio':>9}")
-    for key, label in (("tokens_per_s", "tokens/s"), ("ttft_mean_ms", "TTFT mean ms"), ("ttft_p50_ms", "TTFT p50 ms"),
-                       ("ttft_p99_ms", "TTFT p99 ms"), ("itl_mean_ms", "ITL mean ms"), ("itl_p50_ms", "ITL p50 ms"),
-                       ("itl_p99_ms", "ITL p99 ms"), ("server_cpu_ms_per_token", "CPU ms/token")):
+    for key, label in (
+        ("tokens_per_s", "tokens/s"),
+        ("ttft_mean_ms", "TTFT mean ms"),
+        ("ttft_p50_ms", "TTFT p50 ms"),
+        ("ttft_p99_ms", "TTFT p99 ms"),
+        ("itl_mean_ms", "ITL mean ms"),
+        ("itl_p50_ms", "ITL p50 ms"),
+        ("itl_p99_ms", "ITL p99 ms"),
+        ("server_cpu_ms_per_token", "CPU ms/token"),
+    ):
         ratio = proto[key] / engine[key] if engine[key] else float("nan")
         print(f"{label:<16}{engine[key]:>12.2f}{proto[key]:>12.2f}{ratio:>9.3f}")
     print("\nratio = /generate ÷ engine (tokens/s below 1, latencies above 1 are the protocol's overhead);")
@@ -188,8 +220,11 @@ async def _main(args: argparse.Namespace) -> None:
         for i in range(args.repeats):  # alternate, so drifting machine load hits both sides alike
             engine_runs.append(await _with_cpu(_engine_phase(client, args.concurrency, args.prompt, args.max_tokens)))
             proto_runs.append(await _with_cpu(_protocol_phase(url, args.concurrency, args.prompt, args.max_tokens)))
-            print(f"run {i + 1}/{args.repeats}: engine {engine_runs[-1]['tokens_per_s']:.1f} tokens/s, "
-                  f"/generate {proto_runs[-1]['tokens_per_s']:.1f} tokens/s", file=sys.stderr)
+            print(
+                f"run {i + 1}/{args.repeats}: engine {engine_runs[-1]['tokens_per_s']:.1f} tokens/s, "
+                f"/generate {proto_runs[-1]['tokens_per_s']:.1f} tokens/s",
+                file=sys.stderr,
+            )
     finally:
         server.should_exit = True
         await task

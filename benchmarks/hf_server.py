@@ -69,8 +69,11 @@ def build_app(model_dir: str, dtype: str) -> Any:
         ids = tokenizer(body["prompt"], return_tensors="pt").input_ids
         max_tokens = int(body.get("max_tokens") or 16)
         temperature = float(body.get("temperature", 1.0))
-        kwargs: dict[str, Any] = {"max_new_tokens": max_tokens, "do_sample": temperature > 0,
-                                  "pad_token_id": tokenizer.pad_token_id or tokenizer.eos_token_id or 0}
+        kwargs: dict[str, Any] = {
+            "max_new_tokens": max_tokens,
+            "do_sample": temperature > 0,
+            "pad_token_id": tokenizer.pad_token_id or tokenizer.eos_token_id or 0,
+        }
         if temperature > 0:
             kwargs["temperature"] = temperature
         if body.get("ignore_eos"):
@@ -98,8 +101,19 @@ def build_app(model_dir: str, dtype: str) -> Any:
                 await asyncio.to_thread(thread.join)
 
         def chunk(text: str, finish: str | None) -> str:
-            return "data: " + json.dumps({"id": completion_id, "object": "text_completion", "created": int(time.time()),
-                                          "model": name, "choices": [{"index": 0, "text": text, "finish_reason": finish}]}) + "\n\n"
+            return (
+                "data: "
+                + json.dumps(
+                    {
+                        "id": completion_id,
+                        "object": "text_completion",
+                        "created": int(time.time()),
+                        "model": name,
+                        "choices": [{"index": 0, "text": text, "finish_reason": finish}],
+                    }
+                )
+                + "\n\n"
+            )
 
         async def stream() -> AsyncIterator[str]:
             generated: list[int] = []
@@ -107,24 +121,54 @@ def build_app(model_dir: str, dtype: str) -> Any:
             async for token_id in tokens():
                 generated.append(token_id)
                 text = tokenizer.decode(generated, skip_special_tokens=True)
-                delta, shown = text[len(shown):], text
+                delta, shown = text[len(shown) :], text
                 yield chunk(delta, None)  # one chunk per token (empty while a character is incomplete)
             yield chunk("", "length" if len(generated) >= max_tokens else "stop")
             if include_usage:
-                yield "data: " + json.dumps({"id": completion_id, "object": "text_completion", "choices": [], "usage": {
-                    "prompt_tokens": ids.shape[1], "completion_tokens": len(generated),
-                    "total_tokens": ids.shape[1] + len(generated)}}) + "\n\n"
+                yield (
+                    "data: "
+                    + json.dumps(
+                        {
+                            "id": completion_id,
+                            "object": "text_completion",
+                            "choices": [],
+                            "usage": {
+                                "prompt_tokens": ids.shape[1],
+                                "completion_tokens": len(generated),
+                                "total_tokens": ids.shape[1] + len(generated),
+                            },
+                        }
+                    )
+                    + "\n\n"
+                )
             yield "data: [DONE]\n\n"
 
         if body.get("stream"):
             return StreamingResponse(stream(), media_type="text/event-stream")
         generated = [t async for t in tokens()]
-        return JSONResponse({"id": completion_id, "object": "text_completion", "model": name, "choices": [
-            {"index": 0, "text": tokenizer.decode(generated, skip_special_tokens=True), "finish_reason": "length"}],
-            "usage": {"prompt_tokens": ids.shape[1], "completion_tokens": len(generated)}})
+        return JSONResponse(
+            {
+                "id": completion_id,
+                "object": "text_completion",
+                "model": name,
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": tokenizer.decode(generated, skip_special_tokens=True),
+                        "finish_reason": "length",
+                    }
+                ],
+                "usage": {"prompt_tokens": ids.shape[1], "completion_tokens": len(generated)},
+            }
+        )
 
-    return Starlette(routes=[Route("/v1/models", models), Route("/health", health),
-                             Route("/v1/completions", completions, methods=["POST"])])
+    return Starlette(
+        routes=[
+            Route("/v1/models", models),
+            Route("/health", health),
+            Route("/v1/completions", completions, methods=["POST"]),
+        ]
+    )
 
 
 def main() -> None:

@@ -127,8 +127,12 @@ class HealthProbe:
 
 def generate_action(input_id: str = "p", output_id: str = "r") -> Action:
     config = codec.encode_config(GenerateConfig(temperature=0.0, max_tokens=4))
-    return Action(name="GENERATE", inputs=(NamedParameter(name="prompt", id=input_id),),
-                  outputs=(NamedParameter(name="response", id=output_id),), configs=(config,))
+    return Action(
+        name="GENERATE",
+        inputs=(NamedParameter(name="prompt", id=input_id),),
+        outputs=(NamedParameter(name="response", id=output_id),),
+        configs=(config,),
+    )
 
 
 async def evergreen(address: str, messages: list[SessionMessage]) -> str:
@@ -148,9 +152,12 @@ async def evergreen(address: str, messages: list[SessionMessage]) -> str:
 
 
 def ref_messages(uri: str, num_refs: int) -> list[SessionMessage]:
-    fragments = tuple(NodeFragment(id="p", seq=i, continued=i < num_refs - 1,
-                                   chunk_fragment=Chunk(metadata=TEXT if i == 0 else None, ref=uri))
-                      for i in range(num_refs))
+    fragments = tuple(
+        NodeFragment(
+            id="p", seq=i, continued=i < num_refs - 1, chunk_fragment=Chunk(metadata=TEXT if i == 0 else None, ref=uri)
+        )
+        for i in range(num_refs)
+    )
     return [SessionMessage(node_fragments=fragments, actions=(generate_action(),))]
 
 
@@ -158,19 +165,29 @@ def shared_node_messages(num_uses: int) -> list[SessionMessage]:
     leaf = NodeFragment(id="shared", chunk_fragment=Chunk(metadata=TEXT, data=b"word " * (MB // 5)))
     parent = NodeFragment(id="p", child_ids=("shared", *(f"u{i}" for i in range(num_uses - 1))))
     links = tuple(NodeFragment(id=f"u{i}", child_ids=("shared",)) for i in range(num_uses - 1))
-    return [SessionMessage(node_fragments=(leaf,)), SessionMessage(node_fragments=(parent, *links),
-                                                                   actions=(generate_action(),))]
+    return [
+        SessionMessage(node_fragments=(leaf,)),
+        SessionMessage(node_fragments=(parent, *links), actions=(generate_action(),)),
+    ]
 
 
 def empty_fragment_messages(num_fragments: int, per_message: int = 50_000) -> list[SessionMessage]:
-    return [SessionMessage(node_fragments=tuple(NodeFragment(id="n", seq=seq, continued=True)
-                                                for seq in range(start, min(start + per_message, num_fragments))))
-            for start in range(0, num_fragments, per_message)]
+    return [
+        SessionMessage(
+            node_fragments=tuple(
+                NodeFragment(id="n", seq=seq, continued=True)
+                for seq in range(start, min(start + per_message, num_fragments))
+            )
+        )
+        for start in range(0, num_fragments, per_message)
+    ]
 
 
 def long_id_messages(num_ids: int, id_bytes: int) -> list[SessionMessage]:
-    return [SessionMessage(node_fragments=(NodeFragment(id=f"{i:06d}" + "x" * (id_bytes - 6), continued=True),))
-            for i in range(num_ids)]
+    return [
+        SessionMessage(node_fragments=(NodeFragment(id=f"{i:06d}" + "x" * (id_bytes - 6), continued=True),))
+        for i in range(num_ids)
+    ]
 
 
 async def feedback_case(ws_url: str, prompt: str, text: str | None, num_messages: int = 100) -> str:
@@ -207,13 +224,21 @@ async def prompt_of(http: httpx.AsyncClient, base: str, num_tokens: int) -> str:
     return " ".join(sentences[:low])
 
 
-async def stream_beside(http: httpx.AsyncClient, base: str, model: str, neighbour: dict[str, Any]) -> tuple[float, int, str]:
+async def stream_beside(
+    http: httpx.AsyncClient, base: str, model: str, neighbour: dict[str, Any]
+) -> tuple[float, int, str]:
     """Stream 400 tokens; once 5 have come, send ``neighbour`` to ``/v1/completions``.
 
     Returns the stream's worst inter-token gap (ms) while the neighbour ran, the tokens it
     got meanwhile, and the neighbour's outcome."""
-    body = {"model": model, "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "temperature": 0,
-            "stream": True}
+    body = {
+        "model": model,
+        "prompt": "Once upon a time",
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
     times: list[float] = []
     window: list[float] = []
     task: asyncio.Task | None = None
@@ -249,11 +274,21 @@ async def scoring_case(base: str) -> str:
         prompt = await prompt_of(http, base, 3885)
         # Each request its own first words, so that none finds its prompt in the prefix cache.
         plain = lambda i: {"prompt": f"Request {i}. {prompt}", "max_tokens": 4, "temperature": 0}  # noqa: E731
-        scoring = lambda i: {"prompt": f"Request {i}. {prompt}", "max_tokens": 4, "echo": True,  # noqa: E731
-                             "logprobs": 20, "prompt_logprobs": 20, "n": 2, "best_of": 4, "temperature": 1.0}
+        scoring = lambda i: {  # noqa: E731
+            "prompt": f"Request {i}. {prompt}",
+            "max_tokens": 4,
+            "echo": True,
+            "logprobs": 20,
+            "prompt_logprobs": 20,
+            "n": 2,
+            "best_of": 4,
+            "temperature": 1.0,
+        }
         numbers = itertools.count()
-        warm = [(name, *await stream_beside(http, base, model, neighbour(next(numbers))))
-                for name, neighbour in (("plain", plain), ("scoring", scoring))]
+        warm = [
+            (name, *await stream_beside(http, base, model, neighbour(next(numbers))))
+            for name, neighbour in (("plain", plain), ("scoring", scoring))
+        ]
         rows = []
         for _ in range(3):  # interleaved: the machine's speed drifts
             for name, neighbour in (("plain", plain), ("scoring", scoring)):
@@ -261,8 +296,10 @@ async def scoring_case(base: str) -> str:
     worst = {name: max(r[1] for r in rows if r[0] == name) for name in ("plain", "scoring")}
     detail = "; ".join(f"{name} {gap:.0f} ms/{n} tok ({outcome})" for name, gap, n, outcome in rows)
     first = "; ".join(f"{name} {gap:.0f} ms" for name, gap, _, _ in warm)
-    return (f"worst gap scoring/plain = {worst['scoring'] / worst['plain']:.2f}x (goal <= 1.5x): {detail}; "
-            f"first of each on this server (new kernel shapes): {first}")
+    return (
+        f"worst gap scoring/plain = {worst['scoring'] / worst['plain']:.2f}x (goal <= 1.5x): {detail}; "
+        f"first of each on this server (new kernel shapes): {first}"
+    )
 
 
 def big_schema(index: int, num_bytes: int = 63_000) -> dict[str, Any]:
@@ -293,8 +330,17 @@ async def modify_schemas_case(ws_url: str, probe: HealthProbe, num_schemas: int 
             await ws.send(json.dumps(config))
             while json.loads(await ws.recv())["type"] != "init":
                 pass
-        await ws.send(json.dumps({"type": "control", "action": "modify", "parameters": {
-            "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}}))
+        await ws.send(
+            json.dumps(
+                {
+                    "type": "control",
+                    "action": "modify",
+                    "parameters": {
+                        "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+                    },
+                }
+            )
+        )
         while True:
             msg = json.loads(await asyncio.wait_for(ws.recv(), 60))
             if msg["type"] == "status" and msg.get("operation") == "modified":
@@ -326,12 +372,20 @@ async def evergreen_budget_case(address: str, num_sessions: int = 6, session_byt
             try:
                 with contextlib.suppress(asyncio.InvalidStateError):
                     for k in range(session_bytes // MB):
-                        await sessions[index].send(SessionMessage(node_fragments=(
-                            NodeFragment(id=f"n{k}", chunk_fragment=Chunk(metadata=TEXT, data=piece)),)))
+                        await sessions[index].send(
+                            SessionMessage(
+                                node_fragments=(
+                                    NodeFragment(id=f"n{k}", chunk_fragment=Chunk(metadata=TEXT, data=piece)),
+                                )
+                            )
+                        )
                 # Its own action makes the server answer, so an early refusal is read here.
-                await sessions[index].send(SessionMessage(
-                    node_fragments=(NodeFragment(id="q", chunk_fragment=Chunk(metadata=TEXT, data=b"Hello")),),
-                    actions=(generate_action("q", "out"),)))
+                await sessions[index].send(
+                    SessionMessage(
+                        node_fragments=(NodeFragment(id="q", chunk_fragment=Chunk(metadata=TEXT, data=b"Hello")),),
+                        actions=(generate_action("q", "out"),),
+                    )
+                )
                 message = await sessions[index].receive()
                 if message is None:
                     outcomes[index] = "ended"
@@ -352,8 +406,15 @@ async def slow_readers_case(ws_url: str, num_clients: int = 20, hold_s: float = 
     sockets = []
     for _ in range(num_clients):
         ws = await connect(ws_url, max_size=None, max_queue=1)
-        await ws.send(json.dumps({"type": "config", "prompt": "Once upon a time " * 50,
-                                  "parameters": {"max_tokens": 100000, "ignore_eos": True}}))
+        await ws.send(
+            json.dumps(
+                {
+                    "type": "config",
+                    "prompt": "Once upon a time " * 50,
+                    "parameters": {"max_tokens": 100000, "ignore_eos": True},
+                }
+            )
+        )
         sockets.append(ws)
     await asyncio.sleep(hold_s)  # what piles up while nobody reads is the point of the case
     for ws in sockets:
@@ -409,8 +470,11 @@ async def forwarded_case(base: str) -> str:
     async with httpx.AsyncClient(timeout=120) as http:
         model = await served_model(http, base)
         for i in range(10):
-            reply = await http.post(f"{base}/v1/completions", headers={"X-Forwarded-For": f"10.0.0.{i + 1}"},
-                                    json={"model": model, "prompt": "Hi", "max_tokens": 1})
+            reply = await http.post(
+                f"{base}/v1/completions",
+                headers={"X-Forwarded-For": f"10.0.0.{i + 1}"},
+                json={"model": model, "prompt": "Hi", "max_tokens": 1},
+            )
             statuses.append(reply.status_code)
     return f"statuses {statuses} (admitted {statuses.count(200)} of 10; 3 expected)"
 
@@ -453,15 +517,22 @@ async def kv_cached_mib(metrics_url: str) -> float:
     """KV memory the server keeps for prefix reuse (``rill_kv_cache_cached_bytes``), in MiB."""
     async with httpx.AsyncClient(timeout=30) as http:
         text = (await http.get(metrics_url)).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("rill_kv_cache_cached_bytes")) / 2**20
+    return (
+        sum(
+            float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("rill_kv_cache_cached_bytes")
+        )
+        / 2**20
+    )
 
 
-async def run_cases(cases: list[tuple[str, Callable[[], Awaitable[str]]]], pid: int, data_dir: Path,
-                    probe: HealthProbe) -> None:
+async def run_cases(
+    cases: list[tuple[str, Callable[[], Awaitable[str]]]], pid: int, data_dir: Path, probe: HealthProbe
+) -> None:
     metrics_url = probe.url.replace("/health", "/metrics")
-    print(f"{'case':<52} {'rss before':>10} {'after':>8} {'peak':>8} {'after/before':>12} {'kv cached':>9} "
-          f"{'disk +':>8} {'/health':>9}  outcome")
+    print(
+        f"{'case':<52} {'rss before':>10} {'after':>8} {'peak':>8} {'after/before':>12} {'kv cached':>9} "
+        f"{'disk +':>8} {'/health':>9}  outcome"
+    )
     for name, case in cases:
         with contextlib.suppress(OSError):
             Path(f"/proc/{pid}/clear_refs").write_text("5")  # reset VmHWM to the current RSS
@@ -475,9 +546,11 @@ async def run_cases(cases: list[tuple[str, Callable[[], Awaitable[str]]]], pid: 
         after, peak = await settled_rss(pid, before), proc_status(pid, "VmHWM")
         disk = folder_bytes(data_dir) - disk_before
         cached = await kv_cached_mib(metrics_url)
-        print(f"{name:<52} {before / 2**20:>8.0f}Mi {after / 2**20:>6.0f}Mi {peak / 2**20:>6.0f}Mi "
-              f"{after / before:>11.2f}x {cached:>7.0f}Mi {disk / 2**20:>6.2f}Mi {worst:>7.0f}ms  {outcome}",
-              flush=True)
+        print(
+            f"{name:<52} {before / 2**20:>8.0f}Mi {after / 2**20:>6.0f}Mi {peak / 2**20:>6.0f}Mi "
+            f"{after / before:>11.2f}x {cached:>7.0f}Mi {disk / 2**20:>6.2f}Mi {worst:>7.0f}ms  {outcome}",
+            flush=True,
+        )
 
 
 async def run(args: argparse.Namespace, server: Server, root: Path, data_dir: Path) -> None:
@@ -487,6 +560,7 @@ async def run(args: argparse.Namespace, server: Server, root: Path, data_dir: Pa
     probe.start()
     await asyncio.sleep(0.5)
     uri = f"file://{root}/big.txt"
+
     async def idle() -> str:
         await asyncio.sleep(3)
         return "no request: the machine's own noise"
@@ -499,10 +573,14 @@ async def run(args: argparse.Namespace, server: Server, root: Path, data_dir: Pa
         ("evergreen: 1 MB shared node x 21 uses", lambda: evergreen(address, shared_node_messages(21))),
         ("evergreen: 1,000,000 empty fragments", lambda: evergreen(address, empty_fragment_messages(1_000_000))),
         ("evergreen: 500 node ids of 390 KB", lambda: evergreen(address, long_id_messages(500, 390_000))),
-        ("/generate: 3.9 MB prompt + 100 feedback",
-         lambda: feedback_case(f"ws://127.0.0.1:{server.port}/generate", "x" * 3_900_000, None)),
-        ("/generate: short prompt + 100 feedback of 64 Ki chars",
-         lambda: feedback_case(f"ws://127.0.0.1:{server.port}/generate", "Once upon a time", "é" * 65536)),
+        (
+            "/generate: 3.9 MB prompt + 100 feedback",
+            lambda: feedback_case(f"ws://127.0.0.1:{server.port}/generate", "x" * 3_900_000, None),
+        ),
+        (
+            "/generate: short prompt + 100 feedback of 64 Ki chars",
+            lambda: feedback_case(f"ws://127.0.0.1:{server.port}/generate", "Once upon a time", "é" * 65536),
+        ),
     ]
     await run_cases(cases, pid, data_dir, probe)
     await probe.stop()
@@ -510,11 +588,19 @@ async def run(args: argparse.Namespace, server: Server, root: Path, data_dir: Pa
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="tiny", help="tiny, demo or a model folder (the scoring case needs a "
-                                                        "context of 4,096 tokens: give a real model, e.g. SmolLM2)")
+    parser.add_argument(
+        "--model",
+        default="tiny",
+        help="tiny, demo or a model folder (the scoring case needs a "
+        "context of 4,096 tokens: give a real model, e.g. SmolLM2)",
+    )
     parser.add_argument("--issue", choices=("12", "31", "all"), default="all", help="which audit's cases to run")
-    parser.add_argument("--only", action="append", default=[], help="run only issue 31's cases of this item "
-                                                                     "number (repeatable, e.g. --only 1 --only 7)")
+    parser.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        help="run only issue 31's cases of this item number (repeatable, e.g. --only 1 --only 7)",
+    )
     parser.add_argument("--server-arg", action="append", default=[], help="extra rill serve flag (repeatable)")
     args = parser.parse_args(argv)
     model_dir = resolve_model(args.model)
@@ -524,10 +610,29 @@ def main(argv: list[str] | None = None) -> int:
         (root / "big.txt").write_bytes(b"word " * (MB // 5))
 
         def command(port: int, *extra: str) -> list[str]:
-            return [sys.executable, "-m", "rill", "serve", "--model", str(model_dir), "--port", str(port),
-                    "--grpc-port", str(args.grpc_port), "--no-socket", "--num-threads", "1", "--log-level",
-                    "warning", "--evergreen-file-root", str(root), "--data-dir", str(data_dir), *extra,
-                    *args.server_arg]
+            return [
+                sys.executable,
+                "-m",
+                "rill",
+                "serve",
+                "--model",
+                str(model_dir),
+                "--port",
+                str(port),
+                "--grpc-port",
+                str(args.grpc_port),
+                "--no-socket",
+                "--num-threads",
+                "1",
+                "--log-level",
+                "warning",
+                "--evergreen-file-root",
+                str(root),
+                "--data-dir",
+                str(data_dir),
+                *extra,
+                *args.server_arg,
+            ]
 
         port, args.grpc_port = free_port(), free_port()
         with Server("rill", command(port), port, Path(tmp) / "server.log", "/health") as server:
@@ -541,11 +646,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.issue in ("31", "all") and (not args.only or "7" in args.only):
             # Its own server: a request-count limit would refuse the other cases' requests.
             port, args.grpc_port = free_port(), free_port()
-            with Server("rill", command(port, "--rate-limit-requests", "3"), port, Path(tmp) / "server2.log",
-                        "/health") as server:
+            with Server(
+                "rill", command(port, "--rate-limit-requests", "3"), port, Path(tmp) / "server2.log", "/health"
+            ) as server:
                 server.wait_ready(300)
-                print(f"{'7 spoofed X-Forwarded-For, --rate-limit-requests 3':<52} "
-                      f"{asyncio.run(forwarded_case(f'http://127.0.0.1:{port}'))}", flush=True)
+                print(
+                    f"{'7 spoofed X-Forwarded-For, --rate-limit-requests 3':<52} "
+                    f"{asyncio.run(forwarded_case(f'http://127.0.0.1:{port}'))}",
+                    flush=True,
+                )
     return 0
 
 

@@ -28,9 +28,28 @@ from collections import defaultdict
 from pathlib import Path
 
 RANKS = {
-    "errors": 0, "types": 1, "cache": 1, "models": 2, "demo": 2, "config": 3, "engine": 4, "frontend": 5,
-    "auth": 6, "connections": 6, "feedback": 6, "recordings": 6, "testing": 6, "deps": 7, "middleware": 8,
-    "observability": 8, "protocols": 9, "playground": 10, "clients": 10, "server": 11, "bench": 11, "cli": 12,
+    "errors": 0,
+    "types": 1,
+    "cache": 1,
+    "models": 2,
+    "demo": 2,
+    "config": 3,
+    "engine": 4,
+    "frontend": 5,
+    "auth": 6,
+    "connections": 6,
+    "feedback": 6,
+    "recordings": 6,
+    "testing": 6,
+    "deps": 7,
+    "middleware": 8,
+    "observability": 8,
+    "protocols": 9,
+    "playground": 10,
+    "clients": 10,
+    "server": 11,
+    "bench": 11,
+    "cli": 12,
     "__main__": 13,
 }
 """Each top-level part of ``rill`` and its layer (the table of ``docs/ARCHITECTURE.md``, written here
@@ -166,9 +185,16 @@ def main() -> None:
                 if length > 50:
                     long_functions.append((length, f"{rel}:{node.lineno} {node.name}"))
                 if "protocols" in rel.parts:
-                    tests = [n for n in ast.walk(node) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
-                             and n.func.id == "isinstance" and n.args and isinstance(n.args[0], ast.Name)
-                             and n.args[0].id in ("action", "command")]
+                    tests = [
+                        n
+                        for n in ast.walk(node)
+                        if isinstance(n, ast.Call)
+                        and isinstance(n.func, ast.Name)
+                        and n.func.id == "isinstance"
+                        and n.args
+                        and isinstance(n.args[0], ast.Name)
+                        and n.args[0].id in ("action", "command")
+                    ]
                     if len(tests) >= 2:
                         chains.append(f"{rel}:{node.lineno} {node.name}")
             if isinstance(node, ast.AsyncFor) and "protocols" in rel.parts:

@@ -48,11 +48,15 @@ def opening(kind: str, port: int) -> bytes:
     if kind == "request line":
         return f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\n".encode()
     if kind == "unfinished body":
-        return (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-                "Content-Length: 1000\r\n\r\n{").encode()
+        return (
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            "Content-Length: 1000\r\n\r\n{"
+        ).encode()
     key = base64.b64encode(os.urandom(16)).decode()
-    return (f"GET /ws/chat HTTP/1.1\r\nHost: {host}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-            f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n").encode()
+    return (
+        f"GET /ws/chat HTTP/1.1\r\nHost: {host}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+        f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n"
+    ).encode()
 
 
 def websocket_frames(data: bytes) -> tuple[int | None, list[bytes]]:
@@ -63,12 +67,12 @@ def websocket_frames(data: bytes) -> tuple[int | None, list[bytes]]:
         opcode, length = data[at] & 0x0F, data[at + 1] & 0x7F
         at += 2
         if length == 126:
-            length, at = int.from_bytes(data[at:at + 2], "big"), at + 2
+            length, at = int.from_bytes(data[at : at + 2], "big"), at + 2
         elif length == 127:
-            length, at = int.from_bytes(data[at:at + 8], "big"), at + 8
+            length, at = int.from_bytes(data[at : at + 8], "big"), at + 8
         if at + length > len(data):
             break
-        payload, at = data[at:at + length], at + length
+        payload, at = data[at : at + length], at + length
         if opcode == 0x8:
             return (int.from_bytes(payload[:2], "big") if len(payload) >= 2 else 1005), pings
         if opcode == 0x9:
@@ -127,8 +131,24 @@ async def main(args: argparse.Namespace, serve_flags: list[str]) -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 65536, hard))
     model = resolve_model(args.model)
     port = free_port()
-    cmd = [sys.executable, "-m", "rill", "serve", "--model", str(model), "--port", str(port), "--no-socket",
-           "--grpc-port", "0", "--num-threads", "1", "--log-level", "warning", *serve_flags]
+    cmd = [
+        sys.executable,
+        "-m",
+        "rill",
+        "serve",
+        "--model",
+        str(model),
+        "--port",
+        str(port),
+        "--no-socket",
+        "--grpc-port",
+        "0",
+        "--num-threads",
+        "1",
+        "--log-level",
+        "warning",
+        *serve_flags,
+    ]
     with tempfile.TemporaryDirectory() as folder:
         server = Server("rill", cmd + ["--data-dir", folder], port, Path(folder) / "server.log", "/health")
         with server:
@@ -137,8 +157,10 @@ async def main(args: argparse.Namespace, serve_flags: list[str]) -> None:
             pid = server.proc.pid
             before = open_fds(pid)
             results: list = []
-            tasks = [asyncio.create_task(hold(KINDS[i % len(KINDS)], port, args.source, args.wait, results))
-                     for i in range(args.connections)]
+            tasks = [
+                asyncio.create_task(hold(KINDS[i % len(KINDS)], port, args.source, args.wait, results))
+                for i in range(args.connections)
+            ]
             await asyncio.sleep(1.0)  # let every connection be accepted or refused
             held = open_fds(pid)
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60) as http:
@@ -153,22 +175,28 @@ async def main(args: argparse.Namespace, serve_flags: list[str]) -> None:
                 after = open_fds(pid)
             settled_s = time.monotonic() - closed_at
             gauges = httpx.get(f"http://127.0.0.1:{port}/metrics").text
-            still_open = next((line for line in gauges.splitlines() if line.startswith("rill_connections_open{")),
-                              "rill_connections_open (no gauge)")
-    print(f"server fds: {before} before, {held} with {args.connections} idle connections, {after} "
-          f"{settled_s:.1f} s after the last was closed; {still_open}")
+            still_open = next(
+                (line for line in gauges.splitlines() if line.startswith("rill_connections_open{")),
+                "rill_connections_open (no gauge)",
+            )
+    print(
+        f"server fds: {before} before, {held} with {args.connections} idle connections, {after} "
+        f"{settled_s:.1f} s after the last was closed; {still_open}"
+    )
     print(f"normal client meanwhile: HTTP {reply.status_code} in {normal_ms:.0f} ms")
     by_outcome: dict[tuple[str, str], list[float]] = {}
     for kind, outcome, seconds in results:
         by_outcome.setdefault((kind, outcome), []).append(seconds)
     for (kind, outcome), times in sorted(by_outcome.items()):
-        print(f"  {kind:16} {outcome:26} {len(times):5}  closed after {min(times):6.2f} / "
-              f"{statistics.median(times):6.2f} / {max(times):6.2f} s (first / median / last)")
+        print(
+            f"  {kind:16} {outcome:26} {len(times):5}  closed after {min(times):6.2f} / "
+            f"{statistics.median(times):6.2f} / {max(times):6.2f} s (first / median / last)"
+        )
 
 
 if __name__ == "__main__":
     argv = sys.argv[1:]
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--connections", type=int, default=3000)
     parser.add_argument("--model", default="tiny")

@@ -61,8 +61,18 @@ def measure(engine: Engine, num_streams: int, long_len: int, is_adaptive: bool) 
         return [t for t in torch.randint(0, vocab, (2 * n,), generator=gen).tolist() if t not in special][:n]
 
     def add(rid: str, prompt: list[int], max_tokens: int) -> None:
-        core.apply(AddCommand(Request(request_id=rid, prompt_ids=prompt, params=SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
-                                      eos_token_ids=engine.eos_token_ids, arrival_time=time.monotonic(), seq_no=0)))
+        core.apply(
+            AddCommand(
+                Request(
+                    request_id=rid,
+                    prompt_ids=prompt,
+                    params=SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+                    eos_token_ids=engine.eos_token_ids,
+                    arrival_time=time.monotonic(),
+                    seq_no=0,
+                )
+            )
+        )
 
     streams = [f"s{i}" for i in range(num_streams)]
     for rid in streams:
@@ -100,9 +110,15 @@ def measure(engine: Engine, num_streams: int, long_len: int, is_adaptive: bool) 
         core.step()
     if not is_adaptive:
         del core._update_costs
-    return {"before_p50": pct(before, 50), "before_p90": pct(before, 90), "before_max": max(before),
-            "during_p50": pct(during, 50), "during_p90": pct(during, 90), "during_max": max(during),
-            "long_ttft": long_ttft or float("nan")}
+    return {
+        "before_p50": pct(before, 50),
+        "before_p90": pct(before, 90),
+        "before_max": max(before),
+        "during_p50": pct(during, 50),
+        "during_p90": pct(during, 90),
+        "during_max": max(during),
+        "long_ttft": long_ttft or float("nan"),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,16 +129,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="auto")
     args = parser.parse_args(argv)
     folder = long_context_model()
-    engine = build_engine(EngineConfig(model=str(folder), dtype=args.dtype, kv_cache_memory="4GiB", max_model_len=args.long + 256,
-                                 max_num_seqs=args.streams + 2, max_num_batched_tokens=2048))
-    print(f"model {folder} ({engine.model_info.dtype}), {args.streams} streams decoding, a {args.long}-token prompt arrives")
-    print(f"{'policy':<34} {'ITL before p50/p90/max (ms)':>30} {'ITL during p50/p90/max (ms)':>30} {'p90 ratio':>9} {'long TTFT s':>11}")
+    engine = build_engine(
+        EngineConfig(
+            model=str(folder),
+            dtype=args.dtype,
+            kv_cache_memory="4GiB",
+            max_model_len=args.long + 256,
+            max_num_seqs=args.streams + 2,
+            max_num_batched_tokens=2048,
+        )
+    )
+    print(
+        f"model {folder} ({engine.model_info.dtype}), {args.streams} streams decoding, a {args.long}-token prompt arrives"
+    )
+    print(
+        f"{'policy':<34} {'ITL before p50/p90/max (ms)':>30} {'ITL during p50/p90/max (ms)':>30} {'p90 ratio':>9} {'long TTFT s':>11}"
+    )
     for name, adaptive in (("rill adaptive chunk cap", True), ("plain 2048-token step budget", False)):
         fig = measure(engine, args.streams, args.long, adaptive)
         ms = 1000
-        print(f"{name:<34} {fig['before_p50'] * ms:>10.1f}/{fig['before_p90'] * ms:.1f}/{fig['before_max'] * ms:.1f}"
-              f"{fig['during_p50'] * ms:>16.1f}/{fig['during_p90'] * ms:.1f}/{fig['during_max'] * ms:.1f}"
-              f"{fig['during_p90'] / fig['before_p90']:>10.2f} {fig['long_ttft']:>11.2f}", flush=True)
+        print(
+            f"{name:<34} {fig['before_p50'] * ms:>10.1f}/{fig['before_p90'] * ms:.1f}/{fig['before_max'] * ms:.1f}"
+            f"{fig['during_p50'] * ms:>16.1f}/{fig['during_p90'] * ms:.1f}/{fig['during_max'] * ms:.1f}"
+            f"{fig['during_p90'] / fig['before_p90']:>10.2f} {fig['long_ttft']:>11.2f}",
+            flush=True,
+        )
     return 0
 
 

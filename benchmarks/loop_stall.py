@@ -66,7 +66,10 @@ async def scenario(base: str, path: str, body: dict[str, Any], period_s: float) 
     """Send ``body`` to ``path`` while probing /health; the stall figures and the outcome."""
     latencies: list[float] = []
     stop = asyncio.Event()
-    async with httpx.AsyncClient(base_url=base, timeout=600) as prober, httpx.AsyncClient(base_url=base, timeout=600) as sender:
+    async with (
+        httpx.AsyncClient(base_url=base, timeout=600) as prober,
+        httpx.AsyncClient(base_url=base, timeout=600) as sender,
+    ):
         await prober.get("/health")  # connect first: the handshake is not a stall
         task = asyncio.create_task(probe(prober, period_s, stop, latencies))
         await asyncio.sleep(20 * period_s)  # a baseline of quiet pings
@@ -94,16 +97,24 @@ async def run(base: str, args: argparse.Namespace) -> None:
     text = big_text(int(args.prompt_mb * 1_000_000))
     scenarios = {
         f"completions, {args.prompt_mb:g} MB prompt": ("/v1/completions", {"prompt": text, "max_tokens": 1}),
-        f"chat, {args.prompt_mb:g} MB message": ("/v1/chat/completions",
-                                                 {"messages": [{"role": "user", "content": text}], "max_tokens": 1}),
-        f"completions, {args.list_size} prompts": ("/v1/completions",
-                                                   {"prompt": [f"p{i} fox" for i in range(args.list_size)], "max_tokens": 1}),
+        f"chat, {args.prompt_mb:g} MB message": (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": text}], "max_tokens": 1},
+        ),
+        f"completions, {args.list_size} prompts": (
+            "/v1/completions",
+            {"prompt": [f"p{i} fox" for i in range(args.list_size)], "max_tokens": 1},
+        ),
     }
-    print(f"{'scenario':36} {'status':>6} {'request ms':>10} {'pings':>6} {'max ms':>8} {'p99 ms':>8} {'p50 ms':>7} {'quiet max':>9}")
+    print(
+        f"{'scenario':36} {'status':>6} {'request ms':>10} {'pings':>6} {'max ms':>8} {'p99 ms':>8} {'p50 ms':>7} {'quiet max':>9}"
+    )
     for name, (path, body) in scenarios.items():
         r = await scenario(base, path, body, args.period_ms / 1000)
-        print(f"{name:36} {r['status']:>6} {r['request_ms']:>10.0f} {r['pings']:>6} {r['max_ms']:>8.1f} "
-              f"{r['p99_ms']:>8.1f} {r['p50_ms']:>7.1f} {r['quiet_max_ms']:>9.1f}   {r['answer']}")
+        print(
+            f"{name:36} {r['status']:>6} {r['request_ms']:>10.0f} {r['pings']:>6} {r['max_ms']:>8.1f} "
+            f"{r['p99_ms']:>8.1f} {r['p50_ms']:>7.1f} {r['quiet_max_ms']:>9.1f}   {r['answer']}"
+        )
 
 
 async def fast_path_figures(model_dir: Path, repeats: int = 2000) -> None:
@@ -155,9 +166,28 @@ def main(argv: list[str] | None = None) -> None:
         asyncio.run(fast_path_figures(model_dir))
         return
     port = free_port()
-    cmd = [sys.executable, "-m", "rill", "serve", "--model", str(model_dir), "--port", str(port), "--host", "127.0.0.1",
-           "--num-threads", "1", "--no-socket", "--grpc-port", "0", "--log-level", "warning",
-           "--max-body-bytes", str(64 * 1024 * 1024), *args.serve_arg]
+    cmd = [
+        sys.executable,
+        "-m",
+        "rill",
+        "serve",
+        "--model",
+        str(model_dir),
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+        "--num-threads",
+        "1",
+        "--no-socket",
+        "--grpc-port",
+        "0",
+        "--log-level",
+        "warning",
+        "--max-body-bytes",
+        str(64 * 1024 * 1024),
+        *args.serve_arg,
+    ]
     with Server("rill", cmd, port, args.log, "/health") as server:
         server.wait_ready(300)
         asyncio.run(run(f"http://127.0.0.1:{port}", args))

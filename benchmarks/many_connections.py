@@ -59,19 +59,33 @@ def rss_bytes(pid: int) -> tuple[int | None, int | None]:
     return now, peak
 
 
-async def run_mixed(protocols: list[str], target: Target, args: argparse.Namespace) -> tuple[dict[str, Summary], list[RequestRecord], float]:
+async def run_mixed(
+    protocols: list[str], target: Target, args: argparse.Namespace
+) -> tuple[dict[str, Summary], list[RequestRecord], float]:
     """Warm each protocol up, then start every connection at once; per-protocol summaries and all records."""
     options = Options(temperature=0.0, ignore_eos=True)
     for name in protocols:  # one unmeasured request each (connects, compiles nothing twice)
         await measure(name, target, options, synthetic_prompts(1, 8, 4, seed=99), concurrency=1, num_warmup=0)
-    shares = {name: args.connections // len(protocols) + (1 if i < args.connections % len(protocols) else 0)
-              for i, name in enumerate(protocols)}
+    shares = {
+        name: args.connections // len(protocols) + (1 if i < args.connections % len(protocols) else 0)
+        for i, name in enumerate(protocols)
+    }
     began = time.perf_counter()
 
     async def one(name: str) -> tuple[Summary, list[RequestRecord]]:
-        requests = synthetic_prompts(shares[name], args.prompt_len, args.max_tokens, seed=1 + protocols.index(name))  # no shared prompts
-        return await measure(name, target, options, requests, concurrency=shares[name], num_warmup=0,
-                             request_timeout_s=args.max_duration_s, max_duration_s=args.max_duration_s)
+        requests = synthetic_prompts(
+            shares[name], args.prompt_len, args.max_tokens, seed=1 + protocols.index(name)
+        )  # no shared prompts
+        return await measure(
+            name,
+            target,
+            options,
+            requests,
+            concurrency=shares[name],
+            num_warmup=0,
+            request_timeout_s=args.max_duration_s,
+            max_duration_s=args.max_duration_s,
+        )
 
     outcomes = await asyncio.gather(*(one(name) for name in protocols))
     wall_s = time.perf_counter() - began
@@ -104,30 +118,63 @@ def main(argv: list[str] | None = None) -> int:
         port, grpc_port = free_port(), free_port()
         target = Target(port=port, socket=f"{tmp}/rill.sock", grpc_address=f"127.0.0.1:{grpc_port}")
         queue = str(max(2 * args.connections, 1024))
-        cmd = [sys.executable, "-m", "rill", "serve", "--model", str(model_dir), "--port", str(port),
-               "--host", "127.0.0.1", "--num-threads", str(args.threads), "--max-num-seqs", str(args.max_num_seqs),
-               "--max-queue", queue, "--chat-max-queue", queue, "--chat-max-active", str(args.max_num_seqs),
-               # every connection comes from 127.0.0.1: the per-client bound must hold them all
-               "--max-connections", queue, "--max-connections-per-client", queue,
-               "--socket", target.socket, "--grpc-port", str(grpc_port), "--log-level", "warning"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "rill",
+            "serve",
+            "--model",
+            str(model_dir),
+            "--port",
+            str(port),
+            "--host",
+            "127.0.0.1",
+            "--num-threads",
+            str(args.threads),
+            "--max-num-seqs",
+            str(args.max_num_seqs),
+            "--max-queue",
+            queue,
+            "--chat-max-queue",
+            queue,
+            "--chat-max-active",
+            str(args.max_num_seqs),
+            # every connection comes from 127.0.0.1: the per-client bound must hold them all
+            "--max-connections",
+            queue,
+            "--max-connections-per-client",
+            queue,
+            "--socket",
+            target.socket,
+            "--grpc-port",
+            str(grpc_port),
+            "--log-level",
+            "warning",
+        ]
         log = args.out / "many_connections.server.log"
         try:
             with Server("rill", cmd, port, log, "/health") as server:
                 server.wait_ready(300)
                 assert server.proc is not None
                 rss_idle, _ = rss_bytes(server.proc.pid)
-                print(f"server pid {server.proc.pid} ready ({model_dir.name}); open-file limit {limit}; "
-                      f"{args.connections} connections over {', '.join(protocols)}", flush=True)
+                print(
+                    f"server pid {server.proc.pid} ready ({model_dir.name}); open-file limit {limit}; "
+                    f"{args.connections} connections over {', '.join(protocols)}",
+                    flush=True,
+                )
                 summaries, records, wall_s = asyncio.run(run_mixed(protocols, target, args))
                 rss_after, rss_peak = rss_bytes(server.proc.pid)
         except PeerUnavailable as exc:
             print(f"the server did not start: {exc}", file=sys.stderr)
             return 1
-    total = summarize(records, protocol="mixed", target=f"127.0.0.1:{port}", wall_s=wall_s,
-                      concurrency=args.connections)
+    total = summarize(
+        records, protocol="mixed", target=f"127.0.0.1:{port}", wall_s=wall_s, concurrency=args.connections
+    )
     for name, summary in summaries.items():
-        print(f"{name:<12} {summary.num_ok:>5} ok {summary.num_errors:>4} errors {summary.errors_by_type or ''}  "
-              f"TTFT p50 {summary.ttft.p50_ms:8.0f} ms  p99 {summary.ttft.p99_ms:8.0f} ms")
+        print(
+            f"{name:<12} {summary.num_ok:>5} ok {summary.num_errors:>4} errors {summary.errors_by_type or ''}  "
+            f"TTFT p50 {summary.ttft.p50_ms:8.0f} ms  p99 {summary.ttft.p99_ms:8.0f} ms"
+        )
     samples: dict[tuple[str, str], str] = {}
     for record in records:
         if record.error is not None:
@@ -137,13 +184,24 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(format_report(total))
     mib = 1024 * 1024
-    print(f"server memory: {rss_idle / mib:.0f} MiB idle (after warm-up), peak {rss_peak / mib:.0f} MiB, "
-          f"{rss_after / mib:.0f} MiB after the run" if rss_idle and rss_peak and rss_after else "server memory: unknown")
-    document = {"connections": args.connections, "protocols": protocols, "model": str(model_dir),
-                "max_tokens": args.max_tokens, "server_rss_idle_bytes": rss_idle, "server_rss_peak_bytes": rss_peak,
-                "server_rss_after_bytes": rss_after, "total": msgspec.to_builtins(total),
-                "by_protocol": {n: msgspec.to_builtins(s) for n, s in summaries.items()},
-                "error_samples": [{"protocol": n, "kind": k, "message": m} for (n, k), m in samples.items()]}
+    print(
+        f"server memory: {rss_idle / mib:.0f} MiB idle (after warm-up), peak {rss_peak / mib:.0f} MiB, "
+        f"{rss_after / mib:.0f} MiB after the run"
+        if rss_idle and rss_peak and rss_after
+        else "server memory: unknown"
+    )
+    document = {
+        "connections": args.connections,
+        "protocols": protocols,
+        "model": str(model_dir),
+        "max_tokens": args.max_tokens,
+        "server_rss_idle_bytes": rss_idle,
+        "server_rss_peak_bytes": rss_peak,
+        "server_rss_after_bytes": rss_after,
+        "total": msgspec.to_builtins(total),
+        "by_protocol": {n: msgspec.to_builtins(s) for n, s in summaries.items()},
+        "error_samples": [{"protocol": n, "kind": k, "message": m} for (n, k), m in samples.items()],
+    }
     path = args.out / "many_connections.json"
     path.write_text(msgspec.json.format(msgspec.json.encode(document)).decode() + "\n")
     print(f"figures written to {path}")

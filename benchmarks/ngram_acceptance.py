@@ -26,7 +26,7 @@ from quant_quality import generate  # benchmarks/ is not a package
 from rill.engine.ngram import NgramProposer
 from rill.models.loader import load_model
 
-_CODE = '''def average(values):
+_CODE = """def average(values):
     total = 0
     for v in values:
         total = total + v
@@ -39,7 +39,7 @@ def largest(values):
         if v > best:
             best = v
     return best
-'''
+"""
 
 LOADS = {
     "code edits": [
@@ -70,7 +70,7 @@ def replay(prompt: list[int], answer: list[int], k: int, min_n: int, max_n: int)
             good += 1
         step = min(good + 1, len(answer) - done)  # the accepted drafts and the target's own token
         proposed, accepted, forwards = proposed + len(draft), accepted + good, forwards + 1
-        proposer.extend(answer[done:done + step])
+        proposer.extend(answer[done : done + step])
         done += step
     return proposed, accepted, forwards
 
@@ -97,8 +97,10 @@ def main(argv: list[str] | None = None) -> int:
             totals = [replay(p, a, k, args.min_n, args.max_n) for p, a in zip(prompts, answers)]
             proposed, accepted, forwards = (sum(t[i] for t in totals) for i in range(3))
             made = sum(len(a) for a in answers)
-            print(f"| {load} | {k} | {accepted}/{proposed} ({100 * accepted / max(proposed, 1):.0f} %) "
-                  f"| {made / forwards:.2f} |")
+            print(
+                f"| {load} | {k} | {accepted}/{proposed} ({100 * accepted / max(proposed, 1):.0f} %) "
+                f"| {made / forwards:.2f} |"
+            )
     return 0
 
 

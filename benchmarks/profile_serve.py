@@ -60,8 +60,10 @@ ENGINE_RULES = (
 LOOP_RULES = (
     ("idle (epoll)", ("EpollSelector.select",)),
     ("output routing", ("_dispatch", "stream.py")),
-    ("HTTP/SSE encode + write", ("openai_http", "starlette", "uvicorn", "h11", "httptools", "sse", "transport",
-                                 "selector_events.py")),
+    (
+        "HTTP/SSE encode + write",
+        ("openai_http", "starlette", "uvicorn", "h11", "httptools", "sse", "transport", "selector_events.py"),
+    ),
 )
 
 
@@ -114,8 +116,14 @@ def group_of(name: str | None) -> str:
     return "other Python threads"
 
 
-def breakdown(raw: Path, cpu_before: dict[int, float], cpu_after: dict[int, float], wall_s: float, engine_thread: str,
-              loop_thread: str | None) -> dict:
+def breakdown(
+    raw: Path,
+    cpu_before: dict[int, float],
+    cpu_after: dict[int, float],
+    wall_s: float,
+    engine_thread: str,
+    loop_thread: str | None,
+) -> dict:
     """Shares of the engine thread's wall time, the loop's busy time, and CPU per thread group."""
     by_thread, names = parse_raw(raw)
     engine = Counter()
@@ -130,9 +138,11 @@ def breakdown(raw: Path, cpu_before: dict[int, float], cpu_after: dict[int, floa
         cpu[group_of(names.get(tid))] += after - cpu_before.get(tid, 0.0)
     total_e = sum(engine.values()) or 1
     total_l = sum(loop.values()) or 1
-    return {"engine_thread_pct": {k: 100 * v / total_e for k, v in engine.most_common()},
-            "loop_pct": {k: 100 * v / total_l for k, v in loop.most_common()},
-            "cpu_per_wall_s": {k: v / wall_s for k, v in cpu.most_common()}}
+    return {
+        "engine_thread_pct": {k: 100 * v / total_e for k, v in engine.most_common()},
+        "loop_pct": {k: 100 * v / total_l for k, v in loop.most_common()},
+        "cpu_per_wall_s": {k: v / wall_s for k, v in cpu.most_common()},
+    }
 
 
 # --------------------------------------------------------------------------- the two kinds of run
@@ -157,8 +167,25 @@ for line in sys.stdin:
 
 
 def spy(pid: int, out: Path, rate: int) -> subprocess.Popen:
-    return subprocess.Popen([str(PY_SPY), "record", "-p", str(pid), "-f", "raw", "-o", str(out), "-r", str(rate),
-                             "--threads", "--idle", "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        [
+            str(PY_SPY),
+            "record",
+            "-p",
+            str(pid),
+            "-f",
+            "raw",
+            "-o",
+            str(out),
+            "-r",
+            str(rate),
+            "--threads",
+            "--idle",
+            "--nonblocking",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
 
 
 def stop_spy(proc: subprocess.Popen) -> None:
@@ -168,38 +195,75 @@ def stop_spy(proc: subprocess.Popen) -> None:
 
 def run_http(model_dir: Path, levels: list[int], prompts: dict[int, list[str]], args: argparse.Namespace) -> dict:
     port = free_port()
-    cmd = rill_serve_cmd(model_dir, port, max(levels), 512, "--dtype", args.dtype, "--runner", args.runner,
-                         *args.serve_args.split())
+    cmd = rill_serve_cmd(
+        model_dir, port, max(levels), 512, "--dtype", args.dtype, "--runner", args.runner, *args.serve_args.split()
+    )
     results = {}
     with Server("rill", cmd, port, args.out / "profile-serve.log", "/health") as server:
         server.wait_ready(300)
         pid = server.proc.pid
         target = Target(port=port)
         options = Options(temperature=0.0, ignore_eos=True)
-        asyncio.run(measure("openai", target, options, [BenchRequest(index=0, prompt="warm up", max_tokens=4)],
-                            concurrency=1, num_warmup=0))
+        asyncio.run(
+            measure(
+                "openai",
+                target,
+                options,
+                [BenchRequest(index=0, prompt="warm up", max_tokens=4)],
+                concurrency=1,
+                num_warmup=0,
+            )
+        )
         for level in levels:
-            requests = [BenchRequest(index=i, prompt=p, max_tokens=args.max_tokens) for i, p in enumerate(prompts[level])]
+            requests = [
+                BenchRequest(index=i, prompt=p, max_tokens=args.max_tokens) for i, p in enumerate(prompts[level])
+            ]
             raw = args.out / f"http-c{level}.txt"
             load = load_average()
             before = thread_cpu(pid)
             recorder = spy(pid, raw, args.rate)
             t0 = time.monotonic()
-            summary, _ = asyncio.run(measure("openai", target, options, requests, concurrency=level, num_warmup=0,
-                                             max_duration_s=1800, request_timeout_s=1800))
+            summary, _ = asyncio.run(
+                measure(
+                    "openai",
+                    target,
+                    options,
+                    requests,
+                    concurrency=level,
+                    num_warmup=0,
+                    max_duration_s=1800,
+                    request_timeout_s=1800,
+                )
+            )
             wall = time.monotonic() - t0
             after = thread_cpu(pid)
             stop_spy(recorder)
-            results[level] = {"tokens_per_s": summary.output_tokens_per_s, "load": load,
-                              **breakdown(raw, before, after, wall, "rill-engine", "MainThread")}
+            results[level] = {
+                "tokens_per_s": summary.output_tokens_per_s,
+                "load": load,
+                **breakdown(raw, before, after, wall, "rill-engine", "MainThread"),
+            }
             print(f"http   c={level:<3} {summary.output_tokens_per_s:7.1f} tok/s  load {load}", flush=True)
     return results
 
 
 def run_engine(model_dir: Path, levels: list[int], prompts: dict[int, list[str]], args: argparse.Namespace) -> dict:
-    child = subprocess.Popen([sys.executable, "-c", ENGINE_CHILD, str(Path(__file__).resolve().parent), str(model_dir),
-                              str(args.max_tokens), str(max(levels)), args.runner, args.dtype], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             text=True)
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            ENGINE_CHILD,
+            str(Path(__file__).resolve().parent),
+            str(model_dir),
+            str(args.max_tokens),
+            str(max(levels)),
+            args.runner,
+            args.dtype,
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     results = {}
     try:
         assert child.stdout is not None and child.stdin is not None
@@ -215,8 +279,11 @@ def run_engine(model_dir: Path, levels: list[int], prompts: dict[int, list[str]]
             fig = json.loads(child.stdout.readline())
             after = thread_cpu(child.pid)
             stop_spy(recorder)
-            results[level] = {"tokens_per_s": fig["tokens_per_s"], "load": load,
-                              **breakdown(raw, before, after, fig["wall_s"], "MainThread", None)}
+            results[level] = {
+                "tokens_per_s": fig["tokens_per_s"],
+                "load": load,
+                **breakdown(raw, before, after, fig["wall_s"], "MainThread", None),
+            }
             print(f"engine c={level:<3} {fig['tokens_per_s']:7.1f} tok/s  load {load}", flush=True)
     finally:
         child.kill()
@@ -232,13 +299,19 @@ def report(http: dict, engine: dict, levels: list[int]) -> str:
             if not r:
                 continue
             lines.append(f"{kind:<6} c={level:<3} {r['tokens_per_s']:7.1f} tok/s (load {r['load']})")
-            lines.append("   engine thread wall %: " + ", ".join(f"{k} {v:.1f}" for k, v in r["engine_thread_pct"].items()))
+            lines.append(
+                "   engine thread wall %: " + ", ".join(f"{k} {v:.1f}" for k, v in r["engine_thread_pct"].items())
+            )
             if r["loop_pct"]:
                 lines.append("   event loop wall %:    " + ", ".join(f"{k} {v:.1f}" for k, v in r["loop_pct"].items()))
-            lines.append("   CPU s per wall s:     " + ", ".join(f"{k} {v:.2f}" for k, v in r["cpu_per_wall_s"].items()))
+            lines.append(
+                "   CPU s per wall s:     " + ", ".join(f"{k} {v:.2f}" for k, v in r["cpu_per_wall_s"].items())
+            )
     for level in levels:
         if level in http and level in engine:
-            lines.append(f"http / engine tokens/s at c={level}: {http[level]['tokens_per_s'] / engine[level]['tokens_per_s']:.2f}")
+            lines.append(
+                f"http / engine tokens/s at c={level}: {http[level]['tokens_per_s'] / engine[level]['tokens_per_s']:.2f}"
+            )
     return "\n".join(lines)
 
 
@@ -250,8 +323,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rate", type=int, default=50, help="py-spy samples per second")
     parser.add_argument("--dtype", choices=tuple(GGUF_TYPE_OF_DTYPE), default="bfloat16")
-    parser.add_argument("--runner", choices=("torch", "llamacpp"), default="torch",
-                        help="llamacpp: both runs serve the model's GGUF in --dtype (peers.py's conversion) with llama.cpp")
+    parser.add_argument(
+        "--runner",
+        choices=("torch", "llamacpp"),
+        default="torch",
+        help="llamacpp: both runs serve the model's GGUF in --dtype (peers.py's conversion) with llama.cpp",
+    )
     parser.add_argument("--serve-args", default="", help="extra flags for rill serve, one string")
     parser.add_argument("--only", choices=("http", "engine"), default=None)
     parser.add_argument("--out", type=Path, default=Path("bench-results/profile"))

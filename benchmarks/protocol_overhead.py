@@ -56,10 +56,22 @@ def engine_rows(model_dir: Path, levels: list[int], args: argparse.Namespace) ->
     from rill.engine.builder import build_engine
 
     torch.set_num_threads(args.threads)
-    engine = build_engine(EngineConfig(model=str(model_dir), dtype=args.dtype, kv_cache_memory="1GiB",
-                                 max_model_len=args.context, max_num_seqs=max(levels), num_threads=args.threads))
-    run_rill(engine, [engine.tokenizer.encode(r.prompt) for r in synthetic_prompts(2, args.prompt_len, 4, seed=999)],
-             4, mixed=False)  # warm-up
+    engine = build_engine(
+        EngineConfig(
+            model=str(model_dir),
+            dtype=args.dtype,
+            kv_cache_memory="1GiB",
+            max_model_len=args.context,
+            max_num_seqs=max(levels),
+            num_threads=args.threads,
+        )
+    )
+    run_rill(
+        engine,
+        [engine.tokenizer.encode(r.prompt) for r in synthetic_prompts(2, args.prompt_len, 4, seed=999)],
+        4,
+        mixed=False,
+    )  # warm-up
     rows: dict[int, Row] = {}
     for level in levels:
         num_tokens, wall_s, ttft_s, itl_s = 0, 0.0, [], []
@@ -72,27 +84,43 @@ def engine_rows(model_dir: Path, levels: list[int], args: argparse.Namespace) ->
             itl_s += fig.itl_s
         # Every request makes the same number of tokens, so the mean gap is the mean TPOT.
         rows[level] = Row(num_tokens / wall_s, distribution(ttft_s), distribution(itl_s).mean_ms)
-        print(f"  engine       N={level:<3} {rows[level].tokens_per_s:8.1f} tok/s  TTFT p50 {rows[level].ttft.p50_ms:7.1f} ms",
-              flush=True)
+        print(
+            f"  engine       N={level:<3} {rows[level].tokens_per_s:8.1f} tok/s  TTFT p50 {rows[level].ttft.p50_ms:7.1f} ms",
+            flush=True,
+        )
     del engine
     gc.collect()
     return rows
 
 
-async def protocol_rows(protocols: list[str], target: Target, levels: list[int], args: argparse.Namespace) -> dict[str, dict[int, Row]]:
+async def protocol_rows(
+    protocols: list[str], target: Target, levels: list[int], args: argparse.Namespace
+) -> dict[str, dict[int, Row]]:
     """Each protocol's figures at each concurrency against the running server."""
     options = Options(temperature=0.0, ignore_eos=True)
     rows: dict[str, dict[int, Row]] = {}
     for p_index, name in enumerate(protocols):
         rows[name] = {}
         for level in levels:
-            requests = synthetic_prompts(level * args.waves, args.prompt_len, args.max_tokens,
-                                         seed=20_000 + 1000 * p_index + level)
-            summary, _ = await measure(name, target, options, requests, concurrency=level, num_warmup=1,
-                                       max_duration_s=args.max_duration_s, request_timeout_s=args.max_duration_s)
+            requests = synthetic_prompts(
+                level * args.waves, args.prompt_len, args.max_tokens, seed=20_000 + 1000 * p_index + level
+            )
+            summary, _ = await measure(
+                name,
+                target,
+                options,
+                requests,
+                concurrency=level,
+                num_warmup=1,
+                max_duration_s=args.max_duration_s,
+                request_timeout_s=args.max_duration_s,
+            )
             rows[name][level] = Row(summary.output_tokens_per_s, summary.ttft, summary.tpot.mean_ms, summary.num_errors)
-            print(f"  {name:<12} N={level:<3} {summary.output_tokens_per_s:8.1f} tok/s  TTFT p50 "
-                  f"{summary.ttft.p50_ms:7.1f} ms  errors {summary.num_errors}", flush=True)
+            print(
+                f"  {name:<12} N={level:<3} {summary.output_tokens_per_s:8.1f} tok/s  TTFT p50 "
+                f"{summary.ttft.p50_ms:7.1f} ms  errors {summary.num_errors}",
+                flush=True,
+            )
     return rows
 
 
@@ -119,17 +147,45 @@ def main(argv: list[str] | None = None) -> int:
     protocols = [p.strip() for p in args.protocols.split(",") if p.strip()]
     model_dir = resolve_model(args.model)
     args.out.mkdir(parents=True, exist_ok=True)
-    print(f"model {model_dir} ({args.dtype}, {args.threads} threads), {args.prompt_len}-word prompts, "
-          f"{args.max_tokens} tokens, {args.waves} waves of N requests\n== engine alone", flush=True)
+    print(
+        f"model {model_dir} ({args.dtype}, {args.threads} threads), {args.prompt_len}-word prompts, "
+        f"{args.max_tokens} tokens, {args.waves} waves of N requests\n== engine alone",
+        flush=True,
+    )
     engine = engine_rows(model_dir, levels, args)
     with tempfile.TemporaryDirectory(prefix="rill-overhead-") as tmp:
         port, grpc_port = free_port(), free_port()
         target = Target(port=port, socket=f"{tmp}/rill.sock", grpc_address=f"127.0.0.1:{grpc_port}")
-        cmd = [sys.executable, "-m", "rill", "serve", "--model", str(model_dir), "--dtype", args.dtype,
-               "--port", str(port), "--host", "127.0.0.1", "--num-threads", str(args.threads),
-               "--max-num-seqs", str(max(levels)), "--max-model-len", str(args.context), "--kv-cache-memory", "1GiB",
-               "--chat-max-active", str(max(levels)), "--socket", target.socket, "--grpc-port", str(grpc_port),
-               "--log-level", "warning"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "rill",
+            "serve",
+            "--model",
+            str(model_dir),
+            "--dtype",
+            args.dtype,
+            "--port",
+            str(port),
+            "--host",
+            "127.0.0.1",
+            "--num-threads",
+            str(args.threads),
+            "--max-num-seqs",
+            str(max(levels)),
+            "--max-model-len",
+            str(args.context),
+            "--kv-cache-memory",
+            "1GiB",
+            "--chat-max-active",
+            str(max(levels)),
+            "--socket",
+            target.socket,
+            "--grpc-port",
+            str(grpc_port),
+            "--log-level",
+            "warning",
+        ]
         present = [p for p in protocols if importlib.util.find_spec(f"rill.protocols.{server_protocol(p)}")]
         for missing in set(protocols) - set(present):
             print(f"skipping {missing}: not in this build of rill")
@@ -141,17 +197,25 @@ def main(argv: list[str] | None = None) -> int:
         except PeerUnavailable as exc:
             print(f"the server did not start: {exc}", file=sys.stderr)
             return 1
-    print(f"\n{'front-end':<13}{'N':>4}{'tok/s':>9}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT':>9}"
-          f"{'tok/s ratio':>13}{'TTFT p50 ratio':>16}{'TPOT ratio':>12}{'errors':>8}")
+    print(
+        f"\n{'front-end':<13}{'N':>4}{'tok/s':>9}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT':>9}"
+        f"{'tok/s ratio':>13}{'TTFT p50 ratio':>16}{'TPOT ratio':>12}{'errors':>8}"
+    )
     for level in levels:
         e = engine[level]
-        print(f"{'engine':<13}{level:>4}{e.tokens_per_s:>9.1f}{e.ttft.p50_ms:>10.1f}{e.ttft.p99_ms:>10.1f}{e.tpot_ms:>9.2f}")
+        print(
+            f"{'engine':<13}{level:>4}{e.tokens_per_s:>9.1f}{e.ttft.p50_ms:>10.1f}{e.ttft.p99_ms:>10.1f}{e.tpot_ms:>9.2f}"
+        )
         for name in present:
             r = rows[name][level]
-            print(f"{name:<13}{level:>4}{r.tokens_per_s:>9.1f}{r.ttft.p50_ms:>10.1f}{r.ttft.p99_ms:>10.1f}"
-                  f"{r.tpot_ms:>9.2f}{_ratio(r.tokens_per_s, e.tokens_per_s):>13}"
-                  f"{_ratio(r.ttft.p50_ms, e.ttft.p50_ms):>16}{_ratio(r.tpot_ms, e.tpot_ms):>12}{r.num_errors:>8}")
-    print("\nratios are protocol / engine at the same concurrency (tok/s < 1: throughput lost; TTFT, TPOT > 1: latency added)")
+            print(
+                f"{name:<13}{level:>4}{r.tokens_per_s:>9.1f}{r.ttft.p50_ms:>10.1f}{r.ttft.p99_ms:>10.1f}"
+                f"{r.tpot_ms:>9.2f}{_ratio(r.tokens_per_s, e.tokens_per_s):>13}"
+                f"{_ratio(r.ttft.p50_ms, e.ttft.p50_ms):>16}{_ratio(r.tpot_ms, e.tpot_ms):>12}{r.num_errors:>8}"
+            )
+    print(
+        "\nratios are protocol / engine at the same concurrency (tok/s < 1: throughput lost; TTFT, TPOT > 1: latency added)"
+    )
     return 0
 
 

@@ -98,8 +98,25 @@ class Server:
 
     def __init__(self, model: Path | None, dtype: str, threads: int) -> None:
         self.port = free_port()
-        args = [sys.executable, "-m", "rill", "serve", "--port", str(self.port), "--no-socket", "--grpc-port", "0",
-                "--dtype", dtype, "--num-threads", str(threads), "--max-num-seqs", "4", "--kv-cache-memory", "256MiB"]
+        args = [
+            sys.executable,
+            "-m",
+            "rill",
+            "serve",
+            "--port",
+            str(self.port),
+            "--no-socket",
+            "--grpc-port",
+            "0",
+            "--dtype",
+            dtype,
+            "--num-threads",
+            str(threads),
+            "--max-num-seqs",
+            "4",
+            "--kv-cache-memory",
+            "256MiB",
+        ]
         if model is not None:
             args += ["--model", str(model)]
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -125,8 +142,12 @@ class Server:
         self.process.wait(30)
 
     def chat(self, question: str, max_tokens: int) -> str:
-        body = {"model": self.model, "messages": [{"role": "user", "content": question}], "temperature": 0,
-                "max_tokens": max_tokens}
+        body = {
+            "model": self.model,
+            "messages": [{"role": "user", "content": question}],
+            "temperature": 0,
+            "max_tokens": max_tokens,
+        }
         response = httpx.post(f"{self.url}/v1/chat/completions", json=body, timeout=600)
         response.raise_for_status()
         return response.json()["choices"][0]["message"]["content"]
@@ -147,17 +168,23 @@ def transformers_answers(gguf: Path, dtype: str, prompts: list[str], is_chat: bo
     answers = []
     for prompt in prompts:
         if is_chat:
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                                tokenize=True, return_dict=False)
+            ids = tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
         else:
             ids = tokenizer(prompt)["input_ids"]
         with torch.inference_mode():
             tensor = torch.tensor([ids])
             # An explicit mask: otherwise generate() masks prompt tokens equal to the pad id
             # (SmolLM2's pad is <|im_end|>, present in every ChatML prompt).
-            out = model.generate(tensor, attention_mask=torch.ones_like(tensor), do_sample=False,
-                                 max_new_tokens=max_tokens, pad_token_id=tokenizer.pad_token_id)
-        answers.append(tokenizer.decode(out[0, len(ids):], skip_special_tokens=True))
+            out = model.generate(
+                tensor,
+                attention_mask=torch.ones_like(tensor),
+                do_sample=False,
+                max_new_tokens=max_tokens,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        answers.append(tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True))
     del model
     return answers
 

@@ -44,8 +44,9 @@ def generate(loaded: LoadedModel, prompts: list[list[int]], num_tokens: int) -> 
         live = [row for row in live if answers[row][-1] not in eos]
         if not live:
             break
-        logits = runner.forward([RowWork(row, [answers[row][-1]], len(prompts[row]) + len(answers[row]) - 1)
-                                 for row in live])
+        logits = runner.forward(
+            [RowWork(row, [answers[row][-1]], len(prompts[row]) + len(answers[row]) - 1) for row in live]
+        )
     return answers
 
 
@@ -77,8 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     quantized = models[args.weights]
     tokenizer = quantized.tokenizer
     prompts = [tokenizer.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
-    print(f"{path.name}: dense ({models['dense'].config.dtype}) against --weights {args.weights} "
-          f"({quantized.weights}); {len(prompts)} chat prompts, {args.tokens} greedy tokens")
+    print(
+        f"{path.name}: dense ({models['dense'].config.dtype}) against --weights {args.weights} "
+        f"({quantized.weights}); {len(prompts)} chat prompts, {args.tokens} greedy tokens"
+    )
     answers = {mode: generate(loaded, prompts, args.tokens) for mode, loaded in models.items()}
     equal = 0
     for question, dense, quant in zip(QUESTIONS, answers["dense"], answers[args.weights]):
@@ -98,9 +101,11 @@ def main(argv: list[str] | None = None) -> int:
         kls.append((dense_lp.exp() * (dense_lp - quant_lp)).sum(dim=-1))
     delta, top, kl = torch.cat(deltas), torch.cat(tops).float(), torch.cat(kls)
     print(f"greedy answers equal: {equal}/{len(prompts)}")
-    print(f"dense answers scored by the quantized model ({delta.numel()} tokens): |delta logprob| mean "
-          f"{delta.mean():.4f}, p99 {delta.quantile(0.99):.4f}, max {delta.max():.4f}; same top token "
-          f"{100 * top.mean():.1f} %; KL mean {kl.mean():.5f}, max {kl.max():.4f}")
+    print(
+        f"dense answers scored by the quantized model ({delta.numel()} tokens): |delta logprob| mean "
+        f"{delta.mean():.4f}, p99 {delta.quantile(0.99):.4f}, max {delta.max():.4f}; same top token "
+        f"{100 * top.mean():.1f} %; KL mean {kl.mean():.5f}, max {kl.max():.4f}"
+    )
     return 0
 
 

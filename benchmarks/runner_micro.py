@@ -89,13 +89,17 @@ def main() -> None:
         compare_generate(folder, args.dtype)
 
 
-def compare_generate(folder: Path, dtype: str, num_requests: int = 32, num_prompt: int = 128, num_new: int = 128) -> None:
+def compare_generate(
+    folder: Path, dtype: str, num_requests: int = 32, num_prompt: int = 128, num_new: int = 128
+) -> None:
     """Greedy 32x128 -> +128 through the runner (argmax only) against transformers' padded-batch
     ``generate``; prints tokens per second (prefill included) for both."""
     from transformers import AutoModelForCausalLM
 
     loaded = load_model(folder, dtype=dtype)
-    prompts = torch.randint(8, loaded.config.vocab_size, (num_requests, num_prompt), generator=torch.Generator().manual_seed(1))
+    prompts = torch.randint(
+        8, loaded.config.vocab_size, (num_requests, num_prompt), generator=torch.Generator().manual_seed(1)
+    )
     runner = TorchModelRunner(loaded, num_rows=num_requests, max_len=num_prompt + num_new)
     start, cpu_start = time.perf_counter(), time.process_time()
     logits = runner.forward([RowWork(row=i, token_ids=p.tolist(), start=0) for i, p in enumerate(prompts)])
@@ -107,12 +111,20 @@ def compare_generate(folder: Path, dtype: str, num_requests: int = 32, num_promp
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
     start, cpu_start = time.perf_counter(), time.process_time()
     with torch.inference_mode():
-        hf.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False, max_new_tokens=num_new,
-                    eos_token_id=None, pad_token_id=0)
+        hf.generate(
+            prompts,
+            attention_mask=torch.ones_like(prompts),
+            do_sample=False,
+            max_new_tokens=num_new,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
     theirs = num_requests * num_new / (time.perf_counter() - start)
     theirs_cpu = time.process_time() - cpu_start
-    print(f"generate {num_requests}x{num_prompt}+{num_new}: runner {ours:.0f} tok/s, transformers {theirs:.0f} tok/s"
-          f" ({ours / theirs:.2f}x); cpu s: runner {ours_cpu:.1f}, transformers {theirs_cpu:.1f}")
+    print(
+        f"generate {num_requests}x{num_prompt}+{num_new}: runner {ours:.0f} tok/s, transformers {theirs:.0f} tok/s"
+        f" ({ours / theirs:.2f}x); cpu s: runner {ours_cpu:.1f}, transformers {theirs_cpu:.1f}"
+    )
 
 
 if __name__ == "__main__":

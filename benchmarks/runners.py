@@ -51,14 +51,22 @@ def main() -> None:
     print(f"model {args.model}; prompt {args.prompt_len} tokens, {args.new_tokens} new tokens each")
     print(f"{'runner':10} {'c':>3} {'tok/s':>8} {'seconds':>8}  load average (1, 5, 15 min)")
     for runner in args.runners.split(","):
-        config = EngineConfig(model=args.model, runner=runner, dtype=args.dtype, num_threads=args.threads,
-                              max_model_len=512, kv_cache_memory="512MiB")
+        config = EngineConfig(
+            model=args.model,
+            runner=runner,
+            dtype=args.dtype,
+            num_threads=args.threads,
+            max_model_len=512,
+            kv_cache_memory="512MiB",
+        )
         engine = build_engine(config)
         run_row(engine, 1, args.prompt_len, 8, tag=1)  # warm-up
         for n, concurrency in enumerate(int(c) for c in args.concurrency.split(",")):
             load = os.getloadavg()
             rate, seconds = run_row(engine, concurrency, args.prompt_len, args.new_tokens, tag=10 + n)
-            print(f"{runner:10} {concurrency:>3} {rate:>8.1f} {seconds:>8.2f}  {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+            print(
+                f"{runner:10} {concurrency:>3} {rate:>8.1f} {seconds:>8.2f}  {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
+            )
         close = getattr(engine.runner, "close", None)
         if close is not None:
             close()

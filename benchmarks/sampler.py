@@ -68,7 +68,11 @@ class NaiveSampler:
         n = len(params)
         col = lambda name: torch.tensor([float(getattr(p, name)) for p in params])[:, None]  # noqa: E731
         self.temperature, self.top_p, self.min_p = col("temperature"), col("top_p"), col("min_p")
-        self.rep, self.presence, self.frequency = col("repetition_penalty"), col("presence_penalty"), col("frequency_penalty")
+        self.rep, self.presence, self.frequency = (
+            col("repetition_penalty"),
+            col("presence_penalty"),
+            col("frequency_penalty"),
+        )
         self.top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params])[:, None]
         self.is_greedy = torch.tensor([p.temperature < 1e-5 for p in params])
         self.has_penalties = any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in params)
@@ -152,16 +156,23 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads for the naive sampler")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__} ({torch.get_num_threads()} threads), numpy {np.__version__}, "
-          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
-    print(f"{'vocab':>6} {'B':>3} {'scenario':<12} | {'rill min':>8} {'med':>7} {'cpu':>7} | "
-          f"{'naive min':>9} {'med':>8} {'cpu':>8} | {'cpu ratio':>9}")
+    print(
+        f"torch {torch.__version__} ({torch.get_num_threads()} threads), numpy {np.__version__}, "
+        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+    )
+    print(
+        f"{'vocab':>6} {'B':>3} {'scenario':<12} | {'rill min':>8} {'med':>7} {'cpu':>7} | "
+        f"{'naive min':>9} {'med':>8} {'cpu':>8} | {'cpu ratio':>9}"
+    )
     for vocab in args.vocab:
         for scenario in args.scenario:
             for batch in args.batch:
                 (o_min, o_med, o_cpu), (n_min, n_med, n_cpu) = run(vocab, batch, scenario, args.repeats)
-                print(f"{vocab:>6} {batch:>3} {scenario:<12} | {o_min:>8.3f} {o_med:>7.3f} {o_cpu:>7.3f} | "
-                      f"{n_min:>9.2f} {n_med:>8.2f} {n_cpu:>8.2f} | {n_cpu / o_cpu:>8.1f}x", flush=True)
+                print(
+                    f"{vocab:>6} {batch:>3} {scenario:<12} | {o_min:>8.3f} {o_med:>7.3f} {o_cpu:>7.3f} | "
+                    f"{n_min:>9.2f} {n_med:>8.2f} {n_cpu:>8.2f} | {n_cpu / o_cpu:>8.1f}x",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -46,10 +46,18 @@ from rill.clients.evergreen import EvergreenClient, EvergreenError
 from rill.clients.uds import UdsClient, UdsConnectionError
 from rill.protocols.evergreen.messages import GenerateConfig
 
-PROMPTS = ("Once upon a time", "The little robot", "Write a list of fruits:", "In the morning the cat",
-           "Here is a poem about the sea:")
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                           "age": {"type": "integer"}}, "required": ["name", "age"]}
+PROMPTS = (
+    "Once upon a time",
+    "The little robot",
+    "Write a list of fruits:",
+    "In the morning the cat",
+    "Here is a poem about the sea:",
+)
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+}
 
 
 class Soak:
@@ -91,8 +99,15 @@ class Soak:
 
         drop = self.drop_after()
         async with connect(f"{self.ws}/generate", max_size=None) as ws:
-            await ws.send(json.dumps({"type": "config", "prompt": self.rng.choice(PROMPTS),
-                                      "parameters": {"max_tokens": self.rng.randint(8, 48), "temperature": 0.8}}))
+            await ws.send(
+                json.dumps(
+                    {
+                        "type": "config",
+                        "prompt": self.rng.choice(PROMPTS),
+                        "parameters": {"max_tokens": self.rng.randint(8, 48), "temperature": 0.8},
+                    }
+                )
+            )
             num_tokens, finished = 0, None
             while finished is None:
                 msg = json.loads(await ws.recv())
@@ -102,9 +117,20 @@ class Soak:
                 if msg["type"] in ("token", "tokens", "text"):
                     num_tokens += 1
                     if num_tokens == 2 and self.rng.random() < 0.2:
-                        await ws.send(json.dumps({"type": "control", "action": "modify", "parameters": {
-                            "response_format": {"type": "json_schema",
-                                                "json_schema": {"name": "p", "schema": SCHEMA}}}}))
+                        await ws.send(
+                            json.dumps(
+                                {
+                                    "type": "control",
+                                    "action": "modify",
+                                    "parameters": {
+                                        "response_format": {
+                                            "type": "json_schema",
+                                            "json_schema": {"name": "p", "schema": SCHEMA},
+                                        }
+                                    },
+                                }
+                            )
+                        )
                     if drop is not None and num_tokens >= drop:
                         ws.transport.abort()
                         self.note("generate_ws", "dropped")
@@ -141,13 +167,24 @@ class Soak:
                 self.note("openai", f"stream {response.status_code}")
             return
         if kind == "scoring":
-            body = {"model": self.model, "prompt": " ".join(PROMPTS) * self.rng.randint(1, 6), "max_tokens": 2,
-                    "echo": True, "logprobs": 5, "prompt_logprobs": 5, "n": 2, "best_of": 3}
+            body = {
+                "model": self.model,
+                "prompt": " ".join(PROMPTS) * self.rng.randint(1, 6),
+                "max_tokens": 2,
+                "echo": True,
+                "logprobs": 5,
+                "prompt_logprobs": 5,
+                "n": 2,
+                "best_of": 3,
+            }
             reply = await http.post(f"{self.base}/v1/completions", json=body)
         else:
-            body = {"model": self.model, "messages": [{"role": "user", "content": "Give a name and an age."}],
-                    "max_tokens": 40, "response_format": {"type": "json_schema",
-                                                          "json_schema": {"name": "p", "schema": SCHEMA}}}
+            body = {
+                "model": self.model,
+                "messages": [{"role": "user", "content": "Give a name and an age."}],
+                "max_tokens": 40,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}},
+            }
             reply = await http.post(f"{self.base}/v1/chat/completions", json=body)
         detail = "" if reply.status_code == 200 else f" {reply.json().get('error', {}).get('message', '')[:50]}"
         self.note("openai", f"{kind} {reply.status_code}{detail}")
@@ -158,8 +195,15 @@ class Soak:
         drop = self.drop_after()
         prompts = [{"request_id": f"b{self.rng.getrandbits(48):x}", "prompt": p} for p in self.rng.sample(PROMPTS, 2)]
         async with connect(f"{self.ws}/ws", max_size=None) as ws:
-            await ws.send(json.dumps({"prompts": prompts, "stream_response": True,
-                                      "generation_config": {"max_new_tokens": 24, "do_sample": True}}))
+            await ws.send(
+                json.dumps(
+                    {
+                        "prompts": prompts,
+                        "stream_response": True,
+                        "generation_config": {"max_new_tokens": 24, "do_sample": True},
+                    }
+                )
+            )
             done, num = 0, 0
             while done < len(prompts):
                 events = json.loads(await ws.recv())
@@ -216,8 +260,9 @@ class Soak:
             with UdsClient(self.socket) as client:
                 num = 0
                 try:
-                    for event in client.generate({"id": f"u{self.rng.getrandbits(32):x}",
-                                                  "prompt": self.rng.choice(PROMPTS), "max_tokens": 24}):
+                    for event in client.generate(
+                        {"id": f"u{self.rng.getrandbits(32):x}", "prompt": self.rng.choice(PROMPTS), "max_tokens": 24}
+                    ):
                         num += event["event"] == "token"
                         if drop is not None and num >= drop:
                             return "dropped"
@@ -239,8 +284,7 @@ def metric(text: str, name: str) -> float:
     return total
 
 
-async def soak(args: argparse.Namespace, server: Server, port: int, grpc_port: int, socket: str,
-               data_dir: Path) -> int:
+async def soak(args: argparse.Namespace, server: Server, port: int, grpc_port: int, socket: str, data_dir: Path) -> int:
     pid = server.proc.pid  # type: ignore[union-attr]
     runner = Soak(args, port, grpc_port, socket, random.Random(args.seed))
     samples: list[tuple[float, int, float, float, float]] = []  # (s, rss, running, kv used, kv cached)
@@ -252,9 +296,15 @@ async def soak(args: argparse.Namespace, server: Server, port: int, grpc_port: i
         async def sample() -> None:
             while True:
                 text = (await http.get(f"{runner.base}/metrics")).text
-                samples.append((time.monotonic() - started, proc_status(pid, "VmRSS"),
-                                metric(text, "rill_num_requests_running"), metric(text, "rill_kv_cache_used_bytes"),
-                                metric(text, "rill_kv_cache_cached_bytes")))
+                samples.append(
+                    (
+                        time.monotonic() - started,
+                        proc_status(pid, "VmRSS"),
+                        metric(text, "rill_num_requests_running"),
+                        metric(text, "rill_kv_cache_used_bytes"),
+                        metric(text, "rill_kv_cache_cached_bytes"),
+                    )
+                )
                 await asyncio.sleep(10)
 
         sampler = asyncio.create_task(sample())
@@ -274,16 +324,20 @@ async def soak(args: argparse.Namespace, server: Server, port: int, grpc_port: i
     minute = [s for s in samples if s[0] <= 60]
     last = [s for s in samples if s[0] >= samples[-1][0] - 60] if samples else []
     mean = lambda rows: sum(r[1] for r in rows) / max(1, len(rows)) / 2**20  # noqa: E731
-    print(f"RSS: first minute {mean(minute):.0f} MiB, last minute {mean(last):.0f} MiB, "
-          f"max {max((s[1] for s in samples), default=0) / 2**20:.0f} MiB, after quiet {rss_end / 2**20:.0f} MiB")
+    print(
+        f"RSS: first minute {mean(minute):.0f} MiB, last minute {mean(last):.0f} MiB, "
+        f"max {max((s[1] for s in samples), default=0) / 2**20:.0f} MiB, after quiet {rss_end / 2**20:.0f} MiB"
+    )
     print("RSS every 10 s (MiB): " + " ".join(f"{s[1] / 2**20:.0f}" for s in samples))
     print("of which prefix cache (MiB): " + " ".join(f"{s[4] / 2**20:.0f}" for s in samples))
     print(f"after the soak: {running:.0f} running requests, {kv:.0f} KV bytes in use")
     with sqlite3.connect(data_dir / "feedback.sqlite3") as db:
         stored = {row[0] for row in db.execute("SELECT text FROM feedback")}
     missing = [m for m in runner.acknowledged if m not in stored]
-    print(f"feedback: {len(runner.acknowledged)} acknowledged, {len(runner.acknowledged) - len(missing)} stored, "
-          f"{len(missing)} missing")
+    print(
+        f"feedback: {len(runner.acknowledged)} acknowledged, {len(runner.acknowledged) - len(missing)} stored, "
+        f"{len(missing)} missing"
+    )
     return 0 if (running == 0 and kv == 0 and not missing) else 1
 
 
@@ -299,9 +353,25 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="rill-soak-") as tmp:
         data_dir, socket = Path(tmp) / "data", str(Path(tmp) / "rill.sock")
         port, grpc_port = free_port(), free_port()
-        cmd = [sys.executable, "-m", "rill", "serve", "--model", str(model_dir), "--port", str(port),
-               "--grpc-port", str(grpc_port), "--socket", socket, "--log-level", "warning",
-               "--data-dir", str(data_dir), *args.server_arg]
+        cmd = [
+            sys.executable,
+            "-m",
+            "rill",
+            "serve",
+            "--model",
+            str(model_dir),
+            "--port",
+            str(port),
+            "--grpc-port",
+            str(grpc_port),
+            "--socket",
+            socket,
+            "--log-level",
+            "warning",
+            "--data-dir",
+            str(data_dir),
+            *args.server_arg,
+        ]
         with Server("rill", cmd, port, Path(tmp) / "server.log", "/health") as server:
             server.wait_ready(300)
             code = asyncio.run(soak(args, server, port, grpc_port, socket, data_dir))

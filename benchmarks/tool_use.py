@@ -26,20 +26,49 @@ import httpx
 import jsonschema
 
 TOOLS: list[dict[str, Any]] = [
-    {"type": "function", "function": {
-        "name": "get_weather", "description": "Current weather in a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
-                       "additionalProperties": False}}},
-    {"type": "function", "function": {
-        "name": "get_time", "description": "Current local time in a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
-                       "additionalProperties": False}}},
-    {"type": "function", "function": {
-        "name": "convert_currency", "description": "Convert an amount of money from one currency to another",
-        "parameters": {"type": "object", "properties": {
-            "amount": {"type": "number"}, "source": {"type": "string", "description": "ISO code, e.g. USD"},
-            "target": {"type": "string", "description": "ISO code, e.g. EUR"}},
-            "required": ["amount", "source", "target"], "additionalProperties": False}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "description": "Current local time in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "convert_currency",
+            "description": "Convert an amount of money from one currency to another",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "amount": {"type": "number"},
+                    "source": {"type": "string", "description": "ISO code, e.g. USD"},
+                    "target": {"type": "string", "description": "ISO code, e.g. EUR"},
+                },
+                "required": ["amount", "source", "target"],
+                "additionalProperties": False,
+            },
+        },
+    },
 ]
 
 PROMPTS: list[tuple[str, str | None]] = [
@@ -106,8 +135,14 @@ def text_call(content: str | None) -> str | None:
 
 def ask(client: httpx.Client, url: str, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
     """One greedy chat completion with the tools at ``tool_choice: auto``."""
-    body = {"model": model, "temperature": 0, "max_tokens": max_tokens, "tools": TOOLS, "tool_choice": "auto",
-            "messages": [{"role": "user", "content": prompt}]}
+    body = {
+        "model": model,
+        "temperature": 0,
+        "max_tokens": max_tokens,
+        "tools": TOOLS,
+        "tool_choice": "auto",
+        "messages": [{"role": "user", "content": prompt}],
+    }
     reply = client.post(f"{url}/v1/chat/completions", json=body, timeout=600)
     reply.raise_for_status()
     return reply.json()["choices"][0]["message"]
@@ -134,18 +169,22 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name:>13}  expected {str(expected):>16}  got {shown:>24}  {prompt[:48]!r}", flush=True)
             results[name] = rows
     print()
-    print(f"{'system':>13}  {'scoring':>18}  right  (call needed / none needed / which tool)  wrong tool  missed  "
-          "false calls")
+    print(
+        f"{'system':>13}  {'scoring':>18}  right  (call needed / none needed / which tool)  wrong tool  missed  "
+        "false calls"
+    )
     for name, rows in results.items():
         for label, index in (("as served", 0), ("+ text calls", 1)):
             got = [row[index] for row in rows]
             right = [g == e for g, (_, e) in zip(got, PROMPTS)]
-            parts = [sum(right[i:i + 10]) for i in (0, 10, 20)]
+            parts = [sum(right[i : i + 10]) for i in (0, 10, 20)]
             wrong = sum(1 for g, (_, e) in zip(got, PROMPTS) if g and e and g != e)
             missed = sum(1 for g, (_, e) in zip(got, PROMPTS) if e and not g)
             false = sum(1 for g, (_, e) in zip(got, PROMPTS) if g and not e)
-            print(f"{name:>13}  {label:>18}  {sum(right):>2}/30  ({parts[0]}/10 / {parts[1]}/10 / {parts[2]}/10)"
-                  f"  {wrong:>10}  {missed:>6}  {false:>11}")
+            print(
+                f"{name:>13}  {label:>18}  {sum(right):>2}/30  ({parts[0]}/10 / {parts[1]}/10 / {parts[2]}/10)"
+                f"  {wrong:>10}  {missed:>6}  {false:>11}"
+            )
     return 0
 
 

@@ -226,16 +226,26 @@ def spec_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session", params=["ngram", "draft"])
-def spec_server(request: pytest.FixtureRequest, spec_model_dir: Path,
-                tmp_path_factory: pytest.TempPathFactory) -> LiveServer:
+def spec_server(
+    request: pytest.FixtureRequest, spec_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> LiveServer:
     """A shared server that speculates (int8 weights) on every protocol: HTTP and WebSockets, the
     Unix socket (``config.uds.socket``) and gRPC (``config.evergreen.grpc_port``); once with
     prompt lookup, once with a draft model (the tiny model drafting for itself, on its own
     runner and KV rows). Tests must leave it idle."""
     socket_path = tmp_path_factory.mktemp("spec-uds") / "rill.sock"
-    method = {"engine.speculative": "ngram"} if request.param == "ngram" else {"engine.draft_model": str(spec_model_dir)}
-    live = start_server(spec_model_dir, **method, **{"engine.weights": "int8", "uds.no_socket": False,
-                                                     "uds.socket": str(socket_path),
-                                                     "evergreen.grpc_port": free_port()})
+    method = (
+        {"engine.speculative": "ngram"} if request.param == "ngram" else {"engine.draft_model": str(spec_model_dir)}
+    )
+    live = start_server(
+        spec_model_dir,
+        **method,
+        **{
+            "engine.weights": "int8",
+            "uds.no_socket": False,
+            "uds.socket": str(socket_path),
+            "evergreen.grpc_port": free_port(),
+        },
+    )
     yield live
     live.stop()

@@ -45,10 +45,18 @@ KEYS = {protocol: f"key-{protocol}" for protocol in PROTOCOLS}
 def live(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> LiveServer:
     """Every protocol on, one key per protocol, the token cap and the request rate limit."""
     sock = tmp_path_factory.mktemp("uds") / "rill.sock"
-    server = start_server(tiny_model_dir, **{
-        "uds.no_socket": False, "uds.socket": str(sock), "evergreen.grpc_port": free_port(),
-        "http.api_key": list(KEYS.values()), "http.max_tokens_cap": CAP,
-        "http.rate_limit_requests": LIMIT, "http.rate_limit_window": 3600.0})
+    server = start_server(
+        tiny_model_dir,
+        **{
+            "uds.no_socket": False,
+            "uds.socket": str(sock),
+            "evergreen.grpc_port": free_port(),
+            "http.api_key": list(KEYS.values()),
+            "http.max_tokens_cap": CAP,
+            "http.rate_limit_requests": LIMIT,
+            "http.rate_limit_window": 3600.0,
+        },
+    )
     yield server
     server.stop()
 
@@ -91,8 +99,14 @@ async def generate_ws(live: LiveServer, key: str, max_tokens: int) -> int | None
 async def batch_ws(live: LiveServer, key: str, max_tokens: int) -> int | None:
     try:
         async with connect(f"{live.ws_url}/ws", additional_headers=bearer(key)) as ws:
-            await ws.send(json.dumps({"prompts": [{"request_id": uuid.uuid4().hex, "prompt": PROMPT}],
-                                      "generation_config": {"do_sample": False, "max_new_tokens": max_tokens}}))
+            await ws.send(
+                json.dumps(
+                    {
+                        "prompts": [{"request_id": uuid.uuid4().hex, "prompt": PROMPT}],
+                        "generation_config": {"do_sample": False, "max_new_tokens": max_tokens},
+                    }
+                )
+            )
             while True:
                 for event in await recv_json(ws):
                     if event.get("type") == "ERROR" or "error" in event:
@@ -104,8 +118,11 @@ async def batch_ws(live: LiveServer, key: str, max_tokens: int) -> int | None:
 
 
 async def chat_ws(live: LiveServer, key: str, max_tokens: int) -> int | None:
-    request = {"messages": [{"role": "user", "content": "Tell me a story."}], "tts": {"enabled": False},
-               "generation": {"max_new_tokens": max_tokens, "min_new_tokens": max_tokens}}
+    request = {
+        "messages": [{"role": "user", "content": "Tell me a story."}],
+        "tts": {"enabled": False},
+        "generation": {"max_new_tokens": max_tokens, "min_new_tokens": max_tokens},
+    }
     try:
         async with connect(f"{live.ws_url}/ws/chat", additional_headers=bearer(key)) as ws:
             await ws.send(json.dumps(request))
@@ -158,8 +175,11 @@ async def evergreen_ws(live: LiveServer, key: str, max_tokens: int) -> int | Non
 
 async def openai_http(live: LiveServer, key: str, max_tokens: int) -> int | None:
     async with httpx.AsyncClient(base_url=live.url, timeout=WAIT_S) as http:
-        res = await http.post("/v1/completions", headers=bearer(key),
-                              json={"prompt": PROMPT, "max_tokens": max_tokens, "ignore_eos": True})
+        res = await http.post(
+            "/v1/completions",
+            headers=bearer(key),
+            json={"prompt": PROMPT, "max_tokens": max_tokens, "ignore_eos": True},
+        )
     if res.status_code != 200:
         raise Refused(res.status_code, res)
     return res.json()["usage"]["completion_tokens"]
@@ -168,8 +188,9 @@ async def openai_http(live: LiveServer, key: str, max_tokens: int) -> int | None
 async def framed_uds(live: LiveServer, key: str, max_tokens: int) -> int | None:
     def run() -> list[dict[str, Any]]:
         with UdsClient(live.config.uds.socket) as client:
-            return list(client.generate({"id": uuid.uuid4().hex, "prompt": PROMPT, "max_tokens": max_tokens,
-                                         "api_key": key}))
+            return list(
+                client.generate({"id": uuid.uuid4().hex, "prompt": PROMPT, "max_tokens": max_tokens, "api_key": key})
+            )
 
     events = await asyncio.to_thread(run)
     if events[-1]["event"] == "error":
@@ -179,8 +200,13 @@ async def framed_uds(live: LiveServer, key: str, max_tokens: int) -> int | None:
 
 
 CLIENTS: dict[str, Callable[[LiveServer, str, int], Awaitable[int | None]]] = {
-    "generate_ws": generate_ws, "batch_ws": batch_ws, "chat_ws": chat_ws, "evergreen_grpc": evergreen_grpc,
-    "evergreen_ws": evergreen_ws, "openai_http": openai_http, "framed_uds": framed_uds,
+    "generate_ws": generate_ws,
+    "batch_ws": batch_ws,
+    "chat_ws": chat_ws,
+    "evergreen_grpc": evergreen_grpc,
+    "evergreen_ws": evergreen_ws,
+    "openai_http": openai_http,
+    "framed_uds": framed_uds,
 }
 
 RATE_LIMITED = {
@@ -194,8 +220,10 @@ RATE_LIMITED = {
 }
 """How each protocol says "rate limited"."""
 
-UNAUTHENTICATED = dict.fromkeys(PROTOCOLS, 401) | {"evergreen_grpc": "UNAUTHENTICATED",
-                                                               "framed_uds": "E_AUTH_UNAUTHORIZED"}
+UNAUTHENTICATED = dict.fromkeys(PROTOCOLS, 401) | {
+    "evergreen_grpc": "UNAUTHENTICATED",
+    "framed_uds": "E_AUTH_UNAUTHORIZED",
+}
 """How each protocol refuses a key: WebSocket handshakes and HTTP answer 401, gRPC and the Unix
 socket their own codes."""
 

@@ -152,9 +152,12 @@ def test_the_checks_catch_a_violation() -> None:
     # An engine module importing the frontend (layer 5 > 4), even inside a function.
     planted = "def f():\n    from rill.frontend import client\n"
     assert upward_imports(SRC / "engine" / "probe.py", planted, LAYERS) == [
-        "rill.frontend (layer 5 > 4)", "rill.frontend.client (layer 5 > 4)"]
+        "rill.frontend (layer 5 > 4)",
+        "rill.frontend.client (layer 5 > 4)",
+    ]
     # Two modules importing each other at module level form a cycle; inside a function, not.
     assert run_time_cycles({"rill.a": "import rill.b\n", "rill.b": "from rill import a\n", "rill": ""}) == [
-        ["rill.a", "rill.b"]]
+        ["rill.a", "rill.b"]
+    ]
     assert run_time_cycles({"rill.a": "import rill.b\n", "rill.b": "def f():\n    import rill.a\n", "rill": ""}) == []
     assert layer_table("| 3 | `x`, `y` | z |\n| 4 | `w` | v |\n") == {"x": 3, "y": 3, "w": 4}

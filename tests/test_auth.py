@@ -9,10 +9,22 @@ import pytest
 from rill import auth
 
 
-@pytest.mark.parametrize("value, token", [
-    ("Bearer k1", "k1"), ("bearer k1", "k1"), ("BEARER k1", "k1"), ("  Bearer   k1 ", "k1"), (b"Bearer k1", "k1"),
-    ("Bearer ", None), ("Bearer", None), ("k1", None), ("Basic k1", None), ("", None), (None, None),
-])
+@pytest.mark.parametrize(
+    "value, token",
+    [
+        ("Bearer k1", "k1"),
+        ("bearer k1", "k1"),
+        ("BEARER k1", "k1"),
+        ("  Bearer   k1 ", "k1"),
+        (b"Bearer k1", "k1"),
+        ("Bearer ", None),
+        ("Bearer", None),
+        ("k1", None),
+        ("Basic k1", None),
+        ("", None),
+        (None, None),
+    ],
+)
 def test_bearer_token(value: str | bytes | None, token: str | None) -> None:
     assert auth.bearer_token(value) == token
 
@@ -40,8 +52,18 @@ def test_key_subprotocol_round_trips_every_key_as_a_token(key: str) -> None:
     assert auth.subprotocol_key(["rill", offered]) == key
 
 
-@pytest.mark.parametrize("offered", [[], ["rill"], ["rill.key."], ["rill.key.!!!"], ["rill.key.//"],
-                                     ["rill.key." + "A" * (auth.MAX_KEY_SUBPROTOCOL_CHARS + 1)], ["rill.key._w"]])
+@pytest.mark.parametrize(
+    "offered",
+    [
+        [],
+        ["rill"],
+        ["rill.key."],
+        ["rill.key.!!!"],
+        ["rill.key.//"],
+        ["rill.key." + "A" * (auth.MAX_KEY_SUBPROTOCOL_CHARS + 1)],
+        ["rill.key._w"],
+    ],
+)
 def test_malformed_key_subprotocols_present_no_key(offered: list[str]) -> None:
     assert auth.subprotocol_key(offered) is None
 
@@ -55,8 +77,10 @@ def test_websocket_key_prefers_the_header_then_the_subprotocol_then_the_query() 
 
 
 def test_query_keys_are_redacted_from_log_text() -> None:
-    assert auth.redact_query_keys('"WebSocket /generate?api_key=s3cret" [accepted]') == \
-        '"WebSocket /generate?api_key=***" [accepted]'
+    assert (
+        auth.redact_query_keys('"WebSocket /generate?api_key=s3cret" [accepted]')
+        == '"WebSocket /generate?api_key=***" [accepted]'
+    )
     assert auth.redact_query_keys("GET /x?a=1&API_KEY=s3cret&b=2 HTTP/1.1") == "GET /x?a=1&API_KEY=***&b=2 HTTP/1.1"
     assert auth.redact_query_keys("no key here") == "no key here"
 

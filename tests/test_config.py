@@ -59,8 +59,15 @@ def test_config_file_from_the_environment(tmp_path: Path) -> None:
 
 
 def test_env_conversions() -> None:
-    cfg = config.load({}, env={"RILL_API_KEY": "a, b,,c", "RILL_NO_SOCKET": "yes", "RILL_SSE_KEEPALIVE_S": "0.5",
-                               "RILL_MAX_TOKENS_CAP": ""})
+    cfg = config.load(
+        {},
+        env={
+            "RILL_API_KEY": "a, b,,c",
+            "RILL_NO_SOCKET": "yes",
+            "RILL_SSE_KEEPALIVE_S": "0.5",
+            "RILL_MAX_TOKENS_CAP": "",
+        },
+    )
     assert cfg.policy.api_key == ["a", "b", "c"]
     assert cfg.uds.no_socket is True and cfg.http.sse_keepalive_s == 0.5
     assert cfg.policy.max_tokens_cap is None  # empty means unset for an optional setting
@@ -171,8 +178,14 @@ def test_a_bad_key_in_the_file_names_its_line(tmp_path: Path) -> None:
 
 
 def test_per_client_shares_default_to_an_eighth_of_their_total() -> None:
-    cfg = config.load({"connections.max_connections": "400", "http.feedback_max_store_bytes": "8MiB",
-                       "http.forwarded_allow_ips": ["10.0.0.0/8", "127.0.0.1"]}, env={})
+    cfg = config.load(
+        {
+            "connections.max_connections": "400",
+            "http.feedback_max_store_bytes": "8MiB",
+            "http.forwarded_allow_ips": ["10.0.0.0/8", "127.0.0.1"],
+        },
+        env={},
+    )
     assert cfg.connections.per_client_limit() == 50 and cfg.http.feedback_quota_bytes() == 1024 * 1024
     assert cfg.http.forwarded_allow_ips == ["10.0.0.0/8", "127.0.0.1"]
     assert config.load({}, env={}).http.forwarded_allow_ips == []  # default: no proxy believed
@@ -190,7 +203,11 @@ def test_policy_settings_have_their_own_section_and_keep_their_old_names(tmp_pat
     flags = _config_flags(args)
     assert {"policy.max_tokens_cap", "policy.api_key", "policy.rate_limit_burst"} <= set(flags)
     from_flags = config.load(flags, env={})
-    assert (from_flags.policy.max_tokens_cap, from_flags.api_keys(), from_flags.policy.rate_limit_burst) == (9, {"k"}, 5)
+    assert (from_flags.policy.max_tokens_cap, from_flags.api_keys(), from_flags.policy.rate_limit_burst) == (
+        9,
+        {"k"},
+        5,
+    )
     assert config.load({"http.max_tokens_cap": "4"}, env={}).policy.max_tokens_cap == 4
     with pytest.raises(ConfigError, match="unknown setting 'port' in \\[policy\\]"):
         config.load({"config": _toml(tmp_path, "[policy]\nport = 1\n")}, env={})

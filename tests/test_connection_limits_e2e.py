@@ -34,13 +34,16 @@ CLOSE_WAIT_S = 120  # a hang bound, never a pass condition
 
 @pytest.fixture(scope="module")
 def limited_server(tiny_model_dir) -> LiveServer:
-    live = start_server(tiny_model_dir, **{
-        "connections.max_connections": 400,
-        "connections.max_connections_per_client": PER_CLIENT,
-        "connections.first_message_timeout_s": TIMEOUT_S,
-        "connections.header_timeout_s": TIMEOUT_S,
-        "connections.body_timeout_s": TIMEOUT_S,
-    })
+    live = start_server(
+        tiny_model_dir,
+        **{
+            "connections.max_connections": 400,
+            "connections.max_connections_per_client": PER_CLIENT,
+            "connections.first_message_timeout_s": TIMEOUT_S,
+            "connections.header_timeout_s": TIMEOUT_S,
+            "connections.body_timeout_s": TIMEOUT_S,
+        },
+    )
     yield live
     live.stop()
 
@@ -72,11 +75,15 @@ def _opening_bytes(kind: str, port: int) -> bytes:
     if kind == "headers":
         return f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: app".encode()
     if kind == "body":
-        return (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-                f"Content-Length: 200\r\n\r\n{{\"messages\": [").encode()
+        return (
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f'Content-Length: 200\r\n\r\n{{"messages": ['
+        ).encode()
     key = base64.b64encode(os.urandom(16)).decode()
-    return (f"GET /ws/chat HTTP/1.1\r\nHost: {host}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-            f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n").encode()
+    return (
+        f"GET /ws/chat HTTP/1.1\r\nHost: {host}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+        f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n"
+    ).encode()
 
 
 async def _open(kind: str, port: int) -> Idle:
@@ -137,7 +144,8 @@ def _gauge(metrics: str, name: str) -> float:
 
 
 async def test_idle_connections_are_refused_past_the_limit_and_closed_after_the_timeout(
-        limited_server: LiveServer) -> None:
+    limited_server: LiveServer,
+) -> None:
     _allow_many_files(IDLE_CONNECTIONS + 2000)
     port = limited_server.port
     kinds = ("bare", "headers", "body", "ws")
@@ -164,8 +172,12 @@ async def test_idle_connections_are_refused_past_the_limit_and_closed_after_the_
     # Every idle connection ended with its protocol's answer: 503 at once past the limit,
     # else 408 (headers or body not complete in time; a silent close if nothing was sent) or
     # WebSocket close 1008 (no first message).
-    expected = {"bare": {"refused", "closed silently"}, "headers": {"refused", "timed out"},
-                "body": {"refused", "timed out"}, "ws": {"refused", "closed 1008"}}
+    expected = {
+        "bare": {"refused", "closed silently"},
+        "headers": {"refused", "timed out"},
+        "body": {"refused", "timed out"},
+        "ws": {"refused", "closed 1008"},
+    }
     for kind, seen in outcomes.items():
         assert set(seen) <= expected[kind], (kind, seen)
     timed_out = sum(n for seen in outcomes.values() for outcome, n in seen.items() if outcome != "refused")
@@ -176,6 +188,7 @@ async def test_idle_connections_are_refused_past_the_limit_and_closed_after_the_
 
     # Nothing is left behind: once the server has seen every close, the gate counts none of them.
     async with httpx.AsyncClient(base_url=limited_server.url) as http:
+
         async def only_this_client() -> bool:
             return _gauge((await http.get("/metrics")).text, "rill_connections_open") == 1
 

@@ -75,8 +75,10 @@ def test_a_refused_http_connection_is_answered_in_the_format_the_server_passes()
     transport = _Transport(("10.0.0.1", 5000))
     GuardedProtocol(asyncio.Protocol(), gate, 1.0, render).connection_made(transport)
     assert len(refusals) == 1 and isinstance(refusals[0], TooManyConnections)
-    assert transport.written == (b"HTTP/1.1 503 Service Unavailable\r\nretry-after: 1\r\ncontent-type: application/json\r\n"
-                                 b"content-length: 16\r\nconnection: close\r\n\r\n{\"error\":\"full\"}")
+    assert transport.written == (
+        b"HTTP/1.1 503 Service Unavailable\r\nretry-after: 1\r\ncontent-type: application/json\r\n"
+        b'content-length: 16\r\nconnection: close\r\n\r\n{"error":"full"}'
+    )
     assert transport.closed and gate.total == 1
 
 

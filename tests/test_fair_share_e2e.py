@@ -33,13 +33,16 @@ HTTP_SOURCE, WS_SOURCE = "127.0.0.2", "127.0.0.3"  # the served client comes fro
 
 @pytest.fixture(scope="module")
 def small_server(tiny_model_dir) -> LiveServer:
-    live = start_server(tiny_model_dir, **{
-        "connections.max_connections": MAX_CONNECTIONS,
-        "connections.max_connections_per_client": PER_CLIENT,
-        # Long: no idle connection may end by its own timeout while the test runs.
-        "connections.first_message_timeout_s": 600.0,
-        "connections.header_timeout_s": 600.0,
-    })
+    live = start_server(
+        tiny_model_dir,
+        **{
+            "connections.max_connections": MAX_CONNECTIONS,
+            "connections.max_connections_per_client": PER_CLIENT,
+            # Long: no idle connection may end by its own timeout while the test runs.
+            "connections.first_message_timeout_s": 600.0,
+            "connections.header_timeout_s": 600.0,
+        },
+    )
     yield live
     live.stop()
 
@@ -67,8 +70,12 @@ async def _idle_websocket(port: int) -> tuple[asyncio.StreamReader, asyncio.Stre
     """A WebSocket that was accepted and never sends its first message."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(WS_SOURCE, 0))
     key = base64.b64encode(os.urandom(16)).decode()
-    writer.write((f"GET /ws/chat HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-                  f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n").encode())
+    writer.write(
+        (
+            f"GET /ws/chat HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+            f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n"
+        ).encode()
+    )
     head = await _read_head(reader)
     assert head.startswith(b"HTTP/1.1 101"), head
     return reader, writer
@@ -92,9 +99,9 @@ def _close_codes(frames: bytes) -> list[int]:
         opcode, length = frames[at] & 0x0F, frames[at + 1] & 0x7F
         header = 2 + (2 if length == 126 else 8 if length == 127 else 0)
         if length >= 126:
-            length = int.from_bytes(frames[at + 2:at + header], "big")
+            length = int.from_bytes(frames[at + 2 : at + header], "big")
         if opcode == 8 and length >= 2:
-            codes.append(struct.unpack("!H", frames[at + header:at + header + 2])[0])
+            codes.append(struct.unpack("!H", frames[at + header : at + header + 2])[0])
         at += header + length
     return codes
 
@@ -110,9 +117,15 @@ async def test_two_addresses_holding_idle_sockets_cannot_lock_a_third_out(small_
             break
         await asyncio.sleep(0.02)
     assert small_server.call(lambda: (gate.total, gate.num_idle, dict(gate.per_client))) == (
-        MAX_CONNECTIONS, MAX_CONNECTIONS, {HTTP_SOURCE: HELD, WS_SOURCE: HELD})
-    watchers = {asyncio.create_task(_until_closed(reader)): source
-                for source, held in ((HTTP_SOURCE, held_http), (WS_SOURCE, held_ws)) for reader, _ in held}
+        MAX_CONNECTIONS,
+        MAX_CONNECTIONS,
+        {HTTP_SOURCE: HELD, WS_SOURCE: HELD},
+    )
+    watchers = {
+        asyncio.create_task(_until_closed(reader)): source
+        for source, held in ((HTTP_SOURCE, held_http), (WS_SOURCE, held_ws))
+        for reader, _ in held
+    }
 
     # A third address, on two connections at once: both are served. Its fair share is
     # 8 // 3 = 2; each connection closes an idle one of the address holding the most (4),
@@ -131,8 +144,9 @@ async def test_two_addresses_holding_idle_sockets_cannot_lock_a_third_out(small_
         assert reply.status_code == 200, reply.text
 
     while sum(w.done() for w in watchers) < 2:
-        done, _ = await asyncio.wait([w for w in watchers if not w.done()], timeout=HANG_S,
-                                     return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(
+            [w for w in watchers if not w.done()], timeout=HANG_S, return_when=asyncio.FIRST_COMPLETED
+        )
         assert done, f"the server closed {sum(w.done() for w in watchers)} idle connections to make room, not 2"
     closed: dict[str, bytes] = {}
     for watcher, source in watchers.items():
@@ -165,8 +179,10 @@ async def test_a_connection_with_a_request_in_flight_is_never_closed_to_make_roo
         # 127.0.0.2 holds the most (5), all with a request in flight; 127.0.0.3 holds 3 idle.
         busy = [asyncio.create_task(complete(HTTP_SOURCE)) for _ in range(PER_CLIENT)]
         await wait_waiting(small_server, PER_CLIENT)
-        idle = [await asyncio.open_connection("127.0.0.1", port, local_addr=(WS_SOURCE, 0))
-                for _ in range(MAX_CONNECTIONS - PER_CLIENT)]
+        idle = [
+            await asyncio.open_connection("127.0.0.1", port, local_addr=(WS_SOURCE, 0))
+            for _ in range(MAX_CONNECTIONS - PER_CLIENT)
+        ]
         for _ in range(HANG_S * 50):
             if small_server.call(lambda: (gate.total, gate.num_idle)) == (MAX_CONNECTIONS, 3):
                 break

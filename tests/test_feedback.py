@@ -12,8 +12,19 @@ from rill.feedback import FeedbackStore
 
 def test_store_round_trip_and_ids(tmp_path: Path) -> None:
     store = FeedbackStore(tmp_path / "d")
-    first = store.add({"request_id": "gen_1", "rating": 1, "text": "good", "position": 3, "model": "m",
-                       "prompt": "p", "generated_text": "g", "is_generation_finished": True}, api_key_hint="abcd")
+    first = store.add(
+        {
+            "request_id": "gen_1",
+            "rating": 1,
+            "text": "good",
+            "position": 3,
+            "model": "m",
+            "prompt": "p",
+            "generated_text": "g",
+            "is_generation_finished": True,
+        },
+        api_key_hint="abcd",
+    )
     second = store.add({"request_id": "gen_2", "rating": -0.5})
     assert second == first + 1
     records = list(FeedbackStore(tmp_path / "d").records())  # another connection sees both commits
@@ -29,16 +40,23 @@ def test_export_prints_json_lines(tmp_path: Path) -> None:
     store.add({"request_id": "gen_1", "rating": 1, "text": "héllo\nworld"})
     store.add({"request_id": "gen_2", "rating": 0})
     store.close()
-    out = subprocess.run([sys.executable, "-m", "rill", "feedback", "export", "--data-dir", str(tmp_path)],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "rill", "feedback", "export", "--data-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     lines = out.splitlines()
     assert len(lines) == 2
     assert json.loads(lines[0])["text"] == "héllo\nworld" and json.loads(lines[1])["request_id"] == "gen_2"
 
 
 def test_export_without_a_store_says_so(tmp_path: Path) -> None:
-    res = subprocess.run([sys.executable, "-m", "rill", "feedback", "export", "--data-dir", str(tmp_path / "none")],
-                         capture_output=True, text=True)
+    res = subprocess.run(
+        [sys.executable, "-m", "rill", "feedback", "export", "--data-dir", str(tmp_path / "none")],
+        capture_output=True,
+        text=True,
+    )
     assert res.returncode == 0 and res.stdout == "" and "no feedback stored yet" in res.stderr
 
 
@@ -54,10 +72,31 @@ def test_feedback_survives_sigkill_after_the_ack(tiny_model_dir: Path, tmp_path:
 
     port, data_dir = free_port(), tmp_path / "data"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rill", "serve", "--model", str(tiny_model_dir), "--port", str(port),
-         "--data-dir", str(data_dir), "--no-socket", "--grpc-port", "0", "--dtype", "float32",
-         "--kv-cache-memory", "64MiB", "--log-level", "warning"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=os.environ | {"HF_HUB_OFFLINE": "1"})
+        [
+            sys.executable,
+            "-m",
+            "rill",
+            "serve",
+            "--model",
+            str(tiny_model_dir),
+            "--port",
+            str(port),
+            "--data-dir",
+            str(data_dir),
+            "--no-socket",
+            "--grpc-port",
+            "0",
+            "--dtype",
+            "float32",
+            "--kv-cache-memory",
+            "64MiB",
+            "--log-level",
+            "warning",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=os.environ | {"HF_HUB_OFFLINE": "1"},
+    )
     try:
         deadline = time.monotonic() + 90
         while True:  # poll readiness (a start-up wait, not a timing assertion)
@@ -85,11 +124,16 @@ def test_feedback_survives_sigkill_after_the_ack(tiny_model_dir: Path, tmp_path:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    out = subprocess.run([sys.executable, "-m", "rill", "feedback", "export", "--data-dir", str(data_dir)],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "rill", "feedback", "export", "--data-dir", str(data_dir)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     records = [json.loads(line) for line in out.splitlines()]
-    assert [(r["id"], r["rating"], r["text"], r["position"], r["request_id"]) for r in records] == \
-        [(ack["feedback_id"], -1.0, "kill -9 me", 1, ack["request_id"])]
+    assert [(r["id"], r["rating"], r["text"], r["position"], r["request_id"]) for r in records] == [
+        (ack["feedback_id"], -1.0, "kill -9 me", 1, ack["request_id"])
+    ]
     assert records[0]["request_id"] == init["request_id"] and records[0]["generated_text"] is not None
 
 
@@ -141,9 +185,11 @@ def test_a_store_from_before_the_truncated_column_is_upgraded(tmp_path: Path) ->
     import sqlite3
 
     db = sqlite3.connect(tmp_path / "feedback.sqlite3")
-    db.execute("CREATE TABLE feedback (id INTEGER PRIMARY KEY AUTOINCREMENT, created_at REAL NOT NULL, protocol TEXT "
-               "NOT NULL, request_id TEXT, rating REAL NOT NULL, text TEXT, position INTEGER, model TEXT, prompt TEXT, "
-               "generated_text TEXT, is_generation_finished INTEGER, api_key_hint TEXT)")
+    db.execute(
+        "CREATE TABLE feedback (id INTEGER PRIMARY KEY AUTOINCREMENT, created_at REAL NOT NULL, protocol TEXT "
+        "NOT NULL, request_id TEXT, rating REAL NOT NULL, text TEXT, position INTEGER, model TEXT, prompt TEXT, "
+        "generated_text TEXT, is_generation_finished INTEGER, api_key_hint TEXT)"
+    )
     db.execute("INSERT INTO feedback (created_at, protocol, rating) VALUES (1, 'generate_ws', 1)")
     db.commit()
     db.close()
@@ -166,9 +212,18 @@ def test_a_hundred_feedback_records_on_one_generation_store_its_prompt_once(tmp_
     store.add({"request_id": "warm", "rating": 1})  # the tables' first pages exist before measuring
     before = store.used_bytes()
     for i in range(100):
-        store.add({"request_id": "gen_1", "rating": 1, "text": "good", "position": i, "prompt": PROMPT,
-                   "generated_text": "The figures rose.", "is_generation_finished": True},
-                  principal="peer:10.0.0.1")
+        store.add(
+            {
+                "request_id": "gen_1",
+                "rating": 1,
+                "text": "good",
+                "position": i,
+                "prompt": PROMPT,
+                "generated_text": "The figures rose.",
+                "is_generation_finished": True,
+            },
+            principal="peer:10.0.0.1",
+        )
     grown = store.used_bytes() - before
     # Before: every record held its own copy, 100 x 13 KB = 1.3 MB for 100 short ratings.
     assert grown < len(PROMPT) + 100 * 400, grown
@@ -238,22 +293,33 @@ def test_a_store_written_by_the_previous_layout_opens_and_exports(tmp_path: Path
     import sqlite3
 
     db = sqlite3.connect(tmp_path / "feedback.sqlite3")  # the layout with texts inline in every row
-    db.execute("CREATE TABLE feedback (id INTEGER PRIMARY KEY AUTOINCREMENT, created_at REAL NOT NULL, protocol TEXT "
-               "NOT NULL, request_id TEXT, rating REAL NOT NULL, text TEXT, position INTEGER, model TEXT, prompt TEXT, "
-               "generated_text TEXT, is_generation_finished INTEGER, api_key_hint TEXT, truncated TEXT)")
+    db.execute(
+        "CREATE TABLE feedback (id INTEGER PRIMARY KEY AUTOINCREMENT, created_at REAL NOT NULL, protocol TEXT "
+        "NOT NULL, request_id TEXT, rating REAL NOT NULL, text TEXT, position INTEGER, model TEXT, prompt TEXT, "
+        "generated_text TEXT, is_generation_finished INTEGER, api_key_hint TEXT, truncated TEXT)"
+    )
     db.execute("CREATE INDEX feedback_created_at ON feedback (created_at)")
     for i in range(2):
-        db.execute("INSERT INTO feedback (created_at, protocol, request_id, rating, prompt, generated_text) "
-                   "VALUES (?, 'generate_ws', 'gen_old', 1, ?, 'out')", (float(i), PROMPT))
+        db.execute(
+            "INSERT INTO feedback (created_at, protocol, request_id, rating, prompt, generated_text) "
+            "VALUES (?, 'generate_ws', 'gen_old', 1, ?, 'out')",
+            (float(i), PROMPT),
+        )
     db.commit()
     db.close()
     store = FeedbackStore(tmp_path)
     for _ in range(3):
-        store.add({"request_id": "gen_new", "rating": -1, "prompt": PROMPT, "generated_text": "out"},
-                  principal="peer:10.0.0.2")
+        store.add(
+            {"request_id": "gen_new", "rating": -1, "prompt": PROMPT, "generated_text": "out"},
+            principal="peer:10.0.0.2",
+        )
     store.close()
-    out = subprocess.run([sys.executable, "-m", "rill", "feedback", "export", "--data-dir", str(tmp_path)],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "rill", "feedback", "export", "--data-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     records = [json.loads(line) for line in out.splitlines()]
     assert [r["request_id"] for r in records] == ["gen_old"] * 2 + ["gen_new"] * 3
     assert {r["prompt"] for r in records} == {PROMPT} and {r["generated_text"] for r in records} == {"out"}

@@ -38,8 +38,9 @@ def proxied_server(tiny_model_dir: Path) -> LiveServer:
 
 async def _complete(live: LiveServer, forwarded_for: str) -> httpx.Response:
     async with httpx.AsyncClient(base_url=live.url, timeout=60) as http:
-        return await http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 1},
-                               headers={"X-Forwarded-For": forwarded_for})
+        return await http.post(
+            "/v1/completions", json={"prompt": "Hello", "max_tokens": 1}, headers={"X-Forwarded-For": forwarded_for}
+        )
 
 
 async def test_a_spoofed_forwarded_address_does_not_buy_a_fresh_budget(default_server: LiveServer) -> None:
@@ -65,8 +66,12 @@ async def test_behind_a_trusted_proxy_the_gate_still_counts_and_finds_the_socket
         await wait_waiting(proxied_server, 1)
         # The in-flight request's connection is the proxy's socket, found by its peer: counted
         # as 127.0.0.1 and marked busy (its header timer stopped), not left idle.
-        counted = proxied_server.call(lambda: (dict(gate.per_client), [
-            key[0] for key, connection in gate.http_connections.items() if not connection.lease.idle]))
+        counted = proxied_server.call(
+            lambda: (
+                dict(gate.per_client),
+                [key[0] for key, connection in gate.http_connections.items() if not connection.lease.idle],
+            )
+        )
     assert (await reply).status_code == 200
     assert counted[0].get("127.0.0.1", 0) >= 1 and "10.3.3.3" not in counted[0]
     assert counted[1] == ["127.0.0.1"], counted  # the one busy connection: this request's

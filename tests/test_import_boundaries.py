@@ -26,8 +26,18 @@ import rill
 SRC = Path(rill.__file__).parent
 
 ENGINE_FORBIDDEN = (
-    "rill.frontend", "rill.protocols", "rill.server", "rill.cli", "rill.deps", "rill.connections",
-    "asyncio", "starlette", "uvicorn", "websockets", "grpc", "prometheus_client",
+    "rill.frontend",
+    "rill.protocols",
+    "rill.server",
+    "rill.cli",
+    "rill.deps",
+    "rill.connections",
+    "asyncio",
+    "starlette",
+    "uvicorn",
+    "websockets",
+    "grpc",
+    "prometheus_client",
 )
 """Modules no file under ``rill/engine`` imports (each with its submodules)."""
 
@@ -105,15 +115,25 @@ def test_only_the_composition_root_imports_the_server(path: Path) -> None:
 def test_protocol_packages_are_independent(path: Path) -> None:
     own = ".".join(module_name(path).split(".")[:3])  # rill.protocols.<name>
     allowed = (own, "rill.protocols._shared")
-    bad = [name for name in imported_modules(path)
-           if inside(name, ("rill.protocols",)) and name != "rill.protocols" and not inside(name, allowed)]
+    bad = [
+        name
+        for name in imported_modules(path)
+        if inside(name, ("rill.protocols",)) and name != "rill.protocols" and not inside(name, allowed)
+    ]
     assert not bad, f"{path.relative_to(SRC)} imports {bad} (shared code belongs in protocols/_shared)"
 
 
 def test_the_rules_catch_a_violation() -> None:
     # The checks themselves can fail: upward imports, relative or under TYPE_CHECKING, are seen.
-    source = ("from ..server import Deps\nimport typing\nif typing.TYPE_CHECKING:\n"
-              "    from rill.frontend import client\nfrom rill import protocols\n")
+    source = (
+        "from ..server import Deps\nimport typing\nif typing.TYPE_CHECKING:\n"
+        "    from rill.frontend import client\nfrom rill import protocols\n"
+    )
     names = imported_modules(SRC / "engine" / "probe.py", source)
     assert {n for n in names if inside(n, ENGINE_FORBIDDEN)} == {
-        "rill.server", "rill.server.Deps", "rill.frontend", "rill.frontend.client", "rill.protocols"}
+        "rill.server",
+        "rill.server.Deps",
+        "rill.frontend",
+        "rill.frontend.client",
+        "rill.protocols",
+    }

@@ -41,8 +41,9 @@ STREAM_LIMIT_S = 120  # a hang fails the test; never a pass condition
 def live(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> LiveServer:
     """A server with every protocol on: the Unix socket in a temporary folder, chats 4 at a time."""
     sock = tmp_path_factory.mktemp("uds") / "rill.sock"
-    server = start_server(tiny_model_dir, **{"uds.no_socket": False, "uds.socket": str(sock),
-                                             "chat.chat_max_active": 4})
+    server = start_server(
+        tiny_model_dir, **{"uds.no_socket": False, "uds.socket": str(sock), "chat.chat_max_active": 4}
+    )
     yield server
     server.stop()
 
@@ -71,8 +72,16 @@ async def openai_stream(live: LiveServer, route: str, body: dict) -> dict:
 async def generate_ws_stream(live: LiveServer, parameters: dict) -> dict:
     """A /generate generation with token ids: its completion message and streamed ids."""
     async with connect(f"{live.ws_url}/generate") as ws:
-        await ws.send(json.dumps({"type": "config", "prompt": "Once upon a time", "parameters": parameters,
-                                  "options": {"include_token_ids": True}}))
+        await ws.send(
+            json.dumps(
+                {
+                    "type": "config",
+                    "prompt": "Once upon a time",
+                    "parameters": parameters,
+                    "options": {"include_token_ids": True},
+                }
+            )
+        )
         ids: list[int] = []
         while True:
             msg = await recv_json(ws)
@@ -86,8 +95,14 @@ async def generate_ws_stream(live: LiveServer, parameters: dict) -> dict:
 async def batch_ws_stream(live: LiveServer) -> dict:
     """One /ws batch prompt (greedy): its COMPLETE event."""
     async with connect(f"{live.ws_url}/ws") as ws:
-        await ws.send(json.dumps({"prompts": [{"request_id": "iso-batch", "prompt": "The river stone"}],
-                                  "generation_config": {"do_sample": False, "num_beams": 1, "max_new_tokens": N}}))
+        await ws.send(
+            json.dumps(
+                {
+                    "prompts": [{"request_id": "iso-batch", "prompt": "The river stone"}],
+                    "generation_config": {"do_sample": False, "num_beams": 1, "max_new_tokens": N},
+                }
+            )
+        )
         while True:
             for event in await recv_json(ws):
                 assert event.get("type") != "ERROR" and "error" not in event, event
@@ -98,9 +113,15 @@ async def batch_ws_stream(live: LiveServer) -> dict:
 async def chat_ws_stream(live: LiveServer) -> dict:
     """A /ws/chat reply without speech (``min_new_tokens`` keeps eos away): its ``done``."""
     async with connect(f"{live.ws_url}/ws/chat") as ws:
-        await ws.send(json.dumps({"messages": [{"role": "user", "content": "Tell me a story."}],
-                                  "generation": {"max_new_tokens": N, "min_new_tokens": N, "temperature": 0.7, "seed": 3},
-                                  "tts": {"enabled": False}}))
+        await ws.send(
+            json.dumps(
+                {
+                    "messages": [{"role": "user", "content": "Tell me a story."}],
+                    "generation": {"max_new_tokens": N, "min_new_tokens": N, "temperature": 0.7, "seed": 3},
+                    "tts": {"enabled": False},
+                }
+            )
+        )
         while True:
             msg = await recv_json(ws)
             assert msg["type"] != "error", msg
@@ -153,16 +174,27 @@ async def generate_ws_error(live: LiveServer, parameters: dict) -> dict:
 async def batch_ws_error(live: LiveServer, generation_config: dict) -> list:
     """A /ws batch expected to be refused: the frame that refuses it."""
     async with connect(f"{live.ws_url}/ws") as ws:
-        await ws.send(json.dumps({"prompts": [{"request_id": "iso-bad", "prompt": "Hello"}],
-                                  "generation_config": generation_config}))
+        await ws.send(
+            json.dumps(
+                {"prompts": [{"request_id": "iso-bad", "prompt": "Hello"}], "generation_config": generation_config}
+            )
+        )
         return await recv_json(ws)
 
 
 async def chat_ws_error(live: LiveServer, generation: dict, **extra: Any) -> dict:
     """A /ws/chat request expected to fail: the error message (the socket closes after it)."""
     async with connect(f"{live.ws_url}/ws/chat") as ws:
-        await ws.send(json.dumps({"messages": [{"role": "user", "content": "Hi"}], "generation": generation,
-                                  "tts": {"enabled": False}, **extra}))
+        await ws.send(
+            json.dumps(
+                {
+                    "messages": [{"role": "user", "content": "Hi"}],
+                    "generation": generation,
+                    "tts": {"enabled": False},
+                    **extra,
+                }
+            )
+        )
         while True:
             msg = await recv_json(ws)
             if msg["type"] == "error":
@@ -211,12 +243,31 @@ async def test_eight_streams_on_six_protocols_survive_bad_requests(live: LiveSer
     with fail_sampling(live.client.engine.core.sampler, lambda p: p.seed == BAD_SEED):
         with live.hold_engine():  # everything below queues up and shares the first steps
             streams = [
-                asyncio.create_task(openai_stream(live, "/v1/completions", {
-                    "prompt": "The sun rose over the quiet village and", "max_tokens": N, "temperature": 0,
-                    "ignore_eos": True})),
-                asyncio.create_task(openai_stream(live, "/v1/chat/completions", {
-                    "messages": [{"role": "user", "content": "Say something."}], "max_tokens": N,
-                    "temperature": 0.8, "seed": 5, "ignore_eos": True})),
+                asyncio.create_task(
+                    openai_stream(
+                        live,
+                        "/v1/completions",
+                        {
+                            "prompt": "The sun rose over the quiet village and",
+                            "max_tokens": N,
+                            "temperature": 0,
+                            "ignore_eos": True,
+                        },
+                    )
+                ),
+                asyncio.create_task(
+                    openai_stream(
+                        live,
+                        "/v1/chat/completions",
+                        {
+                            "messages": [{"role": "user", "content": "Say something."}],
+                            "max_tokens": N,
+                            "temperature": 0.8,
+                            "seed": 5,
+                            "ignore_eos": True,
+                        },
+                    )
+                ),
                 asyncio.create_task(generate_ws_stream(live, greedy_generate)),
                 asyncio.create_task(generate_ws_stream(live, seeded_generate)),
                 asyncio.create_task(batch_ws_stream(live)),
@@ -227,17 +278,31 @@ async def test_eight_streams_on_six_protocols_survive_bad_requests(live: LiveSer
             # Requests whose sampling raises inside the engine, in the same batch as the eight.
             faults = [
                 asyncio.create_task(generate_ws_error(live, faulty)),
-                asyncio.create_task(openai_error(live, "/v1/completions", {
-                    "prompt": "A big dog ran", "max_tokens": N, "temperature": 0.9, "seed": BAD_SEED,
-                    "ignore_eos": True})),
+                asyncio.create_task(
+                    openai_error(
+                        live,
+                        "/v1/completions",
+                        {
+                            "prompt": "A big dog ran",
+                            "max_tokens": N,
+                            "temperature": 0.9,
+                            "seed": BAD_SEED,
+                            "ignore_eos": True,
+                        },
+                    )
+                ),
             ]
             # The audit's item-1 request, on the three protocols that take beam parameters.
-            refused = await asyncio.wait_for(asyncio.gather(
-                generate_ws_error(live, {"num_beams": 4, "length_penalty": 1000, "max_tokens": 16}),
-                batch_ws_error(live, {"num_beams": 4, "length_penalty": -1000, "max_new_tokens": 16,
-                                      "do_sample": False}),
-                chat_ws_error(live, {"num_beams": 4, "length_penalty": 1000, "max_new_tokens": 16}),
-            ), STREAM_LIMIT_S)
+            refused = await asyncio.wait_for(
+                asyncio.gather(
+                    generate_ws_error(live, {"num_beams": 4, "length_penalty": 1000, "max_tokens": 16}),
+                    batch_ws_error(
+                        live, {"num_beams": 4, "length_penalty": -1000, "max_new_tokens": 16, "do_sample": False}
+                    ),
+                    chat_ws_error(live, {"num_beams": 4, "length_penalty": 1000, "max_new_tokens": 16}),
+                ),
+                STREAM_LIMIT_S,
+            )
             await wait_waiting(live, len(streams) + len(faults))
         # The engine steps from here on, with the fault armed.
         results = await asyncio.wait_for(asyncio.gather(*streams), STREAM_LIMIT_S)
@@ -265,7 +330,9 @@ async def test_eight_streams_on_six_protocols_survive_bad_requests(live: LiveSer
 
     # The item-1 request is refused before it reaches the engine, naming the field.
     gen_refusal, batch_refusal, chat_refusal = refused
-    assert gen_refusal["error"] == "invalid_request" and gen_refusal["field"] == "parameters.length_penalty", gen_refusal
+    assert gen_refusal["error"] == "invalid_request" and gen_refusal["field"] == "parameters.length_penalty", (
+        gen_refusal
+    )
     assert len(batch_refusal) == 1 and "length_penalty" in batch_refusal[0]["error"], batch_refusal
     assert "length_penalty" in chat_refusal["error"], chat_refusal
 
@@ -283,8 +350,10 @@ def counters(live: LiveServer) -> tuple[int, dict[str, int]]:
 
 async def test_top_k_follows_one_rule_on_every_protocol(live: LiveServer) -> None:
     # -5 was clamped to 0 on the OpenAI routes and refused on /generate; -1 means "off" on all.
-    for route, body in (("/v1/completions", {"prompt": "Hi"}),
-                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})):
+    for route, body in (
+        ("/v1/completions", {"prompt": "Hi"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+    ):
         bad = await openai_error(live, route, {**body, "top_k": -5, "max_tokens": 2})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "top_k", bad.text
         ok = await openai_error(live, route, {**body, "top_k": -1, "max_tokens": 2})
@@ -303,8 +372,11 @@ async def test_unknown_roles_and_reserved_template_kwargs_are_400(live: LiveServ
     assert wizard.status_code == 400 and wizard.json()["error"]["param"] == "messages", wizard.text
     assert "wizard" in wizard.json()["error"]["message"]
     for kwargs in ({"messages": 1}, {"add_generation_prompt": False}, {"tools": 3}):
-        reserved = await openai_error(live, route, {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
-                                                    "chat_template_kwargs": kwargs})
+        reserved = await openai_error(
+            live,
+            route,
+            {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "chat_template_kwargs": kwargs},
+        )
         assert reserved.status_code == 400, (kwargs, reserved.status_code, reserved.text)
         assert reserved.json()["error"]["param"] == "chat_template_kwargs", reserved.text
     assert counters(live) == before  # refused before anything reached the engine
@@ -312,8 +384,16 @@ async def test_unknown_roles_and_reserved_template_kwargs_are_400(live: LiveServ
     assert chat_refused["type"] == "error", chat_refused
     # tools reach the template through its own argument (they were refused as a reserved kwarg).
     tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
-    ok = await openai_error(live, route, {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
-                                          "tools": tools, "chat_template_kwargs": {"enable_thinking": False}})
+    ok = await openai_error(
+        live,
+        route,
+        {
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 2,
+            "tools": tools,
+            "chat_template_kwargs": {"enable_thinking": False},
+        },
+    )
     assert ok.status_code == 200, ok.text
     live.wait_idle()
 
@@ -326,8 +406,9 @@ async def test_a_huge_prompt_list_is_refused_before_anything_is_submitted(live: 
     assert huge.status_code == 400 and huge.json()["error"]["param"] == "prompt", huge.text
     over = await openai_error(live, "/v1/completions", {"prompt": ["Hi"] * (cap // 2 + 1), "n": 2, "max_tokens": 1})
     assert over.status_code == 400, over.text
-    chat_n = await openai_error(live, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
-                                                               "n": 128, "max_tokens": 1})
+    chat_n = await openai_error(
+        live, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "n": 128, "max_tokens": 1}
+    )
     assert chat_n.status_code == 200, chat_n.text  # within both bounds (n <= 128, choices <= cap)
     after_chat = counters(live)
     # Only the chat's 128 choices ran: neither prompt list submitted anything.
@@ -335,8 +416,14 @@ async def test_a_huge_prompt_list_is_refused_before_anything_is_submitted(live: 
     # The batch /ws sibling: a list over the socket's bound is refused whole, before any prompt runs.
     limit = live.config.batch_ws.batch_max_inflight_prompts
     async with connect(f"{live.ws_url}/ws") as ws:
-        await ws.send(json.dumps({"prompts": [{"request_id": f"p{i}", "prompt": "Hi"} for i in range(limit + 1)],
-                                  "generation_config": {"max_new_tokens": 1}}))
+        await ws.send(
+            json.dumps(
+                {
+                    "prompts": [{"request_id": f"p{i}", "prompt": "Hi"} for i in range(limit + 1)],
+                    "generation_config": {"max_new_tokens": 1},
+                }
+            )
+        )
         frame = await recv_json(ws)
     assert len(frame) == 1 and "too many prompts" in frame[0]["error"], frame
     assert counters(live) == after_chat

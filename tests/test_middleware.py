@@ -45,8 +45,9 @@ def _deps(**overrides: Any) -> Any:
 
 @contextlib.asynccontextmanager
 async def serve(**overrides: Any) -> AsyncIterator[str]:
-    inner = Starlette(routes=[Route("/health", _echo), Route("/v1/echo", _echo, methods=["GET", "POST"]),
-                              WebSocketRoute("/ws", _ws)])
+    inner = Starlette(
+        routes=[Route("/health", _echo), Route("/v1/echo", _echo, methods=["GET", "POST"]), WebSocketRoute("/ws", _ws)]
+    )
     app = middleware.wrap(inner, _deps(**overrides), render_error=http_error)
     async with serving(app) as port:
         yield f"127.0.0.1:{port}"
@@ -76,8 +77,11 @@ async def test_http_routes_need_a_bearer_key_except_health() -> None:
 
 async def test_websocket_without_key_is_refused_with_401_before_accept() -> None:
     async with serve(**{"http.api_key": ["k1"]}) as host:
-        for url, headers in ((f"ws://{host}/ws", None), (f"ws://{host}/ws?api_key=bad", None),
-                             (f"ws://{host}/ws", {"Authorization": "Bearer bad"})):
+        for url, headers in (
+            (f"ws://{host}/ws", None),
+            (f"ws://{host}/ws?api_key=bad", None),
+            (f"ws://{host}/ws", {"Authorization": "Bearer bad"}),
+        ):
             with pytest.raises(websockets.exceptions.InvalidStatus) as refused:
                 async with websockets.connect(url, additional_headers=headers):
                     pass
@@ -106,14 +110,21 @@ async def test_the_playground_page_needs_no_key_but_everything_else_does() -> No
     async def page(request: Request) -> JSONResponse:
         return JSONResponse({"path": request.url.path})
 
-    inner = Starlette(routes=[Route("/", page), Route("/playground/static/{name}", page),
-                              Route("/playground/prompt", page, methods=["POST"])])
+    inner = Starlette(
+        routes=[
+            Route("/", page),
+            Route("/playground/static/{name}", page),
+            Route("/playground/prompt", page, methods=["POST"]),
+        ]
+    )
     app = middleware.wrap(inner, _deps(**{"http.api_key": ["k1"]}), render_error=http_error)
     async with serving(app) as port, httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
         assert (await http.get("/")).status_code == 200
         assert (await http.get("/playground/static/playground.js")).status_code == 200
         assert (await http.post("/playground/prompt", json={})).status_code == 401
-        assert (await http.post("/playground/prompt", json={}, headers={"Authorization": "Bearer k1"})).status_code == 200
+        assert (
+            await http.post("/playground/prompt", json={}, headers={"Authorization": "Bearer k1"})
+        ).status_code == 200
         # The Host check still applies to the keyless page.
         assert (await http.get("/", headers={"Host": "evil.example"})).status_code == 403
 
@@ -150,9 +161,14 @@ async def test_router_404_and_405_under_v1_become_openai_json() -> None:
 async def test_cors_when_origins_are_set() -> None:
     overrides = {"http.api_key": ["k1"], "http.cors_origins": ["https://app.example"]}
     async with serve(**overrides) as host, httpx.AsyncClient(base_url=f"http://{host}") as http:
-        preflight = await http.options("/v1/echo", headers={
-            "Origin": "https://app.example", "Access-Control-Request-Method": "POST",
-            "Access-Control-Request-Headers": "authorization, content-type"})
+        preflight = await http.options(
+            "/v1/echo",
+            headers={
+                "Origin": "https://app.example",
+                "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "authorization, content-type",
+            },
+        )
         assert preflight.status_code == 200  # answered without a key: browsers never send one here
         assert preflight.headers["access-control-allow-origin"] == "https://app.example"
         assert "authorization" in preflight.headers["access-control-allow-headers"].lower()
@@ -171,17 +187,24 @@ async def test_foreign_host_and_origin_are_refused_with_403() -> None:
     # Host was accepted, and a text/plain POST with a foreign Host answered 200.
     async with serve() as host, httpx.AsyncClient(base_url=f"http://{host}") as http:
         port = host.rsplit(":", 1)[1]
-        rebinding = await http.post("/v1/echo", content=b"{}", headers={"Host": f"evil.example:{port}",
-                                                                        "Content-Type": "text/plain"})
+        rebinding = await http.post(
+            "/v1/echo", content=b"{}", headers={"Host": f"evil.example:{port}", "Content-Type": "text/plain"}
+        )
         assert rebinding.status_code == 403
-        assert rebinding.json()["error"]["code"] == "forbidden" and "evil.example" in rebinding.json()["error"]["message"]
-        cross_site = await http.post("/v1/echo", content=b"{}", headers={"Origin": "http://evil.example",
-                                                                         "Content-Type": "text/plain"})
+        assert (
+            rebinding.json()["error"]["code"] == "forbidden" and "evil.example" in rebinding.json()["error"]["message"]
+        )
+        cross_site = await http.post(
+            "/v1/echo", content=b"{}", headers={"Origin": "http://evil.example", "Content-Type": "text/plain"}
+        )
         assert cross_site.status_code == 403 and "--allowed-origins" in cross_site.json()["error"]["message"]
         assert (await http.get("/v1/echo", headers={"Origin": "null"})).status_code == 403
         # What a browser sends: a page's Origin, or (DNS rebinding) the attacker's name as Host.
-        for url, headers in ((f"ws://{host}/ws", {"Origin": "http://evil.example"}),
-                             (f"ws://evil.example:{port}/ws", None), (f"ws://{host}/ws", {"Host": "evil.example"})):
+        for url, headers in (
+            (f"ws://{host}/ws", {"Origin": "http://evil.example"}),
+            (f"ws://evil.example:{port}/ws", None),
+            (f"ws://{host}/ws", {"Host": "evil.example"}),
+        ):
             with pytest.raises(websockets.exceptions.InvalidStatus) as refused:
                 async with websockets.connect(url, additional_headers=headers, host="127.0.0.1", port=int(port)):
                     pass
@@ -195,8 +218,14 @@ async def test_own_names_same_origin_and_clients_without_origin_pass() -> None:
     async with serve() as host, httpx.AsyncClient(base_url=f"http://{host}") as http:
         port = host.rsplit(":", 1)[1]
         assert (await http.post("/v1/echo", json={})).status_code == 200  # curl, the Python clients
-        for name in (f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}", "localhost", f"app.localhost:{port}",
-                     f"10.1.2.3:{port}"):
+        for name in (
+            f"127.0.0.1:{port}",
+            f"localhost:{port}",
+            f"[::1]:{port}",
+            "localhost",
+            f"app.localhost:{port}",
+            f"10.1.2.3:{port}",
+        ):
             assert (await http.get("/v1/echo", headers={"Host": name})).status_code == 200, name
         # A page rill serves itself: its origin is the request's own scheme://host:port.
         for name in (f"127.0.0.1:{port}", f"localhost:{port}"):
@@ -219,22 +248,31 @@ async def test_allowed_origins_and_hosts_are_accepted() -> None:
         assert (await http.get("/v1/echo", headers={"Host": "corp.example.evil"})).status_code == 403
         async with websockets.connect(f"ws://{host}/ws", additional_headers={"Origin": "https://app.example"}) as ws:
             assert await ws.recv() == "hello"
-    async with serve(**{"http.allowed_origins": ["*"], "http.allowed_hosts": ["*"]}) as host, \
-            httpx.AsyncClient(base_url=f"http://{host}") as http:
-        assert (await http.get("/v1/echo", headers={"Origin": "http://evil.example", "Host": "evil.example"})).status_code == 200
+    async with (
+        serve(**{"http.allowed_origins": ["*"], "http.allowed_hosts": ["*"]}) as host,
+        httpx.AsyncClient(base_url=f"http://{host}") as http,
+    ):
+        assert (
+            await http.get("/v1/echo", headers={"Origin": "http://evil.example", "Host": "evil.example"})
+        ).status_code == 200
 
 
 @contextlib.asynccontextmanager
-async def serve_limited(max_total: int = 100, per_client: int = 100, timeout_s: float = 2.0) -> AsyncIterator[
-        tuple[str, Any]]:
+async def serve_limited(
+    max_total: int = 100, per_client: int = 100, timeout_s: float = 2.0
+) -> AsyncIterator[tuple[str, Any]]:
     """The stand-in app behind the connection gate, as ``rill serve`` runs it (small limits)."""
     import uvicorn
 
     from rill.connections import ConnectionGate, http_protocol_factory
 
-    overrides = {"connections.max_connections": max_total, "connections.max_connections_per_client": per_client,
-                 "connections.first_message_timeout_s": timeout_s, "connections.header_timeout_s": timeout_s,
-                 "connections.body_timeout_s": timeout_s}
+    overrides = {
+        "connections.max_connections": max_total,
+        "connections.max_connections_per_client": per_client,
+        "connections.first_message_timeout_s": timeout_s,
+        "connections.header_timeout_s": timeout_s,
+        "connections.body_timeout_s": timeout_s,
+    }
     deps = _deps(**overrides)
     deps.gate = ConnectionGate(max_total, per_client)
 
@@ -247,8 +285,16 @@ async def serve_limited(max_total: int = 100, per_client: int = 100, timeout_s: 
 
     inner = Starlette(routes=[Route("/v1/echo", _echo, methods=["GET", "POST"]), WebSocketRoute("/quiet", quiet_ws)])
     app = middleware.wrap(inner, deps, render_error=http_error)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off",
-                                           http=http_protocol_factory(deps.gate, timeout_s, http_error)))  # type: ignore[arg-type]
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=0,
+            log_level="warning",
+            lifespan="off",
+            http=http_protocol_factory(deps.gate, timeout_s, http_error),
+        )
+    )  # type: ignore[arg-type]
     server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
     task = asyncio.create_task(server.serve())
     while not server.started:
@@ -282,7 +328,7 @@ async def test_a_slowloris_body_gets_408_and_the_connection_closes() -> None:
     async with serve_limited() as (host, gate):
         ip, port = host.split(":")
         reader, writer = await asyncio.open_connection(ip, int(port))
-        writer.write(b"POST /v1/echo HTTP/1.1\r\nHost: " + host.encode() + b"\r\nContent-Length: 100\r\n\r\n{\"a\":")
+        writer.write(b"POST /v1/echo HTTP/1.1\r\nHost: " + host.encode() + b'\r\nContent-Length: 100\r\n\r\n{"a":')
         answer = await _read_all(reader)  # the server ends it: EOF after the 408
         writer.close()
         assert answer.startswith(b"HTTP/1.1 408")

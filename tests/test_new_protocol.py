@@ -36,8 +36,16 @@ async def serving_lines(client: Any, body: Any) -> None:
     """Run ``serve`` with the six protocols plus ``lines`` (the one registration line), call
     ``body(http_port, lines_port)``, then stop."""
     http_port, lines_port = free_port(), free_port()
-    cfg = config_mod.load({"engine.model": "fake-model", "http.port": http_port, "http.log_level": "warning",
-                           "uds.no_socket": True, "evergreen.grpc_port": 0}, env={})
+    cfg = config_mod.load(
+        {
+            "engine.model": "fake-model",
+            "http.port": http_port,
+            "http.log_level": "warning",
+            "uds.no_socket": True,
+            "evergreen.grpc_port": 0,
+        },
+        env={},
+    )
     ready, stop = asyncio.Event(), asyncio.Event()
     registered = (*protocols(), Protocol("lines", start=lines.listener(lines_port)))
     task = asyncio.create_task(serve(cfg, client=client, ready=ready, stop=stop, served=registered))
@@ -67,7 +75,12 @@ async def read_until_end(reader: asyncio.StreamReader) -> list[dict[str, Any]]:
 
 def test_the_new_protocol_is_only_its_own_files_and_its_session_and_codec_are_pure() -> None:
     assert sorted(p.name for p in FIXTURE.glob("*.py")) == [
-        "__init__.py", "adapter.py", "codec.py", "messages.py", "session.py"]
+        "__init__.py",
+        "adapter.py",
+        "codec.py",
+        "messages.py",
+        "session.py",
+    ]
     for name in ("messages.py", "codec.py", "session.py"):
         path = FIXTURE / name
         source = path.read_text()
@@ -84,8 +97,10 @@ async def test_a_prompt_gets_a_line_per_token_with_the_text_of_v1_completions() 
             tokens, done = got[:-1], got[-1]
             assert done == {"finish_reason": "length", "tokens": 12} and len(tokens) == 12
             async with httpx.AsyncClient(timeout=30) as http:
-                reply = await http.post(f"http://127.0.0.1:{http_port}/v1/completions", json={
-                    "model": "fake-model", "prompt": "once upon", "max_tokens": 12, "temperature": 0})
+                reply = await http.post(
+                    f"http://127.0.0.1:{http_port}/v1/completions",
+                    json={"model": "fake-model", "prompt": "once upon", "max_tokens": 12, "temperature": 0},
+                )
             assert "".join(t["token"] for t in tokens) == reply.json()["choices"][0]["text"]
             # A bad line is refused in the protocol's own format; the connection goes on.
             writer.write(b'{"prompt": 7}\n{"prompt": "again", "max_tokens": 2}\n')

@@ -34,8 +34,9 @@ assert N > CAP  # every stream below asks for N tokens
 def capped(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> LiveServer:
     """Every protocol on (the Unix socket in a temporary folder), ``--max-tokens-cap 5``."""
     sock = tmp_path_factory.mktemp("uds") / "rill.sock"
-    server = start_server(tiny_model_dir, **{"uds.no_socket": False, "uds.socket": str(sock),
-                                             "http.max_tokens_cap": CAP})
+    server = start_server(
+        tiny_model_dir, **{"uds.no_socket": False, "uds.socket": str(sock), "http.max_tokens_cap": CAP}
+    )
     yield server
     server.stop()
 
@@ -43,10 +44,20 @@ def capped(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Li
 async def test_the_token_cap_clamps_alike_on_every_protocol(capped: LiveServer) -> None:
     with capped.hold_engine():
         streams = {
-            "openai_completion": asyncio.create_task(openai_stream(capped, "/v1/completions", {
-                "prompt": "The sun rose over the quiet village and", "max_tokens": N, "ignore_eos": True})),
-            "openai_chat": asyncio.create_task(openai_stream(capped, "/v1/chat/completions", {
-                "messages": [{"role": "user", "content": "Say something."}], "max_tokens": N, "ignore_eos": True})),
+            "openai_completion": asyncio.create_task(
+                openai_stream(
+                    capped,
+                    "/v1/completions",
+                    {"prompt": "The sun rose over the quiet village and", "max_tokens": N, "ignore_eos": True},
+                )
+            ),
+            "openai_chat": asyncio.create_task(
+                openai_stream(
+                    capped,
+                    "/v1/chat/completions",
+                    {"messages": [{"role": "user", "content": "Say something."}], "max_tokens": N, "ignore_eos": True},
+                )
+            ),
             "generate_ws": asyncio.create_task(generate_ws_stream(capped, {"max_tokens": N, "ignore_eos": True})),
             "batch_ws": asyncio.create_task(batch_ws_stream(capped)),
             "chat_ws": asyncio.create_task(chat_ws_stream(capped)),
@@ -54,8 +65,12 @@ async def test_the_token_cap_clamps_alike_on_every_protocol(capped: LiveServer) 
             "evergreen": asyncio.create_task(evergreen_stream(capped)),
         }
         await wait_waiting(capped, len(streams))
-        admitted = capped.call(lambda: sorted((t.protocol, s.sampling.max_tokens) for t, s in zip(
-            capped.client._tracks.values(), capped.client._streams.values())))
+        admitted = capped.call(
+            lambda: sorted(
+                (t.protocol, s.sampling.max_tokens)
+                for t, s in zip(capped.client._tracks.values(), capped.client._streams.values())
+            )
+        )
     results = await asyncio.wait_for(asyncio.gather(*streams.values()), STREAM_LIMIT_S)
     by_name = dict(zip(streams, results))
 

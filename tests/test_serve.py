@@ -15,9 +15,24 @@ from tests.conftest import free_port
 
 def _serve(model: Path, tmp_path: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "rill", "serve", "--model", str(model), "--port", str(free_port()), "--no-socket",
-         "--grpc-port", "0", "--data-dir", str(tmp_path / "data")],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "rill",
+            "serve",
+            "--model",
+            str(model),
+            "--port",
+            str(free_port()),
+            "--no-socket",
+            "--grpc-port",
+            "0",
+            "--data-dir",
+            str(tmp_path / "data"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 
@@ -26,8 +41,13 @@ def _serve(model: Path, tmp_path: Path) -> subprocess.CompletedProcess:
     [
         (lambda folder: None, "does not exist"),
         (lambda folder: folder.mkdir(), "config.json"),
-        (lambda folder: (folder.mkdir(), (folder / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))),
-         "unsupported architecture GPT2LMHeadModel; supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"),
+        (
+            lambda folder: (
+                folder.mkdir(),
+                (folder / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]})),
+            ),
+            "unsupported architecture GPT2LMHeadModel; supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM",
+        ),
     ],
     ids=["missing-folder", "no-config", "unknown-architecture"],
 )
@@ -50,16 +70,28 @@ def test_broken_model_folder_ends_serve_with_its_reason(tmp_path: Path, setup, r
     ],
     ids=["empty-flag", "empty-env", "comment-only-file"],
 )
-def test_auth_that_would_turn_itself_off_ends_serve_with_exit_2(tmp_path: Path, args: list, env: dict,
-                                                                 reason: str) -> None:
+def test_auth_that_would_turn_itself_off_ends_serve_with_exit_2(
+    tmp_path: Path, args: list, env: dict, reason: str
+) -> None:
     # Regression (issue 12 item 10): each of these used to start a server without auth
     # (or, for --api-key "", one whose gRPC port accepted an empty bearer token).
     keys = tmp_path / "keys.txt"
     keys.write_text("# the team's keys go here\n\n")
-    command = [sys.executable, "-m", "rill", "serve", "--port", str(free_port()), "--no-socket", "--grpc-port", "0",
-               "--data-dir", str(tmp_path / "data"), *[a.format(keys=keys) for a in args]]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=120,
-                            env={**os.environ, **env})
+    command = [
+        sys.executable,
+        "-m",
+        "rill",
+        "serve",
+        "--port",
+        str(free_port()),
+        "--no-socket",
+        "--grpc-port",
+        "0",
+        "--data-dir",
+        str(tmp_path / "data"),
+        *[a.format(keys=keys) for a in args],
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, env={**os.environ, **env})
     assert result.returncode == 2
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("rill: error: ") and reason in last
@@ -73,10 +105,25 @@ def test_a_low_open_file_limit_caps_the_connections_below_it(tmp_path: Path) -> 
     # test process, whose gRPC (loaded by other tests) runs its fork handlers in the child
     # before exec, and under load that child sometimes died there with only gRPC's epoll
     # error on stderr, never starting rill.
-    launcher = ("import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (600, 600)); "
-                "os.execv(sys.executable, [sys.executable, '-m', 'rill', *sys.argv[1:]])")
-    command = [sys.executable, "-c", launcher, "serve", "--port", str(free_port()), "--no-socket", "--grpc-port", "0",
-               "--data-dir", str(tmp_path / "data"), "--model", str(tmp_path / "missing-model")]
+    launcher = (
+        "import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (600, 600)); "
+        "os.execv(sys.executable, [sys.executable, '-m', 'rill', *sys.argv[1:]])"
+    )
+    command = [
+        sys.executable,
+        "-c",
+        launcher,
+        "serve",
+        "--port",
+        str(free_port()),
+        "--no-socket",
+        "--grpc-port",
+        "0",
+        "--data-dir",
+        str(tmp_path / "data"),
+        "--model",
+        str(tmp_path / "missing-model"),
+    ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert "open-file limit (600) is below --max-connections 2048" in result.stderr
     assert "connections are capped at 344" in result.stderr
@@ -87,8 +134,11 @@ def test_every_protocol_package_is_registered_once() -> None:
     import rill.protocols
     from rill import server
 
-    packages = {p.name for p in Path(rill.protocols.__file__).parent.iterdir()
-                if p.is_dir() and not p.name.startswith("_") and (p / "adapter.py").exists()}
+    packages = {
+        p.name
+        for p in Path(rill.protocols.__file__).parent.iterdir()
+        if p.is_dir() and not p.name.startswith("_") and (p / "adapter.py").exists()
+    }
     names = [protocol.name for protocol in server.protocols()]
     assert sorted(names) == sorted(packages) and len(packages) == 6
     assert all(protocol.routes or protocol.start for protocol in server.protocols())

@@ -48,12 +48,22 @@ async def _until(ws: Any, done: Any) -> dict:
 
 async def test_a_generate_modify_is_validated_once(server: Any, validations: dict[str, int]) -> None:
     async with connect(f"{server.ws_url}/generate") as ws:
-        await ws.send(json.dumps({"type": "config", "prompt": "Once upon a time",
-                                  "parameters": {"max_tokens": 400, "ignore_eos": True}}))
+        await ws.send(
+            json.dumps(
+                {"type": "config", "prompt": "Once upon a time", "parameters": {"max_tokens": 400, "ignore_eos": True}}
+            )
+        )
         await _until(ws, lambda m: m["type"] == "token")
         validations.update(SamplingParams=0, ResponseFormat=0)  # the config's are not the modify's
-        await ws.send(json.dumps({"type": "control", "action": "modify",
-                                  "parameters": {"temperature": 0.5, "response_format": JSON_SCHEMA}}))
+        await ws.send(
+            json.dumps(
+                {
+                    "type": "control",
+                    "action": "modify",
+                    "parameters": {"temperature": 0.5, "response_format": JSON_SCHEMA},
+                }
+            )
+        )
         modified = await _until(ws, lambda m: m["type"] == "status" and m["operation"] == "modified")
         assert modified["parameters"]["temperature"] == 0.5
         assert modified["parameters"]["response_format"]["type"] == "json_schema"
@@ -64,11 +74,18 @@ async def test_a_generate_modify_is_validated_once(server: Any, validations: dic
 
 
 async def test_an_openai_chat_request_with_a_response_format_is_validated_once(
-        server: Any, validations: dict[str, int]) -> None:
+    server: Any, validations: dict[str, int]
+) -> None:
     async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
-        reply = await http.post("/v1/chat/completions", json={
-            "messages": [{"role": "user", "content": "Answer in JSON."}], "max_tokens": 8, "n": 1,
-            "response_format": JSON_SCHEMA})
+        reply = await http.post(
+            "/v1/chat/completions",
+            json={
+                "messages": [{"role": "user", "content": "Answer in JSON."}],
+                "max_tokens": 8,
+                "n": 1,
+                "response_format": JSON_SCHEMA,
+            },
+        )
     assert reply.status_code == 200, reply.text
     assert validations == {"SamplingParams": 1, "ResponseFormat": 1}
     server.wait_idle()

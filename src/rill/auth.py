@@ -139,7 +139,7 @@ def subprotocol_key(offered: Iterable[str]) -> str | None:
     for name in offered:
         if not name.startswith(KEY_SUBPROTOCOL_PREFIX):
             continue
-        encoded = name[len(KEY_SUBPROTOCOL_PREFIX):]
+        encoded = name[len(KEY_SUBPROTOCOL_PREFIX) :]
         if not encoded or len(encoded) > MAX_KEY_SUBPROTOCOL_CHARS:
             return None
         try:

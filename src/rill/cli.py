@@ -72,8 +72,10 @@ def _cmd_pull(args: argparse.Namespace) -> int:
         names = ", ".join(e.name for e in catalog.ENTRIES)
         raise ConfigError(f"no model named {args.name!r} in the catalog (rill models lists them: {names})")
     if entry.source == "default":
-        print(f"{entry.name} comes with rill's install ({entry.packages[0].name}=={entry.packages[0].version}); "
-              f"it is installed: {catalog.pull(entry)}")
+        print(
+            f"{entry.name} comes with rill's install ({entry.packages[0].name}=={entry.packages[0].version}); "
+            f"it is installed: {catalog.pull(entry)}"
+        )
         return 0
     already = catalog.installed_path(entry) is not None
     path = catalog.pull(entry)

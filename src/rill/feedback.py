@@ -79,8 +79,13 @@ CREATE TABLE IF NOT EXISTS texts (
 )
 """
 
-_ADDED_COLUMNS = {"truncated": "TEXT", "prompt_id": "INTEGER", "generated_id": "INTEGER", "principal": "TEXT",
-                  "num_bytes": "INTEGER"}
+_ADDED_COLUMNS = {
+    "truncated": "TEXT",
+    "prompt_id": "INTEGER",
+    "generated_id": "INTEGER",
+    "principal": "TEXT",
+    "num_bytes": "INTEGER",
+}
 """Columns a store written by an earlier version may lack (added at open)."""
 
 _CLEANUP_TRIGGER = """
@@ -92,14 +97,28 @@ BEGIN
 END
 """
 
-COLUMNS = ("id", "created_at", "protocol", "request_id", "rating", "text", "position", "model", "prompt",
-           "generated_text", "is_generation_finished", "api_key_hint", "truncated")
+COLUMNS = (
+    "id",
+    "created_at",
+    "protocol",
+    "request_id",
+    "rating",
+    "text",
+    "position",
+    "model",
+    "prompt",
+    "generated_text",
+    "is_generation_finished",
+    "api_key_hint",
+    "truncated",
+)
 
 _SELECT = (
     "SELECT f.id, f.created_at, f.protocol, f.request_id, f.rating, f.text, f.position, f.model,"
     " COALESCE(p.body, f.prompt), COALESCE(g.body, f.generated_text), f.is_generation_finished, f.api_key_hint,"
     " f.truncated FROM feedback f LEFT JOIN texts p ON p.id = f.prompt_id LEFT JOIN texts g ON g.id = f.generated_id"
-    " ORDER BY f.id")
+    " ORDER BY f.id"
+)
 
 TEXT_FIELDS = ("text", "prompt", "generated_text")
 """Fields cut to ``max_text_bytes``."""
@@ -115,8 +134,15 @@ TEXT_OVERHEAD_BYTES = 128
 class FeedbackStore:
     """One SQLite file; thread-safe (one connection behind a lock)."""
 
-    def __init__(self, data_dir: str | Path, *, max_text_bytes: int | None = None, max_store_bytes: int | None = None,
-                 max_principal_bytes: int | None = None, retention_s: float | None = None) -> None:
+    def __init__(
+        self,
+        data_dir: str | Path,
+        *,
+        max_text_bytes: int | None = None,
+        max_store_bytes: int | None = None,
+        max_principal_bytes: int | None = None,
+        retention_s: float | None = None,
+    ) -> None:
         """Open (or create) the store in ``data_dir``; the bounds are described in the module
         docstring (None: no bound). A store written by an earlier version is upgraded in
         place: its records stay as they are and are read alike."""
@@ -146,11 +172,19 @@ class FeedbackStore:
         with self._lock:
             self._expire(time.time())
             self._usage = {
-                principal: int(total) for principal, total in self._db.execute(
-                    "SELECT principal, SUM(num_bytes) FROM feedback WHERE principal IS NOT NULL GROUP BY principal")}
+                principal: int(total)
+                for principal, total in self._db.execute(
+                    "SELECT principal, SUM(num_bytes) FROM feedback WHERE principal IS NOT NULL GROUP BY principal"
+                )
+            }
 
-    def add(self, record: dict[str, Any], protocol: str = "generate_ws", api_key_hint: str | None = None,
-            principal: str | None = None) -> int:
+    def add(
+        self,
+        record: dict[str, Any],
+        protocol: str = "generate_ws",
+        api_key_hint: str | None = None,
+        principal: str | None = None,
+    ) -> int:
         """Insert and commit one record (texts cut to ``max_text_bytes``); returns its id.
         Unknown keys are ignored. ``principal`` (``rill.auth.principal``) is whom the record's
         bytes are charged to (None: nobody's quota, the store's cap only).
@@ -170,24 +204,48 @@ class FeedbackStore:
             try:
                 found = {name: self._find_text(texts[name][0]) for name in ("prompt", "generated_text")}
                 # By digest: a generated text equal to its prompt is stored (and charged) once.
-                new_texts = {digest: texts[name][0] for name, (text_id, digest) in found.items()
-                             if text_id is None and digest is not None}
-                num_bytes = ROW_OVERHEAD_BYTES + _num_bytes(texts["text"][0]) + sum(
-                    TEXT_OVERHEAD_BYTES + _num_bytes(text) for text in new_texts.values())
+                new_texts = {
+                    digest: texts[name][0]
+                    for name, (text_id, digest) in found.items()
+                    if text_id is None and digest is not None
+                }
+                num_bytes = (
+                    ROW_OVERHEAD_BYTES
+                    + _num_bytes(texts["text"][0])
+                    + sum(TEXT_OVERHEAD_BYTES + _num_bytes(text) for text in new_texts.values())
+                )
                 self._check_room(principal, num_bytes)
-                stored: dict[bytes | None, int] = {digest: self._store_text(digest, text)  # type: ignore[arg-type]  # a digest means a text
-                                                  for digest, text in new_texts.items()}
-                ids = {name: text_id if text_id is not None else stored.get(digest)
-                       for name, (text_id, digest) in found.items()}
+                stored: dict[bytes | None, int] = {
+                    digest: self._store_text(digest, text)  # type: ignore[arg-type]  # a digest means a text
+                    for digest, text in new_texts.items()
+                }
+                ids = {
+                    name: text_id if text_id is not None else stored.get(digest)
+                    for name, (text_id, digest) in found.items()
+                }
                 cur = self._db.execute(
                     "INSERT INTO feedback (created_at, protocol, request_id, rating, text, position, model, prompt_id,"
                     " generated_id, is_generation_finished, api_key_hint, truncated, principal, num_bytes)"
                     " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                    (now, protocol, record.get("request_id"), float(record["rating"]), texts["text"][0],
-                     record.get("position"), record.get("model"), ids["prompt"], ids["generated_text"],
-                     None if record.get("is_generation_finished") is None
-                     else int(bool(record["is_generation_finished"])),
-                     api_key_hint, truncated, principal, num_bytes))
+                    (
+                        now,
+                        protocol,
+                        record.get("request_id"),
+                        float(record["rating"]),
+                        texts["text"][0],
+                        record.get("position"),
+                        record.get("model"),
+                        ids["prompt"],
+                        ids["generated_text"],
+                        None
+                        if record.get("is_generation_finished") is None
+                        else int(bool(record["is_generation_finished"])),
+                        api_key_hint,
+                        truncated,
+                        principal,
+                        num_bytes,
+                    ),
+                )
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
@@ -210,13 +268,20 @@ class FeedbackStore:
     def _check_room(self, principal: str | None, num_bytes: int) -> None:
         # The caller holds the lock, in the insert's transaction.
         if self.max_store_bytes is not None and self._used_bytes() + num_bytes > self.max_store_bytes:
-            raise StorageFull(f"the feedback store is full ({self.max_store_bytes} bytes, "
-                              "--feedback-max-store-bytes); feedback is not being stored")
-        if (principal is not None and self.max_principal_bytes is not None
-                and self._usage.get(principal, 0) + num_bytes > self.max_principal_bytes):
-            raise StorageFull(f"your feedback takes {self._usage.get(principal, 0)} bytes of the store, the most "
-                              f"one client may keep ({self.max_principal_bytes} bytes, "
-                              "--feedback-max-bytes-per-principal); further feedback is not stored")
+            raise StorageFull(
+                f"the feedback store is full ({self.max_store_bytes} bytes, "
+                "--feedback-max-store-bytes); feedback is not being stored"
+            )
+        if (
+            principal is not None
+            and self.max_principal_bytes is not None
+            and self._usage.get(principal, 0) + num_bytes > self.max_principal_bytes
+        ):
+            raise StorageFull(
+                f"your feedback takes {self._usage.get(principal, 0)} bytes of the store, the most "
+                f"one client may keep ({self.max_principal_bytes} bytes, "
+                "--feedback-max-bytes-per-principal); further feedback is not stored"
+            )
 
     def _expire(self, now: float) -> None:
         # The caller holds the lock. Deleting by age is the documented retention policy.
@@ -225,8 +290,11 @@ class FeedbackStore:
         cutoff = now - self.retention_s
         self._db.execute("BEGIN IMMEDIATE")
         try:
-            freed = self._db.execute("SELECT principal, SUM(num_bytes) FROM feedback WHERE created_at < ?"
-                                     " AND principal IS NOT NULL GROUP BY principal", (cutoff,)).fetchall()
+            freed = self._db.execute(
+                "SELECT principal, SUM(num_bytes) FROM feedback WHERE created_at < ?"
+                " AND principal IS NOT NULL GROUP BY principal",
+                (cutoff,),
+            ).fetchall()
             cur = self._db.execute("DELETE FROM feedback WHERE created_at < ?", (cutoff,))
         except BaseException:
             self._db.execute("ROLLBACK")
@@ -239,8 +307,11 @@ class FeedbackStore:
             else:
                 self._usage.pop(principal, None)
         if cur.rowcount:
-            log.info("deleted %d feedback records older than %g days (--feedback-retention-days)",
-                     cur.rowcount, self.retention_s / 86400)
+            log.info(
+                "deleted %d feedback records older than %g days (--feedback-retention-days)",
+                cur.rowcount,
+                self.retention_s / 86400,
+            )
 
     def _used_bytes(self) -> int:
         # Pages in use: freed pages (after deletions) are reused before the file grows.

@@ -47,8 +47,9 @@ class _Probes:
             return JSONResponse({"status": "ok", "model": self.client.served_model_name})
         if state.phase == "loading":
             progress = round(state.progress, 1) if state.progress is not None else None
-            return JSONResponse({"status": "loading", "progress": progress, "eta_seconds": state.eta_s},
-                                status_code=503)
+            return JSONResponse(
+                {"status": "loading", "progress": progress, "eta_seconds": state.eta_s}, status_code=503
+            )
         reason = "model failed to load" if state.phase == "failed" else "engine stopped"
         return JSONResponse({"status": "error", "error": reason}, status_code=503)
 

@@ -59,12 +59,16 @@ class RecordingStore:
                     oldest_id, (created_at, _) = next(iter(index.items()))
                     if created_at >= now - self.retention_s:
                         break
-                    self._delete(oldest_id, f"older than {self.retention_s / 86400:g} days (--record-retention-days)",
-                                 logging.INFO)
+                    self._delete(
+                        oldest_id,
+                        f"older than {self.retention_s / 86400:g} days (--record-retention-days)",
+                        logging.INFO,
+                    )
             while self._num_bytes > self.max_bytes and index:
                 oldest_id = next(iter(index))
-                self._delete(oldest_id, f"to keep recordings under {self.max_bytes} bytes (--record-max-bytes)",
-                             logging.WARNING)
+                self._delete(
+                    oldest_id, f"to keep recordings under {self.max_bytes} bytes (--record-max-bytes)", logging.WARNING
+                )
 
     def num_bytes(self) -> int:
         """Bytes the recordings hold (as of the last commit)."""
@@ -77,8 +81,9 @@ class RecordingStore:
             if self.folder.is_dir():
                 for entry in os.scandir(self.folder):
                     if entry.is_dir(follow_symlinks=False) and RECORDING_ID.match(entry.name):
-                        found.append((entry.stat(follow_symlinks=False).st_mtime, entry.name,
-                                      _folder_bytes(Path(entry.path))))
+                        found.append(
+                            (entry.stat(follow_symlinks=False).st_mtime, entry.name, _folder_bytes(Path(entry.path)))
+                        )
             self._index = OrderedDict((name, (mtime, size)) for mtime, name, size in sorted(found))
         return self._index
 

@@ -135,8 +135,14 @@ def make_deps(config: ServerConfig, client: EngineClient, parts: Parts | None = 
     ``config`` when None), whose registry then reads ``client``'s gauges."""
     parts = parts or make_parts(config)
     parts.metrics.watch(client)
-    return Deps(config=config, client=client, metrics=parts.metrics, api_keys=config.api_keys(), gate=parts.gate,
-                memory=parts.memory)
+    return Deps(
+        config=config,
+        client=client,
+        metrics=parts.metrics,
+        api_keys=config.api_keys(),
+        gate=parts.gate,
+        memory=parts.memory,
+    )
 
 
 GIL_SWITCH_INTERVAL_S = 0.001
@@ -226,14 +232,24 @@ def _http_server(config: ServerConfig, app: ASGIApp, gate: ConnectionGate) -> uv
     import uvicorn
 
     server = uvicorn.Server(
-        uvicorn.Config(app, host=config.http.host, port=config.http.port, log_level=config.http.log_level,
-                       ws_max_size=config.http.max_body_bytes, timeout_graceful_shutdown=2, lifespan="off",
-                       # Never uvicorn's: it would believe X-Forwarded-For from 127.0.0.1 by default,
-                       # and rewrite the client before the connection gate could find its socket.
-                       # rill.middleware applies --forwarded-allow-ips itself.
-                       proxy_headers=False,
-                       http=http_protocol_factory(gate, config.connections.header_timeout_s,  # type: ignore[arg-type]
-                                                  openai_http.http_error))
+        uvicorn.Config(
+            app,
+            host=config.http.host,
+            port=config.http.port,
+            log_level=config.http.log_level,
+            ws_max_size=config.http.max_body_bytes,
+            timeout_graceful_shutdown=2,
+            lifespan="off",
+            # Never uvicorn's: it would believe X-Forwarded-For from 127.0.0.1 by default,
+            # and rewrite the client before the connection gate could find its socket.
+            # rill.middleware applies --forwarded-allow-ips itself.
+            proxy_headers=False,
+            http=http_protocol_factory(
+                gate,
+                config.connections.header_timeout_s,  # type: ignore[arg-type]
+                openai_http.http_error,
+            ),
+        )
     )
     for logger_name in ("uvicorn.error", "uvicorn.access"):  # after uvicorn.Config set its logging up
         logging.getLogger(logger_name).addFilter(auth.QUERY_KEY_REDACTOR)

@@ -83,15 +83,20 @@ class ResponseFormat(msgspec.Struct, kw_only=True):
         if self.type == "json_schema":
             schema = (self.json_schema or {}).get("schema")
             _check(isinstance(schema, dict), field, "of type json_schema needs json_schema.schema (an object)")
-            _check(len(msgspec.json.encode(schema)) <= MAX_CONSTRAINT_CHARS, field,
-                   f"schema has more than {MAX_CONSTRAINT_CHARS} characters")
+            _check(
+                len(msgspec.json.encode(schema)) <= MAX_CONSTRAINT_CHARS,
+                field,
+                f"schema has more than {MAX_CONSTRAINT_CHARS} characters",
+            )
             strict = (self.json_schema or {}).get("strict")
             _check(strict is None or isinstance(strict, bool), field, "json_schema.strict must be true or false")
         for kind in ("regex", "grammar"):
             if self.type == kind:
                 text = getattr(self, kind)
                 _check(isinstance(text, str) and bool(text), field, f"of type {kind} needs '{kind}' (a string)")
-                _check(len(text) <= MAX_CONSTRAINT_CHARS, field, f"{kind} has more than {MAX_CONSTRAINT_CHARS} characters")
+                _check(
+                    len(text) <= MAX_CONSTRAINT_CHARS, field, f"{kind} has more than {MAX_CONSTRAINT_CHARS} characters"
+                )
         return self
 
     @property
@@ -157,8 +162,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     at N tokens. Output is the same either way (greedy token for token; sampled from the same
     distribution, and with a seed the same text); only the speed differs."""
 
-    def validate(self, vocab_size: int | None = None, max_logprobs: int = 20,
-                 allow_prefill_only: bool = False) -> SamplingParams:
+    def validate(
+        self, vocab_size: int | None = None, max_logprobs: int = 20, allow_prefill_only: bool = False
+    ) -> SamplingParams:
         """Check the type and range of every field; raise ``InvalidParameter`` naming the first bad
         one (``field`` is the engine's name; protocols rename it to their wire's). Returns self.
 
@@ -202,55 +208,87 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         _check(self.max_tokens >= low, "max_tokens", f"must be >= {low}")
         _check(self.max_tokens <= MAX_TOKENS_LIMIT, "max_tokens", f"must be <= {MAX_TOKENS_LIMIT}")
         _check(0 <= self.min_tokens <= self.max_tokens, "min_tokens", "must be in [0, max_tokens]")
-        _check(self.logprobs is None or 0 <= self.logprobs <= max_logprobs, "logprobs", f"must be in [0, {max_logprobs}]")
-        _check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= max_logprobs, "prompt_logprobs",
-               f"must be in [0, {max_logprobs}]")
+        _check(
+            self.logprobs is None or 0 <= self.logprobs <= max_logprobs, "logprobs", f"must be in [0, {max_logprobs}]"
+        )
+        _check(
+            self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= max_logprobs,
+            "prompt_logprobs",
+            f"must be in [0, {max_logprobs}]",
+        )
         _check(1 <= self.num_beams <= MAX_NUM_BEAMS, "num_beams", f"must be in [1, {MAX_NUM_BEAMS}]")
         _range(self.length_penalty, -MAX_ABS_LENGTH_PENALTY, MAX_ABS_LENGTH_PENALTY, "length_penalty")
         _check(self.seed is None or 0 <= self.seed < MAX_SEED, "seed", "must be in [0, 2**63)")
-        _check(isinstance(self.speculative, bool) or (_is_int(self.speculative)
-                                                       and 0 <= self.speculative <= MAX_SPECULATIVE_TOKENS),
-               "speculative", f"must be true, false or a number of draft tokens in [0, {MAX_SPECULATIVE_TOKENS}]")
+        _check(
+            isinstance(self.speculative, bool)
+            or (_is_int(self.speculative) and 0 <= self.speculative <= MAX_SPECULATIVE_TOKENS),
+            "speculative",
+            f"must be true, false or a number of draft tokens in [0, {MAX_SPECULATIVE_TOKENS}]",
+        )
 
     def _check_stop_strings(self) -> None:
         """Stop strings: a list of non-empty strings, few and short enough."""
-        _check(isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop), "stop",
-               "must be non-empty strings")
+        _check(
+            isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
+            "stop",
+            "must be non-empty strings",
+        )
         _check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} stop strings")
-        _check(all(len(s) <= MAX_STOP_STRING_CHARS for s in self.stop), "stop",
-               f"each stop string has at most {MAX_STOP_STRING_CHARS} characters")
+        _check(
+            all(len(s) <= MAX_STOP_STRING_CHARS for s in self.stop),
+            "stop",
+            f"each stop string has at most {MAX_STOP_STRING_CHARS} characters",
+        )
 
     def _check_token_ids(self, vocab_size: int | None) -> None:
         """Logit biases, stop token ids and allowed token ids name tokens of the vocabulary (when known)."""
         _check(isinstance(self.logit_bias, dict), "logit_bias", "must map token ids to numbers")
-        _check(len(self.logit_bias) <= MAX_LOGIT_BIAS_ENTRIES, "logit_bias", f"at most {MAX_LOGIT_BIAS_ENTRIES} entries")
+        _check(
+            len(self.logit_bias) <= MAX_LOGIT_BIAS_ENTRIES, "logit_bias", f"at most {MAX_LOGIT_BIAS_ENTRIES} entries"
+        )
         for token_id, bias in self.logit_bias.items():
             _check(_is_int(token_id) and token_id >= 0, "logit_bias", "keys must be token ids (integers >= 0)")
-            _check(_is_number(bias) and math.isfinite(bias) and -MAX_ABS_LOGIT_BIAS <= bias <= MAX_ABS_LOGIT_BIAS,
-                   "logit_bias", f"values must be in [-{MAX_ABS_LOGIT_BIAS:g}, {MAX_ABS_LOGIT_BIAS:g}]")
+            _check(
+                _is_number(bias) and math.isfinite(bias) and -MAX_ABS_LOGIT_BIAS <= bias <= MAX_ABS_LOGIT_BIAS,
+                "logit_bias",
+                f"values must be in [-{MAX_ABS_LOGIT_BIAS:g}, {MAX_ABS_LOGIT_BIAS:g}]",
+            )
             if vocab_size is not None:
                 _check(token_id < vocab_size, "logit_bias", f"token id {token_id} is outside the vocabulary")
-        _check(isinstance(self.stop_token_ids, list) and len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
-               "stop_token_ids", f"must be a list of at most {MAX_STOP_TOKEN_IDS} token ids")
+        _check(
+            isinstance(self.stop_token_ids, list) and len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+            "stop_token_ids",
+            f"must be a list of at most {MAX_STOP_TOKEN_IDS} token ids",
+        )
         for token_id in self.stop_token_ids:
             _check(_is_int(token_id) and token_id >= 0, "stop_token_ids", "must be token ids (integers >= 0)")
             if vocab_size is not None:
                 _check(token_id < vocab_size, "stop_token_ids", f"token id {token_id} is outside the vocabulary")
         if self.allowed_token_ids is not None:
             allowed = self.allowed_token_ids
-            _check(isinstance(allowed, list) and 0 < len(allowed) <= MAX_ALLOWED_TOKEN_IDS, "allowed_token_ids",
-                   f"must be a list of 1 to {MAX_ALLOWED_TOKEN_IDS} token ids")
-            _check(all(_is_int(t) and t >= 0 for t in allowed), "allowed_token_ids", "must be token ids (integers >= 0)")
+            _check(
+                isinstance(allowed, list) and 0 < len(allowed) <= MAX_ALLOWED_TOKEN_IDS,
+                "allowed_token_ids",
+                f"must be a list of 1 to {MAX_ALLOWED_TOKEN_IDS} token ids",
+            )
+            _check(
+                all(_is_int(t) and t >= 0 for t in allowed), "allowed_token_ids", "must be token ids (integers >= 0)"
+            )
             if vocab_size is not None:
-                _check(max(allowed) < vocab_size, "allowed_token_ids", f"token id {max(allowed)} is outside the vocabulary")
+                _check(
+                    max(allowed) < vocab_size, "allowed_token_ids", f"token id {max(allowed)} is outside the vocabulary"
+                )
 
     def _check_response_format(self) -> None:
         """The response format is valid and not combined with beam search."""
         if self.response_format is not None:
             _check(isinstance(self.response_format, ResponseFormat), "response_format", "must be an object")
             self.response_format.validate()
-            _check(self.num_beams == 1 or not self.response_format.is_constraint, "response_format",
-                   "cannot be combined with beam search (num_beams > 1)")
+            _check(
+                self.num_beams == 1 or not self.response_format.is_constraint,
+                "response_format",
+                "cannot be combined with beam search (num_beams > 1)",
+            )
 
     @property
     def constraint(self) -> ResponseFormat | None:
@@ -298,8 +336,15 @@ DRAW_ONLY_FIELDS = ("temperature", "top_k", "top_p", "min_p")
 decoding and beam search ignore them. A wire that, like Hugging Face's ``generate``, ignores
 them when not sampling leaves them out (instead of validating them)."""
 
-_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-                 "length_penalty")
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "length_penalty",
+)
 _INT_FIELDS = ("top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "num_beams")
 _OPTIONAL_INT_FIELDS = ("seed", "logprobs", "prompt_logprobs")
 
@@ -353,12 +398,19 @@ def check_chat_messages(messages: Sequence[ChatMessage | dict[str, Any]]) -> Non
         InvalidRequest: ``field`` is ``messages``; the message names the index and the roles allowed.
     """
     for index, message in enumerate(messages):
-        role = (message.role if isinstance(message, ChatMessage)
-                else message.get("role") if isinstance(message, dict) else None)
+        role = (
+            message.role
+            if isinstance(message, ChatMessage)
+            else message.get("role")
+            if isinstance(message, dict)
+            else None
+        )
         if role not in CHAT_ROLES:
             shown = repr(role) if isinstance(role, str) and len(role) <= 40 else "this value"
-            raise InvalidRequest(f"messages[{index}].role {shown} is not a chat role; use one of "
-                                 f"{', '.join(sorted(CHAT_ROLES))}", field="messages")
+            raise InvalidRequest(
+                f"messages[{index}].role {shown} is not a chat role; use one of {', '.join(sorted(CHAT_ROLES))}",
+                field="messages",
+            )
 
 
 def check_template_kwargs(kwargs: Any) -> dict[str, Any]:
@@ -370,11 +422,15 @@ def check_template_kwargs(kwargs: Any) -> dict[str, Any]:
         InvalidRequest: not a mapping of string keys, or a key in ``RESERVED_TEMPLATE_KWARGS``.
     """
     if not isinstance(kwargs, dict) or not all(isinstance(key, str) for key in kwargs):
-        raise InvalidRequest("'chat_template_kwargs' must be an object of template variables", field="chat_template_kwargs")
+        raise InvalidRequest(
+            "'chat_template_kwargs' must be an object of template variables", field="chat_template_kwargs"
+        )
     clash = RESERVED_TEMPLATE_KWARGS.intersection(kwargs)
     if clash:
-        raise InvalidRequest(f"'chat_template_kwargs' may not set '{sorted(clash)[0]}' (the server sets it)",
-                             field="chat_template_kwargs")
+        raise InvalidRequest(
+            f"'chat_template_kwargs' may not set '{sorted(clash)[0]}' (the server sets it)",
+            field="chat_template_kwargs",
+        )
     return dict(kwargs)
 
 
@@ -509,7 +565,9 @@ class RequestOutput(msgspec.Struct, kw_only=True):
             token_texts=self.token_texts + later.token_texts,
             logprobs=logprobs,
             prompt_logprobs=self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs,
-            cumulative_logprob=later.cumulative_logprob if later.cumulative_logprob is not None else self.cumulative_logprob,
+            cumulative_logprob=later.cumulative_logprob
+            if later.cumulative_logprob is not None
+            else self.cumulative_logprob,
             events=self.events + later.events,
             modified=self.modified + later.modified,
             finished=later.finished,

@@ -28,17 +28,33 @@ MAX_TOKENS = 5
 def live(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> LiveServer:
     """A server with every protocol's listener enabled."""
     socket_path = tmp_path_factory.mktemp("uds") / "rill.sock"
-    server = start_server(tiny_model_dir, **{"uds.no_socket": False, "uds.socket": str(socket_path),
-                                             "evergreen.grpc_port": free_port()})
+    server = start_server(
+        tiny_model_dir, **{"uds.no_socket": False, "uds.socket": str(socket_path), "evergreen.grpc_port": free_port()}
+    )
     yield server
     server.stop()
 
 
 def _bench(live: LiveServer, out: Path, *extra: str) -> tuple[int, dict]:
-    argv = ["bench", "--port", str(live.port), "--socket", live.config.uds.socket,
-            "--grpc-address", f"127.0.0.1:{live.config.evergreen.grpc_port}",
-            "--num-requests", str(NUM_REQUESTS), "--max-tokens", str(MAX_TOKENS), "--prompt-len", "8",
-            "--no-progress", "--output", str(out), *extra]
+    argv = [
+        "bench",
+        "--port",
+        str(live.port),
+        "--socket",
+        live.config.uds.socket,
+        "--grpc-address",
+        f"127.0.0.1:{live.config.evergreen.grpc_port}",
+        "--num-requests",
+        str(NUM_REQUESTS),
+        "--max-tokens",
+        str(MAX_TOKENS),
+        "--prompt-len",
+        "8",
+        "--no-progress",
+        "--output",
+        str(out),
+        *extra,
+    ]
     code = main(argv)
     return code, json.loads(out.read_text())
 
@@ -63,8 +79,17 @@ def test_every_protocol_completes_its_requests(live: LiveServer, tmp_path: Path,
 
 
 def test_open_loop_with_records(live: LiveServer, tmp_path: Path) -> None:
-    code, document = _bench(live, tmp_path / "open.json", "--protocol", "openai", "--request-rate", "50",
-                            "--concurrency", "0", "--save-records")
+    code, document = _bench(
+        live,
+        tmp_path / "open.json",
+        "--protocol",
+        "openai",
+        "--request-rate",
+        "50",
+        "--concurrency",
+        "0",
+        "--save-records",
+    )
     assert code == 0
     (summary,) = document["results"]
     assert summary["request_rate"] == 50 and summary["concurrency"] is None
@@ -73,10 +98,12 @@ def test_open_loop_with_records(live: LiveServer, tmp_path: Path) -> None:
     live.wait_idle()
 
 
-def test_unreachable_listener_is_skipped_with_a_message(live: LiveServer, tmp_path: Path,
-                                                        capsys: pytest.CaptureFixture) -> None:
-    code, document = _bench(live, tmp_path / "missing.json", "--protocol", "uds", "--socket",
-                            str(tmp_path / "nothing-here.sock"))
+def test_unreachable_listener_is_skipped_with_a_message(
+    live: LiveServer, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    code, document = _bench(
+        live, tmp_path / "missing.json", "--protocol", "uds", "--socket", str(tmp_path / "nothing-here.sock")
+    )
     assert code == 1
     assert "uds" in document["skipped"] and document["results"] == []
     assert "skipping uds" in capsys.readouterr().err
@@ -84,8 +111,9 @@ def test_unreachable_listener_is_skipped_with_a_message(live: LiveServer, tmp_pa
 
 def test_server_errors_are_counted_by_type(live: LiveServer, tmp_path: Path) -> None:
     # A negative temperature is refused by every protocol's validation.
-    code, document = _bench(live, tmp_path / "errors.json", "--protocol", "openai,generate-ws,uds", "--warmup", "0",
-                            "--temperature", "-1")
+    code, document = _bench(
+        live, tmp_path / "errors.json", "--protocol", "openai,generate-ws,uds", "--warmup", "0", "--temperature", "-1"
+    )
     assert code == 1
     for summary in document["results"]:
         assert summary["num_ok"] == 0 and sum(summary["errors_by_type"].values()) == NUM_REQUESTS, summary

@@ -45,13 +45,18 @@ def _bytewise(data: bytes) -> list[bytes]:
     return [data[i : i + 1] for i in range(len(data))]
 
 
-@pytest.mark.parametrize("pieces", [
-    [EVENT + b"\n\n" + EMPTY + b"\n\n" + EVENT + b"\n\n" + USAGE + b"\n\ndata: [DONE]\n\n"],
-    _bytewise(EVENT + b"\r\n\r\n" + EMPTY + b"\r\n\r\n" + EVENT + b"\r\n\r\n" + USAGE + b"\r\n\r\ndata: [DONE]\r\n\r\n"),
-    [EVENT + b"\r", b"\n\r\n" + EMPTY + b"\r\n\r\n" + EVENT + b"\r\n\r\n" + USAGE + b"\r", b"\n"],  # CRLF split
-    [EVENT + b"\r\r: keep-alive\r" + EVENT + b"\r\r" + USAGE + b"\r"],  # bare CR, a comment line
-    [EVENT + b"\n\n" + EVENT + b"\n\n" + USAGE],  # the stream ends without a last line end
-])
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        [EVENT + b"\n\n" + EMPTY + b"\n\n" + EVENT + b"\n\n" + USAGE + b"\n\ndata: [DONE]\n\n"],
+        _bytewise(
+            EVENT + b"\r\n\r\n" + EMPTY + b"\r\n\r\n" + EVENT + b"\r\n\r\n" + USAGE + b"\r\n\r\ndata: [DONE]\r\n\r\n"
+        ),
+        [EVENT + b"\r", b"\n\r\n" + EMPTY + b"\r\n\r\n" + EVENT + b"\r\n\r\n" + USAGE + b"\r", b"\n"],  # CRLF split
+        [EVENT + b"\r\r: keep-alive\r" + EVENT + b"\r\r" + USAGE + b"\r"],  # bare CR, a comment line
+        [EVENT + b"\n\n" + EVENT + b"\n\n" + USAGE],  # the stream ends without a last line end
+    ],
+)
 def test_tokens_and_usage_whatever_the_line_ends_and_pieces(pieces: list[bytes]) -> None:
     assert _read(pieces) == (2, {"completion_tokens": 7})
 

@@ -24,8 +24,12 @@ from rill import cli
 from rill.clients.uds import UdsClient
 from tests.conftest import LiveServer, start_server
 
-CANDIDATE_PROMPTS = ["Once upon a time", "The river stone", "Ada found the golden lantern near the bridge",
-                     "Milo counted the silver candles"]
+CANDIDATE_PROMPTS = [
+    "Once upon a time",
+    "The river stone",
+    "Ada found the golden lantern near the bridge",
+    "Milo counted the silver candles",
+]
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +72,18 @@ def test_streams_tokens_and_exits_0(uds_server: LiveServer, capsys: pytest.Captu
 
 
 def test_no_stream_prints_the_same_text(uds_server: LiveServer, capsys: pytest.CaptureFixture[str]) -> None:
-    args = ("--prompt", "The river stone", "--socket", sock(uds_server), "--max-tokens", "4", "--temp", "0", "--top-p", "1")
+    args = (
+        "--prompt",
+        "The river stone",
+        "--socket",
+        sock(uds_server),
+        "--max-tokens",
+        "4",
+        "--temp",
+        "0",
+        "--top-p",
+        "1",
+    )
     assert run_cli(*args) == 0
     streamed = capsys.readouterr().out
     assert run_cli(*args, "--no-stream") == 0
@@ -81,15 +96,17 @@ def test_metrics_exits_0(uds_server: LiveServer, capsys: pytest.CaptureFixture[s
     assert frame["event"] == "metrics" and "tokens_generated_total" in frame["metrics"]
 
 
-@pytest.mark.parametrize("args", [(), ("--max-tokens", "many", "--prompt", "x"), ("--prompt", "x", "--bogus"),
-                                  ("--prompt",)])
+@pytest.mark.parametrize(
+    "args", [(), ("--max-tokens", "many", "--prompt", "x"), ("--prompt", "x", "--bogus"), ("--prompt",)]
+)
 def test_usage_errors_exit_1(args: tuple[str, ...], capsys: pytest.CaptureFixture[str]) -> None:
     assert run_cli(*args) == 1
     assert capsys.readouterr().err
 
 
-def test_error_event_exits_2_with_the_message_on_stderr(uds_server: LiveServer,
-                                                        capsys: pytest.CaptureFixture[str]) -> None:
+def test_error_event_exits_2_with_the_message_on_stderr(
+    uds_server: LiveServer, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert run_cli("--prompt", "hi", "--socket", sock(uds_server), "--top-p", "5") == 2
     captured = capsys.readouterr()
     assert "top_p" in captured.err and "E_PROTO_BAD_REQUEST" in captured.err
@@ -124,12 +141,16 @@ def _frame(obj: Any) -> bytes:
     return struct.pack("<I", len(body)) + body
 
 
-@pytest.mark.parametrize("reply", [
-    b"\x00\x00\x00\x00",  # zero-length frame
-    struct.pack("<I", 5) + b"{nope",  # invalid JSON
-    struct.pack("<I", 100) + b'{"event":',  # closed in the middle of a frame
-    _frame({"id": "x", "event": "token", "text": "a", "token_id": 1}),  # closed before eos
-], ids=["zero-length", "invalid-json", "truncated", "no-eos"])
+@pytest.mark.parametrize(
+    "reply",
+    [
+        b"\x00\x00\x00\x00",  # zero-length frame
+        struct.pack("<I", 5) + b"{nope",  # invalid JSON
+        struct.pack("<I", 100) + b'{"event":',  # closed in the middle of a frame
+        _frame({"id": "x", "event": "token", "text": "a", "token_id": 1}),  # closed before eos
+    ],
+    ids=["zero-length", "invalid-json", "truncated", "no-eos"],
+)
 def test_framing_or_connection_errors_exit_3(tmp_path: Path, reply: bytes, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "raw.sock"
     thread = _raw_server(path, reply)
@@ -140,9 +161,24 @@ def test_framing_or_connection_errors_exit_3(tmp_path: Path, reply: bytes, capsy
 
 def test_ctrl_c_sends_cancel_and_waits_for_the_eos(uds_server: LiveServer, long_prompt: str) -> None:
     before = uds_server.stats().requests_finished_total.get("cancelled", 0)
-    proc = subprocess.Popen([sys.executable, "-m", "rill", "client", "uds", "--prompt", long_prompt,
-                             "--socket", sock(uds_server), "--max-tokens", "300"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=os.environ | {"PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "rill",
+            "client",
+            "uds",
+            "--prompt",
+            long_prompt,
+            "--socket",
+            sock(uds_server),
+            "--max-tokens",
+            "300",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=os.environ | {"PYTHONUNBUFFERED": "1"},
+    )
     try:
         assert proc.stdout is not None
         first = proc.stdout.read(1)  # the CLI is streaming: its Ctrl-C handler is installed

@@ -112,7 +112,9 @@ def test_chat_template_matches_python_renderer(add_generation_prompt):
 
 
 def test_chat_template_keeps_text_parts_of_list_content():
-    messages = [{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "image"}, {"type": "text", "text": "!"}]}]
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "image"}, {"type": "text", "text": "!"}]}
+    ]
     assert _render_jinja(messages, True) == "<s><|user|>\nHi!<|end|>\n<|assistant|>\n"
 
 
@@ -154,7 +156,16 @@ def test_training_loop_lowers_loss_and_respects_limits():
     tokens = pack_documents([[4, 5, 6, 7, 8, 9] * 20] * 20, bos_id=1, eos_id=2)
     model = Bigram(16)
     seen = []
-    config = TrainConfig(seq_len=32, batch_size=4, steps=30, time_budget_s=None, peak_lr=1e-1, warmup_steps=3, use_bf16=False, num_threads=1)
+    config = TrainConfig(
+        seq_len=32,
+        batch_size=4,
+        steps=30,
+        time_budget_s=None,
+        peak_lr=1e-1,
+        warmup_steps=3,
+        use_bf16=False,
+        num_threads=1,
+    )
     result = train(model, tokens, config, progress=lambda f, s, loss: seen.append((f, s, loss)), holdout=tokens[:200])
     assert result.num_steps == 30 and seen[-1][0] == 1.0 and [s for _, s, _ in seen] == list(range(1, 31))
     assert seen[-1][2] < seen[0][2]  # smoothed, so it lags
@@ -205,8 +216,14 @@ REPORTED: list[tuple[float, str]] = []
 def tiny_folder(tmp_path_factory):
     folder = tmp_path_factory.mktemp("demo") / "tiny"
     return demo_build.build_demo_model(
-        folder, time_budget_s=None, steps=5, progress=False, report=lambda *event: REPORTED.append(event),
-        model_overrides=TINY_MODEL, train_overrides=TINY_TRAIN, corpus_bytes=200_000,
+        folder,
+        time_budget_s=None,
+        steps=5,
+        progress=False,
+        report=lambda *event: REPORTED.append(event),
+        model_overrides=TINY_MODEL,
+        train_overrides=TINY_TRAIN,
+        corpus_bytes=200_000,
     )
 
 
@@ -320,8 +337,10 @@ def test_concurrent_callers_build_once(monkeypatch, tmp_path):
     monkeypatch.setattr(demo_build, "build_demo_model", fake)
     folder = tmp_path / "demo"
     results: list[Path] = []
-    threads = [threading.Thread(target=lambda: results.append(demo_build.ensure_demo_model(False, folder=folder)))
-               for _ in range(3)]
+    threads = [
+        threading.Thread(target=lambda: results.append(demo_build.ensure_demo_model(False, folder=folder)))
+        for _ in range(3)
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:

@@ -55,21 +55,41 @@ class Clock:
         return self.now
 
 
-def make_engine(num_rows: int = 16, max_len: int = 256, max_num_seqs: int = 16, max_num_batched_tokens: int = 512,
-                clock: Callable[[], float] | None = None) -> Engine:
+def make_engine(
+    num_rows: int = 16,
+    max_len: int = 256,
+    max_num_seqs: int = 16,
+    max_num_batched_tokens: int = 512,
+    clock: Callable[[], float] | None = None,
+) -> Engine:
     """An engine over a fresh ``FakeRunner``."""
     config = EngineConfig(model="fake", max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
     runner = FakeRunner(num_rows=num_rows, max_len=max_len)
-    return assemble_engine(config, runner, fake_tokenizer(), name="fake", architecture="FakeForCausalLM", clock=clock,
-                           warm_grammars=False)
+    return assemble_engine(
+        config, runner, fake_tokenizer(), name="fake", architecture="FakeForCausalLM", clock=clock, warm_grammars=False
+    )
 
 
-def make_request(engine: Engine, request_id: str, prompt: str | list[int], priority: int = 0,
-                 deadline: float | None = None, **params: Any) -> Request:
+def make_request(
+    engine: Engine,
+    request_id: str,
+    prompt: str | list[int],
+    priority: int = 0,
+    deadline: float | None = None,
+    **params: Any,
+) -> Request:
     """An engine request for ``prompt`` (text or ids); ``params`` are ``SamplingParams`` fields."""
     ids = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-    return Request(request_id=request_id, prompt_ids=ids, params=SamplingParams(**params).validate(),
-                   eos_token_ids=engine.eos_token_ids, arrival_time=0.0, seq_no=0, priority=priority, deadline=deadline)
+    return Request(
+        request_id=request_id,
+        prompt_ids=ids,
+        params=SamplingParams(**params).validate(),
+        eos_token_ids=engine.eos_token_ids,
+        arrival_time=0.0,
+        seq_no=0,
+        priority=priority,
+        deadline=deadline,
+    )
 
 
 def step(engine: Engine, results: dict[str, Result]) -> list[Any]:
@@ -89,7 +109,11 @@ def step(engine: Engine, results: dict[str, Result]) -> list[Any]:
             res.num_steps_with_tokens += 1
         if out.finished:
             res.finish_reason, res.stop_reason, res.error, res.usage = (
-                out.finish_reason, out.stop_reason, out.error, out.usage)
+                out.finish_reason,
+                out.stop_reason,
+                out.error,
+                out.usage,
+            )
     return outputs
 
 
@@ -102,8 +126,12 @@ def step_until_finished(engine: Engine, results: dict[str, Result], request_id: 
     raise AssertionError(f"{request_id} did not finish in {max_steps} steps")
 
 
-def run(engine: Engine, requests: list[Request], on_step: Callable[[int, dict[str, Result]], None] | None = None,
-        max_steps: int = 20000) -> dict[str, Result]:
+def run(
+    engine: Engine,
+    requests: list[Request],
+    on_step: Callable[[int, dict[str, Result]], None] | None = None,
+    max_steps: int = 20000,
+) -> dict[str, Result]:
     """Add ``requests`` and step until the engine has nothing left; return every request's result."""
     results: dict[str, Result] = {r.request_id: Result() for r in requests}
     for request in requests:
@@ -121,8 +149,13 @@ def run(engine: Engine, requests: list[Request], on_step: Callable[[int, dict[st
 def solo(request: Request, **engine_args: Any) -> Result:
     """``request`` run alone on a fresh engine (the reference for batch-invariance checks)."""
     engine = make_engine(**engine_args)
-    fresh = make_request(engine, request.request_id, request.prompt_ids, request.priority,
-                         **{f: getattr(request.params, f) for f in request.params.__struct_fields__})
+    fresh = make_request(
+        engine,
+        request.request_id,
+        request.prompt_ids,
+        request.priority,
+        **{f: getattr(request.params, f) for f in request.params.__struct_fields__},
+    )
     return run(engine, [fresh])[request.request_id]
 
 

@@ -41,8 +41,9 @@ print(faults[0])
 
 
 def _faults(tuned: bool) -> int:
-    out = subprocess.run([sys.executable, "-c", _PROBE, "1" if tuned else "0"], capture_output=True, text=True,
-                         check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE, "1" if tuned else "0"], capture_output=True, text=True, check=True
+    )
     return int(out.stdout.strip())
 
 
@@ -53,9 +54,11 @@ def _bf16_is_native() -> bool:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
-@pytest.mark.skipif(not _bf16_is_native(),
-                    reason="bf16 is emulated on this CPU, and its GEMM (like float32's, which rill serves here) "
-                           "maps scratch memory of its own on every call, which no malloc setting keeps")
+@pytest.mark.skipif(
+    not _bf16_is_native(),
+    reason="bf16 is emulated on this CPU, and its GEMM (like float32's, which rill serves here) "
+    "maps scratch memory of its own on every call, which no malloc setting keeps",
+)
 def test_freed_step_tensors_are_reused_without_page_faults() -> None:
     untuned, tuned = _faults(False), _faults(True)
     # One step's gate/up output alone is 6,144 pages of 4 KiB.

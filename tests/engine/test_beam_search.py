@@ -9,7 +9,9 @@ from rill.testing.fake_runner import FakeRunner
 from tests.engine.fake_core import PROMPTS, Result, assert_idle, make_engine, make_request, run, step
 
 
-def reference_beams(runner: FakeRunner, prompt: list[int], num_beams: int, num_tokens: int) -> list[tuple[float, list[int]]]:
+def reference_beams(
+    runner: FakeRunner, prompt: list[int], num_beams: int, num_tokens: int
+) -> list[tuple[float, list[int]]]:
     """Plain beam search over the runner's logits, every beam run to ``num_tokens``; best first."""
     beams: list[tuple[float, list[int]]] = [(0.0, [])]
     for _ in range(num_tokens):
@@ -90,12 +92,27 @@ def test_a_hypothesis_ending_in_eos_ends_the_search_with_stop() -> None:
 def test_beam_requests_beside_sampled_ones_leave_those_unchanged() -> None:
     engine = make_engine()
     beam = make_request(engine, "beam", PROMPTS[0], num_beams=3, max_tokens=8, ignore_eos=True)
-    plain = [make_request(engine, f"p{i}", PROMPTS[i], temperature=0.9, seed=i, max_tokens=8, ignore_eos=True) for i in range(3)]
+    plain = [
+        make_request(engine, f"p{i}", PROMPTS[i], temperature=0.9, seed=i, max_tokens=8, ignore_eos=True)
+        for i in range(3)
+    ]
     together = run(engine, [beam, *plain])
     for request in plain:
         fresh = make_engine()
-        alone = run(fresh, [make_request(fresh, request.request_id, request.prompt_ids, temperature=0.9,
-                                         seed=int(request.params.seed or 0), max_tokens=8, ignore_eos=True)])
+        alone = run(
+            fresh,
+            [
+                make_request(
+                    fresh,
+                    request.request_id,
+                    request.prompt_ids,
+                    temperature=0.9,
+                    seed=int(request.params.seed or 0),
+                    max_tokens=8,
+                    ignore_eos=True,
+                )
+            ],
+        )
         assert together[request.request_id].token_ids == alone[request.request_id].token_ids
     assert together["beam"].token_ids == reference_beams(engine.runner, beam.prompt_ids, 3, 8)[0][1]
     assert_idle(engine)
@@ -112,8 +129,9 @@ def test_a_beam_group_drives_its_rows_through_the_kv_managers_api() -> None:
     copies: list[tuple[int, int, int]] = []
     prompt = [3, 4, 5]
     prompt_row = kv.acquire(EmptyRow(), prompt).row
-    group = BeamGroup(BeamSearch(3, 1.0, False, frozenset(), max_tokens=4), kv,
-                      lambda src, dst, n: copies.append((src, dst, n)))
+    group = BeamGroup(
+        BeamSearch(3, 1.0, False, frozenset(), max_tokens=4), kv, lambda src, dst, n: copies.append((src, dst, n))
+    )
     assert len(group.spare_rows) == 2 and kv.num_live_rows == 3 and not group.is_decoding
     group.start(prompt_row, prompt, num_computed=3)
     # Token 7 is best by far, then 8, then 9: three beams, two of them copies of the prompt's row.
@@ -122,7 +140,9 @@ def test_a_beam_group_drives_its_rows_through_the_kv_managers_api() -> None:
     result = group.step(logits, max_len=64)
     assert result.best is None and result.agreed == []  # the beams disagree on their first token
     assert [b.tokens for b in group.beams] == [[7], [8], [9]] and group.beams[0].row == prompt_row
-    assert sorted(dst for _, dst, _ in copies) == sorted(group.rows()[1:]) and all(src == prompt_row for src, _, _ in copies)
+    assert sorted(dst for _, dst, _ in copies) == sorted(group.rows()[1:]) and all(
+        src == prompt_row for src, _, _ in copies
+    )
     assert all(kv.is_live(row) for row in group.rows()) and kv.num_live_rows == 3
     assert [w.token_ids for w in group.work()] == [[7], [8], [9]]
     group.release()

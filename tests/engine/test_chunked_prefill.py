@@ -19,13 +19,27 @@ def long_engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
     from rill.testing.checkpoints import make_checkpoint
 
     folder = make_checkpoint(tmp_path_factory.mktemp("long") / "tiny-long", arch="llama", max_position_embeddings=4608)
-    return build_engine(EngineConfig(model=str(folder), dtype="float32", kv_cache_memory="64MiB", max_model_len=4608,
-                               max_num_seqs=8, max_num_batched_tokens=2048))
+    return build_engine(
+        EngineConfig(
+            model=str(folder),
+            dtype="float32",
+            kv_cache_memory="64MiB",
+            max_model_len=4608,
+            max_num_seqs=8,
+            max_num_batched_tokens=2048,
+        )
+    )
 
 
 def _request(engine: Engine, rid: str, ids: list[int], max_tokens: int) -> Request:
-    return Request(request_id=rid, prompt_ids=ids, params=SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
-                   eos_token_ids=engine.eos_token_ids, arrival_time=time.monotonic(), seq_no=0)
+    return Request(
+        request_id=rid,
+        prompt_ids=ids,
+        params=SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+        eos_token_ids=engine.eos_token_ids,
+        arrival_time=time.monotonic(),
+        seq_no=0,
+    )
 
 
 def test_running_streams_get_a_token_every_step_during_a_4k_prefill(long_engine: Engine) -> None:
@@ -53,7 +67,13 @@ def test_running_streams_get_a_token_every_step_during_a_4k_prefill(long_engine:
         outs = {o.request_id: o for o in core.step()}
         num_prefill_steps += 1
         advanced = core.requests["long"].num_computed - before if "long" in core.requests else len(long_ids) - before
-        assert 0 < advanced <= max(cap, 16), (cap, before, advanced, core.scheduler.prefill_chunk_tokens, [(o.request_id, len(o.token_ids), o.events) for o in outs.values()])
+        assert 0 < advanced <= max(cap, 16), (
+            cap,
+            before,
+            advanced,
+            core.scheduler.prefill_chunk_tokens,
+            [(o.request_id, len(o.token_ids), o.events) for o in outs.values()],
+        )
         for rid in tokens:  # every running stream generated exactly one token in this step
             # (counted by usage: a token whose character is incomplete is delivered a step later)
             assert outs[rid].usage.completion_tokens == generated[rid] + 1, (num_prefill_steps, rid)
@@ -69,7 +89,9 @@ def test_running_streams_get_a_token_every_step_during_a_4k_prefill(long_engine:
             (long_tokens if out.request_id == "long" else tokens[out.request_id]).extend(out.token_ids)
     # Chunking changes nothing in the results: each equals its solo greedy run.
     solo = {}
-    for rid, ids, n in [("long", long_ids, 4)] + [(f"s{i}", ids, len(tokens[f"s{i}"])) for i, ids in enumerate(streams)]:
+    for rid, ids, n in [("long", long_ids, 4)] + [
+        (f"s{i}", ids, len(tokens[f"s{i}"])) for i, ids in enumerate(streams)
+    ]:
         core.apply(AddCommand(_request(long_engine, rid + "-solo", ids, n)))
         out_tokens: list[int] = []
         while core.has_work():
@@ -114,13 +136,17 @@ def test_a_burst_that_outnumbers_the_running_streams_is_prefilled_whole(long_eng
     special = set(tok.special_token_ids)
     vocab = long_engine.model_info.vocab_size
     # Distinct random prompts: no shared prefix for the prefix cache to wait on.
-    prompts = {f"burst{i}": [t for t in (rng.randrange(vocab) for _ in range(80)) if t not in special][:60] for i in range(5)}
+    prompts = {
+        f"burst{i}": [t for t in (rng.randrange(vocab) for _ in range(80)) if t not in special][:60] for i in range(5)
+    }
     for rid, ids in prompts.items():
         core.apply(AddCommand(_request(long_engine, rid, ids, 2)))
     core.scheduler.prefill_chunk_tokens = 16
     outs = {o.request_id: o for o in core.step()}
     assert len(outs["run0"].token_ids) == 1
-    assert all(len(outs[rid].token_ids) == 1 for rid in prompts), {rid: core.requests[rid].num_computed for rid in prompts}
+    assert all(len(outs[rid].token_ids) == 1 for rid in prompts), {
+        rid: core.requests[rid].num_computed for rid in prompts
+    }
     while any(rid in core.requests for rid in prompts):
         core.step()
     core.apply(AddCommand(_request(long_engine, "run1", tok.encode("A second running stream"), 50)))

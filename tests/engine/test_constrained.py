@@ -61,9 +61,12 @@ def test_regex_rows_and_a_free_row_in_one_batch(tok, grammars: GrammarCompiler) 
 
 
 def test_greedy_row_follows_the_json_schema(tok, grammars: GrammarCompiler) -> None:
-    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9},
-                                               "c": {"enum": ["x", "y"]}}, "required": ["n", "c"],
-              "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}, "c": {"enum": ["x", "y"]}},
+        "required": ["n", "c"],
+        "additionalProperties": False,
+    }
     s = Sampler(tok.get_vocab_size(), 4)
     fmt = ResponseFormat(type="json_schema", json_schema={"schema": schema, "strict": True})
     s.add(0, SamplingParams(temperature=0.0), [1], {EOS}, matcher=grammars.matcher(fmt))
@@ -74,7 +77,9 @@ def test_greedy_row_follows_the_json_schema(tok, grammars: GrammarCompiler) -> N
 def test_the_grammar_wins_over_a_min_tokens_ban(tok, grammars: GrammarCompiler) -> None:
     # min_tokens bans eos, but once "ok" is written the grammar allows nothing else.
     s = Sampler(tok.get_vocab_size(), 2)
-    s.add(0, SamplingParams(min_tokens=50), [1], {EOS}, matcher=grammars.matcher(ResponseFormat(type="regex", regex="ok")))
+    s.add(
+        0, SamplingParams(min_tokens=50), [1], {EOS}, matcher=grammars.matcher(ResponseFormat(type="regex", regex="ok"))
+    )
     assert text_of(tok, run(s, [0], tok.get_vocab_size(), 10)[0]) == "ok" and s.is_constraint_complete(0)
 
 
@@ -88,7 +93,7 @@ def test_update_switches_the_constraint_on_mid_stream_and_reset_restarts_it(tok,
     constrained_ids = run(s, [0], vocab, 10)[0]
     assert s.is_constraint_complete(0)
     text = text_of(tok, free_ids + constrained_ids)
-    assert text.startswith(free) and re.fullmatch("[0-9]{3}", text[len(free):])
+    assert text.startswith(free) and re.fullmatch("[0-9]{3}", text[len(free) :])
     s.reset(0, [1])
     assert not s.is_constraint_complete(0)
     assert re.fullmatch("[0-9]{3}", text_of(tok, run(s, [0], vocab, 10)[0]))
@@ -102,11 +107,14 @@ def test_compiled_constraints_are_cached_and_copies_are_independent(grammars: Gr
     assert grammars.matcher(ResponseFormat(type="text")) is None
 
 
-@pytest.mark.parametrize("fmt", [
-    ResponseFormat(type="regex", regex="(("),
-    ResponseFormat(type="grammar", grammar="start: undefined_rule"),
-    ResponseFormat(type="json_schema", json_schema={"schema": {"type": "nonsense"}, "strict": True}),
-])
+@pytest.mark.parametrize(
+    "fmt",
+    [
+        ResponseFormat(type="regex", regex="(("),
+        ResponseFormat(type="grammar", grammar="start: undefined_rule"),
+        ResponseFormat(type="json_schema", json_schema={"schema": {"type": "nonsense"}, "strict": True}),
+    ],
+)
 def test_bad_constraints_are_invalid_requests(grammars: GrammarCompiler, fmt: ResponseFormat) -> None:
     with pytest.raises(InvalidRequest) as caught:
         grammars.matcher(fmt)
@@ -124,12 +132,27 @@ def test_a_forced_tool_call_survives_an_added_non_special_opener() -> None:
     from rill.protocols._shared.tool_calls import call_grammar
 
     tokenizer = make_tokenizer()
-    tokenizer.add_tokens([AddedToken("<tool_call>", normalized=False, special=False),
-                          AddedToken("</tool_call>", normalized=False, special=False)])
+    tokenizer.add_tokens(
+        [
+            AddedToken("<tool_call>", normalized=False, special=False),
+            AddedToken("</tool_call>", normalized=False, special=False),
+        ]
+    )
     vocab = tokenizer.get_vocab_size()
     compiler = GrammarCompiler(tokenizer.to_str(), vocab, [EOS])
-    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"city": {"type": "string", "maxLength": 8}},
+                    "required": ["city"],
+                },
+            },
+        }
+    ]
     matcher = compiler.matcher(ResponseFormat(type="grammar", grammar=call_grammar("hermes", tools)))
     mask = allocate_token_bitmask(1, vocab)
     tokens: list[int] = []

@@ -121,7 +121,9 @@ def test_abort_of_a_waiting_a_running_and_a_paused_request() -> None:
     core = engine.core
     results: dict[str, Result] = {}
     for rid in ("run", "paused", "wait"):
-        core.apply(AddCommand(make_request(engine, rid, PROMPTS[0] + rid, temperature=0.0, max_tokens=50, ignore_eos=True)))
+        core.apply(
+            AddCommand(make_request(engine, rid, PROMPTS[0] + rid, temperature=0.0, max_tokens=50, ignore_eos=True))
+        )
     step(engine, results)
     core.apply(PauseCommand("run"))
     step(engine, results)  # "paused" runs now; "run" is paused
@@ -129,8 +131,11 @@ def test_abort_of_a_waiting_a_running_and_a_paused_request() -> None:
     for rid in ("run", "paused", "wait"):
         core.apply(AbortCommand(rid))
     step(engine, results)
-    assert {rid: res.finish_reason for rid, res in results.items()} == {"run": "cancelled", "paused": "cancelled",
-                                                                       "wait": "cancelled"}
+    assert {rid: res.finish_reason for rid, res in results.items()} == {
+        "run": "cancelled",
+        "paused": "cancelled",
+        "wait": "cancelled",
+    }
     assert not core.has_work()
     assert_idle(engine)
 
@@ -141,12 +146,19 @@ def test_stop_strings_and_stop_token_ids_end_the_request() -> None:
     text = solo(request).text
     stop = text[6:8]
     assert text.find(stop) == 6
-    by_string = run(engine, [make_request(engine, "s1", PROMPTS[0], temperature=0.0, max_tokens=40, ignore_eos=True,
-                                          stop=[stop])])["s1"]
+    by_string = run(
+        engine, [make_request(engine, "s1", PROMPTS[0], temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop])]
+    )["s1"]
     assert (by_string.text, by_string.finish_reason, by_string.stop_reason) == (text[:6], "stop", stop)
     token = solo(request).token_ids[3]
-    by_token = run(engine, [make_request(engine, "s2", PROMPTS[0], temperature=0.0, max_tokens=40, ignore_eos=True,
-                                         stop_token_ids=[token])])["s2"]
+    by_token = run(
+        engine,
+        [
+            make_request(
+                engine, "s2", PROMPTS[0], temperature=0.0, max_tokens=40, ignore_eos=True, stop_token_ids=[token]
+            )
+        ],
+    )["s2"]
     assert by_token.finish_reason == "stop" and by_token.stop_reason == token
     assert by_token.token_ids == solo(request).token_ids[: by_token.token_ids.__len__()]
     assert token not in by_token.token_ids
@@ -172,8 +184,13 @@ def test_a_deadline_ends_the_request_with_a_timeout_and_frees_its_row() -> None:
     engine = make_engine(clock=clock)
     core = engine.core
     results: dict[str, Result] = {}
-    core.apply(AddCommand(make_request(engine, "d", PROMPTS[0], deadline=clock.now + 5, temperature=0.0, max_tokens=100,
-                                       ignore_eos=True)))
+    core.apply(
+        AddCommand(
+            make_request(
+                engine, "d", PROMPTS[0], deadline=clock.now + 5, temperature=0.0, max_tokens=100, ignore_eos=True
+            )
+        )
+    )
     core.apply(AddCommand(make_request(engine, "free", PROMPTS[1], temperature=0.0, max_tokens=6, ignore_eos=True)))
     for _ in range(3):
         step(engine, results)
@@ -217,8 +234,17 @@ MIXED = [
 
 def test_a_request_gets_the_same_tokens_alone_and_in_a_mixed_batch() -> None:
     engine = make_engine(num_rows=24, max_num_seqs=24)
-    requests = [make_request(engine, f"c{i}", PROMPTS[i % len(PROMPTS)] + f" {i}", max_tokens=6 + i % 5, ignore_eos=True,
-                             **MIXED[i % len(MIXED)]) for i in range(16)]
+    requests = [
+        make_request(
+            engine,
+            f"c{i}",
+            PROMPTS[i % len(PROMPTS)] + f" {i}",
+            max_tokens=6 + i % 5,
+            ignore_eos=True,
+            **MIXED[i % len(MIXED)],
+        )
+        for i in range(16)
+    ]
     together = run(engine, requests)
     for request in requests:
         alone = solo(request)

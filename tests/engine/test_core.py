@@ -30,7 +30,7 @@ PROMPTS = [
     "Once upon a time there was a little fox",
     "The sun rose over the quiet village and",
     "Mia found a red ball in the garden.",
-    "Tom said, \"Let us go to the park!\"",
+    'Tom said, "Let us go to the park!"',
     "A big dog ran",
     "In the morning the birds sang songs about the sea, the sky and the tall green trees",
 ]
@@ -39,14 +39,28 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir: Path) -> Engine:
     """A float32 engine on the tiny model with room for 64+ sequences."""
-    return build_engine(EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_memory="64MiB",
-                               max_model_len=512, max_num_seqs=64, max_queue=4096))
+    return build_engine(
+        EngineConfig(
+            model=str(tiny_model_dir),
+            dtype="float32",
+            kv_cache_memory="64MiB",
+            max_model_len=512,
+            max_num_seqs=64,
+            max_queue=4096,
+        )
+    )
 
 
 def make_request(engine: Engine, request_id: str, prompt: str, **params: object) -> Request:
     """An engine request for ``prompt`` with the given sampling parameters."""
-    return Request(request_id=request_id, prompt_ids=engine.tokenizer.encode(prompt), params=SamplingParams(**params),
-                   eos_token_ids=engine.eos_token_ids, arrival_time=time.monotonic(), seq_no=0)
+    return Request(
+        request_id=request_id,
+        prompt_ids=engine.tokenizer.encode(prompt),
+        params=SamplingParams(**params),
+        eos_token_ids=engine.eos_token_ids,
+        arrival_time=time.monotonic(),
+        seq_no=0,
+    )
 
 
 MIXED = [
@@ -80,8 +94,17 @@ def test_64_concurrent_mixed_requests_equal_their_solo_runs(engine: Engine) -> N
 def test_random_control_of_1000_requests_leaves_nothing_behind(engine: Engine) -> None:
     rng = random.Random(1234)
     core = engine.core
-    requests = [make_request(engine, f"k{i}", PROMPTS[i % len(PROMPTS)], temperature=rng.choice([0.0, 0.8]),
-                             seed=i, max_tokens=rng.randint(2, 12)) for i in range(1000)]
+    requests = [
+        make_request(
+            engine,
+            f"k{i}",
+            PROMPTS[i % len(PROMPTS)],
+            temperature=rng.choice([0.0, 0.8]),
+            seed=i,
+            max_tokens=rng.randint(2, 12),
+        )
+        for i in range(1000)
+    ]
     live: set[str] = set()  # added and not finished: the only ids a client can steer
     paused: set[str] = set()
     finished: dict[str, str] = {}
@@ -108,7 +131,11 @@ def test_random_control_of_1000_requests_leaves_nothing_behind(engine: Engine) -
                 core.apply(ResumeCommand(rid))
                 paused.discard(rid)
             elif action == "modify":
-                core.apply(ModifyCommand(rid, SamplingParams(temperature=rng.choice([0.0, 1.1]), max_tokens=rng.randint(2, 12))))
+                core.apply(
+                    ModifyCommand(
+                        rid, SamplingParams(temperature=rng.choice([0.0, 1.1]), max_tokens=rng.randint(2, 12))
+                    )
+                )
             elif action == "regenerate":
                 core.apply(RegenerateCommand(rid))
                 paused.discard(rid)  # regenerate also resumes
@@ -121,8 +148,12 @@ def test_random_control_of_1000_requests_leaves_nothing_behind(engine: Engine) -
             # Counted by usage: a token generated before the pause whose text was held back comes
             # with a later output (the final one, if the paused request is aborted).
             num_before, generated[out.request_id] = generated.get(out.request_id, 0), out.usage.completion_tokens
-            if out.usage.completion_tokens > num_before and out.request_id in paused \
-                    and RequestEvent.RESUMED not in out.events and RequestEvent.REGENERATING not in out.events:
+            if (
+                out.usage.completion_tokens > num_before
+                and out.request_id in paused
+                and RequestEvent.RESUMED not in out.events
+                and RequestEvent.REGENERATING not in out.events
+            ):
                 tokens_while_paused.append(out.request_id)
             if out.finished:
                 assert out.request_id not in finished, "two final outputs"
@@ -137,7 +168,9 @@ def test_random_control_of_1000_requests_leaves_nothing_behind(engine: Engine) -
 
 
 def test_pause_produces_nothing_and_resume_continues_the_same_stream(engine: Engine) -> None:
-    reference = run(engine, [make_request(engine, "p-ref", PROMPTS[0], temperature=0.0, max_tokens=16, ignore_eos=True)])["p-ref"]
+    reference = run(
+        engine, [make_request(engine, "p-ref", PROMPTS[0], temperature=0.0, max_tokens=16, ignore_eos=True)]
+    )["p-ref"]
     core = engine.core
     core.apply(AddCommand(make_request(engine, "p", PROMPTS[0], temperature=0.0, max_tokens=16, ignore_eos=True)))
     tokens: list[int] = []
@@ -164,7 +197,9 @@ def test_pause_produces_nothing_and_resume_continues_the_same_stream(engine: Eng
 
 def test_modify_to_greedy_continues_like_a_greedy_run(engine: Engine) -> None:
     core = engine.core
-    core.apply(AddCommand(make_request(engine, "m", PROMPTS[1], temperature=1.5, seed=5, max_tokens=20, ignore_eos=True)))
+    core.apply(
+        AddCommand(make_request(engine, "m", PROMPTS[1], temperature=1.5, seed=5, max_tokens=20, ignore_eos=True))
+    )
     tokens: list[int] = []
     switched_at = None
     while True:
@@ -180,8 +215,14 @@ def test_modify_to_greedy_continues_like_a_greedy_run(engine: Engine) -> None:
             core.apply(ModifyCommand("m", SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)))
     # The greedy continuation of prompt + first 6 tokens must equal the rest of the stream.
     prompt_ids = engine.tokenizer.encode(PROMPTS[1]) + tokens[:switched_at]
-    request = Request(request_id="m-ref", prompt_ids=prompt_ids, params=SamplingParams(temperature=0.0, max_tokens=20 - switched_at, ignore_eos=True),
-                      eos_token_ids=engine.eos_token_ids, arrival_time=time.monotonic(), seq_no=0)
+    request = Request(
+        request_id="m-ref",
+        prompt_ids=prompt_ids,
+        params=SamplingParams(temperature=0.0, max_tokens=20 - switched_at, ignore_eos=True),
+        eos_token_ids=engine.eos_token_ids,
+        arrival_time=time.monotonic(),
+        seq_no=0,
+    )
     continuation = run(engine, [request])["m-ref"]
     assert tokens[switched_at:] == continuation.token_ids
     assert_idle(engine)
@@ -189,7 +230,9 @@ def test_modify_to_greedy_continues_like_a_greedy_run(engine: Engine) -> None:
 
 def test_regenerate_with_seed_reproduces_and_reuses_the_prompt_cache(engine: Engine) -> None:
     core = engine.core
-    core.apply(AddCommand(make_request(engine, "g", PROMPTS[5], temperature=1.0, seed=99, max_tokens=10, ignore_eos=True)))
+    core.apply(
+        AddCommand(make_request(engine, "g", PROMPTS[5], temperature=1.0, seed=99, max_tokens=10, ignore_eos=True))
+    )
     first: list[int] = []
     second: list[int] = []
     regenerated = False
@@ -207,7 +250,9 @@ def test_regenerate_with_seed_reproduces_and_reuses_the_prompt_cache(engine: Eng
             hits_before = core.stats().prefix_cache_hits_tokens
             core.apply(RegenerateCommand("g"))
     num_prompt = len(engine.tokenizer.encode(PROMPTS[5]))
-    full = run(engine, [make_request(engine, "g2", PROMPTS[5], temperature=1.0, seed=99, max_tokens=10, ignore_eos=True)])["g2"]
+    full = run(
+        engine, [make_request(engine, "g2", PROMPTS[5], temperature=1.0, seed=99, max_tokens=10, ignore_eos=True)]
+    )["g2"]
     assert second == full.token_ids
     assert first == full.token_ids[: len(first)]
     # Only the last prompt token was recomputed: the rest came from the row's cache.
@@ -216,7 +261,9 @@ def test_regenerate_with_seed_reproduces_and_reuses_the_prompt_cache(engine: Eng
 
 
 def test_stop_strings_across_tokens_stop_tokens_and_logprobs(engine: Engine) -> None:
-    base = run(engine, [make_request(engine, "s0", PROMPTS[0], temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3)])["s0"]
+    base = run(
+        engine, [make_request(engine, "s0", PROMPTS[0], temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3)]
+    )["s0"]
     assert len(base.logprobs) == len(base.token_ids) == 24
     for lp, token in zip(base.logprobs, base.token_ids):
         assert lp.token_id == token and lp.logprob <= 0 and len(lp.top) == 3
@@ -226,12 +273,21 @@ def test_stop_strings_across_tokens_stop_tokens_and_logprobs(engine: Engine) -> 
     cut = len(text) // 2
     stop = text[cut : cut + 3]
     assert stop.strip(), "fixture text should not be blank here"
-    stopped = run(engine, [make_request(engine, "s1", PROMPTS[0], temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop])])["s1"]
+    stopped = run(
+        engine, [make_request(engine, "s1", PROMPTS[0], temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop])]
+    )["s1"]
     assert stopped.finish_reason == "stop" and stopped.stop_reason == stop
     assert stopped.text == text[: text.index(stop)]
     # A stop token id ends the request without emitting it.
     stop_id = base.token_ids[4]
-    by_id = run(engine, [make_request(engine, "s2", PROMPTS[0], temperature=0.0, max_tokens=24, ignore_eos=True, stop_token_ids=[stop_id])])["s2"]
+    by_id = run(
+        engine,
+        [
+            make_request(
+                engine, "s2", PROMPTS[0], temperature=0.0, max_tokens=24, ignore_eos=True, stop_token_ids=[stop_id]
+            )
+        ],
+    )["s2"]
     first = base.token_ids.index(stop_id)
     assert by_id.token_ids == base.token_ids[:first] and by_id.finish_reason == "stop" and by_id.stop_reason == stop_id
     assert_idle(engine)
@@ -246,7 +302,9 @@ def test_eos_and_min_tokens(engine: Engine) -> None:
         early = run(engine, [make_request(engine, "e1", PROMPTS[2], temperature=0.0, max_tokens=8)])["e1"]
         assert early.finish_reason == "stop" and early.token_ids == base.token_ids[:3]
         assert early.usage.completion_tokens == 4  # the eos counts as generated, but is not emitted
-        forced = run(engine, [make_request(engine, "e2", PROMPTS[2], temperature=0.0, max_tokens=8, min_tokens=6)])["e2"]
+        forced = run(engine, [make_request(engine, "e2", PROMPTS[2], temperature=0.0, max_tokens=8, min_tokens=6)])[
+            "e2"
+        ]
         assert eos not in forced.token_ids[:6] and len(forced.token_ids) >= 6
     finally:
         engine.eos_token_ids = engine_eos
@@ -256,10 +314,20 @@ def test_eos_and_min_tokens(engine: Engine) -> None:
 def test_multi_turn_prefix_reuse_prefills_only_new_tokens(engine: Engine) -> None:
     core = engine.core
     first = run(engine, [make_request(engine, "t1", PROMPTS[5], temperature=0.0, max_tokens=8, ignore_eos=True)])["t1"]
-    prompt_ids = engine.tokenizer.encode(PROMPTS[5]) + first.token_ids + engine.tokenizer.encode(" And then", add_special_tokens=False)
+    prompt_ids = (
+        engine.tokenizer.encode(PROMPTS[5])
+        + first.token_ids
+        + engine.tokenizer.encode(" And then", add_special_tokens=False)
+    )
     before = core.stats()
-    request = Request(request_id="t2", prompt_ids=prompt_ids, params=SamplingParams(temperature=0.0, max_tokens=4),
-                      eos_token_ids=engine.eos_token_ids, arrival_time=time.monotonic(), seq_no=0)
+    request = Request(
+        request_id="t2",
+        prompt_ids=prompt_ids,
+        params=SamplingParams(temperature=0.0, max_tokens=4),
+        eos_token_ids=engine.eos_token_ids,
+        arrival_time=time.monotonic(),
+        seq_no=0,
+    )
     second = run(engine, [request])["t2"]
     after = core.stats()
     reused = after.prefix_cache_hits_tokens - before.prefix_cache_hits_tokens
@@ -302,7 +370,9 @@ def test_identical_prompts_share_one_prefill(engine: Engine) -> None:
     core = engine.core
     prompt = "Seven quiet penguins collected blue shells while the old lighthouse keeper sang about storms and ships"
     before = core.stats()
-    results = run(engine, [make_request(engine, f"n{i}", prompt, temperature=0.9, seed=i, max_tokens=4) for i in range(4)])
+    results = run(
+        engine, [make_request(engine, f"n{i}", prompt, temperature=0.9, seed=i, max_tokens=4) for i in range(4)]
+    )
     after = core.stats()
     num_prompt = len(engine.tokenizer.encode(prompt))
     assert all(r.finish_reason in ("length", "stop") for r in results.values())
@@ -313,14 +383,24 @@ def test_identical_prompts_share_one_prefill(engine: Engine) -> None:
 
 def test_preemption_under_memory_pressure_favours_priority(tiny_model_dir: Path) -> None:
     # Two rows only: a third, more urgent request preempts the least urgent running one.
-    small = build_engine(EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_memory="128KiB", max_model_len=128, max_num_seqs=2))
+    small = build_engine(
+        EngineConfig(
+            model=str(tiny_model_dir), dtype="float32", kv_cache_memory="128KiB", max_model_len=128, max_num_seqs=2
+        )
+    )
     assert small.runner.num_rows == 2
     core = small.core
-    low = [make_request(small, f"low{i}", PROMPTS[i], temperature=0.0, max_tokens=20, ignore_eos=True) for i in range(2)]
+    low = [
+        make_request(small, f"low{i}", PROMPTS[i], temperature=0.0, max_tokens=20, ignore_eos=True) for i in range(2)
+    ]
     for r in low:
         r.priority = 5
-    ref = {r.request_id: run(small, [make_request(small, r.request_id, PROMPTS[i], temperature=0.0, max_tokens=20, ignore_eos=True)])[r.request_id]
-           for i, r in enumerate(low)}
+    ref = {
+        r.request_id: run(
+            small, [make_request(small, r.request_id, PROMPTS[i], temperature=0.0, max_tokens=20, ignore_eos=True)]
+        )[r.request_id]
+        for i, r in enumerate(low)
+    }
     urgent = make_request(small, "urgent", PROMPTS[3], temperature=0.0, max_tokens=5, ignore_eos=True)
     order: list[str] = []
 

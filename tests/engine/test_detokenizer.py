@@ -17,8 +17,33 @@ from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
 from rill.engine.detokenizer import MAX_WINDOW_TOKENS, IncrementalDetokenizer, StopStringMatcher
 from rill.models.tokenizer import Tokenizer
 
-WORDS = ["hello", "world", "the", "quick", "brown", "fox", "über", "café", "naïve", "日本語", "中文字符", "测试",
-         "😀", "🚀🔥", "👩‍👩‍👧", "façade", "Ελληνικά", "русский", "¡hola!", "ok", "\n", "  ", "\t", "1234", "é"]
+WORDS = [
+    "hello",
+    "world",
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "über",
+    "café",
+    "naïve",
+    "日本語",
+    "中文字符",
+    "测试",
+    "😀",
+    "🚀🔥",
+    "👩‍👩‍👧",
+    "façade",
+    "Ελληνικά",
+    "русский",
+    "¡hola!",
+    "ok",
+    "\n",
+    "  ",
+    "\t",
+    "1234",
+    "é",
+]
 SPECIALS = ["<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 
 
@@ -28,8 +53,11 @@ def _corpus(num_lines: int, seed: int = 0) -> list[str]:
 
 
 def _wrap(backend: HFTokenizer) -> Tokenizer:
-    return Tokenizer(backend, special_tokens={"bos_token": "<s>", "eos_token": "</s>"},
-                     extra_special_tokens=["<|im_start|>", "<|im_end|>"])
+    return Tokenizer(
+        backend,
+        special_tokens={"bos_token": "<s>", "eos_token": "</s>"},
+        extra_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +65,12 @@ def byte_level() -> Tokenizer:
     backend = HFTokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=500, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=500,
+        special_tokens=SPECIALS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     backend.train_from_iterator(_corpus(1500), trainer)
     return _wrap(backend)
 
@@ -59,8 +91,9 @@ def byte_fallback() -> Tokenizer:
     normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
     trainer_tok = HFTokenizer(models.BPE(unk_token="<unk>"))
     trainer_tok.normalizer = normalizer
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", *SPECIALS], limit_alphabet=40,
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>", *SPECIALS], limit_alphabet=40, show_progress=False
+    )
     trainer_tok.train_from_iterator(_corpus(600), trainer)
     trained = json.loads(trainer_tok.to_str())["model"]
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
@@ -70,8 +103,9 @@ def byte_fallback() -> Tokenizer:
     merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in trained["merges"]]
     backend = HFTokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
     backend.normalizer = normalizer
-    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                         decoders.Strip(" ", 1, 0)])
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
     backend.add_special_tokens(SPECIALS)
     return _wrap(backend)
 
@@ -87,8 +121,7 @@ def _valid_ids(tokenizer: Tokenizer, rnd: random.Random, num_fragments: int) -> 
     """Ids of valid text (so every character is complete), built from random fragments."""
     ids: list[int] = []
     for _ in range(num_fragments):
-        ids += tokenizer.encode(" ".join(rnd.choice(WORDS) for _ in range(rnd.randint(1, 4))),
-                                add_special_tokens=False)
+        ids += tokenizer.encode(" ".join(rnd.choice(WORDS) for _ in range(rnd.randint(1, 4))), add_special_tokens=False)
         if rnd.random() < 0.1:
             ids.append(tokenizer.token_to_id(rnd.choice(SPECIALS)))
     return ids
@@ -143,7 +176,7 @@ def test_with_prompt_deltas_are_what_the_output_adds_to_the_prompt(fixture: str,
         output = _valid_ids(tokenizer, rnd, rnd.randint(1, 6))
         full, prompt_text = tokenizer.decode(prompt + output), tokenizer.decode(prompt)
         assert full.startswith(prompt_text)
-        assert "".join(_stream(tokenizer, prompt, output)) == full[len(prompt_text):]
+        assert "".join(_stream(tokenizer, prompt, output)) == full[len(prompt_text) :]
         if fixture == "byte_level":
             assert "".join(_stream(tokenizer, prompt, output)) == tokenizer.decode(output)
 
@@ -175,7 +208,7 @@ def test_complete_text_before_a_partial_character_is_released(fixture: str, requ
 
 def test_leading_space_of_first_generated_token_is_kept_after_a_prompt(metaspace: Tokenizer) -> None:
     prompt = metaspace.encode("hello", add_special_tokens=False)
-    output = metaspace.encode("hello world", add_special_tokens=False)[len(prompt):]
+    output = metaspace.encode("hello world", add_special_tokens=False)[len(prompt) :]
     assert metaspace.id_to_token(output[0]).startswith("▁")
     assert metaspace.decode(output).startswith("world")  # decode alone drops the space
     assert "".join(_stream(metaspace, prompt, output)) == " world"
@@ -190,7 +223,7 @@ def test_special_tokens_are_skipped_or_kept(byte_level: Tokenizer) -> None:
 
 def test_skipped_special_token_keeps_sentencepiece_spacing(metaspace: Tokenizer) -> None:
     hello = metaspace.encode("hello", add_special_tokens=False)
-    world = metaspace.encode("hello world", add_special_tokens=False)[len(hello):]
+    world = metaspace.encode("hello world", add_special_tokens=False)[len(hello) :]
     ids = hello + [metaspace.token_to_id("<|im_end|>")] * 3 + world
     assert "".join(_stream(metaspace, [], ids)) == metaspace.decode(ids) == "hello world"
 
@@ -219,7 +252,7 @@ def test_cost_per_token_is_bounded(fixture: str, request) -> None:
     counter = _CountingDecoder(tokenizer)
     detok = IncrementalDetokenizer(counter, prompt)
     text = detok.push_many(ids) + detok.flush()
-    assert text == tokenizer.decode(prompt + ids)[len(tokenizer.decode(prompt)):]
+    assert text == tokenizer.decode(prompt + ids)[len(tokenizer.decode(prompt)) :]
     assert len(counter.lengths) <= 2 * len(ids) + 2
     assert max(counter.lengths) <= 10  # a window, never the whole sequence
 
@@ -308,7 +341,7 @@ def test_random_chunkings_match_a_reference() -> None:
         cuts = sorted(rnd.sample(range(len(text) + 1), min(len(text) + 1, rnd.randint(0, 6))))
         chunks = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)])]
         hits = [(text.find(s) + len(s), text.find(s), s) for s in stops if s in text]
-        expected = (text[:min(hits)[1]], min(hits)[2]) if hits else (text, None)
+        expected = (text[: min(hits)[1]], min(hits)[2]) if hits else (text, None)
         assert _feed_all(stops, chunks) == expected, (text, stops, chunks)
 
 

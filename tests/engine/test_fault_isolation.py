@@ -28,8 +28,16 @@ BAD_SEED = 424242  # marks the request whose sampling the injected fault breaks
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir: Path) -> Engine:
     """A float32 engine on the tiny model."""
-    return build_engine(EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_memory="64MiB",
-                               max_model_len=512, max_num_seqs=64, max_queue=4096))
+    return build_engine(
+        EngineConfig(
+            model=str(tiny_model_dir),
+            dtype="float32",
+            kv_cache_memory="64MiB",
+            max_model_len=512,
+            max_num_seqs=64,
+            max_queue=4096,
+        )
+    )
 
 
 def good_specs(n: int = 8, max_tokens: int = 24) -> list[tuple[str, str, dict]]:
@@ -67,7 +75,9 @@ def assert_rows_consistent(engine: Engine) -> None:
 
 
 @pytest.mark.parametrize("length_penalty", [-1000.0, 1000.0, float("inf")])
-def test_beam_with_an_extreme_length_penalty_never_harms_the_other_requests(engine: Engine, length_penalty: float) -> None:
+def test_beam_with_an_extreme_length_penalty_never_harms_the_other_requests(
+    engine: Engine, length_penalty: float
+) -> None:
     specs = good_specs()
     solo = solo_runs(engine, specs)
     bad = make_request(engine, "beam", PROMPTS[1], num_beams=4, max_tokens=16, length_penalty=length_penalty)
@@ -96,7 +106,9 @@ def test_valid_length_penalties_score_without_overflow(engine: Engine) -> None:
     # The bounds of SamplingParams.validate, on a long beam: both finish normally.
     for i, lp in enumerate((-10.0, 10.0)):
         params = SamplingParams(num_beams=4, max_tokens=40, length_penalty=lp).validate()
-        request = make_request(engine, f"lp{i}", PROMPTS[2], **{f: getattr(params, f) for f in params.__struct_fields__})
+        request = make_request(
+            engine, f"lp{i}", PROMPTS[2], **{f: getattr(params, f) for f in params.__struct_fields__}
+        )
         result = run(engine, [request])[f"lp{i}"]
         assert result.error is None and result.finish_reason in ("length", "stop"), result
     assert_idle(engine)
@@ -180,8 +192,11 @@ def test_a_command_that_raises_fails_only_its_request(engine: Engine) -> None:
             sent["done"] = True
             core.apply(ModifyCommand("bad", SamplingParams(temperature=0.5, logit_bias={"x": 1.0}, max_tokens=24)))  # type: ignore[dict-item]
 
-    together = run(engine, [make_request(engine, rid, prompt, **params) for rid, prompt, params in specs] + [bad],
-                   on_step=modify_once)
+    together = run(
+        engine,
+        [make_request(engine, rid, prompt, **params) for rid, prompt, params in specs] + [bad],
+        on_step=modify_once,
+    )
     assert sent["done"]
     assert_unharmed(together, solo, specs)
     assert isinstance(together["bad"].error, GenerationError)

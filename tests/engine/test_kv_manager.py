@@ -141,8 +141,14 @@ def test_rows_are_freed_in_the_step_that_finishes_or_aborts_a_request() -> None:
     assert [(o.request_id, o.finish_reason) for o in outputs] == [("gone", "cancelled")]
     assert_idle(engine)
     # Both rows' valid tokens stay as reusable cache entries.
-    assert core.kv.cached_tokens() == len(engine.tokenizer.encode(PROMPTS[0])) + 2 + len(results["gone"].token_ids) \
-        + len(engine.tokenizer.encode(PROMPTS[1])) - 1
+    assert (
+        core.kv.cached_tokens()
+        == len(engine.tokenizer.encode(PROMPTS[0]))
+        + 2
+        + len(results["gone"].token_ids)
+        + len(engine.tokenizer.encode(PROMPTS[1]))
+        - 1
+    )
 
 
 def test_a_follow_up_prompt_reuses_the_cached_turn_and_gives_the_tokens_of_a_cold_run() -> None:
@@ -180,8 +186,14 @@ def test_a_sibling_sharing_a_live_prefix_gets_a_copy_and_leaves_the_source_intac
         step(engine, results)
     parent_row = parent.row
     held = runner.row_tokens(parent_row)
-    fork = make_request(engine, "fork", parent.prompt_ids + engine.tokenizer.encode(" yes", add_special_tokens=False),
-                        temperature=0.0, max_tokens=5, ignore_eos=True)
+    fork = make_request(
+        engine,
+        "fork",
+        parent.prompt_ids + engine.tokenizer.encode(" yes", add_special_tokens=False),
+        temperature=0.0,
+        max_tokens=5,
+        ignore_eos=True,
+    )
     core.apply(AddCommand(fork))
     step(engine, results)
     assert runner.copies and runner.copies[-1][0] == parent_row and runner.copies[-1][1] == fork.row != parent_row
@@ -211,8 +223,13 @@ def test_the_runner_is_told_what_a_row_no_longer_needs() -> None:
 
 def test_cache_entries_past_their_token_bound_go_oldest_first_and_are_discarded() -> None:
     told: list[tuple[int, int]] = []
-    kv = KVManager(num_rows=4, max_len=64, bytes_per_token=8, max_cached_tokens=10,
-                   discard=lambda row, keep: told.append((row, keep)))
+    kv = KVManager(
+        num_rows=4,
+        max_len=64,
+        bytes_per_token=8,
+        max_cached_tokens=10,
+        discard=lambda row, keep: told.append((row, keep)),
+    )
     rows = [kv.acquire(Holder([]), [i, 1, 2, 3]) for i in range(4)]
     assert all(rows)
     for i, acquired in enumerate(rows[:3]):

@@ -35,7 +35,9 @@ from tests.engine.fake_core import Result, make_request, run, step
 try:
     import llama_cpp  # noqa: F401 - only whether it imports
 except ImportError as exc:  # the reason is shown by pytest -rs
-    needs_llama_cpp = pytest.mark.skip(reason=f"the llamacpp extra is not installed ({exc}): pip install 'rill[llamacpp]'")
+    needs_llama_cpp = pytest.mark.skip(
+        reason=f"the llamacpp extra is not installed ({exc}): pip install 'rill[llamacpp]'"
+    )
 else:
     needs_llama_cpp = pytest.mark.skipif(False, reason="")
 
@@ -61,10 +63,18 @@ def gguf() -> Path:
 def _engine(gguf: Path, num_rows: int = 8, max_len: int = 512, max_num_seqs: int = 8, **engine: Any) -> Any:
     from rill.engine.builder import build_engine
 
-    config = load({"engine.model": str(gguf), "engine.runner": "llamacpp", "engine.num_threads": THREADS,
-                   "engine.max_model_len": max_len, "engine.max_num_seqs": max_num_seqs,
-                   "engine.kv_cache_memory": str(num_rows * max_len * 30 * 2 * 192 * 2),
-                   **{f"engine.{k}": v for k, v in engine.items()}}, env={}).engine
+    config = load(
+        {
+            "engine.model": str(gguf),
+            "engine.runner": "llamacpp",
+            "engine.num_threads": THREADS,
+            "engine.max_model_len": max_len,
+            "engine.max_num_seqs": max_num_seqs,
+            "engine.kv_cache_memory": str(num_rows * max_len * 30 * 2 * 192 * 2),
+            **{f"engine.{k}": v for k, v in engine.items()},
+        },
+        env={},
+    ).engine
     built = build_engine(config)
     assert built.runner.num_rows == num_rows, "the KV budget above is meant to give exactly num_rows rows"
     return built
@@ -80,7 +90,12 @@ def engine(gguf: Path) -> Any:
 @needs_llama_cpp
 def test_the_engine_describes_the_quantized_model(engine: Any) -> None:
     info = engine.model_info
-    assert (info.architecture, info.quantization, info.dtype, info.vocab_size) == ("LlamaForCausalLM", "Q4_1", "float32", 49152)
+    assert (info.architecture, info.quantization, info.dtype, info.vocab_size) == (
+        "LlamaForCausalLM",
+        "Q4_1",
+        "float32",
+        49152,
+    )
     assert info.has_chat_template and engine.runner.vocab_size == 49152
 
 
@@ -89,8 +104,15 @@ def test_without_a_model_the_default_gguf_is_served_under_its_name() -> None:
     from rill.engine.builder import build_engine
     from rill.models.default import DEFAULT_MODEL_NAME
 
-    config = load({"engine.runner": "llamacpp", "engine.num_threads": THREADS, "engine.max_model_len": 64,
-                   "engine.kv_cache_memory": "16MiB"}, env={}).engine
+    config = load(
+        {
+            "engine.runner": "llamacpp",
+            "engine.num_threads": THREADS,
+            "engine.max_model_len": 64,
+            "engine.kv_cache_memory": "16MiB",
+        },
+        env={},
+    ).engine
     built = build_engine(config)
     try:
         assert built.model_info.name == DEFAULT_MODEL_NAME and built.model_info.quantization == "Q4_1"
@@ -99,8 +121,10 @@ def test_without_a_model_the_default_gguf_is_served_under_its_name() -> None:
 
 
 def _greedy(engine: Any, prompts: list[list[int]], **params: Any) -> dict[str, Result]:
-    requests = [make_request(engine, f"r{i}", ids, temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, **params)
-                for i, ids in enumerate(prompts)]
+    requests = [
+        make_request(engine, f"r{i}", ids, temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, **params)
+        for i, ids in enumerate(prompts)
+    ]
     return run(engine, requests)
 
 
@@ -120,7 +144,10 @@ def test_the_runner_flag_is_checked(tmp_path: Path) -> None:
             load({"engine.runner": "llamacpp", "engine.model": model}, env={})
     with pytest.raises(ConfigError, match="CPU only"):
         load({"engine.runner": "llamacpp", "engine.device": "cuda"}, env={})
-    assert load({"engine.runner": "llamacpp", "engine.model": str(tmp_path / "x.gguf")}, env={}).engine.runner == "llamacpp"
+    assert (
+        load({"engine.runner": "llamacpp", "engine.model": str(tmp_path / "x.gguf")}, env={}).engine.runner
+        == "llamacpp"
+    )
     assert load({}, env={}).engine.runner == "torch"
 
 
@@ -144,8 +171,9 @@ def test_greedy_tokens_equal_llama_cpp_own_greedy_decode(engine: Any, gguf: Path
     most one prompt may part."""
     from llama_cpp import Llama
 
-    reference = Llama(model_path=str(gguf), n_ctx=512, n_threads=THREADS, n_threads_batch=THREADS, verbose=False,
-                      flash_attn=True)
+    reference = Llama(
+        model_path=str(gguf), n_ctx=512, n_threads=THREADS, n_threads_batch=THREADS, verbose=False, flash_attn=True
+    )
     same = []
     try:
         for text in PROMPTS:
@@ -164,8 +192,9 @@ def test_greedy_tokens_equal_llama_cpp_own_greedy_decode(engine: Any, gguf: Path
     assert sum(same) >= len(PROMPTS) - 1, "more than one prompt parted from llama.cpp's own greedy tokens"
 
 
-def _assert_same_or_near_tie(reference: Any, prompt: list[int], expected: list[int], got: list[int],
-                             tie: float = NEAR_TIE) -> bool:
+def _assert_same_or_near_tie(
+    reference: Any, prompt: list[int], expected: list[int], got: list[int], tie: float = NEAR_TIE
+) -> bool:
     """``got`` equals ``expected``, or they part at a near-tie of the two tokens; True when equal.
 
     llama.cpp is not bitwise batch-invariant: in its unified KV cache a row's cells sit wherever
@@ -200,8 +229,10 @@ def test_a_batch_gives_each_request_its_tokens_alone(engine: Any, reference_runn
     for _ in range(2):  # the second round runs on rows (and KV cells) the first one left behind
         alone = [_greedy(engine, [ids])["r0"].token_ids for ids in prompts]
         together = _greedy(engine, prompts)
-        same = [_assert_same_or_near_tie(reference_runner, prompts[i], alone[i], together[f"r{i}"].token_ids)
-                for i in range(len(prompts))]
+        same = [
+            _assert_same_or_near_tie(reference_runner, prompts[i], alone[i], together[f"r{i}"].token_ids)
+            for i in range(len(prompts))
+        ]
         assert sum(same) >= len(prompts) - 1, "more than one near-tie flip in a few short greedy runs"
 
 
@@ -216,8 +247,13 @@ def test_kv_bytes_per_token_follow_the_file_s_head_width(arch: str, tmp_path: Pa
     from rill.testing.checkpoints import make_checkpoint
     from rill.testing.gguf_files import write_gguf
 
-    folder = make_checkpoint(tmp_path / arch, arch=arch, head_dim=32, num_kv_heads=1,
-                             extra_config={"query_pre_attn_scalar": 32} if arch == "gemma3" else None)
+    folder = make_checkpoint(
+        tmp_path / arch,
+        arch=arch,
+        head_dim=32,
+        num_kv_heads=1,
+        extra_config={"query_pre_attn_scalar": 32} if arch == "gemma3" else None,
+    )
     file = write_gguf(folder, tmp_path / f"{arch}.gguf", "F32")
     checkpoint = read_gguf(file)
     expected = parse_config(checkpoint.hf_config, checkpoint.generation_config).kv_bytes_per_token(torch.float16)
@@ -347,8 +383,9 @@ def test_copy_row_copies_a_prefix_and_leaves_the_source_alone(gguf: Path) -> Non
         with pytest.raises(RuntimeError, match="llama_decode failed"):
             runner.forward([RowWork(row=0, token_ids=[5], start=20), RowWork(row=1, token_ids=[10**7], start=0)])
         assert (runner.row_length(0), runner.row_length(1)) == (20, 0)
-        torch.testing.assert_close(runner.forward([RowWork(row=0, token_ids=prompt[19:], start=19)])[0], full,
-                                   atol=2e-2, rtol=0)
+        torch.testing.assert_close(
+            runner.forward([RowWork(row=0, token_ids=prompt[19:], start=19)])[0], full, atol=2e-2, rtol=0
+        )
         runner.copy_row(3, 3, 5)  # in place: keep 5 positions
         assert runner.row_length(3) == 5
         with pytest.raises(ValueError, match="row 3 holds 5 tokens; cannot copy 6"):
@@ -387,8 +424,9 @@ def _llama_cpp_greedy_text(gguf: Path, messages: list[dict], max_tokens: int) ->
     from rill.models.gguf_loader import read_gguf
 
     tokenizer = read_gguf(gguf).tokenizer()
-    reference = Llama(model_path=str(gguf), n_ctx=512, n_threads=THREADS, n_threads_batch=THREADS, verbose=False,
-                      flash_attn=True)
+    reference = Llama(
+        model_path=str(gguf), n_ctx=512, n_threads=THREADS, n_threads_batch=THREADS, verbose=False, flash_attn=True
+    )
     try:
         tokens: list[int] = []
         for token in reference.generate(tokenizer.encode_chat(messages), temp=0.0, top_k=1, reset=True):
@@ -404,10 +442,32 @@ def _llama_cpp_greedy_text(gguf: Path, messages: list[dict], max_tokens: int) ->
 @needs_llama_cpp
 def test_rill_serve_with_the_llamacpp_runner_answers_a_chat(gguf: Path, tmp_path: Path) -> None:
     port = free_port()
-    command = [sys.executable, "-m", "rill", "serve", "--model", str(gguf), "--runner", "llamacpp",
-               "--num-threads", str(THREADS), "--max-model-len", "1024", "--kv-cache-memory", "256MiB",
-               "--port", str(port), "--no-socket", "--grpc-port", "0", "--data-dir", str(tmp_path / "data")]
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=os.environ.copy())
+    command = [
+        sys.executable,
+        "-m",
+        "rill",
+        "serve",
+        "--model",
+        str(gguf),
+        "--runner",
+        "llamacpp",
+        "--num-threads",
+        str(THREADS),
+        "--max-model-len",
+        "1024",
+        "--kv-cache-memory",
+        "256MiB",
+        "--port",
+        str(port),
+        "--no-socket",
+        "--grpc-port",
+        "0",
+        "--data-dir",
+        str(tmp_path / "data"),
+    ]
+    server = subprocess.Popen(
+        command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=os.environ.copy()
+    )
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 180
@@ -422,20 +482,34 @@ def test_rill_serve_with_the_llamacpp_runner_answers_a_chat(gguf: Path, tmp_path
             time.sleep(0.2)
         # Without a system message SmolLM2's template adds its own, after which the Q4_1 file
         # answers with French landmarks on llama.cpp (its own greedy decode too), not "Paris".
-        messages = [{"role": "system", "content": "You are a helpful assistant."},
-                    {"role": "user", "content": "What is the capital of France?"}]
-        reply = httpx.post(f"{url}/v1/chat/completions", timeout=120,
-                           json={"messages": messages, "temperature": 0, "max_tokens": 32})
+        messages = [
+            {"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": "What is the capital of France?"},
+        ]
+        reply = httpx.post(
+            f"{url}/v1/chat/completions", timeout=120, json={"messages": messages, "temperature": 0, "max_tokens": 32}
+        )
         assert reply.status_code == 200, reply.text
         body = reply.json()
         content = body["choices"][0]["message"]["content"]
         assert "Paris" in content, json.dumps(body)
         assert content == _llama_cpp_greedy_text(gguf, messages, 32)
-        schema = {"type": "object", "properties": {"capital": {"type": "string", "enum": ["Paris", "Lyon", "Nice"]}},
-                  "required": ["capital"], "additionalProperties": False}
-        constrained = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
-            "messages": messages, "temperature": 0, "max_tokens": 32,
-            "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}})
+        schema = {
+            "type": "object",
+            "properties": {"capital": {"type": "string", "enum": ["Paris", "Lyon", "Nice"]}},
+            "required": ["capital"],
+            "additionalProperties": False,
+        }
+        constrained = httpx.post(
+            f"{url}/v1/chat/completions",
+            timeout=120,
+            json={
+                "messages": messages,
+                "temperature": 0,
+                "max_tokens": 32,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}},
+            },
+        )
         assert constrained.status_code == 200, constrained.text
         assert json.loads(constrained.json()["choices"][0]["message"]["content"]) == {"capital": "Paris"}
         models = httpx.get(f"{url}/v1/models").json()

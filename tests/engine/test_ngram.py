@@ -13,10 +13,10 @@ def _searched(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
     """The definition: the longest suffix (max_n down to min_n) that occurred earlier, its
     latest earlier occurrence, and the k tokens after it."""
     for n in range(min(max_n, len(tokens)), min_n - 1, -1):
-        suffix = tokens[len(tokens) - n:]
+        suffix = tokens[len(tokens) - n :]
         for start in range(len(tokens) - n - 1, -1, -1):  # earlier occurrences, latest first
-            if tokens[start:start + n] == suffix:
-                return tokens[start + n:start + n + k]
+            if tokens[start : start + n] == suffix:
+                return tokens[start + n : start + n + k]
     return []
 
 
@@ -57,15 +57,21 @@ def test_bad_settings_are_refused() -> None:
 
 
 @settings(max_examples=300, deadline=None)
-@given(tokens=st.lists(st.integers(0, 4), max_size=60), cuts=st.lists(st.integers(1, 7), max_size=12),
-       k=st.integers(1, 5), min_n=st.integers(1, 3), extra=st.integers(0, 3), truncate_at=st.integers(0, 70))
+@given(
+    tokens=st.lists(st.integers(0, 4), max_size=60),
+    cuts=st.lists(st.integers(1, 7), max_size=12),
+    k=st.integers(1, 5),
+    min_n=st.integers(1, 3),
+    extra=st.integers(0, 3),
+    truncate_at=st.integers(0, 70),
+)
 def test_proposals_equal_a_search_of_the_context_however_it_arrived(tokens, cuts, k, min_n, extra, truncate_at) -> None:
     """Fed in any chunks, and after a truncation, every proposal is the brute-force one."""
     proposer = NgramProposer(k=k, min_n=min_n, max_n=min_n + extra)
     pos, sizes = 0, iter(cuts)
     while pos < len(tokens):
         size = next(sizes, len(tokens))
-        proposer.extend(tokens[pos:pos + size])
+        proposer.extend(tokens[pos : pos + size])
         pos += size
         assert proposer.propose() == _searched(tokens[:pos], k, min_n, min_n + extra)
     proposer.truncate(truncate_at)

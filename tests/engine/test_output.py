@@ -54,8 +54,9 @@ def run_stage(ids: list[int], stops: list[str], take_at: set[int]) -> tuple[list
 
 @settings(max_examples=300, deadline=None)
 @given(text=TEXTS, stops=STOPS, take_at=st.sets(st.integers(0, 100)), cut_last_byte=st.booleans())
-def test_token_texts_join_to_the_text_cut_at_the_first_stop_string(text: str, stops: list[str], take_at: set[int],
-                                                                 cut_last_byte: bool) -> None:
+def test_token_texts_join_to_the_text_cut_at_the_first_stop_string(
+    text: str, stops: list[str], take_at: set[int], cut_last_byte: bool
+) -> None:
     tokenizer = fake_tokenizer()
     ids = tokenizer.encode(text, add_special_tokens=False)
     if cut_last_byte and ids and len(text[-1].encode()) > 1:
@@ -99,8 +100,12 @@ until its stop strings are dropped), r1 holds "t sh", r3 "aab"."""
 def test_over_fakerunner_every_output_joins_and_a_stop_string_modify_releases_held_text() -> None:
     engine = make_engine()
     core = engine.core
-    requests = [make_request(engine, f"r{i}", PROMPTS[i], temperature=1.0, seed=i, max_tokens=40, ignore_eos=True,
-                             stop=STOP_LIST) for i in range(4)]
+    requests = [
+        make_request(
+            engine, f"r{i}", PROMPTS[i], temperature=1.0, seed=i, max_tokens=40, ignore_eos=True, stop=STOP_LIST
+        )
+        for i in range(4)
+    ]
     for request in requests:
         core.apply(AddCommand(request))
     texts: dict[str, str] = {r.request_id: "" for r in requests}

@@ -18,16 +18,26 @@ from rill.engine.request import AddCommand, Request
 from rill.errors import InvalidRequest
 from rill.types import RequestEvent, RequestOutput, SamplingParams
 
-TEXT = ("Once upon a time there was a little fox who lived in a den under an old oak tree. Every morning the fox "
-        "ran to the river to drink, and the birds sang songs about the sea, the sky and the tall green trees.")
+TEXT = (
+    "Once upon a time there was a little fox who lived in a den under an old oak tree. Every morning the fox "
+    "ran to the river to drink, and the birds sang songs about the sea, the sky and the tall green trees."
+)
 CHUNK = 16  # max_num_batched_tokens of the engine below: every longer prompt is prefilled in chunks
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir: Path) -> Engine:
     """A float32 engine whose prefill chunks hold at most ``CHUNK`` tokens."""
-    return build_engine(EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_memory="64MiB",
-                               max_model_len=512, max_num_seqs=8, max_num_batched_tokens=CHUNK))
+    return build_engine(
+        EngineConfig(
+            model=str(tiny_model_dir),
+            dtype="float32",
+            kv_cache_memory="64MiB",
+            max_model_len=512,
+            max_num_seqs=8,
+            max_num_batched_tokens=CHUNK,
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +50,14 @@ def reference(tiny_model_dir: Path) -> torch.nn.Module:
 
 
 def _request(engine: Engine, rid: str, ids: list[int], **params: object) -> Request:
-    return Request(request_id=rid, prompt_ids=list(ids), params=SamplingParams(**params).validate(allow_prefill_only=True),
-                   eos_token_ids=engine.eos_token_ids, arrival_time=time.monotonic(), seq_no=0)
+    return Request(
+        request_id=rid,
+        prompt_ids=list(ids),
+        params=SamplingParams(**params).validate(allow_prefill_only=True),
+        eos_token_ids=engine.eos_token_ids,
+        arrival_time=time.monotonic(),
+        seq_no=0,
+    )
 
 
 def _run(engine: Engine, requests: list[Request]) -> dict[str, list[RequestOutput]]:
@@ -119,11 +135,18 @@ def test_max_tokens_zero_prefills_and_generates_nothing(engine: Engine, referenc
 def test_other_requests_of_the_step_are_unaffected(engine: Engine) -> None:
     ids = engine.tokenizer.encode(TEXT)
     others = [engine.tokenizer.encode(text) for text in ("A big dog ran", "The sun rose over the quiet village and")]
-    alone = {f"o{i}": _run(engine, [_request(engine, f"o{i}", p, max_tokens=6, temperature=0.0)])[f"o{i}"]
-             for i, p in enumerate(others)}
-    mixed = _run(engine, [_request(engine, "o0", others[0], max_tokens=6, temperature=0.0),
-                          _request(engine, "p", ids, prompt_logprobs=2, max_tokens=3, temperature=0.0),
-                          _request(engine, "o1", others[1], max_tokens=6, temperature=0.0)])
+    alone = {
+        f"o{i}": _run(engine, [_request(engine, f"o{i}", p, max_tokens=6, temperature=0.0)])[f"o{i}"]
+        for i, p in enumerate(others)
+    }
+    mixed = _run(
+        engine,
+        [
+            _request(engine, "o0", others[0], max_tokens=6, temperature=0.0),
+            _request(engine, "p", ids, prompt_logprobs=2, max_tokens=3, temperature=0.0),
+            _request(engine, "o1", others[1], max_tokens=6, temperature=0.0),
+        ],
+    )
     for rid, outs in alone.items():
         assert [t for o in mixed[rid] for t in o.token_ids] == [t for o in outs for t in o.token_ids]
         assert all(o.prompt_logprobs is None for o in mixed[rid])
@@ -188,10 +211,14 @@ def test_prompt_logprobs_survive_a_preemption_mid_prefill() -> None:
     assert chunks and all(len(w.token_ids) <= 6 for w in chunks)
     got = _prompt_logprobs(outputs["scored"])
     alone_engine = make_engine()
-    alone = _prompt_logprobs(_run(alone_engine, [make_request(alone_engine, "scored", PROMPTS[5], prompt_logprobs=3,
-                                                              max_tokens=2)])["scored"])
+    alone = _prompt_logprobs(
+        _run(alone_engine, [make_request(alone_engine, "scored", PROMPTS[5], prompt_logprobs=3, max_tokens=2)])[
+            "scored"
+        ]
+    )
     assert len(got) == len(scored.prompt_ids) == len(alone)
-    assert [(e.token_id, e.rank, [a.token_id for a in e.top]) for e in got[1:]] == \
-        [(e.token_id, e.rank, [a.token_id for a in e.top]) for e in alone[1:]]
+    assert [(e.token_id, e.rank, [a.token_id for a in e.top]) for e in got[1:]] == [
+        (e.token_id, e.rank, [a.token_id for a in e.top]) for e in alone[1:]
+    ]
     assert all(math.isclose(a.logprob, b.logprob, abs_tol=1e-6) for a, b in zip(got[1:], alone[1:]))
     assert_idle(engine)

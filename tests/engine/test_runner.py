@@ -64,20 +64,24 @@ def test_copy_row_then_fork(loaded) -> None:
     runner.copy_row(5, 2, 12)
     forks = runner.forward([RowWork(row=2, token_ids=[7], start=12), RowWork(row=5, token_ids=[9], start=12)])
     fresh = _runner(loaded)
-    expected = fresh.forward([
-        RowWork(row=0, token_ids=prompt + [42, 7], start=0),
-        RowWork(row=1, token_ids=prompt + [42, 9], start=0),
-    ])
+    expected = fresh.forward(
+        [
+            RowWork(row=0, token_ids=prompt + [42, 7], start=0),
+            RowWork(row=1, token_ids=prompt + [42, 9], start=0),
+        ]
+    )
     torch.testing.assert_close(forks, expected, atol=ATOL, rtol=0)
 
 
 def _prime(runner: TorchModelRunner) -> None:
     # Rows 0 and 1 hold prompts; row 2 holds the first chunk of a prompt.
-    runner.forward([
-        RowWork(row=0, token_ids=_prompt(13, 1), start=0),
-        RowWork(row=1, token_ids=_prompt(4, 2), start=0),
-        RowWork(row=2, token_ids=_prompt(6, 3), start=0, need_logits=False),
-    ])
+    runner.forward(
+        [
+            RowWork(row=0, token_ids=_prompt(13, 1), start=0),
+            RowWork(row=1, token_ids=_prompt(4, 2), start=0),
+            RowWork(row=2, token_ids=_prompt(6, 3), start=0, need_logits=False),
+        ]
+    )
 
 
 def test_mixed_step_equals_separate_runs(loaded) -> None:
@@ -126,14 +130,18 @@ def test_decode_set_changes_swap_rows_without_loss(loaded) -> None:
             lengths[row] += 1
 
 
-@pytest.mark.parametrize(("budget", "max_rows", "rows", "per_row"), [
-    (40, None, 8, 5),  # spread over every row
-    (40, 3, 3, 13),  # over at most the engine's sequences
-    (8192, None, 8, 63),  # each row at most max_len - 1, so the decode fits
-    (5, None, 2, 2),  # a prefill is at least two tokens per row
-])
+@pytest.mark.parametrize(
+    ("budget", "max_rows", "rows", "per_row"),
+    [
+        (40, None, 8, 5),  # spread over every row
+        (40, 3, 3, 13),  # over at most the engine's sequences
+        (8192, None, 8, 63),  # each row at most max_len - 1, so the decode fits
+        (5, None, 2, 2),  # a prefill is at least two tokens per row
+    ],
+)
 def test_warm_up_runs_a_prefill_and_a_decode_then_leaves_the_runner_as_new(
-        loaded, budget: int, max_rows: int | None, rows: int, per_row: int) -> None:
+    loaded, budget: int, max_rows: int | None, rows: int, per_row: int
+) -> None:
     """The warm-up's two steps really run, with the shapes promised; afterwards the cache is
     zero and every row empty again, and later steps compute exactly what a fresh runner's do."""
     warmed, fresh = _runner(loaded), _runner(loaded)

@@ -143,8 +143,17 @@ def test_seeded_rows_identical_alone_and_in_a_mixed_batch():
         if i in positions:
             s.add(key, seeded[positions.index(i)], [1, 2, 3], {0})
         else:
-            s.add(key, SamplingParams(temperature=[0.0, 0.5, 1.3][i % 3], top_k=[0, 400, 7][i % 3],
-                                      top_p=[1.0, 0.95][i % 2], presence_penalty=0.2 * (i % 2)), [4, 5], {0})
+            s.add(
+                key,
+                SamplingParams(
+                    temperature=[0.0, 0.5, 1.3][i % 3],
+                    top_k=[0, 400, 7][i % 3],
+                    top_p=[1.0, 0.95][i % 2],
+                    presence_penalty=0.2 * (i % 2),
+                ),
+                [4, 5],
+                {0},
+            )
     batch = [[] for _ in seeded]
     for t in range(steps):
         x = torch.randn(32, vocab) * 3
@@ -221,8 +230,9 @@ def test_allowed_token_ids_restrict_greedy_and_sampled_rows():
     s = make(16, 2)
     s.add(0, SamplingParams(temperature=0.0, allowed_token_ids=[9, 4, 3]), [], set())
     assert one(s, CRAFTED) == 3
-    np.testing.assert_array_equal(np.isfinite(s._processed_logits(CRAFTED[None], [0])[0]),
-                                  np.isin(np.arange(16), [3, 4, 9]))
+    np.testing.assert_array_equal(
+        np.isfinite(s._processed_logits(CRAFTED[None], [0])[0]), np.isin(np.arange(16), [3, 4, 9])
+    )
     counts = np.bincount(draw_many(SamplingParams(allowed_token_ids=[3, 4, 9]), CRAFTED), minlength=16)
     assert set(np.flatnonzero(counts).tolist()) == {3, 4, 9}
     assert counts[3] > counts[4] > counts[9]  # in proportion to the weights within the list
@@ -354,13 +364,23 @@ def test_random_extreme_settings_never_fail():
         vocab, n = rng.choice([5, 37, 300]), rng.randint(1, 8)
         s = make(vocab, 8, num_candidates=rng.choice([1, 1024]))
         keys = rng.sample(range(8), n)
-        params = [SamplingParams(
-            temperature=rng.choice([0.0, 1e-6, 1e-3, 1.0, 100.0]), top_k=rng.choice([0, -1, 1, 10, vocab + 5]),
-            top_p=rng.choice([1.0, 0.5, 1e-6]), min_p=rng.choice([0.0, 0.1, 1.0]),
-            repetition_penalty=rng.choice([1.0, 0.5, 10.0]), frequency_penalty=rng.choice([0.0, -2.0]),
-            logit_bias=rng.choice([{}, {0: -100.0, 1: 100.0}]), seed=rng.choice([None, 7]),
-            min_tokens=rng.choice([0, 3]), stop_token_ids=rng.choice([[], [1]]), ignore_eos=rng.choice([False, True]),
-            logprobs=rng.choice([None, 0, 3])) for _ in keys]
+        params = [
+            SamplingParams(
+                temperature=rng.choice([0.0, 1e-6, 1e-3, 1.0, 100.0]),
+                top_k=rng.choice([0, -1, 1, 10, vocab + 5]),
+                top_p=rng.choice([1.0, 0.5, 1e-6]),
+                min_p=rng.choice([0.0, 0.1, 1.0]),
+                repetition_penalty=rng.choice([1.0, 0.5, 10.0]),
+                frequency_penalty=rng.choice([0.0, -2.0]),
+                logit_bias=rng.choice([{}, {0: -100.0, 1: 100.0}]),
+                seed=rng.choice([None, 7]),
+                min_tokens=rng.choice([0, 3]),
+                stop_token_ids=rng.choice([[], [1]]),
+                ignore_eos=rng.choice([False, True]),
+                logprobs=rng.choice([None, 0, 3]),
+            )
+            for _ in keys
+        ]
         for key, p in zip(keys, params):
             s.add(key, p, [rng.randrange(vocab) for _ in range(5)], {rng.randrange(vocab)})
         for _ in range(4):
@@ -416,6 +436,8 @@ def test_score_matches_log_softmax_in_bounded_memory() -> None:
         assert entry.token_id == targets[j]
         assert math.isclose(entry.logprob, row[targets[j]].item(), abs_tol=1e-4)
         assert entry.rank == 1 + int((logits[j] > logits[j][targets[j]]).sum())
-        others = [t for t in torch.argsort(logits[j], descending=True, stable=True).tolist() if t != targets[j]][:num_top]
+        others = [t for t in torch.argsort(logits[j], descending=True, stable=True).tolist() if t != targets[j]][
+            :num_top
+        ]
         assert [alt.token_id for alt in entry.top] == others
         assert all(math.isclose(alt.logprob, row[alt.token_id].item(), abs_tol=1e-4) for alt in entry.top)

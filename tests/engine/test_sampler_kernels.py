@@ -91,8 +91,15 @@ def test_apply_penalties_leaves_unseen_tokens_and_off_rows_alone():
     x = np.array([[1.0, -1.0, 2.0], [9.0, 9.0, 9.0], [1.0, -1.0, 2.0]], np.float32)
     counts = np.array([[0, 1, 0], [2, 0, 0]], np.float32)
     prompt = np.array([[True, False, False], [False, False, False]])
-    apply_penalties(x, np.array([0, 2]), counts, prompt, np.array([2.0, 1.0], np.float32),
-                    np.array([0.0, 0.5], np.float32), np.array([0.0, 1.0], np.float32))
+    apply_penalties(
+        x,
+        np.array([0, 2]),
+        counts,
+        prompt,
+        np.array([2.0, 1.0], np.float32),
+        np.array([0.0, 0.5], np.float32),
+        np.array([0.0, 1.0], np.float32),
+    )
     np.testing.assert_array_equal(x, [[0.5, -2.0, 2.0], [9.0, 9.0, 9.0], [1.0 - 0.5 - 2.0, -1.0, 2.0]])
 
 

@@ -10,8 +10,10 @@ from tests.engine.fake_core import PROMPTS, Result, assert_idle, make_engine, ma
 def test_no_step_exceeds_the_token_budget_and_chunked_prompts_give_the_same_tokens() -> None:
     engine = make_engine(max_num_batched_tokens=24)
     steps = record_work(engine)
-    requests = [make_request(engine, f"r{i}", PROMPTS[i], temperature=0.8, seed=i, max_tokens=6, ignore_eos=True)
-                for i in range(4)]
+    requests = [
+        make_request(engine, f"r{i}", PROMPTS[i], temperature=0.8, seed=i, max_tokens=6, ignore_eos=True)
+        for i in range(4)
+    ]
     results = run(engine, requests)
     assert max(sum(len(w.token_ids) for w in work) for work in steps) <= 24
     assert any(len(w.token_ids) > 1 and not w.need_logits for work in steps for w in work)  # some prompt was chunked
@@ -54,8 +56,10 @@ def test_running_streams_get_a_token_every_step_while_a_long_prompt_is_chunked()
 def test_admission_follows_priority_then_arrival() -> None:
     engine = make_engine(max_num_seqs=1)
     specs = [("a", 5), ("b", 0), ("c", 3), ("d", 0), ("e", 5)]
-    requests = [make_request(engine, rid, PROMPTS[i], priority=p, temperature=0.0, max_tokens=2, ignore_eos=True)
-                for i, (rid, p) in enumerate(specs)]
+    requests = [
+        make_request(engine, rid, PROMPTS[i], priority=p, temperature=0.0, max_tokens=2, ignore_eos=True)
+        for i, (rid, p) in enumerate(specs)
+    ]
     order: list[str] = []
 
     def on_step(num: int, results: dict[str, Result]) -> None:
@@ -71,7 +75,9 @@ def test_admission_follows_priority_then_arrival() -> None:
 def test_never_more_running_than_max_num_seqs() -> None:
     engine = make_engine(max_num_seqs=3)
     steps = record_work(engine)
-    requests = [make_request(engine, f"r{i}", PROMPTS[i], temperature=0.0, max_tokens=4, ignore_eos=True) for i in range(6)]
+    requests = [
+        make_request(engine, f"r{i}", PROMPTS[i], temperature=0.0, max_tokens=4, ignore_eos=True) for i in range(6)
+    ]
     run(engine, requests)
     assert max(len(work) for work in steps) == 3
     assert_idle(engine)
@@ -79,8 +85,10 @@ def test_never_more_running_than_max_num_seqs() -> None:
 
 def test_kv_pressure_preempts_the_least_urgent_and_it_resumes_with_the_same_tokens() -> None:
     engine = make_engine(num_rows=2, max_num_seqs=2)
-    low = [make_request(engine, f"low{i}", PROMPTS[i], priority=5, temperature=0.9, seed=i, max_tokens=20, ignore_eos=True)
-           for i in range(2)]
+    low = [
+        make_request(engine, f"low{i}", PROMPTS[i], priority=5, temperature=0.9, seed=i, max_tokens=20, ignore_eos=True)
+        for i in range(2)
+    ]
     urgent = make_request(engine, "urgent", PROMPTS[3], priority=0, temperature=0.0, max_tokens=5, ignore_eos=True)
     finished: list[str] = []
 

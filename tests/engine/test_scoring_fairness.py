@@ -46,9 +46,17 @@ def record_plans(engine) -> list[Planned]:
     def schedule():
         cap = scheduler.prefill_chunk_tokens
         plan = real_schedule()
-        plans.append(Planned(cap, plan.num_decode_tokens, plan.num_prefill_tokens,
-                             [(item.request.request_id, item.work[0].all_logits, len(item.work[0].token_ids))
-                              for item in plan.scheduled]))
+        plans.append(
+            Planned(
+                cap,
+                plan.num_decode_tokens,
+                plan.num_prefill_tokens,
+                [
+                    (item.request.request_id, item.work[0].all_logits, len(item.work[0].token_ids))
+                    for item in plan.scheduled
+                ],
+            )
+        )
         return plan
 
     scheduler.schedule = schedule  # type: ignore[method-assign]
@@ -70,8 +78,19 @@ def random_prompt(engine, length: int, seed: int) -> list[int]:
 def candidates(engine, ids: list[int], num: int, seed: int = 5, scoring: bool = True) -> list[Request]:
     """A request's ``num`` candidates as ``/v1/completions`` makes them (``best_of``): every one
     has its own seed; with ``scoring``, the first asks prompt logprobs."""
-    return [make_request(engine, f"c{i}", ids, seed=seed + i, logprobs=5, max_tokens=4, ignore_eos=True,
-                         prompt_logprobs=5 if scoring and i == 0 else None) for i in range(num)]
+    return [
+        make_request(
+            engine,
+            f"c{i}",
+            ids,
+            seed=seed + i,
+            logprobs=5,
+            max_tokens=4,
+            ignore_eos=True,
+            prompt_logprobs=5 if scoring and i == 0 else None,
+        )
+        for i in range(num)
+    ]
 
 
 def prompt_logprobs_of(request_id: str, outputs: list) -> list[TokenLogprob | None]:
@@ -84,8 +103,9 @@ def prompt_logprobs_of(request_id: str, outputs: list) -> list[TokenLogprob | No
 def assert_same_logprobs(got: list[TokenLogprob | None], want: list[TokenLogprob | None]) -> None:
     """Entry by entry: the same token, rank and alternatives, logprobs equal to float precision."""
     assert len(got) == len(want) and got[0] is None and want[0] is None
-    assert [(e.token_id, e.rank, [a.token_id for a in e.top]) for e in got[1:]] == \
-        [(e.token_id, e.rank, [a.token_id for a in e.top]) for e in want[1:]]
+    assert [(e.token_id, e.rank, [a.token_id for a in e.top]) for e in got[1:]] == [
+        (e.token_id, e.rank, [a.token_id for a in e.top]) for e in want[1:]
+    ]
     assert all(math.isclose(a.logprob, b.logprob, abs_tol=1e-6) for a, b in zip(got[1:], want[1:]))
 
 
@@ -128,7 +148,7 @@ def test_a_scoring_request_and_its_candidates_stay_under_the_protected_cap(scori
         assert core.requests["stream"].num_output_tokens_counted == before + 1, (num_steps, plan)
     assert num_steps > len(ids) // CAP  # the prompt really was spread over many steps
     # c0 computes every position once (with prompt logprobs, in all-logits chunks) ...
-    c0_chunks = [(all_logits, n) for p in plans for rid, all_logits, n in p.items if rid == "c0"][: -3]  # less 3 decodes
+    c0_chunks = [(all_logits, n) for p in plans for rid, all_logits, n in p.items if rid == "c0"][:-3]  # less 3 decodes
     assert sum(n for _, n in c0_chunks) == len(ids) and all(all_logits == scoring for all_logits, _ in c0_chunks)
     # ... and each other candidate copies the prompt, computing at most its last few tokens:
     # what it was fed, less its decodes (every token it generated but the last).
@@ -257,8 +277,10 @@ def test_candidates_copying_a_long_prompt_start_one_per_step_beside_a_stream() -
         assert len(plans) < 500, "the candidates did not finish"
         core.scheduler.prefill_chunk_tokens = CAP
         step(engine, results)
-    first_steps = [next(i for i, plan in enumerate(plans) if any(rid == r.request_id for rid, _, _ in plan.items))
-                   for r in group[1:]]
+    first_steps = [
+        next(i for i, plan in enumerate(plans) if any(rid == r.request_id for rid, _, _ in plan.items))
+        for r in group[1:]
+    ]
     assert all(r.num_cached_prompt_tokens >= 256 for r in group[1:])  # each copied the prompt
     assert len(set(first_steps)) == 3, first_steps  # in three different steps
     for request in group:

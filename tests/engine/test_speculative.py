@@ -50,26 +50,43 @@ def copy_script(period: int = 7, free_every: int = 4):
     """Force the token ``period`` positions back, except at one history in ``free_every``
     (chosen by a hash of the history), where the fake model's own random logits decide: long
     runs that prompt lookup predicts, broken by tokens it cannot."""
+
     def script(tokens):
         if len(tokens) < period or history_hash(tokens) % free_every == 0:
             return None
         return tokens[-period]
+
     return script
 
 
-def make_engine(speculative: str = "ngram", k: int = 4, max_batch: int = 4, num_rows: int = 16, max_len: int = 256,
-                runner: FakeRunner | None = None, script: Any = "copy", adaptive: bool = True) -> Engine:
+def make_engine(
+    speculative: str = "ngram",
+    k: int = 4,
+    max_batch: int = 4,
+    num_rows: int = 16,
+    max_len: int = 256,
+    runner: FakeRunner | None = None,
+    script: Any = "copy",
+    adaptive: bool = True,
+) -> Engine:
     """An engine over a fresh ``FakeRunner`` (its context-copying script unless told otherwise).
 
     ``adaptive=False``: every request drafts as many tokens as it may, whatever the batch (the
     adaptive policy, tuned to a real model's costs, drafts little in batches).
     """
-    config = EngineConfig(model="fake", max_num_seqs=16, max_num_batched_tokens=512, speculative=speculative,
-                          num_speculative_tokens=k, speculative_max_batch=max_batch)
+    config = EngineConfig(
+        model="fake",
+        max_num_seqs=16,
+        max_num_batched_tokens=512,
+        speculative=speculative,
+        num_speculative_tokens=k,
+        speculative_max_batch=max_batch,
+    )
     runner = runner or FakeRunner(num_rows=num_rows, max_len=max_len)
     runner.script = copy_script() if script == "copy" else script
-    engine = assemble_engine(config, runner, fake_tokenizer(), name="fake", architecture="FakeForCausalLM",
-                             warm_grammars=False)
+    engine = assemble_engine(
+        config, runner, fake_tokenizer(), name="fake", architecture="FakeForCausalLM", warm_grammars=False
+    )
     if not adaptive:
         force_drafts(engine)
     return engine
@@ -98,6 +115,7 @@ def both(prompt: str, **params: Any) -> tuple[Result, Result, Engine]:
 
 # -- the policy --------------------------------------------------------------------------------
 
+
 def test_the_draft_length_grows_with_the_acceptance_rate() -> None:
     speculator = Speculator(SpeculativeConfig(method="ngram", num_tokens=8))
     lengths = [speculator.allocate([Track(trials=100.0, accepted=10.0 * r)], [8], 1)[0] for r in range(11)]
@@ -123,8 +141,13 @@ def test_drafts_are_handed_out_while_they_pay() -> None:
 
 
 def test_bad_speculation_settings_are_refused() -> None:
-    for bad in (dict(method="eagle"), dict(method="ngram", num_tokens=0), dict(method="ngram", num_tokens=17),
-                dict(method="ngram", max_batch=0), dict(method="ngram", min_n=3, max_n=2)):
+    for bad in (
+        dict(method="eagle"),
+        dict(method="ngram", num_tokens=0),
+        dict(method="ngram", num_tokens=17),
+        dict(method="ngram", max_batch=0),
+        dict(method="ngram", min_n=3, max_n=2),
+    ):
         with pytest.raises(ValueError):
             SpeculativeConfig(**bad)
     with pytest.raises(ConfigError):
@@ -171,8 +194,9 @@ def test_output_is_the_same_with_and_without_speculation(params: dict) -> None:
         assert b.text == a.text
         assert (b.finish_reason, b.stop_reason) == (a.finish_reason, a.stop_reason)
         assert b.usage == a.usage
-        assert [(lp.token_id, lp.logprob, lp.top) for lp in b.logprobs] == \
-            [(lp.token_id, lp.logprob, lp.top) for lp in a.logprobs]
+        assert [(lp.token_id, lp.logprob, lp.top) for lp in b.logprobs] == [
+            (lp.token_id, lp.logprob, lp.top) for lp in a.logprobs
+        ]
         total += accepted(spec)
     assert total > 0, "no draft was ever accepted: the comparison proves nothing"
 
@@ -208,8 +232,10 @@ def test_a_grammar_holds_on_accepted_tokens() -> None:
 
 def test_a_batch_of_speculating_requests_each_equals_its_plain_run() -> None:
     spec, plain = make_engine(adaptive=False), make_engine("off")
-    specs = [(f"r{i}", PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)), dict(PARAMS[i % len(PARAMS)], max_tokens=40))
-             for i in range(4)]
+    specs = [
+        (f"r{i}", PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)), dict(PARAMS[i % len(PARAMS)], max_tokens=40))
+        for i in range(4)
+    ]
     together = run(spec, [make_request(spec, rid, p, **kw) for rid, p, kw in specs])
     alone = run(plain, [make_request(plain, rid, p, **kw) for rid, p, kw in specs])
     for rid, _, _ in specs:
@@ -220,8 +246,12 @@ def test_a_batch_of_speculating_requests_each_equals_its_plain_run() -> None:
 
 def test_a_batch_larger_than_max_batch_does_not_speculate() -> None:
     spec = make_engine(max_batch=2, adaptive=False)
-    requests = [make_request(spec, f"r{i}", PROMPTS[i % 4] + f" {i}", temperature=0.0, max_tokens=10 if i < 3 else 50,
-                             ignore_eos=True) for i in range(5)]
+    requests = [
+        make_request(
+            spec, f"r{i}", PROMPTS[i % 4] + f" {i}", temperature=0.0, max_tokens=10 if i < 3 else 50, ignore_eos=True
+        )
+        for i in range(5)
+    ]
     drafted = []
 
     def on_step(_: int, __: dict) -> None:
@@ -248,6 +278,7 @@ def test_a_draft_never_runs_past_the_context() -> None:
 
 # -- the distribution ------------------------------------------------------------------------------
 
+
 class ConstantRunner(FakeRunner):
     """Every position's distribution is the same: ``WEIGHTS`` over four letters."""
 
@@ -272,8 +303,9 @@ def test_sampled_tokens_follow_the_model_distribution_under_speculation() -> Non
     letters, weights = runner.letters, ConstantRunner.WEIGHTS
     singles, pairs = Counter(), Counter()
     for seed in range(400):
-        r = run(engine, [make_request(engine, "s", "abababab", temperature=1.0, seed=seed, max_tokens=8,
-                                      ignore_eos=True)])["s"]
+        r = run(
+            engine, [make_request(engine, "s", "abababab", temperature=1.0, seed=seed, max_tokens=8, ignore_eos=True)]
+        )["s"]
         ids = [letters.index(t) for t in r.token_ids]
         singles.update(ids)
         pairs.update(zip(ids, ids[1:]))
@@ -295,19 +327,25 @@ def test_a_verifier_that_accepts_every_draft_would_fail_the_chi_square() -> None
     pairs = Counter({(0, 1): 1400, (1, 0): 1400})
     weights = ConstantRunner.WEIGHTS
     n = sum(pairs.values())
-    stat = sum((pairs.get((i, j), 0) - n * weights[i] * weights[j]) ** 2 / (n * weights[i] * weights[j])
-               for i in range(4) for j in range(4))
+    stat = sum(
+        (pairs.get((i, j), 0) - n * weights[i] * weights[j]) ** 2 / (n * weights[i] * weights[j])
+        for i in range(4)
+        for j in range(4)
+    )
     assert stat > 37.70
 
 
 # -- live control and KV ------------------------------------------------------------------------
 
+
 def test_each_step_rolls_rejected_drafts_back() -> None:
     """After every step each running request holds KV for exactly its tokens but the last
     (rejected draft positions are not counted), and the engine ends idle."""
     engine = make_engine(adaptive=False)
-    requests = [make_request(engine, f"r{i}", p, temperature=0.0, max_tokens=50, ignore_eos=True)
-                for i, p in enumerate(PROMPTS[:3])]
+    requests = [
+        make_request(engine, f"r{i}", p, temperature=0.0, max_tokens=50, ignore_eos=True)
+        for i, p in enumerate(PROMPTS[:3])
+    ]
 
     def on_step(_: int, __: dict) -> None:
         live = [r for r in engine.core.scheduler.running if r.is_prefill_reported]
@@ -332,8 +370,10 @@ def steps_until(engine: Engine, results: dict, request_id: str, num_tokens: int)
 
 def test_pause_resume_regenerate_and_abort_mid_speculation() -> None:
     prompt = PROMPTS[1]
-    reference = run(make_engine("off"), [make_request(make_engine("off"), "r", prompt, temperature=0.0, max_tokens=60,
-                                                      ignore_eos=True)])["r"]
+    reference = run(
+        make_engine("off"),
+        [make_request(make_engine("off"), "r", prompt, temperature=0.0, max_tokens=60, ignore_eos=True)],
+    )["r"]
     engine = make_engine()
     results = {"r": Result()}
     engine.core.apply(AddCommand(make_request(engine, "r", prompt, temperature=0.0, max_tokens=60, ignore_eos=True)))
@@ -382,21 +422,28 @@ def test_modify_applies_from_the_next_verified_token() -> None:
     assert engine.core.stats().spec_draft_tokens_total == drafted
     plain = make_engine("off")
     ids = fake_tokenizer().encode(prompt) + prefix
-    rest = run(plain, [make_request(plain, "c", ids, temperature=0.0, max_tokens=60 - len(prefix),
-                                    ignore_eos=True)])["c"]
-    assert results["m"].token_ids[len(prefix):] == rest.token_ids
+    rest = run(plain, [make_request(plain, "c", ids, temperature=0.0, max_tokens=60 - len(prefix), ignore_eos=True)])[
+        "c"
+    ]
+    assert results["m"].token_ids[len(prefix) :] == rest.token_ids
     assert_idle(engine)
 
 
 def test_beam_search_and_opted_out_requests_never_speculate() -> None:
     engine = make_engine()
-    run(engine, [make_request(engine, "b", PROMPTS[1], num_beams=3, max_tokens=20),
-                 make_request(engine, "o", PROMPTS[1], temperature=0.0, max_tokens=40, speculative=False)])
+    run(
+        engine,
+        [
+            make_request(engine, "b", PROMPTS[1], num_beams=3, max_tokens=20),
+            make_request(engine, "o", PROMPTS[1], temperature=0.0, max_tokens=40, speculative=False),
+        ],
+    )
     assert engine.core.stats().spec_draft_tokens_total == 0
     assert_idle(engine)
 
 
 # -- a real model ---------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def quant_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -415,8 +462,16 @@ def _kernel_available() -> bool:
 
 @pytest.mark.skipif(not _kernel_available(), reason="the quantized kernels are not built on this CPU")
 def test_a_draft_chunk_computes_what_decoding_it_token_by_token_computes(quant_model_dir: Path) -> None:
-    engine = build_engine(EngineConfig(model=str(quant_model_dir), dtype="bfloat16", weights="int8",
-                                       kv_cache_memory="16MiB", max_model_len=128, max_num_seqs=4))
+    engine = build_engine(
+        EngineConfig(
+            model=str(quant_model_dir),
+            dtype="bfloat16",
+            weights="int8",
+            kv_cache_memory="16MiB",
+            max_model_len=128,
+            max_num_seqs=4,
+        )
+    )
     runner = engine.runner
     prompt = list(range(5, 40))
     runner.forward([RowWork(0, prompt, 0), RowWork(1, prompt, 0)])
@@ -429,15 +484,31 @@ def test_a_draft_chunk_computes_what_decoding_it_token_by_token_computes(quant_m
 def test_a_quantized_model_answers_the_same_with_and_without_speculation(quant_model_dir: Path) -> None:
     outputs = {}
     for speculative in ("off", "ngram"):
-        engine = build_engine(EngineConfig(model=str(quant_model_dir), dtype="bfloat16", weights="int8",
-                                           kv_cache_memory="16MiB", max_model_len=256, max_num_seqs=4,
-                                           speculative=speculative))
+        engine = build_engine(
+            EngineConfig(
+                model=str(quant_model_dir),
+                dtype="bfloat16",
+                weights="int8",
+                kv_cache_memory="16MiB",
+                max_model_len=256,
+                max_num_seqs=4,
+                speculative=speculative,
+            )
+        )
         if engine.core.speculator is not None:
             force_drafts(engine)  # four requests decode together: the adaptive policy would hardly draft
         tok = engine.tokenizer
-        requests = [Request(request_id=f"q{i}", prompt_ids=tok.encode(p), params=SamplingParams(
-            temperature=0.0, max_tokens=64, ignore_eos=True), eos_token_ids=engine.eos_token_ids,
-            arrival_time=time.monotonic(), seq_no=0) for i, p in enumerate(PROMPTS)]
+        requests = [
+            Request(
+                request_id=f"q{i}",
+                prompt_ids=tok.encode(p),
+                params=SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True),
+                eos_token_ids=engine.eos_token_ids,
+                arrival_time=time.monotonic(),
+                seq_no=0,
+            )
+            for i, p in enumerate(PROMPTS)
+        ]
         outputs[speculative] = (run(engine, requests), engine.core.stats())
         assert_idle(engine)
     (plain, _), (spec, stats) = outputs["off"], outputs["ngram"]
@@ -449,29 +520,48 @@ def test_a_quantized_model_answers_the_same_with_and_without_speculation(quant_m
 
 # -- a draft model ----------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def draft_pair(tmp_path_factory: pytest.TempPathFactory, quant_model_dir: Path) -> tuple[Path, Path]:
     """The tiny target and a one-layer draft with the same tokenizer (random: it rarely agrees)."""
     from rill.testing.checkpoints import make_checkpoint
 
-    return quant_model_dir, make_checkpoint(tmp_path_factory.mktemp("spec") / "draft", arch="llama", head_dim=32,
-                                            num_layers=1, seed=5)
+    return quant_model_dir, make_checkpoint(
+        tmp_path_factory.mktemp("spec") / "draft", arch="llama", head_dim=32, num_layers=1, seed=5
+    )
 
 
 def _answers(model: Path, draft: Path | None, weights: str = "int8") -> tuple[dict[str, Result], Any]:
     # Dense drafts are verified through the prefill path, whose rounding differs from a decode
     # step's in the last bits: in bfloat16 that flips a near-tie now and then, in float32 not here.
     dtype = "bfloat16" if weights == "int8" else "float32"
-    engine = build_engine(EngineConfig(model=str(model), dtype=dtype, weights=weights, kv_cache_memory="16MiB",
-                                       max_model_len=256, max_num_seqs=4, speculative_max_batch=4,
-                                       draft_model=str(draft) if draft else None))
+    engine = build_engine(
+        EngineConfig(
+            model=str(model),
+            dtype=dtype,
+            weights=weights,
+            kv_cache_memory="16MiB",
+            max_model_len=256,
+            max_num_seqs=4,
+            speculative_max_batch=4,
+            draft_model=str(draft) if draft else None,
+        )
+    )
     if engine.core.speculator is not None:
         force_drafts(engine)
     tok = engine.tokenizer
     params = [dict(temperature=0.0), dict(temperature=0.9, seed=4), dict(temperature=0.0, repetition_penalty=1.2)]
-    requests = [Request(request_id=f"d{i}", prompt_ids=tok.encode(p), params=SamplingParams(
-        max_tokens=48, ignore_eos=True, **params[i % 3]), eos_token_ids=engine.eos_token_ids,
-        arrival_time=time.monotonic(), seq_no=0) for i, p in enumerate(PROMPTS)]
+    requests = [
+        Request(
+            request_id=f"d{i}",
+            prompt_ids=tok.encode(p),
+            params=SamplingParams(max_tokens=48, ignore_eos=True, **params[i % 3]),
+            eos_token_ids=engine.eos_token_ids,
+            arrival_time=time.monotonic(),
+            seq_no=0,
+        )
+        for i, p in enumerate(PROMPTS)
+    ]
     results = run(engine, requests)
     assert_idle(engine)
     return results, engine.core.stats()
@@ -501,8 +591,9 @@ def test_a_draft_model_needs_the_same_tokenizer(tmp_path: Path, quant_model_dir:
 
     other = make_checkpoint(tmp_path / "other", arch="llama", head_dim=32, num_layers=1, vocab_size=900)
     with pytest.raises(ModelLoadError, match="tokenizer"):
-        build_engine(EngineConfig(model=str(quant_model_dir), kv_cache_memory="16MiB", max_model_len=128,
-                                  draft_model=str(other)))
+        build_engine(
+            EngineConfig(model=str(quant_model_dir), kv_cache_memory="16MiB", max_model_len=128, draft_model=str(other))
+        )
     for flags in (dict(speculative="draft"), dict(speculative="ngram", draft_model=str(quant_model_dir))):
         with pytest.raises(ConfigError):
             build_engine(EngineConfig(model=str(quant_model_dir), kv_cache_memory="16MiB", max_model_len=128, **flags))

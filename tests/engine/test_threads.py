@@ -74,7 +74,9 @@ def test_wait_policy_defaults_to_a_brief_spin() -> None:
     assert f"GOMP_SPINCOUNT={SPIN_COUNT}" in said
 
 
-@pytest.mark.parametrize("name, value", [("OMP_WAIT_POLICY", "PASSIVE"), ("GOMP_SPINCOUNT", "300"), ("KMP_BLOCKTIME", "0")])
+@pytest.mark.parametrize(
+    "name, value", [("OMP_WAIT_POLICY", "PASSIVE"), ("GOMP_SPINCOUNT", "300"), ("KMP_BLOCKTIME", "0")]
+)
 def test_a_wait_policy_the_user_chose_is_kept(name: str, value: str) -> None:
     env = {name: value}
     said = apply_wait_policy(env)
@@ -86,30 +88,46 @@ def test_importing_rill_sets_the_policy_before_torch_loads() -> None:
     import subprocess
     import sys
 
-    code = ("import os; import rill, sys; "
-            "print(os.environ.get('GOMP_SPINCOUNT'), 'torch' in sys.modules)")
-    env = {k: v for k, v in __import__("os").environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout.split()
+    code = "import os; import rill, sys; print(os.environ.get('GOMP_SPINCOUNT'), 'torch' in sys.modules)"
+    env = {
+        k: v
+        for k, v in __import__("os").environ.items()
+        if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
+    ).stdout.split()
     assert out == [str(SPIN_COUNT), "False"]
 
 
-@pytest.mark.parametrize(("other", "current", "expected"), [
-    (0.0, 2, 2), (0.45, 2, 2), (0.67, 2, 1),   # a hog beside two threads holds ~2/3 of a CPU
-    (1.0, 1, 1), (0.4, 1, 1), (0.1, 1, 2),     # back to two only once others drop under 0.3
-    (2.0, 2, 1), (1.6, 4, 2), (0.2, 2, 2),
-])
+@pytest.mark.parametrize(
+    ("other", "current", "expected"),
+    [
+        (0.0, 2, 2),
+        (0.45, 2, 2),
+        (0.67, 2, 1),  # a hog beside two threads holds ~2/3 of a CPU
+        (1.0, 1, 1),
+        (0.4, 1, 1),
+        (0.1, 1, 2),  # back to two only once others drop under 0.3
+        (2.0, 2, 1),
+        (1.6, 4, 2),
+        (0.2, 2, 2),
+    ],
+)
 def test_threads_for_gives_up_cpus_others_hold_and_takes_them_back(other: float, current: int, expected: int) -> None:
     usable = max(current, 2)
     assert threads_for(usable, other, current) == expected
 
 
 def test_busy_seconds_counts_only_the_given_cpus_and_not_idle_or_iowait() -> None:
-    stat = ("cpu  900 0 900 900 900 0 0 0 0 0\n"
-            "cpu0 100 5 20 1000 50 1 2 3 0 0\n"
-            "cpu1 200 0 0 1000 0 0 0 0 0 0\n"
-            "cpu2 7000 0 0 0 0 0 0 0 0 0\n"
-            "cpufreq 1 2 3\n"
-            "intr 1 2 3\n")
+    stat = (
+        "cpu  900 0 900 900 900 0 0 0 0 0\n"
+        "cpu0 100 5 20 1000 50 1 2 3 0 0\n"
+        "cpu1 200 0 0 1000 0 0 0 0 0 0\n"
+        "cpu2 7000 0 0 0 0 0 0 0 0 0\n"
+        "cpufreq 1 2 3\n"
+        "intr 1 2 3\n"
+    )
     assert busy_seconds(stat, {0, 1}, 100.0) == pytest.approx((100 + 5 + 20 + 1 + 2 + 3 + 200) / 100)
 
 
@@ -128,8 +146,13 @@ class _Machine:
             self.busy[cpu] += seconds * (own_per_cpu[cpu] + other_per_cpu[cpu])
         self.own += seconds * sum(own_per_cpu)
 
-    def steps(self, governor: ThreadGovernor, seconds: float, own_per_cpu: tuple[float, float],
-              other_per_cpu: tuple[float, float]) -> None:
+    def steps(
+        self,
+        governor: ThreadGovernor,
+        seconds: float,
+        own_per_cpu: tuple[float, float],
+        other_per_cpu: tuple[float, float],
+    ) -> None:
         """Engine steps of 0.05 s for ``seconds``, the governor ticking before each."""
         for _ in range(round(seconds / 0.05)):
             governor.tick()
@@ -142,8 +165,15 @@ class _Machine:
 
 def test_governor_drops_to_one_thread_beside_a_hog_and_returns_after_it() -> None:
     machine = _Machine()
-    governor = ThreadGovernor(2, {0, 1}, machine.applied.append, read_stat=machine.stat,
-                              own_cpu=lambda: machine.own, clock=lambda: machine.wall, window=1.0)
+    governor = ThreadGovernor(
+        2,
+        {0, 1},
+        machine.applied.append,
+        read_stat=machine.stat,
+        own_cpu=lambda: machine.own,
+        clock=lambda: machine.wall,
+        window=1.0,
+    )
     machine.steps(governor, 3.0, (1.0, 1.0), (0.0, 0.0))
     assert machine.applied == [] and governor.current == 2
     machine.steps(governor, 1.5, (0.67, 0.67), (0.66, 0.0))  # a hog takes its fair share of three threads
@@ -156,8 +186,15 @@ def test_governor_drops_to_one_thread_beside_a_hog_and_returns_after_it() -> Non
 
 def test_governor_ignores_a_window_in_which_the_engine_sat_idle() -> None:
     machine = _Machine()
-    governor = ThreadGovernor(2, {0, 1}, machine.applied.append, read_stat=machine.stat,
-                              own_cpu=lambda: machine.own, clock=lambda: machine.wall, window=1.0)
+    governor = ThreadGovernor(
+        2,
+        {0, 1},
+        machine.applied.append,
+        read_stat=machine.stat,
+        own_cpu=lambda: machine.own,
+        clock=lambda: machine.wall,
+        window=1.0,
+    )
     machine.steps(governor, 0.5, (1.0, 1.0), (0.0, 0.0))
     machine.run(30.0, (0.0, 0.0), (1.0, 1.0))  # no steps while others used both CPUs
     machine.steps(governor, 3.0, (1.0, 1.0), (0.0, 0.0))
@@ -169,8 +206,15 @@ def test_governor_ignores_a_window_in_which_the_engine_sat_idle() -> None:
 
 def test_a_long_step_is_work_not_idleness() -> None:
     machine = _Machine()
-    governor = ThreadGovernor(2, {0, 1}, machine.applied.append, read_stat=machine.stat,
-                              own_cpu=lambda: machine.own, clock=lambda: machine.wall, window=0.5)
+    governor = ThreadGovernor(
+        2,
+        {0, 1},
+        machine.applied.append,
+        read_stat=machine.stat,
+        own_cpu=lambda: machine.own,
+        clock=lambda: machine.wall,
+        window=0.5,
+    )
     machine.steps(governor, 0.5, (1.0, 1.0), (0.0, 0.0))
     governor.tick()
     machine.run(2.0, (0.67, 0.67), (0.66, 0.0))  # one 2-second prefill step beside a hog
@@ -182,8 +226,15 @@ def test_a_long_step_is_work_not_idleness() -> None:
 def test_judge_decides_on_the_work_it_ran_and_not_on_the_time_before() -> None:
     """The warm-up's use: loading beside a hog is not judged; a warm-up beside one is, at once."""
     machine = _Machine()
-    governor = ThreadGovernor(2, {0, 1}, machine.applied.append, read_stat=machine.stat,
-                              own_cpu=lambda: machine.own, clock=lambda: machine.wall, window=0.5)
+    governor = ThreadGovernor(
+        2,
+        {0, 1},
+        machine.applied.append,
+        read_stat=machine.stat,
+        own_cpu=lambda: machine.own,
+        clock=lambda: machine.wall,
+        window=0.5,
+    )
     machine.run(5.0, (1.0, 0.0), (0.0, 1.0))  # loading weights on one thread while a hog holds the other CPU
 
     def quiet_warm_up() -> str:
@@ -201,8 +252,15 @@ def test_judge_ignores_a_short_load_before_it_and_waits_for_a_window_that_resolv
     """Loading shorter than a window, beside a hog, is still not judged; work shorter than the
     smallest window decides nothing, and its window goes on into the engine's steps."""
     machine = _Machine()
-    governor = ThreadGovernor(2, {0, 1}, machine.applied.append, read_stat=machine.stat,
-                              own_cpu=lambda: machine.own, clock=lambda: machine.wall, window=0.5)
+    governor = ThreadGovernor(
+        2,
+        {0, 1},
+        machine.applied.append,
+        read_stat=machine.stat,
+        own_cpu=lambda: machine.own,
+        clock=lambda: machine.wall,
+        window=0.5,
+    )
     machine.run(0.4, (1.0, 0.0), (0.0, 1.0))  # a quick load on one thread while a hog holds the other CPU
     governor.judge(lambda: machine.run(0.3, (1.0, 1.0), (0.0, 0.0)))  # quiet warm-up
     assert machine.applied == [] and governor.current == 2
@@ -214,8 +272,15 @@ def test_judge_ignores_a_short_load_before_it_and_waits_for_a_window_that_resolv
 
 def test_a_step_that_raises_still_ends_the_governor_s_step() -> None:
     machine = _Machine()
-    governor = ThreadGovernor(2, {0, 1}, machine.applied.append, read_stat=machine.stat,
-                              own_cpu=lambda: machine.own, clock=lambda: machine.wall, window=0.5)
+    governor = ThreadGovernor(
+        2,
+        {0, 1},
+        machine.applied.append,
+        read_stat=machine.stat,
+        own_cpu=lambda: machine.own,
+        clock=lambda: machine.wall,
+        window=0.5,
+    )
     machine.steps(governor, 0.5, (1.0, 1.0), (0.0, 0.0))
     with pytest.raises(RuntimeError), governor.step():
         machine.run(2.0, (0.67, 0.67), (0.66, 0.0))  # a long failed step beside a hog
@@ -226,8 +291,14 @@ def test_a_step_that_raises_still_ends_the_governor_s_step() -> None:
 
 def test_governor_counts_this_process_s_own_threads_as_its_own() -> None:
     machine = _Machine()
-    governor = ThreadGovernor(2, {0, 1}, machine.applied.append, read_stat=machine.stat,
-                              own_cpu=lambda: machine.own, clock=lambda: machine.wall)
+    governor = ThreadGovernor(
+        2,
+        {0, 1},
+        machine.applied.append,
+        read_stat=machine.stat,
+        own_cpu=lambda: machine.own,
+        clock=lambda: machine.wall,
+    )
     # Both CPUs fully busy, all of it this process (engine, event loop, tokenizer).
     machine.steps(governor, 5.0, (1.0, 1.0), (0.0, 0.0))
     assert machine.applied == []
@@ -243,8 +314,9 @@ def test_an_unreadable_proc_stat_stops_the_governor_not_the_engine() -> None:
             raise OSError("gone")
         return text
 
-    governor = ThreadGovernor(2, {0, 1}, machine.applied.append, read_stat=flaky_stat,
-                              own_cpu=lambda: machine.own, clock=lambda: machine.wall)
+    governor = ThreadGovernor(
+        2, {0, 1}, machine.applied.append, read_stat=flaky_stat, own_cpu=lambda: machine.own, clock=lambda: machine.wall
+    )
     machine.steps(governor, 3.0, (0.67, 0.67), (0.66, 0.0))  # no exception escapes a tick
     assert machine.applied == [] and governor.current == 2
 
@@ -261,8 +333,14 @@ class _RecordingGovernor(ThreadGovernor):
 
     def __init__(self, calls: list[str]) -> None:
         machine = _Machine()
-        super().__init__(2, {0, 1}, machine.applied.append, read_stat=machine.stat,
-                         own_cpu=lambda: machine.own, clock=lambda: machine.wall)
+        super().__init__(
+            2,
+            {0, 1},
+            machine.applied.append,
+            read_stat=machine.stat,
+            own_cpu=lambda: machine.own,
+            clock=lambda: machine.wall,
+        )
         self.calls = calls
 
     def judge(self, work):  # type: ignore[no-untyped-def]
@@ -296,9 +374,15 @@ def test_the_engine_asks_the_governor_before_every_forward_and_tells_it_after_ev
         return real_forward(work)
 
     runner.forward = forward  # type: ignore[method-assign]
-    engine = assemble_engine(EngineConfig(model="fake", max_num_seqs=4), runner, fake_tokenizer(), name="fake",
-                             architecture="FakeForCausalLM", warm_grammars=False,
-                             thread_governor=_RecordingGovernor(calls))
+    engine = assemble_engine(
+        EngineConfig(model="fake", max_num_seqs=4),
+        runner,
+        fake_tokenizer(),
+        name="fake",
+        architecture="FakeForCausalLM",
+        warm_grammars=False,
+        thread_governor=_RecordingGovernor(calls),
+    )
     core = engine.core
     core.apply(AddCommand(make_request(engine, "a", [5, 6, 7], max_tokens=3, ignore_eos=True)))
     while core.has_work():
@@ -316,8 +400,11 @@ def _build(model_dir: Path, num_threads: int | None):
     from rill.config import EngineConfig
     from rill.engine.builder import build_engine
 
-    return build_engine(EngineConfig(model=str(model_dir), dtype="float32", kv_cache_memory="8MiB",
-                                     max_num_seqs=2, num_threads=num_threads))
+    return build_engine(
+        EngineConfig(
+            model=str(model_dir), dtype="float32", kv_cache_memory="8MiB", max_num_seqs=2, num_threads=num_threads
+        )
+    )
 
 
 def test_the_torch_engine_gets_a_governor_unless_the_thread_count_is_fixed(tiny_model_dir: Path) -> None:
@@ -328,8 +415,9 @@ def test_the_torch_engine_gets_a_governor_unless_the_thread_count_is_fixed(tiny_
     assert (chosen is not None) == (default_choice(None).num_threads >= 2)
 
 
-def test_the_warm_up_is_judged_before_the_engine_reports_ready(tiny_model_dir: Path,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_warm_up_is_judged_before_the_engine_reports_ready(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A window opens before the warm-up and is judged right after it, so a busy machine is
     seen before the first request, and the engine keeps that governor."""
     import rill.engine.runner

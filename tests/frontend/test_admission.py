@@ -16,9 +16,13 @@ from rill.models.tokenizer import Tokenizer
 from rill.testing.checkpoints import make_tokenizer
 from rill.types import ChatMessage, GenerateRequest, ModelInfo
 
-TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<a>{% endif %}"
+TEMPLATE = (
+    "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<a>{% endif %}"
+)
 VOCAB = 100_000
-MODEL = ModelInfo(name="m", architecture="a", max_context_tokens=100_000, vocab_size=VOCAB, dtype="float32", device="cpu")
+MODEL = ModelInfo(
+    name="m", architecture="a", max_context_tokens=100_000, vocab_size=VOCAB, dtype="float32", device="cpu"
+)
 
 
 class RecordingTokenizer:
@@ -32,20 +36,33 @@ class RecordingTokenizer:
         self.threads.append(("encode", threading.get_ident()))
         return self.inner.encode(text, add_special_tokens=add_special_tokens)
 
-    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True,
-                     max_context_tokens: int | None = None) -> list[list[int]]:
+    def encode_batch(
+        self, texts: Sequence[str], add_special_tokens: bool = True, max_context_tokens: int | None = None
+    ) -> list[list[int]]:
         self.threads.append(("encode_batch", threading.get_ident()))
-        return self.inner.encode_batch(texts, add_special_tokens=add_special_tokens, max_context_tokens=max_context_tokens)
+        return self.inner.encode_batch(
+            texts, add_special_tokens=add_special_tokens, max_context_tokens=max_context_tokens
+        )
 
-    def apply_chat_template(self, messages: Sequence[Any], /, add_generation_prompt: bool = True,
-                            tools: Sequence[Any] | None = None,
-                            chat_template_kwargs: Mapping[str, Any] | None = None) -> str:
+    def apply_chat_template(
+        self,
+        messages: Sequence[Any],
+        /,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Any] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
         self.threads.append(("template", threading.get_ident()))
         return self.inner.apply_chat_template(messages, add_generation_prompt, tools, chat_template_kwargs)
 
 
-def _run(prompts: list[Any], *, max_chars: int = 1_000_000, tokenizer: RecordingTokenizer | None = None,
-         model: ModelInfo = MODEL) -> tuple[list[list[int]], RecordingTokenizer, int]:
+def _run(
+    prompts: list[Any],
+    *,
+    max_chars: int = 1_000_000,
+    tokenizer: RecordingTokenizer | None = None,
+    model: ModelInfo = MODEL,
+) -> tuple[list[list[int]], RecordingTokenizer, int]:
     """Admit ``prompts``; the ids, the tokenizer (with its call log) and the loop's thread id."""
     tok = tokenizer or RecordingTokenizer()
 
@@ -101,19 +118,24 @@ def test_encode_batch_matches_encode() -> None:
     tok = Tokenizer(make_tokenizer())
     texts = ["", "hello world", "café 😀 über\n\tfox", "<s> starts with a special token", "a" * 3000]
     for special in (True, False):
-        assert tok.encode_batch(texts, add_special_tokens=special) == [tok.encode(t, add_special_tokens=special)
-                                                                       for t in texts]
+        assert tok.encode_batch(texts, add_special_tokens=special) == [
+            tok.encode(t, add_special_tokens=special) for t in texts
+        ]
 
 
-@pytest.mark.parametrize("prompts", [
-    [GenerateRequest(prompt="x" * 1001)],
-    [GenerateRequest(prompt="x" * 600), GenerateRequest(prompt="y" * 401)],
-    ["x" * 500, [1] * 500, "z"],
-    [GenerateRequest(prompt_token_ids=[1] * 1001)],
-    [GenerateRequest(messages=[ChatMessage(role="user", content="x" * 1001)])],
-    [GenerateRequest(messages=[ChatMessage(role="user", content=[{"type": "text", "text": "x" * 1001}])])],
-    [GenerateRequest(messages=[ChatMessage(role="user", content="hi")], chat_template_kwargs={"doc": "x" * 1001})],
-], ids=["text", "list-total", "plain-list-total", "token-ids", "message", "message-parts", "template-kwargs"])
+@pytest.mark.parametrize(
+    "prompts",
+    [
+        [GenerateRequest(prompt="x" * 1001)],
+        [GenerateRequest(prompt="x" * 600), GenerateRequest(prompt="y" * 401)],
+        ["x" * 500, [1] * 500, "z"],
+        [GenerateRequest(prompt_token_ids=[1] * 1001)],
+        [GenerateRequest(messages=[ChatMessage(role="user", content="x" * 1001)])],
+        [GenerateRequest(messages=[ChatMessage(role="user", content=[{"type": "text", "text": "x" * 1001}])])],
+        [GenerateRequest(messages=[ChatMessage(role="user", content="hi")], chat_template_kwargs={"doc": "x" * 1001})],
+    ],
+    ids=["text", "list-total", "plain-list-total", "token-ids", "message", "message-parts", "template-kwargs"],
+)
 def test_a_prompt_over_the_bound_is_refused_before_any_tokenizer_call(prompts: list[Any]) -> None:
     tok = RecordingTokenizer()
     with pytest.raises(PromptTooLarge) as caught:
@@ -135,16 +157,22 @@ def test_deep_nesting_in_messages_is_counted_without_recursion() -> None:
     for _ in range(100_000):
         nested = [nested]
     with pytest.raises(PromptTooLarge):
-        check_size([GenerateRequest(messages=[ChatMessage(role="user", content="y" * 5)],
-                                    chat_template_kwargs={"a": nested})], 12)
+        check_size(
+            [GenerateRequest(messages=[ChatMessage(role="user", content="y" * 5)], chat_template_kwargs={"a": nested})],
+            12,
+        )
 
 
-@pytest.mark.parametrize("prompt", [
-    "the quick brown fox " * 100,  # the pool: refused from the token count, no id list built
-    "fox " * 40,  # the fast path on the loop
-    [5] * 60,  # client-given ids
-    GenerateRequest(messages=[ChatMessage(role="user", content="fox " * 100)]),
-], ids=["long-text", "short-text", "token-ids", "chat"])
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        "the quick brown fox " * 100,  # the pool: refused from the token count, no id list built
+        "fox " * 40,  # the fast path on the loop
+        [5] * 60,  # client-given ids
+        GenerateRequest(messages=[ChatMessage(role="user", content="fox " * 100)]),
+    ],
+    ids=["long-text", "short-text", "token-ids", "chat"],
+)
 def test_a_prompt_that_fills_the_context_is_refused_with_its_length(prompt: Any) -> None:
     small = msgspec.structs.replace(MODEL, max_context_tokens=40)
     with pytest.raises(ContextLengthExceeded) as caught:

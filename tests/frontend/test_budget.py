@@ -106,8 +106,9 @@ def test_the_returner_trims_once_enough_was_released_and_at_most_once_per_interv
     def start(run, delay):  # runs trims when the test says, remembering the delay asked for
         started.append((run, delay))
 
-    returner = MemoryReturner(lambda: trims.append(clock.now), threshold_bytes=100, interval_s=1.0, clock=clock,
-                              start=start)
+    returner = MemoryReturner(
+        lambda: trims.append(clock.now), threshold_bytes=100, interval_s=1.0, clock=clock, start=start
+    )
     returner.released(60)
     assert started == []
     returner.released(40)
@@ -153,8 +154,9 @@ def test_the_budget_flags_parse_sizes_and_default_to_a_quarter_share():
     assert config_mod.session_memory_bytes(cfg.connections) == (2 << 30, 1 << 30)
     assert config_mod.session_memory_bytes(config_mod.load({}, env={}).connections) == (2 << 30, 512 << 20)
     with pytest.raises(ConfigError, match="max_session_memory_per_principal"):
-        config_mod.load({"connections.max_session_memory": "1MiB",
-                         "connections.max_session_memory_per_principal": "2MiB"}, env={})
+        config_mod.load(
+            {"connections.max_session_memory": "1MiB", "connections.max_session_memory_per_principal": "2MiB"}, env={}
+        )
     with pytest.raises(ConfigError, match="max_session_memory"):
         config_mod.load({"connections.max_session_memory": "lots"}, env={})
 
@@ -167,8 +169,9 @@ def test_what_is_released_while_a_trim_runs_gets_a_trim_of_its_own():
     def trim() -> None:  # sessions end while the trim runs
         returner.released(100)
 
-    returner = MemoryReturner(trim, threshold_bytes=100, interval_s=1.0, clock=clock,
-                              start=lambda run, delay: started.append((run, delay)))
+    returner = MemoryReturner(
+        trim, threshold_bytes=100, interval_s=1.0, clock=clock, start=lambda run, delay: started.append((run, delay))
+    )
     returner.released(100)
     started.pop()[0]()
     assert returner.num_trims == 1

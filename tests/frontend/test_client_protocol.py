@@ -50,7 +50,8 @@ def members_used_by_adapters() -> dict[str, str]:
                 continue
             owner = node.value
             is_client = (isinstance(owner, ast.Name) and owner.id == "client") or (
-                isinstance(owner, ast.Attribute) and owner.attr == "client")
+                isinstance(owner, ast.Attribute) and owner.attr == "client"
+            )
             if is_client:
                 used.setdefault(node.attr, f"{path.relative_to(SRC)}:{node.lineno}")
     return used
@@ -67,8 +68,11 @@ def test_the_protocol_declares_every_member_adapters_use() -> None:
 async def test_the_in_process_and_fake_clients_provide_every_declared_member() -> None:
     declared = declared_members()
     for cls in (InprocClient, FakeClient):
-        missing = {name for name in declared - {"model_info"} if not callable(getattr(cls, name, None))
-                   and not isinstance(getattr(cls, name, None), property)}
+        missing = {
+            name
+            for name in declared - {"model_info"}
+            if not callable(getattr(cls, name, None)) and not isinstance(getattr(cls, name, None), property)
+        }
         assert not missing, (cls.__name__, missing)
     async with fake_client() as client:
         assert isinstance(client, FakeClient) and isinstance(client, EngineClient)
@@ -104,8 +108,10 @@ async def test_state_reports_loading_then_ready() -> None:
 
 async def test_state_reports_a_failed_load_with_the_one_error_requests_get() -> None:
     loading = threading.Event()
-    async with fake_client(loading=loading, load_error=RuntimeError("secret weights path")) as client, \
-            _health(client) as http:
+    async with (
+        fake_client(loading=loading, load_error=RuntimeError("secret weights path")) as client,
+        _health(client) as http,
+    ):
         loading.set()
         with pytest.raises(ModelLoadFailed) as waited:
             await client.wait_ready()
@@ -127,6 +133,7 @@ class EngineCrash(BaseException):
 
 async def test_state_reports_a_stopped_engine() -> None:
     async with fake_client() as client, _health(client) as http:
+
         def crash(tokens: Any) -> None:
             raise EngineCrash
 

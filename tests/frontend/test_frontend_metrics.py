@@ -43,10 +43,26 @@ def _samples(metrics: Metrics) -> dict[tuple[str, tuple], float]:
 def test_request_figures_fill_histograms_and_counters() -> None:
     metrics = Metrics(_Client(EngineStats()))
     for reason in ("stop", "length", "stop"):
-        metrics.observe_request(protocol="p", finish_reason=reason, queue_s=0.01, ttft_s=0.2,
-                                inter_token_s=[0.01, 0.02], e2e_s=1.5, num_prompt_tokens=3, num_generated_tokens=3)
-    metrics.observe_request(protocol="p", finish_reason="cancelled", queue_s=None, ttft_s=None, inter_token_s=[],
-                            e2e_s=0.1, num_prompt_tokens=3, num_generated_tokens=0)
+        metrics.observe_request(
+            protocol="p",
+            finish_reason=reason,
+            queue_s=0.01,
+            ttft_s=0.2,
+            inter_token_s=[0.01, 0.02],
+            e2e_s=1.5,
+            num_prompt_tokens=3,
+            num_generated_tokens=3,
+        )
+    metrics.observe_request(
+        protocol="p",
+        finish_reason="cancelled",
+        queue_s=None,
+        ttft_s=None,
+        inter_token_s=[],
+        e2e_s=0.1,
+        num_prompt_tokens=3,
+        num_generated_tokens=0,
+    )
     s = _samples(metrics)
     p = (("protocol", "p"),)
     assert s[("rill_time_to_first_token_seconds_count", p)] == 3  # no first token, no TTFT sample
@@ -60,13 +76,26 @@ def test_request_figures_fill_histograms_and_counters() -> None:
 
 
 def test_engine_gauges_are_read_at_scrape_time() -> None:
-    client = _Client(EngineStats(num_running=3, num_waiting=2, num_paused=1, kv_capacity_bytes=1000,
-                                 kv_used_bytes=250, prefix_cache_queries_tokens=40, prefix_cache_hits_tokens=10,
-                                 prompt_tokens_total=40, generation_tokens_total=99))
+    client = _Client(
+        EngineStats(
+            num_running=3,
+            num_waiting=2,
+            num_paused=1,
+            kv_capacity_bytes=1000,
+            kv_used_bytes=250,
+            prefix_cache_queries_tokens=40,
+            prefix_cache_hits_tokens=10,
+            prompt_tokens_total=40,
+            generation_tokens_total=99,
+        )
+    )
     metrics = Metrics(client)
     s = _samples(metrics)
-    assert (s[("rill_num_requests_running", ())], s[("rill_num_requests_waiting", ())],
-            s[("rill_num_requests_paused", ())]) == (3, 2, 1)
+    assert (
+        s[("rill_num_requests_running", ())],
+        s[("rill_num_requests_waiting", ())],
+        s[("rill_num_requests_paused", ())],
+    ) == (3, 2, 1)
     assert s[("rill_kv_cache_usage_perc", ())] == 0.25 and s[("rill_kv_cache_used_bytes", ())] == 250
     assert s[("rill_kv_cache_capacity_bytes", ())] == 1000
     assert s[("rill_prefix_cache_hit_ratio", ())] == 0.25
@@ -111,17 +140,37 @@ async def test_vllm_named_request_histograms_and_the_model_label() -> None:
         s = _samples(metrics)
         await stream.aclose()
     _check_two_requests(s)
-    assert stats.kv_used_bytes > 0 and s[("rill_kv_cache_usage_perc", ())] == stats.kv_used_bytes / stats.kv_capacity_bytes
+    assert (
+        stats.kv_used_bytes > 0 and s[("rill_kv_cache_usage_perc", ())] == stats.kv_used_bytes / stats.kv_capacity_bytes
+    )
     assert s[("rill_num_requests_running", ())] == 1
     assert metrics.model_name() == FAKE_MODEL_NAME  # _samples checked every sample carries it
 
 
 def _observe_two_requests(metrics: Metrics) -> None:
     """Two requests' figures: one of 30 prompt and 7 generated tokens, one with no token."""
-    metrics.observe_request(protocol="p", finish_reason="length", queue_s=0.5, ttft_s=1.0, inter_token_s=[0.1] * 6,
-                            e2e_s=2.0, num_prompt_tokens=30, num_generated_tokens=7, prefill_s=0.5, decode_s=0.9)
-    metrics.observe_request(protocol="q", finish_reason="stop", queue_s=0.1, ttft_s=None, inter_token_s=[],
-                            e2e_s=0.2, num_prompt_tokens=3, num_generated_tokens=0)
+    metrics.observe_request(
+        protocol="p",
+        finish_reason="length",
+        queue_s=0.5,
+        ttft_s=1.0,
+        inter_token_s=[0.1] * 6,
+        e2e_s=2.0,
+        num_prompt_tokens=30,
+        num_generated_tokens=7,
+        prefill_s=0.5,
+        decode_s=0.9,
+    )
+    metrics.observe_request(
+        protocol="q",
+        finish_reason="stop",
+        queue_s=0.1,
+        ttft_s=None,
+        inter_token_s=[],
+        e2e_s=0.2,
+        num_prompt_tokens=3,
+        num_generated_tokens=0,
+    )
 
 
 def _check_two_requests(s: dict[tuple[str, tuple], float]) -> None:

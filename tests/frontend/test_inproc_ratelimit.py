@@ -52,13 +52,15 @@ async def test_requests_per_window_by_principal() -> None:
 
 async def test_a_request_refused_for_another_reason_counts_for_nothing() -> None:
     async with fake_client() as client:
-        limit(client, RateLimits(requests=2, window_s=60.0, tokens_per_s=1.0, burst=BURST),
-                               clock=lambda: 0.0)
+        limit(client, RateLimits(requests=2, window_s=60.0, tokens_per_s=1.0, burst=BURST), clock=lambda: 0.0)
         client.engine.runner.gate = threading.Event()  # the first request stays running
-        first = await client.generate(GenerateRequest(prompt="hello", request_id="dup", principal="key:a",
-                                                      sampling=SamplingParams(max_tokens=1)))
-        for refused in (GenerateRequest(prompt="hello", request_id="dup", principal="key:a"),  # id in use
-                        ask(1, prompt="x" * 10_000_000)):  # over the prompt size bound
+        first = await client.generate(
+            GenerateRequest(prompt="hello", request_id="dup", principal="key:a", sampling=SamplingParams(max_tokens=1))
+        )
+        for refused in (
+            GenerateRequest(prompt="hello", request_id="dup", principal="key:a"),  # id in use
+            ask(1, prompt="x" * 10_000_000),
+        ):  # over the prompt size bound
             with pytest.raises(InvalidRequest):
                 await client.generate(refused)
         client.engine.runner.gate.set()
@@ -98,8 +100,9 @@ async def test_modify_raising_max_tokens_reserves_the_difference_first() -> None
     async with fake_client() as client:
         limit(client, RateLimits(tokens_per_s=1.0, burst=BURST), clock=lambda: 0.0)
         client.engine.runner.gate = threading.Event()  # nothing runs until set
-        held = await client.generate(GenerateRequest(prompt="hello", principal="key:a",
-                                                     sampling=SamplingParams(max_tokens=4, ignore_eos=True)))
+        held = await client.generate(
+            GenerateRequest(prompt="hello", principal="key:a", sampling=SamplingParams(max_tokens=4, ignore_eos=True))
+        )
         assert (await held.modify({"max_tokens": 9})).max_tokens == 9  # 5 more of the 6 left
         with pytest.raises(RateLimited):
             await client.generate(ask(2))  # 1 left
@@ -157,8 +160,9 @@ async def _after_three_tokens(client: Any, burst: int) -> tuple[StepGate, Any]:
     token; its engine steps wait at the returned gate from the fourth on."""
     limit(client, RateLimits(tokens_per_s=1.0, burst=burst), clock=lambda: 0.0)
     gate = client.engine.runner.gate = StepGate()
-    stream = await client.generate(GenerateRequest(prompt="hello", principal="key:a",
-                                                   sampling=SamplingParams(max_tokens=8, ignore_eos=True)))
+    stream = await client.generate(
+        GenerateRequest(prompt="hello", principal="key:a", sampling=SamplingParams(max_tokens=8, ignore_eos=True))
+    )
     gate.allow(3)  # the prefill's token and two more
     async for output in stream:
         if output.usage.completion_tokens == 3:

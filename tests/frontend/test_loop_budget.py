@@ -57,8 +57,11 @@ class BlockingCompiler:
 async def held_request(client: Any, principal: str = "key:a", **sampling: Any) -> Any:
     """A request the engine's gate keeps running until the test ends it."""
     client.engine.runner.gate = threading.Event()
-    return await client.generate(GenerateRequest(prompt="hello", principal=principal,
-                                                 sampling=SamplingParams(max_tokens=50, ignore_eos=True, **sampling)))
+    return await client.generate(
+        GenerateRequest(
+            prompt="hello", principal=principal, sampling=SamplingParams(max_tokens=50, ignore_eos=True, **sampling)
+        )
+    )
 
 
 async def test_a_modify_compiles_its_grammar_off_the_event_loop() -> None:
@@ -84,8 +87,12 @@ async def test_a_new_request_compiles_in_the_grammar_pool() -> None:
     async with fake_client() as client:
         compiler = client.engine.grammars = BlockingCompiler(client.engine.grammars)
         compiler.hold = False
-        stream = await client.generate(GenerateRequest(prompt="hi", sampling=SamplingParams(
-            max_tokens=4, response_format=ResponseFormat(type="regex", regex="[ab]{4}"))))
+        stream = await client.generate(
+            GenerateRequest(
+                prompt="hi",
+                sampling=SamplingParams(max_tokens=4, response_format=ResponseFormat(type="regex", regex="[ab]{4}")),
+            )
+        )
         async with stream:
             async for _ in stream:
                 pass
@@ -161,8 +168,13 @@ async def test_a_constrained_request_over_the_limit_is_refused_before_its_compil
         compiler = client.engine.grammars = BlockingCompiler(client.engine.grammars)
         compiler.hold = False
         with pytest.raises(RateLimited):
-            await client.generate(GenerateRequest(prompt="x", principal="key:a", sampling=SamplingParams(
-                response_format=ResponseFormat(type="regex", regex="z+"))))
+            await client.generate(
+                GenerateRequest(
+                    prompt="x",
+                    principal="key:a",
+                    sampling=SamplingParams(response_format=ResponseFormat(type="regex", regex="z+")),
+                )
+            )
         assert compiler.threads == []
         await stream.aclose()
 
@@ -177,8 +189,14 @@ async def test_a_format_compiled_before_waits_for_no_compile() -> None:
         compiler = client.engine.grammars = BlockingCompiler(client.engine.grammars)
         modifying = asyncio.ensure_future(stream.modify(regex("(yes|no)!")))
         assert await asyncio.to_thread(compiler.entered.wait, WAIT_S)
-        other = await asyncio.wait_for(client.generate(GenerateRequest(  # the bound only guards against a hang
-            prompt="x", principal="key:a", sampling=SamplingParams(max_tokens=3, response_format=shared))), WAIT_S)
+        other = await asyncio.wait_for(
+            client.generate(
+                GenerateRequest(  # the bound only guards against a hang
+                    prompt="x", principal="key:a", sampling=SamplingParams(max_tokens=3, response_format=shared)
+                )
+            ),
+            WAIT_S,
+        )
         assert not modifying.done() and len(compiler.threads) == 1  # the copy needed no compile
         compiler.release.set()
         await modifying
@@ -233,8 +251,11 @@ async def test_one_compile_per_principal_at_a_time() -> None:
 
 # -- a grammar that compiles but cannot be followed while sampling ----------------------------
 
-BIG_SCHEMA = {"type": "object", "properties": {f"field_{i}": {"type": "string"} for i in range(200)},
-              "required": [f"field_{i}" for i in range(200)]}
+BIG_SCHEMA = {
+    "type": "object",
+    "properties": {f"field_{i}": {"type": "string"} for i in range(200)},
+    "required": [f"field_{i}" for i in range(200)],
+}
 
 
 def failing_matcher_factory(grammars: Any) -> Any:
@@ -243,8 +264,12 @@ def failing_matcher_factory(grammars: Any) -> Any:
     message), so the test sees what the engine would have logged before."""
 
     def matcher(fmt: ResponseFormat | None) -> Any:
-        return llguidance.LLMatcher(grammars.tokenizer, grammar_of(fmt), log_level=0,
-                                    limits=llguidance.LLParserLimits(step_max_items=1, verbose_errors=True))
+        return llguidance.LLMatcher(
+            grammars.tokenizer,
+            grammar_of(fmt),
+            log_level=0,
+            limits=llguidance.LLParserLimits(step_max_items=1, verbose_errors=True),
+        )
 
     return matcher
 
@@ -255,14 +280,21 @@ def failing_format() -> ResponseFormat:
 
 
 async def test_a_grammar_failing_while_sampling_ends_its_request_with_constraint_failed(
-        failing_format: ResponseFormat, caplog: pytest.LogCaptureFixture) -> None:
+    failing_format: ResponseFormat, caplog: pytest.LogCaptureFixture
+) -> None:
     async with fake_client() as client:
         client.engine.grammars.matcher = failing_matcher_factory(client.engine.grammars)
         caplog.set_level(logging.INFO)
-        stream = await client.generate(GenerateRequest(prompt="hi", request_id="bad-grammar", sampling=SamplingParams(
-            max_tokens=20, response_format=failing_format)))
-        other = await client.generate(GenerateRequest(prompt="hi", sampling=SamplingParams(max_tokens=5,
-                                                                                            ignore_eos=True)))
+        stream = await client.generate(
+            GenerateRequest(
+                prompt="hi",
+                request_id="bad-grammar",
+                sampling=SamplingParams(max_tokens=20, response_format=failing_format),
+            )
+        )
+        other = await client.generate(
+            GenerateRequest(prompt="hi", sampling=SamplingParams(max_tokens=5, ignore_eos=True))
+        )
         async with stream:
             outputs = [output async for output in stream]
         async with other:
@@ -280,6 +312,7 @@ async def test_a_grammar_failing_while_sampling_ends_its_request_with_constraint
 
 
 # -- /detokenize ---------------------------------------------------------------------------------
+
 
 class ThreadRecordingIds(list):  # type: ignore[type-arg]
     """Token ids that record which threads walk them."""

@@ -64,8 +64,9 @@ class GatedTokenizer:
 @pytest.fixture(scope="module")
 def roomy_server(tiny_model_dir: Path) -> Iterator[LiveServer]:
     """A server whose bounds let a 3 MB prompt and a 200k-prompt list reach the tokenizer."""
-    live = start_server(tiny_model_dir, **{"engine.max_prompt_chars": 4_000_000,
-                                           "http.max_choices_per_request": 200_000})
+    live = start_server(
+        tiny_model_dir, **{"engine.max_prompt_chars": 4_000_000, "http.max_choices_per_request": 200_000}
+    )
     yield live
     live.stop()
 
@@ -88,7 +89,10 @@ def _big_requests() -> dict[str, tuple[str, dict[str, Any]]]:
     text = ("the quick brown fox jumps over the lazy dog " * (BIG_CHARS // 44 + 1))[:BIG_CHARS]
     return {
         "3MB-prompt": ("/v1/completions", {"prompt": text, "max_tokens": 1}),
-        "3MB-chat-message": ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}], "max_tokens": 1}),
+        "3MB-chat-message": (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": text}], "max_tokens": 1},
+        ),
         "200k-prompt-list": ("/v1/completions", {"prompt": [f"p{i} fox" for i in range(200_000)], "max_tokens": 1}),
     }
 
@@ -104,11 +108,13 @@ def _first_token(lines: Iterator[str]) -> str:
 
 @pytest.mark.parametrize("case", list(_big_requests()))
 def test_health_and_another_stream_are_served_while_a_huge_prompt_is_tokenized(
-        roomy_server: LiveServer, gate: GatedTokenizer, case: str) -> None:
+    roomy_server: LiveServer, gate: GatedTokenizer, case: str
+) -> None:
     path, body = _big_requests()[case]
     outcome: dict[str, httpx.Response] = {}
-    sender = threading.Thread(target=lambda: outcome.update(
-        big=httpx.post(roomy_server.url + path, json=body, timeout=GATE_TIMEOUT_S)))
+    sender = threading.Thread(
+        target=lambda: outcome.update(big=httpx.post(roomy_server.url + path, json=body, timeout=GATE_TIMEOUT_S))
+    )
     other = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=roomy_server.url, timeout=60) as http, contextlib.ExitStack() as stack:
         with roomy_server.hold_engine():
@@ -158,9 +164,16 @@ async def test_a_prompt_over_the_character_bound_is_refused_before_tokenizing(se
     try:
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
             completion = await http.post("/v1/completions", json={"prompt": text, "max_tokens": 1})
-            chat = await http.post("/v1/chat/completions", json={
-                "messages": [{"role": "user", "content": text[: bound // 2]}, {"role": "user", "content": text[: bound // 2 + 1]}],
-                "max_tokens": 1})
+            chat = await http.post(
+                "/v1/chat/completions",
+                json={
+                    "messages": [
+                        {"role": "user", "content": text[: bound // 2]},
+                        {"role": "user", "content": text[: bound // 2 + 1]},
+                    ],
+                    "max_tokens": 1,
+                },
+            )
         async with connect(f"{server.ws_url}/generate", max_size=None) as ws:
             await ws.send(json.dumps({"type": "config", "prompt": text, "parameters": {"max_tokens": 1}}))
             ws_error = json.loads(await ws.recv())

@@ -61,11 +61,13 @@ async def test_max_tokens_is_fitted_to_each_prompt_and_validated_once(count_vali
 async def test_the_cap_bounds_fitted_and_given_max_tokens() -> None:
     async with fake_client(max_len=CONTEXT, policy=policy(max_tokens_cap=16)) as client:
         assert [c.params.max_tokens for c in await plan(client, prompts=["a" * 29])] == [16]
-        one = await client.policy.plan_one(GenerateRequest(prompt="a", sampling=SamplingParams(max_tokens=50)),
-                                           client._require_engine)
+        one = await client.policy.plan_one(
+            GenerateRequest(prompt="a", sampling=SamplingParams(max_tokens=50)), client._require_engine
+        )
         assert one.params.max_tokens == 16
-        huge = await client.policy.plan_one(GenerateRequest(prompt="a", sampling=SamplingParams(max_tokens=2**40)),
-                                            client._require_engine)
+        huge = await client.policy.plan_one(
+            GenerateRequest(prompt="a", sampling=SamplingParams(max_tokens=2**40)), client._require_engine
+        )
         assert huge.params.max_tokens == 16  # capped before validation: runs with the cap
 
 
@@ -97,8 +99,9 @@ async def test_a_bad_value_is_refused_before_anything_starts() -> None:
             await client.submit(Submission(prompts=["a"], sampling=SamplingParams(temperature=-1), request_id="r"))
         assert refused.value.field == "temperature"
         with pytest.raises(InvalidParameter) as vocab:
-            await client.submit(Submission(prompts=["a"], sampling=SamplingParams(logit_bias={10**6: 1.0}),
-                                           request_id="r"))
+            await client.submit(
+                Submission(prompts=["a"], sampling=SamplingParams(logit_bias={10**6: 1.0}), request_id="r")
+            )
         assert vocab.value.field == "logit_bias"  # validated with the vocabulary
         assert client.stats().num_waiting == 0
 
@@ -129,12 +132,14 @@ async def test_a_submission_is_admitted_all_or_none() -> None:
     async with fake_client(EngineConfig(model="fake", max_queue=2), max_len=CONTEXT) as client:
         client.runner.gate = threading.Event()  # nothing leaves the queue meanwhile
         with pytest.raises(QueueFull):
-            await client.submit(Submission(prompts=["a"], sampling=SamplingParams(max_tokens=5), num_candidates=3,
-                                           request_id="r"))
+            await client.submit(
+                Submission(prompts=["a"], sampling=SamplingParams(max_tokens=5), num_candidates=3, request_id="r")
+            )
         client.runner.gate.set()
         # The two admitted were withdrawn (counted once the engine has applied the aborts).
-        await wait_until(lambda: client.stats().requests_finished_total.get("cancelled", 0) == 2, attempts=1000,
-                         interval_s=0.01)
+        await wait_until(
+            lambda: client.stats().requests_finished_total.get("cancelled", 0) == 2, attempts=1000, interval_s=0.01
+        )
         await _until_idle(client)
         assert client.stats().requests_finished_total == {"cancelled": 2}
         with pytest.raises(InvalidRequest, match="empty"):

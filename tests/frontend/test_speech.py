@@ -24,11 +24,11 @@ def test_speech_is_real_and_of_plausible_length(synth: EspeakSynth) -> None:
     # Speech at ~2-4 words per second: a 11-word sentence lasts a few seconds, longer than one word.
     assert 2.0 < len(long) / SAMPLE_RATE_HZ < 8.0
     assert len(long) > 3 * len(short)
-    rms = float(np.sqrt(np.mean(long ** 2)))
+    rms = float(np.sqrt(np.mean(long**2)))
     assert rms > 0.02 and float(np.abs(long).max()) <= 1.0
     # Speech has pauses: a good share of 20 ms frames is much quieter than the loudest.
     frames = long[: len(long) // 480 * 480].reshape(-1, 480)
-    energy = np.sqrt((frames ** 2).mean(axis=1))
+    energy = np.sqrt((frames**2).mean(axis=1))
     assert (energy < 0.1 * energy.max()).mean() > 0.05
 
 
@@ -37,7 +37,7 @@ def test_same_text_same_speech(synth: EspeakSynth) -> None:
     a = synth.synthesize("Repeatable.", "en", threading.Event())
     b = synth.synthesize("Repeatable.", "en", threading.Event())
     assert abs(len(a) - len(b)) < 0.01 * len(a)
-    rms_a, rms_b = (float(np.sqrt(np.mean(x ** 2))) for x in (a, b))
+    rms_a, rms_b = (float(np.sqrt(np.mean(x**2))) for x in (a, b))
     assert abs(rms_a - rms_b) < 0.02 * rms_a
 
 
@@ -52,12 +52,21 @@ def test_voice_changes_the_audio(synth: EspeakSynth) -> None:
     assert len(fr) > 0 and not (len(en) == len(fr) and np.array_equal(en, fr))
 
 
-@pytest.mark.parametrize(("kwargs", "error"), [
-    ({"language": "klingon", "mode": "default", "has_ref_audio": False}, "tts.language 'klingon' has no voice"),
-    ({"language": None, "mode": "voice_cloning", "has_ref_audio": False}, "supported modes: default, audio_assistant"),
-    ({"language": None, "mode": "audio_roleplay", "has_ref_audio": False}, "tts.mode 'audio_roleplay' is not supported"),
-    ({"language": None, "mode": "default", "has_ref_audio": True}, "cannot speak in a reference voice"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"language": "klingon", "mode": "default", "has_ref_audio": False}, "tts.language 'klingon' has no voice"),
+        (
+            {"language": None, "mode": "voice_cloning", "has_ref_audio": False},
+            "supported modes: default, audio_assistant",
+        ),
+        (
+            {"language": None, "mode": "audio_roleplay", "has_ref_audio": False},
+            "tts.mode 'audio_roleplay' is not supported",
+        ),
+        ({"language": None, "mode": "default", "has_ref_audio": True}, "cannot speak in a reference voice"),
+    ],
+)
 def test_refusals_name_what_is_supported(synth: EspeakSynth, kwargs: dict, error: str) -> None:
     with pytest.raises(InvalidRequest, match=error):
         synth.check(**kwargs)

@@ -26,8 +26,14 @@ class Aborts:
 
 
 def delta(text: str = "word ", finished: bool = False) -> RequestOutput:
-    return RequestOutput(request_id="r", text=text, token_ids=[300], token_texts=[text], finished=finished,
-                         finish_reason="length" if finished else None)
+    return RequestOutput(
+        request_id="r",
+        text=text,
+        token_ids=[300],
+        token_texts=[text],
+        finished=finished,
+        finish_reason="length" if finished else None,
+    )
 
 
 def stream_of(budget: MemoryBudget, principal: str = "a") -> tuple[RequestStream, Aborts]:
@@ -86,8 +92,11 @@ async def test_a_client_that_does_not_read_is_stopped_at_its_share_by_the_engine
     """Through ``InprocClient``: the budget the server builds its policy with charges every stream."""
     budget = MemoryBudget(total=1 << 20, per_principal=4096)
     async with fake_client(policy=SubmissionPolicy(memory=budget)) as client:
-        slow = await client.generate(GenerateRequest(prompt="hello", principal="key:slow",
-                                                     sampling=SamplingParams(max_tokens=500, ignore_eos=True)))
+        slow = await client.generate(
+            GenerateRequest(
+                prompt="hello", principal="key:slow", sampling=SamplingParams(max_tokens=500, ignore_eos=True)
+            )
+        )
         async with slow:
             await wait_until(lambda: budget.refused >= 1, attempts=2000, interval_s=0.005)
             [output] = [o async for o in slow]
@@ -95,8 +104,11 @@ async def test_a_client_that_does_not_read_is_stopped_at_its_share_by_the_engine
         assert budget.used == 0
         await wait_until(lambda: client.stats().num_running == 0, attempts=2000, interval_s=0.005)
         # The share is free again: a request whose whole output fits it is never stopped.
-        fine = await client.generate(GenerateRequest(prompt="hello", principal="key:slow",
-                                                     sampling=SamplingParams(max_tokens=5, ignore_eos=True)))
+        fine = await client.generate(
+            GenerateRequest(
+                prompt="hello", principal="key:slow", sampling=SamplingParams(max_tokens=5, ignore_eos=True)
+            )
+        )
         async with fine:
             outputs: list[Any] = [o async for o in fine]
         assert outputs[-1].finish_reason == "length" and budget.used == 0

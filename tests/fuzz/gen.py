@@ -23,10 +23,48 @@ from typing import Any
 RAW_TOKENS = ["1e400", "-1e400", "NaN", "Infinity", "1" + "0" * 400, "-" + "9" * 400, "1e-400", "0.0e99999", "-0"]
 """JSON number tokens that json.dumps cannot write: placed as ``"\\u0000RAW<i>"`` then swapped in."""
 
-HOSTILE_STRINGS = ["", "\ud800", "\udfff", "a\udc00b", "\ud83d\ude00", "\x00", "é", "\ufffd", "[" * 80, "{" * 80,
-                   "\\", '"', "\n", "<think>", "\u2028", "x" * 300, "type.googleapis.com/rill.v1.GenerateConfig"]
-HOSTILE_NUMBERS: list[Any] = [0, 1, -1, 2, 7, 2**31, 2**31 - 1, 2**53 + 1, 2**63, 2**63 - 1, -(2**63) - 1, 2**64,
-                              10**30, -(10**30), 0.5, -0.0, 1e-320, 1e308, -1e308, 3.5e38, 1e-7]
+HOSTILE_STRINGS = [
+    "",
+    "\ud800",
+    "\udfff",
+    "a\udc00b",
+    "\ud83d\ude00",
+    "\x00",
+    "é",
+    "\ufffd",
+    "[" * 80,
+    "{" * 80,
+    "\\",
+    '"',
+    "\n",
+    "<think>",
+    "\u2028",
+    "x" * 300,
+    "type.googleapis.com/rill.v1.GenerateConfig",
+]
+HOSTILE_NUMBERS: list[Any] = [
+    0,
+    1,
+    -1,
+    2,
+    7,
+    2**31,
+    2**31 - 1,
+    2**53 + 1,
+    2**63,
+    2**63 - 1,
+    -(2**63) - 1,
+    2**64,
+    10**30,
+    -(10**30),
+    0.5,
+    -0.0,
+    1e-320,
+    1e308,
+    -1e308,
+    3.5e38,
+    1e-7,
+]
 
 
 def raw(index: int) -> str:
@@ -56,8 +94,10 @@ def random_json(rng: random.Random, depth: int = 3) -> Any:
         return hostile_leaf(rng)
     if rng.random() < 0.5:
         return [random_json(rng, depth - 1) for _ in range(rng.randrange(4))]
-    return {str(hostile_leaf(rng)) if rng.random() < 0.3 else rng.choice("abxyz"): random_json(rng, depth - 1)
-            for _ in range(rng.randrange(4))}
+    return {
+        str(hostile_leaf(rng)) if rng.random() < 0.3 else rng.choice("abxyz"): random_json(rng, depth - 1)
+        for _ in range(rng.randrange(4))
+    }
 
 
 def deep(rng: random.Random) -> str:
@@ -121,7 +161,7 @@ def dumps(rng: random.Random, obj: Any) -> bytes:
         for index, token in enumerate(RAW_TOKENS):
             text = text.replace(json.dumps(raw(index), ensure_ascii=ensure_ascii), token)
     while "DEEP" in text and (match := _DEEP.search(text)):
-        text = text[:match.start()] + _deep_text(int(match.group(1)), match.group(2)) + text[match.end():]
+        text = text[: match.start()] + _deep_text(int(match.group(1)), match.group(2)) + text[match.end() :]
     return text.encode("utf-8", "surrogatepass")
 
 
@@ -134,10 +174,28 @@ def edit_bytes(rng: random.Random, data: bytes) -> bytes:
         if op == 0 and out:
             out[min(pos, len(out) - 1)] = rng.randrange(256)
         elif op == 1:
-            del out[pos:pos + rng.randint(1, 8)]
+            del out[pos : pos + rng.randint(1, 8)]
         elif op == 2:
-            out[pos:pos] = rng.choice([b'"', b"{", b"}", b"[", b"]", b",", b":", b"\\", b"\\u", b"\\ud800", b"\xff",
-                                       b"\xed\xa0\x80", b"null", b"1e999", b"-", b"\x00"])
+            out[pos:pos] = rng.choice(
+                [
+                    b'"',
+                    b"{",
+                    b"}",
+                    b"[",
+                    b"]",
+                    b",",
+                    b":",
+                    b"\\",
+                    b"\\u",
+                    b"\\ud800",
+                    b"\xff",
+                    b"\xed\xa0\x80",
+                    b"null",
+                    b"1e999",
+                    b"-",
+                    b"\x00",
+                ]
+            )
         else:
             del out[pos:]
     return bytes(out)
@@ -161,6 +219,7 @@ def wire_input(rng: random.Random, valid: Callable[[random.Random], Any]) -> tup
 
 
 # -- valid messages of each protocol ------------------------------------------------------------
+
 
 def text(rng: random.Random) -> str:
     """A short non-empty prompt (ASCII, accents, emoji)."""
@@ -211,7 +270,9 @@ def generate_ws(rng: random.Random) -> dict[str, Any]:
     if kind < 0.7:
         config: dict[str, Any] = {"type": "config", "prompt": text(rng)}
         if rng.random() < 0.7:
-            config["parameters"] = sampling(rng, {n: n for n in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")})
+            config["parameters"] = sampling(
+                rng, {n: n for n in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")}
+            )
         if rng.random() < 0.3:
             config["options"] = {"stream": rng.random() < 0.5, "include_token_ids": True, "include_timing": True}
         return config
@@ -233,8 +294,9 @@ def batch_ws(rng: random.Random) -> dict[str, Any]:
     prompts = [{"request_id": f"r{i}", "prompt": text(rng)} for i in range(rng.randint(1, 3))]
     body: dict[str, Any] = {"prompts": prompts}
     if rng.random() < 0.5:
-        body["generation_config"] = sampling(rng, {"max_tokens": "max_new_tokens", "temperature": "temperature",
-                                                   "top_p": "top_p", "top_k": "top_k"})
+        body["generation_config"] = sampling(
+            rng, {"max_tokens": "max_new_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k"}
+        )
     if rng.random() < 0.5:
         body["stream_response"] = rng.random() < 0.5
         body["only_new_tokens"] = rng.random() < 0.5
@@ -245,7 +307,9 @@ def chat_ws(rng: random.Random) -> dict[str, Any]:
     content: Any = text(rng) if rng.random() < 0.6 else [{"type": "text", "text": text(rng)}]
     body: dict[str, Any] = {"messages": [{"role": "user", "content": content}], "tts": {"enabled": False}}
     if rng.random() < 0.5:
-        body["generation"] = sampling(rng, {"max_tokens": "max_new_tokens", "temperature": "temperature", "top_p": "top_p"})
+        body["generation"] = sampling(
+            rng, {"max_tokens": "max_new_tokens", "temperature": "temperature", "top_p": "top_p"}
+        )
     if rng.random() < 0.3:
         body["streaming"] = rng.random() < 0.5
     return body

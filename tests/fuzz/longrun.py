@@ -42,8 +42,11 @@ def run(name: str, num_inputs: int, first_seed: int, max_failures: int = 20) -> 
 
 def _report(name: str, stats: targets.Stats, failures: list[str], started: float, label: str) -> None:
     kinds = ", ".join(f"{kind} {n:,}/{ok:,} accepted" for kind, (n, ok) in sorted(stats.by_kind.items()))
-    print(f"{name} ({label}): {stats.num_inputs:,} inputs in {time.monotonic() - started:.0f} s, "
-          f"{len(failures)} failures ({kinds})", flush=True)
+    print(
+        f"{name} ({label}): {stats.num_inputs:,} inputs in {time.monotonic() - started:.0f} s, "
+        f"{len(failures)} failures ({kinds})",
+        flush=True,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,8 +43,15 @@ from rill.types import ModelInfo, RequestOutput, Usage
 from tests.fuzz import gen
 from tests.protocols.evergreen.helpers import eot, generate, leaf, msg, parent
 
-MODEL_INFO = ModelInfo(name="fake", architecture="Fake", max_context_tokens=256, vocab_size=1000, dtype="float32",
-                       device="cpu", has_chat_template=True)
+MODEL_INFO = ModelInfo(
+    name="fake",
+    architecture="Fake",
+    max_context_tokens=256,
+    vocab_size=1000,
+    dtype="float32",
+    device="cpu",
+    has_chat_template=True,
+)
 
 
 class Undocumented(AssertionError):
@@ -70,15 +77,36 @@ class Stats:
 def outputs(rng: random.Random, request_id: str, n: int = 3) -> list[RequestOutput]:
     """A short stream of engine outputs for one request (texts, ids, a finish)."""
     texts = [rng.choice(["a", " b", "é", ""]) for _ in range(n - 1)]
-    out = [RequestOutput(request_id=request_id, text=text, token_ids=[rng.randrange(1000)], token_texts=[text],
-                         usage=Usage(prompt_tokens=3, completion_tokens=i + 1)) for i, text in enumerate(texts)]
-    out.append(RequestOutput(request_id=request_id, text=".", token_ids=[7], token_texts=["."], finished=True,
-                             finish_reason="length", usage=Usage(prompt_tokens=3, completion_tokens=n)))
+    out = [
+        RequestOutput(
+            request_id=request_id,
+            text=text,
+            token_ids=[rng.randrange(1000)],
+            token_texts=[text],
+            usage=Usage(prompt_tokens=3, completion_tokens=i + 1),
+        )
+        for i, text in enumerate(texts)
+    ]
+    out.append(
+        RequestOutput(
+            request_id=request_id,
+            text=".",
+            token_ids=[7],
+            token_texts=["."],
+            finished=True,
+            finish_reason="length",
+            usage=Usage(prompt_tokens=3, completion_tokens=n),
+        )
+    )
     return out
 
 
-CALL_TEXTS = ['```json\n{"name": "f", "arguments": {}}\n```', '{"name": "f", "parameters": {"x": [1, "\\u00e9"]}}',
-              '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>', '```\n{"name": "g", "arguments": 1}```']
+CALL_TEXTS = [
+    '```json\n{"name": "f", "arguments": {}}\n```',
+    '{"name": "f", "parameters": {"x": [1, "\\u00e9"]}}',
+    '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>',
+    '```\n{"name": "g", "arguments": 1}```',
+]
 """Replies that are (or nearly are) tool calls of the generated requests' function ``f``."""
 
 
@@ -87,9 +115,16 @@ def call_outputs(rng: random.Random, request_id: str) -> list[RequestOutput]:
     text = rng.choice(CALL_TEXTS)
     cuts = sorted(rng.sample(range(1, len(text)), rng.randint(0, 3)))
     pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
-    return [RequestOutput(request_id=request_id, text=piece, finished=i == len(pieces) - 1,
-                          finish_reason="stop" if i == len(pieces) - 1 else None,
-                          usage=Usage(prompt_tokens=3, completion_tokens=i + 1)) for i, piece in enumerate(pieces)]
+    return [
+        RequestOutput(
+            request_id=request_id,
+            text=piece,
+            finished=i == len(pieces) - 1,
+            finish_reason="stop" if i == len(pieces) - 1 else None,
+            usage=Usage(prompt_tokens=3, completion_tokens=i + 1),
+        )
+        for i, piece in enumerate(pieces)
+    ]
 
 
 Target = Callable[[random.Random, "bytes | None"], tuple[str, bool]]
@@ -129,14 +164,22 @@ def openai_session(req: Any, kind: OpenAIKind, rng: random.Random) -> None:
     logprobs = ((req.top_logprobs or 0) if req.logprobs else None) if kind is OpenAIKind.CHAT else req.logprobs
     tool_format = "hermes" if kind is OpenAIKind.CHAT and openai_tools.parses_tool_calls(req) else None
     text_calls = openai_tools.text_call_check(req) if tool_format is not None else None
-    session = ResponseSession(kind=kind, response_id="cmpl-x", created=0, model="fake", num_choices=num_choices,
-                              n=req.n or 1, logprobs=logprobs,
-                              include_usage=bool(req.stream_options and req.stream_options.include_usage),
-                              tool_format=tool_format, text_calls=text_calls)
+    session = ResponseSession(
+        kind=kind,
+        response_id="cmpl-x",
+        created=0,
+        model="fake",
+        num_choices=num_choices,
+        n=req.n or 1,
+        logprobs=logprobs,
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        tool_format=tool_format,
+        text_calls=text_calls,
+    )
     session.start()
     for index, request_id in enumerate(request_ids):
         is_call = tool_format is not None and rng.random() < 0.5
-        for output in (call_outputs(rng, request_id) if is_call else outputs(rng, request_id)):
+        for output in call_outputs(rng, request_id) if is_call else outputs(rng, request_id):
             session.on_output(index, output)
     session.end() if req.stream else session.body()
 
@@ -157,6 +200,7 @@ def openai_target(kind: OpenAIKind) -> Target:
 
 
 # -- generate_ws -----------------------------------------------------------------------------
+
 
 def generate_target(rng: random.Random, given: bytes | None = None) -> tuple[str, bool]:
     session = generate_session.GenerateSession(generate_session.Limits(model_name="fake", model_info=MODEL_INFO))
@@ -195,8 +239,7 @@ BATCH_DEFAULTS = BatchDefaults(**vars(SamplingDefaults()))
 
 def batch_target(rng: random.Random, given: bytes | None = None) -> tuple[str, bool]:
     kind, data = _input(rng, given, gen.batch_ws)
-    session = batch_session.BatchSession(ContinuationStore(4, 1000, 10.0), BATCH_DEFAULTS,
-                                         batch_session.Limits(), "k")
+    session = batch_session.BatchSession(ContinuationStore(4, 1000, 10.0), BATCH_DEFAULTS, batch_session.Limits(), "k")
     try:
         actions = session.receive(batch_codec.decode(data), 0.0)
     except InvalidRequest:
@@ -211,12 +254,17 @@ def batch_target(rng: random.Random, given: bytes | None = None) -> tuple[str, b
 
 # -- chat_ws ----------------------------------------------------------------------------------
 
+
 def chat_target(rng: random.Random, given: bytes | None = None) -> tuple[str, bool]:
     kind, data = _input(rng, given, gen.chat_ws)
     try:
         request = chat_codec.decode_request(data)
-        kinds = [(getattr(part, "type", "text"), f"messages[{i}]") for i, m in enumerate(request.messages)
-                 if isinstance(m.content, list) for part in m.content]
+        kinds = [
+            (getattr(part, "type", "text"), f"messages[{i}]")
+            for i, m in enumerate(request.messages)
+            if isinstance(m.content, list)
+            for part in m.content
+        ]
         chat_session.refuse_modalities([k for k in kinds if k[0] != "text"], "fake", ["text"])
         engine_request = chat_session.build_generate_request(request)
     except InvalidRequest:
@@ -231,6 +279,7 @@ def chat_target(rng: random.Random, given: bytes | None = None) -> tuple[str, bo
 
 # -- framed_uds --------------------------------------------------------------------------------
 
+
 def uds_target(rng: random.Random, given: bytes | None = None) -> tuple[str, bool]:
     kind, payload = _input(rng, given, gen.framed_uds)
     data = encode_frame(payload)
@@ -242,7 +291,7 @@ def uds_target(rng: random.Random, given: bytes | None = None) -> tuple[str, boo
     try:
         frames = []
         for start in range(0, len(data), step := rng.choice([1, 3, 7, len(data) or 1])):
-            frames += decoder.feed(data[start:start + step])
+            frames += decoder.feed(data[start : start + step])
     except FramingError as exc:
         session.on_protocol_error(exc)
         return kind, False
@@ -262,7 +311,9 @@ def uds_target(rng: random.Random, given: bytes | None = None) -> tuple[str, boo
 
 
 def _is_error(action: Any) -> bool:
-    return isinstance(action, uds_session.Rejected) or getattr(getattr(action, "message", None), "event", None) == "error"
+    return (
+        isinstance(action, uds_session.Rejected) or getattr(getattr(action, "message", None), "event", None) == "error"
+    )
 
 
 def newline_target(rng: random.Random, given: bytes | None = None) -> tuple[str, bool]:
@@ -282,25 +333,39 @@ def newline_target(rng: random.Random, given: bytes | None = None) -> tuple[str,
 
 # -- evergreen ----------------------------------------------------------------------------------
 
+
 def evergreen_valid(rng: random.Random) -> dict[str, Any]:
     config = GenerateConfig(max_tokens=rng.randint(1, 8), temperature=rng.choice([None, 0.0, 0.7]))
     ids = [f"n{rng.randrange(10**6)}-{i}" for i in range(4)]
-    message = msg(generate(ids[0], ids[3], config=config), parent(ids[0], ids[1], ids[2]),
-                  leaf(ids[1], gen.text(rng), role=rng.choice(["", "user"])), eot(ids[2]))
+    message = msg(
+        generate(ids[0], ids[3], config=config),
+        parent(ids[0], ids[1], ids[2]),
+        leaf(ids[1], gen.text(rng), role=rng.choice(["", "user"])),
+        eot(ids[2]),
+    )
     return json.loads(evergreen_codec.encode_json(message))
 
 
 def evergreen_config(rng: random.Random) -> GenerateConfig:
     """A config with values anywhere in the protobuf types' ranges (int32, double, uint64)."""
+
     def pick(values: list[Any]) -> Any:
         return rng.choice(values + [None, None])
+
     return GenerateConfig(
         temperature=pick([0.0, 0.7, -1.0, 1e308, float("inf"), float("nan"), 5e-324]),
-        top_k=pick([0, 5, -5, 2**31 - 1, -(2**31)]), top_p=pick([0.5, 1.0, 0.0, -0.1, 2.0, float("nan")]),
-        min_p=pick([0.0, 0.1, 1.5]), max_tokens=pick([1, 4, 0, -1, 2**31 - 1]), min_tokens=pick([0, 3, -2, 2**31 - 1]),
-        repetition_penalty=pick([1.0, 0.0, 1e308]), presence_penalty=pick([0.0, -3.0, 1e300]),
-        frequency_penalty=pick([0.0, 2.5, float("-inf")]), seed=pick([0, 2**63, 2**64 - 1]),
-        stop=tuple(rng.sample(["\n", "", "é", "x" * 100], rng.randrange(3))), ignore_eos=pick([True, False]))
+        top_k=pick([0, 5, -5, 2**31 - 1, -(2**31)]),
+        top_p=pick([0.5, 1.0, 0.0, -0.1, 2.0, float("nan")]),
+        min_p=pick([0.0, 0.1, 1.5]),
+        max_tokens=pick([1, 4, 0, -1, 2**31 - 1]),
+        min_tokens=pick([0, 3, -2, 2**31 - 1]),
+        repetition_penalty=pick([1.0, 0.0, 1e308]),
+        presence_penalty=pick([0.0, -3.0, 1e300]),
+        frequency_penalty=pick([0.0, 2.5, float("-inf")]),
+        seed=pick([0, 2**63, 2**64 - 1]),
+        stop=tuple(rng.sample(["\n", "", "é", "x" * 100], rng.randrange(3))),
+        ignore_eos=pick([True, False]),
+    )
 
 
 def evergreen_semantic(rng: random.Random) -> list[Any]:
@@ -316,17 +381,29 @@ def evergreen_semantic(rng: random.Random) -> list[Any]:
             if roll < 0.3:
                 items.append(parent(node_id, *rng.sample(ids, rng.randint(1, 3)), seq=seq, continued=continued))
             elif roll < 0.65:
-                items.append(leaf(node_id, rng.choice(["a", "", "é", "x" * 500]), seq=seq, continued=continued,
-                                  mimetype=rng.choice(["text/plain", "text/plain", None, "image/png", "", "text/x;charset=y"]),
-                                  role=rng.choice(["", "user", "model", "SYSTEM", "robot", "tool"])))
+                items.append(
+                    leaf(
+                        node_id,
+                        rng.choice(["a", "", "é", "x" * 500]),
+                        seq=seq,
+                        continued=continued,
+                        mimetype=rng.choice(["text/plain", "text/plain", None, "image/png", "", "text/x;charset=y"]),
+                        role=rng.choice(["", "user", "model", "SYSTEM", "robot", "tool"]),
+                    )
+                )
             elif roll < 0.75:
                 items.append(eot(node_id))
             else:
-                items.append(generate(rng.choice(ids), rng.choice(ids + [None, "out"]),
-                                      input_name=rng.choice(["prompt", "prompt", "text", "x"]),
-                                      name=rng.choice(["GENERATE"] * 6 + ["OTHER", ""]),
-                                      config=evergreen_config(rng) if rng.random() < 0.7 else None,
-                                      target=rng.choice([None, None, "fake", "other"])))
+                items.append(
+                    generate(
+                        rng.choice(ids),
+                        rng.choice(ids + [None, "out"]),
+                        input_name=rng.choice(["prompt", "prompt", "text", "x"]),
+                        name=rng.choice(["GENERATE"] * 6 + ["OTHER", ""]),
+                        config=evergreen_config(rng) if rng.random() < 0.7 else None,
+                        target=rng.choice([None, None, "fake", "other"]),
+                    )
+                )
         messages.append(msg(*items))
     return messages
 
@@ -361,7 +438,9 @@ def evergreen_target(rng: random.Random, given: bytes | None = None) -> tuple[st
         kind, payload = "raw", given
     elif use_pb:
         kind = "valid" if rng.random() < 0.3 else "hostile"
-        payload = evergreen_codec.to_pb(evergreen_codec.decode_json(json.dumps(evergreen_valid(rng)))).SerializeToString()
+        payload = evergreen_codec.to_pb(
+            evergreen_codec.decode_json(json.dumps(evergreen_valid(rng)))
+        ).SerializeToString()
         if kind == "hostile":
             payload = gen.edit_bytes(rng, payload)
     else:
@@ -412,5 +491,3 @@ def run_one(name: str, seed: int, stats: Stats, given: bytes | None = None) -> N
     if kind == "valid" and not is_accepted:
         raise AssertionError(f"{name}: seed {seed}: a valid input was refused")
     stats.add(kind, is_accepted)
-
-

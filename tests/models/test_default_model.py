@@ -25,7 +25,9 @@ def prepared(tmp_path_factory) -> tuple[Path, list[tuple[float, str]]]:
     os.environ["RILL_CACHE_DIR"] = str(cache)
     reports: list[tuple[float, str]] = []
     try:
-        folder = default_model.ensure_default_model(progress=False, report=lambda pct, stage: reports.append((pct, stage)))
+        folder = default_model.ensure_default_model(
+            progress=False, report=lambda pct, stage: reports.append((pct, stage))
+        )
         yield folder, reports
     finally:
         if before is None:
@@ -48,8 +50,13 @@ def test_the_default_gguf_is_smollm2_inside_the_installed_wheel() -> None:
     checkpoint = read_gguf(path)
     config = checkpoint.hf_config
     assert checkpoint.architecture == "llama" and "smollm2" in checkpoint.metadata["general.name"].lower()
-    assert (config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"],
-            config["num_key_value_heads"], config["vocab_size"]) == (30, 576, 9, 3, 49152)
+    assert (
+        config["num_hidden_layers"],
+        config["hidden_size"],
+        config["num_attention_heads"],
+        config["num_key_value_heads"],
+        config["vocab_size"],
+    ) == (30, 576, 9, 3, 49152)
     assert config["tie_word_embeddings"] is True
 
 

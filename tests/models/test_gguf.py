@@ -107,7 +107,12 @@ def test_gguf_tokenizer_equals_the_folders_and_carries_the_chat_template(checkpo
     folder = checkpoint("llama")
     ours = load_model(gguf_files["llama"], dtype="float32").tokenizer
     reference = Tokenizer.from_folder(folder)
-    texts = generate_text(60, seed=3).splitlines() + ["  two  spaces", "tabs\tand\nlines", "digits 12345 x9", "é ü 中文 🙂"]
+    texts = generate_text(60, seed=3).splitlines() + [
+        "  two  spaces",
+        "tabs\tand\nlines",
+        "digits 12345 x9",
+        "é ü 中文 🙂",
+    ]
     for text in texts:
         assert ours.encode(text) == reference.encode(text), text
         assert ours.decode(ours.encode(text)) == reference.decode(reference.encode(text))
@@ -132,8 +137,13 @@ def test_an_unknown_quantization_type_is_refused_by_name(tmp_path) -> None:
 
     path = tmp_path / "iq.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")
-    for key, value in (("block_count", 1), ("embedding_length", 32), ("feed_forward_length", 64),
-                       ("attention.head_count", 2), ("context_length", 64)):
+    for key, value in (
+        ("block_count", 1),
+        ("embedding_length", 32),
+        ("feed_forward_length", 64),
+        ("attention.head_count", 2),
+        ("context_length", 64),
+    ):
         writer.add_uint32(f"llama.{key}", value)
     writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-6)
     block, size = GGML_QUANT_SIZES[Q.IQ4_NL]

@@ -27,7 +27,9 @@ from rill.testing.checkpoints import make_checkpoint
 def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama with sampling defaults in its generation config."""
     return make_checkpoint(
-        tmp_path_factory.mktemp("llama"), "llama", generation_config={"do_sample": True, "temperature": 0.7, "top_p": 0.9}
+        tmp_path_factory.mktemp("llama"),
+        "llama",
+        generation_config={"do_sample": True, "temperature": 0.7, "top_p": 0.9},
     )
 
 
@@ -87,18 +89,33 @@ def test_auto_dtype_follows_the_cpu(llama_dir: Path) -> None:
 
 
 def test_legacy_rope_keys_parse_like_rope_parameters() -> None:
-    base = dict(architectures=["LlamaForCausalLM"], hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, vocab_size=100)
+    base = dict(
+        architectures=["LlamaForCausalLM"],
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        vocab_size=100,
+    )
     rope = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
     new = parse_config(base | {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, **rope}})
     old = parse_config(base | {"rope_theta": 5e5, "rope_scaling": {"type": "llama3", **rope}})
-    assert (new.rope_theta, new.rope_scaling) == (old.rope_theta, old.rope_scaling) == (5e5, {"rope_type": "llama3", **rope})
+    assert (
+        (new.rope_theta, new.rope_scaling)
+        == (old.rope_theta, old.rope_scaling)
+        == (5e5, {"rope_type": "llama3", **rope})
+    )
 
 
 def test_sliding_window_settings() -> None:
     base = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, vocab_size=100)
-    assert parse_config(base | {"architectures": ["MistralForCausalLM"], "sliding_window": None}).sliding_windows == (None,) * 3
-    assert parse_config(base | {"architectures": ["MistralForCausalLM"], "sliding_window": 8}).sliding_windows == (8,) * 3
+    assert (
+        parse_config(base | {"architectures": ["MistralForCausalLM"], "sliding_window": None}).sliding_windows
+        == (None,) * 3
+    )
+    assert (
+        parse_config(base | {"architectures": ["MistralForCausalLM"], "sliding_window": 8}).sliding_windows == (8,) * 3
+    )
     qwen2 = base | {"architectures": ["Qwen2ForCausalLM"], "sliding_window": 8, "max_window_layers": 1}
     assert parse_config(qwen2).sliding_windows == (None,) * 3  # use_sliding_window defaults to false
     assert parse_config(qwen2 | {"use_sliding_window": True}).sliding_windows == (None, 8, 8)
@@ -107,9 +124,17 @@ def test_sliding_window_settings() -> None:
 def test_build_and_save_round_trip_through_transformers(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    config = dict(architectures=["Qwen2ForCausalLM"], hidden_size=32, intermediate_size=64,
-                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
-                  tie_word_embeddings=True, initializer_range=0.08)
+    config = dict(
+        architectures=["Qwen2ForCausalLM"],
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+        tie_word_embeddings=True,
+        initializer_range=0.08,
+    )
     model = build_model(config, seed=0)
     assert model.training and all(p.requires_grad for p in model.parameters())
     ids = _ids(64)
@@ -165,7 +190,9 @@ def test_shape_mismatch_is_named(tmp_path: Path, llama_dir: Path) -> None:
     config = json.loads((folder / "config.json").read_text())
     config["intermediate_size"] = 96
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match=r"mlp\.down_proj\.weight has shape \(64, 128\), but config\.json implies \(64, 96\)"):
+    with pytest.raises(
+        ModelLoadError, match=r"mlp\.down_proj\.weight has shape \(64, 128\), but config\.json implies \(64, 96\)"
+    ):
         load_model(folder)
 
 

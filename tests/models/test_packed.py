@@ -14,8 +14,9 @@ from rill.engine.runner import TorchModelRunner
 from rill.models import load_model, packed
 from rill.models.quant import weight_bytes
 
-needs_packing = pytest.mark.skipif(not packed.can_pack(torch.empty(2, 2, dtype=torch.bfloat16)),
-                                   reason="this CPU's oneDNN has no bf16 kernels")
+needs_packing = pytest.mark.skipif(
+    not packed.can_pack(torch.empty(2, 2, dtype=torch.bfloat16)), reason="this CPU's oneDNN has no bf16 kernels"
+)
 
 
 @needs_packing
@@ -87,10 +88,20 @@ def test_a_packed_runner_gives_the_same_logits_as_plain_weights(checkpoint: Call
     assert weight_bytes(packed_loaded.model) <= 1.1 * dense_bytes + second_form
 
     def steps(runner: TorchModelRunner) -> list[torch.Tensor]:
-        out = [runner.forward([RowWork(row=0, start=0, token_ids=[5, 9, 13, 2]),
-                               RowWork(row=1, start=0, token_ids=[7, 3])])]
-        out.append(runner.forward([RowWork(row=0, start=4, token_ids=[11]), RowWork(row=1, start=2, token_ids=[4]),
-                                   RowWork(row=2, start=0, token_ids=[6, 6, 8])]))
+        out = [
+            runner.forward(
+                [RowWork(row=0, start=0, token_ids=[5, 9, 13, 2]), RowWork(row=1, start=0, token_ids=[7, 3])]
+            )
+        ]
+        out.append(
+            runner.forward(
+                [
+                    RowWork(row=0, start=4, token_ids=[11]),
+                    RowWork(row=1, start=2, token_ids=[4]),
+                    RowWork(row=2, start=0, token_ids=[6, 6, 8]),
+                ]
+            )
+        )
         return out
 
     for got, expected in zip(steps(packed_runner), steps(plain_runner)):

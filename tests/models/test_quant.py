@@ -72,7 +72,9 @@ def test_q6_k_blocks_become_the_same_values_as_int6() -> None:
     assert isinstance(quant.pack(values, torch.float32, "cpu"), (quant.Int8Weight, qkernel.BlockedWeight))
 
 
-@pytest.mark.skipif(not qkernel.available(), reason=f"the VNNI kernel does not run here: {qkernel.unavailable_reason()}")
+@pytest.mark.skipif(
+    not qkernel.available(), reason=f"the VNNI kernel does not run here: {qkernel.unavailable_reason()}"
+)
 @pytest.mark.parametrize("rows", (1, 4, 7))
 def test_the_vnni_kernel_keeps_q4_k_scales_as_the_file_does(rows: int) -> None:
     """Q4_K values keep their 6-bit scales and mins in rill's kernel (4.625 bits a weight where
@@ -89,10 +91,12 @@ def test_the_vnni_kernel_keeps_q4_k_scales_as_the_file_does(rows: int) -> None:
     got = compact.linear(x)
     assert float((got - expected).norm() / expected.norm()) < 0.01
     assert float((got - plain.linear(x)).norm() / expected.norm()) < 0.002
-    assert torch.equal(compact.linear(x), torch.cat([compact.linear(x[i:i + 1]) for i in range(rows)]))
+    assert torch.equal(compact.linear(x), torch.cat([compact.linear(x[i : i + 1]) for i in range(rows)]))
 
 
-@pytest.mark.skipif(not qkernel.available(), reason=f"the VNNI kernel does not run here: {qkernel.unavailable_reason()}")
+@pytest.mark.skipif(
+    not qkernel.available(), reason=f"the VNNI kernel does not run here: {qkernel.unavailable_reason()}"
+)
 @pytest.mark.parametrize("rows", (1, 2, 4, 5, 9))
 def test_the_vnni_kernel_multiplies_six_bit_weights_like_their_dequantized_matrix(rows: int) -> None:
     """6-bit weights in rill's kernel: within 1 % of the product with the dequantized matrix
@@ -107,10 +111,12 @@ def test_the_vnni_kernel_multiplies_six_bit_weights_like_their_dequantized_matri
     got = weight.linear(x.bfloat16()).float()
     expected = x @ values.dequantize().t()
     assert float((got - expected).norm() / expected.norm()) < 0.01
-    alone = torch.cat([weight.linear(x[i:i + 1]) for i in range(rows)])
+    alone = torch.cat([weight.linear(x[i : i + 1]) for i in range(rows)])
     assert torch.equal(weight.linear(x), alone)
     with pytest.raises(ValueError, match="256"):
-        qkernel.BlockedWeight(quant_values.Int6Values(values.q[:, :96], values.sub[:, :6], values.d[:, :1]), torch.bfloat16)
+        qkernel.BlockedWeight(
+            quant_values.Int6Values(values.q[:, :96], values.sub[:, :6], values.d[:, :1]), torch.bfloat16
+        )
 
 
 @pytest.mark.parametrize("kind", ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0"))
@@ -169,7 +175,9 @@ def test_kernels_multiply_like_the_dequantized_matrix(backend: str, bits: int, r
     assert float((got - expected).norm() / expected.norm()) < 0.02
 
 
-@pytest.mark.skipif(not qkernel.available(), reason=f"the VNNI kernel does not run here: {qkernel.unavailable_reason()}")
+@pytest.mark.skipif(
+    not qkernel.available(), reason=f"the VNNI kernel does not run here: {qkernel.unavailable_reason()}"
+)
 def test_the_vnni_kernel_gives_each_row_the_same_result_at_any_batch_size() -> None:
     """Activations are rounded per row and the weights read the same way for any batch, so a
     row's output does not depend on what it is batched with."""
@@ -179,7 +187,9 @@ def test_the_vnni_kernel_gives_each_row_the_same_result_at_any_batch_size() -> N
     assert torch.equal(weight.linear(x.float()), alone)
 
 
-@pytest.mark.skipif(not qkernel.available(), reason=f"the VNNI kernel does not run here: {qkernel.unavailable_reason()}")
+@pytest.mark.skipif(
+    not qkernel.available(), reason=f"the VNNI kernel does not run here: {qkernel.unavailable_reason()}"
+)
 @pytest.mark.parametrize("bits", (4, 8))
 @pytest.mark.parametrize("rows", (1, 3, 6))
 def test_the_vnni_kernel_applies_a_norm_or_a_swiglu_as_the_unfused_steps_do(bits: int, rows: int) -> None:
@@ -225,11 +235,15 @@ def test_torch_kernels_take_a_norm_or_a_swiglu_as_the_dense_model_computes_them(
     x, gate_up = (3 * torch.randn(5, 96)).to(dtype), (3 * torch.randn(5, 192)).to(dtype)
     gate, up = gate_up.chunk(2, dim=-1)
     bias = torch.randn(32).to(dtype)
-    for weight in (quant.Int8Weight(quant_values.to_int8(torch.randn(32, 96)), dtype),
-                   quant.Int4Weight(quant_values.to_int4(torch.randn(32, 96)), dtype)):
+    for weight in (
+        quant.Int8Weight(quant_values.to_int8(torch.randn(32, 96)), dtype),
+        quant.Int4Weight(quant_values.to_int4(torch.randn(32, 96)), dtype),
+    ):
         with torch.inference_mode():
             assert torch.equal(packed.normed_linear(x, norm, weight, bias), weight.linear(norm(x)) + bias)
-            assert torch.equal(packed.swiglu_linear(gate_up, weight), weight.linear(torch.nn.functional.silu(gate) * up))
+            assert torch.equal(
+                packed.swiglu_linear(gate_up, weight), weight.linear(torch.nn.functional.silu(gate) * up)
+            )
 
 
 def _mixed(name: str, tensor: torch.Tensor) -> str:
@@ -331,7 +345,9 @@ def test_a_quantized_gguf_is_cached_and_the_cache_gives_the_same_model(quantized
     with torch.inference_mode():
         expected = first.model(ids)
     second = load_model(file, dtype="bfloat16", weights="auto")
-    assert second.tokenizer.encode("hello", add_special_tokens=False) == first.tokenizer.encode("hello", add_special_tokens=False)
+    assert second.tokenizer.encode("hello", add_special_tokens=False) == first.tokenizer.encode(
+        "hello", add_special_tokens=False
+    )
     assert second.weights == first.weights and second.config.num_layers == first.config.num_layers
     with torch.inference_mode():
         assert torch.equal(second.model(ids), expected)
@@ -347,19 +363,21 @@ def _reference_decode(qkv, cos, sin, positions, k_cache, v_cache, num_heads, win
     from rill.models.rope import apply_rope
 
     batch, kv_heads, head_dim = qkv.shape[0], k_cache.shape[1], k_cache.shape[3]
-    qk = apply_rope(qkv[:, :(num_heads + kv_heads) * head_dim].view(batch, -1, head_dim), cos, sin)
-    values = qkv[:, (num_heads + kv_heads) * head_dim:].view(batch, kv_heads, head_dim)
+    qk = apply_rope(qkv[:, : (num_heads + kv_heads) * head_dim].view(batch, -1, head_dim), cos, sin)
+    values = qkv[:, (num_heads + kv_heads) * head_dim :].view(batch, kv_heads, head_dim)
     out = []
     for b, p in enumerate(positions.tolist()):
         k_cache[b, :, p], v_cache[b, :, p] = qk[b, num_heads:], values[b]
         lo = max(0, p - window + 1) if window else 0
         q = qk[b, :num_heads].float().view(kv_heads, num_heads // kv_heads, head_dim)
-        scores = torch.einsum("kgd,kld->kgl", q, k_cache[b, :, lo:p + 1].float()) * head_dim**-0.5
-        out.append(torch.einsum("kgl,kld->kgd", scores.softmax(-1), v_cache[b, :, lo:p + 1].float()).flatten())
+        scores = torch.einsum("kgd,kld->kgl", q, k_cache[b, :, lo : p + 1].float()) * head_dim**-0.5
+        out.append(torch.einsum("kgl,kld->kgd", scores.softmax(-1), v_cache[b, :, lo : p + 1].float()).flatten())
     return torch.stack(out)
 
 
-@pytest.mark.skipif(not qkernel.available(), reason=f"the VNNI kernel does not run here: {qkernel.unavailable_reason()}")
+@pytest.mark.skipif(
+    not qkernel.available(), reason=f"the VNNI kernel does not run here: {qkernel.unavailable_reason()}"
+)
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32))
 @pytest.mark.parametrize("shape", ((1, 12, 2, 128, None), (3, 9, 3, 64, None), (2, 4, 2, 64, 5), (2, 4, 4, 32, 1)))
 def test_the_decode_attention_kernel_writes_the_cache_as_torch_does_and_attends_each_row(dtype, shape) -> None:
@@ -385,7 +403,9 @@ def test_the_decode_attention_kernel_writes_the_cache_as_torch_does_and_attends_
     assert float((got.float() - expected).abs().max()) < tolerance
 
 
-@pytest.mark.skipif(not qkernel.available(), reason=f"the VNNI kernel does not run here: {qkernel.unavailable_reason()}")
+@pytest.mark.skipif(
+    not qkernel.available(), reason=f"the VNNI kernel does not run here: {qkernel.unavailable_reason()}"
+)
 def test_the_decode_attention_kernel_declines_what_it_cannot_do() -> None:
     """A head size that is not a multiple of 32, another dtype or a cache view: None, and the
     caches are untouched (the torch path then does the work)."""
@@ -395,17 +415,26 @@ def test_the_decode_attention_kernel_declines_what_it_cannot_do() -> None:
     assert qkernel.decode_attention(qkv, cos, sin, torch.tensor([3]), cache, cache.clone(), 2, None) is None
     assert not cache.any()
     half = torch.zeros(2, 2, 8, 32, dtype=torch.float16)
-    assert qkernel.decode_attention(torch.ones(1, 6 * 32, dtype=torch.float16), cos, sin, torch.tensor([3]),
-                                    half, half.clone(), 2, None) is None
+    assert (
+        qkernel.decode_attention(
+            torch.ones(1, 6 * 32, dtype=torch.float16), cos, sin, torch.tensor([3]), half, half.clone(), 2, None
+        )
+        is None
+    )
     view = torch.zeros(2, 2, 16, 32)[:, :, :8]
-    assert qkernel.decode_attention(torch.ones(1, 6 * 32), cos, sin, torch.tensor([3]), view, view.clone(), 2,
-                                    None) is None
+    assert (
+        qkernel.decode_attention(torch.ones(1, 6 * 32), cos, sin, torch.tensor([3]), view, view.clone(), 2, None)
+        is None
+    )
 
 
-@pytest.mark.skipif(not qkernel.available(), reason=f"the VNNI kernel does not run here: {qkernel.unavailable_reason()}")
+@pytest.mark.skipif(
+    not qkernel.available(), reason=f"the VNNI kernel does not run here: {qkernel.unavailable_reason()}"
+)
 @pytest.mark.parametrize("arch,extra", (("qwen2", {}), ("mistral", {"sliding_window": 6})))
 def test_a_quantized_model_decodes_through_the_attention_kernel_like_the_torch_path(
-        tmp_path, monkeypatch, arch: str, extra: dict) -> None:
+    tmp_path, monkeypatch, arch: str, extra: dict
+) -> None:
     """Head size 32, so decode rows go through ``qkernel.decode_attention`` (counted); mixed steps
     (a prompt arriving while others decode, chunked) too. The same run with the kernel turned
     away (the torch path) gives logits within bf16 rounding and the same greedy tokens nearly
@@ -434,7 +463,7 @@ def test_a_quantized_model_decodes_through_the_attention_kernel_like_the_torch_p
     for fused, plain in zip(outputs["kernel"], outputs["torch"]):
         first = next((i for i, (a, b) in enumerate(zip(fused.tokens, plain.tokens)) if a != b), len(fused.tokens))
         agree, total = agree + first, total + len(fused.tokens)
-        for a, b in zip(fused.logprobs[:first + 1], plain.logprobs[:first + 1]):
+        for a, b in zip(fused.logprobs[: first + 1], plain.logprobs[: first + 1]):
             assert float((a - b).abs().max()) < 0.05 * float(b.abs().max())
     assert agree / total >= 0.8
 
@@ -452,8 +481,9 @@ def test_a_q4_k_m_gguf_serves_its_own_k_quant_scales_and_six_bit_weights_like_it
     teacher-forced positions or more, logits within a few percent."""
     from rill.testing.checkpoints import make_checkpoint
 
-    folder = make_checkpoint(tmp_path / "q6", arch=arch, hidden_size=256, intermediate_size=512, num_heads=8,
-                             num_kv_heads=2)
+    folder = make_checkpoint(
+        tmp_path / "q6", arch=arch, hidden_size=256, intermediate_size=512, num_heads=8, num_kv_heads=2
+    )
     file = write_gguf(folder, tmp_path / "q6.gguf", _q4_k_m)
     tensors = read_gguf(file).tensors(torch.bfloat16, weights="auto")
     assert isinstance(tensors["model.layers.0.mlp.down_proj.weight"], quant_values.Int6Values)

@@ -35,22 +35,86 @@ def parity_texts(seed: int = 0) -> list[str]:
     rng = random.Random(seed)
     texts = generate_text(120, seed=seed).splitlines()[:120]
     texts += [
-        "", " ", "  ", "\n", "\n\n\n", "\t", " \t \n ", "a", "A.", "Hello, world!", "  leading spaces", "trailing spaces   ",
-        "don't won't they're I'll we've she'd", "2024-11-23 12:34:56", "3.14159265358979", "1,000,000 + 42 = 1000042",
-        "x=1234567; y = -0.5e-3", "def f(a, b):\n    return a ** b  # power\n", "for (int i = 0; i < n; ++i) { sum += v[i]; }",
-        "<html><body><p class=\"x\">hi</p></body></html>", '{"key": [1, 2, {"nested": null}]}', "SELECT * FROM t WHERE id = 7;",
-        "naïve café résumé façade", "Grüße aus Köln, Straße", "Привет, как дела?", "日本語のテキストです。", "中文文本测试", "한국어 텍스트",
-        "مرحبا بالعالم", "שלום עולם", "नमस्ते दुनिया", "ελληνικά γράμματα", "🙂🚀🎉 emoji 👩‍👩‍👧", "∑ ∫ √ ≠ ≤ ∞ π", "€ £ ¥ ₹ ¢",
-        "<|im_start|>user\nhi<|im_end|>", "<start_of_turn>user\nhi<end_of_turn>", "<bos><eos><pad>", "<|endoftext|>",
-        "URL: https://example.com/a/b?c=d&e=f#g", "email@example.org", "C:\\Users\\name\\file.txt", "a\u00a0b\u2009c\u200bd",
-        "UPPER lower MiXeD CamelCase snake_case kebab-case", "!!!???...;;;:::", "''''\"\"\"", "...and so on…", "tab\tseparated\tvalues",
+        "",
+        " ",
+        "  ",
+        "\n",
+        "\n\n\n",
+        "\t",
+        " \t \n ",
+        "a",
+        "A.",
+        "Hello, world!",
+        "  leading spaces",
+        "trailing spaces   ",
+        "don't won't they're I'll we've she'd",
+        "2024-11-23 12:34:56",
+        "3.14159265358979",
+        "1,000,000 + 42 = 1000042",
+        "x=1234567; y = -0.5e-3",
+        "def f(a, b):\n    return a ** b  # power\n",
+        "for (int i = 0; i < n; ++i) { sum += v[i]; }",
+        '<html><body><p class="x">hi</p></body></html>',
+        '{"key": [1, 2, {"nested": null}]}',
+        "SELECT * FROM t WHERE id = 7;",
+        "naïve café résumé façade",
+        "Grüße aus Köln, Straße",
+        "Привет, как дела?",
+        "日本語のテキストです。",
+        "中文文本测试",
+        "한국어 텍스트",
+        "مرحبا بالعالم",
+        "שלום עולם",
+        "नमस्ते दुनिया",
+        "ελληνικά γράμματα",
+        "🙂🚀🎉 emoji 👩‍👩‍👧",
+        "∑ ∫ √ ≠ ≤ ∞ π",
+        "€ £ ¥ ₹ ¢",
+        "<|im_start|>user\nhi<|im_end|>",
+        "<start_of_turn>user\nhi<end_of_turn>",
+        "<bos><eos><pad>",
+        "<|endoftext|>",
+        "URL: https://example.com/a/b?c=d&e=f#g",
+        "email@example.org",
+        "C:\\Users\\name\\file.txt",
+        "a\u00a0b\u2009c\u200bd",
+        "UPPER lower MiXeD CamelCase snake_case kebab-case",
+        "!!!???...;;;:::",
+        "''''\"\"\"",
+        "...and so on…",
+        "tab\tseparated\tvalues",
     ]
     pools = [
         "the a of and to in is you that it he was for on are as with his they I at be this have from".split(),
         ["0", "7", "42", "1999", "3.5", "-12", "100000", "0x1F", "1e9"],
         ["é", "ß", "ø", "ж", "λ", "中", "日", "한", "ع", "🙂", "—", "“", "”", "…", "·"],
         [" ", "  ", "\n", "\t", " \n", "\n\n"],
-        ["(", ")", "[", "]", "{", "}", ";", ":", ",", ".", "!", "?", "=", "+", "-", "*", "/", "\\", "'", '"', "#", "@", "$", "%"],
+        [
+            "(",
+            ")",
+            "[",
+            "]",
+            "{",
+            "}",
+            ";",
+            ":",
+            ",",
+            ".",
+            "!",
+            "?",
+            "=",
+            "+",
+            "-",
+            "*",
+            "/",
+            "\\",
+            "'",
+            '"',
+            "#",
+            "@",
+            "$",
+            "%",
+        ],
     ]
     while len(texts) < 300:
         parts = [rng.choice(rng.choice(pools)) for _ in range(rng.randint(1, 24))]
@@ -67,7 +131,9 @@ class RealModel:
         self.loaded = load_model(path, dtype="float32")
         self.tokenizer = self.loaded.tokenizer
         self.hf_tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        self.hf_model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+        self.hf_model = AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=torch.float32
+        ).eval()
         self.hf_model.generation_config.eos_token_id = None
 
     def check_tokenizer(self) -> None:
@@ -106,14 +172,21 @@ def test_smollm2_tokenizer_equals_transformers_gguf_tokenizer(smollm2: RealModel
     transformers' GGUF tokenizer with that pre-tokenizer restored."""
     from tokenizers import pre_tokenizers
 
-    gpt2_split = [text for text in parity_texts() if smollm2.tokenizer.encode(text) != smollm2.hf_tokenizer.encode(text)]
+    gpt2_split = [
+        text for text in parity_texts() if smollm2.tokenizer.encode(text) != smollm2.hf_tokenizer.encode(text)
+    ]
     assert all(any(c.isdigit() for c in text) for text in gpt2_split)  # the only difference
     smollm2.hf_tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
     smollm2.check_tokenizer()
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi! 2+2?"}]
     assert smollm2.tokenizer.encode_chat(messages) == smollm2.hf_tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
 
 
 def test_smollm2_greedy_equals_transformers(smollm2: RealModel) -> None:

@@ -8,15 +8,32 @@ import torch
 from rill.models import parse_config
 from rill.models.registry import family_for_config
 
-LLAMA = {"architectures": ["Qwen2ForCausalLM"], "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
-         "num_hidden_layers": 2, "vocab_size": 100, "intermediate_size": 96}
-GEMMA = {"architectures": ["Gemma3ForCausalLM"], "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 1,
-         "num_hidden_layers": 2, "vocab_size": 100, "intermediate_size": 96, "head_dim": 32, "sliding_window": 8,
-         "tie_word_embeddings": False}
+LLAMA = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "vocab_size": 100,
+    "intermediate_size": 96,
+}
+GEMMA = {
+    "architectures": ["Gemma3ForCausalLM"],
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "num_hidden_layers": 2,
+    "vocab_size": 100,
+    "intermediate_size": 96,
+    "head_dim": 32,
+    "sliding_window": 8,
+    "tie_word_embeddings": False,
+}
 
 
-@pytest.mark.parametrize("hf", [LLAMA, GEMMA, LLAMA | {"architectures": ["Qwen3ForCausalLM"]}],
-                         ids=["qwen2", "gemma3", "qwen3"])
+@pytest.mark.parametrize(
+    "hf", [LLAMA, GEMMA, LLAMA | {"architectures": ["Qwen3ForCausalLM"]}], ids=["qwen2", "gemma3", "qwen3"]
+)
 def test_each_family_maps_its_model_to_hugging_face_names_and_back(hf: dict) -> None:
     config = parse_config(hf)
     family = family_for_config(hf)
@@ -43,5 +60,7 @@ def test_optional_tensors_follow_the_config_and_missing_ones_are_all_named() -> 
     del tensors["model.layers.0.pre_feedforward_layernorm.weight"], tensors["model.layers.1.mlp.up_proj.weight"]
     with pytest.raises(KeyError) as raised:
         family_for_config(GEMMA).from_hf(tensors, gemma)
-    assert raised.value.args[0] == ["model.layers.0.pre_feedforward_layernorm.weight",
-                                    "model.layers.1.mlp.up_proj.weight"]
+    assert raised.value.args[0] == [
+        "model.layers.0.pre_feedforward_layernorm.weight",
+        "model.layers.1.mlp.up_proj.weight",
+    ]

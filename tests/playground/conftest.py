@@ -23,9 +23,17 @@ CHROMEDRIVER = Path(os.environ.get("RILL_TEST_CHROMEDRIVER", "/usr/bin/chromedri
 # Without the background-networking flags Chromium waits on update and sync services that
 # a closed network never answers.
 CHROMIUM_FLAGS = (
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-    "--disable-dev-shm-usage", "--window-size=1280,900", "--autoplay-policy=no-user-gesture-required",
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+    "--window-size=1280,900",
+    "--autoplay-policy=no-user-gesture-required",
 )
 
 WAIT_S = 60.0
@@ -36,8 +44,10 @@ def browser_missing() -> str | None:
     """Why the browser tests cannot run here, or None."""
     for path, _package in ((CHROMIUM, "chromium"), (CHROMEDRIVER, "chromium-driver")):
         if not (path.is_file() and os.access(path, os.X_OK)):
-            return (f"browser tests skipped: {path} not found (install Debian's chromium and chromium-driver: "
-                    f"apt-get install -y chromium chromium-driver; .ci/run does this)")
+            return (
+                f"browser tests skipped: {path} not found (install Debian's chromium and chromium-driver: "
+                f"apt-get install -y chromium chromium-driver; .ci/run does this)"
+            )
     try:
         import selenium  # noqa: F401
     except ImportError:

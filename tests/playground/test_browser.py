@@ -72,8 +72,9 @@ def open_page(driver: Any, server: LiveServer, wait_for: Callable[..., Any]) -> 
     wait_for(lambda d: data(d, "ready") == "true", "the page script")
 
 
-def send(driver: Any, text: str, *, mode: str = "raw", max_tokens: int = LONG_MAX_TOKENS,
-         ignore_eos: bool = True) -> None:
+def send(
+    driver: Any, text: str, *, mode: str = "raw", max_tokens: int = LONG_MAX_TOKENS, ignore_eos: bool = True
+) -> None:
     """Type a message and send it, with settings for a long reply."""
     click(driver, f"mode-{mode}")
     driver.execute_script("document.getElementById('p-max_tokens').value = arguments[0];", str(max_tokens))
@@ -175,7 +176,8 @@ def test_pause_modify_resume_stop(browser: Any, live: LiveServer, wait_for: Call
         # The mark sits right before the first token produced with the new temperature.
         following = browser.execute_script(
             "const m = document.querySelector('.turn.reply .mark');"
-            "return m.nextElementSibling && m.nextElementSibling.classList.contains('tok');")
+            "return m.nextElementSibling && m.nextElementSibling.classList.contains('tok');"
+        )
         assert following is True
 
         # A change while tokens flow is acknowledged and marked where it applies.
@@ -228,7 +230,7 @@ def test_regenerate_and_rate(browser: Any, live: LiveServer, wait_for: Callable[
 
 def test_injected_markup_stays_text(browser: Any, live: LiveServer, wait_for: Callable[..., Any]) -> None:
     open_page(browser, live, wait_for)
-    attack = "<script>window.pwned = 1</script><img src=x onerror=\"window.pwned = 2\">"
+    attack = '<script>window.pwned = 1</script><img src=x onerror="window.pwned = 2">'
     send(browser, attack, max_tokens=3, ignore_eos=True)
     wait_state(wait_for, "done")
     prompt_turn = browser.find_element("css selector", ".turn.user .text")
@@ -237,8 +239,9 @@ def test_injected_markup_stays_text(browser: Any, live: LiveServer, wait_for: Ca
     assert browser.find_elements("css selector", ".conversation script, .conversation img") == []
 
 
-def test_chat_mode_uses_the_chat_template_and_keeps_the_history(browser: Any, live: LiveServer,
-                                                                wait_for: Callable[..., Any]) -> None:
+def test_chat_mode_uses_the_chat_template_and_keeps_the_history(
+    browser: Any, live: LiveServer, wait_for: Callable[..., Any]
+) -> None:
     open_page(browser, live, wait_for)
     send(browser, "Hi there", mode="chat", max_tokens=4)
     wait_for(lambda d: data(d, "state") == "done" and data(d, "generation") == "1", "the first reply")
@@ -248,7 +251,8 @@ def test_chat_mode_uses_the_chat_template_and_keeps_the_history(browser: Any, li
     assert roles == ["USER", "ASSISTANT", "USER", "ASSISTANT"]  # CSS upper-cases the role labels
     # The history went through the chat template: the server rendered both user turns.
     history = browser.execute_script(
-        "return Array.from(document.querySelectorAll('.turn.user .text')).map(e => e.textContent)")
+        "return Array.from(document.querySelectorAll('.turn.user .text')).map(e => e.textContent)"
+    )
     assert history == ["Hi there", "And again"]
     assert data(browser, "finish-reason") == "length"
 
@@ -280,29 +284,34 @@ def test_dashboard_plots_metrics(browser: Any, live: LiveServer, wait_for: Calla
     drawn = browser.execute_script(
         "const c = document.getElementById('plot-running');"
         "const px = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;"
-        "return px.some((v, i) => i % 4 === 3 && v > 0);")
+        "return px.some((v, i) => i % 4 === 3 && v > 0);"
+    )
     assert drawn is True
 
 
-def test_keyboard_reaches_every_control_and_inputs_are_labelled(browser: Any, live: LiveServer,
-                                                                wait_for: Callable[..., Any]) -> None:
+def test_keyboard_reaches_every_control_and_inputs_are_labelled(
+    browser: Any, live: LiveServer, wait_for: Callable[..., Any]
+) -> None:
     from selenium.webdriver.common.action_chains import ActionChains
     from selenium.webdriver.common.keys import Keys
 
     open_page(browser, live, wait_for)
     controls = browser.execute_script(
         "return Array.from(document.querySelectorAll('#view-playground button, #view-playground input,"
-        " #view-playground textarea, header button, header input')).map(e => e.id)")
+        " #view-playground textarea, header button, header input')).map(e => e.id)"
+    )
     assert "btn-pause" in controls and "p-temperature" in controls and "btn-up" in controls
     # Every input has a label (a <label> element or an aria-label).
     unlabelled = browser.execute_script(
         "return Array.from(document.querySelectorAll('input, textarea, select'))"
-        ".filter(e => e.labels.length === 0 && !e.getAttribute('aria-label')).map(e => e.id)")
+        ".filter(e => e.labels.length === 0 && !e.getAttribute('aria-label')).map(e => e.id)"
+    )
     assert unlabelled == []
     # Buttons have a name a screen reader can say.
     nameless = browser.execute_script(
         "return Array.from(document.querySelectorAll('button'))"
-        ".filter(b => !(b.getAttribute('aria-label') || b.textContent.trim())).map(b => b.id)")
+        ".filter(b => !(b.getAttribute('aria-label') || b.textContent.trim())).map(b => b.id)"
+    )
     assert nameless == []
     # Tab from the top of the page: focus visits every control (radio groups are one stop).
     browser.execute_script("document.activeElement && document.activeElement.blur(); window.focus();")
@@ -393,8 +402,9 @@ def test_queue_position_while_waiting(browser: Any, live: LiveServer, wait_for: 
     live.wait_idle()
 
 
-def test_loading_progress_on_first_start(browser: Any, tiny_model_dir: Path, wait_for: Callable[..., Any],
-                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_loading_progress_on_first_start(
+    browser: Any, tiny_model_dir: Path, wait_for: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
     from rill.frontend import inproc
     from tests.protocols.generate_ws.test_loading import HeldClient
 

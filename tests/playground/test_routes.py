@@ -41,13 +41,16 @@ def test_prompt_applies_the_chat_template(server: LiveServer) -> None:
     assert "hello there" in expected
 
 
-@pytest.mark.parametrize("body, field", [
-    ({"messages": []}, "messages"),
-    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
-    ({"messages": [{"role": "user"}]}, "messages"),
-    ({"messages": [{"role": "user", "content": "x", "extra": 1}]}, "messages"),
-    ({"turns": []}, "messages"),
-])
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
+        ({"messages": [{"role": "user"}]}, "messages"),
+        ({"messages": [{"role": "user", "content": "x", "extra": 1}]}, "messages"),
+        ({"turns": []}, "messages"),
+    ],
+)
 def test_bad_prompt_bodies_get_a_400_naming_the_field(server: LiveServer, body: dict, field: str) -> None:
     answer = httpx.post(server.url + "/playground/prompt", json=body)
     assert answer.status_code == 400

@@ -38,8 +38,10 @@ def _bounded_log(caplog: pytest.LogCaptureFixture) -> None:
 async def test_openai_non_streaming_gets_a_400_constraint_failed(live: Any, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO)
     async with httpx.AsyncClient(base_url=live.url, timeout=60) as http:
-        response = await http.post("/v1/chat/completions", json={
-            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 20, "response_format": SCHEMA_FORMAT})
+        response = await http.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 20, "response_format": SCHEMA_FORMAT},
+        )
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["code"] == "constraint_failed" and error["type"] == "invalid_request_error"
@@ -51,8 +53,11 @@ async def test_openai_non_streaming_gets_a_400_constraint_failed(live: Any, capl
 async def test_openai_streaming_gets_an_error_event(live: Any, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO)
     async with httpx.AsyncClient(base_url=live.url, timeout=60) as http:
-        async with http.stream("POST", "/v1/completions", json={
-                "prompt": "hi", "max_tokens": 20, "stream": True, "response_format": SCHEMA_FORMAT}) as response:
+        async with http.stream(
+            "POST",
+            "/v1/completions",
+            json={"prompt": "hi", "max_tokens": 20, "stream": True, "response_format": SCHEMA_FORMAT},
+        ) as response:
             assert response.status_code == 200
             data = [line[6:] async for line in response.aiter_lines() if line.startswith("data: ")]
     errors = [json.loads(d)["error"] for d in data if d != "[DONE]" and "error" in json.loads(d)]
@@ -63,8 +68,9 @@ async def test_openai_streaming_gets_an_error_event(live: Any, caplog: pytest.Lo
 
 async def test_generate_rest_gets_invalid_request_naming_the_constraint(live: Any) -> None:
     async with httpx.AsyncClient(base_url=live.url, timeout=60) as http:
-        response = await http.post("/v1/generate", json={
-            "prompt": "hi", "max_tokens": 20, "response_format": SCHEMA_FORMAT})
+        response = await http.post(
+            "/v1/generate", json={"prompt": "hi", "max_tokens": 20, "response_format": SCHEMA_FORMAT}
+        )
     assert response.status_code == 400, response.text
     body = response.json()
     assert body["error"] == "invalid_request" and "could not be followed" in body["message"]

@@ -122,7 +122,7 @@ async def test_a_refusal_reaches_the_session_and_the_rejection_metric() -> None:
         driver = Driver(session, wire, client, protocol="test", principal="p", metrics=metrics)
         await driver.perform([Start(request(max_tokens=4, temperature=-1.0))])
         await driver.wait()
-        (name, (key, exc)), = session.calls
+        ((name, (key, exc)),) = session.calls
         assert name == "failed" and key is None and isinstance(exc, InvalidRequest)
         assert wire.sent == [("error", None, "InvalidParameter")]  # an InvalidRequest naming a sampling field
         assert metrics.codes == [("test", "invalid_request")]
@@ -218,8 +218,15 @@ async def test_starts_submitted_together_are_submitted_in_order_and_refused_toge
         session, wire = TogetherRecorder(), Wire()
         driver = Driver(session, wire, client, protocol="test", principal="p", submits_together=True)
         bad = request(temperature=-1.0)
-        await driver.perform([Send("accepted"), Start(request(), key="a"), Start(bad, key="b"),
-                              Start(request(), key="c"), Start(bad, key="d")])
+        await driver.perform(
+            [
+                Send("accepted"),
+                Start(request(), key="a"),
+                Start(bad, key="b"),
+                Start(request(), key="c"),
+                Start(bad, key="d"),
+            ]
+        )
         # Every submission was made, in order, before perform returned; the refusals come last.
         assert wire.sent == ["accepted", ("started", "a"), ("started", "c"), ("errors", ["b", "d"])]
         assert [name for name, _ in session.calls] == ["started", "started", "all failed"]
@@ -233,8 +240,15 @@ async def test_starts_submitted_together_are_submitted_in_order_and_refused_toge
 
 
 def coalesced() -> RequestOutput:
-    return RequestOutput(request_id="r", text="abc", token_ids=[1, 2, 3], token_texts=["a", "b", "c"],
-                         prompt_logprobs=[None], finished=True, finish_reason="stop")
+    return RequestOutput(
+        request_id="r",
+        text="abc",
+        token_ids=[1, 2, 3],
+        token_texts=["a", "b", "c"],
+        prompt_logprobs=[None],
+        finished=True,
+        finish_reason="stop",
+    )
 
 
 def test_split_by_token_gives_one_output_per_token_with_the_end_on_the_last() -> None:
@@ -258,8 +272,9 @@ async def test_one_event_per_token_splits_what_a_lagging_reader_got_folded() -> 
 async def test_grouped_steps_keep_one_event_per_token_beside_the_other_requests() -> None:
     async with fake_client() as client:
         session = StepRecorder()
-        driver = Driver(session, Wire(), client, protocol="test", principal="p", groups_steps=True,
-                        one_event_per_token=True)
+        driver = Driver(
+            session, Wire(), client, protocol="test", principal="p", groups_steps=True, one_event_per_token=True
+        )
         await driver._deliver("a", RequestOutput(request_id="a", text="x", token_ids=[1], token_texts=["x"]))
         await driver._deliver("a", RequestOutput(request_id="a", text="y", token_ids=[2], token_texts=["y"]))
         await driver._deliver("b", RequestOutput(request_id="b", text="u", token_ids=[3], token_texts=["u"]))
@@ -340,7 +355,7 @@ async def test_a_prepared_start_is_built_in_its_task_and_a_failed_build_is_a_ref
 
         driver.start(broken, key="b")
         await driver.wait()
-        (name, (key, exc)), = session.calls[-1:]
+        ((name, (key, exc)),) = session.calls[-1:]
         assert (name, key, str(exc)) == ("failed", "b", "the file is gone")
         assert metrics.codes == [("test", "invalid_request")]
 
@@ -396,8 +411,7 @@ async def test_a_start_submitted_together_is_still_ended_by_the_time_limit() -> 
     async with fake_client() as client:
         client.engine.runner.gate = gate  # no step runs: only the limit can end the request
         session, wire = TogetherRecorder(), Wire()
-        driver = Driver(session, wire, client, protocol="test", principal="p", submits_together=True,
-                        time_limit_s=0.2)
+        driver = Driver(session, wire, client, protocol="test", principal="p", submits_together=True, time_limit_s=0.2)
         await driver.perform([Start(request(max_tokens=500), key="k")])
         assert wire.sent == [("started", "k")]  # submitted before perform returned
         await asyncio.wait_for(driver.wait(), 30)
@@ -411,8 +425,7 @@ async def test_the_time_limit_counts_from_when_the_model_is_ready() -> None:
     loading = threading.Event()
     async with fake_client(loading=loading) as client:
         session, wire = Recorder(), Wire()
-        driver = Driver(session, wire, client, protocol="test", principal="p", waits_for_model=True,
-                        time_limit_s=1.0)
+        driver = Driver(session, wire, client, protocol="test", principal="p", waits_for_model=True, time_limit_s=1.0)
         await driver.perform([Start(request(max_tokens=1))])
         await until(lambda: len(wire.sent) >= 4, timeout_s=60)  # four loading reports: over 1.5 s of waiting
         loading.set()

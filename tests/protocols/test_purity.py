@@ -52,13 +52,31 @@ PURE_FILES = pure_files()
 
 FORBIDDEN = (
     # I/O, concurrency and clocks
-    "asyncio", "socket", "threading", "selectors", "sqlite3", "time", "os", "pathlib", "io", "open",
+    "asyncio",
+    "socket",
+    "threading",
+    "selectors",
+    "sqlite3",
+    "time",
+    "os",
+    "pathlib",
+    "io",
+    "open",
     # web and RPC frameworks, tensors
-    "starlette", "uvicorn", "websockets", "grpc", "torch",
+    "starlette",
+    "uvicorn",
+    "websockets",
+    "grpc",
+    "torch",
     # media decoders (chat_ws/media.py owns them)
-    "PIL", "av",
+    "PIL",
+    "av",
     # layers above the pure files
-    "rill.engine", "rill.frontend", "rill.server", "rill.config", "rill.feedback",
+    "rill.engine",
+    "rill.frontend",
+    "rill.server",
+    "rill.config",
+    "rill.feedback",
     # the driver runs sessions; a session knows only its side of the contract (_shared/session.py)
     "rill.protocols._shared.driver",
 )

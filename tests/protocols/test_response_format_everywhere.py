@@ -29,17 +29,29 @@ def test_framed_uds() -> None:
 
 
 def test_batch_ws_generation_config() -> None:
-    defaults = GenerationConfig(num_beams=1, do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=8,
-                                repetition_penalty=1.0, length_penalty=1.0)
+    defaults = GenerationConfig(
+        num_beams=1,
+        do_sample=True,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        max_new_tokens=8,
+        repetition_penalty=1.0,
+        length_penalty=1.0,
+    )
     session = BatchSession(ContinuationStore(4, 100, 1.0), defaults, Limits(), "k")
-    request = msgspec.convert({"prompts": [{"request_id": "a", "prompt": "x"}],
-                               "generation_config": {"response_format": FORMAT}}, BatchRequest)
+    request = msgspec.convert(
+        {"prompts": [{"request_id": "a", "prompt": "x"}], "generation_config": {"response_format": FORMAT}},
+        BatchRequest,
+    )
     start = session.receive(request, 0.0)[1]
     assert start.request.sampling.response_format == EXPECTED
 
 
 def test_evergreen_config_round_trips_through_protobuf() -> None:
-    config = evergreen_codec.decode_config(evergreen_codec.encode_config(GenerateConfig(response_format=json.dumps(FORMAT))))
+    config = evergreen_codec.decode_config(
+        evergreen_codec.encode_config(GenerateConfig(response_format=json.dumps(FORMAT)))
+    )
     assert evergreen_sampling(config).response_format == EXPECTED
     with pytest.raises(InvalidRequest) as caught:
         evergreen_sampling(GenerateConfig(response_format="{not json"))
@@ -53,8 +65,15 @@ def test_generate_parameters_patch() -> None:
     assert lifted.constraint is None
 
 
-@pytest.mark.parametrize("bad", [{"type": "json_schema"}, {"type": "regex", "regex": ""}, {"type": "grammar"},
-                                 {"type": "regex", "regex": "a" * 70000}])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"type": "json_schema"},
+        {"type": "regex", "regex": ""},
+        {"type": "grammar"},
+        {"type": "regex", "regex": "a" * 70000},
+    ],
+)
 def test_shapes_are_checked_once_for_all(bad: dict) -> None:
     with pytest.raises(InvalidRequest) as caught:
         SamplingParams().updated({"response_format": bad})

@@ -47,8 +47,9 @@ class _Progress:
             self._bar.close()
 
 
-async def _one(driver: Driver, request: BenchRequest, run_start: float, timeout_s: float,
-               timer: Timer | None = None) -> RequestRecord:
+async def _one(
+    driver: Driver, request: BenchRequest, run_start: float, timeout_s: float, timer: Timer | None = None
+) -> RequestRecord:
     timer = timer or Timer(request.index, driver.name, run_start)
     try:
         async with asyncio.timeout(timeout_s):
@@ -78,9 +79,15 @@ class _LoadRun:
     """One load run in progress: the requests in flight, the records collected and the
     concurrency slots they hold."""
 
-    def __init__(self, driver: Driver, requests: list[BenchRequest], concurrency: int | None,
-                 request_timeout_s: float, bar: _Progress,
-                 on_record: Callable[[RequestRecord], None] | None) -> None:
+    def __init__(
+        self,
+        driver: Driver,
+        requests: list[BenchRequest],
+        concurrency: int | None,
+        request_timeout_s: float,
+        bar: _Progress,
+        on_record: Callable[[RequestRecord], None] | None,
+    ) -> None:
         self.driver = driver
         self.requests = requests
         self.request_timeout_s = request_timeout_s
@@ -133,9 +140,15 @@ class _LoadRun:
         done = {r.index for r in self.records}
         for request in self.requests:
             if request.index not in done:
-                self.records.append(RequestRecord(
-                    index=request.index, protocol=self.driver.name, start_s=now - self.run_start,
-                    error="run_deadline", error_message=f"run stopped after {max_duration_s:g} s"))
+                self.records.append(
+                    RequestRecord(
+                        index=request.index,
+                        protocol=self.driver.name,
+                        start_s=now - self.run_start,
+                        error="run_deadline",
+                        error_message=f"run stopped after {max_duration_s:g} s",
+                    )
+                )
 
 
 async def run_load(
@@ -202,17 +215,27 @@ async def measure(
     try:
         for request in requests[:num_warmup]:
             # Reversed words: the same length, but no prefix a prefix cache could reuse later.
-            warm_request = BenchRequest(index=-1, prompt=" ".join(reversed(request.prompt.split())),
-                                        max_tokens=request.max_tokens)
+            warm_request = BenchRequest(
+                index=-1, prompt=" ".join(reversed(request.prompt.split())), max_tokens=request.max_tokens
+            )
             warm = await _one(driver, warm_request, time.perf_counter(), request_timeout_s)
             if warm.error in ("connect_error", "disconnected") or (warm.error or "").startswith("http_404"):
                 raise BenchError(warm.error or "connect_error", warm.error_message or "")
-        records, wall_s = await run_load(driver, requests, concurrency=concurrency, rate_per_s=rate_per_s, seed=seed,
-                                         request_timeout_s=request_timeout_s, max_duration_s=max_duration_s,
-                                         progress=progress, on_record=on_record)
+        records, wall_s = await run_load(
+            driver,
+            requests,
+            concurrency=concurrency,
+            rate_per_s=rate_per_s,
+            seed=seed,
+            request_timeout_s=request_timeout_s,
+            max_duration_s=max_duration_s,
+            progress=progress,
+            on_record=on_record,
+        )
     finally:
         await driver.close()
     where = {"uds": target.socket, "evergreen": target.grpc_address}.get(protocol, target.http_url)
-    summary = summarize(records, protocol=protocol, target=where, wall_s=wall_s, concurrency=concurrency,
-                        request_rate=rate_per_s)
+    summary = summarize(
+        records, protocol=protocol, target=where, wall_s=wall_s, concurrency=concurrency, request_rate=rate_per_s
+    )
     return summary, records

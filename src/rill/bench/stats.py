@@ -100,12 +100,25 @@ def distribution(values_s: list[float]) -> Distribution:
     if not values_s:
         return Distribution()
     ms = [v * 1000.0 for v in values_s]
-    return Distribution(count=len(ms), mean_ms=sum(ms) / len(ms), p50_ms=percentile(ms, 50),
-                        p90_ms=percentile(ms, 90), p99_ms=percentile(ms, 99), max_ms=max(ms))
+    return Distribution(
+        count=len(ms),
+        mean_ms=sum(ms) / len(ms),
+        p50_ms=percentile(ms, 50),
+        p90_ms=percentile(ms, 90),
+        p99_ms=percentile(ms, 99),
+        max_ms=max(ms),
+    )
 
 
-def summarize(records: list[RequestRecord], *, protocol: str, target: str, wall_s: float,
-              concurrency: int | None = None, request_rate: float | None = None) -> Summary:
+def summarize(
+    records: list[RequestRecord],
+    *,
+    protocol: str,
+    target: str,
+    wall_s: float,
+    concurrency: int | None = None,
+    request_rate: float | None = None,
+) -> Summary:
     """Throughput, latency distributions and errors of a run.
 
     Args:
@@ -115,16 +128,26 @@ def summarize(records: list[RequestRecord], *, protocol: str, target: str, wall_
     ok = [r for r in records if r.is_ok]
     num_tokens = sum(r.num_output_tokens for r in ok)
     prompt_counts = [r.num_prompt_tokens for r in ok if r.num_prompt_tokens is not None]
-    tpot = [(r.e2e_s - r.ttft_s) / (r.num_output_tokens - 1) for r in ok
-            if r.e2e_s is not None and r.ttft_s is not None and r.num_output_tokens > 1]
+    tpot = [
+        (r.e2e_s - r.ttft_s) / (r.num_output_tokens - 1)
+        for r in ok
+        if r.e2e_s is not None and r.ttft_s is not None and r.num_output_tokens > 1
+    ]
     errors = Counter(r.error for r in records if r.error is not None)
     return Summary(
-        protocol=protocol, target=target, concurrency=concurrency, request_rate=request_rate,
-        num_requests=len(records), num_ok=len(ok), num_errors=len(records) - len(ok),
-        errors_by_type=dict(sorted(errors.items())), wall_s=wall_s,
+        protocol=protocol,
+        target=target,
+        concurrency=concurrency,
+        request_rate=request_rate,
+        num_requests=len(records),
+        num_ok=len(ok),
+        num_errors=len(records) - len(ok),
+        errors_by_type=dict(sorted(errors.items())),
+        wall_s=wall_s,
         requests_per_s=len(ok) / wall_s if wall_s > 0 else math.nan,
         output_tokens_per_s=num_tokens / wall_s if wall_s > 0 else math.nan,
-        num_output_tokens=num_tokens, num_prompt_tokens=sum(prompt_counts) if prompt_counts else None,
+        num_output_tokens=num_tokens,
+        num_prompt_tokens=sum(prompt_counts) if prompt_counts else None,
         ttft=distribution([r.ttft_s for r in ok if r.ttft_s is not None]),
         itl=distribution([gap for r in ok for gap in r.itl_s]),
         tpot=distribution(tpot),
@@ -140,13 +163,22 @@ def format_report(summary: Summary) -> str:
     lines = [
         f"protocol {summary.protocol} → {summary.target} ({load})",
         f"requests: {summary.num_ok} ok, {summary.num_errors} failed of {summary.num_requests} in {summary.wall_s:.2f} s",
-        (f"throughput: {summary.requests_per_s:.2f} req/s, {summary.output_tokens_per_s:.1f} output tokens/s "
-         f"({summary.num_output_tokens} tokens)"),
+        (
+            f"throughput: {summary.requests_per_s:.2f} req/s, {summary.output_tokens_per_s:.1f} output tokens/s "
+            f"({summary.num_output_tokens} tokens)"
+        ),
         f"{'latency (ms)':<14}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}{'max':>10}{'n':>8}",
     ]
-    for name, dist in (("TTFT", summary.ttft), ("ITL", summary.itl), ("TPOT", summary.tpot), ("end-to-end", summary.e2e)):
-        lines.append(f"{name:<14}{dist.mean_ms:>10.1f}{dist.p50_ms:>10.1f}{dist.p90_ms:>10.1f}{dist.p99_ms:>10.1f}"
-                     f"{dist.max_ms:>10.1f}{dist.count:>8}")
+    for name, dist in (
+        ("TTFT", summary.ttft),
+        ("ITL", summary.itl),
+        ("TPOT", summary.tpot),
+        ("end-to-end", summary.e2e),
+    ):
+        lines.append(
+            f"{name:<14}{dist.mean_ms:>10.1f}{dist.p50_ms:>10.1f}{dist.p90_ms:>10.1f}{dist.p99_ms:>10.1f}"
+            f"{dist.max_ms:>10.1f}{dist.count:>8}"
+        )
     if summary.errors_by_type:
         lines.append("errors: " + ", ".join(f"{kind} ×{count}" for kind, count in summary.errors_by_type.items()))
     else:

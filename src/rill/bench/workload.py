@@ -43,8 +43,12 @@ def synthetic_prompts(num_requests: int, prompt_len_words: int, max_tokens: int,
     if prompt_len_words < 1 or max_tokens < 1 or num_requests < 1:
         raise ConfigError("--num-requests, --prompt-len and --max-tokens must be >= 1")
     rng = random.Random(seed)
-    return [BenchRequest(index=i, prompt=" ".join(rng.choice(WORDS) for _ in range(prompt_len_words)), max_tokens=max_tokens)
-            for i in range(num_requests)]
+    return [
+        BenchRequest(
+            index=i, prompt=" ".join(rng.choice(WORDS) for _ in range(prompt_len_words)), max_tokens=max_tokens
+        )
+        for i in range(num_requests)
+    ]
 
 
 def jsonl_prompts(path: str | Path, num_requests: int, default_max_tokens: int) -> list[BenchRequest]:
@@ -66,15 +70,17 @@ def jsonl_prompts(path: str | Path, num_requests: int, default_max_tokens: int) 
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{path}:{number}: not JSON ({exc.msg})") from exc
         if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"]:
-            raise ConfigError(f"{path}:{number}: each line must be an object with a non-empty \"prompt\" string")
+            raise ConfigError(f'{path}:{number}: each line must be an object with a non-empty "prompt" string')
         max_tokens = obj.get("max_tokens", obj.get("output_len", default_max_tokens))
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-            raise ConfigError(f"{path}:{number}: \"max_tokens\" must be an integer >= 1")
+            raise ConfigError(f'{path}:{number}: "max_tokens" must be an integer >= 1')
         entries.append((obj["prompt"], max_tokens))
     if not entries:
         raise ConfigError(f"prompts file {path} has no prompts")
-    return [BenchRequest(index=i, prompt=entries[i % len(entries)][0], max_tokens=entries[i % len(entries)][1])
-            for i in range(num_requests)]
+    return [
+        BenchRequest(index=i, prompt=entries[i % len(entries)][0], max_tokens=entries[i % len(entries)][1])
+        for i in range(num_requests)
+    ]
 
 
 def poisson_offsets(num_requests: int, rate_per_s: float, seed: int = 0) -> list[float]:

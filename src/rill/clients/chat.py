@@ -42,10 +42,18 @@ class ChatResult:
     messages: list[dict[str, Any]] = field(default_factory=list)
 
 
-async def chat(url: str, messages: list[dict[str, Any]], *, say: bool = False, streaming: bool = True,
-               generation: dict[str, Any] | None = None, language: str | None = None, api_key: str | None = None,
-               on_text: Callable[[str], None] | None = None,
-               on_queue: Callable[[dict[str, Any]], None] | None = None) -> ChatResult:
+async def chat(
+    url: str,
+    messages: list[dict[str, Any]],
+    *,
+    say: bool = False,
+    streaming: bool = True,
+    generation: dict[str, Any] | None = None,
+    language: str | None = None,
+    api_key: str | None = None,
+    on_text: Callable[[str], None] | None = None,
+    on_queue: Callable[[dict[str, Any]], None] | None = None,
+) -> ChatResult:
     """Send one chat and collect the reply.
 
     Args:
@@ -85,8 +93,14 @@ async def chat(url: str, messages: list[dict[str, Any]], *, say: bool = False, s
     raise ChatError("the server closed the connection before the reply was done")
 
 
-def _request(messages: list[dict[str, Any]], *, say: bool, streaming: bool, generation: dict[str, Any] | None,
-             language: str | None) -> dict[str, Any]:
+def _request(
+    messages: list[dict[str, Any]],
+    *,
+    say: bool,
+    streaming: bool,
+    generation: dict[str, Any] | None,
+    language: str | None,
+) -> dict[str, Any]:
     """The ``/ws/chat`` request message."""
     tts: dict[str, Any] = {"enabled": say}
     if language:
@@ -94,8 +108,9 @@ def _request(messages: list[dict[str, Any]], *, say: bool, streaming: bool, gene
     return {"messages": messages, "streaming": streaming, "generation": generation or {}, "tts": tts}
 
 
-def _take_chunk(msg: dict[str, Any], result: ChatResult, pieces: list[np.ndarray],
-                on_text: Callable[[str], None] | None) -> None:
+def _take_chunk(
+    msg: dict[str, Any], result: ChatResult, pieces: list[np.ndarray], on_text: Callable[[str], None] | None
+) -> None:
     """Add a ``chunk``'s text delta to ``result`` (and pass it to ``on_text``) and keep its audio."""
     if msg.get("text_delta"):
         result.text += msg["text_delta"]
@@ -105,8 +120,9 @@ def _take_chunk(msg: dict[str, Any], result: ChatResult, pieces: list[np.ndarray
         pieces.append(_audio(msg["audio_data"]))
 
 
-def _take_done(msg: dict[str, Any], result: ChatResult, pieces: list[np.ndarray],
-               on_text: Callable[[str], None] | None) -> ChatResult:
+def _take_done(
+    msg: dict[str, Any], result: ChatResult, pieces: list[np.ndarray], on_text: Callable[[str], None] | None
+) -> ChatResult:
     """Complete ``result`` from ``done`` (its whole text, passed to ``on_text`` when given: a
     reply that was not streamed) and join the audio."""
     if on_text is not None:
@@ -128,7 +144,9 @@ def _audio(data: str) -> np.ndarray:
 
 def register(client_subparsers: Any) -> None:
     """Add ``rill client chat``."""
-    parser = client_subparsers.add_parser("chat", help="chat over /ws/chat; --say writes the spoken reply to a WAV file")
+    parser = client_subparsers.add_parser(
+        "chat", help="chat over /ws/chat; --say writes the spoken reply to a WAV file"
+    )
     parser.add_argument("--prompt", required=True, help="the user message")
     parser.add_argument("--system", default=None, help="a system message")
     parser.add_argument("--say", action="store_true", help="ask for speech and write it to --out")
@@ -143,22 +161,37 @@ def register(client_subparsers: Any) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
-    messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
-        [{"role": "user", "content": args.prompt}]
-    generation = {k: v for k, v in (("max_new_tokens", args.max_new_tokens), ("temperature", args.temperature))
-                  if v is not None}
+    messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+        {"role": "user", "content": args.prompt}
+    ]
+    generation = {
+        k: v for k, v in (("max_new_tokens", args.max_new_tokens), ("temperature", args.temperature)) if v is not None
+    }
 
     def show_text(delta: str) -> None:
         sys.stdout.write(delta)
         sys.stdout.flush()
 
     def show_queue(msg: dict[str, Any]) -> None:
-        print(f"[queued: position {msg['position']} of {msg['queue_length']}, about {msg['estimated_wait_s']} s]",
-              file=sys.stderr)
+        print(
+            f"[queued: position {msg['position']} of {msg['queue_length']}, about {msg['estimated_wait_s']} s]",
+            file=sys.stderr,
+        )
 
     try:
-        result = asyncio.run(chat(args.url, messages, say=args.say, streaming=not args.no_stream, generation=generation,
-                                  language=args.language, api_key=args.api_key, on_text=show_text, on_queue=show_queue))
+        result = asyncio.run(
+            chat(
+                args.url,
+                messages,
+                say=args.say,
+                streaming=not args.no_stream,
+                generation=generation,
+                language=args.language,
+                api_key=args.api_key,
+                on_text=show_text,
+                on_queue=show_queue,
+            )
+        )
     except ChatError as exc:
         print(f"\nrill client chat: error: {exc}", file=sys.stderr)
         return 1

@@ -52,19 +52,30 @@ class EvergreenError(Exception):
         self.message = message
 
 
-def prompt_message(prompt: str, *, output_id: str | None = None, config: GenerateConfig | None = None,
-                   target: str = "", role: str = "user") -> tuple[SessionMessage, str]:
+def prompt_message(
+    prompt: str,
+    *,
+    output_id: str | None = None,
+    config: GenerateConfig | None = None,
+    target: str = "",
+    role: str = "user",
+) -> tuple[SessionMessage, str]:
     """One message holding a GENERATE action and its prompt nodes; returns it and the output id."""
     ids = {name: f"{name}-{uuid.uuid4().hex[:12]}" for name in ("prompt", "text", "eot", "response")}
     output_id = output_id or ids["response"]
-    action = Action(name="GENERATE", inputs=(NamedParameter(name="prompt", id=ids["prompt"]),),
-                    outputs=(NamedParameter(name="response", id=output_id),),
-                    configs=(codec.encode_config(config),) if config is not None else (),
-                    target_spec=TargetSpec(id=target) if target else None)
+    action = Action(
+        name="GENERATE",
+        inputs=(NamedParameter(name="prompt", id=ids["prompt"]),),
+        outputs=(NamedParameter(name="response", id=output_id),),
+        configs=(codec.encode_config(config),) if config is not None else (),
+        target_spec=TargetSpec(id=target) if target else None,
+    )
     fragments = (
         NodeFragment(id=ids["prompt"], child_ids=(ids["text"], ids["eot"])),
-        NodeFragment(id=ids["text"], chunk_fragment=Chunk(metadata=ChunkMetadata(mimetype="text/plain", role=role),
-                                                           data=prompt.encode())),
+        NodeFragment(
+            id=ids["text"],
+            chunk_fragment=Chunk(metadata=ChunkMetadata(mimetype="text/plain", role=role), data=prompt.encode()),
+        ),
         NodeFragment(id=ids["eot"], chunk_fragment=Chunk(metadata=ChunkMetadata(mimetype=END_OF_TURN, role=role))),
     )
     return SessionMessage(node_fragments=fragments, actions=(action,)), output_id
@@ -153,7 +164,9 @@ class EvergreenClient:
         metadata = (("authorization", f"Bearer {self.api_key}"),) if self.api_key else None
         return Session(stub.StartSession(metadata=metadata))
 
-    async def generate(self, prompt: str, *, config: GenerateConfig | None = None, target: str = "") -> AsyncIterator[str]:
+    async def generate(
+        self, prompt: str, *, config: GenerateConfig | None = None, target: str = ""
+    ) -> AsyncIterator[str]:
         """Run one GENERATE in a new session and yield the reply's text pieces in order.
 
         Raises:
@@ -182,7 +195,9 @@ def register(client_subparsers: Any) -> None:
     """Add ``rill client evergreen``."""
     parser = client_subparsers.add_parser("evergreen", help="run a GENERATE action in an Evergreen session (gRPC)")
     parser.add_argument("--prompt", required=True, help="prompt text (one user turn)")
-    parser.add_argument("--address", default=DEFAULT_ADDRESS, help=f"gRPC address host:port (default {DEFAULT_ADDRESS})")
+    parser.add_argument(
+        "--address", default=DEFAULT_ADDRESS, help=f"gRPC address host:port (default {DEFAULT_ADDRESS})"
+    )
     parser.add_argument("--api-key", default=None, help="API key, sent as 'authorization: Bearer KEY' metadata")
     parser.add_argument("--target", default="", help="target_spec.id (default: the server's model)")
     parser.add_argument("--max-tokens", type=int, default=None, help="most tokens to generate")
@@ -194,8 +209,9 @@ def register(client_subparsers: Any) -> None:
 
 
 def _cmd_evergreen(args: argparse.Namespace) -> int:
-    config = GenerateConfig(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed)
+    config = GenerateConfig(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
+    )
     try:
         return asyncio.run(_stream(args, config))
     except KeyboardInterrupt:

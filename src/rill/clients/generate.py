@@ -79,8 +79,9 @@ class GenerateClient:
         """The next server message."""
         return json.loads(await self._ws.recv())
 
-    async def generate(self, prompt: str, *, options: dict[str, Any] | None = None, model: str | None = None,
-                       **parameters: Any) -> AsyncIterator[dict[str, Any]]:
+    async def generate(
+        self, prompt: str, *, options: dict[str, Any] | None = None, model: str | None = None, **parameters: Any
+    ) -> AsyncIterator[dict[str, Any]]:
         """Start a generation and yield its messages up to and including ``completion``.
 
         Raises ``GenerateError`` when the server sends an ``error`` for it.
@@ -146,8 +147,11 @@ class GenerateClient:
 
 
 async def _stream_to_terminal(args: argparse.Namespace) -> int:
-    parameters = {k: v for k, v in (("max_tokens", args.max_tokens), ("temperature", args.temperature),
-                                     ("seed", args.seed)) if v is not None}
+    parameters = {
+        k: v
+        for k, v in (("max_tokens", args.max_tokens), ("temperature", args.temperature), ("seed", args.seed))
+        if v is not None
+    }
     loop = asyncio.get_running_loop()
     async with GenerateClient(args.url, args.api_key) as client:
         num_interrupts = 0
@@ -171,8 +175,11 @@ async def _stream_to_terminal(args: argparse.Namespace) -> int:
                     print(f"[loading model: {msg.get('progress', 0):.0f}%]", file=sys.stderr)
                 elif msg["type"] == "completion":
                     usage = msg["usage"]
-                    print(f"\n[{msg['finish_reason']}: {usage['prompt_tokens']} prompt + "
-                          f"{usage['completion_tokens']} generated tokens]", file=sys.stderr)
+                    print(
+                        f"\n[{msg['finish_reason']}: {usage['prompt_tokens']} prompt + "
+                        f"{usage['completion_tokens']} generated tokens]",
+                        file=sys.stderr,
+                    )
         except GenerateError as exc:
             print(f"\nrill: error: {exc}", file=sys.stderr)
             return 1

@@ -138,12 +138,15 @@ class UdsClient:
 
 # -- rill client uds -----------------------------------------------------------------------
 
+
 def register(client_subparsers: Any) -> None:
     """Add ``rill client uds`` (the flags of uma-serve's ``uma-cli``)."""
     parser = client_subparsers.add_parser(
-        "uds", help="framed-JSON client for the Unix socket",
+        "uds",
+        help="framed-JSON client for the Unix socket",
         description="Send one prompt over rill's Unix socket and stream the answer to stdout. Exit codes: "
-                    "0 eos, 1 usage, 2 error event, 3 connection or framing error, 130 interrupted (Ctrl-C).")
+        "0 eos, 1 usage, 2 error event, 3 connection or framing error, 130 interrupted (Ctrl-C).",
+    )
     parser.add_argument("--prompt", help="text to generate from (required unless --metrics)")
     parser.add_argument("--socket", default=DEFAULT_SOCKET, help=f"Unix socket path (default: {DEFAULT_SOCKET})")
     parser.add_argument("--id", help="request id (default: req-<pid>-<time>)")
@@ -152,8 +155,11 @@ def register(client_subparsers: Any) -> None:
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0)")
     parser.add_argument("--no-stream", action="store_true", help="receive the whole answer in one eos event")
     parser.add_argument("--metrics", action="store_true", help="print the server's metrics snapshot and exit")
-    parser.add_argument("--api-key", default=None, help="API key, sent as the request's 'api_key' (servers "
-                                                        "started with --api-key require it)")
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help="API key, sent as the request's 'api_key' (servers started with --api-key require it)",
+    )
     _exit_1_on_usage_errors(parser)
     parser.set_defaults(func=run)
 
@@ -198,8 +204,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_request(client: UdsClient, args: argparse.Namespace) -> int:
-    request: dict[str, Any] = {"id": args.id or f"req-{os.getpid()}-{int(time.time())}", "prompt": args.prompt,
-                               "stream": not args.no_stream, "temperature": args.temp, "top_p": args.top_p}
+    request: dict[str, Any] = {
+        "id": args.id or f"req-{os.getpid()}-{int(time.time())}",
+        "prompt": args.prompt,
+        "stream": not args.no_stream,
+        "temperature": args.temp,
+        "top_p": args.top_p,
+    }
     if args.max_tokens > 0:
         request["max_tokens"] = args.max_tokens
     if args.api_key:

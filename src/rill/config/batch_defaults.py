@@ -32,7 +32,9 @@ class SamplingDefaults:
     length_penalty: float = 1.0
 
 
-def sampling_defaults(env: Mapping[str, str] | None = None, dotenv_path: str | Path | None = ".env") -> SamplingDefaults:
+def sampling_defaults(
+    env: Mapping[str, str] | None = None, dotenv_path: str | Path | None = ".env"
+) -> SamplingDefaults:
     """The batch ``/ws`` generation defaults from the environment and a ``.env`` file.
 
     Args:
@@ -57,7 +59,9 @@ def sampling_defaults(env: Mapping[str, str] | None = None, dotenv_path: str | P
     values: dict[str, Any] = {}
     for f in dataclasses.fields(SamplingDefaults):
         for layer in layers:
-            name = next((n for n in (f"RILL_DEFAULT_{f.name.upper()}", f"MODEL_DEFAULT_{f.name.upper()}") if n in layer), None)
+            name = next(
+                (n for n in (f"RILL_DEFAULT_{f.name.upper()}", f"MODEL_DEFAULT_{f.name.upper()}") if n in layer), None
+            )
             if name is not None:
                 values[f.name] = convert(layer[name].strip(), hints[f.name], f"environment variable {name}")
                 break

@@ -20,9 +20,16 @@ def validate(config: ServerConfig) -> None:
     _validate_http(config.http)
     _validate_policy(config.policy)
     _validate_stores(config.http, config.chat)
-    _at_least_one(config.evergreen, "evergreen_max_depth", "evergreen_max_nodes", "evergreen_max_bytes",
-                  "evergreen_max_actions", "evergreen_max_fragments", "evergreen_max_id_bytes",
-                  "evergreen_max_prompt_bytes")
+    _at_least_one(
+        config.evergreen,
+        "evergreen_max_depth",
+        "evergreen_max_nodes",
+        "evergreen_max_bytes",
+        "evergreen_max_actions",
+        "evergreen_max_fragments",
+        "evergreen_max_id_bytes",
+        "evergreen_max_prompt_bytes",
+    )
     _at_least_one(config.connections, "max_connections", "max_connections_per_client")
     _validate_session_memory(config.connections)
     _positive_seconds(config.connections, "first_message_timeout_s", "header_timeout_s", "body_timeout_s")
@@ -39,8 +46,16 @@ def _validate_engine(e: EngineConfig) -> None:
     _one_of("weights", e.weights, ("auto", "dense", "bf16", "int8", "int4"))
     if e.kv_cache_memory != "auto":
         parse_size(e.kv_cache_memory, "kv_cache_memory")
-    _at_least_one(e, "max_num_seqs", "max_num_batched_tokens", "max_queue", "max_prompt_chars", "tokenizer_threads",
-                  "max_prompt_logprobs_tokens", "grammar_threads")
+    _at_least_one(
+        e,
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "max_queue",
+        "max_prompt_chars",
+        "tokenizer_threads",
+        "max_prompt_logprobs_tokens",
+        "grammar_threads",
+    )
     if e.max_model_len is not None and e.max_model_len < 16:
         raise ConfigError(f"max_model_len must be >= 16, not {e.max_model_len}")
     _one_of("runner", e.runner, ("torch", "llamacpp"))
@@ -60,8 +75,9 @@ def _validate_http(h: HttpConfig) -> None:
             if entry.strip() != "*":
                 ipaddress.ip_network(entry.strip(), strict=False)
         except ValueError as exc:
-            raise ConfigError(f"forwarded_allow_ips: {entry!r} is not an IP address, a network (10.0.0.0/8) "
-                              "or '*'") from exc
+            raise ConfigError(
+                f"forwarded_allow_ips: {entry!r} is not an IP address, a network (10.0.0.0/8) or '*'"
+            ) from exc
     _one_of("tool_call_parser", h.tool_call_parser, ("auto", "none", "hermes", "llama3_json"))
     if h.log_level.lower() not in ("critical", "error", "warning", "info", "debug", "trace"):
         raise ConfigError(f"log_level must be debug, info, warning or error, not {h.log_level!r}")
@@ -96,9 +112,10 @@ def _validate_session_memory(c: ConnectionConfig) -> None:
     if c.max_session_memory_per_principal is not None:
         share = parse_size(c.max_session_memory_per_principal, "max_session_memory_per_principal")
         if not 1 <= share <= total:
-            raise ConfigError(f"max_session_memory_per_principal must be between 1 byte and max_session_memory "
-                              f"({c.max_session_memory}), not {c.max_session_memory_per_principal!r}")
-
+            raise ConfigError(
+                f"max_session_memory_per_principal must be between 1 byte and max_session_memory "
+                f"({c.max_session_memory}), not {c.max_session_memory_per_principal!r}"
+            )
 
 
 def _at_least_one(section: object, *names: str) -> None:
@@ -144,7 +161,10 @@ def _check_llamacpp_model(e: EngineConfig) -> None:
         if lookup(e.model) is not None:
             return  # a catalog name (rill models): every entry is a GGUF file
     is_gguf = path.suffix.lower() == ".gguf" or (
-        path.is_dir() and not (path / "config.json").is_file() and any(path.glob("*.gguf")))
+        path.is_dir() and not (path / "config.json").is_file() and any(path.glob("*.gguf"))
+    )
     if not is_gguf:
-        raise ConfigError(f"--runner llamacpp needs a .gguf --model (or a folder holding one), not {e.model!r}; "
-                          "use --runner torch for Hugging Face folders and the demo model")
+        raise ConfigError(
+            f"--runner llamacpp needs a .gguf --model (or a folder holding one), not {e.model!r}; "
+            "use --runner torch for Hugging Face folders and the demo model"
+        )

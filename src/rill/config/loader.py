@@ -35,17 +35,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             kind = base_type(hints[f.name])
             help_text = f"{f.metadata.get('help', '')} (default: {_default_of(f)})"
             if kind is bool:
-                group.add_argument(flag, dest=f"{area}.{f.name}", action="store_true", default=argparse.SUPPRESS, help=help_text)
+                group.add_argument(
+                    flag, dest=f"{area}.{f.name}", action="store_true", default=argparse.SUPPRESS, help=help_text
+                )
             elif f.metadata.get("repeat"):
-                group.add_argument(flag, dest=f"{area}.{f.name}", action="append", default=argparse.SUPPRESS,
-                                   metavar=f.name.upper(), help=help_text)
+                group.add_argument(
+                    flag,
+                    dest=f"{area}.{f.name}",
+                    action="append",
+                    default=argparse.SUPPRESS,
+                    metavar=f.name.upper(),
+                    help=help_text,
+                )
             else:
                 # metavar: without it argparse shows the dest, e.g. HTTP.MAX_TOKENS_CAP
-                group.add_argument(flag, dest=f"{area}.{f.name}", default=argparse.SUPPRESS, metavar=f.name.upper(),
-                                   help=help_text)
+                group.add_argument(
+                    flag, dest=f"{area}.{f.name}", default=argparse.SUPPRESS, metavar=f.name.upper(), help=help_text
+                )
 
 
-def load(args: argparse.Namespace | Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None) -> ServerConfig:
+def load(
+    args: argparse.Namespace | Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None
+) -> ServerConfig:
     """Build the effective config from flags, environment and an optional TOML file."""
     flag_values = dict(vars(args)) if isinstance(args, argparse.Namespace) else dict(args or {})
     env = os.environ if env is None else env
@@ -69,7 +80,9 @@ def load(args: argparse.Namespace | Mapping[str, Any] | None = None, env: Mappin
     return config
 
 
-def _pick(area: str, name: str, flags: Mapping[str, Any], env: Mapping[str, str], file: Mapping[str, Any]) -> tuple[Any, str | None]:
+def _pick(
+    area: str, name: str, flags: Mapping[str, Any], env: Mapping[str, str], file: Mapping[str, Any]
+) -> tuple[Any, str | None]:
     # The second item names where the value came from, as the user wrote it, for errors.
     flag = "--" + name.replace("_", "-")
     areas = (area, FORMER_AREAS[name]) if area == "policy" and name in FORMER_AREAS else (area,)
@@ -110,10 +123,14 @@ def _check_file_keys(path: str, values: Mapping[str, Any]) -> None:
             known |= {name for name, former in FORMER_AREAS.items() if former == key}
             for name in value:
                 if name not in known:
-                    raise ConfigError(f"config file {path}: unknown setting '{name}' in [{key}]{_did_you_mean(name, known)}")
+                    raise ConfigError(
+                        f"config file {path}: unknown setting '{name}' in [{key}]{_did_you_mean(name, known)}"
+                    )
         elif key not in every_field:
             what = "section" if isinstance(value, dict) else "setting"
-            raise ConfigError(f"config file {path}: unknown {what} '{key}'{_did_you_mean(key, every_field | set(AREAS))}")
+            raise ConfigError(
+                f"config file {path}: unknown {what} '{key}'{_did_you_mean(key, every_field | set(AREAS))}"
+            )
 
 
 def _did_you_mean(name: str, known: set[str]) -> str:

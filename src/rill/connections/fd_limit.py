@@ -31,7 +31,12 @@ def raise_fd_limit(max_connections: int) -> int:
         except (ValueError, OSError) as exc:
             log.warning("cannot raise the open-file limit to %d: %s", target, exc)
     if soft != resource.RLIM_INFINITY and soft < wanted:
-        log.warning("the open-file limit (%d) is below --max-connections %d + %d reserved: connections are "
-                    "capped at %d; raise the limit (ulimit -n) for more", soft, max_connections, FD_RESERVE,
-                    max(1, soft - FD_RESERVE))
+        log.warning(
+            "the open-file limit (%d) is below --max-connections %d + %d reserved: connections are "
+            "capped at %d; raise the limit (ulimit -n) for more",
+            soft,
+            max_connections,
+            FD_RESERVE,
+            max(1, soft - FD_RESERVE),
+        )
     return soft

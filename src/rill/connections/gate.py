@@ -118,8 +118,9 @@ class ConnectionGate:
                 raise TooManyConnections(f"the server holds its limit of {self.max_total} connections; retry later")
         if over_own_limit:
             self._refuse()
-            raise TooManyConnections(f"too many connections from {client} (at most {self.max_per_client}); "
-                                     "close some or retry later")
+            raise TooManyConnections(
+                f"too many connections from {client} (at most {self.max_per_client}); close some or retry later"
+            )
         if victim is not None:
             self._evict(victim)
         self.total += 1
@@ -153,8 +154,11 @@ class ConnectionGate:
         share = self.fair_share(newcomer)
         if groups.get(newcomer, 0) >= share:
             return None
-        candidates = [(count, group) for group, count in groups.items()
-                      if count > share and group != newcomer and self._idle.get(group)]
+        candidates = [
+            (count, group)
+            for group, count in groups.items()
+            if count > share and group != newcomer and self._idle.get(group)
+        ]
         if not candidates:
             return None
         _, group = max(candidates)
@@ -174,9 +178,14 @@ class ConnectionGate:
         now = time.monotonic()
         if now - self._last_warning >= REFUSAL_LOG_INTERVAL_S:
             self._last_warning = now
-            log.warning("at the limit of %d connections: closing an idle connection of %s (holding %d, over its "
-                        "fair share) to let another address in; %d closed so far", self.max_total, lease.client,
-                        self.per_client.get(lease.client or "", 0), self.evicted)
+            log.warning(
+                "at the limit of %d connections: closing an idle connection of %s (holding %d, over its "
+                "fair share) to let another address in; %d closed so far",
+                self.max_total,
+                lease.client,
+                self.per_client.get(lease.client or "", 0),
+                self.evicted,
+            )
         evict = lease.evict
         lease.release()  # its place is free now, whenever the socket actually goes
         try:
@@ -198,8 +207,13 @@ class ConnectionGate:
         now = time.monotonic()
         if now - self._last_warning >= REFUSAL_LOG_INTERVAL_S:
             self._last_warning = now
-            log.warning("refusing connections: %d open (limit %d, %d per client); %d refused so far",
-                        self.total, self.max_total, self.max_per_client, self.refused)
+            log.warning(
+                "refusing connections: %d open (limit %d, %d per client); %d refused so far",
+                self.total,
+                self.max_total,
+                self.max_per_client,
+                self.refused,
+            )
 
     def http_connection(self, scope: MutableMapping[str, Any]) -> GuardedProtocol | None:
         """The HTTP-port connection an ASGI ``scope`` arrived on (None if unknown)."""

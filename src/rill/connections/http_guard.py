@@ -28,8 +28,12 @@ _REASONS = {408: "Request Timeout", 503: "Service Unavailable"}
 def _raw_response(render: ErrorRenderer, exc: TooManyConnections | IdleTimeout) -> bytes:
     """A whole HTTP/1.1 error response for ``exc``, as the HTTP routes answer it (``render``)."""
     status, wire_headers, body = render(exc)
-    headers = {**wire_headers, "content-type": "application/json", "content-length": str(len(body)),
-               "connection": "close"}
+    headers = {
+        **wire_headers,
+        "content-type": "application/json",
+        "content-length": str(len(body)),
+        "connection": "close",
+    }
     head = f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\n"
     head += "".join(f"{name.lower()}: {value}\r\n" for name, value in headers.items())
     return head.encode("latin-1") + b"\r\n" + body
@@ -64,8 +68,9 @@ class GuardedProtocol(asyncio.Protocol):
         render_error: writes the 503 and 408 answers (status, headers, JSON body).
     """
 
-    def __init__(self, inner: asyncio.Protocol, gate: ConnectionGate, header_timeout_s: float,
-                 render_error: ErrorRenderer) -> None:
+    def __init__(
+        self, inner: asyncio.Protocol, gate: ConnectionGate, header_timeout_s: float, render_error: ErrorRenderer
+    ) -> None:
         self.inner = inner
         self.gate = gate
         self.header_timeout_s = header_timeout_s
@@ -207,8 +212,9 @@ class GuardedProtocol(asyncio.Protocol):
         transport.close()
 
 
-def http_protocol_factory(gate: ConnectionGate, header_timeout_s: float, render_error: ErrorRenderer,
-                          inner_class: Any = None) -> Callable[..., asyncio.Protocol]:
+def http_protocol_factory(
+    gate: ConnectionGate, header_timeout_s: float, render_error: ErrorRenderer, inner_class: Any = None
+) -> Callable[..., asyncio.Protocol]:
     """A uvicorn ``http=`` protocol class stand-in: its protocol wrapped in ``GuardedProtocol``.
 
     Args:

@@ -173,7 +173,9 @@ def build_demo_model(
         config = model_config(tokenizer.get_vocab_size(), model_overrides)
         model = build_model(config, "float32", "cpu", seed=seed)
         budget = None if time_budget_s is None else max(1.0, time_budget_s - (time.monotonic() - start) - 3.0)
-        train_config = TrainConfig(**({"steps": steps, "time_budget_s": budget, "seed": seed} | (train_overrides or {})))
+        train_config = TrainConfig(
+            **({"steps": steps, "time_budget_s": budget, "seed": seed} | (train_overrides or {}))
+        )
         train_tokens, holdout = split_holdout(tokens, min_tokens=train_config.seq_len + 1)
         bar.stage("training", _TOKENIZER_END)
         result = train(model, train_tokens, train_config, bar.training, holdout)  # type: ignore[arg-type]
@@ -187,8 +189,13 @@ class _Progress:
     """One tqdm bar for the whole build (stage in the description), plus an optional callback."""
 
     def __init__(self, show: bool, report: ReportFn | None) -> None:
-        self.bar = tqdm(total=100.0, unit="%", disable=not show, file=sys.stderr,
-                        bar_format="{desc}{percentage:3.0f}%|{bar}| {elapsed}<{remaining}{postfix}")
+        self.bar = tqdm(
+            total=100.0,
+            unit="%",
+            disable=not show,
+            file=sys.stderr,
+            bar_format="{desc}{percentage:3.0f}%|{bar}| {elapsed}<{remaining}{postfix}",
+        )
         self.report = report
         self.percent = 0.0
 
@@ -216,11 +223,22 @@ class _Progress:
             self.report(percent, text)
 
 
-def _save(folder: Path, model: torch.nn.Module, config: dict[str, Any], tokenizer: Any,
-          result: TrainResult, train_config: TrainConfig, save_checkpoint: Any) -> None:
+def _save(
+    folder: Path,
+    model: torch.nn.Module,
+    config: dict[str, Any],
+    tokenizer: Any,
+    result: TrainResult,
+    train_config: TrainConfig,
+    save_checkpoint: Any,
+) -> None:
     ids = tk.special_token_ids(tokenizer)
-    generation = {"bos_token_id": ids[tk.BOS], "eos_token_id": [ids[tk.EOS], ids[tk.END]],
-                  "pad_token_id": ids[tk.PAD], **GENERATION_CONFIG}
+    generation = {
+        "bos_token_id": ids[tk.BOS],
+        "eos_token_id": [ids[tk.EOS], ids[tk.END]],
+        "pad_token_id": ids[tk.PAD],
+        **GENERATION_CONFIG,
+    }
     save_checkpoint(model, config, folder, generation)
     tk.save_tokenizer(tokenizer, folder, MAX_CONTEXT_TOKENS)
     num_params = sum(p.numel() for p in model.parameters())

@@ -109,8 +109,13 @@ def plot_lost(s: Story, hero: Character, place: str, thing: str) -> None:
     s.para()
     s.say(hero, f"Thank you, {helper.address}!")
     s.add(f"{hero.ref} gave {helper.ref} a big hug.", f"{hero.ref} was so happy.")
-    close_story(s, (f"From that day on, {hero.ref} always kept {hero.his} {thing} close.",
-                    "Friends help each other when things go wrong."))
+    close_story(
+        s,
+        (
+            f"From that day on, {hero.ref} always kept {hero.his} {thing} close.",
+            "Friends help each other when things go wrong.",
+        ),
+    )
 
 
 def plot_share(s: Story, hero: Character, place: str, thing: str) -> None:
@@ -172,8 +177,13 @@ def plot_brave(s: Story, hero: Character, place: str, thing: str) -> None:
     s.para()
     s.say(hero, "I did it! I am not scared anymore!", "shouted")
     s.add(f"{elder.ref} was very proud of {hero.him}.")
-    close_story(s, (f"{hero.ref} learned that being brave is not easy, but it is good.",
-                    "Sometimes the things we fear are not so bad."))
+    close_story(
+        s,
+        (
+            f"{hero.ref} learned that being brave is not easy, but it is good.",
+            "Sometimes the things we fear are not so bad.",
+        ),
+    )
 
 
 def plot_rain(s: Story, hero: Character, place: str, thing: str) -> None:
@@ -252,8 +262,7 @@ def plot_trip(s: Story, hero: Character, place: str, thing: str) -> None:
     s.add(f"{hero.ref} also found {rng.choice(lx.SURPRISES)}.")
     s.add("When the sun went down, they went home.")
     s.add(f"{hero.ref} was tired but happy.")
-    close_story(s, (f"That night, {hero.he} dreamed about the {place}.",
-                    f"It was a day {hero.he} would never forget."))
+    close_story(s, (f"That night, {hero.he} dreamed about the {place}.", f"It was a day {hero.he} would never forget."))
 
 
 def plot_mistake(s: Story, hero: Character, place: str, thing: str) -> None:
@@ -324,9 +333,18 @@ def plot_race(s: Story, hero: Character, place: str, thing: str) -> None:
 
 Plot = Callable[[Story, Character, str, str], None]
 PLOTS: dict[str, Plot] = {
-    "lost": plot_lost, "sharing": plot_share, "friendship": plot_friend, "brave": plot_brave,
-    "rain": plot_rain, "helping": plot_help, "birthday": plot_gift, "trip": plot_trip,
-    "truth": plot_mistake, "trying": plot_learn, "surprise": plot_surprise, "race": plot_race,
+    "lost": plot_lost,
+    "sharing": plot_share,
+    "friendship": plot_friend,
+    "brave": plot_brave,
+    "rain": plot_rain,
+    "helping": plot_help,
+    "birthday": plot_gift,
+    "trip": plot_trip,
+    "truth": plot_mistake,
+    "trying": plot_learn,
+    "surprise": plot_surprise,
+    "race": plot_race,
 }
 THING_PLOTS = ("lost", "sharing", "truth")  # plots in which the toy matters
 INDOOR_PLOTS = ("sharing", "surprise", "truth")  # plots that read well in any place

@@ -83,7 +83,9 @@ def pack_documents(docs: list[list[int]], bos_id: int, eos_id: int) -> torch.Ten
     return torch.tensor(flat, dtype=torch.long)
 
 
-def split_holdout(tokens: torch.Tensor, fraction: float = 0.02, min_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def split_holdout(
+    tokens: torch.Tensor, fraction: float = 0.02, min_tokens: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Split packed tokens into (train, held-out); the held-out part is the tail."""
     num_holdout = max(int(len(tokens) * fraction), min_tokens)
     return tokens[:-num_holdout], tokens[-num_holdout:]
@@ -267,7 +269,9 @@ def _loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, use_bf1
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, tokens: torch.Tensor, config: TrainConfig, use_bf16: bool, max_windows: int = 32) -> float:
+def evaluate(
+    model: nn.Module, tokens: torch.Tensor, config: TrainConfig, use_bf16: bool, max_windows: int = 32
+) -> float:
     """Mean next-token loss over consecutive non-overlapping windows of ``tokens``."""
     model.eval()
     num_windows = min(max_windows, (len(tokens) - 1) // config.seq_len)

@@ -53,8 +53,7 @@ class RowWork:
         return 1 if self.need_logits else 0
 
 
-def check_work(work: Sequence[RowWork], num_rows: int, max_len: int,
-               lengths: Sequence[int] | None = None) -> None:
+def check_work(work: Sequence[RowWork], num_rows: int, max_len: int, lengths: Sequence[int] | None = None) -> None:
     """Refuse one step's work that breaks the runner contract, before any KV is written.
 
     Every runner calls it: each row in range and scheduled at most once, each item's tokens
@@ -70,10 +69,13 @@ def check_work(work: Sequence[RowWork], num_rows: int, max_len: int,
             raise ValueError(f"row {item.row} is out of range or scheduled twice in one step")
         if not item.token_ids or item.start < 0 or item.start + len(item.token_ids) > max_len:
             raise ValueError(
-                f"row {item.row}: {len(item.token_ids)} tokens at start {item.start} do not fit in max_len {max_len}")
+                f"row {item.row}: {len(item.token_ids)} tokens at start {item.start} do not fit in max_len {max_len}"
+            )
         if lengths is not None and item.start > lengths[item.row]:
-            raise ValueError(f"row {item.row} holds {lengths[item.row]} tokens; work at position "
-                             f"{item.start} would leave a gap of positions never written")
+            raise ValueError(
+                f"row {item.row} holds {lengths[item.row]} tokens; work at position "
+                f"{item.start} would leave a gap of positions never written"
+            )
         seen.add(item.row)
 
 

@@ -51,7 +51,14 @@ class Beam:
 class BeamSearch:
     """State of one beam-search request."""
 
-    def __init__(self, num_beams: int, length_penalty: float, early_stopping: bool, eos_token_ids: frozenset[int], max_tokens: int) -> None:
+    def __init__(
+        self,
+        num_beams: int,
+        length_penalty: float,
+        early_stopping: bool,
+        eos_token_ids: frozenset[int],
+        max_tokens: int,
+    ) -> None:
         self.num_beams = num_beams
         self.length_penalty = length_penalty
         self.early_stopping = early_stopping
@@ -110,7 +117,9 @@ class BeamSearch:
             self.is_done = True
         return new
 
-    def plan_rows(self, new: list[tuple[int, int, float]], spare_rows: list[int]) -> tuple[list[Beam], list[tuple[int, int, int]], list[int]]:
+    def plan_rows(
+        self, new: list[tuple[int, int, float]], spare_rows: list[int]
+    ) -> tuple[list[Beam], list[tuple[int, int, int]], list[int]]:
         """Apply ``new`` beams: returns (beams, copies ``(src_row, dst_row, num_tokens)``,
         rows left unused).
 
@@ -132,7 +141,15 @@ class BeamSearch:
                 row = spare.pop()
                 copies.append((p.row, row, p.num_computed))
             used.add(row)
-            beams.append(Beam(row=row, prompt_ids=p.prompt_ids, tokens=p.tokens + [token], score=score, num_computed=p.num_computed))
+            beams.append(
+                Beam(
+                    row=row,
+                    prompt_ids=p.prompt_ids,
+                    tokens=p.tokens + [token],
+                    score=score,
+                    num_computed=p.num_computed,
+                )
+            )
         self.beams = beams
         return beams, copies, spare
 

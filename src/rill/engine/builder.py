@@ -39,7 +39,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("rill.engine")
 
 
-
 @dataclass
 class Engine:
     """A model ready to step: the core, its runner and tokenizer, and the model's facts.
@@ -102,17 +101,36 @@ def assemble_engine(
     """
     eos = frozenset(set(eos_token_ids) | set(tokenizer.eos_token_ids))
     grammars = _grammar_compiler(tokenizer, runner.vocab_size, eos, warm=warm_grammars)
-    core_config = CoreConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-                             speculative=speculative_config(config),
-                             max_cached_tokens=parse_size(config.prefix_cache_memory, "prefix_cache_memory")
-                             // max(1, runner.kv_bytes_per_token))
-    core = EngineCore(runner, tokenizer, core_config, clock or time.monotonic, thread_governor, draft_runner=draft_runner)
-    model_info = ModelInfo(name=config.served_model_name or name, architecture=architecture,
-                           max_context_tokens=runner.max_len, vocab_size=runner.vocab_size, dtype=dtype, device=device,
-                           quantization=quantization, has_chat_template=tokenizer.has_chat_template,
-                           tool_call_format=_tool_call_format(tokenizer))
-    return Engine(core=core, runner=runner, tokenizer=tokenizer, grammars=grammars, eos_token_ids=eos,
-                  model_info=model_info, generation_defaults=dict(generation_defaults or {}))
+    core_config = CoreConfig(
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        speculative=speculative_config(config),
+        max_cached_tokens=parse_size(config.prefix_cache_memory, "prefix_cache_memory")
+        // max(1, runner.kv_bytes_per_token),
+    )
+    core = EngineCore(
+        runner, tokenizer, core_config, clock or time.monotonic, thread_governor, draft_runner=draft_runner
+    )
+    model_info = ModelInfo(
+        name=config.served_model_name or name,
+        architecture=architecture,
+        max_context_tokens=runner.max_len,
+        vocab_size=runner.vocab_size,
+        dtype=dtype,
+        device=device,
+        quantization=quantization,
+        has_chat_template=tokenizer.has_chat_template,
+        tool_call_format=_tool_call_format(tokenizer),
+    )
+    return Engine(
+        core=core,
+        runner=runner,
+        tokenizer=tokenizer,
+        grammars=grammars,
+        eos_token_ids=eos,
+        model_info=model_info,
+        generation_defaults=dict(generation_defaults or {}),
+    )
 
 
 def speculative_config(config: EngineConfig) -> SpeculativeConfig:
@@ -129,8 +147,9 @@ def speculative_config(config: EngineConfig) -> SpeculativeConfig:
     elif method == "draft":
         raise ConfigError("--speculative draft needs a --draft-model")
     try:
-        return SpeculativeConfig(method=method, num_tokens=config.num_speculative_tokens,
-                                 max_batch=config.speculative_max_batch)
+        return SpeculativeConfig(
+            method=method, num_tokens=config.num_speculative_tokens, max_batch=config.speculative_max_batch
+        )
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
 
@@ -175,24 +194,36 @@ def _build_torch_engine(config: EngineConfig, report: Progress) -> Engine:
     path, loaded, tokenizer = _load_torch_model(config, report)
     mc = loaded.config
     max_len = sizing.max_len(config, mc)
-    num_rows = sizing.cache_rows(config, mc.kv_bytes_per_token(), max_len, lazy=torch.device(config.device).type == "cpu")
+    num_rows = sizing.cache_rows(
+        config, mc.kv_bytes_per_token(), max_len, lazy=torch.device(config.device).type == "cpu"
+    )
     report(90.0, "allocating KV cache")
     governor = default_governor(threads, config.num_threads, torch.set_num_threads)
     num_parameters = sizing.parameter_count(loaded.model)  # before packing frees the originals
     runner = TorchModelRunner(loaded, num_rows=num_rows, max_len=max_len)
     if runner.packed_weight_bytes:
-        log.info("weights packed for oneDNN's CPU kernels (originals freed; the tied LM head kept in both forms): "
-                 "+%.0f MiB", runner.packed_weight_bytes / 2**20)
+        log.info(
+            "weights packed for oneDNN's CPU kernels (originals freed; the tied LM head kept in both forms): +%.0f MiB",
+            runner.packed_weight_bytes / 2**20,
+        )
     report(95.0, "warming up")
-    _warm_up(runner, sizing.warm_up_tokens(config.max_num_batched_tokens, num_parameters), config.max_num_seqs, governor)
+    _warm_up(
+        runner, sizing.warm_up_tokens(config.max_num_batched_tokens, num_parameters), config.max_num_seqs, governor
+    )
     draft_runner = _draft_runner(config, tokenizer, runner, report) if config.draft_model else None
     engine = assemble_engine(
-        config, runner, tokenizer,
+        config,
+        runner,
+        tokenizer,
         name=served_name(config.model, path),
-        architecture=mc.architecture, dtype=mc.dtype, device=mc.device,
+        architecture=mc.architecture,
+        dtype=mc.dtype,
+        device=mc.device,
         quantization=None if loaded.weights == "dense" else loaded.weights,
-        eos_token_ids=mc.eos_token_ids, generation_defaults=mc.generation_defaults,
-        thread_governor=governor, draft_runner=draft_runner,
+        eos_token_ids=mc.eos_token_ids,
+        generation_defaults=mc.generation_defaults,
+        thread_governor=governor,
+        draft_runner=draft_runner,
     )
     report(100.0, "ready")
     return engine
@@ -208,10 +239,19 @@ def _load_torch_model(config: EngineConfig, report: Progress) -> tuple[Path, Loa
     path = model_path(config.model, report)
     report(60.0, "loading weights")
     # Weights first: load_model names a missing folder, config or architecture best.
-    loaded = load_model(path, dtype=config.dtype, device=config.device, weights=config.weights,
-                        progress=lambda done, stage: report(60.0 + 25.0 * done, stage))
-    log.info("weights: %s (--weights %s%s)", loaded.weights, config.weights,
-             AUTO_WEIGHTS_REASON if config.weights == "auto" else "")
+    loaded = load_model(
+        path,
+        dtype=config.dtype,
+        device=config.device,
+        weights=config.weights,
+        progress=lambda done, stage: report(60.0 + 25.0 * done, stage),
+    )
+    log.info(
+        "weights: %s (--weights %s%s)",
+        loaded.weights,
+        config.weights,
+        AUTO_WEIGHTS_REASON if config.weights == "auto" else "",
+    )
     # Loading's float32 copies are freed by now: return them, then keep step memory from here on.
     release_free_memory()
     log.info(tune_allocator())
@@ -228,8 +268,13 @@ def _warm_up(runner: TorchModelRunner, num_tokens: int, max_rows: int, governor:
 
     rows, tokens, prefill_s, decode_s = governor.judge(warm_up) if governor is not None else warm_up()
     if tokens:
-        log.info("warm-up: a prefill step of %d rows, %d tokens, in %.2f s, then a decode step in %.0f ms",
-                 rows, tokens, prefill_s, decode_s * 1000)
+        log.info(
+            "warm-up: a prefill step of %d rows, %d tokens, in %.2f s, then a decode step in %.0f ms",
+            rows,
+            tokens,
+            prefill_s,
+            decode_s * 1000,
+        )
 
 
 def _draft_runner(config: EngineConfig, tokenizer: Any, target: ModelRunner, report: Progress) -> ModelRunner:
@@ -248,11 +293,14 @@ def _draft_runner(config: EngineConfig, tokenizer: Any, target: ModelRunner, rep
     loaded = load_model(path, dtype=config.dtype, device=config.device, weights=config.weights)
     draft_tokenizer = loaded.tokenizer or Tokenizer.from_folder(path)
     if draft_tokenizer.backend.get_vocab() != tokenizer.backend.get_vocab():
-        raise ModelLoadError(f"the draft model {config.draft_model} has another tokenizer than the model; "
-                             "speculative decoding needs the same vocabulary")
+        raise ModelLoadError(
+            f"the draft model {config.draft_model} has another tokenizer than the model; "
+            "speculative decoding needs the same vocabulary"
+        )
     runner = TorchModelRunner(loaded, num_rows=target.num_rows, max_len=target.max_len)
-    log.info("draft model: %s (%s weights), %d KV rows of %d tokens", path, loaded.weights, runner.num_rows,
-             runner.max_len)
+    log.info(
+        "draft model: %s (%s weights), %d KV rows of %d tokens", path, loaded.weights, runner.num_rows, runner.max_len
+    )
     return runner
 
 
@@ -276,25 +324,39 @@ def _build_llamacpp_engine(config: EngineConfig, progress: Progress | None) -> E
     mc = parse_config(checkpoint.hf_config, checkpoint.generation_config, source=str(file))
     tokenizer = checkpoint.tokenizer()
     max_len = sizing.max_len(config, mc)
-    num_rows = sizing.cache_rows(config, mc.kv_bytes_per_token(torch.float16), max_len, limit=MAX_SEQUENCES,
-                           lazy=False)  # llama.cpp's F16 cache is resident from the start
+    num_rows = sizing.cache_rows(
+        config, mc.kv_bytes_per_token(torch.float16), max_len, limit=MAX_SEQUENCES, lazy=False
+    )  # llama.cpp's F16 cache is resident from the start
     report(30.0, "loading the model into llama.cpp")
-    runner = LlamaCppRunner(file, num_rows=num_rows, max_len=max_len, num_threads=threads.num_threads,
-                            batch_tokens=min(config.max_num_batched_tokens, 2048))
+    runner = LlamaCppRunner(
+        file,
+        num_rows=num_rows,
+        max_len=max_len,
+        num_threads=threads.num_threads,
+        batch_tokens=min(config.max_num_batched_tokens, 2048),
+    )
     engine = assemble_engine(
-        config, runner, tokenizer,
-        name=name, architecture=mc.architecture, dtype="float32", device="cpu",
+        config,
+        runner,
+        tokenizer,
+        name=name,
+        architecture=mc.architecture,
+        dtype="float32",
+        device="cpu",
         quantization=_quantization(checkpoint.tensor_types()),
-        eos_token_ids=mc.eos_token_ids, generation_defaults=mc.generation_defaults,
+        eos_token_ids=mc.eos_token_ids,
+        generation_defaults=mc.generation_defaults,
         thread_governor=default_governor(threads, config.num_threads, runner.set_num_threads),
     )
     report(100.0, "ready")
     return engine
 
 
-AUTO_WEIGHTS_REASON = (": a GGUF file's Q4 matrices stay int4 (Q4_K with its own scales), its Q6_K ones 6-bit "
-                       "where rill's kernel runs and its other quantized ones become int8, so the weights take "
-                       "about the file's size; float tensors and folders stay dense")
+AUTO_WEIGHTS_REASON = (
+    ": a GGUF file's Q4 matrices stay int4 (Q4_K with its own scales), its Q6_K ones 6-bit "
+    "where rill's kernel runs and its other quantized ones become int8, so the weights take "
+    "about the file's size; float tensors and folders stay dense"
+)
 """Why ``--weights auto`` chose what it did (logged at start)."""
 
 

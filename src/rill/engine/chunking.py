@@ -52,7 +52,9 @@ class PrefillChunkTuner:
             if plan.num_draft_tokens:  # a verification step: what a plain step would have cost
                 plain_s = elapsed_s / step_cost(max(len(item.draft) for item in plan.scheduled))
             alpha = DECODE_STEP_ALPHA
-            self.decode_step_s = plain_s if self.decode_step_s is None else (1 - alpha) * self.decode_step_s + alpha * plain_s
+            self.decode_step_s = (
+                plain_s if self.decode_step_s is None else (1 - alpha) * self.decode_step_s + alpha * plain_s
+            )
         elif plan.num_prefill_tokens and plan.num_decode_tokens and self.decode_step_s:
             ratio = elapsed_s / self.decode_step_s
             if ratio > ITL_TARGET_HIGH:

@@ -86,25 +86,40 @@ class EngineCore:
     ``LlamaCppRunner.set_num_threads``).
     """
 
-    def __init__(self, runner: ModelRunner, tokenizer: Any, config: CoreConfig = CoreConfig(),
-                 clock: Callable[[], float] = time.monotonic,
-                 thread_governor: ThreadGovernor | None = None, draft_runner: ModelRunner | None = None) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        tokenizer: Any,
+        config: CoreConfig = CoreConfig(),
+        clock: Callable[[], float] = time.monotonic,
+        thread_governor: ThreadGovernor | None = None,
+        draft_runner: ModelRunner | None = None,
+    ) -> None:
         self.runner = runner
         self.thread_governor = thread_governor
         self.tokenizer = tokenizer
         self.config = config
         self.clock = clock
         self.max_len = runner.max_len
-        self.kv = KVManager(runner.num_rows, runner.max_len, runner.kv_bytes_per_token, min_reuse_tokens=config.min_reuse_tokens,
-                            pack_rows=runner.packs_rows, discard=runner.discard,
-                            max_cached_tokens=config.max_cached_tokens)
-        self.scheduler = Scheduler(self.kv, runner.copy_row, min(config.max_num_seqs, runner.num_rows), config.max_num_batched_tokens)
+        self.kv = KVManager(
+            runner.num_rows,
+            runner.max_len,
+            runner.kv_bytes_per_token,
+            min_reuse_tokens=config.min_reuse_tokens,
+            pack_rows=runner.packs_rows,
+            discard=runner.discard,
+            max_cached_tokens=config.max_cached_tokens,
+        )
+        self.scheduler = Scheduler(
+            self.kv, runner.copy_row, min(config.max_num_seqs, runner.num_rows), config.max_num_batched_tokens
+        )
         self.scheduler.prefill_chunk_tokens = min(128, config.max_num_batched_tokens)
         self.scheduler.max_logits_chunk_tokens = max(16, PROMPT_LOGITS_BUDGET // max(1, runner.vocab_size))
         num_keys = runner.num_rows + 2 * config.max_num_seqs
         self.sampler = Sampler(runner.vocab_size, num_keys, device=runner.device)
-        self.speculator = (Speculator(config.speculative, draft_runner, runner.vocab_size)
-                           if config.speculative.enabled else None)
+        self.speculator = (
+            Speculator(config.speculative, draft_runner, runner.vocab_size) if config.speculative.enabled else None
+        )
         self.stats_counters = EngineStats()
         self.ledger = RequestLedger(self.scheduler, self.sampler, self.kv, self.stats_counters)
         self.chunk_tuner = PrefillChunkTuner(config.min_prefill_chunk_tokens, config.max_num_batched_tokens)
@@ -244,8 +259,12 @@ class EngineCore:
                 log.exception("engine step failed; failing the %d requests of the step", len(plan.scheduled))
                 for item in plan.scheduled:
                     if not item.request.is_finished:
-                        self.ledger.fail(item.request, "generating", self.ledger.rows_of(item.request),
-                                   message="the engine step failed while generating")
+                        self.ledger.fail(
+                            item.request,
+                            "generating",
+                            self.ledger.rows_of(item.request),
+                            message="the engine step failed while generating",
+                        )
         return self.ledger.take_outputs()
 
     def _run(self, plan: SchedulerOutput) -> None:
@@ -272,8 +291,9 @@ class EngineCore:
 
     def _on_scheduled(self, request: Request) -> None:
         if request.sampler_key is None and not request.is_beam:
-            request.sampler_key = self.sampler.open(request.params, request.prompt_ids, set(request.eos_token_ids),
-                                                    matcher=request.matcher)
+            request.sampler_key = self.sampler.open(
+                request.params, request.prompt_ids, set(request.eos_token_ids), matcher=request.matcher
+            )
             for token in request.output_ids:  # recompute after preemption keeps penalty history
                 self.sampler.record(request.sampler_key, token)
         if not request.is_scheduled_once:
@@ -302,8 +322,14 @@ class EngineCore:
                 continue
             request.num_computed += len(work.token_ids)
             if work.all_logits:
-                self.ledger.isolated(request, "computing prompt logprobs", self._on_prompt_logits, request, work.start,
-                               logits[index : index + work.num_logits])
+                self.ledger.isolated(
+                    request,
+                    "computing prompt logprobs",
+                    self._on_prompt_logits,
+                    request,
+                    work.start,
+                    logits[index : index + work.num_logits],
+                )
             index += work.num_logits
             if not work.need_logits or request.is_finished:
                 continue
@@ -320,8 +346,15 @@ class EngineCore:
         if sample_items:
             self._sample_verified(sample_items, logits, now)
         for request, start, count in beam_items:
-            self.ledger.isolated(request, "beam search", self._beam_step, request, logits[start : start + count], now,
-                           rows=self.ledger.rows_of(request))
+            self.ledger.isolated(
+                request,
+                "beam search",
+                self._beam_step,
+                request,
+                logits[start : start + count],
+                now,
+                rows=self.ledger.rows_of(request),
+            )
 
     def _sample_verified(self, items: list[tuple[Request, int, list[int]]], logits: torch.Tensor, now: float) -> None:
         """Sample every request's next token; a speculating one goes on while it matches its draft.
@@ -351,8 +384,9 @@ class EngineCore:
                     self.ledger.fail(request, "sampling", exc=result.errors[i])
                     continue
                 token = result.token_ids[i]
-                self.ledger.isolated(request, "processing its new token", self._on_token, request, token,
-                               result.logprobs[i], now)
+                self.ledger.isolated(
+                    request, "processing its new token", self._on_token, request, token, result.logprobs[i], now
+                )
                 matched = depth < len(draft) and token == draft[depth]
                 if matched and not request.is_finished:
                     request.num_computed += 1

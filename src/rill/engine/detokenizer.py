@@ -73,7 +73,7 @@ class IncrementalDetokenizer:
 
     def reset(self, prompt_ids: Sequence[int] = ()) -> None:
         """Forget generated tokens and start again after ``prompt_ids`` (regenerate)."""
-        self._window = list(prompt_ids[max(0, len(prompt_ids) - PROMPT_CONTEXT_TOKENS):])
+        self._window = list(prompt_ids[max(0, len(prompt_ids) - PROMPT_CONTEXT_TOKENS) :])
         self._num_context = len(self._window)
         # The prompt's text is context, never output: count all of it as emitted.
         self._num_emitted = self._num_chars = len(self._decode(self._window)) if self._window else 0
@@ -96,7 +96,7 @@ class IncrementalDetokenizer:
             self._window.pop()
             return ""
         self._num_chars = len(text)
-        delta = text[self._num_emitted:end] if end > self._num_emitted else ""
+        delta = text[self._num_emitted : end] if end > self._num_emitted else ""
         self._num_emitted = max(self._num_emitted, end)
         if end == len(text) and (delta or len(self._window) > MAX_WINDOW_TOKENS):
             self._slide()  # not on an empty delta: a context without text would lose spacing
@@ -109,14 +109,14 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         """Return the text still held back (a trailing incomplete character, as U+FFFD)."""
         text = self._decode(self._window)
-        delta = text[self._num_emitted:]
+        delta = text[self._num_emitted :]
         self._num_emitted = self._num_chars = len(text)
         return delta
 
     def _slide(self) -> None:
         # Everything is emitted: the tokens after the old context become the new context.
         # They start where the text was complete, so byte runs inside them stay whole.
-        window = self._window[self._num_context:]
+        window = self._window[self._num_context :]
         if len(window) > MAX_WINDOW_TOKENS:
             window = window[-1:]
         self._window = window
@@ -166,8 +166,8 @@ class StopStringMatcher:
             self.matched, self._held = stop, ""
             return buffer[:start], stop
         num_held = self._partial_suffix_len(buffer)
-        self._held = buffer[len(buffer) - num_held:] if num_held else ""
-        return buffer[:len(buffer) - num_held], None
+        self._held = buffer[len(buffer) - num_held :] if num_held else ""
+        return buffer[: len(buffer) - num_held], None
 
     def flush(self) -> str:
         """Generation ended for another reason: return the held text."""
@@ -187,7 +187,7 @@ class StopStringMatcher:
     def _partial_suffix_len(self, buffer: str) -> int:
         """Length of the longest suffix of ``buffer`` that is a proper prefix of a stop string."""
         for size in range(min(len(buffer), self._max_held), 0, -1):
-            suffix = buffer[len(buffer) - size:]
+            suffix = buffer[len(buffer) - size :]
             if any(stop.startswith(suffix) for stop in self.stops):
                 return size
         return 0

@@ -62,7 +62,7 @@ class DraftModel:
                 elapsed = time.perf_counter() - started
                 self.step_s = elapsed if self.step_s is None else 0.8 * self.step_s + 0.2 * elapsed
             first = False
-            tokens = logits[:, :self.vocab_size].argmax(dim=-1).tolist()
+            tokens = logits[:, : self.vocab_size].argmax(dim=-1).tolist()
             work, going = [], []
             for token, i in zip(tokens, live):
                 drafts[i].append(token)

@@ -145,7 +145,9 @@ def bounded(message: str) -> str:
 def constraint_failed(matcher: llguidance.LLMatcher, what: str) -> ConstraintFailed:
     """The error of a row whose grammar could not be followed while sampling (``what``
     happened); the engine ends that request with it and logs it as one short line."""
-    return ConstraintFailed(f"the response_format grammar could not be followed: {what}: {bounded(matcher.get_error())}")
+    return ConstraintFailed(
+        f"the response_format grammar could not be followed: {what}: {bounded(matcher.get_error())}"
+    )
 
 
 def _plain_added_tokens(tokenizer_json: str) -> str:

@@ -85,9 +85,16 @@ class KVManager:
     is that prefix-cache entries in low rows go first.
     """
 
-    def __init__(self, num_rows: int, max_len: int, bytes_per_token: int, min_reuse_tokens: int = 1,
-                 pack_rows: bool = False, discard: Callable[[int, int], None] | None = None,
-                 max_cached_tokens: int | None = None) -> None:
+    def __init__(
+        self,
+        num_rows: int,
+        max_len: int,
+        bytes_per_token: int,
+        min_reuse_tokens: int = 1,
+        pack_rows: bool = False,
+        discard: Callable[[int, int], None] | None = None,
+        max_cached_tokens: int | None = None,
+    ) -> None:
         """``discard(row, keep_tokens)``: the runner may give back the memory of ``row``'s
         positions from ``keep_tokens`` on (None: it cannot). ``max_cached_tokens``: the most
         tokens cache entries hold together (None: as many as the rows)."""

@@ -49,7 +49,9 @@ class RequestLedger:
         self.deadlines: dict[str, Request] = {}
 
     # -- fault isolation -----------------------------------------------------------------------
-    def isolated(self, request: Request, stage: str, fn: Callable[..., Any], *args: Any, rows: Iterable[int] = ()) -> None:
+    def isolated(
+        self, request: Request, stage: str, fn: Callable[..., Any], *args: Any, rows: Iterable[int] = ()
+    ) -> None:
         """Call ``fn(*args)``; if it raises, fail ``request`` alone (``rows``: see ``fail``)."""
         try:
             fn(*args)
@@ -69,8 +71,14 @@ class RequestLedger:
             rows.add(request.row)
         return sorted(rows)
 
-    def fail(self, request: Request, stage: str, rows: Iterable[int] = (), exc: BaseException | None = None,
-              message: str | None = None) -> None:
+    def fail(
+        self,
+        request: Request,
+        stage: str,
+        rows: Iterable[int] = (),
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> None:
         """End ``request`` with ``GenerationError`` after it raised while ``stage``; free its KV.
 
         ``rows`` (a beam request's, from ``rows_of``) are dropped: their content may be half
@@ -86,7 +94,9 @@ class RequestLedger:
                 self.finish(request, "error", error=exc, flush=False)
             return
         if exc is not None:
-            log.error("request %s failed while %s; the other requests continue", request.request_id, stage, exc_info=exc)
+            log.error(
+                "request %s failed while %s; the other requests continue", request.request_id, stage, exc_info=exc
+            )
         if request.is_finished:
             return
         self._drop_rows(request, rows)
@@ -102,8 +112,9 @@ class RequestLedger:
             request.beam, request.row = None, None  # its rows are dropped above
 
     # -- finishing ----------------------------------------------------------------------------
-    def finish(self, request: Request, reason: FinishReason, stop_reason: Any = None, error: Any = None,
-               flush: bool = True) -> None:
+    def finish(
+        self, request: Request, reason: FinishReason, stop_reason: Any = None, error: Any = None, flush: bool = True
+    ) -> None:
         """End ``request`` for ``reason``: its held text is flushed first (``flush``: a stop
         string found there makes the reason ``stop``), it leaves the scheduler (its row kept
         for the prefix cache) and the sampler, and it is counted."""
@@ -131,8 +142,15 @@ class RequestLedger:
             if request.is_finished:
                 self.deadlines.pop(request.request_id, None)
             elif now >= cast(float, request.deadline):  # self.deadlines holds only requests with one
-                self.isolated(request, "finishing", self.finish, request, "error", None,
-                               RequestTimeout("the request reached its time limit"))
+                self.isolated(
+                    request,
+                    "finishing",
+                    self.finish,
+                    request,
+                    "error",
+                    None,
+                    RequestTimeout("the request reached its time limit"),
+                )
 
     def event(self, request: Request, event: RequestEvent) -> None:
         """Record ``event`` for the request's next output."""

@@ -110,7 +110,8 @@ class _Batch:
         self.logits = np.zeros(capacity, dtype=np.int8)
         base = self.seq_ids.ctypes.data
         self._seq_id_ptrs = (ctypes.POINTER(ctypes.c_int32) * capacity)(
-            *[ctypes.cast(base + 4 * i, ctypes.POINTER(ctypes.c_int32)) for i in range(capacity)])
+            *[ctypes.cast(base + 4 * i, ctypes.POINTER(ctypes.c_int32)) for i in range(capacity)]
+        )
         self.struct = llama_cpp.llama_batch()
         self.struct.token = self.tokens.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
         self.struct.embd = ctypes.POINTER(ctypes.c_float)()
@@ -141,8 +142,15 @@ class LlamaCppRunner:
 
     device = "cpu"
 
-    def __init__(self, path: str | Path, num_rows: int, max_len: int, num_threads: int,
-                 batch_tokens: int = DEFAULT_BATCH_TOKENS, unified: bool = False) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        num_rows: int,
+        max_len: int,
+        num_threads: int,
+        batch_tokens: int = DEFAULT_BATCH_TOKENS,
+        unified: bool = False,
+    ) -> None:
         """Load ``path`` and create a context for ``num_rows`` sequences of ``max_len`` tokens.
 
         ``unified``: one KV cell pool shared by all rows (prefix copies share cells instead of
@@ -155,7 +163,9 @@ class LlamaCppRunner:
         if not 1 <= num_rows <= MAX_SEQUENCES:
             raise ValueError(f"num_rows must be in 1..{MAX_SEQUENCES} (llama.cpp's sequence limit), not {num_rows}")
         if max_len < 1 or num_threads < 1 or batch_tokens < 1:
-            raise ValueError(f"max_len ({max_len}), num_threads ({num_threads}) and batch_tokens ({batch_tokens}) must be >= 1")
+            raise ValueError(
+                f"max_len ({max_len}), num_threads ({num_threads}) and batch_tokens ({batch_tokens}) must be >= 1"
+            )
         self._ll = llama = import_llama_cpp()
         self.num_rows = num_rows
         self.max_len = max_len
@@ -261,7 +271,9 @@ class LlamaCppRunner:
         """Pack the step into the batch by row, decoding whenever it is full; return the logits
         rows written (each at its place in ``work``'s order)."""
         batch, cap = self._batch, self._batch_tokens
-        first_out = list(itertools.accumulate((item.num_logits for item in work), initial=0))  # each item's first out row
+        first_out = list(
+            itertools.accumulate((item.num_logits for item in work), initial=0)
+        )  # each item's first out row
         filled = done = 0
         dest: list[int] = []  # out rows of the batch's logits so far, in batch order
         for k in sorted(range(len(work)), key=lambda k: work[k].row):
@@ -345,7 +357,9 @@ class LlamaCppRunner:
             raise RuntimeError(f"llama_decode failed with status {status} on a batch of {num_tokens} tokens")
         if wanted:
             pointer = self._ll.llama_get_logits(self._ctx)
-            out[dest] = np.ctypeslib.as_array(pointer, shape=(wanted * self.vocab_size,)).reshape(wanted, self.vocab_size)
+            out[dest] = np.ctypeslib.as_array(pointer, shape=(wanted * self.vocab_size,)).reshape(
+                wanted, self.vocab_size
+            )
         return wanted
 
     def _check(self, work: Sequence[RowWork]) -> None:

@@ -37,8 +37,9 @@ def score_block(raw: np.ndarray, token_ids: list[int], num_top: int, ws: Workspa
     return out
 
 
-def chosen_logprobs(raw: np.ndarray, tokens: np.ndarray, slots: list[Slot], rows: list[int],
-                    ws: Workspace) -> list[TokenLogprob | None]:
+def chosen_logprobs(
+    raw: np.ndarray, tokens: np.ndarray, slots: list[Slot], rows: list[int], ws: Workspace
+) -> list[TokenLogprob | None]:
     """Per row, the chosen token's logprob and its ``params.logprobs`` likeliest alternatives, for
     ``rows`` (those that asked); None for the others."""
     n = len(slots)

@@ -50,11 +50,11 @@ class NgramProposer:
             # The suffix itself is indexed only once a token follows it, so it never finds itself.
             for n, index in self._after.items():
                 if end >= n:
-                    index[tuple(self.tokens[end - n:end])] = end
+                    index[tuple(self.tokens[end - n : end])] = end
 
     def truncate(self, length: int) -> None:
         """Keep the first ``length`` tokens (a regenerate or a rewound stream); rebuilds the index."""
-        kept = self.tokens[:max(0, length)]
+        kept = self.tokens[: max(0, length)]
         self.tokens = []
         for index in self._after.values():
             index.clear()
@@ -72,7 +72,7 @@ class NgramProposer:
             return []
         tokens = self.tokens
         for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):
-            after = self._after[n].get(tuple(tokens[len(tokens) - n:]))
+            after = self._after[n].get(tuple(tokens[len(tokens) - n :]))
             if after is not None:
-                return tokens[after:after + (min(limit, n) if at_most_n else limit)]
+                return tokens[after : after + (min(limit, n) if at_most_n else limit)]
         return []

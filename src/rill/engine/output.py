@@ -143,8 +143,11 @@ def take_outputs(touched: Iterable[Request], live: dict[str, Request]) -> list[R
                 finish_reason=request.finish_reason if finished else None,
                 stop_reason=request.stop_reason if finished else None,
                 error=request.error if finished else None,
-                usage=Usage(prompt_tokens=len(request.prompt_ids), completion_tokens=request.num_output_tokens_counted,
-                            cached_tokens=request.num_cached_prompt_tokens),
+                usage=Usage(
+                    prompt_tokens=len(request.prompt_ids),
+                    completion_tokens=request.num_output_tokens_counted,
+                    cached_tokens=request.num_cached_prompt_tokens,
+                ),
                 arrival_time=request.arrival_time,
                 scheduled_time=request.scheduled_time,
                 first_token_time=request.first_token_time,

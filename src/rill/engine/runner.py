@@ -118,8 +118,11 @@ class TorchModelRunner:
         self.model.ensure_rope(max_len)
         # Serving never trains: pack the projections for the CPU's GEMM kernels once, here,
         # in place of the originals (one copy of each weight).
-        self.packed_weight_bytes = (packed.pack_linears(self.model, self.model.lm_weight(), release=True)  # type: ignore[arg-type]
-                                    if pack_weights else 0)
+        self.packed_weight_bytes = (
+            packed.pack_linears(self.model, self.model.lm_weight(), release=True)  # type: ignore[arg-type]
+            if pack_weights
+            else 0
+        )
 
     @torch.inference_mode()
     def forward(self, work: Sequence[RowWork]) -> torch.Tensor:
@@ -167,8 +170,7 @@ class TorchModelRunner:
         per_row = min(self.max_len - 1, max(2, num_tokens // rows))
         rows = min(rows, num_tokens // per_row)
         vocab = self.vocab_size
-        prefill = [RowWork(row, [(row * 7919 + i * 104729) % vocab for i in range(per_row)], 0)
-                   for row in range(rows)]
+        prefill = [RowWork(row, [(row * 7919 + i * 104729) % vocab for i in range(per_row)], 0) for row in range(rows)]
         decode = [RowWork(row, [(row * 31) % vocab], per_row) for row in range(rows)]
         try:
             started = time.perf_counter()

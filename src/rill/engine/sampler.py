@@ -129,8 +129,9 @@ class Sampler:
 
     # ----- per-key state -------------------------------------------------------------------
 
-    def add(self, key: int, params: SamplingParams, prompt_ids: list[int], eos_token_ids: set[int],
-            matcher: Any = None) -> None:
+    def add(
+        self, key: int, params: SamplingParams, prompt_ids: list[int], eos_token_ids: set[int], matcher: Any = None
+    ) -> None:
         """Start tracking a sequence under ``key`` (which must be free) with an empty history.
 
         ``prompt_ids`` feed the repetition penalty; ``eos_token_ids`` are the ids banned by
@@ -144,8 +145,7 @@ class Sampler:
         self._configure(key, slot, params, reseed=True)
         self._clear_penalty_rows(key, slot)
 
-    def open(self, params: SamplingParams, prompt_ids: list[int], eos_token_ids: set[int],
-             matcher: Any = None) -> int:
+    def open(self, params: SamplingParams, prompt_ids: list[int], eos_token_ids: set[int], matcher: Any = None) -> int:
         """``add`` under a key the sampler picks, and return it (``remove`` gives it back).
 
         Raises ``RuntimeError`` when every key is in use.
@@ -207,8 +207,15 @@ class Sampler:
     def _configure(self, key: int, slot: Slot, p: SamplingParams, reseed: bool) -> None:
         vocab = self.vocab_size
         top_k = p.top_k if 0 < p.top_k < vocab else 0
-        self._table[key] = (p.temperature, top_k, p.top_p, p.min_p, p.repetition_penalty,
-                            p.presence_penalty, p.frequency_penalty)
+        self._table[key] = (
+            p.temperature,
+            top_k,
+            p.top_p,
+            p.min_p,
+            p.repetition_penalty,
+            p.presence_penalty,
+            p.frequency_penalty,
+        )
         slot.is_greedy = p.temperature < GREEDY_TEMPERATURE or top_k == 1
         slot.is_filtered = top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0
         slot.is_penalized = p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
@@ -286,8 +293,9 @@ class Sampler:
             self._counts[key_arr[ok], tokens[ok]] += 1  # keys are distinct, so no index repeats
         return SampleOutput(token_list, logprobs, errors)
 
-    def _sample_rows(self, raw: np.ndarray, key_arr: np.ndarray, slots: list[Slot], plan: Plan,
-                     uniforms: np.ndarray) -> tuple[np.ndarray, list[TokenLogprob | None]]:
+    def _sample_rows(
+        self, raw: np.ndarray, key_arr: np.ndarray, slots: list[Slot], plan: Plan, uniforms: np.ndarray
+    ) -> tuple[np.ndarray, list[TokenLogprob | None]]:
         """Tokens and logprobs of every row (no history is written here)."""
         with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
             if plan.is_plain_greedy:
@@ -317,12 +325,14 @@ class Sampler:
         # boolean ones per block, rather than several copies of the whole chunk's logits).
         out: list[TokenLogprob] = []
         for start in range(0, l, SCORE_BLOCK_ROWS):
-            out += score_block(raw[start : start + SCORE_BLOCK_ROWS], token_ids[start : start + SCORE_BLOCK_ROWS],
-                               num_top, self._ws)
+            out += score_block(
+                raw[start : start + SCORE_BLOCK_ROWS], token_ids[start : start + SCORE_BLOCK_ROWS], num_top, self._ws
+            )
         return out
 
-    def _sample_each(self, raw: np.ndarray, key_arr: np.ndarray, slots: list[Slot], uniforms: np.ndarray
-                     ) -> tuple[np.ndarray, list[TokenLogprob | None], dict[int, Exception]]:
+    def _sample_each(
+        self, raw: np.ndarray, key_arr: np.ndarray, slots: list[Slot], uniforms: np.ndarray
+    ) -> tuple[np.ndarray, list[TokenLogprob | None], dict[int, Exception]]:
         """The batch raised: sample row by row and report the rows that raise on their own."""
         n = len(slots)
         tokens = np.full(n, -1, np.int64)
@@ -344,8 +354,9 @@ class Sampler:
         slots = [self._slot(k) for k in keys]
         return self._process(raw, np.asarray(keys, np.int64), slots, Plan.build(slots)).copy()
 
-    def _choose(self, raw: np.ndarray, key_arr: np.ndarray, slots: list[Slot], plan: Plan,
-                uniforms: np.ndarray) -> np.ndarray:
+    def _choose(
+        self, raw: np.ndarray, key_arr: np.ndarray, slots: list[Slot], plan: Plan, uniforms: np.ndarray
+    ) -> np.ndarray:
         x = self._process(raw, key_arr, slots, plan)
         tokens = np.empty(len(slots), np.int64)
         if plan.greedy_rows:
@@ -422,8 +433,9 @@ class Sampler:
             self._executor = LLExecutor()
         return self._executor
 
-    def _draw(self, x: np.ndarray, rows: np.ndarray, keys: np.ndarray, slots: list[Slot],
-              uniforms: np.ndarray) -> np.ndarray:
+    def _draw(
+        self, x: np.ndarray, rows: np.ndarray, keys: np.ndarray, slots: list[Slot], uniforms: np.ndarray
+    ) -> np.ndarray:
         """Temperature, top-k/top-p/min-p and one inverse-CDF draw per row; -1 marks dead rows."""
         s, vocab, width = len(rows), self.vocab_size, self._width
         w = self._ws.get("w", (s, width), np.float32)
@@ -444,8 +456,9 @@ class Sampler:
         if any(sl.is_filtered for sl in slots):
             # Unfiltered rows carry neutral values (top_k 0, top_p 1, min_p 0): threshold 0.
             scratch = self._ws.get("scratch", (s, width), np.float32)
-            thr = keep_thresholds(w, prm[:, _TOP_K].astype(np.int64), prm[:, _TOP_P], prm[:, _MIN_P],
-                                  self.num_candidates, scratch=scratch)
+            thr = keep_thresholds(
+                w, prm[:, _TOP_K].astype(np.int64), prm[:, _TOP_P], prm[:, _MIN_P], self.num_candidates, scratch=scratch
+            )
             keep = np.greater_equal(w, thr[:, None], out=self._ws.get("flags", (s, width), bool))
             np.multiply(w, keep, out=w)
         tokens = inverse_cdf(w, uniforms)

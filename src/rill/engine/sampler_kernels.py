@@ -26,8 +26,15 @@ import numpy as np
 BLOCK = 128  # block width of the two-level prefix sums; widths passed in are multiples of it
 
 
-def apply_penalties(x: np.ndarray, rows: np.ndarray, counts: np.ndarray, prompt_mask: np.ndarray,
-                    rep: np.ndarray, presence: np.ndarray, frequency: np.ndarray) -> None:
+def apply_penalties(
+    x: np.ndarray,
+    rows: np.ndarray,
+    counts: np.ndarray,
+    prompt_mask: np.ndarray,
+    rep: np.ndarray,
+    presence: np.ndarray,
+    frequency: np.ndarray,
+) -> None:
     """Apply repetition, presence and frequency penalties to some rows of ``x``, in place.
 
     Args:
@@ -55,8 +62,14 @@ def apply_penalties(x: np.ndarray, rows: np.ndarray, counts: np.ndarray, prompt_
         flat[rows[row] * vocab + col] -= presence[row] + frequency[row] * counts.reshape(-1)[idx]
 
 
-def keep_thresholds(w: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, min_p: np.ndarray,
-                    num_candidates: int, scratch: np.ndarray | None = None) -> np.ndarray:
+def keep_thresholds(
+    w: np.ndarray,
+    top_k: np.ndarray,
+    top_p: np.ndarray,
+    min_p: np.ndarray,
+    num_candidates: int,
+    scratch: np.ndarray | None = None,
+) -> np.ndarray:
     """Per-row weight threshold implementing top-k, then top-p, then min-p.
 
     Args:
@@ -96,8 +109,16 @@ def keep_thresholds(w: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, min_p: 
     return thr
 
 
-def _cut(w: np.ndarray, sel: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, min_p: np.ndarray,
-         total: np.ndarray, num_candidates: int, scratch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _cut(
+    w: np.ndarray,
+    sel: np.ndarray,
+    top_k: np.ndarray,
+    top_p: np.ndarray,
+    min_p: np.ndarray,
+    total: np.ndarray,
+    num_candidates: int,
+    scratch: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
     # keep_thresholds for rows ``sel`` from their m largest weights; also returns the rows whose
     # cut cannot be decided from them (top-p mass not reached, or top-k ties spilling past them).
     width = w.shape[1]
@@ -117,7 +138,7 @@ def _cut(w: np.ndarray, sel: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, m
         desc = cand[:, ::-1]
     else:  # the m largest, sorted descending (values only: ties need no order)
         cand.partition(width - m, axis=1)
-        desc = np.sort(cand[:, width - m:], axis=1)[:, ::-1]
+        desc = np.sort(cand[:, width - m :], axis=1)[:, ::-1]
     v_k = np.where(has_k, desc[rows, np.minimum(top_k, m) - 1], 0.0).astype(np.float32)
     thr = np.maximum(min_p.astype(np.float32) * desc[:, 0], v_k)
     if not has_p.any():
@@ -161,8 +182,9 @@ def _block_cumsum(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return blocks, np.cumsum(sums.astype(np.float64), axis=1)
 
 
-def _first_past(blocks: np.ndarray, cum_b: np.ndarray, target: np.ndarray, strict: bool,
-                last_block: np.ndarray | None = None) -> np.ndarray:
+def _first_past(
+    blocks: np.ndarray, cum_b: np.ndarray, target: np.ndarray, strict: bool, last_block: np.ndarray | None = None
+) -> np.ndarray:
     # First index whose inclusive prefix sum passes target (> if strict, else >=), or n if none.
     # With last_block, the answer is clamped to a non-zero weight (sampling never fails).
     s, nb, width = blocks.shape

@@ -69,8 +69,14 @@ class Plan:
     @property
     def is_plain_greedy(self) -> bool:
         """All rows greedy and nothing changes the logits: a bare argmax."""
-        return not (self.sampled_rows or self.penalty_rows or self.bias_rows or self.ban_rows or self.mask_rows
-                    or self.allow_rows)
+        return not (
+            self.sampled_rows
+            or self.penalty_rows
+            or self.bias_rows
+            or self.ban_rows
+            or self.mask_rows
+            or self.allow_rows
+        )
 
     @classmethod
     def build(cls, slots: list[Slot]) -> Plan:

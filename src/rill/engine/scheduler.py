@@ -158,7 +158,11 @@ class Scheduler:
                 out.num_decode_tokens += len(items)
                 budget -= len(items)
             elif request.num_tokens - request.num_computed == 1:
-                item = RowWork(request.row, request.token_at(request.num_computed, request.num_tokens), request.num_computed)  # type: ignore[arg-type]
+                item = RowWork(
+                    request.row,  # type: ignore[arg-type]
+                    request.token_at(request.num_computed, request.num_tokens),
+                    request.num_computed,
+                )
                 out.scheduled.append(ScheduledRequest(request, [item]))
                 out.num_decode_tokens += 1
                 budget -= 1
@@ -215,8 +219,13 @@ class Scheduler:
         all_logits = request.needs_prompt_logits
         n = min(remaining, budget, logits_cap) if all_logits else min(remaining, budget)
         start = request.num_computed
-        item = RowWork(request.row, request.token_at(start, start + n), start, need_logits=(n == remaining),  # type: ignore[arg-type]
-                       all_logits=all_logits)
+        item = RowWork(
+            request.row,  # type: ignore[arg-type]
+            request.token_at(start, start + n),
+            start,
+            need_logits=(n == remaining),
+            all_logits=all_logits,
+        )
         out.scheduled.append(ScheduledRequest(request, [item]))
         out.num_prefill_tokens += n
         return n
@@ -233,8 +242,11 @@ class Scheduler:
             if not request.needs_prompt_logits and self._awaits_shared_prefill(tokens):
                 deferred.append(entry)
                 continue
-            if (num_long_reuses and out.num_decode_tokens
-                    and self.kv.reusable(tokens, request.max_reuse_tokens) >= LONG_REUSE_TOKENS):
+            if (
+                num_long_reuses
+                and out.num_decode_tokens
+                and self.kv.reusable(tokens, request.max_reuse_tokens) >= LONG_REUSE_TOKENS
+            ):
                 deferred.append(entry)  # one long copy per step while streams decode
                 continue
             error = self._check_cached_prefix(request, tokens)
@@ -346,8 +358,13 @@ class Scheduler:
             request.num_cached_prompt_tokens = min(acquired.num_cached_tokens, len(request.prompt_ids))
         if request.is_beam:
             params = request.params
-            search = BeamSearch(params.num_beams, params.length_penalty, params.early_stopping,
-                                request.eos_token_ids if not params.ignore_eos else frozenset(), params.max_tokens)
+            search = BeamSearch(
+                params.num_beams,
+                params.length_penalty,
+                params.early_stopping,
+                request.eos_token_ids if not params.ignore_eos else frozenset(),
+                params.max_tokens,
+            )
             request.beam = BeamGroup(search, self.kv, self.copy_row)
         request.status = RequestStatus.RUNNING
         self.running.append(request)

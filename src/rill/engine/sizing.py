@@ -56,8 +56,9 @@ AUTO_KV_RESIDENT_AT_START = "2GiB"
 """``auto`` where the cache is resident from the start (llama.cpp's, or off the CPU): the old default."""
 
 
-def cache_rows(config: EngineConfig, kv_bytes_per_token: int, max_len: int, limit: int | None = None,
-                lazy: bool = True) -> int:
+def cache_rows(
+    config: EngineConfig, kv_bytes_per_token: int, max_len: int, limit: int | None = None, lazy: bool = True
+) -> int:
     """How many sequences of ``max_len`` tokens fit in ``--kv-cache-memory``: a few more than
     ``--max-num-seqs`` (room for cached prefixes and beams), at most ``limit``.
 
@@ -78,9 +79,16 @@ def cache_rows(config: EngineConfig, kv_bytes_per_token: int, max_len: int, limi
     elif lazy:
         available = available_memory()
         budget = min(wanted * row_bytes, int(AUTO_KV_SHARE * available))
-        log.info("KV cache: --kv-cache-memory auto: %d rows of %d tokens want %.0f MiB, at most %.0f%% of the %.0f MiB "
-                 "available: %.0f MiB (memory is taken as rows are used)", wanted, max_len, wanted * row_bytes / 2**20,
-                 100 * AUTO_KV_SHARE, available / 2**20, budget / 2**20)
+        log.info(
+            "KV cache: --kv-cache-memory auto: %d rows of %d tokens want %.0f MiB, at most %.0f%% of the %.0f MiB "
+            "available: %.0f MiB (memory is taken as rows are used)",
+            wanted,
+            max_len,
+            wanted * row_bytes / 2**20,
+            100 * AUTO_KV_SHARE,
+            available / 2**20,
+            budget / 2**20,
+        )
     else:
         budget = parse_size(AUTO_KV_RESIDENT_AT_START, "kv_cache_memory")
     num_rows = min(budget // row_bytes, wanted)
@@ -89,7 +97,8 @@ def cache_rows(config: EngineConfig, kv_bytes_per_token: int, max_len: int, limi
     if num_rows < 1:
         raise ModelLoadError(
             f"--kv-cache-memory {config.kv_cache_memory} holds no sequence of {max_len} tokens "
-            f"({row_bytes} bytes each); raise it or lower --max-model-len")
+            f"({row_bytes} bytes each); raise it or lower --max-model-len"
+        )
     return int(num_rows)
 
 

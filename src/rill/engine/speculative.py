@@ -105,8 +105,9 @@ class SpeculativeConfig:
         if self.method not in METHODS:
             raise ValueError(f"speculative method must be one of {', '.join(METHODS)}, not {self.method!r}")
         if not 1 <= self.num_tokens <= MAX_SPECULATIVE_TOKENS:
-            raise ValueError(f"the number of speculative tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], "
-                             f"not {self.num_tokens}")
+            raise ValueError(
+                f"the number of speculative tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], not {self.num_tokens}"
+            )
         if not 1 <= self.min_n <= self.max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, not {self.min_n}, {self.max_n}")
         if self.max_batch < 1:
@@ -174,8 +175,7 @@ class Speculator:
         vocab_size: the target's vocabulary.
     """
 
-    def __init__(self, config: SpeculativeConfig, draft_runner: ModelRunner | None = None,
-                 vocab_size: int = 0) -> None:
+    def __init__(self, config: SpeculativeConfig, draft_runner: ModelRunner | None = None, vocab_size: int = 0) -> None:
         if (config.method == "draft") != (draft_runner is not None):
             raise ValueError("a draft model is needed for speculative method 'draft', and only for it")
         self.config = config
@@ -195,8 +195,14 @@ class Speculator:
         raises (a draft model's forward) is the caller's cue to turn speculation off for good;
         the step itself goes on without drafts. ``max_len``: tokens per KV row.
         """
-        decoding = [item for item in scheduled if len(item.work) == 1 and len(item.work[0].token_ids) == 1
-                    and item.work[0].need_logits and not item.work[0].all_logits]
+        decoding = [
+            item
+            for item in scheduled
+            if len(item.work) == 1
+            and len(item.work[0].token_ids) == 1
+            and item.work[0].need_logits
+            and not item.work[0].all_logits
+        ]
         if len(decoding) > self.config.max_batch:
             return 0
         asking = [(item, limit) for item in decoding if (limit := self.draft_limit(item.request, max_len)) > 0]
@@ -205,8 +211,10 @@ class Speculator:
         for item, _ in asking:
             if item.request.speculation is None:
                 item.request.speculation = self.new_state()
-        entries = [(item.request.speculation, item.request.row, item.request.num_tokens, item.request.token_at, limit)
-                   for item, limit in asking]
+        entries = [
+            (item.request.speculation, item.request.row, item.request.num_tokens, item.request.token_at, limit)
+            for item, limit in asking
+        ]
         try:
             drafts = self.propose(entries, len(decoding))  # type: ignore[arg-type]  # scheduled: each has a row
         except Exception:
@@ -216,8 +224,9 @@ class Speculator:
         for (item, _), draft in zip(asking, drafts):
             if draft:
                 work = item.work[0]
-                item.work[0] = RowWork(work.row, work.token_ids + draft, work.start, need_logits=True, all_logits=True,
-                                       draft=True)
+                item.work[0] = RowWork(
+                    work.row, work.token_ids + draft, work.start, need_logits=True, all_logits=True, draft=True
+                )
                 item.draft = draft
                 added += len(draft)
         return added
@@ -227,9 +236,11 @@ class Speculator:
         params = request.params  # beams and prefill-only requests (max_tokens 0) never speculate
         if params.max_tokens == 0 or not self.wants(params, request.is_beam):
             return 0
-        return min(params.speculative_tokens(self.config.num_tokens),
-                   params.max_tokens - len(request.output_ids) - 1,  # the last token needs no draft
-                   max_len - request.num_tokens)  # the fed tokens must fit in the row
+        return min(
+            params.speculative_tokens(self.config.num_tokens),
+            params.max_tokens - len(request.output_ids) - 1,  # the last token needs no draft
+            max_len - request.num_tokens,
+        )  # the fed tokens must fit in the row
 
     def wants(self, request_params: Any, is_beam: bool) -> bool:
         """True when a request with these parameters speculates (server on, request not opted out)."""
@@ -239,8 +250,9 @@ class Speculator:
         """A fresh state for a request (its context is given at the first ``propose``)."""
         c = self.config
         shared = self.model_track
-        return SpeculationState(NgramProposer(c.num_tokens, c.min_n, c.max_n),
-                                model=Track(trials=shared.trials, accepted=shared.accepted))
+        return SpeculationState(
+            NgramProposer(c.num_tokens, c.min_n, c.max_n), model=Track(trials=shared.trials, accepted=shared.accepted)
+        )
 
     def draft_cost(self) -> float:
         """What one draft token costs, in target decode steps (0 for prompt lookup)."""
@@ -249,8 +261,17 @@ class Speculator:
         draft, target = self.draft_model.step_s, self.target_step_s
         return draft / target if draft is not None and target else 0.5
 
-    def allocate(self, tracks: Sequence[Track], limits: Sequence[int], batch: int, *, rows: int | None = None,
-                 tokens: float | None = None, draft_cost: float = 0.0, probe_max_batch: int | None = None) -> list[int]:
+    def allocate(
+        self,
+        tracks: Sequence[Track],
+        limits: Sequence[int],
+        batch: int,
+        *,
+        rows: int | None = None,
+        tokens: float | None = None,
+        draft_cost: float = 0.0,
+        probe_max_batch: int | None = None,
+    ) -> list[int]:
         """How many draft tokens each of a step's speculating requests asks for from one source.
 
         ``batch`` requests decode in the step (``rows`` rows are in it already, expecting
@@ -293,8 +314,9 @@ class Speculator:
                 ks[i], track.steps_since_probe = 1, 0
         return ks
 
-    def propose(self, entries: Sequence[tuple[SpeculationState, int, int, Callable[[int, int], list[int]], int]],
-                batch: int) -> list[list[int]]:
+    def propose(
+        self, entries: Sequence[tuple[SpeculationState, int, int, Callable[[int, int], list[int]], int]], batch: int
+    ) -> list[list[int]]:
         """Drafts for ``(state, row, context length, tokens(start, stop), limit)`` entries of a
         step where ``batch`` requests decode: one list per entry of at most ``limit`` tokens
         (empty: no draft); ``tokens`` reads the request's context.
@@ -312,8 +334,9 @@ class Speculator:
             elif have < n:
                 proposer.extend(tokens(have, n))
         ks = self.allocate([state.lookup for state in states], limits, batch)
-        drafts = [state.proposer.propose(k, at_most_n=self.config.adaptive) if k > 0 else []
-                  for state, k in zip(states, ks)]
+        drafts = [
+            state.proposer.propose(k, at_most_n=self.config.adaptive) if k > 0 else [] for state, k in zip(states, ks)
+        ]
         for state in states:
             state.source = "lookup"
         if self.draft_model is None:
@@ -321,14 +344,24 @@ class Speculator:
         # A request whose draft row lags far behind (it never drafted with the model, or long
         # ago) would first cost the draft model a prefill: in a batch that is not worth it.
         contexts = {i: entries[i][3](0, entries[i][2]) for i, draft in enumerate(drafts) if not draft and limits[i] > 0}
-        rest = [i for i, context in contexts.items()
-                if batch == 1 or self.draft_model.lag(entries[i][1], context) <= MAX_CATCH_UP]
+        rest = [
+            i
+            for i, context in contexts.items()
+            if batch == 1 or self.draft_model.lag(entries[i][1], context) <= MAX_CATCH_UP
+        ]
         if not rest:
             return drafts
         rows = batch + sum(len(d) for d in drafts)
         expected = batch + sum(states[i].lookup.rate * len(d) for i, d in enumerate(drafts))  # roughly
-        model_ks = self.allocate([states[i].model for i in rest], [limits[i] for i in rest], batch, rows=rows,
-                                 tokens=expected, draft_cost=self.draft_cost(), probe_max_batch=MODEL_PROBE_MAX_BATCH)
+        model_ks = self.allocate(
+            [states[i].model for i in rest],
+            [limits[i] for i in rest],
+            batch,
+            rows=rows,
+            tokens=expected,
+            draft_cost=self.draft_cost(),
+            probe_max_batch=MODEL_PROBE_MAX_BATCH,
+        )
         entries_rest = [(entries[i][1], contexts[i] if k > 0 else [], k) for i, k in zip(rest, model_ks)]
         for i, draft in zip(rest, self.draft_model.propose(entries_rest)):
             drafts[i] = draft

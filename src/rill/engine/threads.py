@@ -89,8 +89,9 @@ def cgroup_quota_cpus(root: Path = CGROUP_ROOT) -> float | None:
     return _ratio(quota, period)
 
 
-def choose_num_threads(requested: int | None, affinity: int | None, quota: float | None,
-                       machine: int | None) -> ThreadChoice:
+def choose_num_threads(
+    requested: int | None, affinity: int | None, quota: float | None, machine: int | None
+) -> ThreadChoice:
     """Pick the engine's thread count.
 
     Args:
@@ -186,10 +187,16 @@ class ThreadGovernor:
         window: seconds between decisions.
     """
 
-    def __init__(self, usable: int, cpus: set[int], set_threads: Callable[[int], None],
-                 read_stat: Callable[[], str] = lambda: Path("/proc/stat").read_text(),
-                 own_cpu: Callable[[], float] = time.process_time,
-                 clock: Callable[[], float] = time.monotonic, window: float = 0.5) -> None:
+    def __init__(
+        self,
+        usable: int,
+        cpus: set[int],
+        set_threads: Callable[[int], None],
+        read_stat: Callable[[], str] = lambda: Path("/proc/stat").read_text(),
+        own_cpu: Callable[[], float] = time.process_time,
+        clock: Callable[[], float] = time.monotonic,
+        window: float = 0.5,
+    ) -> None:
         self.usable = usable
         self.current = usable
         self._cpus = cpus
@@ -283,14 +290,20 @@ class ThreadGovernor:
         other = max(0.0, (busy - then[1]) - (own - then[2])) / max(now - then[0], 1e-9)
         target = threads_for(self.usable, other, self.current)
         if target != self.current:
-            log.warning("engine threads %d -> %d: other processes keep %.2f of this process's %d CPUs busy",
-                        self.current, target, other, len(self._cpus))
+            log.warning(
+                "engine threads %d -> %d: other processes keep %.2f of this process's %d CPUs busy",
+                self.current,
+                target,
+                other,
+                len(self._cpus),
+            )
             self.current = target
             self._set_threads(target)
 
 
-def default_governor(choice: ThreadChoice, requested: int | None,
-                     set_threads: Callable[[int], None]) -> ThreadGovernor | None:
+def default_governor(
+    choice: ThreadChoice, requested: int | None, set_threads: Callable[[int], None]
+) -> ThreadGovernor | None:
     """A ``ThreadGovernor`` for the engine, or None when the user fixed the count, only one
     thread is usable, or this platform has no ``/proc/stat`` or affinity to read."""
     if requested or choice.num_threads < 2 or not Path("/proc/stat").exists():

@@ -60,15 +60,21 @@ class PromptTokenizer(Protocol):
         """Token ids of ``text`` (may hold the GIL: used for small prompts only)."""
         ...
 
-    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True,
-                     max_context_tokens: int | None = None) -> list[list[int]]:
+    def encode_batch(
+        self, texts: Sequence[str], add_special_tokens: bool = True, max_context_tokens: int | None = None
+    ) -> list[list[int]]:
         """Token ids of each text, computed without holding the GIL; ``ContextLengthExceeded``
         for a text of ``max_context_tokens`` tokens or more, before its id list is built."""
         ...
 
-    def apply_chat_template(self, messages: Sequence[Any], /, add_generation_prompt: bool = True,
-                            tools: Sequence[Any] | None = None,
-                            chat_template_kwargs: Mapping[str, Any] | None = None) -> str:
+    def apply_chat_template(
+        self,
+        messages: Sequence[Any],
+        /,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Any] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
         """The prompt text the chat template makes of ``messages``."""
         ...
 
@@ -87,8 +93,9 @@ class PromptAdmission:
         self.max_prompt_chars = max_prompt_chars
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="rill-tokenize")
 
-    async def token_ids(self, tokenizer: PromptTokenizer, prompts: Sequence[Prompt],
-                        model: ModelInfo) -> list[list[int]]:
+    async def token_ids(
+        self, tokenizer: PromptTokenizer, prompts: Sequence[Prompt], model: ModelInfo
+    ) -> list[list[int]]:
         """The token ids of each prompt (a request's ``messages`` rendered by the chat template).
 
         Raises:
@@ -100,18 +107,33 @@ class PromptAdmission:
         if _is_small(prompts):
             return prompt_token_ids(tokenizer, prompts, model, self.max_prompt_chars)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, prompt_token_ids, tokenizer, prompts, model,
-                                          self.max_prompt_chars)
+        return await loop.run_in_executor(
+            self._pool, prompt_token_ids, tokenizer, prompts, model, self.max_prompt_chars
+        )
 
-    async def render_chat(self, tokenizer: PromptTokenizer, messages: Sequence[Any], *,
-                          add_generation_prompt: bool, chat_template_kwargs: Mapping[str, Any]) -> str:
+    async def render_chat(
+        self,
+        tokenizer: PromptTokenizer,
+        messages: Sequence[Any],
+        *,
+        add_generation_prompt: bool,
+        chat_template_kwargs: Mapping[str, Any],
+    ) -> str:
         """The chat template's text for ``messages``, rendered in the pool (same size bound)."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, _render_bounded, tokenizer, messages, add_generation_prompt,
-                                          chat_template_kwargs, self.max_prompt_chars)
+        return await loop.run_in_executor(
+            self._pool,
+            _render_bounded,
+            tokenizer,
+            messages,
+            add_generation_prompt,
+            chat_template_kwargs,
+            self.max_prompt_chars,
+        )
 
-    async def tokenize(self, tokenizer: PromptTokenizer, prompt: Prompt, model: ModelInfo, *,
-                       add_special_tokens: bool) -> list[int]:
+    async def tokenize(
+        self, tokenizer: PromptTokenizer, prompt: Prompt, model: ModelInfo, *, add_special_tokens: bool
+    ) -> list[int]:
         """Token ids of one prompt for counting (``/tokenize``), in the pool, under the same size
         bound as ``token_ids``; a prompt longer than the context is counted, not refused.
 
@@ -121,11 +143,13 @@ class PromptAdmission:
                 or the chat template refused the messages.
         """
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, _tokenize_one, tokenizer, prompt, model,
-                                          self.max_prompt_chars, add_special_tokens)
+        return await loop.run_in_executor(
+            self._pool, _tokenize_one, tokenizer, prompt, model, self.max_prompt_chars, add_special_tokens
+        )
 
-    async def detokenize(self, tokenizer: Any, token_ids: Sequence[int], model: ModelInfo, *,
-                         skip_special_tokens: bool = False) -> str:
+    async def detokenize(
+        self, tokenizer: Any, token_ids: Sequence[int], model: ModelInfo, *, skip_special_tokens: bool = False
+    ) -> str:
         """The text of ``token_ids`` (``/detokenize``, echoed prompts), checked and decoded in the pool.
 
         On the loop only the length is compared (no walk over the ids); the vocabulary check
@@ -138,8 +162,9 @@ class PromptAdmission:
         if len(token_ids) > self.max_prompt_chars:
             raise PromptTooLarge(len(token_ids), self.max_prompt_chars)
         loop = asyncio.get_running_loop()
-        text: str = await loop.run_in_executor(self._pool, _detokenize, tokenizer, token_ids, model.vocab_size,
-                                               skip_special_tokens)
+        text: str = await loop.run_in_executor(
+            self._pool, _detokenize, tokenizer, token_ids, model.vocab_size, skip_special_tokens
+        )
         return text
 
     def close(self) -> None:
@@ -147,8 +172,9 @@ class PromptAdmission:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def prompt_token_ids(tokenizer: PromptTokenizer, prompts: Sequence[Prompt], model: ModelInfo,
-                     max_prompt_chars: int) -> list[list[int]]:
+def prompt_token_ids(
+    tokenizer: PromptTokenizer, prompts: Sequence[Prompt], model: ModelInfo, max_prompt_chars: int
+) -> list[list[int]]:
     """The synchronous body of ``PromptAdmission.token_ids`` (runs in a worker thread).
 
     Plain texts are encoded in one batch call, so a long list of prompts costs one trip
@@ -165,8 +191,9 @@ def prompt_token_ids(tokenizer: PromptTokenizer, prompts: Sequence[Prompt], mode
             out[i] = _checked_ids(prompt, vocab_size)
         elif prompt.messages is not None:
             _check_one_field(prompt)
-            text = render(tokenizer, prompt.messages, prompt.add_generation_prompt, prompt.chat_template_kwargs,
-                          prompt.tools)
+            text = render(
+                tokenizer, prompt.messages, prompt.add_generation_prompt, prompt.chat_template_kwargs, prompt.tools
+            )
             # The template writes every special token it wants (BOS included): no post-processor.
             out[i] = _encode(tokenizer, [text], False, context)[0]
         else:
@@ -184,8 +211,13 @@ def prompt_token_ids(tokenizer: PromptTokenizer, prompts: Sequence[Prompt], mode
     return token_ids
 
 
-def render(tokenizer: PromptTokenizer, messages: Sequence[Any], add_generation_prompt: bool,
-           chat_template_kwargs: Mapping[str, Any], tools: Sequence[Any] | None = None) -> str:
+def render(
+    tokenizer: PromptTokenizer,
+    messages: Sequence[Any],
+    add_generation_prompt: bool,
+    chat_template_kwargs: Mapping[str, Any],
+    tools: Sequence[Any] | None = None,
+) -> str:
     """The chat template's text for ``messages``, after the checks every protocol shares.
 
     ``chat_template_kwargs`` are template variables; ``tools`` the functions offered, the
@@ -196,8 +228,12 @@ def render(tokenizer: PromptTokenizer, messages: Sequence[Any], add_generation_p
             or the template failed.
     """
     check_chat_messages(list(messages))
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools,
-                                         chat_template_kwargs=check_template_kwargs(dict(chat_template_kwargs)))
+    return tokenizer.apply_chat_template(
+        messages,
+        add_generation_prompt=add_generation_prompt,
+        tools=tools,
+        chat_template_kwargs=check_template_kwargs(dict(chat_template_kwargs)),
+    )
 
 
 def check_size(prompts: Sequence[Prompt], max_prompt_chars: int) -> None:
@@ -213,7 +249,9 @@ def check_size(prompts: Sequence[Prompt], max_prompt_chars: int) -> None:
         else:
             total += len(prompt.prompt or "") + len(prompt.prompt_token_ids or ())
             if prompt.messages is not None:
-                total += _chars_in([prompt.messages, prompt.chat_template_kwargs, prompt.tools], max_prompt_chars - total)
+                total += _chars_in(
+                    [prompt.messages, prompt.chat_template_kwargs, prompt.tools], max_prompt_chars - total
+                )
         if total > max_prompt_chars:
             raise PromptTooLarge(total, max_prompt_chars)
 
@@ -259,8 +297,7 @@ def _check_one_field(request: GenerateRequest) -> None:
 def _checked_ids(ids: Sequence[int], vocab_size: int, field: str = "prompt_token_ids") -> list[int]:
     bad = next((t for t in ids if not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise InvalidRequest(f"prompt token id {bad} is outside the vocabulary (0..{vocab_size - 1})",
-                             field=field)
+        raise InvalidRequest(f"prompt token id {bad} is outside the vocabulary (0..{vocab_size - 1})", field=field)
     return list(ids)
 
 
@@ -274,8 +311,9 @@ def _detokenize(tokenizer: Any, token_ids: Sequence[int], vocab_size: int, skip_
     return texts[0]
 
 
-def _tokenize_one(tokenizer: PromptTokenizer, prompt: Prompt, model: ModelInfo, max_prompt_chars: int,
-                  add_special_tokens: bool) -> list[int]:
+def _tokenize_one(
+    tokenizer: PromptTokenizer, prompt: Prompt, model: ModelInfo, max_prompt_chars: int, add_special_tokens: bool
+) -> list[int]:
     check_size([prompt], max_prompt_chars)
     if isinstance(prompt, list):
         return _checked_ids(prompt, model.vocab_size)
@@ -283,8 +321,9 @@ def _tokenize_one(tokenizer: PromptTokenizer, prompt: Prompt, model: ModelInfo, 
         text = prompt
     elif prompt.messages is not None:
         _check_one_field(prompt)
-        text = render(tokenizer, prompt.messages, prompt.add_generation_prompt, prompt.chat_template_kwargs,
-                      prompt.tools)
+        text = render(
+            tokenizer, prompt.messages, prompt.add_generation_prompt, prompt.chat_template_kwargs, prompt.tools
+        )
     else:
         _check_one_field(prompt)
         if prompt.prompt_token_ids is not None:
@@ -295,8 +334,9 @@ def _tokenize_one(tokenizer: PromptTokenizer, prompt: Prompt, model: ModelInfo, 
     return tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0]
 
 
-def _encode(tokenizer: PromptTokenizer, texts: list[str], add_special_tokens: bool,
-            max_context_tokens: int) -> list[list[int]]:
+def _encode(
+    tokenizer: PromptTokenizer, texts: list[str], add_special_tokens: bool, max_context_tokens: int
+) -> list[list[int]]:
     if not texts:
         return []
     if len(texts) == 1 and len(texts[0]) <= FAST_PATH_MAX_SIZE:
@@ -304,8 +344,14 @@ def _encode(tokenizer: PromptTokenizer, texts: list[str], add_special_tokens: bo
     return tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens, max_context_tokens=max_context_tokens)
 
 
-def _render_bounded(tokenizer: PromptTokenizer, messages: Sequence[Any], add_generation_prompt: bool,
-                    chat_template_kwargs: Mapping[str, Any], max_prompt_chars: int) -> str:
-    check_size([GenerateRequest(messages=list(messages), chat_template_kwargs=dict(chat_template_kwargs))],
-               max_prompt_chars)
+def _render_bounded(
+    tokenizer: PromptTokenizer,
+    messages: Sequence[Any],
+    add_generation_prompt: bool,
+    chat_template_kwargs: Mapping[str, Any],
+    max_prompt_chars: int,
+) -> str:
+    check_size(
+        [GenerateRequest(messages=list(messages), chat_template_kwargs=dict(chat_template_kwargs))], max_prompt_chars
+    )
     return render(tokenizer, messages, add_generation_prompt, chat_template_kwargs)

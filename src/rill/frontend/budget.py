@@ -55,8 +55,9 @@ class MemoryBudget:
         on_release: told of every release (``MemoryReturner.released``).
     """
 
-    def __init__(self, total: int, per_principal: int | None = None,
-                 on_release: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self, total: int, per_principal: int | None = None, on_release: Callable[[int], None] | None = None
+    ) -> None:
         if total < 1:
             raise ValueError(f"total must be >= 1, not {total}")
         self.total = total
@@ -107,13 +108,17 @@ class MemoryBudget:
             held = self._by_principal.get(principal, 0)
             if held + num_bytes > self.per_principal:
                 self.refused += 1
-                return (f"this client holds {format_bytes(held)} of session memory and may hold at most "
-                        f"{format_bytes(self.per_principal)} (--max-session-memory-per-principal); "
-                        "end sessions or read pending output, then retry")
+                return (
+                    f"this client holds {format_bytes(held)} of session memory and may hold at most "
+                    f"{format_bytes(self.per_principal)} (--max-session-memory-per-principal); "
+                    "end sessions or read pending output, then retry"
+                )
             if self.used + num_bytes > self.total:
                 self.refused += 1
-                return (f"the server's session memory ({format_bytes(self.total)}, --max-session-memory) is "
-                        "used up by open sessions; retry later")
+                return (
+                    f"the server's session memory ({format_bytes(self.total)}, --max-session-memory) is "
+                    "used up by open sessions; retry later"
+                )
             self._by_principal[principal] = held + num_bytes
             self.used += num_bytes
         return None
@@ -226,9 +231,14 @@ class MemoryReturner:
         start: runs a trim off the caller's thread (tests pass one that runs it at once).
     """
 
-    def __init__(self, trim: Callable[[], object] | None, threshold_bytes: int = TRIM_THRESHOLD_BYTES,
-                 interval_s: float = TRIM_INTERVAL_S, clock: Callable[[], float] = time.monotonic,
-                 start: Callable[[Callable[[], None], float], None] | None = None) -> None:
+    def __init__(
+        self,
+        trim: Callable[[], object] | None,
+        threshold_bytes: int = TRIM_THRESHOLD_BYTES,
+        interval_s: float = TRIM_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+        start: Callable[[Callable[[], None], float], None] | None = None,
+    ) -> None:
         self.trim = trim
         self.threshold_bytes = threshold_bytes
         self.interval_s = interval_s

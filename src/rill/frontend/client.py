@@ -216,8 +216,9 @@ class EngineClient(Protocol):
         the caller's thread."""
         ...
 
-    async def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                          **kwargs: Any) -> str:
+    async def render_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
         """The prompt text the chat template makes of ``messages``, rendered off the event
         loop (``InvalidRequest`` if the model has no template or the template rejects them)."""
         ...

@@ -26,8 +26,12 @@ IDLE_TRIM_INTERVAL_S = 2.0
 prompt-logprob scratch are freed into the C heap, which keeps them unless trimmed."""
 
 
-def run(core: EngineCore, inbox: queue.SimpleQueue[Any], hand_over: Callable[[list[RequestOutput]], object],
-        trim: Callable[[], object] | None) -> None:
+def run(
+    core: EngineCore,
+    inbox: queue.SimpleQueue[Any],
+    hand_over: Callable[[list[RequestOutput]], object],
+    trim: Callable[[], object] | None,
+) -> None:
     """Drive ``core`` from ``inbox`` until ``STOP``; ``trim`` (None: never) gives the C heap's
     free memory back when the engine goes idle after steps."""
     last_trim = -IDLE_TRIM_INTERVAL_S

@@ -60,8 +60,13 @@ class InprocClient:
         metrics: receives each finished request's figures (None: none kept).
     """
 
-    def __init__(self, config: EngineConfig, loop: asyncio.AbstractEventLoop, policy: SubmissionPolicy | None = None,
-                 metrics: MetricsSink | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        loop: asyncio.AbstractEventLoop,
+        policy: SubmissionPolicy | None = None,
+        metrics: MetricsSink | None = None,
+    ) -> None:
         self.config = config
         self.loop = loop
         self.policy = policy or SubmissionPolicy(engine=config)
@@ -87,9 +92,15 @@ class InprocClient:
 
     # -- lifecycle -------------------------------------------------------------------------
     @classmethod
-    def start(cls, config: EngineConfig, *, policy: SubmissionPolicy | None = None, metrics: MetricsSink | None = None,
-              engine: Engine | None = None,
-              build: Callable[[EngineConfig, Callable[[float, str], None]], Engine] | None = None) -> Self:
+    def start(
+        cls,
+        config: EngineConfig,
+        *,
+        policy: SubmissionPolicy | None = None,
+        metrics: MetricsSink | None = None,
+        engine: Engine | None = None,
+        build: Callable[[EngineConfig, Callable[[float, str], None]], Engine] | None = None,
+    ) -> Self:
         """Create the client on the running loop with its ``policy`` and ``metrics`` sink and
         start the engine thread (which builds the engine with ``build``, default
         ``build_engine``, unless a ready ``engine`` is given)."""
@@ -115,8 +126,12 @@ class InprocClient:
             failed.__cause__ = self.load_error  # for the server's log and exit status, never a client
             return EngineState(phase="failed", error=failed)
         progress, eta_s = self.load_progress()
-        return EngineState(phase="loading", progress=progress, eta_s=eta_s,
-                           error=ModelNotReady("the model is still loading; retry later"))
+        return EngineState(
+            phase="loading",
+            progress=progress,
+            eta_s=eta_s,
+            error=ModelNotReady("the model is still loading; retry later"),
+        )
 
     def is_ready(self) -> bool:
         """True once the model is loaded and the engine runs (``state().phase == "ready"``)."""
@@ -191,10 +206,17 @@ class InprocClient:
             self._accounts[request_id] = account
         now = time.monotonic()
         engine_request = Request(
-            request_id=request_id, prompt_ids=choice.prompt_ids, params=choice.params,
-            eos_token_ids=engine.eos_token_ids, arrival_time=now, seq_no=0, priority=choice.priority,
-            protocol=choice.protocol, deadline=now + choice.deadline_s if choice.deadline_s else None,
-            require_cached_prefix_tokens=choice.require_cached_prefix_tokens, matcher=matcher,
+            request_id=request_id,
+            prompt_ids=choice.prompt_ids,
+            params=choice.params,
+            eos_token_ids=engine.eos_token_ids,
+            arrival_time=now,
+            seq_no=0,
+            priority=choice.priority,
+            protocol=choice.protocol,
+            deadline=now + choice.deadline_s if choice.deadline_s else None,
+            require_cached_prefix_tokens=choice.require_cached_prefix_tokens,
+            matcher=matcher,
         )
         memory = self.policy.memory
         lease = memory.lease(choice.principal) if memory is not None else None
@@ -213,14 +235,16 @@ class InprocClient:
     async def tokenize_prompt(self, prompt: Prompt, add_special_tokens: bool) -> list[int]:
         """Token ids of one prompt for counting (``/tokenize``); see ``PromptAdmission.tokenize``."""
         engine = self._require_engine()
-        return await self.policy.admission.tokenize(engine.tokenizer, prompt, engine.model_info,
-                                                    add_special_tokens=add_special_tokens)
+        return await self.policy.admission.tokenize(
+            engine.tokenizer, prompt, engine.model_info, add_special_tokens=add_special_tokens
+        )
 
     async def detokenize(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         """The text of ``token_ids`` (``/detokenize``), decoded off the event loop, size-bounded."""
         engine = self._require_engine()
-        return await self.policy.admission.detokenize(engine.tokenizer, token_ids, engine.model_info,
-                                                      skip_special_tokens=skip_special_tokens)
+        return await self.policy.admission.detokenize(
+            engine.tokenizer, token_ids, engine.model_info, skip_special_tokens=skip_special_tokens
+        )
 
     # -- controls ----------------------------------------------------------------------------
     def _live(self, request_id: RequestId) -> RequestStream:
@@ -301,12 +325,16 @@ class InprocClient:
         """Text of ``token_ids`` (on the loop: callers pass a token or a few, never a prompt)."""
         return cast(str, self._require_engine().tokenizer.decode(token_ids))
 
-    async def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                          **kwargs: Any) -> str:
+    async def render_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
         """The prompt the chat template makes of ``messages`` (rendered off the event loop)."""
-        return await self.policy.admission.render_chat(self._require_engine().tokenizer, messages,
-                                                       add_generation_prompt=add_generation_prompt,
-                                                       chat_template_kwargs=kwargs)
+        return await self.policy.admission.render_chat(
+            self._require_engine().tokenizer,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            chat_template_kwargs=kwargs,
+        )
 
     def queue_position(self, request_id: RequestId) -> tuple[int, int] | None:
         """``(position, num_waiting)``: the request's 1-based place among the submitted requests
@@ -380,12 +408,14 @@ class InprocClient:
 
     def _fail_all(self) -> None:
         for request_id, stream in list(self._streams.items()):
-            stream.put(RequestOutput(request_id=request_id, finished=True, finish_reason="error",
-                                     error=EngineDead("the engine stopped")))
+            stream.put(
+                RequestOutput(
+                    request_id=request_id, finished=True, finish_reason="error", error=EngineDead("the engine stopped")
+                )
+            )
         self._streams.clear()
         self._principals.clear()
         self._modify_turns.clear()
         for account in self._accounts.values():
             account.settle()  # what the engine made before it stopped stays spent
         self._accounts.clear()
-

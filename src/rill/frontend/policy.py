@@ -81,14 +81,24 @@ class SubmissionPolicy:
         grammars: the grammar-compile pool (``GrammarAdmission``).
     """
 
-    def __init__(self, config: PolicyConfig | None = None, engine: EngineConfig | None = None, *,
-                 memory: MemoryBudget | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        config: PolicyConfig | None = None,
+        engine: EngineConfig | None = None,
+        *,
+        memory: MemoryBudget | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         config = config or PolicyConfig()
         engine = engine or EngineConfig()
         self.max_tokens_cap = config.max_tokens_cap
         self.request_timeout_s = config.request_timeout_s
-        limits = RateLimits(requests=config.rate_limit_requests, window_s=config.rate_limit_window,
-                            tokens_per_s=config.rate_limit_tokens_per_s, burst=config.rate_limit_burst)
+        limits = RateLimits(
+            requests=config.rate_limit_requests,
+            window_s=config.rate_limit_window,
+            tokens_per_s=config.rate_limit_tokens_per_s,
+            burst=config.rate_limit_burst,
+        )
         self.limiter: RateLimiter | None = RateLimiter(limits, clock) if limits.is_on else None
         self.memory = memory
         self.max_queue = engine.max_queue
@@ -132,13 +142,20 @@ class SubmissionPolicy:
         (with the vocabulary; prefill-only is the engine's to do, each protocol decides whether
         it offers it), then the prompt tokenized. ``engine`` is the client's readiness check,
         called again after every wait (the engine may die meanwhile)."""
-        params = self.capped(request.sampling).validate(vocab_size=engine().model_info.vocab_size,
-                                                        allow_prefill_only=True)
+        params = self.capped(request.sampling).validate(
+            vocab_size=engine().model_info.vocab_size, allow_prefill_only=True
+        )
         [prompt_ids] = await self._token_ids([request], engine)
-        return Choice(request_id=request.request_id or f"req-{uuid.uuid4().hex}", prompt_ids=prompt_ids,
-                      params=params, principal=request.principal or ANONYMOUS_PRINCIPAL, protocol=request.protocol,
-                      deadline_s=self.deadline_s(request.deadline_s), priority=request.priority,
-                      require_cached_prefix_tokens=request.require_cached_prefix_tokens)
+        return Choice(
+            request_id=request.request_id or f"req-{uuid.uuid4().hex}",
+            prompt_ids=prompt_ids,
+            params=params,
+            principal=request.principal or ANONYMOUS_PRINCIPAL,
+            protocol=request.protocol,
+            deadline_s=self.deadline_s(request.deadline_s),
+            priority=request.priority,
+            require_cached_prefix_tokens=request.require_cached_prefix_tokens,
+        )
 
     async def plan(self, submission: Submission, engine: Callable[[], Engine]) -> list[Choice]:
         """Every choice of ``submission``: prompts tokenized, then ``max_tokens`` fitted to each
@@ -165,9 +182,16 @@ class SubmissionPolicy:
                     # The prompt is the same: its logprobs come with the first candidate, and the
                     # others may share that candidate's prefill (the prefix cache) instead of redoing it.
                     candidate = msgspec.structs.replace(candidate, prompt_logprobs=None)
-                choices.append(Choice(request_id=f"{submission.request_id}-{len(choices)}", prompt_ids=ids,
-                                      params=candidate, principal=principal, protocol=submission.protocol,
-                                      deadline_s=deadline_s))
+                choices.append(
+                    Choice(
+                        request_id=f"{submission.request_id}-{len(choices)}",
+                        prompt_ids=ids,
+                        params=candidate,
+                        principal=principal,
+                        protocol=submission.protocol,
+                        deadline_s=deadline_s,
+                    )
+                )
         if submission.prepare is not None:
             await self.grammars.run(principal, submission.prepare)
             engine()
@@ -201,7 +225,9 @@ class SubmissionPolicy:
         engine()
         return matcher
 
-    def admit(self, choice: Choice, engine: Engine, num_queued: int, is_running: Callable[[str], bool]) -> Account | None:
+    def admit(
+        self, choice: Choice, engine: Engine, num_queued: int, is_running: Callable[[str], bool]
+    ) -> Account | None:
         """The last checks of one engine request, in order, then its rate-limit account (None
         without limits): ``InvalidRequest`` (empty prompt, too long for prompt logprobs, an id
         that runs already), ``MemoryPressure`` (more beams than KV rows), ``QueueFull``,
@@ -212,11 +238,15 @@ class SubmissionPolicy:
         if params.prompt_logprobs is not None and len(choice.prompt_ids) > limit:
             # Every scored position costs a forward and logits over the vocabulary that the
             # prefix cache cannot serve: bounded per request, on every protocol alike.
-            raise InvalidRequest(f"prompt logprobs are computed for prompts of at most {limit} tokens "
-                                 f"(--max-prompt-logprobs-tokens); this prompt has {len(choice.prompt_ids)}",
-                                 field="prompt_logprobs")
+            raise InvalidRequest(
+                f"prompt logprobs are computed for prompts of at most {limit} tokens "
+                f"(--max-prompt-logprobs-tokens); this prompt has {len(choice.prompt_ids)}",
+                field="prompt_logprobs",
+            )
         if params.num_beams > engine.runner.num_rows:
-            raise MemoryPressure(f"num_beams={params.num_beams} needs more KV rows than the cache has ({engine.runner.num_rows})")
+            raise MemoryPressure(
+                f"num_beams={params.num_beams} needs more KV rows than the cache has ({engine.runner.num_rows})"
+            )
         if num_queued >= self.max_queue:
             raise QueueFull(f"the waiting queue is full ({self.max_queue} requests); retry later", retry_after_s=1.0)
         if is_running(choice.request_id):
@@ -224,8 +254,9 @@ class SubmissionPolicy:
         # Last of the checks, so that a request refused for another reason counts for nothing.
         return self.limiter.open(choice.principal, params.max_tokens) if self.limiter is not None else None
 
-    async def new_matcher(self, old: SamplingParams, new: SamplingParams, principal: str,
-                          engine: Callable[[], Engine]) -> Any:
+    async def new_matcher(
+        self, old: SamplingParams, new: SamplingParams, principal: str, engine: Callable[[], Engine]
+    ) -> Any:
         """The matcher a ``modify`` from ``old`` to ``new`` parameters needs (None: the
         constraint did not change). One not compiled before counts as one request in the
         principal's rate-limit window (refused with ``RateLimited`` before compiling when it is

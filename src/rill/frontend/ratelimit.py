@@ -162,15 +162,21 @@ class RateLimiter:
                 state.window_start, state.count = now, 0
             if state.count >= limits.requests:
                 wait_s = state.window_start + limits.window_s - now
-                raise RateLimited(f"rate limit reached: {limits.requests} requests per {limits.window_s:g} s; "
-                                  f"retry in {wait_s:.2f} s", retry_after_s=wait_s)
+                raise RateLimited(
+                    f"rate limit reached: {limits.requests} requests per {limits.window_s:g} s; "
+                    f"retry in {wait_s:.2f} s",
+                    retry_after_s=wait_s,
+                )
         amount = 0.0
         if state.bucket is not None:
             amount = min(float(max_tokens), state.bucket.burst)
             wait_s = state.bucket.wait_s(amount, now)
             if wait_s > 0:
-                raise RateLimited(f"rate limit reached: {amount:.0f} tokens asked; retry in {wait_s:.2f} s "
-                                  "(or ask for fewer max_tokens)", retry_after_s=wait_s)
+                raise RateLimited(
+                    f"rate limit reached: {amount:.0f} tokens asked; retry in {wait_s:.2f} s "
+                    "(or ask for fewer max_tokens)",
+                    retry_after_s=wait_s,
+                )
         return amount
 
     def extend(self, reservation: Reservation, more_tokens: int) -> Reservation:
@@ -186,8 +192,9 @@ class RateLimiter:
         amount = min(float(more_tokens), state.bucket.burst)
         wait_s = state.bucket.wait_s(amount, now)
         if wait_s > 0:
-            raise RateLimited(f"rate limit reached: {amount:.0f} more tokens asked; retry in {wait_s:.2f} s",
-                              retry_after_s=wait_s)
+            raise RateLimited(
+                f"rate limit reached: {amount:.0f} more tokens asked; retry in {wait_s:.2f} s", retry_after_s=wait_s
+            )
         state.bucket.take(amount, now)
         return Reservation(reservation.principal, reservation.tokens + amount)
 
@@ -216,7 +223,8 @@ class RateLimiter:
             self._principals.popitem(last=False)
         rate = self.limits.tokens_per_s
         state = self._principals[principal] = _Principal(
-            None if rate is None else TokenBucket(rate, self.limits.burst, now))
+            None if rate is None else TokenBucket(rate, self.limits.burst, now)
+        )
         return state
 
 

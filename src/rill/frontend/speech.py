@@ -57,8 +57,17 @@ _ESPEAK_CHARS_UTF8 = 1
 _EE_OK = 0
 _SYNTH_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_short), ctypes.c_int, ctypes.c_void_p)
 
-_LANGUAGE_ALIASES = {"zh": "cmn", "zh-cn": "cmn", "chinese": "cmn", "mandarin": "cmn", "zh-hk": "yue",
-                     "cantonese": "yue", "english": "en", "en-us": "en-US", "en-gb": "en-GB-x-rp"}
+_LANGUAGE_ALIASES = {
+    "zh": "cmn",
+    "zh-cn": "cmn",
+    "chinese": "cmn",
+    "mandarin": "cmn",
+    "zh-hk": "yue",
+    "cantonese": "yue",
+    "english": "en",
+    "en-us": "en-US",
+    "en-gb": "en-GB-x-rp",
+}
 
 
 class EspeakSynth:
@@ -88,12 +97,17 @@ class EspeakSynth:
     def check(self, *, language: str | None, mode: str, has_ref_audio: bool) -> None:
         """See ``SpeechSynth.check``."""
         if mode not in self.MODES:
-            raise InvalidRequest(f"tts.mode '{mode}' is not supported by this server's speech synthesizer ({self.name}); "
-                                 f"supported modes: {', '.join(self.MODES)}", field="tts.mode")
+            raise InvalidRequest(
+                f"tts.mode '{mode}' is not supported by this server's speech synthesizer ({self.name}); "
+                f"supported modes: {', '.join(self.MODES)}",
+                field="tts.mode",
+            )
         if has_ref_audio:
-            raise InvalidRequest(f"tts.ref_audio_data / tts.ref_audio_path: this server's speech synthesizer ({self.name}) "
-                                 "cannot speak in a reference voice; leave them out to use its own voice",
-                                 field="tts.ref_audio_data")
+            raise InvalidRequest(
+                f"tts.ref_audio_data / tts.ref_audio_path: this server's speech synthesizer ({self.name}) "
+                "cannot speak in a reference voice; leave them out to use its own voice",
+                field="tts.ref_audio_data",
+            )
         self.voice_for(language)
 
     def voice_for(self, language: str | None) -> str:
@@ -108,9 +122,11 @@ class EspeakSynth:
         if base in self.languages:
             return self.languages[base]
         sample = ", ".join(sorted(self.languages)[:12])
-        raise InvalidRequest(f"tts.language '{language}' has no voice in {self.name}; use a language code such as "
-                             f"en, en-US, fr, de, es, cmn (zh), ja ({len(self.languages)} available, e.g. {sample}, ...)",
-                             field="tts.language")
+        raise InvalidRequest(
+            f"tts.language '{language}' has no voice in {self.name}; use a language code such as "
+            f"en, en-US, fr, de, es, cmn (zh), ja ({len(self.languages)} available, e.g. {sample}, ...)",
+            field="tts.language",
+        )
 
     def synthesize(self, text: str, language: str | None, cancel: threading.Event) -> np.ndarray:
         """See ``SpeechSynth.synthesize``."""
@@ -148,8 +164,16 @@ class _Espeak:
         lib.espeak_Initialize.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
         lib.espeak_SetVoiceByName.argtypes = [ctypes.c_char_p]
         lib.espeak_SetVoiceByName.restype = ctypes.c_int
-        lib.espeak_Synth.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_uint, ctypes.c_int, ctypes.c_uint,
-                                     ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p]
+        lib.espeak_Synth.argtypes = [
+            ctypes.c_char_p,
+            ctypes.c_size_t,
+            ctypes.c_uint,
+            ctypes.c_int,
+            ctypes.c_uint,
+            ctypes.c_uint,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+        ]
         lib.espeak_Synth.restype = ctypes.c_int
         rate = lib.espeak_Initialize(_AUDIO_OUTPUT_SYNCHRONOUS, 0, data_path.encode(), 0)
         if rate <= 0:
@@ -168,7 +192,9 @@ class _Espeak:
         with self.lock:
             if voice != self._voice:
                 if self.lib.espeak_SetVoiceByName(voice.encode()) != _EE_OK:
-                    raise InvalidRequest(f"tts.language: espeak-ng could not load the voice '{voice}'", field="tts.language")
+                    raise InvalidRequest(
+                        f"tts.language: espeak-ng could not load the voice '{voice}'", field="tts.language"
+                    )
                 self._voice = voice
             self._chunks, self._cancel = [], cancel
             data = text.encode("utf-8")
@@ -263,8 +289,9 @@ class SpeechStream:
                 text = await self._inbox.get()
                 if text is self._END:
                     break
-                pcm = await loop.run_in_executor(self._service._executor, self._service._run, text,
-                                                 self._language, self._cancel)
+                pcm = await loop.run_in_executor(
+                    self._service._executor, self._service._run, text, self._language, self._cancel
+                )
                 self._service.num_segments_total += 1
                 await self._outbox.put(pcm)
         except Exception as exc:  # noqa: BLE001 - handed to the consumer, which reports it

@@ -94,11 +94,16 @@ class RequestStream:
         self._is_overflowed = True
         assert self._lease is not None
         self.client.abort(self.request_id)
-        self._pending = RequestOutput(request_id=self.request_id, finished=True, finish_reason="error",
-                                      error=ResourceExhausted(
-                                          "the client read this request's output too slowly: the unread output "
-                                          "passed its share of the server's session memory "
-                                          "(--max-session-memory-per-principal, --max-session-memory)"))
+        self._pending = RequestOutput(
+            request_id=self.request_id,
+            finished=True,
+            finish_reason="error",
+            error=ResourceExhausted(
+                "the client read this request's output too slowly: the unread output "
+                "passed its share of the server's session memory "
+                "(--max-session-memory-per-principal, --max-session-memory)"
+            ),
+        )
         self._lease.close()
         self._ready.set()
 

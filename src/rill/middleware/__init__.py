@@ -55,11 +55,17 @@ def wrap(app: ASGIApp, deps: Deps, render_error: ErrorRenderer) -> ASGIApp:
     http = deps.config.http
     limits = deps.config.connections
     sites = SiteCheck(http.host, http.allowed_hosts, [*http.allowed_origins, *http.cors_origins])
-    wrapped: ASGIApp = Guard(app, render_error, api_keys=set(deps.api_keys or ()), max_body_bytes=http.max_body_bytes,
-                             sites=sites,
-                             gate=deps.gate, body_timeout_s=limits.body_timeout_s,
-                             first_message_timeout_s=limits.first_message_timeout_s,
-                             forwarded_allow_ips=http.forwarded_allow_ips)
+    wrapped: ASGIApp = Guard(
+        app,
+        render_error,
+        api_keys=set(deps.api_keys or ()),
+        max_body_bytes=http.max_body_bytes,
+        sites=sites,
+        gate=deps.gate,
+        body_timeout_s=limits.body_timeout_s,
+        first_message_timeout_s=limits.first_message_timeout_s,
+        forwarded_allow_ips=http.forwarded_allow_ips,
+    )
     if http.cors_origins:
         wrapped = CORSMiddleware(
             wrapped,

@@ -20,7 +20,9 @@ class FirstMessageWatch:
     connection gate may close it to make room for another client.
     """
 
-    def __init__(self, receive: Receive, send: Send, timeout_s: float, connection: GuardedProtocol | None = None) -> None:
+    def __init__(
+        self, receive: Receive, send: Send, timeout_s: float, connection: GuardedProtocol | None = None
+    ) -> None:
         self._receive = receive
         self._send = send
         self.timeout_s = timeout_s

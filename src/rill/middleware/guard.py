@@ -53,10 +53,18 @@ class Guard:
             believed (IPs, networks, ``*``); empty: none.
     """
 
-    def __init__(self, app: ASGIApp, render_error: ErrorRenderer, api_keys: set[str], max_body_bytes: int,
-                 sites: SiteCheck | None = None,
-                 gate: ConnectionGate | None = None, body_timeout_s: float | None = None,
-                 first_message_timeout_s: float | None = None, forwarded_allow_ips: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        render_error: ErrorRenderer,
+        api_keys: set[str],
+        max_body_bytes: int,
+        sites: SiteCheck | None = None,
+        gate: ConnectionGate | None = None,
+        body_timeout_s: float | None = None,
+        first_message_timeout_s: float | None = None,
+        forwarded_allow_ips: list[str] | None = None,
+    ) -> None:
         self.app = app
         self.render_error = render_error
         self.api_keys = frozenset(api_keys)
@@ -138,7 +146,9 @@ class Guard:
             presented = auth.bearer_token(authorization)
         else:
             values = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("api_key")
-            presented = auth.websocket_key(authorization, scope.get("subprotocols") or (), values[0] if values else None)
+            presented = auth.websocket_key(
+                authorization, scope.get("subprotocols") or (), values[0] if values else None
+            )
         if not auth.key_matches(presented, self.api_keys):
             return False
         scope[auth.PRINCIPAL_SCOPE_KEY] = auth.principal(presented, None)
@@ -193,7 +203,9 @@ class Guard:
                 if message.get("more_body", False):
                     await self._refuse_body(receive, send, size, None)
                 else:
-                    await send_error(self.render_error, send, BodyTooLarge(self.max_body_bytes), {"Connection": "close"})
+                    await send_error(
+                        self.render_error, send, BodyTooLarge(self.max_body_bytes), {"Connection": "close"}
+                    )
                 return None
             chunks.append(body)
             if not message.get("more_body", False):

@@ -45,8 +45,9 @@ def json_routing_errors(render: ErrorRenderer, scope: Scope, send: Send) -> Send
                 else:
                     allowed = headers.get(b"allow", b"").decode("latin-1")
                     exc = MethodNotAllowed(f"Method {method} is not allowed on '{path}' (allowed: {allowed})")
-                await send_error(render, send, exc,
-                                  {"Allow": headers[b"allow"].decode("latin-1")} if b"allow" in headers else {})
+                await send_error(
+                    render, send, exc, {"Allow": headers[b"allow"].decode("latin-1")} if b"allow" in headers else {}
+                )
                 return
         if rewriting:
             return  # the router's plain-text body: already replaced
@@ -80,21 +81,24 @@ def header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
-
-
 async def send_error(render: ErrorRenderer, send: Send, exc: Exception, extra_headers: dict[str, str]) -> None:
     """Answer an HTTP request with ``render``'s status, headers and JSON body for ``exc``, plus
     ``extra_headers``."""
     status, wire_headers, body = render(exc)
-    headers = {**wire_headers, **extra_headers, "content-type": "application/json",
-               "content-length": str(len(body))}
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()]})
+    headers = {**wire_headers, **extra_headers, "content-type": "application/json", "content-length": str(len(body))}
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()],
+        }
+    )
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-async def deny_websocket(render: ErrorRenderer, scope: Scope, receive: Receive, send: Send,
-                          exc: Exception | None = None) -> None:
+async def deny_websocket(
+    render: ErrorRenderer, scope: Scope, receive: Receive, send: Send, exc: Exception | None = None
+) -> None:
     """Refuse a WebSocket handshake with the HTTP status and JSON body of ``exc`` (401 by default)."""
     message = await receive()  # ASGI: the app is told about the handshake before it answers
     if message["type"] != "websocket.connect":

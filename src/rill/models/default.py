@@ -95,8 +95,13 @@ def ensure_default_model(progress: bool = True, report: ReportFn | None = None, 
     """
     folder = Path(folder) if folder is not None else default_model_dir()
     gguf_file = default_gguf_path()
-    return build_atomically(folder, lambda tmp: _convert(gguf_file, tmp, progress, report), is_complete,
-                            progress=progress, what="the default model")
+    return build_atomically(
+        folder,
+        lambda tmp: _convert(gguf_file, tmp, progress, report),
+        is_complete,
+        progress=progress,
+        what="the default model",
+    )
 
 
 def _convert(gguf_file: Path, out: Path, progress: bool, report: ReportFn | None) -> None:
@@ -108,8 +113,13 @@ def _convert(gguf_file: Path, out: Path, progress: bool, report: ReportFn | None
     say = report or (lambda pct, stage: None)
     say(0.0, f"default model: reading {gguf_file.name} (first run only)")
     checkpoint = read_gguf(gguf_file)
-    with tqdm(total=len(checkpoint.reader.tensors), unit="tensor", disable=not progress, file=sys.stderr,
-              desc=f"rill: preparing {DEFAULT_MODEL_NAME} (first run only)") as bar:
+    with tqdm(
+        total=len(checkpoint.reader.tensors),
+        unit="tensor",
+        disable=not progress,
+        file=sys.stderr,
+        desc=f"rill: preparing {DEFAULT_MODEL_NAME} (first run only)",
+    ) as bar:
 
         def step(done: int, total: int) -> None:
             bar.update(done - bar.n)
@@ -118,8 +128,12 @@ def _convert(gguf_file: Path, out: Path, progress: bool, report: ReportFn | None
 
         # float32 keeps the dequantized values exactly; the serving dtype is applied at load.
         convert_to_folder(checkpoint, out, torch.float32, step)
-    source = {"package": PACKAGE, "version": installed_version(), "file": gguf_file.name,
-              "size_bytes": gguf_file.stat().st_size}
+    source = {
+        "package": PACKAGE,
+        "version": installed_version(),
+        "file": gguf_file.name,
+        "size_bytes": gguf_file.stat().st_size,
+    }
     (out / SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n")
     (out / "README.md").write_text(
         f"# {DEFAULT_MODEL_NAME}\n\nPrepared by rill from `{gguf_file.name}` of the `{PACKAGE}` "

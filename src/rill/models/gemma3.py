@@ -67,7 +67,9 @@ class Gemma3Layer(nn.Module):
         self.window = window
         self.scale = config.attention_scale
         self.input_norm = GemmaRMSNorm(config.hidden_size, eps)
-        self.qkv = nn.Linear(config.hidden_size, (config.num_heads + 2 * config.num_kv_heads) * hd, bias=config.has_qkv_bias)
+        self.qkv = nn.Linear(
+            config.hidden_size, (config.num_heads + 2 * config.num_kv_heads) * hd, bias=config.has_qkv_bias
+        )
         self.q_norm = GemmaRMSNorm(hd, eps)
         self.k_norm = GemmaRMSNorm(hd, eps)
         self.o_proj = nn.Linear(config.num_heads * hd, config.hidden_size, bias=config.has_o_bias)
@@ -77,7 +79,9 @@ class Gemma3Layer(nn.Module):
         self.down = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.post_mlp_norm = GemmaRMSNorm(config.hidden_size, eps)
 
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Norm + QKV + q/k norm + RoPE: ``q [..., heads, hd]``, ``k``/``v [..., kv_heads, hd]``."""
         qkv = self.qkv(self.input_norm(x))
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -95,14 +99,26 @@ class Gemma3Layer(nn.Module):
         """Cache-free block on ``x [B, T, hidden]``; ``mask`` [T, T] bool or None for plain causal."""
         q, k, v = self.project(x, cos, sin)
         attn = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=mask is None,
-            scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads,
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
         )
         x = x + self.post_attn_norm(self.o_proj(attn.transpose(1, 2).flatten(2)))
         return x + self.mlp(x)
 
-    def forward_step(self, x: torch.Tensor, batch: StepBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward_step(
+        self,
+        x: torch.Tensor,
+        batch: StepBatch,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
         """Cached block on packed tokens ``x [N, hidden]`` (see ``rill.models.attention``)."""
         q, k, v = self.project(x, cos, sin)
         write_kv(k_cache, v_cache, k, v, batch)
@@ -120,11 +136,15 @@ class Gemma3Model(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Gemma3Layer(config, window) for window in config.sliding_windows)
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = (
+            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
         # Global layers rotate with rope_theta (+ scaling); sliding-window layers with their own base.
         self.inv_freq = {
             False: inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling),
-            True: inverse_frequencies(config.head_dim, config.local_rope_theta or config.rope_theta, {"rope_type": "default"}),
+            True: inverse_frequencies(
+                config.head_dim, config.local_rope_theta or config.rope_theta, {"rope_type": "default"}
+            ),
         }
         self._tables: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}
         self._table_len = 0
@@ -197,17 +217,19 @@ class Gemma3Model(nn.Module):
 
 # ------------------------------------------------------------------------- weight names
 
-WEIGHTS = WeightNames(layer={  # our name -> Hugging Face's, inside one layer (q/k/v, gate/up: weights.FUSED)
-    "input_norm.weight": "input_layernorm.weight",
-    "q_norm.weight": "self_attn.q_norm.weight",
-    "k_norm.weight": "self_attn.k_norm.weight",
-    "o_proj.weight": "self_attn.o_proj.weight",
-    "o_proj.bias": "self_attn.o_proj.bias",
-    "post_attn_norm.weight": "post_attention_layernorm.weight",
-    "pre_mlp_norm.weight": "pre_feedforward_layernorm.weight",
-    "post_mlp_norm.weight": "post_feedforward_layernorm.weight",
-    "down.weight": "mlp.down_proj.weight",
-})
+WEIGHTS = WeightNames(
+    layer={  # our name -> Hugging Face's, inside one layer (q/k/v, gate/up: weights.FUSED)
+        "input_norm.weight": "input_layernorm.weight",
+        "q_norm.weight": "self_attn.q_norm.weight",
+        "k_norm.weight": "self_attn.k_norm.weight",
+        "o_proj.weight": "self_attn.o_proj.weight",
+        "o_proj.bias": "self_attn.o_proj.bias",
+        "post_attn_norm.weight": "post_attention_layernorm.weight",
+        "pre_mlp_norm.weight": "pre_feedforward_layernorm.weight",
+        "post_mlp_norm.weight": "post_feedforward_layernorm.weight",
+        "down.weight": "mlp.down_proj.weight",
+    }
+)
 """The Gemma 3 family's weight names (``rill.models.weights``)."""
 
 
@@ -265,7 +287,9 @@ def gguf_config(metadata: dict[str, Any], shapes: dict[str, tuple[int, ...]], so
         "max_position_embeddings": int(metadata.get("gemma3.context_length", 32768)),
         "rms_norm_eps": float(value("gemma3.attention.layer_norm_rms_epsilon")),
         "sliding_window": int(value("gemma3.attention.sliding_window")),
-        "layer_types": ["sliding_attention" if (i + 1) % SLIDING_WINDOW_PATTERN else "full_attention" for i in range(num_layers)],
+        "layer_types": [
+            "sliding_attention" if (i + 1) % SLIDING_WINDOW_PATTERN else "full_attention" for i in range(num_layers)
+        ],
         "rope_parameters": {
             "full_attention": {"rope_type": "default", "rope_theta": float(metadata.get("gemma3.rope.freq_base", 1e6))},
             "sliding_attention": {"rope_type": "default", "rope_theta": LOCAL_ROPE_THETA},
@@ -278,7 +302,10 @@ def gguf_config(metadata: dict[str, Any], shapes: dict[str, tuple[int, ...]], so
     }
     scaling = metadata.get("gemma3.rope.scaling.type")
     if scaling not in (None, "none"):
-        config["rope_parameters"]["full_attention"] |= {"rope_type": scaling, "factor": float(metadata.get("gemma3.rope.scaling.factor", 1.0))}
+        config["rope_parameters"]["full_attention"] |= {
+            "rope_type": scaling,
+            "factor": float(metadata.get("gemma3.rope.scaling.factor", 1.0)),
+        }
     return config
 
 

@@ -20,8 +20,9 @@ LOCAL_ROPE_THETA = 10000.0
 """The RoPE base of sliding-window layers when the file names none."""
 
 
-def parse_gemma3_config(architecture: str, hf: dict[str, Any], generation: dict[str, Any] | None,
-                        source: str) -> ModelConfig:
+def parse_gemma3_config(
+    architecture: str, hf: dict[str, Any], generation: dict[str, Any] | None, source: str
+) -> ModelConfig:
     """``config.json`` (and ``generation_config.json``) of ``Gemma3ForCausalLM`` → ``ModelConfig``.
 
     Raises:
@@ -57,7 +58,9 @@ def parse_gemma3_config(architecture: str, hf: dict[str, Any], generation: dict[
         sliding_windows=_windows(hf, sizes["num_layers"]),
         attention_scale=float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
         local_rope_theta=local_theta,
-        final_logit_softcapping=None if hf.get("final_logit_softcapping") is None else float(hf["final_logit_softcapping"]),
+        final_logit_softcapping=None
+        if hf.get("final_logit_softcapping") is None
+        else float(hf["final_logit_softcapping"]),
         bos_token_id=first_id(hf.get("bos_token_id", 2)),
         pad_token_id=first_id(hf.get("pad_token_id", 0)),
         hf_config=dict(hf),

@@ -42,6 +42,7 @@ SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", 
 _DENSE_TYPES = ("F32", "F16", "BF16")
 """Types ``--weights auto`` serves dense (in the serving dtype)."""
 
+
 def find_gguf(path: str | Path) -> Path | None:
     """The GGUF file ``path`` names: the file itself, or the only ``*.gguf`` of a folder that
     has no ``config.json``; None when ``path`` is not a GGUF input.
@@ -86,7 +87,9 @@ class GGUFCheckpoint:
         return {t.name: t.tensor_type.name for t in self.reader.tensors}
 
     def tensors(
-        self, dtype: torch.dtype = torch.float32, progress: Callable[[int, int], None] | None = None,
+        self,
+        dtype: torch.dtype = torch.float32,
+        progress: Callable[[int, int], None] | None = None,
         weights: str = "dense",
     ) -> dict[str, Any]:
         """Every tensor under its Hugging Face name: dequantized to ``dtype``, or, for the
@@ -142,7 +145,10 @@ class GGUFCheckpoint:
             values = np.array(quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32, copy=True)
             if is_matrix and (weights in ("int4", "int8") or (weights == "auto" and kind not in _DENSE_TYPES)):
                 # auto: the quantized types left here (Q5, Q8, a Q6_K narrower than 256) are kept as int8.
-                yield tensor.name, quant_values.quantize(torch.from_numpy(values), "int4" if weights == "int4" else "int8")
+                yield (
+                    tensor.name,
+                    quant_values.quantize(torch.from_numpy(values), "int4" if weights == "int4" else "int8"),
+                )
                 continue
             yield tensor.name, values
 
@@ -177,7 +183,11 @@ def read_gguf(path: str | Path) -> GGUFCheckpoint:
     hf_config = family.gguf_config(metadata, shapes, str(path))
     generation = {
         key: metadata[f"tokenizer.ggml.{name}"]
-        for key, name in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"), ("pad_token_id", "padding_token_id"))
+        for key, name in (
+            ("bos_token_id", "bos_token_id"),
+            ("eos_token_id", "eos_token_id"),
+            ("pad_token_id", "padding_token_id"),
+        )
         if f"tokenizer.ggml.{name}" in metadata
     }
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
@@ -258,12 +268,17 @@ def convert_to_folder(
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = dict(checkpoint.hf_config, dtype=str(dtype).removeprefix("torch."))
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    (out / "generation_config.json").write_text(json.dumps(checkpoint.generation_config, indent=2, sort_keys=True) + "\n")
+    (out / "generation_config.json").write_text(
+        json.dumps(checkpoint.generation_config, indent=2, sort_keys=True) + "\n"
+    )
     spec = checkpoint.tokenizer_spec()
     spec.backend.save(str(out / "tokenizer.json"))
-    tokenizer_config: dict[str, Any] = dict(spec.special_tokens, add_bos_token=spec.add_bos_token,
-                                            add_eos_token=spec.add_eos_token,
-                                            model_max_length=int(checkpoint.hf_config.get("max_position_embeddings", 2048)))
+    tokenizer_config: dict[str, Any] = dict(
+        spec.special_tokens,
+        add_bos_token=spec.add_bos_token,
+        add_eos_token=spec.add_eos_token,
+        model_max_length=int(checkpoint.hf_config.get("max_position_embeddings", 2048)),
+    )
     if spec.chat_template:
         tokenizer_config["chat_template"] = spec.chat_template
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2, sort_keys=True) + "\n")

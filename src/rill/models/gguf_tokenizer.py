@@ -84,15 +84,26 @@ class TokenizerSpec:
 
     def to_json(self) -> dict[str, Any]:
         """JSON values ``from_json`` rebuilds the spec from (the packed-model cache keeps them)."""
-        return {"backend": self.backend.to_str(), "special_tokens": self.special_tokens,
-                "chat_template": self.chat_template, "eos_token_ids": self.eos_token_ids,
-                "add_bos_token": self.add_bos_token, "add_eos_token": self.add_eos_token}
+        return {
+            "backend": self.backend.to_str(),
+            "special_tokens": self.special_tokens,
+            "chat_template": self.chat_template,
+            "eos_token_ids": self.eos_token_ids,
+            "add_bos_token": self.add_bos_token,
+            "add_eos_token": self.add_eos_token,
+        }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> TokenizerSpec:
         """The spec ``to_json`` wrote."""
-        return cls(tokenizers.Tokenizer.from_str(data["backend"]), data["special_tokens"], data["chat_template"],
-                   data["eos_token_ids"], data.get("add_bos_token", False), data.get("add_eos_token", False))
+        return cls(
+            tokenizers.Tokenizer.from_str(data["backend"]),
+            data["special_tokens"],
+            data["chat_template"],
+            data["eos_token_ids"],
+            data.get("add_bos_token", False),
+            data.get("add_eos_token", False),
+        )
 
 
 def build_tokenizer(reader: Any, metadata: dict[str, Any], source: str) -> TokenizerSpec:
@@ -107,7 +118,9 @@ def build_tokenizer(reader: Any, metadata: dict[str, Any], source: str) -> Token
     if "tokenizer.ggml.tokens" not in fields:
         raise ModelLoadError(f"{source}: the GGUF file has no tokenizer (tokenizer.ggml.tokens)")
     tokens: list[str] = list(fields["tokenizer.ggml.tokens"].contents())
-    types: list[int] = list(fields["tokenizer.ggml.token_type"].contents()) if "tokenizer.ggml.token_type" in fields else []
+    types: list[int] = (
+        list(fields["tokenizer.ggml.token_type"].contents()) if "tokenizer.ggml.token_type" in fields else []
+    )
     if kind == "gpt2":
         merges = list(fields["tokenizer.ggml.merges"].contents()) if "tokenizer.ggml.merges" in fields else []
         backend, spelled = _byte_level_bpe(tokens, merges, str(metadata.get("tokenizer.ggml.pre", "default")), source)
@@ -118,18 +131,30 @@ def build_tokenizer(reader: Any, metadata: dict[str, Any], source: str) -> Token
     _add_special_tokens(backend, tokens, spelled, types)
     special = {
         name: tokens[int(metadata[f"tokenizer.ggml.{key}"])]
-        for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
-                          ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id"))
+        for name, key in (
+            ("bos_token", "bos_token_id"),
+            ("eos_token", "eos_token_id"),
+            ("unk_token", "unknown_token_id"),
+            ("pad_token", "padding_token_id"),
+        )
         if f"tokenizer.ggml.{key}" in metadata and 0 <= int(metadata[f"tokenizer.ggml.{key}"]) < len(tokens)
     }
     # llama.cpp adds BOS to sentencepiece vocabularies whose file does not say otherwise.
     add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", kind == "llama"))
     add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
     _set_post_processor(backend, special, add_bos, add_eos)
-    eos_ids = [int(metadata[key]) for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if key in metadata]
+    eos_ids = [
+        int(metadata[key]) for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if key in metadata
+    ]
     template = metadata.get("tokenizer.chat_template")
-    return TokenizerSpec(backend, special, template if isinstance(template, str) else None,
-                         list(dict.fromkeys(eos_ids)), add_bos, add_eos)
+    return TokenizerSpec(
+        backend,
+        special,
+        template if isinstance(template, str) else None,
+        list(dict.fromkeys(eos_ids)),
+        add_bos,
+        add_eos,
+    )
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -145,7 +170,9 @@ def _bytes_to_unicode() -> dict[int, str]:
     return table
 
 
-def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str, source: str) -> tuple[tokenizers.Tokenizer, list[str]]:
+def _byte_level_bpe(
+    tokens: list[str], merges: list[str], pre: str, source: str
+) -> tuple[tokenizers.Tokenizer, list[str]]:
     table = _bytes_to_unicode()
     alphabet = set(table.values())
     # Tokens are stored in the byte alphabet; a control token written in other characters is
@@ -174,14 +201,17 @@ def _sentencepiece_bpe(tokens: list[str], metadata: dict[str, Any]) -> tuple[tok
     merges = _merges_from_vocab(spelled, vocab)
     unk = metadata.get("tokenizer.ggml.unknown_token_id")
     unk_token = spelled[int(unk)] if unk is not None else None
-    backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk_token,
-                                              fuse_unk=True, byte_fallback=True))
+    backend = tokenizers.Tokenizer(
+        models.BPE(vocab=vocab, merges=merges, unk_token=unk_token, fuse_unk=True, byte_fallback=True)
+    )
     if metadata.get("tokenizer.ggml.add_space_prefix", False):
         backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
     else:
         backend.normalizer = normalizers.Replace(" ", "\u2581")
-    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
-                                        + ([decoders.Strip(" ", 1, 0)] if metadata.get("tokenizer.ggml.add_space_prefix") else []))
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+        + ([decoders.Strip(" ", 1, 0)] if metadata.get("tokenizer.ggml.add_space_prefix") else [])
+    )
     return backend, spelled
 
 
@@ -202,10 +232,16 @@ def _merges_from_vocab(spelled: list[str], vocab: dict[str, int]) -> list[tuple[
 def _add_special_tokens(backend: tokenizers.Tokenizer, tokens: list[str], spelled: list[str], types: list[int]) -> None:
     # Control tokens (<|im_end|>, <start_of_turn>) must never be cut into pieces; user-defined
     # ones (e.g. "\n\n" in Gemma) are matched whole too but are ordinary text.
-    control = [AddedToken(t, normalized=False, special=True)
-               for t, s, kind in zip(tokens, spelled, types) if kind == _TOKEN_CONTROL and t == s]
-    user = [AddedToken(t, normalized=False, special=False)
-            for t, s, kind in zip(tokens, spelled, types) if kind == _TOKEN_USER_DEFINED and t == s]
+    control = [
+        AddedToken(t, normalized=False, special=True)
+        for t, s, kind in zip(tokens, spelled, types)
+        if kind == _TOKEN_CONTROL and t == s
+    ]
+    user = [
+        AddedToken(t, normalized=False, special=False)
+        for t, s, kind in zip(tokens, spelled, types)
+        if kind == _TOKEN_USER_DEFINED and t == s
+    ]
     if control:
         backend.add_special_tokens(control)
     if user:

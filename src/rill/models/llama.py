@@ -133,14 +133,25 @@ class DecoderLayer(nn.Module):
         decode steps compute them; prompt chunks, and every model whose projections are dense
         (bit-for-bit with transformers), take the torch path.
         """
-        if self.q_norm is None and isinstance(self.qkv, quant.QuantizedLinear) and (
-                batch.num_decode or batch.drafts_only):
+        if (
+            self.q_norm is None
+            and isinstance(self.qkv, quant.QuantizedLinear)
+            and (batch.num_decode or batch.drafts_only)
+        ):
             qkv = packed.normed_linear(x, self.input_norm, self.qkv.weight, self.qkv.bias)
             whole = batch.prefill is None or batch.drafts_only
             decode = qkv.shape[0] if whole else batch.num_decode
-            attn = qkernel.decode_attention(qkv[:decode], batch.cos[:decode], batch.sin[:decode],
-                                            batch.positions[:decode], k_cache, v_cache, self.num_heads, self.window,
-                                            cache_rows=batch.write_rows if batch.prefill is not None and whole else None)
+            attn = qkernel.decode_attention(
+                qkv[:decode],
+                batch.cos[:decode],
+                batch.sin[:decode],
+                batch.positions[:decode],
+                k_cache,
+                v_cache,
+                self.num_heads,
+                self.window,
+                cache_rows=batch.write_rows if batch.prefill is not None and whole else None,
+            )
             if attn is not None:
                 if not whole:
                     q, k, v = self._split(qkv[decode:], batch.cos[decode:], batch.sin[decode:])
@@ -171,7 +182,9 @@ class LlamaModel(nn.Module):
         windows = config.sliding_windows or (None,) * config.num_layers
         self.layers = nn.ModuleList(DecoderLayer(config, windows[i]) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = (
+            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
         self.inv_freq = inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
         # Plain attributes, not buffers: derived data that must not enter state_dict.
         self._rope_cos = torch.empty(0, device="cpu")
@@ -236,15 +249,17 @@ class LlamaModel(nn.Module):
         return WEIGHTS.to_hf(self.state_dict(), self.config)
 
 
-WEIGHTS = WeightNames(layer={  # our name -> Hugging Face's, inside one layer (q/k/v, gate/up: weights.FUSED)
-    "input_norm.weight": "input_layernorm.weight",
-    "post_norm.weight": "post_attention_layernorm.weight",
-    "o_proj.weight": "self_attn.o_proj.weight",
-    "o_proj.bias": "self_attn.o_proj.bias",
-    "q_norm.weight": "self_attn.q_norm.weight",
-    "k_norm.weight": "self_attn.k_norm.weight",
-    "down.weight": "mlp.down_proj.weight",
-})
+WEIGHTS = WeightNames(
+    layer={  # our name -> Hugging Face's, inside one layer (q/k/v, gate/up: weights.FUSED)
+        "input_norm.weight": "input_layernorm.weight",
+        "post_norm.weight": "post_attention_layernorm.weight",
+        "o_proj.weight": "self_attn.o_proj.weight",
+        "o_proj.bias": "self_attn.o_proj.bias",
+        "q_norm.weight": "self_attn.q_norm.weight",
+        "k_norm.weight": "self_attn.k_norm.weight",
+        "down.weight": "mlp.down_proj.weight",
+    }
+)
 """The Llama family's weight names (``rill.models.weights``)."""
 
 
@@ -258,7 +273,9 @@ def init_weights(model: LlamaModel, initializer_range: float, seed: int | None =
             elif name.endswith(".bias"):
                 param.zero_()
             else:
-                values = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, initializer_range, generator=generator)
+                values = torch.empty(param.shape, dtype=torch.float32).normal_(
+                    0.0, initializer_range, generator=generator
+                )
                 param.copy_(values)
 
 
@@ -287,7 +304,9 @@ def gguf_config(metadata: dict[str, Any], shapes: dict[str, tuple[int, ...]], so
     """The ``config.json`` dict of a ``llama``/``qwen2``/``qwen3`` GGUF file (Mistral files say ``llama``)."""
     arch = str(metadata["general.architecture"])
     if "rope_freqs.weight" in shapes:
-        raise ModelLoadError(f"{source}: per-frequency RoPE factors (rope_freqs.weight, Llama 3.1 style) are not supported")
+        raise ModelLoadError(
+            f"{source}: per-frequency RoPE factors (rope_freqs.weight, Llama 3.1 style) are not supported"
+        )
     value = functools.partial(metadata_value, metadata, source=source)
     hidden = int(value(f"{arch}.embedding_length"))
     heads = int(value(f"{arch}.attention.head_count"))
@@ -311,7 +330,10 @@ def gguf_config(metadata: dict[str, Any], shapes: dict[str, tuple[int, ...]], so
     }
     scaling = metadata.get(f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
-        config["rope_scaling"] = {"rope_type": scaling, "factor": float(metadata.get(f"{arch}.rope.scaling.factor", 1.0))}
+        config["rope_scaling"] = {
+            "rope_type": scaling,
+            "factor": float(metadata.get(f"{arch}.rope.scaling.factor", 1.0)),
+        }
     return config
 
 

@@ -15,8 +15,9 @@ from rill.errors import ModelLoadError
 from rill.models.config import ModelConfig, eos_ids, first_id, generation_defaults, required_sizes, rope_settings
 
 
-def parse_llama_config(architecture: str, hf: dict[str, Any], generation: dict[str, Any] | None,
-                       source: str) -> ModelConfig:
+def parse_llama_config(
+    architecture: str, hf: dict[str, Any], generation: dict[str, Any] | None, source: str
+) -> ModelConfig:
     """``config.json`` (and ``generation_config.json``) of a Llama-family ``architecture`` → ``ModelConfig``.
 
     Raises:

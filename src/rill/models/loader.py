@@ -99,8 +99,13 @@ def _runtime_dtype(dtype: str, device: str) -> str:
     return name
 
 
-def load_model(path: str | Path, dtype: str = "auto", device: str = "cpu", weights: str = "dense",
-               progress: Callable[[float, str], None] | None = None) -> LoadedModel:
+def load_model(
+    path: str | Path,
+    dtype: str = "auto",
+    device: str = "cpu",
+    weights: str = "dense",
+    progress: Callable[[float, str], None] | None = None,
+) -> LoadedModel:
     """Load a Hugging Face style checkpoint folder or a GGUF file.
 
     Args:
@@ -143,8 +148,9 @@ def load_model(path: str | Path, dtype: str = "auto", device: str = "cpu", weigh
     return LoadedModel(model=model, config=config, path=folder, weights=_weights_kind(model))
 
 
-def _load_gguf(file: Path, dtype: str, device: str, weights: str,
-               progress: Callable[[float, str], None]) -> LoadedModel:
+def _load_gguf(
+    file: Path, dtype: str, device: str, weights: str, progress: Callable[[float, str], None]
+) -> LoadedModel:
     if weights != "dense" and torch.device(device).type != "cpu":
         # int4 packs for the CPU kernel only; int8 weights run anywhere.
         weights = "int8" if weights in ("auto", "int4") else weights
@@ -163,12 +169,16 @@ def _load_gguf(file: Path, dtype: str, device: str, weights: str,
         progress(0.1 + 0.8 * done / total, stage)
 
     model = _assemble(config, checkpoint.tensors(config.torch_dtype, tensor_done, weights=weights), file)
-    loaded = LoadedModel(model=model, config=config, path=file, tokenizer=checkpoint.tokenizer(),
-                         weights=_weights_kind(model))
+    loaded = LoadedModel(
+        model=model, config=config, path=file, tokenizer=checkpoint.tokenizer(), weights=_weights_kind(model)
+    )
     if weights != "dense":
         progress(0.95, "caching the quantized model for the next start")
-        saved = {"hf_config": checkpoint.hf_config, "generation_config": checkpoint.generation_config,
-                 "tokenizer": checkpoint.tokenizer_spec().to_json()}
+        saved = {
+            "hf_config": checkpoint.hf_config,
+            "generation_config": checkpoint.generation_config,
+            "tokenizer": checkpoint.tokenizer_spec().to_json(),
+        }
         try:
             quant_cache.save(quant_cache.entry_folder(file, weights, config.torch_dtype, device), model, saved)  # type: ignore[arg-type]
         except OSError as exc:  # a read-only or full cache costs the next start time, nothing more
@@ -183,7 +193,9 @@ def _load_cached_gguf(file: Path, dtype: str, device: str, weights: str) -> Load
     meta = quant_cache.peek(folder)
     if meta is None:
         return None
-    config = parse_config(meta["hf_config"], meta["generation_config"], source=str(file)).with_runtime(dtype, str(device))
+    config = parse_config(meta["hf_config"], meta["generation_config"], source=str(file)).with_runtime(
+        dtype, str(device)
+    )
     family = family_for_config(config.hf_config, str(file))
     with torch.device("meta"):
         model = family.build(config)
@@ -208,20 +220,25 @@ def _assemble(config: ModelConfig, tensors: dict[str, torch.Tensor], source: Pat
         model = family.build(config)
     _check_tensors(family.to_hf(model.state_dict(), config), tensors, source)
     state = family.from_hf(tensors, config)
-    state = {key: value if quant.is_quantized(value) else value.to(dtype=config.torch_dtype, device=config.device)
-             for key, value in state.items()}
+    state = {
+        key: value if quant.is_quantized(value) else value.to(dtype=config.torch_dtype, device=config.device)
+        for key, value in state.items()
+    }
     dense = quant.install(model, state, config.torch_dtype, config.device)  # type: ignore[arg-type]
     # Quantized modules came with their buffers (and biases): check what is left on meta instead of strict names.
     result = model.load_state_dict(dense, assign=True, strict=False)
     left = quant.unloaded(model)
     if left or result.unexpected_keys:
-        raise ModelLoadError(f"{source}: weights do not fit the model: missing {left[:5]}, "
-                             f"unexpected {result.unexpected_keys[:5]}")
+        raise ModelLoadError(
+            f"{source}: weights do not fit the model: missing {left[:5]}, unexpected {result.unexpected_keys[:5]}"
+        )
     model.eval().requires_grad_(False)
     return model
 
 
-def build_model(config: dict[str, Any], dtype: str = "float32", device: str = "cpu", seed: int | None = None) -> CausalLM:
+def build_model(
+    config: dict[str, Any], dtype: str = "float32", device: str = "cpu", seed: int | None = None
+) -> CausalLM:
     """Create a randomly initialised model from an HF-style ``config.json`` dict (for training).
 
     Weights are drawn as transformers does with ``config["initializer_range"]`` (default 0.02).
@@ -265,7 +282,11 @@ def save_checkpoint(
     # AutoConfig needs model_type; derive it from the architecture when the caller left it out.
     config.setdefault("model_type", family_for_config(config, "config").model_types[parsed.architecture])
     config.setdefault("dtype", str(dtypes.pop()).removeprefix("torch.") if len(dtypes) == 1 else "float32")
-    save_file({name: tensor.cpu() for name, tensor in tensors.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {name: tensor.cpu() for name, tensor in tensors.items()},
+        str(out / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     if generation_config is not None:
         (out / "generation_config.json").write_text(json.dumps(generation_config, indent=2, sort_keys=True) + "\n")

@@ -60,8 +60,10 @@ def can_pack(weight: torch.Tensor) -> bool:
         weight.device.type == "cpu"
         and weight.dim() == 2
         and torch.backends.mkldnn.is_available()
-        and (weight.dtype == torch.float32
-             or (weight.dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())))
+        and (
+            weight.dtype == torch.float32
+            or (weight.dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+        )
     )
 
 
@@ -104,8 +106,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: torch.Tens
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def normed_linear(x: torch.Tensor, norm: RMSNormModule, weight: torch.Tensor | QuantWeight,
-                  bias: torch.Tensor | None = None) -> torch.Tensor:
+def normed_linear(
+    x: torch.Tensor, norm: RMSNormModule, weight: torch.Tensor | QuantWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """``linear(norm(x), weight, bias)`` for an RMS norm module (``weight * rms_norm(x)``:
     ``weight``, ``eps``).
 
@@ -119,8 +122,9 @@ def normed_linear(x: torch.Tensor, norm: RMSNormModule, weight: torch.Tensor | Q
     return linear(norm(x), weight, bias)
 
 
-def swiglu_linear(gate_up: torch.Tensor, weight: torch.Tensor | QuantWeight,
-                  bias: torch.Tensor | None = None) -> torch.Tensor:
+def swiglu_linear(
+    gate_up: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """``linear(silu(gate) * up, weight, bias)`` for ``gate_up [..., 2K]`` (gate first); a
     quantized weight does it in its ``linear_swiglu`` (one kernel call where its kernel can)."""
     if isinstance(weight, nn.Module):

@@ -45,8 +45,20 @@ log = logging.getLogger("rill.models")
 KERNELS = Path(__file__).with_name("kernels")
 SOURCES = (KERNELS / "qgemm.c", KERNELS / "attention.c")
 HEADERS = (KERNELS / "simd.h",)
-CFLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni",
-          "-mf16c", "-mfma", "-fno-math-errno", "-ffp-contract=off")
+CFLAGS = (
+    "-O3",
+    "-fPIC",
+    "-shared",
+    "-fopenmp",
+    "-mavx512f",
+    "-mavx512bw",
+    "-mavx512vl",
+    "-mavx512vnni",
+    "-mf16c",
+    "-mfma",
+    "-fno-math-errno",
+    "-ffp-contract=off",
+)
 REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma")
 """/proc/cpuinfo flags the kernel needs."""
 
@@ -104,11 +116,40 @@ def _load() -> ctypes.CDLL | None:
             log.warning("quantized kernel: %s; using torch's kernels", _reason)
             return None
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        library.rill_linear.argtypes = (ctypes.c_int, ptr, ptr, ptr, i64, i64, ptr, ctypes.c_int, i64, ptr,
-                                        ctypes.c_int, ptr, ctypes.c_float)
+        library.rill_linear.argtypes = (
+            ctypes.c_int,
+            ptr,
+            ptr,
+            ptr,
+            i64,
+            i64,
+            ptr,
+            ctypes.c_int,
+            i64,
+            ptr,
+            ctypes.c_int,
+            ptr,
+            ctypes.c_float,
+        )
         library.rill_linear.restype = ctypes.c_int
-        library.rill_decode_attention.argtypes = (ptr, ctypes.c_int, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr,
-                                                  i64, i64, ctypes.c_float, ptr)
+        library.rill_decode_attention.argtypes = (
+            ptr,
+            ctypes.c_int,
+            i64,
+            i64,
+            i64,
+            i64,
+            ptr,
+            ptr,
+            ptr,
+            ptr,
+            ptr,
+            ptr,
+            i64,
+            i64,
+            ctypes.c_float,
+            ptr,
+        )
         library.rill_decode_attention.restype = ctypes.c_int
         _library = library
         return library
@@ -126,8 +167,12 @@ def _build() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
-        result = subprocess.run([compiler, *CFLAGS, *map(str, SOURCES), "-o", str(built), "-lm"],
-                                capture_output=True, text=True, timeout=120)
+        result = subprocess.run(
+            [compiler, *CFLAGS, *map(str, SOURCES), "-o", str(built), "-lm"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         if result.returncode != 0:
             raise RuntimeError(result.stderr.strip()[-500:] or f"{compiler} exited {result.returncode}")
         os.replace(built, target)  # atomic: a concurrent start sees the whole file or none
@@ -161,8 +206,10 @@ class BlockedWeight(QuantWeight):
         super().__init__(tuple(values.shape))  # type: ignore[arg-type]
         cols = values.shape[1]
         if cols % GROUP_SIZE or (isinstance(values, Int6Values) and cols % 256):
-            raise ValueError(f"the quantized kernel needs an input width that is a multiple of {GROUP_SIZE} "
-                             f"(256 for 6-bit values), not {cols}")
+            raise ValueError(
+                f"the quantized kernel needs an input width that is a multiple of {GROUP_SIZE} "
+                f"(256 for 6-bit values), not {cols}"
+            )
         self._dtype = dtype
         if isinstance(values, Int6Values):
             self.bits, (packed, scales, offsets) = 6, _q6k_layout(values)
@@ -209,8 +256,9 @@ class BlockedWeight(QuantWeight):
         """``(silu(gate) * up) @ w.T`` for ``gate_up [..., 2K]`` (gate first), in one call."""
         return self._call(gate_up, 2 * self.shape[1], _PRE_SWIGLU)
 
-    def _call(self, x: torch.Tensor, width: int, pre: int, norm: torch.Tensor | None = None,
-              eps: float = 0.0) -> torch.Tensor:
+    def _call(
+        self, x: torch.Tensor, width: int, pre: int, norm: torch.Tensor | None = None, eps: float = 0.0
+    ) -> torch.Tensor:
         library = _load()
         assert library is not None, "BlockedWeight is built only where the kernel runs"
         rows, cols = self.shape
@@ -222,9 +270,21 @@ class BlockedWeight(QuantWeight):
         if m == 0:  # malloc(0) may give NULL: nothing to compute anyway
             return y.view(*x.shape[:-1], rows).to(x.dtype)
         # One call per product (~40 us of Python per call was ~10 % of a 1.5B decode step).
-        status = library.rill_linear(self.bits, _ptr(self.packed), _ptr(self.scales), _ptr(self.offsets), rows, cols,  # type: ignore[arg-type]
-                                     _ptr(flat), int(flat.dtype == torch.bfloat16), m, _ptr(y), pre,
-                                     None if norm is None else _ptr(norm), eps)
+        status = library.rill_linear(
+            self.bits,
+            _ptr(self.packed),  # type: ignore[arg-type]
+            _ptr(self.scales),  # type: ignore[arg-type]
+            _ptr(self.offsets),  # type: ignore[arg-type]
+            rows,
+            cols,
+            _ptr(flat),
+            int(flat.dtype == torch.bfloat16),
+            m,
+            _ptr(y),
+            pre,
+            None if norm is None else _ptr(norm),
+            eps,
+        )
         if status != 0:
             raise MemoryError(f"the quantized kernel could not allocate scratch for {m} x {cols} activations")
         out = y.view(*x.shape[:-1], rows)
@@ -260,7 +320,9 @@ def _q6k_layout(values: Int6Values) -> Layout:
     nibbles = _nibbles(u & 0x0F, blocks, cols).reshape(blocks, groups, 4 * 64)
     # [block, lane, group, vector k, pair j, byte i]: operand 4k + j of a group.
     pairs = (u >> 4).view(blocks, 16, groups, 2, 4, 4)
-    high = pairs[:, :, :, :, 0] | (pairs[:, :, :, :, 1] << 2) | (pairs[:, :, :, :, 2] << 4) | (pairs[:, :, :, :, 3] << 6)
+    high = (
+        pairs[:, :, :, :, 0] | (pairs[:, :, :, :, 1] << 2) | (pairs[:, :, :, :, 2] << 4) | (pairs[:, :, :, :, 3] << 6)
+    )
     high = high.permute(0, 2, 3, 1, 4).reshape(blocks, groups, 2 * 64)  # [block, group, k, lane, i]
     subs = _pad_rows(values.sub, rows).view(blocks, 16, groups, 2).permute(0, 2, 3, 1)
     return torch.cat((nibbles, high), dim=2).contiguous().view(-1), subs.contiguous(), _per_block(values.d, rows)
@@ -301,9 +363,18 @@ def _grouped_layout(values: Int4Values | Int8Values, bits: int) -> Layout:
     return packed.contiguous().view(-1), _per_block(scale, rows), _per_block(offset, rows)
 
 
-def decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-                     k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, window: int | None,
-                     scale: float | None = None, cache_rows: torch.Tensor | None = None) -> torch.Tensor | None:
+def decode_attention(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    num_heads: int,
+    window: int | None,
+    scale: float | None = None,
+    cache_rows: torch.Tensor | None = None,
+) -> torch.Tensor | None:
     """Attention of tokens that each attend from their own position, in one call
     (``kernels/attention.c``): RoPE on the query and key heads of ``qkv [B, (H + 2 KVH) * D]``,
     the keys and values written at ``positions [B]`` of the caches ``[rows, KVH, max_len, D]``,
@@ -322,10 +393,17 @@ def decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, po
     library = _load()
     rows, kv_heads, max_len, head_dim = k_cache.shape
     batch = qkv.shape[0]
-    if (library is None or qkv.dtype not in (torch.bfloat16, torch.float32) or head_dim % 32 or head_dim > 256
-            or not all(t.dtype == qkv.dtype and t.is_contiguous() for t in (qkv, k_cache, v_cache))
-            or qkv.device.type != "cpu" or (cache_rows is None and batch > rows) or num_heads % kv_heads
-            or qkv.shape[1] != (num_heads + 2 * kv_heads) * head_dim):
+    if (
+        library is None
+        or qkv.dtype not in (torch.bfloat16, torch.float32)
+        or head_dim % 32
+        or head_dim > 256
+        or not all(t.dtype == qkv.dtype and t.is_contiguous() for t in (qkv, k_cache, v_cache))
+        or qkv.device.type != "cpu"
+        or (cache_rows is None and batch > rows)
+        or num_heads % kv_heads
+        or qkv.shape[1] != (num_heads + 2 * kv_heads) * head_dim
+    ):
         return None
     cos, sin = cos.reshape(batch, head_dim).contiguous(), sin.reshape(batch, head_dim).contiguous()
     positions = positions.to(torch.int64).contiguous()
@@ -333,7 +411,21 @@ def decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, po
         cache_rows = cache_rows.to(torch.int64).contiguous()
     out = torch.empty((batch, num_heads * head_dim), dtype=qkv.dtype)
     status = library.rill_decode_attention(
-        _ptr(qkv), int(qkv.dtype == torch.bfloat16), batch, num_heads, kv_heads, head_dim, _ptr(cos), _ptr(sin),
-        _ptr(positions), None if cache_rows is None else _ptr(cache_rows), _ptr(k_cache), _ptr(v_cache), max_len,
-        window or 0, head_dim ** -0.5 if scale is None else scale, _ptr(out))
+        _ptr(qkv),
+        int(qkv.dtype == torch.bfloat16),
+        batch,
+        num_heads,
+        kv_heads,
+        head_dim,
+        _ptr(cos),
+        _ptr(sin),
+        _ptr(positions),
+        None if cache_rows is None else _ptr(cache_rows),
+        _ptr(k_cache),
+        _ptr(v_cache),
+        max_len,
+        window or 0,
+        head_dim**-0.5 if scale is None else scale,
+        _ptr(out),
+    )
     return out if status == 0 else None

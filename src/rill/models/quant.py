@@ -107,7 +107,9 @@ class QuantWeight(nn.Module):
         return {}
 
     @classmethod
-    def from_buffers(cls, shape: tuple[int, ...], buffers: dict[str, torch.Tensor], attrs: dict[str, Any]) -> QuantWeight:
+    def from_buffers(
+        cls, shape: tuple[int, ...], buffers: dict[str, torch.Tensor], attrs: dict[str, Any]
+    ) -> QuantWeight:
         """The weight whose buffers and ``cache_attrs`` were saved (``rill.models.quant_cache``)."""
         weight = cls.__new__(cls)
         QuantWeight.__init__(weight, tuple(shape))  # type: ignore[arg-type]
@@ -223,7 +225,9 @@ class QuantizedEmbedding(nn.Module):
         return self.weight.rows(ids)
 
 
-def install(model: nn.Module, state: dict[str, object], dtype: torch.dtype, device: torch.device | str) -> dict[str, object]:
+def install(
+    model: nn.Module, state: dict[str, object], dtype: torch.dtype, device: torch.device | str
+) -> dict[str, object]:
     """Put the quantized weights of ``state`` into ``model`` in place of its dense modules.
 
     ``state`` maps the model's parameter names to tensors or quantized values; every
@@ -250,7 +254,9 @@ def install(model: nn.Module, state: dict[str, object], dtype: torch.dtype, devi
             bias_tensor = None if bias is None else bias.to(dtype=dtype, device=device)  # type: ignore[attr-defined]
             replacement = QuantizedLinear(pack(value, dtype, device), bias_tensor)
         else:
-            raise ValueError(f"{name}: quantized weights serve linear layers and embeddings, not {type(module).__name__}")
+            raise ValueError(
+                f"{name}: quantized weights serve linear layers and embeddings, not {type(module).__name__}"
+            )
         setattr(parent, child, replacement)
     return rest
 

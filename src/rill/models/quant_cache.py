@@ -42,8 +42,19 @@ def entry_folder(file: Path, weights: str, dtype: torch.dtype, device: str) -> P
     """The cache folder of ``file`` loaded this way."""
     stat = file.stat()
     backend = _backend()
-    key = json.dumps([FORMAT, str(file.resolve()), stat.st_size, stat.st_mtime_ns, weights, str(dtype), str(device),
-                      backend, torch.__version__])
+    key = json.dumps(
+        [
+            FORMAT,
+            str(file.resolve()),
+            stat.st_size,
+            stat.st_mtime_ns,
+            weights,
+            str(dtype),
+            str(device),
+            backend,
+            torch.__version__,
+        ]
+    )
     return cache_root() / "quantized" / f"{file.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
@@ -64,8 +75,15 @@ def save(folder: Path, model: nn.Module, config: dict[str, Any]) -> Path:
     for name, module in model.named_modules():
         if isinstance(module, (quant.QuantizedLinear, quant.QuantizedEmbedding)):
             weight = module.weight
-            modules.append({"path": name, "wrapper": type(module).__name__, "class": type(weight).__name__,
-                            "shape": list(weight.shape), "attrs": weight.cache_attrs()})
+            modules.append(
+                {
+                    "path": name,
+                    "wrapper": type(module).__name__,
+                    "class": type(weight).__name__,
+                    "shape": list(weight.shape),
+                    "attrs": weight.cache_attrs(),
+                }
+            )
     tensors: dict[str, torch.Tensor] = {}
     seen: dict[int, str] = {}
     aliases: dict[str, str] = {}
@@ -110,7 +128,7 @@ def load(folder: Path, model: nn.Module, dtype: torch.dtype, device: str) -> dic
         for spec in meta["modules"]:
             path = spec["path"]
             prefix = f"{path}.weight."
-            buffers = {name[len(prefix):]: tensors.pop(name) for name in list(tensors) if name.startswith(prefix)}
+            buffers = {name[len(prefix) :]: tensors.pop(name) for name in list(tensors) if name.startswith(prefix)}
             weight = _weight_class(spec["class"]).from_buffers(tuple(spec["shape"]), buffers, spec["attrs"])
             wrapper: nn.Module
             if spec["wrapper"] == "QuantizedEmbedding":

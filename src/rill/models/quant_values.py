@@ -56,7 +56,9 @@ class Int4Values:
 
     def dequantize(self) -> torch.Tensor:
         """float32 ``[N, K]``."""
-        return self.q.float() * self.scale.repeat_interleave(GROUP_SIZE, 1) + self.offset.repeat_interleave(GROUP_SIZE, 1)
+        return self.q.float() * self.scale.repeat_interleave(GROUP_SIZE, 1) + self.offset.repeat_interleave(
+            GROUP_SIZE, 1
+        )
 
 
 @dataclass
@@ -227,7 +229,7 @@ def gguf_int4(data: np.ndarray, kind: str, shape: tuple[int, int]) -> Int4Values
         size = 18 if kind == "Q4_0" else 20
         blocks = raw.reshape(-1, size)
         d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
-        qs = blocks[:, size - 16:]
+        qs = blocks[:, size - 16 :]
         q = np.concatenate([qs & 0x0F, qs >> 4], axis=1)  # low nibbles first 16, high next 16
         scale = d
         offset = -8.0 * d if kind == "Q4_0" else blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
@@ -241,10 +243,12 @@ def gguf_int4(data: np.ndarray, kind: str, shape: tuple[int, int]) -> Int4Values
     )
     if kind == "Q4_K":
         sc8, mn8, d32, dmin32 = k_parts
-        values.k = KScales(torch.from_numpy(np.ascontiguousarray(sc8).reshape(rows, groups)),
-                           torch.from_numpy(np.ascontiguousarray(mn8).reshape(rows, groups)),
-                           torch.from_numpy(np.ascontiguousarray(d32, dtype=np.float32).reshape(rows, cols // 256)),
-                           torch.from_numpy(np.ascontiguousarray(dmin32, dtype=np.float32).reshape(rows, cols // 256)))
+        values.k = KScales(
+            torch.from_numpy(np.ascontiguousarray(sc8).reshape(rows, groups)),
+            torch.from_numpy(np.ascontiguousarray(mn8).reshape(rows, groups)),
+            torch.from_numpy(np.ascontiguousarray(d32, dtype=np.float32).reshape(rows, cols // 256)),
+            torch.from_numpy(np.ascontiguousarray(dmin32, dtype=np.float32).reshape(rows, cols // 256)),
+        )
     return values
 
 

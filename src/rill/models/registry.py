@@ -135,11 +135,14 @@ def resolve_architecture(hf: dict[str, Any], source: str) -> tuple[str, ModelFam
         if family is not None:
             return name, family
     shown = ", ".join(names) if names else f"none (model_type={hf.get('model_type')!r})"
-    raise ModelLoadError(f"{source}: unsupported architecture {shown}; supported: {', '.join(supported_architectures())}")
+    raise ModelLoadError(
+        f"{source}: unsupported architecture {shown}; supported: {', '.join(supported_architectures())}"
+    )
 
 
-def parse_config(hf: dict[str, Any], generation: dict[str, Any] | None = None, *,
-                 source: str = "config.json") -> ModelConfig:
+def parse_config(
+    hf: dict[str, Any], generation: dict[str, Any] | None = None, *, source: str = "config.json"
+) -> ModelConfig:
     """Build a ``ModelConfig`` from a ``config.json`` dict (and optional ``generation_config.json``)
     with the parser of its architecture's family.
 

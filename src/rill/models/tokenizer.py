@@ -154,8 +154,9 @@ class Tokenizer:
         """
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True,
-                     max_context_tokens: int | None = None) -> list[list[int]]:
+    def encode_batch(
+        self, texts: Sequence[str], add_special_tokens: bool = True, max_context_tokens: int | None = None
+    ) -> list[list[int]]:
         """Token ids of each text, as ``encode`` gives them.
 
         Unlike ``encode``, the Rust side runs without holding the GIL (and skips the offsets
@@ -218,8 +219,9 @@ class Tokenizer:
         if "default" in self.chat_templates:
             return self.chat_templates["default"]
         names = ", ".join(sorted(self.chat_templates))
-        raise InvalidRequest(f"this model has several chat templates ({names}) and none is the default",
-                             field="messages")
+        raise InvalidRequest(
+            f"this model has several chat templates ({names}) and none is the default", field="messages"
+        )
 
     def apply_chat_template(
         self,
@@ -335,9 +337,16 @@ def _register_added_tokens(backend: tokenizers.Tokenizer, config: dict[str, Any]
             continue
         if backend.token_to_id(entry["content"]) != int(raw_id):
             continue  # never re-number a token; the tokenizer.json ids are authoritative
-        to_add.append(AddedToken(entry["content"], single_word=entry.get("single_word", False),
-                                 lstrip=entry.get("lstrip", False), rstrip=entry.get("rstrip", False),
-                                 normalized=entry.get("normalized", False), special=True))
+        to_add.append(
+            AddedToken(
+                entry["content"],
+                single_word=entry.get("single_word", False),
+                lstrip=entry.get("lstrip", False),
+                rstrip=entry.get("rstrip", False),
+                normalized=entry.get("normalized", False),
+                special=True,
+            )
+        )
     if to_add:
         backend.add_special_tokens(to_add)
 
@@ -364,8 +373,7 @@ def _apply_bos_eos_flags(backend: tokenizers.Tokenizer, config: dict[str, Any], 
     tokens = [(bos, bos_id)] if add_bos else []
     tokens += [(eos, eos_id)] if add_eos else []
     backend.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=tokens)
-    logger.info("tokenizer post-processor rebuilt from tokenizer_config.json: add_bos=%s add_eos=%s",
-                add_bos, add_eos)
+    logger.info("tokenizer post-processor rebuilt from tokenizer_config.json: add_bos=%s add_eos=%s", add_bos, add_eos)
 
 
 def _load_chat_templates(folder: Path, config: dict[str, Any]) -> dict[str, str]:
@@ -387,7 +395,11 @@ def _load_chat_templates(folder: Path, config: dict[str, Any]) -> dict[str, str]
         return {"default": value}
     if isinstance(value, list):
         for entry in value:
-            if isinstance(entry, dict) and isinstance(entry.get("name"), str) and isinstance(entry.get("template"), str):
+            if (
+                isinstance(entry, dict)
+                and isinstance(entry.get("name"), str)
+                and isinstance(entry.get("template"), str)
+            ):
                 templates[entry["name"]] = entry["template"]
         return templates
     if value is not None:

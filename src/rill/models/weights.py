@@ -74,8 +74,9 @@ class WeightNames:
         names = list(GLOBAL.values()) + ([] if config.tie_word_embeddings else [LM_HEAD])
         for i in range(config.num_layers):
             names += [f"model.layers.{i}.{theirs}" for ours, theirs in self.layer.items() if present(config, ours)]
-            names += [f"model.layers.{i}.{part}" for ours, parts in FUSED.items() if present(config, ours)
-                      for part in parts]
+            names += [
+                f"model.layers.{i}.{part}" for ours, parts in FUSED.items() if present(config, ours) for part in parts
+            ]
         return names
 
     def from_hf(self, tensors: Mapping[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
@@ -92,10 +93,16 @@ class WeightNames:
             out[LM_HEAD] = tensors[LM_HEAD]
         for i in range(config.num_layers):
             prefix = f"model.layers.{i}."
-            out.update((f"layers.{i}.{ours}", tensors[prefix + theirs])
-                       for ours, theirs in self.layer.items() if present(config, ours))
-            out.update((f"layers.{i}.{ours}", quant_values.cat([tensors[prefix + part] for part in parts]))  # type: ignore[misc]
-                       for ours, parts in FUSED.items() if present(config, ours))
+            out.update(
+                (f"layers.{i}.{ours}", tensors[prefix + theirs])
+                for ours, theirs in self.layer.items()
+                if present(config, ours)
+            )
+            out.update(
+                (f"layers.{i}.{ours}", quant_values.cat([tensors[prefix + part] for part in parts]))  # type: ignore[misc]
+                for ours, parts in FUSED.items()
+                if present(config, ours)
+            )
         return out
 
     def to_hf(self, state: Mapping[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
@@ -106,8 +113,11 @@ class WeightNames:
             out[LM_HEAD] = state[LM_HEAD]
         for i in range(config.num_layers):
             prefix = f"model.layers.{i}."
-            out.update((prefix + theirs, state[f"layers.{i}.{ours}"])
-                       for ours, theirs in self.layer.items() if f"layers.{i}.{ours}" in state)
+            out.update(
+                (prefix + theirs, state[f"layers.{i}.{ours}"])
+                for ours, theirs in self.layer.items()
+                if f"layers.{i}.{ours}" in state
+            )
             for ours, parts in FUSED.items():
                 if f"layers.{i}.{ours}" in state:
                     pieces = state[f"layers.{i}.{ours}"].split(fused_sizes(config, ours))

@@ -36,13 +36,13 @@ TOOL_CHAT_TEMPLATE = (
     "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
     "You may call functions. Their signatures are in <tools></tools>:\n<tools>"
     "{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools>\n"
-    "Answer a call as <tool_call>\n{\"name\": <name>, \"arguments\": <args-object>}\n</tool_call><|im_end|>\n"
+    'Answer a call as <tool_call>\n{"name": <name>, "arguments": <args-object>}\n</tool_call><|im_end|>\n'
     "{% elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{% endif %}"
     "{% for message in messages %}"
     "{% if message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n</tool_response><|im_end|>\n"
     "{% elif message.role == 'assistant' %}<|im_start|>assistant\n{{ message.content or '' }}"
     "{% for call in message.tool_calls or [] %}\n<tool_call>\n"
-    "{\"name\": \"{{ call.function.name }}\", \"arguments\": "
+    '{"name": "{{ call.function.name }}", "arguments": '
     "{{ call.function.arguments if call.function.arguments is string else call.function.arguments | tojson }}}"
     "\n</tool_call>{% endfor %}<|im_end|>\n"
     "{% elif message.role != 'system' or not loop.first %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n"
@@ -208,8 +208,13 @@ def make_checkpoint(
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown arch {arch!r}; use one of {', '.join(ARCHITECTURES)}")
     shape = dict(
-        hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
-        intermediate_size=intermediate_size, tie_word_embeddings=tie_word_embeddings, vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        intermediate_size=intermediate_size,
+        tie_word_embeddings=tie_word_embeddings,
+        vocab_size=vocab_size,
         max_position_embeddings=max_position_embeddings,
     )
     if preset is not None:
@@ -220,8 +225,9 @@ def make_checkpoint(
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = make_tokenizer(shape["vocab_size"])
     ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
-    config = _hf_config(arch, shape, head_dim, rope_theta, rope_scaling, sliding_window, initializer_range, ids,
-                        extra_config or {})
+    config = _hf_config(
+        arch, shape, head_dim, rope_theta, rope_scaling, sliding_window, initializer_range, ids, extra_config or {}
+    )
     config.vocab_size = shape["vocab_size"] or tokenizer.get_vocab_size()
     torch.manual_seed(seed)
     model = getattr(transformers, ARCHITECTURES[arch])(config)
@@ -261,13 +267,17 @@ def _hf_config(arch, shape, head_dim, rope_theta, rope_scaling, sliding_window, 
     if arch == "mistral":
         kwargs["sliding_window"] = sliding_window
     elif arch in ("qwen2", "qwen3"):
-        kwargs |= dict(use_sliding_window=sliding_window is not None, sliding_window=sliding_window, max_window_layers=0)
+        kwargs |= dict(
+            use_sliding_window=sliding_window is not None, sliding_window=sliding_window, max_window_layers=0
+        )
     elif arch == "gemma3":
         kwargs |= dict(
             head_dim=head_dim or shape["hidden_size"] // shape["num_heads"],
             sliding_window=sliding_window or 4096,
-            rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": rope_theta} | (rope_scaling or {}),
-                             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+            rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": rope_theta} | (rope_scaling or {}),
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
         )
     return getattr(transformers, name)(**kwargs | extra)
 
@@ -284,8 +294,9 @@ def _randomise_norms_and_biases(model, initializer_range: float, seed: int) -> N
                 param.copy_(initializer_range * torch.randn(param.shape, generator=generator))
 
 
-def _write_tokenizer(tokenizer, folder: Path, max_context_tokens: int, with_chat_template: bool,
-                     chat_template: str | None = None) -> None:
+def _write_tokenizer(
+    tokenizer, folder: Path, max_context_tokens: int, with_chat_template: bool, chat_template: str | None = None
+) -> None:
     tokenizer.save(str(folder / "tokenizer.json"))
     config = tokenizer_config(max_context_tokens)
     if with_chat_template:

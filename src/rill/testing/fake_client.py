@@ -29,14 +29,16 @@ LOADING_PERCENT = 42.0
 """The progress a loading ``fake_client`` reports."""
 
 
-def fake_engine(config: EngineConfig | None = None, runner: FakeRunner | None = None, tokenizer: Any = None,
-                **runner_args: Any) -> Engine:
+def fake_engine(
+    config: EngineConfig | None = None, runner: FakeRunner | None = None, tokenizer: Any = None, **runner_args: Any
+) -> Engine:
     """An ``Engine`` over ``runner`` (default ``FakeRunner(**runner_args)``) and ``tokenizer``
     (default ``fake_tokenizer()``)."""
     config = config or EngineConfig(model=FAKE_MODEL_NAME)
     runner = runner or FakeRunner(**runner_args)
-    return assemble_engine(config, runner, tokenizer or fake_tokenizer(), name=FAKE_MODEL_NAME,
-                           architecture="FakeForCausalLM")
+    return assemble_engine(
+        config, runner, tokenizer or fake_tokenizer(), name=FAKE_MODEL_NAME, architecture="FakeForCausalLM"
+    )
 
 
 class FakeClient(InprocClient):
@@ -52,10 +54,17 @@ class FakeClient(InprocClient):
 
 
 @contextlib.asynccontextmanager
-async def fake_client(config: EngineConfig | None = None, runner: FakeRunner | None = None, *,
-                      loading: threading.Event | None = None, load_error: BaseException | None = None,
-                      tokenizer: Any = None, policy: SubmissionPolicy | None = None, metrics: MetricsSink | None = None,
-                      **runner_args: Any) -> AsyncIterator[FakeClient]:
+async def fake_client(
+    config: EngineConfig | None = None,
+    runner: FakeRunner | None = None,
+    *,
+    loading: threading.Event | None = None,
+    load_error: BaseException | None = None,
+    tokenizer: Any = None,
+    policy: SubmissionPolicy | None = None,
+    metrics: MetricsSink | None = None,
+    **runner_args: Any,
+) -> AsyncIterator[FakeClient]:
     """A started ``FakeClient`` over ``fake_engine(...)`` with ``policy`` (default: no cap, no
     limits) and ``metrics`` as its sink; shut down on exit.
 
@@ -74,8 +83,13 @@ async def fake_client(config: EngineConfig | None = None, runner: FakeRunner | N
             raise load_error
         return engine
 
-    client = FakeClient.start(config, policy=policy or SubmissionPolicy(engine=config), metrics=metrics,
-                              engine=None if loading else engine, build=build)
+    client = FakeClient.start(
+        config,
+        policy=policy or SubmissionPolicy(engine=config),
+        metrics=metrics,
+        engine=None if loading else engine,
+        build=build,
+    )
     try:
         if loading is None:
             await client.wait_ready()
@@ -105,9 +119,17 @@ def record_requests(client: Any) -> list[GenerateRequest]:
 
     async def recording_plan(submission: Any, engine: Any) -> list[Choice]:
         choices: list[Choice] = await plan(submission, engine)
-        requests.extend(GenerateRequest(prompt_token_ids=c.prompt_ids, sampling=c.params, request_id=c.request_id,
-                                        protocol=c.protocol, principal=c.principal, deadline_s=c.deadline_s)
-                        for c in choices)
+        requests.extend(
+            GenerateRequest(
+                prompt_token_ids=c.prompt_ids,
+                sampling=c.params,
+                request_id=c.request_id,
+                protocol=c.protocol,
+                principal=c.principal,
+                deadline_s=c.deadline_s,
+            )
+            for c in choices
+        )
         return choices
 
     client.generate = recording

@@ -115,16 +115,22 @@ class FakeRunner:
     device = "cpu"
     packs_rows = False
 
-    def __init__(self, num_rows: int = 16, max_len: int = 256, vocab_size: int | None = None,
-                 likely_ids: Sequence[int] | None = None, eos_token_id: int | None = None,
-                 kv_bytes_per_token: int = 64) -> None:
+    def __init__(
+        self,
+        num_rows: int = 16,
+        max_len: int = 256,
+        vocab_size: int | None = None,
+        likely_ids: Sequence[int] | None = None,
+        eos_token_id: int | None = None,
+        kv_bytes_per_token: int = 64,
+    ) -> None:
         """Args:
-            num_rows: KV rows (sequences plus prefix-cache entries).
-            max_len: tokens per row.
-            vocab_size: logits width; default the fake tokenizer's.
-            likely_ids: tokens that get ordinary logits; default the fake tokenizer's alphabet.
-            eos_token_id: the end-of-sequence id (an unlikely logit); default the fake tokenizer's.
-            kv_bytes_per_token: pretend KV size of one token.
+        num_rows: KV rows (sequences plus prefix-cache entries).
+        max_len: tokens per row.
+        vocab_size: logits width; default the fake tokenizer's.
+        likely_ids: tokens that get ordinary logits; default the fake tokenizer's alphabet.
+        eos_token_id: the end-of-sequence id (an unlikely logit); default the fake tokenizer's.
+        kv_bytes_per_token: pretend KV size of one token.
         """
         if num_rows < 1 or max_len < 1:
             raise ValueError(f"num_rows ({num_rows}) and max_len ({max_len}) must be >= 1")
@@ -276,11 +282,17 @@ def fake_tokenizer(with_chat_template: bool = True, chat_template: str | None = 
     backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in SPECIAL_TOKENS])
     backend.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, vocab[BOS])])
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, vocab[BOS])]
+    )
     config = tokenizer_config(max_context_tokens=4096)
     special = {key: config[key] for key in ("bos_token", "eos_token", "unk_token", "pad_token")}
-    return Tokenizer(backend, special_tokens=special, extra_special_tokens=config["additional_special_tokens"],
-                     chat_templates={"default": chat_template or config["chat_template"]} if with_chat_template else {}, name="fake")
+    return Tokenizer(
+        backend,
+        special_tokens=special,
+        extra_special_tokens=config["additional_special_tokens"],
+        chat_templates={"default": chat_template or config["chat_template"]} if with_chat_template else {},
+        name="fake",
+    )
 
 
 @lru_cache(maxsize=1)

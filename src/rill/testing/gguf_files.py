@@ -45,8 +45,11 @@ _GEMMA3_LAYER = _LLAMA_LAYER | {
     "pre_feedforward_layernorm.weight": "ffn_norm.weight",
     "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
 }
-_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}
+_GLOBAL = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
 
 
 def gguf_name(hf_name: str, arch: str) -> str:
@@ -151,11 +154,19 @@ def quantize_q6_k(values: np.ndarray) -> np.ndarray:
     safe_scale = np.where(scale != 0, scale, 1.0)
     q = np.where(scale[..., None] != 0, np.round(x / safe_scale[..., None]), 0)
     q = (np.clip(q, -32, 31) + 32).astype(np.uint8).reshape(-1, 2, 4, 32)  # value 128 h + 32 j + l
-    ql = np.concatenate([(q[:, :, 0] & 15) | ((q[:, :, 2] & 15) << 4), (q[:, :, 1] & 15) | ((q[:, :, 3] & 15) << 4)],
-                        axis=2)  # [blocks, half, 64]
+    ql = np.concatenate(
+        [(q[:, :, 0] & 15) | ((q[:, :, 2] & 15) << 4), (q[:, :, 1] & 15) | ((q[:, :, 3] & 15) << 4)], axis=2
+    )  # [blocks, half, 64]
     qh = (q[:, :, 0] >> 4) | ((q[:, :, 1] >> 4) << 2) | ((q[:, :, 2] >> 4) << 4) | ((q[:, :, 3] >> 4) << 6)
-    blocks = np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), sub.view(np.uint8),
-                             d.astype(np.float16).view(np.uint8).reshape(-1, 2)], axis=1)
+    blocks = np.concatenate(
+        [
+            ql.reshape(-1, 128),
+            qh.reshape(-1, 64),
+            sub.view(np.uint8),
+            d.astype(np.float16).view(np.uint8).reshape(-1, 2),
+        ],
+        axis=1,
+    )
     return blocks.reshape(rows, cols // 256 * 210)
 
 
@@ -197,8 +208,12 @@ def _write_tokenizer(writer, folder: Path) -> None:
     writer.add_array("tokenizer.ggml.token_type", [3 if t in special else 1 for t in tokens])
     writer.add_array("tokenizer.ggml.merges", merges)
     tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
-    for key, name in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"), ("pad_token", "padding_token_id"),
-                      ("unk_token", "unknown_token_id")):
+    for key, name in (
+        ("bos_token", "bos_token_id"),
+        ("eos_token", "eos_token_id"),
+        ("pad_token", "padding_token_id"),
+        ("unk_token", "unknown_token_id"),
+    ):
         if isinstance(tokenizer_config.get(key), str) and tokenizer_config[key] in vocab:
             writer.add_uint32(f"tokenizer.ggml.{name}", vocab[tokenizer_config[key]])
     writer.add_bool("tokenizer.ggml.add_bos_token", True)

@@ -30,8 +30,14 @@ def test_an_unexpected_exception_gets_the_default() -> None:
 
 
 def test_every_protocol_table_holds_error_entries() -> None:
-    tables = [batch_ws.ERROR_TABLE, chat_ws.ERROR_TABLE, evergreen.ERROR_STATUS, framed_uds.ERROR_CODES,
-              generate_ws.ERROR_TABLE, openai_http.ERROR_TABLE]
+    tables = [
+        batch_ws.ERROR_TABLE,
+        chat_ws.ERROR_TABLE,
+        evergreen.ERROR_STATUS,
+        framed_uds.ERROR_CODES,
+        generate_ws.ERROR_TABLE,
+        openai_http.ERROR_TABLE,
+    ]
     for table in tables:
         assert table and all(isinstance(entry, ErrorEntry) for entry in table.values())
         assert all(isinstance(cls, type) and issubclass(cls, BaseException) for cls in table)

@@ -28,11 +28,160 @@ def reference_depth(value: Any) -> int:
     return 0
 
 
-@pytest.mark.parametrize("value", [
-    [], {}, [[[]]], {"a": [1, {"b": []}]}, ["[[[[", {"]]": "{{"}], ["\\", ["\\\""]], [[["\\\\"], "\"]]]"]],
-    [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[["x"]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]],
-    [{"k": "[" * 100}] * 80,
-])
+@pytest.mark.parametrize(
+    "value",
+    [
+        [],
+        {},
+        [[[]]],
+        {"a": [1, {"b": []}]},
+        ["[[[[", {"]]": "{{"}],
+        ["\\", ['\\"']],
+        [[["\\\\"], '"]]]']],
+        [
+            [
+                [
+                    [
+                        [
+                            [
+                                [
+                                    [
+                                        [
+                                            [
+                                                [
+                                                    [
+                                                        [
+                                                            [
+                                                                [
+                                                                    [
+                                                                        [
+                                                                            [
+                                                                                [
+                                                                                    [
+                                                                                        [
+                                                                                            [
+                                                                                                [
+                                                                                                    [
+                                                                                                        [
+                                                                                                            [
+                                                                                                                [
+                                                                                                                    [
+                                                                                                                        [
+                                                                                                                            [
+                                                                                                                                [
+                                                                                                                                    [
+                                                                                                                                        [
+                                                                                                                                            [
+                                                                                                                                                [
+                                                                                                                                                    [
+                                                                                                                                                        [
+                                                                                                                                                            [
+                                                                                                                                                                [
+                                                                                                                                                                    [
+                                                                                                                                                                        [
+                                                                                                                                                                            [
+                                                                                                                                                                                [
+                                                                                                                                                                                    [
+                                                                                                                                                                                        [
+                                                                                                                                                                                            [
+                                                                                                                                                                                                [
+                                                                                                                                                                                                    [
+                                                                                                                                                                                                        [
+                                                                                                                                                                                                            [
+                                                                                                                                                                                                                [
+                                                                                                                                                                                                                    [
+                                                                                                                                                                                                                        [
+                                                                                                                                                                                                                            [
+                                                                                                                                                                                                                                [
+                                                                                                                                                                                                                                    [
+                                                                                                                                                                                                                                        [
+                                                                                                                                                                                                                                            [
+                                                                                                                                                                                                                                                [
+                                                                                                                                                                                                                                                    [
+                                                                                                                                                                                                                                                        [
+                                                                                                                                                                                                                                                            [
+                                                                                                                                                                                                                                                                [
+                                                                                                                                                                                                                                                                    [
+                                                                                                                                                                                                                                                                        [
+                                                                                                                                                                                                                                                                            [
+                                                                                                                                                                                                                                                                                [
+                                                                                                                                                                                                                                                                                    [
+                                                                                                                                                                                                                                                                                        [
+                                                                                                                                                                                                                                                                                            [
+                                                                                                                                                                                                                                                                                                "x"
+                                                                                                                                                                                                                                                                                            ]
+                                                                                                                                                                                                                                                                                        ]
+                                                                                                                                                                                                                                                                                    ]
+                                                                                                                                                                                                                                                                                ]
+                                                                                                                                                                                                                                                                            ]
+                                                                                                                                                                                                                                                                        ]
+                                                                                                                                                                                                                                                                    ]
+                                                                                                                                                                                                                                                                ]
+                                                                                                                                                                                                                                                            ]
+                                                                                                                                                                                                                                                        ]
+                                                                                                                                                                                                                                                    ]
+                                                                                                                                                                                                                                                ]
+                                                                                                                                                                                                                                            ]
+                                                                                                                                                                                                                                        ]
+                                                                                                                                                                                                                                    ]
+                                                                                                                                                                                                                                ]
+                                                                                                                                                                                                                            ]
+                                                                                                                                                                                                                        ]
+                                                                                                                                                                                                                    ]
+                                                                                                                                                                                                                ]
+                                                                                                                                                                                                            ]
+                                                                                                                                                                                                        ]
+                                                                                                                                                                                                    ]
+                                                                                                                                                                                                ]
+                                                                                                                                                                                            ]
+                                                                                                                                                                                        ]
+                                                                                                                                                                                    ]
+                                                                                                                                                                                ]
+                                                                                                                                                                            ]
+                                                                                                                                                                        ]
+                                                                                                                                                                    ]
+                                                                                                                                                                ]
+                                                                                                                                                            ]
+                                                                                                                                                        ]
+                                                                                                                                                    ]
+                                                                                                                                                ]
+                                                                                                                                            ]
+                                                                                                                                        ]
+                                                                                                                                    ]
+                                                                                                                                ]
+                                                                                                                            ]
+                                                                                                                        ]
+                                                                                                                    ]
+                                                                                                                ]
+                                                                                                            ]
+                                                                                                        ]
+                                                                                                    ]
+                                                                                                ]
+                                                                                            ]
+                                                                                        ]
+                                                                                    ]
+                                                                                ]
+                                                                            ]
+                                                                        ]
+                                                                    ]
+                                                                ]
+                                                            ]
+                                                        ]
+                                                    ]
+                                                ]
+                                            ]
+                                        ]
+                                    ]
+                                ]
+                            ]
+                        ]
+                    ]
+                ]
+            ]
+        ],
+        [{"k": "[" * 100}] * 80,
+    ],
+)
 def test_nesting_depth_counts_brackets_outside_strings_only(value: Any) -> None:
     text = json.dumps(value)
     depth = reference_depth(value)
@@ -51,7 +200,7 @@ def test_depth_limit_is_exact() -> None:
     assert jsonguard.decode(decoder, json.dumps(["[" * 5000]).encode()) == ["[" * 5000]
 
 
-@pytest.mark.parametrize("data", [b'"\xff"', b'["\xed\xa0\x80"]', '"\ud800"', b"[" * 100_000, "{\"a\":" * 5000])
+@pytest.mark.parametrize("data", [b'"\xff"', b'["\xed\xa0\x80"]', '"\ud800"', b"[" * 100_000, '{"a":' * 5000])
 def test_decode_turns_unicode_and_recursion_failures_into_decode_errors(data: str | bytes) -> None:
     with pytest.raises(jsonguard.UnsafeJson):
         jsonguard.decode(msgspec.json.Decoder(), data)
@@ -60,8 +209,10 @@ def test_decode_turns_unicode_and_recursion_failures_into_decode_errors(data: st
 HOSTILE = [
     pytest.param(b'{"nodeFragments":[{"\\ud800":1}]}', id="surrogate-key"),
     pytest.param(b"[" * 5000 + b"]" * 5000, id="5000-deep-array"),
-    pytest.param(b'{"type":"config","prompt":"p","id":"i","messages":[],"prompts":[],"zz":' + b"[" * 5000 + b"]" * 5000 + b"}",
-                 id="5000-deep-unknown-field"),
+    pytest.param(
+        b'{"type":"config","prompt":"p","id":"i","messages":[],"prompts":[],"zz":' + b"[" * 5000 + b"]" * 5000 + b"}",
+        id="5000-deep-unknown-field",
+    ),
     pytest.param(b'{"a":' * 5000 + b"1" + b"}" * 5000, id="5000-deep-object"),
     pytest.param(b'{"actions":[{"configs":[{"@type":"\\ud800"}]}]}', id="surrogate-type"),
     pytest.param(b'{"prompt":"\xff\xfe","id":"x","messages":[]}', id="bad-utf8"),
@@ -99,16 +250,19 @@ def test_framed_uds_wire_id_never_raises_on_deep_input() -> None:
     assert uds_codec.wire_id(b'{"id":"a","x":' + b"[" * 5000 + b"]" * 5000 + b"}") is None
 
 
-@pytest.mark.parametrize("text", [
-    '{"nodeFragments":[{"seq":1' + "0" * 400 + "}]}",
-    '{"nodeFragments":[{"seq":"1' + "0" * 400 + '"}]}',
-    '{"nodeFragments":[{"seq":1e400}]}',
-    '{"nodeFragments":[{"seq":NaN}]}',
-    '{"actions":[{"configs":[{"@type":null}]}]}',
-    '{"actions":[{"configs":[{"@type":"type.googleapis.com/google.protobuf.Any","value":{"@type":1}}]}]}',
-    '{"nodeFragments":[{"id":"\\ud800"}]}',
-    '{"nodeFragments":[{"chunkFragment":{"data":"\\ud800"}}]}',
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"nodeFragments":[{"seq":1' + "0" * 400 + "}]}",
+        '{"nodeFragments":[{"seq":"1' + "0" * 400 + '"}]}',
+        '{"nodeFragments":[{"seq":1e400}]}',
+        '{"nodeFragments":[{"seq":NaN}]}',
+        '{"actions":[{"configs":[{"@type":null}]}]}',
+        '{"actions":[{"configs":[{"@type":"type.googleapis.com/google.protobuf.Any","value":{"@type":1}}]}]}',
+        '{"nodeFragments":[{"id":"\\ud800"}]}',
+        '{"nodeFragments":[{"chunkFragment":{"data":"\\ud800"}}]}',
+    ],
+)
 def test_evergreen_json_out_of_range_or_mistyped_values_are_invalid_messages(text: str) -> None:
     with pytest.raises(EvergreenInvalid):
         evergreen_codec.decode_json(text)

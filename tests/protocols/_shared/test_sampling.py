@@ -27,8 +27,12 @@ class Wire(msgspec.Struct, kw_only=True):
     stops: str | None = None
 
 
-TABLE = SamplingMap(Wire, Field("heat", "temperature"), Field("max_new", "max_tokens"),
-                    Field("stops", "stop", lambda text: text.split(",")))
+TABLE = SamplingMap(
+    Wire,
+    Field("heat", "temperature"),
+    Field("max_new", "max_tokens"),
+    Field("stops", "stop", lambda text: text.split(",")),
+)
 
 
 def test_a_table_naming_a_missing_field_fails_when_declared() -> None:
@@ -69,10 +73,26 @@ def test_build_does_not_validate() -> None:
 # -- every protocol's table --------------------------------------------------------------------
 
 ENGINE_VALUES: dict[str, Any] = {
-    "temperature": 0.5, "top_k": 7, "top_p": 0.75, "min_p": 0.125, "repetition_penalty": 1.25,
-    "presence_penalty": 0.5, "frequency_penalty": -0.5, "logit_bias": {3: 1.5}, "seed": 42, "max_tokens": 33,
-    "min_tokens": 2, "stop": ["END"], "stop_token_ids": [4], "allowed_token_ids": [5, 6], "ignore_eos": True, "logprobs": 3, "num_beams": 2,
-    "length_penalty": 0.75, "early_stopping": True, "response_format": ResponseFormat(type="regex", regex="a+"),
+    "temperature": 0.5,
+    "top_k": 7,
+    "top_p": 0.75,
+    "min_p": 0.125,
+    "repetition_penalty": 1.25,
+    "presence_penalty": 0.5,
+    "frequency_penalty": -0.5,
+    "logit_bias": {3: 1.5},
+    "seed": 42,
+    "max_tokens": 33,
+    "min_tokens": 2,
+    "stop": ["END"],
+    "stop_token_ids": [4],
+    "allowed_token_ids": [5, 6],
+    "ignore_eos": True,
+    "logprobs": 3,
+    "num_beams": 2,
+    "length_penalty": 0.75,
+    "early_stopping": True,
+    "response_format": ResponseFormat(type="regex", regex="a+"),
     "speculative": 3,
 }
 """A valid value, other than the default, for each ``SamplingParams`` field."""
@@ -84,8 +104,14 @@ WIRE_VALUES: dict[tuple[str, str], Any] = {
 }
 """Wire values where the wire's type differs from the engine's."""
 
-TABLES = {"batch": batch.SAMPLING, "chat": chat.SAMPLING, "evergreen": evergreen.SAMPLING,
-          "framed": framed.SAMPLING, "generate": generate.SAMPLING, "openai": openai.SAMPLING}
+TABLES = {
+    "batch": batch.SAMPLING,
+    "chat": chat.SAMPLING,
+    "evergreen": evergreen.SAMPLING,
+    "framed": framed.SAMPLING,
+    "generate": generate.SAMPLING,
+    "openai": openai.SAMPLING,
+}
 REQUIRED = {"framed": {"id": "r", "prompt": "p"}}
 """Required fields of a wire struct that are not sampling fields."""
 

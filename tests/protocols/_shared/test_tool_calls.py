@@ -124,8 +124,10 @@ def test_llama3_json_bare_object_without_tag() -> None:
 
 
 def test_call_grammar_names_the_functions() -> None:
-    tools = [{"type": "function", "function": {"name": "a", "parameters": {"type": "object"}}},
-             {"type": "function", "function": {"name": "b"}}]
+    tools = [
+        {"type": "function", "function": {"name": "a", "parameters": {"type": "object"}}},
+        {"type": "function", "function": {"name": "b"}},
+    ]
     both = call_grammar("hermes", tools)
     assert "<tool_call>" in both and '"const": "a"' in both and '"const": "b"' in both
     only_b = call_grammar("llama3_json", tools, name="b")
@@ -160,7 +162,8 @@ def _rebuilt(parser: object, deltas: list) -> tuple[str, list[dict]]:
             calls[d.index]["arguments"] += d.arguments
     rebuilt = [calls[i] for i in sorted(calls)]
     assert [(c.id, c.name, c.arguments) for c in parser.calls] == [  # type: ignore[attr-defined]
-        (c["id"], c["name"], c["arguments"]) for c in rebuilt]
+        (c["id"], c["name"], c["arguments"]) for c in rebuilt
+    ]
     return content, rebuilt
 
 
@@ -249,7 +252,7 @@ def test_content_is_held_only_while_it_could_become_a_call() -> None:
     assert parser.feed("  ``") == [] and parser.feed("`js") == [] and parser.feed('on\n{"name": "get_') == []
     assert parser.feed('weather", "arguments": {"city": "Paris"}}\n``') == []
     assert parser.feed("`\n") == []
-    assert parser.feed("Done.") == [ContentDelta(f'  ```json\n{WEATHER_CALL}\n```\nDone.')]
+    assert parser.feed("Done.") == [ContentDelta(f"  ```json\n{WEATHER_CALL}\n```\nDone.")]
     assert parser.feed(" More.") == [ContentDelta(" More.")]
     assert parser.finish() == [] and parser.calls == []
     # A JSON answer is let go at its first key, not held to its end.
@@ -267,10 +270,28 @@ def test_the_call_comes_at_the_end_as_one_delta() -> None:
     assert delta == ToolCallDelta(0, '{"city": "Paris"}', id=call_id("resp-0/0", 0), name="get_weather")
 
 
-_PIECES = st.sampled_from([
-    " ", "\n", "```", "```json", "json", "`", WEATHER_CALL, '{"name": "get_time", "arguments": {}}', "{", "}",
-    '"', "\\", "Sunny.", "<tool_call>", "</tool_call>", "<tool_", '{"name": "add", "arguments": {"a": 1}}', "NaN",
-])
+_PIECES = st.sampled_from(
+    [
+        " ",
+        "\n",
+        "```",
+        "```json",
+        "json",
+        "`",
+        WEATHER_CALL,
+        '{"name": "get_time", "arguments": {}}',
+        "{",
+        "}",
+        '"',
+        "\\",
+        "Sunny.",
+        "<tool_call>",
+        "</tool_call>",
+        "<tool_",
+        '{"name": "add", "arguments": {"a": 1}}',
+        "NaN",
+    ]
+)
 
 
 @settings(max_examples=300, deadline=None)

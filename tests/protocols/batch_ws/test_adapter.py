@@ -49,8 +49,16 @@ def server(tiny_model_dir: Path) -> Any:
 
 
 SPEC_PROMPT = "[INST] Generate a very long poem about 1000 cats [/INST]\n\n"
-SPEC_CONFIG = {"num_beams": 1, "do_sample": True, "temperature": 1, "top_p": 1, "top_k": 50,
-               "max_new_tokens": 100, "repetition_penalty": 1, "length_penalty": 1}
+SPEC_CONFIG = {
+    "num_beams": 1,
+    "do_sample": True,
+    "temperature": 1,
+    "top_p": 1,
+    "top_k": 50,
+    "max_new_tokens": 100,
+    "repetition_penalty": 1,
+    "length_penalty": 1,
+}
 GREEDY = {"do_sample": False, "num_beams": 1}
 TERMINAL = ("COMPLETE", "ERROR")
 
@@ -99,8 +107,12 @@ async def spec_example(server: Any, path: str, stream_response: bool, only_new_t
     # The spec's payload, with a request_id of its own per case: reusing one would (rightly)
     # continue the previous case's generation.
     rid = f"2835f3c5-{stream_response}-{only_new_tokens}"
-    payload = {"prompts": [{"request_id": rid, "prompt": SPEC_PROMPT}], "only_new_tokens": only_new_tokens,
-               "stream_response": stream_response, "generation_config": SPEC_CONFIG}
+    payload = {
+        "prompts": [{"request_id": rid, "prompt": SPEC_PROMPT}],
+        "only_new_tokens": only_new_tokens,
+        "stream_response": stream_response,
+        "generation_config": SPEC_CONFIG,
+    }
     async with connect(server.ws_url + path) as ws:
         return rid, await run_batch(ws, payload)
 
@@ -129,8 +141,10 @@ def check_spec_sequence(rid: str, frames: list[list[dict]], stream_response: boo
 
 async def test_batch_runs_concurrently_and_progress_arrays_group_prompts(server: Any) -> None:
     ids = ["a", "b", "c"]
-    payload = {"prompts": [{"request_id": rid, "prompt": f"Story {rid}:"} for rid in ids],
-               "generation_config": {**GREEDY, "max_new_tokens": 12}}
+    payload = {
+        "prompts": [{"request_id": rid, "prompt": f"Story {rid}:"} for rid in ids],
+        "generation_config": {**GREEDY, "max_new_tokens": 12},
+    }
     async with connect(server.ws_url + "/ws") as ws:
         frames = await run_batch(ws, payload)
     assert [e["request_id"] for e in frames[0]] == ids and {e["type"] for e in frames[0]} == {"ACCEPTED"}
@@ -148,8 +162,11 @@ async def test_batch_runs_concurrently_and_progress_arrays_group_prompts(server:
 
 async def test_several_messages_in_flight_on_one_socket(server: Any) -> None:
     first = {"prompts": [{"request_id": "m1", "prompt": "One"}], "generation_config": {**GREEDY, "max_new_tokens": 30}}
-    second = {"prompts": [{"request_id": "m2", "prompt": "Two"}], "stream_response": False,
-              "generation_config": {**GREEDY, "max_new_tokens": 5}}
+    second = {
+        "prompts": [{"request_id": "m2", "prompt": "Two"}],
+        "stream_response": False,
+        "generation_config": {**GREEDY, "max_new_tokens": 5},
+    }
     async with connect(server.ws_url + "/ws") as ws:
         await ws.send(json.dumps(first))
         await ws.send(json.dumps(second))
@@ -173,8 +190,13 @@ async def test_socket_level_errors_keep_the_socket_usable(server: Any) -> None:
         assert "'top_p'" in (await recv_array(ws))[0]["error"]
         await ws.send(b"\x00\x01")
         assert "text frame" in (await recv_array(ws))[0]["error"]
-        frames = await run_batch(ws, {"prompts": [{"request_id": "ok", "prompt": "Hello"}],
-                                      "generation_config": {**GREEDY, "max_new_tokens": 3}})
+        frames = await run_batch(
+            ws,
+            {
+                "prompts": [{"request_id": "ok", "prompt": "Hello"}],
+                "generation_config": {**GREEDY, "max_new_tokens": 3},
+            },
+        )
     assert by_type(frames, "COMPLETE")["ok"]["new_tokens_count"] >= 1
     server.wait_idle()
 
@@ -182,9 +204,14 @@ async def test_socket_level_errors_keep_the_socket_usable(server: Any) -> None:
 async def test_prompt_longer_than_context_errors_alone(server: Any) -> None:
     max_context = server.client.model_info.max_context_tokens
     long_prompt = "cats and dogs " * max_context  # several tokens per repetition: well past the context
-    payload = {"prompts": [{"request_id": "short1", "prompt": "Hello"}, {"request_id": "long", "prompt": long_prompt},
-                           {"request_id": "short2", "prompt": "World"}],
-               "generation_config": {**GREEDY, "max_new_tokens": 8}}
+    payload = {
+        "prompts": [
+            {"request_id": "short1", "prompt": "Hello"},
+            {"request_id": "long", "prompt": long_prompt},
+            {"request_id": "short2", "prompt": "World"},
+        ],
+        "generation_config": {**GREEDY, "max_new_tokens": 8},
+    }
     async with connect(server.ws_url + "/ws") as ws:
         frames = await run_batch(ws, payload)
     assert [e["request_id"] for e in frames[0]] == ["short1", "long", "short2"]  # all ACCEPTED
@@ -198,15 +225,39 @@ async def test_prompt_longer_than_context_errors_alone(server: Any) -> None:
 async def test_continuation_equals_one_longer_greedy_run(server: Any) -> None:
     prompts = {"c1": "Once upon a time", "c2": "The little robot"}
     async with connect(server.ws_url + "/ws") as ws:
-        first = by_type(await run_batch(ws, {"prompts": [{"request_id": k, "prompt": v} for k, v in prompts.items()],
-                                             "generation_config": {**GREEDY, "max_new_tokens": 10}}), "COMPLETE")
+        first = by_type(
+            await run_batch(
+                ws,
+                {
+                    "prompts": [{"request_id": k, "prompt": v} for k, v in prompts.items()],
+                    "generation_config": {**GREEDY, "max_new_tokens": 10},
+                },
+            ),
+            "COMPLETE",
+        )
         # The same ids again: the new prompt text is ignored, generation goes on.
         hits_before = server.stats().prefix_cache_hits_tokens
-        second = by_type(await run_batch(ws, {"prompts": [{"request_id": k, "prompt": "ignored"} for k in prompts],
-                                              "generation_config": {**GREEDY, "max_new_tokens": 10}}), "COMPLETE")
+        second = by_type(
+            await run_batch(
+                ws,
+                {
+                    "prompts": [{"request_id": k, "prompt": "ignored"} for k in prompts],
+                    "generation_config": {**GREEDY, "max_new_tokens": 10},
+                },
+            ),
+            "COMPLETE",
+        )
         hits = server.stats().prefix_cache_hits_tokens - hits_before
-        single = by_type(await run_batch(ws, {"prompts": [{"request_id": "ref-" + k, "prompt": v} for k, v in prompts.items()],
-                                              "generation_config": {**GREEDY, "max_new_tokens": 20}}), "COMPLETE")
+        single = by_type(
+            await run_batch(
+                ws,
+                {
+                    "prompts": [{"request_id": "ref-" + k, "prompt": v} for k, v in prompts.items()],
+                    "generation_config": {**GREEDY, "max_new_tokens": 20},
+                },
+            ),
+            "COMPLETE",
+        )
     for key in prompts:
         assert not first[key]["is_eos"] and first[key]["new_tokens_count"] == 10
         assert second[key]["new_tokens_count"] == 10
@@ -221,8 +272,14 @@ async def test_streamed_beam_search_equals_unstreamed(server: Any) -> None:
     prompts = [{"request_id": "beam1", "prompt": "In the morning"}, {"request_id": "beam2", "prompt": "A quiet"}]
     async with connect(server.ws_url + "/ws") as ws:
         streamed = await run_batch(ws, {"prompts": prompts, "generation_config": config})
-        plain = await run_batch(ws, {"prompts": [{**p, "request_id": p["request_id"] + "-plain"} for p in prompts],
-                                     "stream_response": False, "generation_config": config})
+        plain = await run_batch(
+            ws,
+            {
+                "prompts": [{**p, "request_id": p["request_id"] + "-plain"} for p in prompts],
+                "stream_response": False,
+                "generation_config": config,
+            },
+        )
     streamed_complete, plain_complete = by_type(streamed, "COMPLETE"), by_type(plain, "COMPLETE")
     for p in prompts:
         rid = p["request_id"]
@@ -244,8 +301,14 @@ def long_prompts(server: Any) -> list[str]:
 
     async def probe() -> list[str]:
         async with connect(server.ws_url + "/ws") as ws:
-            frames = await run_batch(ws, {"prompts": [{"request_id": f"probe-{i}", "prompt": p} for i, p in enumerate(candidates)],
-                                          "stream_response": False, "generation_config": {**GREEDY, "max_new_tokens": 400}})
+            frames = await run_batch(
+                ws,
+                {
+                    "prompts": [{"request_id": f"probe-{i}", "prompt": p} for i, p in enumerate(candidates)],
+                    "stream_response": False,
+                    "generation_config": {**GREEDY, "max_new_tokens": 400},
+                },
+            )
         complete = by_type(frames, "COMPLETE")
         return [p for i, p in enumerate(candidates) if not complete[f"probe-{i}"]["is_eos"]]
 
@@ -259,8 +322,10 @@ def long_prompts(server: Any) -> list[str]:
 async def test_disconnect_mid_batch_frees_kv_of_every_prompt(server: Any, long_prompts: list[str]) -> None:
     before = server.stats()
     cancelled_before = before.requests_finished_total.get("cancelled", 0)
-    payload = {"prompts": [{"request_id": f"d{i}", "prompt": prompt} for i, prompt in enumerate(long_prompts)],
-               "generation_config": {**GREEDY, "max_new_tokens": 400}}
+    payload = {
+        "prompts": [{"request_id": f"d{i}", "prompt": prompt} for i, prompt in enumerate(long_prompts)],
+        "generation_config": {**GREEDY, "max_new_tokens": 400},
+    }
     ws = await connect(server.ws_url + "/ws")
     await ws.send(json.dumps(payload))
     seen: set[str] = set()
@@ -277,8 +342,10 @@ async def test_disconnect_mid_batch_frees_kv_of_every_prompt(server: Any, long_p
     assert stats.requests_finished_total.get("cancelled", 0) - cancelled_before == 3, (before, stats)
     # The same figure as Prometheus exposes it.
     exposition = (await asyncio.to_thread(httpx.get, server.url + "/metrics")).text
-    assert any(line.startswith("rill_kv_cache_used_bytes{model_name=") and line.endswith("} 0.0")
-               for line in exposition.splitlines())
+    assert any(
+        line.startswith("rill_kv_cache_used_bytes{model_name=") and line.endswith("} 0.0")
+        for line in exposition.splitlines()
+    )
 
 
 # -- the adapter against the in-process client over a FakeRunner (in-process ASGI, no model) -------
@@ -288,12 +355,20 @@ def fake_app(api_keys: set[str] | None = None, **engine: Any) -> Iterator[tuple[
     app's loop; yields ``(client, http, requests)``. Every engine step waits at a ``StepGate``
     (``client.engine.runner.gate``) until the test allows it."""
     # The client starts on the loop the app will run on: the portal TestClient then reuses.
-    with anyio.from_thread.start_blocking_portal() as portal, \
-            portal.wrap_async_context_manager(fake_client(EngineConfig(model="fake", **engine))) as client:
+    with (
+        anyio.from_thread.start_blocking_portal() as portal,
+        portal.wrap_async_context_manager(fake_client(EngineConfig(model="fake", **engine))) as client,
+    ):
         client.engine.runner.gate = StepGate()
         requests = record_requests(client)
-        deps = SimpleNamespace(config=config.load({}, env={}), client=client, metrics=None,
-                               api_keys=api_keys or set(), memory=None, sampling_defaults=config.SamplingDefaults())
+        deps = SimpleNamespace(
+            config=config.load({}, env={}),
+            client=client,
+            metrics=None,
+            api_keys=api_keys or set(),
+            memory=None,
+            sampling_defaults=config.SamplingDefaults(),
+        )
         app: Any = Starlette(routes=adapter.routes(deps))
         if api_keys:
             from rill.middleware import Guard
@@ -349,11 +424,21 @@ def test_fake_engine_grouping_refusal_failure_and_disconnect(fake: Any) -> None:
     core = client.engine.core
     with http.websocket_connect("/ws") as ws:
         # Nothing runs yet, so the fourth prompt finds the queue (of 3) full.
-        ws.send_json({"prompts": [{"request_id": "a", "prompt": "x"}, {"request_id": "b", "prompt": "y"},
-                                  {"request_id": "c", "prompt": "z"}, {"request_id": "q", "prompt": "busy"}],
-                      "generation_config": {"max_new_tokens": 50}})
+        ws.send_json(
+            {
+                "prompts": [
+                    {"request_id": "a", "prompt": "x"},
+                    {"request_id": "b", "prompt": "y"},
+                    {"request_id": "c", "prompt": "z"},
+                    {"request_id": "q", "prompt": "busy"},
+                ],
+                "generation_config": {"max_new_tokens": 50},
+            }
+        )
         assert [e["type"] for e in ws.receive_json()] == ["ACCEPTED"] * 4
-        assert ws.receive_json() == [{"type": "ERROR", "request_id": "q", "error": "the server's waiting queue is full; retry later"}]
+        assert ws.receive_json() == [
+            {"type": "ERROR", "request_id": "q", "error": "the server's waiting queue is full; retry later"}
+        ]
         frames: list[list[dict]] = []
         while not all(any(e["type"] == "PROGRESS" and e["request_id"] == r for f in frames for e in f) for r in "abc"):
             ws.portal.call(run_steps, client, 1)
@@ -390,8 +475,13 @@ def test_fake_engine_slow_reader_still_gets_one_progress_per_token(fake: Any) ->
     # events (99 for 100 under load); the source project sends one decoded token per PROGRESS.
     client, http = fake
     with http.websocket_connect("/api/ws") as ws:
-        ws.send_json({"prompts": [{"request_id": "a", "prompt": "x"}], "stream_response": True,
-                      "generation_config": {"max_new_tokens": 3}})
+        ws.send_json(
+            {
+                "prompts": [{"request_id": "a", "prompt": "x"}],
+                "stream_response": True,
+                "generation_config": {"max_new_tokens": 3},
+            }
+        )
         ws.receive_json()  # ACCEPTED
         ws.portal.call(run_steps, client, 2)  # both land before the adapter's tasks run: one merged delta
         client.engine.runner.gate.set()
@@ -434,16 +524,29 @@ async def test_continuations_are_scoped_by_key_whichever_way_it_is_sent() -> Non
 
     async with fake_client(EngineConfig(model="fake")) as client:
         requests = record_requests(client)
-        deps = SimpleNamespace(config=config.load({}, env={}), client=client, metrics=None,
-                               api_keys={"alice", "mallory"}, memory=None,
-                               sampling_defaults=config.SamplingDefaults())
-        app = Guard(Starlette(routes=adapter.routes(deps)), http_error, api_keys={"alice", "mallory"},
-                    max_body_bytes=1 << 20)
+        deps = SimpleNamespace(
+            config=config.load({}, env={}),
+            client=client,
+            metrics=None,
+            api_keys={"alice", "mallory"},
+            memory=None,
+            sampling_defaults=config.SamplingDefaults(),
+        )
+        app = Guard(
+            Starlette(routes=adapter.routes(deps)), http_error, api_keys={"alice", "mallory"}, max_body_bytes=1 << 20
+        )
         async with serving(app) as port:
+
             async def run(key: str, prompt: str) -> None:
                 async with connect(f"ws://127.0.0.1:{port}/ws", subprotocols=["rill", auth.key_subprotocol(key)]) as ws:
-                    await ws.send(json.dumps({"prompts": [{"request_id": "a", "prompt": prompt}],
-                                              "generation_config": {"max_new_tokens": 1}}))
+                    await ws.send(
+                        json.dumps(
+                            {
+                                "prompts": [{"request_id": "a", "prompt": prompt}],
+                                "generation_config": {"max_new_tokens": 1},
+                            }
+                        )
+                    )
                     await recv_array(ws)  # ACCEPTED
                     for _ in range(10):
                         frame = await recv_array(ws)
@@ -469,10 +572,17 @@ async def test_kept_generations_are_charged_to_the_session_memory_budget() -> No
 
     budget = MemoryBudget(total=1 << 20, per_principal=1 << 20)
     async with fake_client(EngineConfig(model="fake")) as client:
-        deps = SimpleNamespace(config=config.load({}, env={}), client=client, metrics=None, api_keys=set(),
-                               memory=budget, sampling_defaults=config.SamplingDefaults())
+        deps = SimpleNamespace(
+            config=config.load({}, env={}),
+            client=client,
+            metrics=None,
+            api_keys=set(),
+            memory=budget,
+            sampling_defaults=config.SamplingDefaults(),
+        )
         async with serving(Starlette(routes=adapter.routes(deps))) as port:
             async with connect(f"ws://127.0.0.1:{port}/ws") as ws:
+
                 async def run(request_id: str, prompt: str | None = "four") -> dict:
                     item = {"request_id": request_id} | ({"prompt": prompt} if prompt is not None else {})
                     frames = await run_batch(ws, {"prompts": [item], "generation_config": {"max_new_tokens": 2}})

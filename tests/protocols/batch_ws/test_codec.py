@@ -66,8 +66,11 @@ def test_error_table(exc: BaseException, expected: str) -> None:
 def test_every_error_class_has_a_deliberate_text() -> None:
     # Every request-level class of rill.errors resolves to a table entry of its own or a
     # parent's; none leaks str(exc) unless the table says so.
-    request_errors = [cls for cls in vars(errors).values()
-                      if isinstance(cls, type) and issubclass(cls, errors.RillError) and not issubclass(cls, errors.ConfigError)]
+    request_errors = [
+        cls
+        for cls in vars(errors).values()
+        if isinstance(cls, type) and issubclass(cls, errors.RillError) and not issubclass(cls, errors.ConfigError)
+    ]
     table = dict(codec.ERROR_TABLE)
     for cls in request_errors:
         if cls is errors.RillError or cls is errors.RequestNotFound:

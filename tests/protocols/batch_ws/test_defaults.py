@@ -14,11 +14,23 @@ from rill.protocols.batch_ws import adapter, service
 
 def test_source_project_names_and_rill_names(tmp_path: Path) -> None:
     env_file = tmp_path / ".env"
-    env_file.write_text("MODEL_DEFAULT_NUM_BEAMS = 2\nMODEL_DEFAULT_DO_SAMPLE = false\nMODEL_DEFAULT_TEMPERATURE=0.5\n"
-                        "RILL_DEFAULT_TOP_K=7\nMODEL_DEFAULT_TOP_K=9\nMODEL_DEFAULT_MAX_NEW_TOKENS=33\n")
-    defaults = config.sampling_defaults({"MODEL_DEFAULT_TEMPERATURE": "0.9", "RILL_DEFAULT_LENGTH_PENALTY": "1.5"}, env_file)
-    assert defaults == config.SamplingDefaults(num_beams=2, do_sample=False, temperature=0.9, top_p=1.0, top_k=7,
-                                               max_new_tokens=33, repetition_penalty=1.0, length_penalty=1.5)
+    env_file.write_text(
+        "MODEL_DEFAULT_NUM_BEAMS = 2\nMODEL_DEFAULT_DO_SAMPLE = false\nMODEL_DEFAULT_TEMPERATURE=0.5\n"
+        "RILL_DEFAULT_TOP_K=7\nMODEL_DEFAULT_TOP_K=9\nMODEL_DEFAULT_MAX_NEW_TOKENS=33\n"
+    )
+    defaults = config.sampling_defaults(
+        {"MODEL_DEFAULT_TEMPERATURE": "0.9", "RILL_DEFAULT_LENGTH_PENALTY": "1.5"}, env_file
+    )
+    assert defaults == config.SamplingDefaults(
+        num_beams=2,
+        do_sample=False,
+        temperature=0.9,
+        top_p=1.0,
+        top_k=7,
+        max_new_tokens=33,
+        repetition_penalty=1.0,
+        length_penalty=1.5,
+    )
 
 
 def test_real_environment_wins_over_dotenv_and_rill_name_wins_within_a_source(tmp_path: Path) -> None:
@@ -38,8 +50,14 @@ def test_bad_value_names_the_variable() -> None:
 
 
 def fake_deps(defaults: config.SamplingDefaults | None = None) -> SimpleNamespace:
-    return SimpleNamespace(client=None, config=config.load({}, env={}), sampling_defaults=defaults, api_keys=set(),
-                           metrics=None, memory=None)
+    return SimpleNamespace(
+        client=None,
+        config=config.load({}, env={}),
+        sampling_defaults=defaults,
+        api_keys=set(),
+        metrics=None,
+        memory=None,
+    )
 
 
 def test_adapter_reads_dotenv_of_the_working_folder_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

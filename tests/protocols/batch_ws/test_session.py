@@ -30,7 +30,9 @@ DEFAULTS = GenerationConfig(**msgspec.structs.asdict(msgspec.convert(vars(Sampli
 
 
 def make_session(store: ContinuationStore | None = None, limits: Limits = Limits(), scope: str = "") -> BatchSession:
-    return BatchSession(store if store is not None else ContinuationStore(16, 10_000, 60.0), DEFAULTS, limits, "k", scope)
+    return BatchSession(
+        store if store is not None else ContinuationStore(16, 10_000, 60.0), DEFAULTS, limits, "k", scope
+    )
 
 
 def render(actions: list[Action], expected: list[list[Any]] | None = None) -> list[list[Any]]:
@@ -86,7 +88,9 @@ def test_session_vectors(case: dict) -> None:
             submitted(session, step["submitted"], step["prompt_token_ids"])
             continue
         else:
-            outputs = [(key, msgspec.convert({"request_id": key, **fields}, RequestOutput)) for key, fields in step["outputs"]]
+            outputs = [
+                (key, msgspec.convert({"request_id": key, **fields}, RequestOutput)) for key, fields in step["outputs"]
+            ]
             actions = session.on_outputs(outputs, step["now"])
         assert render(actions, step["expect"]) == step["expect"]
 
@@ -95,20 +99,44 @@ def test_engine_refusal_at_submit_is_an_error_for_that_prompt_only() -> None:
     session = make_session()
     receive(session, {"prompts": [{"request_id": "ok", "prompt": "a"}, {"request_id": "long", "prompt": "b" * 999}]})
     actions = session.on_starts_failed([("k-2", errors.ContextLengthExceeded(999, 256))], 0.1)
-    assert render(actions) == [["send", [{"type": "ERROR", "request_id": "long",
-                                          "error": "prompt has 999 tokens but the model's context holds at most 256"}]]]
+    assert render(actions) == [
+        [
+            "send",
+            [
+                {
+                    "type": "ERROR",
+                    "request_id": "long",
+                    "error": "prompt has 999 tokens but the model's context holds at most 256",
+                }
+            ],
+        ]
+    ]
     assert session.num_open_prompts == 1
     actions = session.on_outputs([output("k-1", token_ids=[1], text="x", finished=True, finish_reason="stop")], 0.2)
-    assert [type(a.message[0]).__struct_config__.tag for a in actions if isinstance(a, Send)] == ["STARTED", "INITIALIZED", "PROGRESS", "COMPLETE"]
+    assert [type(a.message[0]).__struct_config__.tag for a in actions if isinstance(a, Send)] == [
+        "STARTED",
+        "INITIALIZED",
+        "PROGRESS",
+        "COMPLETE",
+    ]
 
 
 def test_engine_failure_mid_generation_never_leaks_internals() -> None:
     session = make_session()
     receive(session, {"prompts": [{"request_id": "a", "prompt": "x"}, {"request_id": "b", "prompt": "y"}]})
-    actions = session.on_outputs([
-        output("k-1", events=["scheduled"], finished=True, finish_reason="error", error=errors.GenerationError("CUDA oops at 0x1")),
-        output("k-2", events=["scheduled", "prefill_done"], token_ids=[3], text="z"),
-    ], 1.0)
+    actions = session.on_outputs(
+        [
+            output(
+                "k-1",
+                events=["scheduled"],
+                finished=True,
+                finish_reason="error",
+                error=errors.GenerationError("CUDA oops at 0x1"),
+            ),
+            output("k-2", events=["scheduled", "prefill_done"], token_ids=[3], text="z"),
+        ],
+        1.0,
+    )
     assert render(actions) == [
         ["send", [{"type": "STARTED", "request_id": "a"}, {"type": "STARTED", "request_id": "b"}]],
         ["send", [{"type": "INITIALIZED", "request_id": "b", "text": ""}]],
@@ -121,7 +149,9 @@ def test_failure_before_start_sends_only_error() -> None:
     session = make_session()
     receive(session, {"prompts": [{"request_id": "a", "prompt": "x"}]})
     actions = session.on_outputs([output("k-1", finished=True, finish_reason="cancelled")], 1.0)
-    assert render(actions) == [["send", [{"type": "ERROR", "request_id": "a", "error": "the generation was cancelled"}]]]
+    assert render(actions) == [
+        ["send", [{"type": "ERROR", "request_id": "a", "error": "the generation was cancelled"}]]
+    ]
 
 
 def test_request_id_still_generating_gets_an_error_and_the_other_prompts_run() -> None:
@@ -131,8 +161,16 @@ def test_request_id_still_generating_gets_an_error_and_the_other_prompts_run() -
     actions = receive(second, {"prompts": [{"request_id": "a", "prompt": "x"}, {"request_id": "b", "prompt": "y"}]})
     assert render(actions)[:2] == [
         ["send", [{"type": "ACCEPTED", "request_id": "a"}, {"type": "ACCEPTED", "request_id": "b"}]],
-        ["send", [{"type": "ERROR", "request_id": "a",
-                   "error": "request_id 'a' is still generating; wait for its COMPLETE or use another id"}]],
+        [
+            "send",
+            [
+                {
+                    "type": "ERROR",
+                    "request_id": "a",
+                    "error": "request_id 'a' is still generating; wait for its COMPLETE or use another id",
+                }
+            ],
+        ],
     ]
     assert [type(a) for a in actions[2:]] == [Start]
     # Once the first finishes, the id is free again.
@@ -142,13 +180,23 @@ def test_request_id_still_generating_gets_an_error_and_the_other_prompts_run() -
 
 def test_missing_prompt_without_kept_generation_is_an_error() -> None:
     actions = receive(make_session(), {"prompts": [{"request_id": "a"}]})
-    assert render(actions)[1] == ["send", [{"type": "ERROR", "request_id": "a", "error":
-                                            "'prompt' is required: there is no kept generation to continue for request_id 'a'"}]]
+    assert render(actions)[1] == [
+        "send",
+        [
+            {
+                "type": "ERROR",
+                "request_id": "a",
+                "error": "'prompt' is required: there is no kept generation to continue for request_id 'a'",
+            }
+        ],
+    ]
 
 
 def finish_with_length(session: BatchSession, key: str, prompt_ids: list[int], new_ids: list[int], now: float) -> None:
     submitted(session, key, prompt_ids)
-    session.on_outputs([output(key, token_ids=new_ids, text="t" * len(new_ids), finished=True, finish_reason="length")], now)
+    session.on_outputs(
+        [output(key, token_ids=new_ids, text="t" * len(new_ids), finished=True, finish_reason="length")], now
+    )
 
 
 def test_evicted_entry_is_reported_once_then_the_id_starts_afresh() -> None:
@@ -157,10 +205,20 @@ def test_evicted_entry_is_reported_once_then_the_id_starts_afresh() -> None:
     receive(session, {"prompts": [{"request_id": "a", "prompt": "x"}, {"request_id": "b", "prompt": "y"}]})
     finish_with_length(session, "k-1", [1], [2], 1.0)
     finish_with_length(session, "k-2", [3], [4], 1.0)  # evicts "a" (max_entries=1)
-    actions = receive(session, {"prompts": [{"request_id": "a", "prompt": "x"}, {"request_id": "b", "prompt": "y"}]}, 2.0)
-    assert render(actions)[1] == ["send", [{"type": "ERROR", "request_id": "a", "error":
-                                            "the kept generation of request_id 'a' was evicted to make room; "
-                                            "send it again with its prompt to start over"}]]
+    actions = receive(
+        session, {"prompts": [{"request_id": "a", "prompt": "x"}, {"request_id": "b", "prompt": "y"}]}, 2.0
+    )
+    assert render(actions)[1] == [
+        "send",
+        [
+            {
+                "type": "ERROR",
+                "request_id": "a",
+                "error": "the kept generation of request_id 'a' was evicted to make room; "
+                "send it again with its prompt to start over",
+            }
+        ],
+    ]
     assert isinstance(actions[2], Start) and actions[2].request.prompt_token_ids == [3, 4]
     again = receive(session, {"prompts": [{"request_id": "a", "prompt": "x"}]}, 3.0)
     assert isinstance(again[1], Start) and again[1].request.prompt == "x"
@@ -172,7 +230,8 @@ def test_expired_entry_is_reported_with_the_ttl() -> None:
     finish_with_length(session, "k-1", [1], [2], 1.0)
     actions = receive(session, {"prompts": [{"request_id": "a", "prompt": "x"}]}, 100.0)
     assert render(actions)[1][1][0]["error"] == (
-        "the kept generation of request_id 'a' expired after 5 s; send it again with its prompt to start over")
+        "the kept generation of request_id 'a' expired after 5 s; send it again with its prompt to start over"
+    )
 
 
 def test_engine_cache_miss_is_reported_for_that_request_id() -> None:
@@ -180,10 +239,22 @@ def test_engine_cache_miss_is_reported_for_that_request_id() -> None:
     receive(session, {"prompts": [{"request_id": "a", "prompt": "x"}]})
     finish_with_length(session, "k-1", [1], [2], 1.0)
     receive(session, {"prompts": [{"request_id": "a"}]}, 2.0)
-    actions = session.on_outputs([output("k-2", finished=True, finish_reason="error", error=errors.CacheMiss("engine text"))], 2.1)
-    assert render(actions) == [["send", [{"type": "ERROR", "request_id": "a", "error":
-                                          "the kept generation of request_id 'a' was evicted to make room; "
-                                          "send it again with its prompt to start over"}]]]
+    actions = session.on_outputs(
+        [output("k-2", finished=True, finish_reason="error", error=errors.CacheMiss("engine text"))], 2.1
+    )
+    assert render(actions) == [
+        [
+            "send",
+            [
+                {
+                    "type": "ERROR",
+                    "request_id": "a",
+                    "error": "the kept generation of request_id 'a' was evicted to make room; "
+                    "send it again with its prompt to start over",
+                }
+            ],
+        ]
+    ]
 
 
 def test_eos_ends_continuation() -> None:
@@ -218,25 +289,52 @@ def test_disconnect_aborts_every_open_prompt_and_frees_ids() -> None:
 def test_inflight_limit_refuses_the_whole_message() -> None:
     session = make_session(limits=Limits(max_inflight_prompts=2))
     receive(session, {"prompts": [{"request_id": "a", "prompt": "x"}]})
-    with pytest.raises(errors.InvalidRequest, match="too many prompts in flight on this socket: 1 running \\+ 2 new > 2"):
+    with pytest.raises(
+        errors.InvalidRequest, match="too many prompts in flight on this socket: 1 running \\+ 2 new > 2"
+    ):
         receive(session, {"prompts": [{"request_id": "b", "prompt": "x"}, {"request_id": "c", "prompt": "x"}]})
 
 
 def test_timeout_applies_and_max_new_tokens_passes_through() -> None:
     # --max-tokens-cap is applied at admission for every protocol (tests/test_policy_e2e.py).
-    actions = receive(make_session(limits=Limits(request_timeout_s=30.0)),
-                      {"prompts": [{"request_id": "a", "prompt": "x"}], "generation_config": {"max_new_tokens": 100}})
+    actions = receive(
+        make_session(limits=Limits(request_timeout_s=30.0)),
+        {"prompts": [{"request_id": "a", "prompt": "x"}], "generation_config": {"max_new_tokens": 100}},
+    )
     assert actions[1].request.sampling.max_tokens == 100 and actions[1].request.deadline_s == 30.0
 
 
 def test_defaults_fill_missing_fields() -> None:
-    defaults = GenerationConfig(num_beams=1, do_sample=True, temperature=0.3, top_p=0.9, top_k=7, max_new_tokens=11,
-                                repetition_penalty=1.1, length_penalty=1.0)
+    defaults = GenerationConfig(
+        num_beams=1,
+        do_sample=True,
+        temperature=0.3,
+        top_p=0.9,
+        top_k=7,
+        max_new_tokens=11,
+        repetition_penalty=1.1,
+        length_penalty=1.0,
+    )
     session = BatchSession(ContinuationStore(4, 100, 1.0), defaults, Limits(), "k")
-    sampling = session.receive(msgspec.convert({"prompts": [{"request_id": "a", "prompt": "x"}],
-                                                "generation_config": {"temperature": 0.5}}, BatchRequest), 0.0)[1].request.sampling
-    assert (sampling.temperature, sampling.top_p, sampling.top_k, sampling.max_tokens, sampling.repetition_penalty) == (0.5, 0.9, 7, 11, 1.1)
-    bad = BatchSession(ContinuationStore(4, 100, 1.0), GenerationConfig(**{**msgspec.structs.asdict(defaults), "top_p": 5.0}), Limits(), "k")
+    sampling = session.receive(
+        msgspec.convert(
+            {"prompts": [{"request_id": "a", "prompt": "x"}], "generation_config": {"temperature": 0.5}}, BatchRequest
+        ),
+        0.0,
+    )[1].request.sampling
+    assert (sampling.temperature, sampling.top_p, sampling.top_k, sampling.max_tokens, sampling.repetition_penalty) == (
+        0.5,
+        0.9,
+        7,
+        11,
+        1.1,
+    )
+    bad = BatchSession(
+        ContinuationStore(4, 100, 1.0),
+        GenerationConfig(**{**msgspec.structs.asdict(defaults), "top_p": 5.0}),
+        Limits(),
+        "k",
+    )
     with pytest.raises(errors.InvalidRequest, match="top_p"):
         bad.default_sampling()
 
@@ -248,7 +346,8 @@ def test_continuation_that_fills_the_context_says_so() -> None:
     receive(session, {"prompts": [{"request_id": "a"}]}, 2.0)
     actions = session.on_start_failed("k-2", errors.ContextLengthExceeded(4, 4), 2.0)
     assert render(actions)[0][1][0]["error"] == (
-        "request_id 'a' cannot continue: its text so far (4 tokens) already fills the model's context of 4 tokens")
+        "request_id 'a' cannot continue: its text so far (4 tokens) already fills the model's context of 4 tokens"
+    )
 
 
 def test_beam_continuation_recomputes_instead_of_requiring_cached_kv() -> None:

@@ -11,8 +11,10 @@ import websockets
 def load_ref_audio(path: str) -> str:
     """Load a WAV file and return base64-encoded PCM float32 at 16kHz."""
     import soundfile as sf
+
     audio, _ = sf.read(path, dtype="float32", samplerate=16000)
     return base64.b64encode(audio.tobytes()).decode()
+
 
 async def chat_streaming(
     server_url="wss://localhost:8006/ws/chat",
@@ -28,7 +30,7 @@ async def chat_streaming(
         if ref_b64:
             system_content = [
                 {"type": "text", "text": "Mimic the voice from the audio sample."},
-                {"type": "audio", "data": ref_b64},          # reference voice
+                {"type": "audio", "data": ref_b64},  # reference voice
                 {"type": "text", "text": "You are a helpful assistant. Reply naturally."},
             ]
 
@@ -37,15 +39,19 @@ async def chat_streaming(
         if ref_b64:
             tts_config["ref_audio_data"] = ref_b64
 
-        await ws.send(json.dumps({
-            "messages": [
-                {"role": "system", "content": system_content},
-                {"role": "user", "content": "Hello!"},
-            ],
-            "streaming": True,
-            "generation": {"max_new_tokens": 256, "temperature": 0.7},
-            "tts": tts_config,
-        }))
+        await ws.send(
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "system", "content": system_content},
+                        {"role": "user", "content": "Hello!"},
+                    ],
+                    "streaming": True,
+                    "generation": {"max_new_tokens": 256, "temperature": 0.7},
+                    "tts": tts_config,
+                }
+            )
+        )
 
         full_text = ""
         audio_chunks = []
@@ -72,4 +78,4 @@ async def chat_streaming(
 
         if audio_chunks:
             pcm = np.frombuffer(b"".join(audio_chunks), dtype=np.float32)
-            print(f"Received {len(pcm)/24000:.1f}s of audio")
+            print(f"Received {len(pcm) / 24000:.1f}s of audio")

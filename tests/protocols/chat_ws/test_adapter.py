@@ -65,8 +65,9 @@ class Chat:
         the prompt's token ids as the engine sees them."""
         request = body or BODY
         tokenizer = self.client.engine.tokenizer
-        prompt = tokenizer.encode_chat(request["messages"],
-                                       chat_template_kwargs={"enable_thinking": request.get("enable_thinking", False)})
+        prompt = tokenizer.encode_chat(
+            request["messages"], chat_template_kwargs={"enable_thinking": request.get("enable_thinking", False)}
+        )
         self.client.engine.runner.script = reply_script(prompt, tokenizer.encode(text, add_special_tokens=False))
         return prompt
 
@@ -116,8 +117,13 @@ async def test_reply_with_speech_in_order() -> None:
     assert kinds[:2] == ["queue_done", "prefill_done"] and kinds[-1] == "done" and code == 1000
     assert messages[1]["input_tokens"] == len(prompt)
     # One token per character, and the end of sequence, which writes no text.
-    assert messages[-1] == {"type": "done", "text": "Hello there. Bye.", "generated_tokens": len("Hello there. Bye.") + 1,
-                            "input_tokens": len(prompt), "audio_data": None}
+    assert messages[-1] == {
+        "type": "done",
+        "text": "Hello there. Bye.",
+        "generated_tokens": len("Hello there. Bye.") + 1,
+        "input_tokens": len(prompt),
+        "audio_data": None,
+    }
     assert texts(messages) == "Hello there. Bye."
     assert chat.synth.spoken == ["Hello there.", "Bye."]
     audio_chunks = [m for m in messages if m["type"] == "chunk" and "audio_data" in m]
@@ -276,11 +282,16 @@ async def test_time_limit_is_one_error() -> None:
 async def test_generation_fields_reach_the_engine() -> None:
     async with serve_chat(**{"http.request_timeout_s": 30.0}) as chat:  # the token cap is the frontend's
         chat.reply_with("x")
-        await converse(chat, {**BODY, "generation": {"max_new_tokens": 400, "temperature": 0.1,
-                                                     "repetition_penalty": 1.2}})
+        await converse(
+            chat, {**BODY, "generation": {"max_new_tokens": 400, "temperature": 0.1, "repetition_penalty": 1.2}}
+        )
     request = chat.requests[0]
     assert request.protocol == "chat_ws" and request.deadline_s == 30.0
-    assert (request.sampling.max_tokens, request.sampling.temperature, request.sampling.repetition_penalty) == (400, 0.1, 1.2)
+    assert (request.sampling.max_tokens, request.sampling.temperature, request.sampling.repetition_penalty) == (
+        400,
+        0.1,
+        1.2,
+    )
 
 
 async def test_http_helpers_when_nothing_is_configured() -> None:
@@ -289,10 +300,13 @@ async def test_http_helpers_when_nothing_is_configured() -> None:
         assert (await http.get("/api/recordings/chat_0123456789abcdef")).status_code == 404
 
 
-@pytest.mark.parametrize("body", [
-    b'{"x": ' + b"[" * 5000 + b"]" * 5000 + b', "messages": []}',  # was a RecursionError: generic error and 1011
-    b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"x": ' + b"[" * 5000 + b"]" * 5000 + b', "messages": []}',  # was a RecursionError: generic error and 1011
+        b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
+    ],
+)
 async def test_hostile_request_is_an_invalid_request_not_an_internal_error(body: bytes) -> None:
     async with serve_chat() as chat:
         messages, close_code = await converse(chat, body)

@@ -24,9 +24,23 @@ def test_defaults_are_the_spec_defaults() -> None:
 
 
 def test_content_list_parts_and_their_defaults() -> None:
-    request = codec.decode_request(json.dumps({"messages": [{"role": "user", "content": [
-        {"type": "text", "text": "Describe"}, {"type": "image", "data": "aW1n"},
-        {"type": "audio", "data": "AAAAAA=="}, {"type": "video", "data": "dmlk"}]}]}))
+    request = codec.decode_request(
+        json.dumps(
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "Describe"},
+                            {"type": "image", "data": "aW1n"},
+                            {"type": "audio", "data": "AAAAAA=="},
+                            {"type": "video", "data": "dmlk"},
+                        ],
+                    }
+                ]
+            }
+        )
+    )
     text, image, audio, video = request.messages[0].content
     assert isinstance(text, TextPart) and text.text == "Describe"
     assert isinstance(image, ImagePart)
@@ -35,10 +49,20 @@ def test_content_list_parts_and_their_defaults() -> None:
 
 
 def test_source_project_extras_are_accepted() -> None:
-    request = codec.decode_request(json.dumps({
-        "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
-                     {"role": "assistant", "content": "a"}],
-        "use_tts_template": True, "image": {"max_slice_nums": None}, "client_build": "x"}))
+    request = codec.decode_request(
+        json.dumps(
+            {
+                "messages": [
+                    {"role": "system", "content": "s"},
+                    {"role": "user", "content": "u"},
+                    {"role": "assistant", "content": "a"},
+                ],
+                "use_tts_template": True,
+                "image": {"max_slice_nums": None},
+                "client_build": "x",
+            }
+        )
+    )
     assert request.use_tts_template is True and len(request.messages) == 3
 
 
@@ -56,19 +80,22 @@ def test_encode_golden(case: dict) -> None:
     assert json.loads(codec.encode(message)) == case["wire"]
 
 
-@pytest.mark.parametrize(("exc", "text", "code"), [
-    (errors.QueueFull("waiting queue full"), "Queue full", codec.CLOSE_TRY_AGAIN_LATER),
-    (errors.InvalidRequest("'top_p' must be in (0, 1]"), "'top_p' must be in (0, 1]", codec.CLOSE_NORMAL),
-    (errors.ContextLengthExceeded(2000, 1024), "prompt has 2000 tokens", codec.CLOSE_NORMAL),
-    (errors.ModelNotReady(), "Service not ready", codec.CLOSE_TRY_AGAIN_LATER),
-    (errors.RateLimited(retry_after_s=2.0), "rate limit reached", codec.CLOSE_TRY_AGAIN_LATER),
-    (errors.MemoryPressure("too big"), "too big", codec.CLOSE_NORMAL),
-    (errors.RequestTimeout("time limit"), "time limit", codec.CLOSE_NORMAL),
-    (errors.GenerationError("cuda oops at 0x7f"), "Generation failed", codec.CLOSE_NORMAL),
-    (errors.EngineDead("thread died"), "Engine stopped", codec.CLOSE_INTERNAL_ERROR),
-    (errors.RillError("Cancelled"), "Cancelled", codec.CLOSE_NORMAL),
-    (KeyError("secret internals"), codec.GENERIC_ERROR, codec.CLOSE_INTERNAL_ERROR),
-])
+@pytest.mark.parametrize(
+    ("exc", "text", "code"),
+    [
+        (errors.QueueFull("waiting queue full"), "Queue full", codec.CLOSE_TRY_AGAIN_LATER),
+        (errors.InvalidRequest("'top_p' must be in (0, 1]"), "'top_p' must be in (0, 1]", codec.CLOSE_NORMAL),
+        (errors.ContextLengthExceeded(2000, 1024), "prompt has 2000 tokens", codec.CLOSE_NORMAL),
+        (errors.ModelNotReady(), "Service not ready", codec.CLOSE_TRY_AGAIN_LATER),
+        (errors.RateLimited(retry_after_s=2.0), "rate limit reached", codec.CLOSE_TRY_AGAIN_LATER),
+        (errors.MemoryPressure("too big"), "too big", codec.CLOSE_NORMAL),
+        (errors.RequestTimeout("time limit"), "time limit", codec.CLOSE_NORMAL),
+        (errors.GenerationError("cuda oops at 0x7f"), "Generation failed", codec.CLOSE_NORMAL),
+        (errors.EngineDead("thread died"), "Engine stopped", codec.CLOSE_INTERNAL_ERROR),
+        (errors.RillError("Cancelled"), "Cancelled", codec.CLOSE_NORMAL),
+        (KeyError("secret internals"), codec.GENERIC_ERROR, codec.CLOSE_INTERNAL_ERROR),
+    ],
+)
 def test_error_table(exc: BaseException, text: str, code: int) -> None:
     message, close_code = codec.error_for(exc)
     assert text in message.error and close_code == code
@@ -82,11 +109,25 @@ def test_seeded_mutations_raise_only_invalid_request() -> None:
 
     from rill.protocols.chat_ws.messages import ChatRequest
 
-    seeds = [json.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"},
-                                                                    {"type": "audio", "data": "AAAA", "sample_rate": 8000}]}],
-                         "generation": {"max_new_tokens": 5, "top_p": 0.5}, "tts": {"enabled": False, "language": "fr"},
-                         "streaming": False}).encode(),
-             b'{"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]}']
+    seeds = [
+        json.dumps(
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "hi"},
+                            {"type": "audio", "data": "AAAA", "sample_rate": 8000},
+                        ],
+                    }
+                ],
+                "generation": {"max_new_tokens": 5, "top_p": 0.5},
+                "tts": {"enabled": False, "language": "fr"},
+                "streaming": False,
+            }
+        ).encode(),
+        b'{"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]}',
+    ]
     rng = random.Random(1234)
     num_decoded = 0
     for _ in range(3000):

@@ -66,9 +66,17 @@ def live(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     GatedSynth.gate.set()
     patch = pytest.MonkeyPatch()
     patch.setattr(speech_module, "EspeakSynth", GatedSynth)  # the server's synth is made on first use
-    server = start_server(tiny_model_dir, **{"engine.num_threads": 1, "chat.chat_max_active": 1,
-                                             "chat.chat_max_queue": 2, "chat.record": True,
-                                             "chat.ref_audio": str(ref), "http.data_dir": str(data)})
+    server = start_server(
+        tiny_model_dir,
+        **{
+            "engine.num_threads": 1,
+            "chat.chat_max_active": 1,
+            "chat.chat_max_queue": 2,
+            "chat.record": True,
+            "chat.ref_audio": str(ref),
+            "http.data_dir": str(data),
+        },
+    )
     yield server
     GatedSynth.gate.set()
     server.stop()
@@ -80,9 +88,13 @@ def ws_url(live) -> str:
 
 
 def payload(content: Any = "Hello!", **extra: Any) -> dict:
-    body = {"messages": [{"role": "system", "content": "You are a helpful assistant."},
-                         {"role": "user", "content": content}],
-            "generation": {"max_new_tokens": 48, "temperature": 0.7, "seed": 1}}
+    body = {
+        "messages": [
+            {"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": content},
+        ],
+        "generation": {"max_new_tokens": 48, "temperature": 0.7, "seed": 1},
+    }
     body.update(extra)
     return body
 
@@ -138,7 +150,11 @@ def test_stream_order_framing_and_first_audio_before_text_completes(live) -> Non
     assert set(kinds[2:-1]) == {"chunk"}
     chunks = messages[2:-1]
     for m in chunks:
-        assert set(m) - {"type"} and set(m) <= {"type", "text_delta", "audio_data"}  # never empty, empty fields left out
+        assert set(m) - {"type"} and set(m) <= {
+            "type",
+            "text_delta",
+            "audio_data",
+        }  # never empty, empty fields left out
         assert m.get("text_delta", "x") and m.get("audio_data", "x")
     text_at = [i for i, m in enumerate(chunks) if "text_delta" in m]
     audio_at = [i for i, m in enumerate(chunks) if "audio_data" in m]
@@ -149,7 +165,7 @@ def test_stream_order_framing_and_first_audio_before_text_completes(live) -> Non
     assert done["text"] == text and 0 < done["generated_tokens"] <= 160
     assert done["input_tokens"] == messages[1]["input_tokens"] > 0 and done["audio_data"] is None
     audio = np.concatenate([pcm(m) for m in chunks if "audio_data" in m])
-    assert np.isfinite(audio).all() and np.abs(audio).max() <= 1.0 and np.sqrt(np.mean(audio ** 2)) > 0.01
+    assert np.isfinite(audio).all() and np.abs(audio).max() <= 1.0 and np.sqrt(np.mean(audio**2)) > 0.01
     # 24 kHz framing: the received samples match the same sentences spoken locally at 24 kHz
     # (at espeak-ng's own 22.05 kHz they would be 8% fewer).
     segmenter = Segmenter()
@@ -201,7 +217,7 @@ def test_queue_messages_leaving_and_full_queue(live) -> None:
         moved = recv(c)
         assert (moved["type"], moved["position"], moved["queue_length"]) == ("queue_update", 1, 1)
         e = open_chat(live, payload(tts={"enabled": False}))
-        assert (recv(e)["type"], ) == ("queued",)
+        assert (recv(e)["type"],) == ("queued",)
     finally:
         GatedSynth.gate.set()
     assert until_closed(a)[-1]["type"] == "done"
@@ -277,18 +293,21 @@ def video_b64(tmp_path_factory: pytest.TempPathFactory) -> str:
     return base64.b64encode(video_bytes(tmp_path_factory.mktemp("v") / "v.mp4", seconds=2.0)).decode()
 
 
-@pytest.mark.parametrize(("part", "expected"), [
-    ({"type": "image", "data": "IMAGE"}, "cannot take image input"),
-    ({"type": "audio", "data": "AUDIO"}, "cannot take audio input"),
-    ({"type": "video", "data": "VIDEO"}, "cannot take video input"),
-    ({"type": "audio", "data": base64.b64encode(b"\0" * 7).decode()}, "not a multiple of 4"),
-    ({"type": "audio", "data": pcm_b64([0.1, float("nan")])}, "NaN or infinite"),
-    ({"type": "audio", "data": "AUDIO", "sample_rate": 50}, "sample_rate 50"),
-    ({"type": "image", "data": base64.b64encode(b"GIF? no").decode()}, "not a readable image"),
-    ({"type": "video", "data": base64.b64encode(b"\0" * 100).decode()}, "not a readable video"),
-    ({"type": "video", "data": "VIDEO", "stack_frames": 99}, "stack_frames 99"),
-    ({"type": "sticker", "data": "x"}, "invalid request"),
-])
+@pytest.mark.parametrize(
+    ("part", "expected"),
+    [
+        ({"type": "image", "data": "IMAGE"}, "cannot take image input"),
+        ({"type": "audio", "data": "AUDIO"}, "cannot take audio input"),
+        ({"type": "video", "data": "VIDEO"}, "cannot take video input"),
+        ({"type": "audio", "data": base64.b64encode(b"\0" * 7).decode()}, "not a multiple of 4"),
+        ({"type": "audio", "data": pcm_b64([0.1, float("nan")])}, "NaN or infinite"),
+        ({"type": "audio", "data": "AUDIO", "sample_rate": 50}, "sample_rate 50"),
+        ({"type": "image", "data": base64.b64encode(b"GIF? no").decode()}, "not a readable image"),
+        ({"type": "video", "data": base64.b64encode(b"\0" * 100).decode()}, "not a readable video"),
+        ({"type": "video", "data": "VIDEO", "stack_frames": 99}, "stack_frames 99"),
+        ({"type": "sticker", "data": "x"}, "invalid request"),
+    ],
+)
 def test_media_errors_name_the_part_model_and_modality(live, video_b64: str, part: dict, expected: str) -> None:
     data = {"IMAGE": png_b64(), "AUDIO": pcm_b64(tone(0.2)), "VIDEO": video_b64}
     part = {k: data.get(v, v) if isinstance(v, str) else v for k, v in part.items()}
@@ -299,19 +318,30 @@ def test_media_errors_name_the_part_model_and_modality(live, video_b64: str, par
 
 
 def test_spec_example_with_reference_voice_is_refused_clearly(live) -> None:
-    system = [{"type": "text", "text": "Mimic the voice from the audio sample."},
-              {"type": "audio", "data": pcm_b64(tone(0.5))}, {"type": "text", "text": "Reply naturally."}]
-    error = error_of(live, {"messages": [{"role": "system", "content": system}, {"role": "user", "content": "Hi"}],
-                            "tts": {"enabled": True, "mode": "audio_assistant"}})
+    system = [
+        {"type": "text", "text": "Mimic the voice from the audio sample."},
+        {"type": "audio", "data": pcm_b64(tone(0.5))},
+        {"type": "text", "text": "Reply naturally."},
+    ]
+    error = error_of(
+        live,
+        {
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": "Hi"}],
+            "tts": {"enabled": True, "mode": "audio_assistant"},
+        },
+    )
     assert "cannot take audio input" in error and "messages[0].content[1]" in error
 
 
-@pytest.mark.parametrize(("tts", "expected"), [
-    ({"mode": "voice_cloning"}, "supported modes: default, audio_assistant"),
-    ({"ref_audio_data": "AAAAAA=="}, "cannot speak in a reference voice"),
-    ({"ref_audio_path": "/tmp/ref.wav"}, "cannot speak in a reference voice"),
-    ({"language": "klingon"}, "tts.language 'klingon' has no voice"),
-])
+@pytest.mark.parametrize(
+    ("tts", "expected"),
+    [
+        ({"mode": "voice_cloning"}, "supported modes: default, audio_assistant"),
+        ({"ref_audio_data": "AAAAAA=="}, "cannot speak in a reference voice"),
+        ({"ref_audio_path": "/tmp/ref.wav"}, "cannot speak in a reference voice"),
+        ({"language": "klingon"}, "tts.language 'klingon' has no voice"),
+    ],
+)
 def test_speech_settings_that_cannot_be_honoured(live, tts: dict, expected: str) -> None:
     assert expected in error_of(live, payload(tts={"enabled": True, **tts}))
 
@@ -353,8 +383,21 @@ def test_default_ref_audio_in_the_source_shape(live) -> None:
 
 def test_rill_client_chat_prints_and_writes_wav(live, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "reply.wav"
-    code = rill_main(["client", "chat", "--url", ws_url(live), "--prompt", "Hello!", "--say", "--out", str(out),
-                      "--max-new-tokens", "32"])
+    code = rill_main(
+        [
+            "client",
+            "chat",
+            "--url",
+            ws_url(live),
+            "--prompt",
+            "Hello!",
+            "--say",
+            "--out",
+            str(out),
+            "--max-new-tokens",
+            "32",
+        ]
+    )
     captured = capsys.readouterr()
     assert code == 0 and captured.out.strip()
     info = soundfile.info(str(out))

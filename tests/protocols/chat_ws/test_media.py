@@ -31,16 +31,20 @@ def test_valid_audio_decodes() -> None:
     assert item.audio.dtype == np.float32 and item.duration_s == pytest.approx(0.5)
 
 
-@pytest.mark.parametrize(("part", "limits", "error"), [
-    (AudioPart(data=base64.b64encode(b"\0" * 6).decode()), None, "not a multiple of 4"),
-    (AudioPart(data=pcm_b64([0.0, float("nan")])), None, "NaN or infinite"),
-    (AudioPart(data=pcm_b64([0.0, float("inf")])), None, "NaN or infinite"),
-    (AudioPart(data="@@not base64@@"), None, "not valid base64"),
-    (AudioPart(data=""), None, "audio data is empty"),
-    (AudioPart(data=pcm_b64(tone(0.1)), sample_rate=100), None, "sample_rate 100"),
-    (AudioPart(data=pcm_b64(tone(1.0))), MediaLimits(max_audio_bytes=1000), "more than the limit of 1000 bytes"),
-    (AudioPart(data=pcm_b64(tone(2.0))), MediaLimits(max_audio_s=1.0), "more than the limit of 1 s"),
-], ids=["length", "nan", "inf", "base64", "empty", "rate", "bytes", "duration"])
+@pytest.mark.parametrize(
+    ("part", "limits", "error"),
+    [
+        (AudioPart(data=base64.b64encode(b"\0" * 6).decode()), None, "not a multiple of 4"),
+        (AudioPart(data=pcm_b64([0.0, float("nan")])), None, "NaN or infinite"),
+        (AudioPart(data=pcm_b64([0.0, float("inf")])), None, "NaN or infinite"),
+        (AudioPart(data="@@not base64@@"), None, "not valid base64"),
+        (AudioPart(data=""), None, "audio data is empty"),
+        (AudioPart(data=pcm_b64(tone(0.1)), sample_rate=100), None, "sample_rate 100"),
+        (AudioPart(data=pcm_b64(tone(1.0))), MediaLimits(max_audio_bytes=1000), "more than the limit of 1000 bytes"),
+        (AudioPart(data=pcm_b64(tone(2.0))), MediaLimits(max_audio_s=1.0), "more than the limit of 1 s"),
+    ],
+    ids=["length", "nan", "inf", "base64", "empty", "rate", "bytes", "duration"],
+)
 def test_audio_errors(part: AudioPart, limits: MediaLimits | None, error: str) -> None:
     with pytest.raises(InvalidRequest, match="messages\\[0\\].content\\[1\\] \\(audio\\)") as info:
         decode(part, limits)
@@ -52,12 +56,16 @@ def test_valid_image_decodes() -> None:
     assert item.kind == "image" and item.images[0].size == (8, 6) and item.images[0].mode == "RGB"
 
 
-@pytest.mark.parametrize(("part", "limits", "error"), [
-    (ImagePart(data=base64.b64encode(b"not an image at all").decode()), None, "not a readable image"),
-    (ImagePart(data=png_b64(100, 100)), MediaLimits(max_image_pixels=5000), "100x100 is more than 5000 pixels"),
-    (ImagePart(data=png_b64(100, 100)), MediaLimits(max_image_bytes=10), "more than the limit of 10 bytes"),
-    (ImagePart(data="%%%"), None, "not valid base64"),
-], ids=["unreadable", "pixels", "bytes", "base64"])
+@pytest.mark.parametrize(
+    ("part", "limits", "error"),
+    [
+        (ImagePart(data=base64.b64encode(b"not an image at all").decode()), None, "not a readable image"),
+        (ImagePart(data=png_b64(100, 100)), MediaLimits(max_image_pixels=5000), "100x100 is more than 5000 pixels"),
+        (ImagePart(data=png_b64(100, 100)), MediaLimits(max_image_bytes=10), "more than the limit of 10 bytes"),
+        (ImagePart(data="%%%"), None, "not valid base64"),
+    ],
+    ids=["unreadable", "pixels", "bytes", "base64"],
+)
 def test_image_errors(part: ImagePart, limits: MediaLimits | None, error: str) -> None:
     with pytest.raises(InvalidRequest, match=r"\(image\)") as info:
         decode(part, limits)
@@ -87,14 +95,18 @@ def test_video_without_audio(tmp_path: Path) -> None:
     assert item.audio is None and len(item.images) == 1
 
 
-@pytest.mark.parametrize(("make", "limits", "error"), [
-    (lambda v: VideoPart(data=base64.b64encode(b"\0" * 64).decode()), None, "not a readable video"),
-    (lambda v: VideoPart(data=v), MediaLimits(max_video_s=1.0), "more than the limit of 1 s"),
-    (lambda v: VideoPart(data=v), MediaLimits(max_video_bytes=100), "more than the limit of 100 bytes"),
-    (lambda v: VideoPart(data=v, stack_frames=0), None, "stack_frames 0"),
-    (lambda v: VideoPart(data=v), MediaLimits(max_video_frames=2), "more than 2 frames"),
-    (lambda v: VideoPart(data=wav_b64()), None, "no video track"),
-], ids=["garbage", "duration", "bytes", "stack", "frames", "audio-only"])
+@pytest.mark.parametrize(
+    ("make", "limits", "error"),
+    [
+        (lambda v: VideoPart(data=base64.b64encode(b"\0" * 64).decode()), None, "not a readable video"),
+        (lambda v: VideoPart(data=v), MediaLimits(max_video_s=1.0), "more than the limit of 1 s"),
+        (lambda v: VideoPart(data=v), MediaLimits(max_video_bytes=100), "more than the limit of 100 bytes"),
+        (lambda v: VideoPart(data=v, stack_frames=0), None, "stack_frames 0"),
+        (lambda v: VideoPart(data=v), MediaLimits(max_video_frames=2), "more than 2 frames"),
+        (lambda v: VideoPart(data=wav_b64()), None, "no video track"),
+    ],
+    ids=["garbage", "duration", "bytes", "stack", "frames", "audio-only"],
+)
 def test_video_errors(video_b64: str, make, limits: MediaLimits | None, error: str) -> None:
     with pytest.raises(InvalidRequest, match=r"\(video\)") as info:
         decode(make(video_b64), limits)

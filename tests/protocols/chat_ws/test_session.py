@@ -44,9 +44,19 @@ def request(**kwargs) -> ChatRequest:
     return ChatRequest(messages=[Message(role="user", content="Hello!")], **kwargs)
 
 
-def out(text: str = "", n: int = 1, finished: bool = False, reason: str | None = None, events=(), error=None) -> RequestOutput:
-    return RequestOutput(request_id="r", text=text, token_ids=list(range(n)), events=list(events), finished=finished,
-                         finish_reason=reason, error=error, usage=Usage(completion_tokens=0))
+def out(
+    text: str = "", n: int = 1, finished: bool = False, reason: str | None = None, events=(), error=None
+) -> RequestOutput:
+    return RequestOutput(
+        request_id="r",
+        text=text,
+        token_ids=list(range(n)),
+        events=list(events),
+        finished=finished,
+        finish_reason=reason,
+        error=error,
+        usage=Usage(completion_tokens=0),
+    )
 
 
 def sent(actions) -> list:
@@ -69,8 +79,10 @@ def test_streaming_without_speech() -> None:
     first = output_of(s, out("Hi", events=[RequestEvent.PREFILL_DONE]))
     assert sent(first) == [PrefillDone(input_tokens=7), Chunk(text_delta="Hi")]
     end = output_of(s, out(" there.", finished=True, reason="stop"))
-    assert sent(end) == [Chunk(text_delta=" there."),
-                         Done(text="Hi there.", generated_tokens=2, input_tokens=7, audio_data=None)]
+    assert sent(end) == [
+        Chunk(text_delta=" there."),
+        Done(text="Hi there.", generated_tokens=2, input_tokens=7, audio_data=None),
+    ]
     assert isinstance(end[-1], Close) and s.state == DONE
 
 
@@ -134,21 +146,30 @@ def test_a_recorded_chat_is_stored_before_done_goes_out() -> None:
     unspoken = started(ChatSession(request(), is_speaking=False, recording_session_id="chat_0000000000000002"))
     (record,) = [a for a in output_of(unspoken, out("x", finished=True, reason="stop")) if isinstance(a, Record)]
     assert record.audio is None
-    assert not any(isinstance(a, Record) for a in output_of(started(ChatSession(request(), is_speaking=False)),
-                                                           out("x", finished=True, reason="stop")))
+    assert not any(
+        isinstance(a, Record)
+        for a in output_of(started(ChatSession(request(), is_speaking=False)), out("x", finished=True, reason="stop"))
+    )
 
 
 def test_queue_messages() -> None:
     s = ChatSession(request(), is_speaking=False)
-    assert sent(s.on_queue_joined(QueueStatus(2, 20.0, 3))) == [Queued(position=2, estimated_wait_s=20.0, queue_length=3)]
-    assert sent(s.on_queue_moved(QueueStatus(1, 10.0, 2))) == [QueueUpdate(position=1, estimated_wait_s=10.0, queue_length=2)]
+    assert sent(s.on_queue_joined(QueueStatus(2, 20.0, 3))) == [
+        Queued(position=2, estimated_wait_s=20.0, queue_length=3)
+    ]
+    assert sent(s.on_queue_moved(QueueStatus(1, 10.0, 2))) == [
+        QueueUpdate(position=1, estimated_wait_s=10.0, queue_length=2)
+    ]
     assert sent(s.on_admitted()) == [QueueDone()]
 
 
-@pytest.mark.parametrize(("output", "text"), [
-    (out(finished=True, reason="cancelled"), "Cancelled"),
-    (out(finished=True, reason="error", error=RillError("deadline passed")), "deadline passed"),
-])
+@pytest.mark.parametrize(
+    ("output", "text"),
+    [
+        (out(finished=True, reason="cancelled"), "Cancelled"),
+        (out(finished=True, reason="error", error=RillError("deadline passed")), "deadline passed"),
+    ],
+)
 def test_engine_end_with_error_sends_error_and_close(output: RequestOutput, text: str) -> None:
     s = started(ChatSession(request(), is_speaking=True))
     actions = output_of(s, output)
@@ -168,15 +189,26 @@ def test_illegal_transition_is_a_bug() -> None:
 
 
 def test_build_generate_request() -> None:
-    req = ChatRequest(messages=[Message(role="system", content="Be brief."),
-                                Message(role="user", content=[TextPart(text="a"), TextPart(text="b")])],
-                      generation=GenerationConfig(max_new_tokens=64, temperature=0.2, top_k=5, seed=3,
-                                                  min_new_tokens=2, stop=["\n"]),
-                      enable_thinking=True)
+    req = ChatRequest(
+        messages=[
+            Message(role="system", content="Be brief."),
+            Message(role="user", content=[TextPart(text="a"), TextPart(text="b")]),
+        ],
+        generation=GenerationConfig(max_new_tokens=64, temperature=0.2, top_k=5, seed=3, min_new_tokens=2, stop=["\n"]),
+        enable_thinking=True,
+    )
     g = build_generate_request(req, deadline_s=9.0)  # --max-tokens-cap is the frontend's
     assert [(m.role, m.content) for m in g.messages] == [("system", "Be brief."), ("user", "a\nb")]
     p = g.sampling
-    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed, p.min_tokens, p.stop) == (64, 0.2, 0.8, 5, 3, 2, ["\n"])
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed, p.min_tokens, p.stop) == (
+        64,
+        0.2,
+        0.8,
+        5,
+        3,
+        2,
+        ["\n"],
+    )
     assert g.protocol == "chat_ws" and g.chat_template_kwargs == {"enable_thinking": True} and g.deadline_s == 9.0
 
 
@@ -184,12 +216,15 @@ def test_do_sample_false_is_greedy() -> None:
     assert sampling_params(GenerationConfig(do_sample=False)).temperature == 0.0
 
 
-@pytest.mark.parametrize(("fields", "name"), [
-    ({"max_new_tokens": 0}, "generation.max_new_tokens"),
-    ({"top_p": 0.0}, "generation.top_p"),
-    ({"temperature": -1.0}, "generation.temperature"),
-    ({"min_new_tokens": 900, "max_new_tokens": 10}, "generation.min_new_tokens"),
-])
+@pytest.mark.parametrize(
+    ("fields", "name"),
+    [
+        ({"max_new_tokens": 0}, "generation.max_new_tokens"),
+        ({"top_p": 0.0}, "generation.top_p"),
+        ({"temperature": -1.0}, "generation.temperature"),
+        ({"min_new_tokens": 900, "max_new_tokens": 10}, "generation.min_new_tokens"),
+    ],
+)
 def test_bad_generation_field_is_named(fields: dict, name: str) -> None:
     with pytest.raises(InvalidRequest) as info:
         sampling_params(GenerationConfig(**fields))

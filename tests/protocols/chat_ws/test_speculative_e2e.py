@@ -43,11 +43,14 @@ async def test_speculative_false_gives_the_same_text_without_drafts(spec_server:
     await same_output_with_and_without_speculation(spec_server, run)
 
 
-@pytest.mark.parametrize(("value", "words"), [
-    ("yes", "$.generation.speculative"),
-    (99, "generation: 'speculative' must be"),
-    (-1, "generation: 'speculative' must be"),
-])
+@pytest.mark.parametrize(
+    ("value", "words"),
+    [
+        ("yes", "$.generation.speculative"),
+        (99, "generation: 'speculative' must be"),
+        (-1, "generation: 'speculative' must be"),
+    ],
+)
 async def test_bad_speculative_is_an_error_naming_the_field(spec_server: LiveServer, value: Any, words: str) -> None:
     messages, close_code = await chat(spec_server, {**GREEDY, "speculative": value})
     assert len(messages) == 1 and messages[0]["type"] == "error" and words in messages[0]["error"], messages

@@ -170,10 +170,21 @@ class _RawAuthClient(EvergreenClient):
         return Session(stub.StartSession(metadata=(("authorization", self.authorization),)))
 
 
-@pytest.mark.parametrize("authorization, accepted", [
-    ("Bearer k1", True), ("bearer k1", True), ("BEARER k1", True), ("  Bearer   k1  ", True),
-    ("Bearer ", False), ("Bearer", False), ("k1", False), ("Basic k1", False), ("Bearer k", False), ("Bearer k1x", False),
-])
+@pytest.mark.parametrize(
+    "authorization, accepted",
+    [
+        ("Bearer k1", True),
+        ("bearer k1", True),
+        ("BEARER k1", True),
+        ("  Bearer   k1  ", True),
+        ("Bearer ", False),
+        ("Bearer", False),
+        ("k1", False),
+        ("Basic k1", False),
+        ("Bearer k", False),
+        ("Bearer k1x", False),
+    ],
+)
 async def test_grpc_parses_the_bearer_header_as_http_does(fake: Fake, authorization: str, accepted: bool):
     # Regression (issue 12 item 10): gRPC took only "Bearer " with that exact case, and
     # compared with `in` (not constant-time); it now shares rill.auth with HTTP.
@@ -210,11 +221,14 @@ def broken_tokenizer() -> Any:
     return tokenizer
 
 
-@pytest.mark.parametrize("case, status, text", [
-    ("model error", "INTERNAL", "the engine step failed while generating"),
-    ("time limit", "DEADLINE_EXCEEDED", "the request reached its time limit"),
-    ("bug", "INTERNAL", "internal server error"),
-])
+@pytest.mark.parametrize(
+    "case, status, text",
+    [
+        ("model error", "INTERNAL", "the engine step failed while generating"),
+        ("time limit", "DEADLINE_EXCEEDED", "the request reached its time limit"),
+        ("bug", "INTERNAL", "internal server error"),
+    ],
+)
 async def test_engine_failures_abort_the_session_with_their_status(case, status, text):
     async with make_fake(tokenizer=broken_tokenizer() if case == "bug" else None) as fake:
         deps = make_deps(fake.client, **{"http.request_timeout_s": 30.0})
@@ -321,11 +335,29 @@ async def test_websocket_speaks_the_typescript_clients_json(fake: Fake):
 
     deps = make_deps(fake.client, **{"evergreen.grpc_port": 0})
     sent = [
-        {"actions": [{"targetSpec": {"id": FAKE_MODEL_NAME}, "name": "GENERATE", "inputs": [{"name": "prompt", "id": "in-1"}],
-                      "outputs": [{"name": "response", "id": "out-1"}]}]},
-        {"nodeFragments": [{"id": "in-1", "chunkFragment": {"metadata": {"mimetype": "text/plain", "role": "user"},
-                                                              "data": base64.b64encode(b"Hi").decode()},
-                            "seq": 0, "continued": True}]},
+        {
+            "actions": [
+                {
+                    "targetSpec": {"id": FAKE_MODEL_NAME},
+                    "name": "GENERATE",
+                    "inputs": [{"name": "prompt", "id": "in-1"}],
+                    "outputs": [{"name": "response", "id": "out-1"}],
+                }
+            ]
+        },
+        {
+            "nodeFragments": [
+                {
+                    "id": "in-1",
+                    "chunkFragment": {
+                        "metadata": {"mimetype": "text/plain", "role": "user"},
+                        "data": base64.b64encode(b"Hi").decode(),
+                    },
+                    "seq": 0,
+                    "continued": True,
+                }
+            ]
+        },
         {"nodeFragments": [{"id": "in-1", "seq": 1, "continued": False}]},
     ]
     async with websocket_url(deps) as url, connect(url) as ws:
@@ -399,12 +431,15 @@ def test_grpc_peer_host():
     assert adapter.grpc_peer_host("unix:/tmp/x") is None
 
 
-@pytest.mark.parametrize("text", [
-    '{"nodeFragments":[{"\\ud800":1}]}',
-    "[" * 5000 + "]" * 5000,
-    '{"actions":[{"configs":[{"@type":"\\ud800"}]}]}',
-    '{"nodeFragments":[{"seq":1' + "0" * 400 + "}]}",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"nodeFragments":[{"\\ud800":1}]}',
+        "[" * 5000 + "]" * 5000,
+        '{"actions":[{"configs":[{"@type":"\\ud800"}]}]}',
+        '{"nodeFragments":[{"seq":1' + "0" * 400 + "}]}",
+    ],
+)
 async def test_websocket_answers_hostile_json_with_invalid_argument_and_ends(fake: Fake, text):
     # Issue 12 item 4: the reader died on these, with no reply, no close, and a handler that
     # never finished. Now: close 4003 (INVALID_ARGUMENT) with the reason, and the handler ends
@@ -441,8 +476,11 @@ async def test_grpc_bytes_that_are_not_a_session_message_are_invalid_argument(fa
 
     deps = make_deps(fake.client)
     async with listening(deps), grpc.aio.insecure_channel(address(deps)) as channel:
-        call = channel.stream_stream("/evergreen.v2.EvergreenService/StartSession",
-                                     request_serializer=lambda data: data, response_deserializer=lambda data: data)
+        call = channel.stream_stream(
+            "/evergreen.v2.EvergreenService/StartSession",
+            request_serializer=lambda data: data,
+            response_deserializer=lambda data: data,
+        )
 
         async def garbage():
             yield b"\xff\xff\xff\x0f"

@@ -26,13 +26,18 @@ def test_json_vectors_decode_encode_and_match_protobuf_bytes(case):
 
 
 def test_output_json_is_lower_camel_case_with_base64_data_and_explicit_seq_continued():
-    message = codec.decode_json('{"node_fragments":[{"id":"r","chunk_fragment":{"metadata":{"mimetype":"text/plain",'
-                                '"role":"model"},"data":"SGk="}}]}')
+    message = codec.decode_json(
+        '{"node_fragments":[{"id":"r","chunk_fragment":{"metadata":{"mimetype":"text/plain",'
+        '"role":"model"},"data":"SGk="}}]}'
+    )
     text = codec.encode_json(message)
     assert '"nodeFragments"' in text and '"chunkFragment"' in text and "node_fragments" not in text
     assert json.loads(text)["nodeFragments"][0] == {
-        "id": "r", "seq": 0, "continued": False,
-        "chunkFragment": {"metadata": {"mimetype": "text/plain", "role": "model"}, "data": "SGk="}}
+        "id": "r",
+        "seq": 0,
+        "continued": False,
+        "chunkFragment": {"metadata": {"mimetype": "text/plain", "role": "model"}, "data": "SGk="},
+    }
     assert message.node_fragments[0].chunk_fragment.data == b"Hi"
 
 
@@ -43,14 +48,17 @@ def test_readme_examples_round_trip_through_protobuf_and_json(build):
         assert codec.decode_json(codec.encode_json(message)) == message
 
 
-@pytest.mark.parametrize("text, where", [
-    ("{", "invalid JSON"),
-    ("[1]", "must be a JSON object"),
-    ('{"nodeFragments":[{"id":3}]}', "id"),
-    ('{"nodeFragment":[]}', "nodeFragment"),
-    ('{"nodeFragments":[{"seq":"x"}]}', "seq"),
-    (b"\xff", "invalid JSON"),
-])
+@pytest.mark.parametrize(
+    "text, where",
+    [
+        ("{", "invalid JSON"),
+        ("[1]", "must be a JSON object"),
+        ('{"nodeFragments":[{"id":3}]}', "id"),
+        ('{"nodeFragment":[]}', "nodeFragment"),
+        ('{"nodeFragments":[{"seq":"x"}]}', "seq"),
+        (b"\xff", "invalid JSON"),
+    ],
+)
 def test_bad_json_is_invalid_message(text, where):
     with pytest.raises(errors.InvalidMessage, match=where) as info:
         codec.decode_json(text)
@@ -58,7 +66,9 @@ def test_bad_json_is_invalid_message(text, where):
 
 
 def test_unknown_any_type_in_json_is_kept_for_the_session_to_reject():
-    message = codec.decode_json('{"actions":[{"name":"GENERATE","configs":[{"@type":"type.googleapis.com/x.Y","a":1}]}]}')
+    message = codec.decode_json(
+        '{"actions":[{"name":"GENERATE","configs":[{"@type":"type.googleapis.com/x.Y","a":1}]}]}'
+    )
     assert message.actions[0].configs == (AnyMessage(type_url="type.googleapis.com/x.Y"),)
     assert codec.decode_config(message.actions[0].configs[0]) is None
 
@@ -81,25 +91,28 @@ def test_generate_config_with_bad_bytes_is_invalid():
         codec.decode_config(AnyMessage(type_url=codec.GENERATE_CONFIG_TYPE_URL, value=b"\x08"))
 
 
-@pytest.mark.parametrize("exc, name", [
-    (errors.InvalidMessage("x"), "INVALID_ARGUMENT"),
-    (errors.RuleBroken("x"), "INVALID_ARGUMENT"),
-    (errors.UnsupportedInput("x"), "INVALID_ARGUMENT"),
-    (errors.UnknownTarget("x"), "NOT_FOUND"),
-    (errors.RefDenied("x"), "PERMISSION_DENIED"),
-    (errors.RefNotFound("x"), "NOT_FOUND"),
-    (errors.SessionLimit("x"), "RESOURCE_EXHAUSTED"),
-    (errors.InputMissing("x"), "FAILED_PRECONDITION"),
-    (errors.NeedsChatTemplate("x"), "FAILED_PRECONDITION"),
-    (rill_errors.InvalidRequest("x"), "INVALID_ARGUMENT"),
-    (rill_errors.ContextLengthExceeded(10, 5), "OUT_OF_RANGE"),
-    (rill_errors.QueueFull(), "RESOURCE_EXHAUSTED"),
-    (rill_errors.MemoryPressure("x"), "RESOURCE_EXHAUSTED"),
-    (rill_errors.ModelNotReady("x"), "UNAVAILABLE"),
-    (rill_errors.RequestTimeout("x"), "DEADLINE_EXCEEDED"),
-    (rill_errors.GenerationError("x"), "INTERNAL"),
-    (rill_errors.EngineDead("x"), "UNAVAILABLE"),
-])
+@pytest.mark.parametrize(
+    "exc, name",
+    [
+        (errors.InvalidMessage("x"), "INVALID_ARGUMENT"),
+        (errors.RuleBroken("x"), "INVALID_ARGUMENT"),
+        (errors.UnsupportedInput("x"), "INVALID_ARGUMENT"),
+        (errors.UnknownTarget("x"), "NOT_FOUND"),
+        (errors.RefDenied("x"), "PERMISSION_DENIED"),
+        (errors.RefNotFound("x"), "NOT_FOUND"),
+        (errors.SessionLimit("x"), "RESOURCE_EXHAUSTED"),
+        (errors.InputMissing("x"), "FAILED_PRECONDITION"),
+        (errors.NeedsChatTemplate("x"), "FAILED_PRECONDITION"),
+        (rill_errors.InvalidRequest("x"), "INVALID_ARGUMENT"),
+        (rill_errors.ContextLengthExceeded(10, 5), "OUT_OF_RANGE"),
+        (rill_errors.QueueFull(), "RESOURCE_EXHAUSTED"),
+        (rill_errors.MemoryPressure("x"), "RESOURCE_EXHAUSTED"),
+        (rill_errors.ModelNotReady("x"), "UNAVAILABLE"),
+        (rill_errors.RequestTimeout("x"), "DEADLINE_EXCEEDED"),
+        (rill_errors.GenerationError("x"), "INTERNAL"),
+        (rill_errors.EngineDead("x"), "UNAVAILABLE"),
+    ],
+)
 def test_error_table(exc, name):
     assert codec.status_of(exc) == (name, exc.message)
 

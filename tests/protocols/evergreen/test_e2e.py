@@ -52,8 +52,10 @@ def live(tiny_model_dir, files):
     import torch
 
     threads_before = torch.get_num_threads()
-    server = start_server(tiny_model_dir, **{"evergreen.grpc_port": free_port(), "engine.num_threads": 1,
-                                             "evergreen.evergreen_file_root": [str(files)]})
+    server = start_server(
+        tiny_model_dir,
+        **{"evergreen.grpc_port": free_port(), "engine.num_threads": 1, "evergreen.evergreen_file_root": [str(files)]},
+    )
     yield server
     server.stop()
     torch.set_num_threads(threads_before)  # the engine sets it process-wide
@@ -131,8 +133,10 @@ async def _two_turns(live, send_turn, tag: str) -> tuple[str, int, int]:
     hits = after.prefix_cache_hits_tokens - middle.prefix_cache_hits_tokens
     # Turn 1 is new to the cache (only the chat template's opening can match earlier prompts).
     assert middle.prefix_cache_hits_tokens - before.prefix_cache_hits_tokens < turn_1_prompt_tokens - 4
-    print(f"turn 1 prompt {turn_1_prompt_tokens} tokens; turn 2 reused {hits} cached tokens "
-          f"(prompt {after.prompt_tokens_total - middle.prompt_tokens_total})")
+    print(
+        f"turn 1 prompt {turn_1_prompt_tokens} tokens; turn 2 reused {hits} cached tokens "
+        f"(prompt {after.prompt_tokens_total - middle.prompt_tokens_total})"
+    )
     return first + second, turn_1_prompt_tokens, hits
 
 
@@ -229,18 +233,31 @@ async def test_an_abort_cancels_every_running_action(live):
 # -- aborts and their status ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("messages, status, words", [
-    ([msg(generate(target="no-such-model"))], "NOT_FOUND", "target_spec.id 'no-such-model'"),
-    ([msg(generate(name="DANCE"))], "INVALID_ARGUMENT", "unknown action name 'DANCE'"),
-    ([msg(generate(configs=(codec.AnyMessage(type_url="type.googleapis.com/x.Y"),)))], "INVALID_ARGUMENT",
-     "unknown config type"),
-    ([msg(leaf("p", ref="file:///data/v.mp4", mimetype="video/mp4")), msg(generate())], "INVALID_ARGUMENT",
-     "mimetype 'video/mp4'"),
-    ([msg(leaf("p", ref="https://example.com/a.txt")), msg(generate())], "INVALID_ARGUMENT", "scheme 'https'"),
-    ([msg(leaf("p", ref="file:///etc/hostname")), msg(generate())], "PERMISSION_DENIED", "outside the allowed"),
-    ([msg(leaf("p", "x")), msg(leaf("p", "y", seq=1, mimetype=None))], "INVALID_ARGUMENT", "after the final fragment"),
-    ([msg(parent("p", "never")), msg(generate())], "FAILED_PRECONDITION", "'never'"),
-])
+@pytest.mark.parametrize(
+    "messages, status, words",
+    [
+        ([msg(generate(target="no-such-model"))], "NOT_FOUND", "target_spec.id 'no-such-model'"),
+        ([msg(generate(name="DANCE"))], "INVALID_ARGUMENT", "unknown action name 'DANCE'"),
+        (
+            [msg(generate(configs=(codec.AnyMessage(type_url="type.googleapis.com/x.Y"),)))],
+            "INVALID_ARGUMENT",
+            "unknown config type",
+        ),
+        (
+            [msg(leaf("p", ref="file:///data/v.mp4", mimetype="video/mp4")), msg(generate())],
+            "INVALID_ARGUMENT",
+            "mimetype 'video/mp4'",
+        ),
+        ([msg(leaf("p", ref="https://example.com/a.txt")), msg(generate())], "INVALID_ARGUMENT", "scheme 'https'"),
+        ([msg(leaf("p", ref="file:///etc/hostname")), msg(generate())], "PERMISSION_DENIED", "outside the allowed"),
+        (
+            [msg(leaf("p", "x")), msg(leaf("p", "y", seq=1, mimetype=None))],
+            "INVALID_ARGUMENT",
+            "after the final fragment",
+        ),
+        ([msg(parent("p", "never")), msg(generate())], "FAILED_PRECONDITION", "'never'"),
+    ],
+)
 async def test_aborts_over_grpc_carry_status_and_rule(live, messages, status, words):
     with pytest.raises(EvergreenError) as info:
         await run_grpc(live, messages)
@@ -256,10 +273,16 @@ async def test_aborts_before_the_engine_count_as_rejections(live):
     metrics = httpx.get(f"{live.url}/metrics").text
     from prometheus_client.parser import text_string_to_metric_families
 
-    rejected = [s.labels for f in text_string_to_metric_families(metrics) for s in f.samples
-                if s.name == "rill_requests_rejected_total"]
-    assert any({"protocol": "evergreen", "code": "session_rule_broken"}.items() <= labels.items()
-               and labels["model_name"] for labels in rejected)
+    rejected = [
+        s.labels
+        for f in text_string_to_metric_families(metrics)
+        for s in f.samples
+        if s.name == "rill_requests_rejected_total"
+    ]
+    assert any(
+        {"protocol": "evergreen", "code": "session_rule_broken"}.items() <= labels.items() and labels["model_name"]
+        for labels in rejected
+    )
 
 
 async def test_missing_file_under_a_root_is_not_found(live, files):
@@ -280,9 +303,12 @@ async def test_symlink_out_of_a_root_is_denied(live, files, tmp_path):
 
 
 async def test_file_ref_under_a_root_is_read_as_the_prompt(live, files):
-    by_ref, _ = output(await run_grpc(live, [msg(leaf("p", ref=f"file://{files}/question.txt")), msg(generate(config=GREEDY))]), "r")
-    by_data, _ = output(await run_grpc(live, [msg(leaf("p", (files / "question.txt").read_text())),
-                                              msg(generate(config=GREEDY))]), "r")
+    by_ref, _ = output(
+        await run_grpc(live, [msg(leaf("p", ref=f"file://{files}/question.txt")), msg(generate(config=GREEDY))]), "r"
+    )
+    by_data, _ = output(
+        await run_grpc(live, [msg(leaf("p", (files / "question.txt").read_text())), msg(generate(config=GREEDY))]), "r"
+    )
     assert by_ref == by_data
 
 
@@ -296,12 +322,21 @@ async def test_websocket_abort_is_a_close_code_and_reason(live):
 
 
 async def test_websocket_accepts_snake_case_json_and_rejects_garbage(live):
-    text = json.dumps({"node_fragments": [{"id": "p", "chunk_fragment": {"metadata": {"mimetype": "text/plain"},
-                                                                         "data": "SGVsbG8="}}],
-                       "actions": [{"name": "GENERATE", "inputs": [{"name": "text", "id": "p"}],
-                                    "outputs": [{"name": "text", "id": "out"}],
-                                    "configs": [{"@type": codec.GENERATE_CONFIG_TYPE_URL, "temperature": 0,
-                                                 "max_tokens": 3}]}]})
+    text = json.dumps(
+        {
+            "node_fragments": [
+                {"id": "p", "chunk_fragment": {"metadata": {"mimetype": "text/plain"}, "data": "SGVsbG8="}}
+            ],
+            "actions": [
+                {
+                    "name": "GENERATE",
+                    "inputs": [{"name": "text", "id": "p"}],
+                    "outputs": [{"name": "text", "id": "out"}],
+                    "configs": [{"@type": codec.GENERATE_CONFIG_TYPE_URL, "temperature": 0, "max_tokens": 3}],
+                }
+            ],
+        }
+    )
     async with ws_connect(f"{live.ws_url}/evergreen") as ws:
         await ws.send(text)
         replies = []
@@ -402,13 +437,26 @@ def test_a_client_built_from_the_published_protos_completes_a_generate(live, tmp
     (tmp_path / "evergreen.proto").write_text(PUBLISHED_EVERGREEN)
     (tmp_path / "evergreen_service.proto").write_text(PUBLISHED_SERVICE)
     include = Path(grpc_tools.__file__).parent / "_proto"
-    assert protoc.main(["protoc", f"-I{tmp_path}", f"-I{include}", f"--python_out={tmp_path}",
-                        f"--grpc_python_out={tmp_path}", "evergreen.proto", "evergreen_service.proto"]) == 0
+    assert (
+        protoc.main(
+            [
+                "protoc",
+                f"-I{tmp_path}",
+                f"-I{include}",
+                f"--python_out={tmp_path}",
+                f"--grpc_python_out={tmp_path}",
+                "evergreen.proto",
+                "evergreen_service.proto",
+            ]
+        )
+        == 0
+    )
     script = tmp_path / "client.py"
     script.write_text(textwrap.dedent(INDEPENDENT_CLIENT))
     # A fresh interpreter: nothing of rill is imported, and its descriptors cannot collide.
-    done = subprocess.run([sys.executable, str(script), str(tmp_path), grpc_address(live)],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), grpc_address(live)], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stderr
     fragments = eval(done.stdout.strip())  # a list literal printed by the script
     assert fragments[0] == ("a", 0, len(fragments) > 1, "text/plain")
@@ -418,8 +466,20 @@ def test_a_client_built_from_the_published_protos_completes_a_generate(live, tmp
 def test_rill_client_evergreen_streams_a_reply(live, capsys):
     from rill.cli import main
 
-    code = main(["client", "evergreen", "--prompt", "Hello", "--address", grpc_address(live),
-                 "--max-tokens", "4", "--temperature", "0"])
+    code = main(
+        [
+            "client",
+            "evergreen",
+            "--prompt",
+            "Hello",
+            "--address",
+            grpc_address(live),
+            "--max-tokens",
+            "4",
+            "--temperature",
+            "0",
+        ]
+    )
     assert code == 0
     assert capsys.readouterr().out.endswith("\n")
     assert main(["client", "evergreen", "--prompt", "Hi", "--address", grpc_address(live), "--target", "nope"]) == 2
@@ -433,8 +493,15 @@ def _ref_leaf(node_id: str, uri: str, num_refs: int) -> list:
     from rill.protocols.evergreen.messages import Chunk, ChunkMetadata, NodeFragment
 
     meta = ChunkMetadata(mimetype="text/plain")
-    return [NodeFragment(id=node_id, seq=i, continued=i < num_refs - 1,
-                         chunk_fragment=Chunk(metadata=meta if i == 0 else None, ref=uri)) for i in range(num_refs)]
+    return [
+        NodeFragment(
+            id=node_id,
+            seq=i,
+            continued=i < num_refs - 1,
+            chunk_fragment=Chunk(metadata=meta if i == 0 else None, ref=uri),
+        )
+        for i in range(num_refs)
+    ]
 
 
 async def test_twenty_refs_to_a_1mb_file_are_refused_and_the_server_stays_up(live, files):
@@ -490,8 +557,12 @@ async def test_health_answers_while_a_message_is_taken_and_a_prompt_built(live, 
 
     monkeypatch.setattr(EvergreenSession, method, gated)
     shared = "A shared line about jam doughnuts. "
-    messages = [msg(leaf("shared", shared)), msg(parent("p", "shared", "s2", "s3")),
-                msg(parent("s2", "shared"), parent("s3", "shared")), msg(generate(config=GREEDY))]
+    messages = [
+        msg(leaf("shared", shared)),
+        msg(parent("p", "shared", "s2", "s3")),
+        msg(parent("s2", "shared"), parent("s3", "shared")),
+        msg(generate(config=GREEDY)),
+    ]
     run = asyncio.ensure_future(run_grpc(live, messages))
     try:
         assert await asyncio.to_thread(entered.wait, 60)
@@ -511,7 +582,9 @@ async def test_long_ids_and_fragment_floods_abort_with_resource_exhausted(live):
     from rill.protocols.evergreen.messages import NodeFragment, SessionMessage
 
     long_id = SessionMessage(node_fragments=(NodeFragment(id="x" * 390_000, continued=True),))
-    flood = SessionMessage(node_fragments=tuple(NodeFragment(id="n", seq=seq, continued=True) for seq in range(100_001)))
+    flood = SessionMessage(
+        node_fragments=tuple(NodeFragment(id="n", seq=seq, continued=True) for seq in range(100_001))
+    )
     for message, words in ((long_id, "evergreen-max-id-bytes"), (flood, "evergreen-max-fragments")):
         with pytest.raises(EvergreenError) as info:
             await run_grpc(live, [message])

@@ -25,15 +25,28 @@ def random_item(rng: random.Random):
     if kind < 0.35:
         return parent(node_id, *rng.sample(IDS, rng.randint(1, 3)), seq=seq, continued=continued)
     if kind < 0.75:
-        mimetype = rng.choice(["text/plain", "text/markdown", None, "image/png", "application/x-protobuf; type=EndOfTurn"])
+        mimetype = rng.choice(
+            ["text/plain", "text/markdown", None, "image/png", "application/x-protobuf; type=EndOfTurn"]
+        )
         mimetype = mimetype if rng.random() < 0.3 else "text/plain"
-        return leaf(node_id, rng.choice(["a", "", "é"]), seq=seq, continued=continued, mimetype=mimetype,
-                    role=rng.choice(["", "", "", "user", "model", "SYSTEM", "robot"]))
+        return leaf(
+            node_id,
+            rng.choice(["a", "", "é"]),
+            seq=seq,
+            continued=continued,
+            mimetype=mimetype,
+            role=rng.choice(["", "", "", "user", "model", "SYSTEM", "robot"]),
+        )
     if kind < 0.8:
         return eot(node_id)
     output_id = rng.choice(IDS + [None]) if rng.random() < 0.2 else f"out{rng.randrange(10**6)}"
-    return generate(rng.choice(IDS), output_id, input_name=rng.choice(["prompt"] * 5 + ["text", "x"]),
-                    name=rng.choice(["GENERATE"] * 8 + ["OTHER"]), config=GenerateConfig(max_tokens=3))
+    return generate(
+        rng.choice(IDS),
+        output_id,
+        input_name=rng.choice(["prompt"] * 5 + ["text", "x"]),
+        name=rng.choice(["GENERATE"] * 8 + ["OTHER"]),
+        config=GenerateConfig(max_tokens=3),
+    )
 
 
 def test_random_sessions_raise_only_rill_errors():
@@ -77,10 +90,25 @@ def test_random_json_values_raise_only_invalid_message():
     num_decoded = 0
     for seed in range(100):
         rng = random.Random(seed)
-        obj = {"nodeFragments": [{"id": rng.choice(values), "seq": rng.choice(values), "continued": rng.choice(values),
-                                  "childIds": rng.choice(values), "chunkFragment": rng.choice(values)}],
-               "actions": [{"name": rng.choice(values), "inputs": rng.choice(values), "configs": rng.choice(values),
-                            "targetSpec": rng.choice(values)}]}
+        obj = {
+            "nodeFragments": [
+                {
+                    "id": rng.choice(values),
+                    "seq": rng.choice(values),
+                    "continued": rng.choice(values),
+                    "childIds": rng.choice(values),
+                    "chunkFragment": rng.choice(values),
+                }
+            ],
+            "actions": [
+                {
+                    "name": rng.choice(values),
+                    "inputs": rng.choice(values),
+                    "configs": rng.choice(values),
+                    "targetSpec": rng.choice(values),
+                }
+            ],
+        }
         try:
             codec.decode_json(json.dumps(obj))
             num_decoded += 1
@@ -88,8 +116,16 @@ def test_random_json_values_raise_only_invalid_message():
             pass
     assert num_decoded < 100  # most draws hold a mistyped field
     # ... and the same shape with well-typed values decodes: a decoder refusing all fails here.
-    assert codec.decode_json(json.dumps({"nodeFragments": [{"id": "x", "seq": 1, "continued": True, "childIds": [],
-                                                             "chunkFragment": {}}]})).node_fragments[0].id == "x"
+    assert (
+        codec.decode_json(
+            json.dumps(
+                {"nodeFragments": [{"id": "x", "seq": 1, "continued": True, "childIds": [], "chunkFragment": {}}]}
+            )
+        )
+        .node_fragments[0]
+        .id
+        == "x"
+    )
 
 
 def test_random_protobuf_bytes_raise_only_invalid_message():

@@ -25,12 +25,15 @@ from tests.protocols.evergreen.test_e2e import (  # noqa: F401  (the module's se
 
 async def _check(address: str, service: str) -> int:
     async with grpc.aio.insecure_channel(address) as channel:
-        reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
-                                                                timeout=30)
+        reply = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=30
+        )
     return reply.status
 
 
-async def _reflect(address: str, request: reflection_pb2.ServerReflectionRequest) -> reflection_pb2.ServerReflectionResponse:
+async def _reflect(
+    address: str, request: reflection_pb2.ServerReflectionRequest
+) -> reflection_pb2.ServerReflectionResponse:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = reflection_pb2_grpc.ServerReflectionStub(channel)
         replies = [reply async for reply in stub.ServerReflectionInfo(iter([request]), timeout=30)]
@@ -74,13 +77,19 @@ async def test_live_server_serves_health_and_reflection(live) -> None:  # noqa: 
     assert await _check(address, "") == health_pb2.HealthCheckResponse.SERVING
     listed = await _reflect(address, reflection_pb2.ServerReflectionRequest(list_services=""))
     names = {service.name for service in listed.list_services_response.service}
-    assert names == {"evergreen.v2.EvergreenService", "grpc.health.v1.Health",
-                     "grpc.reflection.v1alpha.ServerReflection"}
-    described = await _reflect(address, reflection_pb2.ServerReflectionRequest(
-        file_containing_symbol="evergreen.v2.EvergreenService"))
+    assert names == {
+        "evergreen.v2.EvergreenService",
+        "grpc.health.v1.Health",
+        "grpc.reflection.v1alpha.ServerReflection",
+    }
+    described = await _reflect(
+        address, reflection_pb2.ServerReflectionRequest(file_containing_symbol="evergreen.v2.EvergreenService")
+    )
     from google.protobuf import descriptor_pb2
 
-    descriptors = [descriptor_pb2.FileDescriptorProto.FromString(raw)
-             for raw in described.file_descriptor_response.file_descriptor_proto]
+    descriptors = [
+        descriptor_pb2.FileDescriptorProto.FromString(raw)
+        for raw in described.file_descriptor_response.file_descriptor_proto
+    ]
     methods = {m.name for f in descriptors for s in f.service if s.name == "EvergreenService" for m in s.method}
     assert "StartSession" in methods

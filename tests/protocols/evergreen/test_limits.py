@@ -43,8 +43,15 @@ def status(exc: BaseException) -> str:
 def ref_leaf(node_id: str, uri: str, num_refs: int) -> list[NodeFragment]:
     """A leaf whose ``num_refs`` chunks all reference ``uri`` (the item-3 message)."""
     meta = ChunkMetadata(mimetype="text/plain")
-    return [NodeFragment(id=node_id, seq=i, continued=i < num_refs - 1,
-                         chunk_fragment=Chunk(metadata=meta if i == 0 else None, ref=uri)) for i in range(num_refs)]
+    return [
+        NodeFragment(
+            id=node_id,
+            seq=i,
+            continued=i < num_refs - 1,
+            chunk_fragment=Chunk(metadata=meta if i == 0 else None, ref=uri),
+        )
+        for i in range(num_refs)
+    ]
 
 
 # -- item 7: nodes, fragments, ids -----------------------------------------------------------------------
@@ -79,8 +86,12 @@ def test_empty_fragments_count_against_the_byte_limit():
 def test_long_node_ids_are_refused_wherever_they_appear(where):
     # The audit sent 500 ids of 390 KB (+279 MB); the first is refused now.
     long_id = "x" * 390_000
-    message = {"fragment": msg(leaf(long_id, "hi")), "child": msg(parent("p", long_id)),
-               "input": msg(generate(long_id, "r")), "output": msg(generate("p", long_id))}[where]
+    message = {
+        "fragment": msg(leaf(long_id, "hi")),
+        "child": msg(parent("p", long_id)),
+        "input": msg(generate(long_id, "r")),
+        "output": msg(generate("p", long_id)),
+    }[where]
     with pytest.raises(SessionLimit, match="1024 bytes") as info:
         new().receive(message)
     assert status(info.value) == "RESOURCE_EXHAUSTED"
@@ -108,8 +119,11 @@ def test_twenty_refs_to_a_1mb_file_count_once_per_use_in_the_prompt():
     # The audit's 2.4 KB message: a leaf of 20 chunks that all reference one 1 MB file. The
     # file is read once; the prompt it expands to (20 MB) is over the default prompt bound.
     s = new(file_roots=("/data",))
-    [g] = [c for c in s.receive(msg(*ref_leaf("p", "file:///data/big.txt", 20), generate("p", "r")))
-           if isinstance(c, Generate)]
+    [g] = [
+        c
+        for c in s.receive(msg(*ref_leaf("p", "file:///data/big.txt", 20), generate("p", "r")))
+        if isinstance(c, Generate)
+    ]
     assert s.ref_budget(g) == SessionLimits().max_prompt_bytes  # nothing inline
     content = b"x" * MIB
     with pytest.raises(SessionLimit, match="max-prompt-bytes") as info:
@@ -119,8 +133,11 @@ def test_twenty_refs_to_a_1mb_file_count_once_per_use_in_the_prompt():
 
 def test_bytes_read_through_refs_count_against_the_session():
     s = new(file_roots=("/data",), max_bytes=100_000)
-    [g] = [c for c in s.receive(msg(*ref_leaf("p", "file:///data/a.txt", 2), generate("p", "r")))
-           if isinstance(c, Generate)]
+    [g] = [
+        c
+        for c in s.receive(msg(*ref_leaf("p", "file:///data/a.txt", 2), generate("p", "r")))
+        if isinstance(c, Generate)
+    ]
     budget = s.ref_budget(g)
     assert 0 < budget < 100_000  # the session's own fragments and action took their share
     s.count_refs(g, {"/data/a.txt": b"y" * 10}, 10)
@@ -132,8 +149,14 @@ def test_bytes_read_through_refs_count_against_the_session():
 def test_shared_nodes_count_once_per_use_in_the_prompt():
     s = new(max_prompt_bytes=1000)
     s.receive(msg(leaf("big", "z" * 300)))
-    s.receive(msg(parent("three", "big", "big2", "big3"), parent("big2", "big"), parent("big3", "big"),
-                  generate("three", "r1")))
+    s.receive(
+        msg(
+            parent("three", "big", "big2", "big3"),
+            parent("big2", "big"),
+            parent("big3", "big"),
+            generate("three", "r1"),
+        )
+    )
     with pytest.raises(SessionLimit, match="max-prompt-bytes"):
         s.receive(msg(parent("four", "three", "big"), generate("four", "r2")))  # 4 uses = 1200 bytes
 

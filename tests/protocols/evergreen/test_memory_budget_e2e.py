@@ -38,10 +38,15 @@ async def until_used(live, predicate) -> None:
 @pytest.fixture(scope="module")
 def live(tiny_model_dir):
     """A server whose session memory (1 MiB) is smaller than three sessions' limits (600 KiB each)."""
-    server = start_server(tiny_model_dir, **{"evergreen.grpc_port": free_port(),
-                                             "evergreen.evergreen_max_bytes": 600 * KIB,
-                                             "connections.max_session_memory": "1MiB",
-                                             "connections.max_session_memory_per_principal": "1MiB"})
+    server = start_server(
+        tiny_model_dir,
+        **{
+            "evergreen.grpc_port": free_port(),
+            "evergreen.evergreen_max_bytes": 600 * KIB,
+            "connections.max_session_memory": "1MiB",
+            "connections.max_session_memory_per_principal": "1MiB",
+        },
+    )
     server.headers = {}
     yield server
     server.stop()
@@ -50,10 +55,15 @@ def live(tiny_model_dir):
 @pytest.fixture(scope="module")
 def keyed(tiny_model_dir):
     """A server with two API keys, each key's share (500 KiB) a quarter of the budget."""
-    server = start_server(tiny_model_dir, **{"evergreen.grpc_port": free_port(),
-                                             "evergreen.evergreen_max_bytes": 600 * KIB,
-                                             "http.api_key": ["key-one", "key-two"],
-                                             "connections.max_session_memory": "2000KiB"})
+    server = start_server(
+        tiny_model_dir,
+        **{
+            "evergreen.grpc_port": free_port(),
+            "evergreen.evergreen_max_bytes": 600 * KIB,
+            "http.api_key": ["key-one", "key-two"],
+            "connections.max_session_memory": "2000KiB",
+        },
+    )
     server.headers = {"Authorization": "Bearer key-one"}
     yield server
     server.stop()
@@ -111,8 +121,10 @@ async def test_a_websocket_session_past_the_budget_closes_with_resource_exhauste
 
 
 async def test_a_principal_past_its_share_is_refused_while_another_still_gets_in(keyed):
-    async with EvergreenClient(grpc_address(keyed), api_key="key-one") as one, \
-            EvergreenClient(grpc_address(keyed), api_key="key-two") as two:
+    async with (
+        EvergreenClient(grpc_address(keyed), api_key="key-one") as one,
+        EvergreenClient(grpc_address(keyed), api_key="key-two") as two,
+    ):
         first = one.open_session()
         await first.send(msg(leaf("a", "x" * BIG)))
         await until_used(keyed, lambda used: used > BIG)

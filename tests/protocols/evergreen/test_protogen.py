@@ -24,7 +24,9 @@ def test_regenerating_gives_the_checked_in_code(tmp_path: Path):
     checked_in = sorted(p for p in protogen.PB_DIR.glob("*_pb2*.py"))
     assert [p.name for p in written] == [p.name for p in checked_in]
     for new, old in zip(written, checked_in):
-        assert new.read_text() == old.read_text(), f"{old.name} is stale: run python -m rill.protocols.evergreen.protogen"
+        assert new.read_text() == old.read_text(), (
+            f"{old.name} is stale: run python -m rill.protocols.evergreen.protogen"
+        )
 
 
 def test_messages_field_names_and_numbers_match_the_published_protos():

@@ -40,8 +40,9 @@ async def test_a_start_that_fails_aborts_the_session_and_its_running_actions_at_
         gate = fake.runner.gate = StepGate()  # action 0 stays in the engine
         runner, counter = new_runner(fake, **{"evergreen.evergreen_file_root": [str(tmp_path)]})
         await runner.feed(msg(leaf("a", "hello"), generate("a", "ra", config=GenerateConfig(max_tokens=500))))
-        await wait_until(lambda: runner.driver is not None and runner.driver.stream("0") is not None,
-                         attempts=1000, interval_s=0.01)
+        await wait_until(
+            lambda: runner.driver is not None and runner.driver.stream("0") is not None, attempts=1000, interval_s=0.01
+        )
         running = runner.driver.stream("0")
         await runner.feed(msg(leaf("b", ref=f"file://{tmp_path}/missing.txt"), generate("b", "rb")))
         await wait_until(lambda: not runner.outbox.empty(), attempts=1000, interval_s=0.01)

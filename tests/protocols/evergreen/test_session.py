@@ -83,7 +83,9 @@ def test_fragments_of_a_node_are_joined_in_seq_order_and_continued_keeps_it_open
 def test_duplicate_id_seq_is_ignored_first_copy_wins_without_error():
     s = new()
     feed(s, msg(leaf("p", "first", continued=True)), msg(leaf("p", "second", continued=True)))
-    [g] = generates(feed(s, msg(leaf("p", "!", seq=1, mimetype=None)), msg(leaf("p", "again", seq=1)), msg(generate("p"))))
+    [g] = generates(
+        feed(s, msg(leaf("p", "!", seq=1, mimetype=None)), msg(leaf("p", "again", seq=1)), msg(generate("p")))
+    )
     assert texts(g) == [("user", "first!")]
 
 
@@ -104,8 +106,14 @@ def test_final_fragment_below_an_already_received_seq_aborts():
 
 def test_metadata_comes_from_seq_0_identical_repeats_are_tolerated():
     s = new()
-    [g] = generates(feed(s, msg(generate("p")), msg(leaf("p", "a", continued=True, role="user")),
-                         msg(leaf("p", "b", seq=1, role="user"))))
+    [g] = generates(
+        feed(
+            s,
+            msg(generate("p")),
+            msg(leaf("p", "a", continued=True, role="user")),
+            msg(leaf("p", "b", seq=1, role="user")),
+        )
+    )
     assert texts(g) == [("user", "ab")]
 
 
@@ -206,7 +214,7 @@ def test_action_first_inputs_later_starts_exactly_when_complete():
 
 def test_inputs_first_action_later_starts_at_once():
     s = new()
-    *nodes, = customized_generate(GenerateConfig())[1:]
+    (*nodes,) = customized_generate(GenerateConfig())[1:]
     assert generates(feed(s, *nodes)) == []
     assert len(generates(feed(s, customized_generate(GenerateConfig())[0]))) == 1
 
@@ -227,7 +235,9 @@ def test_output_of_an_earlier_action_is_an_input_later():
     request = s.request_for(g, {})
     assert [(m.role, m.content) for m in request.messages] == [
         ("user", "Write a summary of this video: A red car overtakes a blue car on the last lap."),
-        ("assistant", "Senna leads."), ("user", "Who's winning?")]
+        ("assistant", "Senna leads."),
+        ("user", "Who's winning?"),
+    ]
 
 
 # -- actions (issue point 4) ----------------------------------------------------------------------------
@@ -285,11 +295,20 @@ def test_client_may_not_write_an_output_node():
 def test_configs_become_sampling():
     # --max-tokens-cap is applied at admission for every protocol (tests/test_policy_e2e.py).
     s = EvergreenSession(SessionLimits(), ModelFacts(name="tiny"))
-    [g] = generates(feed(s, msg(leaf("p", "x")), msg(generate(config=GenerateConfig(temperature=0.0, max_tokens=50,
-                                                                                   seed=3, stop=("!",))))))
+    [g] = generates(
+        feed(
+            s,
+            msg(leaf("p", "x")),
+            msg(generate(config=GenerateConfig(temperature=0.0, max_tokens=50, seed=3, stop=("!",)))),
+        )
+    )
     request = s.request_for(g, {})
-    assert (request.sampling.temperature, request.sampling.max_tokens, request.sampling.seed,
-            request.sampling.stop) == (0.0, 50, 3, ["!"])
+    assert (
+        request.sampling.temperature,
+        request.sampling.max_tokens,
+        request.sampling.seed,
+        request.sampling.stop,
+    ) == (0.0, 50, 3, ["!"])
     assert request.protocol == "evergreen"
 
 
@@ -298,12 +317,22 @@ def test_configs_become_sampling():
 
 def test_roles_and_end_of_turn_make_chat_turns():
     s = new()
-    feed(s, msg(leaf("sys", "Be brief.", role="SYSTEM")), msg(leaf("u1", "Hi")), msg(eot("e1")),
-         msg(leaf("u2", "Again")), msg(leaf("m", "Yes", role="model")))
+    feed(
+        s,
+        msg(leaf("sys", "Be brief.", role="SYSTEM")),
+        msg(leaf("u1", "Hi")),
+        msg(eot("e1")),
+        msg(leaf("u2", "Again")),
+        msg(leaf("m", "Yes", role="model")),
+    )
     [g] = generates(feed(s, msg(parent("p", "sys", "u1", "e1", "u2", "m")), msg(generate("p"))))
     request = s.request_for(g, {})
     assert [(m.role, m.content) for m in request.messages] == [
-        ("system", "Be brief."), ("user", "Hi"), ("user", "Again"), ("assistant", "Yes")]
+        ("system", "Be brief."),
+        ("user", "Hi"),
+        ("user", "Again"),
+        ("assistant", "Yes"),
+    ]
 
 
 def test_without_a_chat_template_a_plain_prompt_is_text_and_roles_abort():
@@ -368,8 +397,14 @@ def test_file_refs_outside_the_roots_abort(uri):
 
 def test_file_refs_inside_a_root_are_read_by_the_adapter():
     s = new(file_roots=("/data",))
-    [g] = generates(feed(s, msg(leaf("p", ref="file:///data/a%20b.txt", continued=True)),
-                         msg(leaf("p", " tail", seq=1, mimetype=None)), msg(generate("p"))))
+    [g] = generates(
+        feed(
+            s,
+            msg(leaf("p", ref="file:///data/a%20b.txt", continued=True)),
+            msg(leaf("p", " tail", seq=1, mimetype=None)),
+            msg(generate("p")),
+        )
+    )
     assert g.refs == [FileRef("file:///data/a%20b.txt", "/data/a b.txt")]
     assert s.request_for(g, {"/data/a b.txt": b"head"}).messages[0].content == "head tail"
 
@@ -380,11 +415,19 @@ def test_file_refs_inside_a_root_are_read_by_the_adapter():
 def test_output_fragments_seq_0_has_metadata_continued_until_the_last():
     s = new()
     feed(s, msg(leaf("p", "x")), msg(generate("p", "out")))
-    sent = [c.message.node_fragments[0] for c in s.on_output("0", engine_output("a"), 0.0)
-            + s.on_output("0", engine_output(""), 0.0) + s.on_output("0", engine_output("b"), 0.0)
-            + s.on_output("0", engine_output("c", True), 0.0) if isinstance(c, Send)]
+    sent = [
+        c.message.node_fragments[0]
+        for c in s.on_output("0", engine_output("a"), 0.0)
+        + s.on_output("0", engine_output(""), 0.0)
+        + s.on_output("0", engine_output("b"), 0.0)
+        + s.on_output("0", engine_output("c", True), 0.0)
+        if isinstance(c, Send)
+    ]
     assert [(f.id, f.seq, f.continued, f.chunk_fragment.data) for f in sent] == [
-        ("out", 0, True, b"a"), ("out", 1, True, b"b"), ("out", 2, False, b"c")]
+        ("out", 0, True, b"a"),
+        ("out", 1, True, b"b"),
+        ("out", 2, False, b"c"),
+    ]
     assert sent[0].chunk_fragment.metadata.mimetype == "text/plain"
     assert sent[0].chunk_fragment.metadata.role == "model"
     assert all(f.chunk_fragment.metadata is None for f in sent[1:])
@@ -424,8 +467,17 @@ def test_the_typescript_clients_flow_metadata_on_every_fragment_and_an_empty_clo
     from rill.protocols.evergreen.messages import NodeFragment
 
     s = new()
-    assert generates(feed(s, msg(generate("in", "out")), msg(leaf("in", "Hel", continued=True, role="user")),
-                          msg(leaf("in", "lo", seq=1, continued=True, role="user")))) == []
+    assert (
+        generates(
+            feed(
+                s,
+                msg(generate("in", "out")),
+                msg(leaf("in", "Hel", continued=True, role="user")),
+                msg(leaf("in", "lo", seq=1, continued=True, role="user")),
+            )
+        )
+        == []
+    )
     [g] = generates(feed(s, msg(NodeFragment(id="in", seq=2, continued=False))))
     assert [(m.role, m.content) for m in s.request_for(g, {}).messages] == [("user", "Hello")]
 

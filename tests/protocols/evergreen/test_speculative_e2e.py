@@ -34,8 +34,12 @@ async def generate(server: LiveServer, config: GenerateConfig) -> str:
 async def test_speculative_0_gives_the_same_text_without_drafts(spec_server: LiveServer) -> None:
     async def run(speculative: bool | None) -> tuple[str, int]:
         before = spec_server.stats().generation_tokens_total
-        config = GenerateConfig(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
-                                speculative=None if speculative is None else int(speculative))
+        config = GenerateConfig(
+            temperature=0.0,
+            max_tokens=MAX_TOKENS,
+            ignore_eos=True,
+            speculative=None if speculative is None else int(speculative),
+        )
         text = await generate(spec_server, config)
         num_tokens = spec_server.wait_idle().generation_tokens_total - before
         assert text and num_tokens == MAX_TOKENS

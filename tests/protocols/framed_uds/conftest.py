@@ -119,8 +119,9 @@ class Listener:
 
 
 @pytest.fixture
-async def make_listener(sock_path: Path, fake_client: InprocClient,
-                        requests: list[GenerateRequest]) -> AsyncIterator[Any]:
+async def make_listener(
+    sock_path: Path, fake_client: InprocClient, requests: list[GenerateRequest]
+) -> AsyncIterator[Any]:
     stoppers = []
 
     async def make(**overrides: Any) -> Listener:

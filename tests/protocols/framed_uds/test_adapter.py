@@ -81,7 +81,9 @@ async def test_socket_mode_option(sock_path: Path, fake_client: InprocClient) ->
 
 
 async def test_no_socket_opens_nothing(sock_path: Path, fake_client: InprocClient) -> None:
-    assert await adapter.start(Deps(config=uds_config(sock_path, **{"uds.no_socket": True}), client=fake_client)) is None
+    assert (
+        await adapter.start(Deps(config=uds_config(sock_path, **{"uds.no_socket": True}), client=fake_client)) is None
+    )
     assert not sock_path.exists()
 
 
@@ -97,8 +99,9 @@ async def test_stale_socket_file_is_replaced(sock_path: Path, make_listener) -> 
     await conn.close()
 
 
-async def test_live_socket_makes_startup_fail_clearly(make_listener, sock_path: Path,
-                                                      fake_client: InprocClient) -> None:
+async def test_live_socket_makes_startup_fail_clearly(
+    make_listener, sock_path: Path, fake_client: InprocClient
+) -> None:
     await make_listener()
     with pytest.raises(ConfigError, match="another server is already listening"):
         await adapter.start(Deps(config=uds_config(sock_path), client=fake_client))
@@ -181,8 +184,12 @@ async def test_missing_prompt(make_listener) -> None:
     conn = await listener.connect()
     await conn.send({"id": "bad1"})
     event = await conn.recv()
-    assert event == {"event": "error", "code": "E_PROTO_BAD_REQUEST", "message": "missing required field 'prompt'",
-                     "id": "bad1"}
+    assert event == {
+        "event": "error",
+        "code": "E_PROTO_BAD_REQUEST",
+        "message": "missing required field 'prompt'",
+        "id": "bad1",
+    }
     assert await conn.is_closed()
 
 
@@ -482,7 +489,9 @@ async def test_idle_connections_time_out_and_free_their_places(sock_path, fake_c
         idle = [await FramedClient.connect(str(sock_path)) for _ in range(2)]
         for client in idle:  # no first frame within the time allowed: an error frame, then close
             event = await client.recv()
-            assert event is not None and event["code"] == "E_RUNTIME_TIMEOUT" and "no message within" in event["message"]
+            assert (
+                event is not None and event["code"] == "E_RUNTIME_TIMEOUT" and "no message within" in event["message"]
+            )
             assert await client.is_closed()
             await client.close()
         await wait_until(lambda: gate.total == 0, attempts=500, interval_s=0.01)
@@ -546,8 +555,9 @@ async def test_refusals_are_counted_once_under_the_wire_codes(sock_path, fake_cl
         await stop()
 
 
-async def test_a_cancel_while_the_request_is_submitted_is_answered_at_once(make_listener, fake_client,
-                                                                          monkeypatch) -> None:
+async def test_a_cancel_while_the_request_is_submitted_is_answered_at_once(
+    make_listener, fake_client, monkeypatch
+) -> None:
     listener = await make_listener()
     submitted, entered = asyncio.Event(), asyncio.Event()
     generate = fake_client.generate

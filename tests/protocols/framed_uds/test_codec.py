@@ -45,7 +45,8 @@ def test_decode_vectors(case: dict[str, Any]) -> None:
     expected = dict(case["message"])
     assert type(message).__name__ == expected.pop("kind")
     assert msgspec.to_builtins(message) == {k: v for k, v in expected.items() if v is not None} | (
-        {} if not isinstance(message, messages.Request) else dict(expected))
+        {} if not isinstance(message, messages.Request) else dict(expected)
+    )
 
 
 @pytest.mark.parametrize("case", ENCODE, ids=[c["name"] for c in ENCODE])
@@ -109,8 +110,9 @@ def test_build_request_defaults_follow_the_spec() -> None:
 
 
 def test_build_request_honours_every_field() -> None:
-    wire = messages.Request(id="r", prompt="Hi", max_tokens=7, temperature=0.7, top_p=0.9, top_k=40,
-                            slo=messages.Slo(target_ttft_ms=150))
+    wire = messages.Request(
+        id="r", prompt="Hi", max_tokens=7, temperature=0.7, top_p=0.9, top_k=40, slo=messages.Slo(target_ttft_ms=150)
+    )
     request = codec.build_request(wire)
     assert (request.sampling.max_tokens, request.sampling.temperature) == (7, 0.7)
     assert (request.sampling.top_p, request.sampling.top_k) == (0.9, 40)
@@ -124,8 +126,9 @@ def test_max_tokens_default_and_pass_through() -> None:
     assert codec.build_request(messages.Request(id="r", prompt="Hi"), 9.0).deadline_s == 9.0
 
 
-@pytest.mark.parametrize("field, value", [("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5), ("max_tokens", 0),
-                                          ("top_k", -3)])
+@pytest.mark.parametrize(
+    "field, value", [("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5), ("max_tokens", 0), ("top_k", -3)]
+)
 def test_build_request_names_the_bad_sampling_field(field: str, value: Any) -> None:
     with pytest.raises(InvalidRequest) as info:
         codec.build_request(messages.Request(id="r", prompt="Hi", **{field: value}))
@@ -144,13 +147,29 @@ def test_slo_priority_orders_tighter_targets_first() -> None:
 
 
 def test_metrics_snapshot_uses_the_source_key_names() -> None:
-    stats = EngineStats(num_running=2, num_waiting=1, generation_tokens_total=42, num_steps_total=17,
-                        last_batch_size=2, last_step_ms=12.34567, step_ms_ewma=11.1111, prompt_tokens_total=90,
-                        kv_used_bytes=4096, requests_finished_total={"stop": 3})
+    stats = EngineStats(
+        num_running=2,
+        num_waiting=1,
+        generation_tokens_total=42,
+        num_steps_total=17,
+        last_batch_size=2,
+        last_step_ms=12.34567,
+        step_ms_ewma=11.1111,
+        prompt_tokens_total=90,
+        kv_used_bytes=4096,
+        requests_finished_total={"stop": 3},
+    )
     snapshot = codec.metrics_snapshot(stats, num_active_sessions=3)
-    source_keys = ["tokens_generated_total", "batch_calls_total", "last_batch_size", "decode_ms_last",
-                   "decode_ms_ewma", "prefill_tokens_total", "active_sessions"]
-    assert list(snapshot)[:len(source_keys)] == source_keys
+    source_keys = [
+        "tokens_generated_total",
+        "batch_calls_total",
+        "last_batch_size",
+        "decode_ms_last",
+        "decode_ms_ewma",
+        "prefill_tokens_total",
+        "active_sessions",
+    ]
+    assert list(snapshot)[: len(source_keys)] == source_keys
     assert snapshot["tokens_generated_total"] == 42 and snapshot["batch_calls_total"] == 17
     assert snapshot["decode_ms_last"] == 12.346 and snapshot["decode_ms_ewma"] == 11.111
     assert snapshot["prefill_tokens_total"] == 90 and snapshot["active_sessions"] == 3

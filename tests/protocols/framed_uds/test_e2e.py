@@ -26,15 +26,22 @@ from tests.helpers import wait_until
 
 from .conftest import FramedClient, uds_config
 
-CANDIDATE_PROMPTS = ["Once upon a time", "The river stone", "Ada found the golden lantern near the bridge",
-                     "Milo counted the silver candles", "Hello there"]
+CANDIDATE_PROMPTS = [
+    "Once upon a time",
+    "The river stone",
+    "Ada found the golden lantern near the bridge",
+    "Milo counted the silver candles",
+    "Hello there",
+]
 
 
 @pytest.fixture(scope="module")
 def uds_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> LiveServer:
     path = tmp_path_factory.mktemp("uds") / "rill.sock"
-    live = start_server(tiny_model_dir, **{"uds.no_socket": False, "uds.socket": str(path),
-                                           "uds.max_frame_bytes": 4096, "engine.max_num_seqs": 1})
+    live = start_server(
+        tiny_model_dir,
+        **{"uds.no_socket": False, "uds.socket": str(path), "uds.max_frame_bytes": 4096, "engine.max_num_seqs": 1},
+    )
     yield live
     live.stop()
 
@@ -45,6 +52,7 @@ def long_prompt(uds_server: LiveServer) -> str:
 
     Chosen by behaviour at run time (a random model may stop early on some prompts).
     """
+
     async def probe() -> str:
         for prompt in CANDIDATE_PROMPTS:
             conn = await connect(uds_server)
@@ -131,8 +139,12 @@ async def test_missing_prompt(uds_server: LiveServer) -> None:
     text = httpx.get(f"{uds_server.url}/metrics").text  # counted like other protocols' refusals
     from prometheus_client.parser import text_string_to_metric_families
 
-    rejected = [s.labels for f in text_string_to_metric_families(text) for s in f.samples
-                if s.name == "rill_requests_rejected_total" and s.labels["protocol"] == "framed_uds"]
+    rejected = [
+        s.labels
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "rill_requests_rejected_total" and s.labels["protocol"] == "framed_uds"
+    ]
     assert any(labels["code"] == "E_PROTO_BAD_REQUEST" and labels["model_name"] for labels in rejected)
 
 
@@ -213,8 +225,15 @@ async def test_metrics_frame(uds_server: LiveServer) -> None:
     frame = await admin.recv()
     assert frame["event"] == "metrics" and await admin.is_closed()
     metrics = frame["metrics"]
-    for key in ("tokens_generated_total", "batch_calls_total", "last_batch_size", "decode_ms_last", "decode_ms_ewma",
-                "prefill_tokens_total", "active_sessions"):
+    for key in (
+        "tokens_generated_total",
+        "batch_calls_total",
+        "last_batch_size",
+        "decode_ms_last",
+        "decode_ms_ewma",
+        "prefill_tokens_total",
+        "active_sessions",
+    ):
         assert key in metrics
     assert metrics["tokens_generated_total"] == before + num_tokens == uds_server.stats().generation_tokens_total
     assert metrics["active_sessions"] == 2 and metrics["kv_used_bytes"] == 0
@@ -246,7 +265,9 @@ async def test_newline_mode(uds_server: LiveServer, tmp_path: Path) -> None:
     # A second listener in newline mode on the same engine (as `--uds-protocol newline` would run).
     path = tmp_path / "nl.sock"
     deps = Deps(config=uds_config(path, **{"uds.uds_protocol": "newline"}), client=uds_server.client)
-    uds_server.call(setattr, uds_server.client.policy, "max_tokens_cap", 3)  # lines carry no max_tokens: the cap bounds them
+    uds_server.call(
+        setattr, uds_server.client.policy, "max_tokens_cap", 3
+    )  # lines carry no max_tokens: the cap bounds them
     stop = asyncio.run_coroutine_threadsafe(adapter.start(deps), uds_server.loop).result(10)
     try:
         framed = await connect(uds_server)
@@ -268,8 +289,11 @@ async def test_newline_mode(uds_server: LiveServer, tmp_path: Path) -> None:
 
 async def test_slo_request_overtakes_queued_requests(uds_server: LiveServer) -> None:
     # Saturate the engine (one sequence at a time) with a request that cannot stop early.
-    blocker_request = GenerateRequest(prompt="Once upon a time", protocol="test",
-                                      sampling=SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True))
+    blocker_request = GenerateRequest(
+        prompt="Once upon a time",
+        protocol="test",
+        sampling=SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True),
+    )
     blocker = asyncio.run_coroutine_threadsafe(uds_server.client.generate(blocker_request), uds_server.loop).result(10)
     await until(lambda: uds_server.stats().num_running == 1)
     order: list[str] = []

@@ -15,7 +15,11 @@ from rill.protocols.framed_uds.framing import (
     encode_frame,
 )
 
-PAYLOADS = [b'{"id":"a","prompt":"x"}', json.dumps({"id": "b", "prompt": "\u00e9\u4e2d\U0001f600"}).encode(), b"{}" * 300]
+PAYLOADS = [
+    b'{"id":"a","prompt":"x"}',
+    json.dumps({"id": "b", "prompt": "\u00e9\u4e2d\U0001f600"}).encode(),
+    b"{}" * 300,
+]
 
 
 def _stream() -> bytes:
@@ -33,7 +37,7 @@ def test_any_chunking_gives_the_same_frames(chunk: int) -> None:
     decoder = FrameDecoder(max_frame_bytes=1024)
     frames: list[bytes] = []
     for i in range(0, len(data), chunk):
-        frames += decoder.feed(data[i:i + chunk])
+        frames += decoder.feed(data[i : i + chunk])
     assert frames == PAYLOADS
     assert decoder.is_idle and decoder.num_buffered_bytes == 0
 
@@ -96,7 +100,7 @@ def test_lines_in_any_chunking(chunk: int) -> None:
     decoder = LineDecoder(max_line_bytes=64)
     lines: list[bytes] = []
     for i in range(0, len(data), chunk):
-        lines += decoder.feed(data[i:i + chunk])
+        lines += decoder.feed(data[i : i + chunk])
     assert lines == [b"first prompt", b"second", b""]
     assert decoder.finish() == [b"third"]
     assert decoder.finish() == []

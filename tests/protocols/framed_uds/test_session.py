@@ -24,11 +24,23 @@ from rill.protocols.framed_uds.session import (
 from rill.types import RequestOutput
 
 
-def out(text: str = "", ids: list[int] | None = None, texts: list[str] | None = None, finish: str | None = None,
-        error: object = None) -> RequestOutput:
+def out(
+    text: str = "",
+    ids: list[int] | None = None,
+    texts: list[str] | None = None,
+    finish: str | None = None,
+    error: object = None,
+) -> RequestOutput:
     ids = ids if ids is not None else ([len(text)] if text else [])
-    return RequestOutput(request_id="e1", text=text, token_ids=ids, token_texts=texts if texts is not None else
-                         ([text] if text else []), finished=finish is not None, finish_reason=finish, error=error)  # type: ignore[arg-type]
+    return RequestOutput(
+        request_id="e1",
+        text=text,
+        token_ids=ids,
+        token_texts=texts if texts is not None else ([text] if text else []),
+        finished=finish is not None,
+        finish_reason=finish,
+        error=error,
+    )  # type: ignore[arg-type]
 
 
 def feed(session: FramedSession | NewlineSession, output: RequestOutput) -> list:
@@ -51,7 +63,9 @@ def test_streamed_request_then_eos_and_back_to_idle() -> None:
     assert start.request.protocol == "framed_uds" and session.state is State.ACTIVE
     assert feed(session, out("He", ids=[1])) == [Send(Token(id="r1", text="He", token_id=1))]
     assert feed(session, out("llo", ids=[2], finish="length")) == [
-        Send(Token(id="r1", text="llo", token_id=2)), Send(Eos(id="r1", reason="length"))]
+        Send(Token(id="r1", text="llo", token_id=2)),
+        Send(Eos(id="r1", reason="length")),
+    ]
     assert session.state is State.IDLE
     started(session, id="r2")  # the connection takes the next request
     assert session.num_requests == 2
@@ -62,7 +76,8 @@ def test_coalesced_delta_gives_one_token_event_per_token() -> None:
     started(session)
     actions = feed(session, out("abc", ids=[1, 2, 3], texts=["a", "b", "c"], finish="stop"))
     assert actions == [Send(Token(id="r1", text=t, token_id=i)) for t, i in (("a", 1), ("b", 2), ("c", 3))] + [
-        Send(Eos(id="r1", reason="stop"))]
+        Send(Eos(id="r1", reason="stop"))
+    ]
 
 
 def test_metadata_is_echoed_in_every_event() -> None:
@@ -70,8 +85,10 @@ def test_metadata_is_echoed_in_every_event() -> None:
     meta = {"trace": "t-1"}
     started(session, metadata=meta)
     actions = feed(session, out("a", ids=[1])) + feed(session, out("", finish="stop"))
-    assert actions == [Send(Token(id="r1", text="a", token_id=1, metadata=meta)),
-                       Send(Eos(id="r1", reason="stop", metadata=meta))]
+    assert actions == [
+        Send(Token(id="r1", text="a", token_id=1, metadata=meta)),
+        Send(Eos(id="r1", reason="stop", metadata=meta)),
+    ]
 
 
 def test_stream_false_sends_one_eos_with_the_whole_text() -> None:
@@ -88,7 +105,9 @@ def test_cancel_aborts_and_exactly_one_cancelled_eos_follows() -> None:
     assert session.receive(Cancel(id="r1")) == [Abort()]
     assert session.receive(Cancel(id="r1")) == [Abort()]  # repeated cancels are harmless aborts
     assert feed(session, out("x", ids=[5], finish="cancelled")) == [
-        Send(Token(id="r1", text="x", token_id=5)), Send(Eos(id="r1", reason="cancelled"))]
+        Send(Token(id="r1", text="x", token_id=5)),
+        Send(Eos(id="r1", reason="cancelled")),
+    ]
     assert session.receive(Cancel(id="r1")) == []  # crossed its eos on the wire: ignored
     assert session.state is State.IDLE
 
@@ -125,8 +144,9 @@ def test_metrics_query_sends_the_snapshot_and_closes() -> None:
     assert busy.receive(MetricsQuery()) == [Abort(), SendMetrics(), Close()]
 
 
-@pytest.mark.parametrize("exc, code", [(FrameTooLarge(9, 8), "E_PROTO_FRAME_TOO_LARGE"),
-                                       (codec.InvalidJson("bad"), "E_PROTO_INVALID_JSON")])
+@pytest.mark.parametrize(
+    "exc, code", [(FrameTooLarge(9, 8), "E_PROTO_FRAME_TOO_LARGE"), (codec.InvalidJson("bad"), "E_PROTO_INVALID_JSON")]
+)
 def test_protocol_errors_send_error_then_close(exc: Exception, code: str) -> None:
     session = FramedSession()
     actions = session.on_protocol_error(exc, "r7")
@@ -143,9 +163,14 @@ def test_bad_sampling_field_is_a_bad_request_naming_it() -> None:
     assert actions[2:] == [Close()]
 
 
-@pytest.mark.parametrize("exc, code", [(ContextLengthExceeded(900, 64), "E_LIMIT_PROMPT_TOO_LARGE"),
-                                       (QueueFull(), "E_LIMIT_QUEUE_FULL"),
-                                       (RuntimeError("boom /etc"), "E_RUNTIME_INTERNAL")])
+@pytest.mark.parametrize(
+    "exc, code",
+    [
+        (ContextLengthExceeded(900, 64), "E_LIMIT_PROMPT_TOO_LARGE"),
+        (QueueFull(), "E_LIMIT_QUEUE_FULL"),
+        (RuntimeError("boom /etc"), "E_RUNTIME_INTERNAL"),
+    ],
+)
 def test_refused_start_sends_the_mapped_error(exc: Exception, code: str) -> None:
     session = FramedSession()
     started(session, is_accepted=False, metadata={"a": 1})
@@ -161,8 +186,11 @@ def test_generation_error_sends_error_then_eos_error_then_closes() -> None:
     session = FramedSession()
     started(session)
     actions = feed(session, out("", finish="error", error=GenerationError("decode failed")))
-    assert actions == [Send(Error(code="E_RUNTIME_DECODE", message="decode failed", id="r1")),
-                       Send(Eos(id="r1", reason="error")), Close()]
+    assert actions == [
+        Send(Error(code="E_RUNTIME_DECODE", message="decode failed", id="r1")),
+        Send(Eos(id="r1", reason="error")),
+        Close(),
+    ]
 
 
 def test_one_request_option_closes_after_eos() -> None:
@@ -190,6 +218,7 @@ def test_slo_becomes_priority_and_max_tokens_passes_through() -> None:
 
 # -- newline mode ---------------------------------------------------------------------------
 
+
 def test_newline_lines_run_one_after_another_with_a_blank_line_after_each() -> None:
     session = NewlineSession()
     first = session.receive_line(b"first prompt")
@@ -214,9 +243,11 @@ def test_newline_errors_are_one_line_then_close() -> None:
     actions = feed(session, out("", finish="error", error=GenerationError("decode failed")))
     assert actions == [Send(b"error: E_RUNTIME_DECODE: decode failed\n"), Close()]
     bad = NewlineSession()
-    assert bad.receive_line(b"\xff\xfe") == [Rejected("E_PROTO_INVALID_JSON"),
-                                             Send(b"error: E_PROTO_INVALID_JSON: input line is not valid UTF-8\n"),
-                                             Close()]
+    assert bad.receive_line(b"\xff\xfe") == [
+        Rejected("E_PROTO_INVALID_JSON"),
+        Send(b"error: E_PROTO_INVALID_JSON: input line is not valid UTF-8\n"),
+        Close(),
+    ]
     refused = NewlineSession()
     refused.receive_line(b"x")
     assert refused.on_start_failed(None, QueueFull(), 0.0)[-1] == Close()
@@ -237,9 +268,12 @@ def test_newline_line_too_long_while_running_aborts_and_closes() -> None:
     session = NewlineSession()
     session.receive_line(b"a")
     actions = session.on_protocol_error(FrameTooLarge(99, 8))
-    assert actions == [Abort(), Rejected("E_PROTO_FRAME_TOO_LARGE"),
-                       Send(b"error: E_PROTO_FRAME_TOO_LARGE: frame of 99 bytes exceeds the limit of 8 bytes\n"),
-                       Close()]
+    assert actions == [
+        Abort(),
+        Rejected("E_PROTO_FRAME_TOO_LARGE"),
+        Send(b"error: E_PROTO_FRAME_TOO_LARGE: frame of 99 bytes exceeds the limit of 8 bytes\n"),
+        Close(),
+    ]
     assert session.on_protocol_error(FrameTooLarge(99, 8)) == []
 
 

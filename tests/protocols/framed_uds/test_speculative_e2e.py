@@ -21,8 +21,15 @@ MAX_TOKENS = 48
 async def test_speculative_false_gives_the_same_tokens_without_drafts(spec_server: LiveServer) -> None:
     async def run(speculative: bool | None) -> tuple[list[int], str]:
         conn = await FramedClient.connect(spec_server.config.uds.socket)
-        await conn.send({"id": "s", "prompt": SPEC_PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0.0,
-                         **speculative_field(speculative)})
+        await conn.send(
+            {
+                "id": "s",
+                "prompt": SPEC_PROMPT,
+                "max_tokens": MAX_TOKENS,
+                "temperature": 0.0,
+                **speculative_field(speculative),
+            }
+        )
         events = await conn.until_end()
         await conn.close()
         tokens = [e for e in events if e["event"] == "token"]

@@ -30,8 +30,14 @@ class LiveServer:
     """A running server: ``url`` is ``http://127.0.0.1:PORT``; ``ws`` the ``/generate`` URL;
     ``requests`` what the protocol submitted to ``client``."""
 
-    def __init__(self, server: uvicorn.Server, task: asyncio.Task, client: InprocClient, deps: Deps,
-                 requests: list[GenerateRequest]) -> None:
+    def __init__(
+        self,
+        server: uvicorn.Server,
+        task: asyncio.Task,
+        client: InprocClient,
+        deps: Deps,
+        requests: list[GenerateRequest],
+    ) -> None:
         self.server, self.task, self.client, self.deps, self.requests = server, task, client, deps, requests
         port = port_of(server)
         self.url = f"http://127.0.0.1:{port}"
@@ -74,12 +80,25 @@ async def make_server(tmp_path: Any) -> AsyncIterator[Any]:
     async with contextlib.AsyncExitStack() as stack:
         servers: list[LiveServer] = []
 
-        async def make(*, max_len: int = MAX_CONTEXT, num_rows: int = 16, loading: threading.Event | None = None,
-                       load_error: BaseException | None = None, step_s: float = STEP_S, **http: Any) -> LiveServer:
+        async def make(
+            *,
+            max_len: int = MAX_CONTEXT,
+            num_rows: int = 16,
+            loading: threading.Event | None = None,
+            load_error: BaseException | None = None,
+            step_s: float = STEP_S,
+            **http: Any,
+        ) -> LiveServer:
             http.setdefault("data_dir", str(tmp_path / "data"))
             client = await stack.enter_async_context(
-                fake_client(EngineConfig(model="fake"), loading=loading, load_error=load_error, max_len=max_len,
-                            num_rows=num_rows))
+                fake_client(
+                    EngineConfig(model="fake"),
+                    loading=loading,
+                    load_error=load_error,
+                    max_len=max_len,
+                    num_rows=num_rows,
+                )
+            )
             if client.engine is not None:
                 client.engine.runner.delay_s = step_s
             live = await start_server(client, **http)

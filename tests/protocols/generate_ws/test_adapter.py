@@ -80,8 +80,12 @@ def is_greedy(live: Any, prompt: str, token_ids: list[int], index: int) -> bool:
 async def test_basic_flow(make_server: Any) -> None:
     live = await make_server()
     async with connect(live.ws) as ws:
-        config = {"type": "config", "prompt": "Write a story", "parameters": {"max_tokens": 5, "temperature": 0.7},
-                  "options": {"stream": True}}
+        config = {
+            "type": "config",
+            "prompt": "Write a story",
+            "parameters": {"max_tokens": 5, "temperature": 0.7},
+            "options": {"stream": True},
+        }
         await ws.send(json.dumps(config).encode())  # a binary frame with the JSON works too
         init = await recv(ws)
         assert init["type"] == "init" and init["model"] == "fake-model"
@@ -95,7 +99,11 @@ async def test_basic_flow(make_server: Any) -> None:
         assert completion["generated_text"] == joined(msgs) == tokens[-1]["generated_text"]
         assert completion["finish_reason"] == "length"
         num_prompt = num_prompt_tokens(live, "Write a story")
-        assert completion["usage"] == {"prompt_tokens": num_prompt, "completion_tokens": 5, "total_tokens": num_prompt + 5}
+        assert completion["usage"] == {
+            "prompt_tokens": num_prompt,
+            "completion_tokens": 5,
+            "total_tokens": num_prompt + 5,
+        }
         assert live.requests[0].protocol == "generate_ws"
 
 
@@ -136,8 +144,14 @@ async def test_memory_pressure_then_retry(make_server: Any) -> None:
         # More beams than the KV cache has rows: the request can never fit.
         await send(ws, type="config", prompt="mem: big", parameters={"max_tokens": 200, "num_beams": 4})
         err = await recv(ws)
-        assert err == {"type": "error", "error": "memory_pressure", "recoverable": True, "recovery_action": "retry",
-                       "request_id": err["request_id"], "message": err["message"]}
+        assert err == {
+            "type": "error",
+            "error": "memory_pressure",
+            "recoverable": True,
+            "recovery_action": "retry",
+            "request_id": err["request_id"],
+            "message": err["message"],
+        }
         await send(ws, type="config", prompt="small", parameters={"max_tokens": 2})
         assert (await until(ws, is_type("completion")))[-1]["finish_reason"] == "length"
 
@@ -211,8 +225,13 @@ async def test_invalid_modify_changes_nothing(make_server: Any) -> None:
 async def test_modify_temperature_is_in_force_from_the_next_token(make_server: Any) -> None:
     live = await make_server()
     async with connect(live.ws) as ws:
-        await send(ws, type="config", prompt="p", parameters={"max_tokens": 10000, "temperature": 0.5},
-                   options={"include_token_ids": True})
+        await send(
+            ws,
+            type="config",
+            prompt="p",
+            parameters={"max_tokens": 10000, "temperature": 0.5},
+            options={"include_token_ids": True},
+        )
         msgs = await until(ws, is_type("token"))
         await send(ws, type="control", action="modify", parameters={"temperature": 0})
         msgs += await until(ws, is_status("modified"))
@@ -220,7 +239,9 @@ async def test_modify_temperature_is_in_force_from_the_next_token(make_server: A
             msgs += await until(ws, is_type("token"))
         ids = [m["token_id"] for m in msgs if m["type"] == "token"]
         # The tokens after the status are the fake model's most likely ones (temperature 0 in force).
-        num_after = sum(1 for m in msgs[msgs.index(next(m for m in msgs if m["type"] == "status")):] if m["type"] == "token")
+        num_after = sum(
+            1 for m in msgs[msgs.index(next(m for m in msgs if m["type"] == "status")) :] if m["type"] == "token"
+        )
         assert num_after >= 8
         assert all(is_greedy(live, "p", ids, i) for i in range(len(ids) - num_after, len(ids)))
         await send(ws, type="control", action="stop")
@@ -280,9 +301,13 @@ async def test_control_when_idle_is_an_error_not_a_close(make_server: Any) -> No
 async def test_options_echo_ids_logprobs_timing_and_no_stream(make_server: Any) -> None:
     live = await make_server()
     async with connect(live.ws) as ws:
-        await send(ws, type="config", prompt="Hi", parameters={"max_tokens": 2},
-                   options={"echo_prompt": True, "include_token_ids": True, "include_logprobs": True,
-                            "include_timing": True})
+        await send(
+            ws,
+            type="config",
+            prompt="Hi",
+            parameters={"max_tokens": 2},
+            options={"echo_prompt": True, "include_token_ids": True, "include_logprobs": True, "include_timing": True},
+        )
         msgs = await until(ws, is_type("completion"))
         tok = msgs[1]
         assert tok["generated_text"] == "Hi" + tok["token"]
@@ -457,7 +482,9 @@ async def test_rest_json(make_server: Any) -> None:
         res = await http.post("/v1/generate", json={"prompt": "Write", "max_tokens": 3, "temperature": 0.7})
         assert res.status_code == 401
         headers = {"Authorization": "Bearer secret"}
-        res = await http.post("/v1/generate", json={"prompt": "Write", "max_tokens": 3, "stream": False}, headers=headers)
+        res = await http.post(
+            "/v1/generate", json={"prompt": "Write", "max_tokens": 3, "stream": False}, headers=headers
+        )
         body = res.json()
         assert res.status_code == 200
         assert body["id"].startswith("gen_") and body["model"] == "fake-model"
@@ -486,7 +513,9 @@ async def test_rest_rate_limited_has_retry_after(make_server: Any) -> None:
 async def test_rest_sse_carries_the_socket_messages(make_server: Any) -> None:
     live = await make_server()
     async with httpx.AsyncClient(base_url=live.url) as http:
-        async with http.stream("POST", "/v1/generate", json={"prompt": "Write", "max_tokens": 3, "stream": True}) as res:
+        async with http.stream(
+            "POST", "/v1/generate", json={"prompt": "Write", "max_tokens": 3, "stream": True}
+        ) as res:
             assert res.headers["content-type"].startswith("text/event-stream")
             events = [json.loads(line[6:]) async for line in res.aiter_lines() if line.startswith("data: ")]
     assert [e["type"] for e in events] == ["init", "token", "token", "token", "completion"]
@@ -496,7 +525,9 @@ async def test_rest_sse_carries_the_socket_messages(make_server: Any) -> None:
 async def test_rest_sse_disconnect_aborts(make_server: Any) -> None:
     live = await make_server()
     async with httpx.AsyncClient(base_url=live.url) as http:
-        async with http.stream("POST", "/v1/generate", json={"prompt": "W", "max_tokens": 100000, "stream": True}) as res:
+        async with http.stream(
+            "POST", "/v1/generate", json={"prompt": "W", "max_tokens": 100000, "stream": True}
+        ) as res:
             async for line in res.aiter_lines():
                 if '"token"' in line:
                     break
@@ -621,7 +652,11 @@ async def test_hostile_frames_get_invalid_request_and_the_socket_stays_usable(ma
     # traceback and a 1011 close); bad UTF-8 in a binary frame was handled by luck.
     live = await make_server()
     async with connect(live.ws) as ws:
-        for frame in ('{"type": "config", "prompt": "p", "x": ' + "[" * 5000 + "]" * 5000 + "}", b'{"type": "config", "prompt": "\xff"}', '{"type":"config","prompt":"\\ud800"}'):
+        for frame in (
+            '{"type": "config", "prompt": "p", "x": ' + "[" * 5000 + "]" * 5000 + "}",
+            b'{"type": "config", "prompt": "\xff"}',
+            '{"type":"config","prompt":"\\ud800"}',
+        ):
             await ws.send(frame)
             err = await recv(ws)
             assert err["type"] == "error" and err["error"] == "invalid_request" and err["recoverable"] is True
@@ -654,7 +689,9 @@ async def test_a_session_bug_is_the_generic_error_frame_not_a_dead_handler(make_
         assert info.value.rcvd is not None and info.value.rcvd.code == 1011
 
 
-async def test_remembered_generations_are_charged_and_the_oldest_forgotten_when_memory_is_short(make_server: Any) -> None:
+async def test_remembered_generations_are_charged_and_the_oldest_forgotten_when_memory_is_short(
+    make_server: Any,
+) -> None:
     """Issue 31: the generations a connection remembers for feedback count against the
     session-memory budget; past the principal's share the oldest is forgotten (feedback on it
     is refused as for an unknown id), and everything is given back when the socket closes."""
@@ -729,8 +766,12 @@ async def test_refusals_are_counted_in_the_rejection_metric(make_server: Any) ->
         assert (await recv(ws))["error"] == "rate_limited"
     async with httpx.AsyncClient(base_url=live.url) as http:
         text = (await http.get("/metrics")).text
-    counted = {s.labels["code"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
-               if s.name == "rill_requests_rejected_total" and s.labels["protocol"] == "generate_ws"}
+    counted = {
+        s.labels["code"]: s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "rill_requests_rejected_total" and s.labels["protocol"] == "generate_ws"
+    }
     assert counted == {"rate_limited": 1.0}
 
 
@@ -766,9 +807,18 @@ async def test_a_folded_output_reaches_the_session_whole(make_server: Any) -> No
     session.receive(codec.decode('{"type": "control", "action": "pause"}'), 1.1)
     session.receive(codec.decode('{"type": "control", "action": "resume"}'), 1.2)
     driver = Driver(session, Peer(), live.client, protocol="generate_ws", principal="peer:test")
-    folded = RequestOutput(request_id=session.gen.request_id, text="xy", token_ids=[5, 6], token_texts=["x", "y"],
-                           events=[RequestEvent.RESUMED], usage=Usage(prompt_tokens=1, completion_tokens=2))
+    folded = RequestOutput(
+        request_id=session.gen.request_id,
+        text="xy",
+        token_ids=[5, 6],
+        token_texts=["x", "y"],
+        events=[RequestEvent.RESUMED],
+        usage=Usage(prompt_tokens=1, completion_tokens=2),
+    )
     await driver._deliver(None, folded)
     assert [(type(x).__name__, getattr(x, "operation", None) or getattr(x, "token", None)) for x in sent] == [
-        ("Status", "resumed"), ("Token", "x"), ("Token", "y")]
+        ("Status", "resumed"),
+        ("Token", "x"),
+        ("Token", "y"),
+    ]
     assert all(isinstance(x, (m.Status, m.Token)) for x in sent)

@@ -37,8 +37,20 @@ async def test_client_generate_control_and_feedback(make_server: Any) -> None:
 async def test_cli_streams_and_ctrl_c_sends_stop(make_server: Any) -> None:
     live = await make_server()
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "rill", "client", "generate", "--prompt", "Hi", "--url", live.ws,
-        "--max-tokens", "1000000", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        sys.executable,
+        "-m",
+        "rill",
+        "client",
+        "generate",
+        "--prompt",
+        "Hi",
+        "--url",
+        live.ws,
+        "--max-tokens",
+        "1000000",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     assert proc.stdout is not None
     first = await proc.stdout.read(1)  # the first token's text is on the terminal
     assert first.decode() in ALPHABET  # what the fake model writes

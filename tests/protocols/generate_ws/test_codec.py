@@ -31,7 +31,10 @@ def test_decode_rest_flat_shape_becomes_config() -> None:
     req = codec.decode_rest(b'{"prompt": "Write", "max_tokens": 200, "temperature": 0.7, "stream": false}')
     config = req.to_config()
     assert config.prompt == "Write"
-    assert config.parameters is not None and m.SAMPLING.patch(config.parameters) == {"max_tokens": 200, "temperature": 0.7}
+    assert config.parameters is not None and m.SAMPLING.patch(config.parameters) == {
+        "max_tokens": 200,
+        "temperature": 0.7,
+    }
     assert config.options == m.Options(stream=False)
 
 
@@ -43,8 +46,13 @@ def test_decode_rest_names_unknown_field() -> None:
 
 def test_encode_token_omits_unrequested_fields_but_keeps_null_finish_reason() -> None:
     text = codec.encode(m.Token(token=" the", generated_text="Once the"))
-    assert json.loads(text) == {"type": "token", "token": " the", "generated_text": "Once the", "finished": False,
-                                "finish_reason": None}
+    assert json.loads(text) == {
+        "type": "token",
+        "token": " the",
+        "generated_text": "Once the",
+        "finished": False,
+        "finish_reason": None,
+    }
 
 
 def test_encode_sse_is_one_data_event() -> None:
@@ -53,9 +61,18 @@ def test_encode_sse_is_one_data_event() -> None:
 
 
 ERROR_CASES = [
-    (errors.InvalidRequest("'temperature' must be >= 0", field="temperature"), "invalid_request", True,
-     {"field": "temperature"}),
-    (errors.ContextLengthExceeded(100, 64), "context_length_exceeded", True, {"prompt_tokens": 100, "max_context_tokens": 64}),
+    (
+        errors.InvalidRequest("'temperature' must be >= 0", field="temperature"),
+        "invalid_request",
+        True,
+        {"field": "temperature"},
+    ),
+    (
+        errors.ContextLengthExceeded(100, 64),
+        "context_length_exceeded",
+        True,
+        {"prompt_tokens": 100, "max_context_tokens": 64},
+    ),
     (errors.MemoryPressure("too big"), "memory_pressure", True, {}),
     (errors.RateLimited(retry_after_s=2.5), "rate_limited", True, {"retry_after_seconds": 2.5}),
     (errors.QueueFull(), "rate_limited", True, {"retry_after_seconds": 1.0}),
@@ -70,7 +87,9 @@ ERROR_CASES = [
 ]
 
 
-@pytest.mark.parametrize("exc,code,recoverable,extra", ERROR_CASES, ids=[c[1] + "-" + type(c[0]).__name__ for c in ERROR_CASES])
+@pytest.mark.parametrize(
+    "exc,code,recoverable,extra", ERROR_CASES, ids=[c[1] + "-" + type(c[0]).__name__ for c in ERROR_CASES]
+)
 def test_error_table(exc: BaseException, code: str, recoverable: bool, extra: dict) -> None:
     msg = json.loads(codec.encode(codec.error_message(exc, "gen_1", "partial")))
     assert msg["type"] == "error" and msg["error"] == code and msg["recoverable"] is recoverable
@@ -97,7 +116,7 @@ def _mutations(seed: int, count: int) -> list[bytes]:
             if op == 0 and data:
                 data[min(pos, len(data) - 1)] = rng.randrange(256)
             elif op == 1:
-                del data[pos:pos + rng.randint(1, 8)]
+                del data[pos : pos + rng.randint(1, 8)]
             elif op == 2:
                 data[pos:pos] = rng.choice(bases)[: rng.randint(0, 20)]
             else:
@@ -134,8 +153,33 @@ def test_random_parameter_values_never_crash_the_session() -> None:
     from rill.types import ModelInfo
 
     rng = random.Random(2)
-    values = [0, 1, -1, 2**63, 2**64 - 1, -(2**63), 0.5, -0.0, 1e308, -1e308, 1e-320, "x", "", [], ["a"], [""], {},
-              {"1": 2.0}, {"-5": 1e9}, {"99999": 1.0}, None, True, False, [1, 2], ["a"] * 20]
+    values = [
+        0,
+        1,
+        -1,
+        2**63,
+        2**64 - 1,
+        -(2**63),
+        0.5,
+        -0.0,
+        1e308,
+        -1e308,
+        1e-320,
+        "x",
+        "",
+        [],
+        ["a"],
+        [""],
+        {},
+        {"1": 2.0},
+        {"-5": 1e9},
+        {"99999": 1.0},
+        None,
+        True,
+        False,
+        [1, 2],
+        ["a"] * 20,
+    ]
     info = ModelInfo(name="t", architecture="a", max_context_tokens=64, vocab_size=100, dtype="float32", device="cpu")
     num_started = 0
     for _ in range(3000):

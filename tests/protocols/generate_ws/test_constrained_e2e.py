@@ -18,8 +18,12 @@ SCHEMA = {
         "word": {"type": "string", "maxLength": 6},
         "n": {"type": "integer", "minimum": 0, "maximum": 50},
         "picks": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
-        "inner": {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
-                  "additionalProperties": False},
+        "inner": {
+            "type": "object",
+            "properties": {"ok": {"type": "boolean"}},
+            "required": ["ok"],
+            "additionalProperties": False,
+        },
     },
     "required": ["word", "n", "picks", "inner"],
     "additionalProperties": False,
@@ -31,8 +35,13 @@ async def _switched_on_mid_stream(server: Any, seed: int) -> tuple[int, int, lis
     """(tokens seen when the modify was sent, tokens seen when its status came, all ids, finish)."""
     async with connect(f"{server.ws_url}/generate") as ws:
         # ignore_eos keeps the free part going until the modify arrives; the grammar ends it.
-        await send(ws, type="config", prompt="Once upon a time",
-                   parameters={"max_tokens": 400, "seed": seed, "ignore_eos": True}, options={"include_token_ids": True})
+        await send(
+            ws,
+            type="config",
+            prompt="Once upon a time",
+            parameters={"max_tokens": 400, "seed": seed, "ignore_eos": True},
+            options={"include_token_ids": True},
+        )
         head = await until(ws, lambda m: m["type"] == "token")
         num_sent = len([m for m in head if m["type"] == "token"])
         await send(ws, type="control", action="modify", parameters={"response_format": FORMAT})
@@ -67,11 +76,17 @@ async def test_modify_switches_a_json_schema_on_mid_stream_50_of_50(server: Any)
 
 async def test_response_format_from_the_start_and_bad_ones_are_errors(server: Any) -> None:
     async with connect(f"{server.ws_url}/generate") as ws:
-        await send(ws, type="config", prompt="Once", parameters={"max_tokens": 300, "seed": 5, "response_format": FORMAT})
+        await send(
+            ws, type="config", prompt="Once", parameters={"max_tokens": 300, "seed": 5, "response_format": FORMAT}
+        )
         done = await until(ws, is_type("completion"))
         jsonschema.validate(json.loads(done[-1]["generated_text"]), SCHEMA)
-        await send(ws, type="config", prompt="Once",
-                   parameters={"max_tokens": 8, "response_format": {"type": "regex", "regex": "(("}})
+        await send(
+            ws,
+            type="config",
+            prompt="Once",
+            parameters={"max_tokens": 8, "response_format": {"type": "regex", "regex": "(("}},
+        )
         error = await recv(ws)
         assert error["type"] == "error" and error["error"] == "invalid_request"
         assert error.get("field", "").endswith("response_format")

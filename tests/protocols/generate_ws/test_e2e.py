@@ -39,8 +39,13 @@ async def greedy_ids(server: Any, prompt_ids: list[int], num_tokens: int) -> lis
     """Greedy continuation of ``prompt_ids`` straight from the engine (on the server's loop)."""
 
     async def run() -> list[int]:
-        stream = await server.client.generate(GenerateRequest(prompt_token_ids=prompt_ids, sampling=SamplingParams(
-            temperature=0.0, max_tokens=num_tokens, ignore_eos=True), protocol="test"))
+        stream = await server.client.generate(
+            GenerateRequest(
+                prompt_token_ids=prompt_ids,
+                sampling=SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True),
+                protocol="test",
+            )
+        )
         ids: list[int] = []
         async with stream:
             async for out in stream:
@@ -53,20 +58,35 @@ async def greedy_ids(server: Any, prompt_ids: list[int], num_tokens: int) -> lis
 @pytest.fixture(scope="module")
 def limited_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
     """A second server with a per-request time limit and a rate limit."""
-    live = start_server(tiny_model_dir, **{"http.request_timeout_s": 1.5, "http.rate_limit_tokens_per_s": 1.0,
-                                           "http.rate_limit_burst": BURST, "http.api_key": ["k", "k2"],
-                                           "http.data_dir": str(tmp_path_factory.mktemp("data"))})
+    live = start_server(
+        tiny_model_dir,
+        **{
+            "http.request_timeout_s": 1.5,
+            "http.rate_limit_tokens_per_s": 1.0,
+            "http.rate_limit_burst": BURST,
+            "http.api_key": ["k", "k2"],
+            "http.data_dir": str(tmp_path_factory.mktemp("data")),
+        },
+    )
     yield live
     live.stop()
 
 
 async def test_flow_basic_generation(server: Any) -> None:
     async with connect(ws_url(server)) as ws:
-        await send(ws, type="config", prompt="Write a short story about a robot learning to paint.",
-                   parameters={"max_tokens": 12, "temperature": 0.7, "ignore_eos": True}, options={"stream": True})
+        await send(
+            ws,
+            type="config",
+            prompt="Write a short story about a robot learning to paint.",
+            parameters={"max_tokens": 12, "temperature": 0.7, "ignore_eos": True},
+            options={"stream": True},
+        )
         init = await recv(ws)
         assert init["type"] == "init" and init["request_id"] and init["model"] == "tiny-llama"
-        assert init["model_info"]["max_tokens"] == server.client.model_info.max_context_tokens and init["model_info"]["dtype"] == "float32"
+        assert (
+            init["model_info"]["max_tokens"] == server.client.model_info.max_context_tokens
+            and init["model_info"]["dtype"] == "float32"
+        )
         msgs = await until(ws, is_type("completion"))
         toks, completion = tokens_of(msgs), msgs[-1]
         assert len(toks) == 12 == completion["usage"]["completion_tokens"]
@@ -100,8 +120,9 @@ async def test_flow_error_and_recovery(limited_server: Any) -> None:
 
 async def test_flow_midstream_control(server: Any) -> None:
     async with connect(ws_url(server)) as ws:
-        await send(ws, type="config", prompt=PROMPT, parameters={"max_tokens": LONG, "temperature": 0.7,
-                                                                 "ignore_eos": True})
+        await send(
+            ws, type="config", prompt=PROMPT, parameters={"max_tokens": LONG, "temperature": 0.7, "ignore_eos": True}
+        )
         await until(ws, is_type("token"))
         await send(ws, type="control", action="modify", parameters={"temperature": 0.9})
         msgs = await until(ws, is_status("modified"))
@@ -116,8 +137,13 @@ async def test_flow_midstream_control(server: Any) -> None:
 
 async def test_no_token_between_pause_and_resume(server: Any) -> None:
     async with connect(ws_url(server)) as ws:
-        await send(ws, type="config", prompt=PROMPT, parameters={"max_tokens": LONG, "temperature": 0, "ignore_eos": True},
-                   options={"include_token_ids": True})
+        await send(
+            ws,
+            type="config",
+            prompt=PROMPT,
+            parameters={"max_tokens": LONG, "temperature": 0, "ignore_eos": True},
+            options={"include_token_ids": True},
+        )
         first = await until(ws, is_type("token"))
         await send(ws, type="control", action="pause")
         before = await until(ws, is_status("paused"))
@@ -136,8 +162,13 @@ async def test_no_token_between_pause_and_resume(server: Any) -> None:
 
 async def test_modify_to_temperature_zero_continues_greedily(server: Any) -> None:
     async with connect(ws_url(server)) as ws:
-        await send(ws, type="config", prompt=PROMPT, parameters={"max_tokens": LONG, "temperature": 1.5, "seed": 11,
-                                                                 "ignore_eos": True}, options={"include_token_ids": True})
+        await send(
+            ws,
+            type="config",
+            prompt=PROMPT,
+            parameters={"max_tokens": LONG, "temperature": 1.5, "seed": 11, "ignore_eos": True},
+            options={"include_token_ids": True},
+        )
         head = await until(ws, lambda m: m["type"] == "token" and len(m["generated_text"]) > 0)
         await send(ws, type="control", action="modify", parameters={"temperature": 0})
         head += await until(ws, is_status("modified"))
@@ -181,8 +212,19 @@ async def test_allowed_token_ids_hold_from_config_and_after_modify(server: Any) 
         await send(ws, type="config", prompt=PROMPT, parameters={"max_tokens": 5, "allowed_token_ids": [10**6]})
         err = await recv(ws)
         assert (err["type"], err["field"], err["recoverable"]) == ("error", "parameters.allowed_token_ids", True)
-        await send(ws, type="config", prompt=PROMPT, options={"include_token_ids": True}, parameters={
-            "max_tokens": LONG, "temperature": 1.0, "seed": 3, "ignore_eos": True, "allowed_token_ids": allowed})
+        await send(
+            ws,
+            type="config",
+            prompt=PROMPT,
+            options={"include_token_ids": True},
+            parameters={
+                "max_tokens": LONG,
+                "temperature": 1.0,
+                "seed": 3,
+                "ignore_eos": True,
+                "allowed_token_ids": allowed,
+            },
+        )
         head = await until(ws, is_type("token"))
         await send(ws, type="control", action="modify", parameters={"allowed_token_ids": [7]})
         head += await until(ws, is_status("modified"))
@@ -201,7 +243,9 @@ async def test_stop_yields_cancelled_completion(server: Any) -> None:
         await send(ws, type="control", action="stop")
         msgs = await until(ws, is_type("completion"))
         assert msgs[-1]["finish_reason"] == "cancelled"
-        assert msgs[-1]["generated_text"] == (tokens_of(msgs)[-1]["generated_text"] if tokens_of(msgs) else msgs[-1]["generated_text"])
+        assert msgs[-1]["generated_text"] == (
+            tokens_of(msgs)[-1]["generated_text"] if tokens_of(msgs) else msgs[-1]["generated_text"]
+        )
     server.wait_idle()
 
 
@@ -252,7 +296,9 @@ async def test_rest_json_and_sse_on_real_server(server: Any) -> None:
         res = await http.post("/v1/generate", json=body)
         assert res.status_code == 200
         data = res.json()
-        assert data["id"].startswith("gen_") and data["model"] == "tiny-llama" and data["usage"]["completion_tokens"] == 6
+        assert (
+            data["id"].startswith("gen_") and data["model"] == "tiny-llama" and data["usage"]["completion_tokens"] == 6
+        )
         async with http.stream("POST", "/v1/generate", json=body | {"stream": True}) as stream_res:
             events = [json.loads(line[6:]) async for line in stream_res.aiter_lines() if line.startswith("data: ")]
         assert [e["type"] for e in events] == ["init"] + ["token"] * 6 + ["completion"]
@@ -274,5 +320,5 @@ async def test_waiting_requests_learn_their_queue_position(server: Any) -> None:
         for ws in (first, second):
             msgs = await until(ws, is_type("completion"))
             assert len(tokens_of(msgs)) == 3
-            assert not any(is_status("queued")(m) for m in msgs[msgs.index(tokens_of(msgs)[0]):])
+            assert not any(is_status("queued")(m) for m in msgs[msgs.index(tokens_of(msgs)[0]) :])
     server.wait_idle()

@@ -41,7 +41,7 @@ async def test_status_while_loading_then_generation(tiny_model_dir: Path, tmp_pa
             msgs = await until(ws, is_type("completion"))
             kinds = [m["type"] for m in msgs]
             assert set(kinds[: kinds.index("init")]) <= {"status"}  # more loading statuses, then init
-            assert kinds[kinds.index("init"):] == ["init", "token", "token", "token", "completion"]
+            assert kinds[kinds.index("init") :] == ["init", "token", "token", "token", "completion"]
             assert msgs[kinds.index("init")]["model"] == "tiny-llama"
     finally:
         HeldClient.release.set()

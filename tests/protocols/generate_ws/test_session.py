@@ -21,14 +21,16 @@ from rill.types import (
     Usage,
 )
 
-INFO = ModelInfo(name="tiny", architecture="LlamaForCausalLM", max_context_tokens=128, vocab_size=1000,
-                 dtype="float32", device="cpu")
+INFO = ModelInfo(
+    name="tiny", architecture="LlamaForCausalLM", max_context_tokens=128, vocab_size=1000, dtype="float32", device="cpu"
+)
 
 
 def new_session() -> s.GenerateSession:
     ids = iter(f"gen_{i}" for i in range(100))
-    return s.GenerateSession(s.Limits(model_name="tiny", model_info=INFO),
-                             token_text=lambda i: f"<{i}>", new_request_id=lambda: next(ids))
+    return s.GenerateSession(
+        s.Limits(model_name="tiny", model_info=INFO), token_text=lambda i: f"<{i}>", new_request_id=lambda: next(ids)
+    )
 
 
 def config(**kw: object) -> m.Config:
@@ -43,11 +45,27 @@ def sent(actions: list[s.Action]) -> list[dict]:
     return [msgspec.json.decode(codec.encode(a.message)) for a in actions if isinstance(a, s.Send)]
 
 
-def out(*texts: str, events: list[RequestEvent] = (), finished: bool = False, reason: str | None = None,
-        n: int = 0, error: object = None, modified: list[SamplingParams] = ()) -> RequestOutput:
-    return RequestOutput(request_id="gen_0", text="".join(texts), token_ids=[7 + i for i in range(len(texts))],
-                         token_texts=list(texts), events=list(events), finished=finished, finish_reason=reason,
-                         usage=Usage(prompt_tokens=2, completion_tokens=n), error=error, modified=list(modified))
+def out(
+    *texts: str,
+    events: list[RequestEvent] = (),
+    finished: bool = False,
+    reason: str | None = None,
+    n: int = 0,
+    error: object = None,
+    modified: list[SamplingParams] = (),
+) -> RequestOutput:
+    return RequestOutput(
+        request_id="gen_0",
+        text="".join(texts),
+        token_ids=[7 + i for i in range(len(texts))],
+        token_texts=list(texts),
+        events=list(events),
+        finished=finished,
+        finish_reason=reason,
+        usage=Usage(prompt_tokens=2, completion_tokens=n),
+        error=error,
+        modified=list(modified),
+    )
 
 
 def accepted(sess: s.GenerateSession, sampling: SamplingParams | None = None) -> Started:
@@ -80,16 +98,30 @@ def test_config_starts_a_generate_request() -> None:
     assert (req.sampling.max_tokens, req.sampling.temperature, req.sampling.seed) == (5, 0.0, 3)
     [init] = sent(sess.on_started(accepted(sess)))
     parameters = init.pop("parameters")
-    assert init == {"type": "init", "request_id": "gen_0", "model": "tiny",
-                    "model_info": {"max_tokens": 128, "dtype": "float32", "quantization": None,
-                                   "architecture": "LlamaForCausalLM", "vocab_size": 1000}}
+    assert init == {
+        "type": "init",
+        "request_id": "gen_0",
+        "model": "tiny",
+        "model_info": {
+            "max_tokens": 128,
+            "dtype": "float32",
+            "quantization": None,
+            "architecture": "LlamaForCausalLM",
+            "vocab_size": 1000,
+        },
+    }
     assert (parameters["max_tokens"], parameters["temperature"], parameters["seed"]) == (5, 0.0, 3)
 
 
-@pytest.mark.parametrize("params,field", [({"temperature": -1}, "parameters.temperature"),
-                                          ({"top_p": 0}, "parameters.top_p"),
-                                          ({"max_tokens": 0}, "parameters.max_tokens"),
-                                          ({"logit_bias": {"5000": 1}}, "parameters.logit_bias")])
+@pytest.mark.parametrize(
+    "params,field",
+    [
+        ({"temperature": -1}, "parameters.temperature"),
+        ({"top_p": 0}, "parameters.top_p"),
+        ({"max_tokens": 0}, "parameters.max_tokens"),
+        ({"logit_bias": {"5000": 1}}, "parameters.logit_bias"),
+    ],
+)
 def test_invalid_config_names_the_field(params: dict, field: str) -> None:
     sess = new_session()
     [err] = sent(sess.receive(config(parameters=params), now=0.0))
@@ -104,22 +136,30 @@ def test_empty_prompt_is_refused() -> None:
 
 def test_tokens_and_completion_with_every_option() -> None:
     sess = new_session()
-    started(sess, options={"echo_prompt": True, "include_token_ids": True, "include_timing": True,
-                           "include_logprobs": True})
+    started(
+        sess, options={"echo_prompt": True, "include_token_ids": True, "include_timing": True, "include_logprobs": True}
+    )
     lp = TokenLogprob(token_id=7, logprob=-0.25, top=[TopLogprob(7, -0.25), TopLogprob(9, -2.0)])
     delta = out(" a", " b", n=2)
     delta.logprobs = [lp, TokenLogprob(token_id=8, logprob=-1.0)]
     first, second = sent(sess.on_output(None, delta, now=10.5))
     assert first["token"] == " a" and first["generated_text"] == "Hi a" and first["token_id"] == 7
-    assert first["logprobs"] == [{"token": " a", "logprob": -0.25, "token_id": 7},
-                                 {"token": "<9>", "logprob": -2.0, "token_id": 9}]
+    assert first["logprobs"] == [
+        {"token": " a", "logprob": -0.25, "token_id": 7},
+        {"token": "<9>", "logprob": -2.0, "token_id": 9},
+    ]
     assert first["timing"] == {"token_ms": 250.0, "total_ms": 500.0}
     assert second["generated_text"] == "Hi a b" and second["finished"] is False
     last, completion = sent(sess.on_output(None, out(" c", finished=True, reason="length", n=3), now=11.0))
     assert last["finished"] is True and last["finish_reason"] == "length"
-    assert completion == {"type": "completion", "generated_text": "Hi a b c", "finish_reason": "length",
-                          "usage": {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5},
-                          "request_id": "gen_0", "timing": {"first_token_ms": 500.0, "total_ms": 1000.0}}
+    assert completion == {
+        "type": "completion",
+        "generated_text": "Hi a b c",
+        "finish_reason": "length",
+        "usage": {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5},
+        "request_id": "gen_0",
+        "timing": {"first_token_ms": 500.0, "total_ms": 1000.0},
+    }
     assert sess.state is s.State.IDLE
 
 
@@ -172,12 +212,18 @@ def test_modify_valid_and_invalid() -> None:
     assert err["message"] == "'temperature' must be >= 0" and err["recoverable"] is True
     assert sess.gen is not None and sess.gen.sampling.temperature == 0.8  # nothing changed
     # A refusal that is not about a value keeps its own field (a grammar that does not compile).
-    [compile_err] = sent(sess.on_modify_refused(InvalidRequest("response_format cannot be enforced: x",
-                                                               field="response_format")))
+    [compile_err] = sent(
+        sess.on_modify_refused(InvalidRequest("response_format cannot be enforced: x", field="response_format"))
+    )
     assert compile_err["field"] == "response_format"
-    assert sess.receive(control("modify", parameters={"temperature": 0.0}), now=11.0) == [s.Modify({"temperature": 0.0})]
-    msgs = sent(sess.on_output(None, out(" a", events=[RequestEvent.MODIFIED], n=1,
-                                   modified=[SamplingParams(temperature=0.0)]), now=11.1))
+    assert sess.receive(control("modify", parameters={"temperature": 0.0}), now=11.0) == [
+        s.Modify({"temperature": 0.0})
+    ]
+    msgs = sent(
+        sess.on_output(
+            None, out(" a", events=[RequestEvent.MODIFIED], n=1, modified=[SamplingParams(temperature=0.0)]), now=11.1
+        )
+    )
     assert msgs[0]["type"] == "token"
     assert msgs[1]["operation"] == "modified" and msgs[1]["parameters"]["temperature"] == 0.0
 
@@ -191,12 +237,19 @@ def test_the_servers_clamped_parameters_are_the_ones_reported() -> None:
     assert sess.gen is not None and sess.gen.sampling.max_tokens == 500  # no refusal here
     [init] = sent(sess.on_started(accepted(sess, SamplingParams(max_tokens=5, temperature=0.8))))
     assert init["parameters"]["max_tokens"] == 5 and init["parameters"]["temperature"] == 0.8
-    assert sess.receive(control("modify", parameters={"temperature": 0.1}), now=11.0) == [s.Modify({"temperature": 0.1})]
+    assert sess.receive(control("modify", parameters={"temperature": 0.1}), now=11.0) == [
+        s.Modify({"temperature": 0.1})
+    ]
     sess.on_modify_applied(SamplingParams(max_tokens=5, temperature=0.1))
     assert sess.gen.sampling == SamplingParams(max_tokens=5, temperature=0.1)
     first, second = SamplingParams(max_tokens=5, temperature=0.1), SamplingParams(max_tokens=5, temperature=0.3)
-    msgs = sent(sess.on_output(None, out(" a", events=[RequestEvent.MODIFIED, RequestEvent.MODIFIED], n=1,
-                                   modified=[first, second]), now=11.1))
+    msgs = sent(
+        sess.on_output(
+            None,
+            out(" a", events=[RequestEvent.MODIFIED, RequestEvent.MODIFIED], n=1, modified=[first, second]),
+            now=11.1,
+        )
+    )
     assert [m["parameters"]["temperature"] for m in msgs[1:]] == [0.1, 0.3]  # each event its own data
     assert msgs[1]["operation"] == "modified" and msgs[1]["parameters"]["max_tokens"] == 5
 
@@ -256,7 +309,9 @@ def test_engine_error_mid_stream_carries_partial_text_then_recovery() -> None:
     sess = new_session()
     started(sess)
     sess.on_output(None, out(" a", n=1), now=11.0)
-    [err] = sent(sess.on_output(None, out(finished=True, reason="error", n=1, error=GenerationError("0xdead")), now=11.1))
+    [err] = sent(
+        sess.on_output(None, out(finished=True, reason="error", n=1, error=GenerationError("0xdead")), now=11.1)
+    )
     assert err["error"] == "internal_error" and err["generated_text"] == " a" and err["recoverable"] is True
     assert "0xdead" not in err["message"]
     assert isinstance(sess.receive(config(), now=12.0)[0], s.Start)  # the recovery flow
@@ -292,8 +347,16 @@ def test_feedback_for_current_and_earlier_generations() -> None:
     fb = codec.decode(b'{"type":"feedback","rating":-0.5,"text":"meh","position":1}')
     [store] = sess.receive(fb, now=12.0)
     assert isinstance(store, s.StoreFeedback)
-    assert store.record | {} == {"request_id": "gen_0", "rating": -0.5, "text": "meh", "position": 1, "model": "tiny",
-                                 "prompt": "Hi", "generated_text": " a", "is_generation_finished": True}
+    assert store.record | {} == {
+        "request_id": "gen_0",
+        "rating": -0.5,
+        "text": "meh",
+        "position": 1,
+        "model": "tiny",
+        "prompt": "Hi",
+        "generated_text": " a",
+        "is_generation_finished": True,
+    }
     [ack] = sent(sess.on_feedback_stored("gen_0", 7))
     assert ack["operation"] == "feedback_received" and ack["feedback_id"] == 7
     sess.receive(config(), now=13.0)
@@ -351,8 +414,10 @@ def test_a_refused_or_unstarted_generation_takes_no_feedback() -> None:
 
 def test_feedback_is_capped_per_generation_and_per_connection() -> None:
     ids = iter(f"gen_{i}" for i in range(10))
-    sess = s.GenerateSession(s.Limits(model_name="tiny", model_info=INFO, max_feedback_per_generation=2,
-                                      max_feedback_per_connection=3), new_request_id=lambda: next(ids))
+    sess = s.GenerateSession(
+        s.Limits(model_name="tiny", model_info=INFO, max_feedback_per_generation=2, max_feedback_per_connection=3),
+        new_request_id=lambda: next(ids),
+    )
     fb = codec.decode(b'{"type":"feedback","rating":1}')
     started(sess)
     kinds = [type(a).__name__ for _ in range(3) for a in sess.receive(fb, now=11.0)]
@@ -371,8 +436,14 @@ def test_queue_status_while_waiting_for_the_engine() -> None:
     assert sent(sess.on_queued(None, 1, 1)) == []  # nothing started: nothing to report
     started(sess)
     [status] = sent(sess.on_queued(None, 2, 3))
-    assert status == {"type": "status", "operation": "queued", "request_id": "gen_0", "position": 2,
-                      "queue_length": 3, "message": "waiting for the engine: 2 of 3"}
+    assert status == {
+        "type": "status",
+        "operation": "queued",
+        "request_id": "gen_0",
+        "position": 2,
+        "queue_length": 3,
+        "message": "waiting for the engine: 2 of 3",
+    }
     sess.on_output(None, out("a", finished=True, reason="length", n=1), now=11.0)
     assert sent(sess.on_queued(None, 1, 1)) == []  # finished: a late notice is dropped
 
@@ -386,10 +457,20 @@ def test_remembered_generations_are_counted_and_the_oldest_forgotten_on_request(
     assert sess.num_history_bytes == 3 * one
     sess.forget_history(2 * one)
     assert sess.num_history_bytes == 2 * one
-    [err] = sent(sess.receive(codec.decode(msgspec.json.encode({"type": "feedback", "rating": 1,
-                                                                 "request_id": "gen_0"})), now=12.0))
+    [err] = sent(
+        sess.receive(
+            codec.decode(msgspec.json.encode({"type": "feedback", "rating": 1, "request_id": "gen_0"})), now=12.0
+        )
+    )
     assert err["field"] == "request_id"  # forgotten
-    assert not any(a for a in sent(sess.receive(codec.decode(msgspec.json.encode(
-        {"type": "feedback", "rating": 1, "request_id": "gen_2"})), now=12.0)) if a.get("type") == "error")
+    assert not any(
+        a
+        for a in sent(
+            sess.receive(
+                codec.decode(msgspec.json.encode({"type": "feedback", "rating": 1, "request_id": "gen_2"})), now=12.0
+            )
+        )
+        if a.get("type") == "error"
+    )
     sess.forget_history(0)
     assert sess.num_history_bytes == 0

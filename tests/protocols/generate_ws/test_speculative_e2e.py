@@ -25,8 +25,13 @@ def token_ids(msgs: list[dict]) -> list[int]:
 async def test_speculative_false_gives_the_same_tokens_without_drafts(spec_server: Any) -> None:
     async def run(speculative: bool | None) -> tuple[list[int], str]:
         async with connect(f"{spec_server.ws_url}/generate") as ws:
-            await send(ws, type="config", prompt=SPEC_PROMPT, parameters={**GREEDY, **speculative_field(speculative)},
-                       options={"include_token_ids": True})
+            await send(
+                ws,
+                type="config",
+                prompt=SPEC_PROMPT,
+                parameters={**GREEDY, **speculative_field(speculative)},
+                options={"include_token_ids": True},
+            )
             msgs = await until(ws, is_type("completion"))
         assert msgs[0]["type"] == "init" and msgs[0]["parameters"]["speculative"] is (speculative is None)
         assert len(token_ids(msgs)) == GREEDY["max_tokens"]
@@ -38,8 +43,13 @@ async def test_speculative_false_gives_the_same_tokens_without_drafts(spec_serve
 async def test_modify_speculative_false_stops_drafting_and_keeps_the_tokens(spec_server: Any) -> None:
     params = {**GREEDY, "max_tokens": 400}
     async with connect(f"{spec_server.ws_url}/generate") as ws:
-        await send(ws, type="config", prompt=SPEC_PROMPT, parameters={**params, "speculative": False},
-                   options={"include_token_ids": True})
+        await send(
+            ws,
+            type="config",
+            prompt=SPEC_PROMPT,
+            parameters={**params, "speculative": False},
+            options={"include_token_ids": True},
+        )
         plain = token_ids(await until(ws, is_type("completion")))
         await send(ws, type="config", prompt=SPEC_PROMPT, parameters=params, options={"include_token_ids": True})
         head = await until(ws, is_type("token"))
@@ -59,13 +69,20 @@ async def test_bad_speculative_is_an_invalid_request_naming_the_field(spec_serve
             await send(ws, type="config", prompt=SPEC_PROMPT, parameters={**GREEDY, "speculative": value})
             err = await recv_json(ws)
             assert (err["type"], err["error"], err["field"], err["recoverable"]) == (
-                "error", "invalid_request", "parameters.speculative", True), err
+                "error",
+                "invalid_request",
+                "parameters.speculative",
+                True,
+            ), err
         await send(ws, type="config", prompt=SPEC_PROMPT, parameters={**GREEDY, "max_tokens": 400})
         await until(ws, is_type("token"))
         await send(ws, type="control", action="modify", parameters={"speculative": 17})
         err = await until(ws, is_type("error"))
         assert (err[-1]["error"], err[-1]["field"], err[-1]["recoverable"]) == (
-            "invalid_request", "parameters.speculative", True)
+            "invalid_request",
+            "parameters.speculative",
+            True,
+        )
         await send(ws, type="control", action="stop")
         assert (await until(ws, is_type("completion")))[-1]["finish_reason"] == "cancelled"
     spec_server.wait_idle()
@@ -76,8 +93,13 @@ async def test_a_disconnect_mid_speculation_frees_the_kv(spec_server: Any) -> No
     (accepted and rejected positions alike) are freed."""
     before = spec_server.wait_idle()
     async with connect(f"{spec_server.ws_url}/generate") as ws:
-        await send(ws, type="config", prompt=SPEC_PROMPT, parameters={**GREEDY, "max_tokens": 2000},
-                   options={"include_token_ids": True})
+        await send(
+            ws,
+            type="config",
+            prompt=SPEC_PROMPT,
+            parameters={**GREEDY, "max_tokens": 2000},
+            options={"include_token_ids": True},
+        )
         seen = []
         await until(ws, lambda m: m["type"] == "token" and (seen.append(m) or len(seen) >= 20))
         assert spec_server.stats().spec_draft_tokens_total > before.spec_draft_tokens_total

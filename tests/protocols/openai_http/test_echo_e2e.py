@@ -18,8 +18,10 @@ import torch
 
 from tests.conftest import LiveServer
 
-PROMPT = ("Once upon a time there was a little fox who lived in a den under an old oak tree. Every morning "
-          "the fox ran to the river to drink.")
+PROMPT = (
+    "Once upon a time there was a little fox who lived in a den under an old oak tree. Every morning "
+    "the fox ran to the river to drink."
+)
 
 
 @pytest.fixture(scope="module")
@@ -53,12 +55,13 @@ def _reference_logprobs(reference: torch.nn.Module, ids: list[int]) -> torch.Ten
 
 def _streamed(server: LiveServer, body: dict[str, Any]) -> list[dict[str, Any]]:
     chunks = []
-    with httpx.stream("POST", f"{server.url}/v1/completions", json={"prompt": PROMPT, **body, "stream": True},
-                      timeout=120) as response:
+    with httpx.stream(
+        "POST", f"{server.url}/v1/completions", json={"prompt": PROMPT, **body, "stream": True}, timeout=120
+    ) as response:
         assert response.status_code == 200
         for line in response.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
-                chunks.append(json.loads(line[len("data: "):]))
+                chunks.append(json.loads(line[len("data: ") :]))
     return chunks
 
 
@@ -82,8 +85,10 @@ def test_echo_logprobs_equal_transformers(server: LiveServer, reference: torch.n
     # The same prompt again is in the prefix cache, yet every position gets its logprob again.
     again = _completion(server, echo=True, logprobs=3, max_tokens=0)["choices"][0]["logprobs"]
     assert again["tokens"] == lp["tokens"]
-    assert all(a is None and b is None or math.isclose(a, b, abs_tol=1e-5)
-               for a, b in zip(again["token_logprobs"], lp["token_logprobs"]))
+    assert all(
+        a is None and b is None or math.isclose(a, b, abs_tol=1e-5)
+        for a, b in zip(again["token_logprobs"], lp["token_logprobs"])
+    )
     server.wait_idle()
 
 
@@ -111,7 +116,9 @@ def test_echo_streamed_equals_not_streamed(server: LiveServer) -> None:
         values = [t for c in mine for t in c["logprobs"]["token_logprobs"]]
         assert values[0] is None and len(values) == len(whole["logprobs"]["token_logprobs"])
         # Batched with the other choice, the float sums differ in the last bits.
-        assert all(math.isclose(a, b, abs_tol=1e-4) for a, b in zip(values[1:], whole["logprobs"]["token_logprobs"][1:]))
+        assert all(
+            math.isclose(a, b, abs_tol=1e-4) for a, b in zip(values[1:], whole["logprobs"]["token_logprobs"][1:])
+        )
     # Without logprobs, echo is the prompt text only.
     assert _completion(server, echo=True, max_tokens=2)["choices"][0]["text"].startswith(PROMPT)
     server.wait_idle()
@@ -136,8 +143,11 @@ def test_vllm_prompt_logprobs_on_both_routes(server: LiveServer) -> None:
     plain = _completion(server, max_tokens=1)["choices"][0]
     assert "prompt_logprobs" not in plain  # left out unless asked
 
-    chat = _post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell me a story."}],
-                                                  "prompt_logprobs": 0, "max_tokens": 2})
+    chat = _post(
+        server,
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "Tell me a story."}], "prompt_logprobs": 0, "max_tokens": 2},
+    )
     assert chat.status_code == 200, chat.text
     chat_entries = chat.json()["prompt_logprobs"]
     assert chat_entries[0] is None and len(chat_entries) == chat.json()["usage"]["prompt_tokens"]
@@ -171,8 +181,11 @@ def test_openai_client_echo(server: LiveServer) -> None:
     ("path", "body", "param"),
     [
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "echo": True}, "echo"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 99},
-         "prompt_logprobs"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 99},
+            "prompt_logprobs",
+        ),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
         ("/v1/completions", {"prompt": "hi", "prompt_logprobs": -1}, "prompt_logprobs"),
         ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),

@@ -26,19 +26,42 @@ NUM_CHOICES = 4
 @pytest.mark.timeout(900)
 def test_lm_eval_local_completions_multiple_choice(server: LiveServer, tiny_model_dir: Path, tmp_path: Path) -> None:
     before = server.wait_idle()
-    model_args = ",".join([
-        "model=tiny-llama",
-        f"base_url={server.url}/v1/completions",
-        f"tokenizer={tiny_model_dir}",
-        "tokenizer_backend=huggingface",
-        "num_concurrent=1",
-        "max_retries=1",
-    ])
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               HF_HOME=str(tmp_path / "hf"), OPENAI_API_KEY="unused")
-    command = [sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args", model_args,
-               "--tasks", "rill_mc", "--include_path", str(TASK_DIR), "--limit", str(NUM_DOCS),
-               "--output_path", str(tmp_path / "out"), "--log_samples"]
+    model_args = ",".join(
+        [
+            "model=tiny-llama",
+            f"base_url={server.url}/v1/completions",
+            f"tokenizer={tiny_model_dir}",
+            "tokenizer_backend=huggingface",
+            "num_concurrent=1",
+            "max_retries=1",
+        ]
+    )
+    env = dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        HF_HOME=str(tmp_path / "hf"),
+        OPENAI_API_KEY="unused",
+    )
+    command = [
+        sys.executable,
+        "-m",
+        "lm_eval",
+        "--model",
+        "local-completions",
+        "--model_args",
+        model_args,
+        "--tasks",
+        "rill_mc",
+        "--include_path",
+        str(TASK_DIR),
+        "--limit",
+        str(NUM_DOCS),
+        "--output_path",
+        str(tmp_path / "out"),
+        "--log_samples",
+    ]
     # The task's data_files path is relative: lm_eval runs in the task's folder.
     done = subprocess.run(command, cwd=TASK_DIR, env=env, capture_output=True, text=True, timeout=800)
     assert done.returncode == 0, done.stderr[-4000:]

@@ -31,8 +31,12 @@ async def test_tool_validators_are_built_in_the_grammar_pool(monkeypatch: pytest
     async with make_fake() as fake:
         reply_with(fake, CALL)
         other = {"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}
-        chat = {"messages": [{"role": "user", "content": "What is the weather in Paris?"}],
-                "tools": [WEATHER_TOOL, other], "tool_choice": "auto", "max_tokens": 200}
+        chat = {
+            "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+            "tools": [WEATHER_TOOL, other],
+            "tool_choice": "auto",
+            "max_tokens": 200,
+        }
         async with live_app(fake) as url, httpx.AsyncClient(base_url=url, timeout=60) as http:
             body = (await http.post("/v1/chat/completions", json=chat)).json()
     (choice,) = body["choices"]
@@ -88,8 +92,14 @@ async def test_a_scored_echo_is_built_off_the_event_loop(monkeypatch: pytest.Mon
 
     monkeypatch.setattr(session_module.ResponseSession, "_echo", recording)
     async with make_fake() as fake:
-        request = {"prompt": "Once upon a time, far away", "echo": True, "logprobs": 3, "max_tokens": 2,
-                   "stream": stream, **({} if stream else {"prompt_logprobs": 3})}
+        request = {
+            "prompt": "Once upon a time, far away",
+            "echo": True,
+            "logprobs": 3,
+            "max_tokens": 2,
+            "stream": stream,
+            **({} if stream else {"prompt_logprobs": 3}),
+        }
         async with live_app(fake) as url, httpx.AsyncClient(base_url=url, timeout=60) as http:
             reply = await http.post("/v1/completions", json=request)
     assert reply.status_code == 200 and "Once upon a time, far away" in reply.text, reply.text[:300]

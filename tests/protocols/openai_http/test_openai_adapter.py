@@ -73,8 +73,9 @@ class Fake:
 
 
 @contextlib.asynccontextmanager
-async def make_fake(config: EngineConfig | None = None, policy: PolicyConfig | None = None,
-                    **args: Any) -> AsyncIterator[Fake]:
+async def make_fake(
+    config: EngineConfig | None = None, policy: PolicyConfig | None = None, **args: Any
+) -> AsyncIterator[Fake]:
     """A ``Fake`` over ``fake_client`` (``args``: its keyword arguments), built as the server
     builds its client: with a submission policy of ``policy`` and the parts' metrics sink."""
     args.setdefault("max_len", MAX_CONTEXT)
@@ -146,7 +147,7 @@ async def sse_events(response: httpx.Response) -> list[Any]:
     events: list[Any] = []
     async for line in response.aiter_lines():
         if line.startswith("data: "):
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             events.append(data if data == "[DONE]" else json.loads(data))
         elif line.startswith(":"):
             events.append(":" + line[1:].strip())
@@ -187,8 +188,13 @@ async def test_completion_not_streamed(fake: Fake) -> None:
 
 
 async def test_chat_stream_event_order_and_usage(fake: Fake) -> None:
-    payload = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
-               "stream": True, "stream_options": {"include_usage": True}}
+    payload = {
+        "model": "fake-model",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 3,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     async with live_app(fake) as url, httpx.AsyncClient(base_url=url) as http:
         async with http.stream("POST", "/v1/chat/completions", json=payload) as r:
             assert r.status_code == 200
@@ -226,8 +232,9 @@ async def test_n_choices_with_seeds_and_stop(fake: Fake) -> None:
     stop = text[2:4]
     assert text.find(stop) == 2
     async with live_app(fake) as url, httpx.AsyncClient(base_url=url) as http:
-        r = await http.post("/v1/completions", json={"prompt": "q", "n": 3, "seed": 11, "max_tokens": 5,
-                                                     "stop": stop, "temperature": 0})
+        r = await http.post(
+            "/v1/completions", json={"prompt": "q", "n": 3, "seed": 11, "max_tokens": 5, "stop": stop, "temperature": 0}
+        )
         body = r.json()
     assert [c["index"] for c in body["choices"]] == [0, 1, 2]
     assert all(c["text"] == text[:2] and c["finish_reason"] == "stop" for c in body["choices"])
@@ -248,13 +255,27 @@ async def test_multiple_prompts_and_token_prompts(fake: Fake) -> None:
 
 
 async def test_sampling_fields_reach_the_engine(fake: Fake) -> None:
-    payload = {"prompt": "x", "temperature": 0.5, "top_p": 0.9, "top_k": 40, "min_p": 0.05, "presence_penalty": 0.5,
-               "frequency_penalty": 0.25, "repetition_penalty": 1.1, "seed": 3, "stop": ["a", "b"],
-               "max_tokens": 2, "logit_bias": {"42": -100}}
+    payload = {
+        "prompt": "x",
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "top_k": 40,
+        "min_p": 0.05,
+        "presence_penalty": 0.5,
+        "frequency_penalty": 0.25,
+        "repetition_penalty": 1.1,
+        "seed": 3,
+        "stop": ["a", "b"],
+        "max_tokens": 2,
+        "logit_bias": {"42": -100},
+    }
     async with live_app(fake) as url, httpx.AsyncClient(base_url=url) as http:
         assert (await http.post("/v1/completions", json=payload)).status_code == 200
-        chat = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
-                "max_completion_tokens": 4, "max_tokens": 9}
+        chat = {
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+            "max_completion_tokens": 4,
+            "max_tokens": 9,
+        }
         assert (await http.post("/v1/chat/completions", json=chat)).status_code == 200
     s = fake.requests[0].sampling
     assert (s.temperature, s.top_p, s.top_k, s.min_p, s.seed, s.max_tokens) == (0.5, 0.9, 40, 0.05, 3, 2)
@@ -278,9 +299,17 @@ async def test_default_max_tokens_is_the_rest_of_the_context_capped(fake: Fake) 
 async def test_logprobs_shapes(fake: Fake) -> None:
     async with live_app(fake) as url, httpx.AsyncClient(base_url=url) as http:
         comp = (await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "logprobs": 1})).json()
-        chat = (await http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
-                                                              "max_tokens": 2, "logprobs": True,
-                                                              "top_logprobs": 2})).json()
+        chat = (
+            await http.post(
+                "/v1/chat/completions",
+                json={
+                    "messages": [{"role": "user", "content": "x"}],
+                    "max_tokens": 2,
+                    "logprobs": True,
+                    "top_logprobs": 2,
+                },
+            )
+        ).json()
     lp = comp["choices"][0]["logprobs"]
     assert "".join(lp["tokens"]) == comp["choices"][0]["text"] and len(lp["tokens"]) == 2
     assert all(v <= 0 for v in lp["token_logprobs"])
@@ -296,6 +325,7 @@ async def test_logprobs_shapes(fake: Fake) -> None:
 
 
 # -- errors -----------------------------------------------------------------------------
+
 
 def _error(r: httpx.Response, status: int) -> dict:
     assert r.status_code == status, r.text
@@ -331,8 +361,9 @@ async def test_400_prompt_longer_than_context_names_both_lengths(fake: Fake) -> 
 async def test_400_chat_without_template(fake: Fake) -> None:
     async with make_fake(tokenizer=fake_tokenizer(with_chat_template=False)) as bare, live_app(bare) as url:
         async with httpx.AsyncClient(base_url=url) as http:
-            e = _error(await http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}),
-                       400)
+            e = _error(
+                await http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}), 400
+            )
     assert "chat template" in e["message"]
 
 
@@ -374,8 +405,12 @@ async def _429_queue_full_with_retry_after(fake: Fake, http: httpx.AsyncClient) 
     assert fake.client.stats().requests_finished_total == {"cancelled": 2}
     await http.post("/v1/completions", json={"prompt": "x", "temperature": -1})
     metrics = (await http.get("/metrics")).text
-    rejected = {s.labels["code"]: s.value for f in text_string_to_metric_families(metrics) for s in f.samples
-                if s.name == "rill_requests_rejected_total" and s.labels["protocol"] == "openai_http"}
+    rejected = {
+        s.labels["code"]: s.value
+        for f in text_string_to_metric_families(metrics)
+        for s in f.samples
+        if s.name == "rill_requests_rejected_total" and s.labels["protocol"] == "openai_http"
+    }
     assert rejected == {"queue_full": 1, "invalid_request": 1}
 
 
@@ -429,8 +464,9 @@ async def test_401_without_key_when_keys_are_set(fake: Fake, tmp_path: Any) -> N
         _error(await http.get("/metrics"), 401)
         assert (await http.get("/health")).status_code == 200
         for key in ("k1", "file-key"):
-            ok = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1},
-                                 headers={"Authorization": f"Bearer {key}"})
+            ok = await http.post(
+                "/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers={"Authorization": f"Bearer {key}"}
+            )
             assert ok.status_code == 200
     assert len(fake.requests) == 2
 
@@ -449,6 +485,7 @@ async def test_generation_error_mid_stream_is_an_error_event(fake: Fake) -> None
 
 # -- streaming life cycle -----------------------------------------------------------------
 
+
 async def test_keep_alive_comments_during_a_long_prefill(fake: Fake) -> None:
     held = fake.hold()
     async with live_app(fake, **{"http.sse_keepalive_s": 0.01}) as url, httpx.AsyncClient(base_url=url) as http:
@@ -458,7 +495,7 @@ async def test_keep_alive_comments_during_a_long_prefill(fake: Fake) -> None:
                 lines.append(line)
                 if line == ": keep-alive" and not held.is_set():
                     held.set()  # the first keep-alive ends the "prefill"
-    data = [line[len("data: "):] for line in lines if line.startswith("data: ")]
+    data = [line[len("data: ") :] for line in lines if line.startswith("data: ")]
     first_data = next(i for i, line in enumerate(lines) if line.startswith("data: "))
     assert ": keep-alive" in lines[:first_data]  # a comment came before any token
     assert len(joined([json.loads(d) for d in data[:-1]])) == 2
@@ -467,8 +504,9 @@ async def test_keep_alive_comments_during_a_long_prefill(fake: Fake) -> None:
 
 async def test_disconnect_mid_stream_aborts_at_once(fake: Fake) -> None:
     async with live_app(fake) as url, httpx.AsyncClient(base_url=url) as http:
-        async with http.stream("POST", "/v1/completions", json={"prompt": "x", "max_tokens": 100_000,
-                                                                "stream": True}) as r:
+        async with http.stream(
+            "POST", "/v1/completions", json={"prompt": "x", "max_tokens": 100_000, "stream": True}
+        ) as r:
             async for line in r.aiter_lines():
                 if line.startswith("data:"):
                     break  # leave after the first token
@@ -491,8 +529,11 @@ async def test_disconnect_before_first_token_aborts_without_a_write(fake: Fake, 
             held = fake.hold()
             async with httpx.AsyncClient(base_url=url) as http:
                 task = asyncio.create_task(http.post("/v1/completions", json={"prompt": "x", "stream": stream}))
-                await wait_until(lambda: len(fake.requests) == num and fake.client.stats().num_running == 1,  # noqa: B023
-                                 attempts=1000, interval_s=0.005)
+                await wait_until(
+                    lambda: len(fake.requests) == num and fake.client.stats().num_running == 1,  # noqa: B023
+                    attempts=1000,
+                    interval_s=0.005,
+                )
                 task.cancel()  # closes the connection
                 with pytest.raises(asyncio.CancelledError):
                     await task
@@ -505,8 +546,11 @@ async def test_disconnect_before_first_token_aborts_without_a_write(fake: Fake, 
 
 async def test_many_disconnects_leave_nothing_running(fake: Fake) -> None:
     async def one(http: httpx.AsyncClient, probe: bool = False) -> float:
-        async with http.stream("POST", "/v1/chat/completions", json={
-                "messages": [{"role": "user", "content": "x"}], "max_tokens": 100_000, "stream": True}) as r:
+        async with http.stream(
+            "POST",
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 100_000, "stream": True},
+        ) as r:
             async for line in r.aiter_lines():
                 if '"content":"' in line and '"content":""' not in line:
                     break
@@ -527,17 +571,23 @@ async def test_many_disconnects_leave_nothing_running(fake: Fake) -> None:
     families = {f.name: f for f in text_string_to_metric_families(metrics)}
     assert families["rill_num_requests_running"].samples[0].value == 0
     assert families["rill_kv_cache_used_bytes"].samples[0].value == 0
-    cancelled = [s for s in families["rill_requests"].samples
-                 if s.name == "rill_requests_total" and s.labels["finish_reason"] == "cancelled"]
+    cancelled = [
+        s
+        for s in families["rill_requests"].samples
+        if s.name == "rill_requests_total" and s.labels["finish_reason"] == "cancelled"
+    ]
     assert cancelled[0].value == 100 and cancelled[0].labels["protocol"] == "openai_http"
     assert used_while_live > 0
 
 
-@pytest.mark.parametrize("body", [
-    b'{"prompt": "\xff\xfe"}',  # not UTF-8: was a 500 (UnicodeDecodeError)
-    b'{"prompt": "x", "logit_bias": ' + b"[" * 5000 + b"]" * 5000 + b"}",  # was a 500 (RecursionError)
-    b'{"prompt": "\\ud800"}',
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"prompt": "\xff\xfe"}',  # not UTF-8: was a 500 (UnicodeDecodeError)
+        b'{"prompt": "x", "logit_bias": ' + b"[" * 5000 + b"]" * 5000 + b"}",  # was a 500 (RecursionError)
+        b'{"prompt": "\\ud800"}',
+    ],
+)
 async def test_hostile_bodies_are_400s_not_500s(fake: Fake, body: bytes) -> None:
     async with live_app(fake) as url, httpx.AsyncClient(base_url=url) as http:
         for path in ("/v1/completions", "/v1/chat/completions"):
@@ -550,8 +600,13 @@ async def test_hostile_bodies_are_400s_not_500s(fake: Fake, body: bytes) -> None
 
 # -- a tool call written as a JSON object (tool_choice auto) ------------------------------------
 
-WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
 
 
@@ -566,8 +621,13 @@ def reply_with(fake: Fake, text: str) -> None:
 
 
 def _weather_chat(**fields: Any) -> dict[str, Any]:
-    return {"messages": [{"role": "user", "content": "What is the weather in Paris?"}], "tools": [WEATHER_TOOL],
-            "tool_choice": "auto", "max_tokens": 200, **fields}
+    return {
+        "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+        "tools": [WEATHER_TOOL],
+        "tool_choice": "auto",
+        "max_tokens": 200,
+        **fields,
+    }
 
 
 async def test_a_reply_that_is_only_a_fenced_call_comes_back_as_tool_calls(fake: Fake) -> None:

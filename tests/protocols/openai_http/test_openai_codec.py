@@ -41,6 +41,7 @@ def _chat(**fields: object) -> ChatCompletionRequest:
 
 # -- decoding ----------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize(
     ("body", "field", "words"),
     [
@@ -115,6 +116,7 @@ def test_model_check() -> None:
 
 # -- max tokens and sampling ---------------------------------------------------------------
 
+
 def test_max_tokens_asked_before_the_context_lowers_it() -> None:
     # What remains of the context, and the server's cap, are the policy's to apply.
     assert codec.max_tokens_asked(_completion()) == MAX_TOKENS_LIMIT  # the whole rest of the context
@@ -160,8 +162,12 @@ def test_choices_over_the_server_bound_are_refused() -> None:
 
 @pytest.mark.parametrize(
     ("fields", "field"),
-    [({"echo": True}, "echo"), ({"prompt_logprobs": -1}, "prompt_logprobs"), ({"prompt_logprobs": 21}, "prompt_logprobs"),
-     ({"prompt_logprobs": 2, "stream": True}, "prompt_logprobs")],
+    [
+        ({"echo": True}, "echo"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"prompt_logprobs": 2, "stream": True}, "prompt_logprobs"),
+    ],
 )
 def test_chat_prompt_logprobs_and_echo_errors(fields: dict, field: str) -> None:
     with pytest.raises(errors.InvalidRequest) as caught:
@@ -170,8 +176,11 @@ def test_chat_prompt_logprobs_and_echo_errors(fields: dict, field: str) -> None:
 
 
 def test_sampling_mapping() -> None:
-    params = _admitted(_completion(temperature=0, top_k=-1, stop="END", logit_bias={"5": 2.5}, logprobs=3, seed=9,
-                                   min_tokens=2, max_tokens=8))
+    params = _admitted(
+        _completion(
+            temperature=0, top_k=-1, stop="END", logit_bias={"5": 2.5}, logprobs=3, seed=9, min_tokens=2, max_tokens=8
+        )
+    )
     # -1 is "off" (the engine's rule on every protocol), passed through as /generate does.
     assert (params.temperature, params.top_k, params.stop, params.logit_bias) == (0, -1, ["END"], {5: 2.5})
     assert (params.logprobs, params.seed, params.max_tokens, params.min_tokens) == (3, 9, 8, 2)
@@ -236,13 +245,20 @@ def test_only_parameter_errors_are_renamed() -> None:
 
 # -- chat messages -----------------------------------------------------------------------
 
+
 def test_chat_text_parts_are_joined_and_none_fields_dropped() -> None:
-    req = _chat(messages=[{"role": "system", "content": "be brief"},
-                          {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])
+    req = _chat(
+        messages=[
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        ]
+    )
     messages = codec.chat_messages(req, SERVED)
     assert [m.content for m in messages] == ["be brief", "a\nb"]
-    assert codec.template_messages(messages) == [{"role": "system", "content": "be brief"},
-                                                  {"role": "user", "content": "a\nb"}]
+    assert codec.template_messages(messages) == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "a\nb"},
+    ]
     tools = [{"type": "function", "function": {"name": "f"}}]
     req = _chat(tools=tools, chat_template_kwargs={"x": 1})
     # tools go to the template as its own variable, not as a kwarg (which the renderer reserves)
@@ -251,29 +267,51 @@ def test_chat_text_parts_are_joined_and_none_fields_dropped() -> None:
 
 
 def test_tool_messages_round_trip_for_templates() -> None:
-    req = _chat(messages=[
-        {"role": "user", "content": "weather?"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "w", "arguments": '{"city": "Oslo"}'}}]},
-        {"role": "tool", "content": None, "tool_call_id": "c1"},
-    ])
+    req = _chat(
+        messages=[
+            {"role": "user", "content": "weather?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "w", "arguments": '{"city": "Oslo"}'}}
+                ],
+            },
+            {"role": "tool", "content": None, "tool_call_id": "c1"},
+        ]
+    )
     plain = codec.template_messages(codec.chat_messages(req, SERVED))
-    assert plain[1] == {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "c1", "type": "function", "function": {"name": "w", "arguments": {"city": "Oslo"}}}]}
+    assert plain[1] == {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "w", "arguments": {"city": "Oslo"}}}],
+    }
     assert plain[2] == {"role": "tool", "content": "", "tool_call_id": "c1"}
     bad = _chat(messages=[{"role": "assistant", "tool_calls": [{"function": {"name": "w", "arguments": "{oops"}}]}])
     with pytest.raises(errors.InvalidRequest, match="not valid JSON"):
         codec.chat_messages(bad, SERVED)
 
 
-@pytest.mark.parametrize(("body", "needle"), [
-    ({"tools": [{"type": "function"}]}, "tools[0]"),
-    ({"tools": [{"type": "function", "function": {"name": ""}}]}, "name"),
-    ({"tool_choice": "required"}, "needs 'tools'"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "'g'"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "sometimes"}, "tool_choice must be"),
-    ({"chat_template_kwargs": {"tools": []}}, "'tools'"),
-])
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        ({"tools": [{"type": "function"}]}, "tools[0]"),
+        ({"tools": [{"type": "function", "function": {"name": ""}}]}, "name"),
+        ({"tool_choice": "required"}, "needs 'tools'"),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": {"type": "function", "function": {"name": "g"}},
+            },
+            "'g'",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "sometimes"},
+            "tool_choice must be",
+        ),
+        ({"chat_template_kwargs": {"tools": []}}, "'tools'"),
+    ],
+)
 def test_bad_tools_are_400s_naming_the_field(body: dict, needle: str) -> None:
     with pytest.raises(errors.InvalidRequest) as caught:
         req = codec.decode_chat(json.dumps({"messages": [{"role": "user", "content": "x"}], **body}).encode())
@@ -282,8 +320,13 @@ def test_bad_tools_are_400s_naming_the_field(body: dict, needle: str) -> None:
     assert caught.value.field in ("tools", "tool_choice", "chat_template_kwargs")
 
 
-WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 
 
 def test_text_call_check_validates_names_and_arguments_against_the_schemas() -> None:
@@ -296,30 +339,39 @@ def test_text_call_check_validates_names_and_arguments_against_the_schemas() -> 
     assert check("now", {}) and check("now", {"any": 1}), "no parameters: any object"
 
 
-@pytest.mark.parametrize("parameters", [
-    {"type": 5},
-    {"$ref": "https://example.invalid/schema.json"},
-    # A client's regex would run on the event loop with Python's backtracking re.
-    {"type": "object", "properties": {"s": {"type": "string", "pattern": "^(a+)+$"}}},
-    {"type": "object", "$defs": {"x": {"patternProperties": {"(a|a)+": {}}}}},
-])
+@pytest.mark.parametrize(
+    "parameters",
+    [
+        {"type": 5},
+        {"$ref": "https://example.invalid/schema.json"},
+        # A client's regex would run on the event loop with Python's backtracking re.
+        {"type": "object", "properties": {"s": {"type": "string", "pattern": "^(a+)+$"}}},
+        {"type": "object", "$defs": {"x": {"patternProperties": {"(a|a)+": {}}}}},
+    ],
+)
 def test_text_call_check_accepts_nothing_for_a_schema_it_cannot_use(parameters: dict) -> None:
     tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
     check = tools.text_call_check(_chat(tools=[tool]))
     assert check is not None and not check("f", {})
 
 
-@pytest.mark.parametrize(("fields", "is_checked"), [
-    ({}, True),
-    ({"tool_choice": "auto"}, True),
-    ({"response_format": {"type": "text"}}, True),
-    ({"tool_choice": "none"}, False),
-    ({"tool_choice": "required"}, False),
-    ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, False),
-    ({"response_format": {"type": "json_object"}}, False),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}}, False),
-    ({"structured_outputs": {"json_object": True}}, False),
-])
+@pytest.mark.parametrize(
+    ("fields", "is_checked"),
+    [
+        ({}, True),
+        ({"tool_choice": "auto"}, True),
+        ({"response_format": {"type": "text"}}, True),
+        ({"tool_choice": "none"}, False),
+        ({"tool_choice": "required"}, False),
+        ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, False),
+        ({"response_format": {"type": "json_object"}}, False),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}},
+            False,
+        ),
+        ({"structured_outputs": {"json_object": True}}, False),
+    ],
+)
 def test_text_calls_only_at_tool_choice_auto_and_never_when_json_is_asked_for(fields: dict, is_checked: bool) -> None:
     assert (tools.text_call_check(_chat(tools=[WEATHER_TOOL], **fields)) is not None) is is_checked
     if "tool_choice" not in fields:
@@ -343,6 +395,7 @@ def test_chat_without_template_is_a_clear_400() -> None:
 
 
 # -- errors ------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize(
     ("exc", "status", "kind", "code"),
@@ -395,8 +448,11 @@ def test_pure_modules_import_no_io_engine_or_frontend() -> None:
     for name in ("messages", "codec", "session"):
         tree = ast.parse((Path(package.__file__).parent / f"{name}.py").read_text())
         for node in ast.walk(tree):
-            modules = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            modules = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else ([node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            )
             for module in modules:
                 assert not module.startswith(forbidden), f"{name}.py imports {module}"
             assert not isinstance(node, (ast.Await, ast.AsyncFunctionDef)), f"{name}.py awaits"

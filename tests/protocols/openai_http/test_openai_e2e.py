@@ -50,9 +50,16 @@ def test_openai_client_lists_streams_and_gets_usage(server: LiveServer) -> None:
     # Sampled (temperature 1) from a random model: without ignore_eos an early end-of-sequence
     # token (~1 % of such 8-token replies) would break the exact counts below.
     no_eos = {"ignore_eos": True}
-    chunks = list(client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "Tell me about rivers."}], max_tokens=8,
-        stream=True, stream_options={"include_usage": True}, extra_body=no_eos))
+    chunks = list(
+        client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "Tell me about rivers."}],
+            max_tokens=8,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=no_eos,
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
     assert chunks[-1].usage.completion_tokens == 8
@@ -60,17 +67,27 @@ def test_openai_client_lists_streams_and_gets_usage(server: LiveServer) -> None:
     assert [c.choices[0].finish_reason for c in chunks[:-1]][-1] == "length"
     streamed_chat = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
-    pieces = list(client.completions.create(model=model, prompt="The river", max_tokens=6, stream=True,
-                                            stream_options={"include_usage": True}, extra_body=no_eos))
+    pieces = list(
+        client.completions.create(
+            model=model,
+            prompt="The river",
+            max_tokens=6,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=no_eos,
+        )
+    )
     assert pieces[-1].usage is not None and pieces[-1].usage.completion_tokens == 6
     assert pieces[-2].choices[0].finish_reason == "length"
     streamed_text = "".join(p.choices[0].text for p in pieces if p.choices)
 
     # Greedy runs repeat: the non-streamed answers equal the streamed ones.
-    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Tell me about rivers."}],
-                                          max_tokens=8, temperature=0)
-    again = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Tell me about rivers."}],
-                                           max_tokens=8, temperature=0)
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Tell me about rivers."}], max_tokens=8, temperature=0
+    )
+    again = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Tell me about rivers."}], max_tokens=8, temperature=0
+    )
     assert chat.choices[0].message.content == again.choices[0].message.content
     assert chat.usage is not None and chat.usage.completion_tokens == 8
     text = client.completions.create(model=model, prompt="The river", max_tokens=6, temperature=0)
@@ -121,8 +138,9 @@ def test_keys_and_limits_on_a_served_instance(tiny_model_dir: Path) -> None:
         assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
         client = _openai(live, key="sesame")
         assert client.models.list().data
-        big = httpx.post(f"{live.url}/v1/completions", json={"prompt": "x" * 5000},
-                         headers={"Authorization": "Bearer sesame"})
+        big = httpx.post(
+            f"{live.url}/v1/completions", json={"prompt": "x" * 5000}, headers={"Authorization": "Bearer sesame"}
+        )
         assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
     finally:
         live.stop()
@@ -144,9 +162,11 @@ def test_503_while_the_model_loads(tiny_model_dir: Path, monkeypatch: pytest.Mon
     try:
         health = httpx.get(f"{live.url}/health")
         assert health.status_code == 503 and health.json()["status"] == "loading"
-        for response in (httpx.post(f"{live.url}/v1/completions", json={"prompt": "x"}),
-                         httpx.post(f"{live.url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}),
-                         httpx.get(f"{live.url}/v1/models")):
+        for response in (
+            httpx.post(f"{live.url}/v1/completions", json={"prompt": "x"}),
+            httpx.post(f"{live.url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}),
+            httpx.get(f"{live.url}/v1/models"),
+        ):
             assert response.status_code == 503
             assert response.json()["error"]["code"] == "model_loading"
             assert response.headers["retry-after"] == "1"
@@ -188,8 +208,11 @@ async def test_429_when_the_queue_is_full(tiny_model_dir: Path) -> None:
 
 async def test_hundred_disconnects_leave_no_running_request_and_no_kv(server: LiveServer) -> None:
     async def leave_after_first_token(http: httpx.AsyncClient) -> None:
-        async with http.stream("POST", "/v1/completions", json={"prompt": "Tell a long story", "max_tokens": 400,
-                                                                "stream": True, "ignore_eos": True}) as r:
+        async with http.stream(
+            "POST",
+            "/v1/completions",
+            json={"prompt": "Tell a long story", "max_tokens": 400, "stream": True, "ignore_eos": True},
+        ) as r:
             assert r.status_code == 200
             async for line in r.aiter_lines():
                 if line.startswith("data: {"):
@@ -212,13 +235,18 @@ async def test_hundred_disconnects_leave_no_running_request_and_no_kv(server: Li
 
 def test_metrics_parse_and_histograms_count_the_requests(server: LiveServer) -> None:
     labels = (("protocol", "openai_http"),)
-    names = ["rill_time_to_first_token_seconds_count", "rill_e2e_request_latency_seconds_count",
-             "rill_request_queue_time_seconds_count"]
+    names = [
+        "rill_time_to_first_token_seconds_count",
+        "rill_e2e_request_latency_seconds_count",
+        "rill_request_queue_time_seconds_count",
+    ]
     before = _samples(httpx.get(f"{server.url}/metrics").text)
     client = _openai(server)
     model = client.models.list().data[0].id
     for i in range(3):
-        done = client.completions.create(model=model, prompt=f"metrics {i}", max_tokens=4, extra_body={"ignore_eos": True})
+        done = client.completions.create(
+            model=model, prompt=f"metrics {i}", max_tokens=4, extra_body={"ignore_eos": True}
+        )
         assert done.usage.completion_tokens == 4
     server.wait_idle()
     response = httpx.get(f"{server.url}/metrics")
@@ -228,10 +256,19 @@ def test_metrics_parse_and_histograms_count_the_requests(server: LiveServer) -> 
         assert after[(name, labels)] - before.get((name, labels), 0) == 3, name
     itl = "rill_inter_token_latency_seconds_count"
     assert after[(itl, labels)] - before.get((itl, labels), 0) == 3 * 3  # 4 tokens → 3 gaps each
-    for name in ("rill_num_requests_running", "rill_num_requests_waiting", "rill_num_requests_paused",
-                 "rill_kv_cache_usage_perc", "rill_kv_cache_used_bytes", "rill_kv_cache_capacity_bytes",
-                 "rill_prefix_cache_hit_ratio", "rill_prefix_cache_hits_total", "rill_prefix_cache_queries_total",
-                 "rill_prompt_tokens_total", "rill_generation_tokens_total"):
+    for name in (
+        "rill_num_requests_running",
+        "rill_num_requests_waiting",
+        "rill_num_requests_paused",
+        "rill_kv_cache_usage_perc",
+        "rill_kv_cache_used_bytes",
+        "rill_kv_cache_capacity_bytes",
+        "rill_prefix_cache_hit_ratio",
+        "rill_prefix_cache_hits_total",
+        "rill_prefix_cache_queries_total",
+        "rill_prompt_tokens_total",
+        "rill_generation_tokens_total",
+    ):
         assert (name, ()) in after, name
     assert after[("rill_generation_tokens_total", ())] - before[("rill_generation_tokens_total", ())] == 12
     assert after[("rill_kv_cache_capacity_bytes", ())] > 0
@@ -240,13 +277,21 @@ def test_metrics_parse_and_histograms_count_the_requests(server: LiveServer) -> 
 # What vLLM's published Grafana dashboard (examples/online_serving/prometheus_grafana) and
 # its newer KV gauge read, with the Prometheus type each must have.
 VLLM_DASHBOARD = {
-    "vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge", "vllm:kv_cache_usage_perc": "gauge",
-    "vllm:prompt_tokens_total": "counter", "vllm:generation_tokens_total": "counter",
-    "vllm:request_success_total": "counter", "vllm:time_to_first_token_seconds": "histogram",
-    "vllm:time_per_output_token_seconds": "histogram", "vllm:inter_token_latency_seconds": "histogram",
-    "vllm:e2e_request_latency_seconds": "histogram", "vllm:request_queue_time_seconds": "histogram",
-    "vllm:request_prefill_time_seconds": "histogram", "vllm:request_decode_time_seconds": "histogram",
-    "vllm:request_prompt_tokens": "histogram", "vllm:request_generation_tokens": "histogram",
+    "vllm:num_requests_running": "gauge",
+    "vllm:num_requests_waiting": "gauge",
+    "vllm:kv_cache_usage_perc": "gauge",
+    "vllm:prompt_tokens_total": "counter",
+    "vllm:generation_tokens_total": "counter",
+    "vllm:request_success_total": "counter",
+    "vllm:time_to_first_token_seconds": "histogram",
+    "vllm:time_per_output_token_seconds": "histogram",
+    "vllm:inter_token_latency_seconds": "histogram",
+    "vllm:e2e_request_latency_seconds": "histogram",
+    "vllm:request_queue_time_seconds": "histogram",
+    "vllm:request_prefill_time_seconds": "histogram",
+    "vllm:request_decode_time_seconds": "histogram",
+    "vllm:request_prompt_tokens": "histogram",
+    "vllm:request_generation_tokens": "histogram",
     "vllm:request_max_num_generation_tokens": "histogram",
 }
 
@@ -264,8 +309,9 @@ def test_vllm_dashboard_names_after_one_relabel(server: LiveServer) -> None:
     model = client.models.list().data[0].id
     prompt_tokens = httpx.post(f"{server.url}/tokenize", json={"prompt": "dashboards"}).json()["count"]
     for _ in range(2):
-        done = client.completions.create(model=model, prompt="dashboards", max_tokens=5,
-                                          extra_body={"ignore_eos": True})
+        done = client.completions.create(
+            model=model, prompt="dashboards", max_tokens=5, extra_body={"ignore_eos": True}
+        )
         assert done.usage is not None and done.usage.prompt_tokens == prompt_tokens
     server.wait_idle()
     text = httpx.get(f"{server.url}/metrics").text

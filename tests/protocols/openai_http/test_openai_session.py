@@ -22,10 +22,17 @@ CASES = json.loads((Path(__file__).parent / "vectors" / "session.json").read_tex
 
 
 def _session(case: dict[str, Any]) -> ResponseSession:
-    return ResponseSession(kind=Kind.CHAT if case["kind"] == "chat" else Kind.COMPLETION, response_id="id-1",
-                           created=1, model="m", num_choices=case["num_choices"], n=case["n"],
-                           include_usage=case["include_usage"], logprobs=case["logprobs"],
-                           token_text=lambda token_id: f"<{token_id}>")
+    return ResponseSession(
+        kind=Kind.CHAT if case["kind"] == "chat" else Kind.COMPLETION,
+        response_id="id-1",
+        created=1,
+        model="m",
+        num_choices=case["num_choices"],
+        n=case["n"],
+        include_usage=case["include_usage"],
+        logprobs=case["logprobs"],
+        token_text=lambda token_id: f"<{token_id}>",
+    )
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
@@ -57,7 +64,7 @@ def test_outputs_with_nothing_to_show_produce_no_event() -> None:
 def test_outside_failure_is_reported_once() -> None:
     session = _session({"kind": "chat", "num_choices": 2, "n": 2, "include_usage": True, "logprobs": None})
     (event,) = session.fail(EngineDead("the engine stopped"))
-    assert json.loads(event.decode()[len("data: "):])["error"]["code"] == "engine_dead"
+    assert json.loads(event.decode()[len("data: ") :])["error"]["code"] == "engine_dead"
     assert session.fail(EngineDead()) == []
     assert session.on_output(0, RequestOutput(request_id="r", text="late")) == []
     assert session.end() == [b"data: [DONE]\n\n"]  # no usage chunk after a failure
@@ -66,16 +73,22 @@ def test_outside_failure_is_reported_once() -> None:
 def test_unexpected_failure_text_is_not_shown() -> None:
     session = _session({"kind": "completion", "num_choices": 1, "n": 1, "include_usage": False, "logprobs": None})
     (event,) = session.fail(RuntimeError("secret detail /etc/passwd"))
-    error = json.loads(event.decode()[len("data: "):])["error"]
+    error = json.loads(event.decode()[len("data: ") :])["error"]
     assert "secret" not in error["message"] and error["code"] == "internal_error"
 
 
-CALL_TEXT = ['Checking.\n<tool_', 'call>\n{"name": "get_weather", "argu', 'ments": {"city": "Pa', 'ris"}}\n</tool_call>']
+CALL_TEXT = [
+    "Checking.\n<tool_",
+    'call>\n{"name": "get_weather", "argu',
+    'ments": {"city": "Pa',
+    'ris"}}\n</tool_call>',
+]
 
 
 def _tool_session() -> ResponseSession:
-    return ResponseSession(kind=Kind.CHAT, response_id="id-1", created=1, model="m", num_choices=1,
-                           tool_format="hermes")
+    return ResponseSession(
+        kind=Kind.CHAT, response_id="id-1", created=1, model="m", num_choices=1, tool_format="hermes"
+    )
 
 
 def test_tool_calls_stream_as_openai_does() -> None:
@@ -101,7 +114,9 @@ def test_tool_calls_in_a_body() -> None:
     session = _tool_session()
     for i, text in enumerate(CALL_TEXT):
         last = i == len(CALL_TEXT) - 1
-        session.on_output(0, RequestOutput(request_id="r", text=text, finished=last, finish_reason="stop" if last else None))
+        session.on_output(
+            0, RequestOutput(request_id="r", text=text, finished=last, finish_reason="stop" if last else None)
+        )
     choice = json.loads(session.body())["choices"][0]
     assert choice["finish_reason"] == "tool_calls"
     assert choice["message"]["content"] == "Checking.\n"
@@ -118,15 +133,22 @@ def test_text_without_a_call_keeps_stop() -> None:
     assert "tool_calls" not in choice["message"]
 
 
-FENCED_CALL = ['```json\n{"name": "get_weather", "argu', 'ments": {"city": "Paris"}}\n``', '`\n']
+FENCED_CALL = ['```json\n{"name": "get_weather", "argu', 'ments": {"city": "Paris"}}\n``', "`\n"]
 
 
 def _text_call_session() -> ResponseSession:
     def is_declared(name: str, arguments: dict) -> bool:
         return name == "get_weather" and isinstance(arguments.get("city"), str)
 
-    return ResponseSession(kind=Kind.CHAT, response_id="id-1", created=1, model="m", num_choices=1,
-                           tool_format="hermes", text_calls=is_declared)
+    return ResponseSession(
+        kind=Kind.CHAT,
+        response_id="id-1",
+        created=1,
+        model="m",
+        num_choices=1,
+        tool_format="hermes",
+        text_calls=is_declared,
+    )
 
 
 def test_a_reply_that_is_only_a_fenced_call_streams_as_a_call() -> None:
@@ -169,91 +191,183 @@ def test_a_fenced_call_with_prose_stays_the_answer() -> None:
 
 # -- echo, prompt logprobs and best_of ----------------------------------------------------------
 
+
 def _prompt_logprobs() -> list[TokenLogprob | None]:
     # Prompt [7, 8, 9]: token 8 was the 2nd most likely (after 4), token 9 the most likely.
-    return [None, TokenLogprob(token_id=8, logprob=-1.5, rank=2, top=[TopLogprob(4, -0.5), TopLogprob(5, -2.0)]),
-            TokenLogprob(token_id=9, logprob=-0.1, rank=1, top=[TopLogprob(6, -3.0), TopLogprob(4, -4.0)])]
+    return [
+        None,
+        TokenLogprob(token_id=8, logprob=-1.5, rank=2, top=[TopLogprob(4, -0.5), TopLogprob(5, -2.0)]),
+        TokenLogprob(token_id=9, logprob=-0.1, rank=1, top=[TopLogprob(6, -3.0), TopLogprob(4, -4.0)]),
+    ]
 
 
 def _echo_session(stream_logprobs: int | None, prompt_logprobs: int | None = None) -> ResponseSession:
-    return ResponseSession(kind=Kind.COMPLETION, response_id="id-1", created=1, model="m", num_choices=1,
-                           logprobs=stream_logprobs, token_text=lambda token_id: f"<{token_id}>",
-                           echo=[EchoPrompt(text="<7><8><9>", token_ids=[7, 8, 9])], prompt_logprobs=prompt_logprobs)
+    return ResponseSession(
+        kind=Kind.COMPLETION,
+        response_id="id-1",
+        created=1,
+        model="m",
+        num_choices=1,
+        logprobs=stream_logprobs,
+        token_text=lambda token_id: f"<{token_id}>",
+        echo=[EchoPrompt(text="<7><8><9>", token_ids=[7, 8, 9])],
+        prompt_logprobs=prompt_logprobs,
+    )
 
 
 def _data(event: bytes) -> dict[str, Any]:
-    return json.loads(event.decode()[len("data: "):])
+    return json.loads(event.decode()[len("data: ") :])
 
 
 def test_streamed_echo_waits_for_the_prompt_logprobs_then_leads_the_first_chunk() -> None:
     session = _echo_session(1)
     assert session.on_output(0, RequestOutput(request_id="r", events=[])) == []  # queued: nothing to show yet
-    first = RequestOutput(request_id="r", text="<3>", token_ids=[3], prompt_logprobs=_prompt_logprobs(),
-                          logprobs=[TokenLogprob(token_id=3, logprob=-0.7, top=[TopLogprob(2, -0.2)])])
+    first = RequestOutput(
+        request_id="r",
+        text="<3>",
+        token_ids=[3],
+        prompt_logprobs=_prompt_logprobs(),
+        logprobs=[TokenLogprob(token_id=3, logprob=-0.7, top=[TopLogprob(2, -0.2)])],
+    )
     [event] = session.on_output(0, first)
     choice = _data(event)["choices"][0]
     assert choice["text"] == "<7><8><9><3>"
     lp = choice["logprobs"]
     assert lp["tokens"] == ["<7>", "<8>", "<9>", "<3>"]
     assert lp["token_logprobs"] == [None, -1.5, -0.1, -0.7]
-    assert lp["top_logprobs"] == [None, {"<4>": -0.5, "<8>": -1.5}, {"<9>": -0.1, "<6>": -3.0},
-                                  {"<2>": -0.2, "<3>": -0.7}]
+    assert lp["top_logprobs"] == [
+        None,
+        {"<4>": -0.5, "<8>": -1.5},
+        {"<9>": -0.1, "<6>": -3.0},
+        {"<2>": -0.2, "<3>": -0.7},
+    ]
     assert lp["text_offset"] == [0, 3, 6, 9]
-    [event] = session.on_output(0, RequestOutput(request_id="r", text="<5>", token_ids=[5], finished=True,
-                                                 finish_reason="length",
-                                                 logprobs=[TokenLogprob(token_id=5, logprob=-1.0)]))
+    [event] = session.on_output(
+        0,
+        RequestOutput(
+            request_id="r",
+            text="<5>",
+            token_ids=[5],
+            finished=True,
+            finish_reason="length",
+            logprobs=[TokenLogprob(token_id=5, logprob=-1.0)],
+        ),
+    )
     assert _data(event)["choices"][0]["logprobs"]["text_offset"] == [12]
 
 
 def test_a_choice_is_held_until_its_prompts_logprobs_arrive_with_the_first_candidate() -> None:
-    session = ResponseSession(kind=Kind.COMPLETION, response_id="id-1", created=1, model="m", num_choices=2, n=2,
-                              logprobs=0, token_text=lambda token_id: f"<{token_id}>",
-                              echo=[EchoPrompt(text="<7><8><9>", token_ids=[7, 8, 9])])
+    session = ResponseSession(
+        kind=Kind.COMPLETION,
+        response_id="id-1",
+        created=1,
+        model="m",
+        num_choices=2,
+        n=2,
+        logprobs=0,
+        token_text=lambda token_id: f"<{token_id}>",
+        echo=[EchoPrompt(text="<7><8><9>", token_ids=[7, 8, 9])],
+    )
     # The second candidate asks no prompt logprobs: its tokens (even its end) wait for the first's.
-    assert session.on_output(1, RequestOutput(request_id="b", text="<3>", token_ids=[3],
-                                              logprobs=[TokenLogprob(token_id=3, logprob=-0.7)])) == []
-    assert session.on_output(1, RequestOutput(request_id="b", text="<4>", token_ids=[4], finished=True,
-                                              finish_reason="length",
-                                              logprobs=[TokenLogprob(token_id=4, logprob=-0.9)])) == []
-    events = session.on_output(0, RequestOutput(request_id="a", text="<5>", token_ids=[5],
-                                                prompt_logprobs=_prompt_logprobs(),
-                                                logprobs=[TokenLogprob(token_id=5, logprob=-0.2)]))
+    assert (
+        session.on_output(
+            1,
+            RequestOutput(request_id="b", text="<3>", token_ids=[3], logprobs=[TokenLogprob(token_id=3, logprob=-0.7)]),
+        )
+        == []
+    )
+    assert (
+        session.on_output(
+            1,
+            RequestOutput(
+                request_id="b",
+                text="<4>",
+                token_ids=[4],
+                finished=True,
+                finish_reason="length",
+                logprobs=[TokenLogprob(token_id=4, logprob=-0.9)],
+            ),
+        )
+        == []
+    )
+    events = session.on_output(
+        0,
+        RequestOutput(
+            request_id="a",
+            text="<5>",
+            token_ids=[5],
+            prompt_logprobs=_prompt_logprobs(),
+            logprobs=[TokenLogprob(token_id=5, logprob=-0.2)],
+        ),
+    )
     first, second = (_data(e)["choices"][0] for e in events)
     assert (first["index"], first["text"], first["finish_reason"]) == (0, "<7><8><9><5>", None)
     assert (second["index"], second["text"], second["finish_reason"]) == (1, "<7><8><9><3><4>", "length")
     assert second["logprobs"]["token_logprobs"] == [None, -1.5, -0.1, -0.7, -0.9]
     assert second["logprobs"]["text_offset"] == [0, 3, 6, 9, 12]
-    [event] = session.on_output(0, RequestOutput(request_id="a", text="<6>", token_ids=[6], finished=True,
-                                                 finish_reason="length",
-                                                 logprobs=[TokenLogprob(token_id=6, logprob=-0.3)]))
+    [event] = session.on_output(
+        0,
+        RequestOutput(
+            request_id="a",
+            text="<6>",
+            token_ids=[6],
+            finished=True,
+            finish_reason="length",
+            logprobs=[TokenLogprob(token_id=6, logprob=-0.3)],
+        ),
+    )
     assert _data(event)["choices"][0]["text"] == "<6>" and _data(event)["choices"][0]["logprobs"]["text_offset"] == [12]
     assert session.is_done
 
 
 def test_vllm_prompt_logprobs_rank_alternatives_around_the_prompt_token() -> None:
     session = _echo_session(None, prompt_logprobs=2)
-    session.on_output(0, RequestOutput(request_id="r", prompt_logprobs=_prompt_logprobs(), finished=True,
-                                       finish_reason="length"))
+    session.on_output(
+        0, RequestOutput(request_id="r", prompt_logprobs=_prompt_logprobs(), finished=True, finish_reason="length")
+    )
     [choice] = json.loads(session.body())["choices"]
     assert choice["text"] == "<7><8><9>" and choice["logprobs"] is None
     first, second, third = choice["prompt_logprobs"]
     assert first is None
-    assert second == {"8": {"logprob": -1.5, "rank": 2, "decoded_token": "<8>"},
-                      "4": {"logprob": -0.5, "rank": 1, "decoded_token": "<4>"},
-                      "5": {"logprob": -2.0, "rank": 3, "decoded_token": "<5>"}}
+    assert second == {
+        "8": {"logprob": -1.5, "rank": 2, "decoded_token": "<8>"},
+        "4": {"logprob": -0.5, "rank": 1, "decoded_token": "<4>"},
+        "5": {"logprob": -2.0, "rank": 3, "decoded_token": "<5>"},
+    }
     assert {k: v["rank"] for k, v in third.items()} == {"9": 1, "6": 2, "4": 3}
 
 
 def test_best_of_shows_the_candidates_with_the_highest_mean_logprob() -> None:
-    session = ResponseSession(kind=Kind.COMPLETION, response_id="id-1", created=1, model="m", num_choices=6, n=2,
-                              candidates=3, token_text=lambda token_id: f"<{token_id}>")
+    session = ResponseSession(
+        kind=Kind.COMPLETION,
+        response_id="id-1",
+        created=1,
+        model="m",
+        num_choices=6,
+        n=2,
+        candidates=3,
+        token_text=lambda token_id: f"<{token_id}>",
+    )
     # Prompt 0: means -1.0, -0.5, -2.0; prompt 1: -3.0, -0.25 (eos only, one token), -1.0.
-    for index, (text, total, count) in enumerate([("a", -2.0, 2), ("b", -1.5, 3), ("c", -2.0, 1),
-                                                  ("d", -3.0, 1), ("", -0.25, 1), ("f", -2.0, 2)]):
-        session.on_output(index, RequestOutput(request_id=str(index), text=text, finished=True, finish_reason="stop",
-                                               cumulative_logprob=total,
-                                               usage=Usage(prompt_tokens=4, completion_tokens=count)))
+    for index, (text, total, count) in enumerate(
+        [("a", -2.0, 2), ("b", -1.5, 3), ("c", -2.0, 1), ("d", -3.0, 1), ("", -0.25, 1), ("f", -2.0, 2)]
+    ):
+        session.on_output(
+            index,
+            RequestOutput(
+                request_id=str(index),
+                text=text,
+                finished=True,
+                finish_reason="stop",
+                cumulative_logprob=total,
+                usage=Usage(prompt_tokens=4, completion_tokens=count),
+            ),
+        )
     body = json.loads(session.body())
     assert [(c["index"], c["text"]) for c in body["choices"]] == [(0, "b"), (1, "a"), (2, ""), (3, "f")]
-    assert body["usage"] == {"prompt_tokens": 8, "completion_tokens": 10, "total_tokens": 18,
-                             "prompt_tokens_details": {"cached_tokens": 0}}
+    assert body["usage"] == {
+        "prompt_tokens": 8,
+        "completion_tokens": 10,
+        "total_tokens": 18,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }

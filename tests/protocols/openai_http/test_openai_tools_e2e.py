@@ -24,8 +24,10 @@ WEATHER = {
         "description": "Weather of a city.",
         "parameters": {
             "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 12},
-                           "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+            "properties": {
+                "city": {"type": "string", "maxLength": 12},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
             "required": ["city", "days"],
             "additionalProperties": False,
         },
@@ -35,9 +37,15 @@ ADD = {
     "type": "function",
     "function": {
         "name": "add",
-        "parameters": {"type": "object", "properties": {"a": {"type": "integer", "minimum": -999, "maximum": 999},
-                                                        "b": {"type": "integer", "minimum": -999, "maximum": 999}},
-                       "required": ["a", "b"], "additionalProperties": False},
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "a": {"type": "integer", "minimum": -999, "maximum": 999},
+                "b": {"type": "integer", "minimum": -999, "maximum": 999},
+            },
+            "required": ["a", "b"],
+            "additionalProperties": False,
+        },
     },
 }
 
@@ -46,8 +54,12 @@ ADD = {
 def qwen_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     from rill.testing.checkpoints import TOOL_CHAT_TEMPLATE, make_checkpoint
 
-    folder = make_checkpoint(tmp_path_factory.mktemp("models") / "tiny-qwen", arch="qwen2",
-                             chat_template=TOOL_CHAT_TEMPLATE, max_position_embeddings=2048)
+    folder = make_checkpoint(
+        tmp_path_factory.mktemp("models") / "tiny-qwen",
+        arch="qwen2",
+        chat_template=TOOL_CHAT_TEMPLATE,
+        max_position_embeddings=2048,
+    )
     live = start_server(folder, **{"engine.max_model_len": 2048})
     yield live
     live.stop()
@@ -60,17 +72,33 @@ def _client(server: LiveServer) -> openai.OpenAI:
 def test_tools_with_auto_and_a_two_turn_exchange(qwen_server: LiveServer) -> None:
     client = _client(qwen_server)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Oslo?"}]
-    first = client.chat.completions.create(model="tiny-qwen", messages=messages, tools=[WEATHER, ADD],
-                                           tool_choice="auto", max_tokens=8, seed=1)
+    first = client.chat.completions.create(
+        model="tiny-qwen", messages=messages, tools=[WEATHER, ADD], tool_choice="auto", max_tokens=8, seed=1
+    )
     assert first.choices[0].finish_reason in ("stop", "length")
     # The second turn carries the assistant's call (content null) and the tool's result.
     messages += [
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "days": 1}'}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "days": 1}'},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "clear"}'},
     ]
-    second = client.chat.completions.create(model="tiny-qwen", messages=messages, tools=[WEATHER, ADD],
-                                            max_tokens=8, seed=2, extra_body={"ignore_eos": True})
+    second = client.chat.completions.create(
+        model="tiny-qwen",
+        messages=messages,
+        tools=[WEATHER, ADD],
+        max_tokens=8,
+        seed=2,
+        extra_body={"ignore_eos": True},
+    )
     assert second.choices[0].finish_reason == "length" and second.usage.completion_tokens == 8
     # The call and the result went through the template into the prompt.
     longer = second.usage.prompt_tokens - first.usage.prompt_tokens
@@ -79,8 +107,13 @@ def test_tools_with_auto_and_a_two_turn_exchange(qwen_server: LiveServer) -> Non
 
 def test_tool_choice_none_and_plain_chat_still_work(qwen_server: LiveServer) -> None:
     client = _client(qwen_server)
-    reply = client.chat.completions.create(model="tiny-qwen", messages=[{"role": "user", "content": "hi"}],
-                                           tools=[WEATHER], tool_choice="none", max_tokens=4)
+    reply = client.chat.completions.create(
+        model="tiny-qwen",
+        messages=[{"role": "user", "content": "hi"}],
+        tools=[WEATHER],
+        tool_choice="none",
+        max_tokens=4,
+    )
     assert reply.choices[0].message.tool_calls in (None, [])
 
 
@@ -97,8 +130,13 @@ def test_required_tool_call_comes_back_as_tool_calls(qwen_server: LiveServer) ->
     client = _client(qwen_server)
     for seed in range(3):
         reply = client.chat.completions.create(
-            model="tiny-qwen", messages=[{"role": "user", "content": "Weather in Oslo?"}], tools=[WEATHER, ADD],
-            tool_choice="required", max_tokens=200, seed=seed)
+            model="tiny-qwen",
+            messages=[{"role": "user", "content": "Weather in Oslo?"}],
+            tools=[WEATHER, ADD],
+            tool_choice="required",
+            max_tokens=200,
+            seed=seed,
+        )
         choice = reply.choices[0]
         assert choice.finish_reason == "tool_calls"
         assert choice.message.content is None
@@ -110,9 +148,17 @@ def test_required_tool_call_comes_back_as_tool_calls(qwen_server: LiveServer) ->
 
 def test_named_tool_call_streams_incremental_arguments(qwen_server: LiveServer) -> None:
     client = _client(qwen_server)
-    chunks = list(client.chat.completions.create(
-        model="tiny-qwen", messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER, ADD],
-        tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=200, seed=7, stream=True))
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny-qwen",
+            messages=[{"role": "user", "content": "Weather?"}],
+            tools=[WEATHER, ADD],
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+            max_tokens=200,
+            seed=7,
+            stream=True,
+        )
+    )
     pieces = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
     assert pieces[0].id and pieces[0].function.name == "get_weather" and pieces[0].type == "function"
     assert len([p for p in pieces if p.function.arguments]) > 1, "arguments stream in fragments"
@@ -127,8 +173,14 @@ def test_auto_parses_a_call_the_output_was_forced_into(qwen_server: LiveServer) 
     text = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 40}}\n</tool_call>'
     regex = "".join("\\" + ch if ch in ".^$*+?()[]{}|\\/" else ch for ch in text)
     for stream in (False, True):
-        kwargs = dict(model="tiny-qwen", messages=[{"role": "user", "content": "2+40?"}], tools=[WEATHER, ADD],
-                      tool_choice="auto", max_tokens=100, extra_body={"structured_outputs": {"regex": regex}})
+        kwargs = dict(
+            model="tiny-qwen",
+            messages=[{"role": "user", "content": "2+40?"}],
+            tools=[WEATHER, ADD],
+            tool_choice="auto",
+            max_tokens=100,
+            extra_body={"structured_outputs": {"regex": regex}},
+        )
         if stream:
             chunks = list(client_stream := _client(qwen_server).chat.completions.create(stream=True, **kwargs))
             del client_stream
@@ -150,7 +202,10 @@ NESTED = {
         "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 1, "maxItems": 3},
         "owner": {
             "type": "object",
-            "properties": {"kind": {"enum": ["person", "team"]}, "level": {"type": "integer", "minimum": 1, "maximum": 5}},
+            "properties": {
+                "kind": {"enum": ["person", "team"]},
+                "level": {"type": "integer", "minimum": 1, "maximum": 5},
+            },
             "required": ["kind", "level"],
             "additionalProperties": False,
         },
@@ -167,9 +222,13 @@ def test_json_schema_output_is_valid_in_50_of_50_samples(qwen_server: LiveServer
     # max_tokens: the schema bounds every string, number and array, and whitespace is not free
     # (compact JSON), so the longest valid output is far below it: no sample is cut short.
     reply = client.chat.completions.create(
-        model="tiny-qwen", messages=[{"role": "user", "content": "Describe a thing."}], n=50, seed=1234,
-        max_tokens=400, response_format={"type": "json_schema", "json_schema": {"name": "thing", "schema": NESTED,
-                                                                                 "strict": True}})
+        model="tiny-qwen",
+        messages=[{"role": "user", "content": "Describe a thing."}],
+        n=50,
+        seed=1234,
+        max_tokens=400,
+        response_format={"type": "json_schema", "json_schema": {"name": "thing", "schema": NESTED, "strict": True}},
+    )
     assert len(reply.choices) == 50
     for choice in reply.choices:
         assert choice.finish_reason == "stop", choice.message.content
@@ -188,6 +247,7 @@ def test_bad_constraints_are_400s(qwen_server: LiveServer) -> None:
     ]
     for body in cases:
         with pytest.raises(openai.BadRequestError) as caught:
-            client.chat.completions.create(model="tiny-qwen", messages=[{"role": "user", "content": "x"}],
-                                           max_tokens=4, extra_body=body)
+            client.chat.completions.create(
+                model="tiny-qwen", messages=[{"role": "user", "content": "x"}], max_tokens=4, extra_body=body
+            )
         assert caught.value.body["param"] in ("response_format", "structured_outputs"), body

@@ -16,8 +16,10 @@ import pytest
 from tests.conftest import LiveServer, start_server
 
 LIMIT = 24
-LONG = ("Once upon a time there was a little fox who lived in a den under an old oak tree. Every morning "
-        "the fox ran to the river to drink, and the birds sang songs about the sea and the sky.")
+LONG = (
+    "Once upon a time there was a little fox who lived in a den under an old oak tree. Every morning "
+    "the fox ran to the river to drink, and the birds sang songs about the sea and the sky."
+)
 SHORT = "A small fox"
 
 
@@ -48,13 +50,17 @@ def test_a_long_scored_prompt_is_refused_with_the_openai_error(limited: LiveServ
     assert num_long > LIMIT >= _tokens(limited, SHORT)
     url = f"{limited.url}/v1/completions"
     # The audit's shape: echo with logprobs (prompt logprobs of the echoed prompt), n and best_of.
-    for body in ({"prompt": LONG, "prompt_logprobs": 2, "max_tokens": 1},
-                 {"prompt": LONG, "echo": True, "logprobs": 5, "prompt_logprobs": 5, "n": 2, "best_of": 4,
-                  "max_tokens": 2},
-                 {"prompt": [SHORT, LONG], "echo": True, "logprobs": 1, "max_tokens": 1}):
+    for body in (
+        {"prompt": LONG, "prompt_logprobs": 2, "max_tokens": 1},
+        {"prompt": LONG, "echo": True, "logprobs": 5, "prompt_logprobs": 5, "n": 2, "best_of": 4, "max_tokens": 2},
+        {"prompt": [SHORT, LONG], "echo": True, "logprobs": 1, "max_tokens": 1},
+    ):
         _assert_refused(httpx.post(url, json=body, timeout=60), num_long)
-    chat = httpx.post(f"{limited.url}/v1/chat/completions", timeout=60,
-                      json={"messages": [{"role": "user", "content": LONG}], "prompt_logprobs": 1, "max_tokens": 1})
+    chat = httpx.post(
+        f"{limited.url}/v1/chat/completions",
+        timeout=60,
+        json={"messages": [{"role": "user", "content": LONG}], "prompt_logprobs": 1, "max_tokens": 1},
+    )
     assert chat.status_code == 400 and chat.json()["error"]["param"] == "prompt_logprobs", chat.text
     limited.wait_idle()  # a refused request of several prompts left none of its choices behind
 
@@ -76,11 +82,12 @@ def test_short_scored_prompts_and_unscored_long_ones_are_served(limited: LiveSer
     plain = httpx.post(url, json={"prompt": LONG, "max_tokens": 2, "logprobs": 1}, timeout=60)
     assert plain.status_code == 200, plain.text
     events: list[dict[str, Any]] = []
-    with httpx.stream("POST", url, json={"prompt": SHORT, "echo": True, "logprobs": 1, "max_tokens": 2,
-                                         "stream": True}, timeout=60) as response:
+    with httpx.stream(
+        "POST", url, json={"prompt": SHORT, "echo": True, "logprobs": 1, "max_tokens": 2, "stream": True}, timeout=60
+    ) as response:
         assert response.status_code == 200
         for line in response.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
-                events.append(json.loads(line[len("data: "):]))
+                events.append(json.loads(line[len("data: ") :]))
     assert events and "".join(e["choices"][0]["text"] for e in events if e["choices"]).startswith(SHORT)
     limited.wait_idle()

@@ -24,9 +24,15 @@ def _openai(server: LiveServer) -> openai.AsyncOpenAI:
 
 async def _completion(client: openai.AsyncOpenAI, extra: dict[str, Any]) -> tuple[str, str | None, int]:
     model = (await client.models.list()).data[0].id
-    stream = await client.completions.create(model=model, prompt=SPEC_PROMPT, max_tokens=MAX_TOKENS,
-                                             temperature=0, stream=True, stream_options={"include_usage": True},
-                                             extra_body=extra)
+    stream = await client.completions.create(
+        model=model,
+        prompt=SPEC_PROMPT,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=extra,
+    )
     chunks = [c async for c in stream]
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
@@ -36,8 +42,14 @@ async def _completion(client: openai.AsyncOpenAI, extra: dict[str, Any]) -> tupl
 async def _chat(client: openai.AsyncOpenAI, extra: dict[str, Any]) -> tuple[str, str | None, int]:
     model = (await client.models.list()).data[0].id
     stream = await client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": SPEC_PROMPT}], max_tokens=MAX_TOKENS,
-        temperature=0, stream=True, stream_options={"include_usage": True}, extra_body=extra)
+        model=model,
+        messages=[{"role": "user", "content": SPEC_PROMPT}],
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=extra,
+    )
     chunks = [c async for c in stream]
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
@@ -65,6 +77,10 @@ async def test_bad_speculative_is_a_400_naming_the_field(spec_server: LiveServer
             await endpoint(client, {"speculative": value})
     body = bad.value.body
     assert (bad.value.status_code, body["type"], body["code"], body["param"]) == (
-        400, "invalid_request_error", "invalid_request", "speculative")
+        400,
+        "invalid_request_error",
+        "invalid_request",
+        "speculative",
+    )
     assert "speculative" in body["message"]
     spec_server.wait_idle()

@@ -55,15 +55,18 @@ def test_detokenize_round_trips(server: LiveServer, hf_tokenizer: object) -> Non
     assert body["prompt"].strip() == text
 
 
-@pytest.mark.parametrize(("path", "payload", "param"), [
-    ("/tokenize", {}, "prompt"),
-    ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "prompt"),
-    ("/tokenize", {"prompt": 5}, "prompt"),
-    ("/tokenize", {"prompt": "a", "model": "other-model"}, "model"),
-    ("/detokenize", {"tokens": [10**9]}, "tokens"),
-    ("/detokenize", {"tokens": "abc"}, "tokens"),
-    ("/detokenize", {}, "tokens"),
-])
+@pytest.mark.parametrize(
+    ("path", "payload", "param"),
+    [
+        ("/tokenize", {}, "prompt"),
+        ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "prompt"),
+        ("/tokenize", {"prompt": 5}, "prompt"),
+        ("/tokenize", {"prompt": "a", "model": "other-model"}, "model"),
+        ("/detokenize", {"tokens": [10**9]}, "tokens"),
+        ("/detokenize", {"tokens": "abc"}, "tokens"),
+        ("/detokenize", {}, "tokens"),
+    ],
+)
 def test_bad_input_is_an_openai_400(server: LiveServer, path: str, payload: dict, param: str) -> None:
     response = httpx.post(f"{server.url}{path}", json=payload)
     assert response.status_code in (400, 404), response.text

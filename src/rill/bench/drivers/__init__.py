@@ -112,18 +112,28 @@ class Timer:
         """The request completed; counts given by the server win over counted messages."""
         end = time.perf_counter()
         return RequestRecord(
-            index=self.index, protocol=self.protocol, start_s=self.start_s,
-            ttft_s=None if self.first is None else self.first - self.start, e2e_s=end - self.start,
-            itl_s=self.itl_s, num_prompt_tokens=num_prompt_tokens,
+            index=self.index,
+            protocol=self.protocol,
+            start_s=self.start_s,
+            ttft_s=None if self.first is None else self.first - self.start,
+            e2e_s=end - self.start,
+            itl_s=self.itl_s,
+            num_prompt_tokens=num_prompt_tokens,
             num_output_tokens=self.num_messages_tokens if num_output_tokens is None else num_output_tokens,
         )
 
     def failed(self, kind: str, message: str = "") -> RequestRecord:
         """The request failed with ``kind``."""
         end = time.perf_counter()
-        return RequestRecord(index=self.index, protocol=self.protocol, start_s=self.start_s,
-                             e2e_s=end - self.start, num_output_tokens=self.num_messages_tokens,
-                             error=kind, error_message=message[:300] or None)
+        return RequestRecord(
+            index=self.index,
+            protocol=self.protocol,
+            start_s=self.start_s,
+            e2e_s=end - self.start,
+            num_output_tokens=self.num_messages_tokens,
+            error=kind,
+            error_message=message[:300] or None,
+        )
 
 
 class Driver(Protocol):

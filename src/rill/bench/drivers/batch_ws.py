@@ -30,13 +30,22 @@ class Driver(SocketPerRequestDriver):
         """Send one batch of one prompt; read events until its ``COMPLETE`` or ``ERROR``."""
         headers = self.auth_headers()
         request_id = f"bench-{request.index}-{uuid.uuid4().hex[:8]}"
-        config: dict[str, Any] = {"max_new_tokens": request.max_tokens, "do_sample": self.options.temperature > 0, "num_beams": 1}
+        config: dict[str, Any] = {
+            "max_new_tokens": request.max_tokens,
+            "do_sample": self.options.temperature > 0,
+            "num_beams": 1,
+        }
         if self.options.temperature > 0:
             config["temperature"] = self.options.temperature
-        payload = {"prompts": [{"request_id": request_id, "prompt": request.prompt}], "only_new_tokens": True,
-                   "stream_response": True, "generation_config": config}
-        async with connect(f"{self.target.ws_url}/ws", additional_headers=headers, max_size=None,
-                           open_timeout=None, ping_interval=None) as ws:
+        payload = {
+            "prompts": [{"request_id": request_id, "prompt": request.prompt}],
+            "only_new_tokens": True,
+            "stream_response": True,
+            "generation_config": config,
+        }
+        async with connect(
+            f"{self.target.ws_url}/ws", additional_headers=headers, max_size=None, open_timeout=None, ping_interval=None
+        ) as ws:
             await ws.send(json.dumps(payload))
             async for raw in ws:
                 events = json.loads(raw)

@@ -37,10 +37,19 @@ class Driver(SocketPerRequestDriver):
             generation["do_sample"] = False
         if self.options.ignore_eos:
             generation["min_new_tokens"] = request.max_tokens
-        payload = {"messages": [{"role": "user", "content": request.prompt}], "streaming": True,
-                   "generation": generation, "tts": {"enabled": False}}
-        async with connect(f"{self.target.ws_url}/ws/chat", additional_headers=headers, max_size=None,
-                           open_timeout=None, ping_interval=None) as ws:
+        payload = {
+            "messages": [{"role": "user", "content": request.prompt}],
+            "streaming": True,
+            "generation": generation,
+            "tts": {"enabled": False},
+        }
+        async with connect(
+            f"{self.target.ws_url}/ws/chat",
+            additional_headers=headers,
+            max_size=None,
+            open_timeout=None,
+            ping_interval=None,
+        ) as ws:
             await ws.send(json.dumps(payload))
             async for raw in ws:
                 message = json.loads(raw)

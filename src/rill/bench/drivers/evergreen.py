@@ -49,8 +49,11 @@ class Driver:
         from rill.protocols.evergreen.messages import GenerateConfig
 
         assert self._client is not None, "open() first"
-        config = GenerateConfig(max_tokens=request.max_tokens, temperature=self.options.temperature,
-                                ignore_eos=True if self.options.ignore_eos else None)
+        config = GenerateConfig(
+            max_tokens=request.max_tokens,
+            temperature=self.options.temperature,
+            ignore_eos=True if self.options.ignore_eos else None,
+        )
         try:
             async for text in self._client.generate(request.prompt, config=config):
                 if text:

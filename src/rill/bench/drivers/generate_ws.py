@@ -31,8 +31,13 @@ class Driver(SocketPerRequestDriver):
         parameters: dict[str, Any] = {"max_tokens": request.max_tokens, "temperature": self.options.temperature}
         if self.options.ignore_eos:
             parameters["ignore_eos"] = True
-        async with connect(f"{self.target.ws_url}/generate", additional_headers=headers, max_size=None,
-                           open_timeout=None, ping_interval=None) as ws:
+        async with connect(
+            f"{self.target.ws_url}/generate",
+            additional_headers=headers,
+            max_size=None,
+            open_timeout=None,
+            ping_interval=None,
+        ) as ws:
             await ws.send(json.dumps({"type": "config", "prompt": request.prompt, "parameters": parameters}))
             async for raw in ws:
                 message = json.loads(raw)

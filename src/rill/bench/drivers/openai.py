@@ -46,9 +46,12 @@ class Driver:
         # that close a streamed response's connection (llama-server) would otherwise fail
         # the next request that picks it from the pool ("Server disconnected"). No client
         # timeout: the runner has one.
-        self._http = aiohttp.ClientSession(base_url=self.target.http_url, headers=headers,
-                                           connector=aiohttp.TCPConnector(limit=0, force_close=True),
-                                           timeout=aiohttp.ClientTimeout(total=None))
+        self._http = aiohttp.ClientSession(
+            base_url=self.target.http_url,
+            headers=headers,
+            connector=aiohttp.TCPConnector(limit=0, force_close=True),
+            timeout=aiohttp.ClientTimeout(total=None),
+        )
         if self.model is None:
             try:
                 async with self._http.get("/v1/models") as response:
@@ -63,8 +66,13 @@ class Driver:
             await self._http.close()
 
     def _body(self, request: BenchRequest) -> tuple[str, dict[str, Any]]:
-        body: dict[str, Any] = {"model": self.model, "max_tokens": request.max_tokens, "stream": True,
-                                "temperature": self.options.temperature, "stream_options": {"include_usage": True}}
+        body: dict[str, Any] = {
+            "model": self.model,
+            "max_tokens": request.max_tokens,
+            "stream": True,
+            "temperature": self.options.temperature,
+            "stream_options": {"include_usage": True},
+        }
         if self.options.ignore_eos:
             body["ignore_eos"] = True
         if self.options.openai_endpoint == "chat":

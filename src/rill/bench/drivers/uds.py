@@ -58,8 +58,13 @@ class Driver:
         """Send one request frame; read events until ``eos`` or ``error``."""
         reader, writer = await self._connect()
         request_id = f"bench-{request.index}"
-        frame = {"id": request_id, "prompt": request.prompt, "max_tokens": request.max_tokens,
-                 "temperature": self.options.temperature, "stream": True}
+        frame = {
+            "id": request_id,
+            "prompt": request.prompt,
+            "max_tokens": request.max_tokens,
+            "temperature": self.options.temperature,
+            "stream": True,
+        }
         decoder = FrameDecoder(MAX_EVENT_BYTES)
         try:
             writer.write(encode_frame(json.dumps(frame).encode()))

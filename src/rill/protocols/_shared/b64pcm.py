@@ -38,7 +38,9 @@ def decode_b64(data: str, field: str, max_bytes: int) -> bytes:
         InvalidRequest: not valid base64, or too large (``field`` names the part).
     """
     if len(data) // 4 * 3 > max_bytes + 3:
-        raise InvalidRequest(f"{field}: {len(data) // 4 * 3} bytes is more than the limit of {max_bytes} bytes", field=field)
+        raise InvalidRequest(
+            f"{field}: {len(data) // 4 * 3} bytes is more than the limit of {max_bytes} bytes", field=field
+        )
     try:
         raw = base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError) as exc:
@@ -48,8 +50,9 @@ def decode_b64(data: str, field: str, max_bytes: int) -> bytes:
     return raw
 
 
-def decode(data: str, field: str, *, sample_rate_hz: int = INPUT_SAMPLE_RATE_HZ, max_bytes: int,
-           max_duration_s: float) -> np.ndarray:
+def decode(
+    data: str, field: str, *, sample_rate_hz: int = INPUT_SAMPLE_RATE_HZ, max_bytes: int, max_duration_s: float
+) -> np.ndarray:
     """Check and decode client audio into float32 samples.
 
     Args:
@@ -69,13 +72,15 @@ def decode(data: str, field: str, *, sample_rate_hz: int = INPUT_SAMPLE_RATE_HZ,
     if not raw:
         raise InvalidRequest(f"{field}: audio data is empty", field=field)
     if len(raw) % 4:
-        raise InvalidRequest(f"{field}: audio is {len(raw)} bytes, not a multiple of 4 (raw float32 PCM expected)",
-                             field=field)
+        raise InvalidRequest(
+            f"{field}: audio is {len(raw)} bytes, not a multiple of 4 (raw float32 PCM expected)", field=field
+        )
     samples = np.frombuffer(raw, dtype=_FLOAT32_LE)
     duration_s = len(samples) / sample_rate_hz
     if duration_s > max_duration_s:
-        raise InvalidRequest(f"{field}: audio lasts {duration_s:.1f} s, more than the limit of {max_duration_s:g} s",
-                             field=field)
+        raise InvalidRequest(
+            f"{field}: audio lasts {duration_s:.1f} s, more than the limit of {max_duration_s:g} s", field=field
+        )
     if not np.isfinite(samples).all():
         raise InvalidRequest(f"{field}: audio has NaN or infinite samples", field=field)
     return samples.astype(np.float32)

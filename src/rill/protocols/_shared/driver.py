@@ -119,11 +119,24 @@ class Driver:
             caller at a time; None: the session is only called on the event loop.
     """
 
-    def __init__(self, session: Session, transport: Transport, client: EngineClient, *, protocol: str,
-                 principal: str, metrics: RejectionSink | None = None, waits_for_model: bool = False,
-                 reports_queue: bool = False, groups_steps: bool = False, one_event_per_token: bool = False,
-                 submits_together: bool = False, time_limit_s: float | None = None,
-                 clock: Callable[[], float] = time.monotonic, session_lock: asyncio.Lock | None = None) -> None:
+    def __init__(
+        self,
+        session: Session,
+        transport: Transport,
+        client: EngineClient,
+        *,
+        protocol: str,
+        principal: str,
+        metrics: RejectionSink | None = None,
+        waits_for_model: bool = False,
+        reports_queue: bool = False,
+        groups_steps: bool = False,
+        one_event_per_token: bool = False,
+        submits_together: bool = False,
+        time_limit_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        session_lock: asyncio.Lock | None = None,
+    ) -> None:
         self.session = session
         self.transport = transport
         self.client = client
@@ -233,8 +246,9 @@ class Driver:
             raise
         except Exception as exc:  # a broken stream ends this request only
             log.exception("%s: stream of %s failed", self.protocol, stream.request_id)
-            await self._deliver(key, RequestOutput(request_id=stream.request_id, finished=True,
-                                                   finish_reason="error", error=exc))
+            await self._deliver(
+                key, RequestOutput(request_id=stream.request_id, finished=True, finish_reason="error", error=exc)
+            )
         finally:
             scheduled.set()
             if self.streams.get(key) is stream:
@@ -311,8 +325,9 @@ class Driver:
                 actions = hook(*args)
         await self.perform(actions)
 
-    async def _run_limited(self, key: Key, request: GenerateRequest | Prepare, limit_s: float,
-                           stream: RequestStream | None) -> None:
+    async def _run_limited(
+        self, key: Key, request: GenerateRequest | Prepare, limit_s: float, stream: RequestStream | None
+    ) -> None:
         # The limit counts from when the model is ready: a request sent while it loads gets
         # its whole time once it can run, as it would from the engine's own deadline.
         if stream is None and self.waits_for_model and not await self._ready(key):
@@ -328,8 +343,9 @@ class Driver:
             if stream is None:
                 await self._ask(self.session.on_start_failed, key, exc, self.clock())
             else:
-                await self._deliver(key, RequestOutput(request_id=stream.request_id, finished=True,
-                                                       finish_reason="error", error=exc))
+                await self._deliver(
+                    key, RequestOutput(request_id=stream.request_id, finished=True, finish_reason="error", error=exc)
+                )
 
     async def _ready(self, key: Key) -> bool:
         """Wait for the model; False (the session was told why) when it will not come."""

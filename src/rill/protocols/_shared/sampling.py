@@ -73,8 +73,15 @@ class SamplingMap:
         protocol whose requests are validated at admission only."""
         return msgspec.structs.replace(base if base is not None else SamplingParams(), **patch)
 
-    def params(self, patch: Mapping[str, Any], base: SamplingParams | None = None, *, vocab_size: int | None = None,
-               max_logprobs: int = 20, allow_prefill_only: bool = False) -> SamplingParams:
+    def params(
+        self,
+        patch: Mapping[str, Any],
+        base: SamplingParams | None = None,
+        *,
+        vocab_size: int | None = None,
+        max_logprobs: int = 20,
+        allow_prefill_only: bool = False,
+    ) -> SamplingParams:
         """``build`` then ``SamplingParams.validate`` once (``allow_prefill_only``: see there).
 
         Raises:
@@ -82,7 +89,9 @@ class SamplingMap:
         """
         params = self.build(patch, base)
         try:
-            return params.validate(vocab_size=vocab_size, max_logprobs=max_logprobs, allow_prefill_only=allow_prefill_only)
+            return params.validate(
+                vocab_size=vocab_size, max_logprobs=max_logprobs, allow_prefill_only=allow_prefill_only
+            )
         except InvalidRequest as exc:
             renamed = self.renamed(exc)
             if renamed is exc:

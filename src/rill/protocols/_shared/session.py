@@ -99,12 +99,20 @@ def split_by_token(output: RequestOutput) -> list[RequestOutput]:
     pieces = []
     for i in range(n):
         last = i == n - 1
-        pieces.append(msgspec.structs.replace(
-            output, text=output.token_texts[i], token_ids=output.token_ids[i:i + 1],
-            token_texts=output.token_texts[i:i + 1],
-            logprobs=output.logprobs[i:i + 1] if output.logprobs is not None else None,
-            prompt_logprobs=output.prompt_logprobs if i == 0 else None,
-            events=output.events if last else [], modified=output.modified if last else [],
-            finished=output.finished and last, finish_reason=output.finish_reason if last else None,
-            stop_reason=output.stop_reason if last else None, error=output.error if last else None))
+        pieces.append(
+            msgspec.structs.replace(
+                output,
+                text=output.token_texts[i],
+                token_ids=output.token_ids[i : i + 1],
+                token_texts=output.token_texts[i : i + 1],
+                logprobs=output.logprobs[i : i + 1] if output.logprobs is not None else None,
+                prompt_logprobs=output.prompt_logprobs if i == 0 else None,
+                events=output.events if last else [],
+                modified=output.modified if last else [],
+                finished=output.finished and last,
+                finish_reason=output.finish_reason if last else None,
+                stop_reason=output.stop_reason if last else None,
+                error=output.error if last else None,
+            )
+        )
     return pieces

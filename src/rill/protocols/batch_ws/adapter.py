@@ -53,9 +53,17 @@ class _Connection:
         # never continue (and read) another key's generation by guessing its request_id.
         principal = auth.scope_principal(ws.scope)
         self.session = service.session(f"bws-{uuid.uuid4().hex[:12]}", _credential(ws), principal)
-        self.driver = Driver(self.session, self, service.client, protocol=PROTOCOL, principal=principal,
-                             metrics=service.metrics, groups_steps=True, one_event_per_token=True,
-                             submits_together=True)
+        self.driver = Driver(
+            self.session,
+            self,
+            service.client,
+            protocol=PROTOCOL,
+            principal=principal,
+            metrics=service.metrics,
+            groups_steps=True,
+            one_event_per_token=True,
+            submits_together=True,
+        )
         self._send_lock = asyncio.Lock()  # the receive loop and the driver's step task both send
 
     async def run(self) -> None:

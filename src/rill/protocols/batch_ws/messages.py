@@ -63,17 +63,27 @@ class GenerationConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     def filled_from(self, defaults: GenerationConfig) -> GenerationConfig:
         """A copy where every field left None takes the value from ``defaults``."""
-        return GenerationConfig(**{
-            name: value if (value := getattr(self, name)) is not None else getattr(defaults, name)
-            for name in self.__struct_fields__
-        })
+        return GenerationConfig(
+            **{
+                name: value if (value := getattr(self, name)) is not None else getattr(defaults, name)
+                for name in self.__struct_fields__
+            }
+        )
 
 
 SAMPLING = SamplingMap(
     GenerationConfig,
     Field("max_new_tokens", "max_tokens"),
-    same("temperature", "top_p", "top_k", "repetition_penalty", "num_beams", "length_penalty", "response_format",
-         "speculative"),
+    same(
+        "temperature",
+        "top_p",
+        "top_k",
+        "repetition_penalty",
+        "num_beams",
+        "length_penalty",
+        "response_format",
+        "speculative",
+    ),
 )
 """``generation_config`` → ``SamplingParams``; without ``do_sample`` (or with beams) the session
 drops ``rill.types.DRAW_ONLY_FIELDS`` and decodes greedily, as Hugging Face does."""

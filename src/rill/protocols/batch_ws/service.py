@@ -31,13 +31,17 @@ class BatchService:
         self.client: EngineClient = deps.client
         self.metrics = deps.metrics
         source = deps.sampling_defaults or rill_config.sampling_defaults()
-        self.defaults = GenerationConfig(**{name: getattr(source, name, None) for name in GenerationConfig.__struct_fields__})
+        self.defaults = GenerationConfig(
+            **{name: getattr(source, name, None) for name in GenerationConfig.__struct_fields__}
+        )
         cfg = deps.config.batch_ws
-        self.limits = Limits(max_inflight_prompts=cfg.batch_max_inflight_prompts,
-                             request_timeout_s=deps.config.policy.request_timeout_s)
+        self.limits = Limits(
+            max_inflight_prompts=cfg.batch_max_inflight_prompts, request_timeout_s=deps.config.policy.request_timeout_s
+        )
         # Kept generations are charged to the server's session-memory budget.
-        self.store = ContinuationStore(cfg.batch_cache_max_entries, cfg.batch_cache_max_tokens, cfg.batch_cache_ttl_s,
-                                       memory=deps.memory)
+        self.store = ContinuationStore(
+            cfg.batch_cache_max_entries, cfg.batch_cache_max_tokens, cfg.batch_cache_ttl_s, memory=deps.memory
+        )
         try:
             self.session("check").default_sampling()
         except InvalidRequest as exc:

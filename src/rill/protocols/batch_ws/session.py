@@ -49,8 +49,18 @@ from rill.protocols.batch_ws.messages import (
 from rill.protocols.batch_ws.store import ContinuationStore, Evicted
 from rill.types import DRAW_ONLY_FIELDS, GenerateRequest, RequestEvent, RequestOutput, SamplingParams
 
-__all__ = ["Abort", "Action", "BatchSession", "Close", "ContinuationStore", "Limits", "PromptKey", "Send", "SendError",
-           "Start"]
+__all__ = [
+    "Abort",
+    "Action",
+    "BatchSession",
+    "Close",
+    "ContinuationStore",
+    "Limits",
+    "PromptKey",
+    "Send",
+    "SendError",
+    "Start",
+]
 
 PromptKey = str
 """The engine request id the session gives one prompt of one message (unique per server)."""
@@ -128,8 +138,15 @@ class BatchSession(driver_session.StepSession):
     and call ``on_disconnect`` when the socket goes away.
     """
 
-    def __init__(self, store: ContinuationStore, defaults: GenerationConfig, limits: Limits,
-                 key_prefix: str, scope: str = "", principal: str = "") -> None:
+    def __init__(
+        self,
+        store: ContinuationStore,
+        defaults: GenerationConfig,
+        limits: Limits,
+        key_prefix: str,
+        scope: str = "",
+        principal: str = "",
+    ) -> None:
         self.store = store
         self.principal = principal
         """Who the kept generations of this socket are charged to (the store's ``owner``)."""
@@ -177,29 +194,59 @@ class BatchSession(driver_session.StepSession):
         for index, item in enumerate(msg.prompts):
             scoped = (self.scope, item.request_id)
             if self.store.is_busy(scoped):
-                errors.append(Error(request_id=item.request_id, error=codec.error_text(InvalidRequest(
-                    f"request_id {item.request_id!r} is still generating; wait for its COMPLETE or use another id"))))
+                errors.append(
+                    Error(
+                        request_id=item.request_id,
+                        error=codec.error_text(
+                            InvalidRequest(
+                                f"request_id {item.request_id!r} is still generating; wait for its COMPLETE or use another id"
+                            )
+                        ),
+                    )
+                )
                 continue
             kept = self.store.claim(scoped, now)
             if isinstance(kept, Evicted) or (kept is None and item.prompt is None):
                 self.store.release(scoped)
-                exc = _evicted_error(item.request_id, kept.reason, self.store.ttl_s) if kept else InvalidRequest(
-                    f"'prompt' is required: there is no kept generation to continue for request_id {item.request_id!r}")
+                exc = (
+                    _evicted_error(item.request_id, kept.reason, self.store.ttl_s)
+                    if kept
+                    else InvalidRequest(
+                        f"'prompt' is required: there is no kept generation to continue for request_id {item.request_id!r}"
+                    )
+                )
                 errors.append(Error(request_id=item.request_id, error=codec.error_text(exc)))
                 continue
             key = self._new_key()
             if kept is None:
                 prompt = _Prompt(key, batch, index, item.request_id, item.prompt or "", config)
-                request = GenerateRequest(prompt=item.prompt, sampling=fresh_sampling, request_id=key, protocol=PROTOCOL,
-                                          deadline_s=self.limits.request_timeout_s)
+                request = GenerateRequest(
+                    prompt=item.prompt,
+                    sampling=fresh_sampling,
+                    request_id=key,
+                    protocol=PROTOCOL,
+                    deadline_s=self.limits.request_timeout_s,
+                )
             else:
                 run_config = config if config is not None else kept.config
-                prompt = _Prompt(key, batch, index, item.request_id, kept.text, run_config,
-                                 prompt_token_ids=kept.token_ids, is_continuation=True)
+                prompt = _Prompt(
+                    key,
+                    batch,
+                    index,
+                    item.request_id,
+                    kept.text,
+                    run_config,
+                    prompt_token_ids=kept.token_ids,
+                    is_continuation=True,
+                )
                 request = GenerateRequest(
-                    prompt_token_ids=kept.token_ids, sampling=self._sampling(run_config), request_id=key,
-                    protocol=PROTOCOL, require_cached_prefix_tokens=kept.num_cached_tokens or None,
-                    deadline_s=self.limits.request_timeout_s)
+                    prompt_token_ids=kept.token_ids,
+                    sampling=self._sampling(run_config),
+                    request_id=key,
+                    protocol=PROTOCOL,
+                    require_cached_prefix_tokens=kept.num_cached_tokens or None,
+                    deadline_s=self.limits.request_timeout_s,
+                )
             prompt.is_beam = request.sampling.num_beams > 1
             batch.prompts.append(prompt)
             batch.num_open += 1
@@ -230,11 +277,17 @@ class BatchSession(driver_session.StepSession):
                 continue
             self._finish(prompt)
             if isinstance(exc, ContextLengthExceeded) and prompt.is_continuation:
-                exc = ContextLengthExceeded(exc.num_prompt_tokens, exc.max_context_tokens, (
-                    f"request_id {prompt.request_id!r} cannot continue: its text so far ({exc.num_prompt_tokens} tokens) "
-                    f"already fills the model's context of {exc.max_context_tokens} tokens"))
+                exc = ContextLengthExceeded(
+                    exc.num_prompt_tokens,
+                    exc.max_context_tokens,
+                    (
+                        f"request_id {prompt.request_id!r} cannot continue: its text so far ({exc.num_prompt_tokens} tokens) "
+                        f"already fills the model's context of {exc.max_context_tokens} tokens"
+                    ),
+                )
             grouped.setdefault(id(prompt.batch), (prompt.batch, []))[1].append(
-                Error(request_id=prompt.request_id, error=codec.error_text(exc)))
+                Error(request_id=prompt.request_id, error=codec.error_text(exc))
+            )
         return [Send(events) for _, events in grouped.values()]
 
     # -- engine → client ---------------------------------------------------------------------
@@ -276,13 +329,16 @@ class BatchSession(driver_session.StepSession):
         seen: set[str] = set()
         for item in msg.prompts:
             if item.request_id in seen:
-                raise InvalidRequest(f"{codec.INVALID_PAYLOAD}: request_id {item.request_id!r} appears twice in prompts")
+                raise InvalidRequest(
+                    f"{codec.INVALID_PAYLOAD}: request_id {item.request_id!r} appears twice in prompts"
+                )
             seen.add(item.request_id)
         limit = self.limits.max_inflight_prompts
         if len(self._prompts) + len(msg.prompts) > limit:
             raise InvalidRequest(
                 f"too many prompts in flight on this socket: {len(self._prompts)} running + "
-                f"{len(msg.prompts)} new > {limit}; wait for some to complete")
+                f"{len(msg.prompts)} new > {limit}; wait for some to complete"
+            )
 
     def _sampling(self, config: GenerationConfig | None) -> SamplingParams:
         cfg = (config or GenerationConfig()).filled_from(self.defaults)
@@ -306,11 +362,19 @@ class BatchSession(driver_session.StepSession):
         if not prompt.is_started and (wants_start or output.token_ids or (output.finished and not is_failure)):
             prompt.is_started = True
             events.append(("STARTED", Started(request_id=rid)))
-        if not prompt.is_initialized and prompt.is_started and (
-                RequestEvent.PREFILL_DONE in output.events or output.token_ids or (output.finished and not is_failure)):
+        if (
+            not prompt.is_initialized
+            and prompt.is_started
+            and (RequestEvent.PREFILL_DONE in output.events or output.token_ids or (output.finished and not is_failure))
+        ):
             prompt.is_initialized = True
             if batch.stream_response:
-                events.append(("INITIALIZED", Initialized(request_id=rid, text="" if batch.only_new_tokens else prompt.initial_text)))
+                events.append(
+                    (
+                        "INITIALIZED",
+                        Initialized(request_id=rid, text="" if batch.only_new_tokens else prompt.initial_text),
+                    )
+                )
         if output.token_ids or output.text:
             prompt.generated_ids.extend(output.token_ids)
             prompt.generated_text.append(output.text)
@@ -329,14 +393,23 @@ class BatchSession(driver_session.StepSession):
             exc = output.error
             if isinstance(exc, CacheMiss):
                 exc = _evicted_error(rid, "evicted", self.store.ttl_s)
-            return "ERROR", Error(request_id=rid, error=codec.error_text(exc) if exc is not None else codec.GENERIC_ERROR)
+            return "ERROR", Error(
+                request_id=rid, error=codec.error_text(exc) if exc is not None else codec.GENERIC_ERROR
+            )
         generated = "".join(prompt.generated_text)
         if output.finish_reason == "length" and prompt.prompt_token_ids is not None:
             # NOTE: the engine drops every row of a finished beam request, so nothing of it is
             # cached: a beam continuation recomputes its (kept, exact) ids instead of failing.
             num_cached = 0 if prompt.is_beam else None
-            self.store.keep((self.scope, rid), prompt.prompt_token_ids + prompt.generated_ids,
-                            prompt.initial_text + generated, prompt.config, now, num_cached, owner=self.principal)
+            self.store.keep(
+                (self.scope, rid),
+                prompt.prompt_token_ids + prompt.generated_ids,
+                prompt.initial_text + generated,
+                prompt.config,
+                now,
+                num_cached,
+                owner=self.principal,
+            )
         return "COMPLETE", Complete(
             request_id=rid,
             text=generated if prompt.batch.only_new_tokens else prompt.initial_text + generated,
@@ -365,4 +438,6 @@ def _is_given(config: GenerationConfig | None) -> bool:
 
 def _evicted_error(request_id: str, reason: str, ttl_s: float) -> CacheMiss:
     why = f"expired after {ttl_s:g} s" if reason == "expired" else "was evicted to make room"
-    return CacheMiss(f"the kept generation of request_id {request_id!r} {why}; send it again with its prompt to start over")
+    return CacheMiss(
+        f"the kept generation of request_id {request_id!r} {why}; send it again with its prompt to start over"
+    )

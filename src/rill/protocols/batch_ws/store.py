@@ -120,8 +120,16 @@ class ContinuationStore:
         """The prompt with this id finished (whatever the outcome)."""
         self._busy.discard(key)
 
-    def keep(self, key: ScopedId, token_ids: list[int], text: str, config: GenerationConfig | None, now: float,
-             num_cached_tokens: int | None = None, owner: str = "") -> None:
+    def keep(
+        self,
+        key: ScopedId,
+        token_ids: list[int],
+        text: str,
+        config: GenerationConfig | None,
+        now: float,
+        num_cached_tokens: int | None = None,
+        owner: str = "",
+    ) -> None:
         """Keep a generation for continuation, evicting the oldest entries over the bounds.
 
         ``num_cached_tokens`` defaults to all but the last id (sampled, never fed back, so it
@@ -138,8 +146,15 @@ class ContinuationStore:
             return
         if num_cached_tokens is None:
             num_cached_tokens = len(token_ids) - 1
-        self._entries[key] = Kept(list(token_ids), text, config, now + self.ttl_s, max(0, num_cached_tokens),
-                                  owner, num_bytes if self.memory is not None else 0)
+        self._entries[key] = Kept(
+            list(token_ids),
+            text,
+            config,
+            now + self.ttl_s,
+            max(0, num_cached_tokens),
+            owner,
+            num_bytes if self.memory is not None else 0,
+        )
         self.num_tokens += len(token_ids)
         while len(self._entries) > self.max_entries or self.num_tokens > self.max_tokens:
             old_key, old = self._entries.popitem(last=False)

@@ -123,9 +123,15 @@ class _Chat:
 
     async def _serve(self) -> None:
         self.session, request = await self.service.prepare(self.request_text)
-        self.driver = Driver(self.session, self, self.service.client, protocol=PROTOCOL,
-                             principal=auth.scope_principal(self.ws.scope), metrics=self.service.metrics,
-                             one_event_per_token=True)
+        self.driver = Driver(
+            self.session,
+            self,
+            self.service.client,
+            protocol=PROTOCOL,
+            principal=auth.scope_principal(self.ws.scope),
+            metrics=self.service.metrics,
+            one_event_per_token=True,
+        )
         if not await self.turn.wait(self.session, self.driver.perform, self.gone):
             return
         await self.driver.perform([Start(request)])

@@ -70,15 +70,23 @@ def decode_media(messages: list[Message], limits: MediaLimits) -> list[DecodedMe
             elif isinstance(part, VideoPart):
                 decoded.append(_video(part, where, limits))
             if len(decoded) > limits.max_parts:
-                raise InvalidRequest(f"{where}: more than {limits.max_parts} media parts in one request", field="messages")
+                raise InvalidRequest(
+                    f"{where}: more than {limits.max_parts} media parts in one request", field="messages"
+                )
     return decoded
 
 
 def _audio(part: AudioPart, where: str, limits: MediaLimits) -> DecodedMedia:
-    samples = b64pcm.decode(part.data, f"{where} (audio)", sample_rate_hz=part.sample_rate,
-                            max_bytes=limits.max_audio_bytes, max_duration_s=limits.max_audio_s)
-    return DecodedMedia("audio", where, audio=samples, sample_rate_hz=part.sample_rate,
-                        duration_s=len(samples) / part.sample_rate)
+    samples = b64pcm.decode(
+        part.data,
+        f"{where} (audio)",
+        sample_rate_hz=part.sample_rate,
+        max_bytes=limits.max_audio_bytes,
+        max_duration_s=limits.max_audio_s,
+    )
+    return DecodedMedia(
+        "audio", where, audio=samples, sample_rate_hz=part.sample_rate, duration_s=len(samples) / part.sample_rate
+    )
 
 
 def _image(part: ImagePart, where: str, limits: MediaLimits) -> DecodedMedia:
@@ -90,8 +98,9 @@ def _image(part: ImagePart, where: str, limits: MediaLimits) -> DecodedMedia:
             width, height = probe.size
             # Check the pixel count from the header, before decoding allocates the bitmap.
             if width * height > limits.max_image_pixels:
-                raise InvalidRequest(f"{where} (image): {width}x{height} is more than {limits.max_image_pixels} pixels",
-                                     field="messages")
+                raise InvalidRequest(
+                    f"{where} (image): {width}x{height} is more than {limits.max_image_pixels} pixels", field="messages"
+                )
             image = probe.convert("RGB")
     except InvalidRequest:
         raise
@@ -105,8 +114,9 @@ def _video(part: VideoPart, where: str, limits: MediaLimits) -> DecodedMedia:
 
     label = f"{where} (video)"
     if not 1 <= part.stack_frames <= limits.max_stack_frames:
-        raise InvalidRequest(f"{label}: stack_frames {part.stack_frames} is outside 1..{limits.max_stack_frames}",
-                             field="messages")
+        raise InvalidRequest(
+            f"{label}: stack_frames {part.stack_frames} is outside 1..{limits.max_stack_frames}", field="messages"
+        )
     raw = b64pcm.decode_b64(part.data, label, limits.max_video_bytes)
     try:
         container = av.open(io.BytesIO(raw), mode="r")
@@ -116,8 +126,11 @@ def _video(part: VideoPart, where: str, limits: MediaLimits) -> DecodedMedia:
         if not container.streams.video:
             raise InvalidRequest(f"{label}: the file has no video track", field="messages")
         if container.duration is not None and container.duration / 1e6 > limits.max_video_s:
-            raise InvalidRequest(f"{label}: video lasts {container.duration / 1e6:.1f} s, more than the limit of "
-                                 f"{limits.max_video_s:g} s", field="messages")
+            raise InvalidRequest(
+                f"{label}: video lasts {container.duration / 1e6:.1f} s, more than the limit of "
+                f"{limits.max_video_s:g} s",
+                field="messages",
+            )
         try:
             frames, duration_s = _sample_frames(container, label, limits)
             audio = _audio_track(raw, label, limits)
@@ -127,7 +140,7 @@ def _video(part: VideoPart, where: str, limits: MediaLimits) -> DecodedMedia:
             raise InvalidRequest(f"{label}: the video could not be decoded", field="messages") from exc
     if not frames:
         raise InvalidRequest(f"{label}: the video has no frames", field="messages")
-    images = [_stack(frames[i:i + part.stack_frames]) for i in range(0, len(frames), part.stack_frames)]
+    images = [_stack(frames[i : i + part.stack_frames]) for i in range(0, len(frames), part.stack_frames)]
     return DecodedMedia("video", where, images=images, audio=audio, duration_s=duration_s)
 
 
@@ -140,7 +153,9 @@ def _sample_frames(container: Any, label: str, limits: MediaLimits) -> tuple[lis
         t = float(frame.time) if frame.time is not None else len(frames) / limits.video_fps
         last_s = max(last_s, t)
         if t > limits.max_video_s:
-            raise InvalidRequest(f"{label}: video lasts more than the limit of {limits.max_video_s:g} s", field="messages")
+            raise InvalidRequest(
+                f"{label}: video lasts more than the limit of {limits.max_video_s:g} s", field="messages"
+            )
         if t + 1e-6 >= next_s:
             frames.append(frame.to_image())
             next_s += 1.0 / limits.video_fps

@@ -90,8 +90,21 @@ SAMPLING = SamplingMap(
     GenerationConfig,
     Field("max_new_tokens", "max_tokens"),
     Field("min_new_tokens", "min_tokens"),
-    same("temperature", "top_p", "length_penalty", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-         "frequency_penalty", "seed", "stop", "allowed_token_ids", "num_beams", "speculative"),
+    same(
+        "temperature",
+        "top_p",
+        "length_penalty",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "seed",
+        "stop",
+        "allowed_token_ids",
+        "num_beams",
+        "speculative",
+    ),
 )
 """``generation`` → ``SamplingParams`` (``do_sample: false`` forces greedy: the session's rule)."""
 
@@ -183,4 +196,3 @@ class Error(msgspec.Struct, tag_field="type", tag="error", kw_only=True):
 
 
 ServerMessage = Queued | QueueUpdate | QueueDone | PrefillDone | Chunk | Done | Error
-

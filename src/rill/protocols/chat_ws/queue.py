@@ -59,7 +59,9 @@ class FairQueue:
         ema_alpha: weight of the newest chat duration in the moving average.
     """
 
-    def __init__(self, max_active: int, max_waiting: int, baseline_chat_s: float = 10.0, ema_alpha: float = 0.3) -> None:
+    def __init__(
+        self, max_active: int, max_waiting: int, baseline_chat_s: float = 10.0, ema_alpha: float = 0.3
+    ) -> None:
         if max_active < 1 or max_waiting < 0:
             raise ValueError("max_active must be >= 1 and max_waiting >= 0")
         self.max_active = max_active

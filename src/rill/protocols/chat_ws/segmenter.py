@@ -14,8 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-THINK_TAGS: tuple[tuple[str, str], ...] = (("<think>", "</think>"), ("<thinking>", "</thinking>"),
-                                           ("<reasoning>", "</reasoning>"))
+THINK_TAGS: tuple[tuple[str, str], ...] = (
+    ("<think>", "</think>"),
+    ("<thinking>", "</thinking>"),
+    ("<reasoning>", "</reasoning>"),
+)
 """Open/close tag pairs whose content is reasoning, never spoken."""
 
 _SENTENCE_END = ".!?;:"
@@ -43,8 +46,13 @@ class SegmenterLimits:
 class Segmenter:
     """Cuts one reply's streamed text into speakable segments (one instance per reply)."""
 
-    def __init__(self, limits: SegmenterLimits | None = None, *, starts_in_thinking: bool = False,
-                 think_tags: tuple[tuple[str, str], ...] = THINK_TAGS) -> None:
+    def __init__(
+        self,
+        limits: SegmenterLimits | None = None,
+        *,
+        starts_in_thinking: bool = False,
+        think_tags: tuple[tuple[str, str], ...] = THINK_TAGS,
+    ) -> None:
         """``starts_in_thinking``: the prompt already opened a thinking block (some chat
         templates end the generation prompt with ``<think>``), so text is reasoning until
         a close tag."""
@@ -74,20 +82,20 @@ class Segmenter:
                 if end < 0:
                     # Keep only what could be the start of the close tag; the rest is reasoning.
                     keep = 0 if final else _partial_suffix(self._raw, (self._close_tag,))
-                    self._raw = self._raw[len(self._raw) - keep:] if keep else ""
+                    self._raw = self._raw[len(self._raw) - keep :] if keep else ""
                     return
-                self._raw = self._raw[end + len(self._close_tag):]
+                self._raw = self._raw[end + len(self._close_tag) :]
                 self._close_tag = None
                 continue
             start, tag = self._first_tag()
             if tag is None:
                 keep = 0 if final else _partial_suffix(self._raw, self._all_tags())
-                self._speech += self._raw[:len(self._raw) - keep]
-                self._raw = self._raw[len(self._raw) - keep:]
+                self._speech += self._raw[: len(self._raw) - keep]
+                self._raw = self._raw[len(self._raw) - keep :]
                 return
             self._speech += self._raw[:start]
             opener = next((o for o, c in self._tags if o == tag), None)
-            self._raw = self._raw[start + len(tag):]
+            self._raw = self._raw[start + len(tag) :]
             if opener is not None:
                 self._close_tag = next(c for o, c in self._tags if o == tag)
             # A stray close tag (no opener seen) is simply removed.

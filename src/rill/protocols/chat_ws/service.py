@@ -67,9 +67,11 @@ class ChatService:
         self.request_timeout_s = cfg.policy.request_timeout_s
         self.recordings_dir = Path(cfg.http.data_dir) / "recordings" if cfg.chat.record else None
         days = cfg.chat.record_retention_days
-        self.recordings = RecordingStore(Path(cfg.http.data_dir) / "recordings",
-                                         parse_size(cfg.chat.record_max_bytes, "record_max_bytes"),
-                                         None if days is None else days * 86400)
+        self.recordings = RecordingStore(
+            Path(cfg.http.data_dir) / "recordings",
+            parse_size(cfg.chat.record_max_bytes, "record_max_bytes"),
+            None if days is None else days * 86400,
+        )
         self.ref_audio_path = cfg.chat.ref_audio
         self._ref_audio: dict[str, Any] | None = None
         self._mailboxes: dict[Hashable, asyncio.Queue[Notice]] = {}
@@ -85,15 +87,22 @@ class ChatService:
         request = codec.decode_request(request_text)
         info = self.client.require_model()
         if request.tts.enabled:
-            self.speech.synth.check(language=request.tts.language, mode=request.tts.mode,
-                                    has_ref_audio=bool(request.tts.ref_audio_data or request.tts.ref_audio_path))
+            self.speech.synth.check(
+                language=request.tts.language,
+                mode=request.tts.mode,
+                has_ref_audio=bool(request.tts.ref_audio_data or request.tts.ref_audio_path),
+            )
         decoded = await asyncio.to_thread(media.decode_media, request.messages, self.media_limits)
         refuse_modalities([(d.kind, d.where) for d in decoded], info.name, list(info.modalities))
         generate_request = build_generate_request(request, deadline_s=self.request_timeout_s)
         recording_id = f"chat_{uuid.uuid4().hex[:16]}" if self.recordings_dir is not None else None
-        session = ChatSession(request, is_speaking=request.tts.enabled,
-                              segmenter=Segmenter(starts_in_thinking=await self._starts_in_thinking(request)),
-                              recording_session_id=recording_id, keep_audio=recording_id is not None)
+        session = ChatSession(
+            request,
+            is_speaking=request.tts.enabled,
+            segmenter=Segmenter(starts_in_thinking=await self._starts_in_thinking(request)),
+            recording_session_id=recording_id,
+            keep_audio=recording_id is not None,
+        )
         return session, generate_request
 
     async def _starts_in_thinking(self, request: ChatRequest) -> bool:
@@ -103,8 +112,13 @@ class ChatService:
             return False
         try:
             rendered = await self.client.render_chat(
-                [{"role": m.role, "content": m.content if isinstance(m.content, str) else ""} for m in request.messages],
-                add_generation_prompt=True, enable_thinking=True)
+                [
+                    {"role": m.role, "content": m.content if isinstance(m.content, str) else ""}
+                    for m in request.messages
+                ],
+                add_generation_prompt=True,
+                enable_thinking=True,
+            )
         except Exception:  # noqa: BLE001 - a template that cannot render opens no thinking block
             return False
         return any(rendered.rstrip().endswith(opener) for opener, _ in THINK_TAGS)
@@ -138,11 +152,20 @@ class ChatService:
         folder = self.recordings_dir / recording_id
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "request.json").write_text(request_text)
-        reply = {"recording_session_id": recording_id, "text": done.text, "generated_tokens": done.generated_tokens,
-                 "input_tokens": done.input_tokens, "created_at": time.time(),
-                 "audio": None if audio is None else {
-                     "sample_rate": SAMPLE_RATE_HZ, "duration_s": round(len(audio) / SAMPLE_RATE_HZ, 3),
-                     "url": f"/api/recordings/{recording_id}/reply.wav"}}
+        reply = {
+            "recording_session_id": recording_id,
+            "text": done.text,
+            "generated_tokens": done.generated_tokens,
+            "input_tokens": done.input_tokens,
+            "created_at": time.time(),
+            "audio": None
+            if audio is None
+            else {
+                "sample_rate": SAMPLE_RATE_HZ,
+                "duration_s": round(len(audio) / SAMPLE_RATE_HZ, 3),
+                "url": f"/api/recordings/{recording_id}/reply.wav",
+            },
+        }
         if audio is not None:
             soundfile.write(folder / "reply.wav", audio, SAMPLE_RATE_HZ, subtype="FLOAT")
         (folder / "reply.json").write_text(json.dumps(reply))
@@ -179,10 +202,13 @@ class ChatService:
             mono = audio.mean(axis=1)
             if rate != b64pcm.INPUT_SAMPLE_RATE_HZ:
                 mono = soxr.resample(mono, rate, b64pcm.INPUT_SAMPLE_RATE_HZ)
-            self._ref_audio = {"name": Path(self.ref_audio_path).name,
-                               "duration": round(len(mono) / b64pcm.INPUT_SAMPLE_RATE_HZ, 1),
-                               "sample_rate": b64pcm.INPUT_SAMPLE_RATE_HZ, "samples": int(len(mono)),
-                               "base64": b64pcm.encode(mono)}
+            self._ref_audio = {
+                "name": Path(self.ref_audio_path).name,
+                "duration": round(len(mono) / b64pcm.INPUT_SAMPLE_RATE_HZ, 1),
+                "sample_rate": b64pcm.INPUT_SAMPLE_RATE_HZ,
+                "samples": int(len(mono)),
+                "base64": b64pcm.encode(mono),
+            }
         return self._ref_audio
 
 

@@ -94,8 +94,13 @@ def build_generate_request(request: ChatRequest, *, deadline_s: float | None = N
     """
     messages = [ChatMessage(role=m.role, content=_text_of(m, i)) for i, m in enumerate(request.messages)]
     sampling = sampling_params(request.generation)
-    return GenerateRequest(messages=messages, sampling=sampling, protocol=PROTOCOL,
-                           chat_template_kwargs={"enable_thinking": request.enable_thinking}, deadline_s=deadline_s)
+    return GenerateRequest(
+        messages=messages,
+        sampling=sampling,
+        protocol=PROTOCOL,
+        chat_template_kwargs={"enable_thinking": request.enable_thinking},
+        deadline_s=deadline_s,
+    )
 
 
 def _text_of(message: Message, index: int) -> str:
@@ -104,8 +109,9 @@ def _text_of(message: Message, index: int) -> str:
     texts: list[str] = []
     for p, part in enumerate(message.content):
         if not isinstance(part, TextPart):
-            raise InvalidRequest(f"messages[{index}].content[{p}]: media parts cannot be sent to this model",
-                                 field="messages")
+            raise InvalidRequest(
+                f"messages[{index}].content[{p}]: media parts cannot be sent to this model", field="messages"
+            )
         texts.append(part.text)
     return "\n".join(texts)
 
@@ -137,8 +143,11 @@ def refuse_modalities(kinds_and_places: list[tuple[str, str]], model_name: str, 
     for kind, where in kinds_and_places:
         modality = _MODALITY_OF_PART[kind]
         if modality not in model_modalities:
-            raise InvalidRequest(f"{where}: the model '{model_name}' cannot take {modality} input "
-                                 f"(it takes: {', '.join(model_modalities)})", field="messages")
+            raise InvalidRequest(
+                f"{where}: the model '{model_name}' cannot take {modality} input "
+                f"(it takes: {', '.join(model_modalities)})",
+                field="messages",
+            )
 
 
 class ChatSession(driver_session.Session):
@@ -151,8 +160,15 @@ class ChatSession(driver_session.Session):
         recording_session_id: put on ``done`` when the chat is recorded.
     """
 
-    def __init__(self, request: ChatRequest, *, is_speaking: bool, segmenter: Segmenter | None = None,
-                 recording_session_id: str | None = None, keep_audio: bool = False) -> None:
+    def __init__(
+        self,
+        request: ChatRequest,
+        *,
+        is_speaking: bool,
+        segmenter: Segmenter | None = None,
+        recording_session_id: str | None = None,
+        keep_audio: bool = False,
+    ) -> None:
         self.request = request
         self.is_streaming = request.streaming
         self.is_speaking = is_speaking
@@ -170,13 +186,23 @@ class ChatSession(driver_session.Session):
     # -- queue (the server's fair queue of chats, not the engine's) ---------------------
     def on_queue_joined(self, status: QueueStatus) -> list[Action]:
         """The chat had to wait for a turn: tell the client where it stands."""
-        return [Send(Queued(position=status.position, estimated_wait_s=status.estimated_wait_s,
-                            queue_length=status.queue_length))]
+        return [
+            Send(
+                Queued(
+                    position=status.position, estimated_wait_s=status.estimated_wait_s, queue_length=status.queue_length
+                )
+            )
+        ]
 
     def on_queue_moved(self, status: QueueStatus) -> list[Action]:
         """The waiting chat's position changed."""
-        return [Send(QueueUpdate(position=status.position, estimated_wait_s=status.estimated_wait_s,
-                                 queue_length=status.queue_length))]
+        return [
+            Send(
+                QueueUpdate(
+                    position=status.position, estimated_wait_s=status.estimated_wait_s, queue_length=status.queue_length
+                )
+            )
+        ]
 
     def on_admitted(self) -> list[Action]:
         """The chat may generate now (sent even when it never waited)."""
@@ -197,9 +223,10 @@ class ChatSession(driver_session.Session):
         """One engine delta → ``prefill_done`` (first time), chunks, speech segments, the end."""
         actions: list[Action] = []
         if output.finished and output.finish_reason in ("error", "cancelled"):
-            return self.on_error(output.error if isinstance(output.error, BaseException)
-                                 else RillError("Cancelled"))
-        if not self._prefill_sent and (RequestEvent.PREFILL_DONE in output.events or output.token_ids or output.finished):
+            return self.on_error(output.error if isinstance(output.error, BaseException) else RillError("Cancelled"))
+        if not self._prefill_sent and (
+            RequestEvent.PREFILL_DONE in output.events or output.token_ids or output.finished
+        ):
             self._prefill_sent = True
             actions.append(Send(PrefillDone(input_tokens=self.input_tokens)))
         # usage counts every generated token, also one delivered later (its text held back)
@@ -231,7 +258,7 @@ class ChatSession(driver_session.Session):
             # NOTE: at most one second per message: a long sentence would otherwise make a
             # frame over 1 MiB, the default limit of the websockets client.
             step = self.max_chunk_samples
-            return [Send(Chunk(audio_data=b64pcm.encode(samples[i:i + step]))) for i in range(0, len(samples), step)]
+            return [Send(Chunk(audio_data=b64pcm.encode(samples[i : i + step]))) for i in range(0, len(samples), step)]
         return []
 
     def on_speech_end(self) -> list[Action]:
@@ -244,8 +271,9 @@ class ChatSession(driver_session.Session):
         audio = None
         if self.is_speaking and not self.is_streaming:
             audio = b64pcm.encode(np.concatenate(self.audio) if self.audio else np.zeros(0, np.float32))
-        done = Done(text=self.text, generated_tokens=self.generated_tokens, input_tokens=self.input_tokens,
-                    audio_data=audio)
+        done = Done(
+            text=self.text, generated_tokens=self.generated_tokens, input_tokens=self.input_tokens, audio_data=audio
+        )
         if self.recording_session_id is None:
             return [Send(done), Close(codec.CLOSE_NORMAL)]
         done.recording_session_id = self.recording_session_id
@@ -267,4 +295,3 @@ class ChatSession(driver_session.Session):
         if state not in TRANSITIONS[self.state]:
             raise RuntimeError(f"chat session: illegal transition {self.state} → {state}")
         self.state = state
-

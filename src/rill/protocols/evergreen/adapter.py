@@ -67,8 +67,10 @@ class EvergreenServicer:
         principal = self._principal(context)
         if principal is None:
             await self._drain_unauthenticated(request_iterator, self.deps.config.connections.first_message_timeout_s)
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                                "missing or unknown API key (send metadata 'authorization: Bearer KEY')")
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "missing or unknown API key (send metadata 'authorization: Bearer KEY')",
+            )
         lease = None
         if self.deps.gate is not None:
             try:
@@ -144,8 +146,11 @@ class EvergreenServicer:
         keys = self.deps.api_keys
         if not keys:
             return auth.principal(None, grpc_peer_host(context.peer()))
-        tokens = [auth.bearer_token(value) for key, value in context.invocation_metadata() or ()
-                  if key.lower() == "authorization" and isinstance(value, str)]
+        tokens = [
+            auth.bearer_token(value)
+            for key, value in context.invocation_metadata() or ()
+            if key.lower() == "authorization" and isinstance(value, str)
+        ]
         matched = [token for token in tokens if auth.key_matches(token, keys)]  # every header is checked
         return auth.principal(matched[0], None) if matched else None
 

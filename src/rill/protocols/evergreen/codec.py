@@ -69,8 +69,13 @@ def from_pb(message: service_pb.SessionMessage) -> SessionMessage:
 
 
 def _fragment_from_pb(f: pb.NodeFragment) -> NodeFragment:
-    return NodeFragment(id=f.id, seq=f.seq, continued=f.continued, child_ids=tuple(f.child_ids),
-                        chunk_fragment=_chunk_from_pb(f.chunk_fragment) if f.HasField("chunk_fragment") else None)
+    return NodeFragment(
+        id=f.id,
+        seq=f.seq,
+        continued=f.continued,
+        child_ids=tuple(f.child_ids),
+        chunk_fragment=_chunk_from_pb(f.chunk_fragment) if f.HasField("chunk_fragment") else None,
+    )
 
 
 def _chunk_from_pb(c: pb.Chunk) -> Chunk:
@@ -84,9 +89,12 @@ def _chunk_from_pb(c: pb.Chunk) -> Chunk:
 
 def _metadata_from_pb(m: pb.ChunkMetadata) -> ChunkMetadata:
     return ChunkMetadata(
-        mimetype=m.mimetype, role=m.role, original_file_name=m.original_file_name,
+        mimetype=m.mimetype,
+        role=m.role,
+        original_file_name=m.original_file_name,
         capture_time=Timestamp(seconds=m.capture_time.seconds, nanos=m.capture_time.nanos)
-        if m.HasField("capture_time") else None,
+        if m.HasField("capture_time")
+        else None,
         experimental=tuple(AnyMessage(type_url=a.type_url, value=a.value) for a in m.experimental),
     )
 
@@ -277,10 +285,23 @@ def encode_config(config: GenerateConfig) -> AnyMessage:
 # -- errors -------------------------------------------------------------------------------------
 
 STATUS_NUMBERS: dict[str, int] = {
-    "OK": 0, "CANCELLED": 1, "UNKNOWN": 2, "INVALID_ARGUMENT": 3, "DEADLINE_EXCEEDED": 4, "NOT_FOUND": 5,
-    "ALREADY_EXISTS": 6, "PERMISSION_DENIED": 7, "RESOURCE_EXHAUSTED": 8, "FAILED_PRECONDITION": 9,
-    "ABORTED": 10, "OUT_OF_RANGE": 11, "UNIMPLEMENTED": 12, "INTERNAL": 13, "UNAVAILABLE": 14,
-    "DATA_LOSS": 15, "UNAUTHENTICATED": 16,
+    "OK": 0,
+    "CANCELLED": 1,
+    "UNKNOWN": 2,
+    "INVALID_ARGUMENT": 3,
+    "DEADLINE_EXCEEDED": 4,
+    "NOT_FOUND": 5,
+    "ALREADY_EXISTS": 6,
+    "PERMISSION_DENIED": 7,
+    "RESOURCE_EXHAUSTED": 8,
+    "FAILED_PRECONDITION": 9,
+    "ABORTED": 10,
+    "OUT_OF_RANGE": 11,
+    "UNIMPLEMENTED": 12,
+    "INTERNAL": 13,
+    "UNAVAILABLE": 14,
+    "DATA_LOSS": 15,
+    "UNAUTHENTICATED": 16,
 }
 """gRPC status names and numbers (as in grpc.StatusCode), without importing grpc here."""
 

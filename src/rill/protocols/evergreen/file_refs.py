@@ -95,10 +95,13 @@ def _check_regular(uri: str, info: os.stat_result) -> None:
     if stat.S_ISDIR(info.st_mode):
         raise RefNotFound(f"ref '{uri}' is a folder, not a file")
     if not stat.S_ISREG(info.st_mode):
-        raise UnsupportedInput(f"ref '{uri}' is not a regular file (a FIFO, device or socket); "
-                               "rill reads regular files only")
+        raise UnsupportedInput(
+            f"ref '{uri}' is not a regular file (a FIFO, device or socket); rill reads regular files only"
+        )
 
 
 def _too_big(uri: str, max_bytes: int) -> SessionLimit:
-    return SessionLimit(f"ref '{uri}' holds more than the {max_bytes} bytes left to this session and prompt "
-                        "(--evergreen-max-bytes, --evergreen-max-prompt-bytes)")
+    return SessionLimit(
+        f"ref '{uri}' holds more than the {max_bytes} bytes left to this session and prompt "
+        "(--evergreen-max-bytes, --evergreen-max-prompt-bytes)"
+    )

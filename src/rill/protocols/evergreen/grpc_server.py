@@ -42,15 +42,19 @@ async def start(deps: Deps, servicer: Any) -> Callable[[], Awaitable[None]]:
     limits = deps.config.connections
     first_message_ms = int(limits.first_message_timeout_s * 1000)
     server = grpc.aio.server(
-        options=[("grpc.max_receive_message_length", max_bytes), ("grpc.max_send_message_length", max_bytes),
-                 # grpc sets SO_REUSEPORT by default, which would let a second server share the port
-                 # silently (splitting sessions between two processes): refuse it, as for the HTTP port.
-                 ("grpc.so_reuseport", 0),
-                 # Connections that never finish the HTTP/2 handshake, or that hold no call, are
-                 # closed like idle WebSockets; calls themselves are counted by the gate.
-                 ("grpc.server_handshake_timeout_ms", first_message_ms),
-                 ("grpc.max_connection_idle_ms", first_message_ms)],
-        maximum_concurrent_rpcs=limits.max_connections)
+        options=[
+            ("grpc.max_receive_message_length", max_bytes),
+            ("grpc.max_send_message_length", max_bytes),
+            # grpc sets SO_REUSEPORT by default, which would let a second server share the port
+            # silently (splitting sessions between two processes): refuse it, as for the HTTP port.
+            ("grpc.so_reuseport", 0),
+            # Connections that never finish the HTTP/2 handshake, or that hold no call, are
+            # closed like idle WebSockets; calls themselves are counted by the gate.
+            ("grpc.server_handshake_timeout_ms", first_message_ms),
+            ("grpc.max_connection_idle_ms", first_message_ms),
+        ],
+        maximum_concurrent_rpcs=limits.max_connections,
+    )
     service_grpc.add_EvergreenServiceServicer_to_server(servicer, server)
     health = _add_standard_services(server)
     await _set_health(health, serving=False)  # before the port opens: no probe sees SERVING early
@@ -86,8 +90,11 @@ def _add_standard_services(server: Any) -> Any:
 
     servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    names = (service_pb2.DESCRIPTOR.services_by_name["EvergreenService"].full_name,
-             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+    names = (
+        service_pb2.DESCRIPTOR.services_by_name["EvergreenService"].full_name,
+        health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+        reflection.SERVICE_NAME,
+    )
     reflection.enable_server_reflection(names, server)
     return servicer
 

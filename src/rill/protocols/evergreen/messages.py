@@ -117,13 +117,27 @@ def _response_format(text: str) -> ResponseFormat:
     try:
         return msgspec.json.decode(text, type=ResponseFormat)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        raise InvalidRequest(f"'response_format' is not a valid response format: {exc}", field="response_format") from exc
+        raise InvalidRequest(
+            f"'response_format' is not a valid response format: {exc}", field="response_format"
+        ) from exc
 
 
 SAMPLING = SamplingMap(
     GenerateConfig,
-    same("temperature", "top_k", "top_p", "min_p", "max_tokens", "min_tokens", "repetition_penalty",
-         "presence_penalty", "frequency_penalty", "seed", "ignore_eos", "speculative"),
+    same(
+        "temperature",
+        "top_k",
+        "top_p",
+        "min_p",
+        "max_tokens",
+        "min_tokens",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "seed",
+        "ignore_eos",
+        "speculative",
+    ),
     Field("stop", "stop", list),
     Field("response_format", "response_format", _response_format),
 )

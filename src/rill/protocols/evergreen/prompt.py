@@ -35,8 +35,12 @@ from rill.types import ChatMessage, GenerateRequest, SamplingParams
 END_OF_TURN = "application/x-protobuf; type=EndOfTurn"
 
 ROLES: dict[str, str] = {
-    "user": "user", "model": "assistant", "assistant": "assistant", "system": "system",
-    "context": "user", "tool": "tool",
+    "user": "user",
+    "model": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+    "context": "user",
+    "tool": "tool",
 }
 """``ChunkMetadata.role`` (any case) → chat-template role; an empty role means ``user``."""
 
@@ -81,8 +85,9 @@ class TurnEnd:
 PromptItem = TextLeaf | TurnEnd
 
 
-def leaf_item(node_id: str, metadata: ChunkMetadata, chunks: list[Chunk], model: ModelFacts,
-              file_roots: tuple[str, ...]) -> PromptItem:
+def leaf_item(
+    node_id: str, metadata: ChunkMetadata, chunks: list[Chunk], model: ModelFacts, file_roots: tuple[str, ...]
+) -> PromptItem:
     """The prompt item of a client leaf whose seq 0 carries ``metadata``, from its chunks in seq order.
 
     Raises:
@@ -96,13 +101,18 @@ def leaf_item(node_id: str, metadata: ChunkMetadata, chunks: list[Chunk], model:
     if main_type.startswith(MEDIA_PREFIXES):
         kind = main_type.split("/", 1)[0]
         if kind in model.modalities:  # the model could, but this protocol does not pass media on yet
-            raise UnsupportedInput(f"node '{node_id}' has mimetype '{mimetype}': Evergreen GENERATE does not "
-                                   f"pass {kind} input to the model yet")
-        raise UnsupportedInput(f"node '{node_id}' has mimetype '{mimetype}': the model '{model.name}' "
-                               f"cannot take {kind} input (it takes {', '.join(model.modalities)})")
+            raise UnsupportedInput(
+                f"node '{node_id}' has mimetype '{mimetype}': Evergreen GENERATE does not "
+                f"pass {kind} input to the model yet"
+            )
+        raise UnsupportedInput(
+            f"node '{node_id}' has mimetype '{mimetype}': the model '{model.name}' "
+            f"cannot take {kind} input (it takes {', '.join(model.modalities)})"
+        )
     if not (main_type.startswith("text/") or main_type in TEXT_MIMETYPES):
-        raise UnsupportedInput(f"node '{node_id}' has mimetype '{mimetype}', which GENERATE cannot take "
-                               "(text/* and EndOfTurn only)")
+        raise UnsupportedInput(
+            f"node '{node_id}' has mimetype '{mimetype}', which GENERATE cannot take (text/* and EndOfTurn only)"
+        )
     role = ROLES.get(metadata.role.lower()) if metadata.role else "user"
     if role is None:
         raise UnsupportedInput(f"node '{node_id}' has role '{metadata.role}' (use one of {', '.join(ROLES)})")
@@ -125,21 +135,25 @@ def file_ref(uri: str, node_id: str, file_roots: tuple[str, ...]) -> FileRef:
     """
     parts = urlsplit(uri)
     if parts.scheme != "file":
-        raise UnsupportedInput(f"node '{node_id}': ref '{uri}' has scheme '{parts.scheme or '(none)'}'; "
-                               "rill reads file:// refs only")
+        raise UnsupportedInput(
+            f"node '{node_id}': ref '{uri}' has scheme '{parts.scheme or '(none)'}'; rill reads file:// refs only"
+        )
     if parts.netloc not in ("", "localhost"):
-        raise UnsupportedInput(f"node '{node_id}': ref '{uri}' names host '{parts.netloc}'; "
-                               "file:// refs must be local (file:///path)")
+        raise UnsupportedInput(
+            f"node '{node_id}': ref '{uri}' names host '{parts.netloc}'; file:// refs must be local (file:///path)"
+        )
     if not file_roots:
-        raise RefDenied(f"node '{node_id}': file:// refs are disabled on this server "
-                        "(start it with --evergreen-file-root DIR)")
+        raise RefDenied(
+            f"node '{node_id}': file:// refs are disabled on this server (start it with --evergreen-file-root DIR)"
+        )
     try:
         # strict: a percent-escape that is not UTF-8 must not silently name another file
         path = posixpath.normpath(unquote(parts.path, errors="strict"))
         path.encode("utf-8")  # a lone surrogate cannot name a file either
     except UnicodeError as exc:
-        raise UnsupportedInput(f"node '{node_id}': ref '{uri}' is not a valid path (not UTF-8 once "
-                               "percent-decoded)") from exc
+        raise UnsupportedInput(
+            f"node '{node_id}': ref '{uri}' is not a valid path (not UTF-8 once percent-decoded)"
+        ) from exc
     if "\x00" in path:
         raise UnsupportedInput(f"node '{node_id}': ref '{uri}' contains a NUL character (%00)")
     if not path.startswith("/"):
@@ -149,8 +163,15 @@ def file_ref(uri: str, node_id: str, file_roots: tuple[str, ...]) -> FileRef:
     return FileRef(uri, path)
 
 
-def build_request(action_id: str, items: tuple[PromptItem, ...], config: GenerateConfig, ref_bytes: dict[str, bytes],
-                  model: ModelFacts, *, deadline_s: float | None = None) -> GenerateRequest:
+def build_request(
+    action_id: str,
+    items: tuple[PromptItem, ...],
+    config: GenerateConfig,
+    ref_bytes: dict[str, bytes],
+    model: ModelFacts,
+    *,
+    deadline_s: float | None = None,
+) -> GenerateRequest:
     """The engine request of action ``action_id``; ``ref_bytes`` holds each file ref's content by path.
 
     Raises:
@@ -164,8 +185,10 @@ def build_request(action_id: str, items: tuple[PromptItem, ...], config: Generat
     if model.has_chat_template:
         return GenerateRequest(messages=turns, **common)
     if len(turns) > 1 or turns[0].role != "user":
-        raise NeedsChatTemplate(f"action {action_id}: the prompt has roles or several turns, but the "
-                                f"model '{model.name}' has no chat template to render them")
+        raise NeedsChatTemplate(
+            f"action {action_id}: the prompt has roles or several turns, but the "
+            f"model '{model.name}' has no chat template to render them"
+        )
     return GenerateRequest(prompt=str(turns[0].content), **common)
 
 

@@ -47,11 +47,17 @@ def session_limits(deps: Deps) -> SessionLimits:
     """The per-session limits and file roots (their real paths) from the server config."""
     e = deps.config.evergreen
     roots = tuple(os.path.realpath(r) for r in e.evergreen_file_root)
-    return SessionLimits(max_depth=e.evergreen_max_depth, max_nodes=e.evergreen_max_nodes,
-                         max_bytes=e.evergreen_max_bytes, max_actions=e.evergreen_max_actions,
-                         max_fragments=e.evergreen_max_fragments, max_id_bytes=e.evergreen_max_id_bytes,
-                         max_prompt_bytes=e.evergreen_max_prompt_bytes,
-                         request_timeout_s=deps.config.policy.request_timeout_s, file_roots=roots)
+    return SessionLimits(
+        max_depth=e.evergreen_max_depth,
+        max_nodes=e.evergreen_max_nodes,
+        max_bytes=e.evergreen_max_bytes,
+        max_actions=e.evergreen_max_actions,
+        max_fragments=e.evergreen_max_fragments,
+        max_id_bytes=e.evergreen_max_id_bytes,
+        max_prompt_bytes=e.evergreen_max_prompt_bytes,
+        request_timeout_s=deps.config.policy.request_timeout_s,
+        file_roots=roots,
+    )
 
 
 def model_facts(deps: Deps) -> ModelFacts:
@@ -156,10 +162,20 @@ class SessionRunner:
     async def _open(self) -> tuple[EvergreenSession, Driver]:
         if self.session is None or self.driver is None:
             await self.deps.client.wait_ready()  # the session needs the model's name and template
-            self.session = EvergreenSession(session_limits(self.deps), model_facts(self.deps),
-                                            charge=self._lease.grow if self._lease is not None else None)
-            self.driver = Driver(self.session, self, self.deps.client, protocol=codec.PROTOCOL_NAME,
-                                 principal=self.principal, metrics=self.deps.metrics, session_lock=self._lock)
+            self.session = EvergreenSession(
+                session_limits(self.deps),
+                model_facts(self.deps),
+                charge=self._lease.grow if self._lease is not None else None,
+            )
+            self.driver = Driver(
+                self.session,
+                self,
+                self.deps.client,
+                protocol=codec.PROTOCOL_NAME,
+                principal=self.principal,
+                metrics=self.deps.metrics,
+                session_lock=self._lock,
+            )
         return self.session, self.driver
 
     def _start(self, command: Generate) -> None:
@@ -193,7 +209,8 @@ class SessionRunner:
             self.deps.metrics.observe_rejection(protocol=codec.PROTOCOL_NAME, code=code)
 
 
-def _decode_and_receive(session: EvergreenSession, message: Any,
-                        decode: Callable[[Any], SessionMessage] | None) -> list[Any]:
+def _decode_and_receive(
+    session: EvergreenSession, message: Any, decode: Callable[[Any], SessionMessage] | None
+) -> list[Any]:
     # Runs in a worker thread, under the session's lock.
     return session.receive(decode(message) if decode is not None else message)

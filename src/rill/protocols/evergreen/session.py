@@ -55,8 +55,21 @@ from rill.protocols.evergreen.prompt import (
 from rill.protocols.evergreen.store import ActionId, NodeId, NodeStore, SessionLimits, utf8_len
 from rill.types import GenerateRequest, RequestOutput
 
-__all__ = ["EvergreenSession", "SessionLimits", "ModelFacts", "Send", "Generate", "Close", "AbortSession", "Command",
-           "FileRef", "TextLeaf", "TurnEnd", "PromptItem", "is_under"]
+__all__ = [
+    "EvergreenSession",
+    "SessionLimits",
+    "ModelFacts",
+    "Send",
+    "Generate",
+    "Close",
+    "AbortSession",
+    "Command",
+    "FileRef",
+    "TextLeaf",
+    "TurnEnd",
+    "PromptItem",
+    "is_under",
+]
 
 GENERATE = "GENERATE"
 INPUT_NAMES = ("prompt", "text")
@@ -120,8 +133,7 @@ class EvergreenSession(Session):
     the adapter releases the whole charge when the session is over.
     """
 
-    def __init__(self, limits: SessionLimits, model: ModelFacts,
-                 charge: Callable[[int], None] | None = None) -> None:
+    def __init__(self, limits: SessionLimits, model: ModelFacts, charge: Callable[[int], None] | None = None) -> None:
         self.limits = limits
         self.model = model
         self._store = NodeStore(limits, charge)
@@ -156,8 +168,10 @@ class EvergreenSession(Session):
         for action in self._waiting.values():
             missing = self._store.missing_client_node(action.input_id)
             if missing is not None:
-                raise InputMissing(f"the client ended its input but action {action.id} still waits for node "
-                                   f"'{missing}', which never arrived complete")
+                raise InputMissing(
+                    f"the client ended its input but action {action.id} still waits for node "
+                    f"'{missing}', which never arrived complete"
+                )
         return self._maybe_close()
 
     @property
@@ -173,15 +187,16 @@ class EvergreenSession(Session):
             raise RuleBroken(f"{label}: unknown action name '{action.name}' (rill runs {GENERATE})")
         target = action.target_spec.id if action.target_spec is not None else ""
         if target and target != self.model.name:
-            raise UnknownTarget(f"{label}: target_spec.id '{target}' is not served here (this server runs "
-                                f"'{self.model.name}'; leave it empty for the default)")
+            raise UnknownTarget(
+                f"{label}: target_spec.id '{target}' is not served here (this server runs "
+                f"'{self.model.name}'; leave it empty for the default)"
+            )
         config = self._config(action, label)
         max_id = self.limits.max_id_bytes
         input_id = self._one_param(action.inputs, INPUT_NAMES, "input", label, required=True, max_id_bytes=max_id)
         output_id = self._one_param(action.outputs, OUTPUT_NAMES, "output", label, required=False, max_id_bytes=max_id)
         if self.num_open_actions >= self.limits.max_actions:
-            raise SessionLimit(f"{label}: {self.limits.max_actions} actions are already open "
-                               "(--evergreen-max-actions)")
+            raise SessionLimit(f"{label}: {self.limits.max_actions} actions are already open (--evergreen-max-actions)")
         assert input_id is not None
         self._store.node(input_id)
         if output_id is not None:
@@ -196,14 +211,17 @@ class EvergreenSession(Session):
         for any_config in action.configs:
             config = codec.decode_config(any_config)
             if config is None:
-                raise RuleBroken(f"{label}: unknown config type '{any_config.type_url}' (rill takes "
-                                 "type.googleapis.com/rill.evergreen.v1.GenerateConfig)")
+                raise RuleBroken(
+                    f"{label}: unknown config type '{any_config.type_url}' (rill takes "
+                    "type.googleapis.com/rill.evergreen.v1.GenerateConfig)"
+                )
             merged.update({k: v for k, v in _fields(config).items() if v is not None and v != ()})
         return GenerateConfig(**merged)
 
     @staticmethod
-    def _one_param(params: tuple[Any, ...], names: tuple[str, ...], what: str, label: str, *, required: bool,
-                   max_id_bytes: int) -> NodeId | None:
+    def _one_param(
+        params: tuple[Any, ...], names: tuple[str, ...], what: str, label: str, *, required: bool, max_id_bytes: int
+    ) -> NodeId | None:
         found = None
         for param in params:
             if param.name not in names:
@@ -211,8 +229,10 @@ class EvergreenSession(Session):
             if not param.id:
                 raise RuleBroken(f"{label}: {what} '{param.name}' has an empty node id")
             if utf8_len(param.id) > max_id_bytes:
-                raise SessionLimit(f"{label}: {what} '{param.name}' names a node id longer than {max_id_bytes} "
-                                   "bytes (--evergreen-max-id-bytes)")
+                raise SessionLimit(
+                    f"{label}: {what} '{param.name}' names a node id longer than {max_id_bytes} "
+                    "bytes (--evergreen-max-id-bytes)"
+                )
             if found is not None:
                 raise RuleBroken(f"{label}: more than one {what} ({' and '.join(names)} name the same parameter)")
             found = param.id
@@ -235,8 +255,10 @@ class EvergreenSession(Session):
     def ref_budget(self, command: Generate) -> int:
         """Most bytes the adapter may read through ``command``'s file refs (each file once):
         what is left of the session's ``max_bytes`` and of the action's prompt budget."""
-        return max(0, min(self.limits.max_bytes - self._store.num_bytes,
-                          self.limits.max_prompt_bytes - command.num_inline_bytes))
+        return max(
+            0,
+            min(self.limits.max_bytes - self._store.num_bytes, self.limits.max_prompt_bytes - command.num_inline_bytes),
+        )
 
     def count_refs(self, command: Generate, contents: dict[str, bytes], num_read_bytes: int) -> None:
         """Count what the adapter read for ``command``: ``num_read_bytes`` (each file once)
@@ -248,9 +270,11 @@ class EvergreenSession(Session):
         """
         num_prompt_bytes = command.num_inline_bytes + sum(len(contents[ref.path]) for ref in command.refs)
         if num_prompt_bytes > self.limits.max_prompt_bytes:
-            raise SessionLimit(f"action {command.action_id}: the prompt expands to {num_prompt_bytes} bytes with "
-                               f"its file refs, more than {self.limits.max_prompt_bytes} "
-                               "(--evergreen-max-prompt-bytes; a file counts once per ref)")
+            raise SessionLimit(
+                f"action {command.action_id}: the prompt expands to {num_prompt_bytes} bytes with "
+                f"its file refs, more than {self.limits.max_prompt_bytes} "
+                "(--evergreen-max-prompt-bytes; a file counts once per ref)"
+            )
         self._store.add_bytes(num_read_bytes)
 
     def request_for(self, command: Generate, ref_bytes: dict[str, bytes]) -> GenerateRequest:
@@ -261,9 +285,14 @@ class EvergreenSession(Session):
         facts, so the adapter may run it in a worker thread: a large prompt is joined and
         decoded there, not on the event loop.
         """
-        return build_request(command.action_id, command.items, command.config, ref_bytes, self.model,
-                             deadline_s=self.limits.request_timeout_s)
-
+        return build_request(
+            command.action_id,
+            command.items,
+            command.config,
+            ref_bytes,
+            self.model,
+            deadline_s=self.limits.request_timeout_s,
+        )
 
     # -- outbound ----------------------------------------------------------------------------------
     def on_output(self, key: Key, output: RequestOutput, now: float) -> list[Command]:
@@ -323,8 +352,10 @@ class EvergreenSession(Session):
             return []
         if self._waiting:
             stuck = next(iter(self._waiting.values()))
-            raise InputMissing(f"action {stuck.id} waits for outputs of actions that can never run "
-                               "(an action's input includes its own output)")
+            raise InputMissing(
+                f"action {stuck.id} waits for outputs of actions that can never run "
+                "(an action's input includes its own output)"
+            )
         self._is_over = True
         return [Close()]
 

@@ -119,30 +119,36 @@ class NodeStore:
         node = self.nodes.get(node_id)
         if node is None:
             if len(self.nodes) >= self.limits.max_nodes:
-                raise SessionLimit(f"the session holds {self.limits.max_nodes} nodes, the most allowed "
-                                   "(--evergreen-max-nodes)")
+                raise SessionLimit(
+                    f"the session holds {self.limits.max_nodes} nodes, the most allowed (--evergreen-max-nodes)"
+                )
             node = self.nodes[node_id] = Node(node_id)
         return node
 
     def add_bytes(self, num_bytes: int) -> None:
         """Count ``num_bytes`` more held by the session; ``SessionLimit`` past ``max_bytes``."""
         if self.num_bytes + num_bytes > self.limits.max_bytes:
-            raise SessionLimit(f"the session would hold more than {self.limits.max_bytes} bytes "
-                               "(--evergreen-max-bytes)")
+            raise SessionLimit(
+                f"the session would hold more than {self.limits.max_bytes} bytes (--evergreen-max-bytes)"
+            )
         if self._charge is not None:
             self._charge(num_bytes)
         self.num_bytes += num_bytes
 
     def _count_fragment(self) -> None:
         if self._num_fragments >= self.limits.max_fragments:
-            raise SessionLimit(f"the session holds {self.limits.max_fragments} node fragments, the most allowed "
-                               "(--evergreen-max-fragments)")
+            raise SessionLimit(
+                f"the session holds {self.limits.max_fragments} node fragments, the most allowed "
+                "(--evergreen-max-fragments)"
+            )
         self._num_fragments += 1
 
     def _check_id(self, node_id: NodeId) -> None:
         if utf8_len(node_id) > self.limits.max_id_bytes:
-            raise SessionLimit(f"a node id of {utf8_len(node_id)} bytes is longer than {self.limits.max_id_bytes} "
-                               f"bytes (--evergreen-max-id-bytes): '{node_id[:32]}…'")
+            raise SessionLimit(
+                f"a node id of {utf8_len(node_id)} bytes is longer than {self.limits.max_id_bytes} "
+                f"bytes (--evergreen-max-id-bytes): '{node_id[:32]}…'"
+            )
 
     # -- client fragments ----------------------------------------------------------------------
     def add_fragment(self, f: NodeFragment) -> None:
@@ -162,11 +168,14 @@ class NodeStore:
         if f.seq in node.fragments:
             return  # a retry: the first copy wins, no error (spec "Ordering")
         if node.final_seq is not None and f.seq > node.final_seq:
-            raise RuleBroken(f"node '{f.id}': fragment seq {f.seq} comes after the final fragment (seq {node.final_seq})")
+            raise RuleBroken(
+                f"node '{f.id}': fragment seq {f.seq} comes after the final fragment (seq {node.final_seq})"
+            )
         if not f.continued:
             if f.seq < node.max_seq:
-                raise RuleBroken(f"node '{f.id}': fragment seq {node.max_seq} came before seq {f.seq}, "
-                                 "which is marked final")
+                raise RuleBroken(
+                    f"node '{f.id}': fragment seq {node.max_seq} came before seq {f.seq}, which is marked final"
+                )
             node.final_seq = f.seq
         self._set_kind(node, f)
         self._check_metadata(node, f)
@@ -184,14 +193,18 @@ class NodeStore:
 
     def _set_kind(self, node: Node, f: NodeFragment) -> None:
         if f.child_ids and f.chunk_fragment is not None:
-            raise RuleBroken(f"node '{f.id}': a fragment has both child_ids and chunk_fragment "
-                             "(a node is a leaf or a parent, not both)")
+            raise RuleBroken(
+                f"node '{f.id}': a fragment has both child_ids and chunk_fragment "
+                "(a node is a leaf or a parent, not both)"
+            )
         kind = "parent" if f.child_ids else "leaf" if f.chunk_fragment is not None else None
         if kind is None:
             return
         if node.kind is not None and node.kind != kind:
-            raise RuleBroken(f"node '{f.id}' mixes child_ids and chunk_fragment across fragments "
-                             "(a node is a leaf or a parent, not both)")
+            raise RuleBroken(
+                f"node '{f.id}' mixes child_ids and chunk_fragment across fragments "
+                "(a node is a leaf or a parent, not both)"
+            )
         node.kind = kind
 
     def _check_metadata(self, node: Node, f: NodeFragment) -> None:
@@ -213,8 +226,10 @@ class NodeStore:
             return
         first_meta = first.chunk_fragment.metadata if first.chunk_fragment is not None else None
         if first_meta != later_meta:
-            raise RuleBroken(f"node '{later.id}': fragment seq {later.seq} carries metadata different from "
-                             "seq 0's (metadata is set once, on seq 0)")
+            raise RuleBroken(
+                f"node '{later.id}': fragment seq {later.seq} carries metadata different from "
+                "seq 0's (metadata is set once, on seq 0)"
+            )
 
     # -- links ---------------------------------------------------------------------------------
     def _add_edge(self, parent: Node, child_id: NodeId) -> None:
@@ -227,8 +242,10 @@ class NodeStore:
             raise RuleBroken(f"node '{parent.id}' -> '{child_id}' closes a cycle (a node cannot include itself)")
         depth = self._depth_above(parent.id, {}) + 1 + self._height(child_id, {})
         if depth > self.limits.max_depth:
-            raise RuleBroken(f"node '{parent.id}' -> '{child_id}' nests {depth} levels deep, more than "
-                             f"{self.limits.max_depth} (--evergreen-max-depth)")
+            raise RuleBroken(
+                f"node '{parent.id}' -> '{child_id}' nests {depth} levels deep, more than "
+                f"{self.limits.max_depth} (--evergreen-max-depth)"
+            )
         parent.children.add(child_id)
         child.parents.add(parent.id)
 
@@ -345,8 +362,9 @@ class NodeStore:
         node = self.nodes[node_id]
         budget[0] -= 1
         if budget[0] < 0:
-            raise SessionLimit(f"the prompt flattens to more than {self.limits.max_nodes} nodes (shared nodes count "
-                               "once per use)")
+            raise SessionLimit(
+                f"the prompt flattens to more than {self.limits.max_nodes} nodes (shared nodes count once per use)"
+            )
         if node.kind == "parent":
             for f in node.ordered():
                 for child_id in f.child_ids:
@@ -370,8 +388,10 @@ class NodeStore:
     def _spend_prompt_bytes(self, budget: list[int], num_bytes: int) -> None:
         budget[1] -= num_bytes
         if budget[1] < 0:
-            raise SessionLimit(f"the prompt expands to more than {self.limits.max_prompt_bytes} bytes "
-                               "(--evergreen-max-prompt-bytes; a shared node counts once per use)")
+            raise SessionLimit(
+                f"the prompt expands to more than {self.limits.max_prompt_bytes} bytes "
+                "(--evergreen-max-prompt-bytes; a shared node counts once per use)"
+            )
 
 
 def fragment_bytes(f: NodeFragment) -> int:

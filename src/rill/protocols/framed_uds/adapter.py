@@ -52,8 +52,9 @@ async def start(deps: Deps) -> Callable[[], Awaitable[None]] | None:
     """
     if deps.config.uds.no_socket:
         return None
-    limits = SessionLimits(one_request=deps.config.uds.uds_one_request,
-                           request_timeout_s=deps.config.policy.request_timeout_s)
+    limits = SessionLimits(
+        one_request=deps.config.uds.uds_one_request, request_timeout_s=deps.config.policy.request_timeout_s
+    )
     listener = UdsListener(deps.config.uds, deps.gate, functools.partial(Connection, deps, limits))
     await listener.open()
     return listener.close
@@ -62,16 +63,29 @@ async def start(deps: Deps) -> Callable[[], Awaitable[None]] | None:
 class Connection(Transport):
     """One client connection: reads and writes its socket; its driver runs the rest."""
 
-    def __init__(self, deps: Deps, limits: SessionLimits, listener: UdsListener, reader: asyncio.StreamReader,
-                 writer: asyncio.StreamWriter, lease: Lease | None = None) -> None:
+    def __init__(
+        self,
+        deps: Deps,
+        limits: SessionLimits,
+        listener: UdsListener,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        lease: Lease | None = None,
+    ) -> None:
         self.deps, self.listener, self.lease = deps, listener, lease
         self.reader, self.writer = reader, writer
         self.is_newline = listener.config.uds_protocol == "newline"
         self.session: Any = (NewlineSession if self.is_newline else FramedSession)(limits)
         # No one_event_per_token: the framed session sends one token event per token of an
         # output itself; the newline session writes raw text.
-        self.driver = Driver(self.session, self, deps.client, protocol=codec.PROTOCOL_NAME,
-                             principal=peer_principal(writer), metrics=deps.metrics)
+        self.driver = Driver(
+            self.session,
+            self,
+            deps.client,
+            protocol=codec.PROTOCOL_NAME,
+            principal=peer_principal(writer),
+            metrics=deps.metrics,
+        )
         self.is_closed = False
         self._closed = asyncio.Event()
         self._send_lock = asyncio.Lock()
@@ -100,8 +114,11 @@ class Connection(Transport):
             except ConnectionError:
                 data = b""
             except TimeoutError:
-                await self.driver.perform(self.session.on_protocol_error(
-                    IdleTimeout(f"no message within {first_message_s:g} s of connecting")))
+                await self.driver.perform(
+                    self.session.on_protocol_error(
+                        IdleTimeout(f"no message within {first_message_s:g} s of connecting")
+                    )
+                )
                 return
             if not data:
                 await self._on_eof(decoder)
@@ -125,9 +142,12 @@ class Connection(Transport):
             keys = self.deps.api_keys
             if self.is_newline:
                 if keys:  # a line is a bare prompt: it has no room for a key
-                    return self.session.on_protocol_error(Unauthorized(
-                        "this server requires an API key, which the newline protocol cannot carry; "
-                        "use the framed protocol and send 'api_key'"))
+                    return self.session.on_protocol_error(
+                        Unauthorized(
+                            "this server requires an API key, which the newline protocol cannot carry; "
+                            "use the framed protocol and send 'api_key'"
+                        )
+                    )
                 return self.session.receive_line(item)
             try:
                 message = codec.decode(item)
@@ -136,8 +156,9 @@ class Connection(Transport):
             if isinstance(message, (Request, MetricsQuery)) and keys:
                 wire_id = message.id if isinstance(message, Request) else None
                 if not auth.key_matches(message.api_key, keys):
-                    return self.session.on_protocol_error(Unauthorized(
-                        "missing or unknown API key: send one of the server's keys as 'api_key'"), wire_id)
+                    return self.session.on_protocol_error(
+                        Unauthorized("missing or unknown API key: send one of the server's keys as 'api_key'"), wire_id
+                    )
                 self.driver.principal = auth.principal(message.api_key, None)
             return self.session.receive(message)
         except Exception as exc:  # a bug must still answer with an error frame, not a bare close

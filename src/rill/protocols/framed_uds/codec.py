@@ -137,8 +137,9 @@ def decode(payload: bytes) -> ClientMessage:
     # A request has no "event"; other values of "type" are ignored like any unknown field.
     cls = _KINDS.get(kind) if isinstance(kind, str) or kind is None else None
     if cls is None:
-        raise InvalidRequest(f"'event': unknown value {kind!r} (use cancel or metrics, or omit it for a request)",
-                             field="event")
+        raise InvalidRequest(
+            f"'event': unknown value {kind!r} (use cancel or metrics, or omit it for a request)", field="event"
+        )
     try:
         message: Request | Cancel = msgspec.convert(obj, cls)
     except msgspec.ValidationError as exc:
@@ -159,7 +160,9 @@ def _bad_field(exc: msgspec.ValidationError) -> InvalidRequest:
     if " - at `$." in text:
         field = text.split(" - at `$.", 1)[1].rstrip("`")
         text = text.split(" - at `$.", 1)[0]
-    return InvalidRequest(f"'{field}': {text[0].lower()}{text[1:]}" if field else f"invalid message: {text}", field=field)
+    return InvalidRequest(
+        f"'{field}': {text[0].lower()}{text[1:]}" if field else f"invalid message: {text}", field=field
+    )
 
 
 def _check_request(request: Request) -> None:
@@ -186,6 +189,7 @@ def wire_id(payload: bytes) -> str | None:
 
 # -- to the engine -------------------------------------------------------------------------
 
+
 def slo_priority(slo: Slo | None) -> int:
     """Scheduling priority for ``slo`` (lower runs first; 0 = no targets).
 
@@ -211,8 +215,13 @@ def build_request(request: Request, request_timeout_s: float | None = None) -> G
         InvalidRequest: a sampling field is out of range (``field`` names it).
     """
     sampling = SAMPLING.params(SAMPLING.patch(request))
-    return GenerateRequest(prompt=request.prompt, sampling=sampling, priority=slo_priority(request.slo),
-                           protocol=PROTOCOL_NAME, deadline_s=request_timeout_s)
+    return GenerateRequest(
+        prompt=request.prompt,
+        sampling=sampling,
+        priority=slo_priority(request.slo),
+        protocol=PROTOCOL_NAME,
+        deadline_s=request_timeout_s,
+    )
 
 
 # -- encoding ------------------------------------------------------------------------------

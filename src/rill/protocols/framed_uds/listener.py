@@ -93,8 +93,9 @@ class UdsListener:
     async def _refuse(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, exc: RillError) -> None:
         await self.connect(self, reader, writer, None).refuse(exc)
 
-    async def _on_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                             lease: Lease | None = None) -> None:
+    async def _on_connection(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, lease: Lease | None = None
+    ) -> None:
         connection = self.connect(self, reader, writer, lease)
         self.connections.add(connection)
         try:
@@ -149,8 +150,10 @@ def _remove_stale_socket(path: str) -> None:
         raise ConfigError(f"cannot check Unix socket {path}: {exc.strerror or exc}") from exc
     finally:
         probe.close()
-    raise ConfigError(f"another server is already listening on Unix socket {path}; stop it, "
-                      "or use --socket PATH (or --no-socket) for this one")
+    raise ConfigError(
+        f"another server is already listening on Unix socket {path}; stop it, "
+        "or use --socket PATH (or --no-socket) for this one"
+    )
 
 
 def peer_principal(writer: asyncio.StreamWriter) -> str:

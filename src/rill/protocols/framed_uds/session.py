@@ -48,6 +48,7 @@ from rill.types import FinishReason, RequestOutput
 
 # -- actions -------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True, slots=True)
 class SendMetrics:
     """Send the metrics frame built by ``codec.metrics_snapshot`` from the engine's stats."""
@@ -89,6 +90,7 @@ class _Running:
 
 # -- framed mode ---------------------------------------------------------------------------
 
+
 class FramedSession(Session):
     """Sans-I/O state of one framed-JSON connection.
 
@@ -116,7 +118,9 @@ class FramedSession(Session):
         """A frame broke a framing, JSON or schema rule: send the error, then close."""
         if self.state is State.CLOSED:
             return []
-        return self._fail(exc, wire_id, self.running.metadata if self.running and self.running.wire_id == wire_id else None)
+        return self._fail(
+            exc, wire_id, self.running.metadata if self.running and self.running.wire_id == wire_id else None
+        )
 
     def on_start_failed(self, key: Key, exc: BaseException, now: float) -> list[Action]:
         """The engine refused the request just started (bad input, queue full, …); the driver
@@ -138,8 +142,9 @@ class FramedSession(Session):
         if self.state is State.CLOSED:
             return []
         running = self.running
-        return self._fail(exc, running.wire_id if running else None, running.metadata if running else None,
-                          is_rejection=False)
+        return self._fail(
+            exc, running.wire_id if running else None, running.metadata if running else None, is_rejection=False
+        )
 
     def refusal_code(self, exc: BaseException) -> str:
         """Refusals count under this wire's error codes (``E_LIMIT_QUEUE_FULL``...)."""
@@ -154,8 +159,10 @@ class FramedSession(Session):
         if running.text_parts is not None:
             running.text_parts.append(output.text)
         else:
-            actions.extend(Send(Token(id=running.wire_id, text=text, token_id=token_id, metadata=running.metadata))
-                           for text, token_id in zip(output.token_texts, output.token_ids))
+            actions.extend(
+                Send(Token(id=running.wire_id, text=text, token_id=token_id, metadata=running.metadata))
+                for text, token_id in zip(output.token_texts, output.token_ids)
+            )
         if output.finished:
             actions.extend(self._finish(running, output.finish_reason or "stop", output.error))
         return actions
@@ -180,8 +187,10 @@ class FramedSession(Session):
     def _busy(self, request: Request) -> list[Action]:
         running = self.running
         assert running is not None
-        busy = codec.Busy(f"request '{running.wire_id}' is still running on this connection; "
-                          "send the next request after its eos (or open another connection)")
+        busy = codec.Busy(
+            f"request '{running.wire_id}' is still running on this connection; "
+            "send the next request after its eos (or open another connection)"
+        )
         return self._fail(busy, request.id, request.metadata)
 
     def _cancel(self, cancel: Cancel) -> list[Action]:
@@ -211,8 +220,11 @@ class FramedSession(Session):
         if reason == "error":
             exc = error if isinstance(error, RillError) else GenerationError("generation failed")
             self.state = State.CLOSED
-            return [Send(_error(exc, running.wire_id, running.metadata)),
-                    Send(Eos(id=running.wire_id, reason="error", text=text, metadata=running.metadata)), Close()]
+            return [
+                Send(_error(exc, running.wire_id, running.metadata)),
+                Send(Eos(id=running.wire_id, reason="error", text=text, metadata=running.metadata)),
+                Close(),
+            ]
         actions: list[Action] = [Send(Eos(id=running.wire_id, reason=reason, text=text, metadata=running.metadata))]
         if self.limits.one_request:
             self.state = State.CLOSED
@@ -221,8 +233,9 @@ class FramedSession(Session):
             self.state = State.IDLE
         return actions
 
-    def _fail(self, exc: BaseException, wire_id: str | None, metadata: dict[str, Any] | None,
-              is_rejection: bool = True) -> list[Action]:
+    def _fail(
+        self, exc: BaseException, wire_id: str | None, metadata: dict[str, Any] | None, is_rejection: bool = True
+    ) -> list[Action]:
         # A frame or a request refused before it ran, or a bug (generation errors end in _finish).
         was_active = self.state is State.ACTIVE
         self.state, self.running = State.CLOSED, None
@@ -249,6 +262,7 @@ _HANDLERS: dict[tuple[State, type], _Handler] = {
 
 
 # -- newline mode --------------------------------------------------------------------------
+
 
 class NewlineSession(Session):
     """Sans-I/O state of one newline-mode connection (a debugging aid).
@@ -333,8 +347,9 @@ class NewlineSession(Session):
             return [Close()]
         prompt = self._queue.popleft()
         try:
-            generate = codec.build_request(Request(id=f"line-{self.num_requests}", prompt=prompt),
-                                           self.limits.request_timeout_s)
+            generate = codec.build_request(
+                Request(id=f"line-{self.num_requests}", prompt=prompt), self.limits.request_timeout_s
+            )
         except InvalidRequest as exc:
             return self._fail(exc)
         self.num_requests += 1

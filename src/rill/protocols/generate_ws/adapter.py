@@ -42,7 +42,10 @@ Write = Callable[[m.ServerMessage], Awaitable[None]]
 """Writes one message to a conversation's peer (raises ``Gone`` once the peer has left)."""
 
 _STREAM_CONTROLS: dict[type, Callable[[RequestStream], None]] = {
-    s.Pause: RequestStream.pause, s.Resume: RequestStream.resume, s.Regenerate: RequestStream.regenerate}
+    s.Pause: RequestStream.pause,
+    s.Resume: RequestStream.resume,
+    s.Regenerate: RequestStream.regenerate,
+}
 """The controls that act on the running request at once."""
 
 
@@ -51,8 +54,14 @@ class _Wire(Transport):
     session's driver and the actions only ``/generate`` has. ``write`` raises ``Gone`` once
     the peer has left; ``close`` (a socket's) takes a WebSocket close code."""
 
-    def __init__(self, service: GenerateService, write: Write, api_key: str | None, principal: str,
-                 close: Callable[[int, str], Awaitable[None]] | None = None) -> None:
+    def __init__(
+        self,
+        service: GenerateService,
+        write: Write,
+        api_key: str | None,
+        principal: str,
+        close: Callable[[int, str], Awaitable[None]] | None = None,
+    ) -> None:
         self.service, self.api_key, self.principal = service, api_key, principal
         self._write, self._close = write, close
         self.session = service.new_session()
@@ -61,12 +70,24 @@ class _Wire(Transport):
         # token itself, and needs a folded output's events beside its tokens to order them
         # (a resume before the tokens after it, a restart's stale tokens before the new init)
         # and to spread the output's time over its tokens.
-        self.driver = Driver(self.session, self, service.client, protocol=s.PROTOCOL, principal=principal,
-                             metrics=service.deps.metrics, waits_for_model=True, reports_queue=True,
-                             time_limit_s=service.deps.config.policy.request_timeout_s)
+        self.driver = Driver(
+            self.session,
+            self,
+            service.client,
+            protocol=s.PROTOCOL,
+            principal=principal,
+            metrics=service.deps.metrics,
+            waits_for_model=True,
+            reports_queue=True,
+            time_limit_s=service.deps.config.policy.request_timeout_s,
+        )
         self._handlers: dict[type, Callable[[Any], Awaitable[None]]] = {
-            s.Pause: self._control, s.Resume: self._control, s.Regenerate: self._control,
-            s.Modify: self._modify, s.StoreFeedback: self._store_feedback}
+            s.Pause: self._control,
+            s.Resume: self._control,
+            s.Regenerate: self._control,
+            s.Modify: self._modify,
+            s.StoreFeedback: self._store_feedback,
+        }
 
     async def receive_text(self, text: str | bytes) -> None:
         """One frame from the client (JSON text, or the same as UTF-8 bytes)."""
@@ -161,8 +182,13 @@ async def websocket(service: GenerateService, ws: WebSocket) -> None:
     wire = _Wire(service, write, key, service.principal(key, ws.scope), close)
     try:
         if not ok:
-            await wire.driver.perform(wire.session.on_error(codec.Unauthorized(
-                "a valid API key is required: send 'Authorization: Bearer KEY' or '?api_key=KEY'")))
+            await wire.driver.perform(
+                wire.session.on_error(
+                    codec.Unauthorized(
+                        "a valid API key is required: send 'Authorization: Bearer KEY' or '?api_key=KEY'"
+                    )
+                )
+            )
         while not closed.is_set():
             message = await ws.receive()
             if message["type"] == "websocket.disconnect":
@@ -193,8 +219,9 @@ async def rest(service: GenerateService, request: Request) -> Response:
         return _json_error(exc)
     principal = service.principal(key, request.scope)
     if config.stream:
-        return StreamingResponse(_sse(service, config.to_config(), key, principal), media_type=sse.MEDIA_TYPE,
-                                 headers=dict(sse.HEADERS))
+        return StreamingResponse(
+            _sse(service, config.to_config(), key, principal), media_type=sse.MEDIA_TYPE, headers=dict(sse.HEADERS)
+        )
     sent: list[m.ServerMessage] = []
 
     async def collect(msg: m.ServerMessage) -> None:
@@ -253,12 +280,17 @@ async def _ended_before_disconnect(driver: Driver, request: Request) -> bool:
 
 
 def _json_error(exc: BaseException, status: int | None = None) -> Response:
-    return Response(codec.encode(codec.error_message(exc)), status_code=status or codec.wire_error(exc).status or 500,
-                    media_type="application/json")
+    return Response(
+        codec.encode(codec.error_message(exc)),
+        status_code=status or codec.wire_error(exc).status or 500,
+        media_type="application/json",
+    )
 
 
 def routes(deps: Deps) -> list[BaseRoute]:
     """``/generate`` (WebSocket) and ``POST /v1/generate``."""
     service = GenerateService(deps)
-    return [WebSocketRoute("/generate", functools.partial(websocket, service)),
-            Route("/v1/generate", functools.partial(rest, service), methods=["POST"])]
+    return [
+        WebSocketRoute("/generate", functools.partial(websocket, service)),
+        Route("/v1/generate", functools.partial(rest, service), methods=["POST"]),
+    ]

@@ -74,15 +74,17 @@ ERROR_TABLE: ErrorTable = {
     Unauthorized: ErrorEntry("unauthorized", 401, recoverable=False, action="fix_request"),
     CacheMiss: ErrorEntry("internal_error", 500, text="internal error; the generation was dropped", action="retry"),
     GenerationError: ErrorEntry("internal_error", 500, text="internal error; the generation failed", action="retry"),
-    EngineDead: ErrorEntry("internal_error", 503, text="the engine stopped; reconnect later", recoverable=False,
-                           action="reconnect"),
+    EngineDead: ErrorEntry(
+        "internal_error", 503, text="the engine stopped; reconnect later", recoverable=False, action="reconnect"
+    ),
     RillError: ErrorEntry("internal_error", 500, text="internal error", action="retry"),
     BaseException: ErrorEntry("internal_error", 500, text="internal error", recoverable=False, action="reconnect"),
 }
 
 
 HTTP_STATUS: dict[str | None, int | None] = {entry.code: entry.status for entry in ERROR_TABLE.values()} | {
-    "internal_error": 500}
+    "internal_error": 500
+}
 """The HTTP status of each wire error code (``POST /v1/generate``)."""
 
 
@@ -131,12 +133,24 @@ def rest_reply(sent: list[m.ServerMessage], model_name: str) -> tuple[int, m.Res
     init = next((x for x in sent if isinstance(x, m.Init)), None)
     for msg in sent:
         if isinstance(msg, m.Completion):
-            return 200, m.RestResponse(id=msg.request_id or (init.request_id if init else ""),
-                                       model=init.model if init else model_name, generated_text=msg.generated_text,
-                                       finish_reason=msg.finish_reason, usage=msg.usage, timing=msg.timing), {}
+            return (
+                200,
+                m.RestResponse(
+                    id=msg.request_id or (init.request_id if init else ""),
+                    model=init.model if init else model_name,
+                    generated_text=msg.generated_text,
+                    finish_reason=msg.finish_reason,
+                    usage=msg.usage,
+                    timing=msg.timing,
+                ),
+                {},
+            )
         if isinstance(msg, m.Error):
-            headers = {"Retry-After": str(max(1, math.ceil(msg.retry_after_seconds)))} \
-                if isinstance(msg.retry_after_seconds, float) else {}
+            headers = (
+                {"Retry-After": str(max(1, math.ceil(msg.retry_after_seconds)))}
+                if isinstance(msg.retry_after_seconds, float)
+                else {}
+            )
             return HTTP_STATUS.get(msg.error, 500) or 500, msg, headers
     exc = RillError("the generation ended without a result")
     return wire_error(exc).status or 500, error_message(exc), {}

@@ -28,10 +28,19 @@ def split_at_restart(out: RequestOutput) -> tuple[RequestOutput, RequestOutput]:
     pieces = out.token_texts
     old_text, new_text = "".join(pieces[:cut]), "".join(pieces[cut:])
     logprobs = out.logprobs
-    stale = RequestOutput(request_id=out.request_id, text=old_text, token_ids=out.token_ids[:cut],
-                          token_texts=pieces[:cut], logprobs=logprobs[:cut] if logprobs is not None else None,
-                          usage=out.usage)
-    fresh = msgspec.structs.replace(out, text=new_text, token_ids=out.token_ids[cut:], token_texts=pieces[cut:],
-                                    logprobs=logprobs[cut:] if logprobs is not None else None)
+    stale = RequestOutput(
+        request_id=out.request_id,
+        text=old_text,
+        token_ids=out.token_ids[:cut],
+        token_texts=pieces[:cut],
+        logprobs=logprobs[:cut] if logprobs is not None else None,
+        usage=out.usage,
+    )
+    fresh = msgspec.structs.replace(
+        out,
+        text=new_text,
+        token_ids=out.token_ids[cut:],
+        token_texts=pieces[cut:],
+        logprobs=logprobs[cut:] if logprobs is not None else None,
+    )
     return stale, fresh
-

@@ -63,12 +63,17 @@ class Generation:
     def init_message(self, limits: Limits) -> m.Init:
         """``init``: the generation's id, the model and the parameters in force."""
         info = limits.model_info
-        msg = m.Init(request_id=self.request_id, model=limits.model_name,
-                     parameters=msgspec.structs.asdict(self.sampling))
+        msg = m.Init(
+            request_id=self.request_id, model=limits.model_name, parameters=msgspec.structs.asdict(self.sampling)
+        )
         if info is not None:
-            msg.model_info = m.ModelInfoWire(max_tokens=info.max_context_tokens, dtype=info.dtype,
-                                             quantization=info.quantization, architecture=info.architecture,
-                                             vocab_size=info.vocab_size)
+            msg.model_info = m.ModelInfoWire(
+                max_tokens=info.max_context_tokens,
+                dtype=info.dtype,
+                quantization=info.quantization,
+                architecture=info.architecture,
+                vocab_size=info.vocab_size,
+            )
             if limits.version:
                 msg.model_info.version = limits.version
         return msg
@@ -91,14 +96,20 @@ class Generation:
                 statuses.append(m.Status(operation="resumed", request_id=self.request_id, message="generation resumed"))
             elif event is RequestEvent.MODIFIED:
                 params = next(modified, self.sampling)
-                statuses.append(m.Status(operation="modified", request_id=self.request_id,
-                                         message="parameters in force from the next token",
-                                         parameters=msgspec.structs.asdict(params)))
+                statuses.append(
+                    m.Status(
+                        operation="modified",
+                        request_id=self.request_id,
+                        message="parameters in force from the next token",
+                        parameters=msgspec.structs.asdict(params),
+                    )
+                )
             elif event is RequestEvent.REGENERATING:
                 is_restart = True
                 self.text, self.first_token_at, self.last_token_at, self.num_completion_tokens = "", None, None, 0
-                statuses.append(m.Status(operation="regenerating", request_id=self.request_id,
-                                         message="restarting from the prompt"))
+                statuses.append(
+                    m.Status(operation="regenerating", request_id=self.request_id, message="restarting from the prompt")
+                )
                 statuses.append(self.init_message(limits))
         pause_events = [e for e in events if e in (RequestEvent.PAUSED, RequestEvent.RESUMED)]
         if is_restart or (pause_events and pause_events[-1] is RequestEvent.RESUMED):
@@ -125,27 +136,38 @@ class Generation:
             if not opts.stream:
                 continue
             is_last = out.finished and i == num_new - 1
-            tok = m.Token(token=piece, generated_text=self.visible_text, finished=is_last,
-                          finish_reason=out.finish_reason if is_last else None)
+            tok = m.Token(
+                token=piece,
+                generated_text=self.visible_text,
+                finished=is_last,
+                finish_reason=out.finish_reason if is_last else None,
+            )
             if opts.include_token_ids and i < len(out.token_ids):
                 tok.token_id = out.token_ids[i]
             if want_logprobs and out.logprobs is not None and i < len(out.logprobs):
                 tok.logprobs = _logprobs(out.logprobs[i], piece, token_text)
             if opts.include_timing:
-                tok.timing = m.TokenTiming(token_ms=token_ms or 0.0, total_ms=codec.round_ms(now - self.started_at) or 0.0)
+                tok.timing = m.TokenTiming(
+                    token_ms=token_ms or 0.0, total_ms=codec.round_ms(now - self.started_at) or 0.0
+                )
             messages.append(tok)
         return messages
 
     def completion(self, finish_reason: str, now: float) -> m.Completion:
         """``completion``: the whole text, why it ended, the usage and (when asked) the timing."""
-        usage = m.UsageWire(prompt_tokens=self.num_prompt_tokens, completion_tokens=self.num_completion_tokens,
-                            total_tokens=self.num_prompt_tokens + self.num_completion_tokens)
-        msg = m.Completion(generated_text=self.visible_text, finish_reason=finish_reason, usage=usage,
-                           request_id=self.request_id)
+        usage = m.UsageWire(
+            prompt_tokens=self.num_prompt_tokens,
+            completion_tokens=self.num_completion_tokens,
+            total_tokens=self.num_prompt_tokens + self.num_completion_tokens,
+        )
+        msg = m.Completion(
+            generated_text=self.visible_text, finish_reason=finish_reason, usage=usage, request_id=self.request_id
+        )
         if self.options.include_timing:
             first = None if self.first_token_at is None else self.first_token_at - self.started_at
-            msg.timing = m.CompletionTiming(first_token_ms=codec.round_ms(first),
-                                            total_ms=codec.round_ms(now - self.started_at) or 0.0)
+            msg.timing = m.CompletionTiming(
+                first_token_ms=codec.round_ms(first), total_ms=codec.round_ms(now - self.started_at) or 0.0
+            )
         return msg
 
 
@@ -153,8 +175,9 @@ def _logprobs(lp: Any, chosen_text: str, token_text: Callable[[int], str]) -> li
     entries = [m.TokenLogprobWire(token=chosen_text, logprob=lp.logprob, token_id=lp.token_id)]
     for alt in lp.top:
         if alt.token_id != lp.token_id:
-            entries.append(m.TokenLogprobWire(token=token_text(alt.token_id), logprob=alt.logprob,
-                                              token_id=alt.token_id))
+            entries.append(
+                m.TokenLogprobWire(token=token_text(alt.token_id), logprob=alt.logprob, token_id=alt.token_id)
+            )
     return entries
 
 

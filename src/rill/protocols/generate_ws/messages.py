@@ -118,8 +118,13 @@ class RestRequest(Parameters, kw_only=True, forbid_unknown_fields=True):
     def to_config(self) -> Config:
         """The equivalent WebSocket ``config`` message."""
         params = Parameters(**{name: getattr(self, name) for name in Parameters.__struct_fields__})
-        options = Options(stream=self.stream, echo_prompt=self.echo_prompt, include_token_ids=self.include_token_ids,
-                          include_logprobs=self.include_logprobs, include_timing=self.include_timing)
+        options = Options(
+            stream=self.stream,
+            echo_prompt=self.echo_prompt,
+            include_token_ids=self.include_token_ids,
+            include_logprobs=self.include_logprobs,
+            include_timing=self.include_timing,
+        )
         return Config(prompt=self.prompt, model=self.model, parameters=params, options=options)
 
 

@@ -37,9 +37,13 @@ class GenerateService:
 
     def limits(self) -> s.Limits:
         """What the session knows of the model (it changes once the model has loaded)."""
-        return s.Limits(model_name=self.client.served_model_name, model_info=self.client.model_info, version=__version__,
-                        max_feedback_per_generation=self.http.feedback_max_per_generation,
-                        max_feedback_per_connection=self.http.feedback_max_per_connection)
+        return s.Limits(
+            model_name=self.client.served_model_name,
+            model_info=self.client.model_info,
+            version=__version__,
+            max_feedback_per_generation=self.http.feedback_max_per_generation,
+            max_feedback_per_connection=self.http.feedback_max_per_connection,
+        )
 
     def new_session(self) -> s.GenerateSession:
         """A connection's session: it names logprob alternatives with the tokenizer and asks
@@ -69,10 +73,12 @@ class GenerateService:
         if self._feedback is None:
             days = self.http.feedback_retention_days
             self._feedback = FeedbackStore(
-                self.http.data_dir, max_text_bytes=self.http.feedback_max_text_bytes,
+                self.http.data_dir,
+                max_text_bytes=self.http.feedback_max_text_bytes,
                 max_store_bytes=parse_size(self.http.feedback_max_store_bytes, "feedback_max_store_bytes"),
                 max_principal_bytes=self.http.feedback_quota_bytes(),
-                retention_s=None if days is None else days * 86400)
+                retention_s=None if days is None else days * 86400,
+            )
         return self._feedback
 
     async def store_feedback(self, record: dict[str, Any], api_key: str | None, principal: str) -> int:

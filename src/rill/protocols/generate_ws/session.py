@@ -49,6 +49,8 @@ from rill.types import GenerateRequest, InvalidParameter, RequestEvent, RequestO
 
 PROTOCOL = "generate_ws"
 DEFAULT_TOP_LOGPROBS = 5  # alternatives sent with include_logprobs when parameters.logprobs is unset
+
+
 class State(enum.Enum):
     """Where the connection is; see ``TRANSITIONS``."""
 
@@ -76,9 +78,13 @@ def _new_request_id() -> str:
 class GenerateSession(Session):
     """State machine of one connection; every method returns the actions to perform."""
 
-    def __init__(self, limits: Limits, token_text: Callable[[int], str] = str,
-                 new_request_id: Callable[[], str] = _new_request_id,
-                 current_limits: Callable[[], Limits] | None = None) -> None:
+    def __init__(
+        self,
+        limits: Limits,
+        token_text: Callable[[int], str] = str,
+        new_request_id: Callable[[], str] = _new_request_id,
+        current_limits: Callable[[], Limits] | None = None,
+    ) -> None:
         """``token_text`` names a token id for logprob alternatives (the adapter passes the
         tokenizer's decode); ``new_request_id`` makes generation ids; ``current_limits``, when
         given, is asked again as each generation starts (the model may have loaded meanwhile)."""
@@ -99,7 +105,10 @@ class GenerateSession(Session):
         if kind not in allowed or (kind == "control" and msg.action not in allowed[kind]):  # type: ignore[union-attr]
             return self._refuse(kind, msg)
         handlers: dict[str, Callable[[Any, float], list[Action]]] = {
-            "config": self._on_config, "control": self._on_control, "feedback": self._on_feedback}
+            "config": self._on_config,
+            "control": self._on_control,
+            "feedback": self._on_feedback,
+        }
         handler = handlers[kind]
         try:
             return handler(msg, now)
@@ -115,7 +124,10 @@ class GenerateSession(Session):
             text = f"the first message must be a config message, not {kind}"
             field_name: str | None = "type"
         elif kind == "config":
-            text, field_name = "a generation is running; stop it (or wait for its completion) before sending config", "type"
+            text, field_name = (
+                "a generation is running; stop it (or wait for its completion) before sending config",
+                "type",
+            )
         elif self.state in (State.IDLE,):
             text = f"control '{msg.action}' needs a running generation; none is running"  # type: ignore[union-attr]
             field_name = "action"
@@ -138,11 +150,13 @@ class GenerateSession(Session):
         if options.include_logprobs and "logprobs" not in patch:
             patch["logprobs"] = DEFAULT_TOP_LOGPROBS
         sampling = self._validated(SamplingParams(), patch)
-        self.gen = Generation(request_id=self._new_request_id(), prompt=msg.prompt, options=options,
-                              sampling=sampling, started_at=now)
+        self.gen = Generation(
+            request_id=self._new_request_id(), prompt=msg.prompt, options=options, sampling=sampling, started_at=now
+        )
         self.state = State.STARTING
-        request = GenerateRequest(prompt=msg.prompt, sampling=sampling, request_id=self.gen.request_id,
-                                  protocol=PROTOCOL)
+        request = GenerateRequest(
+            prompt=msg.prompt, sampling=sampling, request_id=self.gen.request_id, protocol=PROTOCOL
+        )
         return [Start(request)]
 
     def _validated(self, base: SamplingParams, patch: dict[str, Any]) -> SamplingParams:
@@ -155,8 +169,9 @@ class GenerateSession(Session):
     def _on_control(self, msg: m.Control, now: float) -> list[Action]:
         assert self.gen is not None  # TRANSITIONS allow control only with a generation
         if msg.action != "modify" and msg.parameters is not None:
-            raise InvalidRequest(f"'parameters' is only valid with action 'modify', not '{msg.action}'",
-                                 field="parameters")
+            raise InvalidRequest(
+                f"'parameters' is only valid with action 'modify', not '{msg.action}'", field="parameters"
+            )
         if msg.action == "stop":
             return self._on_stop()
         if msg.action == "pause":
@@ -189,20 +204,27 @@ class GenerateSession(Session):
         if msg.request_id and self.gen is not None and msg.request_id == self.gen.request_id:
             gen = self.gen
         if gen is None:
-            raise InvalidRequest(f"unknown request_id '{msg.request_id}' for feedback on this connection",
-                                 field="request_id")
+            raise InvalidRequest(
+                f"unknown request_id '{msg.request_id}' for feedback on this connection", field="request_id"
+            )
         if not gen.is_started:
             # Nothing was generated: storing a row (with its prompt) for it would let refused
             # requests write to disk.
-            raise InvalidRequest(f"generation '{gen.request_id}' never started (refused, stopped or still "
-                                 "waiting); there is nothing to rate", field="request_id")
+            raise InvalidRequest(
+                f"generation '{gen.request_id}' never started (refused, stopped or still "
+                "waiting); there is nothing to rate",
+                field="request_id",
+            )
         limits = self.limits
         if limits.max_feedback_per_generation is not None and gen.num_feedback >= limits.max_feedback_per_generation:
-            raise codec.FeedbackLimit(f"generation '{gen.request_id}' already received "
-                                      f"{limits.max_feedback_per_generation} feedback messages, the most allowed")
+            raise codec.FeedbackLimit(
+                f"generation '{gen.request_id}' already received "
+                f"{limits.max_feedback_per_generation} feedback messages, the most allowed"
+            )
         if limits.max_feedback_per_connection is not None and self._num_feedback >= limits.max_feedback_per_connection:
-            raise codec.FeedbackLimit(f"this connection already sent {limits.max_feedback_per_connection} feedback "
-                                      "messages, the most allowed")
+            raise codec.FeedbackLimit(
+                f"this connection already sent {limits.max_feedback_per_connection} feedback messages, the most allowed"
+            )
         gen.num_feedback += 1
         self._num_feedback += 1
         record = {
@@ -234,15 +256,30 @@ class GenerateSession(Session):
 
     def on_feedback_stored(self, request_id: str, feedback_id: int) -> list[Action]:
         """The store committed the record: acknowledge it."""
-        return [Send(m.Status(operation="feedback_received", request_id=request_id, feedback_id=feedback_id,
-                              message="feedback stored"))]
+        return [
+            Send(
+                m.Status(
+                    operation="feedback_received",
+                    request_id=request_id,
+                    feedback_id=feedback_id,
+                    message="feedback stored",
+                )
+            )
+        ]
 
     # ------------------------------------------------------------------ engine side
     def on_loading(self, progress: float, eta_s: float | None) -> list[Action]:
         """Model still loading: a ``status`` the driver asks for every ~0.5 s."""
-        return [Send(m.Status(operation="model_loading", progress=round(max(0.0, min(100.0, progress)), 1),
-                              eta_seconds=None if eta_s is None else round(eta_s, 1),
-                              message="loading the model; the generation starts when it is ready"))]
+        return [
+            Send(
+                m.Status(
+                    operation="model_loading",
+                    progress=round(max(0.0, min(100.0, progress)), 1),
+                    eta_seconds=None if eta_s is None else round(eta_s, 1),
+                    message="loading the model; the generation starts when it is ready",
+                )
+            )
+        ]
 
     def on_queued(self, key: Key, position: int, queue_length: int) -> list[Action]:
         """The started generation still waits for the engine: where it stands (the driver
@@ -250,8 +287,17 @@ class GenerateSession(Session):
         gen = self.gen
         if gen is None or gen.is_finished or self.state not in (State.GENERATING, State.PAUSED):
             return []
-        return [Send(m.Status(operation="queued", request_id=gen.request_id, position=position,
-                              queue_length=queue_length, message=f"waiting for the engine: {position} of {queue_length}"))]
+        return [
+            Send(
+                m.Status(
+                    operation="queued",
+                    request_id=gen.request_id,
+                    position=position,
+                    queue_length=queue_length,
+                    message=f"waiting for the engine: {position} of {queue_length}",
+                )
+            )
+        ]
 
     def on_started(self, started: Started) -> list[Action]:
         """The engine accepted the request: send ``init``. ``started.sampling`` is what the
@@ -315,7 +361,9 @@ class GenerateSession(Session):
     def _error_actions(self, exc: BaseException) -> list[Action]:
         gen = self.gen
         has_started = gen is not None and (gen.text != "" or gen.num_completion_tokens > 0)
-        msg = codec.error_message(exc, self._current_id(), gen.visible_text if gen is not None and has_started else None)
+        msg = codec.error_message(
+            exc, self._current_id(), gen.visible_text if gen is not None and has_started else None
+        )
         if not msg.recoverable:
             return [Send(msg), Close(1011 if msg.error != "unauthorized" else 1008, msg.error)]
         return [Send(msg)]

@@ -116,8 +116,10 @@ class OpenAIApi:
             return Response(status_code=499)
         except Exception as exc:  # noqa: BLE001 - answered through the error table
             return error_response(exc)
-        return Response(codec.encode(TokenizeResponse(count=len(tokens), max_model_len=served.max_context_tokens,
-                                                      tokens=tokens)), media_type=JSON_MEDIA_TYPE)
+        return Response(
+            codec.encode(TokenizeResponse(count=len(tokens), max_model_len=served.max_context_tokens, tokens=tokens)),
+            media_type=JSON_MEDIA_TYPE,
+        )
 
     async def detokenize(self, request: Request) -> Response:
         """``POST /detokenize`` (vLLM's shape): ``{tokens}`` → ``{prompt}``."""
@@ -158,10 +160,16 @@ class OpenAIApi:
             # A reply written as a bare JSON call is a call when its arguments are valid for the
             # tool's schema: the validators are CPU work, built where grammar compiles run.
             text_calls = tools.text_call_check(req) if kind is Kind.CHAT else None
-            submission = Submission(prompts=given, sampling=sampling, num_candidates=codec.candidates_per_prompt(req),
-                                    allow_prefill_only=kind is Kind.COMPLETION, request_id=response_id,
-                                    protocol=codec.PROTOCOL, principal=auth.scope_principal(request.scope),
-                                    prepare=text_calls.prepare if text_calls is not None else None)
+            submission = Submission(
+                prompts=given,
+                sampling=sampling,
+                num_candidates=codec.candidates_per_prompt(req),
+                allow_prefill_only=kind is Kind.COMPLETION,
+                request_id=response_id,
+                protocol=codec.PROTOCOL,
+                principal=auth.scope_principal(request.scope),
+                prepare=text_calls.prepare if text_calls is not None else None,
+            )
             try:
                 streams = await self.client.submit(submission)
             except RillError as exc:
@@ -176,7 +184,9 @@ class OpenAIApi:
             await close_all(streams)
             raise
 
-    async def _echo(self, req: Any, kind: Kind, given: list[Any], streams: list[RequestStream]) -> list[EchoPrompt] | None:
+    async def _echo(
+        self, req: Any, kind: Kind, given: list[Any], streams: list[RequestStream]
+    ) -> list[EchoPrompt] | None:
         """Completions ``echo``: each prompt as sent (token-id prompts decoded, off the event
         loop: a prompt may be as long as the context) with its token ids (those of the
         prompt's first choice)."""
@@ -190,23 +200,39 @@ class OpenAIApi:
             echoed.append(EchoPrompt(text=text, token_ids=ids))
         return echoed
 
-    def _responder(self, kind: Kind, req: Any, model: str, response_id: str,
-                   streams: list[RequestStream], echo: list[EchoPrompt] | None = None,
-                   text_calls: tools.ArgumentsCheck | None = None) -> Responder:
+    def _responder(
+        self,
+        kind: Kind,
+        req: Any,
+        model: str,
+        response_id: str,
+        streams: list[RequestStream],
+        echo: list[EchoPrompt] | None = None,
+        text_calls: tools.ArgumentsCheck | None = None,
+    ) -> Responder:
         if kind is Kind.CHAT:
             logprobs = (req.top_logprobs or 0) if req.logprobs else None
         else:
             logprobs = req.logprobs
         session = ResponseSession(
-            kind=kind, response_id=response_id, created=int(time.time()), model=model,
-            num_choices=len(streams), n=req.n or 1, logprobs=logprobs, token_text=_token_texts(self.client),
+            kind=kind,
+            response_id=response_id,
+            created=int(time.time()),
+            model=model,
+            num_choices=len(streams),
+            n=req.n or 1,
+            logprobs=logprobs,
+            token_text=_token_texts(self.client),
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
             tool_format=self._tool_format() if kind is Kind.CHAT and tools.parses_tool_calls(req) else None,
-            candidates=codec.candidates_per_prompt(req), echo=echo, prompt_logprobs=req.prompt_logprobs,
+            candidates=codec.candidates_per_prompt(req),
+            echo=echo,
+            prompt_logprobs=req.prompt_logprobs,
             text_calls=text_calls,
         )
-        return Responder(session, streams, is_streaming=bool(req.stream),
-                          keepalive_s=self.deps.config.http.sse_keepalive_s)
+        return Responder(
+            session, streams, is_streaming=bool(req.stream), keepalive_s=self.deps.config.http.sse_keepalive_s
+        )
 
     def _tool_format(self) -> str | None:
         """The tool-call format to read: ``--tool-call-parser``, or the chat template's (hermes if none)."""
@@ -228,11 +254,18 @@ class OpenAIApi:
         """The prompts to tokenize: texts and id lists as they came, or the chat as a request
         holding only its messages, template settings and tools."""
         if kind is Kind.CHAT:
-            return [GenerateRequest(messages=codec.chat_messages(req, served),
-                                    add_generation_prompt=req.add_generation_prompt is not False,
-                                    chat_template_kwargs=codec.template_kwargs(req), tools=codec.template_tools(req))]
+            return [
+                GenerateRequest(
+                    messages=codec.chat_messages(req, served),
+                    add_generation_prompt=req.add_generation_prompt is not False,
+                    chat_template_kwargs=codec.template_kwargs(req),
+                    tools=codec.template_tools(req),
+                )
+            ]
         # A list of texts and id lists is a list of prompts (lists are invariant to the checker).
-        return cast(list[Prompt], codec.completion_prompts(req, max_choices=self.deps.config.http.max_choices_per_request))
+        return cast(
+            list[Prompt], codec.completion_prompts(req, max_choices=self.deps.config.http.max_choices_per_request)
+        )
 
     def _served(self) -> codec.ServedModel:
         info = self.client.require_model()
@@ -259,5 +292,3 @@ def _token_texts(client: Any) -> Callable[[int], str]:
         return cache[token_id]
 
     return token_text
-
-

@@ -52,8 +52,13 @@ def _chat_message(index: int, msg: ChatMessageIn, served: ServedModel) -> ChatMe
     if content is None:
         # An assistant turn that only calls tools has null content; templates concatenate it.
         content = ""
-    return ChatMessage(role=msg.role, content=content, name=msg.name, tool_calls=_template_tool_calls(index, msg),
-                       tool_call_id=msg.tool_call_id)
+    return ChatMessage(
+        role=msg.role,
+        content=content,
+        name=msg.name,
+        tool_calls=_template_tool_calls(index, msg),
+        tool_call_id=msg.tool_call_id,
+    )
 
 
 def _template_tool_calls(index: int, msg: ChatMessageIn) -> list[dict[str, Any]] | None:
@@ -71,8 +76,9 @@ def _template_tool_calls(index: int, msg: ChatMessageIn) -> list[dict[str, Any]]
             try:
                 arguments = json.loads(arguments) if arguments.strip() else {}
             except ValueError as exc:
-                raise InvalidRequest(f"messages[{index}].tool_calls arguments are not valid JSON",
-                                     field="messages") from exc
+                raise InvalidRequest(
+                    f"messages[{index}].tool_calls arguments are not valid JSON", field="messages"
+                ) from exc
         calls.append({**call, "function": {**fn, "arguments": arguments}})
     return calls
 

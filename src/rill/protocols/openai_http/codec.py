@@ -219,8 +219,9 @@ def decode_chat(body: bytes) -> ChatCompletionRequest:
     if not req.messages:
         raise InvalidRequest("'messages' must be a non-empty list", field="messages")
     if req.echo:
-        raise InvalidRequest("'echo' is a /v1/completions field; chat completions do not echo the messages",
-                             field="echo")
+        raise InvalidRequest(
+            "'echo' is a /v1/completions field; chat completions do not echo the messages", field="echo"
+        )
     _check_prompt_logprobs(req)
     if req.top_logprobs and not req.logprobs:  # 0 or null without logprobs is harmless
         raise InvalidRequest("'top_logprobs' needs 'logprobs' set to true", field="top_logprobs")
@@ -256,17 +257,23 @@ def tokenize_prompt(req: TokenizeRequest, served: ServedModel) -> tuple[str | Ge
     defaults: yes for a prompt, no for messages, whose template writes its own)."""
     if req.messages is None:
         return req.prompt or "", req.add_special_tokens is not False
-    prompt = GenerateRequest(messages=chat_messages(req, served), add_generation_prompt=req.add_generation_prompt is not False,
-                             chat_template_kwargs=check_template_kwargs(req.chat_template_kwargs or {}),
-                             tools=list(req.tools) if req.tools else None)
+    prompt = GenerateRequest(
+        messages=chat_messages(req, served),
+        add_generation_prompt=req.add_generation_prompt is not False,
+        chat_template_kwargs=check_template_kwargs(req.chat_template_kwargs or {}),
+        tools=list(req.tools) if req.tools else None,
+    )
     return prompt, bool(req.add_special_tokens)
 
 
 def _check_prompt_logprobs(req: CompletionRequest | ChatCompletionRequest) -> None:
     # The bounds are SamplingParams'; streaming is this wire's limit (as vLLM's).
     if req.prompt_logprobs is not None and req.stream:
-        raise InvalidRequest("'prompt_logprobs' cannot be streamed; send stream: false (or, on /v1/completions, "
-                             "echo with logprobs, which streams)", field="prompt_logprobs")
+        raise InvalidRequest(
+            "'prompt_logprobs' cannot be streamed; send stream: false (or, on /v1/completions, "
+            "echo with logprobs, which streams)",
+            field="prompt_logprobs",
+        )
 
 
 def _decode(decoder: msgspec.json.Decoder[T], body: bytes) -> T:
@@ -394,8 +401,12 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, served: Serv
             prompt_logprobs = logprobs  # the echoed prompt's tokens get the same alternatives as generated ones
         if req.best_of is not None and req.best_of > (req.n or 1) and logprobs is None:
             logprobs = 0  # candidates are ranked by their tokens' mean logprob (not shown unless asked)
-    patch = SAMPLING.patch(req) | {"max_tokens": max_tokens, "logprobs": logprobs, "prompt_logprobs": prompt_logprobs,
-                                   "response_format": response_format(req, served)}
+    patch = SAMPLING.patch(req) | {
+        "max_tokens": max_tokens,
+        "logprobs": logprobs,
+        "prompt_logprobs": prompt_logprobs,
+        "response_format": response_format(req, served),
+    }
     return SAMPLING.build(patch)
 
 
@@ -404,8 +415,10 @@ def check_choices(req: CompletionRequest | ChatCompletionRequest, num_prompts: i
     ``best_of``) candidates; ``InvalidRequest`` when that is over ``--max-choices-per-request``."""
     num_choices = num_prompts * candidates_per_prompt(req)
     if served.max_choices is not None and num_choices > served.max_choices:
-        raise InvalidRequest(f"{num_choices} choices asked (prompts x n); this server takes at most "
-                             f"{served.max_choices} per request", field="n")
+        raise InvalidRequest(
+            f"{num_choices} choices asked (prompts x n); this server takes at most {served.max_choices} per request",
+            field="n",
+        )
     return num_choices
 
 

@@ -33,8 +33,9 @@ def response_format(req: CompletionRequest | ChatCompletionRequest, served: Serv
     """
     found = _constraints(req, served)
     if len(found) > 1:
-        raise InvalidRequest(f"'{found[0][0]}' and '{found[1][0]}' both constrain the output; send one",
-                             field=found[1][0])
+        raise InvalidRequest(
+            f"'{found[0][0]}' and '{found[1][0]}' both constrain the output; send one", field=found[1][0]
+        )
     return found[0][1] if found else None
 
 
@@ -50,8 +51,9 @@ def constraint_field(req: CompletionRequest | ChatCompletionRequest) -> str | No
     return None
 
 
-def _constraints(req: CompletionRequest | ChatCompletionRequest,
-                 served: ServedModel | None) -> list[tuple[str, ResponseFormat]]:
+def _constraints(
+    req: CompletionRequest | ChatCompletionRequest, served: ServedModel | None
+) -> list[tuple[str, ResponseFormat]]:
     found: list[tuple[str, ResponseFormat]] = []
     if req.response_format is not None:
         fmt = _convert_format(req.response_format, "response_format")
@@ -85,8 +87,9 @@ def _structured_outputs(spec: dict[str, Any]) -> ResponseFormat:
     field = "structured_outputs"
     given = [k for k in ("json", "regex", "grammar", "choice", "json_object") if spec.get(k) not in (None, False)]
     if len(given) != 1:
-        raise InvalidRequest("'structured_outputs' needs exactly one of json, regex, grammar, choice, json_object",
-                             field=field)
+        raise InvalidRequest(
+            "'structured_outputs' needs exactly one of json, regex, grammar, choice, json_object", field=field
+        )
     kind, value = given[0], spec[given[0]]
     if kind == "json":
         if isinstance(value, str):

@@ -92,13 +92,18 @@ class LogprobShapes:
             if lp is None:
                 out.append(None)
                 continue
-            shown = {str(lp.token_id): PromptLogprobOut(logprob=lp.logprob, rank=lp.rank,
-                                                        decoded_token=self.token_text(lp.token_id))}
+            shown = {
+                str(lp.token_id): PromptLogprobOut(
+                    logprob=lp.logprob, rank=lp.rank, decoded_token=self.token_text(lp.token_id)
+                )
+            }
             for rank, alt in enumerate(lp.top[: self.num_prompt_top], start=1):
                 # Alternatives are the most likely tokens in order: their rank is their place.
                 place = rank if lp.rank is None or rank < lp.rank else rank + 1
-                shown.setdefault(str(alt.token_id), PromptLogprobOut(logprob=alt.logprob, rank=place,
-                                                                     decoded_token=self.token_text(alt.token_id)))
+                shown.setdefault(
+                    str(alt.token_id),
+                    PromptLogprobOut(logprob=alt.logprob, rank=place, decoded_token=self.token_text(alt.token_id)),
+                )
             out.append(shown)
         return out
 
@@ -111,19 +116,24 @@ class LogprobShapes:
             token = self.token_text(lp.token_id)
             # OpenAI's top_logprobs are the N most likely tokens at the position, which may
             # or may not include the chosen one: merge it in, sort, keep N.
-            ranked = sorted([(lp.token_id, lp.logprob)] + [(a.token_id, a.logprob) for a in lp.top],
-                            key=lambda kv: -kv[1])[: self.num_top]
+            ranked = sorted(
+                [(lp.token_id, lp.logprob)] + [(a.token_id, a.logprob) for a in lp.top], key=lambda kv: -kv[1]
+            )[: self.num_top]
             top = [_top(self.token_text(tid), value) for tid, value in ranked]
-            content.append(ChatTokenLogprob(token=token, logprob=lp.logprob, bytes=list(token.encode()),
-                                            top_logprobs=top))
+            content.append(
+                ChatTokenLogprob(token=token, logprob=lp.logprob, bytes=list(token.encode()), top_logprobs=top)
+            )
         return ChatLogprobs(content=content)
 
 
 def join(first: CompletionLogprobs, then: CompletionLogprobs) -> CompletionLogprobs:
     """Legacy logprobs of ``first``'s tokens followed by ``then``'s."""
-    return CompletionLogprobs(tokens=first.tokens + then.tokens, token_logprobs=first.token_logprobs + then.token_logprobs,
-                              top_logprobs=(first.top_logprobs or []) + (then.top_logprobs or []),
-                              text_offset=first.text_offset + then.text_offset)
+    return CompletionLogprobs(
+        tokens=first.tokens + then.tokens,
+        token_logprobs=first.token_logprobs + then.token_logprobs,
+        top_logprobs=(first.top_logprobs or []) + (then.top_logprobs or []),
+        text_offset=first.text_offset + then.text_offset,
+    )
 
 
 def _top(token: str, logprob: float) -> TopLogprobOut:

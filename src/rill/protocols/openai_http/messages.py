@@ -66,9 +66,22 @@ def _stop_list(stop: str | list[str]) -> list[str]:
 
 SAMPLING = SamplingMap(
     _CommonRequest,
-    same("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
-         "seed", "stop_token_ids", "allowed_token_ids", "logit_bias", "min_tokens", "ignore_eos",
-         "speculative"),
+    same(
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "seed",
+        "stop_token_ids",
+        "allowed_token_ids",
+        "logit_bias",
+        "min_tokens",
+        "ignore_eos",
+        "speculative",
+    ),
     Field("stop", "stop", _stop_list),
 )
 """The sampling fields both endpoints share → ``SamplingParams``. ``max_tokens`` (resolved

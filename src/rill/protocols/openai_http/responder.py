@@ -38,8 +38,9 @@ class Responder(Response):
     moment it arrives, also during a long prefill when nothing is being written.
     """
 
-    def __init__(self, session: ResponseSession, streams: list[RequestStream], *, is_streaming: bool,
-                 keepalive_s: float) -> None:
+    def __init__(
+        self, session: ResponseSession, streams: list[RequestStream], *, is_streaming: bool, keepalive_s: float
+    ) -> None:
         super().__init__(status_code=200)
         self.session = session
         self.streams = streams

@@ -117,12 +117,24 @@ class ResponseSession:
         prompt_logprobs: None, or how many alternatives vLLM's ``prompt_logprobs`` shows.
     """
 
-    def __init__(self, *, kind: Kind, response_id: str, created: int, model: str, num_choices: int,
-                 n: int = 1, include_usage: bool = False, logprobs: int | None = None,
-                 token_text: Callable[[int], str] = str, tool_format: str | None = None,
-                 candidates: int | None = None, echo: list[EchoPrompt] | None = None,
-                 prompt_logprobs: int | None = None,
-                 text_calls: Callable[[str, dict[str, Any]], bool] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        kind: Kind,
+        response_id: str,
+        created: int,
+        model: str,
+        num_choices: int,
+        n: int = 1,
+        include_usage: bool = False,
+        logprobs: int | None = None,
+        token_text: Callable[[int], str] = str,
+        tool_format: str | None = None,
+        candidates: int | None = None,
+        echo: list[EchoPrompt] | None = None,
+        prompt_logprobs: int | None = None,
+        text_calls: Callable[[str, dict[str, Any]], bool] | None = None,
+    ) -> None:
         self.kind = kind
         self.response_id = response_id
         self.created = created
@@ -160,8 +172,10 @@ class ResponseSession:
         """First events of a stream: for chat, one chunk per choice announcing the role."""
         if self.kind is not Kind.CHAT:
             return []
-        return [self._chat_chunk(ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content="")))
-                for i in range(len(self.choices))]
+        return [
+            self._chat_chunk(ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content="")))
+            for i in range(len(self.choices))
+        ]
 
     def on_output(self, index: int, out: RequestOutput) -> list[bytes]:
         """Record one output of choice ``index``; return the SSE events to send (if streaming).
@@ -207,8 +221,9 @@ class ResponseSession:
             return []
         if self.echo is not None:
             offset += len(self.echo[index // self.candidates].text)
-        choice_chunk = CompletionChoice(index=index, text=out.text, finish_reason=finish,
-                                        logprobs=self.shapes.completion(out.logprobs, offset))
+        choice_chunk = CompletionChoice(
+            index=index, text=out.text, finish_reason=finish, logprobs=self.shapes.completion(out.logprobs, offset)
+        )
         return [sse.encode_event(codec.encode(self._completion([choice_chunk])))]
 
     def _echo_chunk(self, index: int) -> list[bytes]:
@@ -224,8 +239,9 @@ class ResponseSession:
         logprobs = self.shapes.completion(choice.logprobs, len(echo_text))
         if echo_logprobs is not None and logprobs is not None:
             logprobs = join(echo_logprobs, logprobs)
-        chunk = CompletionChoice(index=index, text=echo_text + "".join(choice.text), finish_reason=choice.finish_reason,
-                                 logprobs=logprobs)
+        chunk = CompletionChoice(
+            index=index, text=echo_text + "".join(choice.text), finish_reason=choice.finish_reason, logprobs=logprobs
+        )
         return [sse.encode_event(codec.encode(self._completion([chunk])))]
 
     def _prompt_logprobs_of(self, index: int) -> list[TokenLogprob | None] | None:
@@ -257,8 +273,7 @@ class ResponseSession:
             return []
         content = text if text or (finish is None and not calls) else None
         delta = ChatDelta(content=content, tool_calls=calls or None)
-        chunk = ChatChunkChoice(index=index, delta=delta, logprobs=self.shapes.chat(out.logprobs),
-                                finish_reason=finish)
+        chunk = ChatChunkChoice(index=index, delta=delta, logprobs=self.shapes.chat(out.logprobs), finish_reason=finish)
         return [self._chat_chunk(chunk)]
 
     def end(self) -> list[bytes]:
@@ -284,13 +299,22 @@ class ResponseSession:
         """The whole JSON response, once ``is_done`` and not ``failed``."""
         if self.kind is Kind.CHAT:
             choices = [
-                ChatChoice(index=i, message=_message(c), logprobs=self.shapes.chat(c.logprobs),
-                           finish_reason=c.finish_reason)
+                ChatChoice(
+                    index=i, message=_message(c), logprobs=self.shapes.chat(c.logprobs), finish_reason=c.finish_reason
+                )
                 for i, c in enumerate(self.choices)
             ]
-            return codec.encode(ChatCompletion(id=self.response_id, object="chat.completion", created=self.created,
-                                               model=self.model, choices=choices, usage=self.usage(),
-                                               prompt_logprobs=self.shapes.vllm_prompt(self.choices[0].prompt_logprobs)))
+            return codec.encode(
+                ChatCompletion(
+                    id=self.response_id,
+                    object="chat.completion",
+                    created=self.created,
+                    model=self.model,
+                    choices=choices,
+                    usage=self.usage(),
+                    prompt_logprobs=self.shapes.vllm_prompt(self.choices[0].prompt_logprobs),
+                )
+            )
         choices_out: list[CompletionChoice] = []
         for index in self._shown():
             c = self.choices[index]
@@ -298,9 +322,15 @@ class ResponseSession:
             logprobs = self.shapes.completion(c.logprobs, len(echo_text))
             if echo_logprobs is not None and logprobs is not None:
                 logprobs = join(echo_logprobs, logprobs)
-            choices_out.append(CompletionChoice(index=len(choices_out), text=echo_text + "".join(c.text),
-                                                finish_reason=c.finish_reason, logprobs=logprobs,
-                                                prompt_logprobs=self.shapes.vllm_prompt(self._prompt_logprobs_of(index))))
+            choices_out.append(
+                CompletionChoice(
+                    index=len(choices_out),
+                    text=echo_text + "".join(c.text),
+                    finish_reason=c.finish_reason,
+                    logprobs=logprobs,
+                    prompt_logprobs=self.shapes.vllm_prompt(self._prompt_logprobs_of(index)),
+                )
+            )
         return codec.encode(self._completion(choices_out, usage=self.usage()))
 
     def _shown(self) -> list[int]:
@@ -325,24 +355,44 @@ class ResponseSession:
         prompt = sum(c.usage.prompt_tokens for c in firsts)
         cached = sum(c.usage.cached_tokens for c in firsts)
         completion = sum(c.usage.completion_tokens for c in self.choices)
-        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+        return UsageInfo(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        )
 
     # -- shapes ------------------------------------------------------------------------------
     def _completion(self, choices: list[CompletionChoice], usage: UsageInfo | None = None) -> Completion:
-        return Completion(id=self.response_id, object="text_completion", created=self.created, model=self.model,
-                          choices=choices, usage=usage)
+        return Completion(
+            id=self.response_id,
+            object="text_completion",
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=usage,
+        )
 
     def _chat_chunk(self, choice: ChatChunkChoice | None, usage: UsageInfo | None = None) -> bytes:
-        chunk = ChatCompletionChunk(id=self.response_id, object="chat.completion.chunk", created=self.created,
-                                    model=self.model, choices=[choice] if choice else [], usage=usage)
+        chunk = ChatCompletionChunk(
+            id=self.response_id,
+            object="chat.completion.chunk",
+            created=self.created,
+            model=self.model,
+            choices=[choice] if choice else [],
+            usage=usage,
+        )
         return sse.encode_event(codec.encode(chunk))
 
 
 def _call_delta(delta: ToolCallDelta) -> ToolCallDeltaOut:
     if delta.id is not None:
-        return ToolCallDeltaOut(index=delta.index, id=delta.id, type="function",
-                                function=FunctionCallDelta(name=delta.name, arguments=delta.arguments))
+        return ToolCallDeltaOut(
+            index=delta.index,
+            id=delta.id,
+            type="function",
+            function=FunctionCallDelta(name=delta.name, arguments=delta.arguments),
+        )
     return ToolCallDeltaOut(index=delta.index, function=FunctionCallDelta(arguments=delta.arguments))
 
 

@@ -41,8 +41,10 @@ def check_tools(req: ChatCompletionRequest) -> None:
         return
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
     if not isinstance(choice, dict) or choice.get("type", "function") != "function" or not isinstance(name, str):
-        raise InvalidRequest("tool_choice must be 'none', 'auto', 'required' or "
-                             "{'type': 'function', 'function': {'name': ...}}", field="tool_choice")
+        raise InvalidRequest(
+            "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}",
+            field="tool_choice",
+        )
     if name not in names:
         raise InvalidRequest(f"tool_choice names function '{name}', which is not in 'tools'", field="tool_choice")
 

@@ -82,8 +82,9 @@ def make_parser(fmt: str, call_id_prefix: str) -> ToolCallParser:
     raise ValueError(f"unknown tool-call format {fmt!r}; use one of {', '.join(FORMATS)}")
 
 
-def accept_text_calls(inner: ToolCallParser, is_valid: Callable[[str, dict[str, Any]], bool],
-                      call_id_prefix: str) -> ToolCallParser:
+def accept_text_calls(
+    inner: ToolCallParser, is_valid: Callable[[str, dict[str, Any]], bool], call_id_prefix: str
+) -> ToolCallParser:
     """``inner``, also reading a reply that is only a JSON call object as a call (``TextCallParser``).
 
     ``is_valid(name, arguments)`` says whether ``name`` is a declared tool and ``arguments``

@@ -24,12 +24,14 @@ def call_grammar(fmt: str, tools: list[dict[str, Any]], name: str | None = None)
     options = []
     for fn in functions:
         params = fn.get("parameters") or {"type": "object"}
-        options.append({
-            "type": "object",
-            "properties": {"name": {"const": fn["name"]}, args_key: params},
-            "required": ["name", args_key],
-            "additionalProperties": False,
-        })
+        options.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": fn["name"]}, args_key: params},
+                "required": ["name", args_key],
+                "additionalProperties": False,
+            }
+        )
     schema: dict[str, Any] = dict(options[0]) if len(options) == 1 else {"anyOf": options}
     schema["x-guidance"] = {"whitespace_flexible": False}
     body = "%json " + json.dumps(schema)

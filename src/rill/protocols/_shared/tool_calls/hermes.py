@@ -39,13 +39,13 @@ class HermesParser(ScannedCallParser):
             if at >= 0:
                 if pending[:at].strip() or not self.calls:
                     add_content(out, pending[:at])
-                self._pending = pending[at + len(self.OPEN):]
+                self._pending = pending[at + len(self.OPEN) :]
                 self._scanner = self._new_scanner()
                 self._state = "call"
                 return True
             keep = _held_prefix(pending, self.OPEN)
             add_content(out, pending[: len(pending) - keep])
-            self._pending = pending[len(pending) - keep:]
+            self._pending = pending[len(pending) - keep :]
             return False
         if self._state == "call":
             assert self._scanner is not None
@@ -66,7 +66,7 @@ class HermesParser(ScannedCallParser):
         # after a call: expect the closing tag (whitespace around it is layout)
         stripped = pending.lstrip()
         if stripped.startswith(self.CLOSE):
-            self._pending, self._state = stripped[len(self.CLOSE):], "content"
+            self._pending, self._state = stripped[len(self.CLOSE) :], "content"
             return True
         if self.CLOSE.startswith(stripped):
             return False  # not enough text yet

@@ -177,7 +177,7 @@ class CallScanner:
             if self.name is None:
                 deltas.append(ToolCallDelta(self.index, "", id=self.id, name=obj["name"]))
             sent = arguments[: self.num_args_sent]
-            deltas.append(ToolCallDelta(self.index, arguments[len(sent):]))
+            deltas.append(ToolCallDelta(self.index, arguments[len(sent) :]))
         return ToolCall(id=self.id, name=obj["name"], arguments=arguments), deltas
 
 

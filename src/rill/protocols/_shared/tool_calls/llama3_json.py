@@ -35,7 +35,7 @@ class Llama3JsonParser(ScannedCallParser):
         if self._state in ("start", "between"):
             stripped = self._pending.lstrip()
             if self._state == "start" and stripped.startswith(self.TAG):
-                self._pending = stripped[len(self.TAG):]
+                self._pending = stripped[len(self.TAG) :]
                 return True
             if self._state == "between" and stripped.startswith(";"):
                 stripped = stripped[1:].lstrip()

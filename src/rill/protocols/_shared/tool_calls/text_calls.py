@@ -36,8 +36,9 @@ class TextCallParser:
     reply then. ``calls`` is ``inner``'s list, to which the text call is added.
     """
 
-    def __init__(self, inner: ToolCallParser, is_valid: Callable[[str, dict[str, Any]], bool],
-                 call_id_prefix: str) -> None:
+    def __init__(
+        self, inner: ToolCallParser, is_valid: Callable[[str, dict[str, Any]], bool], call_id_prefix: str
+    ) -> None:
         self.inner = inner
         self.calls = inner.calls
         self._shape = _TextCallShape(is_valid)
@@ -149,8 +150,11 @@ class _TextCallShape:
                 self.ticks += 1
                 return self.ticks <= 3
             return False
-        if ch == "{" and (state in ("lead", "gap") or (state == "ticks" and self.ticks == 3)
-                          or (state == "info" and self.info.lower() == "json")):
+        if ch == "{" and (
+            state in ("lead", "gap")
+            or (state == "ticks" and self.ticks == 3)
+            or (state == "info" and self.info.lower() == "json")
+        ):
             self.state = "object"
             return self._object_step(ch)
         if ch.isalpha() and (state == "info" or (state == "ticks" and self.ticks == 3)):
@@ -161,14 +165,19 @@ class _TextCallShape:
     def _object_step(self, ch: str) -> bool:
         self.obj.append(ch)
         nesting = self.nesting
-        if (self.key_start is None and not nesting.in_string and nesting.depth == 1 and not ch.isspace()
-                and ch not in '"}'):
+        if (
+            self.key_start is None
+            and not nesting.in_string
+            and nesting.depth == 1
+            and not ch.isspace()
+            and ch not in '"}'
+        ):
             return False  # the first thing in the object is not a key
         event = nesting.step(ch)
         if event == "string-end" and self.key_start is not None and self.key_start >= 0:
             # A call object starts with one of its keys: anything else (a JSON answer) is
             # released now instead of being held until its end.
-            key = "".join(self.obj[self.key_start:])
+            key = "".join(self.obj[self.key_start :])
             self.key_start = -1
             return unescape(key[1:-1]) in _CALL_KEYS
         if event == "string-start" and self.key_start is None:
