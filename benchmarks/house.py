@@ -22,71 +22,23 @@ from __future__ import annotations
 
 import argparse
 import ast
-import importlib.util
 import sys
-from collections import defaultdict
 from pathlib import Path
 
-RANKS = {
-    "errors": 0,
-    "types": 1,
-    "cache": 1,
-    "models": 2,
-    "demo": 2,
-    "config": 3,
-    "engine": 4,
-    "frontend": 5,
-    "auth": 6,
-    "connections": 6,
-    "feedback": 6,
-    "recordings": 6,
-    "testing": 6,
-    "deps": 7,
-    "middleware": 8,
-    "observability": 8,
-    "protocols": 9,
-    "playground": 10,
-    "clients": 10,
-    "server": 11,
-    "bench": 11,
-    "cli": 12,
-    "__main__": 13,
-}
-"""Each top-level part of ``rill`` and its layer (the table of ``docs/ARCHITECTURE.md``, written here
-so that the script also reads trees older than that document): a module may import only its own
-layer or lower; a part missing here is not checked."""
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the import walk, the cycle search and the layer table are the tests' own
+
+from tests.test_architecture import imports, layer_table, run_time_cycles  # noqa: E402
+
+RANKS = layer_table((ROOT / "docs" / "ARCHITECTURE.md").read_text())
+"""Each top-level part of ``rill`` and its layer, read from ``docs/ARCHITECTURE.md`` (this
+checkout's, also when ``--src`` names an older tree): a module may import only its own layer
+or lower; a part missing there is not checked."""
 
 
 def module_name(src: Path, path: Path) -> str:
     parts = path.relative_to(src).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def _imports(tree: ast.AST, package: str, run_time_only: bool) -> list[str]:
-    names: list[str] = []
-
-    def visit(node: ast.AST, top: bool) -> None:
-        for child in ast.iter_child_nodes(node):
-            if run_time_only and isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-                continue
-            if run_time_only and isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
-                visit_list(child.orelse, top)
-                continue
-            if isinstance(child, ast.Import):
-                names.extend(alias.name for alias in child.names)
-            elif isinstance(child, ast.ImportFrom):
-                base = "." * child.level + (child.module or "")
-                resolved = importlib.util.resolve_name(base, package) if child.level else base
-                names.append(resolved)
-                names.extend(f"{resolved}.{alias.name}" for alias in child.names)
-            visit(child, top)
-
-    def visit_list(nodes: list[ast.stmt], top: bool) -> None:
-        for n in nodes:
-            visit(ast.Module(body=[n], type_ignores=[]), top)
-
-    visit(tree, True)
-    return names
 
 
 MODULE_OBJECTS = {"os", "socket", "torch", "transformers", "libc", "_libc", "importlib", "module", "struct"}
@@ -114,44 +66,6 @@ def _group(name: str) -> str:
     return parts[1] if len(parts) > 1 else "rill"
 
 
-def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components with more than one module (Tarjan)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on: set[str] = set()
-    out: list[list[str]] = []
-    counter = [0]
-    sys.setrecursionlimit(10000)
-
-    def strong(v: str) -> None:
-        index[v] = low[v] = counter[0]
-        counter[0] += 1
-        stack.append(v)
-        on.add(v)
-        for w in graph.get(v, ()):
-            if w not in index:
-                strong(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                comp.append(w)
-                if w == v:
-                    break
-            if len(comp) > 1:
-                out.append(sorted(comp))
-
-    for v in list(graph):
-        if v not in index:
-            strong(v)
-    return out
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--src", default=str(Path(__file__).resolve().parent.parent / "src"))
@@ -169,7 +83,6 @@ def main() -> None:
         print(f"  _shared/{p.name:8s} {len(p.read_text().splitlines()):5d} (the driver)")
 
     chains, pumps, probes, long_functions, long_modules = [], [], [], [], []
-    graph: dict[str, set[str]] = defaultdict(set)
     upward = []
     for name, path in modules.items():
         source = path.read_text()
@@ -203,17 +116,13 @@ def main() -> None:
                     pumps.append(f"{rel}:{node.lineno} async for ... in {target}")
             if _is_probe(node):
                 probes.append(f"{rel}:{node.lineno} {ast.unparse(node)[:90]}")
-        for imported in _imports(tree, package, run_time_only=False):
+        for imported in imports(tree, package, run_time_only=False):
             if imported.startswith("rill.") and _group(imported) != _group(name):
                 mine, theirs = RANKS.get(_group(name)), RANKS.get(_group(imported))
                 if mine is not None and theirs is not None and theirs > mine:
                     upward.append(f"{rel} imports {imported}")
-        for imported in _imports(tree, package, run_time_only=True):
-            while imported and imported not in modules:
-                imported = imported.rpartition(".")[0]
-            if imported and imported != name:
-                graph[name].add(imported)
-    cycles = _cycles(graph)
+    packages = frozenset(name for name, path in modules.items() if path.name == "__init__.py")
+    cycles = run_time_cycles({name: path.read_text() for name, path in modules.items()}, packages)
 
     def show(title: str, items: list) -> None:
         print(f"{title}: {len(items)}")
