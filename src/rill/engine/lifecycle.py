@@ -125,6 +125,10 @@ class RequestLedger:
         request.finish_reason = reason
         request.stop_reason = stop_reason
         request.error = error
+        # Counted before the request leaves the scheduler: another thread reading the stats
+        # must never see the engine idle and the ending not yet counted.
+        finished = self.stats.requests_finished_total
+        finished[reason] = finished.get(reason, 0) + 1
         if request.status is not RequestStatus.FINISHED:
             self.scheduler.remove(request)
             self.scheduler.release(request)
@@ -132,8 +136,6 @@ class RequestLedger:
         if request.sampler_key is not None:
             self.sampler.remove(request.sampler_key)
             request.sampler_key = None
-        finished = self.stats.requests_finished_total
-        finished[reason] = finished.get(reason, 0) + 1
         self.touched[request.request_id] = request
 
     def check_deadlines(self, now: float) -> None:
