@@ -7,6 +7,8 @@ holds the engine client and the continuation store every socket of the server us
 
 from __future__ import annotations
 
+import dataclasses
+
 from rill import config as rill_config
 from rill.deps import Deps
 from rill.errors import ConfigError, InvalidRequest
@@ -31,9 +33,9 @@ class BatchService:
         self.client: EngineClient = deps.client
         self.metrics = deps.metrics
         source = deps.sampling_defaults or rill_config.sampling_defaults()
-        self.defaults = GenerationConfig(
-            **{name: getattr(source, name, None) for name in GenerationConfig.__struct_fields__}
-        )
+        # The fields both types name; what SamplingDefaults has no default for stays unset.
+        shared = set(GenerationConfig.__struct_fields__) & {f.name for f in dataclasses.fields(source)}
+        self.defaults = GenerationConfig(**{name: getattr(source, name) for name in shared})
         cfg = deps.config.batch_ws
         self.limits = Limits(
             max_inflight_prompts=cfg.batch_max_inflight_prompts, request_timeout_s=deps.config.policy.request_timeout_s
