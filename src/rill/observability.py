@@ -1,10 +1,12 @@
-"""``GET /health`` and ``GET /metrics``: the server's own HTTP routes, apart from any protocol.
+"""``GET /health``, ``GET /version`` and ``GET /metrics``: the server's own HTTP routes, apart
+from any protocol.
 
 ``/health`` answers 200 when the model is ready and 503 with the loading progress (or why
 it cannot serve: a failed load, a stopped engine) otherwise; load balancers and orchestrators probe it without a key. ``/metrics`` is
 the Prometheus text exposition of ``rill.frontend.metrics`` (names and types that vLLM's
-Grafana dashboard reads after one relabel rule, see ``docs/metrics.md``).
-Registered once by ``rill.server.build_app``.
+Grafana dashboard reads after one relabel rule, see ``docs/metrics.md``). ``/version`` answers
+``{"version": rill.__version__}`` in vLLM's shape, without a key like ``/health``, so clients and
+probes written for vLLM can tell what they talk to. Registered once by ``rill.server.build_app``.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
+from rill import __version__
 from rill.frontend.client import EngineClient
 from rill.frontend.metrics import CONTENT_TYPE, Metrics
 
@@ -23,16 +26,19 @@ if TYPE_CHECKING:
 
 
 def routes(deps: Deps) -> list[BaseRoute]:
-    """``/health`` always; ``/metrics`` when the server keeps a metrics registry."""
+    """``/health`` and ``/version`` always; ``/metrics`` when the server keeps a metrics registry."""
     probes = _Probes(deps.client, deps.metrics)
-    found: list[BaseRoute] = [Route("/health", probes.health, methods=["GET"])]
+    found: list[BaseRoute] = [
+        Route("/health", probes.health, methods=["GET"]),
+        Route("/version", probes.version, methods=["GET"]),
+    ]
     if deps.metrics is not None:
         found.append(Route("/metrics", probes.metrics, methods=["GET"]))
     return found
 
 
 class _Probes:
-    """The two handlers, bound to one server's engine client and registry."""
+    """The handlers, bound to one server's engine client and registry."""
 
     def __init__(self, client: EngineClient, registry: Metrics | None) -> None:
         self.client = client
@@ -52,6 +58,10 @@ class _Probes:
             )
         reason = "model failed to load" if state.phase == "failed" else "engine stopped"
         return JSONResponse({"status": "error", "error": reason}, status_code=503)
+
+    async def version(self, request: Request) -> Response:
+        """``GET /version``: ``{"version": "<rill version>"}``, as vLLM answers it."""
+        return JSONResponse({"version": __version__})
 
     async def metrics(self, request: Request) -> Response:
         """``GET /metrics``: the registry in Prometheus text format."""

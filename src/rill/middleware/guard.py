@@ -22,8 +22,9 @@ from rill.middleware.replies import (
 )
 from rill.middleware.sites import SiteCheck
 
-PUBLIC_PATHS = frozenset({"/health"})
-"""Paths that never need a key (load balancers and orchestrators probe them)."""
+PUBLIC_PATHS = frozenset({"/health", "/version"})
+"""Paths that never need a key and pass the Host check (load balancers, orchestrators and
+clients probe them; they tell nothing of any request or session)."""
 
 PAGE_PATHS = frozenset({"/"})
 PAGE_PREFIX = "/playground/static/"
