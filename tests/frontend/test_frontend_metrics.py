@@ -97,6 +97,7 @@ def test_engine_gauges_are_read_at_scrape_time() -> None:
         s[("rill_num_requests_paused", ())],
     ) == (3, 2, 1)
     assert s[("rill_kv_cache_usage_perc", ())] == 0.25 and s[("rill_kv_cache_used_bytes", ())] == 250
+    assert s[("rill_gpu_cache_usage_perc", ())] == 0.25  # vLLM's older name for the same fraction
     assert s[("rill_kv_cache_capacity_bytes", ())] == 1000
     assert s[("rill_prefix_cache_hit_ratio", ())] == 0.25
     assert s[("rill_prefix_cache_hits_total", ())] == 10 and s[("rill_prefix_cache_queries_total", ())] == 40
@@ -105,6 +106,7 @@ def test_engine_gauges_are_read_at_scrape_time() -> None:
     s = _samples(metrics)
     assert s[("rill_num_requests_running", ())] == 0
     assert s[("rill_kv_cache_usage_perc", ())] == 0 and s[("rill_prefix_cache_hit_ratio", ())] == 0  # no 0/0
+    assert s[("rill_gpu_cache_usage_perc", ())] == 0
 
 
 def test_scrape_survives_an_engine_without_stats() -> None:

@@ -248,10 +248,14 @@ class _EngineCollector(Collector):
         yield gauge("rill_num_requests_waiting", "Requests waiting to be scheduled", stats.num_waiting)
         yield gauge("rill_num_requests_paused", "Requests paused by their client", stats.num_paused)
         capacity = stats.kv_capacity_bytes
+        kv_usage = stats.kv_used_bytes / capacity if capacity else 0.0
+        yield gauge("rill_kv_cache_usage_perc", "Share of the KV cache held by live requests (0-1, as vLLM)", kv_usage)
+        # The same figure under vLLM's older name: its published dashboard's cache panel still
+        # reads gpu_cache_usage_perc (a 0-1 fraction there too, whatever the device).
         yield gauge(
-            "rill_kv_cache_usage_perc",
-            "Share of the KV cache held by live requests (0-1, as vLLM)",
-            stats.kv_used_bytes / capacity if capacity else 0.0,
+            "rill_gpu_cache_usage_perc",
+            "Share of the KV cache held by live requests (0-1, vLLM's older name)",
+            kv_usage,
         )
         yield gauge("rill_kv_cache_used_bytes", "KV cache bytes held by live requests", stats.kv_used_bytes)
         yield gauge(

@@ -280,6 +280,7 @@ VLLM_DASHBOARD = {
     "vllm:num_requests_running": "gauge",
     "vllm:num_requests_waiting": "gauge",
     "vllm:kv_cache_usage_perc": "gauge",
+    "vllm:gpu_cache_usage_perc": "gauge",
     "vllm:prompt_tokens_total": "counter",
     "vllm:generation_tokens_total": "counter",
     "vllm:request_success_total": "counter",
