@@ -41,6 +41,56 @@ async def _reflect(
     return reply
 
 
+async def _reflect_v1(
+    address: str, request: reflection_pb2.ServerReflectionRequest
+) -> reflection_pb2.ServerReflectionResponse:
+    """One call to ``grpc.reflection.v1.ServerReflection``, as grpcurl and grpcio's newer
+    clients make it (v1's messages are v1alpha's on the wire, so v1alpha's classes encode them)."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = channel.stream_stream(
+            "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+            request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+            response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+        )
+        replies = [reply async for reply in call(iter([request]), timeout=30)]
+    [reply] = replies
+    return reply
+
+
+async def test_reflection_v1_lists_and_describes_the_services() -> None:
+    server = grpc.aio.server()
+    grpc_server._add_standard_services(server)
+    address = f"127.0.0.1:{free_port()}"
+    assert server.add_insecure_port(address)
+    await server.start()
+    try:
+        listed = await _reflect_v1(address, reflection_pb2.ServerReflectionRequest(list_services=""))
+        names = {service.name for service in listed.list_services_response.service}
+        assert {"evergreen.v2.EvergreenService", "grpc.reflection.v1.ServerReflection"} <= names
+        assert "grpc.reflection.v1alpha.ServerReflection" in names  # older clients keep theirs
+        described = await _reflect_v1(
+            address,
+            reflection_pb2.ServerReflectionRequest(file_containing_symbol="grpc.reflection.v1.ServerReflection"),
+        )
+        from google.protobuf import descriptor_pb2
+
+        [file] = [
+            descriptor_pb2.FileDescriptorProto.FromString(raw)
+            for raw in described.file_descriptor_response.file_descriptor_proto
+        ]
+        assert (file.name, file.package) == ("grpc/reflection/v1/reflection.proto", "grpc.reflection.v1")
+        [method] = [m for service in file.service for m in service.method]
+        assert (method.name, method.input_type, method.output_type) == (
+            "ServerReflectionInfo",
+            ".grpc.reflection.v1.ServerReflectionRequest",
+            ".grpc.reflection.v1.ServerReflectionResponse",
+        )
+        missing = await _reflect_v1(address, reflection_pb2.ServerReflectionRequest(file_containing_symbol="no.Such"))
+        assert missing.error_response.error_code == grpc.StatusCode.NOT_FOUND.value[0]
+    finally:
+        await server.stop(None)
+
+
 @pytest.mark.parametrize("fails", [False, True])
 async def test_health_is_not_serving_until_the_model_is_ready(fails: bool) -> None:
     loading = threading.Event()
@@ -80,6 +130,7 @@ async def test_live_server_serves_health_and_reflection(live) -> None:  # noqa: 
     assert names == {
         "evergreen.v2.EvergreenService",
         "grpc.health.v1.Health",
+        "grpc.reflection.v1.ServerReflection",
         "grpc.reflection.v1alpha.ServerReflection",
     }
     described = await _reflect(

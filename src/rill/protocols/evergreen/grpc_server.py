@@ -79,24 +79,87 @@ async def start(deps: Deps, servicer: Any) -> Callable[[], Awaitable[None]]:
 
 def _add_standard_services(server: Any) -> Any:
     """Add ``grpc.health.v1.Health`` (NOT_SERVING until the model is ready) and server
-    reflection (``grpcurl list``, ``grpcurl describe``) to ``server``; return the health servicer.
+    reflection, as ``grpc.reflection.v1`` and the older ``v1alpha`` (``grpcurl list``,
+    ``grpcurl describe``; newer clients ask v1 first), to ``server``; return the health servicer.
 
     Both answer without an API key, as ``/health`` does: they tell nothing of any session.
     """
+    import grpc
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-    from grpc_reflection.v1alpha import reflection
+    from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
     from rill.protocols.evergreen._pb import evergreen_service_pb2 as service_pb2
 
     servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    v1_service = _reflection_v1_service()
     names = (
         service_pb2.DESCRIPTOR.services_by_name["EvergreenService"].full_name,
         health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+        v1_service,
         reflection.SERVICE_NAME,
     )
-    reflection.enable_server_reflection(names, server)
+    # grpcio-reflection ships v1alpha only. v1 is the same proto under another package, so the
+    # same servicer answers both: the messages are identical on the wire.
+    reflector = reflection.aio.ReflectionServicer(names)
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(reflector, server)  # type: ignore[no-untyped-call]
+    handlers = {
+        "ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
+            reflector.ServerReflectionInfo,
+            request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+            response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+        )
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(v1_service, handlers),))
     return servicer
+
+
+REFLECTION_V1_FILE = "grpc/reflection/v1/reflection.proto"
+"""Where ``grpc.reflection.v1`` is declared (its canonical file name in grpc's protos)."""
+
+
+def _reflection_v1_service() -> str:
+    """Put ``grpc.reflection.v1``'s file descriptor in the default pool (so reflection can
+    describe the v1 service it lists) and return the service's full name.
+
+    The file is v1alpha's with the package renamed, which is how grpc wrote v1; it is derived
+    here rather than generated because grpcio-reflection ships no v1 module.
+    """
+    from google.protobuf import descriptor_pool
+    from grpc_reflection.v1alpha import reflection_pb2
+
+    pool = descriptor_pool.Default()
+    try:
+        pool.FindFileByName(REFLECTION_V1_FILE)
+    except KeyError:
+        pool.AddSerializedFile(_renamed_reflection_file(reflection_pb2.DESCRIPTOR).SerializeToString())
+    return pool.FindServiceByName("grpc.reflection.v1.ServerReflection").full_name
+
+
+def _renamed_reflection_file(v1alpha: Any) -> Any:
+    """``v1alpha``'s ``FileDescriptorProto`` as ``grpc.reflection.v1``: file name, package,
+    every type reference and the language options renamed; no longer deprecated."""
+    from google.protobuf import descriptor_pb2
+
+    old, new = "grpc.reflection.v1alpha", "grpc.reflection.v1"
+    file = descriptor_pb2.FileDescriptorProto()
+    v1alpha.CopyToProto(file)
+    file.name, file.package = REFLECTION_V1_FILE, new
+
+    def renamed(type_name: str) -> str:
+        return type_name.replace(f".{old}.", f".{new}.", 1)
+
+    for message in file.message_type:
+        for message_field in message.field:
+            if message_field.type_name:
+                message_field.type_name = renamed(message_field.type_name)
+    for service in file.service:
+        for method in service.method:
+            method.input_type, method.output_type = renamed(method.input_type), renamed(method.output_type)
+    file.options.java_package = "io.grpc.reflection.v1"
+    file.options.go_package = "google.golang.org/grpc/reflection/grpc_reflection_v1"
+    file.options.ClearField("deprecated")
+    return file
 
 
 async def _set_health(health: Any, *, serving: bool) -> None:
