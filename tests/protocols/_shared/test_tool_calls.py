@@ -307,3 +307,45 @@ def test_chunk_boundaries_never_change_the_result(pieces: list[str], cuts: set[i
         assert text.strip().strip("`").removeprefix("json").strip() == WEATHER_CALL
     if not whole[1]:
         assert whole[0] == text, "no call: the text exactly as written"
+
+
+CUT_CALLS = [
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa', '{"city": "Pa'),
+    ("hermes", '<tool_call>\n{"name": "get_weather", "argu', ""),
+    ("llama3_json", '<|python_tag|>{"name": "add", "parameters": {"a": 1, "b"', '{"a": 1, "b"'),
+]
+
+
+@pytest.mark.parametrize(("fmt", "text", "arguments"), CUT_CALLS)
+def test_a_call_cut_by_the_end_of_the_generation_is_kept_as_streamed(fmt: str, text: str, arguments: str) -> None:
+    for chunks in chunkings(text):
+        parser = make_parser(fmt, "resp-0")
+        deltas = []
+        pos = 0
+        for n in chunks:
+            deltas += parser.feed(text[pos : pos + n])
+            pos += n
+        deltas += parser.finish()
+        streamed = "".join(d.arguments for d in deltas if isinstance(d, ToolCallDelta))
+        assert parser.calls == [], "a cut call is not a complete call"
+        assert parser.cut is not None and parser.cut.id == call_id("resp-0", 0)
+        assert parser.cut.name == text.split('"name": "')[1].split('"')[0]
+        assert parser.cut.arguments == arguments == streamed
+
+
+@pytest.mark.parametrize(
+    ("fmt", "text"),
+    [("hermes", HERMES), ("hermes", 'Hi <tool_call>\n{"na'), ("llama3_json", '{"name": "add", "parameters": {}}')],
+)
+def test_no_cut_call_when_the_generation_ends_outside_one(fmt: str, text: str) -> None:
+    parser = make_parser(fmt, "resp-0")
+    parser.feed(text)
+    parser.finish()
+    assert parser.cut is None
+
+
+def test_the_text_call_wrapper_shows_the_inner_cut_call() -> None:
+    parser = accept_text_calls(make_parser("hermes", "resp-0"), declared, "resp-0")
+    parser.feed('<tool_call>{"name": "add", "arguments": {"a": 4')
+    parser.finish()
+    assert parser.cut is not None and (parser.cut.name, parser.cut.arguments) == ("add", '{"a": 4')

@@ -125,6 +125,31 @@ def test_tool_calls_in_a_body() -> None:
     assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
 
 
+@pytest.mark.parametrize("is_streaming", [False, True])
+def test_a_call_cut_by_max_tokens_comes_back_as_far_as_it_was_written(is_streaming: bool) -> None:
+    # OpenAI's answer to a forced call cut short: the call with its arguments so far, and
+    # finish_reason length; the body shows what a stream of the same output showed.
+    session = _tool_session()
+    pieces = ["<tool_call>\n", '{"name": "get_weather", ', '"arguments": {"ci', 'ty": "Par']
+    events: list[bytes] = session.start() if is_streaming else []
+    for i, text in enumerate(pieces):
+        last = i == len(pieces) - 1
+        out = RequestOutput(request_id="r", text=text, finished=last, finish_reason="length" if last else None)
+        events += session.on_output(0, out)
+    if is_streaming:
+        chunks = [json.loads(e.decode().removeprefix("data: ")) for e in events if e.startswith(b"data: {")]
+        calls = [tc for c in chunks for tc in c["choices"][0]["delta"].get("tool_calls", [])]
+        name, arguments = calls[0]["function"]["name"], "".join(tc["function"].get("arguments", "") for tc in calls)
+        finish = chunks[-1]["choices"][0]["finish_reason"]
+        assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == ""
+    else:
+        choice = json.loads(session.body())["choices"][0]
+        (call,) = choice["message"]["tool_calls"]
+        assert choice["message"]["content"] is None and call["id"].startswith("call_")
+        name, arguments, finish = call["function"]["name"], call["function"]["arguments"], choice["finish_reason"]
+    assert (name, arguments, finish) == ("get_weather", '{"city": "Par', "length")
+
+
 def test_text_without_a_call_keeps_stop() -> None:
     session = _tool_session()
     session.on_output(0, RequestOutput(request_id="r", text="no call <tool", finished=True, finish_reason="stop"))

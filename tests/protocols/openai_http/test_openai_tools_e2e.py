@@ -168,6 +168,29 @@ def test_named_tool_call_streams_incremental_arguments(qwen_server: LiveServer) 
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
 
 
+def test_a_forced_call_cut_by_max_tokens_returns_the_call_so_far(qwen_server: LiveServer) -> None:
+    # As OpenAI: finish_reason length, and the call with the arguments written so far (the
+    # same text a stream of the same greedy run shows).
+    client = _client(qwen_server)
+    kwargs: dict = dict(
+        model="tiny-qwen",
+        messages=[{"role": "user", "content": "Weather?"}],
+        tools=[WEATHER, ADD],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=46,
+        temperature=0,
+    )
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    assert choice.finish_reason == "length"
+    assert choice.message.content is None, choice.message.content
+    (call,) = choice.message.tool_calls or []
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    assert call.function.arguments.startswith("{") and len(call.function.arguments) > 1
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    pieces = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert "".join(p.function.arguments or "" for p in pieces) == call.function.arguments
+
+
 def test_auto_parses_a_call_the_output_was_forced_into(qwen_server: LiveServer) -> None:
     # With tool_choice auto the model is free; a regex forces the text so that parsing is tested.
     text = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 40}}\n</tool_call>'

@@ -398,7 +398,11 @@ def _call_delta(delta: ToolCallDelta) -> ToolCallDeltaOut:
 
 def _message(choice: _Choice) -> ChatMessageOut:
     content = "".join(choice.text)
-    calls = choice.parser.calls if choice.parser is not None else []
+    calls = list(choice.parser.calls) if choice.parser is not None else []
+    if choice.parser is not None and choice.parser.cut is not None:
+        # Cut inside a call (``max_tokens``): the call as far as it was written, as a stream
+        # showed it; ``finish_reason`` stays ``length`` so the client knows it is not whole.
+        calls.append(choice.parser.cut)
     if not calls:
         return ChatMessageOut(content=content)
     tool_calls = [ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments)) for c in calls]

@@ -5,7 +5,9 @@ parser is fed that text chunk by chunk, as it is generated, and returns what can
 so far: ``ContentDelta`` (text meant for the user) and ``ToolCallDelta`` (a call's name once,
 then its JSON arguments in fragments). Concatenating every fragment of a call gives its
 arguments exactly as the model wrote them (a JSON text); chunk boundaries never change the
-result. ``finish`` flushes what was held back when the generation ends.
+result. ``finish`` flushes what was held back when the generation ends; a call the generation
+ended inside (cut by ``max_tokens``) is then the parser's ``cut``: its name and the arguments
+shown so far, never one of its complete ``calls``.
 
 Formats (``FORMATS``):
 

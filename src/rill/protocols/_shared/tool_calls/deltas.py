@@ -45,6 +45,12 @@ class ToolCallParser(Protocol):
 
     calls: list[ToolCall]
 
+    @property
+    def cut(self) -> ToolCall | None:
+        """After ``finish``: the call the generation ended inside (its name shown, its arguments
+        as far as they were shown), None when it ended outside a call. Never in ``calls``."""
+        ...
+
     def feed(self, text: str) -> list[Delta]:
         """Take the next chunk of generated text; return what can be shown now."""
         ...

@@ -76,6 +76,8 @@ class HermesParser(ScannedCallParser):
     def finish(self) -> list[Delta]:
         """The generation ended: return everything still held back."""
         out: list[Delta] = []
+        if self._state == "call":
+            self._keep_cut()
         if self._state == "call" and self._scanner is not None and not self._scanner.has_emitted:
             add_content(out, self.OPEN + self._scanner.buf)
         elif self._state == "content" and self._pending.strip():

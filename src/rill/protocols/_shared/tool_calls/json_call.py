@@ -197,6 +197,7 @@ class ScannedCallParser:
 
     prefix: str
     calls: list[ToolCall] = field(default_factory=list)
+    cut: ToolCall | None = None
     _pending: str = ""
     _scanner: CallScanner | None = None
     _num_started: int = 0
@@ -205,6 +206,20 @@ class ScannedCallParser:
         scanner = CallScanner(self._num_started, call_id(self.prefix, self._num_started))
         self._num_started += 1
         return scanner
+
+    def _keep_cut(self) -> None:
+        """At ``finish``: keep the call being read, if its name was shown, as ``cut``.
+
+        A generation cut by ``max_tokens`` inside a forced call has streamed the name and
+        part of the arguments; a response built at the end shows the same call, as OpenAI
+        does with ``finish_reason`` ``length``."""
+        scanner = self._scanner
+        if scanner is None or scanner.name is None:
+            return
+        arguments = ""
+        if scanner.args_start is not None:
+            arguments = scanner.buf[scanner.args_start : scanner.args_start + scanner.num_args_sent]
+        self.cut = ToolCall(id=scanner.id, name=scanner.name, arguments=arguments)
 
     def _close(self, scanner: CallScanner, out: list[Delta]) -> bool:
         call, deltas = scanner.complete()

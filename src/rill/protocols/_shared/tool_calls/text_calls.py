@@ -45,6 +45,11 @@ class TextCallParser:
         self._prefix = call_id_prefix
         self._held: list[Delta] | None = []  # None once the reply cannot be a text call
 
+    @property
+    def cut(self) -> ToolCall | None:
+        """``inner``'s call cut by the end of the generation (a text call is whole or none)."""
+        return self.inner.cut
+
     def feed(self, text: str) -> list[Delta]:
         """Take the next chunk of generated text; return what can be shown now."""
         out = self.inner.feed(text)
