@@ -235,6 +235,64 @@ def test_constraint_bounds_are_checked_at_admission_and_named_as_sent(fields: di
     assert caught.value.field == field and words in caught.value.message
 
 
+# -- vLLM's older guided_* fields -------------------------------------------------------------
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
+
+
+@pytest.mark.parametrize("decode", [_completion, _chat])
+@pytest.mark.parametrize(
+    ("fields", "same_as"),
+    [
+        ({"guided_json": SCHEMA}, {"json": SCHEMA}),
+        ({"guided_json": json.dumps(SCHEMA)}, {"json": SCHEMA}),
+        ({"guided_regex": "[0-9]+"}, {"regex": "[0-9]+"}),
+        ({"guided_choice": ["yes", "no?"]}, {"choice": ["yes", "no?"]}),
+        ({"guided_grammar": 'start: "a"+'}, {"grammar": 'start: "a"+'}),
+        ({"guided_regex": "a", "guided_decoding_backend": "guidance"}, {"regex": "a"}),
+        ({"guided_regex": "a", "guided_decoding_backend": "auto"}, {"regex": "a"}),
+    ],
+)
+def test_guided_fields_are_the_structured_outputs_of_the_same_name(decode: object, fields: dict, same_as: dict) -> None:
+    # Before: ignored, so the output was not constrained at all.
+    params = _admitted(decode(**fields))  # type: ignore[operator]
+    expected = _admitted(decode(structured_outputs=same_as))  # type: ignore[operator]
+    assert params.response_format is not None and params.response_format.is_constraint
+    assert params.response_format == expected.response_format
+
+
+@pytest.mark.parametrize("decode", [_completion, _chat])
+@pytest.mark.parametrize(
+    ("fields", "field", "words"),
+    [
+        ({"guided_json": SCHEMA, "guided_regex": "a"}, "guided_regex", "both constrain"),
+        ({"response_format": {"type": "json_object"}, "guided_choice": ["a"]}, "guided_choice", "both constrain"),
+        ({"structured_outputs": {"regex": "a"}, "guided_grammar": "start: x"}, "guided_grammar", "both constrain"),
+        ({"guided_regex": "a", "guided_decoding_backend": "xgrammar"}, "guided_decoding_backend", "'xgrammar'"),
+        ({"guided_json": SCHEMA, "guided_whitespace_pattern": " *"}, "guided_whitespace_pattern", "not supported"),
+        ({"guided_choice": []}, "guided_choice", "non-empty list of strings"),
+        ({"guided_choice": "yes"}, "guided_choice", "Expected `array"),
+        ({"guided_json": "{not json"}, "guided_json", "'guided_json' is not valid JSON"),
+    ],
+)
+def test_guided_fields_that_cannot_be_honoured_are_refused_by_name(
+    decode: object, fields: dict, field: str, words: str
+) -> None:
+    with pytest.raises(errors.InvalidRequest) as caught:
+        _admitted(decode(**fields))  # type: ignore[operator]
+    assert caught.value.field == field and words in caught.value.message, caught.value.message
+    assert codec.error_for(caught.value).status == 400
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"), [({"guided_regex": ""}, "guided_regex"), ({"guided_json": "[1]"}, "guided_json")]
+)
+def test_guided_bounds_are_named_as_sent(fields: dict, field: str) -> None:
+    with pytest.raises(errors.InvalidRequest) as caught:
+        _admitted(_chat(**fields))
+    assert caught.value.field == field and f"'{field}'" in caught.value.message, caught.value.message
+
+
 def test_only_parameter_errors_are_renamed() -> None:
     chat = _chat(logprobs=True, top_logprobs=2)
     compile_error = errors.InvalidRequest("response_format cannot be enforced", field="logprobs")
@@ -370,6 +428,7 @@ def test_text_call_check_accepts_nothing_for_a_schema_it_cannot_use(parameters: 
             False,
         ),
         ({"structured_outputs": {"json_object": True}}, False),
+        ({"guided_json": {"type": "object"}}, False),
     ],
 )
 def test_text_calls_only_at_tool_choice_auto_and_never_when_json_is_asked_for(fields: dict, is_checked: bool) -> None:

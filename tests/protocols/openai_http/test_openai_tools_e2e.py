@@ -274,3 +274,26 @@ def test_bad_constraints_are_400s(qwen_server: LiveServer) -> None:
                 model="tiny-qwen", messages=[{"role": "user", "content": "x"}], max_tokens=4, extra_body=body
             )
         assert caught.value.body["param"] in ("response_format", "structured_outputs"), body
+
+
+def test_vllm_guided_fields_constrain_both_endpoints(qwen_server: LiveServer) -> None:
+    # vLLM's older names of structured_outputs; before, ignored: random weights wrote anything.
+    client = _client(qwen_server)
+    for seed in range(3):
+        chat = client.chat.completions.create(
+            model="tiny-qwen",
+            messages=[{"role": "user", "content": "Yes or no?"}],
+            max_tokens=20,
+            seed=seed,
+            extra_body={"guided_choice": ["yes", "no"]},
+        )
+        assert chat.choices[0].message.content in ("yes", "no")
+        text = client.completions.create(
+            model="tiny-qwen", prompt="Digits:", max_tokens=20, seed=seed, extra_body={"guided_regex": "[0-9]{3}"}
+        ).choices[0]
+        assert len(text.text) == 3 and text.text.isdigit(), text.text
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(
+            model="tiny-qwen", prompt="x", max_tokens=4, extra_body={"guided_regex": "a", "guided_json": {}}
+        )
+    assert caught.value.body["param"] == "guided_regex"  # type: ignore[index]

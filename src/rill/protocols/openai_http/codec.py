@@ -56,7 +56,7 @@ from rill.protocols.openai_http.chat_messages import (
 from rill.protocols.openai_http.chat_messages import (
     template_tools as template_tools,
 )
-from rill.protocols.openai_http.constraints import check_formats, constraint_field, response_format
+from rill.protocols.openai_http.constraints import GUIDED, check_formats, constraint_field, response_format
 from rill.protocols.openai_http.messages import (
     SAMPLING,
     ChatCompletionRequest,
@@ -425,14 +425,15 @@ def check_choices(req: CompletionRequest | ChatCompletionRequest, num_prompts: i
 def renamed(exc: BaseException, req: CompletionRequest | ChatCompletionRequest) -> BaseException:
     """``exc`` as this request names the field: the policy's parameter errors carry the
     engine's names, a chat request says ``top_logprobs`` for ``logprobs`` and a constraint given
-    as ``structured_outputs`` is named so (``exc`` itself when nothing is renamed)."""
+    as ``structured_outputs`` or a ``guided_*`` field is named so (``exc`` itself when nothing
+    is renamed)."""
     if not isinstance(exc, InvalidParameter):
         return exc
     wire = exc.field
     if exc.field == "logprobs" and isinstance(req, ChatCompletionRequest):
         wire = "top_logprobs"
-    elif exc.field == "response_format" and constraint_field(req) == "structured_outputs":
-        wire = "structured_outputs"
+    elif exc.field == "response_format" and constraint_field(req) in ("structured_outputs", *GUIDED):
+        wire = cast(str, constraint_field(req))
     else:
         wire = SAMPLING.wire_name(exc.field)
     if wire == exc.field:

@@ -1,6 +1,6 @@
-"""The output constraint of an OpenAI request: ``response_format``, ``structured_outputs``
-or a forced tool call (``tool_choice`` ``required`` or a named function), as one
-``ResponseFormat``. Pure.
+"""The output constraint of an OpenAI request: ``response_format``, ``structured_outputs``,
+vLLM's older ``guided_*`` fields (``GUIDED``) or a forced tool call (``tool_choice``
+``required`` or a named function), as one ``ResponseFormat``. Pure.
 
 Shapes are checked here (a value that cannot be a ``ResponseFormat`` is a 400 when the request
 is decoded); bounds (a schema's size, a regex that is there) once, when the frontend's
@@ -23,6 +23,13 @@ from rill.types import ResponseFormat
 if TYPE_CHECKING:
     from rill.protocols.openai_http.codec import ServedModel
 
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+"""vLLM's older constraint fields, each the ``structured_outputs`` key of the same meaning."""
+
+GUIDED_BACKENDS = ("auto", "guidance")
+"""The ``guided_decoding_backend`` values that can be honoured: the engine's choice, or
+llguidance (vLLM calls it ``guidance``), the only one rill runs."""
+
 
 def response_format(req: CompletionRequest | ChatCompletionRequest, served: ServedModel) -> ResponseFormat | None:
     """The constraint of a request: ``response_format``, ``structured_outputs`` or a forced tool
@@ -41,11 +48,14 @@ def response_format(req: CompletionRequest | ChatCompletionRequest, served: Serv
 
 def constraint_field(req: CompletionRequest | ChatCompletionRequest) -> str | None:
     """The wire field the request's constraint came from (``response_format``,
-    ``structured_outputs`` or ``tool_choice``), None without one."""
+    ``structured_outputs``, a ``guided_*`` field or ``tool_choice``), None without one."""
     if req.response_format is not None and req.response_format.get("type", "text") != "text":
         return "response_format"
     if req.structured_outputs is not None:
         return "structured_outputs"
+    for name in GUIDED:
+        if getattr(req, name) is not None:
+            return name
     if isinstance(req, ChatCompletionRequest) and forced_tool(req)[0]:
         return "tool_choice"
     return None
@@ -61,6 +71,7 @@ def _constraints(
             found.append(("response_format", fmt))
     if req.structured_outputs is not None:
         found.append(("structured_outputs", _structured_outputs(req.structured_outputs)))
+    found += [(name, _constraint_of(kind, getattr(req, name), name)) for name, kind in _guided(req)]
     if isinstance(req, ChatCompletionRequest):
         forced, name = forced_tool(req)
         if forced and served is not None:
@@ -83,6 +94,24 @@ def _convert_format(value: Any, field: str) -> ResponseFormat:
         raise InvalidRequest(f"invalid {field}: {exc}", field=field) from exc
 
 
+def _guided(req: CompletionRequest | ChatCompletionRequest) -> list[tuple[str, str]]:
+    """The ``guided_*`` constraint fields the request sets, with their kind; ``InvalidRequest``
+    for a backend or whitespace pattern that cannot be honoured."""
+    backend = req.guided_decoding_backend
+    if backend is not None and backend not in GUIDED_BACKENDS:
+        raise InvalidRequest(
+            f"guided_decoding_backend '{backend}' is not available; this server constrains with llguidance "
+            f"({' or '.join(repr(b) for b in GUIDED_BACKENDS)}, or leave it out)",
+            field="guided_decoding_backend",
+        )
+    if req.guided_whitespace_pattern is not None:
+        # llguidance writes JSON's whitespace its own way; a pattern would be silently ignored.
+        raise InvalidRequest(
+            "'guided_whitespace_pattern' is not supported by this server", field="guided_whitespace_pattern"
+        )
+    return [(name, kind) for name, kind in GUIDED.items() if getattr(req, name) is not None]
+
+
 def _structured_outputs(spec: dict[str, Any]) -> ResponseFormat:
     field = "structured_outputs"
     given = [k for k in ("json", "regex", "grammar", "choice", "json_object") if spec.get(k) not in (None, False)]
@@ -90,17 +119,24 @@ def _structured_outputs(spec: dict[str, Any]) -> ResponseFormat:
         raise InvalidRequest(
             "'structured_outputs' needs exactly one of json, regex, grammar, choice, json_object", field=field
         )
-    kind, value = given[0], spec[given[0]]
+    kind = given[0]
+    return _constraint_of(kind, spec[kind], field, f"structured_outputs.{kind}")
+
+
+def _constraint_of(kind: str, value: Any, field: str, label: str | None = None) -> ResponseFormat:
+    """The constraint of one ``structured_outputs`` key ``kind`` (or the ``guided_*`` field of
+    the same meaning), given as ``field``; errors call the value ``label`` (``field`` unless given)."""
+    label = label or field
     if kind == "json":
         if isinstance(value, str):
             try:
                 value = json.loads(value)
             except ValueError as exc:
-                raise InvalidRequest("'structured_outputs.json' is not valid JSON", field=field) from exc
+                raise InvalidRequest(f"'{label}' is not valid JSON", field=field) from exc
         return _convert_format({"type": "json_schema", "json_schema": {"schema": value}}, field)
     if kind == "choice":
         if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
-            raise InvalidRequest("'structured_outputs.choice' must be a non-empty list of strings", field=field)
+            raise InvalidRequest(f"'{label}' must be a non-empty list of strings", field=field)
         return _convert_format({"type": "regex", "regex": "|".join(_regex_escape(c) for c in value)}, field)
     if kind == "json_object":
         return ResponseFormat(type="json_object")

@@ -7,7 +7,10 @@ API reference (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``), i
 sampling knobs vLLM also accepts (``top_k``, ``min_p``, ``repetition_penalty``,
 ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``allowed_token_ids``), ``response_format`` on completions
 too, with the extra types ``regex`` and ``grammar``, vLLM's ``structured_outputs``
-(``json``, ``regex``, ``grammar``, ``choice``, ``json_object``) and vLLM's ``prompt_logprobs``
+(``json``, ``regex``, ``grammar``, ``choice``, ``json_object``), vLLM's older ``guided_json``,
+``guided_regex``, ``guided_choice`` and ``guided_grammar`` (the same constraints under their old
+names; ``guided_decoding_backend`` only ``auto`` or ``guidance``, the one rill runs, and
+``guided_whitespace_pattern`` refused), vLLM's ``prompt_logprobs``
 (requests) with its answer shape (``PromptLogprobOut``; left out of responses unless asked),
 and rill's ``speculative`` (speculative decoding when the server runs it: false or 0 off, N at
 most N draft tokens; the output is the same, only the speed differs).
@@ -56,6 +59,12 @@ class _CommonRequest(msgspec.Struct, kw_only=True):
     user: str | None = None
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
     prompt_logprobs: int | None = None
     speculative: bool | int | None = None
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from rill.errors import InvalidRequest
+from rill.protocols.openai_http.constraints import constraint_field
 from rill.protocols.openai_http.messages import ChatCompletionRequest
 
 MAX_TOOLS = 128
@@ -60,7 +61,8 @@ def text_call_check(req: ChatCompletionRequest) -> ArgumentsCheck | None:
 
     Only at ``tool_choice`` ``auto`` (or unset) with tools offered: ``required`` and a named
     function are forced into the format's own call syntax by a grammar already. Never when the
-    request shapes the output (``response_format`` other than ``text``, ``structured_outputs``):
+    request shapes the output (``response_format`` other than ``text``, ``structured_outputs``,
+    a ``guided_*`` field):
     a client that asked for JSON gets its JSON as the answer. The check passes when the name is
     an offered function and the arguments are valid for its ``parameters`` (JSON Schema). A
     function whose schema holds a regular expression (``pattern``, ``patternProperties``) is
@@ -72,8 +74,7 @@ def text_call_check(req: ChatCompletionRequest) -> ArgumentsCheck | None:
     """
     if not parses_tool_calls(req) or req.tool_choice not in (None, "auto"):
         return None
-    shaped = req.response_format is not None and req.response_format.get("type", "text") != "text"
-    if shaped or req.structured_outputs is not None:
+    if constraint_field(req) is not None:
         return None
     functions = (tool["function"] for tool in req.tools or [])
     return ArgumentsCheck({fn["name"]: fn.get("parameters") or {"type": "object"} for fn in functions})
