@@ -257,6 +257,67 @@ async def test_allowed_origins_and_hosts_are_accepted() -> None:
         ).status_code == 200
 
 
+async def test_service_names_pass_on_a_non_loopback_bind_and_are_refused_on_loopback() -> None:
+    # Issue 33: a server bound to 0.0.0.0 in Docker/compose is called by its service name.
+    # The listener here is always on loopback; the rule follows the configured --host.
+    names = ("rill", "rill:8000", "my-service.local", "MY-SERVICE.local:8000")
+    async with serve(**{"http.host": "0.0.0.0"}) as host, httpx.AsyncClient(base_url=f"http://{host}") as http:
+        port = host.rsplit(":", 1)[1]
+        for name in names:
+            assert (await http.get("/v1/echo", headers={"Host": name})).status_code == 200, name
+        async with websockets.connect(f"ws://rill:{port}/ws", host="127.0.0.1", port=int(port)) as ws:
+            assert await ws.recv() == "hello"
+        # Any Host passing does not open the server to other sites' pages: Origin still rules.
+        cross_site = await http.get("/v1/echo", headers={"Host": "rill", "Origin": "http://evil.example"})
+        assert cross_site.status_code == 403 and "--allowed-origins" in cross_site.json()["error"]["message"]
+        # A page the server serves itself under its service name is same-origin.
+        same = await http.get("/v1/echo", headers={"Host": "rill:8000", "Origin": "http://rill:8000"})
+        assert same.status_code == 200
+    async with serve() as host, httpx.AsyncClient(base_url=f"http://{host}") as http:  # the default 127.0.0.1
+        for name in names:
+            refused = await http.get("/v1/echo", headers={"Host": name})
+            assert refused.status_code == 403, name
+            assert "--allowed-hosts" in refused.json()["error"]["message"]
+
+
+async def test_allowed_hosts_rule_on_a_non_loopback_bind() -> None:
+    overrides = {"http.host": "0.0.0.0", "http.allowed_hosts": ["rill", ".svc.cluster.local"]}
+    async with serve(**overrides) as host, httpx.AsyncClient(base_url=f"http://{host}") as http:
+        port = host.rsplit(":", 1)[1]
+        for name in ("rill:8000", "api.svc.cluster.local", f"172.18.0.3:{port}", f"[fd00::3]:{port}", "localhost"):
+            assert (await http.get("/v1/echo", headers={"Host": name})).status_code == 200, name
+        for name in ("my-service.local", "evil.example:8000", "svc.cluster.local.evil"):
+            assert (await http.get("/v1/echo", headers={"Host": name})).status_code == 403, name
+
+
+@pytest.mark.parametrize(
+    ("bind", "service_name_passes"),
+    [
+        ("127.0.0.1", False),
+        ("127.0.0.2", False),
+        ("::1", False),
+        ("[::1]", False),
+        ("localhost", False),
+        ("0.0.0.0", True),
+        ("::", True),
+        ("", True),
+        ("192.168.1.10", True),
+        ("fd00::3", True),
+    ],
+)
+def test_the_host_rule_follows_the_bind(bind: str, service_name_passes: bool) -> None:
+    sites = middleware.SiteCheck(bind, [], [])
+    scope = {"type": "http", "headers": [(b"host", b"compose-service:8000")]}
+    assert (sites.refusal(scope) is None) is service_name_passes
+    # A second Host header cannot smuggle a name past a strict check.
+    smuggled = {"type": "http", "headers": [(b"host", b"127.0.0.1"), (b"host", b"compose-service")]}
+    assert (sites.refusal(smuggled) is None) is service_name_passes
+    # With --allowed-hosts the list rules on every bind.
+    listed = middleware.SiteCheck(bind, ["compose-service"], [])
+    assert listed.refusal(scope) is None
+    assert listed.refusal({"type": "http", "headers": [(b"host", b"other-service")]}) is not None
+
+
 @contextlib.asynccontextmanager
 async def serve_limited(
     max_total: int = 100, per_client: int = 100, timeout_s: float = 2.0

@@ -152,7 +152,10 @@ class HttpConfig:
     allowed_hosts: list[str] = _f(
         [],
         "Host header names accepted besides IP addresses, localhost and the bound "
-        "host (repeatable; '.example.com' also allows subdomains; '*' for any)",
+        "host (repeatable; '.example.com' also allows subdomains; '*' for any). "
+        "Unset, a server bound to loopback refuses other names (403, against DNS "
+        "rebinding) and a server bound to any other address (0.0.0.0, a LAN "
+        "address) accepts any Host; set, only these names and the above pass on any bind",
         repeat=True,
     )
     forwarded_allow_ips: list[str] = _f(

@@ -19,11 +19,20 @@ class SiteCheck:
     """Which ``Host`` and ``Origin`` headers a browser-reachable route accepts.
 
     Host (DNS rebinding): a page on ``evil.example`` whose name is re-pointed at 127.0.0.1
-    reaches a loopback server with ``Host: evil.example``. Accepted are IP literals (a
-    browser only sends one when it connected to that address itself), ``localhost`` and
-    ``*.localhost``, the bound host, the machine's host name when bound to every interface
-    (``0.0.0.0`` / ``::``), and ``--allowed-hosts``. A request with no Host (HTTP/1.0, not a
-    browser) passes.
+    reaches a loopback server with ``Host: evil.example``. The rule depends on the bind:
+
+    - bound to loopback (``127.0.0.0/8``, ``::1``, ``localhost``, or a name that resolves
+      only to loopback), or with ``--allowed-hosts`` given on any bind: accepted are IP
+      literals (a browser only sends one when it connected to that address itself),
+      ``localhost`` and ``*.localhost``, the bound host, the machine's host name when bound
+      to every interface (``0.0.0.0`` / ``::``), and ``--allowed-hosts``;
+    - bound to any other address (every interface, a LAN address) without
+      ``--allowed-hosts``: any Host. Such a server is reached by names this process cannot
+      know (a compose service, a LAN or DNS name, a proxy's upstream name); rebinding a
+      name to a LAN address is what firewalls and the API key answer, and Ollama draws the
+      same line (it checks Host only when bound to loopback).
+
+    A request with no Host (HTTP/1.0, not a browser) passes.
 
     Origin (cross-site requests): browsers send it on WebSocket handshakes and on
     cross-origin or POST requests; ``curl`` and the Python clients send none and pass.
@@ -40,7 +49,7 @@ class SiteCheck:
         names = {"localhost", bind_host.strip("[]").lower()}
         if bind_host in _WILDCARD_BINDS:
             names.add(socket.gethostname().lower())
-        self.any_host = "*" in allowed_hosts
+        self.any_host = "*" in allowed_hosts or (not allowed_hosts and not _is_loopback_bind(bind_host))
         self.host_names = names | {h.lower() for h in allowed_hosts if not h.startswith(".")}
         self.host_suffixes = tuple({".localhost"} | {h.lower() for h in allowed_hosts if h.startswith(".")})
         self.any_origin = "*" in allowed_origins
@@ -83,6 +92,25 @@ class SiteCheck:
         except ValueError:
             return False
         return True
+
+
+def _is_loopback_bind(bind_host: str) -> bool:
+    """Whether a ``--host`` value listens on loopback only (an unresolvable name counts as
+    loopback: the strict Host rule is the safe side when it cannot be told)."""
+    name = bind_host.strip("[]").lower()
+    if name in _WILDCARD_BINDS:
+        return False
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name.split("%", 1)[0]).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(name, None, proto=socket.IPPROTO_TCP)
+    except (OSError, UnicodeError):
+        return True
+    return all(ipaddress.ip_address(str(info[4][0]).split("%", 1)[0]).is_loopback for info in infos)
 
 
 def _split_host(host: str) -> tuple[str | None, int | None]:
