@@ -13,6 +13,7 @@ import pytest
 from rill.errors import ContextLengthExceeded, InvalidRequest, PromptTooLarge
 from rill.frontend.admission import FAST_PATH_MAX_SIZE, PromptAdmission, check_size
 from rill.models.tokenizer import Tokenizer
+from rill.models.tool_prompt import tool_system_prompt
 from rill.testing.checkpoints import make_tokenizer
 from rill.types import ChatMessage, GenerateRequest, ModelInfo
 
@@ -28,8 +29,8 @@ MODEL = ModelInfo(
 class RecordingTokenizer:
     """The real tokenizer, recording the thread of every call."""
 
-    def __init__(self) -> None:
-        self.inner = Tokenizer(make_tokenizer(), chat_templates={"default": TEMPLATE})
+    def __init__(self, template: str = TEMPLATE) -> None:
+        self.inner = Tokenizer(make_tokenizer(), chat_templates={"default": template})
         self.threads: list[tuple[str, int]] = []
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -54,6 +55,9 @@ class RecordingTokenizer:
     ) -> str:
         self.threads.append(("template", threading.get_ident()))
         return self.inner.apply_chat_template(messages, add_generation_prompt, tools, chat_template_kwargs)
+
+    def get_chat_template(self, tools: Sequence[Any] | None = None) -> str | None:
+        return self.inner.get_chat_template(tools)
 
 
 def _run(
@@ -206,3 +210,58 @@ def test_exactly_one_prompt_field() -> None:
 def test_a_template_error_comes_back_as_invalid_request() -> None:
     with pytest.raises(InvalidRequest):
         _run([GenerateRequest(messages=[], add_generation_prompt=True)])
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+# Renders the tools itself, as Qwen's and Hermes' templates do.
+TOOLS_TEMPLATE = "{% if tools %}<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>{% endif %}" + TEMPLATE
+
+
+def _admitted_text(
+    messages: list[ChatMessage], *, template: str = TEMPLATE, model: ModelInfo = MODEL
+) -> tuple[str, RecordingTokenizer]:
+    tok = RecordingTokenizer(template)
+    ids, _, _ = _run([GenerateRequest(messages=messages, tools=[WEATHER])], tokenizer=tok, model=model)
+    return tok.inner.decode(ids[0]), tok
+
+
+def test_tools_a_template_drops_are_listed_in_a_system_prompt_with_the_call_format() -> None:
+    text, tok = _admitted_text([ChatMessage(role="user", content="Weather in Paris?")])
+    prompt = tool_system_prompt([WEATHER], "hermes")
+    assert text == tok.inner.apply_chat_template(
+        [ChatMessage(role="system", content=prompt), ChatMessage(role="user", content="Weather in Paris?")]
+    )
+    assert '"name": "get_weather"' in text and "<tool_call>" in text
+
+
+def test_the_tool_prompt_joins_the_system_message_there_is() -> None:
+    text, _ = _admitted_text([ChatMessage(role="system", content="Be brief."), ChatMessage(role="user", content="hi")])
+    assert text.count("<system>") == 1
+    assert text.startswith("<system>Be brief.\n\n# Tools")
+
+
+def test_the_tool_prompt_is_in_the_models_own_tool_call_format() -> None:
+    model = msgspec.structs.replace(MODEL, tool_call_format="llama3_json")
+    text, _ = _admitted_text([ChatMessage(role="user", content="hi")], model=model)
+    assert '"parameters": <args-json-object>' in text and "<tool_call>" not in text
+
+
+def test_a_template_that_renders_tools_gets_nothing_added() -> None:
+    messages = [ChatMessage(role="user", content="Weather in Paris?")]
+    text, tok = _admitted_text(messages, template=TOOLS_TEMPLATE)
+    assert text == tok.inner.apply_chat_template(messages, tools=[WEATHER])
+    assert "<system>" not in text and "# Tools" not in text
+
+
+def test_without_tools_nothing_is_added_and_the_template_is_not_probed() -> None:
+    messages = [ChatMessage(role="user", content="hi")]
+    ids, tok, _ = _run([GenerateRequest(messages=messages, tools=[])])
+    assert tok.inner.decode(ids[0]) == tok.inner.apply_chat_template(messages)
+    assert [name for name, _ in tok.threads] == ["template", "encode"]

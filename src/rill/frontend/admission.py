@@ -192,7 +192,12 @@ def prompt_token_ids(
         elif prompt.messages is not None:
             _check_one_field(prompt)
             text = render(
-                tokenizer, prompt.messages, prompt.add_generation_prompt, prompt.chat_template_kwargs, prompt.tools
+                tokenizer,
+                prompt.messages,
+                prompt.add_generation_prompt,
+                prompt.chat_template_kwargs,
+                prompt.tools,
+                tool_format=model.tool_call_format,
             )
             # The template writes every special token it wants (BOS included): no post-processor.
             out[i] = _encode(tokenizer, [text], False, context)[0]
@@ -217,23 +222,44 @@ def render(
     add_generation_prompt: bool,
     chat_template_kwargs: Mapping[str, Any],
     tools: Sequence[Any] | None = None,
+    *,
+    tool_format: str | None = None,
 ) -> str:
     """The chat template's text for ``messages``, after the checks every protocol shares.
 
     ``chat_template_kwargs`` are template variables; ``tools`` the functions offered, the
     template's own ``tools`` argument (it picks a ``tool_use`` template where there is one).
+    When the template ignores ``tools`` (``rill.models.chat_template.renders_tools``), they
+    are listed in the system message instead, with how to call them in ``tool_format`` (the
+    model's own format, else hermes, as ``--tool-call-parser auto`` reads; see
+    ``rill.models.tool_prompt``).
 
     Raises:
         InvalidRequest: a message's role is not a chat role, a variable name is reserved,
             or the template failed.
     """
     check_chat_messages(list(messages))
+    if tools and not _template_renders_tools(tokenizer, tools):
+        # Imported here: rill.models loads torch, and admission must stay importable without it.
+        from rill.models.tool_prompt import with_tool_prompt
+
+        messages = with_tool_prompt(messages, tools, tool_format or "hermes")
     return tokenizer.apply_chat_template(
         messages,
         add_generation_prompt=add_generation_prompt,
         tools=tools,
         chat_template_kwargs=check_template_kwargs(dict(chat_template_kwargs)),
     )
+
+
+def _template_renders_tools(tokenizer: PromptTokenizer, tools: Sequence[Any]) -> bool:
+    """Whether the template ``tokenizer`` renders for ``tools`` shows them to the model; True
+    when that cannot be told (no template source to probe: nothing is added then)."""
+    from rill.models.chat_template import renders_tools
+
+    get_template = getattr(tokenizer, "get_chat_template", None)
+    source = get_template(tools) if get_template is not None else None
+    return True if source is None else renders_tools(source)
 
 
 def check_size(prompts: Sequence[Prompt], max_prompt_chars: int) -> None:
@@ -322,7 +348,12 @@ def _tokenize_one(
     elif prompt.messages is not None:
         _check_one_field(prompt)
         text = render(
-            tokenizer, prompt.messages, prompt.add_generation_prompt, prompt.chat_template_kwargs, prompt.tools
+            tokenizer,
+            prompt.messages,
+            prompt.add_generation_prompt,
+            prompt.chat_template_kwargs,
+            prompt.tools,
+            tool_format=model.tool_call_format,
         )
     else:
         _check_one_field(prompt)

@@ -293,3 +293,34 @@ def _plain(value: Any) -> Any:
     if isinstance(value, tuple):
         return tuple(_plain(item) for item in value)
     return f"<{type(value).__name__}>"
+
+
+_PROBE_TOOL_NAME = "rill_probe_tool_7d41c2"
+_PROBE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": _PROBE_TOOL_NAME,
+        "description": "probe",
+        "parameters": {"type": "object", "properties": {}},
+    },
+}
+
+
+@functools.lru_cache(maxsize=32)
+def renders_tools(source: str) -> bool:
+    """Whether the chat template ``source`` shows its model the ``tools`` it is given.
+
+    A probe conversation is rendered with one probe tool; the template renders tools when the
+    tool's name is in the text and not in the same conversation rendered without tools. The
+    answer is cached per template source. A template that fails on the probe counts as
+    rendering tools: nothing is added for it, and a real request meets the template's own error.
+    """
+    probe = [{"role": "user", "content": "probe"}]
+    try:
+        without = render_chat_template(source, probe, add_generation_prompt=True)
+        with_tool = render_chat_template(source, probe, add_generation_prompt=True, tools=[_PROBE_TOOL])
+    except InvalidRequest:
+        return True
+    # The name, not any difference: a template that only says "tools are available" without
+    # listing them still leaves the model unaware of what it may call.
+    return _PROBE_TOOL_NAME in with_tool and _PROBE_TOOL_NAME not in without
