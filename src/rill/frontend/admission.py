@@ -190,15 +190,7 @@ def prompt_token_ids(
         elif isinstance(prompt, list):
             out[i] = _checked_ids(prompt, vocab_size)
         elif prompt.messages is not None:
-            _check_one_field(prompt)
-            text = render(
-                tokenizer,
-                prompt.messages,
-                prompt.add_generation_prompt,
-                prompt.chat_template_kwargs,
-                prompt.tools,
-                tool_format=model.tool_call_format,
-            )
+            text = _render_messages(tokenizer, prompt, model)
             # The template writes every special token it wants (BOS included): no post-processor.
             out[i] = _encode(tokenizer, [text], False, context)[0]
         else:
@@ -337,6 +329,21 @@ def _detokenize(tokenizer: Any, token_ids: Sequence[int], vocab_size: int, skip_
     return texts[0]
 
 
+def _render_messages(tokenizer: PromptTokenizer, prompt: GenerateRequest, model: ModelInfo) -> str:
+    """A chat request's prompt text: its template applied to its messages (and its tools, in
+    a system prompt where the template drops them)."""
+    _check_one_field(prompt)
+    assert prompt.messages is not None
+    return render(
+        tokenizer,
+        prompt.messages,
+        prompt.add_generation_prompt,
+        prompt.chat_template_kwargs,
+        prompt.tools,
+        tool_format=model.tool_call_format,
+    )
+
+
 def _tokenize_one(
     tokenizer: PromptTokenizer, prompt: Prompt, model: ModelInfo, max_prompt_chars: int, add_special_tokens: bool
 ) -> list[int]:
@@ -346,15 +353,7 @@ def _tokenize_one(
     if isinstance(prompt, str):
         text = prompt
     elif prompt.messages is not None:
-        _check_one_field(prompt)
-        text = render(
-            tokenizer,
-            prompt.messages,
-            prompt.add_generation_prompt,
-            prompt.chat_template_kwargs,
-            prompt.tools,
-            tool_format=model.tool_call_format,
-        )
+        text = _render_messages(tokenizer, prompt, model)
     else:
         _check_one_field(prompt)
         if prompt.prompt_token_ids is not None:
