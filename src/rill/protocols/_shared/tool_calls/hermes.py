@@ -59,7 +59,10 @@ class HermesParser(ScannedCallParser):
             if not self._scanner.is_done:
                 return False
             if not self._close(self._scanner, out):
+                # Not a call after all: the block and what follows are the answer, as written.
                 add_content(out, self.OPEN + self._scanner.buf)
+                self._scanner, self._pending, self._state = None, rest, "content"
+                return bool(rest)
             self._scanner, self._pending, self._state = None, rest, "after"
             self._is_after_call = True
             return True
