@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
-from rill.config import SamplingDefaults, ServerConfig
+from rill.config import SamplingDefaults, ServerConfig, parse_size
 from rill.connections import ConnectionGate
 from rill.frontend.budget import MemoryBudget
 from rill.frontend.client import EngineClient
 from rill.frontend.metrics import Metrics
+from rill.frontend.resumable import StreamRegistry
 from rill.frontend.speech import SpeechSynth
 
 Stopper = Callable[[], Awaitable[None]]
@@ -42,3 +44,21 @@ class Deps:
     stoppers: list[Stopper] = field(default_factory=list)
     """What the server awaits, in order, when it stops, for services a protocol's routes started
     (``/ws/chat``'s speech worker)."""
+    streams: StreamRegistry[Any] | None = None
+    """The resumable streams of every protocol (``rill.frontend.resumable``); made from
+    ``config.resume`` when None."""
+
+    def __post_init__(self) -> None:
+        if self.streams is None:
+            r = self.config.resume
+            self.streams = StreamRegistry(
+                grace_s=r.resume_grace_s,
+                max_streams=r.resume_max_streams,
+                max_stream_bytes=parse_size(r.resume_max_stream_bytes, "resume_max_stream_bytes"),
+            )
+
+    @property
+    def resumable(self) -> StreamRegistry[Any]:
+        """``streams``, typed as set (``__post_init__`` fills it)."""
+        assert self.streams is not None
+        return self.streams

@@ -25,6 +25,7 @@ client as text: protocols answer them with a generic message.
     │   ├── StorageFull             a durable store is at its size cap (nothing deleted for room)
     │   └── ResourceExhausted       a server-wide budget (session memory) or this principal's share of it is used up
     ├── RequestNotFound             control action for an unknown or finished request
+    │   └── ResumeExpired           a stream to resume ended longer ago than its grace period
     ├── CacheMiss                   a required cached prefix was evicted
     ├── RequestTimeout              per-request time limit reached
     │   └── IdleTimeout             a client sent no first message / not all of its request in time
@@ -169,6 +170,14 @@ class RequestNotFound(RillError):
     """A control action named a request that is unknown or already finished."""
 
     code = "request_not_found"
+
+
+class ResumeExpired(RequestNotFound):
+    """A stream the client asked to resume is known but no longer kept: it ended (or lost
+    its last reader) longer ago than the resume grace period, or the events after the
+    client's position were dropped to keep the stream within its memory bound."""
+
+    code = "resume_expired"
 
 
 class CacheMiss(RillError):

@@ -194,6 +194,7 @@ async def serve(
     finally:
         for watcher in watchers:
             watcher.cancel()
+        deps.resumable.close()  # streams running with no reader: cancelled before the engine stops
         await _stop_all([*stoppers, *deps.stoppers], client)
     if load_failure:
         error = load_failure[0]

@@ -362,6 +362,38 @@ class EvergreenConfig:
 
 
 @dataclass(frozen=True)
+class ResumeConfig:
+    """Streams that outlive their connection (``/v1/responses`` background and resume,
+    ``/generate``'s ``resume``) and the stored responses of the Responses API."""
+
+    resume_grace_s: float = _f(
+        60.0,
+        "seconds a generation whose client went away keeps running (and a finished one keeps "
+        "its events) so the client can resume it; past it a running one is cancelled",
+    )
+    resume_max_streams: int = _f(
+        256, "most resumable streams kept at once, all clients together (past it: resource_exhausted)"
+    )
+    resume_max_stream_bytes: str = _f(
+        "8MiB",
+        "most bytes of events one resumable stream keeps; past it the oldest are dropped and a "
+        "resume from before them gets resume_expired",
+    )
+    responses_max_stored: int = _f(
+        10000, "most responses the Responses API stores (store: true); past it new ones are refused (storage_full)"
+    )
+    responses_max_store_bytes: str = _f(
+        "512MiB", "size cap of the stored responses; past it new ones are refused (storage_full)"
+    )
+    responses_max_history_bytes: str = _f(
+        "4MiB",
+        "most bytes of conversation one stored response may carry (its input, the history it "
+        "continues with previous_response_id, and its output); a longer one is refused",
+    )
+    responses_retention_days: float = _f(30.0, "stored responses older than this many days are deleted")
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     """Everything ``rill serve`` needs, by area."""
 
@@ -373,6 +405,7 @@ class ServerConfig:
     batch_ws: BatchWsConfig = field(default_factory=BatchWsConfig)
     chat: ChatConfig = field(default_factory=ChatConfig)
     evergreen: EvergreenConfig = field(default_factory=EvergreenConfig)
+    resume: ResumeConfig = field(default_factory=ResumeConfig)
 
     def api_keys(self) -> set[str]:
         """Keys from ``--api-key`` and ``--api-key-file`` (empty set: no auth)."""
@@ -409,6 +442,7 @@ AREAS: dict[str, type] = {
     "batch_ws": BatchWsConfig,
     "chat": ChatConfig,
     "evergreen": EvergreenConfig,
+    "resume": ResumeConfig,
 }
 
 FORMER_AREAS: dict[str, str] = {f.name: "http" for f in dataclasses.fields(PolicyConfig)}

@@ -9,7 +9,15 @@ from __future__ import annotations
 import ipaddress
 from pathlib import Path
 
-from rill.config.areas import ChatConfig, ConnectionConfig, EngineConfig, HttpConfig, PolicyConfig, ServerConfig
+from rill.config.areas import (
+    ChatConfig,
+    ConnectionConfig,
+    EngineConfig,
+    HttpConfig,
+    PolicyConfig,
+    ResumeConfig,
+    ServerConfig,
+)
 from rill.config.values import parse_size
 from rill.errors import ConfigError
 
@@ -32,6 +40,7 @@ def validate(config: ServerConfig) -> None:
     )
     _at_least_one(config.connections, "max_connections", "max_connections_per_client")
     _validate_session_memory(config.connections)
+    _validate_resume(config.resume)
     _positive_seconds(config.connections, "first_message_timeout_s", "header_timeout_s", "body_timeout_s")
     _one_of("uds_protocol", config.uds.uds_protocol, ("framed", "newline"))
     try:
@@ -102,6 +111,17 @@ def _validate_stores(h: HttpConfig, chat: ChatConfig) -> None:
     _positive_when_set(h, "feedback_retention_days")
     parse_size(chat.record_max_bytes, "record_max_bytes")
     _positive_when_set(chat, "record_retention_days")
+
+
+def _validate_resume(r: ResumeConfig) -> None:
+    """The grace period and the bounds of resumable streams and stored responses."""
+    if not 0 <= r.resume_grace_s < float("inf"):
+        raise ConfigError(f"resume_grace_s must be a number of seconds >= 0, not {r.resume_grace_s}")
+    _at_least_one(r, "resume_max_streams", "responses_max_stored")
+    for name in ("resume_max_stream_bytes", "responses_max_store_bytes", "responses_max_history_bytes"):
+        if parse_size(getattr(r, name), name) < 1:
+            raise ConfigError(f"{name} must be at least 1 byte, not {getattr(r, name)!r}")
+    _positive_when_set(r, "responses_retention_days")
 
 
 def _validate_session_memory(c: ConnectionConfig) -> None:
