@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Generic, TypeVar
 
 from rill.errors import InvalidRequest, RequestNotFound, ResourceExhausted, ResumeExpired
@@ -123,7 +123,7 @@ class ResumableStream(Generic[E]):
                 f"{self.max_bytes} bytes of events; the oldest kept is {self._first})"
             )
 
-    async def follow(self, after: int = -1) -> AsyncIterator[tuple[int, E]]:
+    async def follow(self, after: int = -1) -> AsyncGenerator[tuple[int, E], None]:
         """The events after position ``after`` with their positions, then live ones until the
         stream finishes. Reading counts as holding the stream (no grace timer runs)."""
         self.check_position(after)

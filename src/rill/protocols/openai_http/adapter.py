@@ -43,6 +43,7 @@ from rill.frontend.stream import RequestStream
 from rill.protocols.openai_http import codec, tools
 from rill.protocols.openai_http.messages import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
 from rill.protocols.openai_http.responder import JSON_MEDIA_TYPE, Responder, close_all
+from rill.protocols.openai_http.responses_api import ResponsesApi
 from rill.protocols.openai_http.session import EchoPrompt, Kind, ResponseSession
 from rill.types import GenerateRequest
 
@@ -52,7 +53,9 @@ log = logging.getLogger("rill.openai_http")
 def routes(deps: Deps) -> list[BaseRoute]:
     """The API's routes on the shared HTTP port (mounted by ``rill.server.build_app``)."""
     api = OpenAIApi(deps)
+    responses = ResponsesApi(api)
     return [
+        *responses.routes(),
         Route("/v1/models", api.list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", api.get_model, methods=["GET"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
@@ -84,6 +87,7 @@ class OpenAIApi:
         self.deps = deps
         self.client = deps.client
         self.created = int(time.time())
+        self.token_text = _token_texts(self.client)
 
     # -- models ------------------------------------------------------------------
     async def list_models(self, request: Request) -> Response:

@@ -216,6 +216,13 @@ def decode_completion(body: bytes) -> CompletionRequest:
 def decode_chat(body: bytes) -> ChatCompletionRequest:
     """Parse a ``/v1/chat/completions`` body; ``InvalidRequest`` names the bad field."""
     req = _decode(_chat_decoder, body)
+    check_chat(req)
+    return req
+
+
+def check_chat(req: ChatCompletionRequest) -> None:
+    """The checks of a decoded chat request (also of one translated from another route's
+    request, such as ``/v1/responses``); ``InvalidRequest`` names the bad field."""
     if not req.messages:
         raise InvalidRequest("'messages' must be a non-empty list", field="messages")
     if req.echo:
@@ -227,7 +234,6 @@ def decode_chat(body: bytes) -> ChatCompletionRequest:
         raise InvalidRequest("'top_logprobs' needs 'logprobs' set to true", field="top_logprobs")
     check_tools(req)
     check_formats(req)
-    return req
 
 
 _tokenize_decoder = msgspec.json.Decoder(TokenizeRequest)

@@ -1,0 +1,190 @@
+"""Stored responses of the Responses API (``store: true``), in the server's database.
+
+The same SQLite file as the feedback store (``rill.feedback.DB_NAME`` in the data folder), a
+table of its own. A row holds one response object (JSON), the input items of its request,
+and its *history*: every item of the conversation up to and including its output, which a
+later request continues with ``previous_response_id``. Rows are keyed by response id and
+belong to a principal (``rill.auth.principal``): every read, delete and continuation checks
+it, and another principal's id looks exactly like an unknown one.
+
+A response is written when it is created (status ``queued``/``in_progress``: acknowledged,
+so a background response survives as a row even if the server dies) and again when it ends;
+a row left ``queued``/``in_progress`` by a server that died is marked ``failed`` at open.
+
+Bounds: ``max_count`` rows and ``max_bytes`` bytes (``StorageFull`` for a new row past
+either; nothing stored is deleted to make room), ``retention_s`` (older rows are deleted
+at open and when a row is added), and ``max_history_bytes`` per row (``HistoryTooLong``).
+
+Blocking I/O: call the methods from a worker thread (``asyncio.to_thread``) in async code.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rill.errors import InvalidRequest, RequestNotFound, StorageFull
+from rill.feedback import DB_NAME
+
+log = logging.getLogger("rill.responses")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS responses (
+    id TEXT PRIMARY KEY,
+    principal TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    status TEXT NOT NULL,
+    response TEXT NOT NULL,
+    input_items TEXT NOT NULL,
+    history TEXT NOT NULL,
+    num_bytes INTEGER NOT NULL
+)
+"""
+
+
+class HistoryTooLong(InvalidRequest):
+    """The conversation a response would store (the history it continues, its input and
+    output) is longer than ``--responses-max-history-bytes``."""
+
+    code = "history_too_long"
+
+
+@dataclass(frozen=True)
+class StoredResponse:
+    """One row: the response object, its request's input items and its conversation so far."""
+
+    response: dict[str, Any]
+    input_items: list[dict[str, Any]]
+    history: list[dict[str, Any]]
+
+
+class ResponseStore:
+    """One SQLite table; thread-safe (one connection behind a lock)."""
+
+    def __init__(
+        self,
+        data_dir: str | Path,
+        *,
+        max_count: int,
+        max_bytes: int,
+        max_history_bytes: int,
+        retention_s: float | None,
+    ) -> None:
+        self.path = Path(data_dir) / DB_NAME
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.max_count = max_count
+        self.max_bytes = max_bytes
+        self.max_history_bytes = max_history_bytes
+        self.retention_s = retention_s
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=30.0)
+        # FULL: a row is on disk before the response that names it is acknowledged.
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.execute(_SCHEMA)
+        self._db.execute("CREATE INDEX IF NOT EXISTS responses_created_at ON responses (created_at)")
+        with self._lock:
+            self._expire(time.time())
+            died = self._db.execute(
+                "SELECT id, response FROM responses WHERE status IN ('queued', 'in_progress')"
+            ).fetchall()
+            for response_id, text in died:
+                response = json.loads(text)
+                response["status"] = "failed"
+                response["error"] = {"code": "server_error", "message": "the server stopped before the response ended"}
+                self._db.execute(
+                    "UPDATE responses SET status = 'failed', response = ? WHERE id = ?",
+                    (json.dumps(response), response_id),
+                )
+            if died:
+                log.info("%d stored responses were running when the server stopped: marked failed", len(died))
+
+    def check_history(self, history: list[dict[str, Any]]) -> None:
+        """``HistoryTooLong`` when ``history`` alone is over ``max_history_bytes``."""
+        size = len(json.dumps(history))
+        if size > self.max_history_bytes:
+            raise HistoryTooLong(
+                f"the conversation is {size} bytes, over this server's {self.max_history_bytes} "
+                "(--responses-max-history-bytes); start a new conversation",
+                field="previous_response_id",
+            )
+
+    def put(self, principal: str, stored: StoredResponse, *, is_new: bool) -> None:
+        """Insert (``is_new``) or replace the row of ``stored.response['id']`` and commit.
+
+        Raises:
+            StorageFull: a new row would take the store past ``max_count`` or ``max_bytes``.
+            HistoryTooLong: the row's history is over ``max_history_bytes``.
+        """
+        self.check_history(stored.history)
+        response_text = json.dumps(stored.response)
+        items_text = json.dumps(stored.input_items)
+        history_text = json.dumps(stored.history)
+        size = len(response_text) + len(items_text) + len(history_text)
+        response_id = stored.response["id"]
+        now = time.time()
+        with self._lock:
+            if is_new:
+                self._expire(now)
+                count, total = self._db.execute(
+                    "SELECT COUNT(*), COALESCE(SUM(num_bytes), 0) FROM responses"
+                ).fetchone()
+                if count >= self.max_count or total + size > self.max_bytes:
+                    raise StorageFull(
+                        f"the response store is full ({count} responses, {total} bytes; caps "
+                        f"{self.max_count} and {self.max_bytes}); send store: false or delete stored responses"
+                    )
+                self._db.execute(
+                    "INSERT INTO responses (id, principal, created_at, status, response, input_items, history, num_bytes)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    (
+                        response_id,
+                        principal,
+                        now,
+                        stored.response["status"],
+                        response_text,
+                        items_text,
+                        history_text,
+                        size,
+                    ),
+                )
+            else:
+                self._db.execute(
+                    "UPDATE responses SET status = ?, response = ?, history = ?, num_bytes = ? WHERE id = ? AND principal = ?",
+                    (stored.response["status"], response_text, history_text, size, response_id, principal),
+                )
+
+    def get(self, response_id: str, principal: str) -> StoredResponse:
+        """The row of ``response_id``; ``RequestNotFound`` if absent or another principal's."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT response, input_items, history FROM responses WHERE id = ? AND principal = ?",
+                (response_id, principal),
+            ).fetchone()
+        if row is None:
+            raise RequestNotFound(f"no response with id {response_id!r}")
+        return StoredResponse(json.loads(row[0]), json.loads(row[1]), json.loads(row[2]))
+
+    def delete(self, response_id: str, principal: str) -> None:
+        """Delete a row; ``RequestNotFound`` if absent or another principal's."""
+        with self._lock:
+            cursor = self._db.execute("DELETE FROM responses WHERE id = ? AND principal = ?", (response_id, principal))
+        if cursor.rowcount == 0:
+            raise RequestNotFound(f"no response with id {response_id!r}")
+
+    def _expire(self, now: float) -> None:
+        if self.retention_s is None:
+            return
+        cursor = self._db.execute("DELETE FROM responses WHERE created_at < ?", (now - self.retention_s,))
+        if cursor.rowcount:
+            log.info("deleted %d stored responses older than %.3g days", cursor.rowcount, self.retention_s / 86400)
+
+    def close(self) -> None:
+        """Close the database connection."""
+        with self._lock:
+            self._db.close()
