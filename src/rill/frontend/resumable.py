@@ -172,6 +172,9 @@ class StreamRegistry(Generic[E]):
     def __len__(self) -> int:
         return len(self._streams)
 
+    def __contains__(self, stream_id: object) -> bool:
+        return stream_id in self._streams
+
     def open(self, stream_id: str, principal: str, *, keeps_running: bool = False) -> ResumableStream[E]:
         """A new stream; ``ResourceExhausted`` when ``max_streams`` are kept already."""
         if stream_id in self._streams:
