@@ -4,10 +4,12 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.rill-installed
+AGENTS_VENV ?= .venv-agents
+AGENTS_STAMP := $(AGENTS_VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: serve test lint setup setup-llamacpp bench clean
+.PHONY: serve test lint setup setup-agents setup-llamacpp bench clean
 
 setup: $(STAMP)
 
@@ -21,6 +23,14 @@ $(STAMP): pyproject.toml requirements-no-deps.txt
 	$(BIN)/python -m pip install --quiet -e '.[test,lint]'
 	touch $(STAMP)
 
+# The OpenAI Agents SDK for its conformance test, apart from rill's environment (see the file).
+setup-agents: $(AGENTS_STAMP)
+
+$(AGENTS_STAMP): requirements-agents.txt
+	$(PYTHON) -m venv $(AGENTS_VENV)
+	$(AGENTS_VENV)/bin/python -m pip install --quiet -r requirements-agents.txt
+	touch $(AGENTS_STAMP)
+
 # --runner llamacpp: the optional extra, compiled from llama-cpp-python's source distribution
 # (CPU only). Not part of setup: it took 13 minutes on a loaded 2-core machine; without it the
 # llama.cpp runner's tests are skipped with the reason.
@@ -30,8 +40,8 @@ setup-llamacpp: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/rill serve $(ARGS)
 
-test: $(STAMP)
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+test: $(STAMP) $(AGENTS_STAMP)
+	RILL_AGENTS_PYTHON=$(abspath $(AGENTS_VENV))/bin/python $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # All three checks run even when one fails, so one pass shows everything to fix; the last line
 # names the failed ones. The format check lists files, not diffs (`ruff format --diff` shows them).
@@ -48,4 +58,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/engine.py
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info
+	rm -rf $(VENV) $(AGENTS_VENV) build src/*.egg-info

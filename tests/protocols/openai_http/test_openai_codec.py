@@ -515,3 +515,19 @@ def test_pure_modules_import_no_io_engine_or_frontend() -> None:
             for module in modules:
                 assert not module.startswith(forbidden), f"{name}.py imports {module}"
             assert not isinstance(node, (ast.Await, ast.AsyncFunctionDef)), f"{name}.py awaits"
+
+
+def test_a_forced_tool_call_sets_response_format_aside() -> None:
+    # Agent frameworks force a tool in a first turn while asking for a structured last answer:
+    # the forced call is the output (a text format shapes text, which a forced call never gives).
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+        "tool_choice": "required",
+        "response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": {"type": "object"}}},
+    }
+    params = codec.sampling_params(codec.decode_chat(json.dumps(body).encode()), SERVED)
+    assert params.response_format is not None and params.response_format.type == "grammar"
+    body["tool_choice"] = "auto"
+    params = codec.sampling_params(codec.decode_chat(json.dumps(body).encode()), SERVED)
+    assert params.response_format is not None and params.response_format.type == "json_schema"

@@ -36,9 +36,14 @@ def response_format(req: CompletionRequest | ChatCompletionRequest, served: Serv
     call (not validated: the submission policy does that once).
 
     At most one of them may constrain; ``tool_choice`` ``required`` / a named function is
-    enforced with a grammar of valid calls in the model's tool-call format.
+    enforced with a grammar of valid calls in the model's tool-call format. A forced call
+    sets ``response_format`` aside rather than clash with it, as OpenAI does: the format shapes
+    a text answer, and a forced call gives none (agent frameworks send both, forcing a tool
+    in the first turn of a conversation whose last answer is structured).
     """
     found = _constraints(req, served)
+    if any(name == "tool_choice" for name, _ in found):
+        found = [(name, fmt) for name, fmt in found if name != "response_format"]
     if len(found) > 1:
         raise InvalidRequest(
             f"'{found[0][0]}' and '{found[1][0]}' both constrain the output; send one", field=found[1][0]
