@@ -112,3 +112,12 @@ def test_a_served_websocket_handshake_never_logs_its_query_key(tiny_model_dir: A
         live.stop()
     assert any("api_key=***" in line for line in lines), lines
     assert not any("s3cret-key" in line for line in lines)
+
+
+def test_scope_owner_is_the_key_or_everyone_without_keys() -> None:
+    # A phone that changes networks changes address: with auth off, the address must not own
+    # what it stores, or it could never resume; with a key, the key's principal owns it.
+    keyed = {auth.PRINCIPAL_SCOPE_KEY: auth.principal("k-1", "10.0.0.1"), "client": ("10.0.0.1", 1)}
+    assert auth.scope_owner(keyed) == auth.principal("k-1", None)
+    assert auth.scope_owner({"client": ("10.0.0.1", 1)}) == auth.scope_owner({"client": ("10.9.9.9", 2)})
+    assert auth.scope_owner({"client": ("10.0.0.1", 1)}) == auth.ANONYMOUS_OWNER

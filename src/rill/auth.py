@@ -105,6 +105,19 @@ def scope_principal(scope: Mapping[str, Any]) -> str:
     return principal(None, client_key(client[0]) if client else None)
 
 
+ANONYMOUS_OWNER = "anonymous"
+"""The owner of what a request without a key stores (auth off)."""
+
+
+def scope_owner(scope: Mapping[str, Any]) -> str:
+    """Whose stored responses and resumable streams a request may read: its key's principal,
+    or, with auth off, ``ANONYMOUS_OWNER`` for everyone. Not the client's address: an address
+    changes when a phone changes networks, which is when a client resumes; without keys the
+    unguessable id of a response or generation is the only secret there is."""
+    principal_ = scope_principal(scope)
+    return principal_ if principal_.startswith("key:") else ANONYMOUS_OWNER
+
+
 def client_key(host: str) -> str:
     """The per-client unit of an IP address: itself for IPv4, its /64 network for IPv6.
 

@@ -126,13 +126,13 @@ class ResponsesApi:
             body = await request.body()
         except ClientDisconnect:
             return Response(status_code=499)
-        principal = auth.scope_principal(request.scope)
+        owner = auth.scope_owner(request.scope)
         run: _Run | None = None
         try:
             served = self.api._served()
             req = responses_codec.decode(body)
             codec.check_model(req.model, served)
-            run = await self._start(req, principal, served)
+            run = await self._start(req, owner, auth.scope_principal(request.scope), served)
         except Exception as exc:  # noqa: BLE001 - answered through the error table
             if run is not None:
                 self.streams.forget(run.session.id)
@@ -144,7 +144,9 @@ class ResponsesApi:
             return _Follower(run.stream, -1, self.keepalive_s)
         return _Waiter(self, run)
 
-    async def _start(self, req: ResponsesRequest, principal: str, served: Any) -> _Run:
+    async def _start(self, req: ResponsesRequest, principal: str, asker: str, served: Any) -> _Run:
+        """Start one response owned by ``principal`` (``auth.scope_owner``); ``asker`` is whom
+        the submission policy's rate limits and shares charge (``auth.scope_principal``)."""
         items = responses_codec.input_items(req.input)
         history: list[dict[str, Any]] = []
         store = await self.store()
@@ -183,7 +185,7 @@ class ResponsesApi:
                 sampling=sampling,
                 request_id=response_id,
                 protocol=codec.PROTOCOL,
-                principal=principal,
+                principal=asker,
                 prepare=text_calls.prepare if text_calls is not None else None,
             )
             try:
@@ -261,7 +263,7 @@ class ResponsesApi:
     async def retrieve(self, request: Request) -> Response:
         """``GET /v1/responses/{id}``; with ``stream=true``, the events after ``starting_after``."""
         response_id = request.path_params["response_id"]
-        principal = auth.scope_principal(request.scope)
+        principal = auth.scope_owner(request.scope)
         try:
             query = request.query_params
             if query.get("stream", "false").lower() in ("true", "1"):
@@ -293,7 +295,7 @@ class ResponsesApi:
     async def cancel(self, request: Request) -> Response:
         """``POST /v1/responses/{id}/cancel``: stop a running response (its object as it ends)."""
         response_id = request.path_params["response_id"]
-        principal = auth.scope_principal(request.scope)
+        principal = auth.scope_owner(request.scope)
         try:
             run = self.runs.get(response_id)
             if run is not None and run.principal == principal:
@@ -309,7 +311,7 @@ class ResponsesApi:
     async def delete(self, request: Request) -> Response:
         """``DELETE /v1/responses/{id}``: a running one is cancelled; the stored row deleted."""
         response_id = request.path_params["response_id"]
-        principal = auth.scope_principal(request.scope)
+        principal = auth.scope_owner(request.scope)
         try:
             run = self.runs.get(response_id)
             found = False
@@ -335,7 +337,7 @@ class ResponsesApi:
     async def input_items(self, request: Request) -> Response:
         """``GET /v1/responses/{id}/input_items`` (``limit``, ``order``, ``after``)."""
         response_id = request.path_params["response_id"]
-        principal = auth.scope_principal(request.scope)
+        principal = auth.scope_owner(request.scope)
         try:
             query = request.query_params
             limit = _int_param(query.get("limit"), "limit", default=20)
