@@ -55,6 +55,7 @@ class Deps:
                 grace_s=r.resume_grace_s,
                 max_streams=r.resume_max_streams,
                 max_stream_bytes=parse_size(r.resume_max_stream_bytes, "resume_max_stream_bytes"),
+                max_streams_per_client=r.resume_max_streams_per_principal,
             )
 
     @property

@@ -11,8 +11,9 @@ A response is written when it is created (status ``queued``/``in_progress``: ack
 so a background response survives as a row even if the server dies) and again when it ends;
 a row left ``queued``/``in_progress`` by a server that died is marked ``failed`` at open.
 
-Bounds: ``max_count`` rows and ``max_bytes`` bytes (``StorageFull`` for a new row past
-either; nothing stored is deleted to make room), ``retention_s`` (older rows are deleted
+Bounds: ``max_count`` rows and ``max_bytes`` bytes, of which ``max_bytes_per_client`` for the
+rows one client asked for (``StorageFull`` for a new row past any; nothing stored is deleted
+to make room), ``retention_s`` (older rows are deleted
 at open and when a row is added), and ``max_history_bytes`` per row (``HistoryTooLong``).
 
 Blocking I/O: call the methods from a worker thread (``asyncio.to_thread``) in async code.
@@ -43,7 +44,8 @@ CREATE TABLE IF NOT EXISTS responses (
     response TEXT NOT NULL,
     input_items TEXT NOT NULL,
     history TEXT NOT NULL,
-    num_bytes INTEGER NOT NULL
+    num_bytes INTEGER NOT NULL,
+    charged_to TEXT NOT NULL
 )
 """
 
@@ -75,6 +77,7 @@ class ResponseStore:
         max_bytes: int,
         max_history_bytes: int,
         retention_s: float | None,
+        max_bytes_per_client: int | None = None,
     ) -> None:
         self.path = Path(data_dir) / DB_NAME
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -82,12 +85,14 @@ class ResponseStore:
         self.max_bytes = max_bytes
         self.max_history_bytes = max_history_bytes
         self.retention_s = retention_s
+        self.max_bytes_per_client = max_bytes_per_client or max(1, max_bytes // 8)
         self._lock = threading.Lock()
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=30.0)
         # FULL: a row is on disk before the response that names it is acknowledged.
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.execute(_SCHEMA)
         self._db.execute("CREATE INDEX IF NOT EXISTS responses_created_at ON responses (created_at)")
+        self._db.execute("CREATE INDEX IF NOT EXISTS responses_charged_to ON responses (charged_to)")
         with self._lock:
             self._expire(time.time())
             died = self._db.execute(
@@ -114,11 +119,14 @@ class ResponseStore:
                 field="previous_response_id",
             )
 
-    def put(self, principal: str, stored: StoredResponse, *, is_new: bool) -> None:
+    def put(self, principal: str, stored: StoredResponse, *, is_new: bool, charged_to: str | None = None) -> None:
         """Insert (``is_new``) or replace the row of ``stored.response['id']`` and commit.
+        ``principal`` owns the row; its bytes are charged to ``charged_to`` (who asked: an API
+        key's principal or a client address; ``principal`` when None).
 
         Raises:
-            StorageFull: a new row would take the store past ``max_count`` or ``max_bytes``.
+            StorageFull: a new row would take the store past ``max_count`` or ``max_bytes``,
+                or its client past ``max_bytes_per_client``.
             HistoryTooLong: the row's history is over ``max_history_bytes``.
         """
         self.check_history(stored.history)
@@ -139,9 +147,18 @@ class ResponseStore:
                         f"the response store is full ({count} responses, {total} bytes; caps "
                         f"{self.max_count} and {self.max_bytes}); send store: false or delete stored responses"
                     )
+                charge = charged_to or principal
+                (mine,) = self._db.execute(
+                    "SELECT COALESCE(SUM(num_bytes), 0) FROM responses WHERE charged_to = ?", (charge,)
+                ).fetchone()
+                if mine + size > self.max_bytes_per_client:
+                    raise StorageFull(
+                        f"this client's stored responses take {mine} bytes, and its share of the store is "
+                        f"{self.max_bytes_per_client}; send store: false or delete stored responses"
+                    )
                 self._db.execute(
-                    "INSERT INTO responses (id, principal, created_at, status, response, input_items, history, num_bytes)"
-                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    "INSERT INTO responses (id, principal, created_at, status, response, input_items, history,"
+                    " num_bytes, charged_to) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (
                         response_id,
                         principal,
@@ -151,6 +168,7 @@ class ResponseStore:
                         items_text,
                         history_text,
                         size,
+                        charge,
                     ),
                 )
             else:

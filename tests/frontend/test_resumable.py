@@ -11,7 +11,9 @@ from rill.frontend.resumable import StreamRegistry
 
 
 def _registry(grace_s: float = 60.0, max_streams: int = 4, max_stream_bytes: int = 1000) -> StreamRegistry[str]:
-    return StreamRegistry(grace_s=grace_s, max_streams=max_streams, max_stream_bytes=max_stream_bytes)
+    return StreamRegistry(
+        grace_s=grace_s, max_streams=max_streams, max_stream_bytes=max_stream_bytes, max_streams_per_client=max_streams
+    )
 
 
 async def test_replay_then_live_follow() -> None:
@@ -123,3 +125,14 @@ async def test_close_cancels_running_streams() -> None:
     stream.cancel = lambda: cancelled.append(True)
     registry.close()
     assert cancelled == [True] and len(registry) == 0
+
+
+async def test_one_client_cannot_take_every_stream() -> None:
+    registry = StreamRegistry[str](grace_s=60.0, max_streams=8, max_stream_bytes=100)  # a quarter: 2 each
+    registry.open("a1", "anonymous", charged_to="10.0.0.1")
+    registry.open("a2", "anonymous", charged_to="10.0.0.1")
+    with pytest.raises(ResourceExhausted):
+        registry.open("a3", "anonymous", charged_to="10.0.0.1")
+    registry.open("b1", "anonymous", charged_to="10.0.0.2")  # another client still gets one
+    registry.forget("a1")
+    registry.open("a3", "anonymous", charged_to="10.0.0.1")

@@ -374,6 +374,11 @@ class ResumeConfig:
     resume_max_streams: int = _f(
         256, "most resumable streams kept at once, all clients together (past it: resource_exhausted)"
     )
+    resume_max_streams_per_principal: int | None = _f(
+        None,
+        "most resumable streams charged to one principal (an API key; without keys, a client "
+        "address) at once (default: a quarter of --resume-max-streams)",
+    )
     resume_max_stream_bytes: str = _f(
         "8MiB",
         "most bytes of events one resumable stream keeps; past it the oldest are dropped and a "
@@ -384,6 +389,11 @@ class ResumeConfig:
     )
     responses_max_store_bytes: str = _f(
         "512MiB", "size cap of the stored responses; past it new ones are refused (storage_full)"
+    )
+    responses_max_store_bytes_per_principal: str | None = _f(
+        None,
+        "most bytes of stored responses one principal (an API key; without keys, a client "
+        "address) may hold (default: an eighth of --responses-max-store-bytes)",
     )
     responses_max_history_bytes: str = _f(
         "4MiB",

@@ -117,7 +117,9 @@ def _validate_resume(r: ResumeConfig) -> None:
     """The grace period and the bounds of resumable streams and stored responses."""
     if not 0 <= r.resume_grace_s < float("inf"):
         raise ConfigError(f"resume_grace_s must be a number of seconds >= 0, not {r.resume_grace_s}")
-    _at_least_one(r, "resume_max_streams", "responses_max_stored")
+    _at_least_one(r, "resume_max_streams", "responses_max_stored", "resume_max_streams_per_principal")
+    if r.responses_max_store_bytes_per_principal is not None:
+        parse_size(r.responses_max_store_bytes_per_principal, "responses_max_store_bytes_per_principal")
     for name in ("resume_max_stream_bytes", "responses_max_store_bytes", "responses_max_history_bytes"):
         if parse_size(getattr(r, name), name) < 1:
             raise ConfigError(f"{name} must be at least 1 byte, not {getattr(r, name)!r}")

@@ -16,7 +16,8 @@ request, which frees its KV in the next engine step) and the stream is forgotten
 after that gets ``ResumeExpired``; a resume of an id that was never known, or that belongs to
 another principal, gets ``RequestNotFound`` (the two look alike to a stranger on purpose).
 
-Bounds: at most ``max_streams`` streams at once (``ResourceExhausted`` past it), each
+Bounds: at most ``max_streams`` streams at once, ``max_streams_per_client`` of them charged
+to one client (``ResourceExhausted`` past either), each
 keeping at most ``max_stream_bytes`` of events: past it the oldest events are dropped and a
 resume from before them gets ``ResumeExpired``; the server-wide bound is the product.
 """
@@ -158,11 +159,18 @@ class StreamRegistry(Generic[E]):
         grace_s: how long a stream no one holds is kept (and, when still running, run on).
         max_streams: most streams kept at once.
         max_stream_bytes: most bytes of events one stream keeps.
+        max_streams_per_client: most streams charged to one client (default: a quarter of
+            ``max_streams``), so that one client cannot take every stream.
     """
 
-    def __init__(self, *, grace_s: float, max_streams: int, max_stream_bytes: int) -> None:
+    def __init__(
+        self, *, grace_s: float, max_streams: int, max_stream_bytes: int, max_streams_per_client: int | None = None
+    ) -> None:
         self.grace_s = grace_s
         self.max_streams = max_streams
+        self.max_streams_per_client = max_streams_per_client or max(1, max_streams // 4)
+        self._charges: dict[str, str] = {}  # stream id -> who it is charged to
+        self._charged: dict[str, int] = {}  # who -> streams kept
         self.max_stream_bytes = max_stream_bytes
         self._streams: dict[str, ResumableStream[E]] = {}
         self._timers: dict[str, asyncio.TimerHandle] = {}
@@ -175,13 +183,23 @@ class StreamRegistry(Generic[E]):
     def __contains__(self, stream_id: object) -> bool:
         return stream_id in self._streams
 
-    def open(self, stream_id: str, principal: str, *, keeps_running: bool = False) -> ResumableStream[E]:
-        """A new stream; ``ResourceExhausted`` when ``max_streams`` are kept already."""
+    def open(
+        self, stream_id: str, principal: str, *, keeps_running: bool = False, charged_to: str | None = None
+    ) -> ResumableStream[E]:
+        """A new stream owned by ``principal``; ``ResourceExhausted`` when ``max_streams`` are
+        kept already, or ``max_streams_per_client`` of ``charged_to`` (who asked: an API key's
+        principal or a client address; ``principal`` when None)."""
         if stream_id in self._streams:
             raise InvalidRequest(f"a stream with id {stream_id!r} exists already", field="id")
         if len(self._streams) >= self.max_streams:
             raise ResourceExhausted(
                 f"the server keeps {self.max_streams} resumable streams already; retry when one has ended"
+            )
+        charge = charged_to or principal
+        if self._charged.get(charge, 0) >= self.max_streams_per_client:
+            raise ResourceExhausted(
+                f"this client has {self.max_streams_per_client} resumable streams kept already "
+                "(running, or ended less than the grace period ago); retry when one has ended"
             )
         stream: ResumableStream[E] = ResumableStream(
             stream_id,
@@ -191,6 +209,8 @@ class StreamRegistry(Generic[E]):
             on_unheld=self._start_timer,
         )
         self._streams[stream_id] = stream
+        self._charges[stream_id] = charge
+        self._charged[charge] = self._charged.get(charge, 0) + 1
         return stream
 
     def get(self, stream_id: str, principal: str) -> ResumableStream[E]:
@@ -236,6 +256,10 @@ class StreamRegistry(Generic[E]):
         if self._streams.get(stream.id) is not stream:
             return
         del self._streams[stream.id]
+        charge = self._charges.pop(stream.id)
+        self._charged[charge] -= 1
+        if not self._charged[charge]:
+            del self._charged[charge]
         timer = self._timers.pop(stream.id, None)
         if timer is not None:
             timer.cancel()

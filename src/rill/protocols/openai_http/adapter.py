@@ -54,6 +54,7 @@ def routes(deps: Deps) -> list[BaseRoute]:
     """The API's routes on the shared HTTP port (mounted by ``rill.server.build_app``)."""
     api = OpenAIApi(deps)
     responses = ResponsesApi(api)
+    deps.stoppers.append(responses.aclose)
     return [
         *responses.routes(),
         Route("/v1/models", api.list_models, methods=["GET"]),

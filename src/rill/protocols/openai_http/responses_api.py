@@ -96,6 +96,11 @@ class ResponsesApi:
             "max_bytes": parse_size(r.responses_max_store_bytes, "responses_max_store_bytes"),
             "max_history_bytes": parse_size(r.responses_max_history_bytes, "responses_max_history_bytes"),
             "retention_s": r.responses_retention_days * 86400,
+            "max_bytes_per_client": (
+                parse_size(r.responses_max_store_bytes_per_principal, "responses_max_store_bytes_per_principal")
+                if r.responses_max_store_bytes_per_principal is not None
+                else None
+            ),
         }
         self._store: ResponseStore | None = None
         self._store_lock = asyncio.Lock()
@@ -175,11 +180,13 @@ class ResponsesApi:
             token_text=self.api.token_text,
             parallel_tool_calls=req.parallel_tool_calls is not False,
         )
-        stream: ResumableStream[bytes] = self.streams.open(response_id, principal, keeps_running=bool(req.background))
+        stream: ResumableStream[bytes] = self.streams.open(
+            response_id, principal, keeps_running=bool(req.background), charged_to=asker
+        )
         run = _Run(session, stream, principal, req.stores, items, history)
         try:
             if req.stores:
-                await asyncio.to_thread(store.put, principal, self._stored(run), is_new=True)
+                await asyncio.to_thread(store.put, principal, self._stored(run), is_new=True, charged_to=asker)
             submission = Submission(
                 prompts=[prompt],
                 sampling=sampling,
@@ -371,10 +378,15 @@ class ResponsesApi:
         except Exception as exc:  # noqa: BLE001
             return _error(exc)
 
-    def close(self) -> None:
-        """Close the store (server shutdown)."""
+    async def aclose(self) -> None:
+        """Server shutdown: cancel the responses still running, let each record how it
+        ended, then close the store."""
+        tasks = [run.task for run in self.runs.values() if run.task is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         if self._store is not None:
-            self._store.close()
+            await asyncio.to_thread(self._store.close)
 
 
 def _canceller(task: asyncio.Task[None]) -> Callable[[], None]:
