@@ -301,6 +301,15 @@ def test_only_parameter_errors_are_renamed() -> None:
     assert codec.renamed(queue_full, chat) is queue_full
 
 
+@pytest.mark.parametrize("fields", [{"guided_regex": "a("}, {"structured_outputs": {"grammar": "start: x x"}}])
+def test_a_constraint_that_does_not_compile_is_named_as_sent(fields: dict) -> None:
+    # The grammar compiles after admission and names the engine's field; the client sent another.
+    compile_error = errors.InvalidRequest("response_format cannot be enforced: bad", field="response_format")
+    named = codec.renamed(compile_error, _chat(**fields))
+    sent = next(iter(fields))
+    assert named.field == sent and named.message == f"{sent} cannot be enforced: bad"
+
+
 # -- chat messages -----------------------------------------------------------------------
 
 

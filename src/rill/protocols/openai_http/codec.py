@@ -429,19 +429,27 @@ def check_choices(req: CompletionRequest | ChatCompletionRequest, num_prompts: i
 
 
 def renamed(exc: BaseException, req: CompletionRequest | ChatCompletionRequest) -> BaseException:
-    """``exc`` as this request names the field: the policy's parameter errors carry the
-    engine's names, a chat request says ``top_logprobs`` for ``logprobs`` and a constraint given
-    as ``structured_outputs`` or a ``guided_*`` field is named so (``exc`` itself when nothing
-    is renamed)."""
-    if not isinstance(exc, InvalidParameter):
+    """``exc`` as this request names the field: the policy's parameter errors (and a grammar
+    that does not compile) carry the engine's names, a chat request says ``top_logprobs`` for
+    ``logprobs`` and a constraint given as ``structured_outputs`` or a ``guided_*`` field is
+    named so (``exc`` itself when nothing is renamed)."""
+    if not isinstance(exc, InvalidRequest) or exc.field is None:
         return exc
-    wire = exc.field
-    if exc.field == "logprobs" and isinstance(req, ChatCompletionRequest):
+    wire: str | None = exc.field
+    if exc.field == "response_format" and constraint_field(req) in ("structured_outputs", *GUIDED):
+        wire = cast(str, constraint_field(req))  # a bound or a grammar that does not compile
+    elif not isinstance(exc, InvalidParameter):
+        return exc
+    elif exc.field == "logprobs" and isinstance(req, ChatCompletionRequest):
         wire = "top_logprobs"
-    elif exc.field == "response_format" and constraint_field(req) in ("structured_outputs", *GUIDED):
-        wire = cast(str, constraint_field(req))
     else:
         wire = SAMPLING.wire_name(exc.field)
-    if wire == exc.field:
+    if wire is None or wire == exc.field:
         return exc
-    return InvalidParameter(exc.message.replace(f"'{exc.field}'", f"'{wire}'"), field=wire)
+    message = exc.message.replace(f"'{exc.field}'", f"'{wire}'")
+    if message.startswith(exc.field + " "):  # "response_format cannot be enforced: ..."
+        message = wire + message[len(exc.field) :]
+    if type(exc) is InvalidParameter:
+        return InvalidParameter(message, field=wire)
+    exc.message, exc.field, exc.args = message, wire, (message,)
+    return exc
