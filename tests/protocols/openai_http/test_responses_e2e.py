@@ -320,3 +320,13 @@ def test_random_drop_resume_cycles_leak_nothing(server: LiveServer) -> None:
     assert not [i for i in ids if server.call(registry.__contains__, i)]
     stats = server.wait_idle()
     assert stats.num_running == 0 and stats.kv_used_bytes == 0
+
+
+def test_output_text_logprobs_when_included(server: LiveServer) -> None:
+    made = _client(server).responses.create(
+        input="Hi", include=["message.output_text.logprobs"], top_logprobs=2, **{**GREEDY, "max_output_tokens": 4}
+    )
+    part = made.output[0].content[0]
+    assert len(part.logprobs) == made.usage.output_tokens
+    assert all(len(entry.top_logprobs) == 2 and entry.logprob <= 0 for entry in part.logprobs)
+    assert "".join(entry.token for entry in part.logprobs) == part.text
