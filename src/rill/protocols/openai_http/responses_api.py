@@ -254,17 +254,21 @@ class ResponsesApi:
                 for event in session.fail(exc):
                     _append(stream, event)
         finally:
-            with contextlib.suppress(Exception):
-                await engine.aclose()  # aborts the engine request if it still runs
-            if run.stores:
-                try:
-                    store = await self.store()
-                    await asyncio.to_thread(store.put, run.principal, self._stored(run), is_new=False)
-                except Exception as exc:
-                    log.error("could not store response %s", session.id, exc_info=exc)
+            # Readers learn the end first, whatever happens below (a second cancellation at
+            # shutdown included); the run stays readable here until its row is written.
             stream.finish()
             run.ended.set()
-            self.runs.pop(session.id, None)
+            try:
+                with contextlib.suppress(Exception):
+                    await engine.aclose()  # aborts the engine request if it still runs
+                if run.stores:
+                    try:
+                        store = await self.store()
+                        await asyncio.to_thread(store.put, run.principal, self._stored(run), is_new=False)
+                    except Exception as exc:
+                        log.error("could not store response %s", session.id, exc_info=exc)
+            finally:
+                self.runs.pop(session.id, None)
 
     # -- read, resume, cancel, delete ----------------------------------------------------------
     async def retrieve(self, request: Request) -> Response:
@@ -486,7 +490,10 @@ class _Follower(Response):
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             if pending is not None:
+                # Let the cancelled read finish first: closing a generator while a read of it
+                # is still running fails.
                 pending.cancel()
+                await asyncio.gather(pending, return_exceptions=True)
             await events.aclose()
 
 
