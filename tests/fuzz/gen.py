@@ -265,6 +265,30 @@ def openai_chat(rng: random.Random) -> dict[str, Any]:
     return body
 
 
+def openai_responses(rng: random.Random) -> dict[str, Any]:
+    """A valid ``/v1/responses`` body: a string or items (messages, a call and its output)."""
+    if rng.random() < 0.5:
+        given: Any = text(rng)
+    else:
+        given = [{"role": "user", "content": [{"type": "input_text", "text": text(rng)}]}]
+        if rng.random() < 0.4:
+            given += [
+                {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c1", "output": text(rng)},
+            ]
+    body: dict[str, Any] = {"input": given, "stream": rng.random() < 0.5}
+    body |= sampling(rng, {"max_tokens": "max_output_tokens", "temperature": "temperature", "top_p": "top_p"})
+    if rng.random() < 0.3:
+        body["instructions"] = text(rng)
+    if rng.random() < 0.3:
+        body["tools"] = [{"type": "function", "name": "f", "parameters": {"type": "object"}}]
+    if rng.random() < 0.2:
+        body["text"] = {"format": {"type": "json_object"}}
+    if rng.random() < 0.2:
+        body["include"], body["top_logprobs"] = ["message.output_text.logprobs"], rng.randint(0, 5)
+    return body
+
+
 def generate_ws(rng: random.Random) -> dict[str, Any]:
     kind = rng.random()
     if kind < 0.7:

@@ -36,7 +36,9 @@ from rill.protocols.generate_ws import codec as generate_codec
 from rill.protocols.generate_ws import messages as generate_messages
 from rill.protocols.generate_ws import session as generate_session
 from rill.protocols.openai_http import codec as openai_codec
+from rill.protocols.openai_http import responses_codec
 from rill.protocols.openai_http import tools as openai_tools
+from rill.protocols.openai_http.responses_session import ResponsesSession
 from rill.protocols.openai_http.session import Kind as OpenAIKind
 from rill.protocols.openai_http.session import ResponseSession
 from rill.types import ModelInfo, RequestOutput, Usage
@@ -197,6 +199,44 @@ def openai_target(kind: OpenAIKind) -> Target:
         return kind_, True
 
     return run
+
+
+def responses_target(rng: random.Random, given: bytes | None = None) -> tuple[str, bool]:
+    """``/v1/responses``: the request translated to its chat request, checked as the adapter
+    does, then a ``ResponsesSession`` fed engine outputs (text or a tool call)."""
+    kind, data = _input(rng, given, gen.openai_responses)
+    try:
+        req = responses_codec.decode(data)
+        items = responses_codec.input_items(req.input)
+        chat = responses_codec.chat_request(req, [], items)
+        openai_codec.check_chat(chat)
+        openai_codec.check_model(req.model, SERVED)
+        openai_codec.chat_messages(chat, SERVED)
+        sampling = openai_codec.sampling_params(chat, SERVED)
+        try:
+            sampling.validate(vocab_size=SERVED.vocab_size)
+        except InvalidRequest as exc:
+            raise responses_codec.renamed(openai_codec.renamed(exc, chat)) from exc
+    except InvalidRequest:
+        return kind, False
+    tool_format = "hermes" if openai_tools.parses_tool_calls(chat) else None
+    session = ResponsesSession(
+        response_id="resp_x",
+        created_at=0,
+        model="fake",
+        echo={"background": bool(req.background)},
+        tool_format=tool_format,
+        text_calls=openai_tools.text_call_check(chat) if tool_format is not None else None,
+        logprobs=(chat.top_logprobs or 0) if chat.logprobs else None,
+    )
+    session.start()
+    is_call = tool_format is not None and rng.random() < 0.5
+    for output in call_outputs(rng, "r") if is_call else outputs(rng, "r"):
+        session.on_output(output)
+    if rng.random() < 0.2:
+        session.cancel()
+    session.snapshot()
+    return kind, True
 
 
 # -- generate_ws -----------------------------------------------------------------------------
@@ -466,6 +506,7 @@ def evergreen_target(rng: random.Random, given: bytes | None = None) -> tuple[st
 TARGETS: dict[str, Target] = {
     "openai_http.completions": openai_target(OpenAIKind.COMPLETION),
     "openai_http.chat": openai_target(OpenAIKind.CHAT),
+    "openai_http.responses": responses_target,
     "generate_ws": generate_target,
     "batch_ws": batch_target,
     "chat_ws": chat_target,
