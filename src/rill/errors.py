@@ -90,11 +90,13 @@ class ContextLengthExceeded(InvalidRequest):
 
     code = "context_length_exceeded"
 
-    def __init__(self, num_prompt_tokens: int, max_context_tokens: int, message: str | None = None) -> None:
+    def __init__(
+        self, num_prompt_tokens: int, max_context_tokens: int, message: str | None = None, field: str = "prompt"
+    ) -> None:
         super().__init__(
             message
             or f"prompt has {num_prompt_tokens} tokens but the model's context holds at most {max_context_tokens}",
-            field="prompt",
+            field=field,
         )
         self.num_prompt_tokens = num_prompt_tokens
         self.max_context_tokens = max_context_tokens

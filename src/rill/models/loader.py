@@ -134,11 +134,11 @@ def load_model(
         return _load_gguf(gguf_file, _runtime_dtype(dtype, device), device, weights, progress or (lambda f, s: None))
     if not folder.is_dir():
         raise ModelLoadError(f"{folder} is neither a model folder nor a .gguf file")
-    hf_config = _read_json(folder / "config.json", required=True)
-    generation = _read_json(folder / "generation_config.json", required=False)
+    hf_config = read_json(folder / "config.json", required=True)
+    generation = read_json(folder / "generation_config.json", required=False)
     name = _runtime_dtype(dtype, device)
     config = parse_config(hf_config, generation, source=str(folder / "config.json")).with_runtime(name, str(device))
-    tensors: dict[str, Any] = dict(_read_tensors(folder))
+    tensors: dict[str, Any] = dict(read_tensors(folder))
     if weights in ("int8", "int4"):
         # A folder's matrices are quantized at load; the rest stays dense.
         for key, tensor in tensors.items():
@@ -293,7 +293,12 @@ def save_checkpoint(
     return out
 
 
-def _read_json(path: Path, required: bool) -> dict[str, Any]:
+def read_json(path: Path, required: bool) -> dict[str, Any]:
+    """The JSON object in ``path``; ``{}`` when it is absent and not ``required``.
+
+    Raises:
+        ModelLoadError: a required file is missing, or the file is not valid JSON.
+    """
     if not path.is_file():
         if required:
             raise ModelLoadError(f"{path.name} not found in {path.parent}")
@@ -304,13 +309,18 @@ def _read_json(path: Path, required: bool) -> dict[str, Any]:
         raise ModelLoadError(f"{path} is not valid JSON: {exc}") from exc
 
 
-def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a folder's ``model.safetensors`` (or of the shards its index lists).
+
+    Raises:
+        ModelLoadError: no weight file, a missing shard, or an unreadable file.
+    """
     single, index = (folder / name for name in WEIGHT_FILES)
     try:
         if single.is_file():
             return load_file(str(single))
         if index.is_file():
-            weight_map = _read_json(index, required=True).get("weight_map", {})
+            weight_map = read_json(index, required=True).get("weight_map", {})
             tensors: dict[str, torch.Tensor] = {}
             for shard in sorted(set(weight_map.values())):
                 if not (folder / shard).is_file():

@@ -11,6 +11,12 @@ architectures (``general.architecture``) it serves and says how to:
 
 Adding a family is one new module plus its tests, and one line in ``FAMILY_MODULES``. The
 engine's runner only talks to the ``CausalLM`` protocol.
+
+Encoders (the text towers of sentence-embedding models, served at ``/v1/embeddings`` by
+``--embedding-model``) have a registry of their own beside it: a module in ``ENCODER_MODULES``
+exposes ``FAMILY``, an ``EncoderFamily`` that parses ``config.json``, builds the
+``torch.nn.Module`` (ids and mask → one hidden state per token) and maps checkpoint tensors
+onto it; ``rill.models.embedder`` pools its output.
 """
 
 from __future__ import annotations
@@ -29,6 +35,9 @@ from rill.models.config import ModelConfig
 
 FAMILY_MODULES = ("rill.models.llama", "rill.models.gemma3")
 """Modules that define a ``FAMILY``; the order decides nothing (names never overlap)."""
+
+ENCODER_MODULES = ("rill.models.bert",)
+"""Modules that define an encoder ``FAMILY`` (an ``EncoderFamily``)."""
 
 
 class CausalLM(Protocol):
@@ -135,8 +144,9 @@ def resolve_architecture(hf: dict[str, Any], source: str) -> tuple[str, ModelFam
         if family is not None:
             return name, family
     shown = ", ".join(names) if names else f"none (model_type={hf.get('model_type')!r})"
+    hint = " (an embedding model: serve it beside a chat model with --embedding-model)" if _is_encoder(hf) else ""
     raise ModelLoadError(
-        f"{source}: unsupported architecture {shown}; supported: {', '.join(supported_architectures())}"
+        f"{source}: unsupported architecture {shown}{hint}; supported: {', '.join(supported_architectures())}"
     )
 
 
@@ -171,4 +181,66 @@ def family_for_gguf(architecture: str, source: str) -> ModelFamily:
     raise ModelLoadError(
         f"{source}: GGUF architecture {architecture!r} is not supported; "
         f"supported: {', '.join(supported_gguf_architectures())}"
+    )
+
+
+@dataclass(frozen=True)
+class EncoderFamily:
+    """How one family of encoders is parsed, built and loaded.
+
+    Attributes:
+        name: a short label (``"bert"``).
+        model_types: Hugging Face architecture name → ``config.json`` ``model_type``.
+        parse_config: ``(config.json dict, source) →`` the family's config object.
+        build: ``config →`` the ``torch.nn.Module`` (uninitialised weights), whose
+            ``forward(input_ids [B, T], attention_mask [B, T])`` returns hidden states
+            ``[B, T, hidden]``.
+        from_hf: ``(checkpoint tensors, config) →`` the module's state dict (raises
+            ``ModelLoadError`` naming missing tensors).
+    """
+
+    name: str
+    model_types: dict[str, str]
+    parse_config: Callable[[dict[str, Any], str], Any]
+    build: Callable[[Any], torch.nn.Module]
+    from_hf: Callable[[dict[str, torch.Tensor], Any], dict[str, torch.Tensor]]
+
+
+@functools.cache
+def encoder_families() -> tuple[EncoderFamily, ...]:
+    """Every registered encoder family (their modules are imported on first use)."""
+    return tuple(importlib.import_module(name).FAMILY for name in ENCODER_MODULES)
+
+
+def _is_encoder(hf: dict[str, Any]) -> bool:
+    """Whether an encoder family reads this ``config.json`` (see ``encoder_family_for_config``)."""
+    try:
+        encoder_family_for_config(hf)
+    except ModelLoadError:
+        return False
+    return True
+
+
+def encoder_family_for_config(hf: dict[str, Any], source: str = "config.json") -> EncoderFamily:
+    """The encoder family of a ``config.json`` dict: by its ``architectures``, else (a folder
+    saved from a task model such as ``BertForMaskedLM``, or with no ``architectures``) by its
+    ``model_type``.
+
+    Raises:
+        ModelLoadError: no encoder family reads it; the message lists the supported ones.
+    """
+    names = hf.get("architectures") or []
+    for family in encoder_families():
+        if any(name in family.model_types for name in names):
+            return family
+    for family in encoder_families():
+        if hf.get("model_type") in family.model_types.values():
+            return family
+    supported = ", ".join(
+        f"{arch} (model_type {kind})" for f in encoder_families() for arch, kind in f.model_types.items()
+    )
+    shown = ", ".join(names) or "none"
+    raise ModelLoadError(
+        f"{source}: not an embedding model rill runs (architectures {shown}, model_type "
+        f"{hf.get('model_type')!r}); supported: {supported}"
     )
