@@ -119,3 +119,45 @@ def limit(client: Any, limits: Any, clock: Callable[[], float] | None = None) ->
     from rill.frontend.ratelimit import RateLimiter
 
     client.policy.limiter = RateLimiter(limits, clock or time.monotonic) if limits.is_on else None
+
+
+def embedding_texts() -> list[str]:
+    """100 varied texts for embedding parity, each well under all-MiniLM-L6-v2's 256 tokens:
+    sentences and fragments, questions, numbers, code, markup, accents, CJK, emoji, odd spacing,
+    one word, the empty string and a long paragraph."""
+    import random
+
+    from rill.testing.checkpoints import generate_text
+
+    fixed = [
+        "",
+        "a",
+        "Hello, world!",
+        "What is the capital of France?",
+        "Paris is the capital and most populous city of France.",
+        "The mitochondria is the powerhouse of the cell.",
+        "def add(a, b):\n    return a + b",
+        "SELECT name, COUNT(*) FROM users GROUP BY name HAVING COUNT(*) > 1;",
+        "<html><body><p class='x'>Some <b>bold</b> text</p></body></html>",
+        '{"key": [1, 2, 3], "nested": {"a": null}}',
+        "Café, naïve, résumé, façade, jalapeño, Zürich, Ångström.",
+        "東京は日本の首都です。",
+        "Машинное обучение — это раздел искусственного интеллекта.",
+        "مرحبا بالعالم",
+        "I love pizza 🍕🍕 and tacos 🌮!",
+        "   leading and trailing spaces   ",
+        "tabs\tand\nnewlines\r\nmixed",
+        "3.14159 2.71828 1.41421 6.02214076e23",
+        "ALL CAPS SENTENCE ABOUT NOTHING IN PARTICULAR",
+        "https://example.com/path?query=value&other=1#fragment",
+        "e-mail me at someone@example.org, or call +1 (555) 010-9999",
+        "The quick brown fox jumps over the lazy dog. " * 8,
+        "Embeddings map text to vectors so that similar meanings lie close together.",
+        "Retrieval-augmented generation looks up documents before answering.",
+        "¿Dónde está la biblioteca? Está cerca del parque.",
+        "Der schnelle braune Fuchs springt über den faulen Hund.",
+    ]
+    rng = random.Random(7)
+    sentences = [s for line in generate_text(num_sentences=400, seed=3).splitlines() for s in line.split(". ")]
+    generated = [" ".join(rng.sample(sentences, rng.randint(1, 6))) for _ in range(100 - len(fixed))]
+    return fixed + generated

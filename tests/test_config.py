@@ -104,6 +104,13 @@ def test_api_keys_from_flags_and_file(tmp_path: Path) -> None:
         ("flags", {"http.request_timeout_s": "inf"}, "request_timeout_s must be > 0 and finite, not inf"),
         ("flags", {"http.forwarded_allow_ips": ["proxy.local"]}, "forwarded_allow_ips: 'proxy.local' is not an IP"),
         ("flags", {"http.feedback_max_bytes_per_principal": "lots"}, "feedback_max_bytes_per_principal"),
+        ("flags", {"embeddings.embedding_max_inputs": "0"}, "embedding_max_inputs must be >= 1"),
+        ("flags", {"embeddings.embedding_batch_tokens": "0"}, "embedding_batch_tokens must be >= 1"),
+        (
+            "flags",
+            {"embeddings.embedding_max_inputs": "64", "embeddings.embedding_max_queued_inputs": "32"},
+            r"embedding_max_queued_inputs \(32\) must be at least embedding_max_inputs \(64\)",
+        ),
     ],
 )
 def test_bad_values_name_the_setting(source: str, value: dict, message: str) -> None:
@@ -224,3 +231,16 @@ def test_served_model_name_before_and_after_the_model_loads() -> None:
     assert name(config.EngineConfig(model="/m/tiny-llama", served_model_name="mine")) == "mine"
     loaded = ModelInfo(name="loaded", architecture="a", max_context_tokens=8, vocab_size=8, dtype="f", device="cpu")
     assert name(config.EngineConfig(model="/m/tiny-llama", served_model_name="mine"), loaded) == "loaded"
+
+
+def test_the_embedding_model_from_each_source(tmp_path: Path) -> None:
+    assert config.load({}, env={}).embeddings.embedding_model is None
+    from_file = config.load({"config": _toml(tmp_path, "[embeddings]\nembedding_model = 'minilm'\n")}, env={})
+    assert from_file.embeddings.embedding_model == "minilm"
+    from_env = config.load({}, env={"RILL_EMBEDDING_MODEL": "/models/bge", "RILL_EMBEDDING_MAX_INPUTS": "16"})
+    assert (from_env.embeddings.embedding_model, from_env.embeddings.embedding_max_inputs) == ("/models/bge", 16)
+    args = build_parser().parse_args(["serve", "--embedding-model", "minilm", "--embedding-served-model-name", "e"])
+    flags = config.load(_config_flags(args), env={}).embeddings
+    assert (flags.embedding_model, flags.embedding_served_model_name) == ("minilm", "e")
+    assert config.embedding_model_name(flags) == "e"
+    assert config.embedding_model_name(config.EmbeddingConfig(embedding_model="/models/bge")) == "bge"

@@ -94,7 +94,10 @@ def make_readable(folder: Path) -> None:
     # downloaded model.
     folder.chmod(0o755)
     for path in folder.iterdir():
-        path.chmod(0o644)
+        if path.is_dir():  # an extracted model keeps sentence-transformers' module folders
+            make_readable(path)
+        else:
+            path.chmod(0o644)
 
 
 def remove_leftovers(folder: Path, is_complete: Callable[[Path], bool]) -> None:

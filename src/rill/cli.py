@@ -80,7 +80,8 @@ def _cmd_pull(args: argparse.Namespace) -> int:
     already = catalog.installed_path(entry) is not None
     path = catalog.pull(entry)
     print(f"{entry.name}: {'already installed' if already else 'installed'}, size and sha256 verified: {path}")
-    print(f"serve it: rill serve --model {entry.name}")
+    flag = "--embedding-model" if entry.kind == "embedding" else "--model"
+    print(f"serve it: rill serve {flag} {entry.name}")
     return 0
 
 

