@@ -21,7 +21,9 @@ One request, in order:
 4. its time limit: the shorter of its own and the server's (``--request-timeout-s``).
 
 A ``modify`` is patched and validated once, capped, and its new grammar compiled as a new
-request's is. What a client may hold besides the KV cache is charged to ``memory``.
+request's is. What a client may hold besides the KV cache is charged to ``memory``. An
+embeddings request (``rill.frontend.embeddings``) generates nothing: it counts in its
+principal's request window (``count_request``) and takes no tokens from the bucket.
 """
 
 from __future__ import annotations
@@ -135,6 +137,13 @@ class SubmissionPolicy:
             InvalidParameter: an unknown name or a bad value; the request keeps ``params``.
         """
         return self.capped(params.patched(patch).validate(vocab_size=vocab_size))
+
+    def count_request(self, principal: str | None) -> None:
+        """Count one request that generates nothing (``/v1/embeddings``) in its principal's
+        request window (``--rate-limit-requests``), or raise ``RateLimited`` and count nothing.
+        The token bucket meters generated tokens, so it is not touched."""
+        if self.limiter is not None:
+            self.limiter.count_work(principal or ANONYMOUS_PRINCIPAL)
 
     # -- admission -------------------------------------------------------------------------
     async def plan_one(self, request: GenerateRequest, engine: Callable[[], Engine]) -> Choice:
