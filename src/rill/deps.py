@@ -15,6 +15,7 @@ from rill.config import SamplingDefaults, ServerConfig, parse_size
 from rill.connections import ConnectionGate
 from rill.frontend.budget import MemoryBudget
 from rill.frontend.client import EngineClient
+from rill.frontend.embeddings import EmbeddingService
 from rill.frontend.metrics import Metrics
 from rill.frontend.resumable import StreamRegistry
 from rill.frontend.speech import SpeechSynth
@@ -39,6 +40,8 @@ class Deps:
     sampling_defaults: SamplingDefaults | None = None
     """The batch ``/ws`` ``generation_config`` defaults; None: read from the environment and
     ``.env`` (``rill.config.sampling_defaults``) when its routes are made."""
+    embeddings: EmbeddingService | None = None
+    """The embedding model beside the chat model (``--embedding-model``); None: not served."""
     speech_synth: SpeechSynth | None = None
     """The ``/ws/chat`` speech synthesizer; None: espeak-ng (tests and embedders give their own)."""
     stoppers: list[Stopper] = field(default_factory=list)

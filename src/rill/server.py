@@ -12,8 +12,10 @@ server mounts, each with what its ``adapter`` module provides:
 playground (``rill.playground``).
 
 Built in this order: the parts every protocol shares (``make_parts``: connection gate,
-session-memory budget, metrics registry), the engine client with its submission policy and
-metrics sink (``start_client``), then the ``Deps`` adapters receive (``make_deps``).
+session-memory budget, metrics registry, submission policy), the engine client with that policy
+and the registry as its sink (``start_client``), the embedding model's service when
+``--embedding-model`` names one (``start_embeddings``: its worker loads the model beside the
+engine's), then the ``Deps`` adapters receive (``make_deps``).
 """
 
 from __future__ import annotations
@@ -38,7 +40,9 @@ from rill.deps import Deps, Stopper
 from rill.errors import EngineDead, RillError
 from rill.frontend.budget import MemoryBudget, MemoryReturner, malloc_trim
 from rill.frontend.client import EngineClient
+from rill.frontend.embeddings import EmbeddingService
 from rill.frontend.metrics import Metrics
+from rill.frontend.policy import SubmissionPolicy
 from rill.playground import routes as playground
 from rill.protocols.openai_http import adapter as openai_http
 
@@ -106,43 +110,63 @@ class Parts:
     """The one session-memory budget every protocol charges (freed memory goes back to the OS)."""
     metrics: Metrics
     """The registry: the engine client's metrics sink, and ``/metrics``."""
+    policy: SubmissionPolicy
+    """The one submission policy (``config.policy``, the frontend's bounds of ``config.engine``,
+    ``memory``): the engine client's, and the embeddings' rate limits."""
 
 
 def make_parts(config: ServerConfig) -> Parts:
-    """The connection gate, the session-memory budget and the metrics registry of ``config``."""
+    """The connection gate, the session-memory budget, the metrics registry and the submission
+    policy of ``config``."""
     limits = config.connections
     gate = ConnectionGate(limits.max_connections, limits.per_client_limit())
     total, per_principal = session_memory_bytes(limits)
     memory = MemoryBudget(total, per_principal, on_release=MemoryReturner(malloc_trim()).released)
     # Until a client is watched (and its model has loaded), refusals carry the name it will be served under.
     metrics = Metrics(gate=gate, model_name=served_model_name(config.engine), memory=memory)
-    return Parts(gate=gate, memory=memory, metrics=metrics)
+    policy = SubmissionPolicy(config.policy, config.engine, memory=memory)
+    return Parts(gate=gate, memory=memory, metrics=metrics, policy=policy)
 
 
 def start_client(config: ServerConfig, parts: Parts) -> InprocClient:
-    """The in-process engine client, constructed with its submission policy (``config.policy``,
-    the frontend's bounds of ``config.engine``, ``parts.memory``) and ``parts.metrics`` as its
-    sink; its engine starts loading in the background."""
+    """The in-process engine client, constructed with ``parts.policy`` and ``parts.metrics`` as
+    its sink; its engine starts loading in the background."""
     from rill.frontend.inproc import InprocClient
-    from rill.frontend.policy import SubmissionPolicy
 
-    policy = SubmissionPolicy(config.policy, config.engine, memory=parts.memory)
-    return InprocClient.start(config.engine, policy=policy, metrics=parts.metrics)
+    return InprocClient.start(config.engine, policy=parts.policy, metrics=parts.metrics)
 
 
-def make_deps(config: ServerConfig, client: EngineClient, parts: Parts | None = None) -> Deps:
-    """The ``Deps`` adapters receive: ``client``, the API keys and ``parts`` (made from
-    ``config`` when None), whose registry then reads ``client``'s gauges."""
+def start_embeddings(config: ServerConfig, parts: Parts) -> EmbeddingService | None:
+    """The embedding model's service when ``--embedding-model`` names one (None otherwise): its
+    worker thread starts loading the model on ``--device`` in the background, and its requests
+    count in ``parts.policy``'s rate limits."""
+    if not config.embeddings.embedding_model:
+        return None
+    return EmbeddingService.start(config.embeddings, policy=parts.policy, device=config.engine.device)
+
+
+def make_deps(
+    config: ServerConfig,
+    client: EngineClient,
+    parts: Parts | None = None,
+    embeddings: EmbeddingService | None = None,
+) -> Deps:
+    """The ``Deps`` adapters receive: ``client``, the API keys, ``parts`` (made from ``config``
+    when None), whose registry then reads ``client``'s gauges, and the ``embeddings`` service."""
     parts = parts or make_parts(config)
     parts.metrics.watch(client)
-    return Deps(
+    deps = Deps(
         config=config,
         client=client,
         metrics=parts.metrics,
         api_keys=config.api_keys(),
         gate=parts.gate,
         memory=parts.memory,
+        embeddings=embeddings,
     )
+    if embeddings is not None:
+        deps.stoppers.append(embeddings.shutdown)
+    return deps
 
 
 GIL_SWITCH_INTERVAL_S = 0.001
@@ -177,7 +201,8 @@ async def serve(
         parts.gate.max_total = max(1, fd_limit - FD_RESERVE)
     if client is None:
         client = start_client(config, parts)
-    deps = make_deps(config, client, parts)
+    embeddings = start_embeddings(config, parts)
+    deps = make_deps(config, client, parts, embeddings)
     if started is not None:
         started(deps)
     served = protocols() if served is None else served
@@ -187,6 +212,8 @@ async def serve(
     log.info("rill listening on http://%s:%d", config.http.host, config.http.port)
     load_failure: list[BaseException] = []
     watchers = [asyncio.create_task(_watch_load(client, server, load_failure))]
+    if embeddings is not None:
+        watchers.append(asyncio.create_task(_watch_load(embeddings, server, load_failure, "the embedding model")))
     if stop is not None:
         watchers.append(asyncio.create_task(_watch_stop(stop, server)))
     try:
@@ -278,16 +305,21 @@ async def _watch_stop(stop: asyncio.Event, server: uvicorn.Server) -> None:
     server.should_exit = True
 
 
-async def _watch_load(client: EngineClient, server: uvicorn.Server, load_failure: list[BaseException]) -> None:
-    """A server whose model cannot load has nothing to serve: say why, record it in
-    ``load_failure`` (the loader's own error, the cause of the one requests get) and ask the
-    server to exit."""
+async def _watch_load(
+    client: EngineClient | EmbeddingService,
+    server: uvicorn.Server,
+    load_failure: list[BaseException],
+    what: str = "the model",
+) -> None:
+    """A server whose model (the chat model, or the embedding model it was asked to serve too)
+    cannot load has nothing to serve: say why, record it in ``load_failure`` (the loader's own
+    error, the cause of the one requests get) and ask the server to exit."""
     try:
         await client.wait_ready()
     except EngineDead as exc:
         if client.state().phase != "failed":
             return  # it loaded, then stopped: requests get EngineDead, the server stays up
         error = exc.__cause__ if exc.__cause__ is not None else exc
-        log.error("the model failed to load: %s", error)
+        log.error("%s failed to load: %s", what, error)
         load_failure.append(error)
         server.should_exit = True

@@ -80,7 +80,7 @@ async def test_the_in_process_and_fake_clients_provide_every_declared_member() -
 
 
 def _health(client: Any) -> httpx.AsyncClient:
-    deps = SimpleNamespace(client=client, metrics=None)
+    deps = SimpleNamespace(client=client, metrics=None, embeddings=None)
     app = Starlette(routes=observability.routes(deps))  # type: ignore[arg-type]
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://rill")
 

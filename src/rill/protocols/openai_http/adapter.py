@@ -1,7 +1,8 @@
 """Starlette routes of the OpenAI-compatible API and their engine I/O.
 
 Routes: ``GET /v1/models`` (and ``/v1/models/{model}``), ``POST /v1/completions``,
-``POST /v1/chat/completions``, ``POST /tokenize`` and ``POST /detokenize`` (vLLM's shapes).
+``POST /v1/chat/completions``, ``POST /v1/embeddings`` (the embedding model's, when the server
+has one: ``rill.frontend.embeddings``), ``POST /tokenize`` and ``POST /detokenize`` (vLLM's shapes).
 
 One request, start to end:
 
@@ -24,6 +25,8 @@ Protocol decisions live in ``codec`` and ``session``; this module only moves byt
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -39,8 +42,9 @@ from rill.deps import Deps
 from rill.errors import RillError
 from rill.frontend.admission import Prompt
 from rill.frontend.client import Submission
+from rill.frontend.embeddings import EmbeddingModelInfo, EmbeddingSubmission
 from rill.frontend.stream import RequestStream
-from rill.protocols.openai_http import codec, tools
+from rill.protocols.openai_http import codec, embeddings, tools
 from rill.protocols.openai_http.messages import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
 from rill.protocols.openai_http.responder import JSON_MEDIA_TYPE, Responder, close_all
 from rill.protocols.openai_http.responses_api import ResponsesApi
@@ -48,6 +52,9 @@ from rill.protocols.openai_http.session import EchoPrompt, Kind, ResponseSession
 from rill.types import GenerateRequest
 
 log = logging.getLogger("rill.openai_http")
+
+_INLINE_FLOATS = 32768
+"""Embedding answers with more floats than this are encoded in a worker thread (about 2 ms inline)."""
 
 
 def routes(deps: Deps) -> list[BaseRoute]:
@@ -61,6 +68,7 @@ def routes(deps: Deps) -> list[BaseRoute]:
         Route("/v1/models/{model:path}", api.get_model, methods=["GET"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
+        Route("/v1/embeddings", api.embeddings, methods=["POST"]),
         Route("/tokenize", api.tokenize, methods=["POST"]),
         Route("/detokenize", api.detokenize, methods=["POST"]),
     ]
@@ -92,21 +100,65 @@ class OpenAIApi:
 
     # -- models ------------------------------------------------------------------
     async def list_models(self, request: Request) -> Response:
-        """``GET /v1/models``: the one served model."""
+        """``GET /v1/models``: the served model, and the embedding model once it has loaded."""
         try:
-            served = self._served()
+            cards = [self._card(self._served())]
         except RillError as exc:
             return error_response(exc)
-        return Response(codec.encode(ModelList(data=[self._card(served)])), media_type=JSON_MEDIA_TYPE)
+        embedder = self._embedding_model()
+        if embedder is not None:
+            cards.append(self._embedding_card(embedder))
+        return Response(codec.encode(ModelList(data=cards)), media_type=JSON_MEDIA_TYPE)
 
     async def get_model(self, request: Request) -> Response:
-        """``GET /v1/models/{model}``: the served model, or 404 for any other name."""
+        """``GET /v1/models/{model}``: the served model or the embedding model, or 404 for any other name."""
         try:
             served = self._served()
+            embedder = self._embedding_model()
+            if embedder is not None and request.path_params["model"] == embedder.name:
+                return Response(codec.encode(self._embedding_card(embedder)), media_type=JSON_MEDIA_TYPE)
             codec.check_model(request.path_params["model"], served)
         except RillError as exc:
             return error_response(exc)
         return Response(codec.encode(self._card(served)), media_type=JSON_MEDIA_TYPE)
+
+    # -- embeddings ----------------------------------------------------------------------
+    async def embeddings(self, request: Request) -> Response:
+        """``POST /v1/embeddings``: the embedding model's vectors (404 when the server has none)."""
+        try:
+            service = self.deps.embeddings
+            if service is None:
+                raise embeddings.NoEmbeddingModel
+            req = embeddings.decode_embeddings(await request.body())
+            info = service.require_model()
+            embeddings.check_embedding_model(req.model, info.name)
+            result = await service.embed(
+                EmbeddingSubmission(
+                    inputs=embeddings.embedding_inputs(req),
+                    dimensions=req.dimensions,
+                    truncate_prompt_tokens=req.truncate_prompt_tokens,
+                    principal=auth.scope_principal(request.scope),
+                )
+            )
+        except ClientDisconnect:
+            return Response(status_code=499)
+        except Exception as exc:  # noqa: BLE001 - answered through the error table
+            self._count_rejection(exc)
+            return error_response(exc)
+        encode = functools.partial(
+            embeddings.encode_embeddings, result.vectors, result.num_prompt_tokens, info.name, req.encoding_format
+        )
+        # 2,048 vectors of 384 floats are 15 MB of JSON (~0.1 s to write): off the event loop.
+        body = await asyncio.to_thread(encode) if result.vectors.size > _INLINE_FLOATS else encode()
+        return Response(body, media_type=JSON_MEDIA_TYPE)
+
+    def _embedding_model(self) -> EmbeddingModelInfo | None:
+        """The embedding model's facts once it has loaded (None: none, or not yet)."""
+        service = self.deps.embeddings
+        return service.require_model() if service is not None and service.state().phase == "ready" else None
+
+    def _embedding_card(self, info: EmbeddingModelInfo) -> ModelCard:
+        return ModelCard(id=info.name, created=self.created, max_model_len=info.max_input_tokens)
 
     # -- tokenizer -----------------------------------------------------------------------
     async def tokenize(self, request: Request) -> Response:

@@ -195,7 +195,7 @@ _chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
 
 def decode_completion(body: bytes) -> CompletionRequest:
     """Parse a ``/v1/completions`` body; ``InvalidRequest`` names the bad field."""
-    req = _decode(_completion_decoder, body)
+    req = decode_body(_completion_decoder, body)
     _reject_unsupported(suffix=req.suffix is not None)
     check_formats(req)
     _check_prompt_logprobs(req)
@@ -215,7 +215,7 @@ def decode_completion(body: bytes) -> CompletionRequest:
 
 def decode_chat(body: bytes) -> ChatCompletionRequest:
     """Parse a ``/v1/chat/completions`` body; ``InvalidRequest`` names the bad field."""
-    req = _decode(_chat_decoder, body)
+    req = decode_body(_chat_decoder, body)
     check_chat(req)
     return req
 
@@ -242,7 +242,7 @@ _detokenize_decoder = msgspec.json.Decoder(DetokenizeRequest)
 
 def decode_tokenize(body: bytes) -> TokenizeRequest:
     """Parse a ``/tokenize`` body: exactly one of ``prompt`` and ``messages``."""
-    req = _decode(_tokenize_decoder, body)
+    req = decode_body(_tokenize_decoder, body)
     if (req.prompt is None) == (req.messages is None):
         raise InvalidRequest("give exactly one of 'prompt' and 'messages'", field="prompt")
     if req.messages is not None and not req.messages:
@@ -252,7 +252,7 @@ def decode_tokenize(body: bytes) -> TokenizeRequest:
 
 def decode_detokenize(body: bytes) -> DetokenizeRequest:
     """Parse a ``/detokenize`` body (``tokens`` is a list of token ids)."""
-    req = _decode(_detokenize_decoder, body)
+    req = decode_body(_detokenize_decoder, body)
     if req.tokens is None:
         raise InvalidRequest("'tokens' is required", field="tokens")
     return req
@@ -282,7 +282,9 @@ def _check_prompt_logprobs(req: CompletionRequest | ChatCompletionRequest) -> No
         )
 
 
-def _decode(decoder: msgspec.json.Decoder[T], body: bytes) -> T:
+def decode_body(decoder: msgspec.json.Decoder[T], body: bytes) -> T:
+    """A body decoded by ``decoder``: ``InvalidRequest`` for an empty body, bad JSON, or a
+    field of the wrong type (named as ``field``)."""
     if not body.strip():
         raise InvalidRequest("request body is empty; send a JSON object")
     try:
