@@ -199,9 +199,11 @@ async def serve(
     if 0 < fd_limit - FD_RESERVE < parts.gate.max_total:
         # Past the open-file limit every listener would stop accepting: refuse before it.
         parts.gate.max_total = max(1, fd_limit - FD_RESERVE)
+    # The embedding model's service first: its model code is imported before the engine
+    # thread imports the same modules (see EmbeddingService.start).
+    embeddings = start_embeddings(config, parts)
     if client is None:
         client = start_client(config, parts)
-    embeddings = start_embeddings(config, parts)
     deps = make_deps(config, client, parts, embeddings)
     if started is not None:
         started(deps)

@@ -25,7 +25,7 @@ from rill.errors import (
     RateLimited,
 )
 from rill.frontend.client import ModelLoadFailed
-from rill.frontend.embeddings import EmbeddingSubmission, EmbeddingService
+from rill.frontend.embeddings import EmbeddingService, EmbeddingSubmission
 from rill.frontend.policy import SubmissionPolicy
 from rill.models.embedder import Embedder
 

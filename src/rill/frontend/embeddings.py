@@ -149,7 +149,16 @@ class EmbeddingService:
         device: str = "cpu",
     ) -> Self:
         """Create the service on the running loop and start its worker thread, which loads the
-        model first."""
+        model first.
+
+        Call it before any other thread imports model code (``rill.server`` starts it before
+        the engine): the model modules are imported here, on the calling thread, because two
+        threads importing the same modules at once can each get the other's half-initialised
+        module (the engine thread imports ``rill.models.loader`` too).
+        """
+        import rill.models.embedder
+        import rill.models.embedding_source  # noqa: F401 - imported for the reason above
+
         service = cls(config, asyncio.get_running_loop(), load=load, policy=policy, device=device)
         service._thread = threading.Thread(target=service._thread_main, name="rill-embeddings", daemon=True)
         service._thread.start()

@@ -203,3 +203,15 @@ def test_without_an_embedding_model_the_route_says_how_to_get_one(server: LiveSe
     error = response.json()["error"]
     assert error["code"] == "model_not_found" and "--embedding-model" in error["message"]
     assert [m["id"] for m in httpx.get(f"{server.url}/v1/models").json()["data"]] == ["tiny-llama"]
+
+
+def test_an_embedding_model_that_cannot_load_stops_the_server(tiny_model_dir: Path) -> None:
+    try:
+        live = start_server(tiny_model_dir, wait_ready=False, **{"embeddings.embedding_model": "no-such-model"})
+    except RuntimeError as exc:  # it failed before the port was even listening
+        error: BaseException = exc
+    else:
+        live.thread.join(60)
+        assert not live.thread.is_alive(), "the server kept running without its embedding model"
+        error = live.state["error"]
+    assert "--embedding-model 'no-such-model': no such folder" in str(error)
