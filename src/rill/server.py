@@ -12,10 +12,10 @@ server mounts, each with what its ``adapter`` module provides:
 playground (``rill.playground``).
 
 Built in this order: the parts every protocol shares (``make_parts``: connection gate,
-session-memory budget, metrics registry, submission policy), the engine client with that policy
-and the registry as its sink (``start_client``), the embedding model's service when
-``--embedding-model`` names one (``start_embeddings``: its worker loads the model beside the
-engine's), then the ``Deps`` adapters receive (``make_deps``).
+session-memory budget, metrics registry, submission policy), the embedding model's service
+when ``--embedding-model`` names one (``start_embeddings``: its worker loads the model while
+the engine loads its own), the engine client with that policy and the registry as its sink
+(``start_client``), then the ``Deps`` adapters receive (``make_deps``).
 """
 
 from __future__ import annotations
