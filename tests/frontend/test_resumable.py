@@ -136,3 +136,27 @@ async def test_one_client_cannot_take_every_stream() -> None:
     registry.open("b1", "anonymous", charged_to="10.0.0.2")  # another client still gets one
     registry.forget("a1")
     registry.open("a3", "anonymous", charged_to="10.0.0.1")
+
+
+async def test_get_gives_an_unheld_stream_a_fresh_grace_period(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The loop's clock is frozen and moved by hand: which timer fires is decided by the
+    # deadlines alone, not by how fast this machine runs.
+    now = [1000.0]
+    monkeypatch.setattr(asyncio.get_running_loop(), "time", lambda: now[0])
+    registry = _registry(grace_s=10.0)
+    stream = registry.open("r1", "alice")
+    cancelled: list[bool] = []
+    stream.cancel = lambda: cancelled.append(True)
+    stream.append("a", 1)
+    reader = stream.follow()
+    await anext(reader)
+    await reader.aclose()  # the reader leaves at t=1000: expiry due at 1010
+    now[0] = 1009.0
+    assert registry.get("r1", "alice") is stream  # a resume starts: expiry moves to 1019
+    now[0] = 1015.0
+    for _ in range(3):
+        await asyncio.sleep(0)  # the loop runs every timer due by now
+    assert registry.peek("r1", "alice") is stream and not cancelled
+    now[0] = 1019.5
+    await registry.wait_forgotten("r1")
+    assert cancelled == [True]

@@ -214,12 +214,16 @@ class StreamRegistry(Generic[E]):
         return stream
 
     def get(self, stream_id: str, principal: str) -> ResumableStream[E]:
-        """The stream ``stream_id`` of ``principal``: ``RequestNotFound`` if unknown or another
-        principal's, ``ResumeExpired`` if it was forgotten after its grace period."""
+        """The stream ``stream_id`` of ``principal`` (one no one holds gets a fresh grace
+        period): ``RequestNotFound`` if unknown or another principal's, ``ResumeExpired`` if it
+        was forgotten after its grace period."""
         stream = self._streams.get(stream_id)
         if stream is not None and stream.principal == principal:
-            # A grace timer that fires while a follower reads does nothing; the follower's
-            # leaving starts a new one.
+            # A stream no one holds gets a fresh grace period: the caller's follower may start
+            # reading a loop turn later (in its own task), and the old timer must not expire
+            # the stream in between. A timer that fires while a follower reads does nothing;
+            # the follower's leaving starts a new one.
+            self._start_timer(stream)
             return stream
         if self._expired.get(stream_id) == principal:
             raise ResumeExpired(
