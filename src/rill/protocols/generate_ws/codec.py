@@ -31,6 +31,7 @@ from rill.errors import (
     RequestRejected,
     RequestTimeout,
     ResourceExhausted,
+    ResumeExpired,
     RillError,
     StorageFull,
 )
@@ -51,6 +52,11 @@ class FeedbackLimit(RequestRejected):
     retryable = False
 
 
+class UnknownGeneration(RequestNotFound):
+    """A ``resume`` named a generation this server does not know, or another principal's
+    (the two look alike on purpose)."""
+
+
 class Unauthorized(RillError):
     """No API key, or a wrong one, was sent while the server requires one."""
 
@@ -62,6 +68,8 @@ ERROR_TABLE: ErrorTable = {
     InvalidRequest: ErrorEntry("invalid_request", 400, action="fix_request"),
     ContextLengthExceeded: ErrorEntry("context_length_exceeded", 400, action="shorten_prompt"),
     RequestNotFound: ErrorEntry("invalid_request", 400, action="send_config"),
+    UnknownGeneration: ErrorEntry("request_not_found", 404, action="send_config"),
+    ResumeExpired: ErrorEntry("resume_expired", 410, action="send_config"),
     MemoryPressure: ErrorEntry("memory_pressure", 503, action="retry"),
     ResourceExhausted: ErrorEntry("memory_pressure", 503, action="retry"),
     QueueFull: ErrorEntry("rate_limited", 429, action="retry"),
@@ -181,7 +189,9 @@ def _invalid(exc: msgspec.DecodeError) -> InvalidMessage:
         return InvalidMessage(f"message is not valid JSON: {text}")
     field = _field_of(text)
     if field == "type":
-        text = "'type' must be one of config, control, feedback" + (f" ({text})" if "Invalid value" in text else "")
+        text = "'type' must be one of config, control, feedback, resume" + (
+            f" ({text})" if "Invalid value" in text else ""
+        )
     return InvalidMessage(f"invalid message: {text}", field=field)
 
 

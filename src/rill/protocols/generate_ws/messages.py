@@ -73,13 +73,19 @@ class Options(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class Config(msgspec.Struct, tag_field="type", tag="config", kw_only=True):
-    """Client → server: start a generation. Must be the first message, and again after a
-    ``completion`` or a recoverable ``error`` to start the next one (spec §1)."""
+    """Client → server: start a generation. Must be the first message (or follow a
+    ``resume``), and again after a ``completion`` or a recoverable ``error`` to start the next
+    one (spec §1).
+
+    ``resumable`` (a rill extension; spec clients never send it) makes the generation outlive
+    its connection: every server message of it carries its ``index``, and a dropped client
+    re-attaches with ``resume`` within the server's grace period."""
 
     prompt: str
     model: str | None = None
     parameters: Parameters | None = None
     options: Options | None = None
+    resumable: bool | UnsetType = UNSET
 
 
 class Control(msgspec.Struct, tag_field="type", tag="control", kw_only=True, forbid_unknown_fields=True):
@@ -100,7 +106,18 @@ class Feedback(msgspec.Struct, tag_field="type", tag="feedback", kw_only=True, f
     request_id: str | None = None
 
 
-ClientMessage = Config | Control | Feedback
+class Resume(msgspec.Struct, tag_field="type", tag="resume", kw_only=True, forbid_unknown_fields=True):
+    """Client → server (a rill extension): re-attach this connection to the resumable
+    generation ``request_id`` (its ``init``'s id). The server sends every message of it after
+    the one whose ``index`` is ``last_index`` (-1: from its first), then follows it live; the
+    controls and feedback of this connection then steer it. Valid as the first message and
+    whenever no generation runs on the connection."""
+
+    request_id: Annotated[str, Meta(min_length=1, max_length=256)]
+    last_index: Annotated[int, Meta(ge=-1)] = -1
+
+
+ClientMessage = Config | Control | Feedback | Resume
 
 
 class RestRequest(Parameters, kw_only=True, forbid_unknown_fields=True):
@@ -154,6 +171,8 @@ class Init(msgspec.Struct, tag_field="type", tag="init", kw_only=True):
     model: str
     model_info: ModelInfoWire | UnsetType = UNSET
     parameters: dict[str, Any] | UnsetType = UNSET
+    index: int | UnsetType = UNSET
+    """Position of the message in a resumable generation's transcript (absent otherwise)."""
 
 
 class TokenLogprobWire(msgspec.Struct, kw_only=True):
@@ -182,6 +201,8 @@ class Token(msgspec.Struct, tag_field="type", tag="token", kw_only=True):
     logprobs: list[TokenLogprobWire] | UnsetType = UNSET
     timing: TokenTiming | UnsetType = UNSET
     request_id: str | UnsetType = UNSET
+    index: int | UnsetType = UNSET
+    """Position of the message in a resumable generation's transcript (absent otherwise)."""
 
 
 class UsageWire(msgspec.Struct, kw_only=True):
@@ -207,6 +228,8 @@ class Completion(msgspec.Struct, tag_field="type", tag="completion", kw_only=Tru
     usage: UsageWire
     request_id: str | UnsetType = UNSET
     timing: CompletionTiming | UnsetType = UNSET
+    index: int | UnsetType = UNSET
+    """Position of the message in a resumable generation's transcript (absent otherwise)."""
 
 
 class Error(msgspec.Struct, tag_field="type", tag="error", kw_only=True):
@@ -224,6 +247,8 @@ class Error(msgspec.Struct, tag_field="type", tag="error", kw_only=True):
     max_context_tokens: int | UnsetType = UNSET
     retry_after_seconds: float | UnsetType = UNSET
     generated_text: str | UnsetType = UNSET
+    index: int | UnsetType = UNSET
+    """Position of the message in a resumable generation's transcript (absent otherwise)."""
 
 
 class Status(msgspec.Struct, tag_field="type", tag="status", kw_only=True):
@@ -241,6 +266,8 @@ class Status(msgspec.Struct, tag_field="type", tag="status", kw_only=True):
     feedback_id: int | UnsetType = UNSET
     position: int | UnsetType = UNSET
     queue_length: int | UnsetType = UNSET
+    index: int | UnsetType = UNSET
+    """Position of the message in a resumable generation's transcript (absent otherwise)."""
 
 
 ServerMessage = Init | Token | Completion | Error | Status

@@ -11,6 +11,13 @@ Message sequence (``shared/specs/generate-websocket.md``)::
     client: feedback ───────────▶ server: status feedback_received   (stored first)
     after completion or a recoverable error: a new config starts the next generation.
 
+Resume (a rill extension, opt-in): a ``config`` with ``"resumable": true`` first opens the
+generation's transcript (``Record``, then ``on_record_opened`` starts it); every message sent
+until its end (``StopRecording``) is recorded with its ``index``, and a disconnect after
+``init`` leaves it running (``outlives_disconnect``). On a new connection (or an idle one)::
+
+    client: resume {request_id, last_index} ─▶ server: the messages after last_index, then live
+
 The session turns each input into a list of actions (``Send``, ``Start``, ``Abort``,
 ``Pause``, ``Resume``, ``Modify``, ``Regenerate``, ``StoreFeedback``, ``Close``); the session
 driver (``protocols/_shared/driver``) performs the shared ones and hands the adapter the
@@ -34,13 +41,16 @@ from rill.protocols.generate_ws import messages as m
 from rill.protocols.generate_ws.actions import (
     Abort,
     Action,
+    Attach,
     Close,
     Modify,
     Pause,
+    Record,
     Regenerate,
     Resume,
     Send,
     Start,
+    StopRecording,
     StoreFeedback,
 )
 from rill.protocols.generate_ws.deltas import split_at_restart
@@ -63,11 +73,11 @@ class State(enum.Enum):
 
 # Which client message is legal in which state; anything else gets an invalid_request error.
 TRANSITIONS: dict[State, dict[str, tuple[str, ...]]] = {
-    State.AWAIT_CONFIG: {"config": ()},
+    State.AWAIT_CONFIG: {"config": (), "resume": ()},
     State.STARTING: {"control": ("stop",), "feedback": ()},
     State.GENERATING: {"control": ("stop", "pause", "modify", "regenerate"), "feedback": ()},
     State.PAUSED: {"control": ("stop", "resume", "modify", "regenerate"), "feedback": ()},
-    State.IDLE: {"config": (), "feedback": ()},
+    State.IDLE: {"config": (), "feedback": (), "resume": ()},
 }
 
 
@@ -96,11 +106,12 @@ class GenerateSession(Session):
         self._new_request_id = new_request_id
         self._history = History()
         self._num_feedback = 0
+        self._pending: GenerateRequest | None = None  # a resumable start waiting for its transcript
 
     # ------------------------------------------------------------------ client messages
     def receive(self, msg: m.ClientMessage, now: float) -> list[Action]:
         """One decoded client message → actions."""
-        kind = {m.Config: "config", m.Control: "control", m.Feedback: "feedback"}[type(msg)]
+        kind = {m.Config: "config", m.Control: "control", m.Feedback: "feedback", m.Resume: "resume"}[type(msg)]
         allowed = TRANSITIONS[self.state]
         if kind not in allowed or (kind == "control" and msg.action not in allowed[kind]):  # type: ignore[union-attr]
             return self._refuse(kind, msg)
@@ -108,6 +119,7 @@ class GenerateSession(Session):
             "config": self._on_config,
             "control": self._on_control,
             "feedback": self._on_feedback,
+            "resume": self._on_resume,
         }
         handler = handlers[kind]
         try:
@@ -121,11 +133,11 @@ class GenerateSession(Session):
 
     def _refuse(self, kind: str, msg: m.ClientMessage) -> list[Action]:
         if self.state is State.AWAIT_CONFIG:
-            text = f"the first message must be a config message, not {kind}"
+            text = f"the first message must be a config (or resume) message, not {kind}"
             field_name: str | None = "type"
-        elif kind == "config":
+        elif kind in ("config", "resume"):
             text, field_name = (
-                "a generation is running; stop it (or wait for its completion) before sending config",
+                f"a generation is running; stop it (or wait for its completion) before sending {kind}",
                 "type",
             )
         elif self.state in (State.IDLE,):
@@ -157,7 +169,41 @@ class GenerateSession(Session):
         request = GenerateRequest(
             prompt=msg.prompt, sampling=sampling, request_id=self.gen.request_id, protocol=PROTOCOL
         )
+        if msg.resumable is True:
+            self.gen.is_resumable = True
+            self._pending = request
+            return [Record(self.gen.request_id)]
         return [Start(request)]
+
+    def on_record_opened(self) -> list[Action]:
+        """The transcript ``Record`` asked for is open: start the generation."""
+        request, self._pending = self._pending, None
+        if request is None or self.gen is None:
+            return []
+        self.gen.is_recording = True
+        return [Start(request)]
+
+    def _on_resume(self, msg: m.Resume, now: float) -> list[Action]:
+        return [Attach(msg.request_id, msg.last_index)]
+
+    def on_resume_failed(self, request_id: str, exc: RillError) -> list[Action]:
+        """A ``resume`` named no generation this client may read, or a position it does not
+        have: the error, naming the generation asked for; nothing else changes."""
+        return [Send(codec.error_message(exc, request_id))]
+
+    def _stop_recording(self) -> list[Action]:
+        # After the generation's last message: its transcript ends there.
+        if self.gen is None or not self.gen.is_recording:
+            return []
+        self.gen.is_recording = False
+        return [StopRecording()]
+
+    @property
+    def outlives_disconnect(self) -> bool:
+        """True while a resumable generation runs whose id the client was sent (``init``): a
+        disconnect leaves it running for a ``resume``; otherwise a disconnect aborts."""
+        gen = self.gen
+        return gen is not None and gen.is_recording and gen.is_started and not gen.is_finished
 
     def _validated(self, base: SamplingParams, patch: dict[str, Any]) -> SamplingParams:
         info = self.limits.model_info
@@ -197,7 +243,7 @@ class GenerateSession(Session):
         self.state = State.IDLE
         self.gen.is_finished = True
         self._history.remember(self.gen)
-        return [Abort(), Send(self.gen.completion("cancelled", self.gen.started_at))]
+        return [Abort(), Send(self.gen.completion("cancelled", self.gen.started_at)), *self._stop_recording()]
 
     def _on_feedback(self, msg: m.Feedback, now: float) -> list[Action]:
         gen = self._history.get(msg.request_id) if msg.request_id else self.gen
@@ -341,7 +387,7 @@ class GenerateSession(Session):
         if out.finish_reason == "error":
             exc = out.error if isinstance(out.error, BaseException) else RillError("generation failed")
             return self._error_actions(exc)
-        return [Send(gen.completion(out.finish_reason or "stop", now))]
+        return [Send(gen.completion(out.finish_reason or "stop", now)), *self._stop_recording()]
 
     def on_start_failed(self, key: Key, exc: BaseException, now: float) -> list[Action]:
         """The generation never started (refused, the model failed to load, the time limit):
@@ -351,6 +397,7 @@ class GenerateSession(Session):
     def on_error(self, exc: BaseException) -> list[Action]:
         """The generation or the connection failed (a bug, a frame that broke the decoder):
         send the error with the partial text; close the socket when it is not recoverable."""
+        self._pending = None
         if self.gen is not None and not self.gen.is_finished:
             self.gen.is_finished = True
             self._history.remember(self.gen)
@@ -364,9 +411,12 @@ class GenerateSession(Session):
         msg = codec.error_message(
             exc, self._current_id(), gen.visible_text if gen is not None and has_started else None
         )
+        # The error is the generation's last message when it ended it (a recorded one's
+        # transcript ends with it); a socket closes only after that.
+        actions: list[Action] = [Send(msg), *self._stop_recording()]
         if not msg.recoverable:
-            return [Send(msg), Close(1011 if msg.error != "unauthorized" else 1008, msg.error)]
-        return [Send(msg)]
+            actions.append(Close(1011 if msg.error != "unauthorized" else 1008, msg.error))
+        return actions
 
     def on_disconnect(self) -> list[Action]:
         """The client went away: abort whatever is running."""
