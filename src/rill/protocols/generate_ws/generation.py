@@ -17,6 +17,7 @@ from typing import Any
 
 import msgspec
 
+from rill.errors import InvalidRequest
 from rill.protocols.generate_ws import codec
 from rill.protocols.generate_ws import messages as m
 from rill.types import ModelInfo, RequestEvent, RequestOutput, SamplingParams
@@ -155,6 +156,53 @@ class Generation:
             messages.append(tok)
         return messages
 
+    def feedback_record(self, msg: m.Feedback, limits: Limits, num_on_connection: int) -> dict[str, Any]:
+        """The record ``msg`` rates this generation with, counted; ``num_on_connection`` is
+        the feedback its connection sent before.
+
+        Raises:
+            InvalidRequest: the generation never started (nothing to rate).
+            codec.FeedbackLimit: the generation or the connection had its most feedback.
+        """
+        if not self.is_started:
+            # Nothing was generated: storing a row (with its prompt) for it would let refused
+            # requests write to disk.
+            raise InvalidRequest(
+                f"generation '{self.request_id}' never started (refused, stopped or still "
+                "waiting); there is nothing to rate",
+                field="request_id",
+            )
+        most, most_on_connection = limits.max_feedback_per_generation, limits.max_feedback_per_connection
+        if most is not None and self.num_feedback >= most:
+            raise codec.FeedbackLimit(
+                f"generation '{self.request_id}' already received {most} feedback messages, the most allowed"
+            )
+        if most_on_connection is not None and num_on_connection >= most_on_connection:
+            raise codec.FeedbackLimit(
+                f"this connection already sent {most_on_connection} feedback messages, the most allowed"
+            )
+        self.num_feedback += 1
+        return {
+            "request_id": self.request_id,
+            "rating": msg.rating,
+            "text": msg.text,
+            "position": msg.position,
+            "model": limits.model_name,
+            "prompt": self.prompt,
+            "generated_text": self.text,
+            "is_generation_finished": self.is_finished,
+        }
+
+    def queued_status(self, position: int, queue_length: int) -> m.Status:
+        """``status queued``: where the started generation waits for the engine (1-based)."""
+        return m.Status(
+            operation="queued",
+            request_id=self.request_id,
+            position=position,
+            queue_length=queue_length,
+            message=f"waiting for the engine: {position} of {queue_length}",
+        )
+
     def completion(self, finish_reason: str, now: float) -> m.Completion:
         """``completion``: the whole text, why it ended, the usage and (when asked) the timing."""
         usage = m.UsageWire(
@@ -171,6 +219,16 @@ class Generation:
                 first_token_ms=codec.round_ms(first), total_ms=codec.round_ms(now - self.started_at) or 0.0
             )
         return msg
+
+
+def loading_status(progress: float, eta_s: float | None) -> m.Status:
+    """``status model_loading``: ``progress`` in percent (clamped to 0-100), ``eta_s`` seconds."""
+    return m.Status(
+        operation="model_loading",
+        progress=round(max(0.0, min(100.0, progress)), 1),
+        eta_seconds=None if eta_s is None else round(eta_s, 1),
+        message="loading the model; the generation starts when it is ready",
+    )
 
 
 def _logprobs(lp: Any, chosen_text: str, token_text: Callable[[int], str]) -> list[m.TokenLogprobWire]:

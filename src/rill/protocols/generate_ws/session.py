@@ -54,7 +54,7 @@ from rill.protocols.generate_ws.actions import (
     StoreFeedback,
 )
 from rill.protocols.generate_ws.deltas import split_at_restart
-from rill.protocols.generate_ws.generation import Generation, History, Limits
+from rill.protocols.generate_ws.generation import Generation, History, Limits, loading_status
 from rill.types import GenerateRequest, InvalidParameter, RequestEvent, RequestOutput, SamplingParams
 
 PROTOCOL = "generate_ws"
@@ -253,36 +253,8 @@ class GenerateSession(Session):
             raise InvalidRequest(
                 f"unknown request_id '{msg.request_id}' for feedback on this connection", field="request_id"
             )
-        if not gen.is_started:
-            # Nothing was generated: storing a row (with its prompt) for it would let refused
-            # requests write to disk.
-            raise InvalidRequest(
-                f"generation '{gen.request_id}' never started (refused, stopped or still "
-                "waiting); there is nothing to rate",
-                field="request_id",
-            )
-        limits = self.limits
-        if limits.max_feedback_per_generation is not None and gen.num_feedback >= limits.max_feedback_per_generation:
-            raise codec.FeedbackLimit(
-                f"generation '{gen.request_id}' already received "
-                f"{limits.max_feedback_per_generation} feedback messages, the most allowed"
-            )
-        if limits.max_feedback_per_connection is not None and self._num_feedback >= limits.max_feedback_per_connection:
-            raise codec.FeedbackLimit(
-                f"this connection already sent {limits.max_feedback_per_connection} feedback messages, the most allowed"
-            )
-        gen.num_feedback += 1
+        record = gen.feedback_record(msg, self.limits, self._num_feedback)
         self._num_feedback += 1
-        record = {
-            "request_id": gen.request_id,
-            "rating": msg.rating,
-            "text": msg.text,
-            "position": msg.position,
-            "model": self.limits.model_name,
-            "prompt": gen.prompt,
-            "generated_text": gen.text,
-            "is_generation_finished": gen.is_finished,
-        }
         return [StoreFeedback(record)]
 
     def on_modify_applied(self, params: SamplingParams) -> None:
@@ -316,16 +288,7 @@ class GenerateSession(Session):
     # ------------------------------------------------------------------ engine side
     def on_loading(self, progress: float, eta_s: float | None) -> list[Action]:
         """Model still loading: a ``status`` the driver asks for every ~0.5 s."""
-        return [
-            Send(
-                m.Status(
-                    operation="model_loading",
-                    progress=round(max(0.0, min(100.0, progress)), 1),
-                    eta_seconds=None if eta_s is None else round(eta_s, 1),
-                    message="loading the model; the generation starts when it is ready",
-                )
-            )
-        ]
+        return [Send(loading_status(progress, eta_s))]
 
     def on_queued(self, key: Key, position: int, queue_length: int) -> list[Action]:
         """The started generation still waits for the engine: where it stands (the driver
@@ -333,17 +296,7 @@ class GenerateSession(Session):
         gen = self.gen
         if gen is None or gen.is_finished or self.state not in (State.GENERATING, State.PAUSED):
             return []
-        return [
-            Send(
-                m.Status(
-                    operation="queued",
-                    request_id=gen.request_id,
-                    position=position,
-                    queue_length=queue_length,
-                    message=f"waiting for the engine: {position} of {queue_length}",
-                )
-            )
-        ]
+        return [Send(gen.queued_status(position, queue_length))]
 
     def on_started(self, started: Started) -> list[Action]:
         """The engine accepted the request: send ``init``. ``started.sampling`` is what the
