@@ -22,6 +22,7 @@ PROTOCOLS_DIR = Path(rill.protocols.__file__).parent
 NOT_PURE = {
     "adapter.py": "the one file of each protocol that does I/O",
     "_shared/driver.py": "the adapters' shared engine plumbing: runs a session's requests on the engine client",
+    "_shared/resume.py": "a connection's side of a resumable stream: the task that follows it to the peer",
     "batch_ws/service.py": "the batch sockets' server-wide state: reads the generation defaults (environment, .env)",
     "chat_ws/media.py": "decodes media in memory (MEDIA_ALLOWED; its own test below)",
     "chat_ws/service.py": "the chats' shared state: media decoded off the loop, queue mailboxes, recordings on disk",
