@@ -27,6 +27,7 @@ NOT_PURE = {
     "chat_ws/media.py": "decodes media in memory (MEDIA_ALLOWED; its own test below)",
     "chat_ws/service.py": "the chats' shared state: media decoded off the loop, queue mailboxes, recordings on disk",
     "framed_uds/listener.py": "binds the Unix socket (stale files replaced) and accepts connections",
+    "generate_ws/conversation.py": "a /generate conversation on its driver, apart from its socket; follows its transcript",
     "generate_ws/service.py": "/generate's state beyond one connection: reads the engine client, writes feedback to disk",
     "evergreen/protogen.py": "build tool: runs protoc and writes the generated modules",
     "evergreen/grpc_server.py": "binds --grpc-port and hosts the Evergreen service beside health and reflection",

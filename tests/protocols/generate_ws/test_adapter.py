@@ -722,7 +722,7 @@ async def test_a_lagging_reader_still_gets_one_token_message_per_token(make_serv
     the session still sends one ``token`` per token, and the completion counts them all."""
     from rill.protocols.generate_ws import codec
     from rill.protocols.generate_ws import messages as m
-    from rill.protocols.generate_ws.adapter import _Wire
+    from rill.protocols.generate_ws.conversation import ClientEnd, Conversation
     from rill.protocols.generate_ws.service import GenerateService
 
     live = await make_server()
@@ -734,7 +734,7 @@ async def test_a_lagging_reader_still_gets_one_token_message_per_token(make_serv
         if isinstance(msg, m.Token):
             await release.wait()  # the first token's write blocks: the engine runs on meanwhile
 
-    wire = _Wire(GenerateService(live.deps), write, None, "peer:test")
+    wire = Conversation(GenerateService(live.deps), ClientEnd(write), None, "peer:test")
     folded: list[int] = []
     on_output = wire.session.on_output
 

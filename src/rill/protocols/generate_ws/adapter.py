@@ -1,11 +1,12 @@
 """Starlette routes of the protocol: WebSocket ``/generate`` and ``POST /v1/generate`` (JSON,
 or Server-Sent Events with ``"stream": true``).
 
-The transport only: authentication, the read loop, encoding, closing, and the controls only
-this wire has (pause, resume, modify, regenerate, feedback). Each connection (or REST call)
-runs its session on one session driver (``protocols/_shared/driver``), which waits for the
-model, submits, reports the queue, applies the server's time limit and pumps the outputs.
-What the protocol keeps beyond one connection is ``service.py``.
+The transport only: authentication, the read loop, encoding and closing. Each connection (or
+REST call) is a client end (``conversation.ClientEnd``) speaking to a conversation
+(``conversation.Conversation``: its session on one session driver, which waits for the model,
+submits, reports the queue, applies the server's time limit and pumps the outputs). A socket
+whose client sends ``resume`` moves to the conversation of the generation it names. What the
+protocol keeps beyond one connection is ``service.py``.
 
 API keys (when configured): ``Authorization: Bearer KEY`` or, for browsers, the key
 subprotocol or ``?api_key=KEY`` (``rill.auth.websocket_key``).
@@ -17,9 +18,7 @@ import asyncio
 import contextlib
 import functools
 import logging
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from collections.abc import AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -27,134 +26,15 @@ from starlette.routing import BaseRoute, Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from rill.deps import Deps
-from rill.errors import InvalidRequest, RillError
-from rill.frontend.stream import RequestStream
+from rill.errors import InvalidRequest
 from rill.protocols._shared import sse
-from rill.protocols._shared.driver import Driver, Gone, Transport
+from rill.protocols._shared.driver import Driver, Gone
 from rill.protocols.generate_ws import codec
 from rill.protocols.generate_ws import messages as m
-from rill.protocols.generate_ws import session as s
+from rill.protocols.generate_ws.conversation import ClientEnd, Conversation
 from rill.protocols.generate_ws.service import GenerateService
 
 log = logging.getLogger("rill.protocols.generate_ws")
-
-Write = Callable[[m.ServerMessage], Awaitable[None]]
-"""Writes one message to a conversation's peer (raises ``Gone`` once the peer has left)."""
-
-_STREAM_CONTROLS: dict[type, Callable[[RequestStream], None]] = {
-    s.Pause: RequestStream.pause,
-    s.Resume: RequestStream.resume,
-    s.Regenerate: RequestStream.regenerate,
-}
-"""The controls that act on the running request at once."""
-
-
-class _Wire(Transport):
-    """One conversation's wire (a socket, one REST reply, one SSE stream): its session, the
-    session's driver and the actions only ``/generate`` has. ``write`` raises ``Gone`` once
-    the peer has left; ``close`` (a socket's) takes a WebSocket close code."""
-
-    def __init__(
-        self,
-        service: GenerateService,
-        write: Write,
-        api_key: str | None,
-        principal: str,
-        close: Callable[[int, str], Awaitable[None]] | None = None,
-    ) -> None:
-        self.service, self.api_key, self.principal = service, api_key, principal
-        self._write, self._close = write, close
-        self.session = service.new_session()
-        self.history = service.history(principal, self.session)
-        # Outputs reach the session whole (no one_event_per_token): it sends one token per
-        # token itself, and needs a folded output's events beside its tokens to order them
-        # (a resume before the tokens after it, a restart's stale tokens before the new init)
-        # and to spread the output's time over its tokens.
-        self.driver = Driver(
-            self.session,
-            self,
-            service.client,
-            protocol=s.PROTOCOL,
-            principal=principal,
-            metrics=service.deps.metrics,
-            waits_for_model=True,
-            reports_queue=True,
-            time_limit_s=service.deps.config.policy.request_timeout_s,
-        )
-        self._handlers: dict[type, Callable[[Any], Awaitable[None]]] = {
-            s.Pause: self._control,
-            s.Resume: self._control,
-            s.Regenerate: self._control,
-            s.Modify: self._modify,
-            s.StoreFeedback: self._store_feedback,
-        }
-
-    async def receive_text(self, text: str | bytes) -> None:
-        """One frame from the client (JSON text, or the same as UTF-8 bytes)."""
-        try:
-            msg = codec.decode(text)
-        except InvalidRequest as exc:
-            await self.driver.perform(self.session.on_invalid(exc))
-            return
-        except Exception as exc:  # a decoder bug: the generic error frame, never a dead handler
-            log.exception("a /generate frame could not be decoded")
-            await self.driver.perform(self.session.on_error(exc))
-            return
-        await self.receive(msg)
-
-    async def receive(self, msg: m.ClientMessage) -> None:
-        """One decoded client message."""
-        try:
-            actions = self.session.receive(msg, time.monotonic())
-        except Exception as exc:  # a session bug: the generic error frame (and close), logged
-            log.exception("a /generate message could not be handled")
-            actions = self.session.on_error(exc)
-        await self.driver.perform(actions)
-
-    async def send(self, message: m.ServerMessage) -> None:
-        """Charge what the session remembers (it changes as generations end), then write."""
-        self.history.charge()
-        await self._write(message)
-
-    async def close(self, code: int | None, reason: str) -> None:
-        """Close the socket (a REST reply ends with its generation instead)."""
-        if self._close is not None:
-            await self._close(1011 if code is None else code, reason)
-
-    async def perform(self, action: Any) -> None:
-        """A control of the running generation, or a feedback write."""
-        await self._handlers[type(action)](action)
-
-    async def shutdown(self) -> None:
-        """The conversation ends: stop whatever runs and give the memory back."""
-        self.session.on_disconnect()
-        await self.driver.aclose()
-        self.history.close()
-
-    async def _control(self, action: s.Pause | s.Resume | s.Regenerate) -> None:
-        if (stream := self.driver.stream()) is not None:
-            try:
-                _STREAM_CONTROLS[type(action)](stream)
-            except RillError as exc:  # e.g. the request finished meanwhile
-                await self.driver.perform(self.session.on_invalid(exc))
-
-    async def _modify(self, action: s.Modify) -> None:
-        if (stream := self.driver.stream()) is None:
-            return
-        try:
-            # Awaited here: the connection's next messages wait for a compile, so they apply in
-            # the order they were sent.
-            self.session.on_modify_applied(await stream.modify(action.patch))
-        except RillError as exc:  # e.g. the request just ended, or the engine refused a value
-            await self.driver.perform(self.session.on_modify_refused(exc))
-
-    async def _store_feedback(self, action: s.StoreFeedback) -> None:
-        try:
-            feedback_id = await self.service.store_feedback(action.record, self.api_key, self.principal)
-        except RillError as exc:
-            await self.driver.perform(self.session.on_invalid(exc))
-            return
-        await self.driver.perform(self.session.on_feedback_stored(action.record["request_id"], feedback_id))
 
 
 async def websocket(service: GenerateService, ws: WebSocket) -> None:
@@ -179,11 +59,12 @@ async def websocket(service: GenerateService, ws: WebSocket) -> None:
             with contextlib.suppress(Exception):
                 await ws.close(code, reason)
 
-    wire = _Wire(service, write, key, service.principal(key, ws.scope), close)
+    end = ClientEnd(write, close)
+    Conversation(service, end, key, service.principal(key, ws.scope))
     try:
         if not ok:
-            await wire.driver.perform(
-                wire.session.on_error(
+            await end.conversation.driver.perform(
+                end.conversation.session.on_error(
                     codec.Unauthorized(
                         "a valid API key is required: send 'Authorization: Bearer KEY' or '?api_key=KEY'"
                     )
@@ -191,16 +72,16 @@ async def websocket(service: GenerateService, ws: WebSocket) -> None:
             )
         while not closed.is_set():
             message = await ws.receive()
-            if message["type"] == "websocket.disconnect":
+            if message["type"] == "websocket.disconnect" or closed.is_set():  # closed: another socket resumed
                 break
             # Binary frames are accepted too: some clients send their JSON as bytes.
             data = message.get("text")
-            await wire.receive_text(data if data is not None else message.get("bytes") or b"")
+            await end.conversation.receive_text(data if data is not None else message.get("bytes") or b"")
     except (WebSocketDisconnect, Gone, RuntimeError):  # RuntimeError: a receive after the socket closed
         pass
     finally:
         closed.set()
-        await wire.shutdown()
+        await end.conversation.detach(end)
 
 
 async def rest(service: GenerateService, request: Request) -> Response:
@@ -227,25 +108,25 @@ async def rest(service: GenerateService, request: Request) -> Response:
     async def collect(msg: m.ServerMessage) -> None:
         sent.append(msg)
 
-    wire = _Wire(service, collect, key, principal)
+    conversation = Conversation(service, ClientEnd(collect), key, principal)
     try:
-        await wire.receive(config.to_config())
-        if not await _ended_before_disconnect(wire.driver, request):
+        await conversation.receive(config.to_config())
+        if not await _ended_before_disconnect(conversation.driver, request):
             return Response(status_code=499)  # nobody is listening; the shutdown aborts the generation
     finally:
-        await wire.shutdown()
-    status, reply, headers = codec.rest_reply(sent, wire.session.limits.model_name)
+        await conversation.shutdown()
+    status, reply, headers = codec.rest_reply(sent, conversation.session.limits.model_name)
     return Response(codec.encode(reply), status_code=status, media_type="application/json", headers=headers)
 
 
 async def _sse(service: GenerateService, config: m.Config, key: str | None, principal: str) -> AsyncIterator[bytes]:
     queue: asyncio.Queue[m.ServerMessage | None] = asyncio.Queue()  # unbounded but short: one generation's messages
-    wire = _Wire(service, queue.put, key, principal)
+    conversation = Conversation(service, ClientEnd(queue.put), key, principal)
     ended: asyncio.Task[None] | None = None
     keepalive_s = service.http.sse_keepalive_s or None
     try:
-        await wire.receive(config)
-        ended = asyncio.create_task(wire.driver.wait())
+        await conversation.receive(config)
+        ended = asyncio.create_task(conversation.driver.wait())
         ended.add_done_callback(lambda _: queue.put_nowait(None))
         while True:
             try:
@@ -258,7 +139,7 @@ async def _sse(service: GenerateService, config: m.Config, key: str | None, prin
             yield codec.encode_sse(msg)
     finally:
         # A client that went away closes this generator: stop the generation at once.
-        await wire.shutdown()
+        await conversation.shutdown()
         if ended is not None:
             ended.cancel()
 

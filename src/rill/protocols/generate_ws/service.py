@@ -2,8 +2,9 @@
 
 The model's name and limits as the session sees them, the session each connection starts
 with, API-key checks and principals, the feedback store (opened on first use, written in a
-worker thread) and the charge of the generations a connection remembers for feedback to the
-server's session-memory budget.
+worker thread), the charge of the generations a connection remembers for feedback to the
+server's session-memory budget, and the conversations recording a resumable generation
+(``live``), which a ``resume`` from another connection takes over.
 
 Not pure (``NOT_PURE`` in ``tests/protocols/test_purity.py``): it reads the engine client and
 writes feedback to disk. The sockets and HTTP are ``adapter.py``'s.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Coroutine
 from typing import Any
 
 from rill import __version__, auth
@@ -33,7 +35,18 @@ class GenerateService:
         self.deps = deps
         self.client = deps.client
         self.http = deps.config.http
+        self.registry = deps.resumable
+        self.live: dict[str, Any] = {}
+        """The conversations (``adapter._Wire``) recording a resumable generation, by its id:
+        one per running resumable generation, so at most the registry's ``max_streams``."""
         self._feedback: FeedbackStore | None = None
+        self._background: set[asyncio.Task[None]] = set()
+
+    def spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run ``work`` in a task of its own, held until it ends (from a callback that cannot await)."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def limits(self) -> s.Limits:
         """What the session knows of the model (it changes once the model has loaded)."""
