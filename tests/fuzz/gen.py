@@ -299,7 +299,11 @@ def generate_ws(rng: random.Random) -> dict[str, Any]:
             )
         if rng.random() < 0.3:
             config["options"] = {"stream": rng.random() < 0.5, "include_token_ids": True, "include_timing": True}
+        if rng.random() < 0.2:
+            config["resumable"] = True
         return config
+    if kind < 0.75:
+        return {"type": "resume", "request_id": f"gen_{rng.randrange(4)}", "last_index": rng.randint(-1, 5)}
     if kind < 0.9:
         action = rng.choice(["stop", "pause", "resume", "regenerate", "modify"])
         control: dict[str, Any] = {"type": "control", "action": action}

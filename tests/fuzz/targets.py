@@ -251,6 +251,8 @@ def generate_target(rng: random.Random, given: bytes | None = None) -> tuple[str
     except generate_codec.InvalidMessage:
         return kind, False
     actions = session.receive(message, now=0.0)
+    if any(isinstance(a, generate_session.Record) for a in actions):  # a resumable one: its transcript opened
+        actions = session.on_record_opened()
     is_started = any(isinstance(a, generate_session.Start) for a in actions)
     if is_started:
         assert session.gen is not None
