@@ -39,6 +39,9 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> An
         tiny_model_dir,
         **{
             "resume.resume_grace_s": GRACE_S,
+            # The 200 cycles keep each generation for the grace period after it: room for all.
+            "resume.resume_max_streams": 1000,
+            "resume.resume_max_streams_per_principal": 1000,
             "http.api_key": ["k1", "k2"],
             "http.data_dir": str(tmp_path_factory.mktemp("data")),
         },

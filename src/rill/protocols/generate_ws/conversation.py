@@ -8,7 +8,7 @@ adapter reads its frames and hands them to ``end.conversation``.
 Resume: while a resumable generation runs, what the conversation sends is recorded
 (``_shared/resume.StreamWriter``) in a stream of the server's registry
 (``rill.frontend.resumable``), which the client end follows. When that end goes away the
-conversation runs on; a ``resume`` from a new end of the same principal moves the new end to
+conversation runs on; a ``resume`` from a new end of the same owner (``service.owner``) moves the new end to
 it (``take_over``: the messages it missed, then live, and its controls steer the generation
 from then on). The registry's grace timer ends a conversation no one came back to, which
 aborts its request and frees its KV memory; ``service.live`` finds a running one by id.
@@ -78,6 +78,7 @@ class Conversation(Transport):
 
     def __init__(self, service: GenerateService, peer: ClientEnd, api_key: str | None, principal: str) -> None:
         self.service, self.api_key, self.principal = service, api_key, principal
+        self.owner = service.owner(principal)  # who may resume its generations
         self.session = service.new_session()
         self.history = service.history(principal, self.session)
         self.is_closed = False
@@ -181,7 +182,7 @@ class Conversation(Transport):
 
     async def _record(self, action: s.Record) -> None:
         try:
-            stream = self.service.registry.open(action.request_id, self.principal)
+            stream = self.service.registry.open(action.request_id, self.owner, charged_to=self.principal)
         except RillError as exc:  # the server keeps as many resumable streams as it may
             self.driver.count_rejection(self.session.refusal_code(exc))
             await self.driver.perform(self.session.on_start_failed(None, exc, time.monotonic()))
@@ -208,7 +209,7 @@ class Conversation(Transport):
     async def _attach(self, action: s.Attach) -> None:
         request_id, after = action.request_id, action.last_index
         try:
-            stream = self.service.registry.get(request_id, self.principal)
+            stream = self.service.registry.get(request_id, self.owner)
             try:
                 stream.check_position(after)
             except InvalidRequest as exc:
