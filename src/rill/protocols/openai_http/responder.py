@@ -49,7 +49,7 @@ class Responder(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         work = asyncio.create_task(self._write_stream(send) if self.is_streaming else self._write_body(send))
-        watcher = asyncio.create_task(_wait_for_disconnect(receive))
+        watcher = asyncio.create_task(wait_for_disconnect(receive))
         try:
             done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
             if work in done and not work.cancelled() and work.exception() is not None:
@@ -118,7 +118,8 @@ async def _send_body(send: Send, body: bytes, more: bool = True) -> None:
         await send({"type": "http.response.body", "body": body, "more_body": more})
 
 
-async def _wait_for_disconnect(receive: Receive) -> None:
+async def wait_for_disconnect(receive: Receive) -> None:
+    """Return when the ASGI server reports that the client went away."""
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":

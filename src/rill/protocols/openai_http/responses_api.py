@@ -43,7 +43,7 @@ from rill.frontend.resumable import ResumableStream, StreamRegistry
 from rill.frontend.stream import RequestStream
 from rill.protocols._shared import sse
 from rill.protocols.openai_http import codec, responses_codec, tools
-from rill.protocols.openai_http.responder import JSON_MEDIA_TYPE
+from rill.protocols.openai_http.responder import JSON_MEDIA_TYPE, wait_for_disconnect
 from rill.protocols.openai_http.responses_codec import ResponsesRequest, new_id
 from rill.protocols.openai_http.responses_session import ResponsesSession
 from rill.response_store import ResponseStore, StoredResponse
@@ -214,8 +214,8 @@ class ResponsesApi:
         return run
 
     async def _history(self, previous_id: str, principal: str, store: ResponseStore) -> list[dict[str, Any]]:
-        live = self.runs.get(previous_id)
-        if live is not None and live.principal == principal and not live.session.is_done:
+        live = self._live(previous_id, principal)
+        if live is not None and not live.session.is_done:
             raise InvalidRequest(
                 f"previous response {previous_id!r} is still running; continue it once it has ended",
                 field="previous_response_id",
@@ -291,13 +291,18 @@ class ResponsesApi:
                     ) from exc
                 stream.check_position(after)
                 return _Follower(stream, after, self.keepalive_s)
-            run = self.runs.get(response_id)
-            if run is not None and run.principal == principal:
+            run = self._live(response_id, principal)
+            if run is not None:
                 return _json_response(run.session.snapshot())
             stored = await self._stored_or_raise(response_id, principal)
             return _json_response(stored.response)
         except Exception as exc:  # noqa: BLE001 - answered through the error table
             return _error(exc)
+
+    def _live(self, response_id: str, principal: str) -> _Run | None:
+        """The running response ``response_id`` of ``principal``, if there is one."""
+        run = self.runs.get(response_id)
+        return run if run is not None and run.principal == principal else None
 
     async def _stored_or_raise(self, response_id: str, principal: str) -> StoredResponse:
         store = await self.store()
@@ -308,8 +313,8 @@ class ResponsesApi:
         response_id = request.path_params["response_id"]
         principal = auth.scope_owner(request.scope)
         try:
-            run = self.runs.get(response_id)
-            if run is not None and run.principal == principal:
+            run = self._live(response_id, principal)
+            if run is not None:
                 if run.task is not None and not run.session.is_done:
                     run.task.cancel()
                 await run.ended.wait()
@@ -324,9 +329,9 @@ class ResponsesApi:
         response_id = request.path_params["response_id"]
         principal = auth.scope_owner(request.scope)
         try:
-            run = self.runs.get(response_id)
+            run = self._live(response_id, principal)
             found = False
-            if run is not None and run.principal == principal:
+            if run is not None:
                 found = True
                 run.stores = False
                 if run.task is not None:
@@ -357,8 +362,8 @@ class ResponsesApi:
             order = query.get("order", "desc")
             if order not in ("asc", "desc"):
                 raise InvalidRequest("'order' must be asc or desc", field="order")
-            run = self.runs.get(response_id)
-            if run is not None and run.principal == principal:
+            run = self._live(response_id, principal)
+            if run is not None:
                 items = run.input_items
             else:
                 items = (await self._stored_or_raise(response_id, principal)).input_items
@@ -453,7 +458,7 @@ class _Follower(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         work = asyncio.create_task(self._write(send))
-        watcher = asyncio.create_task(_wait_for_disconnect(receive))
+        watcher = asyncio.create_task(wait_for_disconnect(receive))
         try:
             await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -507,7 +512,7 @@ class _Waiter(Response):
         self.run = run
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        watcher = asyncio.create_task(_wait_for_disconnect(receive))
+        watcher = asyncio.create_task(wait_for_disconnect(receive))
         ended = asyncio.create_task(self.run.ended.wait())
         try:
             done, _ = await asyncio.wait({watcher, ended}, return_when=asyncio.FIRST_COMPLETED)
@@ -528,10 +533,3 @@ class _Waiter(Response):
 def _error_fields(exc: BaseException) -> dict[str, Any]:
     _, detail = codec.error_detail(exc)
     return {"code": detail.code, "message": detail.message, "param": detail.param}
-
-
-async def _wait_for_disconnect(receive: Receive) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return

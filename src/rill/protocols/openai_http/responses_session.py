@@ -21,7 +21,6 @@ from typing import Any
 
 import msgspec
 
-from rill.errors import GenerationError, RillError
 from rill.protocols._shared.tool_calls import (
     ContentDelta,
     ToolCallDelta,
@@ -32,6 +31,7 @@ from rill.protocols._shared.tool_calls import (
 from rill.protocols.openai_http import codec
 from rill.protocols.openai_http.logprobs import LogprobShapes
 from rill.protocols.openai_http.responses_codec import new_id
+from rill.protocols.openai_http.session import failure
 from rill.types import RequestOutput
 
 Event = dict[str, Any]
@@ -123,7 +123,7 @@ class ResponsesSession:
         events += self._text(out, final=finish is not None and not failed)
         self.usage = _usage(out)
         if failed:
-            return events + self._failed(_failure(out))
+            return events + self._failed(failure(out))
         if finish is not None:
             if finish == "length" and self._call is not None:
                 self._call["status"] = "incomplete"  # cut inside the call: not a call to run
@@ -312,10 +312,7 @@ class ResponsesSession:
         _, detail = codec.error_detail(exc)
         self.status = "failed"
         self.error = {"code": detail.code or "server_error", "message": detail.message}
-        for item in self.output:
-            if item["status"] == "in_progress":
-                item["status"] = "incomplete"
-        self._message = self._call = None
+        self._abandon_items()
         return [
             self._event("error", code=detail.code, message=detail.message, param=detail.param),
             self._event("response.failed", response=self.snapshot()),
@@ -327,11 +324,15 @@ class ResponsesSession:
         if self.is_done:
             return []
         self.status = "cancelled"
+        self._abandon_items()
+        return [self._event("response.failed", response=self.snapshot())]
+
+    def _abandon_items(self) -> None:
+        """Items still being written end ``incomplete`` (and are never continued)."""
         for item in self.output:
             if item["status"] == "in_progress":
                 item["status"] = "incomplete"
         self._message = self._call = None
-        return [self._event("response.failed", response=self.snapshot())]
 
     # -- the response object -------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
@@ -370,11 +371,3 @@ def _usage(out: RequestOutput) -> dict[str, Any]:
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
     }
-
-
-def _failure(out: RequestOutput) -> RillError:
-    if out.finish_reason == "cancelled":
-        return codec.RequestCancelled("the request was cancelled by the server before it finished")
-    if isinstance(out.error, RillError):
-        return out.error
-    return GenerationError("generation failed")

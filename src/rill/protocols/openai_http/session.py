@@ -195,7 +195,7 @@ class ResponseSession:
         # A coalesced output may carry tokens and the failure together: show the tokens first.
         events = self._append(index, out, None if failed else FINISH_REASONS.get(out.finish_reason or ""))
         if failed:
-            self.failed = _failure(out)
+            self.failed = failure(out)
             events.append(sse.encode_event(codec.error_event_data(self.failed)))
         return events
 
@@ -409,7 +409,8 @@ def _message(choice: _Choice) -> ChatMessageOut:
     return ChatMessageOut(content=content if content.strip() else None, tool_calls=tool_calls)
 
 
-def _failure(out: RequestOutput) -> RillError:
+def failure(out: RequestOutput) -> RillError:
+    """The error of an engine output that ended without a result (cancelled by the server, or failed)."""
     if out.finish_reason == "cancelled":
         return codec.RequestCancelled("the request was cancelled by the server before it finished")
     if isinstance(out.error, RillError):
