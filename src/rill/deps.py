@@ -13,6 +13,7 @@ from typing import Any
 
 from rill.config import SamplingDefaults, ServerConfig, parse_size
 from rill.connections import ConnectionGate
+from rill.frontend.asr import AsrService
 from rill.frontend.budget import MemoryBudget
 from rill.frontend.client import EngineClient
 from rill.frontend.embeddings import EmbeddingService
@@ -43,7 +44,11 @@ class Deps:
     embeddings: EmbeddingService | None = None
     """The embedding model beside the chat model (``--embedding-model``); None: not served."""
     speech_synth: SpeechSynth | None = None
-    """The ``/ws/chat`` speech synthesizer; None: espeak-ng (tests and embedders give their own)."""
+    """The ``/ws/chat`` speech synthesizer; None: espeak-ng (the server gives the one ``--tts``
+    names; tests and embedders give their own)."""
+    asr: AsrService | None = None
+    """The server's speech recognition, shared by every protocol; None: audio input is refused
+    (the server makes it from ``--asr``; tests give their own)."""
     stoppers: list[Stopper] = field(default_factory=list)
     """What the server awaits, in order, when it stops, for services a protocol's routes started
     (``/ws/chat``'s speech worker)."""

@@ -152,9 +152,19 @@ def make_deps(
     embeddings: EmbeddingService | None = None,
 ) -> Deps:
     """The ``Deps`` adapters receive: ``client``, the API keys, ``parts`` (made from ``config``
-    when None), whose registry then reads ``client``'s gauges, and the ``embeddings`` service."""
+    when None), whose registry then reads ``client``'s gauges, the ``embeddings`` service, and
+    the speech synthesizer and recognition ``config.speech`` names (nothing loads until first
+    used).
+
+    Raises:
+        ConfigError: ``--tts piper`` or ``--asr whisper`` without their packages.
+    """
+    from rill.frontend.asr import make_asr
+    from rill.frontend.speech import make_synth
+
     parts = parts or make_parts(config)
     parts.metrics.watch(client)
+    asr = make_asr(config.speech)
     deps = Deps(
         config=config,
         client=client,
@@ -163,9 +173,17 @@ def make_deps(
         gate=parts.gate,
         memory=parts.memory,
         embeddings=embeddings,
+        speech_synth=make_synth(config.speech.tts),
+        asr=asr,
     )
     if embeddings is not None:
         deps.stoppers.append(embeddings.shutdown)
+    if asr is not None:
+
+        async def stop_asr() -> None:
+            asr.shutdown()
+
+        deps.stoppers.append(stop_asr)
     return deps
 
 

@@ -339,6 +339,31 @@ class ChatConfig:
 
 
 @dataclass(frozen=True)
+class SpeechConfig:
+    """Speech in (recognition of audio input) and speech out (spoken replies), for every protocol."""
+
+    tts: str = _f(
+        "auto",
+        "speech synthesizer of spoken replies: piper (the neural en_US-joe-medium voice, English "
+        "only), espeak (espeak-ng: many languages, robotic) or auto (piper when its voice package "
+        "is installed, else espeak)",
+    )
+    asr: str = _f(
+        "auto",
+        "speech recognition of audio input: whisper (Whisper base, CPU int8), off (audio input "
+        "is refused) or auto (whisper when its packages are installed, else off)",
+    )
+    asr_workers: int = _f(1, "transcriptions running at once")
+    asr_threads: int | None = _f(
+        None, "CPU threads of one transcription (default: the CPUs this process may use, as --num-threads)"
+    )
+    asr_max_queue: int = _f(
+        16, "most transcriptions waiting or running at once, all clients together (past it: resource_exhausted)"
+    )
+    asr_max_audio_s: float = _f(120.0, "most seconds of audio transcribed for one request (past it: invalid_request)")
+
+
+@dataclass(frozen=True)
 class EvergreenConfig:
     """Evergreen sessions over gRPC."""
 
@@ -464,6 +489,7 @@ class ServerConfig:
     uds: UdsConfig = field(default_factory=UdsConfig)
     batch_ws: BatchWsConfig = field(default_factory=BatchWsConfig)
     chat: ChatConfig = field(default_factory=ChatConfig)
+    speech: SpeechConfig = field(default_factory=SpeechConfig)
     evergreen: EvergreenConfig = field(default_factory=EvergreenConfig)
     resume: ResumeConfig = field(default_factory=ResumeConfig)
     embeddings: EmbeddingConfig = field(default_factory=EmbeddingConfig)
@@ -502,6 +528,7 @@ AREAS: dict[str, type] = {
     "uds": UdsConfig,
     "batch_ws": BatchWsConfig,
     "chat": ChatConfig,
+    "speech": SpeechConfig,
     "evergreen": EvergreenConfig,
     "resume": ResumeConfig,
     "embeddings": EmbeddingConfig,

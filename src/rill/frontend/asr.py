@@ -1,0 +1,352 @@
+"""Speech in: a ``SpeechRecognizer`` protocol, Whisper through faster-whisper, and the
+server-wide ``AsrService`` every protocol transcribes through.
+
+``AsrService.transcribe(samples, sample_rate_hz=16000, language=None)`` checks the audio
+(finite samples, at least one, a sample rate in 8..192 kHz, at most ``max_audio_s`` seconds:
+``InvalidRequest`` otherwise), resamples it to 16 kHz, and runs the recognizer in a pool of
+``workers`` threads, never on the event loop. At most ``max_pending`` transcriptions wait or
+run at once, server-wide; past that ``ResourceExhausted`` (retryable). A caller that is
+cancelled (its client left) leaves the line at once; a transcription already running stops at
+its next 30-second window, and its worker place is only given back when the thread is free,
+so the bound holds for the threads' real work and the audio they hold.
+
+``WhisperRecognizer`` runs OpenAI's Whisper base (CTranslate2, CPU int8) on the file
+``rill.models.speech`` prepares from pinned packages: voice-activity trimming (Silero VAD, as
+faster-whisper ships it), language detected unless given, greedy decoding. The model loads on
+the first transcription, in the worker thread.
+
+Nothing here knows a wire protocol: ``/ws/chat`` uses it, and so can any other front end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from rill.errors import ConfigError, InvalidRequest, ResourceExhausted
+
+if TYPE_CHECKING:
+    from rill.config import SpeechConfig
+
+log = logging.getLogger("rill.frontend.asr")
+
+SAMPLE_RATE_HZ = 16000
+"""Sample rate a ``SpeechRecognizer`` receives."""
+
+MIN_RATE_HZ, MAX_RATE_HZ = 8000, 192000
+"""Sample rates ``AsrService`` accepts (anything else is resampled to ``SAMPLE_RATE_HZ``)."""
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One stretch of recognized speech; times in seconds from the start of the audio."""
+
+    start_s: float
+    end_s: float
+    text: str
+
+
+@dataclass(frozen=True)
+class Transcript:
+    """What a recognizer heard in one piece of audio.
+
+    ``text`` is empty when no speech was heard (``speech_s`` is then 0); ``language`` is the
+    hint given or the detected language code (``en``, ``fr``, ...); ``duration_s`` is the whole
+    audio's length, ``speech_s`` what voice-activity trimming kept.
+    """
+
+    text: str
+    language: str
+    duration_s: float
+    speech_s: float
+    segments: tuple[Segment, ...] = ()
+    language_probability: float = 1.0
+
+
+class SpeechRecognizer(Protocol):
+    """A speech-to-text engine taking float32 mono PCM at ``SAMPLE_RATE_HZ``."""
+
+    name: str
+
+    def transcribe(self, samples: np.ndarray, language: str | None, cancel: threading.Event) -> Transcript:
+        """What is said in ``samples``; stop early (returning what was heard) once ``cancel`` is set.
+
+        Blocking: call it from a worker thread.
+
+        Raises:
+            InvalidRequest: ``language`` is not one the recognizer knows (the message lists some).
+        """
+        ...
+
+
+class WhisperRecognizer:
+    """Whisper base through faster-whisper (CTranslate2 on the CPU, int8 weights).
+
+    Args:
+        threads: CPU threads one transcription uses.
+        workers: transcriptions that may run in parallel (the pool's size).
+        model_dir: the prepared model folder (default: ``rill.models.speech.ensure_whisper_model()``).
+    """
+
+    name = "whisper-base"
+
+    def __init__(self, threads: int, workers: int = 1, model_dir: str | None = None) -> None:
+        self.threads = threads
+        self.workers = workers
+        self.model_dir = model_dir
+        self.load_s: float | None = None
+        """Seconds the first load took (preparing the file included), once loaded."""
+        self._model: Any = None
+        self._lock = threading.Lock()
+
+    def load(self) -> Any:
+        """The faster-whisper model, prepared and loaded on first call (blocking, thread-safe)."""
+        with self._lock:
+            if self._model is None:
+                from faster_whisper import WhisperModel
+
+                from rill.models.speech import ensure_whisper_model
+
+                started = time.perf_counter()
+                folder = self.model_dir or str(ensure_whisper_model())
+                self._model = WhisperModel(
+                    folder, device="cpu", compute_type="int8", cpu_threads=self.threads, num_workers=self.workers
+                )
+                self.load_s = time.perf_counter() - started
+                log.info("speech recognition: %s loaded in %.2f s from %s", self.name, self.load_s, folder)
+            return self._model
+
+    def transcribe(self, samples: np.ndarray, language: str | None, cancel: threading.Event) -> Transcript:
+        """See ``SpeechRecognizer.transcribe``."""
+        model = self.load()
+        if language is not None and language not in model.supported_languages:
+            raise InvalidRequest(
+                f"language '{language}' is not one {self.name} knows; use a code such as en, fr, de, es, zh, ja "
+                f"({len(model.supported_languages)} known)",
+                field="language",
+            )
+        # Greedy decoding without the previous window as a prompt: a loop of repeated text
+        # in one window then cannot carry into the next (the fallback temperatures remain).
+        pieces, info = model.transcribe(
+            samples,
+            language=language,
+            beam_size=1,
+            vad_filter=True,
+            condition_on_previous_text=False,
+        )
+        segments: list[Segment] = []
+        for piece in pieces:  # one 30-second window at a time: the place to notice a cancel
+            if piece.text.strip():
+                segments.append(Segment(round(piece.start, 3), round(piece.end, 3), piece.text.strip()))
+            if cancel.is_set():
+                break
+        return Transcript(
+            text=" ".join(s.text for s in segments),
+            language=info.language,
+            duration_s=float(info.duration),
+            speech_s=float(info.duration_after_vad),
+            segments=tuple(segments),
+            language_probability=float(info.language_probability),
+        )
+
+
+@dataclass
+class AsrCounters:
+    """What tests and metrics read: running, waiting, finished and cancelled transcriptions,
+    the audio they took and the seconds workers spent on them."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_transcribed_total: int = 0
+    num_cancelled_total: int = 0
+    audio_s_total: float = 0.0
+    busy_s_total: float = 0.0
+    by_language: dict[str, int] = field(default_factory=dict)
+
+
+class AsrService:
+    """The server's speech recognition: a bounded pool of worker threads around a recognizer.
+
+    Args:
+        recognizer: what transcribes (``WhisperRecognizer`` in a server; tests give doubles).
+        workers: transcriptions running at once.
+        max_pending: transcriptions waiting or running at once, server-wide (past it:
+            ``ResourceExhausted``).
+        max_audio_s: the longest audio one call takes (past it: ``InvalidRequest``).
+    """
+
+    def __init__(
+        self, recognizer: SpeechRecognizer, *, workers: int = 1, max_pending: int = 16, max_audio_s: float = 120.0
+    ) -> None:
+        self.recognizer = recognizer
+        self.workers = workers
+        self.max_pending = max_pending
+        self.max_audio_s = max_audio_s
+        self.counters = AsrCounters()
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rill-asr")
+        self._slots: asyncio.Semaphore | None = None
+        self._num_pending = 0
+        self._counters_lock = threading.Lock()
+
+    @property
+    def num_pending(self) -> int:
+        """Transcriptions waiting for a worker or running (what ``max_pending`` bounds)."""
+        return self._num_pending
+
+    def check(self, num_samples: int, sample_rate_hz: int, where: str = "audio") -> float:
+        """The audio's duration in seconds, once its shape passes the checks ``transcribe`` makes
+        first (use it to refuse a request before any work starts).
+
+        Raises:
+            InvalidRequest: no samples, a sample rate outside 8000..192000 Hz, or longer than
+                ``max_audio_s`` (``where`` names the audio in the message).
+        """
+        if not MIN_RATE_HZ <= sample_rate_hz <= MAX_RATE_HZ:
+            raise InvalidRequest(
+                f"{where}: sample_rate {sample_rate_hz} is outside {MIN_RATE_HZ}..{MAX_RATE_HZ} Hz", field=where
+            )
+        if num_samples == 0:
+            raise InvalidRequest(f"{where}: the audio has no samples", field=where)
+        duration_s = num_samples / sample_rate_hz
+        if duration_s > self.max_audio_s:
+            raise InvalidRequest(
+                f"{where}: {duration_s:.1f} s of audio is more than speech recognition takes "
+                f"({self.max_audio_s:g} s, --asr-max-audio-s)",
+                field=where,
+            )
+        return duration_s
+
+    async def transcribe(
+        self,
+        samples: np.ndarray,
+        *,
+        sample_rate_hz: int = SAMPLE_RATE_HZ,
+        language: str | None = None,
+        where: str = "audio",
+    ) -> Transcript:
+        """What is said in ``samples`` (float32 mono at ``sample_rate_hz``).
+
+        Args:
+            samples: the audio.
+            sample_rate_hz: its sample rate (resampled to 16 kHz when another).
+            language: the spoken language's code, or None to detect it.
+            where: names the audio in error messages (``messages[1].content[0]``).
+
+        Raises:
+            InvalidRequest: bad audio (see ``check``; NaN or infinite samples too) or an unknown language.
+            ResourceExhausted: ``max_pending`` transcriptions are already waiting or running.
+        """
+        self.check(len(samples), sample_rate_hz, where)
+        audio = np.asarray(samples, dtype=np.float32).reshape(-1)
+        if not np.isfinite(audio).all():
+            raise InvalidRequest(f"{where}: the audio has NaN or infinite samples", field=where)
+        if self._num_pending >= self.max_pending:
+            raise ResourceExhausted(
+                f"speech recognition is busy ({self._num_pending} transcriptions waiting or running, "
+                f"--asr-max-queue {self.max_pending}); retry later"
+            )
+        self._num_pending += 1
+        self.counters.num_waiting += 1
+        try:
+            await self._slots_made().acquire()
+        except BaseException:
+            self._num_pending -= 1
+            self.counters.num_waiting -= 1
+            raise
+        self.counters.num_waiting -= 1
+        return await self._run(audio, sample_rate_hz, language, where)
+
+    async def _run(self, audio: np.ndarray, sample_rate_hz: int, language: str | None, where: str) -> Transcript:
+        """Run one transcription on a worker (a slot is held); give the slot back when the
+        thread is done, even when the caller was cancelled before."""
+        loop = asyncio.get_running_loop()
+        cancel = threading.Event()
+        job = self._executor.submit(self._work, audio, sample_rate_hz, language, cancel)
+
+        def finished(_: concurrent.futures.Future[Transcript]) -> None:
+            loop.call_soon_threadsafe(self._release)
+
+        job.add_done_callback(finished)
+        try:
+            return await asyncio.wrap_future(job)
+        except asyncio.CancelledError:
+            cancel.set()
+            self.counters.num_cancelled_total += 1
+            raise
+        except InvalidRequest as exc:  # the recognizer's refusal (a language), placed
+            raise InvalidRequest(f"{where}: {exc}", field=exc.field) from exc
+
+    def _release(self) -> None:
+        self._num_pending -= 1
+        assert self._slots is not None
+        self._slots.release()
+
+    def _work(
+        self, audio: np.ndarray, sample_rate_hz: int, language: str | None, cancel: threading.Event
+    ) -> Transcript:
+        with self._counters_lock:  # workers may be several threads
+            self.counters.num_running += 1
+        started = time.perf_counter()
+        transcript: Transcript | None = None
+        try:
+            if sample_rate_hz != SAMPLE_RATE_HZ:
+                import soxr
+
+                audio = soxr.resample(audio, sample_rate_hz, SAMPLE_RATE_HZ).astype(np.float32)
+            transcript = self.recognizer.transcribe(audio, language, cancel)
+            return transcript
+        finally:
+            with self._counters_lock:
+                c = self.counters
+                c.num_running -= 1
+                c.busy_s_total += time.perf_counter() - started
+                if transcript is not None:
+                    c.num_transcribed_total += 1
+                    c.audio_s_total += transcript.duration_s
+                    c.by_language[transcript.language] = c.by_language.get(transcript.language, 0) + 1
+
+    def _slots_made(self) -> asyncio.Semaphore:
+        # Made on first use, on the event loop that serves (an asyncio primitive binds to it).
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.workers)
+        return self._slots
+
+    def shutdown(self) -> None:
+        """Stop the worker threads (a running transcription ends at its next window; nothing waits)."""
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+ASR_CHOICES = ("auto", "whisper", "off")
+"""Values of ``--asr``."""
+
+
+def make_asr(config: SpeechConfig) -> AsrService | None:
+    """The server's ``AsrService`` for ``config`` (``--asr`` and the ``--asr-*`` bounds), or None
+    when speech recognition is off (``off``, or ``auto`` without the Whisper packages).
+
+    Raises:
+        ConfigError: ``--asr whisper`` but faster-whisper or the model packages are not installed.
+    """
+    from rill.models.speech import WHISPER_PACKAGES, whisper_installed
+
+    if config.asr == "off" or (config.asr == "auto" and not whisper_installed()):
+        return None
+    if not whisper_installed():
+        raise ConfigError(
+            f"--asr whisper needs faster-whisper and the {' and '.join(WHISPER_PACKAGES)} packages "
+            "(installed with rill; reinstall it), or --asr off"
+        )
+    from rill.engine.threads import default_choice
+
+    threads = default_choice(config.asr_threads).num_threads
+    recognizer = WhisperRecognizer(threads=threads, workers=config.asr_workers)
+    return AsrService(
+        recognizer, workers=config.asr_workers, max_pending=config.asr_max_queue, max_audio_s=config.asr_max_audio_s
+    )
