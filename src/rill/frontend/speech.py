@@ -165,6 +165,11 @@ class PiperSynth:
     is spoken in Piper's own voice and ``check`` returns a note saying so for the reply's
     metadata. Modes that are about another voice (``voice_cloning``, ``audio_roleplay``, ...)
     are refused. The voice loads on the first synthesis, on the speech worker thread.
+
+    Args:
+        varied: speak with the voice's sampling noise, as it was trained to (each rendition of
+            a text differs a little); False: without it, the same text always gives the same
+            samples (tests and benchmarks that need a fixed input).
     """
 
     name = "piper"
@@ -174,10 +179,11 @@ class PiperSynth:
         "a reference voice; the reply is spoken in its own voice, en_US-joe-medium"
     )
 
-    def __init__(self) -> None:
+    def __init__(self, varied: bool = True) -> None:
         from rill.models.speech import PIPER_VOICE
 
         self.voice = PIPER_VOICE
+        self.varied = varied
         self.load_s: float | None = None
         """Seconds the voice took to load, once loaded."""
         self._voice: Any = None
@@ -231,11 +237,17 @@ class PiperSynth:
     def synthesize(self, text: str, language: str | None, cancel: threading.Event) -> np.ndarray:
         """See ``SpeechSynth.synthesize``: one sentence at a time, stopping between sentences."""
         import soxr
+        from piper import SynthesisConfig
 
         voice = self.load()
         pieces: list[np.ndarray] = []
         rate_hz = voice.config.sample_rate
-        for chunk in voice.synthesize(text):
+        # Piper scales each sentence to full scale; resampling overshoots such peaks a little,
+        # so speak at 90 % and clip what still overshoots (the wire's samples are in [-1, 1]).
+        config = SynthesisConfig(volume=0.9)
+        if not self.varied:
+            config.noise_scale = config.noise_w_scale = 0.0
+        for chunk in voice.synthesize(text, syn_config=config):
             pieces.append(chunk.audio_float_array)
             rate_hz = chunk.sample_rate
             if cancel.is_set():
@@ -243,7 +255,8 @@ class PiperSynth:
         if not pieces:
             return np.zeros(0, np.float32)
         samples = np.concatenate(pieces).astype(np.float32)
-        return cast(np.ndarray, soxr.resample(samples, rate_hz, SAMPLE_RATE_HZ).astype(np.float32))
+        resampled = soxr.resample(samples, rate_hz, SAMPLE_RATE_HZ)
+        return cast(np.ndarray, np.clip(resampled, -1.0, 1.0).astype(np.float32))
 
 
 def _is_english(language: str) -> bool:

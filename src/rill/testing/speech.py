@@ -4,8 +4,8 @@ chat wire's input format.
 ``word_error_rate(reference, hypothesis)`` is the word-level edit distance (substitutions,
 deletions, insertions) over the reference's word count, after lower-casing and dropping
 punctuation, so "Paris." and "paris" are the same word. ``spoken(text)`` speaks ``text`` with
-rill's default synthesizer (Piper when installed) and returns 16 kHz float32 mono: what a
-client sends as an ``audio`` part. ``ScriptedRecognizer`` is a speech recognizer double.
+Piper, the same way every time, and returns 16 kHz float32 mono: what a client sends as an
+``audio`` part. ``ScriptedRecognizer`` is a speech recognizer double.
 """
 
 from __future__ import annotations
@@ -43,13 +43,14 @@ def word_error_rate(reference: str, hypothesis: str) -> float:
     return row[-1] / len(ref)
 
 
-def spoken(text: str, synth_choice: str = "auto") -> np.ndarray:
-    """``text`` spoken by the synthesizer ``--tts synth_choice`` names, as 16 kHz float32 mono."""
+def spoken(text: str) -> np.ndarray:
+    """``text`` spoken by Piper without its sampling noise (the same samples every time, so a
+    test's input never changes from run to run), as 16 kHz float32 mono."""
     import soxr
 
-    from rill.frontend.speech import SAMPLE_RATE_HZ, make_synth
+    from rill.frontend.speech import SAMPLE_RATE_HZ, PiperSynth
 
-    audio = make_synth(synth_choice).synthesize(text, None, threading.Event())
+    audio = PiperSynth(varied=False).synthesize(text, None, threading.Event())
     return np.asarray(soxr.resample(audio, SAMPLE_RATE_HZ, 16000), dtype=np.float32)
 
 

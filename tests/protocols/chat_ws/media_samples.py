@@ -29,8 +29,16 @@ def png_b64(width: int = 8, height: int = 6) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-def video_bytes(path: Path, seconds: float = 3.0, fps: int = 4, with_audio: bool = True, size: int = 32) -> bytes:
-    """A tiny MPEG-4 video (moving gradient) with an optional AAC tone track, written by PyAV."""
+def video_bytes(
+    path: Path,
+    seconds: float = 3.0,
+    fps: int = 4,
+    with_audio: bool = True,
+    size: int = 32,
+    sound: np.ndarray | None = None,
+) -> bytes:
+    """A tiny MPEG-4 video (moving gradient) with an optional AAC track, written by PyAV: a
+    tone, or ``sound`` (16 kHz float32 mono) when given."""
     import av
 
     with av.open(str(path), mode="w", format="mp4") as container:
@@ -45,7 +53,7 @@ def video_bytes(path: Path, seconds: float = 3.0, fps: int = 4, with_audio: bool
         for packet in video.encode():
             container.mux(packet)
         if audio is not None:
-            samples = tone(seconds).reshape(1, -1)
+            samples = (tone(seconds) if sound is None else sound).reshape(1, -1)
             frame = av.AudioFrame.from_ndarray(samples, format="flt", layout="mono")
             frame.sample_rate = 16000
             for packet in audio.encode(frame):

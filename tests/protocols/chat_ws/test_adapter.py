@@ -5,6 +5,7 @@ is configured. Where a test needs a given reply, the fake model is scripted to w
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import threading
@@ -22,13 +23,17 @@ from websockets.exceptions import ConnectionClosed
 
 from rill import config as rill_config
 from rill.config import EngineConfig
+from rill.frontend.asr import AsrService
 from rill.frontend.inproc import InprocClient
 from rill.protocols.chat_ws import adapter
 from rill.server import Deps
 from rill.testing.fake_client import fake_client, record_requests
 from rill.testing.fake_runner import StepGate, fake_tokenizer, reply_script
+from rill.testing.speech import ScriptedRecognizer
 from rill.types import GenerateRequest
 from tests.helpers import serving, wait_until
+
+from .media_samples import pcm_b64, tone
 
 THINKING_TEMPLATE = fake_tokenizer().chat_templates["default"] + "{% if enable_thinking %}<think>\n{% endif %}"
 """The fake model's chat template, opening the reasoning block in the generation prompt."""
@@ -38,6 +43,7 @@ class RecordingSynth:
     """Test double: records what it is asked to say; 10 samples of a constant per character."""
 
     name = "recording"
+    voice = "constant"
 
     def __init__(self) -> None:
         self.spoken: list[str] = []
@@ -77,14 +83,16 @@ class Chat:
 
 
 @contextlib.asynccontextmanager
-async def serve_chat(client_args: dict[str, Any] | None = None, **settings: Any) -> AsyncIterator[Chat]:
+async def serve_chat(
+    client_args: dict[str, Any] | None = None, asr: AsrService | None = None, **settings: Any
+) -> AsyncIterator[Chat]:
     """``/ws/chat`` and its HTTP routes on a loopback port over ``fake_client(**client_args)``
-    (``settings``: ``area.field`` config overrides)."""
+    (``settings``: ``area.field`` config overrides; ``asr``: speech recognition, None: off)."""
     async with fake_client(**(client_args or {})) as client:
         cfg = rill_config.load({"chat.chat_max_active": 1, **settings}, env={})
         synth = RecordingSynth()
         requests = record_requests(client)
-        deps = Deps(config=cfg, client=client, speech_synth=synth)
+        deps = Deps(config=cfg, client=client, speech_synth=synth, asr=asr)
         async with serving(Starlette(routes=adapter.routes(deps))) as port:
             yield Chat(f"127.0.0.1:{port}", client, requests, synth)
 
@@ -123,6 +131,7 @@ async def test_reply_with_speech_in_order() -> None:
         "generated_tokens": len("Hello there. Bye.") + 1,
         "input_tokens": len(prompt),
         "audio_data": None,
+        "tts": {"synthesizer": "recording", "voice": "constant"},
     }
     assert texts(messages) == "Hello there. Bye."
     assert chat.synth.spoken == ["Hello there.", "Bye."]
@@ -336,3 +345,93 @@ async def test_recordings_stay_under_the_configured_cap(tmp_path: Any) -> None:
         async with httpx.AsyncClient(base_url=f"http://{chat.url}") as http:
             assert (await http.get(f"/api/recordings/{ids[0]}")).status_code == 404
             assert (await http.get(f"/api/recordings/{ids[2]}")).status_code == 200
+
+
+# -- speech recognition (a scripted recognizer; Whisper itself: test_voice_e2e.py) ----------
+def voice_body(seconds: float = 0.5, **part: Any) -> dict[str, Any]:
+    """A chat whose user message is one audio part (a tone the scripted recognizer "hears")."""
+    audio = {"type": "audio", "data": pcm_b64(tone(seconds)), **part}
+    return {
+        "messages": [{"role": "user", "content": [audio]}],
+        "generation": {"max_new_tokens": 4},
+        "tts": {"enabled": False},
+    }
+
+
+async def test_what_was_heard_is_sent_first_and_takes_the_parts_place() -> None:
+    recognizer = ScriptedRecognizer("what is the capital of france")
+    async with serve_chat(asr=AsrService(recognizer)) as chat:
+        body = voice_body(language="en")
+        body["messages"][0]["content"] = [{"type": "text", "text": "Listen:"}, *body["messages"][0]["content"]]
+        messages, code = await converse(chat, body)
+    kinds = [m["type"] for m in messages]
+    assert kinds[:3] == ["transcript", "queue_done", "prefill_done"] and kinds[-1] == "done" and code == 1000
+    assert messages[0] == {
+        "type": "transcript",
+        "message_index": 0,
+        "content_index": 1,
+        "kind": "audio",
+        "text": "what is the capital of france",
+        "language": "en",
+        "duration_s": 0.5,
+        "speech_s": 0.5,
+    }
+    assert recognizer.calls == [(8000, "en")]
+    assert chat.requests[0].messages[0].content == "Listen:\nwhat is the capital of france"
+
+
+async def test_a_text_chat_streams_while_a_transcription_runs() -> None:
+    gate = threading.Event()
+    recognizer = ScriptedRecognizer(gate=gate)
+    async with serve_chat(asr=AsrService(recognizer)) as chat:
+        async with connect(f"ws://{chat.url}/ws/chat", max_size=None) as voice:
+            await voice.send(json.dumps(voice_body()))
+            await asyncio.to_thread(recognizer.started.wait, 30)
+            # The transcription holds its worker thread until the gate opens; meanwhile a text
+            # chat is served from start to end on the same event loop (and chat slot).
+            text_messages, code = await converse(chat, {**BODY, "generation": {"max_new_tokens": 6}})
+            assert [m["type"] for m in text_messages][-1] == "done" and code == 1000
+            assert sum(1 for m in text_messages if m["type"] == "chunk") >= 1
+            assert recognizer.num_running == 1 and len(chat.requests) == 1
+            gate.set()
+            voice_messages = []
+            with contextlib.suppress(ConnectionClosed):
+                while True:
+                    voice_messages.append(json.loads(await voice.recv()))
+    kinds = [m["type"] for m in voice_messages]
+    assert kinds[:2] == ["transcript", "queue_done"] and kinds[-1] == "done"
+    assert kinds.index("transcript") < kinds.index("prefill_done") < kinds.index("chunk")
+
+
+async def test_a_busy_recognizer_refuses_with_try_again_later() -> None:
+    gate = threading.Event()
+    recognizer = ScriptedRecognizer(gate=gate)
+    async with serve_chat(asr=AsrService(recognizer, max_pending=1)) as chat:
+        async with connect(f"ws://{chat.url}/ws/chat", max_size=None) as first:
+            await first.send(json.dumps(voice_body()))
+            await asyncio.to_thread(recognizer.started.wait, 30)
+            messages, code = await converse(chat, voice_body())
+            gate.set()
+            assert json.loads(await first.recv())["type"] == "transcript"
+    assert code == 1013 and [m["type"] for m in messages] == ["error"]
+    assert "speech recognition is busy" in messages[0]["error"]
+
+
+async def test_leaving_during_a_transcription_cancels_it() -> None:
+    gate = threading.Event()
+    recognizer = ScriptedRecognizer(gate=gate)
+    asr = AsrService(recognizer)
+    async with serve_chat(asr=asr) as chat:
+        async with connect(f"ws://{chat.url}/ws/chat", max_size=None) as voice:
+            await voice.send(json.dumps(voice_body()))
+            await asyncio.to_thread(recognizer.started.wait, 30)
+        await wait_until(lambda: asr.num_pending == 0, attempts=3000, interval_s=0.005)
+        assert recognizer.num_cancelled == 1 and asr.counters.num_cancelled_total == 1
+        assert chat.requests == []  # nothing reached the engine
+
+
+async def test_audio_without_speech_recognition_is_refused_as_before() -> None:
+    async with serve_chat() as chat:
+        messages, code = await converse(chat, voice_body())
+    assert code == 1000 and [m["type"] for m in messages] == ["error"]
+    assert "cannot take audio input" in messages[0]["error"]

@@ -1,4 +1,5 @@
-"""/ws/chat end to end: a real server (tiny random text-only model), real espeak-ng speech.
+"""/ws/chat end to end: a real server (tiny random text-only model), real espeak-ng speech
+(``--tts espeak``), no speech recognition (``--asr off``).
 
 Random weights give gibberish, so tests assert message order, counts, framing, errors and
 engine counters, never wording. Speech runs through ``GatedSynth``: espeak-ng itself, with a
@@ -58,7 +59,9 @@ class GatedSynth(EspeakSynth):
 
 @pytest.fixture(scope="module")
 def live(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    """This module's server: one chat at a time, two places in line, recording on."""
+    """This module's server: one chat at a time, two places in line, recording on, espeak-ng
+    speech and no speech recognition (audio refused as the model cannot take it; the voice
+    round trip is ``test_voice_e2e.py``'s)."""
     data = tmp_path_factory.mktemp("chat-data")
     ref = data / "ref.wav"
     voice = EspeakSynth().synthesize("This is the reference voice.", "en", threading.Event())
@@ -75,6 +78,8 @@ def live(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
             "chat.record": True,
             "chat.ref_audio": str(ref),
             "http.data_dir": str(data),
+            "speech.tts": "espeak",
+            "speech.asr": "off",
         },
     )
     yield server

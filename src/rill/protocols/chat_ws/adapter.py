@@ -1,12 +1,14 @@
 """``/ws/chat`` and its HTTP helpers: the chat protocol's transport.
 
-Per connection: receive the one request; the service (``service.ChatService``) checks it
-and makes the session; wait for a turn in the server's fair queue (``queued`` /
+Per connection: receive the one request; the service (``service.ChatService``) checks it,
+transcribes its audio and makes the session; send what was heard (``transcript``); wait
+for a turn in the server's fair queue (``queued`` /
 ``queue_update`` / ``queue_done``); then the session driver (``protocols/_shared/driver.py``)
 runs the engine request (deltas → chunks, one per token, and speech segments) while a
 speech reader turns the reply's speech into audio chunks, until the session says ``Close``.
-A watcher notices the client leaving; leaving at any point leaves the queue, ends the engine
-request (the engine frees its KV cache at once) and cancels the speech.
+A watcher notices the client leaving; leaving at any point cancels its transcription,
+leaves the queue, ends the engine request (the engine frees its KV cache at once) and
+cancels the speech.
 
 HTTP: ``GET /api/recordings/{id}`` (JSON), ``GET /api/recordings/{id}/reply.wav`` and
 ``GET /api/default_ref_audio`` (the source project's shape, or 404).
@@ -17,7 +19,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Any
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
@@ -33,6 +36,8 @@ from rill.protocols.chat_ws.service import ChatService, ReplySpeech, Turn
 from rill.protocols.chat_ws.session import PROTOCOL, ChatSession, EndSpeech, Record, Speak
 
 log = logging.getLogger("rill.protocols.chat_ws")
+
+T = TypeVar("T")
 
 
 def routes(deps: Deps) -> list[BaseRoute]:
@@ -122,9 +127,10 @@ class _Chat:
                     await self.ws.close(self.close_code)
 
     async def _serve(self) -> None:
-        self.session, request = await self.service.prepare(self.request_text)
+        session, request = await self._unless_gone(self.service.prepare(self.request_text))
+        self.session = session
         self.driver = Driver(
-            self.session,
+            session,
             self,
             self.service.client,
             protocol=PROTOCOL,
@@ -132,7 +138,8 @@ class _Chat:
             metrics=self.service.metrics,
             one_event_per_token=True,
         )
-        if not await self.turn.wait(self.session, self.driver.perform, self.gone):
+        await self.driver.perform(session.on_transcribed())
+        if not await self.turn.wait(session, self.driver.perform, self.gone):
             return
         await self.driver.perform([Start(request)])
         stops = [asyncio.create_task(self.closed.wait()), asyncio.create_task(self.gone.wait())]
@@ -141,6 +148,22 @@ class _Chat:
         finally:
             for task in stops:
                 task.cancel()
+
+    async def _unless_gone(self, work: Coroutine[Any, Any, T]) -> T:
+        """``work``'s result, or ``Gone`` (``work`` cancelled) if the client leaves first:
+        a transcription queued for a client that left never runs."""
+        task = asyncio.create_task(work)
+        leaving = asyncio.create_task(self.gone.wait())
+        try:
+            await asyncio.wait([task, leaving], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            leaving.cancel()
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        if task.cancelled():
+            raise Gone
+        return task.result()
 
     async def send(self, message: Any) -> None:
         """Write one server message."""

@@ -40,7 +40,9 @@ class DecodedMedia:
     """One media part after decoding (what a multimodal model would receive).
 
     ``kind`` is ``image``, ``audio`` or ``video``; ``where`` names the part in the request
-    (``messages[1].content[2]``); images are RGB Pillow images; audio is float32 mono.
+    (``messages[1].content[2]``), ``message_index`` and ``content_index`` place it; images
+    are RGB Pillow images; audio is float32 mono (a video's audio track at 16 kHz, None
+    when it has none); ``language`` is the part's spoken-language hint.
     """
 
     kind: str
@@ -49,6 +51,9 @@ class DecodedMedia:
     audio: np.ndarray | None = None
     sample_rate_hz: int = b64pcm.INPUT_SAMPLE_RATE_HZ
     duration_s: float = 0.0
+    message_index: int = 0
+    content_index: int = 0
+    language: str | None = None
 
 
 def decode_media(messages: list[Message], limits: MediaLimits) -> list[DecodedMedia]:
@@ -64,11 +69,17 @@ def decode_media(messages: list[Message], limits: MediaLimits) -> list[DecodedMe
         for p, part in enumerate(message.content):
             where = f"messages[{m}].content[{p}]"
             if isinstance(part, AudioPart):
-                decoded.append(_audio(part, where, limits))
+                item = _audio(part, where, limits)
+                item.language = part.language
             elif isinstance(part, ImagePart):
-                decoded.append(_image(part, where, limits))
+                item = _image(part, where, limits)
             elif isinstance(part, VideoPart):
-                decoded.append(_video(part, where, limits))
+                item = _video(part, where, limits)
+                item.language = part.language
+            else:
+                continue
+            item.message_index, item.content_index = m, p
+            decoded.append(item)
             if len(decoded) > limits.max_parts:
                 raise InvalidRequest(
                     f"{where}: more than {limits.max_parts} media parts in one request", field="messages"

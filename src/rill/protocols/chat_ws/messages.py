@@ -3,11 +3,17 @@
 Message sequence on one connection::
 
     client: ChatRequest                      (exactly one, right after connecting)
+    server: Transcript*                      (one per audio part and video audio track heard)
     server: Queued, QueueUpdate*             (only while the chat waits for a free slot)
     server: QueueDone                        (always, before prefill)
     server: PrefillDone → Chunk* → Done      (Chunk only when ``streaming`` is true)
     server closes the connection.
     Any error: Error, then close.
+
+rill's extensions, which spec clients skip (the spec's examples act on the types they know
+and ignore the rest): the ``transcript`` message; ``language`` on audio and video parts (the
+spoken language, to skip detection); ``tts`` on ``done`` (who spoke the reply, and a note when
+a speech setting was honoured differently than asked).
 
 Fields the server leaves out are ``UNSET`` (never written); ``None`` is written as ``null``.
 Pure: msgspec and ``rill.protocols._shared`` only.
@@ -36,18 +42,25 @@ class ImagePart(msgspec.Struct, tag_field="type", tag="image", kw_only=True):
 
 
 class AudioPart(msgspec.Struct, tag_field="type", tag="audio", kw_only=True):
-    """Content part: raw PCM float32 little-endian mono, base64, at ``sample_rate`` Hz."""
+    """Content part: raw PCM float32 little-endian mono, base64, at ``sample_rate`` Hz.
+
+    ``language`` (rill extension): the spoken language's code (``en``, ``fr``, ...) for speech
+    recognition; left out, it is detected.
+    """
 
     data: str
     sample_rate: int = 16000
+    language: str | None = None
 
 
 class VideoPart(msgspec.Struct, tag_field="type", tag="video", kw_only=True):
     """Content part: a video file (MP4, WebM, ...), base64; frames and the audio track are
-    extracted; ``stack_frames`` frames are stacked into one image."""
+    extracted; ``stack_frames`` frames are stacked into one image. ``language`` (rill
+    extension): the audio track's spoken language, as on ``AudioPart``."""
 
     data: str
     stack_frames: int = 1
+    language: str | None = None
 
 
 ContentPart = TextPart | ImagePart | AudioPart | VideoPart
@@ -175,11 +188,43 @@ class Chunk(msgspec.Struct, tag_field="type", tag="chunk", kw_only=True):
     audio_data: str | UnsetType = UNSET
 
 
+class Transcript(msgspec.Struct, tag_field="type", tag="transcript", kw_only=True):
+    """Server → client (rill extension): what speech recognition heard in one audio part, or
+    in a video part's audio track, of the request. Sent before ``queue_done``, so before
+    ``prefill_done`` and the first token; ``text`` is what entered the prompt in the part's place.
+
+    ``message_index`` and ``content_index`` place the part (``messages[i].content[j]``);
+    ``kind`` is ``audio`` or ``video``; ``language`` the code given or detected;
+    ``duration_s`` the audio's length and ``speech_s`` the speech voice-activity trimming
+    kept; ``note`` says what of the part the model did not get (a video's frames).
+    """
+
+    message_index: int
+    content_index: int
+    kind: str
+    text: str
+    language: str
+    duration_s: float
+    speech_s: float
+    note: str | UnsetType = UNSET
+
+
+class SpeechInfo(msgspec.Struct, kw_only=True):
+    """``done.tts`` (rill extension) of a spoken reply: the synthesizer and voice that spoke
+    it; ``note`` when a speech setting was honoured differently than asked (a reference voice
+    that could not be imitated)."""
+
+    synthesizer: str
+    voice: str
+    note: str | UnsetType = UNSET
+
+
 class Done(msgspec.Struct, tag_field="type", tag="done", kw_only=True):
     """Server → client: the reply is complete.
 
     ``audio_data``: the whole reply's speech when not streaming; ``null`` when streaming
     (every audio segment already went out in a ``chunk``) or when speech is off.
+    ``tts`` (rill extension): who spoke a spoken reply; left out when speech is off.
     """
 
     text: str
@@ -187,6 +232,7 @@ class Done(msgspec.Struct, tag_field="type", tag="done", kw_only=True):
     input_tokens: int
     audio_data: str | None = None
     recording_session_id: str | UnsetType = UNSET
+    tts: SpeechInfo | UnsetType = UNSET
 
 
 class Error(msgspec.Struct, tag_field="type", tag="error", kw_only=True):
@@ -195,4 +241,4 @@ class Error(msgspec.Struct, tag_field="type", tag="error", kw_only=True):
     error: str
 
 
-ServerMessage = Queued | QueueUpdate | QueueDone | PrefillDone | Chunk | Done | Error
+ServerMessage = Transcript | Queued | QueueUpdate | QueueDone | PrefillDone | Chunk | Done | Error

@@ -2,8 +2,9 @@
 ``Turn`` in the server's fair queue and the ``ReplySpeech`` beside its engine request.
 
 Not pure (``tests/protocols/test_purity.py`` lists it): it decodes media on a worker
-thread, asks the engine client whether the model is ready and how it renders a prompt,
-writes recordings to disk and reads them back, reads the reference audio file, waits on the
+thread, transcribes audio through the server's speech recognition (``rill.frontend.asr``),
+asks the engine client whether the model is ready and how it renders a prompt, writes
+recordings to disk and reads them back, reads the reference audio file, waits on the
 queue's mailboxes and reads the speech worker's audio. The socket itself is the adapter's.
 """
 
@@ -23,24 +24,27 @@ import numpy as np
 
 from rill.config import parse_size
 from rill.deps import Deps
+from rill.errors import InvalidRequest
+from rill.frontend.asr import AsrService
 from rill.frontend.client import EngineClient
 from rill.frontend.speech import SAMPLE_RATE_HZ, SpeechService, SpeechStream
 from rill.protocols._shared import b64pcm
 from rill.protocols._shared.driver import Gone
 from rill.protocols.chat_ws import codec, media
-from rill.protocols.chat_ws.messages import ChatRequest, Done
+from rill.protocols.chat_ws.messages import ChatRequest, Done, SpeechInfo
 from rill.protocols.chat_ws.queue import FairQueue, Moved, Notice, QueueStatus, Started
 from rill.protocols.chat_ws.segmenter import THINK_TAGS, Segmenter
 from rill.protocols.chat_ws.session import (
     Action,
     ChatSession,
     EndSpeech,
+    Heard,
     Speak,
     build_generate_request,
     refuse_modalities,
 )
 from rill.recordings import RecordingStore
-from rill.types import GenerateRequest
+from rill.types import GenerateRequest, ModelInfo
 
 log = logging.getLogger("rill.protocols.chat_ws")
 
@@ -50,16 +54,17 @@ Perform = Callable[[list[Action]], Awaitable[None]]
 
 class ChatService:
     """What every ``/ws/chat`` connection of one server shares: the engine client, the fair
-    queue, the speech worker, recordings and limits.
+    queue, the speech worker, speech recognition, recordings and limits.
 
     Args:
         deps: the server's dependencies (``speech_synth``: the synthesizer; None: espeak-ng,
-            created on first use).
+            created on first use; ``asr``: speech recognition; None: audio input is refused).
     """
 
     def __init__(self, deps: Deps) -> None:
         cfg = deps.config
         self.client: EngineClient = deps.client
+        self.asr: AsrService | None = deps.asr
         self.metrics = deps.metrics
         self.queue = FairQueue(cfg.chat.chat_max_active, cfg.chat.chat_max_queue)
         self.speech = SpeechService(deps.speech_synth)
@@ -86,15 +91,23 @@ class ChatService:
         """
         request = codec.decode_request(request_text)
         info = self.client.require_model()
+        speech_info = None
         if request.tts.enabled:
-            self.speech.synth.check(
+            synth = self.speech.synth
+            note = synth.check(
                 language=request.tts.language,
                 mode=request.tts.mode,
                 has_ref_audio=bool(request.tts.ref_audio_data or request.tts.ref_audio_path),
             )
+            speech_info = SpeechInfo(synthesizer=synth.name, voice=synth.voice)
+            if note is not None:
+                speech_info.note = note
         decoded = await asyncio.to_thread(media.decode_media, request.messages, self.media_limits)
-        refuse_modalities([(d.kind, d.where) for d in decoded], info.name, list(info.modalities))
-        generate_request = build_generate_request(request, deadline_s=self.request_timeout_s)
+        audible = [d for d in decoded if self._can_hear(d)]
+        unheard = [(d.kind, d.where) for d in decoded if not any(d is a for a in audible)]
+        refuse_modalities(unheard, info.name, list(info.modalities))
+        heard = await self._transcribe(audible, info)
+        generate_request = build_generate_request(request, heard=heard, deadline_s=self.request_timeout_s)
         recording_id = f"chat_{uuid.uuid4().hex[:16]}" if self.recordings_dir is not None else None
         session = ChatSession(
             request,
@@ -102,8 +115,70 @@ class ChatService:
             segmenter=Segmenter(starts_in_thinking=await self._starts_in_thinking(request)),
             recording_session_id=recording_id,
             keep_audio=recording_id is not None,
+            heard=heard,
+            speech_info=speech_info,
         )
         return session, generate_request
+
+    # -- speech recognition ------------------------------------------------------------
+    def _can_hear(self, part: media.DecodedMedia) -> bool:
+        """An audio part, or a video part with an audio track, on a server that recognizes speech."""
+        if self.asr is None:
+            return False
+        return part.kind == "audio" or (part.kind == "video" and part.audio is not None and len(part.audio) > 0)
+
+    async def _transcribe(self, parts: list[media.DecodedMedia], info: ModelInfo) -> list[Heard]:
+        """Each part's transcript, in request order, once the request's audio passed every
+        check (so that a bad last part costs no transcription of the first).
+
+        Raises:
+            InvalidRequest: a part's audio is bad, the request's audio is longer than speech
+                recognition takes, or a part holds no speech (the message names the part).
+            ResourceExhausted: speech recognition is busy.
+        """
+        if not parts:
+            return []
+        assert self.asr is not None
+        total_s = 0.0
+        for part in parts:
+            assert part.audio is not None
+            total_s += self.asr.check(len(part.audio), part.sample_rate_hz, f"{part.where} ({part.kind})")
+        if total_s > self.asr.max_audio_s:
+            raise InvalidRequest(
+                f"messages: {total_s:.1f} s of audio in one request is more than speech recognition takes "
+                f"({self.asr.max_audio_s:g} s, --asr-max-audio-s)",
+                field="messages",
+            )
+        heard: list[Heard] = []
+        for part in parts:
+            assert part.audio is not None
+            where = f"{part.where} ({part.kind})"
+            transcript = await self.asr.transcribe(
+                part.audio, sample_rate_hz=part.sample_rate_hz, language=part.language, where=where
+            )
+            if not transcript.text:
+                track = "its audio track" if part.kind == "video" else "it"
+                raise InvalidRequest(
+                    f"{where}: no speech was heard in {track} ({transcript.duration_s:.1f} s of audio), "
+                    "so there is nothing to put in the prompt",
+                    field="messages",
+                )
+            note = None
+            if part.kind == "video" and "video" not in info.modalities:
+                note = f"only the audio track was heard: the model '{info.name}' cannot see the video's frames"
+            heard.append(
+                Heard(
+                    part.message_index,
+                    part.content_index,
+                    part.kind,
+                    transcript.text,
+                    transcript.language,
+                    transcript.duration_s,
+                    transcript.speech_s,
+                    note,
+                )
+            )
+        return heard
 
     async def _starts_in_thinking(self, request: ChatRequest) -> bool:
         # Some templates open the reasoning block in the generation prompt itself (the reply

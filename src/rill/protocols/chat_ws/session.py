@@ -1,6 +1,10 @@
 """The sans-I/O state of one ``/ws/chat`` connection: request → engine request, outputs →
 wire messages and speech segments.
 
+Audio parts (and video audio tracks) arrive already transcribed: the service runs speech
+recognition before the session exists and hands it each part's ``Heard``; the session sends
+them (``on_transcribed``) and the engine request carries their text in the parts' places.
+
 States and transitions (one request per connection)::
 
     QUEUED ──admitted──▶ GENERATING ──text finished──▶ SPEAKING ──speech ended──▶ DONE
@@ -17,9 +21,11 @@ numpy (for PCM), ``rill.types``, ``rill.errors`` and this package.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from msgspec import UNSET
 
 from rill.errors import InvalidRequest, RillError
 from rill.protocols._shared import b64pcm
@@ -38,7 +44,9 @@ from rill.protocols.chat_ws.messages import (
     QueueDone,
     QueueUpdate,
     ServerMessage,
+    SpeechInfo,
     TextPart,
+    Transcript,
 )
 from rill.protocols.chat_ws.queue import QueueStatus
 from rill.protocols.chat_ws.segmenter import Segmenter
@@ -77,6 +85,22 @@ class Record:
     audio: np.ndarray | None
 
 
+@dataclass(frozen=True)
+class Heard:
+    """What speech recognition heard in the media part ``messages[message_index].content[content_index]``
+    (an ``audio`` part, or a ``video`` part's audio track): ``text`` takes the part's place in
+    the prompt; ``note`` says what of the part the model did not get."""
+
+    message_index: int
+    content_index: int
+    kind: str
+    text: str
+    language: str
+    duration_s: float
+    speech_s: float
+    note: str | None = None
+
+
 Action = Send[ServerMessage] | Speak | EndSpeech | Record | Close
 """``Close`` carries the WebSocket close code (``codec.CLOSE_*``)."""
 
@@ -84,15 +108,19 @@ Action = Send[ServerMessage] | Speak | EndSpeech | Record | Close
 _MODALITY_OF_PART = {"image": "image", "audio": "audio", "video": "video"}
 
 
-def build_generate_request(request: ChatRequest, *, deadline_s: float | None = None) -> GenerateRequest:
+def build_generate_request(
+    request: ChatRequest, *, heard: Sequence[Heard] = (), deadline_s: float | None = None
+) -> GenerateRequest:
     """The engine request for a chat whose media parts were already refused or handled.
 
-    Text parts of a content list are joined with newlines; media parts must not remain.
+    Text parts of a content list are joined with newlines; a media part that was ``heard``
+    counts as a text part holding its transcript; other media parts must not remain.
 
     Raises:
         InvalidRequest: a generation field is invalid (names it), or a media part remains.
     """
-    messages = [ChatMessage(role=m.role, content=_text_of(m, i)) for i, m in enumerate(request.messages)]
+    texts = {(h.message_index, h.content_index): h.text for h in heard}
+    messages = [ChatMessage(role=m.role, content=_text_of(m, i, texts)) for i, m in enumerate(request.messages)]
     sampling = sampling_params(request.generation)
     return GenerateRequest(
         messages=messages,
@@ -103,11 +131,14 @@ def build_generate_request(request: ChatRequest, *, deadline_s: float | None = N
     )
 
 
-def _text_of(message: Message, index: int) -> str:
+def _text_of(message: Message, index: int, heard: Mapping[tuple[int, int], str]) -> str:
     if isinstance(message.content, str):
         return message.content
     texts: list[str] = []
     for p, part in enumerate(message.content):
+        if (index, p) in heard:
+            texts.append(heard[(index, p)])
+            continue
         if not isinstance(part, TextPart):
             raise InvalidRequest(
                 f"messages[{index}].content[{p}]: media parts cannot be sent to this model", field="messages"
@@ -158,6 +189,8 @@ class ChatSession(driver_session.Session):
         is_speaking: speech is on (``tts.enabled`` and a synthesizer is available).
         segmenter: cuts reply text into speakable segments (reasoning excluded).
         recording_session_id: put on ``done`` when the chat is recorded.
+        heard: what speech recognition heard in the request's audio, in request order.
+        speech_info: put on ``done`` (as ``tts``) when the reply is spoken.
     """
 
     def __init__(
@@ -168,8 +201,12 @@ class ChatSession(driver_session.Session):
         segmenter: Segmenter | None = None,
         recording_session_id: str | None = None,
         keep_audio: bool = False,
+        heard: Sequence[Heard] = (),
+        speech_info: SpeechInfo | None = None,
     ) -> None:
         self.request = request
+        self.heard = tuple(heard)
+        self.speech_info = speech_info
         self.is_streaming = request.streaming
         self.is_speaking = is_speaking
         self.state = QUEUED
@@ -182,6 +219,25 @@ class ChatSession(driver_session.Session):
         self._segmenter = segmenter or Segmenter()
         self._prefill_sent = False
         self.max_chunk_samples = b64pcm.OUTPUT_SAMPLE_RATE_HZ  # one second of audio per chunk
+
+    # -- speech recognition ------------------------------------------------------------
+    def on_transcribed(self) -> list[Action]:
+        """One ``transcript`` per part heard, before anything else is sent."""
+        return [
+            Send(
+                Transcript(
+                    message_index=h.message_index,
+                    content_index=h.content_index,
+                    kind=h.kind,
+                    text=h.text,
+                    language=h.language,
+                    duration_s=round(h.duration_s, 3),
+                    speech_s=round(h.speech_s, 3),
+                    note=UNSET if h.note is None else h.note,
+                )
+            )
+            for h in self.heard
+        ]
 
     # -- queue (the server's fair queue of chats, not the engine's) ---------------------
     def on_queue_joined(self, status: QueueStatus) -> list[Action]:
@@ -274,6 +330,8 @@ class ChatSession(driver_session.Session):
         done = Done(
             text=self.text, generated_tokens=self.generated_tokens, input_tokens=self.input_tokens, audio_data=audio
         )
+        if self.is_speaking and self.speech_info is not None:
+            done.tts = self.speech_info
         if self.recording_session_id is None:
             return [Send(done), Close(codec.CLOSE_NORMAL)]
         done.recording_session_id = self.recording_session_id
