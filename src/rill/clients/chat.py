@@ -6,7 +6,9 @@
 
 ``rill client chat --prompt TEXT [--system TEXT] [--say] [--out reply.wav] [--url URL]``
 prints the reply as it streams (queue positions go to stderr) and, with ``--say``, writes
-the spoken reply to a WAV file.
+the spoken reply to a WAV file. ``--wav question.wav`` asks with speech instead of (or after)
+``--prompt``: the file (any rate, mono or stereo) is sent as an ``audio`` part at 16 kHz, and
+what the server heard (its ``transcript`` message) goes to stderr before the reply.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ import numpy as np
 
 DEFAULT_URL = "ws://127.0.0.1:8000/ws/chat"
 SAMPLE_RATE_HZ = 24000
+INPUT_SAMPLE_RATE_HZ = 16000
+MESSAGE_TOO_BIG = 1009
+"""The WebSocket close code of a message over the receiver's size limit."""
 
 
 class ChatError(Exception):
@@ -53,6 +58,7 @@ async def chat(
     api_key: str | None = None,
     on_text: Callable[[str], None] | None = None,
     on_queue: Callable[[dict[str, Any]], None] | None = None,
+    on_transcript: Callable[[dict[str, Any]], None] | None = None,
 ) -> ChatResult:
     """Send one chat and collect the reply.
 
@@ -66,6 +72,7 @@ async def chat(
         api_key: sent as ``Authorization: Bearer``.
         on_text: called with each text delta as it arrives.
         on_queue: called with each ``queued`` / ``queue_update`` message.
+        on_transcript: called with each ``transcript`` message (what was heard in an audio part).
 
     Raises:
         ChatError: the server sent ``error``, or closed before ``done``.
@@ -78,18 +85,27 @@ async def chat(
     pieces: list[np.ndarray] = []
     async with websockets.connect(url, additional_headers=headers, max_size=None) as ws:
         await ws.send(json.dumps(request))
-        async for raw in ws:
-            msg = json.loads(raw)
-            result.messages.append(msg)
-            kind = msg.get("type")
-            if kind in ("queued", "queue_update") and on_queue is not None:
-                on_queue(msg)
-            elif kind == "chunk":
-                _take_chunk(msg, result, pieces, on_text)
-            elif kind == "done":
-                return _take_done(msg, result, pieces, on_text if not streaming else None)
-            elif kind == "error":
-                raise ChatError(msg.get("error", "unknown error"))
+        try:
+            async for raw in ws:
+                msg = json.loads(raw)
+                result.messages.append(msg)
+                kind = msg.get("type")
+                if kind in ("queued", "queue_update") and on_queue is not None:
+                    on_queue(msg)
+                elif kind == "transcript" and on_transcript is not None:
+                    on_transcript(msg)
+                elif kind == "chunk":
+                    _take_chunk(msg, result, pieces, on_text)
+                elif kind == "done":
+                    return _take_done(msg, result, pieces, on_text if not streaming else None)
+                elif kind == "error":
+                    raise ChatError(msg.get("error", "unknown error"))
+        except websockets.ConnectionClosedError as exc:
+            if exc.rcvd is not None and exc.rcvd.code == MESSAGE_TOO_BIG:
+                raise ChatError(
+                    "the request is larger than the server takes in one message (its --max-body-bytes)"
+                ) from exc
+            raise ChatError(f"the server closed the connection before the reply was done ({exc})") from exc
     raise ChatError("the server closed the connection before the reply was done")
 
 
@@ -142,12 +158,29 @@ def _audio(data: str) -> np.ndarray:
     return np.frombuffer(base64.b64decode(data), dtype="<f4")
 
 
+def audio_part(path: str) -> dict[str, Any]:
+    """An ``audio`` content part holding the sound file at ``path`` (WAV, FLAC, ...: what
+    soundfile reads), mixed to mono and resampled to 16 kHz float32."""
+    import soundfile
+    import soxr
+
+    samples, rate = soundfile.read(path, dtype="float32", always_2d=True)
+    mono = samples.mean(axis=1)
+    if rate != INPUT_SAMPLE_RATE_HZ:
+        mono = soxr.resample(mono, rate, INPUT_SAMPLE_RATE_HZ)
+    data = base64.b64encode(np.ascontiguousarray(mono, dtype="<f4").tobytes()).decode("ascii")
+    return {"type": "audio", "data": data, "sample_rate": INPUT_SAMPLE_RATE_HZ}
+
+
 def register(client_subparsers: Any) -> None:
     """Add ``rill client chat``."""
     parser = client_subparsers.add_parser(
         "chat", help="chat over /ws/chat; --say writes the spoken reply to a WAV file"
     )
-    parser.add_argument("--prompt", required=True, help="the user message")
+    parser.add_argument("--prompt", default=None, help="the user message (or its text part, with --wav)")
+    parser.add_argument(
+        "--wav", default=None, help="a sound file to ask with (sent as audio; the server transcribes it)"
+    )
     parser.add_argument("--system", default=None, help="a system message")
     parser.add_argument("--say", action="store_true", help="ask for speech and write it to --out")
     parser.add_argument("--out", default="reply.wav", help="WAV file for the spoken reply (default: reply.wav)")
@@ -161,8 +194,19 @@ def register(client_subparsers: Any) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
+    if args.prompt is None and args.wav is None:
+        print("rill client chat: give --prompt TEXT, --wav FILE or both", file=sys.stderr)
+        return 2
+    content: str | list[dict[str, Any]] = args.prompt
+    if args.wav is not None:
+        try:
+            audio = audio_part(args.wav)
+        except Exception as exc:  # noqa: BLE001 - soundfile raises its own error types
+            print(f"rill client chat: cannot read {args.wav}: {exc}", file=sys.stderr)
+            return 1
+        content = ([{"type": "text", "text": args.prompt}] if args.prompt else []) + [audio]
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
-        {"role": "user", "content": args.prompt}
+        {"role": "user", "content": content}
     ]
     generation = {
         k: v for k, v in (("max_new_tokens", args.max_new_tokens), ("temperature", args.temperature)) if v is not None
@@ -171,6 +215,9 @@ def _main(args: argparse.Namespace) -> int:
     def show_text(delta: str) -> None:
         sys.stdout.write(delta)
         sys.stdout.flush()
+
+    def show_transcript(msg: dict[str, Any]) -> None:
+        print(f"[heard ({msg['language']}, {msg['duration_s']:.1f} s): {msg['text']}]", file=sys.stderr)
 
     def show_queue(msg: dict[str, Any]) -> None:
         print(
@@ -190,6 +237,7 @@ def _main(args: argparse.Namespace) -> int:
                 api_key=args.api_key,
                 on_text=show_text,
                 on_queue=show_queue,
+                on_transcript=show_transcript,
             )
         )
     except ChatError as exc:

@@ -12,14 +12,18 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+import soundfile
+import soxr
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
+from rill.cli import main as rill_main
 from rill.frontend.speech import SAMPLE_RATE_HZ, PiperSynth
 from rill.models.default import default_gguf_path
 from rill.testing.speech import spoken, word_error_rate
@@ -139,6 +143,19 @@ def test_bad_audio_gets_the_protocols_error(
     messages, code = conversation(live, ask(part))
     assert code == 1000 and [m["type"] for m in messages] == ["error"], messages
     assert expected in messages[0]["error"] and "messages[0].content[0]" in messages[0]["error"]
+
+
+def test_rill_client_chat_asks_with_a_wav_file(
+    live: LiveServer, question: np.ndarray, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    wav = tmp_path / "question.wav"
+    at_44k = soxr.resample(question, 16000, 44100)
+    soundfile.write(wav, np.stack([at_44k, at_44k], axis=1), 44100)  # stereo, another rate: the client converts
+    argv = ["client", "chat", "--wav", str(wav), "--temperature", "0", "--max-new-tokens", "24"]
+    assert rill_main([*argv, "--url", f"{live.ws_url}/ws/chat"]) == 0
+    out, err = capsys.readouterr()
+    assert "Paris" in out
+    assert re.search(r"^\[heard \(en, 1\.\d s\): What is the capital of France\?\]$", err, re.M), err
 
 
 def test_ten_minutes_of_audio_is_over_the_message_size_limit(live: LiveServer) -> None:
