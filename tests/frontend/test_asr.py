@@ -14,7 +14,7 @@ from rill.errors import InvalidRequest, ModelLoadError, ResourceExhausted
 from rill.frontend.asr import AsrService, WhisperRecognizer
 from rill.frontend.speech import SAMPLE_RATE_HZ, PiperSynth
 from rill.models import speech as speech_models
-from rill.testing.speech import ScriptedRecognizer, word_error_rate
+from rill.testing.speech import ScriptedRecognizer, spoken, word_error_rate
 from tests.helpers import wait_until
 
 SENTENCE = "Please tell me the weather forecast for tomorrow morning in the city of London."
@@ -67,6 +67,19 @@ async def test_piper_speech_comes_back_word_for_word(whisper: WhisperRecognizer)
     assert transcript.duration_s == pytest.approx(len(speech) / SAMPLE_RATE_HZ, abs=0.01)
     assert 0 < transcript.speech_s <= transcript.duration_s
     assert service.counters.num_transcribed_total == 1 and service.num_pending == 0
+
+
+def test_detecting_the_language_costs_no_second_encoding(whisper: WhisperRecognizer) -> None:
+    model = whisper.load()
+    encoded: list[int] = []
+    encode = model.encode
+    model.encode = lambda features: encoded.append(1) or encode(features)  # counts, on this instance only
+    try:
+        transcript = whisper.transcribe(spoken("What is the capital of France?"), None, threading.Event())
+    finally:
+        del model.encode
+    assert transcript.text == "What is the capital of France?" and transcript.language == "en"
+    assert len(encoded) == 1  # one 30-second window: detection and decoding share its encoding
 
 
 async def test_silence_is_heard_as_nothing(whisper: WhisperRecognizer) -> None:
