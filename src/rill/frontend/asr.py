@@ -114,6 +114,8 @@ class WhisperRecognizer:
 
                 from rill.models.speech import ensure_whisper_model
 
+                # faster-whisper logs three INFO lines per transcription: a busy server's log would drown.
+                logging.getLogger("faster_whisper").setLevel(logging.WARNING)
                 started = time.perf_counter()
                 folder = self.model_dir or str(ensure_whisper_model())
                 self._model = _reusing_first_window(WhisperModel)(
