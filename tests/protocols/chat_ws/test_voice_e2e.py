@@ -25,6 +25,7 @@ from websockets.sync.client import connect
 
 from rill.cli import main as rill_main
 from rill.frontend.speech import SAMPLE_RATE_HZ, PiperSynth
+from rill.models import speech as speech_models
 from rill.models.default import default_gguf_path
 from rill.testing.speech import spoken, word_error_rate
 from tests.conftest import LiveServer, start_server
@@ -43,10 +44,14 @@ def question() -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def live() -> LiveServer:
+def live(tmp_path_factory: pytest.TempPathFactory) -> LiveServer:
     """The default model's GGUF (dequantized: its int4 form answers this question badly), Piper
-    and Whisper, and a short audio cap. A small step budget keeps the start-up warm-up short
-    (the prompts here are under 100 tokens)."""
+    and Whisper (its file joined into a temporary folder, not the user's cache), and a short
+    audio cap. A small step budget keeps the start-up warm-up short (the prompts here are
+    under 100 tokens)."""
+    whisper_dir = tmp_path_factory.mktemp("cache") / "whisper-base"
+    patch = pytest.MonkeyPatch()
+    patch.setattr(speech_models, "whisper_model_dir", lambda: whisper_dir)
     server = start_server(
         default_gguf_path(),
         **{
@@ -59,6 +64,7 @@ def live() -> LiveServer:
     )
     yield server
     server.stop()
+    patch.undo()
 
 
 def conversation(live: LiveServer, body: dict[str, Any] | str) -> tuple[list[dict[str, Any]], int | None]:
@@ -107,6 +113,7 @@ def test_a_spoken_question_is_heard_answered_and_spoken_back(live: LiveServer, q
         asr.transcribe(speech, sample_rate_hz=SAMPLE_RATE_HZ), live.loop
     ).result(TIMEOUT_S)
     assert "paris" in reply_heard.text.lower(), reply_heard.text
+    assert speech_models.is_whisper_complete(speech_models.whisper_model_dir())  # the patched folder
 
 
 def test_a_videos_audio_track_is_heard(live: LiveServer, question: np.ndarray, tmp_path: Path) -> None:
