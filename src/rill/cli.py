@@ -38,9 +38,14 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
     import dataclasses
     import json
 
+    from rill.database import redact
+
     cfg = config.load(_config_flags(args))
     cfg.api_keys()  # reads --api-key-file: a file with no key is an error here as in serve
-    print(json.dumps(dataclasses.asdict(cfg), indent=2))
+    shown = dataclasses.asdict(cfg)
+    if cfg.storage.database is not None:
+        shown["storage"]["database"] = redact(cfg.storage.database)
+    print(json.dumps(shown, indent=2))
     return 0
 
 
@@ -89,8 +94,15 @@ def _cmd_feedback_export(args: argparse.Namespace) -> int:
     from rill import feedback
 
     # Here, not in rill.feedback: the store sits below the configuration it is given.
-    data_dir = args.data_dir if args.data_dir is not None else config.load({}).http.data_dir
-    return feedback.export(data_dir, sys.stdout)
+    if args.database is not None:
+        from rill.database import check_url
+
+        check_url(args.database)
+        return feedback.export(args.database, sys.stdout)
+    if args.data_dir is not None:
+        return feedback.export(args.data_dir, sys.stdout)
+    configured = config.load({})
+    return feedback.export(configured.storage.database or configured.http.data_dir, sys.stdout)
 
 
 def _config_flags(args: argparse.Namespace) -> dict:
@@ -140,7 +152,13 @@ def build_parser() -> argparse.ArgumentParser:
     feedback = sub.add_parser("feedback", help="stored client feedback")
     feedback_sub = feedback.add_subparsers(dest="feedback_command", required=True)
     export = feedback_sub.add_parser("export", help="print every feedback record as JSON lines")
-    export.add_argument("--data-dir", default=None, help="the server's data folder (default: the configured data_dir)")
+    where = export.add_mutually_exclusive_group()
+    where.add_argument("--data-dir", default=None, help="the server's data folder (default: the configured data_dir)")
+    where.add_argument(
+        "--database",
+        default=None,
+        help="the server's PostgreSQL database, postgresql://… (default: the configured database, if any)",
+    )
     export.set_defaults(func=_cmd_feedback_export)
     return parser
 

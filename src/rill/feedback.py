@@ -1,9 +1,10 @@
-"""Durable feedback store (SQLite in the server's data folder) and ``rill feedback export``.
+"""Durable feedback store (the server's database: SQLite in the data folder, or PostgreSQL with
+``--database``) and ``rill feedback export``.
 
 ``/generate`` clients send ``feedback`` messages; the adapter calls ``FeedbackStore.add``,
-which commits the row (synchronous=FULL) before returning, and only then acknowledges it,
-so an acknowledged record survives the server being killed. ``rill feedback export`` prints
-every record as one JSON object per line.
+which commits the row (``rill.database``: synced to disk, or to PostgreSQL's WAL) before
+returning, and only then acknowledges it, so an acknowledged record survives the server being
+killed. ``rill feedback export`` prints every record as one JSON object per line.
 
 Storage: the prompt and the generated text of a record are kept once, in the ``texts``
 table keyed by their SHA-256, and referenced by the record (``prompt_id``,
@@ -18,13 +19,19 @@ Bounds (``FeedbackStore`` arguments; the server passes ``--feedback-*`` settings
 * ``max_text_bytes``: the prompt, generated text and feedback text of a record are each cut to
   this many UTF-8 bytes; the record's ``truncated`` lists the fields that were cut;
 * ``max_store_bytes``: when the database holds this much, a new record is refused with
-  ``StorageFull``; nothing stored is deleted to make room;
+  ``StorageFull``; nothing stored is deleted to make room (SQLite: the file's pages in use;
+  PostgreSQL, whose files do not shrink after deletions: the bytes charged to the records);
 * ``max_principal_bytes``: a principal (an API key, or a client address without keys:
   ``rill.auth.principal``) whose records take this much is refused with ``StorageFull``
   while others can still store theirs; a record is charged its own bytes and those of the
   texts it was first to store;
 * ``retention_s``: records older than this are deleted (when a record is added, and at open),
   a documented policy logged at info level; None keeps records until deleted by hand.
+
+The charges are summed per principal in the ``feedback_usage`` table by triggers on every
+insert and delete, so they hold for every server sharing a PostgreSQL database and follow
+records deleted by hand. Records are written one at a time (``Database.write``), so two
+servers cannot both pass a bound with the last room there was.
 
 Blocking I/O: call ``add`` from a worker thread (``asyncio.to_thread``) in async code.
 """
@@ -34,50 +41,58 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import sqlite3
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
+from rill.database import SQLITE_FILE, Database, Transaction, is_url, probe
 from rill.errors import StorageFull
 
 log = logging.getLogger("rill.feedback")
 
-DB_NAME = "feedback.sqlite3"
+DB_NAME = SQLITE_FILE
+"""The SQLite file in the data folder."""
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS feedback (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    created_at REAL NOT NULL,
+    id {id},
+    created_at {float} NOT NULL,
     protocol TEXT NOT NULL,
     request_id TEXT,
-    rating REAL NOT NULL,
+    rating {float} NOT NULL,
     text TEXT,
-    position INTEGER,
+    position {int},
     model TEXT,
     prompt TEXT,
     generated_text TEXT,
-    is_generation_finished INTEGER,
+    is_generation_finished {int},
     api_key_hint TEXT,
     truncated TEXT,
-    prompt_id INTEGER,
-    generated_id INTEGER,
+    prompt_id {int},
+    generated_id {int},
     principal TEXT,
-    num_bytes INTEGER
+    num_bytes {int}
 )
 """
 # ``prompt`` and ``generated_text`` hold texts of records written before the ``texts`` table.
 
 _TEXTS_SCHEMA = """
 CREATE TABLE IF NOT EXISTS texts (
-    id INTEGER PRIMARY KEY,
-    digest BLOB NOT NULL UNIQUE,
+    id {id},
+    digest {bytes} NOT NULL UNIQUE,
     body TEXT NOT NULL
 )
 """
+
+_USAGE_SCHEMA = """
+CREATE TABLE IF NOT EXISTS feedback_usage (
+    principal TEXT PRIMARY KEY,
+    num_bytes {int} NOT NULL
+)
+"""
+# One row per principal ('' for records charged to nobody): the sum of its records' num_bytes.
 
 _ADDED_COLUMNS = {
     "truncated": "TEXT",
@@ -88,13 +103,20 @@ _ADDED_COLUMNS = {
 }
 """Columns a store written by an earlier version may lack (added at open)."""
 
-_CLEANUP_TRIGGER = """
-CREATE TRIGGER IF NOT EXISTS feedback_texts_cleanup AFTER DELETE ON feedback
-BEGIN
-    DELETE FROM texts WHERE id IN (old.prompt_id, old.generated_id)
-        AND NOT EXISTS (SELECT 1 FROM feedback WHERE prompt_id = texts.id)
-        AND NOT EXISTS (SELECT 1 FROM feedback WHERE generated_id = texts.id);
-END
+_TEXTS_CLEANUP = """
+DELETE FROM texts WHERE id IN (old.prompt_id, old.generated_id)
+    AND NOT EXISTS (SELECT 1 FROM feedback WHERE prompt_id = texts.id)
+    AND NOT EXISTS (SELECT 1 FROM feedback WHERE generated_id = texts.id)
+"""
+
+_CHARGE = """
+INSERT INTO feedback_usage (principal, num_bytes) VALUES (COALESCE(new.principal, ''), COALESCE(new.num_bytes, 0))
+    ON CONFLICT (principal) DO UPDATE SET num_bytes = feedback_usage.num_bytes + excluded.num_bytes
+"""
+
+_REFUND = """
+UPDATE feedback_usage SET num_bytes = num_bytes - COALESCE(old.num_bytes, 0)
+    WHERE principal = COALESCE(old.principal, '')
 """
 
 COLUMNS = (
@@ -124,7 +146,7 @@ TEXT_FIELDS = ("text", "prompt", "generated_text")
 """Fields cut to ``max_text_bytes``."""
 
 ROW_OVERHEAD_BYTES = 256
-"""Bytes a record takes besides its texts (numbers, short strings, SQLite's row and index
+"""Bytes a record takes besides its texts (numbers, short strings, the database's row and index
 entries); used to refuse a record that would take the store past its cap."""
 
 TEXT_OVERHEAD_BYTES = 128
@@ -132,51 +154,59 @@ TEXT_OVERHEAD_BYTES = 128
 
 
 class FeedbackStore:
-    """One SQLite file; thread-safe (one connection behind a lock)."""
+    """The feedback tables of the server's database; thread-safe (one connection behind a lock).
+
+    Args:
+        where: the data folder (its SQLite file) or a ``postgresql://`` URL (``--database``).
+        max_text_bytes, max_store_bytes, max_principal_bytes, retention_s: the bounds of the
+            module docstring (None: no bound).
+
+    Raises:
+        Unreachable: the database cannot be reached (``rill.database``).
+    """
 
     def __init__(
         self,
-        data_dir: str | Path,
+        where: str | Path,
         *,
         max_text_bytes: int | None = None,
         max_store_bytes: int | None = None,
         max_principal_bytes: int | None = None,
         retention_s: float | None = None,
     ) -> None:
-        """Open (or create) the store in ``data_dir``; the bounds are described in the module
-        docstring (None: no bound). A store written by an earlier version is upgraded in
-        place: its records stay as they are and are read alike."""
-        self.path = Path(data_dir) / DB_NAME
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self.max_text_bytes = max_text_bytes
         self.max_store_bytes = max_store_bytes
         self.max_principal_bytes = max_principal_bytes
         self.retention_s = retention_s
-        self._lock = threading.Lock()
-        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
-        # FULL: the commit is on disk (fsync) before add() returns, i.e. before the ack.
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.execute(_SCHEMA)
-        columns = {row[1] for row in self._db.execute("PRAGMA table_info(feedback)")}
-        for name, kind in _ADDED_COLUMNS.items():
-            if name not in columns:  # a store written before the column existed
-                self._db.execute(f"ALTER TABLE feedback ADD COLUMN {name} {kind}")
-        self._db.execute(_TEXTS_SCHEMA)
-        self._db.execute("CREATE INDEX IF NOT EXISTS feedback_created_at ON feedback (created_at)")
-        self._db.execute("CREATE INDEX IF NOT EXISTS feedback_prompt_id ON feedback (prompt_id)")
-        self._db.execute("CREATE INDEX IF NOT EXISTS feedback_generated_id ON feedback (generated_id)")
-        self._db.execute(_CLEANUP_TRIGGER)
-        # Bytes charged to each principal, kept up to date by add() and _expire(); read once
-        # at open, so records deleted by hand while the server was down count no more.
-        self._usage: dict[str, int] = {}
-        with self._lock:
+        self._db = Database(where)
+        self.location = self._db.location
+        try:
+            with self._db.setup() as tx:
+                self._create_tables(tx)
             self._expire(time.time())
-            self._usage = {
-                principal: int(total)
-                for principal, total in self._db.execute(
-                    "SELECT principal, SUM(num_bytes) FROM feedback WHERE principal IS NOT NULL GROUP BY principal"
-                )
-            }
+        except BaseException:
+            self._db.close()
+            raise
+
+    def _create_tables(self, tx: Transaction) -> None:
+        """Create the tables, or upgrade those an earlier version wrote (their records stay as
+        they are and are read alike)."""
+        tx.execute(_SCHEMA)
+        self._db.add_columns(tx, "feedback", _ADDED_COLUMNS)
+        tx.execute(_TEXTS_SCHEMA)
+        tx.execute("CREATE INDEX IF NOT EXISTS feedback_created_at ON feedback (created_at)")
+        tx.execute("CREATE INDEX IF NOT EXISTS feedback_prompt_id ON feedback (prompt_id)")
+        tx.execute("CREATE INDEX IF NOT EXISTS feedback_generated_id ON feedback (generated_id)")
+        self._db.create_trigger(tx, "feedback_texts_cleanup", "AFTER DELETE ON feedback", _TEXTS_CLEANUP)
+        if not self._db.table_exists("feedback_usage", tx):
+            # Created with the triggers that keep it, in the same transaction: no record is missed.
+            tx.execute(_USAGE_SCHEMA)
+            tx.execute(
+                "INSERT INTO feedback_usage (principal, num_bytes) SELECT COALESCE(principal, ''),"
+                " SUM(COALESCE(num_bytes, 0)) FROM feedback GROUP BY COALESCE(principal, '')"
+            )
+        self._db.create_trigger(tx, "feedback_charge", "AFTER INSERT ON feedback", _CHARGE)
+        self._db.create_trigger(tx, "feedback_refund", "AFTER DELETE ON feedback", _REFUND)
 
     def add(
         self,
@@ -196,144 +226,106 @@ class FeedbackStore:
         texts = {name: _cut(record.get(name), self.max_text_bytes) for name in TEXT_FIELDS}
         truncated = ",".join(name for name in TEXT_FIELDS if texts[name][1]) or None
         now = time.time()
-        with self._lock:
-            # Expired records go in a transaction of their own: a refused record below must not
-            # roll their deletion back (a full store would then never free anything).
-            self._expire(now)
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                found = {name: self._find_text(texts[name][0]) for name in ("prompt", "generated_text")}
-                # By digest: a generated text equal to its prompt is stored (and charged) once.
-                new_texts = {
-                    digest: texts[name][0]
-                    for name, (text_id, digest) in found.items()
-                    if text_id is None and digest is not None
-                }
-                num_bytes = (
-                    ROW_OVERHEAD_BYTES
-                    + _num_bytes(texts["text"][0])
-                    + sum(TEXT_OVERHEAD_BYTES + _num_bytes(text) for text in new_texts.values())
+        # Expired records go in a transaction of their own: a refused record below must not
+        # roll their deletion back (a full store would then never free anything).
+        self._expire(now)
+        with self._db.write("feedback") as tx:
+            found = {name: _find_text(tx, texts[name][0]) for name in ("prompt", "generated_text")}
+            # By digest: a generated text equal to its prompt is stored (and charged) once.
+            new_texts = {
+                digest: texts[name][0]
+                for name, (text_id, digest) in found.items()
+                if text_id is None and digest is not None
+            }
+            num_bytes = (
+                ROW_OVERHEAD_BYTES
+                + _num_bytes(texts["text"][0])
+                + sum(TEXT_OVERHEAD_BYTES + _num_bytes(text) for text in new_texts.values())
+            )
+            self._check_room(tx, principal, num_bytes)
+            stored: dict[bytes | None, int] = {
+                digest: int(
+                    tx.execute("INSERT INTO texts (digest, body) VALUES (?, ?) RETURNING id", (digest, text)).value()
                 )
-                self._check_room(principal, num_bytes)
-                stored: dict[bytes | None, int] = {
-                    digest: self._store_text(digest, text)  # type: ignore[arg-type]  # a digest means a text
-                    for digest, text in new_texts.items()
-                }
-                ids = {
-                    name: text_id if text_id is not None else stored.get(digest)
-                    for name, (text_id, digest) in found.items()
-                }
-                cur = self._db.execute(
-                    "INSERT INTO feedback (created_at, protocol, request_id, rating, text, position, model, prompt_id,"
-                    " generated_id, is_generation_finished, api_key_hint, truncated, principal, num_bytes)"
-                    " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                    (
-                        now,
-                        protocol,
-                        record.get("request_id"),
-                        float(record["rating"]),
-                        texts["text"][0],
-                        record.get("position"),
-                        record.get("model"),
-                        ids["prompt"],
-                        ids["generated_text"],
-                        None
-                        if record.get("is_generation_finished") is None
-                        else int(bool(record["is_generation_finished"])),
-                        api_key_hint,
-                        truncated,
-                        principal,
-                        num_bytes,
-                    ),
-                )
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            self._db.execute("COMMIT")
-            if principal is not None:
-                self._usage[principal] = self._usage.get(principal, 0) + num_bytes
-            return int(cur.lastrowid or 0)
+                for digest, text in new_texts.items()
+            }
+            ids = {
+                name: text_id if text_id is not None else stored.get(digest)
+                for name, (text_id, digest) in found.items()
+            }
+            finished = record.get("is_generation_finished")
+            row_id = tx.execute(
+                "INSERT INTO feedback (created_at, protocol, request_id, rating, text, position, model, prompt_id,"
+                " generated_id, is_generation_finished, api_key_hint, truncated, principal, num_bytes)"
+                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?) RETURNING id",
+                (
+                    now,
+                    protocol,
+                    record.get("request_id"),
+                    float(record["rating"]),
+                    texts["text"][0],
+                    record.get("position"),
+                    record.get("model"),
+                    ids["prompt"],
+                    ids["generated_text"],
+                    None if finished is None else int(bool(finished)),
+                    api_key_hint,
+                    truncated,
+                    principal,
+                    num_bytes,
+                ),
+            ).value()
+        return int(row_id)
 
-    def _find_text(self, text: str | None) -> tuple[int | None, bytes | None]:
-        """The id of ``text`` if it is stored already (else None), and its digest."""
-        if text is None:
-            return None, None
-        digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
-        row = self._db.execute("SELECT id FROM texts WHERE digest = ?", (digest,)).fetchone()
-        return (int(row[0]) if row else None), digest
-
-    def _store_text(self, digest: bytes, text: str) -> int:
-        return int(self._db.execute("INSERT INTO texts (digest, body) VALUES (?, ?)", (digest, text)).lastrowid or 0)
-
-    def _check_room(self, principal: str | None, num_bytes: int) -> None:
-        # The caller holds the lock, in the insert's transaction.
-        if self.max_store_bytes is not None and self._used_bytes() + num_bytes > self.max_store_bytes:
+    def _check_room(self, tx: Transaction, principal: str | None, num_bytes: int) -> None:
+        # In the insert's transaction, as the only writer: what is read here holds until it commits.
+        if self.max_store_bytes is not None and self._used_bytes(tx) + num_bytes > self.max_store_bytes:
             raise StorageFull(
                 f"the feedback store is full ({self.max_store_bytes} bytes, "
                 "--feedback-max-store-bytes); feedback is not being stored"
             )
-        if (
-            principal is not None
-            and self.max_principal_bytes is not None
-            and self._usage.get(principal, 0) + num_bytes > self.max_principal_bytes
-        ):
-            raise StorageFull(
-                f"your feedback takes {self._usage.get(principal, 0)} bytes of the store, the most "
-                f"one client may keep ({self.max_principal_bytes} bytes, "
-                "--feedback-max-bytes-per-principal); further feedback is not stored"
-            )
+        if principal is not None and self.max_principal_bytes is not None:
+            used = _charged(tx, principal)
+            if used + num_bytes > self.max_principal_bytes:
+                raise StorageFull(
+                    f"your feedback takes {used} bytes of the store, the most "
+                    f"one client may keep ({self.max_principal_bytes} bytes, "
+                    "--feedback-max-bytes-per-principal); further feedback is not stored"
+                )
 
     def _expire(self, now: float) -> None:
-        # The caller holds the lock. Deleting by age is the documented retention policy.
+        # Deleting by age is the documented retention policy; the triggers refund the charges
+        # and delete the texts no record names any more.
         if self.retention_s is None:
             return
-        cutoff = now - self.retention_s
-        self._db.execute("BEGIN IMMEDIATE")
-        try:
-            freed = self._db.execute(
-                "SELECT principal, SUM(num_bytes) FROM feedback WHERE created_at < ?"
-                " AND principal IS NOT NULL GROUP BY principal",
-                (cutoff,),
-            ).fetchall()
-            cur = self._db.execute("DELETE FROM feedback WHERE created_at < ?", (cutoff,))
-        except BaseException:
-            self._db.execute("ROLLBACK")
-            raise
-        self._db.execute("COMMIT")
-        for principal, total in freed:
-            left = self._usage.get(principal, 0) - int(total or 0)
-            if left > 0:
-                self._usage[principal] = left
-            else:
-                self._usage.pop(principal, None)
-        if cur.rowcount:
+        with self._db.write("feedback") as tx:
+            num_deleted = tx.execute("DELETE FROM feedback WHERE created_at < ?", (now - self.retention_s,)).rowcount
+        if num_deleted > 0:
             log.info(
                 "deleted %d feedback records older than %g days (--feedback-retention-days)",
-                cur.rowcount,
+                num_deleted,
                 self.retention_s / 86400,
             )
 
-    def _used_bytes(self) -> int:
-        # Pages in use: freed pages (after deletions) are reused before the file grows.
-        page_size = self._db.execute("PRAGMA page_size").fetchone()[0]
-        num_pages = self._db.execute("PRAGMA page_count").fetchone()[0]
-        num_free = self._db.execute("PRAGMA freelist_count").fetchone()[0]
-        return int(page_size) * (int(num_pages) - int(num_free))
+    def _used_bytes(self, tx: Transaction | None = None) -> int:
+        file_bytes = self._db.file_bytes(tx)
+        if file_bytes is not None:
+            return file_bytes
+        run = self._db.execute if tx is None else tx.execute
+        return int(run("SELECT COALESCE(SUM(num_bytes), 0) FROM feedback_usage").value())
 
     def used_bytes(self) -> int:
-        """Bytes of the database in use (its pages, minus those freed by deletions)."""
-        with self._lock:
-            return self._used_bytes()
+        """Bytes the store counts against ``max_store_bytes`` (see the module docstring)."""
+        return self._used_bytes()
 
     def principal_bytes(self, principal: str) -> int:
         """Bytes charged to ``principal``'s records (what ``max_principal_bytes`` bounds)."""
-        with self._lock:
-            return self._usage.get(principal, 0)
+        value = self._db.execute("SELECT num_bytes FROM feedback_usage WHERE principal = ?", (principal,)).value()
+        return int(value or 0)
 
     def records(self) -> Iterator[dict[str, Any]]:
         """Every record, oldest first, each with its own prompt and generated text."""
-        with self._lock:
-            rows = self._db.execute(_SELECT).fetchall()
+        rows = self._db.execute(_SELECT).rows
         for row in rows:
             record = dict(zip(COLUMNS, row))
             if record["is_generation_finished"] is not None:
@@ -342,9 +334,23 @@ class FeedbackStore:
             yield record
 
     def close(self) -> None:
-        """Close the database."""
-        with self._lock:
-            self._db.close()
+        """Close the database connection."""
+        self._db.close()
+
+
+def _find_text(tx: Transaction, text: str | None) -> tuple[int | None, bytes | None]:
+    """The id of ``text`` if it is stored already (else None), and its digest."""
+    if text is None:
+        return None, None
+    digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
+    text_id = tx.execute("SELECT id FROM texts WHERE digest = ?", (digest,)).value()
+    return (None if text_id is None else int(text_id)), digest
+
+
+def _charged(tx: Transaction, principal: str) -> int:
+    """Bytes charged to ``principal``'s records."""
+    value = tx.execute("SELECT num_bytes FROM feedback_usage WHERE principal = ?", (principal,)).value()
+    return int(value or 0)
 
 
 def _num_bytes(text: str | None) -> int:
@@ -364,15 +370,29 @@ def _cut(text: Any, max_bytes: int | None) -> tuple[str | None, bool]:
     return data[:max_bytes].decode("utf-8", "ignore"), True
 
 
-def export(data_dir: str | Path, out: TextIO) -> int:
-    """Write every record of the store in ``data_dir`` to ``out``, one JSON object per line
-    (``rill feedback export``, whose command line lives in ``rill.cli``); returns the exit
-    code. A folder without a store is said so on stderr and exports nothing."""
-    path = Path(data_dir) / DB_NAME
-    if not path.exists():
-        print(f"rill: no feedback stored yet ({path} does not exist)", file=sys.stderr)
+def export(where: str | Path, out: TextIO) -> int:
+    """Write every record of the store in ``where`` (a data folder or a ``postgresql://`` URL)
+    to ``out``, one JSON object per line (``rill feedback export``, whose command line lives in
+    ``rill.cli``); returns the exit code. A database without a store is said so on stderr and
+    exports nothing (nothing is created).
+
+    Raises:
+        ConfigError: the database cannot be reached.
+    """
+    if is_url(where):
+        probe(str(where))
+        db = Database(where)
+        try:
+            missing = None if db.table_exists("feedback") else f"{db.location} has no feedback table"
+        finally:
+            db.close()
+    else:
+        path = Path(where) / DB_NAME
+        missing = None if path.exists() else f"{path} does not exist"
+    if missing is not None:
+        print(f"rill: no feedback stored yet ({missing})", file=sys.stderr)
         return 0
-    store = FeedbackStore(data_dir)
+    store = FeedbackStore(where)
     try:
         for record in store.records():
             out.write(json.dumps(record, ensure_ascii=False) + "\n")

@@ -1,20 +1,26 @@
-"""The chat recordings folder (``--record``): one sub-folder per recorded chat, with a size
-cap and a retention.
+"""Chat recordings (``--record``), with a size cap and a retention, in one of two stores:
 
-``RecordingStore.commit`` is called after a recording's files are written. It then deletes,
-each deletion logged:
+* ``RecordingStore``: the recordings folder in the data folder (the default), one sub-folder
+  per recorded chat (``request.json``, ``reply.json``, ``reply.wav``);
+* ``DatabaseRecordings``: a table of the stores' PostgreSQL database (``--database``), so that
+  every server sharing it serves every recording, whichever server recorded it (files in one
+  server's folder, or an index of them, would not reach the others).
+
+After a recording is saved, each store deletes, each deletion logged:
 
 * recordings older than ``retention_s`` (the documented retention, ``--record-retention-days``);
-* the oldest recordings, until the folder holds at most ``max_bytes``
+* the oldest recordings, until the store holds at most ``max_bytes``
   (``--record-max-bytes``); a single recording larger than the cap is deleted at once.
 
 The folder is scanned once, on the first commit (recordings of earlier runs count); after that
-an in-memory index in creation order keeps each commit cheap. Blocking I/O: call ``commit``
-from a worker thread in async code. Thread-safe.
+an in-memory index in creation order keeps each commit cheap. The database's table is the index
+itself, written one server at a time (``Database.write``). Blocking I/O: call the methods from a
+worker thread in async code. Thread-safe.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -23,11 +29,35 @@ import threading
 import time
 from collections import OrderedDict
 from pathlib import Path
+from typing import Any, Protocol
+
+from rill.database import Database
 
 log = logging.getLogger("rill.recordings")
 
 RECORDING_ID = re.compile(r"^chat_[0-9a-f]{16}$")
-"""How a recording's folder is named."""
+"""How a recording (and its folder) is named."""
+
+
+class Recordings(Protocol):
+    """What ``/ws/chat`` needs of a recordings store."""
+
+    def save(self, recording_id: str, request_text: str, reply: dict[str, Any], wav: bytes | None) -> None:
+        """Store a recording (the chat's request as sent, the reply, the reply's WAV audio if
+        spoken), then delete expired and oldest recordings past the cap."""
+        ...
+
+    def reply(self, recording_id: str) -> dict[str, Any] | None:
+        """A recording's reply with its request (under ``request``), or None."""
+        ...
+
+    def audio(self, recording_id: str) -> Path | bytes | None:
+        """A recording's WAV audio (a file, or its bytes), or None."""
+        ...
+
+    def num_bytes(self) -> int:
+        """Bytes the recordings hold."""
+        ...
 
 
 class RecordingStore:
@@ -44,6 +74,33 @@ class RecordingStore:
     def path_of(self, recording_id: str) -> Path | None:
         """The folder of a recording, or None for a name that is not a recording id."""
         return self.folder / recording_id if RECORDING_ID.match(recording_id) else None
+
+    def save(self, recording_id: str, request_text: str, reply: dict[str, Any], wav: bytes | None) -> None:
+        """Write ``request.json``, ``reply.wav`` (if any) and ``reply.json`` (last: a folder
+        without it is no recording yet), then ``commit``."""
+        folder = self.path_of(recording_id)
+        if folder is None:
+            raise ValueError(f"not a recording id: {recording_id!r}")
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "request.json").write_text(request_text)
+        if wav is not None:
+            (folder / "reply.wav").write_bytes(wav)
+        (folder / "reply.json").write_text(json.dumps(reply))
+        self.commit(recording_id)
+
+    def reply(self, recording_id: str) -> dict[str, Any] | None:
+        """A recording's ``reply.json`` with its ``request.json`` under ``request``, or None."""
+        folder = self.path_of(recording_id)
+        if folder is None or not (folder / "reply.json").is_file():
+            return None
+        reply: dict[str, Any] = json.loads((folder / "reply.json").read_text())
+        reply["request"] = json.loads((folder / "request.json").read_text())
+        return reply
+
+    def audio(self, recording_id: str) -> Path | None:
+        """A recording's ``reply.wav``, or None."""
+        folder = self.path_of(recording_id)
+        return folder / "reply.wav" if folder is not None and (folder / "reply.wav").is_file() else None
 
     def commit(self, recording_id: str) -> None:
         """Count the recording just written, then delete expired and oldest recordings."""
@@ -93,6 +150,118 @@ class RecordingStore:
         self._num_bytes -= size
         shutil.rmtree(self.folder / recording_id, ignore_errors=True)
         log.log(level, "deleted recording %s (%d bytes) %s", recording_id, size, reason)
+
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS recordings (
+    id TEXT PRIMARY KEY,
+    created_at {float} NOT NULL,
+    request TEXT NOT NULL,
+    reply TEXT NOT NULL,
+    audio {bytes},
+    num_bytes {int} NOT NULL
+)
+"""
+
+
+class DatabaseRecordings:
+    """Recordings in the ``recordings`` table of the stores' database, under ``max_bytes`` and
+    ``retention_s`` (None: no retention); the database is opened on first use.
+
+    Args:
+        where: a ``postgresql://`` URL (``--database``), or a data folder (its SQLite file).
+    """
+
+    def __init__(self, where: str | Path, max_bytes: int, retention_s: float | None = None) -> None:
+        self.where = where
+        self.max_bytes = max_bytes
+        self.retention_s = retention_s
+        self._db: Database | None = None
+        self._open_lock = threading.Lock()
+
+    def _database(self) -> Database:
+        with self._open_lock:
+            if self._db is None:
+                db = Database(self.where)
+                with db.setup() as tx:
+                    tx.execute(_SCHEMA)
+                    tx.execute("CREATE INDEX IF NOT EXISTS recordings_created_at ON recordings (created_at)")
+                self._db = db
+            return self._db
+
+    def save(self, recording_id: str, request_text: str, reply: dict[str, Any], wav: bytes | None) -> None:
+        """Insert and commit the recording, then delete (in the same transaction) those past the
+        retention and the oldest past the cap; each deletion is logged once committed."""
+        if not RECORDING_ID.match(recording_id):
+            raise ValueError(f"not a recording id: {recording_id!r}")
+        reply_text = json.dumps(reply)
+        size = len(request_text.encode("utf-8", "surrogatepass")) + len(reply_text) + len(wav or b"")
+        now = time.time()
+        expired: list[tuple[Any, ...]] = []
+        evicted: list[tuple[Any, ...]] = []
+        with self._database().write("recordings") as tx:
+            tx.execute(
+                "INSERT INTO recordings (id, created_at, request, reply, audio, num_bytes) VALUES (?, ?, ?, ?, ?, ?)",
+                (recording_id, now, request_text, reply_text, wav, size),
+            )
+            if self.retention_s is not None:
+                expired = tx.execute(
+                    "DELETE FROM recordings WHERE created_at < ? RETURNING id, num_bytes", (now - self.retention_s,)
+                ).rows
+            total = int(tx.execute("SELECT COALESCE(SUM(num_bytes), 0) FROM recordings").value())
+            if total > self.max_bytes:
+                for oldest_id, num_bytes in tx.execute(
+                    "SELECT id, num_bytes FROM recordings ORDER BY created_at, id"
+                ).rows:
+                    if total <= self.max_bytes:
+                        break
+                    tx.execute("DELETE FROM recordings WHERE id = ?", (oldest_id,))
+                    total -= int(num_bytes)
+                    evicted.append((oldest_id, num_bytes))
+        for oldest_id, num_bytes in expired:
+            assert self.retention_s is not None
+            log.info(
+                "deleted recording %s (%d bytes) older than %g days (--record-retention-days)",
+                oldest_id,
+                num_bytes,
+                self.retention_s / 86400,
+            )
+        for oldest_id, num_bytes in evicted:
+            log.warning(
+                "deleted recording %s (%d bytes) to keep recordings under %d bytes (--record-max-bytes)",
+                oldest_id,
+                num_bytes,
+                self.max_bytes,
+            )
+
+    def reply(self, recording_id: str) -> dict[str, Any] | None:
+        """A recording's reply with its request under ``request``, or None."""
+        if not RECORDING_ID.match(recording_id):
+            return None
+        row = self._database().execute("SELECT request, reply FROM recordings WHERE id = ?", (recording_id,)).one()
+        if row is None:
+            return None
+        reply: dict[str, Any] = json.loads(row[1])
+        reply["request"] = json.loads(row[0])
+        return reply
+
+    def audio(self, recording_id: str) -> bytes | None:
+        """A recording's WAV bytes, or None."""
+        if not RECORDING_ID.match(recording_id):
+            return None
+        wav = self._database().execute("SELECT audio FROM recordings WHERE id = ?", (recording_id,)).value()
+        return None if wav is None else bytes(wav)
+
+    def num_bytes(self) -> int:
+        """Bytes the recordings hold."""
+        return int(self._database().execute("SELECT COALESCE(SUM(num_bytes), 0) FROM recordings").value())
+
+    def close(self) -> None:
+        """Close the database connection (if it was opened)."""
+        with self._open_lock:
+            if self._db is not None:
+                self._db.close()
+                self._db = None
 
 
 def _folder_bytes(folder: Path) -> int:

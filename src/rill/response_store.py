@@ -1,7 +1,7 @@
 """Stored responses of the Responses API (``store: true``), in the server's database.
 
-The same SQLite file as the feedback store (``rill.feedback.DB_NAME`` in the data folder), a
-table of its own. A row holds one response object (JSON), the input items of its request,
+The feedback store's database (``rill.database``: SQLite in the data folder, or PostgreSQL with
+``--database``, shared by every server given it), a table of its own. A row holds one response object (JSON), the input items of its request,
 and its *history*: every item of the conversation up to and including its output, which a
 later request continues with ``previous_response_id``. Rows are keyed by response id and
 belong to a principal (``rill.auth.principal``): every read, delete and continuation checks
@@ -9,7 +9,9 @@ it, and another principal's id looks exactly like an unknown one.
 
 A response is written when it is created (status ``queued``/``in_progress``: acknowledged,
 so a background response survives as a row even if the server dies) and again when it ends;
-a row left ``queued``/``in_progress`` by a server that died is marked ``failed`` at open.
+a row left ``queued``/``in_progress`` by a server that died is marked ``failed`` at open. A
+running row names its server (``owner``, ``Database.hold_liveness``): a server opening a
+PostgreSQL database that others share marks only the rows of servers that are gone.
 
 Bounds: ``max_count`` rows and ``max_bytes`` bytes, of which ``max_bytes_per_client`` for the
 rows one client asked for (``StorageFull`` for a new row past any; nothing stored is deleted
@@ -23,15 +25,13 @@ from __future__ import annotations
 
 import json
 import logging
-import sqlite3
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rill.database import Database, Transaction
 from rill.errors import InvalidRequest, RequestNotFound, StorageFull
-from rill.feedback import DB_NAME
 
 log = logging.getLogger("rill.responses")
 
@@ -39,15 +39,19 @@ _SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
     id TEXT PRIMARY KEY,
     principal TEXT NOT NULL,
-    created_at REAL NOT NULL,
+    created_at {float} NOT NULL,
     status TEXT NOT NULL,
     response TEXT NOT NULL,
     input_items TEXT NOT NULL,
     history TEXT NOT NULL,
-    num_bytes INTEGER NOT NULL,
-    charged_to TEXT NOT NULL
+    num_bytes {int} NOT NULL,
+    charged_to TEXT NOT NULL,
+    owner {int}
 )
 """
+
+_RUNNING = ("queued", "in_progress")
+"""Statuses of a response that has not ended."""
 
 
 class HistoryTooLong(InvalidRequest):
@@ -67,11 +71,20 @@ class StoredResponse:
 
 
 class ResponseStore:
-    """One SQLite table; thread-safe (one connection behind a lock)."""
+    """The ``responses`` table of the server's database; thread-safe (one connection behind a lock).
+
+    Args:
+        where: the data folder (its SQLite file) or a ``postgresql://`` URL (``--database``).
+        max_count, max_bytes, max_history_bytes, retention_s, max_bytes_per_client: the bounds
+            of the module docstring (``max_bytes_per_client`` None: an eighth of ``max_bytes``).
+
+    Raises:
+        Unreachable: the database cannot be reached (``rill.database``).
+    """
 
     def __init__(
         self,
-        data_dir: str | Path,
+        where: str | Path,
         *,
         max_count: int,
         max_bytes: int,
@@ -79,35 +92,50 @@ class ResponseStore:
         retention_s: float | None,
         max_bytes_per_client: int | None = None,
     ) -> None:
-        self.path = Path(data_dir) / DB_NAME
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self.max_count = max_count
         self.max_bytes = max_bytes
         self.max_history_bytes = max_history_bytes
         self.retention_s = retention_s
         self.max_bytes_per_client = max_bytes_per_client or max(1, max_bytes // 8)
-        self._lock = threading.Lock()
-        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=30.0)
-        # FULL: a row is on disk before the response that names it is acknowledged.
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.execute(_SCHEMA)
-        self._db.execute("CREATE INDEX IF NOT EXISTS responses_created_at ON responses (created_at)")
-        self._db.execute("CREATE INDEX IF NOT EXISTS responses_charged_to ON responses (charged_to)")
-        with self._lock:
-            self._expire(time.time())
-            died = self._db.execute(
-                "SELECT id, response FROM responses WHERE status IN ('queued', 'in_progress')"
-            ).fetchall()
-            for response_id, text in died:
-                response = json.loads(text)
-                response["status"] = "failed"
-                response["error"] = {"code": "server_error", "message": "the server stopped before the response ended"}
-                self._db.execute(
-                    "UPDATE responses SET status = 'failed', response = ? WHERE id = ?",
-                    (json.dumps(response), response_id),
-                )
-            if died:
-                log.info("%d stored responses were running when the server stopped: marked failed", len(died))
+        self._db = Database(where)
+        try:
+            with self._db.setup() as tx:
+                tx.execute(_SCHEMA)
+                self._db.add_columns(tx, "responses", {"owner": "INTEGER"})
+                tx.execute("CREATE INDEX IF NOT EXISTS responses_created_at ON responses (created_at)")
+                tx.execute("CREATE INDEX IF NOT EXISTS responses_charged_to ON responses (charged_to)")
+            self._owner = self._db.hold_liveness()
+            with self._db.write("responses") as tx:
+                self._expire(tx, time.time())
+            self._fail_orphans()
+        except BaseException:
+            self._db.close()
+            raise
+
+    def _fail_orphans(self) -> None:
+        """Mark ``failed`` the rows left running by servers that are gone."""
+        running = self._db.execute("SELECT DISTINCT owner FROM responses WHERE status IN (?, ?)", _RUNNING).rows
+        num_failed = 0
+        for (owner,) in running:
+            if self._db.is_alive(owner):
+                continue
+            with self._db.write("responses") as tx:
+                where = "status IN (?, ?) AND " + ("owner IS NULL" if owner is None else "owner = ?")
+                args = (*_RUNNING, *(() if owner is None else (owner,)))
+                for response_id, text in tx.execute(f"SELECT id, response FROM responses WHERE {where}", args).rows:
+                    response = json.loads(text)
+                    response["status"] = "failed"
+                    response["error"] = {
+                        "code": "server_error",
+                        "message": "the server stopped before the response ended",
+                    }
+                    tx.execute(
+                        "UPDATE responses SET status = 'failed', response = ? WHERE id = ?",
+                        (json.dumps(response), response_id),
+                    )
+                    num_failed += 1
+        if num_failed:
+            log.info("%d stored responses were running when their server stopped: marked failed", num_failed)
 
     def check_history(self, history: list[dict[str, Any]]) -> None:
         """``HistoryTooLong`` when ``history`` alone is over ``max_history_bytes``."""
@@ -136,73 +164,70 @@ class ResponseStore:
         size = len(response_text) + len(items_text) + len(history_text)
         response_id = stored.response["id"]
         now = time.time()
-        with self._lock:
-            if is_new:
-                self._expire(now)
-                count, total = self._db.execute(
-                    "SELECT COUNT(*), COALESCE(SUM(num_bytes), 0) FROM responses"
-                ).fetchone()
-                if count >= self.max_count or total + size > self.max_bytes:
-                    raise StorageFull(
-                        f"the response store is full ({count} responses, {total} bytes; caps "
-                        f"{self.max_count} and {self.max_bytes}); send store: false or delete stored responses"
-                    )
-                charge = charged_to or principal
-                (mine,) = self._db.execute(
-                    "SELECT COALESCE(SUM(num_bytes), 0) FROM responses WHERE charged_to = ?", (charge,)
-                ).fetchone()
-                if mine + size > self.max_bytes_per_client:
-                    raise StorageFull(
-                        f"this client's stored responses take {mine} bytes, and its share of the store is "
-                        f"{self.max_bytes_per_client}; send store: false or delete stored responses"
-                    )
-                self._db.execute(
-                    "INSERT INTO responses (id, principal, created_at, status, response, input_items, history,"
-                    " num_bytes, charged_to) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    (
-                        response_id,
-                        principal,
-                        now,
-                        stored.response["status"],
-                        response_text,
-                        items_text,
-                        history_text,
-                        size,
-                        charge,
-                    ),
+        if not is_new:
+            self._db.execute(
+                "UPDATE responses SET status = ?, response = ?, history = ?, num_bytes = ? WHERE id = ? AND principal = ?",
+                (stored.response["status"], response_text, history_text, size, response_id, principal),
+            )
+            return
+        with self._db.write("responses") as tx:
+            self._expire(tx, now)
+            count, total = tx.execute("SELECT COUNT(*), COALESCE(SUM(num_bytes), 0) FROM responses").one()  # type: ignore[misc]
+            count, total = int(count), int(total)
+            if count >= self.max_count or total + size > self.max_bytes:
+                raise StorageFull(
+                    f"the response store is full ({count} responses, {total} bytes; caps "
+                    f"{self.max_count} and {self.max_bytes}); send store: false or delete stored responses"
                 )
-            else:
-                self._db.execute(
-                    "UPDATE responses SET status = ?, response = ?, history = ?, num_bytes = ? WHERE id = ? AND principal = ?",
-                    (stored.response["status"], response_text, history_text, size, response_id, principal),
+            charge = charged_to or principal
+            mine = int(
+                tx.execute("SELECT COALESCE(SUM(num_bytes), 0) FROM responses WHERE charged_to = ?", (charge,)).value()
+            )
+            if mine + size > self.max_bytes_per_client:
+                raise StorageFull(
+                    f"this client's stored responses take {mine} bytes, and its share of the store is "
+                    f"{self.max_bytes_per_client}; send store: false or delete stored responses"
                 )
+            tx.execute(
+                "INSERT INTO responses (id, principal, created_at, status, response, input_items, history,"
+                " num_bytes, charged_to, owner) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    response_id,
+                    principal,
+                    now,
+                    stored.response["status"],
+                    response_text,
+                    items_text,
+                    history_text,
+                    size,
+                    charge,
+                    self._owner,
+                ),
+            )
 
     def get(self, response_id: str, principal: str) -> StoredResponse:
         """The row of ``response_id``; ``RequestNotFound`` if absent or another principal's."""
-        with self._lock:
-            row = self._db.execute(
-                "SELECT response, input_items, history FROM responses WHERE id = ? AND principal = ?",
-                (response_id, principal),
-            ).fetchone()
+        row = self._db.execute(
+            "SELECT response, input_items, history FROM responses WHERE id = ? AND principal = ?",
+            (response_id, principal),
+        ).one()
         if row is None:
             raise RequestNotFound(f"no response with id {response_id!r}")
         return StoredResponse(json.loads(row[0]), json.loads(row[1]), json.loads(row[2]))
 
     def delete(self, response_id: str, principal: str) -> None:
         """Delete a row; ``RequestNotFound`` if absent or another principal's."""
-        with self._lock:
-            cursor = self._db.execute("DELETE FROM responses WHERE id = ? AND principal = ?", (response_id, principal))
-        if cursor.rowcount == 0:
+        result = self._db.execute("DELETE FROM responses WHERE id = ? AND principal = ?", (response_id, principal))
+        if result.rowcount == 0:
             raise RequestNotFound(f"no response with id {response_id!r}")
 
-    def _expire(self, now: float) -> None:
+    def _expire(self, tx: Transaction, now: float) -> None:
         if self.retention_s is None:
             return
-        cursor = self._db.execute("DELETE FROM responses WHERE created_at < ?", (now - self.retention_s,))
-        if cursor.rowcount:
-            log.info("deleted %d stored responses older than %.3g days", cursor.rowcount, self.retention_s / 86400)
+        num_deleted = tx.execute("DELETE FROM responses WHERE created_at < ?", (now - self.retention_s,)).rowcount
+        if num_deleted > 0:
+            log.info("deleted %d stored responses older than %.3g days", num_deleted, self.retention_s / 86400)
 
     def close(self) -> None:
         """Close the database connection."""
-        with self._lock:
-            self._db.close()
+        self._db.close()

@@ -11,7 +11,7 @@ server mounts, each with what its ``adapter`` module provides:
 ``/health`` and ``/metrics`` come from ``rill.observability``. ``GET /`` is the browser
 playground (``rill.playground``).
 
-Built in this order: the parts every protocol shares (``make_parts``: connection gate,
+Built in this order, once ``--database`` (if given) was reached: the parts every protocol shares (``make_parts``: connection gate,
 session-memory budget, metrics registry, submission policy), the embedding model's service
 when ``--embedding-model`` names one (``start_embeddings``: its worker loads the model while
 the engine loads its own), the engine client with that policy and the registry as its sink
@@ -33,7 +33,7 @@ from starlette.applications import Starlette
 from starlette.routing import BaseRoute
 from starlette.types import ASGIApp
 
-from rill import auth, middleware, observability
+from rill import auth, database, middleware, observability
 from rill.config import ServerConfig, served_model_name, session_memory_bytes
 from rill.connections import FD_RESERVE, ConnectionGate, http_protocol_factory, raise_fd_limit
 from rill.deps import Deps, Stopper
@@ -211,6 +211,10 @@ async def serve(
     with its own policy and sink (a test's fake) instead of ``start_client``'s; ``served``: the
     protocols to serve instead of ``protocols()`` (a test adds one of its own)."""
     config.api_keys()  # a key file with no key fails here, before the model starts loading
+    if config.storage.database is not None:
+        # An unreachable database fails here too (a ConfigError naming --database), not at
+        # the first feedback a client sends.
+        await asyncio.to_thread(database.probe, config.storage.database)
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     fd_limit = raise_fd_limit(config.connections.max_connections)
     parts = make_parts(config)

@@ -174,7 +174,11 @@ class HttpConfig:
         "request may ask for; more is refused (400) before anything runs",
     )
     sse_keepalive_s: float = _f(5.0, "seconds without output after which an SSE stream gets a keep-alive comment")
-    data_dir: str = _f("data", "folder for feedback, recordings and other durable data")
+    data_dir: str = _f(
+        "data",
+        "folder for feedback, recordings and other durable data (the SQLite database, "
+        "unless --database names a PostgreSQL one)",
+    )
     feedback_max_per_generation: int = _f(
         16,
         "most feedback messages one /generate generation may receive (past it: a rate_limited error, nothing stored)",
@@ -479,6 +483,21 @@ def embedding_model_name(config: EmbeddingConfig) -> str | None:
 
 
 @dataclass(frozen=True)
+class StorageConfig:
+    """Where the durable stores live (``rill.database``): feedback, stored responses and, with
+    ``--record``, chat recordings."""
+
+    database: str | None = _f(
+        None,
+        "PostgreSQL database of the durable stores (feedback, stored responses, chat "
+        "recordings), shared by every server given the same URL: "
+        "postgresql://USER[:PASSWORD]@HOST[:PORT]/DBNAME (libpq's URL; a password is better "
+        "left to PGPASSWORD or ~/.pgpass, and is never shown). Needs psycopg: pip install "
+        "'rill[postgres]'. Unset: SQLite in --data-dir (one server)",
+    )
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     """Everything ``rill serve`` needs, by area."""
 
@@ -493,6 +512,7 @@ class ServerConfig:
     evergreen: EvergreenConfig = field(default_factory=EvergreenConfig)
     resume: ResumeConfig = field(default_factory=ResumeConfig)
     embeddings: EmbeddingConfig = field(default_factory=EmbeddingConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
 
     def api_keys(self) -> set[str]:
         """Keys from ``--api-key`` and ``--api-key-file`` (empty set: no auth)."""
@@ -532,6 +552,7 @@ AREAS: dict[str, type] = {
     "evergreen": EvergreenConfig,
     "resume": ResumeConfig,
     "embeddings": EmbeddingConfig,
+    "storage": StorageConfig,
 }
 
 FORMER_AREAS: dict[str, str] = {f.name: "http" for f in dataclasses.fields(PolicyConfig)}

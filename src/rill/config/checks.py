@@ -21,6 +21,7 @@ from rill.config.areas import (
     SpeechConfig,
 )
 from rill.config.values import parse_size
+from rill.database import check_url
 from rill.errors import ConfigError
 
 
@@ -30,6 +31,8 @@ def validate(config: ServerConfig) -> None:
     _validate_http(config.http)
     _validate_policy(config.policy)
     _validate_stores(config.http, config.chat)
+    if config.storage.database is not None:
+        check_url(config.storage.database, "database")
     _validate_embeddings(config.embeddings)
     _at_least_one(
         config.evergreen,

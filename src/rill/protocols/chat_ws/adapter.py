@@ -57,10 +57,12 @@ def routes(deps: Deps) -> list[BaseRoute]:
         return JSONResponse({"error": "recording not found"}, status_code=404) if reply is None else JSONResponse(reply)
 
     async def recording_wav(request: Request) -> Response:
-        path = service.recording_audio(request.path_params["recording_id"])
-        if path is None:
+        found = await asyncio.to_thread(service.recording_audio, request.path_params["recording_id"])
+        if found is None:
             return JSONResponse({"error": "recording audio not found"}, status_code=404)
-        return FileResponse(path, media_type="audio/wav")
+        if isinstance(found, bytes):  # from the database (--database)
+            return Response(found, media_type="audio/wav")
+        return FileResponse(found, media_type="audio/wav")
 
     async def default_ref_audio(request: Request) -> Response:
         try:

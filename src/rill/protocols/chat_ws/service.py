@@ -4,7 +4,7 @@
 Not pure (``tests/protocols/test_purity.py`` lists it): it decodes media on a worker
 thread, transcribes audio through the server's speech recognition (``rill.frontend.asr``),
 asks the engine client whether the model is ready and how it renders a prompt, writes
-recordings to disk and reads them back, reads the reference audio file, waits on the
+recordings (to disk or the database) and reads them back, reads the reference audio file, waits on the
 queue's mailboxes and reads the speech worker's audio. The socket itself is the adapter's.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import io
 import logging
 import time
 import uuid
@@ -43,7 +43,7 @@ from rill.protocols.chat_ws.session import (
     build_generate_request,
     refuse_modalities,
 )
-from rill.recordings import RecordingStore
+from rill.recordings import DatabaseRecordings, Recordings, RecordingStore
 from rill.types import GenerateRequest, ModelInfo
 
 log = logging.getLogger("rill.protocols.chat_ws")
@@ -70,12 +70,17 @@ class ChatService:
         self.speech = SpeechService(deps.speech_synth)
         self.media_limits = media.MediaLimits()
         self.request_timeout_s = cfg.policy.request_timeout_s
-        self.recordings_dir = Path(cfg.http.data_dir) / "recordings" if cfg.chat.record else None
+        self.is_recording = cfg.chat.record
         days = cfg.chat.record_retention_days
-        self.recordings = RecordingStore(
-            Path(cfg.http.data_dir) / "recordings",
+        cap, retention_s = (
             parse_size(cfg.chat.record_max_bytes, "record_max_bytes"),
             None if days is None else days * 86400,
+        )
+        # With --database the recordings go where every server sharing it can serve them.
+        self.recordings: Recordings = (
+            DatabaseRecordings(cfg.storage.database, cap, retention_s)
+            if cfg.storage.database
+            else RecordingStore(Path(cfg.http.data_dir) / "recordings", cap, retention_s)
         )
         self.ref_audio_path = cfg.chat.ref_audio
         self._ref_audio: dict[str, Any] | None = None
@@ -108,7 +113,7 @@ class ChatService:
         refuse_modalities(unheard, info.name, list(info.modalities))
         heard = await self._transcribe(audible, info)
         generate_request = build_generate_request(request, heard=heard, deadline_s=self.request_timeout_s)
-        recording_id = f"chat_{uuid.uuid4().hex[:16]}" if self.recordings_dir is not None else None
+        recording_id = f"chat_{uuid.uuid4().hex[:16]}" if self.is_recording else None
         session = ChatSession(
             request,
             is_speaking=request.tts.enabled,
@@ -217,16 +222,13 @@ class ChatService:
 
     # -- recordings --------------------------------------------------------------------
     def save_recording(self, request_text: str, done: Done, audio: np.ndarray | None) -> None:
-        """Write request.json, reply.json and, for a spoken reply, reply.wav under the folder of
-        recording ``done.recording_session_id``, then apply the recordings' size cap and
+        """Store the chat's request, its reply and, for a spoken reply, its audio (WAV) as
+        recording ``done.recording_session_id``; the store then applies its size cap and
         retention (blocking)."""
         import soundfile
 
-        assert self.recordings_dir is not None and isinstance(done.recording_session_id, str)
+        assert self.is_recording and isinstance(done.recording_session_id, str)
         recording_id = done.recording_session_id
-        folder = self.recordings_dir / recording_id
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "request.json").write_text(request_text)
         reply = {
             "recording_session_id": recording_id,
             "text": done.text,
@@ -241,29 +243,20 @@ class ChatService:
                 "url": f"/api/recordings/{recording_id}/reply.wav",
             },
         }
+        wav = None
         if audio is not None:
-            soundfile.write(folder / "reply.wav", audio, SAMPLE_RATE_HZ, subtype="FLOAT")
-        (folder / "reply.json").write_text(json.dumps(reply))
-        self.recordings.commit(recording_id)
+            buffer = io.BytesIO()
+            soundfile.write(buffer, audio, SAMPLE_RATE_HZ, format="WAV", subtype="FLOAT")
+            wav = buffer.getvalue()
+        self.recordings.save(recording_id, request_text, reply, wav)
 
     def recording(self, recording_id: str) -> dict[str, Any] | None:
-        """A stored recording's reply with its request (``GET /api/recordings/{id}``), or None."""
-        folder = self._recording_folder(recording_id)
-        if folder is None or not (folder / "reply.json").is_file():
-            return None
-        reply: dict[str, Any] = json.loads((folder / "reply.json").read_text())
-        reply["request"] = json.loads((folder / "request.json").read_text())
-        return reply
+        """A stored recording's reply with its request (``GET /api/recordings/{id}``), or None (blocking)."""
+        return self.recordings.reply(recording_id) if self.is_recording else None
 
-    def recording_audio(self, recording_id: str) -> Path | None:
-        """The reply.wav of a stored recording, or None."""
-        folder = self._recording_folder(recording_id)
-        return folder / "reply.wav" if folder is not None and (folder / "reply.wav").is_file() else None
-
-    def _recording_folder(self, recording_id: str) -> Path | None:
-        if self.recordings_dir is None:
-            return None
-        return self.recordings.path_of(recording_id)
+    def recording_audio(self, recording_id: str) -> Path | bytes | None:
+        """The reply.wav of a stored recording (a file or its bytes), or None (blocking)."""
+        return self.recordings.audio(recording_id) if self.is_recording else None
 
     def default_ref_audio(self) -> dict[str, Any] | None:
         """``{name, duration, sample_rate, samples, base64}`` of ``--ref-audio`` at 16 kHz (cached)."""

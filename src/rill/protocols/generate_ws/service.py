@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import Coroutine
 from typing import Any
 
@@ -41,6 +42,7 @@ class GenerateService:
         one per running resumable generation, so at most the registry's ``max_streams``."""
         self._feedback: FeedbackStore | None = None
         self._background: set[asyncio.Task[None]] = set()
+        self._feedback_lock = threading.Lock()  # two first feedbacks open one store
 
     def spawn(self, work: Coroutine[Any, Any, None]) -> None:
         """Run ``work`` in a task of its own, held until it ends (from a callback that cannot await)."""
@@ -89,17 +91,21 @@ class GenerateService:
             return ""
 
     def feedback_store(self) -> FeedbackStore:
-        """The store, opened on first use."""
-        if self._feedback is None:
-            days = self.http.feedback_retention_days
-            self._feedback = FeedbackStore(
-                self.http.data_dir,
-                max_text_bytes=self.http.feedback_max_text_bytes,
-                max_store_bytes=parse_size(self.http.feedback_max_store_bytes, "feedback_max_store_bytes"),
-                max_principal_bytes=self.http.feedback_quota_bytes(),
-                retention_s=None if days is None else days * 86400,
-            )
-        return self._feedback
+        """The store, opened on first use (blocking: it connects to the database)."""
+        with self._feedback_lock:
+            if self._feedback is None:
+                self._feedback = self._open_feedback_store()
+            return self._feedback
+
+    def _open_feedback_store(self) -> FeedbackStore:
+        days = self.http.feedback_retention_days
+        return FeedbackStore(
+            self.deps.config.storage.database or self.http.data_dir,
+            max_text_bytes=self.http.feedback_max_text_bytes,
+            max_store_bytes=parse_size(self.http.feedback_max_store_bytes, "feedback_max_store_bytes"),
+            max_principal_bytes=self.http.feedback_quota_bytes(),
+            retention_s=None if days is None else days * 86400,
+        )
 
     async def store_feedback(self, record: dict[str, Any], api_key: str | None, principal: str) -> int:
         """Store one feedback record (in a worker thread: the store commits to disk); its id.
@@ -110,7 +116,7 @@ class GenerateService:
         """
         hint = api_key[-4:] if api_key else None
         try:
-            return await asyncio.to_thread(self.feedback_store().add, record, s.PROTOCOL, hint, principal)
+            return await asyncio.to_thread(lambda: self.feedback_store().add(record, s.PROTOCOL, hint, principal))
         except RillError:
             raise
         except Exception as exc:  # never leak storage internals

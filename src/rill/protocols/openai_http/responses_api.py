@@ -91,7 +91,7 @@ class ResponsesApi:
         self.streams: StreamRegistry[Any] = api.deps.resumable
         r = config.resume
         self._store_args = {
-            "data_dir": config.http.data_dir,
+            "where": config.storage.database or config.http.data_dir,
             "max_count": r.responses_max_stored,
             "max_bytes": parse_size(r.responses_max_store_bytes, "responses_max_store_bytes"),
             "max_history_bytes": parse_size(r.responses_max_history_bytes, "responses_max_history_bytes"),
