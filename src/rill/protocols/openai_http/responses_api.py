@@ -236,38 +236,43 @@ class ResponsesApi:
     async def _produce(self, run: _Run) -> None:
         session, stream, engine = run.session, run.stream, run.engine
         assert engine is not None
+        ending: list[Any] = []  # the events that end the response, sent once its row is written
         try:
             try:
                 async for out in engine:
-                    for event in session.on_output(out):
-                        _append(stream, event)
+                    events = session.on_output(out)
                     if session.is_done:
+                        ending = events
                         break
-                if not session.is_done:
-                    for event in session.fail(codec.RequestCancelled("the request ended without a result")):
+                    for event in events:
                         _append(stream, event)
+                if not session.is_done:
+                    ending = session.fail(codec.RequestCancelled("the request ended without a result"))
             except asyncio.CancelledError:
-                for event in session.cancel():
-                    _append(stream, event)
+                ending = session.cancel()
             except Exception as exc:
                 log.error("error while producing response %s", session.id, exc_info=exc)
-                for event in session.fail(exc):
-                    _append(stream, event)
+                ending = session.fail(exc)
         finally:
-            # Readers learn the end first, whatever happens below (a second cancellation at
-            # shutdown included); the run stays readable here until its row is written.
-            stream.finish()
-            run.ended.set()
             try:
                 with contextlib.suppress(Exception):
                     await engine.aclose()  # aborts the engine request if it still runs
                 if run.stores:
+                    # Before any reader learns the end: a client that reads or continues the
+                    # response through another server sharing the database (--database) finds
+                    # it ended there too. Until then this server reads it from the run.
                     try:
                         store = await self.store()
                         await asyncio.to_thread(store.put, run.principal, self._stored(run), is_new=False)
                     except Exception as exc:
                         log.error("could not store response %s", session.id, exc_info=exc)
             finally:
+                # Readers learn the end whatever happened above (a second cancellation at
+                # shutdown included).
+                for event in ending:
+                    _append(stream, event)
+                stream.finish()
+                run.ended.set()
                 self.runs.pop(session.id, None)
 
     # -- read, resume, cancel, delete ----------------------------------------------------------
