@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml requirements-no-deps.txt
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==2.13.0
 	$(BIN)/python -m pip install --quiet --no-deps -r requirements-no-deps.txt
-	$(BIN)/python -m pip install --quiet -e '.[test,lint]'
+	$(BIN)/python -m pip install --quiet -e '.[test,lint,postgres]'
 	touch $(STAMP)
 
 # The OpenAI Agents SDK for its conformance test, apart from rill's environment (see the file).
@@ -40,8 +40,10 @@ setup-llamacpp: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/rill serve $(ARGS)
 
+# RILL_REQUIRE_POSTGRES=1: the PostgreSQL tests fail instead of skipping when Debian's postgresql
+# package is missing (.ci/run installs it), so CI never passes without them.
 test: $(STAMP) $(AGENTS_STAMP)
-	RILL_AGENTS_PYTHON=$(abspath $(AGENTS_VENV))/bin/python $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	RILL_AGENTS_PYTHON=$(abspath $(AGENTS_VENV))/bin/python RILL_REQUIRE_POSTGRES=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # All three checks run even when one fails, so one pass shows everything to fix; the last line
 # names the failed ones. The format check lists files, not diffs (`ruff format --diff` shows them).

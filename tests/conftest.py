@@ -82,6 +82,40 @@ def minilm_reference(minilm_dir: Path) -> tuple[list[str], Any]:
     return texts, reference.encode(texts, batch_size=32, convert_to_numpy=True)
 
 
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[Any]:
+    """A throwaway PostgreSQL cluster for the whole run (``tests/postgres.py``), stopped at the end.
+    Skipped with the reason when it cannot start, failed instead under ``RILL_REQUIRE_POSTGRES=1``."""
+    from tests.postgres import PostgresServer, Unavailable
+
+    try:
+        import psycopg  # noqa: F401 - rill's PostgreSQL driver (the postgres extra)
+
+        server = PostgresServer.start()
+    except (ImportError, Unavailable) as exc:
+        reason = f"no PostgreSQL for these tests: {exc}"
+        if os.environ.get("RILL_REQUIRE_POSTGRES") == "1":
+            pytest.fail(f"{reason} (RILL_REQUIRE_POSTGRES=1)")
+        pytest.skip(reason)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def pg_url(postgres: Any) -> str:
+    """The URL of a new, empty database of the throwaway cluster (one per test)."""
+    return str(postgres.new_database())
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store_where(request: pytest.FixtureRequest, tmp_path: Path) -> str | Path:
+    """Where a store keeps its data, once per backend: a data folder (SQLite) or a new
+    PostgreSQL database's URL."""
+    if request.param == "sqlite":
+        return tmp_path / "data"
+    return str(request.getfixturevalue("pg_url"))
+
+
 def free_port() -> int:
     """A TCP port that is free on loopback right now."""
     with socket.socket() as sock:

@@ -1,5 +1,5 @@
 """Helpers shared by several test files: an ASGI app on a loopback port, bounded polling, WebSocket reads,
-the speculative-decoding check every protocol runs.
+the speculative-decoding check every protocol runs, ``rill serve`` as a process of its own.
 
 Import as ``from tests.helpers import ...`` (like ``tests.conftest``).
 """
@@ -9,7 +9,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+import os
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import uvicorn
@@ -161,3 +165,45 @@ def embedding_texts() -> list[str]:
     sentences = [s for line in generate_text(num_sentences=400, seed=3).splitlines() for s in line.split(". ")]
     generated = [" ".join(rng.sample(sentences, rng.randint(1, 6))) for _ in range(100 - len(fixed))]
     return fixed + generated
+
+
+@contextlib.contextmanager
+def rill_process(
+    model_dir: Any, *args: str, ready_timeout_s: float = 90
+) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """``with rill_process(model, *flags) as (proc, url):`` — ``rill serve`` as a process of its
+    own (float32, a small KV cache, no Unix socket, no gRPC, a free port) until it answers
+    ``/health`` with 200; killed at the end if it still runs. ``url`` is its HTTP base URL.
+
+    Raises:
+        AssertionError: the process exited first (with its stderr), or was not ready in
+            ``ready_timeout_s`` (a start-up bound, never a pass condition).
+    """
+    import httpx
+
+    from tests.conftest import free_port
+
+    port = free_port()
+    command = [sys.executable, "-m", "rill", "serve", "--model", str(model_dir), "--port", str(port)]
+    command += ["--no-socket", "--grpc-port", "0", "--dtype", "float32", "--kv-cache-memory", "64MiB"]
+    command += ["--log-level", "warning", *args]
+    proc = subprocess.Popen(
+        command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=os.environ | {"HF_HUB_OFFLINE": "1"}
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + ready_timeout_s
+        while True:  # poll readiness (a start-up wait, not a timing assertion)
+            assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server never became ready"
+            time.sleep(0.1)
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -1,4 +1,5 @@
-"""rill.feedback: the durable store and `rill feedback export`."""
+"""rill.feedback: the durable store and `rill feedback export`, on SQLite and on PostgreSQL
+(``store_where``: a data folder, or a new database of the throwaway cluster)."""
 
 from __future__ import annotations
 
@@ -6,12 +7,25 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import pytest
+
+from rill.database import Database
 from rill.feedback import FeedbackStore
 
 
-def test_store_round_trip_and_ids(tmp_path: Path) -> None:
-    store = FeedbackStore(tmp_path / "d")
+def query(where: str | Path, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """The rows of ``sql`` run on the store's database through a connection of its own."""
+    db = Database(where)
+    try:
+        return db.execute(sql, params).rows
+    finally:
+        db.close()
+
+
+def test_store_round_trip_and_ids(store_where: str | Path) -> None:
+    store = FeedbackStore(store_where)
     first = store.add(
         {
             "request_id": "gen_1",
@@ -27,7 +41,7 @@ def test_store_round_trip_and_ids(tmp_path: Path) -> None:
     )
     second = store.add({"request_id": "gen_2", "rating": -0.5})
     assert second == first + 1
-    records = list(FeedbackStore(tmp_path / "d").records())  # another connection sees both commits
+    records = list(FeedbackStore(store_where).records())  # another connection sees both commits
     assert [r["request_id"] for r in records] == ["gen_1", "gen_2"]
     assert records[0]["rating"] == 1.0 and records[0]["is_generation_finished"] is True
     assert records[0]["api_key_hint"] == "abcd" and records[0]["protocol"] == "generate_ws"
@@ -35,80 +49,43 @@ def test_store_round_trip_and_ids(tmp_path: Path) -> None:
     store.close()
 
 
-def test_export_prints_json_lines(tmp_path: Path) -> None:
-    store = FeedbackStore(tmp_path)
+def where_flags(where: str | Path) -> list[str]:
+    """The flags naming ``where`` to ``rill serve`` and ``rill feedback export``."""
+    return ["--database", where] if isinstance(where, str) else ["--data-dir", str(where)]
+
+
+def export(where: str | Path) -> subprocess.CompletedProcess[str]:
+    """``rill feedback export`` of ``where``, run as a command."""
+    command = [sys.executable, "-m", "rill", "feedback", "export", *where_flags(where)]
+    return subprocess.run(command, capture_output=True, text=True)
+
+
+def test_export_prints_json_lines(store_where: str | Path) -> None:
+    store = FeedbackStore(store_where)
     store.add({"request_id": "gen_1", "rating": 1, "text": "héllo\nworld"})
     store.add({"request_id": "gen_2", "rating": 0})
     store.close()
-    out = subprocess.run(
-        [sys.executable, "-m", "rill", "feedback", "export", "--data-dir", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    lines = out.splitlines()
+    lines = export(store_where).stdout.splitlines()
     assert len(lines) == 2
     assert json.loads(lines[0])["text"] == "héllo\nworld" and json.loads(lines[1])["request_id"] == "gen_2"
 
 
-def test_export_without_a_store_says_so(tmp_path: Path) -> None:
-    res = subprocess.run(
-        [sys.executable, "-m", "rill", "feedback", "export", "--data-dir", str(tmp_path / "none")],
-        capture_output=True,
-        text=True,
-    )
+def test_export_without_a_store_says_so(store_where: str | Path) -> None:
+    res = export(store_where)
     assert res.returncode == 0 and res.stdout == "" and "no feedback stored yet" in res.stderr
+    if isinstance(store_where, str):  # and it created nothing
+        assert query(store_where, "SELECT to_regclass('feedback') IS NULL") == [(True,)]
 
 
-def test_feedback_survives_sigkill_after_the_ack(tiny_model_dir: Path, tmp_path: Path) -> None:
-    import os
+def test_feedback_survives_sigkill_after_the_ack(tiny_model_dir: Path, store_where: str | Path) -> None:
     import signal
-    import time
 
-    import httpx
     from websockets.sync.client import connect
 
-    from tests.conftest import free_port
+    from tests.helpers import rill_process
 
-    port, data_dir = free_port(), tmp_path / "data"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "rill",
-            "serve",
-            "--model",
-            str(tiny_model_dir),
-            "--port",
-            str(port),
-            "--data-dir",
-            str(data_dir),
-            "--no-socket",
-            "--grpc-port",
-            "0",
-            "--dtype",
-            "float32",
-            "--kv-cache-memory",
-            "64MiB",
-            "--log-level",
-            "warning",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        env=os.environ | {"HF_HUB_OFFLINE": "1"},
-    )
-    try:
-        deadline = time.monotonic() + 90
-        while True:  # poll readiness (a start-up wait, not a timing assertion)
-            assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server never became ready"
-            time.sleep(0.1)
-        with connect(f"ws://127.0.0.1:{port}/generate") as ws:
+    with rill_process(tiny_model_dir, *where_flags(store_where)) as (proc, url):
+        with connect(url.replace("http", "ws") + "/generate") as ws:
             ws.send(json.dumps({"type": "config", "prompt": "Once upon a time", "parameters": {"max_tokens": 2}}))
             init = json.loads(ws.recv())
             assert init["type"] == "init"
@@ -120,17 +97,9 @@ def test_feedback_survives_sigkill_after_the_ack(tiny_model_dir: Path, tmp_path:
             proc.send_signal(signal.SIGKILL)  # right after the acknowledgement
         proc.wait(30)
         assert proc.returncode == -signal.SIGKILL
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    out = subprocess.run(
-        [sys.executable, "-m", "rill", "feedback", "export", "--data-dir", str(data_dir)],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    records = [json.loads(line) for line in out.splitlines()]
+    res = export(store_where)
+    assert res.returncode == 0, res.stderr
+    records = [json.loads(line) for line in res.stdout.splitlines()]
     assert [(r["id"], r["rating"], r["text"], r["position"], r["request_id"]) for r in records] == [
         (ack["feedback_id"], -1.0, "kill -9 me", 1, ack["request_id"])
     ]
@@ -140,8 +109,8 @@ def test_feedback_survives_sigkill_after_the_ack(tiny_model_dir: Path, tmp_path:
 # -- issue 12 item 2: bounded stored text, size cap and retention ----------------------------------------
 
 
-def test_texts_are_cut_to_the_cap_at_a_character_boundary(tmp_path: Path) -> None:
-    store = FeedbackStore(tmp_path, max_text_bytes=5)
+def test_texts_are_cut_to_the_cap_at_a_character_boundary(store_where: str | Path) -> None:
+    store = FeedbackStore(store_where, max_text_bytes=5)
     store.add({"request_id": "g", "rating": 1, "text": "ok", "prompt": "ééé", "generated_text": "abcdefgh"})
     [record] = store.records()
     assert (record["text"], record["prompt"], record["generated_text"]) == ("ok", "éé", "abcde")
@@ -149,29 +118,27 @@ def test_texts_are_cut_to_the_cap_at_a_character_boundary(tmp_path: Path) -> Non
     store.close()
 
 
-def test_a_full_store_refuses_new_records_and_keeps_the_old(tmp_path: Path) -> None:
-    import pytest
-
+def test_a_full_store_refuses_new_records_and_keeps_the_old(store_where: str | Path) -> None:
     from rill.errors import StorageFull
 
-    store = FeedbackStore(tmp_path)
+    store = FeedbackStore(store_where)
     for i in range(20):
         store.add({"request_id": f"g{i}", "rating": 1, "prompt": "p" * 2000})
     used = store.used_bytes()
     store.close()
-    capped = FeedbackStore(tmp_path, max_store_bytes=used + 100)
+    capped = FeedbackStore(store_where, max_store_bytes=used + 100)
     with pytest.raises(StorageFull, match="full"):
         capped.add({"request_id": "late", "rating": 1, "prompt": "p" * 2000})
     assert [r["request_id"] for r in capped.records()] == [f"g{i}" for i in range(20)]
     capped.close()
 
 
-def test_retention_deletes_only_records_past_it(tmp_path: Path, monkeypatch) -> None:
+def test_retention_deletes_only_records_past_it(store_where: str | Path, monkeypatch) -> None:
     import rill.feedback as feedback_mod
 
     clock = [1_000_000.0]
     monkeypatch.setattr(feedback_mod.time, "time", lambda: clock[0])
-    store = FeedbackStore(tmp_path, retention_s=100)
+    store = FeedbackStore(store_where, retention_s=100)
     store.add({"request_id": "old", "rating": 1})
     clock[0] += 60
     store.add({"request_id": "mid", "rating": 1})
@@ -205,10 +172,8 @@ def test_a_store_from_before_the_truncated_column_is_upgraded(tmp_path: Path) ->
 PROMPT = "Summarise the following report. " + "The quarterly figures rose again. " * 400  # ~13 KB
 
 
-def test_a_hundred_feedback_records_on_one_generation_store_its_prompt_once(tmp_path: Path) -> None:
-    import sqlite3
-
-    store = FeedbackStore(tmp_path)
+def test_a_hundred_feedback_records_on_one_generation_store_its_prompt_once(store_where: str | Path) -> None:
+    store = FeedbackStore(store_where)
     store.add({"request_id": "warm", "rating": 1})  # the tables' first pages exist before measuring
     before = store.used_bytes()
     for i in range(100):
@@ -232,18 +197,14 @@ def test_a_hundred_feedback_records_on_one_generation_store_its_prompt_once(tmp_
     assert [r["position"] for r in records] == list(range(100))
     assert {r["generated_text"] for r in records} == {"The figures rose."}
     store.close()
-    db = sqlite3.connect(tmp_path / "feedback.sqlite3")
-    assert db.execute("SELECT COUNT(*) FROM texts WHERE body = ?", (PROMPT,)).fetchone() == (1,)
-    db.close()
+    assert query(store_where, "SELECT COUNT(*) FROM texts WHERE body = ?", (PROMPT,)) == [(1,)]
 
 
-def test_a_principal_over_its_quota_is_refused_while_another_still_stores(tmp_path: Path) -> None:
-    import pytest
-
+def test_a_principal_over_its_quota_is_refused_while_another_still_stores(store_where: str | Path) -> None:
     from rill.errors import StorageFull
     from rill.feedback import ROW_OVERHEAD_BYTES, TEXT_OVERHEAD_BYTES
 
-    store = FeedbackStore(tmp_path, max_store_bytes=1 << 30, max_principal_bytes=20_000)
+    store = FeedbackStore(store_where, max_store_bytes=1 << 30, max_principal_bytes=20_000)
     stored = 0
     with pytest.raises(StorageFull, match="feedback-max-bytes-per-principal"):
         for i in range(100):  # each record a new generation: a new 2 KB text each time
@@ -256,24 +217,20 @@ def test_a_principal_over_its_quota_is_refused_while_another_still_stores(tmp_pa
     assert other > 0 and [r["request_id"] for r in store.records()] == [f"a{i}" for i in range(8)] + ["b0"]
     store.close()
     # The charge survives a restart (read back from the stored records).
-    reopened = FeedbackStore(tmp_path, max_principal_bytes=20_000)
+    reopened = FeedbackStore(store_where, max_principal_bytes=20_000)
     with pytest.raises(StorageFull):
         reopened.add({"request_id": "late", "rating": 1, "prompt": "z" * 5000}, principal="key:aaaa")
     reopened.add({"request_id": "b1", "rating": 1, "prompt": "z" * 5000}, principal="key:bbbb")
     reopened.close()
 
 
-def test_retention_frees_the_quota_and_the_texts_no_record_names(tmp_path: Path, monkeypatch) -> None:
-    import sqlite3
-
-    import pytest
-
+def test_retention_frees_the_quota_and_the_texts_no_record_names(store_where: str | Path, monkeypatch) -> None:
     import rill.feedback as feedback_mod
     from rill.errors import StorageFull
 
     clock = [1_000_000.0]
     monkeypatch.setattr(feedback_mod.time, "time", lambda: clock[0])
-    store = FeedbackStore(tmp_path, retention_s=100, max_principal_bytes=6000)
+    store = FeedbackStore(store_where, retention_s=100, max_principal_bytes=6000)
     store.add({"request_id": "old", "rating": 1, "prompt": "p" * 5000}, principal="peer:10.0.0.1")
     with pytest.raises(StorageFull):
         store.add({"request_id": "new", "rating": 1, "prompt": "q" * 5000}, principal="peer:10.0.0.1")
@@ -281,12 +238,10 @@ def test_retention_frees_the_quota_and_the_texts_no_record_names(tmp_path: Path,
     store.add({"request_id": "new", "rating": 1, "prompt": "q" * 5000}, principal="peer:10.0.0.1")
     assert [(r["request_id"], r["prompt"]) for r in store.records()] == [("new", "q" * 5000)]
     store.close()
-    db = sqlite3.connect(tmp_path / "feedback.sqlite3")
-    assert db.execute("SELECT COUNT(*) FROM texts").fetchone() == (1,)
-    db.execute("DELETE FROM feedback")  # deleting by hand removes the texts too
-    db.commit()
-    assert db.execute("SELECT COUNT(*) FROM texts").fetchone() == (0,)
-    db.close()
+    assert query(store_where, "SELECT COUNT(*) FROM texts") == [(1,)]
+    query(store_where, "DELETE FROM feedback")  # deleting by hand removes the texts and frees the quota too
+    assert query(store_where, "SELECT COUNT(*) FROM texts") == [(0,)]
+    assert FeedbackStore(store_where).principal_bytes("peer:10.0.0.1") == 0
 
 
 def test_a_store_written_by_the_previous_layout_opens_and_exports(tmp_path: Path) -> None:
@@ -314,13 +269,7 @@ def test_a_store_written_by_the_previous_layout_opens_and_exports(tmp_path: Path
             principal="peer:10.0.0.2",
         )
     store.close()
-    out = subprocess.run(
-        [sys.executable, "-m", "rill", "feedback", "export", "--data-dir", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    records = [json.loads(line) for line in out.splitlines()]
+    records = [json.loads(line) for line in export(tmp_path).stdout.splitlines()]
     assert [r["request_id"] for r in records] == ["gen_old"] * 2 + ["gen_new"] * 3
     assert {r["prompt"] for r in records} == {PROMPT} and {r["generated_text"] for r in records} == {"out"}
     db = sqlite3.connect(tmp_path / "feedback.sqlite3")

@@ -1,8 +1,10 @@
-"""rill.recordings: the chat recordings folder stays under its size cap and retention
-(issue 12 item 2: recordings stored raw requests with no cap or retention)."""
+"""rill.recordings: the chat recordings folder, and the recordings in the stores' database
+(``--database``), stay under their size cap and retention (issue 12 item 2: recordings stored
+raw requests with no cap or retention)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
@@ -10,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from rill import recordings
-from rill.recordings import RecordingStore
+from rill.recordings import DatabaseRecordings, RecordingStore
 
 
 def write(folder: Path, recording_id: str, num_bytes: int, mtime: float | None = None) -> None:
@@ -58,3 +60,44 @@ def test_a_recording_larger_than_the_cap_is_not_kept(tmp_path: Path) -> None:
 @pytest.mark.parametrize("name, ok", [(rid(1), True), ("..", False), ("chat_../x", False)])
 def test_path_of_takes_recording_ids_only(tmp_path: Path, name: str, ok: bool) -> None:
     assert (RecordingStore(tmp_path, 1).path_of(name) is not None) == ok
+
+
+# -- --database: the recordings in the stores' database, on SQLite and PostgreSQL ----------------------
+
+
+def save(store: DatabaseRecordings, i: int, num_bytes: int) -> None:
+    """A recording whose request, reply and audio take about ``num_bytes``."""
+    store.save(rid(i), json.dumps({"i": i}), {"text": "x"}, b"w" * num_bytes)
+
+
+def test_the_database_keeps_the_newest_recordings_under_the_cap(store_where: str | Path, caplog) -> None:
+    store = DatabaseRecordings(store_where, max_bytes=2500)
+    with caplog.at_level(logging.WARNING, logger="rill.recordings"):
+        for i in range(5):
+            save(store, i, 1000)
+    assert [store.reply(rid(i)) is not None for i in range(5)] == [False, False, False, True, True]
+    assert store.reply(rid(4)) == {"text": "x", "request": {"i": 4}} and store.audio(rid(4)) == b"w" * 1000
+    assert store.audio(rid(0)) is None and 2000 < store.num_bytes() <= 2500
+    assert sum("record-max-bytes" in r.getMessage() for r in caplog.records) == 3  # never silently
+    store.close()
+
+
+def test_the_database_deletes_recordings_past_the_retention(store_where: str | Path, monkeypatch) -> None:
+    clock = [2_000_000_000.0]
+    monkeypatch.setattr(recordings.time, "time", lambda: clock[0])
+    store = DatabaseRecordings(store_where, max_bytes=10_000, retention_s=5 * 86400)
+    save(store, 1, 10)
+    clock[0] += 4 * 86400
+    save(store, 2, 10)
+    clock[0] += 2 * 86400  # the first is six days old, the second two
+    save(store, 3, 10)
+    assert [store.reply(rid(i)) is not None for i in (1, 2, 3)] == [False, True, True]
+    store.close()
+
+
+def test_the_database_does_not_keep_a_recording_larger_than_the_cap(store_where: str | Path) -> None:
+    store = DatabaseRecordings(store_where, max_bytes=50)
+    save(store, 1, 100)
+    assert store.reply(rid(1)) is None and store.num_bytes() == 0
+    assert store.reply("..") is None and store.audio("chat_../x") is None
+    store.close()

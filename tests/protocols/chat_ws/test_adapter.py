@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import json
 import threading
 import time
@@ -17,6 +18,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+import soundfile
 from starlette.applications import Starlette
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
@@ -326,6 +328,23 @@ async def test_hostile_request_is_an_invalid_request_not_an_internal_error(body:
 async def recording_ids(chat: Chat) -> list[str]:
     """The recording ids of one chat's ``done`` messages."""
     return [m["recording_session_id"] for m in (await converse(chat, BODY))[0] if m["type"] == "done"]
+
+
+async def test_recordings_in_postgres_are_served_by_every_server_sharing_it(pg_url: str, tmp_path: Any) -> None:
+    # With --database a recording is a row of the shared database, not a file in the folder of
+    # the server that recorded it: another server on the same database serves it, audio too.
+    settings = {"chat.record": True, "http.data_dir": str(tmp_path), "storage.database": pg_url}
+    async with serve_chat(**settings) as chat, serve_chat(**settings) as other:
+        chat.reply_with("Hello.")
+        [done] = [m for m in (await converse(chat, BODY))[0] if m["type"] == "done"]
+        async with httpx.AsyncClient(base_url=f"http://{other.url}") as http:
+            reply = (await http.get(f"/api/recordings/{done['recording_session_id']}")).json()
+            wav = await http.get(reply["audio"]["url"])
+    assert reply["text"] == done["text"] and reply["request"] == BODY
+    assert wav.status_code == 200 and wav.headers["content-type"] == "audio/wav"
+    samples, rate = soundfile.read(io.BytesIO(wav.content))
+    assert (rate, round(len(samples) / rate, 3)) == (reply["audio"]["sample_rate"], reply["audio"]["duration_s"])
+    assert not (tmp_path / "recordings").exists()
 
 
 async def test_recordings_stay_under_the_configured_cap(tmp_path: Any) -> None:
