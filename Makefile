@@ -40,10 +40,11 @@ setup-llamacpp: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/rill serve $(ARGS)
 
-# RILL_REQUIRE_POSTGRES=1: the PostgreSQL tests fail instead of skipping when Debian's postgresql
-# package is missing (.ci/run installs it), so CI never passes without them.
+# Without Debian's postgresql the PostgreSQL tests are skipped with the reason, as the browser
+# tests are without chromium; .ci/run installs both and sets RILL_REQUIRE_POSTGRES=1, so CI fails
+# rather than skip them.
 test: $(STAMP) $(AGENTS_STAMP)
-	RILL_AGENTS_PYTHON=$(abspath $(AGENTS_VENV))/bin/python RILL_REQUIRE_POSTGRES=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	RILL_AGENTS_PYTHON=$(abspath $(AGENTS_VENV))/bin/python $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # All three checks run even when one fails, so one pass shows everything to fix; the last line
 # names the failed ones. The format check lists files, not diffs (`ruff format --diff` shows them).

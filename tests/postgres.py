@@ -11,8 +11,8 @@ the Debian package creates, and the tests connect over the socket as its superus
 (trust authentication: the socket's folder is the only way in).
 
 The fixtures (``tests/conftest.py``) skip the PostgreSQL tests, naming the reason, when the
-binaries are missing, and fail them instead when ``RILL_REQUIRE_POSTGRES=1`` (``make test``
-sets it; ``.ci/run`` installs the package), so CI never skips them silently.
+binaries are missing, and fail them instead when ``RILL_REQUIRE_POSTGRES=1`` (``.ci/run``
+sets it and installs the package), so CI never skips them silently.
 """
 
 from __future__ import annotations

@@ -135,3 +135,9 @@ def test_a_lost_connection_is_replaced_and_the_liveness_lock_taken_again(pg_url:
     assert other.is_alive(db.instance_id)
     db.close()
     other.close()
+
+
+def test_check_config_never_shows_api_keys(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["check-config", "--api-key", "sk-very-secret-0123456789"]) == 0
+    out = capsys.readouterr().out
+    assert "sk-very-secret" not in out and '"***"' in out

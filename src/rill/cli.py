@@ -45,6 +45,8 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
     shown = dataclasses.asdict(cfg)
     if cfg.storage.database is not None:
         shown["storage"]["database"] = redact(cfg.storage.database)
+    # Secrets are shown as set or not, never as they are (the output lands in terminals and tickets).
+    shown["policy"]["api_key"] = ["***" for _ in cfg.policy.api_key]
     print(json.dumps(shown, indent=2))
     return 0
 
