@@ -18,6 +18,7 @@ from rill.frontend.budget import MemoryBudget
 from rill.frontend.client import EngineClient
 from rill.frontend.embeddings import EmbeddingService
 from rill.frontend.metrics import Metrics
+from rill.frontend.ocr import OcrService
 from rill.frontend.resumable import StreamRegistry
 from rill.frontend.speech import SpeechSynth
 
@@ -49,6 +50,9 @@ class Deps:
     asr: AsrService | None = None
     """The server's speech recognition, shared by every protocol; None: audio input is refused
     (the server makes it from ``--asr``; tests give their own)."""
+    ocr: OcrService | None = None
+    """The server's OCR of image input, shared by every protocol; None: images go to the model
+    as images, refused when it cannot see (the server makes it from ``--ocr``)."""
     stoppers: list[Stopper] = field(default_factory=list)
     """What the server awaits, in order, when it stops, for services a protocol's routes started
     (``/ws/chat``'s speech worker)."""

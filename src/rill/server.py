@@ -157,14 +157,16 @@ def make_deps(
     used).
 
     Raises:
-        ConfigError: ``--tts piper`` or ``--asr whisper`` without their packages.
+        ConfigError: ``--tts piper``, ``--asr whisper`` or ``--ocr tesseract`` without their packages.
     """
     from rill.frontend.asr import make_asr
+    from rill.frontend.ocr import make_ocr
     from rill.frontend.speech import make_synth
 
     parts = parts or make_parts(config)
     parts.metrics.watch(client)
     asr = make_asr(config.speech)
+    ocr = make_ocr(config.speech)
     deps = Deps(
         config=config,
         client=client,
@@ -175,6 +177,7 @@ def make_deps(
         embeddings=embeddings,
         speech_synth=make_synth(config.speech.tts),
         asr=asr,
+        ocr=ocr,
     )
     if embeddings is not None:
         deps.stoppers.append(embeddings.shutdown)
@@ -184,6 +187,12 @@ def make_deps(
             asr.shutdown()
 
         deps.stoppers.append(stop_asr)
+    if ocr is not None:
+
+        async def stop_ocr() -> None:
+            ocr.shutdown()
+
+        deps.stoppers.append(stop_ocr)
     return deps
 
 

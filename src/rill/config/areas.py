@@ -365,6 +365,19 @@ class SpeechConfig:
         16, "most transcriptions waiting or running at once, all clients together (past it: resource_exhausted)"
     )
     asr_max_audio_s: float = _f(120.0, "most seconds of audio transcribed for one request (past it: invalid_request)")
+    ocr: str = _f(
+        "auto",
+        "reading text in image input (OCR, not vision): tesseract (Debian's tesseract-ocr), off "
+        "(image input is refused unless the model sees images) or auto (tesseract when the binary "
+        "is installed, else off)",
+    )
+    ocr_language: str = _f("eng", "Tesseract language(s) of the text in images, e.g. eng or eng+deu")
+    ocr_workers: int = _f(1, "images read at once")
+    ocr_max_queue: int = _f(
+        16, "most images waiting or being read at once, all clients together (past it: resource_exhausted)"
+    )
+    ocr_max_pixels: int = _f(16_000_000, "largest image text is read from, in pixels (past it: invalid_request)")
+    ocr_timeout_s: float = _f(30.0, "longest time reading one image may take (past it: timeout)")
 
 
 @dataclass(frozen=True)

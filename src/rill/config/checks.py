@@ -149,6 +149,9 @@ def _validate_speech(s: SpeechConfig) -> None:
     _one_of("asr", s.asr, ("auto", "whisper", "off"))
     _at_least_one(s, "asr_workers", "asr_threads", "asr_max_queue")
     _positive_seconds(s, "asr_max_audio_s")
+    _one_of("ocr", s.ocr, ("auto", "tesseract", "off"))
+    _at_least_one(s, "ocr_workers", "ocr_max_queue", "ocr_max_pixels")
+    _positive_seconds(s, "ocr_timeout_s")
 
 
 def _validate_session_memory(c: ConnectionConfig) -> None:

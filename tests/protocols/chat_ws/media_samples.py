@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import io
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -26,6 +27,27 @@ def png_b64(width: int = 8, height: int = 6) -> str:
 
     buf = io.BytesIO()
     Image.new("RGB", (width, height), (200, 10, 10)).save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def text_image(lines: list[str], font_size: int = 32) -> Any:
+    """A white RGB image with ``lines`` written on it in black (Pillow's own scalable font),
+    for OCR to read back."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    font = ImageFont.load_default(size=font_size)
+    width = 40 + max(int(font.getlength(line)) for line in lines)
+    image = Image.new("RGB", (width, 40 + 2 * font_size * len(lines)), "white")
+    draw = ImageDraw.Draw(image)
+    for i, line in enumerate(lines):
+        draw.text((20, 20 + 2 * font_size * i), line, fill="black", font=font)
+    return image
+
+
+def image_b64(image: Any) -> str:
+    """Base64 of ``image`` as a PNG file."""
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
     return base64.b64encode(buf.getvalue()).decode()
 
 

@@ -27,15 +27,17 @@ from rill import config as rill_config
 from rill.config import EngineConfig
 from rill.frontend.asr import AsrService
 from rill.frontend.inproc import InprocClient
+from rill.frontend.ocr import OcrService, TesseractReader
 from rill.protocols.chat_ws import adapter
 from rill.server import Deps
 from rill.testing.fake_client import fake_client, record_requests
 from rill.testing.fake_runner import StepGate, fake_tokenizer, reply_script
 from rill.testing.speech import ScriptedRecognizer
 from rill.types import GenerateRequest
+from tests.frontend.test_ocr import GatedReader, char_error_rate, needs_tesseract
 from tests.helpers import serving, wait_until
 
-from .media_samples import pcm_b64, tone
+from .media_samples import image_b64, pcm_b64, text_image, tone
 
 THINKING_TEMPLATE = fake_tokenizer().chat_templates["default"] + "{% if enable_thinking %}<think>\n{% endif %}"
 """The fake model's chat template, opening the reasoning block in the generation prompt."""
@@ -86,15 +88,19 @@ class Chat:
 
 @contextlib.asynccontextmanager
 async def serve_chat(
-    client_args: dict[str, Any] | None = None, asr: AsrService | None = None, **settings: Any
+    client_args: dict[str, Any] | None = None,
+    asr: AsrService | None = None,
+    ocr: OcrService | None = None,
+    **settings: Any,
 ) -> AsyncIterator[Chat]:
     """``/ws/chat`` and its HTTP routes on a loopback port over ``fake_client(**client_args)``
-    (``settings``: ``area.field`` config overrides; ``asr``: speech recognition, None: off)."""
+    (``settings``: ``area.field`` config overrides; ``asr``: speech recognition, ``ocr``: text
+    in images, None: off)."""
     async with fake_client(**(client_args or {})) as client:
         cfg = rill_config.load({"chat.chat_max_active": 1, **settings}, env={})
         synth = RecordingSynth()
         requests = record_requests(client)
-        deps = Deps(config=cfg, client=client, speech_synth=synth, asr=asr)
+        deps = Deps(config=cfg, client=client, speech_synth=synth, asr=asr, ocr=ocr)
         async with serving(Starlette(routes=adapter.routes(deps))) as port:
             yield Chat(f"127.0.0.1:{port}", client, requests, synth)
 
@@ -454,3 +460,72 @@ async def test_audio_without_speech_recognition_is_refused_as_before() -> None:
         messages, code = await converse(chat, voice_body())
     assert code == 1000 and [m["type"] for m in messages] == ["error"]
     assert "cannot take audio input" in messages[0]["error"]
+
+
+# -- text in images (Tesseract itself; the tiny model end to end: test_ocr_e2e.py) ----------
+SIGN = ["EMERGENCY EXIT", "Keep this door closed"]
+
+
+def image_body(image: Any, question: str = "What does the sign say?") -> dict[str, Any]:
+    """A chat whose user message is a question and one image part."""
+    parts = [{"type": "text", "text": question}, {"type": "image", "data": image_b64(image)}]
+    return {
+        "messages": [{"role": "user", "content": parts}],
+        "generation": {"max_new_tokens": 4},
+        "tts": {"enabled": False},
+    }
+
+
+@needs_tesseract
+async def test_text_read_in_an_image_is_sent_first_and_takes_the_parts_place() -> None:
+    image = text_image(SIGN)
+    async with serve_chat(ocr=OcrService(TesseractReader())) as chat:
+        messages, code = await converse(chat, image_body(image))
+    kinds = [m["type"] for m in messages]
+    assert kinds[:3] == ["image_text", "queue_done", "prefill_done"] and kinds[-1] == "done" and code == 1000
+    read = messages[0]
+    assert (read["message_index"], read["content_index"]) == (0, 1)
+    assert (read["width"], read["height"]) == image.size
+    assert char_error_rate("\n".join(SIGN), read["text"]) <= 0.05, read["text"]
+    assert read["prompt_text"] == f"[Text read from an image: {read['text']}]"
+    assert chat.requests[0].messages[0].content == f"What does the sign say?\n{read['prompt_text']}"
+
+
+@needs_tesseract
+async def test_an_image_without_text_is_described_as_such() -> None:
+    from PIL import Image
+
+    async with serve_chat(ocr=OcrService(TesseractReader())) as chat:
+        messages, _ = await converse(chat, image_body(Image.new("RGB", (320, 240), (30, 120, 200))))
+    assert messages[0]["type"] == "image_text" and messages[0]["text"] == ""
+    assert chat.requests[0].messages[0].content == "What does the sign say?\n[An image with no readable text]"
+
+
+async def test_an_image_over_the_ocr_pixel_cap_is_refused_before_any_reading() -> None:
+    reader = GatedReader()
+    async with serve_chat(ocr=OcrService(reader, max_pixels=10_000)) as chat:
+        messages, code = await converse(chat, image_body(text_image(SIGN)))
+    assert code == 1000 and [m["type"] for m in messages] == ["error"]
+    assert "messages[0].content[1] (image)" in messages[0]["error"] and "more pixels" in messages[0]["error"]
+    assert reader.calls == 0 and chat.requests == []
+
+
+async def test_a_text_chat_streams_while_an_image_is_read() -> None:
+    reader = GatedReader()
+    async with serve_chat(ocr=OcrService(reader)) as chat:
+        async with connect(f"ws://{chat.url}/ws/chat", max_size=None) as reading:
+            await reading.send(json.dumps(image_body(text_image(SIGN))))
+            await asyncio.to_thread(reader.started.wait, 30)
+            # The reading holds its worker thread until the gate opens; meanwhile a text chat
+            # is served from start to end on the same event loop (and chat slot).
+            text_messages, code = await converse(chat, {**BODY, "generation": {"max_new_tokens": 6}})
+            assert [m["type"] for m in text_messages][-1] == "done" and code == 1000
+            assert len(chat.requests) == 1 and chat.requests[0].messages[0].content == "Hi"
+            reader.gate.set()
+            image_messages = []
+            with contextlib.suppress(ConnectionClosed):
+                while True:
+                    image_messages.append(json.loads(await reading.recv()))
+    kinds = [m["type"] for m in image_messages]
+    assert kinds[:2] == ["image_text", "queue_done"] and kinds[-1] == "done"
+    assert chat.requests[1].messages[0].content.endswith("[Text read from an image: gated]")

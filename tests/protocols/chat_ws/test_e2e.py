@@ -60,8 +60,8 @@ class GatedSynth(EspeakSynth):
 @pytest.fixture(scope="module")
 def live(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     """This module's server: one chat at a time, two places in line, recording on, espeak-ng
-    speech and no speech recognition (audio refused as the model cannot take it; the voice
-    round trip is ``test_voice_e2e.py``'s)."""
+    speech, no speech recognition and no OCR (audio and images refused as the model cannot
+    take them; the voice round trip is ``test_voice_e2e.py``'s, text in images ``test_ocr_e2e.py``'s)."""
     data = tmp_path_factory.mktemp("chat-data")
     ref = data / "ref.wav"
     voice = EspeakSynth().synthesize("This is the reference voice.", "en", threading.Event())
@@ -80,6 +80,7 @@ def live(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
             "http.data_dir": str(data),
             "speech.tts": "espeak",
             "speech.asr": "off",
+            "speech.ocr": "off",
         },
     )
     yield server

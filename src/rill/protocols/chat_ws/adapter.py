@@ -1,7 +1,8 @@
 """``/ws/chat`` and its HTTP helpers: the chat protocol's transport.
 
 Per connection: receive the one request; the service (``service.ChatService``) checks it,
-transcribes its audio and makes the session; send what was heard (``transcript``); wait
+transcribes its audio, reads the text in its images and makes the session; send what was
+heard (``transcript``) and read (``image_text``); wait
 for a turn in the server's fair queue (``queued`` /
 ``queue_update`` / ``queue_done``); then the session driver (``protocols/_shared/driver.py``)
 runs the engine request (deltas → chunks, one per token, and speech segments) while a

@@ -4,6 +4,7 @@ Message sequence on one connection::
 
     client: ChatRequest                      (exactly one, right after connecting)
     server: Transcript*                      (one per audio part and video audio track heard)
+    server: ImageText*                       (one per image part read, when OCR is on)
     server: Queued, QueueUpdate*             (only while the chat waits for a free slot)
     server: QueueDone                        (always, before prefill)
     server: PrefillDone → Chunk* → Done      (Chunk only when ``streaming`` is true)
@@ -11,7 +12,7 @@ Message sequence on one connection::
     Any error: Error, then close.
 
 rill's extensions, which spec clients skip (the spec's examples act on the types they know
-and ignore the rest): the ``transcript`` message; ``language`` on audio and video parts (the
+and ignore the rest): the ``transcript`` and ``image_text`` messages; ``language`` on audio and video parts (the
 spoken language, to skip detection); ``tts`` on ``done`` (who spoke the reply, and a note when
 a speech setting was honoured differently than asked).
 
@@ -209,6 +210,24 @@ class Transcript(msgspec.Struct, tag_field="type", tag="transcript", kw_only=Tru
     note: str | UnsetType = UNSET
 
 
+class ImageText(msgspec.Struct, tag_field="type", tag="image_text", kw_only=True):
+    """Server → client (rill extension): the text OCR read in one image part of the request
+    (OCR, not vision: what the image shows is not described). Sent after the transcripts and
+    before ``queue_done``, so before the first token.
+
+    ``message_index`` and ``content_index`` place the part (``messages[i].content[j]``);
+    ``text`` is what was read (empty when the image holds no readable text); ``prompt_text``
+    what entered the prompt in the part's place; ``width`` and ``height`` the image's size.
+    """
+
+    message_index: int
+    content_index: int
+    text: str
+    prompt_text: str
+    width: int
+    height: int
+
+
 class SpeechInfo(msgspec.Struct, kw_only=True):
     """``done.tts`` (rill extension) of a spoken reply: the synthesizer and voice that spoke
     it; ``note`` when a speech setting was honoured differently than asked (a reference voice
@@ -241,4 +260,4 @@ class Error(msgspec.Struct, tag_field="type", tag="error", kw_only=True):
     error: str
 
 
-ServerMessage = Transcript | Queued | QueueUpdate | QueueDone | PrefillDone | Chunk | Done | Error
+ServerMessage = Transcript | ImageText | Queued | QueueUpdate | QueueDone | PrefillDone | Chunk | Done | Error

@@ -3,6 +3,7 @@
 
 Not pure (``tests/protocols/test_purity.py`` lists it): it decodes media on a worker
 thread, transcribes audio through the server's speech recognition (``rill.frontend.asr``),
+reads the text in images through the server's OCR (``rill.frontend.ocr``),
 asks the engine client whether the model is ready and how it renders a prompt, writes
 recordings (to disk or the database) and reads them back, reads the reference audio file, waits on the
 queue's mailboxes and reads the speech worker's audio. The socket itself is the adapter's.
@@ -27,6 +28,7 @@ from rill.deps import Deps
 from rill.errors import InvalidRequest
 from rill.frontend.asr import AsrService
 from rill.frontend.client import EngineClient
+from rill.frontend.ocr import OcrService
 from rill.frontend.speech import SAMPLE_RATE_HZ, SpeechService, SpeechStream
 from rill.protocols._shared import b64pcm
 from rill.protocols._shared.driver import Gone
@@ -39,6 +41,7 @@ from rill.protocols.chat_ws.session import (
     ChatSession,
     EndSpeech,
     Heard,
+    Read,
     Speak,
     build_generate_request,
     refuse_modalities,
@@ -58,13 +61,15 @@ class ChatService:
 
     Args:
         deps: the server's dependencies (``speech_synth``: the synthesizer; None: espeak-ng,
-            created on first use; ``asr``: speech recognition; None: audio input is refused).
+            created on first use; ``asr``: speech recognition; None: audio input is refused;
+            ``ocr``: reading text in images; None: images are refused, the model seeing none).
     """
 
     def __init__(self, deps: Deps) -> None:
         cfg = deps.config
         self.client: EngineClient = deps.client
         self.asr: AsrService | None = deps.asr
+        self.ocr: OcrService | None = deps.ocr
         self.metrics = deps.metrics
         self.queue = FairQueue(cfg.chat.chat_max_active, cfg.chat.chat_max_queue)
         self.speech = SpeechService(deps.speech_synth)
@@ -109,10 +114,17 @@ class ChatService:
                 speech_info.note = note
         decoded = await asyncio.to_thread(media.decode_media, request.messages, self.media_limits)
         audible = [d for d in decoded if self._can_hear(d)]
-        unheard = [(d.kind, d.where) for d in decoded if not any(d is a for a in audible)]
+        readable = [d for d in decoded if self.ocr is not None and d.kind == "image"]
+        handled = audible + readable
+        unheard = [(d.kind, d.where) for d in decoded if not any(d is h for h in handled)]
         refuse_modalities(unheard, info.name, list(info.modalities))
+        for part in readable:  # every image's size before any transcription or reading starts
+            assert self.ocr is not None
+            width, height = part.images[0].size
+            self.ocr.check(width, height, f"{part.where} (image)")
         heard = await self._transcribe(audible, info)
-        generate_request = build_generate_request(request, heard=heard, deadline_s=self.request_timeout_s)
+        read = await self._read_images(readable)
+        generate_request = build_generate_request(request, heard=heard, read=read, deadline_s=self.request_timeout_s)
         recording_id = f"chat_{uuid.uuid4().hex[:16]}" if self.is_recording else None
         session = ChatSession(
             request,
@@ -121,6 +133,7 @@ class ChatService:
             recording_session_id=recording_id,
             keep_audio=recording_id is not None,
             heard=heard,
+            read=read,
             speech_info=speech_info,
         )
         return session, generate_request
@@ -184,6 +197,21 @@ class ChatService:
                 )
             )
         return heard
+
+    # -- text in images --------------------------------------------------------------------
+    async def _read_images(self, parts: list[media.DecodedMedia]) -> list[Read]:
+        """The text OCR reads in each image part, in request order (sizes already checked).
+
+        Raises:
+            ResourceExhausted: OCR is busy.
+            RequestTimeout: an image took too long to read.
+        """
+        read: list[Read] = []
+        for part in parts:
+            assert self.ocr is not None
+            found = await self.ocr.read(part.images[0], where=f"{part.where} (image)")
+            read.append(Read(part.message_index, part.content_index, found.text, found.width, found.height))
+        return read
 
     async def _starts_in_thinking(self, request: ChatRequest) -> bool:
         # Some templates open the reasoning block in the generation prompt itself (the reply

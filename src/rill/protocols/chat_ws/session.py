@@ -4,6 +4,8 @@ wire messages and speech segments.
 Audio parts (and video audio tracks) arrive already transcribed: the service runs speech
 recognition before the session exists and hands it each part's ``Heard``; the session sends
 them (``on_transcribed``) and the engine request carries their text in the parts' places.
+Image parts, when the server reads text in images (OCR), arrive already read the same way
+(``Read``): the text takes the part's place marked as read from an image.
 
 States and transitions (one request per connection)::
 
@@ -38,6 +40,7 @@ from rill.protocols.chat_ws.messages import (
     Chunk,
     Done,
     GenerationConfig,
+    ImageText,
     Message,
     PrefillDone,
     Queued,
@@ -101,6 +104,33 @@ class Heard:
     note: str | None = None
 
 
+@dataclass(frozen=True)
+class Read:
+    """What OCR read in the image part ``messages[message_index].content[content_index]``:
+    ``text`` (empty when the image holds no readable text); ``prompt_text`` (see
+    ``image_prompt_text``) takes the part's place in the prompt."""
+
+    message_index: int
+    content_index: int
+    text: str
+    width: int
+    height: int
+
+    @property
+    def prompt_text(self) -> str:
+        """What the model is given in the image's place."""
+        return image_prompt_text(self.text)
+
+
+def image_prompt_text(text: str) -> str:
+    """The prompt's words for an image whose text OCR read as ``text``: marked as read from an
+    image, so the model does not take it for the user's own words, and never passed off as
+    a description of the picture."""
+    if not text.strip():
+        return "[An image with no readable text]"
+    return f"[Text read from an image: {text.strip()}]"
+
+
 Action = Send[ServerMessage] | Speak | EndSpeech | Record | Close
 """``Close`` carries the WebSocket close code (``codec.CLOSE_*``)."""
 
@@ -109,17 +139,23 @@ _MODALITY_OF_PART = {"image": "image", "audio": "audio", "video": "video"}
 
 
 def build_generate_request(
-    request: ChatRequest, *, heard: Sequence[Heard] = (), deadline_s: float | None = None
+    request: ChatRequest,
+    *,
+    heard: Sequence[Heard] = (),
+    read: Sequence[Read] = (),
+    deadline_s: float | None = None,
 ) -> GenerateRequest:
     """The engine request for a chat whose media parts were already refused or handled.
 
     Text parts of a content list are joined with newlines; a media part that was ``heard``
-    counts as a text part holding its transcript; other media parts must not remain.
+    counts as a text part holding its transcript, an image that was ``read`` as one holding
+    its ``prompt_text``; other media parts must not remain.
 
     Raises:
         InvalidRequest: a generation field is invalid (names it), or a media part remains.
     """
     texts = {(h.message_index, h.content_index): h.text for h in heard}
+    texts.update({(r.message_index, r.content_index): r.prompt_text for r in read})
     messages = [ChatMessage(role=m.role, content=_text_of(m, i, texts)) for i, m in enumerate(request.messages)]
     sampling = sampling_params(request.generation)
     return GenerateRequest(
@@ -190,6 +226,7 @@ class ChatSession(driver_session.Session):
         segmenter: cuts reply text into speakable segments (reasoning excluded).
         recording_session_id: put on ``done`` when the chat is recorded.
         heard: what speech recognition heard in the request's audio, in request order.
+        read: what OCR read in the request's images, in request order.
         speech_info: put on ``done`` (as ``tts``) when the reply is spoken.
     """
 
@@ -202,10 +239,12 @@ class ChatSession(driver_session.Session):
         recording_session_id: str | None = None,
         keep_audio: bool = False,
         heard: Sequence[Heard] = (),
+        read: Sequence[Read] = (),
         speech_info: SpeechInfo | None = None,
     ) -> None:
         self.request = request
         self.heard = tuple(heard)
+        self.read = tuple(read)
         self.speech_info = speech_info
         self.is_streaming = request.streaming
         self.is_speaking = is_speaking
@@ -222,8 +261,22 @@ class ChatSession(driver_session.Session):
 
     # -- speech recognition ------------------------------------------------------------
     def on_transcribed(self) -> list[Action]:
-        """One ``transcript`` per part heard, before anything else is sent."""
-        return [
+        """One ``transcript`` per part heard, then one ``image_text`` per image read, before
+        anything else is sent."""
+        images: list[Action] = [
+            Send(
+                ImageText(
+                    message_index=r.message_index,
+                    content_index=r.content_index,
+                    text=r.text,
+                    prompt_text=r.prompt_text,
+                    width=r.width,
+                    height=r.height,
+                )
+            )
+            for r in self.read
+        ]
+        transcripts: list[Action] = [
             Send(
                 Transcript(
                     message_index=h.message_index,
@@ -238,6 +291,7 @@ class ChatSession(driver_session.Session):
             )
             for h in self.heard
         ]
+        return transcripts + images
 
     # -- queue (the server's fair queue of chats, not the engine's) ---------------------
     def on_queue_joined(self, status: QueueStatus) -> list[Action]:
