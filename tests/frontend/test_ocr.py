@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from PIL import Image
 
-from rill.errors import InvalidRequest, ResourceExhausted
+from rill.errors import InvalidRequest, RequestTimeout, ResourceExhausted
 from rill.frontend.ocr import OcrService, TesseractReader
 from rill.protocols.chat_ws.session import image_prompt_text
 from tests.protocols.chat_ws.media_samples import text_image
@@ -90,4 +90,15 @@ async def test_a_full_queue_refuses_with_try_again_later() -> None:
     reader.gate.set()
     assert (await first).text == "gated"
     assert reader.calls == 1 and ocr.num_pending == 0
+    ocr.shutdown()
+
+
+@needs_tesseract
+async def test_a_reading_past_its_time_limit_fails_with_timeout() -> None:
+    # A page Tesseract needs seconds for, against a limit shorter than starting its process.
+    page = text_image([f"Line {i}: the quick brown fox jumps over the lazy dog." for i in range(20)], font_size=20)
+    ocr = OcrService(TesseractReader(), timeout_s=0.001)
+    with pytest.raises(RequestTimeout, match=r"page: reading the image's text took longer than 0.001 s"):
+        await ocr.read(page, where="page")
+    assert ocr.num_pending == 0 and ocr.counters.num_read_total == 0
     ocr.shutdown()

@@ -368,7 +368,7 @@ class SpeechConfig:
     ocr: str = _f(
         "auto",
         "reading text in image input (OCR, not vision): tesseract (Debian's tesseract-ocr), off "
-        "(image input is refused unless the model sees images) or auto (tesseract when the binary "
+        "(image input is refused as the model cannot take it) or auto (tesseract when the binary "
         "is installed, else off)",
     )
     ocr_language: str = _f("eng", "Tesseract language(s) of the text in images, e.g. eng or eng+deu")

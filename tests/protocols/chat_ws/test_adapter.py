@@ -529,3 +529,17 @@ async def test_a_text_chat_streams_while_an_image_is_read() -> None:
     kinds = [m["type"] for m in image_messages]
     assert kinds[:2] == ["image_text", "queue_done"] and kinds[-1] == "done"
     assert chat.requests[1].messages[0].content.endswith("[Text read from an image: gated]")
+
+
+async def test_leaving_while_an_image_is_read_sends_nothing_to_the_engine() -> None:
+    reader = GatedReader()
+    ocr = OcrService(reader)
+    async with serve_chat(ocr=ocr) as chat:
+        async with connect(f"ws://{chat.url}/ws/chat", max_size=None) as reading:
+            await reading.send(json.dumps(image_body(text_image(SIGN))))
+            await asyncio.to_thread(reader.started.wait, 30)
+        # The running reading keeps its worker place until its thread is done.
+        assert ocr.num_pending == 1
+        reader.gate.set()
+        await wait_until(lambda: ocr.num_pending == 0, attempts=3000, interval_s=0.005)
+        assert chat.requests == [] and reader.calls == 1
