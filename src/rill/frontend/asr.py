@@ -75,8 +75,11 @@ class SpeechRecognizer(Protocol):
 
     name: str
 
-    def transcribe(self, samples: np.ndarray, language: str | None, cancel: threading.Event) -> Transcript:
+    def transcribe(
+        self, samples: np.ndarray, language: str | None, cancel: threading.Event, task: str = "transcribe"
+    ) -> Transcript:
         """What is said in ``samples``; stop early (returning what was heard) once ``cancel`` is set.
+        ``task`` ``translate`` gives the words in English instead of the spoken language.
 
         Blocking: call it from a worker thread.
 
@@ -125,7 +128,9 @@ class WhisperRecognizer:
                 log.info("speech recognition: %s loaded in %.2f s from %s", self.name, self.load_s, folder)
             return self._model
 
-    def transcribe(self, samples: np.ndarray, language: str | None, cancel: threading.Event) -> Transcript:
+    def transcribe(
+        self, samples: np.ndarray, language: str | None, cancel: threading.Event, task: str = "transcribe"
+    ) -> Transcript:
         """See ``SpeechRecognizer.transcribe``."""
         model = self.load()
         if language is not None and language not in model.supported_languages:
@@ -139,6 +144,7 @@ class WhisperRecognizer:
         pieces, info = model.transcribe(
             samples,
             language=language,
+            task=task,
             beam_size=1,
             vad_filter=True,
             condition_on_previous_text=False,
@@ -289,6 +295,7 @@ class AsrService:
         sample_rate_hz: int = SAMPLE_RATE_HZ,
         language: str | None = None,
         where: str = "audio",
+        task: str = "transcribe",
     ) -> Transcript:
         """What is said in ``samples`` (float32 mono at ``sample_rate_hz``).
 
@@ -297,6 +304,7 @@ class AsrService:
             sample_rate_hz: its sample rate (resampled to 16 kHz when another).
             language: the spoken language's code, or None to detect it.
             where: names the audio in error messages (``messages[1].content[0]``).
+            task: ``transcribe`` (the spoken language's words) or ``translate`` (English words).
 
         Raises:
             InvalidRequest: bad audio (see ``check``; NaN or infinite samples too) or an unknown language.
@@ -320,14 +328,16 @@ class AsrService:
             self.counters.num_waiting -= 1
             raise
         self.counters.num_waiting -= 1
-        return await self._run(audio, sample_rate_hz, language, where)
+        return await self._run(audio, sample_rate_hz, language, where, task)
 
-    async def _run(self, audio: np.ndarray, sample_rate_hz: int, language: str | None, where: str) -> Transcript:
+    async def _run(
+        self, audio: np.ndarray, sample_rate_hz: int, language: str | None, where: str, task: str
+    ) -> Transcript:
         """Run one transcription on a worker (a slot is held); give the slot back when the
         thread is done, even when the caller was cancelled before."""
         loop = asyncio.get_running_loop()
         cancel = threading.Event()
-        job = self._executor.submit(self._work, audio, sample_rate_hz, language, cancel)
+        job = self._executor.submit(self._work, audio, sample_rate_hz, language, cancel, task)
 
         def finished(_: concurrent.futures.Future[Transcript]) -> None:
             loop.call_soon_threadsafe(self._release)
@@ -348,7 +358,7 @@ class AsrService:
         self._slots.release()
 
     def _work(
-        self, audio: np.ndarray, sample_rate_hz: int, language: str | None, cancel: threading.Event
+        self, audio: np.ndarray, sample_rate_hz: int, language: str | None, cancel: threading.Event, task: str
     ) -> Transcript:
         with self._counters_lock:  # workers may be several threads
             self.counters.num_running += 1
@@ -359,7 +369,7 @@ class AsrService:
                 import soxr
 
                 audio = soxr.resample(audio, sample_rate_hz, SAMPLE_RATE_HZ).astype(np.float32)
-            transcript = self.recognizer.transcribe(audio, language, cancel)
+            transcript = self.recognizer.transcribe(audio, language, cancel, task)
             return transcript
         finally:
             with self._counters_lock:

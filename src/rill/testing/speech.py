@@ -70,8 +70,10 @@ class ScriptedRecognizer:
         self.num_running = 0
         self.num_cancelled = 0
 
-    def transcribe(self, samples: np.ndarray, language: str | None, cancel: threading.Event) -> Transcript:
-        """See ``rill.frontend.asr.SpeechRecognizer.transcribe``."""
+    def transcribe(
+        self, samples: np.ndarray, language: str | None, cancel: threading.Event, task: str = "transcribe"
+    ) -> Transcript:
+        """See ``rill.frontend.asr.SpeechRecognizer.transcribe`` (``task`` is ignored)."""
         from rill.frontend.asr import Transcript
 
         self.calls.append((len(samples), language))

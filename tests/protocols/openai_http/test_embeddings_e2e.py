@@ -142,7 +142,7 @@ def test_truncate_prompt_tokens_cuts_instead_of_refusing(embed_server: LiveServe
 def test_the_embedding_model_is_listed(embed_server: LiveServer) -> None:
     client = _openai(embed_server)
     listed = {model.id: model for model in client.models.list().data}
-    assert set(listed) == {"tiny-llama", NAME}
+    assert set(listed) == {"tiny-llama", NAME, "whisper-base", "piper-en_US-joe-medium"}  # audio routes' too
     card = httpx.get(f"{embed_server.url}/v1/models/{NAME}").json()
     assert card["id"] == NAME and card["max_model_len"] == 256
     health = httpx.get(f"{embed_server.url}/health").json()
@@ -202,7 +202,8 @@ def test_without_an_embedding_model_the_route_says_how_to_get_one(server: LiveSe
     assert response.status_code == 404
     error = response.json()["error"]
     assert error["code"] == "model_not_found" and "--embedding-model" in error["message"]
-    assert [m["id"] for m in httpx.get(f"{server.url}/v1/models").json()["data"]] == ["tiny-llama"]
+    listed = [m["id"] for m in httpx.get(f"{server.url}/v1/models").json()["data"]]
+    assert listed == ["tiny-llama", "whisper-base", "piper-en_US-joe-medium"]
 
 
 def test_an_embedding_model_that_cannot_load_stops_the_server(tiny_model_dir: Path) -> None:

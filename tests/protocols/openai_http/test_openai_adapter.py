@@ -164,7 +164,8 @@ async def test_models_lists_the_served_model(fake: Fake) -> None:
     async with live_app(fake) as url, httpx.AsyncClient(base_url=url) as http:
         listing = (await http.get("/v1/models")).json()
         assert listing["object"] == "list"
-        assert [m["id"] for m in listing["data"]] == ["fake-model"]
+        # The served model, then the speech models of the audio routes (audio_api.py).
+        assert [m["id"] for m in listing["data"]] == ["fake-model", "whisper-base", "piper-en_US-joe-medium"]
         assert listing["data"][0]["max_model_len"] == MAX_CONTEXT
         assert (await http.get("/v1/models/fake-model")).json()["id"] == "fake-model"
         missing = await http.get("/v1/models/other")

@@ -2,7 +2,8 @@
 
 Routes: ``GET /v1/models`` (and ``/v1/models/{model}``), ``POST /v1/completions``,
 ``POST /v1/chat/completions``, ``POST /v1/embeddings`` (the embedding model's, when the server
-has one: ``rill.frontend.embeddings``), ``POST /tokenize`` and ``POST /detokenize`` (vLLM's shapes).
+has one: ``rill.frontend.embeddings``), OpenAI's audio routes (``audio_api.py``: transcriptions,
+translations, speech), ``POST /tokenize`` and ``POST /detokenize`` (vLLM's shapes).
 
 One request, start to end:
 
@@ -45,6 +46,7 @@ from rill.frontend.client import Submission
 from rill.frontend.embeddings import EmbeddingModelInfo, EmbeddingSubmission
 from rill.frontend.stream import RequestStream
 from rill.protocols.openai_http import codec, embeddings, tools
+from rill.protocols.openai_http.audio_api import AudioApi
 from rill.protocols.openai_http.messages import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
 from rill.protocols.openai_http.responder import JSON_MEDIA_TYPE, Responder, close_all
 from rill.protocols.openai_http.responses_api import ResponsesApi
@@ -62,8 +64,10 @@ def routes(deps: Deps) -> list[BaseRoute]:
     api = OpenAIApi(deps)
     responses = ResponsesApi(api)
     deps.stoppers.append(responses.aclose)
+    deps.stoppers.append(api.audio.aclose)
     return [
         *responses.routes(),
+        *api.audio.routes(),
         Route("/v1/models", api.list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", api.get_model, methods=["GET"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
@@ -97,6 +101,7 @@ class OpenAIApi:
         self.client = deps.client
         self.created = int(time.time())
         self.token_text = _token_texts(self.client)
+        self.audio = AudioApi(deps)
 
     # -- models ------------------------------------------------------------------
     async def list_models(self, request: Request) -> Response:
@@ -108,6 +113,7 @@ class OpenAIApi:
         embedder = self._embedding_model()
         if embedder is not None:
             cards.append(self._embedding_card(embedder))
+        cards.extend(self.audio.cards(self.created))
         return Response(codec.encode(ModelList(data=cards)), media_type=JSON_MEDIA_TYPE)
 
     async def get_model(self, request: Request) -> Response:
@@ -117,6 +123,9 @@ class OpenAIApi:
             embedder = self._embedding_model()
             if embedder is not None and request.path_params["model"] == embedder.name:
                 return Response(codec.encode(self._embedding_card(embedder)), media_type=JSON_MEDIA_TYPE)
+            for card in self.audio.cards(self.created):
+                if request.path_params["model"] == card.id:
+                    return Response(codec.encode(card), media_type=JSON_MEDIA_TYPE)
             codec.check_model(request.path_params["model"], served)
         except RillError as exc:
             return error_response(exc)
