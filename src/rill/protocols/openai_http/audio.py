@@ -236,7 +236,8 @@ def encode_transcript(transcript: Transcript, req: TranscriptionRequest) -> tupl
         return ("WEBVTT\n\n" + _cues(transcript, ".", numbered=False)).encode(), "text/vtt; charset=utf-8"
     if fmt == "verbose_json":
         segments = [
-            Segment(id=i, start=s.start_s, end=s.end_s, text=" " + s.text) for i, s in enumerate(transcript.segments)
+            Segment(id=i, start=s.start_s, end=_ended(s.end_s, transcript), text=" " + s.text)
+            for i, s in enumerate(transcript.segments)
         ]
         verbose = TranscriptionVerbose(
             task="transcribe" if req.task == "transcribe" else "translate",
@@ -254,8 +255,15 @@ def _cues(transcript: Transcript, decimal: str, numbered: bool) -> str:
     cues = []
     for i, s in enumerate(transcript.segments, start=1):
         head = f"{i}\n" if numbered else ""
-        cues.append(f"{head}{_clock(s.start_s, decimal)} --> {_clock(s.end_s, decimal)}\n{s.text}\n")
+        cues.append(
+            f"{head}{_clock(s.start_s, decimal)} --> {_clock(_ended(s.end_s, transcript), decimal)}\n{s.text}\n"
+        )
     return "\n".join(cues)
+
+
+def _ended(end_s: float, transcript: Transcript) -> float:
+    # Whisper times in 20 ms steps up to its window's end: a last segment may end past the audio.
+    return min(end_s, round(transcript.duration_s, 3))
 
 
 def _clock(seconds: float, decimal: str) -> str:
