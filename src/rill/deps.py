@@ -20,7 +20,7 @@ from rill.frontend.embeddings import EmbeddingService
 from rill.frontend.metrics import Metrics
 from rill.frontend.ocr import OcrService
 from rill.frontend.resumable import StreamRegistry
-from rill.frontend.speech import SpeechSynth
+from rill.frontend.speech import SpeechService, SpeechSynth
 
 Stopper = Callable[[], Awaitable[None]]
 """Stops something a protocol started (a listener, a worker thread)."""
@@ -53,6 +53,10 @@ class Deps:
     ocr: OcrService | None = None
     """The server's OCR of image input, shared by every protocol; None: images go to the model
     as images, refused when it cannot see (the server makes it from ``--ocr``)."""
+    speech: SpeechService | None = None
+    """The process's one speech worker, shared by ``/ws/chat`` and ``/v1/audio/speech``:
+    espeak-ng and Piper's phonemizer keep global state, so every synthesis runs on its one
+    thread (``speech_service()`` makes it from ``speech_synth`` on first use)."""
     stoppers: list[Stopper] = field(default_factory=list)
     """What the server awaits, in order, when it stops, for services a protocol's routes started
     (``/ws/chat``'s speech worker)."""
@@ -69,6 +73,12 @@ class Deps:
                 max_stream_bytes=parse_size(r.resume_max_stream_bytes, "resume_max_stream_bytes"),
                 max_streams_per_client=r.resume_max_streams_per_principal,
             )
+
+    def speech_service(self) -> SpeechService:
+        """``speech``, made on first use (its worker thread is the stopping protocol's to end)."""
+        if self.speech is None:
+            self.speech = SpeechService(self.speech_synth)
+        return self.speech
 
     @property
     def resumable(self) -> StreamRegistry[Any]:

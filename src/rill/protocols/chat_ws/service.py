@@ -72,7 +72,7 @@ class ChatService:
         self.ocr: OcrService | None = deps.ocr
         self.metrics = deps.metrics
         self.queue = FairQueue(cfg.chat.chat_max_active, cfg.chat.chat_max_queue)
-        self.speech = SpeechService(deps.speech_synth)
+        self.speech = deps.speech_service()  # one worker thread for every synthesis of the process
         self.media_limits = media.MediaLimits()
         self.request_timeout_s = cfg.policy.request_timeout_s
         self.is_recording = cfg.chat.record

@@ -42,7 +42,7 @@ from rill.errors import InvalidRequest, RillError
 from rill.frontend.asr import AsrService
 from rill.frontend.audio_files import STREAMABLE_FORMATS, decode_audio, encode_compressed, pcm16, wav_header
 from rill.frontend.policy import SubmissionPolicy
-from rill.frontend.speech import SAMPLE_RATE_HZ, SpeechService
+from rill.frontend.speech import SAMPLE_RATE_HZ
 from rill.protocols.openai_http import audio, codec
 from rill.protocols.openai_http.messages import ModelCard
 
@@ -53,11 +53,12 @@ MAX_FORM_FIELDS = 32
 
 
 class AudioApi:
-    """The audio routes, bound to one server's ``Deps`` (speech runs on its own worker thread)."""
+    """The audio routes, bound to one server's ``Deps`` (speech runs on the process's one speech
+    worker thread, ``Deps.speech_service()``)."""
 
     def __init__(self, deps: Deps) -> None:
         self.deps = deps
-        self.speech = SpeechService(deps.speech_synth)
+        self.speech = deps.speech_service()  # /ws/chat's thread: synthesizers keep global state
 
     def routes(self) -> list[BaseRoute]:
         """The three routes."""
