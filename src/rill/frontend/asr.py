@@ -288,6 +288,19 @@ class AsrService:
             )
         return duration_s
 
+    def check_room(self) -> None:
+        """Raise ``ResourceExhausted`` when ``max_pending`` transcriptions wait or run (what
+        ``transcribe`` checks; call it first to refuse before decoding a file).
+
+        Raises:
+            ResourceExhausted: the pool is full (retryable).
+        """
+        if self._num_pending >= self.max_pending:
+            raise ResourceExhausted(
+                f"speech recognition is busy ({self._num_pending} transcriptions waiting or running, "
+                f"--asr-max-queue {self.max_pending}); retry later"
+            )
+
     async def transcribe(
         self,
         samples: np.ndarray,
@@ -314,11 +327,7 @@ class AsrService:
         audio = np.asarray(samples, dtype=np.float32).reshape(-1)
         if not np.isfinite(audio).all():
             raise InvalidRequest(f"{where}: the audio has NaN or infinite samples", field=where)
-        if self._num_pending >= self.max_pending:
-            raise ResourceExhausted(
-                f"speech recognition is busy ({self._num_pending} transcriptions waiting or running, "
-                f"--asr-max-queue {self.max_pending}); retry later"
-            )
+        self.check_room()
         self._num_pending += 1
         self.counters.num_waiting += 1
         try:

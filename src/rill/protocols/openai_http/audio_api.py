@@ -102,6 +102,7 @@ class AudioApi:
             if asr is None:
                 raise audio.NoAudioModel("speech recognition", "--asr whisper")
             req, data = await self._read_form(request, task, asr)
+            asr.check_room()  # a full pool refuses before the file is decoded: no samples held
             self._count_request(request)
             samples, rate_hz = await asyncio.to_thread(decode_audio, data, asr.max_audio_s)
             del data
