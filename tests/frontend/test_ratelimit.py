@@ -241,3 +241,23 @@ def test_check_refuses_as_admit_would_and_changes_nothing() -> None:
     with pytest.raises(RateLimited):
         lim.check("a", 7)
     lim.admit("a", 6)  # check took nothing
+
+
+def test_audio_seconds_are_counted_in_the_request_window() -> None:
+    clock = Clock()
+    lim = limiter(clock, audio_s=60.0, window_s=100.0)
+    lim.count_audio("a", 40.0)  # a transcription's seconds, known before the work
+    with pytest.raises(RateLimited) as info:
+        lim.count_audio("a", 30.0)
+    assert "40.0 s of 60 s of audio" in str(info.value) and info.value.retry_after_s == pytest.approx(100.0)
+    lim.count_audio("b", 30.0)  # principals are apart
+    lim.count_audio("a", 0.0)  # speech: admitted with nothing used yet...
+    lim.charge_audio("a", 45.0)  # ...and charged what it made, past the limit
+    with pytest.raises(RateLimited):
+        lim.count_audio("a", 0.0)
+    clock.now += 100.0  # the next window starts afresh
+    lim.count_audio("a", 60.0)
+    both = limiter(clock, audio_s=60.0, requests=1, window_s=10.0)
+    both.count_audio("a", 1.0)
+    with pytest.raises(RateLimited, match="1 requests per 10 s"):  # one audio request is a request
+        both.count_audio("a", 1.0)

@@ -251,6 +251,11 @@ class PolicyConfig:
         "part comes back when it ends",
     )
     rate_limit_burst: int = _f(2048, "token-bucket burst size for the rate limit")
+    rate_limit_audio_s: float | None = _f(
+        None,
+        "most seconds of audio one principal may have transcribed or spoken per "
+        "--rate-limit-window on OpenAI's audio routes (past it: a rate_limited error with a retry time)",
+    )
 
 
 @dataclass(frozen=True)

@@ -106,6 +106,8 @@ def _validate_policy(p: PolicyConfig) -> None:
     if p.rate_limit_tokens_per_s is not None and not 0 < p.rate_limit_tokens_per_s < float("inf"):
         raise ConfigError(f"rate_limit_tokens_per_s must be > 0, not {p.rate_limit_tokens_per_s}")
     _at_least_one(p, "rate_limit_burst")
+    if p.rate_limit_audio_s is not None and not 0 < p.rate_limit_audio_s < float("inf"):
+        raise ConfigError(f"rate_limit_audio_s must be > 0, not {p.rate_limit_audio_s}")
     _positive_when_set(p, "request_timeout_s")
 
 

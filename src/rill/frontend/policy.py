@@ -100,6 +100,7 @@ class SubmissionPolicy:
             window_s=config.rate_limit_window,
             tokens_per_s=config.rate_limit_tokens_per_s,
             burst=config.rate_limit_burst,
+            audio_s=config.rate_limit_audio_s,
         )
         self.limiter: RateLimiter | None = RateLimiter(limits, clock) if limits.is_on else None
         self.memory = memory
@@ -144,6 +145,18 @@ class SubmissionPolicy:
         The token bucket meters generated tokens, so it is not touched."""
         if self.limiter is not None:
             self.limiter.count_work(principal or ANONYMOUS_PRINCIPAL)
+
+    def count_audio(self, principal: str | None, audio_s: float) -> None:
+        """Count one audio request of ``audio_s`` seconds (0 when not known before the work:
+        speech) in its principal's window (``--rate-limit-requests``, ``--rate-limit-audio-s``),
+        or raise ``RateLimited`` and count nothing."""
+        if self.limiter is not None:
+            self.limiter.count_audio(principal or ANONYMOUS_PRINCIPAL, audio_s)
+
+    def charge_audio(self, principal: str | None, audio_s: float) -> None:
+        """Add the seconds of speech made for an admitted request to its principal's window."""
+        if self.limiter is not None:
+            self.limiter.charge_audio(principal or ANONYMOUS_PRINCIPAL, audio_s)
 
     # -- admission -------------------------------------------------------------------------
     async def plan_one(self, request: GenerateRequest, engine: Callable[[], Engine]) -> Choice:

@@ -19,7 +19,12 @@ Two limits, each off unless configured, both keyed by the request's principal
   reserves the shortfall first (``Account``); whatever it generated past its reservation is
   charged when it ends, as a debt the principal's next requests wait out.
 
-A request refused by either limit takes nothing from the other. Principals are chosen by
+* seconds of audio (``--rate-limit-audio-s``), counted in the same window as requests:
+  OpenAI's audio routes charge the audio they transcribe before the work starts
+  (``count_audio``) and the speech they synthesize once it is made (``charge_audio``, which
+  may overdraw the window: the principal's next audio requests then wait for the next one).
+
+A request refused by one limit takes nothing from the others. Principals are chosen by
 clients (a key, an address), so the state is bounded: past ``max_principals`` the least
 recently seen principal is forgotten (it starts afresh if it comes back).
 
@@ -47,12 +52,13 @@ class RateLimits:
     window_s: float = 60.0
     tokens_per_s: float | None = None
     burst: int = 2048
+    audio_s: float | None = None
     max_principals: int = DEFAULT_MAX_PRINCIPALS
 
     @property
     def is_on(self) -> bool:
         """Whether any limit applies."""
-        return self.requests is not None or self.tokens_per_s is not None
+        return self.requests is not None or self.tokens_per_s is not None or self.audio_s is not None
 
 
 class TokenBucket:
@@ -94,11 +100,12 @@ class TokenBucket:
 class _Principal:
     """One principal's window and bucket."""
 
-    __slots__ = ("window_start", "count", "bucket")
+    __slots__ = ("window_start", "count", "audio_s", "bucket")
 
     def __init__(self, bucket: TokenBucket | None) -> None:
         self.window_start: float | None = None
         self.count = 0
+        self.audio_s = 0.0
         self.bucket = bucket
 
 
@@ -152,14 +159,47 @@ class RateLimiter:
         self._check(state, 0, now)
         state.count += 1
 
+    def count_audio(self, principal: str, audio_s: float) -> None:
+        """Count one audio request of ``audio_s`` seconds (0: not known yet) in ``principal``'s
+        window, or raise ``RateLimited`` and change nothing."""
+        now = self._clock()
+        state = self._state(principal, now)
+        self._check(state, 0, now)
+        limit = self.limits.audio_s
+        if limit is not None and state.audio_s + audio_s > limit:
+            assert state.window_start is not None  # _check opened the window
+            wait_s = state.window_start + self.limits.window_s - now
+            raise RateLimited(
+                f"rate limit reached: {state.audio_s:.1f} s of {limit:g} s of audio used per "
+                f"{self.limits.window_s:g} s, {audio_s:.1f} s asked; retry in {wait_s:.2f} s",
+                retry_after_s=wait_s,
+            )
+        state.count += 1
+        state.audio_s += audio_s
+
+    def charge_audio(self, principal: str, audio_s: float) -> None:
+        """Add ``audio_s`` seconds made for an admitted request to ``principal``'s window (past
+        the limit if need be: its next audio requests wait for the next window)."""
+        if self.limits.audio_s is None:
+            return
+        now = self._clock()
+        state = self._state(principal, now)
+        self._restart_window(state, now)
+        state.audio_s += audio_s
+
+    def _restart_window(self, state: _Principal, now: float) -> None:
+        if state.window_start is None or now >= state.window_start + self.limits.window_s:
+            state.window_start, state.count, state.audio_s = now, 0, 0.0
+
     def _check(self, state: _Principal, max_tokens: int, now: float) -> float:
         """Raise ``RateLimited`` when ``state`` admits no request of ``max_tokens`` now (a
         window that has ended is restarted: that changes nothing the limits allow); else the
         tokens to reserve."""
         limits = self.limits
+        if limits.requests is not None or limits.audio_s is not None:
+            self._restart_window(state, now)
         if limits.requests is not None:
-            if state.window_start is None or now >= state.window_start + limits.window_s:
-                state.window_start, state.count = now, 0
+            assert state.window_start is not None
             if state.count >= limits.requests:
                 wait_s = state.window_start + limits.window_s - now
                 raise RateLimited(

@@ -244,21 +244,29 @@ def test_a_client_that_leaves_stops_the_speech(live: LiveServer) -> None:
     assert speech.num_cancelled_total == cancelled_before + 1
 
 
-def test_rate_limits_count_audio_requests_and_no_recognition_is_404(tiny_model_dir: Any) -> None:
+def test_rate_limits_count_audio_requests_and_seconds_and_no_recognition_is_404(tiny_model_dir: Any) -> None:
     server = start_server(
         tiny_model_dir,
-        **{"speech.asr": "off", "policy.rate_limit_requests": 2, "policy.rate_limit_window": 3600.0},
+        **{
+            "speech.asr": "off",
+            "policy.rate_limit_requests": 3,
+            "policy.rate_limit_audio_s": 2.0,
+            "policy.rate_limit_window": 3600.0,
+        },
     )
+    url = f"{server.url}/v1/audio/speech"
     try:
         refused = httpx.post(f"{server.url}/v1/audio/transcriptions", files={"file": ("a.wav", b"RIFF")}, timeout=60)
         assert refused.status_code == 404 and "--asr whisper" in refused.json()["error"]["message"]
         assert "whisper-base" not in [m["id"] for m in httpx.get(f"{server.url}/v1/models").json()["data"]]
-        for _ in range(2):
-            ok = httpx.post(f"{server.url}/v1/audio/speech", json={"input": "Hi.", "response_format": "pcm"})
-            assert ok.status_code == 200 and ok.content
-        limited = httpx.post(f"{server.url}/v1/audio/speech", json={"input": "Hi.", "response_format": "pcm"})
+        short = httpx.post(url, json={"input": "Hi.", "response_format": "pcm"}, timeout=60)
+        assert short.status_code == 200 and len(short.content) / 48000 < 2.0
+        # Admitted under the 2 s limit, it speaks past it: the seconds are charged when it ends.
+        long = httpx.post(url, json={"input": SENTENCE, "response_format": "pcm"}, timeout=60)
+        assert long.status_code == 200 and len(long.content) / 48000 > 2.0
+        limited = httpx.post(url, json={"input": "Hi.", "response_format": "pcm"}, timeout=60)
         assert limited.status_code == 429 and limited.json()["error"]["code"] == "rate_limited"
-        assert "retry-after" in limited.headers
+        assert "of audio" in limited.json()["error"]["message"] and "retry-after" in limited.headers
     finally:
         server.stop()
 

@@ -4,11 +4,11 @@
 Transcription, one request:
 
 1. read the multipart form (one file; the body is bounded by ``--max-body-bytes`` like every
-   route's), check its fields and the model name, count the request in its principal's window
-   (``--rate-limit-requests``);
+   route's), check its fields and the model name, and that the recognition pool has room;
 2. decode the file off the event loop (``rill.frontend.audio_files``: WAV, or anything FFmpeg
    reads), refusing it past the recognizer's duration cap (``--asr-max-audio-s``) as soon as
-   decoding passes it;
+   decoding passes it; count the request and its seconds in its principal's window
+   (``--rate-limit-requests``, ``--rate-limit-audio-s``);
 3. transcribe in the server's bounded recognition pool (``AsrService``), then answer in the
    asked format, or as SSE events when ``stream`` is true.
 
@@ -17,7 +17,8 @@ another on its worker thread while the answer streams: ``pcm`` and ``wav`` as ea
 ready, compressed formats once the whole text is spoken and encoded (off the event loop). The
 first sentence is spoken before the status is sent, so a synthesizer error gets its status.
 ``speed`` resamples the speech (faster speech is also higher). A client that goes away stops
-the synthesis at its next audio block.
+the synthesis at its next audio block. The request counts in its principal's window when it
+starts, the seconds spoken when it ends.
 
 Errors go through the API's one table (``codec.error_for``).
 """
@@ -103,9 +104,9 @@ class AudioApi:
                 raise audio.NoAudioModel("speech recognition", "--asr whisper")
             req, data = await self._read_form(request, task, asr)
             asr.check_room()  # a full pool refuses before the file is decoded: no samples held
-            self._count_request(request)
             samples, rate_hz = await asyncio.to_thread(decode_audio, data, asr.max_audio_s)
             del data
+            self._count_audio(request, len(samples) / rate_hz)
             transcript = await asr.transcribe(
                 samples, sample_rate_hz=rate_hz, language=req.language, where="file", task=req.task
             )
@@ -144,8 +145,8 @@ class AudioApi:
             voices = (*audio.OPENAI_VOICES, self.speech.synth.voice.lower())
             req = audio.decode_speech(body, voices)
             audio.check_audio_model(req.model, self.speech_model, audio.SPEECH_ALIASES)
-            self._count_request(request)
-            chunks = self._encoded(req)
+            self._count_audio(request, 0.0)  # its seconds are charged once spoken
+            chunks = self._encoded(req, auth.scope_principal(request.scope))
             first = await anext(chunks)  # the first sentence: its errors still get a status
         except ClientDisconnect:
             return Response(status_code=499)
@@ -155,9 +156,9 @@ class AudioApi:
         media_type = "text/event-stream" if is_sse else audio.SPEECH_MEDIA_TYPES[req.response_format]
         return StreamingResponse(_framed(first, chunks, is_sse), media_type=media_type)
 
-    async def _encoded(self, req: audio.SpeechRequest) -> AsyncGenerator[bytes]:
+    async def _encoded(self, req: audio.SpeechRequest, principal: str) -> AsyncGenerator[bytes]:
         """The answer's audio bytes: a piece per sentence (pcm, wav), or the whole file."""
-        pieces = self._spoken(req)
+        pieces = self._spoken(req, principal)
         try:
             if req.response_format in STREAMABLE_FORMATS:
                 header = wav_header(None, SAMPLE_RATE_HZ) if req.response_format == "wav" else b""
@@ -170,25 +171,38 @@ class AudioApi:
         finally:
             await pieces.aclose()
 
-    async def _spoken(self, req: audio.SpeechRequest) -> AsyncGenerator[np.ndarray]:
-        """Float32 speech at 24 kHz, a sentence at a time, at ``req.speed``."""
+    async def _spoken(self, req: audio.SpeechRequest, principal: str) -> AsyncGenerator[np.ndarray]:
+        """Float32 speech at 24 kHz, a sentence at a time, at ``req.speed``; the seconds made
+        are charged to ``principal``'s audio limit when it ends."""
         import soxr
 
         assert req.input is not None  # decode_speech checked it
-        async with self.speech.open(language=None) as stream:
-            for sentence in audio.sentences(req.input):
-                stream.say(sentence)
-            stream.end()
-            async for pcm in stream:
-                if req.speed != 1.0:  # fewer samples at the same rate: faster (and higher)
-                    pcm = soxr.resample(pcm, SAMPLE_RATE_HZ * req.speed, SAMPLE_RATE_HZ).astype(np.float32)
-                yield pcm
+        num_samples = 0
+        try:
+            async with self.speech.open(language=None) as stream:
+                for sentence in audio.sentences(req.input):
+                    stream.say(sentence)
+                stream.end()
+                async for pcm in stream:
+                    if req.speed != 1.0:  # fewer samples at the same rate: faster (and higher)
+                        pcm = soxr.resample(pcm, SAMPLE_RATE_HZ * req.speed, SAMPLE_RATE_HZ).astype(np.float32)
+                    num_samples += len(pcm)
+                    yield pcm
+        finally:
+            policy = self._policy()
+            if policy is not None:
+                policy.charge_audio(principal, num_samples / SAMPLE_RATE_HZ)
 
     # -- shared ----------------------------------------------------------------------------
-    def _count_request(self, request: Request) -> None:
+    def _policy(self) -> SubmissionPolicy | None:
+        """The server's submission policy (the in-process client's), for its rate limits."""
         policy = getattr(self.deps.client, "policy", None)
-        if isinstance(policy, SubmissionPolicy):
-            policy.count_request(auth.scope_principal(request.scope))
+        return policy if isinstance(policy, SubmissionPolicy) else None
+
+    def _count_audio(self, request: Request, audio_s: float) -> None:
+        policy = self._policy()
+        if policy is not None:
+            policy.count_audio(auth.scope_principal(request.scope), audio_s)
 
     def _refused(self, exc: Exception) -> Response:
         """The OpenAI error response for ``exc``, counted (unexpected errors are logged, not shown)."""
