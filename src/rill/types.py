@@ -10,6 +10,7 @@ Concatenating the ``text`` of every delta of a request gives its full completion
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from collections.abc import Sequence
@@ -621,3 +622,32 @@ class EngineStats(msgspec.Struct, kw_only=True):
     last_step_ms: float = 0.0
     step_ms_ewma: float = 0.0
     requests_finished_total: dict[str, int] = {}
+
+
+# ----------------------------------------------------------------------------- speech
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """One stretch of recognized speech; times in seconds from the start of the audio."""
+
+    start_s: float
+    end_s: float
+    text: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Transcript:
+    """What a recognizer heard in one piece of audio.
+
+    ``text`` is empty when no speech was heard (``speech_s`` is then 0); ``language`` is the
+    hint given or the detected language code (``en``, ``fr``, ...); ``duration_s`` is the whole
+    audio's length, ``speech_s`` what voice-activity trimming kept.
+    """
+
+    text: str
+    language: str
+    duration_s: float
+    speech_s: float
+    segments: tuple[Segment, ...] = ()
+    language_probability: float = 1.0

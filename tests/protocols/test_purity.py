@@ -34,6 +34,7 @@ NOT_PURE = {
     "evergreen/file_refs.py": "reads the files that file:// refs name (blocking, in a worker thread)",
     "evergreen/runner.py": "runs a session on the driver for both transports: worker-thread receive, the outbox",
     "openai_http/responder.py": "writes one response (SSE or JSON) to the ASGI connection, watching for a disconnect",
+    "openai_http/audio_api.py": "the audio routes: multipart bodies, files decoded and speech encoded off the loop",
     "openai_http/responses_api.py": "the Responses API's routes: producer tasks, the response store, SSE followers",
 }
 """Files under ``protocols/`` exempt from the purity rules (a bare name: in every folder).

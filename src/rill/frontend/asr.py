@@ -20,8 +20,6 @@ Nothing here knows a wire protocol: ``/ws/chat`` uses it, and so can any other f
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import logging
 import threading
 import time
@@ -30,7 +28,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from rill.errors import ConfigError, InvalidRequest, ResourceExhausted
+from rill.errors import ConfigError, InvalidRequest
+from rill.frontend.workers import PoolCounters, WorkerPool
+from rill.types import Segment, Transcript
 
 if TYPE_CHECKING:
     from rill.config import SpeechConfig
@@ -42,32 +42,6 @@ SAMPLE_RATE_HZ = 16000
 
 MIN_RATE_HZ, MAX_RATE_HZ = 8000, 192000
 """Sample rates ``AsrService`` accepts (anything else is resampled to ``SAMPLE_RATE_HZ``)."""
-
-
-@dataclass(frozen=True)
-class Segment:
-    """One stretch of recognized speech; times in seconds from the start of the audio."""
-
-    start_s: float
-    end_s: float
-    text: str
-
-
-@dataclass(frozen=True)
-class Transcript:
-    """What a recognizer heard in one piece of audio.
-
-    ``text`` is empty when no speech was heard (``speech_s`` is then 0); ``language`` is the
-    hint given or the detected language code (``en``, ``fr``, ...); ``duration_s`` is the whole
-    audio's length, ``speech_s`` what voice-activity trimming kept.
-    """
-
-    text: str
-    language: str
-    duration_s: float
-    speech_s: float
-    segments: tuple[Segment, ...] = ()
-    language_probability: float = 1.0
 
 
 class SpeechRecognizer(Protocol):
@@ -223,16 +197,12 @@ def _reusing_first_window(whisper_model: type) -> type:
 
 
 @dataclass
-class AsrCounters:
-    """What tests and metrics read: running, waiting, finished and cancelled transcriptions,
-    the audio they took and the seconds workers spent on them."""
+class AsrCounters(PoolCounters):
+    """What tests and metrics read: the pool's counts (running, waiting, cancelled, busy
+    seconds), and the finished transcriptions with the audio they took, by language."""
 
-    num_running: int = 0
-    num_waiting: int = 0
     num_transcribed_total: int = 0
-    num_cancelled_total: int = 0
     audio_s_total: float = 0.0
-    busy_s_total: float = 0.0
     by_language: dict[str, int] = field(default_factory=dict)
 
 
@@ -251,19 +221,23 @@ class AsrService:
         self, recognizer: SpeechRecognizer, *, workers: int = 1, max_pending: int = 16, max_audio_s: float = 120.0
     ) -> None:
         self.recognizer = recognizer
-        self.workers = workers
-        self.max_pending = max_pending
         self.max_audio_s = max_audio_s
         self.counters = AsrCounters()
-        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rill-asr")
-        self._slots: asyncio.Semaphore | None = None
-        self._num_pending = 0
+        self.pool = WorkerPool(
+            name="rill-asr",
+            workers=workers,
+            max_pending=max_pending,
+            busy="speech recognition is busy",
+            what="transcriptions",
+            setting="--asr-max-queue",
+            counters=self.counters,
+        )
         self._counters_lock = threading.Lock()
 
     @property
     def num_pending(self) -> int:
         """Transcriptions waiting for a worker or running (what ``max_pending`` bounds)."""
-        return self._num_pending
+        return self.pool.num_pending
 
     def check(self, num_samples: int, sample_rate_hz: int, where: str = "audio") -> float:
         """The audio's duration in seconds, once its shape passes the checks ``transcribe`` makes
@@ -295,11 +269,7 @@ class AsrService:
         Raises:
             ResourceExhausted: the pool is full (retryable).
         """
-        if self._num_pending >= self.max_pending:
-            raise ResourceExhausted(
-                f"speech recognition is busy ({self._num_pending} transcriptions waiting or running, "
-                f"--asr-max-queue {self.max_pending}); retry later"
-            )
+        self.pool.check_room()
 
     async def transcribe(
         self,
@@ -327,51 +297,15 @@ class AsrService:
         audio = np.asarray(samples, dtype=np.float32).reshape(-1)
         if not np.isfinite(audio).all():
             raise InvalidRequest(f"{where}: the audio has NaN or infinite samples", field=where)
-        self.check_room()
-        self._num_pending += 1
-        self.counters.num_waiting += 1
-        try:
-            await self._slots_made().acquire()
-        except BaseException:
-            self._num_pending -= 1
-            self.counters.num_waiting -= 1
-            raise
-        self.counters.num_waiting -= 1
-        return await self._run(audio, sample_rate_hz, language, where, task)
-
-    async def _run(
-        self, audio: np.ndarray, sample_rate_hz: int, language: str | None, where: str, task: str
-    ) -> Transcript:
-        """Run one transcription on a worker (a slot is held); give the slot back when the
-        thread is done, even when the caller was cancelled before."""
-        loop = asyncio.get_running_loop()
         cancel = threading.Event()
-        job = self._executor.submit(self._work, audio, sample_rate_hz, language, cancel, task)
-
-        def finished(_: concurrent.futures.Future[Transcript]) -> None:
-            loop.call_soon_threadsafe(self._release)
-
-        job.add_done_callback(finished)
         try:
-            return await asyncio.wrap_future(job)
-        except asyncio.CancelledError:
-            cancel.set()
-            self.counters.num_cancelled_total += 1
-            raise
+            return await self.pool.run(self._work, audio, sample_rate_hz, language, cancel, task, on_cancel=cancel.set)
         except InvalidRequest as exc:  # the recognizer's refusal (a language), placed
             raise InvalidRequest(f"{where}: {exc}", field=exc.field) from exc
-
-    def _release(self) -> None:
-        self._num_pending -= 1
-        assert self._slots is not None
-        self._slots.release()
 
     def _work(
         self, audio: np.ndarray, sample_rate_hz: int, language: str | None, cancel: threading.Event, task: str
     ) -> Transcript:
-        with self._counters_lock:  # workers may be several threads
-            self.counters.num_running += 1
-        started = time.perf_counter()
         transcript: Transcript | None = None
         try:
             if sample_rate_hz != SAMPLE_RATE_HZ:
@@ -381,24 +315,16 @@ class AsrService:
             transcript = self.recognizer.transcribe(audio, language, cancel, task)
             return transcript
         finally:
-            with self._counters_lock:
-                c = self.counters
-                c.num_running -= 1
-                c.busy_s_total += time.perf_counter() - started
-                if transcript is not None:
+            if transcript is not None:
+                with self._counters_lock:  # workers may be several threads
+                    c = self.counters
                     c.num_transcribed_total += 1
                     c.audio_s_total += transcript.duration_s
                     c.by_language[transcript.language] = c.by_language.get(transcript.language, 0) + 1
 
-    def _slots_made(self) -> asyncio.Semaphore:
-        # Made on first use, on the event loop that serves (an asyncio primitive binds to it).
-        if self._slots is None:
-            self._slots = asyncio.Semaphore(self.workers)
-        return self._slots
-
     def shutdown(self) -> None:
         """Stop the worker threads (a running transcription ends at its next window; nothing waits)."""
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self.pool.shutdown()
 
 
 ASR_CHOICES = ("auto", "whisper", "off")

@@ -19,8 +19,6 @@ Nothing here knows a wire protocol: ``/ws/chat`` uses it, and so can any other f
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import logging
 import shutil
 import threading
@@ -28,7 +26,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from rill.errors import ConfigError, InvalidRequest, RequestTimeout, ResourceExhausted, RillError
+from rill.errors import ConfigError, InvalidRequest, RequestTimeout, RillError
+from rill.frontend.workers import PoolCounters, WorkerPool
 
 if TYPE_CHECKING:
     from rill.config import SpeechConfig
@@ -109,14 +108,11 @@ def _lines(data: dict[str, list[Any]]) -> str:
 
 
 @dataclass
-class OcrCounters:
-    """What tests and metrics read: running, waiting and finished readings, and the seconds
-    workers spent on them."""
+class OcrCounters(PoolCounters):
+    """What tests and metrics read: the pool's counts (running, waiting, cancelled, busy
+    seconds) and the finished readings."""
 
-    num_running: int = 0
-    num_waiting: int = 0
     num_read_total: int = 0
-    busy_s_total: float = 0.0
 
 
 class OcrService:
@@ -140,20 +136,24 @@ class OcrService:
         timeout_s: float = 30.0,
     ) -> None:
         self.reader = reader
-        self.workers = workers
-        self.max_pending = max_pending
         self.max_pixels = max_pixels
         self.timeout_s = timeout_s
         self.counters = OcrCounters()
-        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rill-ocr")
-        self._slots: asyncio.Semaphore | None = None
-        self._num_pending = 0
+        self.pool = WorkerPool(
+            name="rill-ocr",
+            workers=workers,
+            max_pending=max_pending,
+            busy="OCR is busy",
+            what="images",
+            setting="--ocr-max-queue",
+            counters=self.counters,
+        )
         self._counters_lock = threading.Lock()
 
     @property
     def num_pending(self) -> int:
         """Readings waiting for a worker or running (what ``max_pending`` bounds)."""
-        return self._num_pending
+        return self.pool.num_pending
 
     def check(self, width: int, height: int, where: str = "image") -> None:
         """Refuse an image too large to read, before any work starts.
@@ -180,57 +180,21 @@ class OcrService:
         """
         width, height = image.size
         self.check(width, height, where)
-        if self._num_pending >= self.max_pending:
-            raise ResourceExhausted(
-                f"OCR is busy ({self._num_pending} images waiting or being read, --ocr-max-queue "
-                f"{self.max_pending}); retry later"
-            )
-        self._num_pending += 1
-        self.counters.num_waiting += 1
         try:
-            await self._slots_made().acquire()
-        except BaseException:
-            self._num_pending -= 1
-            self.counters.num_waiting -= 1
-            raise
-        self.counters.num_waiting -= 1
-        loop = asyncio.get_running_loop()
-        job = self._executor.submit(self._work, image)
-        job.add_done_callback(lambda _: loop.call_soon_threadsafe(self._release))
-        try:
-            return await asyncio.wrap_future(job)
+            return await self.pool.run(self._work, image)
         except RequestTimeout as exc:
             raise RequestTimeout(f"{where}: {exc}") from exc
 
-    def _release(self) -> None:
-        self._num_pending -= 1
-        assert self._slots is not None
-        self._slots.release()
-
     def _work(self, image: Any) -> ImageText:
-        with self._counters_lock:  # workers may be several threads
-            self.counters.num_running += 1
         started = time.perf_counter()
-        text: str | None = None
-        try:
-            text = self.reader.read(image, self.timeout_s)
-            return ImageText(text.strip(), image.width, image.height, time.perf_counter() - started)
-        finally:
-            with self._counters_lock:
-                self.counters.num_running -= 1
-                self.counters.busy_s_total += time.perf_counter() - started
-                if text is not None:
-                    self.counters.num_read_total += 1
-
-    def _slots_made(self) -> asyncio.Semaphore:
-        # Made on first use, on the event loop that serves (an asyncio primitive binds to it).
-        if self._slots is None:
-            self._slots = asyncio.Semaphore(self.workers)
-        return self._slots
+        text = self.reader.read(image, self.timeout_s)
+        with self._counters_lock:  # workers may be several threads
+            self.counters.num_read_total += 1
+        return ImageText(text.strip(), image.width, image.height, time.perf_counter() - started)
 
     def shutdown(self) -> None:
         """Stop the worker threads (a reading already running finishes; nothing waits)."""
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self.pool.shutdown()
 
 
 OCR_CHOICES = ("auto", "tesseract", "off")

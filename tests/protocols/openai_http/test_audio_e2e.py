@@ -274,10 +274,10 @@ def test_rate_limits_count_audio_requests_and_seconds_and_no_recognition_is_404(
 def test_a_full_recognition_pool_refuses_before_decoding(live: LiveServer, spoken_wav: bytes) -> None:
     asr = live.state["deps"].asr
     before = asr.counters.num_transcribed_total
-    asr.max_pending = 0  # as if --asr-max-queue transcriptions were waiting
+    asr.pool.max_pending = 0  # as if --asr-max-queue transcriptions were waiting
     try:
         response = httpx.post(f"{live.url}/v1/audio/transcriptions", files={"file": ("q.wav", spoken_wav)}, timeout=60)
     finally:
-        asr.max_pending = 16
+        asr.pool.max_pending = 16
     assert response.status_code == 503 and response.json()["error"]["code"] == "resource_exhausted"
     assert asr.counters.num_transcribed_total == before

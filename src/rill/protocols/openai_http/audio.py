@@ -30,9 +30,8 @@ from typing import Literal
 import msgspec
 
 from rill.errors import InvalidRequest
-from rill.frontend.asr import Transcript
-from rill.frontend.audio_files import COMPRESSED_FORMATS, STREAMABLE_FORMATS
 from rill.protocols.openai_http.codec import ModelNotFound, decode_body
+from rill.types import Transcript
 
 TRANSCRIPTION_ALIASES = ("whisper-1", "gpt-4o-transcribe", "gpt-4o-mini-transcribe")
 SPEECH_ALIASES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
@@ -306,8 +305,6 @@ def decode_speech(body: bytes, voices: tuple[str, ...]) -> SpeechRequest:
             f"'response_format' must be one of {', '.join(SPEECH_FORMATS)}, not '{req.response_format}'",
             field="response_format",
         )
-    if req.response_format not in (*STREAMABLE_FORMATS, *COMPRESSED_FORMATS):
-        raise InvalidRequest(f"'response_format' {req.response_format} cannot be encoded", field="response_format")
     if not MIN_SPEED <= req.speed <= MAX_SPEED:
         raise InvalidRequest(f"'speed' must be in {MIN_SPEED}..{MAX_SPEED}, not {req.speed}", field="speed")
     return req
