@@ -291,7 +291,7 @@ def decode_body(decoder: msgspec.json.Decoder[T], body: bytes) -> T:
         return jsonguard.decode(decoder, body)
     except msgspec.ValidationError as exc:
         text = str(exc)
-        return _raise_invalid(text, _field_of(text))
+        return _raise_invalid(text, field_of(text))
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
 
@@ -300,8 +300,9 @@ def _raise_invalid(text: str, name: str | None) -> NoReturn:
     raise InvalidRequest(f"invalid request: {text}", field=name)
 
 
-def _field_of(text: str) -> str | None:
-    # msgspec ends its messages with "- at `$.field[0].sub`"; keep the top-level field name.
+def field_of(text: str) -> str | None:
+    """The top-level field a msgspec validation message names (it ends with "- at
+    `$.field[0].sub`"), or None."""
     marker = "`$."
     if marker not in text:
         return None

@@ -53,17 +53,8 @@ log = logging.getLogger("rill.openai_http")
 
 _json = msgspec.json.Encoder()
 
-ECHOED = (
-    "instructions",
-    "max_output_tokens",
-    "metadata",
-    "parallel_tool_calls",
-    "previous_response_id",
-    "temperature",
-    "top_p",
-    "background",
-    "user",
-)
+ECHOED = ("instructions", "max_output_tokens", "previous_response_id", "temperature", "top_p", "user")
+"""Request fields a response object repeats as sent (``_echo`` adds those with defaults)."""
 
 
 @dataclass

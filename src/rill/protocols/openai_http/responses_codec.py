@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 
 from rill.errors import InvalidRequest
-from rill.protocols._shared import jsonguard
+from rill.protocols.openai_http.codec import decode_body, field_of
 from rill.protocols.openai_http.messages import ChatCompletionRequest, ChatMessageIn
 
 SUPPORTED = frozenset(
@@ -108,23 +108,14 @@ _any_decoder = msgspec.json.Decoder(dict[str, Any])
 
 def decode(body: bytes) -> ResponsesRequest:
     """Parse and check a ``/v1/responses`` body; ``InvalidRequest`` names the bad field."""
-    if not body.strip():
-        raise InvalidRequest("request body is empty; send a JSON object")
-    try:
-        raw = jsonguard.decode(_any_decoder, body)
-    except msgspec.ValidationError as exc:
-        raise InvalidRequest(f"request body must be a JSON object: {exc}") from exc
-    except msgspec.DecodeError as exc:
-        raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
+    raw = decode_body(_any_decoder, body)
     for name, value in raw.items():
         if name not in SUPPORTED and name not in IGNORED and value is not None:
             raise InvalidRequest(f"'{name}' is not supported by this server's Responses API", field=name)
     try:
         req = msgspec.convert(raw, ResponsesRequest)
     except msgspec.ValidationError as exc:
-        text = str(exc)
-        where = text.split("`$.", 1)[1].split("`", 1)[0].split("[", 1)[0].split(".", 1)[0] if "`$." in text else None
-        raise InvalidRequest(f"invalid request: {text}", field=where) from exc
+        raise InvalidRequest(f"invalid request: {exc}", field=field_of(str(exc))) from exc
     _check(req)
     return req
 
