@@ -338,9 +338,11 @@ class Embedder:
         return truncate_to
 
     def _encode(self, texts: list[str], limit: int | None) -> list[tokenizers.Encoding]:
-        if limit is None:
-            return self.tokenizer.encode_batch(texts)
+        # The truncation setting belongs to the shared tokenizer: an untruncated call must not
+        # run while another thread has it switched on, so both paths take the lock.
         with self._truncating:
+            if limit is None:
+                return self.tokenizer.encode_batch(texts)
             self.tokenizer.enable_truncation(limit)
             try:
                 return self.tokenizer.encode_batch(texts)

@@ -48,7 +48,13 @@ from rill.frontend.stream import RequestStream
 from rill.protocols.openai_http import codec, embeddings, tools
 from rill.protocols.openai_http.audio_api import AudioApi
 from rill.protocols.openai_http.messages import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
-from rill.protocols.openai_http.responder import JSON_MEDIA_TYPE, Responder, close_all
+from rill.protocols.openai_http.responder import (
+    JSON_MEDIA_TYPE,
+    Responder,
+    close_all,
+    count_rejection,
+    error_response,
+)
 from rill.protocols.openai_http.responses_api import ResponsesApi
 from rill.protocols.openai_http.session import EchoPrompt, Kind, ResponseSession
 from rill.types import GenerateRequest
@@ -83,14 +89,6 @@ def http_error(exc: BaseException) -> tuple[int, dict[str, str], bytes]:
     before any route runs (``rill.middleware``: keys, sizes, unknown paths)."""
     wire = codec.error_for(exc)
     return wire.status, wire.headers, wire.body
-
-
-def error_response(exc: BaseException) -> Response:
-    """An OpenAI error JSON response for ``exc`` (unexpected errors are logged, not shown)."""
-    if not isinstance(exc, RillError):
-        log.error("unexpected error in the OpenAI API", exc_info=exc)
-    wire = codec.error_for(exc)
-    return Response(wire.body, status_code=wire.status, headers=wire.headers, media_type=JSON_MEDIA_TYPE)
 
 
 class OpenAIApi:
@@ -311,10 +309,7 @@ class OpenAIApi:
         return (info.tool_call_format if info is not None else None) or "hermes"
 
     def _count_rejection(self, exc: Exception) -> None:
-        metrics = self.deps.metrics
-        if metrics is not None:
-            code = codec.error_detail(exc)[1].code or "internal_error"
-            metrics.observe_rejection(protocol=codec.PROTOCOL, code=code)
+        count_rejection(self.deps.metrics, exc)
 
     def _prompts(self, req: Any, kind: Kind, served: codec.ServedModel) -> list[Prompt]:
         """The prompts to tokenize: texts and id lists as they came, or the chat as a request

@@ -30,6 +30,7 @@ from typing import Literal
 import msgspec
 
 from rill.errors import InvalidRequest
+from rill.protocols._shared import sse as _sse
 from rill.protocols.openai_http.codec import ModelNotFound, decode_body
 from rill.types import Transcript
 
@@ -332,7 +333,7 @@ def audio_done() -> bytes:
 
 def sse(event: msgspec.Struct) -> bytes:
     """One server-sent event whose data is ``event``'s JSON."""
-    return b"data: " + _encoder.encode(event) + b"\n\n"
+    return _sse.encode_event(_encoder.encode(event))
 
 
 _SENTENCE_ENDS = ".!?\n"

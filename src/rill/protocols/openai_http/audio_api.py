@@ -39,13 +39,15 @@ from starlette.routing import BaseRoute, Route
 
 from rill import auth
 from rill.deps import Deps
-from rill.errors import InvalidRequest, RillError
+from rill.errors import InvalidRequest
 from rill.frontend.asr import AsrService
 from rill.frontend.audio_files import STREAMABLE_FORMATS, decode_audio, encode_compressed, pcm16, wav_header
 from rill.frontend.policy import SubmissionPolicy
 from rill.frontend.speech import SAMPLE_RATE_HZ
+from rill.protocols._shared import sse
 from rill.protocols.openai_http import audio, codec
 from rill.protocols.openai_http.messages import ModelCard
+from rill.protocols.openai_http.responder import count_rejection, error_response
 
 log = logging.getLogger("rill.openai_http.audio")
 
@@ -115,7 +117,9 @@ class AudioApi:
         except Exception as exc:  # noqa: BLE001 - answered through the error table
             return self._refused(exc)
         if req.is_streaming:
-            return Response(b"".join(audio.transcript_events(transcript)), media_type="text/event-stream")
+            return Response(
+                b"".join(audio.transcript_events(transcript)), media_type=sse.MEDIA_TYPE, headers=sse.HEADERS
+            )
         body, media_type = audio.encode_transcript(transcript, req)
         return Response(body, media_type=media_type)
 
@@ -153,8 +157,11 @@ class AudioApi:
         except Exception as exc:  # noqa: BLE001 - answered through the error table
             return self._refused(exc)
         is_sse = req.stream_format == "sse"
-        media_type = "text/event-stream" if is_sse else audio.SPEECH_MEDIA_TYPES[req.response_format]
-        return StreamingResponse(_framed(first, chunks, is_sse), media_type=media_type)
+        if is_sse:
+            return StreamingResponse(_framed(first, chunks, is_sse), media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
+        return StreamingResponse(
+            _framed(first, chunks, is_sse), media_type=audio.SPEECH_MEDIA_TYPES[req.response_format]
+        )
 
     async def _encoded(self, req: audio.SpeechRequest, principal: str) -> AsyncGenerator[bytes]:
         """The answer's audio bytes: a piece per sentence (pcm, wav), or the whole file."""
@@ -206,13 +213,8 @@ class AudioApi:
 
     def _refused(self, exc: Exception) -> Response:
         """The OpenAI error response for ``exc``, counted (unexpected errors are logged, not shown)."""
-        if not isinstance(exc, RillError):
-            log.error("unexpected error in the OpenAI audio API", exc_info=exc)
-        metrics = self.deps.metrics
-        if metrics is not None:
-            metrics.observe_rejection(protocol=codec.PROTOCOL, code=codec.error_detail(exc)[1].code or "internal_error")
-        wire = codec.error_for(exc)
-        return Response(wire.body, status_code=wire.status, headers=wire.headers, media_type="application/json")
+        count_rejection(self.deps.metrics, exc)
+        return error_response(exc)
 
 
 async def _framed(first: bytes, rest: AsyncGenerator[bytes], is_sse: bool) -> AsyncIterator[bytes]:

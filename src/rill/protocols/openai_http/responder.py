@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from typing import Any
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -111,6 +112,20 @@ class Responder(Response):
         raw_headers += [(k.lower().encode(), v.encode()) for k, v in headers.items()]
         await send({"type": "http.response.start", "status": status, "headers": raw_headers})
         await _send_body(send, body, more=False)
+
+
+def error_response(exc: BaseException) -> Response:
+    """An OpenAI error JSON response for ``exc`` (unexpected errors are logged, not shown)."""
+    if not isinstance(exc, RillError):
+        log.error("unexpected error in the OpenAI API", exc_info=exc)
+    wire = codec.error_for(exc)
+    return Response(wire.body, status_code=wire.status, headers=wire.headers, media_type=JSON_MEDIA_TYPE)
+
+
+def count_rejection(metrics: Any, exc: BaseException) -> None:
+    """Count a refused request in ``rill_requests_rejected_total`` (``metrics`` None: nothing)."""
+    if metrics is not None:
+        metrics.observe_rejection(protocol=codec.PROTOCOL, code=codec.error_detail(exc)[1].code or "internal_error")
 
 
 async def _send_body(send: Send, body: bytes, more: bool = True) -> None:

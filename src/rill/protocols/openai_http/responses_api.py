@@ -43,7 +43,7 @@ from rill.frontend.resumable import ResumableStream, StreamRegistry
 from rill.frontend.stream import RequestStream
 from rill.protocols._shared import sse
 from rill.protocols.openai_http import codec, responses_codec, tools
-from rill.protocols.openai_http.responder import JSON_MEDIA_TYPE, wait_for_disconnect
+from rill.protocols.openai_http.responder import JSON_MEDIA_TYPE, error_response, wait_for_disconnect
 from rill.protocols.openai_http.responses_codec import ResponsesRequest, new_id
 from rill.protocols.openai_http.responses_session import ResponsesSession
 from rill.response_store import ResponseStore, StoredResponse
@@ -133,7 +133,7 @@ class ResponsesApi:
             if run is not None:
                 self.streams.forget(run.session.id)
             self.api._count_rejection(exc)
-            return _error(responses_codec.renamed(exc))
+            return error_response(responses_codec.renamed(exc))
         if req.background:
             return _json_response(run.session.snapshot())
         if req.stream:
@@ -293,7 +293,7 @@ class ResponsesApi:
             stored = await self._stored_or_raise(response_id, principal)
             return _json_response(stored.response)
         except Exception as exc:  # noqa: BLE001 - answered through the error table
-            return _error(exc)
+            return error_response(exc)
 
     def _live(self, response_id: str, principal: str) -> _Run | None:
         """The running response ``response_id`` of ``principal``, if there is one."""
@@ -318,7 +318,7 @@ class ResponsesApi:
             stored = await self._stored_or_raise(response_id, principal)
             return _json_response(stored.response)
         except Exception as exc:  # noqa: BLE001
-            return _error(exc)
+            return error_response(exc)
 
     async def delete(self, request: Request) -> Response:
         """``DELETE /v1/responses/{id}``: a running one is cancelled; the stored row deleted."""
@@ -344,7 +344,7 @@ class ResponsesApi:
                     raise
             return _json_response({"id": response_id, "object": "response.deleted", "deleted": True})
         except Exception as exc:  # noqa: BLE001
-            return _error(exc)
+            return error_response(exc)
 
     async def input_items(self, request: Request) -> Response:
         """``GET /v1/responses/{id}/input_items`` (``limit``, ``order``, ``after``)."""
@@ -381,7 +381,7 @@ class ResponsesApi:
                 }
             )
         except Exception as exc:  # noqa: BLE001
-            return _error(exc)
+            return error_response(exc)
 
     async def aclose(self) -> None:
         """Server shutdown: cancel the responses still running, let each record how it
@@ -430,13 +430,6 @@ def _int_param(value: str | None, name: str, *, default: int) -> int:
 
 def _json_response(value: Any, status: int = 200) -> Response:
     return Response(_json.encode(value), status_code=status, media_type=JSON_MEDIA_TYPE)
-
-
-def _error(exc: BaseException) -> Response:
-    if not isinstance(exc, RillError):
-        log.error("unexpected error in the Responses API", exc_info=exc)
-    wire = codec.error_for(exc)
-    return Response(wire.body, status_code=wire.status, headers=wire.headers, media_type=JSON_MEDIA_TYPE)
 
 
 class _Follower(Response):
