@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml requirements-no-deps.txt
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==2.13.0
 	$(BIN)/python -m pip install --quiet --no-deps -r requirements-no-deps.txt
-	$(BIN)/python -m pip install --quiet -e '.[test,lint,postgres]'
+	$(BIN)/python -m pip install --quiet -e '.[test,lint,postgres,ray]'
 	touch $(STAMP)
 
 # The OpenAI Agents SDK for its conformance test, apart from rill's environment (see the file).

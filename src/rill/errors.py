@@ -31,6 +31,7 @@ client as text: protocols answer them with a generic message.
     │   └── IdleTimeout             a client sent no first message / not all of its request in time
     └── EngineError
         ├── GenerationError         one request failed; others continue
+        ├── ReplicaLost             the engine replica running a request died (retryable)
         └── EngineDead              the engine loop crashed; nothing more can run
 """
 
@@ -242,6 +243,15 @@ class EngineDead(EngineError):
     """The engine loop has crashed; no request can run until restart."""
 
     code = "engine_dead"
+
+
+class ReplicaLost(EngineError):
+    """The engine replica running a request died (``rill.cluster``): that request is lost, the
+    other replicas serve on, and the same request sent again runs on one of them."""
+
+    code = "replica_lost"
+    retryable = True
+    retry_after_s = 1.0
 
 
 class IdleTimeout(RequestTimeout):

@@ -129,10 +129,15 @@ def make_parts(config: ServerConfig) -> Parts:
 
 
 def start_client(config: ServerConfig, parts: Parts) -> InprocClient:
-    """The in-process engine client, constructed with ``parts.policy`` and ``parts.metrics`` as
-    its sink; its engine starts loading in the background."""
+    """The engine client, constructed with ``parts.policy`` and ``parts.metrics`` as its sink:
+    in-process, or on Ray Serve replicas with ``--replicas`` (``rill.cluster``); its engine
+    starts loading in the background."""
     from rill.frontend.inproc import InprocClient
 
+    if config.cluster.replicas is not None:
+        from rill.cluster.client import RayClient  # Ray only when replicas are asked for
+
+        return RayClient.start_cluster(config.engine, config.cluster, policy=parts.policy, metrics=parts.metrics)
     return InprocClient.start(config.engine, policy=parts.policy, metrics=parts.metrics)
 
 

@@ -516,6 +516,36 @@ class StorageConfig:
 
 
 @dataclass(frozen=True)
+class ClusterConfig:
+    """Engine replicas on Ray Serve (``rill.cluster``): unset, the engine runs in this process
+    and nothing of Ray is imported."""
+
+    replicas: int | None = _f(
+        None,
+        "run N engine replicas as a Ray Serve deployment (each its own process with its own KV "
+        "cache) behind this server's listeners; needs Ray: pip install 'rill[ray]'. Unset: the "
+        "engine runs in this process",
+    )
+    ray_address: str | None = _f(
+        None,
+        "the Ray cluster to deploy the replicas on: auto (the one `ray start` runs on this "
+        "machine), ray://HOST:PORT or HOST:PORT; unset with --replicas: a local Ray instance of "
+        "this server's own",
+    )
+    replica_cpus: float = _f(
+        1.0, "CPUs Ray reserves for each engine replica (its placement; the engine's threads are --num-threads)"
+    )
+    replica_max_requests: int = _f(
+        256, "most requests, running and waiting, one replica takes; past it on every replica, requests wait"
+    )
+    routing: str = _f(
+        "prefix",
+        "how new requests pick a replica: prefix (the one that served the longest prefix of the "
+        "prompt, unless it is busier than the least loaded by 4 requests), least-loaded, or round-robin",
+    )
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     """Everything ``rill serve`` needs, by area."""
 
@@ -531,6 +561,7 @@ class ServerConfig:
     resume: ResumeConfig = field(default_factory=ResumeConfig)
     embeddings: EmbeddingConfig = field(default_factory=EmbeddingConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def api_keys(self) -> set[str]:
         """Keys from ``--api-key`` and ``--api-key-file`` (empty set: no auth)."""
@@ -571,6 +602,7 @@ AREAS: dict[str, type] = {
     "resume": ResumeConfig,
     "embeddings": EmbeddingConfig,
     "storage": StorageConfig,
+    "cluster": ClusterConfig,
 }
 
 FORMER_AREAS: dict[str, str] = {f.name: "http" for f in dataclasses.fields(PolicyConfig)}

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from rill.config.areas import (
     ChatConfig,
+    ClusterConfig,
     ConnectionConfig,
     EmbeddingConfig,
     EngineConfig,
@@ -48,12 +49,26 @@ def validate(config: ServerConfig) -> None:
     _validate_session_memory(config.connections)
     _validate_resume(config.resume)
     _validate_speech(config.speech)
+    _validate_cluster(config.cluster)
     _positive_seconds(config.connections, "first_message_timeout_s", "header_timeout_s", "body_timeout_s")
     _one_of("uds_protocol", config.uds.uds_protocol, ("framed", "newline"))
     try:
         int(config.uds.socket_mode, 8)
     except ValueError as exc:
         raise ConfigError(f"socket_mode must be an octal mode such as 0600, not {config.uds.socket_mode!r}") from exc
+
+
+def _validate_cluster(c: ClusterConfig) -> None:
+    """Replica counts and their reservations."""
+    if c.replicas is not None and c.replicas < 1:
+        raise ConfigError(f"replicas must be at least 1, not {c.replicas}")
+    if c.ray_address is not None and c.replicas is None:
+        raise ConfigError("--ray-address places engine replicas: give --replicas N with it")
+    if not 0 < c.replica_cpus < float("inf"):
+        raise ConfigError(f"replica_cpus must be a positive number, not {c.replica_cpus}")
+    if c.replica_max_requests < 1:
+        raise ConfigError(f"replica_max_requests must be at least 1, not {c.replica_max_requests}")
+    _one_of("routing", c.routing, ("prefix", "least-loaded", "round-robin"))
 
 
 def _validate_engine(e: EngineConfig) -> None:

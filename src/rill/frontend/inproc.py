@@ -179,7 +179,7 @@ class InprocClient:
     async def generate(self, request: GenerateRequest) -> RequestStream:
         """Admit one request through the policy and start it; see ``EngineClient.generate``."""
         choice = await self.policy.plan_one(request, self._require_engine)
-        return await self._start(choice)
+        return await self.start_choice(choice)
 
     async def submit(self, submission: Submission) -> list[RequestStream]:
         """Admit the choices of one request and start them, all or none; see ``EngineClient.submit``."""
@@ -187,26 +187,23 @@ class InprocClient:
         streams: list[RequestStream] = []
         try:
             for choice in choices:
-                streams.append(await self._start(choice))
+                streams.append(await self.start_choice(choice))
         except BaseException:
             for stream in streams:
                 await stream.aclose()  # a refused choice leaves nothing of its request behind
             raise
         return streams
 
-    async def _start(self, choice: Choice) -> RequestStream:
-        """Compile the choice's grammar, make its last checks and put it in the engine."""
+    async def start_choice(self, choice: Choice) -> RequestStream:
+        """Compile the choice's grammar, make its last checks and put it in the engine (a choice
+        the policy planned: here, or in the server process of a cluster for its replica)."""
         # A new constraint compiles in milliseconds (more for huge schemas): in the grammar pool,
         # and before the checks below, so that nothing changes between them and the submit.
         matcher = await self.policy.matcher(choice, self._require_engine)
         engine = self._require_engine()
-        request_id = choice.request_id
-        account = self.policy.admit(choice, engine, self._tracks.num_queued, self._streams.__contains__)
-        if account is not None:
-            self._accounts[request_id] = account
-        now = time.monotonic()
+        stream, now = self._open(choice, engine)
         engine_request = Request(
-            request_id=request_id,
+            request_id=choice.request_id,
             prompt_ids=choice.prompt_ids,
             params=choice.params,
             eos_token_ids=engine.eos_token_ids,
@@ -218,14 +215,24 @@ class InprocClient:
             require_cached_prefix_tokens=choice.require_cached_prefix_tokens,
             matcher=matcher,
         )
+        self._inbox.put(AddCommand(engine_request))
+        return stream
+
+    def _open(self, choice: Choice, engine: Engine) -> tuple[RequestStream, float]:
+        """The policy's last checks of ``choice``, then its stream, account and track: the
+        bookkeeping of a request this side of the engine. Returns the stream and its arrival."""
+        request_id = choice.request_id
+        account = self.policy.admit(choice, engine, self._tracks.num_queued, self._streams.__contains__)
+        if account is not None:
+            self._accounts[request_id] = account
+        now = time.monotonic()
         memory = self.policy.memory
         lease = memory.lease(choice.principal) if memory is not None else None
         stream = RequestStream(self, request_id, choice.prompt_ids, choice.params, on_close=self._forget, lease=lease)
         self._streams[request_id] = stream
         self._principals[request_id] = choice.principal
         self._tracks.open(request_id, choice.protocol, now)
-        self._inbox.put(AddCommand(engine_request))
-        return stream
+        return stream, now
 
     async def tokenize(self, prompts: Sequence[Prompt]) -> list[list[int]]:
         """Token ids of each prompt, by the same admission step as ``generate``."""
@@ -247,6 +254,10 @@ class InprocClient:
         )
 
     # -- controls ----------------------------------------------------------------------------
+    def running(self, request_id: RequestId) -> RequestStream:
+        """The stream of a request that runs; ``RequestNotFound`` if it is unknown or ended."""
+        return self._live(request_id)
+
     def _live(self, request_id: RequestId) -> RequestStream:
         stream = self._streams.get(request_id)
         if stream is None or stream.is_finished:
@@ -290,19 +301,25 @@ class InprocClient:
             raise RequestNotFound(f"no running request '{stream.request_id}'")
 
     async def _modify(self, stream: RequestStream, patch: dict[str, Any]) -> SamplingParams:
-        request_id = stream.request_id
         self._same(stream)  # again: it may have ended while an earlier modify compiled
-        old = stream.sampling
-        params = self.policy.modified(old, patch, self._require_engine().model_info.vocab_size)
+        params = self.policy.modified(stream.sampling, patch, self._require_engine().model_info.vocab_size)
+        await self.set_sampling(stream, params)
+        return params
+
+    async def set_sampling(self, stream: RequestStream, params: SamplingParams) -> None:
+        """Put the validated ``params`` in force for ``stream``'s request from its next token:
+        a new constraint compiled first, then the rate-limit account's last check. Raises
+        ``RequestNotFound`` if the request ended meanwhile, ``RateLimited`` (and nothing
+        changes) as ``modify``."""
+        request_id = stream.request_id
         principal = self._principals[request_id]
-        matcher = await self.policy.new_matcher(old, params, principal, self._require_engine)
+        matcher = await self.policy.new_matcher(stream.sampling, params, principal, self._require_engine)
         self._same(stream)  # the request may have ended while its grammar compiled
         account = self._accounts.get(request_id)
         if account is not None:
             account.set_max_tokens(params.max_tokens)  # last of the checks: a refused modify changes nothing more
         stream.sampling = params
         self._inbox.put(ModifyCommand(request_id, params, matcher))
-        return params
 
     def regenerate(self, request_id: RequestId) -> None:
         """Restart a request from its prompt.

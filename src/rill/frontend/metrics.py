@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-from functools import partial
 from typing import Any, Protocol
 
 from prometheus_client import (
@@ -225,8 +224,80 @@ class Metrics:
         return generate_latest(self.registry)
 
 
+def _kv_usage(stats: EngineStats) -> float:
+    capacity = stats.kv_capacity_bytes
+    return stats.kv_used_bytes / capacity if capacity else 0.0
+
+
+def _hit_ratio(stats: EngineStats) -> float:
+    queries = stats.prefix_cache_queries_tokens
+    return stats.prefix_cache_hits_tokens / queries if queries else 0.0
+
+
+_ENGINE_METRICS: tuple[tuple[str, str, bool, Callable[[EngineStats], float]], ...] = (
+    ("rill_num_requests_running", "Requests in the running batch", False, lambda s: s.num_running),
+    ("rill_num_requests_waiting", "Requests waiting to be scheduled", False, lambda s: s.num_waiting),
+    ("rill_num_requests_paused", "Requests paused by their client", False, lambda s: s.num_paused),
+    ("rill_kv_cache_usage_perc", "Share of the KV cache held by live requests (0-1, as vLLM)", False, _kv_usage),
+    # The same figure under vLLM's older name: its published dashboard's cache panel still
+    # reads gpu_cache_usage_perc (a 0-1 fraction there too, whatever the device).
+    (
+        "rill_gpu_cache_usage_perc",
+        "Share of the KV cache held by live requests (0-1, vLLM's older name)",
+        False,
+        _kv_usage,
+    ),
+    ("rill_kv_cache_used_bytes", "KV cache bytes held by live requests", False, lambda s: s.kv_used_bytes),
+    (
+        "rill_kv_cache_cached_bytes",
+        "KV cache bytes held by reusable prefix-cache entries",
+        False,
+        lambda s: s.kv_cached_bytes,
+    ),
+    ("rill_kv_cache_capacity_bytes", "KV cache memory budget", False, lambda s: s.kv_capacity_bytes),
+    (
+        "rill_prefix_cache_hit_ratio",
+        "Prompt tokens found in the prefix cache / prompt tokens looked up",
+        False,
+        _hit_ratio,
+    ),
+    (
+        "rill_prefix_cache_queries",
+        "Prompt tokens looked up in the prefix cache",
+        True,
+        lambda s: s.prefix_cache_queries_tokens,
+    ),
+    ("rill_prefix_cache_hits", "Prompt tokens found in the prefix cache", True, lambda s: s.prefix_cache_hits_tokens),
+    ("rill_prompt_tokens", "Prompt tokens processed", True, lambda s: s.prompt_tokens_total),
+    ("rill_generation_tokens", "Tokens generated", True, lambda s: s.generation_tokens_total),
+    ("rill_engine_steps", "Engine steps run", True, lambda s: s.num_steps_total),
+    (
+        "rill_num_preemptions",
+        "Requests preempted under KV memory pressure",
+        True,
+        lambda s: s.num_preemptions_total,
+    ),
+    (
+        "rill_spec_decode_draft_tokens",
+        "Speculative draft tokens verified",
+        True,
+        lambda s: s.spec_draft_tokens_total,
+    ),
+    (
+        "rill_spec_decode_accepted_tokens",
+        "Speculative draft tokens accepted (emitted as drafted)",
+        True,
+        lambda s: s.spec_accepted_tokens_total,
+    ),
+    ("rill_engine_step_seconds", "Moving average of one engine step", False, lambda s: s.step_ms_ewma / 1000.0),
+)
+"""Each engine figure: name, help, whether it is a counter, and how to read it from ``EngineStats``."""
+
+
 class _EngineCollector(Collector):
-    """Reads ``client.stats()`` once per scrape and exposes it as gauges and counters."""
+    """Reads ``client.stats()`` once per scrape and exposes it as gauges and counters; with
+    engine replicas (``rill.cluster``), also each replica's under ``rill_replica_*`` names with
+    a ``replica`` label (the unlabelled families are the replicas' sum)."""
 
     def __init__(self, client: EngineView, model_name: Callable[[], str]) -> None:
         self.client = client
@@ -243,48 +314,24 @@ class _EngineCollector(Collector):
             log.debug("engine stats unavailable", exc_info=True)
             return
         model = self.model_name()
-        gauge, counter = partial(_gauge, model), partial(_counter, model)
-        yield gauge("rill_num_requests_running", "Requests in the running batch", stats.num_running)
-        yield gauge("rill_num_requests_waiting", "Requests waiting to be scheduled", stats.num_waiting)
-        yield gauge("rill_num_requests_paused", "Requests paused by their client", stats.num_paused)
-        capacity = stats.kv_capacity_bytes
-        kv_usage = stats.kv_used_bytes / capacity if capacity else 0.0
-        yield gauge("rill_kv_cache_usage_perc", "Share of the KV cache held by live requests (0-1, as vLLM)", kv_usage)
-        # The same figure under vLLM's older name: its published dashboard's cache panel still
-        # reads gpu_cache_usage_perc (a 0-1 fraction there too, whatever the device).
-        yield gauge(
-            "rill_gpu_cache_usage_perc",
-            "Share of the KV cache held by live requests (0-1, vLLM's older name)",
-            kv_usage,
-        )
-        yield gauge("rill_kv_cache_used_bytes", "KV cache bytes held by live requests", stats.kv_used_bytes)
-        yield gauge(
-            "rill_kv_cache_cached_bytes", "KV cache bytes held by reusable prefix-cache entries", stats.kv_cached_bytes
-        )
-        yield gauge("rill_kv_cache_capacity_bytes", "KV cache memory budget", capacity)
-        queries, hits = stats.prefix_cache_queries_tokens, stats.prefix_cache_hits_tokens
-        yield gauge(
-            "rill_prefix_cache_hit_ratio",
-            "Prompt tokens found in the prefix cache / prompt tokens looked up",
-            hits / queries if queries else 0.0,
-        )
-        yield counter("rill_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", queries)
-        yield counter("rill_prefix_cache_hits", "Prompt tokens found in the prefix cache", hits)
-        yield counter("rill_prompt_tokens", "Prompt tokens processed", stats.prompt_tokens_total)
-        yield counter("rill_generation_tokens", "Tokens generated", stats.generation_tokens_total)
-        yield counter("rill_engine_steps", "Engine steps run", stats.num_steps_total)
-        yield counter(
-            "rill_num_preemptions", "Requests preempted under KV memory pressure", stats.num_preemptions_total
-        )
-        yield counter(
-            "rill_spec_decode_draft_tokens", "Speculative draft tokens verified", stats.spec_draft_tokens_total
-        )
-        yield counter(
-            "rill_spec_decode_accepted_tokens",
-            "Speculative draft tokens accepted (emitted as drafted)",
-            stats.spec_accepted_tokens_total,
-        )
-        yield gauge("rill_engine_step_seconds", "Moving average of one engine step", stats.step_ms_ewma / 1000.0)
+        for name, doc, is_counter, read in _ENGINE_METRICS:
+            yield (_counter if is_counter else _gauge)(model, name, doc, read(stats))
+        replica_stats = getattr(self.client, "replica_stats", None)
+        if replica_stats is None:
+            return
+        per_replica = replica_stats()
+        for name, doc, is_counter, read in _ENGINE_METRICS:
+            family_name = name.replace("rill_", "rill_replica_", 1)
+            family: GaugeMetricFamily | CounterMetricFamily
+            if is_counter:
+                family = CounterMetricFamily(
+                    family_name, f"{doc} (one engine replica)", labels=["model_name", "replica"]
+                )
+            else:
+                family = GaugeMetricFamily(family_name, f"{doc} (one engine replica)", labels=["model_name", "replica"])
+            for replica, stats in sorted(per_replica.items()):
+                family.add_metric([model, replica], read(stats))
+            yield family
 
 
 class _ConnectionCollector(Collector):

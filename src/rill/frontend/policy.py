@@ -241,11 +241,16 @@ class SubmissionPolicy:
         constraint = choice.params.constraint
         if constraint is None:
             return None
-        if self.limiter is not None:
-            self.limiter.check(choice.principal, choice.params.max_tokens)
+        self.check_constrained(choice)
         matcher = await self.grammars.matcher(engine().grammars, constraint, choice.principal)
         engine()
         return matcher
+
+    def check_constrained(self, choice: Choice) -> None:
+        """Refuse (``RateLimited``) a constrained choice the rate limits would refuse at its end,
+        before its grammar compile costs anything."""
+        if choice.params.constraint is not None and self.limiter is not None:
+            self.limiter.check(choice.principal, choice.params.max_tokens)
 
     def admit(
         self, choice: Choice, engine: Engine, num_queued: int, is_running: Callable[[str], bool]

@@ -25,6 +25,7 @@ from rill.errors import (
     ModelNotReady,
     QueueFull,
     RateLimited,
+    ReplicaLost,
     RequestRejected,
     RequestTimeout,
     ResourceExhausted,
@@ -87,6 +88,7 @@ ERROR_TABLE: ErrorTable = {
     RequestRejected: ErrorEntry(text="the server refused the request; retry later"),
     CacheMiss: _OWN_TEXT,
     RequestTimeout: ErrorEntry(text="the request ran past the server's time limit"),
+    ReplicaLost: ErrorEntry(text="the engine replica running this request stopped; send it again"),
     EngineDead: ErrorEntry(text="the engine stopped; no generation can run until the server restarts"),
     EngineError: ErrorEntry(text="generation failed"),
     # HTTP-level refusals (the middleware answers them before a socket opens); listed so the

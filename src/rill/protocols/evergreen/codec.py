@@ -30,6 +30,7 @@ from rill.errors import (
     EngineError,
     InvalidRequest,
     ModelNotReady,
+    ReplicaLost,
     RequestRejected,
     RequestTimeout,
     RillError,
@@ -323,6 +324,7 @@ ERROR_STATUS: ErrorTable = {
     RequestTimeout: ErrorEntry("DEADLINE_EXCEEDED"),
     CacheMiss: ErrorEntry("INTERNAL"),
     EngineError: ErrorEntry("INTERNAL"),  # GenerationError: the action failed, so the session is aborted
+    ReplicaLost: ErrorEntry("UNAVAILABLE"),  # retryable: the same action runs on another replica
     EngineDead: ErrorEntry("UNAVAILABLE"),
 }
 """Exception class → its gRPC status name (``code``); looked up along the MRO so subclasses win."""

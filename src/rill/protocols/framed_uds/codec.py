@@ -29,6 +29,7 @@ from rill.errors import (
     ModelNotReady,
     QueueFull,
     RateLimited,
+    ReplicaLost,
     RequestRejected,
     RequestTimeout,
     RillError,
@@ -84,6 +85,7 @@ ERROR_CODES: ErrorTable = {
     ModelNotReady: ErrorEntry("E_RUNTIME_NOT_READY"),
     RequestTimeout: ErrorEntry("E_RUNTIME_TIMEOUT"),
     EngineError: ErrorEntry("E_RUNTIME_DECODE"),  # GenerationError: this request failed, others go on
+    ReplicaLost: ErrorEntry("E_RUNTIME_UNAVAILABLE"),
     EngineDead: ErrorEntry("E_RUNTIME_UNAVAILABLE"),
     RillError: ErrorEntry("E_RUNTIME_INTERNAL"),
 }

@@ -27,6 +27,7 @@ from rill.errors import (
     ModelNotReady,
     QueueFull,
     RateLimited,
+    ReplicaLost,
     RequestNotFound,
     RequestRejected,
     RequestTimeout,
@@ -82,6 +83,9 @@ ERROR_TABLE: ErrorTable = {
     Unauthorized: ErrorEntry("unauthorized", 401, recoverable=False, action="fix_request"),
     CacheMiss: ErrorEntry("internal_error", 500, text="internal error; the generation was dropped", action="retry"),
     GenerationError: ErrorEntry("internal_error", 500, text="internal error; the generation failed", action="retry"),
+    ReplicaLost: ErrorEntry(
+        "internal_error", 503, text="the engine replica stopped; retry the generation", action="retry"
+    ),
     EngineDead: ErrorEntry(
         "internal_error", 503, text="the engine stopped; reconnect later", recoverable=False, action="reconnect"
     ),

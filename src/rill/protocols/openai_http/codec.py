@@ -35,6 +35,7 @@ from rill.errors import (  # the HTTP-level classes stay reachable as codec.X fo
     ModelNotReady,
     QueueFull,
     RateLimited,
+    ReplicaLost,
     RequestNotFound,
     RequestRejected,
     RequestTimeout,
@@ -129,6 +130,7 @@ ERROR_TABLE: ErrorTable = {
     CacheMiss: ErrorEntry("invalid_request_error", 400),
     RequestTimeout: ErrorEntry("timeout_error", 504),
     IdleTimeout: ErrorEntry("timeout_error", 408),  # the client was too slow to send its request
+    ReplicaLost: ErrorEntry("service_unavailable_error", 503),
     EngineDead: ErrorEntry("server_error", 503),
     EngineError: ErrorEntry("server_error", 500),
     RillError: ErrorEntry("server_error", 500),

@@ -1,0 +1,365 @@
+"""RayClient: the ``EngineClient`` of a cluster, its engines in Ray Serve replicas.
+
+It is ``InprocClient`` with another transport. Everything the server process did for one
+engine it still does, once, for all replicas: the submission policy (keys, caps, rate limits,
+the queue bound, tokenizing with the model's tokenizer, fetched from a replica), the streams,
+the per-request figures and the rate-limit accounts. What crosses to a replica is the planned
+``Choice``; what comes back is its outputs.
+
+* A new request is a streaming call ``run`` on the deployment handle; Ray Serve's router
+  (``rill.cluster.router``) picks its replica, and the call's first item says which one took it
+  (or why it was refused: the error keeps its type). The rest of the call is the request's
+  outputs, routed to its ``RequestStream`` as the in-process engine thread's are.
+* A control (stop, pause, resume, regenerate, a parameter change) is a call naming that
+  replica, which the router sends there and nowhere else. The controls of one request go in
+  the order they were made, one at a time.
+* When a replica dies, the calls of its requests fail: each of those streams ends with
+  ``ReplicaLost`` (retryable) at once; other replicas' streams go on, and new requests go to
+  the replicas Ray still lists while it starts a new one.
+* Each replica's gauges are read every ``STATS_INTERVAL_S`` for ``/metrics`` (summed, and
+  per replica).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Self, cast
+
+from rill.cluster import launch
+from rill.cluster.registry import live_replicas
+from rill.cluster.replica import Accepted, Description, Refused
+from rill.cluster.router import prefix_keys
+from rill.config import ClusterConfig, EngineConfig
+from rill.engine.builder import Engine
+from rill.errors import ModelNotReady, ReplicaLost, RequestNotFound
+from rill.frontend.client import EngineState, MetricsSink
+from rill.frontend.inproc import InprocClient
+from rill.frontend.policy import Choice, SubmissionPolicy
+from rill.frontend.stream import RequestStream
+from rill.types import EngineStats, RequestId, RequestOutput, SamplingParams
+
+log = logging.getLogger("rill.cluster")
+
+STATS_INTERVAL_S = 1.0
+"""How often each replica's gauges are read."""
+
+CONTROL_TIMEOUT_S = 10.0
+"""Longest wait for a replica to apply a control (past it the replica is taken as gone)."""
+
+SUM_FIELDS = tuple(
+    name
+    for name in EngineStats.__struct_fields__
+    if name not in ("last_batch_size", "last_step_ms", "step_ms_ewma", "requests_finished_total")
+)
+"""The gauges and counters that add up across replicas."""
+
+
+@dataclass
+class _RemoteEngine:
+    """What the policy reads of an engine, for a model that runs elsewhere: its tokenizer, its
+    facts, its end tokens and its KV rows (each replica's; they are alike)."""
+
+    tokenizer: Any
+    model_info: Any
+    eos_token_ids: frozenset[int]
+    generation_defaults: dict[str, Any]
+    runner: Any
+    grammars: None = None  # grammars compile in the replica that runs the request
+
+
+@dataclass
+class _Rows:
+    num_rows: int
+
+
+@dataclass
+class _Lane:
+    """The controls of one request, applied one after the other."""
+
+    replica: str
+    queue: asyncio.Queue[tuple[Callable[[], Any], asyncio.Future[Any]]] = field(default_factory=asyncio.Queue)
+    task: asyncio.Task[None] | None = None
+
+
+class RayClient(InprocClient):
+    """``EngineClient`` whose engines are Ray Serve replicas (see the module docstring).
+
+    Args:
+        config: the engine's settings, the same for every replica.
+        cluster: how many replicas, where, and how requests are routed.
+        loop, policy, metrics: as ``InprocClient``'s.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        cluster: ClusterConfig,
+        loop: asyncio.AbstractEventLoop,
+        policy: SubmissionPolicy | None = None,
+        metrics: MetricsSink | None = None,
+    ) -> None:
+        super().__init__(config, loop, policy, metrics)
+        self.cluster = cluster
+        self._deployed: launch.Deployed | None = None
+        self._lanes: dict[RequestId, _Lane] = {}
+        self._calls: dict[RequestId, asyncio.Task[None]] = {}
+        self._replica_stats: dict[str, EngineStats] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+
+    @classmethod
+    def start_cluster(
+        cls,
+        config: EngineConfig,
+        cluster: ClusterConfig,
+        *,
+        policy: SubmissionPolicy | None = None,
+        metrics: MetricsSink | None = None,
+    ) -> Self:
+        """Create the client on the running loop and deploy (or join) the replicas in the
+        background; ``state()`` says ``loading`` until one has loaded its model."""
+        client = cls(config, cluster, asyncio.get_running_loop(), policy, metrics)
+        client._tasks.append(asyncio.create_task(client._connect(), name="rill-cluster-connect"))
+        return client
+
+    async def _connect(self) -> None:
+        try:
+            self._deployed = await asyncio.to_thread(launch.deploy, self.config, self.cluster)
+            description: Description = await self._deployed.handle.describe.remote()
+        except BaseException as exc:  # noqa: BLE001 - reported by /health and generate(); `rill serve` then exits
+            log.error("the engine replicas failed to start: %s", exc)
+            self.load_error = exc
+            self._ready.set()
+            return
+        self.model_info = description.model_info
+        remote = _RemoteEngine(
+            tokenizer=description.tokenizer,
+            model_info=description.model_info,
+            eos_token_ids=description.eos_token_ids,
+            generation_defaults=description.generation_defaults,
+            runner=_Rows(description.num_rows),
+        )
+        # The policy reads only these members of an engine (tokenizer, facts, rows).
+        self.engine = cast(Engine, remote)
+        self._progress = 100.0
+        self._ready.set()
+        self._tasks.append(asyncio.create_task(self._poll_stats(), name="rill-cluster-stats"))
+
+    def replicas(self) -> frozenset[str]:
+        """The ids of the replicas requests can go to now."""
+        return live_replicas(launch.DEPLOYMENT)
+
+    def state(self) -> EngineState:
+        """As ``InprocClient.state``; once deployed, ``ready`` while at least one replica is,
+        else ``loading`` (Ray is starting replicas) with ``ModelNotReady``."""
+        state = super().state()
+        if state.phase == "ready" and not self.replicas():
+            return EngineState(
+                phase="loading",
+                error=ModelNotReady("no engine replica is ready (Ray is starting one); retry later"),
+            )
+        return state
+
+    def load_progress(self) -> tuple[float, float | None]:
+        """100 % once deployed, else 0 (Ray reports no progress of a replica's loading)."""
+        return (100.0, 0.0) if self.engine is not None else (0.0, None)
+
+    async def shutdown(self) -> None:
+        """Cancel every request, then remove the deployment (and stop Ray if this server
+        started it)."""
+        self._is_shut_down = True
+        for request_id in list(self._streams):
+            self.abort(request_id)
+        for task in [*self._tasks, *self._calls.values()]:
+            task.cancel()
+        await asyncio.gather(*self._tasks, *self._calls.values(), return_exceptions=True)
+        if self._deployed is not None:
+            await asyncio.to_thread(self._deployed.close)
+        self.policy.close()
+
+    # -- requests ----------------------------------------------------------------------------
+    async def start_choice(self, choice: Choice) -> RequestStream:
+        """Make the policy's last checks of ``choice`` here, then start it on the replica the
+        router picks; raise the replica's refusal as the in-process engine would."""
+        engine = self._require_engine()
+        self.policy.check_constrained(choice)
+        stream, _ = self._open(choice, engine)
+        request_id = choice.request_id
+        assert self._deployed is not None  # ready
+        call = self._deployed.handle.options(stream=True).run.remote(choice, prefix_keys=prefix_keys(choice.prompt_ids))
+        try:
+            first = await call.__anext__()
+        except BaseException as exc:
+            call.cancel()
+            await self._withdraw(stream)
+            if isinstance(exc, Exception):
+                raise ReplicaLost("the engine replica went away before the request started; retry") from exc
+            raise
+        if isinstance(first, Refused):
+            await self._withdraw(stream)
+            raise first.error
+        assert isinstance(first, Accepted)
+        self._lanes[request_id] = _Lane(first.replica)
+        self._calls[request_id] = asyncio.create_task(self._pump(request_id, call), name=f"rill-call-{request_id}")
+        return stream
+
+    async def _withdraw(self, stream: RequestStream) -> None:
+        """Undo ``_open`` for a request the replica never ran."""
+        request_id = stream.request_id
+        self._streams.pop(request_id, None)
+        self._principals.pop(request_id, None)
+        track = self._tracks.pop(request_id, None)
+        if track is not None and track.is_queued:
+            self._tracks.num_queued -= 1
+        self._release(request_id, 0)
+        await stream.aclose()
+
+    async def _pump(self, request_id: RequestId, call: Any) -> None:
+        """Route one request's outputs to its stream; end it with ``ReplicaLost`` if its
+        replica dies (or the call ends without a last output)."""
+        reason = "the call ended"
+        try:
+            async for output in call:
+                self._dispatch([output])
+                if output.finished:
+                    return
+        except asyncio.CancelledError:
+            call.cancel()
+            raise
+        except Exception as exc:  # noqa: BLE001 - whatever Ray raises, the replica is gone for this request
+            reason = type(exc).__name__
+        finally:
+            self._calls.pop(request_id, None)
+            lane = self._lanes.pop(request_id, None)
+            if lane is not None and lane.task is not None:
+                lane.task.cancel()
+        if request_id in self._streams:
+            log.warning("request %s lost its engine replica (%s)", request_id, reason)
+            lost = ReplicaLost("the engine replica running this request stopped; retry the request")
+            self._dispatch([RequestOutput(request_id=request_id, finished=True, finish_reason="error", error=lost)])
+
+    # -- controls ----------------------------------------------------------------------------
+    def _send(self, request_id: RequestId, make_call: Callable[[str], Any]) -> asyncio.Future[Any]:
+        """Queue a call to the replica running ``request_id`` behind its earlier controls; the
+        future has the replica's answer (``Refused`` raised as its error)."""
+        lane = self._lanes.get(request_id)
+        future: asyncio.Future[Any] = self.loop.create_future()
+        if lane is None:
+            future.set_exception(RequestNotFound(f"no running request '{request_id}'"))
+            return future
+        lane.queue.put_nowait((lambda: make_call(lane.replica), future))
+        if lane.task is None:
+            lane.task = asyncio.create_task(self._drain(lane), name=f"rill-controls-{request_id}")
+        return future
+
+    async def _drain(self, lane: _Lane) -> None:
+        while True:
+            make_call, future = await lane.queue.get()
+            try:
+                answer = await asyncio.wait_for(make_call(), CONTROL_TIMEOUT_S)
+            except Exception as exc:  # noqa: BLE001 - a dead or stuck replica: the request is gone
+                if not future.done():
+                    future.set_exception(RequestNotFound(f"the request's engine replica did not answer ({exc!r})"))
+                continue
+            if future.done():
+                continue
+            if isinstance(answer, Refused):
+                future.set_exception(answer.error)
+            else:
+                future.set_result(answer)
+
+    def _control(self, op: str, request_id: RequestId) -> None:
+        future = self._send(request_id, lambda replica: self._handle().control.remote(op, request_id, replica=replica))
+        # Fire and forget, as the in-process client's inbox: a late refusal (the request
+        # ended meanwhile) is what the final output tells anyway.
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    def _handle(self) -> Any:
+        assert self._deployed is not None
+        return self._deployed.handle
+
+    def abort(self, request_id: RequestId) -> None:
+        """Cancel a request on its replica; no-op when it already finished."""
+        if request_id in self._streams and request_id in self._lanes:
+            self._control("abort", request_id)
+
+    def pause(self, request_id: RequestId) -> None:
+        """Pause a running request on its replica."""
+        self._live(request_id)
+        self._control("pause", request_id)
+
+    def resume(self, request_id: RequestId) -> None:
+        """Resume a paused request on its replica."""
+        self._live(request_id)
+        self._control("resume", request_id)
+
+    def regenerate(self, request_id: RequestId) -> None:
+        """Restart a request from its prompt on its replica (its account as in-process)."""
+        self._live(request_id)
+        account = self._accounts.get(request_id)
+        if account is not None:
+            account.restart()
+        self._control("regenerate", request_id)
+
+    async def set_sampling(self, stream: RequestStream, params: SamplingParams) -> None:
+        """Put ``params`` in force on the request's replica, which compiles a new constraint.
+        A changed constraint counts as one request in the principal's window (the replica's
+        grammar cache is not known here)."""
+        request_id = stream.request_id
+        old = stream.sampling
+        limiter = self.policy.limiter
+        changed = params.constraint is not None and (
+            old.constraint is None or old.constraint.cache_key() != params.constraint.cache_key()
+        )
+        if changed and limiter is not None:
+            limiter.count_work(self._principals[request_id])
+        account = self._accounts.get(request_id)
+        if account is not None:
+            account.set_max_tokens(params.max_tokens)
+        try:
+            await self._send(
+                request_id,
+                lambda replica: self._handle().set_sampling.remote(request_id, params, replica=replica),
+            )
+            self._same(stream)
+        except BaseException:
+            if account is not None:
+                account.set_max_tokens(old.max_tokens)
+            raise
+        stream.sampling = params
+
+    # -- gauges ------------------------------------------------------------------------------
+    async def _poll_stats(self) -> None:
+        while True:
+            live = self.replicas()
+            reads = {
+                replica: asyncio.wait_for(self._handle().stats.remote(replica=replica), STATS_INTERVAL_S * 2)
+                for replica in live
+            }
+            answers = await asyncio.gather(*reads.values(), return_exceptions=True)
+            self._replica_stats = {
+                replica: answer
+                for replica, answer in zip(reads, answers, strict=True)
+                if isinstance(answer, EngineStats)
+            }
+            await asyncio.sleep(STATS_INTERVAL_S)
+
+    def replica_stats(self) -> dict[str, EngineStats]:
+        """Each live replica's gauges and counters, as last read (at most ``STATS_INTERVAL_S`` old)."""
+        return dict(self._replica_stats)
+
+    def stats(self) -> EngineStats:
+        """The replicas' gauges and counters summed (step times: the slowest replica's)."""
+        per_replica = list(self._replica_stats.values())
+        total = EngineStats(num_waiting=self._tracks.num_queued if not per_replica else 0)
+        for stats in per_replica:
+            for name in SUM_FIELDS:
+                setattr(total, name, getattr(total, name) + getattr(stats, name))
+            total.last_batch_size += stats.last_batch_size
+            total.last_step_ms = max(total.last_step_ms, stats.last_step_ms)
+            total.step_ms_ewma = max(total.step_ms_ewma, stats.step_ms_ewma)
+            for reason, count in stats.requests_finished_total.items():
+                total.requests_finished_total[reason] = total.requests_finished_total.get(reason, 0) + count
+        return total

@@ -1,0 +1,108 @@
+"""Start (or join) Ray and deploy the engine replicas: the only module that sets Ray up.
+
+``deploy`` runs in a worker thread of the server (Ray's start and Serve's deploy block). With
+``--ray-address`` it joins that cluster; without, it starts a Ray instance of this server's own
+and stops it again at ``close``. Serve's HTTP proxy is not started: rill's own listeners serve
+every protocol, and reach the replicas through the deployment handle only.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from rill.config import ClusterConfig, EngineConfig
+from rill.errors import ConfigError
+
+log = logging.getLogger("rill.cluster")
+
+APP = "rill"
+"""The Serve application's name."""
+
+DEPLOYMENT = "rill-engine"
+"""The engine replicas' deployment name."""
+
+NAMESPACE = "rill"
+"""The Ray namespace the server's driver joins."""
+
+HEALTH_CHECK_PERIOD_S = 2.0
+"""How often Ray asks each replica whether its engine still runs."""
+
+CONTROL_HEADROOM = 64
+"""Calls a replica takes beyond ``--replica-max-requests`` generations: its controls and
+stats reads must never wait behind generations."""
+
+
+@dataclass
+class Deployed:
+    """The deployed replicas: the deployment handle, and whether this server started Ray."""
+
+    handle: Any
+    started_ray: bool
+
+    def close(self) -> None:
+        """Remove the application (its replicas free their memory); stop Ray if it is ours."""
+        import ray
+        from ray import serve
+
+        try:
+            serve.delete(APP)
+            if self.started_ray:
+                serve.shutdown()
+        finally:
+            if self.started_ray:
+                ray.shutdown()
+
+
+def deploy(engine: EngineConfig, cluster: ClusterConfig) -> Deployed:
+    """Start or join Ray, deploy ``cluster.replicas`` replicas of ``engine`` and wait until
+    they have loaded the model.
+
+    Raises:
+        ConfigError: Ray is not installed.
+    """
+    try:
+        import ray
+        from ray import serve
+    except ImportError as exc:
+        raise ConfigError("--replicas needs Ray: pip install 'rill[ray]'") from exc
+
+    from rill.cluster.replica import EngineReplica
+
+    assert cluster.replicas is not None
+    started_ray = False
+    if not ray.is_initialized():
+        if cluster.ray_address:
+            ray.init(address=cluster.ray_address, namespace=NAMESPACE, logging_level=logging.WARNING)
+        else:
+            # Ray's CPU count is a placement budget: enough for every replica's reservation
+            # even where the machine has fewer cores (the engines' threads are --num-threads).
+            cpus = max(os.cpu_count() or 1, int(cluster.replicas * cluster.replica_cpus + 0.999))
+            ray.init(
+                num_cpus=cpus,
+                namespace=NAMESPACE,
+                include_dashboard=False,
+                logging_level=logging.WARNING,
+                log_to_driver=False,
+            )
+            started_ray = True
+    serve.start(http_options={"location": "NoServer"}, logging_config={"log_level": "WARNING"})
+    replica = serve.deployment(
+        name=DEPLOYMENT,
+        num_replicas=cluster.replicas,
+        max_ongoing_requests=cluster.replica_max_requests + CONTROL_HEADROOM,
+        ray_actor_options={"num_cpus": cluster.replica_cpus},
+        health_check_period_s=HEALTH_CHECK_PERIOD_S,
+        health_check_timeout_s=30.0,
+        graceful_shutdown_timeout_s=2.0,
+        # The router by import path: Ray ships it to every process that routes.
+        request_router_config={
+            "request_router_class": "rill.cluster.router.RillRouter",
+            "request_router_kwargs": {"mode": cluster.routing},
+        },
+    )(EngineReplica)
+    log.info("deploying %d engine replica(s) on Ray", cluster.replicas)
+    handle = serve.run(replica.bind(engine), name=APP, route_prefix=None)
+    return Deployed(handle=handle, started_ray=started_ray)
