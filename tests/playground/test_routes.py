@@ -3,10 +3,14 @@ on a real server (no browser needed)."""
 
 from __future__ import annotations
 
+import hashlib
+import re
+
 import httpx
 import pytest
 
 from rill.errors import InvalidRequest
+from rill.middleware import PAGE_PATHS
 from rill.playground import routes
 from tests.conftest import LiveServer
 
@@ -62,3 +66,26 @@ def test_prompt_body_that_is_not_json() -> None:
     with pytest.raises(InvalidRequest) as refused:
         routes.decode_prompt_request(b"{nope")
     assert "not valid JSON" in refused.value.message
+
+
+def test_icon_is_served_without_a_404(server: LiveServer) -> None:
+    for path in ("/favicon.ico", "/playground/static/favicon.svg"):
+        icon = httpx.get(server.url + path)
+        assert icon.status_code == 200 and icon.headers["content-type"].startswith("image/svg+xml")
+        assert icon.text.startswith("<svg")
+    assert "/favicon.ico" in PAGE_PATHS  # no key needed, like the page
+
+
+def test_vendored_libraries_are_the_recorded_files(server: LiveServer) -> None:
+    # Each vendored file is served, and is byte for byte the one the README's table records.
+    vendor = routes.STATIC_DIR / "vendor"
+    table = dict(
+        re.findall(r"^\| `([\w.]+\.js)` \|.*\| `([0-9a-f]{64})` \|$", (vendor / "README.md").read_text(), re.M)
+    )
+    assert sorted(table) == sorted(p.name for p in vendor.glob("*.js")) == ["marked.umd.js", "purify.min.js"]
+    for name, digest in table.items():
+        assert hashlib.sha256((vendor / name).read_bytes()).hexdigest() == digest, name
+        served = httpx.get(f"{server.url}/playground/static/vendor/{name}")
+        assert served.status_code == 200 and "javascript" in served.headers["content-type"]
+    licenses = {p.name for p in vendor.iterdir()}
+    assert {"marked.LICENSE", "dompurify.LICENSE", "dompurify.LICENSE-MPL"} <= licenses

@@ -18,7 +18,7 @@
    (the default) the headers are ignored: a client cannot name itself anew per request.
 
 Keys: when any key is configured (``--api-key``, ``--api-key-file``), every route but
-``/health``, ``/version`` and the playground's static files need ``Authorization: Bearer KEY``; WebSockets
+``/health``, ``/version`` and the playground's page, icon and static files need ``Authorization: Bearer KEY``; WebSockets
 may instead offer the key subprotocol or pass ``?api_key=KEY`` (browsers cannot set headers
 on a WebSocket; ``rill.auth.websocket_key``). A refused HTTP request gets 401 in OpenAI's
 error JSON; a refused WebSocket handshake gets HTTP 401 before it is accepted (or a close

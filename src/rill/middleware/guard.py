@@ -26,9 +26,9 @@ PUBLIC_PATHS = frozenset({"/health", "/version"})
 """Paths that never need a key and pass the Host check (load balancers, orchestrators and
 clients probe them; they tell nothing of any request or session)."""
 
-PAGE_PATHS = frozenset({"/"})
+PAGE_PATHS = frozenset({"/", "/favicon.ico"})
 PAGE_PREFIX = "/playground/static/"
-"""The playground page and its static files: HTTP requests for them need no key (they hold
+"""The playground page, its icon and its static files: HTTP requests for them need no key (they hold
 no data; the page asks for the key and sends it on every call it makes). The Host and
 Origin checks still apply."""
 

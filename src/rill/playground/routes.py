@@ -1,8 +1,11 @@
 """Routes of the browser playground: the page, its static files and the chat-template helper.
 
 * ``GET /``: the page (``static/index.html``);
-* ``GET /playground/static/<file>``: its script and style sheet (no API key needed: they hold
-  no data; ``rill.middleware.PAGE_PREFIX``);
+* ``GET /favicon.ico``: its icon (``static/favicon.svg``, an SVG whatever the name: browsers
+  and tools ask for this path when a page names no icon);
+* ``GET /playground/static/<file>``: its script, style sheet, icon and the vendored Markdown
+  renderer and sanitizer (``static/vendor/``) (no API key needed for any of these: they hold
+  no data; ``rill.middleware.PAGE_PATHS``, ``PAGE_PREFIX``);
 * ``POST /playground/prompt``: ``{"messages": [{"role", "content"}, ...]}`` →
   ``{"prompt": "..."}``, the model's chat template applied to the turns, so the page's chat
   view can send a conversation over ``/generate`` (which takes a prompt string). Errors use
@@ -86,6 +89,13 @@ async def page(request: Request) -> Response:
     return FileResponse(STATIC_DIR / "index.html", media_type="text/html; charset=utf-8", headers=PAGE_HEADERS)
 
 
+async def favicon(request: Request) -> Response:
+    """``GET /favicon.ico``: the page's icon."""
+    return FileResponse(
+        STATIC_DIR / "favicon.svg", media_type="image/svg+xml", headers={"Cache-Control": "max-age=86400"}
+    )
+
+
 def _error(exc: BaseException) -> Response:
     wire = http_codec.error_for(exc)
     return Response(wire.body, status_code=wire.status, headers=wire.headers, media_type="application/json")
@@ -110,6 +120,7 @@ def routes(deps: Deps) -> list[BaseRoute]:
     """The playground's routes for the server's Starlette app."""
     return [
         Route("/", page, methods=["GET"]),
+        Route("/favicon.ico", favicon, methods=["GET"]),
         Route("/playground/prompt", prompt_endpoint(deps), methods=["POST"]),
         Mount("/playground/static", StaticFiles(directory=STATIC_DIR), name="playground_static"),
     ]
