@@ -55,19 +55,19 @@ def browser_missing() -> str | None:
     return None
 
 
-@pytest.fixture(scope="module")
-def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """A headless Chromium session with a fresh profile (skips when no browser is installed)."""
+@contextlib.contextmanager
+def launch_browser(profile: Path, extra_flags: tuple[str, ...] = ()) -> Iterator[Any]:
+    """A headless Chromium session on the profile folder ``profile`` (removed afterwards), with
+    ``extra_flags`` after the usual ones (skips when no browser is installed)."""
     reason = browser_missing()
     if reason is not None:
         pytest.skip(reason)
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
-    profile = tmp_path_factory.mktemp("chromium-profile")
     options = webdriver.ChromeOptions()
     options.binary_location = str(CHROMIUM)
-    for flag in CHROMIUM_FLAGS:
+    for flag in (*CHROMIUM_FLAGS, *extra_flags):
         options.add_argument(flag)
     options.add_argument(f"--user-data-dir={profile}")
     driver = webdriver.Chrome(options=options, service=Service(executable_path=str(CHROMEDRIVER)))
@@ -76,6 +76,13 @@ def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     finally:
         driver.quit()
         shutil.rmtree(profile, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A headless Chromium session with a fresh profile (skips when no browser is installed)."""
+    with launch_browser(tmp_path_factory.mktemp("chromium-profile")) as driver:
+        yield driver
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from rill.feedback import FeedbackStore
+from rill.models import speech as speech_models
 from tests.conftest import LiveServer, start_server
 from tests.playground.conftest import StepMeter, browser_missing, metered_engine
 
@@ -32,11 +33,16 @@ SCREENSHOT_ENV = "RILL_PLAYGROUND_SCREENSHOT"
 
 @pytest.fixture(scope="module")
 def live(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    """A server of its own (feedback goes to a fresh data dir; long replies fit its context)."""
+    """A server of its own (feedback goes to a fresh data dir; long replies fit its context;
+    Whisper, if a test speaks, joined into a temporary folder rather than the user's cache)."""
     data_dir = tmp_path_factory.mktemp("playground-data")
+    whisper_dir = tmp_path_factory.mktemp("cache") / "whisper-base"
+    patch = pytest.MonkeyPatch()
+    patch.setattr(speech_models, "whisper_model_dir", lambda: whisper_dir)
     server = start_server(tiny_model_dir, **{"engine.max_model_len": 2048, "http.data_dir": str(data_dir)})
     yield server
     server.stop()
+    patch.undo()
 
 
 # ---------------------------------------------------------------------------- page helpers
@@ -66,9 +72,15 @@ def set_field(driver: Any, element_id: str, value: str) -> None:
     field.send_keys(value, Keys.TAB)
 
 
-def open_page(driver: Any, server: LiveServer, wait_for: Callable[..., Any]) -> None:
-    """Load the playground afresh and wait for its script to start."""
+def open_page(
+    driver: Any, server: LiveServer, wait_for: Callable[..., Any], *, keep_conversation: bool = False
+) -> None:
+    """Load the playground and wait for its script to start: afresh, without the conversation
+    an earlier test left in the browser's storage, unless ``keep_conversation``."""
     driver.get(server.url + "/")
+    if not keep_conversation:
+        driver.execute_script("localStorage.clear()")
+        driver.refresh()
     wait_for(lambda d: data(d, "ready") == "true", "the page script")
 
 
@@ -122,6 +134,17 @@ def stream_tokens(meter: StepMeter, wait_for: Callable[..., Any], at_least: int)
     wait_for(lambda d: num_tokens(d) >= at_least or meter.nudge(), f"{at_least} tokens")
 
 
+def rendered_whole_reply(driver: Any) -> bool:
+    """True once the last reply's Markdown view was rendered from all of its tokens' text."""
+    return bool(
+        driver.execute_script(
+            "const r = Array.from(document.querySelectorAll('.turn.reply')).pop();"
+            "return r !== undefined && r.dataset.rendered === String(r.querySelector('.text').textContent.length)"
+            " && r.querySelector('.text').textContent.length > 0;"
+        )
+    )
+
+
 def save_screenshot(driver: Any) -> None:
     """Save the page as a small palette PNG when ``RILL_PLAYGROUND_SCREENSHOT`` names a file."""
     target = os.environ.get(SCREENSHOT_ENV)
@@ -146,6 +169,10 @@ def test_page_streams_a_reply(browser: Any, live: LiveServer, wait_for: Callable
         reply = browser.find_elements("css selector", ".turn.reply .tok")
         assert len(reply) >= 5 and all(span.get_attribute("title").startswith("p=") for span in reply)
         assert browser.find_element("id", "fig-ttft").text.endswith(" ms")
+        # The Markdown view is re-rendered while the reply streams (throttled, so wait for it).
+        wait_for(lambda d: rendered_whole_reply(d), "the streamed tokens in the Markdown view")
+        assert browser.find_element("css selector", ".turn.reply .md").is_displayed()
+        assert not browser.find_element("css selector", ".turn.reply .text").is_displayed()
         stop_reply(browser, live, meter, wait_for)
 
 
@@ -166,7 +193,10 @@ def test_pause_modify_resume_stop(browser: Any, live: LiveServer, wait_for: Call
         wait_for(lambda d: data(d, "modify-marks") == "1", "the modify ack")
         mark = browser.find_element("css selector", ".turn.reply .mark")
         assert int(mark.get_attribute("data-at-token")) == paused_at
-        assert "temperature=1.7" in mark.text
+        assert "temperature=1.7" in mark.get_attribute("textContent")  # in the token view, not shown now
+        # The Markdown view (shown) lists it under the reply.
+        note = browser.find_element("css selector", ".turn.reply .marks .mark-note")
+        assert note.text == f"\u2699 temperature=1.7 from token {paused_at + 1}"
         assert '"temperature":1.7' in mark.get_attribute("data-params")
 
         meter.hold()
@@ -184,7 +214,8 @@ def test_pause_modify_resume_stop(browser: Any, live: LiveServer, wait_for: Call
         set_field(browser, "p-top_k", "40")
         wait_for(lambda d: data(d, "modify-marks") == "2" or meter.nudge(), "the second modify ack")
         second = browser.find_elements("css selector", ".turn.reply .mark")[1]
-        assert int(second.get_attribute("data-at-token")) > paused_at and "top_k=40" in second.text
+        assert int(second.get_attribute("data-at-token")) > paused_at
+        assert "top_k=40" in second.get_attribute("textContent")
         if os.environ.get(SCREENSHOT_ENV):
             click(browser, "opt-token-view")
             stream_tokens(meter, wait_for, paused_at + 60)
@@ -239,22 +270,132 @@ def test_injected_markup_stays_text(browser: Any, live: LiveServer, wait_for: Ca
     assert browser.find_elements("css selector", ".conversation script, .conversation img") == []
 
 
-def test_chat_mode_uses_the_chat_template_and_keeps_the_history(
+def test_chat_mode_keeps_the_history_across_a_reload(
     browser: Any, live: LiveServer, wait_for: Callable[..., Any]
 ) -> None:
     open_page(browser, live, wait_for)
     send(browser, "Hi there", mode="chat", max_tokens=4)
     wait_for(lambda d: data(d, "state") == "done" and data(d, "generation") == "1", "the first reply")
-    send(browser, "And again", mode="chat", max_tokens=4)
-    wait_for(lambda d: data(d, "state") == "done" and data(d, "generation") == "2", "the second reply")
+    first_reply = browser.find_element("css selector", ".turn.reply .text").get_attribute("textContent")
+    assert data(browser, "finish-reason") == "length" and first_reply
+
+    # A reload shows the conversation again, from the browser's storage.
+    open_page(browser, live, wait_for, keep_conversation=True)
+    assert data(browser, "restored") == "2"
     roles = [e.text for e in browser.find_elements("css selector", ".turn .role")]
-    assert roles == ["USER", "ASSISTANT", "USER", "ASSISTANT"]  # CSS upper-cases the role labels
-    # The history went through the chat template: the server rendered both user turns.
-    history = browser.execute_script(
-        "return Array.from(document.querySelectorAll('.turn.user .text')).map(e => e.textContent)"
+    assert roles == ["USER", "ASSISTANT"]  # CSS upper-cases the role labels
+    texts = browser.execute_script(
+        "return Array.from(document.querySelectorAll('.turn .text')).map(e => e.textContent)"
     )
-    assert history == ["Hi there", "And again"]
-    assert data(browser, "finish-reason") == "length"
+    assert texts == ["Hi there", first_reply]
+
+    # The next turn carries the history: the prompt the server got (its feedback record keeps
+    # it) is the chat template over both user turns and the reply from before the reload.
+    send(browser, "And again", mode="chat", max_tokens=4)
+    wait_for(lambda d: data(d, "state") == "done" and data(d, "generation") == "1", "the reply after the reload")
+    click(browser, "btn-up")
+    wait_for(lambda d: data(d, "feedback-id") != "", "the feedback ack")
+    expected = live.client.engine.tokenizer.apply_chat_template(
+        [
+            {"role": "user", "content": "Hi there"},
+            {"role": "assistant", "content": first_reply},
+            {"role": "user", "content": "And again"},
+        ]
+    )
+    store = FeedbackStore(live.config.http.data_dir)
+    try:
+        record = next(r for r in store.records() if r["id"] == int(data(browser, "feedback-id")))
+    finally:
+        store.close()
+    assert record["prompt"] == expected
+
+    # "New chat" forgets it, here and after a reload.
+    click(browser, "clear-chat")
+    assert browser.find_elements("css selector", ".turn") == []
+    open_page(browser, live, wait_for, keep_conversation=True)
+    assert browser.find_elements("css selector", ".turn") == [] and data(browser, "restored") == ""
+
+
+def test_model_name_and_icon_before_any_message(browser: Any, live: LiveServer, wait_for: Callable[..., Any]) -> None:
+    import httpx
+
+    served = httpx.get(live.url + "/v1/models").json()["data"][0]["id"]
+    open_page(browser, live, wait_for)
+    wait_for(lambda d: data(d, "model") == served, "the model's name")
+    assert browser.find_element("id", "model-name").text == f"model: {served}"
+    assert data(browser, "generation") == "0"  # nothing was sent
+    icon = browser.find_element("css selector", "link[rel=icon]").get_attribute("href")
+    # Both the page's icon and the path browsers try by themselves answer with the SVG.
+    for url in (icon, live.url + "/favicon.ico"):
+        status, kind = browser.execute_async_script(
+            "const done = arguments[arguments.length - 1];"
+            "fetch(arguments[0]).then(r => done([r.status, r.headers.get('content-type')]));",
+            url,
+        )
+        assert status == 200 and kind.startswith("image/svg+xml"), (url, status, kind)
+    # Every file the page loaded was found (scripts, style sheet, vendored libraries).
+    statuses = browser.execute_script(
+        "return performance.getEntriesByType('resource').map(e => [e.name, e.responseStatus])"
+    )
+    assert statuses and all(status == 200 for _name, status in statuses), statuses
+
+
+MARKDOWN_REPLY = """Some *emphasis*, **strong** and a [link](https://example.com/docs).
+
+<script>window.pwned = 1</script><img src=x onerror="window.pwned = 2">
+
+- first
+- second with `code`
+
+[bad link](javascript:window.pwned=3)
+
+```python
+print("<b>hi</b>")
+```
+"""
+
+
+def test_replies_render_as_sanitized_markdown(browser: Any, live: LiveServer, wait_for: Callable[..., Any]) -> None:
+    import json
+
+    # A reply whose text the test chooses: the saved conversation the page renders on load goes
+    # through the same renderer as a streamed reply.
+    saved = {
+        "version": 1,
+        "turns": [
+            {"kind": "user", "role": "user", "text": '<img src=x onerror="window.pwned = 4">'},
+            {"kind": "reply", "role": "assistant", "text": MARKDOWN_REPLY},
+        ],
+        "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": MARKDOWN_REPLY}],
+    }
+    open_page(browser, live, wait_for)
+    browser.execute_script("localStorage.setItem('rill.conversation', arguments[0])", json.dumps(saved))
+    open_page(browser, live, wait_for, keep_conversation=True)
+    wait_for(lambda d: data(d, "restored") == "2", "the restored conversation")
+    md = browser.find_element("css selector", ".turn.reply .md")
+    # Nothing ran (an alert would fail every browser call from here on) and nothing was loaded.
+    assert browser.execute_script("return window.pwned === undefined")
+    assert browser.find_elements("css selector", ".conversation script, .conversation img") == []
+    assert "<script>window.pwned = 1</script>" in md.text  # raw HTML is shown as text
+    assert md.find_element("css selector", "em").text == "emphasis"
+    assert md.find_element("css selector", "strong").text == "strong"
+    assert [li.text for li in md.find_elements("css selector", "ul > li")] == ["first", "second with code"]
+    links = md.find_elements("css selector", "a")
+    assert [a.get_attribute("href") for a in links] == ["https://example.com/docs", None]  # javascript: dropped
+    assert links[0].get_attribute("rel") == "noopener noreferrer"
+    code = md.find_element("css selector", ".codeblock pre > code")
+    assert code.text == 'print("<b>hi</b>")'
+    copy = md.find_element("css selector", ".codeblock button.copy")
+    assert copy.get_attribute("aria-label") == "Copy code"
+    copy.click()
+    wait_for(lambda d: copy.get_attribute("data-copied"), "the copy button's answer")
+    assert copy.get_attribute("data-copied") == "Copied"
+    # Reading the clipboard back needs a permission no page gets by itself.
+    browser.execute_cdp_cmd("Browser.grantPermissions", {"permissions": ["clipboardReadWrite"], "origin": live.url})
+    copied = browser.execute_async_script(
+        "const done = arguments[arguments.length - 1]; navigator.clipboard.readText().then(done, e => done(String(e)));"
+    )
+    assert copied == 'print("<b>hi</b>")'
 
 
 def test_per_token_view_colours_by_logprob(browser: Any, live: LiveServer, wait_for: Callable[..., Any]) -> None:
@@ -336,9 +477,13 @@ API_KEY = "sk-play/ground+key="  # not a valid subprotocol token as is: the page
 
 
 def test_works_with_an_api_key(browser: Any, keyed: LiveServer, wait_for: Callable[..., Any]) -> None:
+    import httpx
+
     open_page(browser, keyed, wait_for)  # the page itself needs no key
     browser.execute_script("sessionStorage.clear()")
     open_page(browser, keyed, wait_for)
+    wait_for(lambda d: d.find_element("id", "model-name").text == "model: (enter the API key)", "the key hint")
+    assert httpx.get(keyed.url + "/favicon.ico").status_code == 200  # nor does its icon
     send(browser, "No key yet", max_tokens=4)
     wait_for(lambda d: data(d, "error") == "unauthorized", "the refusal")
     assert data(browser, "state") == "error"
@@ -349,6 +494,7 @@ def test_works_with_an_api_key(browser: Any, keyed: LiveServer, wait_for: Callab
         browser.find_element("id", "api-key").send_keys(key)
         click(browser, "key-save")
         wait_for(lambda d: data(d, "key-status") == verdict, verdict)  # noqa: B023 - waited for at once
+    assert data(browser, "model") == keyed.client.served_model_name  # the accepted key's answer named it
     assert browser.find_element("id", "api-key").get_attribute("value") == ""  # not left in the form
 
     with metered_engine(keyed) as meter:
@@ -424,3 +570,71 @@ def test_loading_progress_on_first_start(
     finally:
         HeldClient.release.set()
         loading.stop()
+
+
+QUESTION = "What is the capital of France?"
+LEAD_S = 2.5
+"""Silence before the question in the microphone's file. The fake device starts playing the
+file when the page opens the microphone, a little before the page's capture runs (its worklet
+loads in between): whatever of the lead that misses, recording one file's length still holds
+the whole question once (the loop's next lead makes up the end)."""
+
+
+@pytest.fixture(scope="module")
+def question_wav(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, float]:
+    """The question spoken by Piper after ``LEAD_S`` of silence, as a 16-bit WAV file (what
+    Chromium's fake microphone plays, in a loop), and the file's length in seconds."""
+    if not (speech_models.piper_installed() and speech_models.whisper_installed()):
+        pytest.skip("the microphone test needs Piper (to speak the question) and Whisper: pip install -e '.[test]'")
+    import numpy as np
+    import soundfile
+
+    from rill.testing.speech import spoken
+
+    rate = 16000
+    audio = np.concatenate(
+        [np.zeros(int(LEAD_S * rate), np.float32), spoken(QUESTION), np.zeros(rate // 4, np.float32)]
+    )
+    path = tmp_path_factory.mktemp("microphone") / "question.wav"
+    soundfile.write(path, audio, rate, subtype="PCM_16")
+    return path, len(audio) / rate
+
+
+def test_microphone_question_is_heard_and_answered(
+    live: LiveServer, question_wav: tuple[Path, float], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from rill.testing.speech import word_error_rate
+    from tests.playground.conftest import WAIT_S, launch_browser
+
+    wav, seconds = question_wav
+    flags = (
+        "--use-fake-ui-for-media-stream",  # the microphone permission is granted
+        "--use-fake-device-for-media-stream",
+        f"--use-file-for-fake-audio-capture={wav}",
+    )
+    with launch_browser(tmp_path_factory.mktemp("chromium-mic-profile"), flags) as driver:
+
+        def wait_for(condition: Callable[[Any], Any], what: str) -> Any:
+            return WebDriverWait(driver, WAIT_S, poll_frequency=0.02).until(condition, message=f"waiting for {what}")
+
+        open_page(driver, live, wait_for)
+        driver.execute_script("document.getElementById('p-max_tokens').value = '8';")
+        click(driver, "btn-mic")
+        wait_for(lambda d: data(d, "mic") == "recording", "the microphone")
+        # One loop of the file: the question once, whole (it starts after the lead silence).
+        wait_for(lambda d: float(data(d, "mic-seconds") or 0) >= seconds, "a recording as long as the file")
+        click(driver, "btn-mic")  # stop: the recording is sent
+        wait_for(lambda d: data(d, "transcript") != "", "the transcript")
+        heard = data(driver, "transcript")
+        assert word_error_rate(QUESTION, heard) <= 0.2, heard
+        user_turn = driver.find_element("css selector", ".turn.user")
+        assert user_turn.find_element("css selector", ".text").text == heard
+        assert user_turn.find_element("css selector", ".role").text == "USER (SPOKEN)"
+        wait_for(lambda d: data(d, "state") in ("done", "error"), "the reply")
+        assert data(driver, "error") == "" and data(driver, "finish-reason") == "stop"
+        assert driver.find_element("css selector", ".turn.reply .role").text == "ASSISTANT"
+        # The history keeps the words heard, not the audio.
+        saved = driver.execute_script("return JSON.parse(localStorage.getItem('rill.conversation')).messages")
+        assert saved[0] == {"role": "user", "content": heard} and saved[1]["role"] == "assistant"

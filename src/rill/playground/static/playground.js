@@ -1,12 +1,15 @@
-// rill playground: drives /generate over WebSocket (and /ws/chat for spoken replies), plots /metrics.
+// rill playground: drives /generate over WebSocket (and /ws/chat for spoken questions and
+// replies), renders replies as Markdown, keeps the conversation across reloads, plots /metrics.
 //
-// Rules kept throughout: model output, server messages and user text only ever reach the page
-// through textContent or title (never parsed as HTML), and every request goes to this page's own
-// origin. The API key lives in sessionStorage and travels as a WebSocket subprotocol
-// ("rill.key.<base64url>") or an Authorization header, never in a URL.
+// Rules kept throughout: server messages and user text only ever reach the page through
+// textContent or title (never parsed as HTML); a reply's Markdown becomes DOM nodes only through
+// the sanitizer (renderMarkdown); every request goes to this page's own origin. The API key
+// lives in sessionStorage and travels as a WebSocket subprotocol ("rill.key.<base64url>") or an
+// Authorization header, never in a URL. The conversation (text only) lives in localStorage.
 //
 // Tests read the page's state from data attributes on #app: data-state, data-tokens,
-// data-generation, data-modify-marks, data-finish-reason, data-feedback-id, data-error.
+// data-generation, data-modify-marks, data-finish-reason, data-feedback-id, data-error,
+// data-model, data-mic (idle, starting, recording, encoding), data-mic-seconds, data-transcript.
 "use strict";
 
 (() => {
@@ -17,6 +20,10 @@
   const RUNNING = new Set(["starting", "loading", "waiting", "generating", "paused"]);
   const CONTROLLABLE = new Set(["waiting", "generating", "paused"]);
   const KEY_STORAGE = "rill.apiKey";
+  const CONVERSATION_STORAGE = "rill.conversation";
+  const MARKDOWN_THROTTLE_MS = 100; // a streaming reply is re-rendered at most this often
+  const MIC_RATE_HZ = 16000; // what /ws/chat's audio parts carry (float32 mono)
+  const MIC_MAX_S = 45; // base64 float32 at 16 kHz is ~85 KB/s: 45 s stay under the 4 MiB message cap
 
   const st = {
     key: sessionStorage.getItem(KEY_STORAGE) || "",
@@ -25,7 +32,8 @@
     phase: "idle",
     via: "generate", // or "chat": the running reply comes from /ws/chat (spoken)
     messages: [], // chat history: [{role, content}]
-    reply: null, // the reply being shown: {el, textEl, numTokens, firstMs, lastMs, firstAtMs}
+    turns: [], // what the conversation view shows, as saved: [{kind: user|prompt|reply, role, text}]
+    reply: null, // the reply being shown: {el, textEl, mdEl, marksEl, turn, text, numTokens, ...}
     lastPrompt: null, // {prompt, userText, mode, messages}
     lastRequestId: null,
     generation: 0,
@@ -82,7 +90,8 @@
     $("fig-tokens").textContent = d.tokens;
     const running = RUNNING.has(st.phase);
     const controllable = CONTROLLABLE.has(st.phase) && st.via === "generate";
-    setEnabled("btn-send", !running);
+    setEnabled("btn-send", !running && mic.phase === "idle");
+    setEnabled("btn-mic", !running && (mic.phase === "idle" || mic.phase === "recording"));
     setEnabled("btn-stop", running);
     setEnabled("btn-pause", controllable && st.phase !== "paused");
     setEnabled("btn-resume", controllable && st.phase === "paused");
@@ -123,20 +132,107 @@
     app.dataset.error = "";
   }
 
+  // ------------------------------------------------------------------ Markdown
+  // marked turns the reply into HTML and DOMPurify turns that into DOM nodes (RETURN_DOM_FRAGMENT:
+  // no HTML string is ever assigned to the page). Raw HTML inside the text is escaped by the
+  // renderer, so a reply that writes <script> shows it as text; the sanitizer's allow-list is
+  // the second wall. It keeps only what Markdown makes, without images (a reply must not make the
+  // browser fetch anything) or form fields, and links only to http(s) and mailto.
+  const MD_TAGS = ["p", "br", "hr", "h1", "h2", "h3", "h4", "h5", "h6", "strong", "em", "del", "code", "pre",
+    "blockquote", "ul", "ol", "li", "a", "table", "thead", "tbody", "tr", "th", "td"];
+  const MD_ATTRS = ["href", "title", "start", "class", "align"];
+  const PURIFY = { ALLOWED_TAGS: MD_TAGS, ALLOWED_ATTR: MD_ATTRS, ALLOWED_URI_REGEXP: /^(?:https?:|mailto:)/i,
+    RETURN_DOM_FRAGMENT: true };
+  const HTML_ESCAPES = { "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" };
+  const escapeHtml = (text) => text.replace(/[&<>"']/g, (c) => HTML_ESCAPES[c]);
+  const markdown = window.marked && window.DOMPurify ? new window.marked.Marked({ gfm: true, breaks: true }) : null;
+  if (markdown) markdown.use({ renderer: { html: ({ text }) => escapeHtml(text) } });
+
+  // The reply as sanitized DOM nodes: code blocks get a copy button, links open in a new tab.
+  // Without the vendored libraries (a failed load) the text is shown as it is.
+  function renderMarkdown(text) {
+    if (!markdown) {
+      const fragment = document.createDocumentFragment();
+      fragment.appendChild(el("p", "plain", text));
+      return fragment;
+    }
+    const fragment = window.DOMPurify.sanitize(markdown.parse(text), PURIFY);
+    for (const link of fragment.querySelectorAll("a")) {
+      link.target = "_blank";
+      link.rel = "noopener noreferrer";
+    }
+    for (const pre of fragment.querySelectorAll("pre")) {
+      const box = el("div", "codeblock");
+      pre.replaceWith(box);
+      const copy = el("button", "copy", "Copy");
+      copy.type = "button";
+      copy.setAttribute("aria-label", "Copy code");
+      box.append(copy, pre);
+    }
+    return fragment;
+  }
+
+  async function copyCode(button) {
+    const code = button.parentElement.querySelector("pre");
+    try {
+      await navigator.clipboard.writeText(code ? code.textContent.replace(/\n$/, "") : ""); // marked ends it with one
+      button.textContent = "Copied";
+    } catch (exc) {
+      button.textContent = "Copy failed";
+    }
+    button.dataset.copied = button.textContent;
+  }
+
+  function renderReplyMarkdown(reply) {
+    if (reply.mdTimer !== null) {
+      clearTimeout(reply.mdTimer);
+      reply.mdTimer = null;
+    }
+    reply.mdEl.replaceChildren(renderMarkdown(reply.text));
+    reply.el.dataset.rendered = String(reply.text.length);
+  }
+
+  // Re-rendering the whole reply on every token would be quadratic in a long reply; at most
+  // every MARKDOWN_THROTTLE_MS it is not, and finishReply renders the last state at once.
+  function scheduleMarkdown(reply) {
+    if (reply.mdTimer === null) reply.mdTimer = setTimeout(() => renderReplyMarkdown(reply), MARKDOWN_THROTTLE_MS);
+  }
+
+  function updateViewMode() {
+    const markdownOn = $("opt-markdown").checked && !$("opt-token-view").checked;
+    $("conversation").classList.toggle("md-view", markdownOn);
+    $("conversation").classList.toggle("token-view", $("opt-token-view").checked);
+  }
+
   // ------------------------------------------------------------------ conversation view
-  function addTurn(role, text, cls) {
-    const turn = el("div", "turn " + cls);
+  // kind: "user" (a chat turn), "prompt" (a raw prompt) or "reply".
+  function addTurn(kind, role, text) {
+    const turn = el("div", "turn " + (kind === "reply" ? "reply" : "user"));
     turn.appendChild(el("div", "role", role));
     const body = el("div", "text", text);
     turn.appendChild(body);
     $("conversation").appendChild(turn);
+    const saved = { kind, role, text };
+    st.turns.push(saved);
     scrollDown();
-    return { el: turn, textEl: body };
+    return { el: turn, textEl: body, saved };
+  }
+
+  function addReplyTurn(role, text) {
+    const view = addTurn("reply", role, "");
+    const reply = { el: view.el, textEl: view.textEl, saved: view.saved, mdEl: el("div", "md"),
+      marksEl: el("div", "marks"), text: "", mdTimer: null, numTokens: 0, firstMs: null, lastMs: null, firstAtMs: null };
+    view.el.append(reply.mdEl, reply.marksEl);
+    if (text) {
+      reply.text = text;
+      reply.textEl.textContent = text;
+      renderReplyMarkdown(reply);
+    }
+    return reply;
   }
 
   function newReply(role) {
-    const view = addTurn(role, "", "reply");
-    st.reply = { el: view.el, textEl: view.textEl, numTokens: 0, firstMs: null, lastMs: null, firstAtMs: null };
+    st.reply = addReplyTurn(role, "");
     $("fig-ttft").textContent = "–";
     $("fig-tps").textContent = "–";
     render();
@@ -145,9 +241,63 @@
   function resetReply() {
     if (!st.reply) return;
     st.reply.textEl.replaceChildren();
+    st.reply.marksEl.replaceChildren();
+    st.reply.text = "";
+    renderReplyMarkdown(st.reply);
     st.reply.numTokens = 0;
     st.reply.firstMs = st.reply.lastMs = st.reply.firstAtMs = null;
     st.reply.el.classList.remove("cancelled");
+  }
+
+  // ------------------------------------------------------------------ the saved conversation
+  function saveConversation() {
+    const saved = {
+      version: 1,
+      turns: st.turns,
+      messages: st.messages.filter((m) => typeof m.content === "string"), // never audio
+    };
+    try {
+      localStorage.setItem(CONVERSATION_STORAGE, JSON.stringify(saved));
+      app.dataset.saved = String(saved.turns.length);
+    } catch (exc) {
+      app.dataset.saved = "failed"; // storage full or off: the conversation lives on in this tab
+    }
+  }
+
+  function restoreConversation() {
+    let saved;
+    try {
+      saved = JSON.parse(localStorage.getItem(CONVERSATION_STORAGE) || "null");
+    } catch (exc) {
+      saved = null;
+    }
+    if (!saved || saved.version !== 1 || !Array.isArray(saved.turns) || !Array.isArray(saved.messages)) return;
+    const isText = (v) => typeof v === "string";
+    for (const turn of saved.turns) {
+      if (!turn || !isText(turn.role) || !isText(turn.text)) continue;
+      if (turn.kind === "reply") addReplyTurn(turn.role, turn.text);
+      else addTurn(turn.kind === "prompt" ? "prompt" : "user", turn.role, turn.text);
+    }
+    st.messages = saved.messages.filter((m) => m && isText(m.role) && isText(m.content))
+      .map((m) => ({ role: m.role, content: m.content }));
+    app.dataset.restored = String(st.turns.length);
+  }
+
+  function newChat() {
+    if (RUNNING.has(st.phase) || mic.phase !== "idle") return;
+    st.messages = [];
+    st.turns = [];
+    st.reply = null;
+    st.lastPrompt = null;
+    $("conversation").replaceChildren();
+    clearError();
+    try {
+      localStorage.removeItem(CONVERSATION_STORAGE);
+    } catch (exc) {
+      // storage off: nothing was saved
+    }
+    app.dataset.saved = "0";
+    render();
   }
 
   function scrollDown() {
@@ -174,6 +324,8 @@
       span.title = "p=" + Math.exp(chosen.logprob).toFixed(3) + (alts.length ? "\nalternatives: " + alts.join(", ") : "");
     }
     reply.textEl.appendChild(span);
+    reply.text += text;
+    scheduleMarkdown(reply);
     reply.numTokens += 1;
     const now = performance.now();
     if (reply.firstAtMs === null) {
@@ -206,6 +358,8 @@
     mark.dataset.params = JSON.stringify(inForce || {});
     mark.title = "from token " + (st.reply.numTokens + 1) + " on: " + label;
     st.reply.textEl.appendChild(mark);
+    // The Markdown view cannot place a mark between tokens: it lists them under the reply.
+    st.reply.marksEl.appendChild(el("span", "mark-note", "\u2699 " + label + " from token " + (st.reply.numTokens + 1)));
     st.numMarks += 1;
   }
 
@@ -300,7 +454,7 @@
     init(msg) {
       st.generation += 1;
       st.lastRequestId = msg.request_id;
-      $("model-name").textContent = "model: " + msg.model;
+      showModel(msg.model);
       $("fig-loading-wrap").hidden = true;
       app.dataset.finishReason = "";
       setPhase("waiting");
@@ -372,11 +526,16 @@
 
   function finishReply(reason, text) {
     app.dataset.finishReason = reason || "";
-    if (st.reply && reason === "cancelled") st.reply.el.classList.add("cancelled");
+    if (st.reply) {
+      if (reason === "cancelled") st.reply.el.classList.add("cancelled");
+      renderReplyMarkdown(st.reply);
+      st.reply.saved.text = st.reply.text;
+    }
     if (st.lastPrompt && st.lastPrompt.mode === "chat" && reason !== "error" && typeof text === "string") {
       st.messages.push({ role: "assistant", content: text });
     }
     st.pendingModify = [];
+    saveConversation();
     setPhase(reason === "error" ? "error" : "done");
   }
 
@@ -425,12 +584,12 @@
     const mode = document.querySelector("input[name=mode]:checked").value;
     $("prompt").value = "";
     $("feedback-status").textContent = "";
-    addTurn(mode === "chat" ? "user" : "prompt", text, "user");
+    addTurn(mode === "chat" ? "user" : "prompt", mode === "chat" ? "user" : "prompt", text);
     if (mode === "chat") {
       st.messages.push({ role: "user", content: text });
       if ($("opt-speak").checked) {
         st.lastPrompt = { prompt: null, mode, messages: st.messages.slice() };
-        startSpokenReply(st.messages.slice());
+        startChatReply(st.messages.slice(), null);
         return;
       }
       let prompt;
@@ -465,7 +624,7 @@
       st.messages.pop();
     }
     if (last.messages) {
-      startSpokenReply(last.messages);
+      startChatReply(last.messages, null);
     } else {
       startReply(last.prompt);
     }
@@ -491,7 +650,7 @@
   }
 
   // ------------------------------------------------------------------ spoken replies (/ws/chat)
-  const speech = { ctx: null, at: 0, ws: null };
+  const speech = { ctx: null, at: 0, ws: null, heard: null };
 
   function playPcm(base64) {
     if (!speech.ctx) return;
@@ -511,20 +670,26 @@
     app.dataset.audioChunks = String(Number(app.dataset.audioChunks || "0") + 1);
   }
 
-  function startSpokenReply(messages) {
+  // A reply over /ws/chat: spoken when "Speak replies" is on; `heard` is the user turn of a
+  // recorded question ({textEl, saved}), whose words arrive in the server's transcript message.
+  function startChatReply(messages, heard) {
+    const speak = $("opt-speak").checked;
     st.via = "chat";
     st.lastRequestId = null;
-    newReply("assistant (spoken)");
+    newReply(speak ? "assistant (spoken)" : "assistant");
     setPhase("starting");
-    try {
-      speech.ctx = speech.ctx || new AudioContext({ sampleRate: 24000 });
-      speech.ctx.resume();
-    } catch (exc) {
-      speech.ctx = null;
-      $("speak-status").textContent = "this browser cannot play audio; text only";
+    if (speak) {
+      try {
+        speech.ctx = speech.ctx || new AudioContext({ sampleRate: 24000 });
+        speech.ctx.resume();
+      } catch (exc) {
+        speech.ctx = null;
+        $("speak-status").textContent = "this browser cannot play audio; text only";
+      }
     }
     const ws = new WebSocket(wsUrl("/ws/chat"), wsProtocols());
     speech.ws = ws;
+    speech.heard = heard;
     let isOpen = false;
     ws.onopen = () => {
       isOpen = true;
@@ -534,11 +699,13 @@
         if (p[name] !== undefined) generation[name] = p[name];
       }
       st.sentAtMs = performance.now();
-      ws.send(JSON.stringify({ messages, streaming: true, generation, tts: { enabled: true } }));
+      ws.send(JSON.stringify({ messages, streaming: true, generation, tts: { enabled: speak } }));
     };
     ws.onmessage = (event) => {
       const msg = JSON.parse(event.data);
-      if (msg.type === "queued" || msg.type === "queue_update") {
+      if (msg.type === "transcript") {
+        if (heard) showTranscript(heard, msg);
+      } else if (msg.type === "queued" || msg.type === "queue_update") {
         setPhase("waiting");
         $("fig-queue").textContent = msg.position + " of " + msg.queue_length;
       } else if (msg.type === "queue_done" || msg.type === "prefill_done") {
@@ -555,6 +722,7 @@
         finishReply("stop", msg.text);
       } else if (msg.type === "error") {
         showError({ error: "chat_error", message: msg.error, recoverable: false });
+        if (heard && !heard.isHeard) forgetRecording(heard);
         finishReply("error");
       }
     };
@@ -563,9 +731,11 @@
       speech.ws = null;
       if (!isOpen) {
         showError(await explainRefusal());
+        if (heard && !heard.isHeard) forgetRecording(heard);
         setPhase("error");
       } else if (RUNNING.has(st.phase)) {
-        finishReply("cancelled", st.reply ? st.reply.textEl.textContent : "");
+        if (heard && !heard.isHeard) forgetRecording(heard);
+        finishReply("cancelled", st.reply ? st.reply.text : "");
       }
     };
   }
@@ -579,7 +749,191 @@
       speech.ctx = null;
       speech.at = 0;
     }
-    finishReply("cancelled", st.reply ? st.reply.textEl.textContent : "");
+    if (speech.heard && !speech.heard.isHeard) forgetRecording(speech.heard);
+    finishReply("cancelled", st.reply ? st.reply.text : "");
+  }
+
+  // ------------------------------------------------------------------ microphone
+  // Capture at the device's rate through an AudioWorklet (mic-worklet.js, mono), resample to
+  // 16 kHz with an OfflineAudioContext (the browser's own band-limited resampler) when the
+  // user stops, and send the samples as one /ws/chat audio part: base64 of float32
+  // little-endian, sample_rate 16000. The server's transcript message fills in the user turn.
+  const mic = { phase: "idle", ctx: null, stream: null, node: null, chunks: [], numFrames: 0, flushed: null };
+
+  function setMicPhase(phase, status) {
+    mic.phase = phase;
+    app.dataset.mic = phase;
+    $("btn-mic-label").textContent = phase === "recording" ? "Stop and send" : "Record";
+    if (status !== undefined) $("mic-status").textContent = status;
+    render();
+  }
+
+  async function startRecording() {
+    if (!navigator.mediaDevices || !window.AudioWorkletNode) {
+      setMicPhase("idle", "recording needs a browser with Web Audio, on https or localhost");
+      return;
+    }
+    setMicPhase("starting", "asking for the microphone…");
+    try {
+      mic.stream = await navigator.mediaDevices.getUserMedia({
+        audio: { channelCount: 1, echoCancellation: false, noiseSuppression: false, autoGainControl: false },
+      });
+      mic.ctx = new AudioContext();
+      await mic.ctx.audioWorklet.addModule("/playground/static/mic-worklet.js");
+    } catch (exc) {
+      releaseMic();
+      setMicPhase("idle", "no microphone: " + (exc && exc.message ? exc.message : String(exc)));
+      return;
+    }
+    mic.chunks = [];
+    mic.numFrames = 0;
+    const source = mic.ctx.createMediaStreamSource(mic.stream);
+    mic.node = new AudioWorkletNode(mic.ctx, "rill-mic", { numberOfInputs: 1, numberOfOutputs: 1, outputChannelCount: [1] });
+    let lastBlock;
+    mic.flushed = new Promise((resolve) => { lastBlock = resolve; });
+    mic.node.port.onmessage = (event) => {
+      mic.chunks.push(event.data.samples);
+      mic.numFrames += event.data.samples.length;
+      const seconds = mic.numFrames / mic.ctx.sampleRate;
+      app.dataset.micSeconds = seconds.toFixed(2);
+      if (event.data.last) lastBlock();
+      else if (seconds >= MIC_MAX_S && mic.phase === "recording") stopRecording();
+    };
+    source.connect(mic.node);
+    mic.node.connect(mic.ctx.destination); // the node writes silence; connected, it is pulled
+    await mic.ctx.resume();
+    app.dataset.micSeconds = "0.00";
+    setMicPhase("recording", "recording… (up to " + MIC_MAX_S + " s)");
+  }
+
+  function releaseMic() {
+    if (mic.stream) for (const track of mic.stream.getTracks()) track.stop();
+    if (mic.ctx) mic.ctx.close();
+    mic.stream = mic.ctx = mic.node = null;
+  }
+
+  async function stopRecording() {
+    setMicPhase("encoding", "preparing the recording…");
+    mic.node.port.postMessage("flush");
+    await mic.flushed;
+    const rate = mic.ctx.sampleRate;
+    const chunks = mic.chunks;
+    mic.chunks = [];
+    releaseMic();
+    const samples = await resample(chunks, rate, MIC_RATE_HZ);
+    if (samples.length < MIC_RATE_HZ / 10) {
+      setMicPhase("idle", "nothing was recorded");
+      return;
+    }
+    setMicPhase("idle", "sent " + (samples.length / MIC_RATE_HZ).toFixed(1) + " s of audio");
+    sendRecording(samples);
+  }
+
+  async function resample(chunks, fromHz, toHz) {
+    let numFrames = 0;
+    for (const chunk of chunks) numFrames += chunk.length;
+    const joined = new Float32Array(numFrames);
+    let at = 0;
+    for (const chunk of chunks) {
+      joined.set(chunk, at);
+      at += chunk.length;
+    }
+    if (fromHz === toHz || numFrames === 0) return joined;
+    const offline = new OfflineAudioContext(1, Math.max(1, Math.round(numFrames * toHz / fromHz)), toHz);
+    const buffer = offline.createBuffer(1, numFrames, fromHz);
+    buffer.copyToChannel(joined, 0);
+    const source = offline.createBufferSource();
+    source.buffer = buffer;
+    source.connect(offline.destination);
+    source.start();
+    return (await offline.startRendering()).getChannelData(0);
+  }
+
+  function pcmBase64(samples) {
+    // Float32Array's bytes are the platform's order, little-endian on every browser platform.
+    const bytes = new Uint8Array(samples.buffer, samples.byteOffset, samples.byteLength);
+    let binary = "";
+    const STEP = 0x8000; // String.fromCharCode takes its arguments on the stack
+    for (let i = 0; i < bytes.length; i += STEP) binary += String.fromCharCode.apply(null, bytes.subarray(i, i + STEP));
+    return btoa(binary);
+  }
+
+  // The question goes out as audio; once the server says what it heard, the history keeps
+  // those words instead (the next turns and the saved conversation carry text, not audio).
+  function sendRecording(samples) {
+    clearError();
+    $("feedback-status").textContent = "";
+    document.querySelector("input[name=mode][value=chat]").checked = true;
+    const view = addTurn("user", "user (spoken)", "(transcribing…)");
+    const part = { type: "audio", data: pcmBase64(samples), sample_rate: MIC_RATE_HZ };
+    st.messages.push({ role: "user", content: [part] });
+    const messages = st.messages.slice();
+    st.lastPrompt = { prompt: null, mode: "chat", messages };
+    app.dataset.transcript = "";
+    startChatReply(messages, { textEl: view.textEl, saved: view.saved, isHeard: false, index: st.messages.length - 1 });
+  }
+
+  function showTranscript(heard, msg) {
+    heard.isHeard = true;
+    heard.textEl.textContent = msg.text;
+    heard.saved.text = msg.text;
+    const asText = { role: "user", content: msg.text };
+    st.messages[heard.index] = asText;
+    if (st.lastPrompt && st.lastPrompt.messages) st.lastPrompt.messages[heard.index] = asText;
+    app.dataset.transcript = msg.text;
+  }
+
+  // Nothing was heard (an error, a refusal, a stop): the recording leaves the history.
+  function forgetRecording(heard) {
+    st.messages.splice(heard.index, 1);
+    st.turns = st.turns.filter((turn) => turn !== heard.saved);
+    heard.textEl.textContent = "(not heard)";
+    heard.isHeard = true; // handled
+    st.lastPrompt = null;
+  }
+
+  function onMic() {
+    if (!isEnabled("btn-mic")) return;
+    if (mic.phase === "idle") startRecording();
+    else if (mic.phase === "recording") stopRecording();
+  }
+
+  // ------------------------------------------------------------------ model name
+  function showModel(name) {
+    $("model-name").textContent = "model: " + name;
+    app.dataset.model = name;
+  }
+
+  // /v1/models lists the served model first. Until it answers (a refused key, a model still
+  // loading: retried), the name says why it is not known yet; a reply's init names it too.
+  async function loadModelName() {
+    let answer;
+    try {
+      answer = await fetch("/v1/models", { headers: authHeaders() });
+    } catch (exc) {
+      $("model-name").textContent = "model: (server unreachable)";
+      return;
+    }
+    await showModelFrom(answer);
+  }
+
+  async function showModelFrom(answer) {
+    if (answer.status === 401) {
+      if (!app.dataset.model) $("model-name").textContent = "model: (enter the API key)";
+      return;
+    }
+    const body = answer.ok ? await answer.json().catch(() => null) : null;
+    const first = body && Array.isArray(body.data) && body.data[0];
+    if (first && typeof first.id === "string") {
+      showModel(first.id);
+    } else if (app.dataset.model) {
+      // a reply's init already named it
+    } else if (answer.status === 503) {
+      $("model-name").textContent = "model: (loading)";
+      setTimeout(loadModelName, 2000);
+    } else {
+      $("model-name").textContent = "model: (unknown: /v1/models answered " + answer.status + ")";
+    }
   }
 
   // ------------------------------------------------------------------ API key
@@ -595,6 +949,7 @@
     $("key-status").textContent = !answer ? "server unreachable"
       : answer.status === 401 ? "key refused" : answer.ok ? (st.key ? "key accepted" : "no key needed") : "";
     app.dataset.keyStatus = $("key-status").textContent;
+    if (answer && answer.ok) await showModelFrom(answer);
   }
 
   // ------------------------------------------------------------------ dashboard
@@ -733,24 +1088,24 @@
     $("feedback-form").addEventListener("submit", (event) => event.preventDefault());
     $("key-form").addEventListener("submit", onKey);
     for (const name of PARAMS) $("p-" + name).addEventListener("change", onParamChange);
-    $("opt-token-view").addEventListener("change", (event) => {
-      $("conversation").classList.toggle("token-view", event.target.checked);
+    $("opt-token-view").addEventListener("change", updateViewMode);
+    $("opt-markdown").addEventListener("change", updateViewMode);
+    $("conversation").addEventListener("click", (event) => {
+      const button = event.target.closest("button.copy");
+      if (button) copyCode(button);
     });
-    $("clear-chat").addEventListener("click", () => {
-      if (RUNNING.has(st.phase)) return;
-      st.messages = [];
-      st.reply = null;
-      st.lastPrompt = null;
-      $("conversation").replaceChildren();
-      clearError();
-      render();
-    });
+    $("clear-chat").addEventListener("click", newChat);
+    $("btn-mic").addEventListener("click", onMic);
     $("tab-playground").addEventListener("click", () => selectTab("playground"));
     $("tab-dashboard").addEventListener("click", () => selectTab("dashboard"));
     $("tab-playground").addEventListener("keydown", onTabKey);
     $("tab-dashboard").addEventListener("keydown", onTabKey);
     if (st.key) $("api-key").placeholder = "key set (enter another to replace)";
+    app.dataset.mic = "idle";
+    updateViewMode();
+    restoreConversation();
     render();
+    loadModelName();
     const poll = async () => {
       await pollMetrics();
       setTimeout(poll, $("view-dashboard").hidden ? DASH_BACKGROUND_PERIOD_MS : DASH_PERIOD_MS);
