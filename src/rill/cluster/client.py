@@ -23,6 +23,7 @@ the per-request figures and the rate-limit accounts. What crosses to a replica i
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -188,7 +189,15 @@ class RayClient(InprocClient):
         stream, _ = self._open(choice, engine)
         request_id = choice.request_id
         assert self._deployed is not None  # ready
-        call = self._deployed.handle.options(stream=True).run.remote(choice, prefix_keys=prefix_keys(choice.prompt_ids))
+        # A continuation of a kept generation goes to the replica that made it, whose prefix
+        # cache holds its KV; should that replica be gone (or the entry evicted), the prompt is
+        # recomputed where it lands: the same tokens, the same result, not a cache-miss error.
+        pinned = choice.require_cached_prefix_tokens is not None
+        if pinned:
+            choice = dataclasses.replace(choice, require_cached_prefix_tokens=None)
+        call = self._deployed.handle.options(stream=True).run.remote(
+            choice, prefix_keys=prefix_keys(choice.prompt_ids), pinned=pinned
+        )
         try:
             first = await call.__anext__()
         except BaseException as exc:

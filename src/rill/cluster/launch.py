@@ -30,6 +30,9 @@ NAMESPACE = "rill"
 HEALTH_CHECK_PERIOD_S = 2.0
 """How often Ray asks each replica whether its engine still runs."""
 
+OBJECT_STORE_BYTES = 128 * 2**20
+"""Ray's shared object store of a local instance."""
+
 CONTROL_HEADROOM = 64
 """Calls a replica takes beyond ``--replica-max-requests`` generations: its controls and
 stats reads must never wait behind generations."""
@@ -82,6 +85,9 @@ def deploy(engine: EngineConfig, cluster: ClusterConfig) -> Deployed:
             cpus = max(os.cpu_count() or 1, int(cluster.replicas * cluster.replica_cpus + 0.999))
             ray.init(
                 num_cpus=cpus,
+                # Only small objects cross (plans, outputs, the tokenizer once): no need for
+                # Ray's default of 30 % of the memory in /dev/shm.
+                object_store_memory=OBJECT_STORE_BYTES,
                 namespace=NAMESPACE,
                 include_dashboard=False,
                 logging_level=logging.WARNING,

@@ -88,9 +88,11 @@ class EngineReplica:
             generation_defaults=engine.generation_defaults,
         )
 
-    async def run(self, choice: Choice, *, prefix_keys: list[int]) -> AsyncIterator[Accepted | Refused | RequestOutput]:
+    async def run(
+        self, choice: Choice, *, prefix_keys: list[int], pinned: bool = False
+    ) -> AsyncIterator[Accepted | Refused | RequestOutput]:
         """Start ``choice`` and yield ``Accepted`` then its outputs, or ``Refused`` alone.
-        ``prefix_keys`` is the router's (``rill.cluster.router``)."""
+        ``prefix_keys`` and ``pinned`` are the router's (``rill.cluster.router``)."""
         try:
             stream = await self.client.start_choice(choice)
         except RillError as exc:

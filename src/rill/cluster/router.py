@@ -7,7 +7,8 @@ Three kinds of call reach the replicas, and the router tells them apart by their
   is offered and the caller's own time limit ends the wait;
 * a new generation (``run`` with ``prefix_keys=``) goes, in ``prefix`` mode, to the replica
   that last took a prompt with the longest of its prefixes, unless that replica has
-  ``imbalance`` more generations in flight than the least loaded one; otherwise, and in
+  ``imbalance`` more generations in flight than the least loaded one (a ``pinned`` one, the
+  continuation of a kept generation, goes there whatever the load); otherwise, and in
   ``least-loaded`` mode, to the least loaded replica (ties broken at random); in
   ``round-robin`` mode to each replica in turn (the baseline the benchmark compares with);
 * anything else goes to the least loaded replica.
@@ -36,15 +37,12 @@ MODES = ("prefix", "least-loaded", "round-robin")
 """The routing of new generations (``--routing``)."""
 
 
-def prefix_keys(prompt_ids: list[int], block: int = 32, max_blocks: int = 64) -> list[int]:
-    """Keys of the prompt's prefixes at whole blocks of ``block`` tokens, longest first (at
-    most ``max_blocks`` blocks; the last token is left out, as the prefix cache leaves it)."""
-    usable = min(len(prompt_ids) - 1, block * max_blocks)
-    keys: list[int] = []
-    for end in range(block, usable + 1, block):
-        keys.append(hash(tuple(prompt_ids[:end])))
-    keys.reverse()
-    return keys
+def prefix_keys(prompt_ids: list[int], max_tokens: int = 2048) -> list[int]:
+    """Keys of the prompt's prefixes, longest first: every 8 tokens up to 32, then every 32 up
+    to ``max_tokens`` (the last token is left out, as the prefix cache leaves it)."""
+    usable = min(len(prompt_ids) - 1, max_tokens)
+    ends = [end for end in (8, 16, 24) if end <= usable] + list(range(32, usable + 1, 32))
+    return [hash(tuple(prompt_ids[:end])) for end in reversed(ends)]
 
 
 class RillRouter(RequestRouter):
@@ -93,11 +91,11 @@ class RillRouter(RequestRouter):
             return [[ordered[self._turn % len(ordered)]]]
         load = {r.replica_id.unique_id: self._in_flight.get(r.replica_id.unique_id, 0) for r in candidate_replicas}
         least = min(load.values())
-        if keys and self._mode == "prefix":
+        if keys and (self._mode == "prefix" or kwargs.get("pinned")):
             for key in keys:
                 owner = self._owner.get(key)
                 if owner is not None and owner in load:
-                    if load[owner] <= least + self._imbalance:
+                    if kwargs.get("pinned") or load[owner] <= least + self._imbalance:
                         return [[r for r in candidate_replicas if r.replica_id.unique_id == owner]]
                     break  # the longest cached prefix is on a busy replica: balance instead
         lightest = [r for r in candidate_replicas if load[r.replica_id.unique_id] == least]

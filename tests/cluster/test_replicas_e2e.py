@@ -1,0 +1,249 @@
+"""``rill serve --replicas 2`` on Ray's local instance: every protocol served, controls reach
+the right generation, a batch continuation continues the same text, feedback lands in
+PostgreSQL, and a replica killed with SIGKILL mid-stream costs only its own streams.
+
+Tiny random-init model, one thread per replica. Random weights make gibberish: the tests
+assert order, counts and equality between runs (greedy).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+import httpx
+import openai
+from websockets.asyncio.client import connect
+
+from rill.clients.chat import chat
+from rill.clients.evergreen import EvergreenClient
+from rill.clients.generate import GenerateClient
+from rill.clients.uds import UdsClient
+from tests.protocols.batch_ws.test_adapter import GREEDY, by_type, run_batch
+from tests.protocols.generate_ws.test_adapter import is_status, is_type, send, until
+
+from .conftest import ClusterServer
+
+LONG = 400
+"""Tokens of a generation that must still run when its control arrives."""
+
+COMEBACK_TIMEOUT_S = 300
+"""Bound on waiting for Ray to restart a killed replica (a bound, not a pass condition)."""
+
+
+def wait_for(condition: Any, timeout_s: float, what: str) -> Any:
+    """Poll ``condition`` until it returns something true (a bounded wait on a server-side
+    effect, never a timing assertion)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"never: {what}"
+        time.sleep(0.2)
+
+
+def generated_tokens(cluster: ClusterServer) -> dict[str, float]:
+    return cluster.replica_values("rill_replica_generation_tokens_total")
+
+
+async def completion_text(cluster: ClusterServer, prompt: str, max_tokens: int) -> str:
+    async with openai.AsyncOpenAI(base_url=f"{cluster.url}/v1", api_key="none") as client:
+        result = await client.completions.create(
+            model="tiny-llama", prompt=prompt, max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True}
+        )
+    return result.choices[0].text
+
+
+async def test_every_protocol_is_served_and_work_spreads_over_both_replicas(cluster: ClusterServer) -> None:
+    before = sum(generated_tokens(cluster).values())
+    # The OpenAI API, streamed, several at once: the router spreads them.
+    async with openai.AsyncOpenAI(base_url=f"{cluster.url}/v1", api_key="none") as client:
+
+        async def one(i: int) -> str:
+            stream = await client.chat.completions.create(
+                model="tiny-llama",
+                messages=[{"role": "user", "content": f"question {i}"}],
+                max_tokens=24,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+        texts = await asyncio.gather(*(one(i) for i in range(6)))
+    assert all(texts)
+    # /generate
+    async with GenerateClient(f"{cluster.ws_url}/generate") as gen:
+        msgs = [m async for m in gen.generate("Once upon a time", max_tokens=8, temperature=0, ignore_eos=True)]
+    assert msgs[-1]["type"] == "completion" and msgs[-1]["usage"]["completion_tokens"] == 8
+    # batch /ws
+    async with connect(f"{cluster.ws_url}/ws") as ws:
+        frames = await run_batch(
+            ws,
+            {
+                "prompts": [{"request_id": "b1", "prompt": "The little robot"}],
+                "generation_config": {**GREEDY, "max_new_tokens": 8},
+            },
+        )
+    assert by_type(frames, "COMPLETE")["b1"]["new_tokens_count"] == 8
+    # the Unix socket (framed JSON)
+    events = await asyncio.to_thread(_uds_generate, str(cluster.socket))
+    assert events[-1]["event"] == "eos" and any(e["event"] == "token" for e in events)
+    # /ws/chat
+    reply = await chat(
+        f"{cluster.ws_url}/ws/chat",
+        [{"role": "user", "content": "hello"}],
+        generation={"max_new_tokens": 8, "temperature": 0},
+    )
+    assert reply.text
+    # Evergreen over gRPC
+    async with EvergreenClient(cluster.grpc_address) as evergreen:
+        pieces = [p async for p in evergreen.generate("Once upon a time")]
+    assert "".join(pieces)
+    # Both replicas made tokens (the gauges are read every second: a bounded wait for them).
+    made = wait_for(
+        lambda: (lambda t: t if len(t) == 2 and sum(t.values()) > before else None)(generated_tokens(cluster)),
+        30,
+        "both replicas' counters",
+    )
+    assert all(count > 0 for count in made.values()), made
+
+
+def _uds_generate(path: str) -> list[dict[str, Any]]:
+    with UdsClient(path) as client:
+        return list(client.generate({"id": "u1", "prompt": "Hello", "max_tokens": 8}))
+
+
+async def test_generate_controls_reach_the_right_generation(cluster: ClusterServer) -> None:
+    url = f"{cluster.ws_url}/generate"
+    async with connect(url) as a, connect(url) as b:
+        for ws, prompt in ((a, "Once upon a time"), (b, "The little robot")):
+            await send(
+                ws, type="config", prompt=prompt, parameters={"max_tokens": LONG, "temperature": 0, "ignore_eos": True}
+            )
+            await until(ws, is_type("token"))
+        # Pause A: A says paused and makes nothing more while B goes on.
+        await send(a, type="control", action="pause")
+        await until(a, is_status("paused"))
+        got_b = await until(b, is_type("token"))
+        got_b += await until(b, is_type("token"))
+        assert all(m["type"] != "completion" for m in got_b)
+        # Modify B: B (not A) takes the new parameters.
+        await send(b, type="control", action="modify", parameters={"temperature": 0.9})
+        modified = await until(b, is_status("modified"))
+        assert modified[-1]["parameters"]["temperature"] == 0.9
+        # Stop A while paused: A ends cancelled; B still runs to its own end.
+        await send(a, type="control", action="stop")
+        end_a = await until(a, is_type("completion"))
+        assert end_a[-1]["finish_reason"] == "cancelled"
+        assert [m for m in end_a if m["type"] == "token"] == []  # nothing between pause and stop
+        end_b = await until(b, is_type("completion"))
+        assert end_b[-1]["finish_reason"] == "length" and end_b[-1]["usage"]["completion_tokens"] == LONG
+
+
+async def test_batch_continuation_continues_the_same_text(cluster: ClusterServer) -> None:
+    prompts = {"c1": "Once upon a time", "c2": "The little robot"}
+    config = {**GREEDY, "max_new_tokens": 10}
+    async with connect(f"{cluster.ws_url}/ws") as ws:
+        first = by_type(
+            await run_batch(
+                ws,
+                {"prompts": [{"request_id": k, "prompt": v} for k, v in prompts.items()], "generation_config": config},
+            ),
+            "COMPLETE",
+        )
+        second_frames = await run_batch(
+            ws, {"prompts": [{"request_id": k, "prompt": "ignored"} for k in prompts], "generation_config": config}
+        )
+        assert not by_type(second_frames, "ERROR"), second_frames
+        second = by_type(second_frames, "COMPLETE")
+        single = by_type(
+            await run_batch(
+                ws,
+                {
+                    "prompts": [{"request_id": "ref-" + k, "prompt": v} for k, v in prompts.items()],
+                    "generation_config": {**GREEDY, "max_new_tokens": 20},
+                },
+            ),
+            "COMPLETE",
+        )
+    for key in prompts:
+        assert first[key]["new_tokens_count"] == second[key]["new_tokens_count"] == 10
+        assert first[key]["text"] + second[key]["text"] == single["ref-" + key]["text"]
+
+
+async def test_feedback_lands_in_postgresql(cluster: ClusterServer) -> None:
+    async with GenerateClient(f"{cluster.ws_url}/generate") as gen:
+        _ = [m async for m in gen.generate("Once upon a time", max_tokens=4, temperature=0)]
+        ack = await gen.feedback(0.75, "useful, from the cluster")
+    assert ack["type"] == "status"
+    assert cluster.database is not None
+    database = cluster.database
+    exported = await asyncio.to_thread(_export, database)
+    records = [json.loads(line) for line in exported.splitlines()]
+    assert any(r.get("text") == "useful, from the cluster" and r.get("rating") == 0.75 for r in records), records
+
+
+def _export(database: str) -> str:
+    """``rill feedback export`` of ``database``: what the store holds, read apart from any server."""
+    command = [sys.executable, "-m", "rill", "feedback", "export", "--database", database]
+    return subprocess.run(command, capture_output=True, text=True, check=True).stdout
+
+
+async def test_replica_killed_mid_stream(cluster: ClusterServer) -> None:
+    """SIGKILL one replica while each replica runs one greedy stream: that stream ends with the
+    typed, retryable error; the other's text equals a solo run; Ray brings the replica back."""
+    pids = cluster.replica_pids()
+    assert len(pids) == 2, pids
+    prompts = ("Once upon a time", "The little robot")
+    url = f"{cluster.ws_url}/generate"
+    async with connect(url) as a, connect(url) as b:
+        heads: dict[Any, list[dict]] = {}
+        for ws, prompt in ((a, prompts[0]), (b, prompts[1])):
+            # One at a time: the second goes to the replica with nothing in flight.
+            await send(
+                ws, type="config", prompt=prompt, parameters={"max_tokens": LONG, "temperature": 0, "ignore_eos": True}
+            )
+            heads[ws] = await until(ws, is_type("token"))
+        os.kill(pids[0], signal.SIGKILL)
+        ends = {}
+        for ws in (a, b):
+            ends[ws] = heads[ws] + await asyncio.wait_for(until(ws, lambda m: m["type"] in ("completion", "error")), 60)
+    kinds = sorted(msgs[-1]["type"] for msgs in ends.values())
+    assert kinds == ["completion", "error"], kinds
+    [lost] = [msgs[-1] for msgs in ends.values() if msgs[-1]["type"] == "error"]
+    assert lost["recoverable"] is True and "replica" in lost["message"], lost
+    [(ws_ok, survived)] = [(ws, msgs) for ws, msgs in ends.items() if msgs[-1]["type"] == "completion"]
+    prompt = prompts[0] if ws_ok is a else prompts[1]
+    text = [m for m in survived if m["type"] == "token"][-1]["generated_text"]
+    assert survived[-1]["usage"]["completion_tokens"] == LONG
+    # The same request alone afterwards gives the same text.
+    async with GenerateClient(url) as gen:
+        again = [m async for m in gen.generate(prompt, max_tokens=LONG, temperature=0, ignore_eos=True)]
+    assert [m for m in again if m["type"] == "token"][-1]["generated_text"] == text
+    # Ray restarts the killed replica; it rejoins without a server restart and serves.
+    wait_for(lambda: len(cluster.replica_pids()) == 2, COMEBACK_TIMEOUT_S, "the replica restarted")
+    wait_for(lambda: len(generated_tokens(cluster)) == 2, COMEBACK_TIMEOUT_S, "both replicas in /metrics")
+    assert httpx.get(f"{cluster.url}/health").status_code == 200
+    assert await completion_text(cluster, "Hello again", 4)
+
+
+async def test_acknowledged_feedback_survives_kill_of_the_server(cluster: ClusterServer) -> None:
+    """Last in this module: it kills the server itself (SIGKILL), then reads the store."""
+    async with GenerateClient(f"{cluster.ws_url}/generate") as gen:
+        _ = [m async for m in gen.generate("Once upon a time", max_tokens=4, temperature=0)]
+        ack = await gen.feedback(0.25, "written just before the kill")
+    assert ack["type"] == "status"
+    assert cluster.database is not None
+    database = cluster.database
+    cluster.proc.send_signal(signal.SIGKILL)
+    cluster.proc.wait()
+    exported = await asyncio.to_thread(_export, database)
+    assert any(json.loads(line).get("text") == "written just before the kill" for line in exported.splitlines())
