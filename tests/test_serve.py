@@ -142,3 +142,32 @@ def test_every_protocol_package_is_registered_once() -> None:
     names = [protocol.name for protocol in server.protocols()]
     assert sorted(names) == sorted(packages) and len(packages) == 6
     assert all(protocol.routes or protocol.start for protocol in server.protocols())
+
+
+def test_a_server_without_replicas_never_loads_ray(tiny_model_dir: Path) -> None:
+    """Ray is an optional extra: a single-process server (serving a request, too) never imports
+    it; its compiled core would show in the process's memory map."""
+    import httpx
+
+    from tests.helpers import rill_process
+
+    with rill_process(tiny_model_dir) as (proc, url):
+        reply = httpx.post(f"{url}/v1/completions", json={"prompt": "Hello", "max_tokens": 2}, timeout=60)
+        assert reply.status_code == 200
+        maps = Path(f"/proc/{proc.pid}/maps").read_text()
+    assert "_raylet" not in maps and "/ray/" not in maps
+
+
+def test_replica_settings_are_checked(tmp_path: Path) -> None:
+    """--replicas and its companions are refused with the setting named, before anything starts."""
+    from rill.config import ClusterConfig, ServerConfig, validate
+    from rill.errors import ConfigError
+
+    for cluster, named in (
+        (ClusterConfig(replicas=0), "replicas"),
+        (ClusterConfig(ray_address="auto"), "--replicas"),
+        (ClusterConfig(replicas=2, replica_cpus=0), "replica_cpus"),
+        (ClusterConfig(replicas=2, routing="random"), "routing"),
+    ):
+        with pytest.raises(ConfigError, match=named):
+            validate(ServerConfig(cluster=cluster))

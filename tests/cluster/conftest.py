@@ -42,9 +42,13 @@ class ClusterServer:
     socket: Path
     grpc_address: str
     database: str | None = None
+    api_key: str | None = None
 
     def metrics(self) -> str:
-        return httpx.get(f"{self.url}/metrics", timeout=30).text
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        response = httpx.get(f"{self.url}/metrics", headers=headers, timeout=30)
+        response.raise_for_status()
+        return response.text
 
     def replica_values(self, name: str) -> dict[str, float]:
         """One ``rill_replica_*`` family from ``/metrics``: value by replica id."""
@@ -59,6 +63,18 @@ class ClusterServer:
     def replica_pids(self) -> list[int]:
         """The process ids of the engine replicas started under this server."""
         return [pid for pid in _descendants(self.proc.pid) if _cmdline(pid).startswith(REPLICA_TITLE)]
+
+
+def wait_for(condition: Any, timeout_s: float, what: str) -> Any:
+    """Poll ``condition`` until it returns something true (a bounded wait on a server-side
+    effect, never a timing assertion)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"never: {what}"
+        time.sleep(0.2)
 
 
 def _cmdline(pid: int) -> str:

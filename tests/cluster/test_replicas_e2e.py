@@ -14,7 +14,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from typing import Any
 
 import httpx
@@ -28,25 +27,13 @@ from rill.clients.uds import UdsClient
 from tests.protocols.batch_ws.test_adapter import GREEDY, by_type, run_batch
 from tests.protocols.generate_ws.test_adapter import is_status, is_type, send, until
 
-from .conftest import ClusterServer
+from .conftest import ClusterServer, wait_for
 
 LONG = 400
 """Tokens of a generation that must still run when its control arrives."""
 
 COMEBACK_TIMEOUT_S = 300
 """Bound on waiting for Ray to restart a killed replica (a bound, not a pass condition)."""
-
-
-def wait_for(condition: Any, timeout_s: float, what: str) -> Any:
-    """Poll ``condition`` until it returns something true (a bounded wait on a server-side
-    effect, never a timing assertion)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = condition()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"never: {what}"
-        time.sleep(0.2)
 
 
 def generated_tokens(cluster: ClusterServer) -> dict[str, float]:

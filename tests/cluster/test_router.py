@@ -1,0 +1,88 @@
+"""RillRouter's choices, without Ray running: controls go to their replica, prompts that share
+a prefix to the replica that has it while load allows, pinned continuations there always."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+pytest.importorskip("ray.serve", reason="the router is Ray Serve's request-router API: pip install 'rill[ray]'")
+
+from rill.cluster.router import RillRouter, prefix_keys
+
+REPLICAS = [SimpleNamespace(replica_id=SimpleNamespace(unique_id=name)) for name in ("a", "b", "c")]
+
+
+def router(mode: str = "prefix", imbalance: int = 2) -> RillRouter:
+    made = RillRouter.__new__(RillRouter)  # Ray's constructor wires metrics and long polls: not needed here
+    made.initialize_state(mode=mode, imbalance=imbalance)
+    return made
+
+
+def request(number: int, **kwargs: Any) -> Any:
+    return SimpleNamespace(kwargs=kwargs, metadata=SimpleNamespace(internal_request_id=f"r{number}"))
+
+
+def route(r: RillRouter, number: int, **kwargs: Any) -> str:
+    pending = request(number, **kwargs)
+    [[chosen]] = asyncio.run(r.choose_replicas(REPLICAS, pending))  # type: ignore[arg-type]
+    r.on_request_routed(pending, chosen.replica_id, None)  # type: ignore[arg-type]
+    return str(chosen.replica_id.unique_id)
+
+
+def test_prefix_keys_are_longest_first_and_leave_out_the_last_token() -> None:
+    ids = list(range(100))
+    keys = prefix_keys(ids)
+    assert keys[0] == hash(tuple(ids[:96])) and keys[-1] == hash(tuple(ids[:8]))
+    assert len(keys) == 3 + 3  # 8, 16, 24, then 32, 64, 96
+    assert prefix_keys(ids[:8]) == []  # 7 usable tokens: no whole prefix
+
+
+def test_a_control_goes_to_its_replica_and_nowhere_else() -> None:
+    r = router()
+    for name in ("a", "b", "c"):
+        [[chosen]] = asyncio.run(r.choose_replicas(REPLICAS, request(0, replica=name)))  # type: ignore[arg-type]
+        assert chosen.replica_id.unique_id == name
+    # A replica that is gone is never replaced by another: the caller's time limit ends the wait.
+    assert asyncio.run(r.choose_replicas(REPLICAS, request(0, replica="gone"))) == [[]]  # type: ignore[arg-type]
+
+
+def test_shared_prefixes_stick_while_load_allows() -> None:
+    r = router(imbalance=2)
+    shared = list(range(64))
+    first = route(r, 1, prefix_keys=prefix_keys(shared + [1, 2, 3]))
+    # The same prefix again: the same replica, up to `imbalance` more in flight than the least loaded.
+    assert route(r, 2, prefix_keys=prefix_keys(shared + [4, 5, 6])) == first
+    assert route(r, 3, prefix_keys=prefix_keys(shared + [7, 8, 9])) == first
+    # Three in flight there against none elsewhere: past the imbalance, the least loaded takes it.
+    other = route(r, 4, prefix_keys=prefix_keys(shared + [10, 11, 12]))
+    assert other != first
+    # A pinned continuation goes to its replica whatever the load.
+    assert route(r, 5, prefix_keys=prefix_keys(shared + [13]), pinned=True) in (first, other)
+    # Ended requests free their replica's count.
+    for number in (1, 2, 3):
+        r.on_request_completed(SimpleNamespace(unique_id=first), f"r{number}")  # type: ignore[arg-type]
+    assert r._in_flight[first] in (0, 1)
+
+
+def test_without_a_known_prefix_the_least_loaded_replica_is_chosen() -> None:
+    r = router()
+    picks = [route(r, n, prefix_keys=[]) for n in range(3)]
+    assert sorted(picks) == ["a", "b", "c"]  # each new request to an idle replica
+
+
+def test_least_loaded_mode_ignores_prefixes_and_round_robin_takes_turns() -> None:
+    r = router(mode="least-loaded")
+    keys = prefix_keys(list(range(64)))
+    assert sorted(route(r, n, prefix_keys=keys) for n in range(3)) == ["a", "b", "c"]
+    rr = router(mode="round-robin")
+    turns = [route(rr, n, prefix_keys=keys) for n in range(6)]
+    assert turns[:3] != turns[1:4] and sorted(turns) == ["a", "a", "b", "b", "c", "c"]
+
+
+def test_an_unknown_mode_is_refused() -> None:
+    with pytest.raises(ValueError, match="round-robin"):
+        router(mode="random")
