@@ -86,3 +86,17 @@ def test_least_loaded_mode_ignores_prefixes_and_round_robin_takes_turns() -> Non
 def test_an_unknown_mode_is_refused() -> None:
     with pytest.raises(ValueError, match="round-robin"):
         router(mode="random")
+
+
+def test_the_rayservice_builder_takes_rill_serve_settings() -> None:
+    """``rill.cluster.launch:build_app`` (KubeRay's ``import_path``) builds the replicas of the
+    settings it is given, by ``rill serve``'s flag names."""
+    from rill.cluster.launch import build_app
+
+    app = build_app({"model": "/models/m", "replicas": 3, "num-threads": 2, "routing": "least-loaded"})
+    deployment = app._bound_deployment
+    assert deployment._deployment_config.num_replicas == 3
+    [engine] = deployment.init_args
+    assert (engine.model, engine.num_threads) == ("/models/m", 2)
+    router = deployment._deployment_config.request_router_config
+    assert router.request_router_kwargs == {"mode": "least-loaded"}

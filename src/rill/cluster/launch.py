@@ -1,9 +1,13 @@
 """Start (or join) Ray and deploy the engine replicas: the only module that sets Ray up.
 
-``deploy`` runs in a worker thread of the server (Ray's start and Serve's deploy block). With
-``--ray-address`` it joins that cluster; without, it starts a Ray instance of this server's own
-and stops it again at ``close``. Serve's HTTP proxy is not started: rill's own listeners serve
-every protocol, and reach the replicas through the deployment handle only.
+``deploy`` runs in a worker thread of the server (Ray's start and Serve's deploy block).
+Without ``--ray-address`` it starts a Ray instance of this server's own, deploys the replicas,
+and removes both again at ``close``. With ``--ray-address`` it joins that cluster: if the
+application is already there (deployed by another rill server, or by a KubeRay ``RayService``
+through ``build_app``), it uses it as it is; otherwise it deploys it, and leaves it running at
+``close`` (the cluster's operator removes it: ``serve delete rill``), so that one server's
+restart never takes the replicas from another. Serve's HTTP proxy is not started: rill's own
+listeners serve every protocol, and reach the replicas through the deployment handle only.
 """
 
 from __future__ import annotations
@@ -40,18 +44,22 @@ stats reads must never wait behind generations."""
 
 @dataclass
 class Deployed:
-    """The deployed replicas: the deployment handle, and whether this server started Ray."""
+    """The deployed replicas: the deployment handle, whether this server started Ray, and
+    whether the application is this server's to remove."""
 
     handle: Any
     started_ray: bool
+    owns_app: bool
 
     def close(self) -> None:
-        """Remove the application (its replicas free their memory); stop Ray if it is ours."""
+        """Remove the application if it is ours (its replicas free their memory) and stop Ray
+        if this server started it; a joined cluster keeps its replicas."""
         import ray
         from ray import serve
 
         try:
-            serve.delete(APP)
+            if self.owns_app:
+                serve.delete(APP)
             if self.started_ray:
                 serve.shutdown()
         finally:
@@ -71,8 +79,6 @@ def deploy(engine: EngineConfig, cluster: ClusterConfig) -> Deployed:
         from ray import serve
     except ImportError as exc:
         raise ConfigError("--replicas needs Ray: pip install 'rill[ray]'") from exc
-
-    from rill.cluster.replica import EngineReplica
 
     assert cluster.replicas is not None
     started_ray = False
@@ -95,6 +101,21 @@ def deploy(engine: EngineConfig, cluster: ClusterConfig) -> Deployed:
             )
             started_ray = True
     serve.start(http_options={"location": "NoServer"}, logging_config={"log_level": "WARNING"})
+    if not started_ray and APP in serve.status().applications:
+        log.info("using the engine replicas already deployed on the cluster (application %r)", APP)
+        return Deployed(handle=serve.get_app_handle(APP), started_ray=False, owns_app=False)
+    log.info("deploying %d engine replica(s) on Ray", cluster.replicas)
+    handle = serve.run(replica_app(engine, cluster), name=APP, route_prefix=None)
+    return Deployed(handle=handle, started_ray=started_ray, owns_app=started_ray)
+
+
+def replica_app(engine: EngineConfig, cluster: ClusterConfig) -> Any:
+    """The Serve application of ``cluster.replicas`` engine replicas of ``engine``."""
+    from ray import serve
+
+    from rill.cluster.replica import EngineReplica
+
+    assert cluster.replicas is not None
     replica = serve.deployment(
         name=DEPLOYMENT,
         num_replicas=cluster.replicas,
@@ -109,6 +130,15 @@ def deploy(engine: EngineConfig, cluster: ClusterConfig) -> Deployed:
             "request_router_kwargs": {"mode": cluster.routing},
         },
     )(EngineReplica)
-    log.info("deploying %d engine replica(s) on Ray", cluster.replicas)
-    handle = serve.run(replica.bind(engine), name=APP, route_prefix=None)
-    return Deployed(handle=handle, started_ray=started_ray)
+    return replica.bind(engine)
+
+
+def build_app(args: dict[str, Any]) -> Any:
+    """Ray Serve application builder for a cluster's own config (KubeRay ``RayService``:
+    ``import_path: rill.cluster.launch:build_app``): ``args`` are ``rill serve``'s settings by
+    their flag names without dashes (``model``, ``replicas``, ``num_threads``, ...)."""
+    from rill.config import load
+
+    config = load({key.replace("-", "_"): value for key, value in args.items()}, env={})
+    cluster = config.cluster if config.cluster.replicas is not None else ClusterConfig(replicas=1)
+    return replica_app(config.engine, cluster)

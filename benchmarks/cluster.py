@@ -1,0 +1,207 @@
+"""What engine replicas on Ray Serve cost and give: single-process rill against ``--replicas``.
+
+    .venv/bin/python benchmarks/cluster.py [--model smollm2] [--levels 1,8,32]
+        [--max-tokens 64] [--prompt-len 48] [--quick]
+
+One run, every server in turn on the same machine (each stopped before the next starts), the
+OpenAI API in a closed loop (``rill.bench``), greedy, ``ignore_eos``:
+
+1. Throughput and TTFT at each concurrency for
+   ``single``  one process, the engine on 2 threads (the default server);
+   ``r1``      ``--replicas 1``, the replica's engine on 2 threads: what the Ray hop costs;
+   ``r1-1t``   ``--replicas 1 --num-threads 1``: one 1-thread replica;
+   ``r2-1t``   ``--replicas 2 --num-threads 1``: two 1-thread replicas (what scaling out gives).
+   Goals: ``r1`` keeps at least 90 % of ``single``'s tokens/s at the highest level and adds at
+   most 20 ms to TTFT p50; ``r2-1t`` reaches at least 1.6x ``r1-1t`` at the highest level.
+2. Prefix-cache hit rate on a shared-system-prompt load (``--system-prompts`` long prefixes,
+   each followed by different questions, in a shuffled order) on ``--replicas 2``, routed by
+   prefix affinity and round-robin: prompt tokens found in the replicas' prefix caches over
+   prompt tokens looked up (from ``/metrics``, summed over replicas).
+
+``--quick`` checks the script works (one level, few tokens): its figures mean nothing. On a
+2-core machine the two 1-thread replicas and the server process share the cores: compare rows
+of one run, never across machines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from compare import Server, free_port, resolve_model
+
+from rill.bench.drivers import Options, Target
+from rill.bench.runner import measure
+from rill.bench.stats import Summary
+from rill.bench.workload import WORDS, BenchRequest, synthetic_prompts
+
+CONFIGS = {
+    "single": [],
+    "r1": ["--replicas", "1"],
+    "r1-1t": ["--replicas", "1", "--num-threads", "1"],
+    "r2-1t": ["--replicas", "2", "--num-threads", "1"],
+}
+
+
+def server(name: str, model: Path, flags: list[str], log_dir: Path) -> Server:
+    """``rill serve`` on ``model`` with only HTTP listening, plus ``flags``."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "rill", "serve", "--model", str(model), "--port", str(port)]
+    cmd += ["--no-socket", "--grpc-port", "0", "--max-queue", "4096", "--log-level", "warning", *flags]
+    return Server(name, cmd, port, log_dir / f"{name}.log", "/health")
+
+
+async def levels_of(port: int, levels: list[int], args: argparse.Namespace) -> dict[int, Summary]:
+    """Every concurrency level against one running server; a seed per level (no prompt repeats)."""
+    results: dict[int, Summary] = {}
+    for level in levels:
+        requests = synthetic_prompts(max(2 * level, 8), args.prompt_len, args.max_tokens, args.seed + level)
+        summary, _ = await measure(
+            "openai",
+            Target(port=port),
+            Options(temperature=0.0, ignore_eos=True),
+            requests,
+            concurrency=level,
+            num_warmup=1,
+            max_duration_s=args.max_duration_s,
+        )
+        results[level] = summary
+        print(
+            f"    c={level:<3} {summary.output_tokens_per_s:8.1f} tok/s  TTFT p50 {summary.ttft.p50_ms:7.0f} ms"
+            f"  p99 {summary.ttft.p99_ms:7.0f} ms  errors {summary.num_errors}",
+            flush=True,
+        )
+    return results
+
+
+def prefix_counters(port: int) -> tuple[float, float]:
+    """Prompt tokens found in the prefix caches and looked up, summed over the replicas."""
+    hits = queries = 0.0
+    for line in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text.splitlines():
+        if line.startswith("rill_prefix_cache_hits_total{"):
+            hits = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("rill_prefix_cache_queries_total{"):
+            queries = float(line.rsplit(" ", 1)[1])
+    return hits, queries
+
+
+def shared_prefix_load(args: argparse.Namespace) -> list[BenchRequest]:
+    """``--system-prompts`` long prefixes, each with ``--per-prompt`` different questions, shuffled."""
+    rng = random.Random(args.seed)
+    systems = [" ".join(rng.choice(WORDS) for _ in range(args.system_len)) for _ in range(args.system_prompts)]
+    requests = [
+        f"{system}\nQuestion: {' '.join(rng.choice(WORDS) for _ in range(8))}\nAnswer:"
+        for system in systems
+        for _ in range(args.per_prompt)
+    ]
+    rng.shuffle(requests)
+    return [BenchRequest(index=i, prompt=p, max_tokens=args.prefix_max_tokens) for i, p in enumerate(requests)]
+
+
+async def hit_rate(port: int, args: argparse.Namespace) -> tuple[float, Summary]:
+    """The shared-prefix load on a running cluster: its hit rate (the stats are read every
+    second: wait for them to settle) and its figures."""
+    before = prefix_counters(port)
+    summary, _ = await measure(
+        "openai",
+        Target(port=port),
+        Options(temperature=0.0, ignore_eos=True),
+        shared_prefix_load(args),
+        concurrency=args.prefix_concurrency,
+        num_warmup=0,
+        max_duration_s=args.max_duration_s,
+    )
+    await asyncio.sleep(2.5)  # two reads of every replica's gauges: the counters include the last request
+    after = prefix_counters(port)
+    hits, queries = after[0] - before[0], after[1] - before[1]
+    return (hits / queries if queries else float("nan")), summary
+
+
+def verdict(ok: bool) -> str:
+    return "met" if ok else "NOT met"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--levels", default="1,8,32")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=48, help="words per prompt")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-duration-s", type=float, default=600.0)
+    parser.add_argument("--system-prompts", type=int, default=12)
+    parser.add_argument("--system-len", type=int, default=150, help="words per system prompt")
+    parser.add_argument("--per-prompt", type=int, default=8, help="questions per system prompt")
+    parser.add_argument("--prefix-concurrency", type=int, default=8)
+    parser.add_argument("--prefix-max-tokens", type=int, default=8)
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--log-dir", type=Path, default=Path("benchmarks/.cluster-logs"))
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.levels, args.max_tokens, args.system_prompts, args.per_prompt = "2", 8, 3, 2
+    levels = [int(x) for x in args.levels.split(",")]
+    model = resolve_model(args.model)
+    print(f"model {model}; levels {levels}; {args.max_tokens} tokens per request, prompts of {args.prompt_len} words")
+
+    results: dict[str, dict[int, Summary]] = {}
+    for name in args.configs.split(","):
+        print(f"  {name}: rill serve {' '.join(CONFIGS[name])}", flush=True)
+        started = time.monotonic()
+        with server(name, model, CONFIGS[name], args.log_dir) as srv:
+            srv.wait_ready(600)
+            print(f"    ready in {time.monotonic() - started:.1f} s", flush=True)
+            results[name] = asyncio.run(levels_of(srv.port, levels, args))
+
+    print("\n## Throughput and TTFT (OpenAI API, closed loop, greedy)\n")
+    print("| server | c | tokens/s | TTFT p50 ms | TTFT p99 ms | errors |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name, by_level in results.items():
+        for level, s in by_level.items():
+            print(
+                f"| {name} | {level} | {s.output_tokens_per_s:.1f} | {s.ttft.p50_ms:.0f} | {s.ttft.p99_ms:.0f} "
+                f"| {s.num_errors} |"
+            )
+    top = levels[-1]
+    if {"single", "r1"} <= results.keys():
+        kept = results["r1"][top].output_tokens_per_s / results["single"][top].output_tokens_per_s
+        added = (
+            results["r1"][1 if 1 in levels else top].ttft.p50_ms
+            - results["single"][1 if 1 in levels else top].ttft.p50_ms
+        )
+        print(
+            f"\n--replicas 1 keeps {kept:.0%} of single-process tokens/s at c={top} (goal >= 90 %: {verdict(kept >= 0.9)})"
+        )
+        print(
+            f"--replicas 1 adds {added:.0f} ms to TTFT p50 at c={1 if 1 in levels else top} (goal <= 20 ms: {verdict(added <= 20)})"
+        )
+    if {"r1-1t", "r2-1t"} <= results.keys():
+        gain = results["r2-1t"][top].output_tokens_per_s / results["r1-1t"][top].output_tokens_per_s
+        print(f"two 1-thread replicas: {gain:.2f}x one at c={top} (goal >= 1.6x: {verdict(gain >= 1.6)})")
+
+    print("\n## Prefix-cache hit rate, shared system prompts, --replicas 2 --num-threads 1\n")
+    print(
+        f"{args.system_prompts} system prompts of {args.system_len} words x {args.per_prompt} questions, "
+        f"shuffled, c={args.prefix_concurrency}, {args.prefix_max_tokens} tokens each\n"
+    )
+    print("| routing | hit rate | tokens/s | TTFT p50 ms |")
+    print("| --- | --- | --- | --- |")
+    for routing in ("prefix", "round-robin"):
+        flags = ["--replicas", "2", "--num-threads", "1", "--routing", routing]
+        with server(f"prefix-{routing}", model, flags, args.log_dir) as srv:
+            srv.wait_ready(600)
+            rate, summary = asyncio.run(hit_rate(srv.port, args))
+        print(f"| {routing} | {rate:.1%} | {summary.output_tokens_per_s:.1f} | {summary.ttft.p50_ms:.0f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
