@@ -120,3 +120,31 @@ async def test_a_peer_that_falls_behind_the_memory_bound_is_told_and_closed() ->
     w.end()
     await w.drain()
     assert peer.got == ["0:ab"] and len(lost) == 1 and peer.closed == (1008, "lost")
+
+
+async def test_a_new_peer_replaces_the_old_one_with_no_moment_without_a_peer() -> None:
+    """While the old peer's follower is being stopped the new peer is already the writer's
+    (a finished recording seen with no peer would end its conversation)."""
+    w, streams = writer(), registry()
+    old, new = Peer(asyncio.Event()), Peer()  # the old peer's writes never finish
+    w.peer = old
+    stream = streams.open("g1", "alice")
+    await w.record(stream)
+    await w.send("a")
+    seen: list[Peer | None] = []
+    write, writing = old.write, asyncio.Event()
+
+    async def noting(message: str) -> None:
+        writing.set()
+        try:
+            await write(message)
+        except asyncio.CancelledError:
+            seen.append(w.peer)
+            raise
+
+    old.write = noting  # type: ignore[method-assign]
+    await writing.wait()
+    await w.follow(new, stream, -1)
+    assert seen == [new] and w.peer is new
+    await new.wrote.wait()
+    assert new.got == ["0:a"] and old.got == []

@@ -106,13 +106,22 @@ class StreamWriter(Generic[M, E, P]):
         first reads what its follower still has; another one replaces the current peer."""
         if peer is self.peer:
             await self.drain()
-        else:
-            await self.detach()
+            self._start(peer, stream, after)
+            return
+        # The new peer's follower starts before the old one is stopped (they write to
+        # different peers): the writer never has no peer in between, when a finished
+        # recording would take it for a conversation no one attends.
+        old = self._follower
         self._start(peer, stream, after)
+        await self._stop(old)
 
     async def detach(self) -> None:
         """The peer is gone or replaced: stop following (what it did not read stays recorded)."""
         task, self._follower, self.peer = self._follower, None, None
+        await self._stop(task)
+
+    @staticmethod
+    async def _stop(task: asyncio.Task[None] | None) -> None:
         if task is not None and not task.done():
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

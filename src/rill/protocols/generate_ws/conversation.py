@@ -230,23 +230,31 @@ class Conversation(Transport):
         owner: Conversation | None = self.service.live.get(request_id)
         if peer is None:
             return
-        if owner is None or owner is self or owner.is_closed:  # it has ended: read what it sent
-            await self.writer.follow(peer, stream, after)
-            return
-        # It runs in another conversation: this socket moves there; this one (idle) ends.
-        await self.writer.drain()
-        await self.writer.detach()
-        await owner.take_over(peer, stream, after)
-        await self.shutdown()
+        if owner is not None and owner is not self and not owner.is_closed:
+            # It runs in another conversation: this socket moves there; this one (idle) ends.
+            await self.writer.drain()
+            await self.writer.detach()
+            # The owner may have ended while this one awaited: then it refuses, and this
+            # socket reads what it sent from here, as below.
+            if await owner.take_over(peer, stream, after):
+                await self.shutdown()
+                return
+        await self.writer.follow(peer, stream, after)  # it has ended: read what it sent
 
-    async def take_over(self, peer: ClientEnd, stream: ResumableStream[transcript.Entry], after: int) -> None:
+    async def take_over(self, peer: ClientEnd, stream: ResumableStream[transcript.Entry], after: int) -> bool:
         """``peer`` resumed this conversation's generation: it reads the transcript after
-        ``after`` and steers from now on; a socket still attached is closed."""
+        ``after`` and steers from now on; a socket still attached is closed. False (and
+        nothing changes) when this conversation has ended."""
+        if self.is_closed:
+            return False
+        # No await between the check and the switch: the follower replaces the old peer's at
+        # once, so the conversation never looks unattended meanwhile (which would end it).
         old = self.writer.peer
-        await self.writer.follow(peer, stream, after)
         peer.conversation = self
-        if old is not None:
+        await self.writer.follow(peer, stream, after)
+        if old is not None and old is not peer:
             await old.close(TAKEN_OVER_CLOSE_CODE, "resumed on another connection")
+        return True
 
     async def _lost(self, peer: ClientEnd, exc: ResumeExpired) -> None:
         # The socket read so slowly that the transcript dropped what it had not read yet.
