@@ -11,6 +11,7 @@ client as text: protocols answer them with a generic message.
     │   ├── ContextLengthExceeded   prompt (+ generation) longer than the context
     │   ├── ConstraintFailed        a grammar that compiled could not be followed while sampling
     │   ├── PromptTooLarge          prompt over the character bound (checked before tokenizing)
+    │   ├── PositionOutOfRange      a resume from a position a resumable stream has no event at (yet)
     │   └── BodyTooLarge            HTTP request body over the configured limit
     ├── Unauthorized                no API key or a wrong one
     ├── Forbidden                   a foreign web page or host name (browser checks)
@@ -116,6 +117,25 @@ class PromptTooLarge(InvalidRequest):
         )
         self.num_chars = num_chars
         self.max_chars = max_chars
+
+
+class PositionOutOfRange(InvalidRequest):
+    """A resume asked for the events after a position the stream has no event at (yet).
+
+    The field is the protocol's to name (each calls the position its own way), so ``field``
+    is None here.
+
+    Attributes:
+        position: the position asked for (-1: before the first event).
+        last_position: the position of the stream's last event so far (-1: none yet).
+    """
+
+    def __init__(self, position: int, last_position: int) -> None:
+        super().__init__(
+            f"position {position} is out of range: the stream's last event so far has position {last_position}"
+        )
+        self.position = position
+        self.last_position = last_position
 
 
 class RequestRejected(RillError):

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from rill.errors import InvalidRequest, RequestNotFound, ResourceExhausted, ResumeExpired
+from rill.errors import PositionOutOfRange, RequestNotFound, ResourceExhausted, ResumeExpired
 from rill.frontend.resumable import StreamRegistry
 
 
@@ -53,14 +53,15 @@ async def test_position_past_the_end_is_invalid() -> None:
     stream = registry.open("r1", "alice")
     stream.append("a", 1)
     stream.check_position(0)  # the next event is awaited: fine while running
-    with pytest.raises(InvalidRequest) as caught:
+    with pytest.raises(PositionOutOfRange) as caught:
         stream.check_position(5)
-    assert caught.value.field == "starting_after"
+    # Neutral: the position and the last one; each protocol names its own field.
+    assert (caught.value.position, caught.value.last_position, caught.value.field) == (5, 0, None)
     stream.finish()
     stream.check_position(0)  # all seen: a resume reads nothing and ends
-    with pytest.raises(InvalidRequest):
+    with pytest.raises(PositionOutOfRange):
         stream.check_position(1)
-    with pytest.raises(InvalidRequest):
+    with pytest.raises(PositionOutOfRange):
         stream.check_position(-2)
 
 
@@ -160,3 +161,25 @@ async def test_get_gives_an_unheld_stream_a_fresh_grace_period(monkeypatch: pyte
     now[0] = 1019.5
     await registry.wait_forgotten("r1")
     assert cancelled == [True]
+
+
+async def test_a_reader_that_falls_behind_while_reading_expires_at_its_next_event() -> None:
+    """Events dropped for the memory bound while the reader handles one (or waits for the
+    next) end its read with ``ResumeExpired``, after the last event it could still read."""
+    registry = _registry(max_stream_bytes=8)
+    stream = registry.open("r1", "alice")
+    stream.append("e0", 4)
+    stream.append("e1", 4)
+    reader = stream.follow()
+    assert await anext(reader) == (0, "e0")
+    for i in (2, 3):
+        stream.append(f"e{i}", 4)  # e1 is dropped while the reader handles e0
+    with pytest.raises(ResumeExpired):
+        await anext(reader)
+    live = stream.follow(after=2)
+    assert await anext(live) == (3, "e3")
+    waiting = asyncio.ensure_future(anext(live))
+    for i in (4, 5, 6):
+        stream.append(f"e{i}", 4)  # e4 is dropped before the waiting reader wakes
+    with pytest.raises(ResumeExpired):
+        await waiting

@@ -1,8 +1,7 @@
 """Streams that outlive their connection: a generation's events, kept so a client that lost
 its connection can re-attach and read on from where it was.
 
-One mechanism for every protocol that offers resume (the Responses API's background mode and
-``starting_after``, ``/generate``'s ``resume`` message). The protocol's producer (a task that
+One mechanism for every protocol that offers resume (each names a position its own way). The protocol's producer (a task that
 reads the engine's outputs and turns them into the protocol's events) appends each event to a
 ``ResumableStream``; every connection that shows the stream is a follower that reads the
 events after a position, then follows live. The producer does not depend on any follower:
@@ -30,7 +29,7 @@ import logging
 from collections.abc import AsyncGenerator, Callable
 from typing import Generic, TypeVar
 
-from rill.errors import InvalidRequest, RequestNotFound, ResourceExhausted, ResumeExpired
+from rill.errors import InvalidRequest, PositionOutOfRange, RequestNotFound, ResourceExhausted, ResumeExpired
 
 log = logging.getLogger("rill.resumable")
 
@@ -111,13 +110,10 @@ class ResumableStream(Generic[E]):
 
     def check_position(self, after: int) -> None:
         """Raise unless the events after position ``after`` (-1: from the start) can be read:
-        ``InvalidRequest`` for a position no event has (yet),
+        ``PositionOutOfRange`` for a position no event has (yet),
         ``ResumeExpired`` when they were dropped for the memory bound."""
         if after < -1 or after >= self.next_position:
-            raise InvalidRequest(
-                f"position {after} is past the end of the stream ({self.next_position} events so far)",
-                field="starting_after",
-            )
+            raise PositionOutOfRange(after, self.next_position - 1)
         if after + 1 < self._first:
             raise ResumeExpired(
                 f"the events after position {after} are no longer kept (the stream keeps the last "
@@ -133,19 +129,17 @@ class ResumableStream(Generic[E]):
             position = after + 1
             while True:
                 if position < self._first:
-                    # A slow reader fell behind the memory bound while it read.
+                    # A slow reader fell behind the memory bound while it read (the consumer
+                    # of each event yielded may take any time).
                     raise ResumeExpired(f"the events after position {position - 1} are no longer kept")
-                while position < self.next_position:
+                if position < self.next_position:
                     event, _ = self._events[position - self._first]
                     yield position, event
                     position += 1
-                    if position < self._first:
-                        break
-                if position < self._first:
-                    continue
-                if self.finished:
+                elif self.finished:
                     return
-                await self._wake.wait()
+                else:
+                    await self._wake.wait()
         finally:
             self._followers -= 1
             if not self.is_held:

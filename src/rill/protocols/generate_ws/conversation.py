@@ -24,7 +24,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from rill.errors import InvalidRequest, RequestNotFound, ResumeExpired, RillError
+from rill.errors import InvalidRequest, PositionOutOfRange, RequestNotFound, ResumeExpired, RillError
 from rill.frontend.resumable import ResumableStream
 from rill.frontend.stream import RequestStream
 from rill.protocols._shared.driver import Driver, Transport
@@ -212,10 +212,10 @@ class Conversation(Transport):
             stream = self.service.registry.get(request_id, self.owner)
             try:
                 stream.check_position(after)
-            except InvalidRequest as exc:
+            except PositionOutOfRange as exc:
                 raise InvalidRequest(
                     f"last_index {after} is past the end of generation {request_id!r} "
-                    f"(its last message so far has index {stream.next_position - 1})",
+                    f"(its last message so far has index {exc.last_position})",
                     field="last_index",
                 ) from exc
         except RequestNotFound as exc:

@@ -37,7 +37,7 @@ from starlette.types import Receive, Scope, Send
 
 from rill import auth
 from rill.config import parse_size
-from rill.errors import InvalidRequest, RequestNotFound, ResumeExpired, RillError
+from rill.errors import InvalidRequest, PositionOutOfRange, RequestNotFound, ResumeExpired, RillError
 from rill.frontend.client import Submission
 from rill.frontend.resumable import ResumableStream, StreamRegistry
 from rill.frontend.stream import RequestStream
@@ -285,7 +285,14 @@ class ResponsesApi:
                         f"response {response_id!r} ended more than {self.streams.grace_s:g} s ago; its events are "
                         "no longer kept (GET it without stream for the result)"
                     ) from exc
-                stream.check_position(after)
+                try:
+                    stream.check_position(after)
+                except PositionOutOfRange as exc:
+                    raise InvalidRequest(
+                        f"'starting_after' must be from -1 to {exc.last_position} (the sequence_number of the "
+                        f"last event so far), not {after}",
+                        field="starting_after",
+                    ) from exc
                 return _Follower(stream, after, self.keepalive_s)
             run = self._live(response_id, principal)
             if run is not None:
