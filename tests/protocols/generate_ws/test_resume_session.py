@@ -170,3 +170,32 @@ def test_kept_tokens_cost_their_piece_not_the_whole_text() -> None:
         _, size = log.entry(m.Token(token="word ", generated_text=text), i)
         sizes.append(size)
     assert max(sizes) < 200  # as sent, the last token alone would be over 10,000 bytes
+
+
+@pytest.mark.parametrize(
+    "token",
+    [
+        m.Token(token="word ", generated_text="", index=7),
+        m.Token(token=" the", generated_text="", finished=True, finish_reason="length", index=10**6),
+        m.Token(
+            token="x",
+            generated_text="",
+            token_id=2**31,
+            logprobs=[m.TokenLogprobWire(token=t, logprob=-1.2345678901234567e-300, token_id=2**40) for t in "xyz"],
+            timing=m.TokenTiming(token_ms=12.345678901234567, total_ms=-1.2345678901234567e300),
+            request_id="gen_0123456789abcdef",
+            index=2**62,
+        ),
+    ],
+)
+def test_a_tokens_counted_size_bounds_its_json_without_encoding_it(token: m.Token) -> None:
+    """``token_size`` is at least the JSON's length for plain ASCII, and not far above it."""
+    encoded = len(codec.encode(token))
+    assert encoded <= transcript.token_size(token) <= 2 * encoded + 64
+
+
+def test_a_tokens_counted_size_is_a_sixth_of_its_json_at_least() -> None:
+    """Characters that JSON escapes (6 bytes each) or UTF-8 spends 4 bytes on."""
+    for text in ("\x00" * 500, "\U0001f600" * 500, "é" * 500):
+        token = m.Token(token=text, generated_text="", index=1)
+        assert len(codec.encode(token)) <= 6 * transcript.token_size(token)

@@ -11,6 +11,10 @@ text ended instead; the text itself is held once per run (from one ``init`` to t
 ``regenerate`` starts a new run), the newest text of the run, of which every earlier token's
 text is a prefix. ``message`` rebuilds the token as it was sent.
 
+What a kept token counts against the stream's memory bound is worked out from the lengths of
+its strings (``token_size``), not by encoding it: a token is the one message sent per step,
+and encoding each only to count it would cost as much again as sending it.
+
 Pure: msgspec and this package's messages and codec.
 """
 
@@ -62,7 +66,36 @@ class Transcript:
         num_new_chars = len(text) - len(run.value)
         run.value = text
         compact = msgspec.structs.replace(msg, generated_text="", index=index)
-        return Entry(compact, run, len(text)), len(codec.encode(compact)) + num_new_chars
+        return Entry(compact, run, len(text)), token_size(compact) + num_new_chars
+
+
+# The most JSON each part of a token message takes beyond its strings' characters: the keys,
+# quotes and punctuation, an integer of 20 characters, a float of 24 (msgspec's longest).
+_TOKEN_FIXED = 114  # type, token, generated_text, finished, finish_reason, index
+_TOKEN_ID = 32
+_TIMING = 81
+_REQUEST_ID = 16
+_LOGPROBS = 14
+_LOGPROB_ENTRY = 78
+
+
+def token_size(msg: m.Token) -> int:
+    """About the bytes of ``msg``'s JSON, from its strings' lengths in characters.
+
+    Bound: at least the JSON's length when the strings are ASCII with nothing to escape, and
+    at least a sixth of it whatever they hold (a character takes 1 to 6 bytes: UTF-8 up to 4,
+    an escaped control character 6); each string's character count is exact.
+    """
+    size = _TOKEN_FIXED + len(msg.token) + len(msg.generated_text) + len(msg.finish_reason or "")
+    if msg.token_id is not msgspec.UNSET:
+        size += _TOKEN_ID
+    if msg.timing is not msgspec.UNSET:
+        size += _TIMING
+    if msg.request_id is not msgspec.UNSET:
+        size += _REQUEST_ID + len(msg.request_id)
+    if msg.logprobs is not msgspec.UNSET:
+        size += _LOGPROBS + sum(_LOGPROB_ENTRY + len(entry.token) for entry in msg.logprobs)
+    return size
 
 
 def message(entry: Entry) -> m.ServerMessage:
