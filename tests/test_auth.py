@@ -121,3 +121,10 @@ def test_scope_owner_is_the_key_or_everyone_without_keys() -> None:
     assert auth.scope_owner(keyed) == auth.principal("k-1", None)
     assert auth.scope_owner({"client": ("10.0.0.1", 1)}) == auth.scope_owner({"client": ("10.9.9.9", 2)})
     assert auth.scope_owner({"client": ("10.0.0.1", 1)}) == auth.ANONYMOUS_OWNER
+
+
+def test_owner_of_a_principal_is_its_key_or_everyone() -> None:
+    """The one rule behind ``scope_owner`` and ``/generate``'s resume (which has a principal,
+    not a scope)."""
+    assert auth.owner(auth.principal("k-1", "10.0.0.1")) == auth.principal("k-1", None)
+    assert auth.owner(auth.principal(None, "10.0.0.1")) == auth.ANONYMOUS_OWNER

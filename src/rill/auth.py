@@ -109,13 +109,18 @@ ANONYMOUS_OWNER = "anonymous"
 """The owner of what a request without a key stores (auth off)."""
 
 
-def scope_owner(scope: Mapping[str, Any]) -> str:
-    """Whose stored responses and resumable streams a request may read: its key's principal,
-    or, with auth off, ``ANONYMOUS_OWNER`` for everyone. Not the client's address: an address
-    changes when a phone changes networks, which is when a client resumes; without keys the
-    unguessable id of a response or generation is the only secret there is."""
-    principal_ = scope_principal(scope)
+def owner(principal_: str) -> str:
+    """Whose stored responses and resumable streams a request of ``principal_`` may read: its
+    key's principal, or, with auth off, ``ANONYMOUS_OWNER`` for everyone. Not the client's
+    address: an address changes when a phone changes networks, which is when a client
+    resumes; without keys the unguessable id of a response or generation is the only secret
+    there is."""
     return principal_ if principal_.startswith("key:") else ANONYMOUS_OWNER
+
+
+def scope_owner(scope: Mapping[str, Any]) -> str:
+    """``owner`` of the principal of an ASGI ``scope`` (``scope_principal``)."""
+    return owner(scope_principal(scope))
 
 
 def client_key(host: str) -> str:

@@ -8,10 +8,11 @@ adapter reads its frames and hands them to ``end.conversation``.
 Resume: while a resumable generation runs, what the conversation sends is recorded
 (``_shared/resume.StreamWriter``) in a stream of the server's registry
 (``rill.frontend.resumable``), which the client end follows. When that end goes away the
-conversation runs on; a ``resume`` from a new end of the same owner (``service.owner``) moves the new end to
-it (``take_over``: the messages it missed, then live, and its controls steer the generation
-from then on). The registry's grace timer ends a conversation no one came back to, which
-aborts its request and frees its KV memory; ``service.live`` finds a running one by id.
+conversation runs on; a ``resume`` from a new end of the same owner (``rill.auth.owner``)
+moves the new end to it (``take_over``: the messages it missed, then live, and its controls
+steer the generation from then on). The registry's grace timer ends a conversation no one
+came back to, which aborts its request and frees its KV memory; ``service.live`` finds a
+running one by id.
 
 Not pure (``NOT_PURE`` in ``tests/protocols/test_purity.py``): it runs requests on the engine
 client and tasks that follow a stream. The sockets and HTTP are ``adapter.py``'s.
@@ -24,6 +25,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from rill import auth
 from rill.errors import InvalidRequest, PositionOutOfRange, RequestNotFound, ResumeExpired, RillError
 from rill.frontend.resumable import ResumableStream
 from rill.frontend.stream import RequestStream
@@ -78,7 +80,7 @@ class Conversation(Transport):
 
     def __init__(self, service: GenerateService, peer: ClientEnd, api_key: str | None, principal: str) -> None:
         self.service, self.api_key, self.principal = service, api_key, principal
-        self.owner = service.owner(principal)  # who may resume its generations
+        self.owner = auth.owner(principal)  # who may resume its generations
         self.session = service.new_session()
         self.history = service.history(principal, self.session)
         self.is_closed = False

@@ -55,7 +55,6 @@ class Generation:
     is_finished: bool = False
     is_started: bool = False  # the engine accepted it (init sent); a refused one has nothing to rate
     num_feedback: int = 0
-    is_resumable: bool = False  # config asked for it to outlive its connection
     is_recording: bool = False  # its transcript is open (from Record until StopRecording)
 
     @property

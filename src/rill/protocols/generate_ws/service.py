@@ -76,13 +76,6 @@ class GenerateService:
         the client's address (a key sent to a server without keys names nobody)."""
         return auth.principal(key, None) if self.deps.api_keys and key else auth.scope_principal(scope)
 
-    def owner(self, principal: str) -> str:
-        """Whose resumable generations a connection of ``principal`` may resume (the rule of
-        ``rill.auth.scope_owner``): its API key's, or without keys everyone's, since a
-        client's address changes when a phone changes networks, which is when it resumes: the
-        generation's random id is then the secret."""
-        return principal if principal.startswith("key:") else auth.ANONYMOUS_OWNER
-
     def token_text(self, token_id: int) -> str:
         """Text of one token (for logprob alternatives)."""
         try:

@@ -170,7 +170,6 @@ class GenerateSession(Session):
             prompt=msg.prompt, sampling=sampling, request_id=self.gen.request_id, protocol=PROTOCOL
         )
         if msg.resumable is True:
-            self.gen.is_resumable = True
             self._pending = request
             return [Record(self.gen.request_id)]
         return [Start(request)]
