@@ -109,7 +109,7 @@ async def test_bounds_are_checked_before_queueing(bert_dir: Path) -> None:
     try:
         with pytest.raises(InvalidRequest, match="holds 4 inputs; this server embeds at most 3") as caught:
             await service.embed(EmbeddingSubmission(inputs=["a"] * 4))
-        assert caught.value.field == "input"
+        assert caught.value.field == "inputs"
         with pytest.raises(InvalidRequest, match="no input"):
             await service.embed(EmbeddingSubmission(inputs=[]))
         with pytest.raises(InvalidRequest) as caught:

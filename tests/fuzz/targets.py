@@ -149,7 +149,7 @@ SERVED = openai_codec.ServedModel(name="fake", max_context_tokens=256, vocab_siz
 
 
 def openai_session(req: Any, kind: OpenAIKind, rng: random.Random) -> None:
-    openai_codec.check_model(req.model, SERVED)
+    openai_codec.check_model(req.model, SERVED.name)
     if kind is OpenAIKind.CHAT:
         messages = openai_codec.template_messages(openai_codec.chat_messages(req, SERVED))
         openai_codec.template_kwargs(req)
@@ -210,7 +210,7 @@ def responses_target(rng: random.Random, given: bytes | None = None) -> tuple[st
         items = responses_codec.input_items(req.input)
         chat = responses_codec.chat_request(req, [], items)
         openai_codec.check_chat(chat)
-        openai_codec.check_model(req.model, SERVED)
+        openai_codec.check_model(req.model, SERVED.name)
         openai_codec.chat_messages(chat, SERVED)
         sampling = openai_codec.sampling_params(chat, SERVED)
         try:

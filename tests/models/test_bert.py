@@ -96,7 +96,7 @@ def test_inputs_longer_than_the_limit_are_refused_or_truncated(bert_dir: Path) -
     long_text = "river " * 100
     with pytest.raises(ContextLengthExceeded, match="input 1 has 102 tokens, but tiny reads at most 64") as caught:
         embedder.prepare(["short", long_text])
-    assert caught.value.field == "input"
+    assert caught.value.field == "inputs"
     [cut] = embedder.prepare([long_text], truncate_to=10)
     assert len(cut) == 10 and cut[0] == 2 and cut[-1] == 3  # [CLS] ... [SEP] kept
     assert len(embedder.prepare([long_text], truncate_to=-1)[0]) == 64
@@ -104,7 +104,7 @@ def test_inputs_longer_than_the_limit_are_refused_or_truncated(bert_dir: Path) -
     for bad in (0, 65, -2):
         with pytest.raises(InvalidRequest) as caught:
             embedder.prepare(["x"], truncate_to=bad)
-        assert caught.value.field == "truncate_prompt_tokens"
+        assert caught.value.field == "truncate_to"
     with pytest.raises(InvalidRequest, match="at least 3"):
         embedder.prepare(["x"], truncate_to=2)
 

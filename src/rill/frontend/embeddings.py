@@ -5,7 +5,7 @@ first loads the model (``rill.models.embedder``; off the event loop, ``/health``
 meanwhile), then runs every forward pass. One ``/v1/embeddings`` request, in order:
 
 1. admission, on the event loop (``embed``): the model is ready; the request holds at most
-   ``--embedding-max-inputs`` inputs (else ``InvalidRequest``, field ``input``); the model can
+   ``--embedding-max-inputs`` inputs (else ``InvalidRequest``, field ``inputs``); the model can
    give the ``dimensions`` asked; the inputs waiting server-wide stay within
    ``--embedding-max-queued-inputs`` (else ``QueueFull``, retryable); last, the submission
    policy counts the request in its principal's rate-limit window (``RateLimited``), so a
@@ -56,14 +56,14 @@ class EmbeddingSubmission:
     Attributes:
         inputs: texts, or token-id lists (taken as given: no special tokens are added).
         dimensions: the vector length asked (None: the model's own).
-        truncate_prompt_tokens: keep at most this many tokens of each input (-1: the model's
-            limit); None refuses an input that is too long.
+        truncate_to: keep at most this many tokens of each input (-1: the model's limit); None
+            refuses an input that is too long.
         principal: who asks (rate limits).
     """
 
     inputs: Sequence[str] | Sequence[Sequence[int]]
     dimensions: int | None = None
-    truncate_prompt_tokens: int | None = None
+    truncate_to: int | None = None
     principal: str | None = None
 
 
@@ -207,8 +207,10 @@ class EmbeddingService:
 
         Raises:
             InvalidRequest: no inputs, more than ``--embedding-max-inputs``, a ``dimensions``
-                the model cannot give, a bad token id or ``truncate_prompt_tokens``.
-            ContextLengthExceeded: an input over the model's limit (field ``input``).
+                the model cannot give, a bad token id or ``truncate_to``. Each names the
+                submission's field (``inputs``, ``dimensions``, ``truncate_to``): a protocol
+                names its own.
+            ContextLengthExceeded: an input over the model's limit (field ``inputs``).
             QueueFull: the server-wide queue of inputs is full (retryable).
             RateLimited: the principal's request window is full.
             ModelNotReady, ModelLoadFailed, EngineDead: as ``state()`` says.
@@ -217,12 +219,12 @@ class EmbeddingService:
         assert self.embedder is not None
         num_inputs = len(request.inputs)
         if not num_inputs:
-            raise InvalidRequest("'input' holds no input to embed", field="input")
+            raise InvalidRequest("the request holds no input to embed", field="inputs")
         if num_inputs > self.config.embedding_max_inputs:
             raise InvalidRequest(
-                f"'input' holds {num_inputs} inputs; this server embeds at most "
+                f"the request holds {num_inputs} inputs; this server embeds at most "
                 f"{self.config.embedding_max_inputs} per request (--embedding-max-inputs)",
-                field="input",
+                field="inputs",
             )
         self.embedder.check_dimensions(request.dimensions)
         if self.num_queued_inputs + num_inputs > self.config.embedding_max_queued_inputs:
@@ -305,7 +307,7 @@ class EmbeddingService:
                 self._hand_over(job, None, None)
                 continue
             try:
-                ids = embedder.prepare(job.request.inputs, job.request.truncate_prompt_tokens)
+                ids = embedder.prepare(job.request.inputs, job.request.truncate_to)
             except Exception as exc:  # noqa: BLE001 - the request's own error, answered to it alone
                 self._hand_over(job, None, exc)
                 continue

@@ -289,8 +289,9 @@ class Embedder:
 
         Raises:
             InvalidRequest: an empty token-id list, an id outside the vocabulary, or
-                ``truncate_to`` out of range (field ``truncate_prompt_tokens``).
-            ContextLengthExceeded: an input longer than ``max_input_tokens`` (field ``input``).
+                ``truncate_to`` out of range (fields ``inputs``, ``truncate_to``: a protocol
+                names its own).
+            ContextLengthExceeded: an input longer than ``max_input_tokens`` (field ``inputs``).
         """
         limit = self._truncation(truncate_to)
         if inputs and isinstance(inputs[0], str):
@@ -299,9 +300,9 @@ class Embedder:
                 texts = [text.lower() for text in texts]
             if limit is not None and limit <= self.num_special_tokens:
                 raise InvalidRequest(
-                    f"'truncate_prompt_tokens' must leave room for a text's {self.num_special_tokens} special "
+                    f"'truncate_to' must leave room for a text's {self.num_special_tokens} special "
                     f"tokens: at least {self.num_special_tokens + 1}",
-                    field="truncate_prompt_tokens",
+                    field="truncate_to",
                 )
             ids = [encoding.ids for encoding in self._encode(texts, limit)]
         else:
@@ -313,14 +314,14 @@ class Embedder:
                 ids = [given[:limit] for given in ids]
         for index, given in enumerate(ids):
             if not given:  # a tokenizer without special tokens makes nothing of ""
-                raise InvalidRequest(f"input {index} has no token to embed", field="input")
+                raise InvalidRequest(f"input {index} has no token to embed", field="inputs")
             if len(given) > self.max_input_tokens:
                 raise ContextLengthExceeded(
                     len(given),
                     self.max_input_tokens,
                     f"input {index} has {len(given)} tokens, but {self.name} reads at most {self.max_input_tokens} "
-                    "per input; shorten it, or send truncate_prompt_tokens to cut it",
-                    field="input",
+                    "per input; shorten it, or set 'truncate_to' to cut it",
+                    field="inputs",
                 )
         return ids
 
@@ -331,9 +332,8 @@ class Embedder:
             return self.max_input_tokens
         if not 1 <= truncate_to <= self.max_input_tokens:
             raise InvalidRequest(
-                f"'truncate_prompt_tokens' must be -1 (the model's limit) or in [1, {self.max_input_tokens}], "
-                f"not {truncate_to}",
-                field="truncate_prompt_tokens",
+                f"'truncate_to' must be -1 (the model's limit) or in [1, {self.max_input_tokens}], not {truncate_to}",
+                field="truncate_to",
             )
         return truncate_to
 
@@ -351,12 +351,12 @@ class Embedder:
 
     def _checked_ids(self, ids: list[int], index: int) -> list[int]:
         if not ids:
-            raise InvalidRequest(f"input {index} is an empty list of token ids", field="input")
+            raise InvalidRequest(f"input {index} is an empty list of token ids", field="inputs")
         bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)
         if bad is not None:
             raise InvalidRequest(
                 f"input {index} holds token id {bad}, outside the vocabulary of {self.name} (0 to {self.vocab_size - 1})",
-                field="input",
+                field="inputs",
             )
         return ids
 

@@ -15,7 +15,7 @@ import pytest
 from rill.errors import InvalidRequest
 from rill.frontend.asr import Segment, Transcript
 from rill.frontend.audio_files import decode_audio, encode_compressed, pcm16, wav_header
-from rill.protocols.openai_http import audio
+from rill.protocols.openai_http import audio, codec
 
 TRANSCRIPT = Transcript(
     text="Hello there. How are you?",
@@ -78,10 +78,15 @@ def test_form_fields() -> None:
 
 
 def test_model_names() -> None:
-    audio.check_audio_model(None, "whisper-base", audio.TRANSCRIPTION_ALIASES)
-    audio.check_audio_model("whisper-1", "whisper-base", audio.TRANSCRIPTION_ALIASES)
-    with pytest.raises(audio.AudioModelNotFound, match="use 'whisper-base'"):
-        audio.check_audio_model("tts-1", "whisper-base", audio.TRANSCRIPTION_ALIASES)
+    route = "/v1/audio/transcriptions"
+    codec.check_model(None, "whisper-base", audio.TRANSCRIPTION_ALIASES, route)
+    codec.check_model("whisper-1", "whisper-base", audio.TRANSCRIPTION_ALIASES, route)
+    with pytest.raises(codec.ModelNotFound) as caught:
+        codec.check_model("tts-1", "whisper-base", audio.TRANSCRIPTION_ALIASES, route)
+    assert caught.value.message == (
+        "The model 'tts-1' does not exist for /v1/audio/transcriptions; use 'whisper-base' (or whisper-1, gpt-4o-transcribe, gpt-4o-mini-transcribe)"
+    )
+    assert caught.value.field == "model"
 
 
 def test_speech_body_checks() -> None:

@@ -9,14 +9,14 @@ import json
 import numpy as np
 import pytest
 
-from rill.errors import InvalidRequest
+from rill.errors import ContextLengthExceeded, InvalidRequest
 from rill.protocols.openai_http import codec
 from rill.protocols.openai_http.embeddings import (
-    NoEmbeddingModel,
-    check_embedding_model,
     decode_embeddings,
     embedding_inputs,
     encode_embeddings,
+    no_embedding_model,
+    wire_named,
 )
 
 
@@ -85,12 +85,31 @@ def test_float_and_base64_answers_carry_the_same_float32_numbers() -> None:
 
 
 def test_model_errors_are_404s() -> None:
-    check_embedding_model(None, "m")
-    check_embedding_model("m", "m")
+    codec.check_model(None, "m", route="/v1/embeddings")
+    codec.check_model("m", "m", route="/v1/embeddings")
     with pytest.raises(InvalidRequest) as caught:
-        check_embedding_model("text-embedding-3-small", "m")
-    for exc in (caught.value, NoEmbeddingModel()):
+        codec.check_model("text-embedding-3-small", "m", route="/v1/embeddings")
+    assert caught.value.message == "The model 'text-embedding-3-small' does not exist for /v1/embeddings; use 'm'"
+    for exc in (caught.value, no_embedding_model()):
         wire = codec.error_for(exc)
         error = json.loads(wire.body)["error"]
         assert wire.status == 404 and error["code"] == "model_not_found" and error["param"] == "model"
-    assert "--embedding-model" in NoEmbeddingModel().message
+    assert "--embedding-model" in no_embedding_model().message
+
+
+def test_the_services_field_names_become_the_wires() -> None:
+    """The embedding service names its submission's fields; the wire names its own, in the
+    error's field and where the message quotes it, keeping the error's class."""
+    too_long = ContextLengthExceeded(600, 512, "input 0 has 600 tokens; shorten it, or set 'truncate_to'", "inputs")
+    assert wire_named(too_long) is too_long
+    assert (too_long.field, str(too_long)) == (
+        "input",
+        "input 0 has 600 tokens; shorten it, or set 'truncate_prompt_tokens'",
+    )
+    cut = wire_named(InvalidRequest("'truncate_to' must be -1 or in [1, 512], not 0", field="truncate_to"))
+    assert isinstance(cut, InvalidRequest) and (cut.field, cut.message) == (
+        "truncate_prompt_tokens",
+        "'truncate_prompt_tokens' must be -1 or in [1, 512], not 0",
+    )
+    same = InvalidRequest("'dimensions' 7 is not supported", field="dimensions")
+    assert wire_named(same) is same and same.field == "dimensions"

@@ -107,11 +107,11 @@ def test_bad_prompt_shapes(prompt: object) -> None:
 
 
 def test_model_check() -> None:
-    codec.check_model(None, SERVED)
-    codec.check_model("m", SERVED)
+    codec.check_model(None, SERVED.name)
+    codec.check_model("m", SERVED.name)
     with pytest.raises(codec.ModelNotFound) as caught:
-        codec.check_model("gpt-4", SERVED)
-    assert "gpt-4" in caught.value.message and "'m'" in caught.value.message
+        codec.check_model("gpt-4", SERVED.name)
+    assert caught.value.message == "The model 'gpt-4' does not exist; use 'm'"
 
 
 # -- max tokens and sampling ---------------------------------------------------------------
@@ -471,7 +471,7 @@ def test_chat_without_template_is_a_clear_400() -> None:
         (errors.InvalidRequest("bad", field="top_p"), 400, "invalid_request_error", "invalid_request"),
         (errors.ContextLengthExceeded(200, 100), 400, "invalid_request_error", "context_length_exceeded"),
         (codec.Unauthorized(), 401, "invalid_request_error", "invalid_api_key"),
-        (codec.ModelNotFound("x", "m"), 404, "invalid_request_error", "model_not_found"),
+        (codec.ModelNotFound("no model x"), 404, "invalid_request_error", "model_not_found"),
         (codec.BodyTooLarge(10), 413, "invalid_request_error", "request_too_large"),
         (errors.QueueFull(retry_after_s=0.2), 429, "rate_limit_error", "queue_full"),
         (errors.RateLimited(retry_after_s=3.5), 429, "rate_limit_error", "rate_limited"),

@@ -124,7 +124,7 @@ class OpenAIApi:
             for card in self.audio.cards(self.created):
                 if request.path_params["model"] == card.id:
                     return Response(codec.encode(card), media_type=JSON_MEDIA_TYPE)
-            codec.check_model(request.path_params["model"], served)
+            codec.check_model(request.path_params["model"], served.name)
         except RillError as exc:
             return error_response(exc)
         return Response(codec.encode(self._card(served)), media_type=JSON_MEDIA_TYPE)
@@ -135,15 +135,15 @@ class OpenAIApi:
         try:
             service = self.deps.embeddings
             if service is None:
-                raise embeddings.NoEmbeddingModel
+                raise embeddings.no_embedding_model()
             req = embeddings.decode_embeddings(await request.body())
             info = service.require_model()
-            embeddings.check_embedding_model(req.model, info.name)
+            codec.check_model(req.model, info.name, route="/v1/embeddings")
             result = await service.embed(
                 EmbeddingSubmission(
                     inputs=embeddings.embedding_inputs(req),
                     dimensions=req.dimensions,
-                    truncate_prompt_tokens=req.truncate_prompt_tokens,
+                    truncate_to=req.truncate_prompt_tokens,
                     principal=auth.scope_principal(request.scope),
                 )
             )
@@ -151,7 +151,7 @@ class OpenAIApi:
             return Response(status_code=499)
         except Exception as exc:  # noqa: BLE001 - answered through the error table
             self._count_rejection(exc)
-            return error_response(exc)
+            return error_response(embeddings.wire_named(exc))
         encode = functools.partial(
             embeddings.encode_embeddings, result.vectors, result.num_prompt_tokens, info.name, req.encoding_format
         )
@@ -173,7 +173,7 @@ class OpenAIApi:
         try:
             served = self._served()
             req = codec.decode_tokenize(await request.body())
-            codec.check_model(req.model, served)
+            codec.check_model(req.model, served.name)
             prompt, add_special_tokens = codec.tokenize_prompt(req, served)
             tokens = await self.client.tokenize_prompt(prompt, add_special_tokens)
         except ClientDisconnect:
@@ -190,7 +190,7 @@ class OpenAIApi:
         try:
             served = self._served()
             req = codec.decode_detokenize(await request.body())
-            codec.check_model(req.model, served)
+            codec.check_model(req.model, served.name)
             text = await self.client.detokenize(req.tokens or [])
         except ClientDisconnect:
             return Response(status_code=499)
@@ -217,7 +217,7 @@ class OpenAIApi:
         try:
             served = self._served()
             req: Any = codec.decode_chat(body) if kind is Kind.CHAT else codec.decode_completion(body)
-            codec.check_model(req.model, served)
+            codec.check_model(req.model, served.name)
             given = self._prompts(req, kind, served)
             codec.check_choices(req, len(given), served)
             sampling = codec.sampling_params(req, served)

@@ -31,7 +31,7 @@ import msgspec
 
 from rill.errors import InvalidRequest
 from rill.protocols._shared import sse as _sse
-from rill.protocols.openai_http.codec import ModelNotFound, decode_body
+from rill.protocols.openai_http.codec import decode_body
 from rill.types import Transcript
 
 TRANSCRIPTION_ALIASES = ("whisper-1", "gpt-4o-transcribe", "gpt-4o-mini-transcribe")
@@ -154,30 +154,6 @@ class AudioDone(msgspec.Struct, kw_only=True, tag_field="type", tag="speech.audi
 
 
 # ---------------------------------------------------------------------------- codec
-
-
-class NoAudioModel(ModelNotFound):
-    """The server has no speech recognition (``--asr off``) or synthesizer for this route (404)."""
-
-    def __init__(self, what: str, flag: str) -> None:
-        InvalidRequest.__init__(self, f"this server does no {what}: start it with {flag}", field="model")
-
-
-class AudioModelNotFound(ModelNotFound):
-    """The request names a model that is not the route's (HTTP 404)."""
-
-    def __init__(self, requested: str, served: str, aliases: tuple[str, ...]) -> None:
-        InvalidRequest.__init__(
-            self,
-            f"The model '{requested}' does not exist for this route; use '{served}' (or {', '.join(aliases)})",
-            field="model",
-        )
-
-
-def check_audio_model(requested: str | None, served: str, aliases: tuple[str, ...]) -> None:
-    """Raise ``AudioModelNotFound`` unless ``requested`` is absent, ``served`` or an alias."""
-    if requested is not None and requested not in ("", served, *aliases):
-        raise AudioModelNotFound(requested, served, aliases)
 
 
 def transcription_request(form: Mapping[str, str], task: Literal["transcribe", "translate"]) -> TranscriptionRequest:

@@ -103,7 +103,7 @@ class AudioApi:
         try:
             asr = self.deps.asr
             if asr is None:
-                raise audio.NoAudioModel("speech recognition", "--asr whisper")
+                raise codec.model_off("speech recognition model", "--asr whisper")
             req, data = await self._read_form(request, task, asr)
             asr.check_room()  # a full pool refuses before the file is decoded: no samples held
             samples, rate_hz = await asyncio.to_thread(decode_audio, data, asr.max_audio_s)
@@ -134,7 +134,7 @@ class AudioApi:
                         fields[name] = f"{fields[name]},{value}" if name in fields else value
                 upload = form.get("file")
                 req = audio.transcription_request(fields, task)
-                audio.check_audio_model(req.model, asr.recognizer.name, audio.TRANSCRIPTION_ALIASES)
+                codec.check_model(req.model, asr.recognizer.name, audio.TRANSCRIPTION_ALIASES, request.url.path)
                 if not isinstance(upload, UploadFile):
                     raise InvalidRequest("'file' is required: the sound file, as multipart/form-data", field="file")
                 return req, await upload.read()
@@ -148,7 +148,7 @@ class AudioApi:
             body = await request.body()
             voices = (*audio.OPENAI_VOICES, self.speech.synth.voice.lower())
             req = audio.decode_speech(body, voices)
-            audio.check_audio_model(req.model, self.speech_model, audio.SPEECH_ALIASES)
+            codec.check_model(req.model, self.speech_model, audio.SPEECH_ALIASES, "/v1/audio/speech")
             self._count_audio(request, 0.0)  # its seconds are charged once spoken
             chunks = self._encoded(req, auth.scope_principal(request.scope))
             first = await anext(chunks)  # the first sentence: its errors still get a status

@@ -86,12 +86,18 @@ MAX_LOGPROBS = 20
 
 
 class ModelNotFound(InvalidRequest):
-    """The request names a model this server does not serve (HTTP 404)."""
+    """The request names a model its route does not serve, or the route's model is off on
+    this server (HTTP 404, ``model_not_found``: every route's, as OpenAI's)."""
 
     code = "model_not_found"
 
-    def __init__(self, requested: str, served: str) -> None:
-        super().__init__(f"The model '{requested}' does not exist; this server serves '{served}'", field="model")
+    def __init__(self, message: str) -> None:
+        super().__init__(message, field="model")
+
+
+def model_off(what: str, flag: str) -> ModelNotFound:
+    """The route's model is off on this server: ``flag`` turns it on."""
+    return ModelNotFound(f"this server serves no {what}: start it with {flag}")
 
 
 class RequestCancelled(RillError):
@@ -317,10 +323,13 @@ def _reject_unsupported(**flags: bool) -> None:
             raise InvalidRequest(f"'{name}' is not supported by this server", field=name)
 
 
-def check_model(requested: str | None, served: ServedModel) -> None:
-    """Raise ``ModelNotFound`` unless ``requested`` is absent or the served model's name."""
-    if requested not in (None, "", served.name):
-        raise ModelNotFound(requested, served.name)
+def check_model(requested: str | None, served: str, aliases: tuple[str, ...] = (), route: str = "") -> None:
+    """Raise ``ModelNotFound`` unless ``requested`` is absent, ``served`` (the route's model)
+    or one of its ``aliases``; ``route`` names the route where the server has other models."""
+    if requested is not None and requested not in ("", served, *aliases):
+        where = f" for {route}" if route else ""
+        also = f" (or {', '.join(aliases)})" if aliases else ""
+        raise ModelNotFound(f"The model '{requested}' does not exist{where}; use '{served}'{also}")
 
 
 def completion_prompts(req: CompletionRequest, max_choices: int | None = None) -> list[str | list[int]]:

@@ -22,7 +22,7 @@ import msgspec
 import numpy as np
 
 from rill.errors import InvalidRequest
-from rill.protocols.openai_http.codec import ModelNotFound, decode_body
+from rill.protocols.openai_http.codec import ModelNotFound, decode_body, model_off
 
 # ---------------------------------------------------------------------------- messages
 
@@ -65,27 +65,9 @@ class EmbeddingList(msgspec.Struct, kw_only=True):
 # ---------------------------------------------------------------------------- codec
 
 
-class NoEmbeddingModel(ModelNotFound):
-    """The server was started without ``--embedding-model`` (HTTP 404)."""
-
-    def __init__(self) -> None:
-        InvalidRequest.__init__(
-            self,
-            "this server serves no embedding model: start it with --embedding-model NAME|PATH "
-            "(for example --embedding-model all-minilm-l6-v2) to answer /v1/embeddings",
-            field="model",
-        )
-
-
-class EmbeddingModelNotFound(ModelNotFound):
-    """The request names a model that is not this server's embedding model (HTTP 404)."""
-
-    def __init__(self, requested: str, served: str) -> None:
-        InvalidRequest.__init__(
-            self,
-            f"The model '{requested}' does not exist or does not embed; this server's embedding model is '{served}'",
-            field="model",
-        )
+def no_embedding_model() -> ModelNotFound:
+    """The answer of ``/v1/embeddings`` on a server started without ``--embedding-model`` (404)."""
+    return model_off("embedding model", "--embedding-model NAME|PATH (for example --embedding-model all-minilm-l6-v2)")
 
 
 _decoder = msgspec.json.Decoder(EmbeddingRequest)
@@ -100,10 +82,19 @@ def decode_embeddings(body: bytes) -> EmbeddingRequest:
     return req
 
 
-def check_embedding_model(requested: str | None, served: str) -> None:
-    """Raise ``EmbeddingModelNotFound`` unless ``requested`` is absent or ``served``."""
-    if requested not in (None, "", served):
-        raise EmbeddingModelNotFound(requested, served)
+WIRE_FIELDS = {"inputs": "input", "truncate_to": "truncate_prompt_tokens"}
+"""The embedding service's field names (``EmbeddingSubmission``) that this wire calls otherwise."""
+
+
+def wire_named(exc: BaseException) -> BaseException:
+    """``exc`` (an error of the embedding service) with the fields it names, in ``field`` and
+    quoted in its message, as this wire calls them (in place: the error is the request's own)."""
+    if isinstance(exc, InvalidRequest):
+        for name, wire in WIRE_FIELDS.items():
+            exc.message = exc.message.replace(f"'{name}'", f"'{wire}'")
+        exc.args = (exc.message,)
+        exc.field = WIRE_FIELDS.get(exc.field or "", exc.field)
+    return exc
 
 
 def embedding_inputs(req: EmbeddingRequest) -> list[str] | list[list[int]]:

@@ -127,7 +127,7 @@ class ResponsesApi:
         try:
             served = self.api._served()
             req = responses_codec.decode(body)
-            codec.check_model(req.model, served)
+            codec.check_model(req.model, served.name)
             run = await self._start(req, owner, auth.scope_principal(request.scope), served)
         except Exception as exc:  # noqa: BLE001 - answered through the error table
             if run is not None:
