@@ -98,3 +98,36 @@ async def test_stream_keeps_order_and_close_cancels() -> None:
     await asyncio.sleep(0)
     assert service.num_open_streams == 0
     service.shutdown()
+
+
+class _Tone:
+    """A synthesizer of one second of a 440 Hz tone per segment."""
+
+    def synthesize(self, text: str, language: str | None, cancel: threading.Event) -> np.ndarray:
+        return np.sin(np.arange(SAMPLE_RATE_HZ) * 2 * np.pi * 440 / SAMPLE_RATE_HZ).astype(np.float32)
+
+
+async def test_speed_is_resampled_on_the_speech_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stream's ``speed`` resamples each segment where it was synthesized, never on the
+    event loop: twice as fast is half the samples."""
+    import soxr
+
+    threads: list[str] = []
+    resample = soxr.resample
+
+    def noting(*args: object, **kwargs: object) -> np.ndarray:
+        threads.append(threading.current_thread().name)
+        return resample(*args, **kwargs)
+
+    monkeypatch.setattr(soxr, "resample", noting)
+    service = SpeechService(_Tone())  # type: ignore[arg-type]
+    try:
+        async with service.open(None, speed=2.0) as stream:
+            stream.say("One.")
+            stream.say("Two.")
+            stream.end()
+            lengths = [len(pcm) async for pcm in stream]
+        assert lengths == [SAMPLE_RATE_HZ // 2] * 2
+        assert len(threads) == 2 and all(name.startswith("rill-speech") for name in threads)
+    finally:
+        service.shutdown()

@@ -26,7 +26,7 @@ from websockets.sync.client import connect
 import rill.frontend.speech as speech_module
 from rill.cli import main as rill_main
 from rill.frontend.speech import SAMPLE_RATE_HZ, EspeakSynth
-from rill.protocols.chat_ws.segmenter import Segmenter
+from rill.protocols._shared.segmenter import Segmenter
 from tests.conftest import start_server
 
 from . import spec_example

@@ -32,10 +32,10 @@ from rill.frontend.ocr import OcrService
 from rill.frontend.speech import SAMPLE_RATE_HZ, SpeechService, SpeechStream
 from rill.protocols._shared import b64pcm
 from rill.protocols._shared.driver import Gone
+from rill.protocols._shared.segmenter import THINK_TAGS, Segmenter
 from rill.protocols.chat_ws import codec, media
 from rill.protocols.chat_ws.messages import ChatRequest, Done, SpeechInfo
 from rill.protocols.chat_ws.queue import FairQueue, Moved, Notice, QueueStatus, Started
-from rill.protocols.chat_ws.segmenter import THINK_TAGS, Segmenter
 from rill.protocols.chat_ws.session import (
     Action,
     ChatSession,

@@ -33,6 +33,7 @@ from rill.errors import InvalidRequest, RillError
 from rill.protocols._shared import b64pcm
 from rill.protocols._shared import session as driver_session
 from rill.protocols._shared.actions import Close, Send
+from rill.protocols._shared.segmenter import Segmenter
 from rill.protocols.chat_ws import codec
 from rill.protocols.chat_ws.messages import (
     SAMPLING,
@@ -52,7 +53,6 @@ from rill.protocols.chat_ws.messages import (
     Transcript,
 )
 from rill.protocols.chat_ws.queue import QueueStatus
-from rill.protocols.chat_ws.segmenter import Segmenter
 from rill.types import ChatMessage, GenerateRequest, RequestEvent, RequestOutput, SamplingParams
 
 PROTOCOL = "chat_ws"

@@ -310,18 +310,3 @@ def audio_done() -> bytes:
 def sse(event: msgspec.Struct) -> bytes:
     """One server-sent event whose data is ``event``'s JSON."""
     return _sse.encode_event(_encoder.encode(event))
-
-
-_SENTENCE_ENDS = ".!?\n"
-
-
-def sentences(text: str) -> list[str]:
-    """``text`` cut after each sentence end (``.``, ``!``, ``?``, a line break) followed by a
-    space, so the first sentence is spoken while the rest waits."""
-    pieces, start = [], 0
-    for i, char in enumerate(text):
-        if char in _SENTENCE_ENDS and (i + 1 == len(text) or text[i + 1].isspace()):
-            pieces.append(text[start : i + 1])
-            start = i + 1
-    pieces.append(text[start:])
-    return [p.strip() for p in pieces if p.strip()]

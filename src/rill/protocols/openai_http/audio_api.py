@@ -12,13 +12,15 @@ Transcription, one request:
 3. transcribe in the server's bounded recognition pool (``AsrService``), then answer in the
    asked format, or as SSE events when ``stream`` is true.
 
-Speech: the text is cut into sentences that the synthesizer (``--tts``) speaks one after
-another on its worker thread while the answer streams: ``pcm`` and ``wav`` as each sentence is
-ready, compressed formats once the whole text is spoken and encoded (off the event loop). The
-first sentence is spoken before the status is sent, so a synthesizer error gets its status.
-``speed`` resamples the speech (faster speech is also higher). A client that goes away stops
-the synthesis at its next audio block. The request counts in its principal's window when it
-starts, the seconds spoken when it ends.
+Speech: the text is cut into sentences (``protocols/_shared/segmenter.split``, as ``/ws/chat``
+cuts its replies: a long one at a word, so none is longer than the segmenter's cap) that the
+synthesizer (``--tts``) speaks one after another on its worker thread while the answer
+streams: ``pcm`` and ``wav`` as each sentence is ready, compressed formats once the whole text
+is spoken and encoded (off the event loop). The first sentence is spoken before the status is
+sent, so a synthesizer error gets its status. ``speed`` resamples the speech on the same
+worker thread (faster speech is also higher). A client that goes away stops the synthesis at
+its next audio block. The request counts in its principal's window when it starts, the
+seconds spoken when it ends.
 
 Errors go through the API's one table (``codec.error_for``).
 """
@@ -44,7 +46,7 @@ from rill.frontend.asr import AsrService
 from rill.frontend.audio_files import STREAMABLE_FORMATS, decode_audio, encode_compressed, pcm16, wav_header
 from rill.frontend.policy import SubmissionPolicy
 from rill.frontend.speech import SAMPLE_RATE_HZ
-from rill.protocols._shared import sse
+from rill.protocols._shared import segmenter, sse
 from rill.protocols.openai_http import audio, codec
 from rill.protocols.openai_http.messages import ModelCard
 from rill.protocols.openai_http.responder import count_rejection, error_response
@@ -181,18 +183,14 @@ class AudioApi:
     async def _spoken(self, req: audio.SpeechRequest, principal: str) -> AsyncGenerator[np.ndarray]:
         """Float32 speech at 24 kHz, a sentence at a time, at ``req.speed``; the seconds made
         are charged to ``principal``'s audio limit when it ends."""
-        import soxr
-
         assert req.input is not None  # decode_speech checked it
         num_samples = 0
         try:
-            async with self.speech.open(language=None) as stream:
-                for sentence in audio.sentences(req.input):
+            async with self.speech.open(language=None, speed=req.speed) as stream:
+                for sentence in segmenter.split(req.input):
                     stream.say(sentence)
                 stream.end()
                 async for pcm in stream:
-                    if req.speed != 1.0:  # fewer samples at the same rate: faster (and higher)
-                        pcm = soxr.resample(pcm, SAMPLE_RATE_HZ * req.speed, SAMPLE_RATE_HZ).astype(np.float32)
                     num_samples += len(pcm)
                     yield pcm
         finally:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rill.protocols.chat_ws.segmenter import Segmenter, SegmenterLimits
+from rill.protocols._shared.segmenter import Segmenter, SegmenterLimits, split
 
 
 def run(deltas: list[str], **kwargs) -> tuple[list[list[str]], list[str]]:
@@ -91,3 +91,16 @@ def test_segments_without_letters_or_digits_are_skipped() -> None:
 
 def test_partial_tag_at_the_end_is_text_when_the_reply_ends() -> None:
     assert all_segments(["a < b and x <thi"]) == ["a < b and x <thi"]
+
+
+def test_split_cuts_a_whole_text_into_sentences_of_bounded_length() -> None:
+    """``/v1/audio/speech``'s input: sentences, tags read as written, no segment over the cap."""
+    assert split("Dr. Who? Yes!\nIt is 3.5 m long.  ") == ["Dr.", "Who?", "Yes!", "It is 3.5 m long."]
+    assert split("no end") == ["no end"]
+    assert split("<think>Said aloud.</think> Too.") == ["<think>Said aloud.</think> Too."]
+    limits = SegmenterLimits(max_chars=40, first_max_chars=20)
+    words = " ".join(f"word{i}" for i in range(100))  # no punctuation at all
+    pieces = split(words, limits)
+    assert len(pieces[0]) <= 20 and max(len(p) for p in pieces) <= 40
+    assert " ".join(pieces) == words
+    assert max(len(p) for p in split("x" * 1000)) <= SegmenterLimits().max_chars  # not even a space

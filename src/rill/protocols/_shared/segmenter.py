@@ -1,7 +1,9 @@
-"""Streamed text → speakable segments (pure): sentence by sentence, never the reasoning.
+"""Text → speakable segments (pure): sentence by sentence, never the reasoning.
 
-``Segmenter.feed(delta)`` takes each new piece of reply text as it streams and returns the
-segments that became complete; ``flush()`` returns the rest at the end of the reply. Text
+The one splitter of every protocol that speaks text: ``/ws/chat`` cuts its streamed replies,
+``/v1/audio/speech`` its whole input (``split``), so the first segment is spoken while the
+rest waits. ``Segmenter.feed(delta)`` takes each new piece of reply text as it streams and
+returns the segments that became complete; ``flush()`` returns the rest at the end. Text
 between thinking tags (``<think>…</think>`` and the like) is dropped, including tags split
 across deltas. A segment ends at sentence punctuation followed by a space or a newline
 (so ``3.14`` or ``e.g.x`` do not cut), right after CJK sentence punctuation, at a comma once
@@ -162,3 +164,10 @@ def _partial_suffix(text: str, tags: tuple[str, ...]) -> int:
                 best = size
                 break
     return best
+
+
+def split(text: str, limits: SegmenterLimits | None = None) -> list[str]:
+    """The speakable segments of a whole text (no reasoning to drop: every tag is read as
+    written), each at most ``limits.max_chars`` long."""
+    segmenter = Segmenter(limits, think_tags=())
+    return [*segmenter.feed(text), *segmenter.flush()]
