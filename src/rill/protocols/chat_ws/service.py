@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from msgspec import UNSET
 
 from rill.config import parse_size
 from rill.deps import Deps
@@ -34,13 +35,12 @@ from rill.protocols._shared import b64pcm
 from rill.protocols._shared.driver import Gone
 from rill.protocols._shared.segmenter import THINK_TAGS, Segmenter
 from rill.protocols.chat_ws import codec, media
-from rill.protocols.chat_ws.messages import ChatRequest, Done, SpeechInfo
+from rill.protocols.chat_ws.messages import ChatRequest, Done, SpeechInfo, Transcript
 from rill.protocols.chat_ws.queue import FairQueue, Moved, Notice, QueueStatus, Started
 from rill.protocols.chat_ws.session import (
     Action,
     ChatSession,
     EndSpeech,
-    Heard,
     Read,
     Speak,
     build_generate_request,
@@ -145,7 +145,7 @@ class ChatService:
             return False
         return part.kind == "audio" or (part.kind == "video" and part.audio is not None and len(part.audio) > 0)
 
-    async def _transcribe(self, parts: list[media.DecodedMedia], info: ModelInfo) -> list[Heard]:
+    async def _transcribe(self, parts: list[media.DecodedMedia], info: ModelInfo) -> list[Transcript]:
         """Each part's transcript, in request order, once the request's audio passed every
         check (so that a bad last part costs no transcription of the first).
 
@@ -167,7 +167,7 @@ class ChatService:
                 f"({self.asr.max_audio_s:g} s, --asr-max-audio-s)",
                 field="messages",
             )
-        heard: list[Heard] = []
+        heard: list[Transcript] = []
         for part in parts:
             assert part.audio is not None
             where = f"{part.where} ({part.kind})"
@@ -181,19 +181,19 @@ class ChatService:
                     "so there is nothing to put in the prompt",
                     field="messages",
                 )
-            note = None
-            if part.kind == "video" and "video" not in info.modalities:
-                note = f"only the audio track was heard: the model '{info.name}' cannot see the video's frames"
+            unseen = part.kind == "video" and "video" not in info.modalities
             heard.append(
-                Heard(
-                    part.message_index,
-                    part.content_index,
-                    part.kind,
-                    transcript.text,
-                    transcript.language,
-                    transcript.duration_s,
-                    transcript.speech_s,
-                    note,
+                Transcript(
+                    message_index=part.message_index,
+                    content_index=part.content_index,
+                    kind=part.kind,
+                    text=transcript.text,
+                    language=transcript.language,
+                    duration_s=round(transcript.duration_s, 3),
+                    speech_s=round(transcript.speech_s, 3),
+                    note=f"only the audio track was heard: the model '{info.name}' cannot see the video's frames"
+                    if unseen
+                    else UNSET,
                 )
             )
         return heard

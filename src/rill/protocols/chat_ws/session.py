@@ -2,8 +2,8 @@
 wire messages and speech segments.
 
 Audio parts (and video audio tracks) arrive already transcribed: the service runs speech
-recognition before the session exists and hands it each part's ``Heard``; the session sends
-them (``on_transcribed``) and the engine request carries their text in the parts' places.
+recognition before the session exists and hands it each part's wire ``Transcript``; the session
+sends them (``on_transcribed``) and the engine request carries their text in the parts' places.
 Image parts, when the server reads text in images (OCR), arrive already read the same way
 (``Read``): the text takes the part's place marked as read from an image.
 
@@ -27,7 +27,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from msgspec import UNSET
 
 from rill.errors import InvalidRequest, RillError
 from rill.protocols._shared import b64pcm
@@ -89,22 +88,6 @@ class Record:
 
 
 @dataclass(frozen=True)
-class Heard:
-    """What speech recognition heard in the media part ``messages[message_index].content[content_index]``
-    (an ``audio`` part, or a ``video`` part's audio track): ``text`` takes the part's place in
-    the prompt; ``note`` says what of the part the model did not get."""
-
-    message_index: int
-    content_index: int
-    kind: str
-    text: str
-    language: str
-    duration_s: float
-    speech_s: float
-    note: str | None = None
-
-
-@dataclass(frozen=True)
 class Read:
     """What OCR read in the image part ``messages[message_index].content[content_index]``:
     ``text`` (empty when the image holds no readable text); ``prompt_text`` (see
@@ -141,7 +124,7 @@ _MODALITY_OF_PART = {"image": "image", "audio": "audio", "video": "video"}
 def build_generate_request(
     request: ChatRequest,
     *,
-    heard: Sequence[Heard] = (),
+    heard: Sequence[Transcript] = (),
     read: Sequence[Read] = (),
     deadline_s: float | None = None,
 ) -> GenerateRequest:
@@ -225,7 +208,8 @@ class ChatSession(driver_session.Session):
         is_speaking: speech is on (``tts.enabled`` and a synthesizer is available).
         segmenter: cuts reply text into speakable segments (reasoning excluded).
         recording_session_id: put on ``done`` when the chat is recorded.
-        heard: what speech recognition heard in the request's audio, in request order.
+        heard: what speech recognition heard in the request's audio (each part's
+            ``transcript`` message, sent as it is), in request order.
         read: what OCR read in the request's images, in request order.
         speech_info: put on ``done`` (as ``tts``) when the reply is spoken.
     """
@@ -238,7 +222,7 @@ class ChatSession(driver_session.Session):
         segmenter: Segmenter | None = None,
         recording_session_id: str | None = None,
         keep_audio: bool = False,
-        heard: Sequence[Heard] = (),
+        heard: Sequence[Transcript] = (),
         read: Sequence[Read] = (),
         speech_info: SpeechInfo | None = None,
     ) -> None:
@@ -276,21 +260,7 @@ class ChatSession(driver_session.Session):
             )
             for r in self.read
         ]
-        transcripts: list[Action] = [
-            Send(
-                Transcript(
-                    message_index=h.message_index,
-                    content_index=h.content_index,
-                    kind=h.kind,
-                    text=h.text,
-                    language=h.language,
-                    duration_s=round(h.duration_s, 3),
-                    speech_s=round(h.speech_s, 3),
-                    note=UNSET if h.note is None else h.note,
-                )
-            )
-            for h in self.heard
-        ]
+        transcripts: list[Action] = [Send(h) for h in self.heard]
         return transcripts + images
 
     # -- queue (the server's fair queue of chats, not the engine's) ---------------------
