@@ -101,3 +101,56 @@ def test_the_database_does_not_keep_a_recording_larger_than_the_cap(store_where:
     assert store.reply(rid(1)) is None and store.num_bytes() == 0
     assert store.reply("..") is None and store.audio("chat_../x") is None
     store.close()
+
+
+def test_a_recording_written_again_counts_once(tmp_path: Path) -> None:
+    """The folder's running total replaces a recording's old size (commit of the same id)."""
+    store = RecordingStore(tmp_path, max_bytes=10_000)
+    write(tmp_path, rid(1), 100)
+    store.commit(rid(1))
+    (tmp_path / rid(1) / "request.json").write_bytes(b"x" * 300)
+    store.commit(rid(1))
+    assert store.num_bytes() == 300
+
+
+def _sum(where: str | Path) -> int:
+    from rill.database import Database
+
+    db = Database(where)
+    try:
+        return int(db.execute("SELECT COALESCE(SUM(num_bytes), 0) FROM recordings").value())
+    finally:
+        db.close()
+
+
+def test_the_databases_running_total_follows_every_insert_and_delete(store_where: str | Path) -> None:
+    """The total is the recordings' sum however they went: saved, evicted (more than one batch
+    of the oldest at once), or saved by another server sharing the database."""
+    store = DatabaseRecordings(store_where, max_bytes=3000)
+    other = DatabaseRecordings(store_where, max_bytes=3000)  # another server
+    for i in range(40):
+        save(store if i % 2 else other, i, 40)
+    assert store.num_bytes() == other.num_bytes() == _sum(store_where)
+    save(store, 100, 2800)  # most of the 40 are deleted to make room, oldest first
+    kept = [i for i in range(40) if store.reply(rid(i)) is not None]
+    assert kept == list(range(40 - len(kept), 40)) and len(kept) < 40 - 2 * recordings._EVICTION_BATCH
+    assert store.reply(rid(100)) is not None
+    assert store.num_bytes() == _sum(store_where) <= 3000
+    store.close()
+    other.close()
+
+
+def test_a_recordings_table_of_an_earlier_version_gets_its_total_at_open(store_where: str | Path) -> None:
+    from rill.database import Database
+
+    store = DatabaseRecordings(store_where, max_bytes=10_000)
+    save(store, 1, 100)
+    save(store, 2, 200)
+    expected = store.num_bytes()
+    store.close()
+    db = Database(store_where)
+    db.execute("DROP TABLE recordings_usage")  # as an earlier version left it
+    db.close()
+    reopened = DatabaseRecordings(store_where, max_bytes=10_000)
+    assert reopened.num_bytes() == expected == _sum(store_where)
+    reopened.close()

@@ -388,6 +388,24 @@ class Database:
                 self._conn = None
 
 
+def delete_expired(tx: Transaction, table: str, retention_s: float | None, now: float, returning: str = "") -> Result:
+    """The retention of every store: delete the rows of ``table`` whose ``created_at`` is more
+    than ``retention_s`` before ``now`` (none when ``retention_s`` is None). ``returning``: the
+    columns of the deleted rows to return (``RETURNING``), else no rows come back. Log the
+    count with ``log_expired`` once ``tx`` committed."""
+    if retention_s is None:
+        return Result([], 0)
+    sql = f"DELETE FROM {table} WHERE created_at < ?" + (f" RETURNING {returning}" if returning else "")
+    return tx.execute(sql, (now - retention_s,))
+
+
+def log_expired(logger: logging.Logger, deleted: Result, what: str, retention_s: float | None, setting: str) -> None:
+    """Log (info: a documented policy at work) how many ``what`` ``delete_expired`` deleted as
+    older than ``retention_s``, which ``setting`` sets; nothing when it deleted none."""
+    if deleted.rowcount > 0 and retention_s is not None:
+        logger.info("deleted %d %s older than %g days (%s)", deleted.rowcount, what, retention_s / 86400, setting)
+
+
 @functools.lru_cache(maxsize=256)
 def _prepare(dialect: str, sql: str) -> str:
     """``sql`` for ``dialect``: its ``{type}`` names replaced, its placeholders converted."""

@@ -47,7 +47,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
-from rill.database import SQLITE_FILE, Database, Transaction, is_url, probe
+from rill.database import SQLITE_FILE, Database, Transaction, delete_expired, is_url, log_expired, probe
 from rill.errors import StorageFull
 
 log = logging.getLogger("rill.feedback")
@@ -299,13 +299,8 @@ class FeedbackStore:
         if self.retention_s is None:
             return
         with self._db.write("feedback") as tx:
-            num_deleted = tx.execute("DELETE FROM feedback WHERE created_at < ?", (now - self.retention_s,)).rowcount
-        if num_deleted > 0:
-            log.info(
-                "deleted %d feedback records older than %g days (--feedback-retention-days)",
-                num_deleted,
-                self.retention_s / 86400,
-            )
+            deleted = delete_expired(tx, "feedback", self.retention_s, now)
+        log_expired(log, deleted, "feedback records", self.retention_s, "--feedback-retention-days")
 
     def _used_bytes(self, tx: Transaction | None = None) -> int:
         file_bytes = self._db.file_bytes(tx)

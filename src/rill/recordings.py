@@ -12,10 +12,14 @@ After a recording is saved, each store deletes, each deletion logged:
 * the oldest recordings, until the store holds at most ``max_bytes``
   (``--record-max-bytes``); a single recording larger than the cap is deleted at once.
 
-The folder is scanned once, on the first commit (recordings of earlier runs count); after that
-an in-memory index in creation order keeps each commit cheap. The database's table is the index
-itself, written one server at a time (``Database.write``). Blocking I/O: call the methods from a
-worker thread in async code. Thread-safe.
+Each store is opened when the server starts (with ``--record``), and keeps a running total of
+its bytes, so a save costs the same however many recordings there are: the folder is scanned
+once, at open (recordings of earlier runs count), into an in-memory index in creation order;
+the database keeps its total in the ``recordings_usage`` row, which triggers on every insert
+and delete keep (so it holds for every server sharing a PostgreSQL database), and its table,
+written one server at a time (``Database.write``), is the index. The oldest recordings are
+deleted one after another only while the total is over the cap. Blocking I/O: call the methods
+from a worker thread in async code. Thread-safe.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Protocol
 
-from rill.database import Database
+from rill.database import Database, Transaction, delete_expired
 
 log = logging.getLogger("rill.recordings")
 
@@ -59,17 +63,22 @@ class Recordings(Protocol):
         """Bytes the recordings hold."""
         ...
 
+    def close(self) -> None:
+        """Release what the store holds open (the server stops)."""
+        ...
+
 
 class RecordingStore:
-    """A recordings folder kept under ``max_bytes`` and ``retention_s`` (None: no retention)."""
+    """A recordings folder kept under ``max_bytes`` and ``retention_s`` (None: no retention);
+    opening scans the folder once (blocking)."""
 
     def __init__(self, folder: str | Path, max_bytes: int, retention_s: float | None = None) -> None:
         self.folder = Path(folder)
         self.max_bytes = max_bytes
         self.retention_s = retention_s
         self._lock = threading.Lock()
-        self._index: OrderedDict[str, tuple[float, int]] | None = None  # id -> (created_at, bytes), oldest first
-        self._num_bytes = 0
+        self._index = self._scan()  # id -> (created_at, bytes), oldest first
+        self._num_bytes = sum(size for _, size in self._index.values())
 
     def path_of(self, recording_id: str) -> Path | None:
         """The folder of a recording, or None for a name that is not a recording id."""
@@ -105,51 +114,44 @@ class RecordingStore:
     def commit(self, recording_id: str) -> None:
         """Count the recording just written, then delete expired and oldest recordings."""
         now = time.time()
+        size = _folder_bytes(self.folder / recording_id)
         with self._lock:
-            index = self._load()
-            size = _folder_bytes(self.folder / recording_id)
-            index.pop(recording_id, None)
+            index = self._index
+            _, replaced = index.pop(recording_id, (now, 0))
             index[recording_id] = (now, size)
-            self._num_bytes = sum(num for _, num in index.values())
+            self._num_bytes += size - replaced
             if self.retention_s is not None:
                 while index:
                     oldest_id, (created_at, _) = next(iter(index.items()))
                     if created_at >= now - self.retention_s:
                         break
-                    self._delete(
-                        oldest_id,
-                        f"older than {self.retention_s / 86400:g} days (--record-retention-days)",
-                        logging.INFO,
-                    )
+                    self._delete(oldest_id, _expired_reason(self.retention_s), logging.INFO)
             while self._num_bytes > self.max_bytes and index:
-                oldest_id = next(iter(index))
-                self._delete(
-                    oldest_id, f"to keep recordings under {self.max_bytes} bytes (--record-max-bytes)", logging.WARNING
-                )
+                self._delete(next(iter(index)), _evicted_reason(self.max_bytes), logging.WARNING)
 
     def num_bytes(self) -> int:
         """Bytes the recordings hold (as of the last commit)."""
         with self._lock:
             return self._num_bytes
 
-    def _load(self) -> OrderedDict[str, tuple[float, int]]:
-        if self._index is None:
-            found: list[tuple[float, str, int]] = []
-            if self.folder.is_dir():
-                for entry in os.scandir(self.folder):
-                    if entry.is_dir(follow_symlinks=False) and RECORDING_ID.match(entry.name):
-                        found.append(
-                            (entry.stat(follow_symlinks=False).st_mtime, entry.name, _folder_bytes(Path(entry.path)))
-                        )
-            self._index = OrderedDict((name, (mtime, size)) for mtime, name, size in sorted(found))
-        return self._index
+    def close(self) -> None:
+        """Nothing is held open."""
+
+    def _scan(self) -> OrderedDict[str, tuple[float, int]]:
+        found: list[tuple[float, str, int]] = []
+        if self.folder.is_dir():
+            for entry in os.scandir(self.folder):
+                if entry.is_dir(follow_symlinks=False) and RECORDING_ID.match(entry.name):
+                    found.append(
+                        (entry.stat(follow_symlinks=False).st_mtime, entry.name, _folder_bytes(Path(entry.path)))
+                    )
+        return OrderedDict((name, (mtime, size)) for mtime, name, size in sorted(found))
 
     def _delete(self, recording_id: str, reason: str, level: int) -> None:
-        assert self._index is not None
         _, size = self._index.pop(recording_id)
         self._num_bytes -= size
         shutil.rmtree(self.folder / recording_id, ignore_errors=True)
-        log.log(level, "deleted recording %s (%d bytes) %s", recording_id, size, reason)
+        _log_deleted(recording_id, size, reason, level)
 
 
 _SCHEMA = """
@@ -163,31 +165,52 @@ CREATE TABLE IF NOT EXISTS recordings (
 )
 """
 
+_USAGE_SCHEMA = """
+CREATE TABLE IF NOT EXISTS recordings_usage (
+    id {int} PRIMARY KEY,
+    num_bytes {int} NOT NULL
+)
+"""
+# One row (id 0): the sum of the recordings' num_bytes, kept by the two triggers below.
+
+_CHARGE = "UPDATE recordings_usage SET num_bytes = num_bytes + new.num_bytes WHERE id = 0"
+_REFUND = "UPDATE recordings_usage SET num_bytes = num_bytes - old.num_bytes WHERE id = 0"
+
+_EVICTION_BATCH = 16
+"""The oldest recordings read at a time while the total is over the cap."""
+
 
 class DatabaseRecordings:
     """Recordings in the ``recordings`` table of the stores' database, under ``max_bytes`` and
-    ``retention_s`` (None: no retention); the database is opened on first use.
+    ``retention_s`` (None: no retention); opening connects to the database (blocking).
 
     Args:
         where: a ``postgresql://`` URL (``--database``), or a data folder (its SQLite file).
+
+    Raises:
+        Unreachable: the database cannot be reached (``rill.database``).
     """
 
     def __init__(self, where: str | Path, max_bytes: int, retention_s: float | None = None) -> None:
         self.where = where
         self.max_bytes = max_bytes
         self.retention_s = retention_s
-        self._db: Database | None = None
-        self._open_lock = threading.Lock()
-
-    def _database(self) -> Database:
-        with self._open_lock:
-            if self._db is None:
-                db = Database(self.where)
-                with db.setup() as tx:
-                    tx.execute(_SCHEMA)
-                    tx.execute("CREATE INDEX IF NOT EXISTS recordings_created_at ON recordings (created_at)")
-                self._db = db
-            return self._db
+        self._db = Database(where)
+        try:
+            with self._db.setup() as tx:
+                tx.execute(_SCHEMA)
+                tx.execute("CREATE INDEX IF NOT EXISTS recordings_created_at ON recordings (created_at)")
+                if not self._db.table_exists("recordings_usage", tx):
+                    # Created with its triggers in the same transaction: no recording is missed.
+                    tx.execute(_USAGE_SCHEMA)
+                    tx.execute(
+                        "INSERT INTO recordings_usage (id, num_bytes) SELECT 0, COALESCE(SUM(num_bytes), 0) FROM recordings"
+                    )
+                self._db.create_trigger(tx, "recordings_charge", "AFTER INSERT ON recordings", _CHARGE)
+                self._db.create_trigger(tx, "recordings_refund", "AFTER DELETE ON recordings", _REFUND)
+        except BaseException:
+            self._db.close()
+            raise
 
     def save(self, recording_id: str, request_text: str, reply: dict[str, Any], wav: bytes | None) -> None:
         """Insert and commit the recording, then delete (in the same transaction) those past the
@@ -197,22 +220,21 @@ class DatabaseRecordings:
         reply_text = json.dumps(reply)
         size = len(request_text.encode("utf-8", "surrogatepass")) + len(reply_text) + len(wav or b"")
         now = time.time()
-        expired: list[tuple[Any, ...]] = []
         evicted: list[tuple[Any, ...]] = []
-        with self._database().write("recordings") as tx:
+        with self._db.write("recordings") as tx:
             tx.execute(
                 "INSERT INTO recordings (id, created_at, request, reply, audio, num_bytes) VALUES (?, ?, ?, ?, ?, ?)",
                 (recording_id, now, request_text, reply_text, wav, size),
             )
-            if self.retention_s is not None:
-                expired = tx.execute(
-                    "DELETE FROM recordings WHERE created_at < ? RETURNING id, num_bytes", (now - self.retention_s,)
+            expired = delete_expired(tx, "recordings", self.retention_s, now, returning="id, num_bytes").rows
+            total = _usage(tx)
+            while total > self.max_bytes:
+                oldest = tx.execute(
+                    "SELECT id, num_bytes FROM recordings ORDER BY created_at, id LIMIT ?", (_EVICTION_BATCH,)
                 ).rows
-            total = int(tx.execute("SELECT COALESCE(SUM(num_bytes), 0) FROM recordings").value())
-            if total > self.max_bytes:
-                for oldest_id, num_bytes in tx.execute(
-                    "SELECT id, num_bytes FROM recordings ORDER BY created_at, id"
-                ).rows:
+                if not oldest:  # nothing left to delete (a total edited by hand)
+                    break
+                for oldest_id, num_bytes in oldest:
                     if total <= self.max_bytes:
                         break
                     tx.execute("DELETE FROM recordings WHERE id = ?", (oldest_id,))
@@ -220,25 +242,15 @@ class DatabaseRecordings:
                     evicted.append((oldest_id, num_bytes))
         for oldest_id, num_bytes in expired:
             assert self.retention_s is not None
-            log.info(
-                "deleted recording %s (%d bytes) older than %g days (--record-retention-days)",
-                oldest_id,
-                num_bytes,
-                self.retention_s / 86400,
-            )
+            _log_deleted(oldest_id, num_bytes, _expired_reason(self.retention_s), logging.INFO)
         for oldest_id, num_bytes in evicted:
-            log.warning(
-                "deleted recording %s (%d bytes) to keep recordings under %d bytes (--record-max-bytes)",
-                oldest_id,
-                num_bytes,
-                self.max_bytes,
-            )
+            _log_deleted(oldest_id, num_bytes, _evicted_reason(self.max_bytes), logging.WARNING)
 
     def reply(self, recording_id: str) -> dict[str, Any] | None:
         """A recording's reply with its request under ``request``, or None."""
         if not RECORDING_ID.match(recording_id):
             return None
-        row = self._database().execute("SELECT request, reply FROM recordings WHERE id = ?", (recording_id,)).one()
+        row = self._db.execute("SELECT request, reply FROM recordings WHERE id = ?", (recording_id,)).one()
         if row is None:
             return None
         reply: dict[str, Any] = json.loads(row[1])
@@ -249,19 +261,32 @@ class DatabaseRecordings:
         """A recording's WAV bytes, or None."""
         if not RECORDING_ID.match(recording_id):
             return None
-        wav = self._database().execute("SELECT audio FROM recordings WHERE id = ?", (recording_id,)).value()
+        wav = self._db.execute("SELECT audio FROM recordings WHERE id = ?", (recording_id,)).value()
         return None if wav is None else bytes(wav)
 
     def num_bytes(self) -> int:
         """Bytes the recordings hold."""
-        return int(self._database().execute("SELECT COALESCE(SUM(num_bytes), 0) FROM recordings").value())
+        return _usage(self._db)
 
     def close(self) -> None:
-        """Close the database connection (if it was opened)."""
-        with self._open_lock:
-            if self._db is not None:
-                self._db.close()
-                self._db = None
+        """Close the database connection."""
+        self._db.close()
+
+
+def _usage(db: Database | Transaction) -> int:
+    return int(db.execute("SELECT num_bytes FROM recordings_usage WHERE id = 0").value())
+
+
+def _expired_reason(retention_s: float) -> str:
+    return f"older than {retention_s / 86400:g} days (--record-retention-days)"
+
+
+def _evicted_reason(max_bytes: int) -> str:
+    return f"to keep recordings under {max_bytes} bytes (--record-max-bytes)"
+
+
+def _log_deleted(recording_id: str, num_bytes: int, reason: str, level: int) -> None:
+    log.log(level, "deleted recording %s (%d bytes) %s", recording_id, num_bytes, reason)
 
 
 def _folder_bytes(folder: Path) -> int:

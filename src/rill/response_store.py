@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rill.database import Database, Transaction
+from rill.database import Database, Result, delete_expired, log_expired
 from rill.errors import InvalidRequest, RequestNotFound, StorageFull
 
 log = logging.getLogger("rill.responses")
@@ -106,7 +106,8 @@ class ResponseStore:
                 tx.execute("CREATE INDEX IF NOT EXISTS responses_charged_to ON responses (charged_to)")
             self._owner = self._db.hold_liveness()
             with self._db.write("responses") as tx:
-                self._expire(tx, time.time())
+                deleted = delete_expired(tx, "responses", self.retention_s, time.time())
+            self._log_expired(deleted)
             self._fail_orphans()
         except BaseException:
             self._db.close()
@@ -171,7 +172,7 @@ class ResponseStore:
             )
             return
         with self._db.write("responses") as tx:
-            self._expire(tx, now)
+            deleted = delete_expired(tx, "responses", self.retention_s, now)
             count, total = tx.execute("SELECT COUNT(*), COALESCE(SUM(num_bytes), 0) FROM responses").one()  # type: ignore[misc]
             count, total = int(count), int(total)
             if count >= self.max_count or total + size > self.max_bytes:
@@ -204,6 +205,7 @@ class ResponseStore:
                     self._owner,
                 ),
             )
+        self._log_expired(deleted)
 
     def get(self, response_id: str, principal: str) -> StoredResponse:
         """The row of ``response_id``; ``RequestNotFound`` if absent or another principal's."""
@@ -221,12 +223,8 @@ class ResponseStore:
         if result.rowcount == 0:
             raise RequestNotFound(f"no response with id {response_id!r}")
 
-    def _expire(self, tx: Transaction, now: float) -> None:
-        if self.retention_s is None:
-            return
-        num_deleted = tx.execute("DELETE FROM responses WHERE created_at < ?", (now - self.retention_s,)).rowcount
-        if num_deleted > 0:
-            log.info("deleted %d stored responses older than %.3g days", num_deleted, self.retention_s / 86400)
+    def _log_expired(self, deleted: Result) -> None:
+        log_expired(log, deleted, "stored responses", self.retention_s, "--responses-retention-days")
 
     def close(self) -> None:
         """Close the database connection."""

@@ -47,8 +47,10 @@ def routes(deps: Deps) -> list[BaseRoute]:
 
     async def stop_speech() -> None:
         service.speech.shutdown()
+        if service.recordings is not None:
+            service.recordings.close()
 
-    deps.stoppers.append(stop_speech)  # the speech worker thread ends with the server
+    deps.stoppers.append(stop_speech)  # the speech worker thread and the recordings end with the server
 
     async def chat_endpoint(ws: WebSocket) -> None:
         await _Chat(service, ws).run()

@@ -81,12 +81,16 @@ class ChatService:
             parse_size(cfg.chat.record_max_bytes, "record_max_bytes"),
             None if days is None else days * 86400,
         )
-        # With --database the recordings go where every server sharing it can serve them.
-        self.recordings: Recordings = (
-            DatabaseRecordings(cfg.storage.database, cap, retention_s)
-            if cfg.storage.database
-            else RecordingStore(Path(cfg.http.data_dir) / "recordings", cap, retention_s)
-        )
+        # Opened now, at start like the server's other stores' checks, so a folder or database
+        # that cannot be used fails the start, not the first recorded chat. With --database
+        # the recordings go where every server sharing it can serve them.
+        self.recordings: Recordings | None = None
+        if self.is_recording:
+            self.recordings = (
+                DatabaseRecordings(cfg.storage.database, cap, retention_s)
+                if cfg.storage.database
+                else RecordingStore(Path(cfg.http.data_dir) / "recordings", cap, retention_s)
+            )
         self.ref_audio_path = cfg.chat.ref_audio
         self._ref_audio: dict[str, Any] | None = None
         self._mailboxes: dict[Hashable, asyncio.Queue[Notice]] = {}
@@ -255,7 +259,7 @@ class ChatService:
         retention (blocking)."""
         import soundfile
 
-        assert self.is_recording and isinstance(done.recording_session_id, str)
+        assert self.recordings is not None and isinstance(done.recording_session_id, str)
         recording_id = done.recording_session_id
         reply = {
             "recording_session_id": recording_id,
@@ -280,11 +284,11 @@ class ChatService:
 
     def recording(self, recording_id: str) -> dict[str, Any] | None:
         """A stored recording's reply with its request (``GET /api/recordings/{id}``), or None (blocking)."""
-        return self.recordings.reply(recording_id) if self.is_recording else None
+        return self.recordings.reply(recording_id) if self.recordings is not None else None
 
     def recording_audio(self, recording_id: str) -> Path | bytes | None:
         """The reply.wav of a stored recording (a file or its bytes), or None (blocking)."""
-        return self.recordings.audio(recording_id) if self.is_recording else None
+        return self.recordings.audio(recording_id) if self.recordings is not None else None
 
     def default_ref_audio(self) -> dict[str, Any] | None:
         """``{name, duration, sample_rate, samples, base64}`` of ``--ref-audio`` at 16 kHz (cached)."""
