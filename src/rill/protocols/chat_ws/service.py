@@ -35,15 +35,15 @@ from rill.protocols._shared import b64pcm
 from rill.protocols._shared.driver import Gone
 from rill.protocols._shared.segmenter import THINK_TAGS, Segmenter
 from rill.protocols.chat_ws import codec, media
-from rill.protocols.chat_ws.messages import ChatRequest, Done, SpeechInfo, Transcript
+from rill.protocols.chat_ws.messages import ChatRequest, Done, ImageText, SpeechInfo, Transcript
 from rill.protocols.chat_ws.queue import FairQueue, Moved, Notice, QueueStatus, Started
 from rill.protocols.chat_ws.session import (
     Action,
     ChatSession,
     EndSpeech,
-    Read,
     Speak,
     build_generate_request,
+    image_prompt_text,
     refuse_modalities,
 )
 from rill.recordings import DatabaseRecordings, Recordings, RecordingStore
@@ -203,18 +203,27 @@ class ChatService:
         return heard
 
     # -- text in images --------------------------------------------------------------------
-    async def _read_images(self, parts: list[media.DecodedMedia]) -> list[Read]:
+    async def _read_images(self, parts: list[media.DecodedMedia]) -> list[ImageText]:
         """The text OCR reads in each image part, in request order (sizes already checked).
 
         Raises:
             ResourceExhausted: OCR is busy.
             RequestTimeout: an image took too long to read.
         """
-        read: list[Read] = []
+        read: list[ImageText] = []
         for part in parts:
             assert self.ocr is not None
             found = await self.ocr.read(part.images[0], where=f"{part.where} (image)")
-            read.append(Read(part.message_index, part.content_index, found.text, found.width, found.height))
+            read.append(
+                ImageText(
+                    message_index=part.message_index,
+                    content_index=part.content_index,
+                    text=found.text,
+                    prompt_text=image_prompt_text(found.text),
+                    width=found.width,
+                    height=found.height,
+                )
+            )
         return read
 
     async def _starts_in_thinking(self, request: ChatRequest) -> bool:

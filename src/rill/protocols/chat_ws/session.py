@@ -5,7 +5,8 @@ Audio parts (and video audio tracks) arrive already transcribed: the service run
 recognition before the session exists and hands it each part's wire ``Transcript``; the session
 sends them (``on_transcribed``) and the engine request carries their text in the parts' places.
 Image parts, when the server reads text in images (OCR), arrive already read the same way
-(``Read``): the text takes the part's place marked as read from an image.
+(each part's wire ``ImageText``): the text takes the part's place marked as read from an image
+(``image_prompt_text``).
 
 States and transitions (one request per connection)::
 
@@ -87,24 +88,6 @@ class Record:
     audio: np.ndarray | None
 
 
-@dataclass(frozen=True)
-class Read:
-    """What OCR read in the image part ``messages[message_index].content[content_index]``:
-    ``text`` (empty when the image holds no readable text); ``prompt_text`` (see
-    ``image_prompt_text``) takes the part's place in the prompt."""
-
-    message_index: int
-    content_index: int
-    text: str
-    width: int
-    height: int
-
-    @property
-    def prompt_text(self) -> str:
-        """What the model is given in the image's place."""
-        return image_prompt_text(self.text)
-
-
 def image_prompt_text(text: str) -> str:
     """The prompt's words for an image whose text OCR read as ``text``: marked as read from an
     image, so the model does not take it for the user's own words, and never passed off as
@@ -125,7 +108,7 @@ def build_generate_request(
     request: ChatRequest,
     *,
     heard: Sequence[Transcript] = (),
-    read: Sequence[Read] = (),
+    read: Sequence[ImageText] = (),
     deadline_s: float | None = None,
 ) -> GenerateRequest:
     """The engine request for a chat whose media parts were already refused or handled.
@@ -210,7 +193,8 @@ class ChatSession(driver_session.Session):
         recording_session_id: put on ``done`` when the chat is recorded.
         heard: what speech recognition heard in the request's audio (each part's
             ``transcript`` message, sent as it is), in request order.
-        read: what OCR read in the request's images, in request order.
+        read: what OCR read in the request's images (each image's ``image_text`` message, sent as
+            it is), in request order.
         speech_info: put on ``done`` (as ``tts``) when the reply is spoken.
     """
 
@@ -223,7 +207,7 @@ class ChatSession(driver_session.Session):
         recording_session_id: str | None = None,
         keep_audio: bool = False,
         heard: Sequence[Transcript] = (),
-        read: Sequence[Read] = (),
+        read: Sequence[ImageText] = (),
         speech_info: SpeechInfo | None = None,
     ) -> None:
         self.request = request
@@ -247,21 +231,8 @@ class ChatSession(driver_session.Session):
     def on_transcribed(self) -> list[Action]:
         """One ``transcript`` per part heard, then one ``image_text`` per image read, before
         anything else is sent."""
-        images: list[Action] = [
-            Send(
-                ImageText(
-                    message_index=r.message_index,
-                    content_index=r.content_index,
-                    text=r.text,
-                    prompt_text=r.prompt_text,
-                    width=r.width,
-                    height=r.height,
-                )
-            )
-            for r in self.read
-        ]
-        transcripts: list[Action] = [Send(h) for h in self.heard]
-        return transcripts + images
+        messages: list[ServerMessage] = [*self.heard, *self.read]
+        return [Send(message) for message in messages]
 
     # -- queue (the server's fair queue of chats, not the engine's) ---------------------
     def on_queue_joined(self, status: QueueStatus) -> list[Action]:
