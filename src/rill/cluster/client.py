@@ -6,14 +6,16 @@ the queue bound, tokenizing with the model's tokenizer, fetched from a replica),
 the per-request figures and the rate-limit accounts. What crosses to a replica is the planned
 ``Choice``; what comes back is its outputs.
 
-* A new request is a streaming call ``run`` on the deployment handle; Ray Serve's router
-  (``rill.cluster.router``) picks its replica, and the call's first item says which one took it
-  (or why it was refused: the error keeps its type). The rest of the call is the request's
-  outputs, routed to its ``RequestStream`` as the in-process engine thread's are.
+* A new request is a call ``start`` on the deployment handle; Ray Serve's router
+  (``rill.cluster.router``) picks its replica, whose answer says it took the request (or why
+  it refused: the error keeps its type).
+* Outputs come back in one stream per replica (``outputs``, opened with the first request
+  there), one batch per engine step, routed to each request's ``RequestStream`` as the
+  in-process engine thread's are.
 * A control (stop, pause, resume, regenerate, a parameter change) is a call naming that
   replica, which the router sends there and nowhere else. The controls of one request go in
   the order they were made, one at a time.
-* When a replica dies, the calls of its requests fail: each of those streams ends with
+* When a replica dies, its outputs stream fails: each of its requests' streams ends with
   ``ReplicaLost`` (retryable) at once; other replicas' streams go on, and new requests go to
   the replicas Ray still lists while it starts a new one.
 * Each replica's gauges are read every ``STATS_INTERVAL_S`` for ``/metrics`` (summed, and
@@ -25,12 +27,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Self, cast
 
-from rill.cluster import launch
-from rill.cluster.registry import live_replicas
+from rill.cluster import launch, registry
 from rill.cluster.replica import Accepted, Description, Refused
 from rill.cluster.router import prefix_keys
 from rill.config import ClusterConfig, EngineConfig
@@ -84,6 +86,15 @@ class _Lane:
     queue: asyncio.Queue[tuple[Callable[[], Any], asyncio.Future[Any]]] = field(default_factory=asyncio.Queue)
     task: asyncio.Task[None] | None = None
 
+    def close(self) -> None:
+        """The request ended: stop applying controls; those still waiting find no request."""
+        if self.task is not None:
+            self.task.cancel()
+        while not self.queue.empty():
+            _, future = self.queue.get_nowait()
+            if not future.done():
+                future.set_exception(RequestNotFound("the request ended"))
+
 
 class RayClient(InprocClient):
     """``EngineClient`` whose engines are Ray Serve replicas (see the module docstring).
@@ -106,7 +117,9 @@ class RayClient(InprocClient):
         self.cluster = cluster
         self._deployed: launch.Deployed | None = None
         self._lanes: dict[RequestId, _Lane] = {}
-        self._calls: dict[RequestId, asyncio.Task[None]] = {}
+        self._frontend = uuid.uuid4().hex  # names this process's outputs stream on each replica
+        self._readers: dict[str, asyncio.Task[None]] = {}  # replica -> its outputs stream's reader
+        self._on_replica: dict[str, set[RequestId]] = {}  # replica -> the requests running there
         self._replica_stats: dict[str, EngineStats] = {}
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -150,7 +163,7 @@ class RayClient(InprocClient):
 
     def replicas(self) -> frozenset[str]:
         """The ids of the replicas requests can go to now."""
-        return live_replicas(launch.DEPLOYMENT)
+        return registry.live_replicas(launch.DEPLOYMENT)
 
     def state(self) -> EngineState:
         """As ``InprocClient.state``; once deployed, ``ready`` while at least one replica is,
@@ -173,9 +186,9 @@ class RayClient(InprocClient):
         self._is_shut_down = True
         for request_id in list(self._streams):
             self.abort(request_id)
-        for task in [*self._tasks, *self._calls.values()]:
+        for task in [*self._tasks, *self._readers.values()]:
             task.cancel()
-        await asyncio.gather(*self._tasks, *self._calls.values(), return_exceptions=True)
+        await asyncio.gather(*self._tasks, *self._readers.values(), return_exceptions=True)
         if self._deployed is not None:
             await asyncio.to_thread(self._deployed.close)
         self.policy.close()
@@ -188,31 +201,47 @@ class RayClient(InprocClient):
         self.policy.check_constrained(choice)
         stream, _ = self._open(choice, engine)
         request_id = choice.request_id
-        assert self._deployed is not None  # ready
         # A continuation of a kept generation goes to the replica that made it, whose prefix
         # cache holds its KV; should that replica be gone (or the entry evicted), the prompt is
         # recomputed where it lands: the same tokens, the same result, not a cache-miss error.
         pinned = choice.require_cached_prefix_tokens is not None
         if pinned:
             choice = dataclasses.replace(choice, require_cached_prefix_tokens=None)
-        call = self._deployed.handle.options(stream=True).run.remote(
-            choice, prefix_keys=prefix_keys(choice.prompt_ids), pinned=pinned
+        call = asyncio.ensure_future(
+            self._handle().start.remote(
+                choice, prefix_keys=prefix_keys(choice.prompt_ids), pinned=pinned, frontend=self._frontend
+            )
         )
         try:
-            first = await call.__anext__()
-        except BaseException as exc:
-            call.cancel()
+            answer = await asyncio.shield(call)
+        except asyncio.CancelledError:
+            # The caller left while the replica was starting it: stop it once it has started.
+            call.add_done_callback(lambda done: self._abandon(request_id, done))
             await self._withdraw(stream)
-            if isinstance(exc, Exception):
-                raise ReplicaLost("the engine replica went away before the request started; retry") from exc
             raise
-        if isinstance(first, Refused):
+        except Exception as exc:
             await self._withdraw(stream)
-            raise first.error
-        assert isinstance(first, Accepted)
-        self._lanes[request_id] = _Lane(first.replica)
-        self._calls[request_id] = asyncio.create_task(self._pump(request_id, call), name=f"rill-call-{request_id}")
+            raise ReplicaLost("the engine replica went away before the request started; retry") from exc
+        if isinstance(answer, Refused):
+            await self._withdraw(stream)
+            raise answer.error
+        replica = answer.replica
+        self._lanes[request_id] = _Lane(replica)
+        self._on_replica.setdefault(replica, set()).add(request_id)
+        registry.count(launch.DEPLOYMENT, replica, +1)
+        if replica not in self._readers:
+            self._readers[replica] = asyncio.create_task(self._read(replica), name=f"rill-outputs-{replica}")
+        if stream.is_closed:
+            self.abort(request_id)  # its reader left while it was starting (its abort found no replica then)
         return stream
+
+    def _abandon(self, request_id: RequestId, call: asyncio.Future[Any]) -> None:
+        """Abort a request whose caller left before its replica's answer came."""
+        if call.cancelled() or call.exception() is not None:
+            return
+        answer = call.result()
+        if isinstance(answer, Accepted):
+            self._handle().control.remote("abort", request_id, replica=answer.replica)
 
     async def _withdraw(self, stream: RequestStream) -> None:
         """Undo ``_open`` for a request the replica never ran."""
@@ -225,29 +254,42 @@ class RayClient(InprocClient):
         self._release(request_id, 0)
         await stream.aclose()
 
-    async def _pump(self, request_id: RequestId, call: Any) -> None:
-        """Route one request's outputs to its stream; end it with ``ReplicaLost`` if its
-        replica dies (or the call ends without a last output)."""
-        reason = "the call ended"
+    async def _read(self, replica: str) -> None:
+        """Route a replica's outputs to their streams, a step's batch at a time; when its stream
+        ends (the replica died), end every request still running there with ``ReplicaLost``."""
+        call = self._handle().options(stream=True).outputs.remote(self._frontend, replica=replica)
+        reason = "its outputs stream ended"
         try:
-            async for output in call:
-                self._dispatch([output])
-                if output.finished:
-                    return
+            async for batch in call:
+                self._dispatch(batch)
         except asyncio.CancelledError:
             call.cancel()
             raise
-        except Exception as exc:  # noqa: BLE001 - whatever Ray raises, the replica is gone for this request
+        except Exception as exc:  # noqa: BLE001 - whatever Ray raises, the replica is gone for these requests
             reason = type(exc).__name__
         finally:
-            self._calls.pop(request_id, None)
-            lane = self._lanes.pop(request_id, None)
-            if lane is not None and lane.task is not None:
-                lane.task.cancel()
-        if request_id in self._streams:
-            log.warning("request %s lost its engine replica (%s)", request_id, reason)
-            lost = ReplicaLost("the engine replica running this request stopped; retry the request")
-            self._dispatch([RequestOutput(request_id=request_id, finished=True, finish_reason="error", error=lost)])
+            self._readers.pop(replica, None)
+        lost = [request_id for request_id in self._on_replica.pop(replica, set()) if request_id in self._streams]
+        if lost:
+            log.warning("replica %s lost (%s): %d request(s) end with replica_lost", replica, reason, len(lost))
+        error = ReplicaLost("the engine replica running this request stopped; retry the request")
+        self._dispatch(
+            [RequestOutput(request_id=rid, finished=True, finish_reason="error", error=error) for rid in lost]
+        )
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        """Route outputs to their streams (``InprocClient._dispatch``), and forget where each
+        ended request ran."""
+        super()._dispatch(outputs)
+        for output in outputs:
+            if not output.finished:
+                continue
+            lane = self._lanes.pop(output.request_id, None)
+            if lane is None:
+                continue
+            self._on_replica.get(lane.replica, set()).discard(output.request_id)
+            registry.count(launch.DEPLOYMENT, lane.replica, -1)
+            lane.close()
 
     # -- controls ----------------------------------------------------------------------------
     def _send(self, request_id: RequestId, make_call: Callable[[str], Any]) -> asyncio.Future[Any]:
@@ -268,6 +310,10 @@ class RayClient(InprocClient):
             make_call, future = await lane.queue.get()
             try:
                 answer = await asyncio.wait_for(make_call(), CONTROL_TIMEOUT_S)
+            except asyncio.CancelledError:
+                if not future.done():
+                    future.set_exception(RequestNotFound("the request ended"))
+                raise
             except Exception as exc:  # noqa: BLE001 - a dead or stuck replica: the request is gone
                 if not future.done():
                     future.set_exception(RequestNotFound(f"the request's engine replica did not answer ({exc!r})"))

@@ -7,15 +7,22 @@ that need its engine (its queue bound, a duplicate id, beam rows) and compiles a
 constrained request's grammar with its own compiler.
 
 Every answer crosses to the server process as a value, never as a raised exception, so a
-refusal keeps its type: ``run`` yields ``Refused`` or ``Accepted`` first, then the request's
-outputs, coalesced while the server reads slower than the engine makes them. Leaving ``run``
-early (the server closed the stream, or cancelled the call) cancels the request here.
+refusal keeps its type: ``start`` answers ``Accepted`` or ``Refused``.
+
+Outputs go back in one stream per server process (``outputs``), one batch per engine step:
+the step's outputs of every request that server started here, each request's coalesced while
+the server reads slower than the engine makes them (as the in-process engine thread hands a
+step over in one hop). A stream item costs the same whatever it holds, so one item per step,
+rather than one per request and step, is what keeps the hop cheap under load. When that
+stream ends (the server went away), its requests are cancelled here.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -24,6 +31,7 @@ from rill.config import EngineConfig
 from rill.errors import RillError
 from rill.frontend.inproc import InprocClient
 from rill.frontend.policy import Choice, SubmissionPolicy
+from rill.frontend.stream import RequestStream
 from rill.types import EngineStats, ModelInfo, RequestOutput, SamplingParams
 
 log = logging.getLogger("rill.cluster")
@@ -44,15 +52,34 @@ class Description(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Accepted(msgspec.Struct, frozen=True):
-    """``run``'s first item when the request started: the replica it runs on."""
+    """``start``'s answer when the request started: the replica it runs on."""
 
     replica: str
 
 
 class Refused(msgspec.Struct, frozen=True):
-    """``run``'s only item (or a call's answer) when the replica refused: why."""
+    """A call's answer when the replica refused: why."""
 
     error: Any
+
+
+class _ReplicaClient(InprocClient):
+    """``InprocClient`` that tells the replica once each step's outputs are in their streams."""
+
+    after_dispatch: Callable[[list[RequestOutput]], None] | None = None
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        super()._dispatch(outputs)
+        if self.after_dispatch is not None:
+            self.after_dispatch(outputs)
+
+
+@dataclass
+class _Outbox:
+    """The requests one server process started here, and whether any has output to hand over."""
+
+    streams: dict[str, RequestStream] = field(default_factory=dict)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 def _replica_id() -> str:
@@ -70,7 +97,10 @@ class EngineReplica:
 
     async def __init__(self, config: EngineConfig) -> None:  # type: ignore[misc]  # Ray Serve awaits it
         self.replica = _replica_id()
-        self.client = InprocClient.start(config, policy=SubmissionPolicy(engine=config))
+        self.client = _ReplicaClient.start(config, policy=SubmissionPolicy(engine=config))
+        self.client.after_dispatch = self._wake
+        self._outboxes: dict[str, _Outbox] = {}
+        self._outbox_of: dict[str, str] = {}  # request id -> the server process it belongs to
         # Ray counts the replica as started when this returns: only with its model loaded.
         await self.client.wait_ready()
         log.info("engine replica %s ready", self.replica)
@@ -88,20 +118,52 @@ class EngineReplica:
             generation_defaults=engine.generation_defaults,
         )
 
-    async def run(
-        self, choice: Choice, *, prefix_keys: list[int], pinned: bool = False
-    ) -> AsyncIterator[Accepted | Refused | RequestOutput]:
-        """Start ``choice`` and yield ``Accepted`` then its outputs, or ``Refused`` alone.
-        ``prefix_keys`` and ``pinned`` are the router's (``rill.cluster.router``)."""
+    async def start(
+        self, choice: Choice, *, prefix_keys: list[int], pinned: bool = False, frontend: str
+    ) -> Accepted | Refused:
+        """Start ``choice`` for server process ``frontend``; its outputs go to that process's
+        ``outputs`` stream. ``prefix_keys`` and ``pinned`` are the router's."""
         try:
             stream = await self.client.start_choice(choice)
         except RillError as exc:
-            yield Refused(exc)
-            return
-        yield Accepted(self.replica)
-        async with stream:  # leaving early (the call cancelled) aborts the request here
-            async for output in stream:
-                yield output
+            return Refused(exc)
+        self._outboxes.setdefault(frontend, _Outbox()).streams[choice.request_id] = stream
+        self._outbox_of[choice.request_id] = frontend
+        return Accepted(self.replica)
+
+    def _wake(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            frontend = self._outbox_of.get(output.request_id)
+            if frontend is not None:
+                self._outboxes[frontend].wake.set()
+
+    async def outputs(self, frontend: str, *, replica: str) -> AsyncIterator[list[RequestOutput]]:
+        """The outputs of every request ``frontend`` started here, one batch per engine step
+        (the first batch holds whatever came before the call). Leaving the stream (the server
+        process went away, or closed it) cancels those requests."""
+        outbox = self._outboxes.setdefault(frontend, _Outbox())
+        outbox.wake.set()  # hand over at once what came before this call
+        try:
+            while True:
+                await outbox.wake.wait()
+                outbox.wake.clear()
+                batch: list[RequestOutput] = []
+                for request_id, stream in list(outbox.streams.items()):
+                    output = stream.get_nowait()
+                    if output is None:
+                        continue
+                    batch.append(output)
+                    if output.finished:
+                        del outbox.streams[request_id]
+                        self._outbox_of.pop(request_id, None)
+                        await stream.aclose()
+                if batch:
+                    yield batch
+        finally:
+            self._outboxes.pop(frontend, None)
+            for request_id, stream in outbox.streams.items():
+                self._outbox_of.pop(request_id, None)
+                await stream.aclose()  # cancels a request still running
 
     def control(self, op: str, request_id: str, *, replica: str) -> Refused | None:
         """Apply one of ``CONTROLS`` to a request running here (``replica`` routes the call)."""

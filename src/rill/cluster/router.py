@@ -13,8 +13,9 @@ Three kinds of call reach the replicas, and the router tells them apart by their
   ``round-robin`` mode to each replica in turn (the baseline the benchmark compares with);
 * anything else goes to the least loaded replica.
 
-"In flight" counts the generations this router sent and that have not ended: every
-generation passes through the one server process, so its router sees them all. The prefix
+"In flight" counts the generations running on each replica, as the engine client of this
+process counts them (``rill.cluster.registry``), plus those this router sent whose start has
+not been answered yet: every generation passes through the server process, so it sees them all. The prefix
 map is bounded (``max_keys``, oldest forgotten first); it remembers where prompts went, not
 what each replica's cache still holds, so an evicted prefix costs one recompute and no error.
 
@@ -25,7 +26,6 @@ module's class by value, globals included: keep its globals plain data.
 
 from __future__ import annotations
 
-import random
 from collections import OrderedDict
 from typing import Any
 
@@ -37,12 +37,12 @@ MODES = ("prefix", "least-loaded", "round-robin")
 """The routing of new generations (``--routing``)."""
 
 
-def prefix_keys(prompt_ids: list[int], max_tokens: int = 2048) -> list[int]:
-    """Keys of the prompt's prefixes, longest first: every 8 tokens up to 32, then every 32 up
-    to ``max_tokens`` (the last token is left out, as the prefix cache leaves it)."""
+def prefix_keys(prompt_ids: list[int], block: int = 32, max_tokens: int = 2048) -> list[int]:
+    """Keys of the prompt's prefixes at whole blocks of ``block`` tokens up to ``max_tokens``,
+    longest first (the last token is left out, as the prefix cache leaves it). A prompt shorter
+    than a block has none: a shorter shared prefix saves less than balancing gains."""
     usable = min(len(prompt_ids) - 1, max_tokens)
-    ends = [end for end in (8, 16, 24) if end <= usable] + list(range(32, usable + 1, 32))
-    return [hash(tuple(prompt_ids[:end])) for end in reversed(ends)]
+    return [hash(tuple(prompt_ids[:end])) for end in range(usable // block * block, 0, -block)]
 
 
 class RillRouter(RequestRouter):
@@ -57,7 +57,7 @@ class RillRouter(RequestRouter):
         self._imbalance = imbalance
         self._max_keys = max_keys
         self._owner: OrderedDict[int, str] = OrderedDict()  # prefix key -> replica unique id
-        self._in_flight: dict[str, int] = {}  # replica unique id -> generations running there
+        self._in_flight: dict[str, int] = {}  # replica unique id -> starts sent there, not yet answered
         self._routed: dict[str, str] = {}  # internal request id -> replica unique id
         self._turn = 0
 
@@ -89,7 +89,12 @@ class RillRouter(RequestRouter):
             self._turn += 1
             ordered = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
             return [[ordered[self._turn % len(ordered)]]]
-        load = {r.replica_id.unique_id: self._in_flight.get(r.replica_id.unique_id, 0) for r in candidate_replicas}
+        running = registry.in_flight(self._deployment_id.name)
+        load = {
+            r.replica_id.unique_id: running.get(r.replica_id.unique_id, 0)
+            + self._in_flight.get(r.replica_id.unique_id, 0)
+            for r in candidate_replicas
+        }
         least = min(load.values())
         if keys and (self._mode == "prefix" or kwargs.get("pinned")):
             for key in keys:
@@ -98,11 +103,18 @@ class RillRouter(RequestRouter):
                     if kwargs.get("pinned") or load[owner] <= least + self._imbalance:
                         return [[r for r in candidate_replicas if r.replica_id.unique_id == owner]]
                     break  # the longest cached prefix is on a busy replica: balance instead
-        lightest = [r for r in candidate_replicas if load[r.replica_id.unique_id] == least]
-        return [[random.choice(lightest)]]
+        lightest = sorted(
+            (r for r in candidate_replicas if load[r.replica_id.unique_id] == least),
+            key=lambda r: r.replica_id.unique_id,
+        )
+        # Ties in turn, not at random: requests routed at the same moment (before any of them
+        # is counted) still spread evenly.
+        self._turn += 1
+        return [[lightest[self._turn % len(lightest)]]]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
-        """Count a generation in flight on its replica and remember where its prefixes went."""
+        """Count a generation whose start is in flight to its replica and remember where its
+        prefixes went."""
         keys = pending_request.kwargs.get("prefix_keys")
         if keys is None:
             return
@@ -116,7 +128,7 @@ class RillRouter(RequestRouter):
             self._owner.popitem(last=False)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        """A generation ended (finished, cancelled or failed): one fewer in flight there."""
+        """A generation's start was answered: from now on the engine client counts it."""
         replica = self._routed.pop(internal_request_id, None)
         if replica is not None:
             self._in_flight[replica] = max(0, self._in_flight.get(replica, 0) - 1)

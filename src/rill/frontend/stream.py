@@ -74,6 +74,11 @@ class RequestStream:
         self._lease = lease
         self._is_overflowed = False
 
+    @property
+    def is_closed(self) -> bool:
+        """True once the reader closed the stream (``aclose``): nobody reads it any more."""
+        return self._closed
+
     # -- producer side (called on the event loop by the client's dispatcher) --------------
     def put(self, output: RequestOutput) -> None:
         """Queue one delta, merging it into a pending one the consumer has not taken yet.
