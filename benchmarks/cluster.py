@@ -16,7 +16,9 @@ OpenAI API in a closed loop (``rill.bench``), greedy, ``ignore_eos``:
 2. Prefix-cache hit rate on a shared-system-prompt load (``--system-prompts`` long prefixes,
    each followed by different questions, in a shuffled order) on ``--replicas 2``, routed by
    prefix affinity and round-robin: prompt tokens found in the replicas' prefix caches over
-   prompt tokens looked up (from ``/metrics``, summed over replicas).
+   prompt tokens looked up (from ``/metrics``, summed over replicas). Each replica's prefix
+   cache is bounded (``--prefix-cache-memory``, default about half the system prompts' KV),
+   as a busy server's is: where prompts go then decides what stays cached.
 
 ``--quick`` checks the script works (one level, few tokens): its figures mean nothing. On a
 2-core machine the two 1-thread replicas and the server process share the cores: compare rows
@@ -142,6 +144,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--per-prompt", type=int, default=8, help="questions per system prompt")
     parser.add_argument("--prefix-concurrency", type=int, default=8)
     parser.add_argument("--prefix-max-tokens", type=int, default=8)
+    parser.add_argument(
+        "--prefix-cache-memory",
+        default="48MiB",
+        help="each replica's prefix cache in part 2: about half the system prompts' KV on SmolLM2",
+    )
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--log-dir", type=Path, default=Path("benchmarks/.cluster-logs"))
     parser.add_argument("--quick", action="store_true")
@@ -153,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model {model}; levels {levels}; {args.max_tokens} tokens per request, prompts of {args.prompt_len} words")
 
     results: dict[str, dict[int, Summary]] = {}
-    for name in args.configs.split(","):
+    for name in filter(None, args.configs.split(",")):
         print(f"  {name}: rill serve {' '.join(CONFIGS[name])}", flush=True)
         started = time.monotonic()
         with server(name, model, CONFIGS[name], args.log_dir) as srv:
@@ -190,12 +197,14 @@ def main(argv: list[str] | None = None) -> int:
     print("\n## Prefix-cache hit rate, shared system prompts, --replicas 2 --num-threads 1\n")
     print(
         f"{args.system_prompts} system prompts of {args.system_len} words x {args.per_prompt} questions, "
-        f"shuffled, c={args.prefix_concurrency}, {args.prefix_max_tokens} tokens each\n"
+        f"shuffled, c={args.prefix_concurrency}, {args.prefix_max_tokens} tokens each, "
+        f"--prefix-cache-memory {args.prefix_cache_memory} per replica\n"
     )
     print("| routing | hit rate | tokens/s | TTFT p50 ms |")
     print("| --- | --- | --- | --- |")
     for routing in ("prefix", "round-robin"):
         flags = ["--replicas", "2", "--num-threads", "1", "--routing", routing]
+        flags += ["--prefix-cache-memory", args.prefix_cache_memory]
         with server(f"prefix-{routing}", model, flags, args.log_dir) as srv:
             srv.wait_ready(600)
             rate, summary = asyncio.run(hit_rate(srv.port, args))

@@ -1,6 +1,7 @@
 """``rill serve --ray-address`` on a two-node Ray cluster (simulated on this machine with
 ``ray.cluster_utils.Cluster``: two raylets, one CPU each): one replica per node, streams
-served from both, and one principal's rate limit held across the replicas.
+served from both, one principal's rate limit held across the replicas, and a second front door
+that joins the same replicas and reads what the first stored, from PostgreSQL.
 """
 
 from __future__ import annotations
@@ -34,10 +35,17 @@ def two_nodes() -> Iterator[Any]:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, two_nodes: Any) -> Iterator[ClusterServer]:
-    folder = tmp_path_factory.mktemp("two-nodes")
+def flags(two_nodes: Any, postgres: Any) -> list[str]:
+    """The front doors' settings: the cluster, two keys, a rate limit, one PostgreSQL database."""
     flags = ["--ray-address", two_nodes.address, "--replica-cpus", "1", "--api-key", "key-one", "--api-key", "key-two"]
+    flags += ["--api-key", "key-three"]
     flags += ["--rate-limit-requests", str(REQUESTS_PER_WINDOW), "--rate-limit-window", "3600"]
+    return [*flags, "--database", str(postgres.new_database())]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, flags: list[str]) -> Iterator[ClusterServer]:
+    folder = tmp_path_factory.mktemp("two-nodes")
     cluster = start_cluster_server(tiny_model_dir, folder, *flags)
     cluster.api_key = "key-two"
     try:
@@ -92,3 +100,29 @@ async def test_a_principals_rate_limit_holds_across_replicas(server: ClusterServ
     assert all(after[r] > before.get(r, 0) for r in after) and len(after) == 2, (before, after)
     # Another principal is not limited by the first one's use.
     assert await completion(server, "key-two", "still served")
+
+
+async def test_a_second_front_door_joins_the_replicas_and_reads_the_shared_store(
+    server: ClusterServer, tiny_model_dir: Path, tmp_path: Path, flags: list[str]
+) -> None:
+    """A second ``rill serve`` on the same cluster uses the replicas already there (it starts
+    none), serves through them, reads a response the first one stored (PostgreSQL), and
+    leaves the replicas running when it stops."""
+    replicas = sorted(pid for pids in replicas_by_node().values() for pid in pids)
+    second = start_cluster_server(tiny_model_dir, tmp_path, *flags)
+    try:
+        assert sorted(pid for pids in replicas_by_node().values() for pid in pids) == replicas
+        async with (
+            openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="key-three", max_retries=0) as first_door,
+            openai.AsyncOpenAI(base_url=f"{second.url}/v1", api_key="key-three", max_retries=0) as second_door,
+        ):
+            made = await first_door.responses.create(
+                model="tiny-llama", input="Once upon a time", max_output_tokens=8, temperature=0, store=True
+            )
+            read = await second_door.responses.retrieve(made.id)
+            assert (read.id, read.output_text, read.status) == (made.id, made.output_text, made.status)
+            assert await completion(second, "key-three", "through the second door")
+    finally:
+        stop(second.proc)
+    assert sorted(pid for pids in replicas_by_node().values() for pid in pids) == replicas
+    assert await completion(server, "key-three", "the replicas outlive the second door")
