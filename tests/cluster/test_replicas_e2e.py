@@ -135,6 +135,50 @@ async def test_generate_controls_reach_the_right_generation(cluster: ClusterServ
         assert end_b[-1]["finish_reason"] == "length" and end_b[-1]["usage"]["completion_tokens"] == LONG
 
 
+async def test_a_disconnect_frees_the_replicas_kv(cluster: ClusterServer) -> None:
+    """A client that leaves mid-generation cancels it on its replica: every replica's KV in use
+    and running count go back to zero (read from /metrics: a bounded wait)."""
+    url = f"{cluster.ws_url}/generate"
+    cancelled_before = cancelled(cluster)
+    async with connect(url) as a, connect(url) as b:
+        for ws in (a, b):
+            await send(
+                ws, type="config", prompt="Once upon a time", parameters={"max_tokens": LONG, "ignore_eos": True}
+            )
+            await until(ws, is_type("token"))
+            # Paused, each keeps its KV and cannot run out before the socket closes.
+            await send(ws, type="control", action="pause")
+            await until(ws, is_status("paused"))
+        busy = wait_for(
+            lambda: (lambda kv: kv if sum(kv.values()) > 0 else None)(
+                cluster.replica_values("rill_replica_kv_cache_used_bytes")
+            ),
+            30,
+            "KV in use while both stream",
+        )
+        assert busy
+    # Both sockets closed while paused: both cancelled, nothing runs, nothing holds KV.
+    wait_for(lambda: cancelled(cluster) == cancelled_before + 2, 30, "both generations cancelled")
+    wait_for(
+        lambda: (
+            sum(cluster.replica_values("rill_replica_kv_cache_used_bytes").values()) == 0
+            and sum(cluster.replica_values("rill_replica_num_requests_running").values()) == 0
+        ),
+        30,
+        "the replicas' KV freed",
+    )
+    assert cancelled(cluster) == cancelled_before + 2
+
+
+def cancelled(cluster: ClusterServer) -> float:
+    """Generations the front door saw end cancelled (its own counter: current, not polled)."""
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in cluster.metrics().splitlines()
+        if line.startswith("rill_requests_total{") and 'finish_reason="cancelled"' in line
+    )
+
+
 async def test_batch_continuation_continues_the_same_text(cluster: ClusterServer) -> None:
     prompts = {"c1": "Once upon a time", "c2": "The little robot"}
     config = {**GREEDY, "max_new_tokens": 10}
