@@ -22,7 +22,13 @@ import pytest
 
 from tests.conftest import free_port
 
-pytest.importorskip("ray.serve", reason="the cluster tests need Ray: pip install 'rill[ray]'")
+try:
+    import ray.serve  # noqa: F401 - rill's optional ray extra
+except ImportError:
+    # `make test` installs the extra; .ci/run sets RILL_REQUIRE_RAY=1 so CI never skips these silently.
+    if os.environ.get("RILL_REQUIRE_RAY") == "1":
+        raise
+    pytest.skip("the cluster tests need Ray: pip install 'rill[ray]'", allow_module_level=True)
 
 READY_TIMEOUT_S = 300
 """Start-up bound (Ray, then two replicas loading a model on a loaded 2-core machine): a
