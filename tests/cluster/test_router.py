@@ -9,8 +9,6 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("ray.serve", reason="the router is Ray Serve's request-router API: pip install 'rill[ray]'")
-
 from rill.cluster.router import RillRouter, prefix_keys
 
 REPLICAS = [SimpleNamespace(replica_id=SimpleNamespace(unique_id=name)) for name in ("a", "b", "c")]
