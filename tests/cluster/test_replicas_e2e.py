@@ -24,7 +24,7 @@ from rill.clients.chat import chat
 from rill.clients.evergreen import EvergreenClient
 from rill.clients.generate import GenerateClient
 from rill.clients.uds import UdsClient
-from tests.protocols.batch_ws.test_adapter import GREEDY, by_type, run_batch
+from tests.protocols.batch_ws.test_adapter import GREEDY, assert_continued, by_type, greedy_batch, run_batch
 from tests.protocols.generate_ws.test_adapter import is_status, is_type, send, until
 
 from .conftest import ClusterServer, wait_for
@@ -181,44 +181,25 @@ def cancelled(cluster: ClusterServer) -> float:
 
 async def test_batch_continuation_continues_the_same_text(cluster: ClusterServer) -> None:
     prompts = {"c1": "Once upon a time", "c2": "The little robot"}
-    config = {**GREEDY, "max_new_tokens": 10}
     async with connect(f"{cluster.ws_url}/ws") as ws:
-        first = by_type(
-            await run_batch(
-                ws,
-                {"prompts": [{"request_id": k, "prompt": v} for k, v in prompts.items()], "generation_config": config},
-            ),
-            "COMPLETE",
-        )
-        second_frames = await run_batch(
-            ws, {"prompts": [{"request_id": k, "prompt": "ignored"} for k in prompts], "generation_config": config}
-        )
-        assert not by_type(second_frames, "ERROR"), second_frames
-        second = by_type(second_frames, "COMPLETE")
-        single = by_type(
-            await run_batch(
-                ws,
-                {
-                    "prompts": [{"request_id": "ref-" + k, "prompt": v} for k, v in prompts.items()],
-                    "generation_config": {**GREEDY, "max_new_tokens": 20},
-                },
-            ),
-            "COMPLETE",
-        )
-    for key in prompts:
-        assert first[key]["new_tokens_count"] == second[key]["new_tokens_count"] == 10
-        assert first[key]["text"] + second[key]["text"] == single["ref-" + key]["text"]
+        first = await greedy_batch(ws, prompts, 10)
+        second = await greedy_batch(ws, dict.fromkeys(prompts, "ignored"), 10)
+        single = await greedy_batch(ws, prompts, 20, prefix="ref-")
+    assert_continued(prompts, first, second, single)
+
+
+async def give_feedback(cluster: ClusterServer, rating: float, text: str) -> str:
+    """Generate on /generate, send feedback on it; the store's database URL once acknowledged."""
+    async with GenerateClient(f"{cluster.ws_url}/generate") as gen:
+        _ = [m async for m in gen.generate("Once upon a time", max_tokens=4, temperature=0)]
+        ack = await gen.feedback(rating, text)
+    assert ack["type"] == "status" and cluster.database is not None
+    return cluster.database
 
 
 async def test_feedback_lands_in_postgresql(cluster: ClusterServer) -> None:
-    async with GenerateClient(f"{cluster.ws_url}/generate") as gen:
-        _ = [m async for m in gen.generate("Once upon a time", max_tokens=4, temperature=0)]
-        ack = await gen.feedback(0.75, "useful, from the cluster")
-    assert ack["type"] == "status"
-    assert cluster.database is not None
-    database = cluster.database
-    exported = await asyncio.to_thread(_export, database)
-    records = [json.loads(line) for line in exported.splitlines()]
+    database = await give_feedback(cluster, 0.75, "useful, from the cluster")
+    records = [json.loads(line) for line in (await asyncio.to_thread(_export, database)).splitlines()]
     assert any(r.get("text") == "useful, from the cluster" and r.get("rating") == 0.75 for r in records), records
 
 
@@ -268,12 +249,7 @@ async def test_replica_killed_mid_stream(cluster: ClusterServer) -> None:
 
 async def test_acknowledged_feedback_survives_kill_of_the_server(cluster: ClusterServer) -> None:
     """Last in this module: it kills the server itself (SIGKILL), then reads the store."""
-    async with GenerateClient(f"{cluster.ws_url}/generate") as gen:
-        _ = [m async for m in gen.generate("Once upon a time", max_tokens=4, temperature=0)]
-        ack = await gen.feedback(0.25, "written just before the kill")
-    assert ack["type"] == "status"
-    assert cluster.database is not None
-    database = cluster.database
+    database = await give_feedback(cluster, 0.25, "written just before the kill")
     cluster.proc.send_signal(signal.SIGKILL)
     cluster.proc.wait()
     exported = await asyncio.to_thread(_export, database)

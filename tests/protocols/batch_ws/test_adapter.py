@@ -222,46 +222,36 @@ async def test_prompt_longer_than_context_errors_alone(server: Any) -> None:
     server.wait_idle()
 
 
-async def test_continuation_equals_one_longer_greedy_run(server: Any) -> None:
-    prompts = {"c1": "Once upon a time", "c2": "The little robot"}
-    async with connect(server.ws_url + "/ws") as ws:
-        first = by_type(
-            await run_batch(
-                ws,
-                {
-                    "prompts": [{"request_id": k, "prompt": v} for k, v in prompts.items()],
-                    "generation_config": {**GREEDY, "max_new_tokens": 10},
-                },
-            ),
-            "COMPLETE",
-        )
-        # The same ids again: the new prompt text is ignored, generation goes on.
-        hits_before = server.stats().prefix_cache_hits_tokens
-        second = by_type(
-            await run_batch(
-                ws,
-                {
-                    "prompts": [{"request_id": k, "prompt": "ignored"} for k in prompts],
-                    "generation_config": {**GREEDY, "max_new_tokens": 10},
-                },
-            ),
-            "COMPLETE",
-        )
-        hits = server.stats().prefix_cache_hits_tokens - hits_before
-        single = by_type(
-            await run_batch(
-                ws,
-                {
-                    "prompts": [{"request_id": "ref-" + k, "prompt": v} for k, v in prompts.items()],
-                    "generation_config": {**GREEDY, "max_new_tokens": 20},
-                },
-            ),
-            "COMPLETE",
-        )
+async def greedy_batch(ws: Any, prompts: dict[str, str], max_new_tokens: int, prefix: str = "") -> dict[str, dict]:
+    """Run ``prompts`` (by request_id) as one greedy batch; its COMPLETE events by request_id
+    (ids prefixed with ``prefix``)."""
+    payload = {
+        "prompts": [{"request_id": prefix + k, "prompt": v} for k, v in prompts.items()],
+        "generation_config": {**GREEDY, "max_new_tokens": max_new_tokens},
+    }
+    frames = await run_batch(ws, payload)
+    assert not by_type(frames, "ERROR"), frames
+    return by_type(frames, "COMPLETE")
+
+
+def assert_continued(prompts: dict[str, str], first: dict, second: dict, single: dict) -> None:
+    """10 tokens, then 10 more by the same ids, equal one 20-token run (ids prefixed ``ref-``)."""
     for key in prompts:
         assert not first[key]["is_eos"] and first[key]["new_tokens_count"] == 10
         assert second[key]["new_tokens_count"] == 10
         assert first[key]["text"] + second[key]["text"] == single["ref-" + key]["text"]
+
+
+async def test_continuation_equals_one_longer_greedy_run(server: Any) -> None:
+    prompts = {"c1": "Once upon a time", "c2": "The little robot"}
+    async with connect(server.ws_url + "/ws") as ws:
+        first = await greedy_batch(ws, prompts, 10)
+        # The same ids again: the new prompt text is ignored, generation goes on.
+        hits_before = server.stats().prefix_cache_hits_tokens
+        second = await greedy_batch(ws, dict.fromkeys(prompts, "ignored"), 10)
+        hits = server.stats().prefix_cache_hits_tokens - hits_before
+        single = await greedy_batch(ws, prompts, 20, prefix="ref-")
+    assert_continued(prompts, first, second, single)
     # The continuation reused the kept KV (prompt + 9 fed tokens each) instead of recomputing it.
     assert hits >= 2 * 9
     server.wait_idle()
