@@ -33,6 +33,7 @@ from typing import Any, Protocol, cast
 import numpy as np
 
 from rill.errors import ConfigError, InvalidRequest
+from rill.frontend.workers import background_priority
 
 log = logging.getLogger("rill.frontend.speech")
 
@@ -370,7 +371,9 @@ class SpeechService:
 
     def __init__(self, synth: SpeechSynth | None = None) -> None:
         self._synth = synth
-        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rill-speech")
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="rill-speech", initializer=background_priority
+        )
         self.num_running_jobs = 0
         self.num_open_streams = 0
         self.num_segments_total = 0

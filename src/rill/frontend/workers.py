@@ -9,12 +9,18 @@ cancelled while it waits leaves the line at once; one cancelled while its call r
 waiting at once (``on_cancel`` tells the work, e.g. a ``threading.Event`` it polls), and its
 place is given back only when the thread has finished, so the bound always counts the threads
 really busy.
+
+Worker threads run at a lower scheduling priority than the engine (``background_priority``):
+on a machine where recognition, synthesis and decoding share the cores, the engine's next
+token goes first and the voice work takes the time left.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -24,6 +30,22 @@ from typing import Any, TypeVar
 from rill.errors import ResourceExhausted
 
 T = TypeVar("T")
+
+log = logging.getLogger("rill.workers")
+
+BACKGROUND_NICE = 10
+"""How much lower than the engine's the priority of the voice and OCR threads is (Linux nice):
+the scheduler then gives a busy engine thread about nine tenths of a core they both want."""
+
+
+def background_priority() -> None:
+    """Lower the calling thread's scheduling priority by ``BACKGROUND_NICE`` (Linux; a no-op
+    elsewhere). Threads and processes it starts afterwards inherit it: CTranslate2's and ONNX
+    Runtime's compute threads made when a model loads there, Tesseract's process."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+    except (AttributeError, OSError) as exc:  # not Linux, or not allowed: the work still runs
+        log.debug("could not lower a worker thread's priority: %s", exc)
 
 
 @dataclass
@@ -62,7 +84,9 @@ class WorkerPool:
         self.max_pending = max_pending
         self.counters = counters if counters is not None else PoolCounters()
         self._busy, self._what, self._setting = busy, what, setting
-        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=workers, thread_name_prefix=name, initializer=background_priority
+        )
         self._slots: asyncio.Semaphore | None = None
         self._num_pending = 0
         self._lock = threading.Lock()  # counters touched by several worker threads
