@@ -137,13 +137,14 @@ def start_cluster_server(model_dir: Path, folder: Path, *flags: str) -> ClusterS
     return ClusterServer(proc, url, f"ws://127.0.0.1:{port}", sock, f"127.0.0.1:{grpc_port}")
 
 
-def stop(proc: subprocess.Popen[bytes]) -> None:
+def stop(proc: subprocess.Popen[bytes]) -> int | None:
     """Stop the server (it removes its replicas and its Ray instance), killing its whole
-    process group if it does not end in time."""
-    if proc.poll() is None:
+    process group if it does not end in time. Its exit status after SIGTERM (None: killed)."""
+    status = proc.poll()
+    if status is None:
         proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(60)
+            status = proc.wait(60)
         except subprocess.TimeoutExpired:
             pass
     try:
@@ -151,6 +152,7 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
     except ProcessLookupError:
         pass
     proc.wait()
+    return status
 
 
 @pytest.fixture(scope="module")

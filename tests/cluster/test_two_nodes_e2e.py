@@ -123,6 +123,7 @@ async def test_a_second_front_door_joins_the_replicas_and_reads_the_shared_store
             assert (read.id, read.output_text, read.status) == (made.id, made.output_text, made.status)
             assert await completion(second, "key-three", "through the second door")
     finally:
-        stop(second.proc)
+        status = stop(second.proc)
+    assert status == 0  # SIGTERM stops it gracefully (Ray's own fatal-signal handler would abort it)
     assert sorted(pid for pids in replicas_by_node().values() for pid in pids) == replicas
     assert await completion(server, "key-three", "the replicas outlive the second door")

@@ -27,6 +27,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import signal
+import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -58,6 +60,18 @@ SUM_FIELDS = tuple(
     if name not in ("last_batch_size", "last_step_ms", "step_ms_ewma", "requests_finished_total")
 )
 """The gauges and counters that add up across replicas."""
+
+
+def _reinstall_signal_handlers() -> None:
+    """Put the stop signals back in Python's hands (from the main thread only): Ray's core
+    worker installs fatal-signal handlers of its own, SIGTERM's among them, which abort the
+    process, while Python still lists the server's own (uvicorn's graceful stop)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for number in (signal.SIGTERM, signal.SIGINT):
+        handler = signal.getsignal(number)
+        if handler is not None:
+            signal.signal(number, handler)
 
 
 @dataclass
@@ -141,6 +155,7 @@ class RayClient(InprocClient):
     async def _connect(self) -> None:
         try:
             self._deployed = await asyncio.to_thread(launch.deploy, self.config, self.cluster)
+            _reinstall_signal_handlers()  # a stop must stay the server's graceful one
             description: Description = await self._deployed.handle.describe.remote()
         except BaseException as exc:  # noqa: BLE001 - reported by /health and generate(); `rill serve` then exits
             log.error("the engine replicas failed to start: %s", exc)
