@@ -22,7 +22,11 @@ def router(mode: str = "prefix", imbalance: int = 2) -> RillRouter:
 
 
 def request(number: int, **kwargs: Any) -> Any:
-    return SimpleNamespace(kwargs=kwargs, metadata=SimpleNamespace(internal_request_id=f"r{number}"))
+    return SimpleNamespace(
+        kwargs=kwargs,
+        metadata=SimpleNamespace(internal_request_id=f"r{number}"),
+        routing_context=SimpleNamespace(should_backoff=False),
+    )
 
 
 def route(r: RillRouter, number: int, **kwargs: Any) -> str:
@@ -44,8 +48,11 @@ def test_a_control_goes_to_its_replica_and_nowhere_else() -> None:
     for name in ("a", "b", "c"):
         [[chosen]] = asyncio.run(r.choose_replicas(REPLICAS, request(0, replica=name)))  # type: ignore[arg-type]
         assert chosen.replica_id.unique_id == name
-    # A replica that is gone is never replaced by another: the caller's time limit ends the wait.
-    assert asyncio.run(r.choose_replicas(REPLICAS, request(0, replica="gone"))) == [[]]  # type: ignore[arg-type]
+    # A replica that is gone is never replaced by another (the caller's time limit ends the
+    # wait), and Ray is told to wait between tries rather than spin.
+    gone = request(0, replica="gone")
+    assert asyncio.run(r.choose_replicas(REPLICAS, gone)) == []  # type: ignore[arg-type]
+    assert gone.routing_context.should_backoff is True
 
 
 def test_shared_prefixes_stick_while_load_allows() -> None:

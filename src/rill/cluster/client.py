@@ -74,6 +74,16 @@ def _reinstall_signal_handlers() -> None:
             signal.signal(number, handler)
 
 
+async def _answer(response: Any, timeout_s: float) -> Any:
+    """A deployment call's answer within ``timeout_s``; past it (or cancelled) the call is
+    cancelled in Ray too, so that no call to a replica that is gone stays queued."""
+    try:
+        return await asyncio.wait_for(asyncio.ensure_future(response), timeout_s)
+    except BaseException:
+        response.cancel()
+        raise
+
+
 @dataclass
 class _RemoteEngine:
     """What the policy reads of an engine, for a model that runs elsewhere: its tokenizer, its
@@ -324,7 +334,7 @@ class RayClient(InprocClient):
         while True:
             make_call, future = await lane.queue.get()
             try:
-                answer = await asyncio.wait_for(make_call(), CONTROL_TIMEOUT_S)
+                answer = await _answer(make_call(), CONTROL_TIMEOUT_S)
             except asyncio.CancelledError:
                 if not future.done():
                     future.set_exception(RequestNotFound("the request ended"))
@@ -405,8 +415,7 @@ class RayClient(InprocClient):
         while True:
             live = self.replicas()
             reads = {
-                replica: asyncio.wait_for(self._handle().stats.remote(replica=replica), STATS_INTERVAL_S * 2)
-                for replica in live
+                replica: _answer(self._handle().stats.remote(replica=replica), STATS_INTERVAL_S * 2) for replica in live
             }
             answers = await asyncio.gather(*reads.values(), return_exceptions=True)
             self._replica_stats = {

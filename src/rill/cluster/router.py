@@ -78,12 +78,17 @@ class RillRouter(RequestRouter):
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
         """The replica (a rank of one) a call should go to; see the module docstring."""
+        if pending_request is not None:
+            # Every choice here already considers every replica: when none is chosen (a call's
+            # replica is gone), Ray must wait between tries rather than ask again at once.
+            pending_request.routing_context.should_backoff = True
         if not candidate_replicas:
             return []
         kwargs = pending_request.kwargs if pending_request is not None else {}
         target = kwargs.get("replica")
         if target is not None:
-            return [[r for r in candidate_replicas if r.replica_id.unique_id == target]]
+            chosen = [r for r in candidate_replicas if r.replica_id.unique_id == target]
+            return [chosen] if chosen else []
         keys = kwargs.get("prefix_keys")
         if keys is not None and self._mode == "round-robin":
             self._turn += 1
