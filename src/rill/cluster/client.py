@@ -269,14 +269,8 @@ class RayClient(InprocClient):
             self._handle().control.remote("abort", request_id, replica=answer.replica)
 
     async def _withdraw(self, stream: RequestStream) -> None:
-        """Undo ``_open`` for a request the replica never ran."""
-        request_id = stream.request_id
-        self._streams.pop(request_id, None)
-        self._principals.pop(request_id, None)
-        track = self._tracks.pop(request_id, None)
-        if track is not None and track.is_queued:
-            self._tracks.num_queued -= 1
-        self._release(request_id, 0)
+        """Undo ``_open`` for a request the replica never ran, and close its stream."""
+        self._unopen(stream.request_id)
         await stream.aclose()
 
     async def _read(self, replica: str) -> None:

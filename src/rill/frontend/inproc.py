@@ -234,6 +234,14 @@ class InprocClient:
         self._tracks.open(request_id, choice.protocol, now)
         return stream, now
 
+    def _unopen(self, request_id: RequestId) -> None:
+        """Undo ``_open`` for a request the engine never took: its stream, track and principal
+        are forgotten and its rate-limit account settles at nothing spent."""
+        self._streams.pop(request_id, None)
+        self._principals.pop(request_id, None)
+        self._tracks.drop(request_id)
+        self._release(request_id, 0)
+
     async def tokenize(self, prompts: Sequence[Prompt]) -> list[list[int]]:
         """Token ids of each prompt, by the same admission step as ``generate``."""
         engine = self._require_engine()

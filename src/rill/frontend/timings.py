@@ -93,6 +93,12 @@ class RequestTracks(dict[RequestId, RequestTrack]):
         self[request_id] = RequestTrack(protocol=protocol, arrival=now)
         self.num_queued += 1
 
+    def drop(self, request_id: RequestId) -> None:
+        """Stop tracking a request that never reached the engine (no figures are reported)."""
+        track = self.pop(request_id, None)
+        if track is not None and track.is_queued:
+            self.num_queued -= 1
+
     def observe(self, output: RequestOutput, now: float, sink: MetricsSink | None) -> None:
         """Take one output seen at ``now``; when it ends its request, stop tracking it and hand
         its figures to ``sink`` (a failing sink is logged, never raised: metrics must never
