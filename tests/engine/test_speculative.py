@@ -531,7 +531,9 @@ def draft_pair(tmp_path_factory: pytest.TempPathFactory, quant_model_dir: Path) 
     )
 
 
-def _answers(model: Path, draft: Path | None, weights: str = "int8") -> tuple[dict[str, Result], Any]:
+def _answers(
+    model: Path, draft: Path | None, weights: str = "int8", draft_weights: str = "same"
+) -> tuple[dict[str, Result], Any]:
     # Dense drafts are verified through the prefill path, whose rounding differs from a decode
     # step's in the last bits: in bfloat16 that flips a near-tie now and then, in float32 not here.
     dtype = "bfloat16" if weights == "int8" else "float32"
@@ -545,6 +547,7 @@ def _answers(model: Path, draft: Path | None, weights: str = "int8") -> tuple[di
             max_num_seqs=4,
             speculative_max_batch=4,
             draft_model=str(draft) if draft else None,
+            draft_weights=draft_weights,
         )
     )
     if engine.core.speculator is not None:
@@ -583,6 +586,39 @@ def test_a_draft_model_leaves_the_output_unchanged(draft_pair: tuple[Path, Path]
         assert stats.spec_draft_tokens_total > 0
         rates.append(stats.spec_accepted_tokens_total / stats.spec_draft_tokens_total)
     assert rates[1] > 0.25 and rates[1] > 2 * rates[0]  # the target agrees with itself far more often
+
+
+def test_the_draft_model_is_held_in_int4_on_the_cpu_by_default(draft_pair: tuple[Path, Path]) -> None:
+    """``--draft-weights auto``: the draft's matrices are int4 (a draft step costs about half
+    of one in the file's own precision), and the answers are still the plain ones."""
+    from rill.models.quant import QuantWeight
+
+    target, _ = draft_pair
+    plain, _ = _answers(target, None)
+    spec, stats = _answers(target, target, draft_weights="auto")
+    assert {rid: r.token_ids for rid, r in spec.items()} == {rid: r.token_ids for rid, r in plain.items()}
+    assert stats.spec_draft_tokens_total > 0
+    engine = build_engine(
+        EngineConfig(
+            model=str(target), weights="int8", kv_cache_memory="16MiB", max_model_len=128, draft_model=str(target)
+        )
+    )
+    assert engine.core.speculator is not None and engine.core.speculator.draft_model is not None
+    kinds = {m.kind for m in engine.core.speculator.draft_model.runner.model.modules() if isinstance(m, QuantWeight)}
+    target_kinds = {m.kind for m in engine.core.runner.model.modules() if isinstance(m, QuantWeight)}
+    assert "int4" in kinds and "int4" not in target_kinds  # (embeddings stay int8 rows)
+
+
+@pytest.mark.parametrize(
+    ("draft_weights", "device", "held"),
+    [("auto", "cpu", "int4"), ("auto", "cuda", "int8"), ("same", "cpu", "int8"), ("dense", "cpu", "dense")],
+)
+def test_draft_weights_resolve(draft_weights: str, device: str, held: str) -> None:
+    """``auto`` means int4 only on the CPU (int4 runs nowhere else); ``same`` follows --weights."""
+    from rill.engine.builder import draft_weights as resolve
+
+    config = EngineConfig(model="m", device=device, weights="int8", draft_weights=draft_weights)
+    assert resolve(config) == held
 
 
 def test_a_draft_model_needs_the_same_tokenizer(tmp_path: Path, quant_model_dir: Path) -> None:

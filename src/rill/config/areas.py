@@ -103,6 +103,13 @@ class EngineConfig:
         "or a folder): a smaller model with the same tokenizer; implies "
         "--speculative draft",
     )
+    draft_weights: str = _f(
+        "auto",
+        "how the draft model's matrices are held: auto (int4 on the CPU, where a draft step "
+        "costs about half as much as in the file's own precision, and a coarser draft only "
+        "changes which drafts are accepted, never the output; elsewhere as --weights), same "
+        "(as --weights), or one of --weights' values",
+    )
     num_speculative_tokens: int = _f(
         4,
         "most draft tokens verified per request and step (each request adapts its "

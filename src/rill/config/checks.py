@@ -25,6 +25,8 @@ from rill.config.values import parse_size
 from rill.database import check_url
 from rill.errors import ConfigError
 
+WEIGHTS = ("auto", "dense", "bf16", "int8", "int4")  # --weights' values
+
 
 def validate(config: ServerConfig) -> None:
     """Cross-field checks; raise ``ConfigError`` naming the field and value."""
@@ -74,7 +76,8 @@ def _validate_cluster(c: ClusterConfig) -> None:
 def _validate_engine(e: EngineConfig) -> None:
     """The engine's dtype, sizes and runner."""
     _one_of("dtype", e.dtype, ("auto", "float32", "bfloat16", "float16"))
-    _one_of("weights", e.weights, ("auto", "dense", "bf16", "int8", "int4"))
+    _one_of("weights", e.weights, WEIGHTS)
+    _one_of("draft_weights", e.draft_weights, ("same", *WEIGHTS))
     if e.kv_cache_memory != "auto":
         parse_size(e.kv_cache_memory, "kv_cache_memory")
     _at_least_one(

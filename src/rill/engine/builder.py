@@ -277,8 +277,18 @@ def _warm_up(runner: TorchModelRunner, num_tokens: int, max_rows: int, governor:
         )
 
 
+def draft_weights(config: EngineConfig) -> str:
+    """How the draft model's matrices are held (``--draft-weights``): ``auto`` is int4 on the
+    CPU, where a draft step reads every draft weight for one token and its cost decides what
+    speculation saves (a coarser draft changes only which drafts the model accepts), and the
+    model's own ``--weights`` on other devices, which int4 does not serve."""
+    if config.draft_weights == "same" or (config.draft_weights == "auto" and config.device != "cpu"):
+        return config.weights
+    return "int4" if config.draft_weights == "auto" else config.draft_weights
+
+
 def _draft_runner(config: EngineConfig, tokenizer: Any, target: ModelRunner, report: Progress) -> ModelRunner:
-    """The draft model's runner: loaded like the target (same dtype and --weights), with as many
+    """The draft model's runner: loaded like the target (same dtype; ``draft_weights``), with as many
     KV rows of the same length, after checking it reads and writes the same tokens.
 
     Raises:
@@ -290,7 +300,7 @@ def _draft_runner(config: EngineConfig, tokenizer: Any, target: ModelRunner, rep
 
     report(95.0, "loading the draft model")
     path = model_path(config.draft_model, lambda pct, stage: None)
-    loaded = load_model(path, dtype=config.dtype, device=config.device, weights=config.weights)
+    loaded = load_model(path, dtype=config.dtype, device=config.device, weights=draft_weights(config))
     draft_tokenizer = loaded.tokenizer or Tokenizer.from_folder(path)
     if draft_tokenizer.backend.get_vocab() != tokenizer.backend.get_vocab():
         raise ModelLoadError(
