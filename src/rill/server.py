@@ -38,7 +38,13 @@ from rill.config import ServerConfig, served_model_name, session_memory_bytes
 from rill.connections import FD_RESERVE, ConnectionGate, http_protocol_factory, raise_fd_limit
 from rill.deps import Deps, Stopper
 from rill.errors import EngineDead, RillError
-from rill.frontend.budget import MemoryBudget, MemoryReturner, malloc_trim
+from rill.frontend.budget import (
+    MemoryBudget,
+    MemoryReturner,
+    freeze_startup_objects,
+    malloc_trim,
+    thaw_startup_objects,
+)
 from rill.frontend.client import EngineClient
 from rill.frontend.embeddings import EmbeddingService
 from rill.frontend.metrics import Metrics
@@ -261,6 +267,7 @@ async def serve(
             watcher.cancel()
         deps.resumable.close()  # streams running with no reader: cancelled before the engine stops
         await _stop_all([*stoppers, *deps.stoppers], client)
+        thaw_startup_objects()
     if load_failure:
         error = load_failure[0]
         raise error if isinstance(error, RillError) else EngineDead(f"the model failed to load: {error}")
@@ -351,9 +358,11 @@ async def _watch_load(
 ) -> None:
     """A server whose model (the chat model, or the embedding model it was asked to serve too)
     cannot load has nothing to serve: say why, record it in ``load_failure`` (the loader's own
-    error, the cause of the one requests get) and ask the server to exit."""
+    error, the cause of the one requests get) and ask the server to exit. Once it has loaded,
+    what start-up made is frozen out of the garbage collector's walks (``freeze_startup_objects``)."""
     try:
         await client.wait_ready()
+        log.debug("%d start-up objects frozen", freeze_startup_objects())
     except EngineDead as exc:
         if client.state().phase != "failed":
             return  # it loaded, then stopped: requests get EngineDead, the server stays up

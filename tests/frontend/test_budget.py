@@ -185,3 +185,29 @@ def test_a_lease_fits_to_a_size_as_far_as_the_budget_allows():
     assert lease.fit(40) == 40
     assert lease.fit(90) == 60  # the share's room, no more
     assert lease.fit(10) == 10 and budget.used == 10
+
+
+def test_start_up_objects_are_frozen_after_their_garbage_is_collected() -> None:
+    """What start-up left as cyclic garbage is collected, not frozen for good; what is alive
+    is moved out of the collector's walks, and thawing gives it back."""
+    import gc
+    import weakref
+
+    from rill.frontend.budget import freeze_startup_objects, thaw_startup_objects
+
+    class Node:
+        pass
+
+    garbage = Node()
+    garbage.self = garbage  # type: ignore[attr-defined]
+    gone = weakref.ref(garbage)
+    del garbage
+    alive = [Node() for _ in range(100)]
+    try:
+        frozen = freeze_startup_objects()
+        assert gone() is None
+        assert frozen >= len(alive) and gc.get_freeze_count() == frozen
+        assert not any(gc.is_tracked(o) and o in gc.get_objects() for o in alive[:1])
+    finally:
+        thaw_startup_objects()
+    assert gc.get_freeze_count() == 0

@@ -29,6 +29,7 @@ import msgspec
 
 from rill.config import EngineConfig
 from rill.errors import RillError
+from rill.frontend.budget import freeze_startup_objects
 from rill.frontend.inproc import InprocClient
 from rill.frontend.policy import Choice, SubmissionPolicy
 from rill.frontend.stream import RequestStream
@@ -103,6 +104,7 @@ class EngineReplica:
         self._outbox_of: dict[str, str] = {}  # request id -> the server process it belongs to
         # Ray counts the replica as started when this returns: only with its model loaded.
         await self.client.wait_ready()
+        freeze_startup_objects()
         log.info("engine replica %s ready", self.replica)
 
     def describe(self) -> Description:
