@@ -3,11 +3,13 @@ the CPUs other processes leave free; OpenMP threads spin only briefly."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from rill.engine.threads import (
+    CLOCK_TICKS,
     SPIN_COUNT,
     ThreadChoice,
     ThreadGovernor,
@@ -16,6 +18,8 @@ from rill.engine.threads import (
     cgroup_quota_cpus,
     choose_num_threads,
     default_governor,
+    proc_stat_fields,
+    process_cpu_seconds,
     threads_for,
 )
 
@@ -132,19 +136,31 @@ def test_busy_seconds_counts_only_the_given_cpus_and_not_idle_or_iowait() -> Non
 
 
 class _Machine:
-    """A fake /proc/stat and process clock: ``run`` advances wall time with given CPU use."""
+    """A fake /proc/stat and process clock: ``run`` advances wall time with given CPU use.
+
+    Other processes' use may be one process's (``by``), whose CPU seconds ``process_cpu``
+    reads as ``/proc/<pid>/stat`` would, until ``end`` makes it vanish."""
 
     def __init__(self) -> None:
         self.wall = 0.0
         self.own = 0.0
         self.busy = [0.0, 0.0]
         self.applied: list[int] = []
+        self.processes: dict[int, float] = {}
 
-    def run(self, seconds: float, own_per_cpu: tuple[float, float], other_per_cpu: tuple[float, float]) -> None:
+    def run(
+        self,
+        seconds: float,
+        own_per_cpu: tuple[float, float],
+        other_per_cpu: tuple[float, float],
+        by: int | None = None,
+    ) -> None:
         self.wall += seconds
         for cpu in (0, 1):
             self.busy[cpu] += seconds * (own_per_cpu[cpu] + other_per_cpu[cpu])
         self.own += seconds * sum(own_per_cpu)
+        if by is not None:
+            self.processes[by] = self.processes.get(by, 0.0) + seconds * sum(other_per_cpu)
 
     def steps(
         self,
@@ -152,15 +168,37 @@ class _Machine:
         seconds: float,
         own_per_cpu: tuple[float, float],
         other_per_cpu: tuple[float, float],
+        by: int | None = None,
     ) -> None:
         """Engine steps of 0.05 s for ``seconds``, the governor ticking before each."""
         for _ in range(round(seconds / 0.05)):
             governor.tick()
-            self.run(0.05, own_per_cpu, other_per_cpu)
+            self.run(0.05, own_per_cpu, other_per_cpu, by)
             governor.stepped()
 
     def stat(self) -> str:
         return "".join(f"cpu{cpu} {round(b * 100)} 0 0 0 0 0 0 0 0 0\n" for cpu, b in enumerate(self.busy))
+
+    def process_cpu(self, pid: int) -> float:
+        if pid not in self.processes:
+            raise FileNotFoundError(f"/proc/{pid}/stat")
+        return round(self.processes[pid] * 100) / 100  # /proc counts 10 ms ticks
+
+    def end(self, pid: int) -> None:
+        del self.processes[pid]
+
+    def governor(self, window: float = 1.0) -> ThreadGovernor:
+        """A 2-thread governor on this machine's two CPUs."""
+        return ThreadGovernor(
+            2,
+            {0, 1},
+            self.applied.append,
+            read_stat=self.stat,
+            own_cpu=lambda: self.own,
+            clock=lambda: self.wall,
+            window=window,
+            ally_cpu=self.process_cpu,
+        )
 
 
 def test_governor_drops_to_one_thread_beside_a_hog_and_returns_after_it() -> None:
@@ -302,6 +340,113 @@ def test_governor_counts_this_process_s_own_threads_as_its_own() -> None:
     # Both CPUs fully busy, all of it this process (engine, event loop, tokenizer).
     machine.steps(governor, 5.0, (1.0, 1.0), (0.0, 0.0))
     assert machine.applied == []
+
+
+FRONT_DOOR = 4242
+"""The pid of a fake front door process (it tokenizes and streams this engine's requests)."""
+
+FRONT_DOOR_LOAD = ((0.67, 0.67), (0.66, 0.0))
+"""Per-CPU use (this process, the other process) of a busy second process beside two threads."""
+
+
+def test_an_ally_s_cpu_counts_as_the_engine_s_own_and_another_process_s_does_not() -> None:
+    machine = _Machine()
+    governor = machine.governor()
+    governor.ally(FRONT_DOOR)
+    machine.steps(governor, 0.5, (1.0, 1.0), (0.0, 0.0))
+    machine.steps(governor, 3.0, *FRONT_DOOR_LOAD, by=FRONT_DOOR)  # the allied front door is busy
+    assert machine.applied == [] and governor.current == 2
+    assert governor.allies() == {FRONT_DOOR}
+    machine.steps(governor, 2.5, *FRONT_DOOR_LOAD, by=777)  # the same load from a process not allied
+    assert machine.applied == [1]
+
+
+def test_a_forgotten_ally_is_other_load_again() -> None:
+    machine = _Machine()
+    governor = machine.governor()
+    governor.ally(FRONT_DOOR)
+    machine.steps(governor, 2.0, *FRONT_DOOR_LOAD, by=FRONT_DOOR)
+    assert machine.applied == []
+    governor.forget(FRONT_DOOR)
+    assert governor.allies() == frozenset()
+    machine.steps(governor, 2.5, *FRONT_DOOR_LOAD, by=FRONT_DOOR)
+    assert machine.applied == [1]
+
+
+def test_an_ally_that_vanishes_mid_window_is_no_false_load() -> None:
+    """Its CPU total leaves the sum at once: the window it vanished in is started again rather
+    than judged (its start counted that total as this process's own), and the pid is dropped."""
+    machine = _Machine()
+    governor = machine.governor()
+    machine.run(20.0, (0.0, 0.0), (1.0, 1.0), by=FRONT_DOOR)  # a front door with a long past
+    governor.ally(FRONT_DOOR)
+    machine.steps(governor, 1.6, *FRONT_DOOR_LOAD, by=FRONT_DOOR)
+    machine.end(FRONT_DOOR)  # mid-window
+    machine.steps(governor, 3.0, (1.0, 1.0), (0.0, 0.0))
+    assert machine.applied == [] and governor.current == 2
+    assert governor.allies() == frozenset()
+    governor.forget(FRONT_DOOR)  # its stream's end, after it vanished: nothing to undo
+    machine.steps(governor, 2.5, *FRONT_DOOR_LOAD, by=777)  # the governor still judges windows
+    assert machine.applied == [1]
+
+
+def test_an_ally_that_joins_mid_window_hides_no_other_load() -> None:
+    """Its past CPU is not this window's: the window starts again, so a hog that made the engine
+    give up a thread is still seen and the thread is not taken back."""
+    machine = _Machine()
+    machine.run(20.0, (0.0, 0.0), (1.0, 1.0), by=FRONT_DOOR)  # a front door with a long past
+    governor = machine.governor()
+    machine.steps(governor, 1.5, *FRONT_DOOR_LOAD, by=777)  # a hog: down to one thread
+    assert machine.applied == [1]
+    one_thread_beside_a_hog = ((1.0, 0.05), (0.0, 0.95))
+    machine.steps(governor, 0.2, *one_thread_beside_a_hog, by=777)
+    governor.ally(FRONT_DOOR)  # mid-window, with 40 CPU seconds behind it
+    machine.steps(governor, 3.0, *one_thread_beside_a_hog, by=777)
+    assert machine.applied == [1] and governor.allies() == {FRONT_DOOR}
+
+
+def test_allies_pair_up_and_may_change_from_another_thread() -> None:
+    import threading
+
+    machine = _Machine()
+    governor = machine.governor(window=0.1)
+    governor.ally(1)
+    governor.ally(1)
+    governor.forget(1)
+    assert governor.allies() == {1}
+    governor.forget(1)
+    governor.forget(2)  # never allied: ignored
+    assert governor.allies() == frozenset()
+
+    # The replica's event loop allies and forgets while the engine thread samples.
+    machine.processes = dict.fromkeys(range(10), 0.0)
+    stop = threading.Event()
+
+    def event_loop() -> None:
+        i = 0
+        while i < 1000 or not stop.is_set():
+            governor.ally(i % 10)
+            governor.forget(i % 10)
+            i += 1
+
+    other = threading.Thread(target=event_loop)
+    other.start()
+    machine.steps(governor, 5.0, (1.0, 1.0), (0.0, 0.0))
+    stop.set()
+    other.join()
+    assert governor.allies() == frozenset() and machine.applied == []
+
+
+def test_process_cpu_seconds_reads_utime_and_stime_after_the_command_name(tmp_path: Path) -> None:
+    (tmp_path / "42").mkdir()
+    # The command name may hold spaces and parentheses; utime and stime are fields 14 and 15.
+    fields = ["S", "1", "42", "42", "0", "-1", "4194304", "100", "0", "0", "0", "250", "50"] + ["0"] * 6 + ["12345"]
+    (tmp_path / "42" / "stat").write_text("42 (rill (serve) x) " + " ".join(fields) + "\n")
+    assert process_cpu_seconds(42, tmp_path) == pytest.approx(300 / CLOCK_TICKS)
+    assert proc_stat_fields(42, tmp_path)[19] == "12345"  # the start time, field 22
+    with pytest.raises(OSError):
+        process_cpu_seconds(43, tmp_path)
+    assert process_cpu_seconds(os.getpid()) >= 0.0
 
 
 def test_an_unreadable_proc_stat_stops_the_governor_not_the_engine() -> None:

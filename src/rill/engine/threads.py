@@ -28,6 +28,11 @@ policy; ``rill/__init__.py`` calls it before torch loads its OpenMP runtime) and
 contended case to ``ThreadGovernor``: while other processes keep part of this process's CPUs
 busy, the engine runs with fewer threads (one thread beside a hog beats two by 1.1-1.2x, and
 beats two spinning threads by 2x), and it returns to all of them when they leave.
+
+"Other processes" leaves out the governor's allies: processes that serve this engine's own
+requests, whose CPU use is the same work single-process rill does in its own threads. A cluster
+replica (``rill.cluster.replica``) allies the front doors on its machine (they tokenize, stream
+and read its outputs), so their CPU counts as the replica's own, not as contention to dodge.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator, MutableMapping
 from contextlib import contextmanager
@@ -164,6 +170,41 @@ def busy_seconds(stat_text: str, cpus: set[int], ticks_per_second: float) -> flo
     return total / ticks_per_second
 
 
+CLOCK_TICKS = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
+"""The unit of ``/proc``'s CPU times, per second."""
+
+
+def process_cpu_seconds(pid: int, proc: Path = Path("/proc")) -> float:
+    """CPU seconds (user and system) process ``pid`` has used, from ``/proc/<pid>/stat``.
+
+    Raises:
+        OSError: the process is gone (or ``/proc`` is unreadable).
+        ValueError, IndexError: the file is not the format expected.
+    """
+    fields = proc_stat_fields(pid, proc)
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime: fields 14 and 15 of the file
+
+
+def proc_stat_fields(pid: int, proc: Path = Path("/proc")) -> list[str]:
+    """``/proc/<pid>/stat``'s fields after the command name (the file's third field first).
+
+    The command name is in parentheses and may itself hold spaces and parentheses, so the
+    fields start after the last ``)``.
+    """
+    return (proc / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+
+
+@dataclass(frozen=True, slots=True)
+class _Sample:
+    """One end of a governor's window: wall time, busy CPU time of this process's CPUs, and
+    CPU time of this process and of the allies read (``allies``: only those, summed in ``own``)."""
+
+    at: float
+    busy: float
+    own: float
+    allies: frozenset[int]
+
+
 FIRST_WINDOW_S = 0.2
 """The first window after idleness: /proc/stat counts in 10 ms ticks, so 0.2 s over 2 CPUs
 still resolves others' use to about 0.05 CPU."""
@@ -175,7 +216,15 @@ class ThreadGovernor:
     Each engine step runs inside ``step()`` in the engine thread (the thread count is that
     thread's OpenMP setting): ``tick()`` before it, ``stepped()`` after. Every ``window``
     seconds it compares the busy time of this process's CPUs with this process's own CPU
-    time; the difference is what others used.
+    time and its allies'; the difference is what others used.
+
+    Allies (``ally``, ``forget``) are processes whose CPU counts as this process's own: they
+    serve the same requests (a cluster replica's front doors on its machine), so their use is
+    not contention to dodge. Their CPU is taken to be spent on this process's CPUs, as its own
+    threads' is. ``ally``, ``forget`` and ``allies`` may be called from any thread; the rest
+    belongs to the engine thread. A window whose two ends read different allies (one joined,
+    left or vanished meanwhile) is not judged but restarted: its ends' sums do not compare, and
+    a vanished ally's CPU of that window would read as others' load.
 
     Args:
         usable: the most threads to run with (``default_choice``'s count).
@@ -185,6 +234,8 @@ class ThreadGovernor:
         own_cpu: this process's CPU seconds (``time.process_time``).
         clock: wall seconds.
         window: seconds between decisions.
+        ally_cpu: an ally's CPU seconds by pid (``process_cpu_seconds``); raises ``OSError``
+            once the process is gone, which drops it from the allies.
     """
 
     def __init__(
@@ -196,6 +247,7 @@ class ThreadGovernor:
         own_cpu: Callable[[], float] = time.process_time,
         clock: Callable[[], float] = time.monotonic,
         window: float = 0.5,
+        ally_cpu: Callable[[int], float] = process_cpu_seconds,
     ) -> None:
         self.usable = usable
         self.current = usable
@@ -205,14 +257,47 @@ class ThreadGovernor:
         self._own_cpu = own_cpu
         self._clock = clock
         self._window = window
-        self._ticks = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
+        self._ally_cpu = ally_cpu
+        self._ticks = CLOCK_TICKS
+        self._allies_lock = threading.Lock()
+        self._allies: dict[int, int] = {}  # pid -> how many times allied and not yet forgotten
         self._last = self._sample()
-        self._last_step_end = self._last[0]
+        self._last_step_end = self._last.at
         self._span = self._window  # seconds the current window must last before a decision
         self._broken = False
 
-    def _sample(self) -> tuple[float, float, float]:
-        return self._clock(), busy_seconds(self._read_stat(), self._cpus, self._ticks), self._own_cpu()
+    def ally(self, pid: int) -> None:
+        """Count process ``pid``'s CPU as this process's own from the next window on.
+
+        Calls pair with ``forget``: a pid allied twice stays allied until forgotten twice (two
+        streams of one front door may overlap while one closes and the next opens)."""
+        with self._allies_lock:
+            self._allies[pid] = self._allies.get(pid, 0) + 1
+
+    def forget(self, pid: int) -> None:
+        """Undo one ``ally(pid)``; a pid no longer allied (or already vanished) is ignored."""
+        with self._allies_lock:
+            count = self._allies.pop(pid, 0) - 1
+            if count > 0:
+                self._allies[pid] = count
+
+    def allies(self) -> frozenset[int]:
+        """The pids whose CPU counts as this process's own now."""
+        with self._allies_lock:
+            return frozenset(self._allies)
+
+    def _sample(self) -> _Sample:
+        at, busy, own = self._clock(), busy_seconds(self._read_stat(), self._cpus, self._ticks), self._own_cpu()
+        read: set[int] = set()
+        for pid in self.allies():
+            try:
+                own += self._ally_cpu(pid)
+            except (OSError, ValueError, IndexError):
+                with self._allies_lock:  # it ended: forget it for good, whatever its count
+                    self._allies.pop(pid, None)
+                continue
+            read.add(pid)
+        return _Sample(at, busy, own, frozenset(read))
 
     @contextmanager
     def step(self) -> Iterator[None]:
@@ -267,7 +352,7 @@ class ThreadGovernor:
 
     def _restart(self) -> None:
         self._last = self._sample()
-        self._last_step_end = self._last[0]
+        self._last_step_end = self._last.at
         self._span = self._window
 
     def _decide(self) -> None:
@@ -276,18 +361,20 @@ class ThreadGovernor:
             self._last = self._sample()
             self._span = min(self._window, FIRST_WINDOW_S)
             return
-        if now - self._last[0] >= self._span:
+        if now - self._last.at >= self._span:
             self._judge_window()
 
     def _decide_if_resolved(self) -> None:
-        if self._clock() - self._last[0] >= FIRST_WINDOW_S:
+        if self._clock() - self._last.at >= FIRST_WINDOW_S:
             self._judge_window()
 
     def _judge_window(self) -> None:
-        then, (now, busy, own) = self._last, self._sample()
-        self._last = (now, busy, own)
+        then, now = self._last, self._sample()
+        self._last = now
         self._span = self._window
-        other = max(0.0, (busy - then[1]) - (own - then[2])) / max(now - then[0], 1e-9)
+        if now.allies != then.allies:
+            return  # the allies changed within the window: it starts again from here
+        other = max(0.0, (now.busy - then.busy) - (now.own - then.own)) / max(now.at - then.at, 1e-9)
         target = threads_for(self.usable, other, self.current)
         if target != self.current:
             log.warning(
