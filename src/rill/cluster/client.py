@@ -11,7 +11,8 @@ the per-request figures and the rate-limit accounts. What crosses to a replica i
   it refused: the error keeps its type).
 * Outputs come back in one stream per replica (``outputs``, opened with the first request
   there), one batch per engine step, routed to each request's ``RequestStream`` as the
-  in-process engine thread's are.
+  in-process engine thread's are. The stream names this process (``Origin``): a replica on
+  the same machine counts its CPU as the engine's own while the stream is open.
 * A control (stop, pause, resume, regenerate, a parameter change) is a call naming that
   replica, which the router sends there and nowhere else. The controls of one request go in
   the order they were made, one at a time.
@@ -35,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Self, cast
 
 from rill.cluster import launch, registry
-from rill.cluster.replica import Accepted, Description, Refused
+from rill.cluster.replica import Accepted, Description, Origin, Refused
 from rill.cluster.router import prefix_keys
 from rill.config import ClusterConfig, EngineConfig
 from rill.engine.builder import Engine
@@ -142,6 +143,7 @@ class RayClient(InprocClient):
         self._deployed: launch.Deployed | None = None
         self._lanes: dict[RequestId, _Lane] = {}
         self._frontend = uuid.uuid4().hex  # names this process's outputs stream on each replica
+        self._origin = Origin.here()  # lets a replica on this machine count our CPU as its own
         self._readers: dict[str, asyncio.Task[None]] = {}  # replica -> its outputs stream's reader
         self._on_replica: dict[str, set[RequestId]] = {}  # replica -> the requests running there
         self._replica_stats: dict[str, EngineStats] = {}
@@ -276,7 +278,7 @@ class RayClient(InprocClient):
     async def _read(self, replica: str) -> None:
         """Route a replica's outputs to their streams, a step's batch at a time; when its stream
         ends (the replica died), end every request still running there with ``ReplicaLost``."""
-        call = self._handle().options(stream=True).outputs.remote(self._frontend, replica=replica)
+        call = self._handle().options(stream=True).outputs.remote(self._frontend, replica=replica, origin=self._origin)
         reason = "its outputs stream ended"
         try:
             async for batch in call:

@@ -15,19 +15,27 @@ the server reads slower than the engine makes them (as the in-process engine thr
 step over in one hop). A stream item costs the same whatever it holds, so one item per step,
 rather than one per request and step, is what keeps the hop cheap under load. When that
 stream ends (the server went away), its requests are cancelled here.
+
+While a server process on this machine has its outputs stream open, the engine's thread
+governor counts that process's CPU as the replica's own (``ThreadGovernor.ally``): it
+tokenizes, streams and reads this engine's outputs, work that single-process rill does in the
+engine's own process, so it is no contention to give threads up for.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from rill.config import EngineConfig
+from rill.engine.threads import proc_stat_fields
 from rill.errors import RillError
 from rill.frontend.budget import freeze_startup_objects
 from rill.frontend.inproc import InprocClient
@@ -35,7 +43,13 @@ from rill.frontend.policy import Choice, SubmissionPolicy
 from rill.frontend.stream import RequestStream
 from rill.types import EngineStats, ModelInfo, RequestOutput, SamplingParams
 
+if TYPE_CHECKING:
+    from rill.engine.threads import ThreadGovernor
+
 log = logging.getLogger("rill.cluster")
+
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+"""The running kernel's boot id: the same for every process (and container) of one machine."""
 
 CONTROLS = ("abort", "pause", "resume", "regenerate")
 """The control commands ``EngineReplica.control`` applies."""
@@ -62,6 +76,41 @@ class Refused(msgspec.Struct, frozen=True):
     """A call's answer when the replica refused: why."""
 
     error: Any
+
+
+class Origin(msgspec.Struct, frozen=True):
+    """A server process, named so that a replica can tell whether it runs on the same machine.
+
+    Attributes:
+        boot_id: the kernel's boot id (``BOOT_ID``).
+        pid: its process id.
+        started: its start time, in clock ticks after boot (``/proc/<pid>/stat``'s 22nd field).
+    """
+
+    boot_id: str
+    pid: int
+    started: int
+
+    @classmethod
+    def here(cls) -> Origin | None:
+        """This process's, or None where ``/proc`` does not tell."""
+        try:
+            return cls(BOOT_ID.read_text().strip(), os.getpid(), _started(os.getpid()))
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def is_local(self) -> bool:
+        """Whether this process runs on the same machine and sees that process under its pid:
+        the same kernel, and the pid's process started when it did (in another container's pid
+        namespace the same number names another process, or none)."""
+        try:
+            return self.boot_id == BOOT_ID.read_text().strip() and _started(self.pid) == self.started
+        except (OSError, ValueError, IndexError):
+            return False
+
+
+def _started(pid: int) -> int:
+    return int(proc_stat_fields(pid)[19])
 
 
 class _ReplicaClient(InprocClient):
@@ -139,11 +188,16 @@ class EngineReplica:
             if frontend is not None:
                 self._outboxes[frontend].wake.set()
 
-    async def outputs(self, frontend: str, *, replica: str) -> AsyncIterator[list[RequestOutput]]:
+    async def outputs(
+        self, frontend: str, *, replica: str, origin: Origin | None = None
+    ) -> AsyncIterator[list[RequestOutput]]:
         """The outputs of every request ``frontend`` started here, one batch per engine step
         (the first batch holds whatever came before the call). Leaving the stream (the server
-        process went away, or closed it) cancels those requests."""
+        process went away, or closed it) cancels those requests. While the stream is open, the
+        CPU of ``origin`` (the server process), if it runs on this machine, counts as the
+        engine's own (see the module docstring)."""
         outbox = self._outboxes.setdefault(frontend, _Outbox())
+        unally = self._ally(origin)
         outbox.wake.set()  # hand over at once what came before this call
         try:
             while True:
@@ -162,10 +216,22 @@ class EngineReplica:
                 if batch:
                     yield batch
         finally:
+            unally()
             self._outboxes.pop(frontend, None)
             for request_id, stream in outbox.streams.items():
                 self._outbox_of.pop(request_id, None)
                 await stream.aclose()  # cancels a request still running
+
+    def _ally(self, origin: Origin | None) -> Callable[[], None]:
+        """Have the engine's thread governor count ``origin``'s CPU as its own if it runs on this
+        machine; returns what undoes that."""
+        engine = self.client.engine
+        governor: ThreadGovernor | None = engine.core.thread_governor if engine is not None else None
+        if governor is None or origin is None or not origin.is_local():
+            return lambda: None
+        governor.ally(origin.pid)
+        log.info("engine replica %s counts its server process (pid %d) as its own CPU", self.replica, origin.pid)
+        return lambda: governor.forget(origin.pid)
 
     def control(self, op: str, request_id: str, *, replica: str) -> Refused | None:
         """Apply one of ``CONTROLS`` to a request running here (``replica`` routes the call)."""
