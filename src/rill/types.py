@@ -622,6 +622,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     last_step_ms: float = 0.0
     step_ms_ewma: float = 0.0
     requests_finished_total: dict[str, int] = {}
+    allied_processes: int = 0  # whose CPU the thread governor counts as the engine's own (a replica's front doors)
 
 
 # ----------------------------------------------------------------------------- speech

@@ -581,3 +581,27 @@ def test_the_warm_up_is_judged_before_the_engine_reports_ready(
     built = _build(tiny_model_dir, None)
     assert calls == ["judge", "tick", "warm-up", "stepped"]
     assert built.core.thread_governor is recording
+
+
+def test_the_engine_s_stats_count_its_governor_s_allies() -> None:
+    from rill.config import EngineConfig
+    from rill.engine.builder import assemble_engine
+    from rill.testing.fake_runner import FakeRunner, fake_tokenizer
+
+    def engine(governor: ThreadGovernor | None):  # type: ignore[no-untyped-def]
+        return assemble_engine(
+            EngineConfig(model="fake", max_num_seqs=4),
+            FakeRunner(num_rows=4, max_len=64),
+            fake_tokenizer(),
+            name="fake",
+            architecture="FakeForCausalLM",
+            warm_grammars=False,
+            thread_governor=governor,
+        )
+
+    governor = _Machine().governor()
+    governed = engine(governor)
+    assert governed.core.stats().allied_processes == 0
+    governor.ally(FRONT_DOOR)
+    assert governed.core.stats().allied_processes == 1
+    assert engine(None).core.stats().allied_processes == 0

@@ -522,6 +522,7 @@ class EngineCore:
             requests_finished_total=dict(s.requests_finished_total),
             spec_draft_tokens_total=self.speculator.stats.draft_tokens_total if self.speculator else 0,
             spec_accepted_tokens_total=self.speculator.stats.accepted_tokens_total if self.speculator else 0,
+            allied_processes=len(self.thread_governor.allies()) if self.thread_governor is not None else 0,
         )
 
 

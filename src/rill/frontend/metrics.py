@@ -290,6 +290,12 @@ _ENGINE_METRICS: tuple[tuple[str, str, bool, Callable[[EngineStats], float]], ..
         lambda s: s.spec_accepted_tokens_total,
     ),
     ("rill_engine_step_seconds", "Moving average of one engine step", False, lambda s: s.step_ms_ewma / 1000.0),
+    (
+        "rill_engine_allied_processes",
+        "Processes whose CPU the engine's thread governor counts as its own (a replica's front doors)",
+        False,
+        lambda s: s.allied_processes,
+    ),
 )
 """Each engine figure: name, help, whether it is a counter, and how to read it from ``EngineStats``."""
 
