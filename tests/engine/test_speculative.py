@@ -611,7 +611,14 @@ def test_the_draft_model_is_held_in_int4_on_the_cpu_by_default(draft_pair: tuple
 
 @pytest.mark.parametrize(
     ("draft_weights", "device", "held"),
-    [("auto", "cpu", "int4"), ("auto", "cuda", "int8"), ("same", "cpu", "int8"), ("dense", "cpu", "dense")],
+    [
+        ("auto", "cpu", "int4"),
+        ("auto", "cpu:0", "int4"),
+        ("auto", "cuda", "int8"),
+        ("auto", "cuda:1", "int8"),
+        ("same", "cpu", "int8"),
+        ("dense", "cpu", "dense"),
+    ],
 )
 def test_draft_weights_resolve(draft_weights: str, device: str, held: str) -> None:
     """``auto`` means int4 only on the CPU (int4 runs nowhere else); ``same`` follows --weights."""

@@ -282,7 +282,9 @@ def draft_weights(config: EngineConfig) -> str:
     CPU, where a draft step reads every draft weight for one token and its cost decides what
     speculation saves (a coarser draft changes only which drafts the model accepts), and the
     model's own ``--weights`` on other devices, which int4 does not serve."""
-    if config.draft_weights == "same" or (config.draft_weights == "auto" and config.device != "cpu"):
+    import torch
+
+    if config.draft_weights == "same" or (config.draft_weights == "auto" and torch.device(config.device).type != "cpu"):
         return config.weights
     return "int4" if config.draft_weights == "auto" else config.draft_weights
 
