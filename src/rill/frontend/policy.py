@@ -281,6 +281,19 @@ class SubmissionPolicy:
         # Last of the checks, so that a request refused for another reason counts for nothing.
         return self.limiter.open(choice.principal, params.max_tokens) if self.limiter is not None else None
 
+    def charge_modify(
+        self, old: SamplingParams, new: SamplingParams, principal: str, is_cached: Callable[[Any], bool] | None = None
+    ) -> bool:
+        """Whether a ``modify`` from ``old`` to ``new`` parameters brings a new constraint to
+        compile; one not compiled before (``is_cached`` says; unknown: not) counts as one
+        request in the principal's rate-limit window, refused with ``RateLimited`` when it is full."""
+        constraint = new.constraint
+        if constraint is None or (old.constraint is not None and old.constraint.cache_key() == constraint.cache_key()):
+            return False
+        if self.limiter is not None and (is_cached is None or not is_cached(constraint)):
+            self.limiter.count_work(principal)
+        return True
+
     async def new_matcher(
         self, old: SamplingParams, new: SamplingParams, principal: str, engine: Callable[[], Engine]
     ) -> Any:
@@ -288,12 +301,9 @@ class SubmissionPolicy:
         constraint did not change). One not compiled before counts as one request in the
         principal's rate-limit window (refused with ``RateLimited`` before compiling when it is
         full; counted even if the patch is refused after)."""
-        constraint = new.constraint
-        if constraint is None or (old.constraint is not None and old.constraint.cache_key() == constraint.cache_key()):
-            return None
         compiler = engine().grammars
-        if self.limiter is not None and not compiler.is_cached(constraint):
-            self.limiter.count_work(principal)
-        matcher = await self.grammars.matcher(compiler, constraint, principal)
+        if new.constraint is None or not self.charge_modify(old, new, principal, compiler.is_cached):
+            return None
+        matcher = await self.grammars.matcher(compiler, new.constraint, principal)
         engine()
         return matcher
