@@ -28,6 +28,9 @@ class _Client:
             raise RuntimeError("engine not started")
         return self.value
 
+    def replica_stats(self) -> dict[str, EngineStats]:
+        return {}
+
 
 def _samples(metrics: Metrics) -> dict[tuple[str, tuple], float]:
     """Samples by name and labels; each must carry ``model_name`` (checked, then left out of the key)."""

@@ -232,6 +232,11 @@ class EngineClient(Protocol):
         """A snapshot of the engine's gauges and counters."""
         ...
 
+    def replica_stats(self) -> dict[str, EngineStats]:
+        """Each engine replica's gauges and counters by replica id (empty for one in-process
+        engine; ``/metrics`` shows them with a ``replica`` label)."""
+        ...
+
     async def shutdown(self) -> None:
         """Cancel everything and stop the engine thread."""
         ...

@@ -373,6 +373,10 @@ class InprocClient:
             return EngineStats(num_waiting=self._tracks.num_queued)
         return self.engine.core.stats()
 
+    def replica_stats(self) -> dict[str, EngineStats]:
+        """Per-replica gauges: none, the one engine is in this process (``stats``)."""
+        return {}
+
     # -- engine thread -----------------------------------------------------------------------
     def _thread_main(self, engine: Engine | None) -> None:
         try:

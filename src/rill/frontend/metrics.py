@@ -68,6 +68,10 @@ class EngineView(Protocol):
         """The engine's gauges and counters (may raise while there is no engine)."""
         ...
 
+    def replica_stats(self) -> dict[str, EngineStats]:
+        """Each engine replica's gauges and counters by replica id (empty for one in-process engine)."""
+        ...
+
 
 class GateView(Protocol):
     """What the registry reads of the connection gate (``rill.connections.ConnectionGate``)."""
@@ -322,10 +326,9 @@ class _EngineCollector(Collector):
         model = self.model_name()
         for name, doc, is_counter, read in _ENGINE_METRICS:
             yield (_counter if is_counter else _gauge)(model, name, doc, read(stats))
-        replica_stats = getattr(self.client, "replica_stats", None)
-        if replica_stats is None:
+        per_replica = self.client.replica_stats()
+        if not per_replica:
             return
-        per_replica = replica_stats()
         for name, doc, is_counter, read in _ENGINE_METRICS:
             family_name = name.replace("rill_", "rill_replica_", 1)
             family: GaugeMetricFamily | CounterMetricFamily
