@@ -39,7 +39,11 @@ def route(r: RillRouter, number: int, **kwargs: Any) -> str:
 def test_prefix_keys_are_longest_first_and_leave_out_the_last_token() -> None:
     ids = list(range(100))
     keys = prefix_keys(ids)
-    assert keys == [hash(tuple(ids[:96])), hash(tuple(ids[:64])), hash(tuple(ids[:32]))]
+    assert len(keys) == 3 == len(set(keys))  # blocks ending at 96, 64 and 32
+    assert prefix_keys(ids[:97]) == keys  # the 97th token is the last: left out
+    assert prefix_keys(ids[:65]) == keys[1:] and prefix_keys(ids[:33]) == keys[2:]
+    changed = ids[:40] + [-1] + ids[41:]
+    assert prefix_keys(changed)[2] == keys[2] and not set(prefix_keys(changed)[:2]) & set(keys)
     assert prefix_keys(ids[:32]) == []  # 31 usable tokens: no whole block
 
 

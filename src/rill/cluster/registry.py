@@ -11,12 +11,16 @@ import threading
 
 _lock = threading.Lock()
 _live: dict[str, frozenset[str]] = {}
+_in_flight: dict[str, dict[str, int]] = {}
 
 
 def publish(deployment: str, replicas: frozenset[str]) -> None:
     """Record the ids of ``deployment``'s replicas the router can route to now."""
     with _lock:
         _live[deployment] = replicas
+        counts = _in_flight.get(deployment, {})
+        for gone in set(counts) - replicas:
+            del counts[gone]
 
 
 def live_replicas(deployment: str) -> frozenset[str]:
@@ -25,15 +29,16 @@ def live_replicas(deployment: str) -> frozenset[str]:
         return _live.get(deployment, frozenset())
 
 
-_in_flight: dict[str, dict[str, int]] = {}
-
-
 def count(deployment: str, replica: str, delta: int) -> None:
     """Add ``delta`` to the generations running on ``replica`` (the engine client counts each
     from its start to its end; the router balances on it)."""
     with _lock:
         counts = _in_flight.setdefault(deployment, {})
-        counts[replica] = max(0, counts.get(replica, 0) + delta)
+        value = counts.get(replica, 0) + delta
+        if value > 0:
+            counts[replica] = value
+        else:
+            counts.pop(replica, None)
 
 
 def in_flight(deployment: str) -> dict[str, int]:

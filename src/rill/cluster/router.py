@@ -5,7 +5,7 @@ Three kinds of call reach the replicas, and the router tells them apart by their
 * a call naming ``replica=`` (a control command, a parameter change, a stats read) goes to that
   replica and no other: the request it is about runs there. If the replica is gone, no replica
   is offered and the caller's own time limit ends the wait;
-* a new generation (``run`` with ``prefix_keys=``) goes, in ``prefix`` mode, to the replica
+* a new generation (``start`` with ``prefix_keys=``) goes, in ``prefix`` mode, to the replica
   that last took a prompt with the longest of its prefixes, unless that replica has
   ``imbalance`` more generations in flight than the least loaded one (a ``pinned`` one, the
   continuation of a kept generation, goes there whatever the load); otherwise, and in
@@ -32,27 +32,32 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from rill.cluster import registry
-
-MODES = ("prefix", "least-loaded", "round-robin")
-"""The routing of new generations (``--routing``)."""
+from rill.config.areas import ROUTING_IMBALANCE, ROUTING_MODES
 
 
 def prefix_keys(prompt_ids: list[int], block: int = 32, max_tokens: int = 2048) -> list[int]:
     """Keys of the prompt's prefixes at whole blocks of ``block`` tokens up to ``max_tokens``,
     longest first (the last token is left out, as the prefix cache leaves it). A prompt shorter
     than a block has none: a shorter shared prefix saves less than balancing gains."""
-    usable = min(len(prompt_ids) - 1, max_tokens)
-    return [hash(tuple(prompt_ids[:end])) for end in range(usable // block * block, 0, -block)]
+    usable = min(len(prompt_ids) - 1, max_tokens) // block * block
+    keys, key = [], 0
+    for end in range(block, usable + 1, block):  # each key chains the one before: one pass over the prompt
+        key = hash((key, tuple(prompt_ids[end - block : end])))
+        keys.append(key)
+    keys.reverse()
+    return keys
 
 
 class RillRouter(RequestRouter):
     """Ray Serve request router of rill's engine replicas (see the module docstring)."""
 
-    def initialize_state(self, mode: str = "prefix", imbalance: int = 4, max_keys: int = 65536, **_: Any) -> None:
-        """Set the routing of new generations: ``mode`` (one of ``MODES``), the load gap past
+    def initialize_state(
+        self, mode: str = "prefix", imbalance: int = ROUTING_IMBALANCE, max_keys: int = 65536, **_: Any
+    ) -> None:
+        """Set the routing of new generations: ``mode`` (one of ``ROUTING_MODES``), the load gap past
         which affinity yields (``imbalance`` generations), and the prefix map's bound."""
-        if mode not in MODES:
-            raise ValueError(f"routing mode must be one of {', '.join(MODES)}, not {mode!r}")
+        if mode not in ROUTING_MODES:
+            raise ValueError(f"routing mode must be one of {', '.join(ROUTING_MODES)}, not {mode!r}")
         self._mode = mode
         self._imbalance = imbalance
         self._max_keys = max_keys
@@ -72,7 +77,11 @@ class RillRouter(RequestRouter):
         self._publish()
 
     def _publish(self) -> None:
-        registry.publish(self._deployment_id.name, frozenset(r.unique_id for r in self._replicas))
+        live = frozenset(r.unique_id for r in self._replicas)
+        registry.publish(self._deployment_id.name, live)
+        # A replica that left keeps no count (a restarted one comes back under a new id).
+        self._in_flight = {replica: n for replica, n in self._in_flight.items() if replica in live}
+        self._routed = {request: replica for request, replica in self._routed.items() if replica in live}
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None

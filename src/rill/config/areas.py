@@ -522,6 +522,14 @@ class StorageConfig:
     )
 
 
+ROUTING_MODES = ("prefix", "least-loaded", "round-robin")
+"""How new requests pick an engine replica (``--routing``; ``rill.cluster.router``)."""
+
+ROUTING_IMBALANCE = 4
+"""Generations in flight by which a replica holding a prompt's prefix may be busier than the
+least loaded one and still get the prompt (``prefix`` routing)."""
+
+
 @dataclass(frozen=True)
 class ClusterConfig:
     """Engine replicas on Ray Serve (``rill.cluster``): unset, the engine runs in this process
@@ -548,7 +556,8 @@ class ClusterConfig:
     routing: str = _f(
         "prefix",
         "how new requests pick a replica: prefix (the one that served the longest prefix of the "
-        "prompt, unless it is busier than the least loaded by 4 requests), least-loaded, or round-robin",
+        f"prompt, unless it is busier than the least loaded by {ROUTING_IMBALANCE} requests), "
+        "least-loaded, or round-robin",
     )
 
 

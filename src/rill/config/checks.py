@@ -10,6 +10,7 @@ import ipaddress
 from pathlib import Path
 
 from rill.config.areas import (
+    ROUTING_MODES,
     ChatConfig,
     ClusterConfig,
     ConnectionConfig,
@@ -70,7 +71,7 @@ def _validate_cluster(c: ClusterConfig) -> None:
         raise ConfigError(f"replica_cpus must be a positive number, not {c.replica_cpus}")
     if c.replica_max_requests < 1:
         raise ConfigError(f"replica_max_requests must be at least 1, not {c.replica_max_requests}")
-    _one_of("routing", c.routing, ("prefix", "least-loaded", "round-robin"))
+    _one_of("routing", c.routing, ROUTING_MODES)
 
 
 def _validate_engine(e: EngineConfig) -> None:
