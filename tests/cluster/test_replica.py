@@ -1,5 +1,7 @@
-"""EngineReplica without Ray running: while a server process on the same machine has its
-outputs stream open, the engine's thread governor counts that process's CPU as its own."""
+"""EngineReplica without Ray running: its outputs stream (an empty batch at once, then only the
+requests that made output; a later call takes it over; requests nobody reads are cancelled),
+and while a server process on the same machine has that stream open, the engine's thread
+governor counts that process's CPU as its own."""
 
 from __future__ import annotations
 
@@ -17,15 +19,18 @@ from rill.types import RequestOutput
 class _Stream:
     """A request's stream with one output waiting."""
 
-    def __init__(self, request_id: str) -> None:
-        self.output: RequestOutput | None = RequestOutput(request_id=request_id)
+    def __init__(self, request_id: str, finished: bool = False) -> None:
+        self.output: RequestOutput | None = RequestOutput(request_id=request_id, finished=finished)
+        self.reads = 0
+        self.closed = False
 
     def get_nowait(self) -> RequestOutput | None:
+        self.reads += 1
         output, self.output = self.output, None
         return output
 
     async def aclose(self) -> None:
-        pass
+        self.closed = True
 
 
 def _governor() -> ThreadGovernor:
@@ -44,8 +49,9 @@ def _replica(governor: ThreadGovernor | None) -> EngineReplica:
 
 async def _first_batch(replica: EngineReplica, origin: Origin | None) -> Any:
     """Open ``outputs`` for front door "fd" (one request's output waiting) and read its first batch."""
-    replica._outboxes["fd"] = _Outbox(streams={"a": _Stream("a")})  # type: ignore[dict-item]
+    replica._outboxes["fd"] = _Outbox(streams={"a": _Stream("a")}, ready={"a"})  # type: ignore[dict-item]
     stream = replica.outputs("fd", replica="r1", origin=origin)
+    assert await anext(stream) == []  # at once: the replica answers
     batch = await anext(stream)
     assert [output.request_id for output in batch] == ["a"]
     return stream
@@ -91,3 +97,74 @@ async def test_no_origin_or_no_governor_allies_nothing(here: Origin) -> None:
     await (await _first_batch(_replica(governor), None)).aclose()
     assert governor.allies() == frozenset()
     await (await _first_batch(_replica(None), here)).aclose()  # --num-threads given: no governor
+
+
+async def test_only_requests_that_made_output_are_read_and_a_finished_one_is_let_go() -> None:
+    replica = _replica(None)
+    idle, done = _Stream("idle"), _Stream("done", finished=True)
+    outbox = _Outbox(streams={"idle": idle, "done": done}, ready={"done"})  # type: ignore[dict-item]
+    replica._outboxes["fd"] = outbox
+    replica._outbox_of = {"idle": "fd", "done": "fd"}
+    stream = replica.outputs("fd", replica="r1")
+    assert await anext(stream) == []
+    assert [o.request_id for o in await anext(stream)] == ["done"]
+    assert idle.reads == 0 and done.closed and set(outbox.streams) == {"idle"}
+    replica._wake([RequestOutput(request_id="idle")])  # the engine's next step made output for it
+    assert [o.request_id for o in await anext(stream)] == ["idle"]
+    await stream.aclose()
+    assert idle.closed and replica._outboxes == {} and replica._outbox_of == {}
+
+
+async def test_a_later_call_takes_the_outbox_over_and_the_first_lets_go_without_cancelling() -> None:
+    replica = _replica(None)
+    kept = _Stream("kept")
+    outbox = _Outbox(streams={"kept": kept})  # type: ignore[dict-item]
+    replica._outboxes["fd"] = outbox
+    replica._outbox_of = {"kept": "fd"}
+    old = replica.outputs("fd", replica="r1")
+    assert await anext(old) == []
+    new = replica.outputs("fd", replica="r1")
+    assert await anext(new) == []
+    replica._wake([RequestOutput(request_id="kept")])
+    with pytest.raises(StopAsyncIteration):
+        await anext(old)  # the old reader's server process is gone: it stops
+    assert not kept.closed and replica._outboxes["fd"] is outbox
+    assert [o.request_id for o in await anext(new)] == ["kept"]
+    await new.aclose()
+    assert kept.closed
+
+
+async def test_requests_no_server_process_reads_are_cancelled() -> None:
+    replica = _replica(None)
+    started = _Stream("s")
+
+    async def start_choice(choice: Any) -> _Stream:
+        return started
+
+    replica.client.start_choice = start_choice  # type: ignore[attr-defined]
+    answer = await replica.start(SimpleNamespace(request_id="s"), prefix_keys=[], frontend="fd")  # type: ignore[arg-type]
+    assert answer.replica == "r1"  # type: ignore[union-attr]
+    outbox = replica._outboxes["fd"]
+    assert outbox.reaper is not None  # nobody reads it yet: a timer is set
+    outbox.reaper.cancel()
+    await replica._reap("fd", outbox)  # the timer ran out
+    assert started.closed and replica._outboxes == {} and replica._outbox_of == {}
+
+
+async def test_an_outbox_read_in_time_is_not_reaped() -> None:
+    replica = _replica(None)
+    started = _Stream("s")
+
+    async def start_choice(choice: Any) -> _Stream:
+        return started
+
+    replica.client.start_choice = start_choice  # type: ignore[attr-defined]
+    await replica.start(SimpleNamespace(request_id="s"), prefix_keys=[], frontend="fd")  # type: ignore[arg-type]
+    outbox = replica._outboxes["fd"]
+    reaper = outbox.reaper
+    stream = replica.outputs("fd", replica="r1")
+    assert await anext(stream) == []
+    assert outbox.reaper is None and reaper is not None and reaper.cancelled()
+    await replica._reap("fd", outbox)  # a timer that fired anyway changes nothing
+    assert not started.closed and replica._outboxes["fd"] is outbox
+    await stream.aclose()

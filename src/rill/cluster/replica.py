@@ -51,6 +51,9 @@ log = logging.getLogger("rill.cluster")
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 """The running kernel's boot id: the same for every process (and container) of one machine."""
 
+UNREAD_OUTBOX_S = 60.0
+"""How long requests a server process started here may go unread before they are cancelled."""
+
 CONTROLS = ("abort", "pause", "resume", "regenerate")
 """The control commands ``EngineReplica.control`` applies."""
 
@@ -126,10 +129,14 @@ class _ReplicaClient(InprocClient):
 
 @dataclass
 class _Outbox:
-    """The requests one server process started here, and whether any has output to hand over."""
+    """The requests one server process started here, those with output to hand over (``ready``),
+    and the ``outputs`` call that reads them (``reader``: None while none does)."""
 
     streams: dict[str, RequestStream] = field(default_factory=dict)
+    ready: set[str] = field(default_factory=set)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
+    reader: object | None = None
+    reaper: asyncio.TimerHandle | None = None
 
 
 def _replica_id() -> str:
@@ -178,49 +185,86 @@ class EngineReplica:
             stream = await self.client.start_choice(choice)
         except RillError as exc:
             return Refused(exc)
-        self._outboxes.setdefault(frontend, _Outbox()).streams[choice.request_id] = stream
+        outbox = self._outboxes.setdefault(frontend, _Outbox())
+        outbox.streams[choice.request_id] = stream
+        outbox.ready.add(choice.request_id)
         self._outbox_of[choice.request_id] = frontend
+        if outbox.reader is None and outbox.reaper is None:
+            # Its server process reads from here once this answer lands; one that never does
+            # (it died, or its caller left and the abort was lost) must not leave its requests here.
+            outbox.reaper = asyncio.get_running_loop().call_later(
+                UNREAD_OUTBOX_S, lambda: asyncio.ensure_future(self._reap(frontend, outbox))
+            )
         return Accepted(self.replica)
+
+    async def _reap(self, frontend: str, outbox: _Outbox) -> None:
+        """Cancel the requests of an outbox no server process has read for ``UNREAD_OUTBOX_S``."""
+        outbox.reaper = None
+        if outbox.reader is not None or self._outboxes.get(frontend) is not outbox:
+            return
+        log.warning(
+            "engine replica %s: no server process read %d request(s); cancelled", self.replica, len(outbox.streams)
+        )
+        del self._outboxes[frontend]
+        await self._close(outbox)
+
+    async def _close(self, outbox: _Outbox) -> None:
+        for request_id, stream in outbox.streams.items():
+            self._outbox_of.pop(request_id, None)
+            await stream.aclose()  # cancels a request still running
+        outbox.streams.clear()
 
     def _wake(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
             frontend = self._outbox_of.get(output.request_id)
             if frontend is not None:
-                self._outboxes[frontend].wake.set()
+                outbox = self._outboxes[frontend]
+                outbox.ready.add(output.request_id)
+                outbox.wake.set()
 
     async def outputs(
         self, frontend: str, *, replica: str, origin: Origin | None = None
     ) -> AsyncIterator[list[RequestOutput]]:
-        """The outputs of every request ``frontend`` started here, one batch per engine step
-        (the first batch holds whatever came before the call). Leaving the stream (the server
-        process went away, or closed it) cancels those requests. While the stream is open, the
+        """The outputs of every request ``frontend`` started here, one batch per engine step of
+        the requests that made output (an empty batch first, at once, so the server process
+        knows the replica answers). Leaving the stream (the server process went away, or closed
+        it) cancels those requests; a later call for the same process takes them over. While the stream is open, the
         CPU of ``origin`` (the server process), if it runs on this machine, counts as the
         engine's own (see the module docstring)."""
         outbox = self._outboxes.setdefault(frontend, _Outbox())
+        token = outbox.reader = object()  # a later call for the same process takes the outbox over
+        if outbox.reaper is not None:
+            outbox.reaper.cancel()
+            outbox.reaper = None
         unally = self._ally(origin)
-        outbox.wake.set()  # hand over at once what came before this call
         try:
+            yield []  # at once: the server process knows this replica answers
             while True:
-                await outbox.wake.wait()
-                outbox.wake.clear()
+                if not outbox.ready:
+                    outbox.wake.clear()
+                    await outbox.wake.wait()
+                if outbox.reader is not token:
+                    return  # a later call took the outbox over: it hands these over
+                ready, outbox.ready = outbox.ready, set()
                 batch: list[RequestOutput] = []
-                for request_id, stream in list(outbox.streams.items()):
-                    output = stream.get_nowait()
+                for request_id in ready:
+                    stream = outbox.streams.get(request_id)
+                    output = stream.get_nowait() if stream is not None else None
                     if output is None:
                         continue
                     batch.append(output)
                     if output.finished:
                         del outbox.streams[request_id]
                         self._outbox_of.pop(request_id, None)
-                        await stream.aclose()
+                        await stream.aclose()  # type: ignore[union-attr]  # output is not None
                 if batch:
                     yield batch
         finally:
             unally()
-            self._outboxes.pop(frontend, None)
-            for request_id, stream in outbox.streams.items():
-                self._outbox_of.pop(request_id, None)
-                await stream.aclose()  # cancels a request still running
+            if outbox.reader is token:  # else a later call reads it now
+                outbox.reader = None
+                self._outboxes.pop(frontend, None)
+                await self._close(outbox)
 
     def _ally(self, origin: Origin | None) -> Callable[[], None]:
         """Have the engine's thread governor count ``origin``'s CPU as its own if it runs on this
