@@ -26,6 +26,7 @@ the per-request figures and the rate-limit accounts. What crosses to a replica i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import signal
@@ -53,14 +54,19 @@ STATS_INTERVAL_S = 1.0
 """How often each replica's gauges are read."""
 
 CONTROL_TIMEOUT_S = 10.0
-"""Longest wait for a replica to apply a control (past it the replica is taken as gone)."""
+"""Longest wait for a replica to apply a control (past it the control fails with
+``RequestNotFound``) or to open its outputs stream (past it the replica's requests end with
+``ReplicaLost``)."""
 
-SUM_FIELDS = tuple(
-    name
-    for name in EngineStats.__struct_fields__
-    if name not in ("last_batch_size", "last_step_ms", "step_ms_ewma", "requests_finished_total")
-)
-"""The gauges and counters that add up across replicas."""
+START_TIMEOUT_S = 120.0
+"""Longest wait for a replica to take a new request (its grammar compiled first): past it the
+request fails with ``ReplicaLost`` and is stopped should it start after all."""
+
+SUM_FIELDS = tuple(name for name in EngineStats.__struct_fields__ if name not in ("last_step_ms", "step_ms_ewma"))
+"""The gauges and counters that add up across replicas (step times do not: the slowest is shown)."""
+
+COUNTER_FIELDS = tuple(name for name in SUM_FIELDS if name.endswith("_total") or name.startswith("prefix_cache_"))
+"""The counters among them: a replica that leaves keeps its share of their sums, which never go down."""
 
 
 def _reinstall_signal_handlers() -> None:
@@ -79,10 +85,23 @@ async def _answer(response: Any, timeout_s: float) -> Any:
     """A deployment call's answer within ``timeout_s``; past it (or cancelled) the call is
     cancelled in Ray too, so that no call to a replica that is gone stays queued."""
     try:
-        return await asyncio.wait_for(asyncio.ensure_future(response), timeout_s)
+        # asyncio.timeout, not wait_for: Python 3.11's wait_for drops a cancellation that comes
+        # as the call completes, and a control lane cancelled at shutdown then waited for ever.
+        async with asyncio.timeout(timeout_s):
+            return await response
     except BaseException:
         response.cancel()
         raise
+
+
+def _add(total: EngineStats, stats: EngineStats, fields: tuple[str, ...]) -> None:
+    """Add ``stats``' ``fields`` to ``total`` (``requests_finished_total`` by reason)."""
+    for name in fields:
+        if name == "requests_finished_total":
+            for reason, count in stats.requests_finished_total.items():
+                total.requests_finished_total[reason] = total.requests_finished_total.get(reason, 0) + count
+        else:
+            setattr(total, name, getattr(total, name) + getattr(stats, name))
 
 
 @dataclass
@@ -147,6 +166,7 @@ class RayClient(InprocClient):
         self._readers: dict[str, asyncio.Task[None]] = {}  # replica -> its outputs stream's reader
         self._on_replica: dict[str, set[RequestId]] = {}  # replica -> the requests running there
         self._replica_stats: dict[str, EngineStats] = {}
+        self._departed = EngineStats()  # the counters of replicas that left
         self._tasks: list[asyncio.Task[None]] = []
 
     @classmethod
@@ -165,10 +185,20 @@ class RayClient(InprocClient):
         return client
 
     async def _connect(self) -> None:
+        deploying = asyncio.ensure_future(asyncio.to_thread(launch.deploy, self.config, self.cluster))
         try:
-            self._deployed = await asyncio.to_thread(launch.deploy, self.config, self.cluster)
+            try:
+                self._deployed = await asyncio.shield(deploying)
+            except asyncio.CancelledError:
+                # Stopped while Ray deploys: the thread goes on; what it deploys is removed
+                # once it is done (``shutdown`` waits for this task).
+                with contextlib.suppress(Exception):
+                    await asyncio.to_thread((await deploying).close)
+                raise
             _reinstall_signal_handlers()  # a stop must stay the server's graceful one
             description: Description = await self._deployed.handle.describe.remote()
+        except asyncio.CancelledError:
+            raise
         except BaseException as exc:  # noqa: BLE001 - reported by /health and generate(); `rill serve` then exits
             log.error("the engine replicas failed to start: %s", exc)
             self.load_error = exc
@@ -211,11 +241,15 @@ class RayClient(InprocClient):
         """Cancel every request, then remove the deployment (and stop Ray if this server
         started it)."""
         self._is_shut_down = True
-        for request_id in list(self._streams):
-            self.abort(request_id)
-        for task in [*self._tasks, *self._readers.values()]:
+        # Closing the outputs streams cancels their requests on the replicas (``outputs``).
+        lanes = [lane.task for lane in self._lanes.values() if lane.task is not None]
+        for task in [*self._tasks, *self._readers.values(), *lanes]:
             task.cancel()
-        await asyncio.gather(*self._tasks, *self._readers.values(), return_exceptions=True)
+        await asyncio.gather(*self._tasks, *self._readers.values(), *lanes, return_exceptions=True)
+        for lane in self._lanes.values():
+            lane.close()
+        self._lanes.clear()
+        self._fail_all()  # the readers are gone: every stream still open ends here
         if self._deployed is not None:
             await asyncio.to_thread(self._deployed.close)
         self.policy.close()
@@ -240,11 +274,14 @@ class RayClient(InprocClient):
             )
         )
         try:
-            answer = await asyncio.shield(call)
-        except asyncio.CancelledError:
-            # The caller left while the replica was starting it: stop it once it has started.
+            async with asyncio.timeout(START_TIMEOUT_S):
+                answer = await asyncio.shield(call)
+        except (asyncio.CancelledError, TimeoutError) as exc:
+            # The caller left (or no replica answered in time): stop it should it start after all.
             call.add_done_callback(lambda done: self._abandon(request_id, done))
             await self._withdraw(stream)
+            if isinstance(exc, TimeoutError):
+                raise ReplicaLost("no engine replica took the request in time; retry") from exc
             raise
         except Exception as exc:
             await self._withdraw(stream)
@@ -253,22 +290,32 @@ class RayClient(InprocClient):
             await self._withdraw(stream)
             raise answer.error
         replica = answer.replica
+        if self._streams.get(request_id) is not stream:
+            return stream  # it ended already: its outputs came in before this answer
         self._lanes[request_id] = _Lane(replica)
         self._on_replica.setdefault(replica, set()).add(request_id)
         registry.count(launch.DEPLOYMENT, replica, +1)
         if replica not in self._readers:
+            if replica not in self.replicas():
+                # It died after answering: no outputs stream would ever open (the router offers
+                # no replica for it), so its request ends here as its reader would end it.
+                self._lose(replica, "it left before its outputs stream opened")
+                return stream
             self._readers[replica] = asyncio.create_task(self._read(replica), name=f"rill-outputs-{replica}")
         if stream.is_closed:
             self.abort(request_id)  # its reader left while it was starting (its abort found no replica then)
         return stream
 
     def _abandon(self, request_id: RequestId, call: asyncio.Future[Any]) -> None:
-        """Abort a request whose caller left before its replica's answer came."""
+        """Abort a request whose caller left before its replica's answer came (within the time
+        a control gets; past it the replica's end of its outputs stream cancels it anyway)."""
         if call.cancelled() or call.exception() is not None:
             return
         answer = call.result()
         if isinstance(answer, Accepted):
-            self._handle().control.remote("abort", request_id, replica=answer.replica)
+            abort = self._handle().control.remote("abort", request_id, replica=answer.replica)
+            task = asyncio.ensure_future(_answer(abort, CONTROL_TIMEOUT_S))
+            task.add_done_callback(lambda done: done.cancelled() or done.exception())
 
     async def _withdraw(self, stream: RequestStream) -> None:
         """Undo ``_open`` for a request the replica never ran, and close its stream."""
@@ -281,15 +328,26 @@ class RayClient(InprocClient):
         call = self._handle().options(stream=True).outputs.remote(self._frontend, replica=replica, origin=self._origin)
         reason = "its outputs stream ended"
         try:
-            async for batch in call:
+            batches = aiter(call)
+            # The replica opens the stream with a batch at once: without it in time, the replica
+            # is gone (a call naming a replica that died is offered none and waits for ever).
+            async with asyncio.timeout(CONTROL_TIMEOUT_S):
+                opening = await anext(batches)
+            self._dispatch(opening)
+            async for batch in batches:
                 self._dispatch(batch)
         except asyncio.CancelledError:
             call.cancel()
             raise
         except Exception as exc:  # noqa: BLE001 - whatever Ray raises, the replica is gone for these requests
+            call.cancel()
             reason = type(exc).__name__
         finally:
             self._readers.pop(replica, None)
+        self._lose(replica, reason)
+
+    def _lose(self, replica: str, reason: str) -> None:
+        """End every request still running on ``replica`` with ``ReplicaLost``."""
         lost = [request_id for request_id in self._on_replica.pop(replica, set()) if request_id in self._streams]
         if lost:
             log.warning("replica %s lost (%s): %d request(s) end with replica_lost", replica, reason, len(lost))
@@ -385,12 +443,7 @@ class RayClient(InprocClient):
         grammar cache is not known here)."""
         request_id = stream.request_id
         old = stream.sampling
-        limiter = self.policy.limiter
-        changed = params.constraint is not None and (
-            old.constraint is None or old.constraint.cache_key() != params.constraint.cache_key()
-        )
-        if changed and limiter is not None:
-            limiter.count_work(self._principals[request_id])
+        self.policy.charge_modify(old, params, self._principals[request_id])
         account = self._accounts.get(request_id)
         if account is not None:
             account.set_max_tokens(params.max_tokens)
@@ -409,17 +462,26 @@ class RayClient(InprocClient):
     # -- gauges ------------------------------------------------------------------------------
     async def _poll_stats(self) -> None:
         while True:
-            live = self.replicas()
-            reads = {
-                replica: _answer(self._handle().stats.remote(replica=replica), STATS_INTERVAL_S * 2) for replica in live
-            }
-            answers = await asyncio.gather(*reads.values(), return_exceptions=True)
-            self._replica_stats = {
-                replica: answer
-                for replica, answer in zip(reads, answers, strict=True)
-                if isinstance(answer, EngineStats)
-            }
+            await self._read_stats()
             await asyncio.sleep(STATS_INTERVAL_S)
+
+    async def _read_stats(self) -> None:
+        """Read every live replica's gauges and counters once."""
+        live = self.replicas()
+        reads = {
+            replica: _answer(self._handle().stats.remote(replica=replica), STATS_INTERVAL_S * 2) for replica in live
+        }
+        answers = await asyncio.gather(*reads.values(), return_exceptions=True)
+        fresh = {}
+        for replica, answer in zip(reads, answers, strict=True):
+            if isinstance(answer, EngineStats):
+                fresh[replica] = answer
+            elif replica in self._replica_stats:
+                fresh[replica] = self._replica_stats[replica]  # a missed read: its last figures
+        for replica, last in self._replica_stats.items():
+            if replica not in fresh:
+                _add(self._departed, last, COUNTER_FIELDS)  # it left: its counts stay counted
+        self._replica_stats = fresh
 
     def replica_stats(self) -> dict[str, EngineStats]:
         """Each live replica's gauges and counters, as last read (at most ``STATS_INTERVAL_S`` old)."""
@@ -429,12 +491,9 @@ class RayClient(InprocClient):
         """The replicas' gauges and counters summed (step times: the slowest replica's)."""
         per_replica = list(self._replica_stats.values())
         total = EngineStats(num_waiting=self._tracks.num_queued if not per_replica else 0)
+        _add(total, self._departed, COUNTER_FIELDS)
         for stats in per_replica:
-            for name in SUM_FIELDS:
-                setattr(total, name, getattr(total, name) + getattr(stats, name))
-            total.last_batch_size += stats.last_batch_size
+            _add(total, stats, SUM_FIELDS)
             total.last_step_ms = max(total.last_step_ms, stats.last_step_ms)
             total.step_ms_ewma = max(total.step_ms_ewma, stats.step_ms_ewma)
-            for reason, count in stats.requests_finished_total.items():
-                total.requests_finished_total[reason] = total.requests_finished_total.get(reason, 0) + count
         return total
