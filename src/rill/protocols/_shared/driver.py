@@ -408,7 +408,8 @@ class Driver:
         while (state := client.state()).phase == "loading":
             await self._ask(self.session.on_loading, state.progress or 0.0, state.eta_s)
             with contextlib.suppress(TimeoutError, RillError):  # the next state() says which
-                await asyncio.wait_for(asyncio.shield(client.wait_ready()), LOADING_STATUS_PERIOD_S)
+                async with asyncio.timeout(LOADING_STATUS_PERIOD_S):
+                    await asyncio.shield(client.wait_ready())
         if state.error is not None:  # the load failed, or the engine has stopped: for good
             raise state.error
 
@@ -422,7 +423,8 @@ class Driver:
                     last = place
                     await self._ask(self.session.on_queued, key, *place)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(scheduled.wait(), QUEUE_STATUS_PERIOD_S)
+                    async with asyncio.timeout(QUEUE_STATUS_PERIOD_S):
+                        await scheduled.wait()
 
     def _note_refusal(self, exc: BaseException) -> None:
         if not isinstance(exc, RillError):

@@ -182,7 +182,8 @@ class Connection(Transport):
         # that sent only the header and keeps the socket open).
         while num_bytes > 0:
             try:
-                data = await asyncio.wait_for(self.reader.read(min(READ_BYTES, num_bytes)), CLOSE_FLUSH_S)
+                async with asyncio.timeout(CLOSE_FLUSH_S):
+                    data = await self.reader.read(min(READ_BYTES, num_bytes))
             except (TimeoutError, ConnectionError):
                 return
             if not data:
@@ -236,7 +237,8 @@ class Connection(Transport):
             # close() sends what is still buffered before closing (the error frame of a failure);
             # a peer that stopped reading must not pin the connection forever, hence the bound.
             self.writer.close()
-            await asyncio.wait_for(self.writer.wait_closed(), CLOSE_FLUSH_S)
+            async with asyncio.timeout(CLOSE_FLUSH_S):
+                await self.writer.wait_closed()
         except (TimeoutError, ConnectionError, OSError):
             self.writer.transport.abort()
         finally:

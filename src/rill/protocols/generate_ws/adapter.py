@@ -130,7 +130,8 @@ async def _sse(service: GenerateService, config: m.Config, key: str | None, prin
         ended.add_done_callback(lambda _: queue.put_nowait(None))
         while True:
             try:
-                msg = await asyncio.wait_for(queue.get(), keepalive_s)
+                async with asyncio.timeout(keepalive_s):
+                    msg = await queue.get()
             except TimeoutError:
                 yield sse.KEEP_ALIVE  # nothing to say for a while (queued, loading): keep proxies from closing
                 continue
