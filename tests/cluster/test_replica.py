@@ -134,8 +134,8 @@ async def test_a_later_call_takes_the_outbox_over_and_the_first_lets_go_without_
     assert kept.closed
 
 
-async def test_requests_no_server_process_reads_are_cancelled() -> None:
-    replica = _replica(None)
+async def _started(replica: EngineReplica) -> _Stream:
+    """Start request "s" for front door "fd" on ``replica`` (its engine stands in: a stream)."""
     started = _Stream("s")
 
     async def start_choice(choice: Any) -> _Stream:
@@ -144,6 +144,12 @@ async def test_requests_no_server_process_reads_are_cancelled() -> None:
     replica.client.start_choice = start_choice  # type: ignore[attr-defined]
     answer = await replica.start(SimpleNamespace(request_id="s"), prefix_keys=[], frontend="fd")  # type: ignore[arg-type]
     assert answer.replica == "r1"  # type: ignore[union-attr]
+    return started
+
+
+async def test_requests_no_server_process_reads_are_cancelled() -> None:
+    replica = _replica(None)
+    started = await _started(replica)
     outbox = replica._outboxes["fd"]
     assert outbox.reaper is not None  # nobody reads it yet: a timer is set
     outbox.reaper.cancel()
@@ -153,13 +159,7 @@ async def test_requests_no_server_process_reads_are_cancelled() -> None:
 
 async def test_an_outbox_read_in_time_is_not_reaped() -> None:
     replica = _replica(None)
-    started = _Stream("s")
-
-    async def start_choice(choice: Any) -> _Stream:
-        return started
-
-    replica.client.start_choice = start_choice  # type: ignore[attr-defined]
-    await replica.start(SimpleNamespace(request_id="s"), prefix_keys=[], frontend="fd")  # type: ignore[arg-type]
+    started = await _started(replica)
     outbox = replica._outboxes["fd"]
     reaper = outbox.reaper
     stream = replica.outputs("fd", replica="r1")
