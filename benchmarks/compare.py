@@ -41,6 +41,7 @@ import socket
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -199,6 +200,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _stop_servers_on_sigterm() -> None:
+    """Turn SIGTERM into ``SystemExit`` (from the main thread), so that a benchmark killed with
+    it leaves its ``with Server(...)`` blocks and stops its servers: each runs in a process
+    group of its own, which a signal to the benchmark never reaches."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, lambda number, frame: sys.exit(128 + number))
+
+
 class Server:
     """A server subprocess on loopback, stopped (terminate, then kill) on exit."""
 
@@ -210,6 +219,7 @@ class Server:
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> Server:
+        _stop_servers_on_sigterm()
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with self.log.open("w") as out:
             # Its own process group, so pause/resume reach the workers a server spawns (vLLM's engine core).
