@@ -242,6 +242,21 @@ def test_released_pages_leave_resident_memory_and_read_as_zeros() -> None:
     assert not bool(row.any()) and float(cache[1, 0, 1].float().mean()) == 1.0
 
 
+def test_a_long_row_moved_among_the_decoding_rows_leaves_no_written_pages_behind(loaded) -> None:
+    """Decoding rows are placed first: a long row moved into a freed row's place leaves its old
+    place as the freed row had it (zeros past what that row holds), so a finished long prompt
+    keeps no memory wherever its row went (a 3,885-token scoring prompt kept ~170 MB)."""
+    runner = _runner(loaded, num_rows=3, max_len=2048)
+    runner.forward([RowWork(2, _prompt(1500, 7), 0)])  # logical row 2, physical row 2
+    runner.discard(0, 0)
+    old_place = runner._physical[2]
+    runner.forward([RowWork(2, [5], 1500)])  # row 2 decodes: it moves to physical row 0
+    assert runner._physical[2] == 0 and runner._physical[0] == old_place
+    # Whole pages of the old place read as zeros again (the kernel gave them back).
+    assert not bool(runner._kv[:, :, old_place, :, 64:].any())
+    assert bool(runner._kv[:, :, 0, :, 64:1500].any())
+
+
 def test_discard_zeroes_a_row_past_the_kept_tokens_and_nothing_else(loaded) -> None:
     """What a finished row no longer needs goes back: positions from ``keep_tokens`` on read as
     zeros; its kept positions and every other row are untouched, and later steps agree with a

@@ -252,6 +252,10 @@ class TorchModelRunner:
                     src[:, :, :, :num_evicted].copy_(parked)
                 self._logical[hole], self._logical[mover] = moved, evicted
                 self._physical[moved], self._physical[evicted] = hole, mover
+                if num_moved > num_evicted:
+                    # The moved row's positions past the evicted row's own are still written
+                    # where it was: give them back, or a freed row keeps a long prompt's pages.
+                    self.discard(evicted, num_evicted)
 
     def _build_batch(self, work: Sequence[RowWork], decode: list[RowWork]) -> StepBatch:
         """Pack the step's tokens (decode rows in physical order, then prefill chunks)."""
