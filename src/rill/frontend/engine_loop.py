@@ -20,6 +20,10 @@ from rill.types import RequestOutput
 STOP = object()
 """Put in the inbox to end the loop (after the commands before it are applied)."""
 
+IDLE_SETTLE_S = 1.0
+"""How long the engine stays idle before that trim: what its last outputs become (responses
+built and sent by the front end) is freed meanwhile, and the trim returns it too."""
+
 IDLE_TRIM_INTERVAL_S = 2.0
 """When the engine goes idle after steps, it returns the heap's free memory to the OS
 (``malloc_trim``), at most once per this many seconds: a step's activations, logits and
@@ -36,12 +40,16 @@ def run(
     free memory back when the engine goes idle after steps."""
     last_trim = -IDLE_TRIM_INTERVAL_S
     has_stepped = False  # since the last trim
+    idle_since: float | None = None
     while True:
         if not core.has_work():
             wait_s = None
             if trim is not None and has_stepped:
                 now = time.monotonic()
-                wait_s = last_trim + IDLE_TRIM_INTERVAL_S - now
+                idle_since = now if idle_since is None else idle_since
+                # Not at once: the last outputs' responses are built and freed just after the
+                # engine goes idle (a scored prompt's ~16 MB body and its objects).
+                wait_s = max(last_trim + IDLE_TRIM_INTERVAL_S, idle_since + IDLE_SETTLE_S) - now
                 if wait_s <= 0:
                     # Idle: nobody waits for a step, so give the heap's free memory back now.
                     trim()
@@ -62,6 +70,6 @@ def run(
                 return
             core.apply(command)
         outputs = core.step()
-        has_stepped = True
+        has_stepped, idle_since = True, None
         if outputs:
             hand_over(outputs)
