@@ -209,7 +209,7 @@ class EngineReplica:
         await self._close(outbox)
 
     async def _close(self, outbox: _Outbox) -> None:
-        for request_id, stream in outbox.streams.items():
+        for request_id, stream in list(outbox.streams.items()):  # (each close awaits)
             self._outbox_of.pop(request_id, None)
             await stream.aclose()  # cancels a request still running
         outbox.streams.clear()
