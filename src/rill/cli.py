@@ -25,6 +25,9 @@ PLUGINS = ("rill.bench",)
 def _cmd_serve(args: argparse.Namespace) -> int:
     cfg = config.load(_config_flags(args))
     logging.basicConfig(level=cfg.http.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from rill.engine.allocator import limit_arenas
+
+    limit_arenas()  # before the server's threads exist: each would otherwise get an arena of its own
     from rill.server import serve
 
     try:
