@@ -8,7 +8,8 @@ import re
 import pytest
 import torch
 
-from rill.engine.grammar import GrammarCompiler
+from rill.engine import grammar as grammar_module
+from rill.engine.grammar import GrammarCompiler, grammar_of, matcher_bytes
 from rill.engine.sampler import Sampler
 from rill.errors import InvalidRequest
 from rill.testing.checkpoints import make_tokenizer
@@ -105,6 +106,34 @@ def test_compiled_constraints_are_cached_and_copies_are_independent(grammars: Gr
     assert first is not second
     assert grammars._cache[fmt.cache_key()] is not first  # a pristine original stays in the cache
     assert grammars.matcher(ResponseFormat(type="text")) is None
+
+
+def schema_of(index: int, num_fields: int) -> ResponseFormat:
+    """A distinct JSON schema of ``num_fields`` string properties."""
+    properties = {f"s{index}_field_{k}": {"type": "string", "maxLength": 8} for k in range(num_fields)}
+    return ResponseFormat(
+        type="json_schema", json_schema={"name": "s", "schema": {"type": "object", "properties": properties}}
+    )
+
+
+def test_the_compiled_cache_is_bounded_by_memory_not_only_by_count(tok, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Distinct schemas past the byte budget evict the least recently used (a count alone let
+    100 large schemas hold +200 MiB); one larger than the whole budget is used, not kept."""
+    grammars = GrammarCompiler(tok.to_str(), tok.get_vocab_size(), [EOS])
+    one = matcher_bytes(grammar_of(schema_of(0, 40)))
+    monkeypatch.setattr(grammar_module, "CACHE_BYTES", 3 * one + one // 2)
+    formats = [schema_of(i, 40) for i in range(6)]
+    for fmt in formats[:3]:
+        grammars.matcher(fmt)
+    grammars.matcher(formats[0])  # used again: the most recent now
+    for fmt in formats[3:5]:
+        grammars.matcher(fmt)
+    assert grammars.cached_bytes <= grammar_module.CACHE_BYTES
+    assert [grammars.is_cached(f) for f in formats] == [True, False, False, True, True, False]
+    huge = schema_of(99, 200)
+    assert matcher_bytes(grammar_of(huge)) > grammar_module.CACHE_BYTES
+    assert grammars.matcher(huge) is not None and not grammars.is_cached(huge)
+    assert grammars.is_cached(formats[4])  # the huge one evicted nothing
 
 
 @pytest.mark.parametrize(
