@@ -17,23 +17,15 @@ from pathlib import Path
 import pytest
 
 from rill.clients.evergreen import EvergreenClient, Session
-from rill.protocols.evergreen import codec
-from rill.protocols.evergreen.messages import (
-    Action,
-    Chunk,
-    ChunkMetadata,
-    GenerateConfig,
-    NamedParameter,
-    NodeFragment,
-    SessionMessage,
-)
+from rill.protocols.evergreen.messages import GenerateConfig
 from tests.conftest import free_port
 from tests.helpers import rill_process
+from tests.protocols.evergreen.helpers import generate, leaf, msg
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc and uses glibc")
 
 MIB = 2**20
-PIECE = b"word " * (MIB // 5)  # 1 MiB of text per fragment
+PIECE = "word " * (MIB // 5)  # 1 MiB of text per fragment
 
 
 def rss_bytes(pid: int) -> int:
@@ -47,29 +39,14 @@ def rss_bytes(pid: int) -> int:
 async def fill_sessions(address: str, num_sessions: int, mib_each: int) -> list[str]:
     """Open ``num_sessions`` sessions at once, send each ``mib_each`` MiB of chunk data and a
     short generation, read its first answer, then cancel them all; each one's outcome."""
-    generate = Action(
-        name="GENERATE",
-        inputs=(NamedParameter(name="prompt", id="q"),),
-        outputs=(NamedParameter(name="response", id="out"),),
-        configs=(codec.encode_config(GenerateConfig(temperature=0.0, max_tokens=2)),),
-    )
-    text = ChunkMetadata(mimetype="text/plain")
+    action = generate("q", "out", config=GenerateConfig(temperature=0.0, max_tokens=2))
     async with EvergreenClient(address) as client:
         sessions = [client.open_session() for _ in range(num_sessions)]
 
         async def fill(session: Session) -> str:
             for k in range(mib_each):
-                await session.send(
-                    SessionMessage(
-                        node_fragments=(NodeFragment(id=f"n{k}", chunk_fragment=Chunk(metadata=text, data=PIECE)),)
-                    )
-                )
-            await session.send(
-                SessionMessage(
-                    node_fragments=(NodeFragment(id="q", chunk_fragment=Chunk(metadata=text, data=b"Hello")),),
-                    actions=(generate,),
-                )
-            )
+                await session.send(msg(leaf(f"n{k}", text=PIECE)))
+            await session.send(msg(leaf("q", "Hello"), action))
             return "answered" if await session.receive() is not None else "ended"
 
         outcomes = await asyncio.gather(*(fill(s) for s in sessions))
