@@ -104,7 +104,7 @@ def test_compiled_constraints_are_cached_and_copies_are_independent(grammars: Gr
     fmt = ResponseFormat(type="regex", regex="a+b")
     first, second = grammars.matcher(fmt), grammars.matcher(ResponseFormat(type="regex", regex="a+b"))
     assert first is not second
-    assert grammars._cache[fmt.cache_key()] is not first  # a pristine original stays in the cache
+    assert grammars._cache[fmt.cache_key()][0] is not first  # a pristine original stays in the cache
     assert grammars.matcher(ResponseFormat(type="text")) is None
 
 

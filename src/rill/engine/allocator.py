@@ -39,6 +39,7 @@ import ctypes.util
 import logging
 import sys
 from collections.abc import Callable
+from typing import Any
 
 log = logging.getLogger("rill.engine")
 
@@ -59,17 +60,30 @@ MAX_ARENAS = 2
 """Most malloc arenas in the process: the main one and one for other threads (see above)."""
 
 
-def _mallopt() -> Callable[[int, int], int] | None:
-    """glibc's ``mallopt``, or None off Linux or without glibc."""
+def _libc_function(name: str, argtypes: tuple[Any, ...]) -> Callable[..., int] | None:
+    """The C library's ``name`` returning an int, or None off Linux or where the C library has
+    none (musl, macOS)."""
     if not sys.platform.startswith("linux"):
         return None
     try:
-        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+        function = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
     except (OSError, AttributeError):
         return None
-    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
-    mallopt.restype = ctypes.c_int
-    return mallopt
+    function.argtypes = argtypes
+    function.restype = ctypes.c_int
+    return function
+
+
+def _mallopt() -> Callable[..., int] | None:
+    """glibc's ``mallopt``, or None without it."""
+    return _libc_function("mallopt", (ctypes.c_int, ctypes.c_int))
+
+
+def malloc_trim() -> Callable[[], object] | None:
+    """glibc's ``malloc_trim(0)`` (free heap pages back to the OS) as a callable, or None where
+    the C library has none."""
+    trim = _libc_function("malloc_trim", (ctypes.c_size_t,))
+    return None if trim is None else lambda: trim(0)
 
 
 def limit_arenas() -> bool:
@@ -103,13 +117,5 @@ def release_free_memory() -> bool:
     freed again; without this they stay resident (the 1.5B GGUF's process held 3.2 GiB for
     1.3 GiB of weights). Called once after loading, before the thresholds above are raised.
     """
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):
-        return False
-    trim.argtypes = (ctypes.c_size_t,)
-    trim.restype = ctypes.c_int
-    return bool(trim(0))
+    trim = malloc_trim()
+    return trim is not None and bool(trim())

@@ -80,8 +80,8 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self._tokenizer_args = (_plain_added_tokens(tokenizer_json), vocab_size, sorted(eos_token_ids))
         self._tokenizer: llguidance.LLTokenizer | None = None
-        self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
-        self._costs: dict[str, int] = {}
+        self._cache: OrderedDict[str, tuple[llguidance.LLMatcher, int]] = OrderedDict()
+        """Pristine matchers by ``ResponseFormat.cache_key``, each with its ``matcher_bytes``."""
         self.cached_bytes = 0
         """The kept matchers' estimated memory (``matcher_bytes``), at most ``CACHE_BYTES``."""
         self._lock = threading.Lock()
@@ -112,9 +112,7 @@ class GrammarCompiler:
             return None
         key = fmt.cache_key()
         with self._lock:
-            pristine = self._cache.get(key)
-            if pristine is not None:
-                self._cache.move_to_end(key)
+            pristine = self._pristine(key)
         if pristine is None:
             grammar = grammar_of(fmt)
             pristine = self._compile(grammar)  # outside the lock: other requests need not wait
@@ -129,12 +127,19 @@ class GrammarCompiler:
         with self._lock:
             if key in self._cache:  # compiled twice at once: keep the first
                 return
-            self._cache[key] = pristine
-            self._costs[key] = cost
+            self._cache[key] = (pristine, cost)
             self.cached_bytes += cost
             while len(self._cache) > CACHE_SIZE or self.cached_bytes > CACHE_BYTES:
-                old, _ = self._cache.popitem(last=False)
-                self.cached_bytes -= self._costs.pop(old)
+                _, (_, freed) = self._cache.popitem(last=False)
+                self.cached_bytes -= freed
+
+    def _pristine(self, key: str) -> llguidance.LLMatcher | None:
+        """Under the lock: the cached matcher of ``key`` (now the most recently used), or None."""
+        entry = self._cache.get(key)
+        if entry is None:
+            return None
+        self._cache.move_to_end(key)
+        return entry[0]
 
     def cached(self, fmt: ResponseFormat | None) -> llguidance.LLMatcher | None:
         """A fresh matcher for ``fmt`` if its grammar is compiled already (a copy, ~0.1 ms for
@@ -143,11 +148,8 @@ class GrammarCompiler:
             return None
         key = fmt.cache_key()
         with self._lock:
-            pristine = self._cache.get(key)
-            if pristine is None:
-                return None
-            self._cache.move_to_end(key)
-        return pristine.deep_copy()
+            pristine = self._pristine(key)
+        return None if pristine is None else pristine.deep_copy()
 
     def is_cached(self, fmt: ResponseFormat | None) -> bool:
         """Whether ``matcher(fmt)`` would copy a compiled grammar rather than compile one

@@ -21,14 +21,13 @@ only the top of its heap on its own.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import gc
 import logging
 import threading
 import time
 from collections.abc import Callable
 
+from rill.engine.allocator import malloc_trim
 from rill.errors import ResourceExhausted
 
 log = logging.getLogger("rill.frontend.budget")
@@ -195,21 +194,6 @@ class Lease:
         """Give back everything held; later grows charge nothing."""
         self.is_closed = True
         self.shrink(self.held)
-
-
-def malloc_trim() -> Callable[[], object] | None:
-    """glibc's ``malloc_trim(0)`` as a callable, or None where the C library has none
-    (musl, macOS)."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    except OSError:
-        return None
-    trim = getattr(libc, "malloc_trim", None)
-    if trim is None:
-        return None
-    trim.argtypes = [ctypes.c_size_t]
-    trim.restype = ctypes.c_int
-    return lambda: trim(0)
 
 
 def freeze_startup_objects() -> int:
