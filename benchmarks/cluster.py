@@ -151,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--log-dir", type=Path, default=Path("benchmarks/.cluster-logs"))
+    parser.add_argument("--no-prefix", action="store_true", help="skip part 2 (the prefix-cache hit rate)")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)
     if args.quick:
@@ -193,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     if {"r1-1t", "r2-1t"} <= results.keys():
         gain = results["r2-1t"][top].output_tokens_per_s / results["r1-1t"][top].output_tokens_per_s
         print(f"two 1-thread replicas: {gain:.2f}x one at c={top} (goal >= 1.6x: {verdict(gain >= 1.6)})")
+    if args.no_prefix:
+        return 0
 
     print("\n## Prefix-cache hit rate, shared system prompts, --replicas 2 --num-threads 1\n")
     print(

@@ -5,13 +5,15 @@ governor counts that process's CPU as its own."""
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from rill.cluster.replica import EngineReplica, Origin, _Outbox
+from rill.cluster.replica import EngineReplica, Origin, _Outbox, _unnice
 from rill.engine.threads import ThreadGovernor
 from rill.types import RequestOutput
 
@@ -168,3 +170,41 @@ async def test_an_outbox_read_in_time_is_not_reaped() -> None:
     await replica._reap("fd", outbox)  # a timer that fired anyway changes nothing
     assert not started.closed and replica._outboxes["fd"] is outbox
     await stream.aclose()
+
+
+_SETPRIORITY = os.setpriority
+"""The real ``os.setpriority``, for making a thread nicer while a test refuses the replica's call."""
+
+
+def _in_a_thread_at_niceness_5(work: Any) -> int:
+    """Run ``work`` in a new thread made nicer (5), as Ray starts its workers; return that
+    thread's niceness after it (on Linux niceness is per thread)."""
+    result: list[int] = []
+
+    def run() -> None:
+        _SETPRIORITY(os.PRIO_PROCESS, 0, os.getpriority(os.PRIO_PROCESS, 0) + 5)
+        work()
+        result.append(os.getpriority(os.PRIO_PROCESS, 0))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    return result[0]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only a privileged process may lower its niceness")
+def test_a_replica_started_nicer_brings_its_thread_back_to_0() -> None:
+    assert _in_a_thread_at_niceness_5(_unnice) == 0
+
+
+def test_a_replica_that_may_not_lower_its_niceness_says_how_to_start_the_cluster(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def refused(*args: Any) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "setpriority", refused)
+    start = os.getpriority(os.PRIO_PROCESS, 0)
+    with caplog.at_level(logging.WARNING, logger="rill.cluster"):
+        assert _in_a_thread_at_niceness_5(_unnice) == start + 5
+    assert "RAY_worker_niceness=0" in caplog.text

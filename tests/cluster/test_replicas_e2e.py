@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -101,6 +102,24 @@ async def test_every_protocol_is_served_and_work_spreads_over_both_replicas(clus
         "both replicas' counters",
     )
     assert all(count > 0 for count in made.values()), made
+
+
+def test_replicas_run_at_the_servers_niceness(cluster: ClusterServer) -> None:
+    # Ray starts its workers at niceness 15; an engine replica at 15 is preempted by the
+    # server process and Ray's daemons at every token.
+    pids = cluster.replica_pids()
+    assert len(pids) == 2
+    niceness = {(pid, task.name): _niceness(task) for pid in pids for task in Path(f"/proc/{pid}/task").iterdir()}
+    niceness = {task: value for task, value in niceness.items() if value is not None}
+    assert niceness and set(niceness.values()) == {os.getpriority(os.PRIO_PROCESS, 0)}, niceness
+
+
+def _niceness(task: Path) -> int | None:
+    """A thread's niceness (``stat``'s 19th field), None once it has ended."""
+    try:
+        return int((task / "stat").read_text().rsplit(")", 1)[1].split()[16])
+    except FileNotFoundError:
+        return None
 
 
 def _uds_generate(path: str) -> list[dict[str, Any]]:

@@ -139,6 +139,23 @@ class _Outbox:
     reaper: asyncio.TimerHandle | None = None
 
 
+def _unnice() -> None:
+    """Bring the calling thread to niceness 0 if Ray started this worker nicer (a cluster
+    started without ``RAY_worker_niceness=0``; Ray's default is 15), so that the server
+    process and Ray's daemons do not preempt the engine; where that is not permitted, say so."""
+    niceness = os.getpriority(os.PRIO_PROCESS, 0)
+    if niceness <= 0:
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, 0)  # on Linux, the calling thread and those it starts
+    except OSError as exc:
+        log.warning(
+            "engine replica runs at niceness %d (%s): start the Ray cluster with RAY_worker_niceness=0",
+            niceness,
+            exc,
+        )
+
+
 def _replica_id() -> str:
     from ray import serve
 
@@ -154,6 +171,7 @@ class EngineReplica:
 
     async def __init__(self, config: EngineConfig) -> None:  # type: ignore[misc]  # Ray Serve awaits it
         self.replica = _replica_id()
+        _unnice()  # before the engine's threads start: they inherit this thread's niceness
         self.client = _ReplicaClient.start(config, policy=SubmissionPolicy(engine=config))
         self.client.after_dispatch = self._wake
         self._outboxes: dict[str, _Outbox] = {}
