@@ -9,6 +9,7 @@ assert order, counts and equality between runs (greedy).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -25,6 +26,7 @@ from rill.clients.chat import chat
 from rill.clients.evergreen import EvergreenClient
 from rill.clients.generate import GenerateClient
 from rill.clients.uds import UdsClient
+from rill.engine.threads import proc_stat_fields
 from tests.protocols.batch_ws.test_adapter import GREEDY, assert_continued, by_type, greedy_batch, run_batch
 from tests.protocols.generate_ws.test_adapter import is_status, is_type, send, until
 
@@ -109,17 +111,13 @@ def test_replicas_run_at_the_servers_niceness(cluster: ClusterServer) -> None:
     # server process and Ray's daemons at every token.
     pids = cluster.replica_pids()
     assert len(pids) == 2
-    niceness = {(pid, task.name): _niceness(task) for pid in pids for task in Path(f"/proc/{pid}/task").iterdir()}
-    niceness = {task: value for task, value in niceness.items() if value is not None}
+    niceness: dict[tuple[int, str], int] = {}
+    for pid in pids:
+        tasks = Path(f"/proc/{pid}/task")
+        for task in tasks.iterdir():
+            with contextlib.suppress(FileNotFoundError):  # a thread that ended meanwhile
+                niceness[pid, task.name] = int(proc_stat_fields(int(task.name), tasks)[16])  # field 19
     assert niceness and set(niceness.values()) == {os.getpriority(os.PRIO_PROCESS, 0)}, niceness
-
-
-def _niceness(task: Path) -> int | None:
-    """A thread's niceness (``stat``'s 19th field), None once it has ended."""
-    try:
-        return int((task / "stat").read_text().rsplit(")", 1)[1].split()[16])
-    except FileNotFoundError:
-        return None
 
 
 def _uds_generate(path: str) -> list[dict[str, Any]]:
