@@ -22,6 +22,7 @@ from rill.errors import ConfigError
 from rill.frontend.inproc import InprocClient
 from rill.protocols.framed_uds import adapter
 from rill.server import Deps
+from rill.testing.fake_runner import StepGate
 from tests.helpers import wait_until
 
 from .conftest import FramedClient, engine_client, uds_config
@@ -323,21 +324,61 @@ async def _slo_request_overtakes_queued_ones(client: InprocClient, sock_path: Pa
         if text in prompts and text not in first_token_order:
             first_token_order.append(text)
 
-    engine.runner.script = observe
+    # The engine steps only when the test lets it: the busy request's prefill, then nothing
+    # until the other three and the cancel are in the engine's inbox. So the busy request holds
+    # the only slot whatever the machine's load (it once reached its context's end first), and
+    # the three wait together when the slot frees.
+    gate = StepGate()
+    engine.runner.script, engine.runner.gate = observe, gate
+    entered = _record_entries(client)
     conns = [await FramedClient.connect(str(sock_path)) for _ in range(4)]
-    # The busy request cannot end on its own while the others queue (a short one raced them
-    # on a slow machine); it is cancelled once all three wait.
-    await conns[0].send({"id": "busy", "prompt": "busy", "max_tokens": 10_000})
-    assert (await conns[0].recv())["event"] == "token"  # the only slot is taken
-    await conns[1].send({"id": "q1", "prompt": "q1", "max_tokens": 1})
-    await conns[2].send({"id": "q2", "prompt": "q2", "max_tokens": 1})
-    await _until(lambda: client.stats().num_waiting == 2)
-    await conns[3].send({"id": "slo", "prompt": "slo", "max_tokens": 1, "slo": {"target_ttft_ms": 100}})
-    await _until(lambda: client.stats().num_waiting == 3)
-    await conns[0].send({"event": "cancel", "id": "busy"})
+    try:
+        gate.allow(1)
+        await conns[0].send({"id": "busy", "prompt": "busy", "max_tokens": 10_000})
+        assert (await conns[0].recv())["event"] == "token"  # the only slot is taken
+        for conn, rid, extra in (
+            (conns[1], "q1", {}),
+            (conns[2], "q2", {}),
+            (conns[3], "slo", {"slo": {"target_ttft_ms": 100}}),
+        ):
+            await conn.send({"id": rid, "prompt": rid, "max_tokens": 1} | extra)
+            await entered(rid)  # in this order: q1 and q2 queue before the SLO request comes
+        await conns[0].send({"event": "cancel", "id": "busy"})
+        await entered("abort")
+        assert gate.num_passed == 1  # busy's prefill only: nobody was scheduled meanwhile
+    finally:
+        gate.set()
     for conn in conns:
         await conn.until_end()
     assert first_token_order == ["busy", "slo", "q1", "q2"]
+
+
+def _record_entries(client: InprocClient) -> Any:
+    """Wrap ``client`` so that ``await entered(name)`` returns once the request whose prompt
+    is ``name`` was put in the engine's inbox (``"abort"``: once an abort was)."""
+    engine = client.engine
+    assert engine is not None
+    events: dict[str, asyncio.Event] = {}
+    start_choice, abort = client.start_choice, client.abort
+
+    def event(name: str) -> asyncio.Event:
+        return events.setdefault(name, asyncio.Event())
+
+    async def recording_start(choice: Any) -> Any:
+        stream = await start_choice(choice)
+        event(engine.tokenizer.decode(choice.prompt_ids)).set()
+        return stream
+
+    def recording_abort(request_id: Any) -> None:
+        abort(request_id)
+        event("abort").set()
+
+    client.start_choice, client.abort = recording_start, recording_abort  # type: ignore[method-assign]
+
+    async def entered(name: str) -> None:
+        await event(name).wait()
+
+    return entered
 
 
 async def test_stopper_ends_live_connections(sock_path: Path, fake_client: InprocClient) -> None:
