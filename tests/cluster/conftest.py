@@ -155,12 +155,26 @@ def stop(proc: subprocess.Popen[bytes]) -> int | None:
     return status
 
 
+LONG_CONTEXT = 2048
+"""Context of ``long_model_dir``'s model, in tokens."""
+
+
+@pytest.fixture(scope="session")
+def long_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random-init Llama with a context of ``LONG_CONTEXT`` tokens: a generation can last
+    long enough that a control made at its first token surely finds it running."""
+    from rill.testing.checkpoints import make_checkpoint
+
+    folder = tmp_path_factory.mktemp("long-context") / "tiny-llama"
+    return make_checkpoint(folder, arch="llama", max_position_embeddings=LONG_CONTEXT)
+
+
 @pytest.fixture(scope="module")
-def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, postgres: Any) -> Iterator[ClusterServer]:
+def cluster(long_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, postgres: Any) -> Iterator[ClusterServer]:
     """Two engine replicas on Ray's local instance, the stores on PostgreSQL."""
     folder = tmp_path_factory.mktemp("cluster")
     database = str(postgres.new_database())
-    server = start_cluster_server(tiny_model_dir, folder, "--database", database)
+    server = start_cluster_server(long_model_dir, folder, "--database", database)
     server.database = database
     try:
         yield server

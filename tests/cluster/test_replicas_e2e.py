@@ -30,10 +30,12 @@ from rill.engine.threads import proc_stat_fields
 from tests.protocols.batch_ws.test_adapter import GREEDY, assert_continued, by_type, greedy_batch, run_batch
 from tests.protocols.generate_ws.test_adapter import is_status, is_type, send, until
 
-from .conftest import ClusterServer, wait_for
+from .conftest import LONG_CONTEXT, ClusterServer, wait_for
 
-LONG = 400
-"""Tokens of a generation that must still run when its control arrives."""
+LONG = LONG_CONTEXT - 32
+"""Tokens of a generation that must still run when its control arrives: at a few milliseconds
+a token that lasts seconds, against the milliseconds a control takes (400 once ran out first,
+when calls went by value)."""
 
 COMEBACK_TIMEOUT_S = 300
 """Bound on waiting for Ray to restart a killed replica (a bound, not a pass condition)."""
@@ -125,20 +127,28 @@ def _uds_generate(path: str) -> list[dict[str, Any]]:
         return list(client.generate({"id": "u1", "prompt": "Hello", "max_tokens": 8}))
 
 
+async def paused_after_first_token(ws: Any, prompt: str) -> list[dict[str, Any]]:
+    """Start a long greedy generation on ``ws`` and pause it at its first token: what it sent
+    up to its ``paused`` status. Paused at once, it cannot reach its end before a later step."""
+    await send(ws, type="config", prompt=prompt, parameters={"max_tokens": LONG, "temperature": 0, "ignore_eos": True})
+    got = await until(ws, is_type("token"))
+    await send(ws, type="control", action="pause")
+    got += await until(ws, lambda m: is_status("paused")(m) or m["type"] in ("completion", "error"))
+    assert is_status("paused")(got[-1]), f"the generation ended before its pause: {got[-1]}"
+    return got
+
+
 async def test_generate_controls_reach_the_right_generation(cluster: ClusterServer) -> None:
     url = f"{cluster.ws_url}/generate"
     async with connect(url) as a, connect(url) as b:
-        before_pause: list[dict[str, Any]] = []
-        for ws, prompt in ((a, "Once upon a time"), (b, "The little robot")):
-            await send(
-                ws, type="config", prompt=prompt, parameters={"max_tokens": LONG, "temperature": 0, "ignore_eos": True}
-            )
-            got = await until(ws, is_type("token"))
-            if ws is a:
-                before_pause += got
         # Pause A: A says paused and makes nothing more while B goes on.
-        await send(a, type="control", action="pause")
-        before_pause += await until(a, is_status("paused"))
+        before_pause = await paused_after_first_token(a, "Once upon a time")
+        await send(
+            b,
+            type="config",
+            prompt="The little robot",
+            parameters={"max_tokens": LONG, "temperature": 0, "ignore_eos": True},
+        )
         got_b = []
         for _ in range(8):  # long enough for A to make tokens, were it not paused
             got_b += await until(b, is_type("token"))
@@ -169,13 +179,8 @@ async def test_a_disconnect_frees_the_replicas_kv(cluster: ClusterServer) -> Non
     cancelled_before = cancelled(cluster)
     async with connect(url) as a, connect(url) as b:
         for ws in (a, b):
-            await send(
-                ws, type="config", prompt="Once upon a time", parameters={"max_tokens": LONG, "ignore_eos": True}
-            )
-            await until(ws, is_type("token"))
             # Paused, each keeps its KV and cannot run out before the socket closes.
-            await send(ws, type="control", action="pause")
-            await until(ws, is_status("paused"))
+            await paused_after_first_token(ws, "Once upon a time")
         busy = wait_for(
             lambda: (lambda kv: kv if sum(kv.values()) > 0 else None)(
                 cluster.replica_values("rill_replica_kv_cache_used_bytes")
@@ -246,15 +251,20 @@ async def test_replica_killed_mid_stream(cluster: ClusterServer) -> None:
     async with connect(url) as a, connect(url) as b:
         heads: dict[Any, list[dict]] = {}
         for ws, prompt in ((a, prompts[0]), (b, prompts[1])):
-            # One at a time: the second goes to the replica with nothing in flight.
-            await send(
-                ws, type="config", prompt=prompt, parameters={"max_tokens": LONG, "temperature": 0, "ignore_eos": True}
-            )
-            heads[ws] = await until(ws, is_type("token"))
+            # One at a time: the second goes to the replica with nothing in flight. Each waits
+            # paused, so both are still running when the kill lands, however fast they are.
+            heads[ws] = await paused_after_first_token(ws, prompt)
         os.kill(pids[0], signal.SIGKILL)
-        ends = {}
-        for ws in (a, b):
-            ends[ws] = heads[ws] + await asyncio.wait_for(until(ws, lambda m: m["type"] in ("completion", "error")), 60)
+        # The killed replica's stream ends with an error by itself; the other, still paused,
+        # says nothing until it is resumed.
+        reads = {asyncio.ensure_future(until(ws, lambda m: m["type"] in ("completion", "error"))): ws for ws in (a, b)}
+        done, pending = await asyncio.wait(reads, timeout=60, return_when=asyncio.FIRST_COMPLETED)
+        assert len(done) == 1, "no stream ended after the kill"
+        [lost_read], [survivor_read] = done, pending
+        ends = {reads[lost_read]: heads[reads[lost_read]] + lost_read.result()}
+        survivor = reads[survivor_read]
+        await send(survivor, type="control", action="resume")
+        ends[survivor] = heads[survivor] + await asyncio.wait_for(survivor_read, 60)
     kinds = sorted(msgs[-1]["type"] for msgs in ends.values())
     assert kinds == ["completion", "error"], kinds
     [lost] = [msgs[-1] for msgs in ends.values() if msgs[-1]["type"] == "error"]
