@@ -1,5 +1,6 @@
 """RayClient's bookkeeping against a fake deployment handle (no Ray running): a request that
-ends before its start is answered leaves nothing behind, a replica that died after answering
+ends before its start is answered leaves nothing behind, controls made before that answer
+follow it in order (or fail with a refused start), a replica that died after answering
 ends its request at once, an outputs stream that never opens ends its requests with
 ``ReplicaLost``, and a replica that leaves keeps its share of the summed counters."""
 
@@ -15,12 +16,13 @@ import pytest
 from rill.cluster import client as client_mod
 from rill.cluster import launch, registry
 from rill.cluster.client import RayClient
-from rill.cluster.replica import Accepted
+from rill.cluster.replica import Accepted, Refused
 from rill.config import ClusterConfig, EngineConfig
-from rill.errors import ReplicaLost
+from rill.errors import QueueFull, ReplicaLost, RequestNotFound
 from rill.frontend.policy import SubmissionPolicy
 from rill.testing.fake_client import fake_engine
 from rill.types import EngineStats, GenerateRequest, RequestOutput, SamplingParams
+from tests.helpers import wait_until
 
 
 class _Call:
@@ -63,9 +65,14 @@ class _Handle:
         self.answers: list[asyncio.Future[Any]] = []
         self.outputs_of: dict[str, _Outputs] = {}
         self.stats_of: dict[str, EngineStats] = {}
+        self.controls: list[tuple[str, str, str]] = []  # (op, request id, replica) as sent
         self.start = SimpleNamespace(remote=lambda choice, **kw: _Call(self.answers.pop(0)))
-        self.control = SimpleNamespace(remote=lambda *a, **kw: _Call(_done(None)))
+        self.control = SimpleNamespace(remote=self._control)
         self.stats = SimpleNamespace(remote=lambda *, replica: _Call(_done(self.stats_of[replica])))
+
+    def _control(self, op: str, request_id: str, *, replica: str) -> _Call:
+        self.controls.append((op, request_id, replica))
+        return _Call(_done(None))
 
     def options(self, **_: Any) -> Any:
         def outputs(frontend: str, *, replica: str, origin: Any = None) -> _Outputs:
@@ -120,6 +127,47 @@ async def test_a_request_that_ends_before_its_start_is_answered_leaves_nothing_b
     assert set(client._lanes) == {"a"} and client._on_replica["r1"] == {"a"}
     assert registry.in_flight(launch.DEPLOYMENT) == {"r1": 1}
     await first.aclose()
+
+
+async def test_controls_made_before_the_start_is_answered_follow_it_in_order(
+    ray_client: tuple[RayClient, _Handle],
+) -> None:
+    # Outputs and answers travel apart: a session may act on a request whose replica has not
+    # answered yet (a cancel on the Unix socket, a disconnect). Those controls once found no
+    # replica to go to and were dropped.
+    client, handle = ray_client
+    answer: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    handle.answers = [answer]
+    handle.outputs_of["r1"] = _Outputs()
+    handle.outputs_of["r1"].queue.put_nowait([])  # the replica's opening batch
+    starting = asyncio.ensure_future(client.generate(_request("a")))
+    await _until(lambda: not handle.answers)  # a's start is sent, its stream open here
+    client.pause("a")
+    client.resume("a")
+    client.abort("a")
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert handle.controls == []  # no replica known yet: nothing goes anywhere
+    answer.set_result(Accepted("r1"))
+    stream = await starting
+    await wait_until(lambda: len(handle.controls) == 3, attempts=1000, interval_s=0.005)
+    assert handle.controls == [("pause", "a", "r1"), ("resume", "a", "r1"), ("abort", "a", "r1")]
+    await stream.aclose()
+
+
+async def test_controls_waiting_for_a_refused_start_fail_with_it(ray_client: tuple[RayClient, _Handle]) -> None:
+    client, handle = ray_client
+    answer: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    handle.answers = [answer]
+    starting = asyncio.ensure_future(client.generate(_request("a")))
+    await _until(lambda: not handle.answers)
+    waiting = client._send("a", lambda replica: handle.control.remote("pause", "a", replica=replica))
+    answer.set_result(Refused(QueueFull("the replica's queue is full")))
+    with pytest.raises(QueueFull):
+        await starting
+    with pytest.raises(RequestNotFound):
+        await waiting
+    assert handle.controls == [] and client._lanes == {}
 
 
 async def _until(condition: Any) -> None:

@@ -15,7 +15,8 @@ the per-request figures and the rate-limit accounts. What crosses to a replica i
   the same machine counts its CPU as the engine's own while the stream is open.
 * A control (stop, pause, resume, regenerate, a parameter change) is a call naming that
   replica, which the router sends there and nowhere else. The controls of one request go in
-  the order they were made, one at a time.
+  the order they were made, one at a time; one made before the replica has answered ``start``
+  waits for that answer (it then goes there, or fails with the start).
 * When a replica dies, its outputs stream fails: each of its requests' streams ends with
   ``ReplicaLost`` (retryable) at once; other replicas' streams go on, and new requests go to
   the replicas Ray still lists while it starts a new one.
@@ -124,11 +125,17 @@ class _Rows:
 
 @dataclass
 class _Lane:
-    """The controls of one request, applied one after the other."""
+    """The controls of one request, applied one after the other once its replica is known."""
 
-    replica: str
-    queue: asyncio.Queue[tuple[Callable[[], Any], asyncio.Future[Any]]] = field(default_factory=asyncio.Queue)
+    replica: str | None = None  # None until the replica's answer to ``start`` names it
+    placed: asyncio.Event = field(default_factory=asyncio.Event)
+    queue: asyncio.Queue[tuple[Callable[[str], Any], asyncio.Future[Any]]] = field(default_factory=asyncio.Queue)
     task: asyncio.Task[None] | None = None
+
+    def place(self, replica: str) -> None:
+        """The request runs on ``replica``: the controls made so far go there now."""
+        self.replica = replica
+        self.placed.set()
 
     def close(self) -> None:
         """The request ended: stop applying controls; those still waiting find no request."""
@@ -262,6 +269,8 @@ class RayClient(InprocClient):
         self.policy.check_constrained(choice)
         stream, _ = self._open(choice, engine)
         request_id = choice.request_id
+        # Controls made from now on wait for the replica's answer, then go in their order.
+        lane = self._lanes[request_id] = _Lane()
         # A continuation of a kept generation goes to the replica that made it, whose prefix
         # cache holds its KV; should that replica be gone (or the entry evicted), the prompt is
         # recomputed where it lands: the same tokens, the same result, not a cache-miss error.
@@ -279,20 +288,23 @@ class RayClient(InprocClient):
         except (asyncio.CancelledError, TimeoutError) as exc:
             # The caller left (or no replica answered in time): stop it should it start after all.
             call.add_done_callback(lambda done: self._abandon(request_id, done))
+            self._drop_lane(request_id, lane)
             await self._withdraw(stream)
             if isinstance(exc, TimeoutError):
                 raise ReplicaLost("no engine replica took the request in time; retry") from exc
             raise
         except Exception as exc:
+            self._drop_lane(request_id, lane)
             await self._withdraw(stream)
             raise ReplicaLost("the engine replica went away before the request started; retry") from exc
         if isinstance(answer, Refused):
+            self._drop_lane(request_id, lane)
             await self._withdraw(stream)
             raise answer.error
         replica = answer.replica
         if self._streams.get(request_id) is not stream:
-            return stream  # it ended already: its outputs came in before this answer
-        self._lanes[request_id] = _Lane(replica)
+            return stream  # it ended already (its outputs came in before this answer), its lane with it
+        lane.place(replica)
         self._on_replica.setdefault(replica, set()).add(request_id)
         registry.count(launch.DEPLOYMENT, replica, +1)
         if replica not in self._readers:
@@ -305,6 +317,12 @@ class RayClient(InprocClient):
         if stream.is_closed:
             self.abort(request_id)  # its reader left while it was starting (its abort found no replica then)
         return stream
+
+    def _drop_lane(self, request_id: RequestId, lane: _Lane) -> None:
+        """Forget the lane of a request that never started: its waiting controls fail."""
+        if self._lanes.get(request_id) is lane:
+            del self._lanes[request_id]
+        lane.close()
 
     def _abandon(self, request_id: RequestId, call: asyncio.Future[Any]) -> None:
         """Abort a request whose caller left before its replica's answer came (within the time
@@ -366,8 +384,9 @@ class RayClient(InprocClient):
             lane = self._lanes.pop(output.request_id, None)
             if lane is None:
                 continue
-            self._on_replica.get(lane.replica, set()).discard(output.request_id)
-            registry.count(launch.DEPLOYMENT, lane.replica, -1)
+            if lane.replica is not None:  # else it ended before its start was answered: never counted
+                self._on_replica.get(lane.replica, set()).discard(output.request_id)
+                registry.count(launch.DEPLOYMENT, lane.replica, -1)
             lane.close()
 
     # -- controls ----------------------------------------------------------------------------
@@ -379,16 +398,18 @@ class RayClient(InprocClient):
         if lane is None:
             future.set_exception(RequestNotFound(f"no running request '{request_id}'"))
             return future
-        lane.queue.put_nowait((lambda: make_call(lane.replica), future))
+        lane.queue.put_nowait((make_call, future))
         if lane.task is None:
             lane.task = asyncio.create_task(self._drain(lane), name=f"rill-controls-{request_id}")
         return future
 
     async def _drain(self, lane: _Lane) -> None:
+        await lane.placed.wait()
+        assert lane.replica is not None
         while True:
             make_call, future = await lane.queue.get()
             try:
-                answer = await _answer(make_call(), CONTROL_TIMEOUT_S)
+                answer = await _answer(make_call(lane.replica), CONTROL_TIMEOUT_S)
             except asyncio.CancelledError:
                 if not future.done():
                     future.set_exception(RequestNotFound("the request ended"))
