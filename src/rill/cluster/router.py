@@ -14,8 +14,11 @@ Three kinds of call reach the replicas, and the router tells them apart by their
 * anything else goes to the least loaded replica.
 
 "In flight" counts the generations running on each replica, as the engine client of this
-process counts them (``rill.cluster.registry``), plus those this router sent whose start has
-not been answered yet: every generation passes through the server process, so it sees them all. The prefix
+process counts them (``rill.cluster.registry``), plus those this router chose whose start has
+not been answered yet: every generation passes through the server process, so it sees them all.
+A start counts from the moment it is chosen, so starts chosen at once see each other; Ray Serve
+may report a start answered before it reports it routed (calls by value do), and an answered
+start is never counted again. The prefix
 map is bounded (``max_keys``, oldest forgotten first); it remembers where prompts went, not
 what each replica's cache still holds, so an evicted prefix costs one recompute and no error.
 
@@ -26,6 +29,7 @@ module's class by value, globals included: keep its globals plain data.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from typing import Any
 
@@ -33,6 +37,13 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from rill.cluster import registry
 from rill.config.areas import ROUTING_IMBALANCE, ROUTING_MODES
+
+PICK_TTL_S = 300.0
+"""Longest a chosen start counts before its answer (the engine client gives up on one at
+120 s): a start Serve never reports answered stops weighing on its replica's load."""
+
+MAX_ANSWERED = 4096
+"""Answered starts remembered, in case Serve reports their routing after their answer."""
 
 
 def prefix_keys(prompt_ids: list[int], block: int = 32, max_tokens: int = 2048) -> list[int]:
@@ -62,8 +73,9 @@ class RillRouter(RequestRouter):
         self._imbalance = imbalance
         self._max_keys = max_keys
         self._owner: OrderedDict[int, str] = OrderedDict()  # prefix key -> replica unique id
-        self._in_flight: dict[str, int] = {}  # replica unique id -> starts sent there, not yet answered
-        self._routed: dict[str, str] = {}  # internal request id -> replica unique id
+        # internal request id -> (replica unique id, when chosen): starts not answered yet
+        self._picked: dict[str, tuple[str, float]] = {}
+        self._answered: OrderedDict[str, None] = OrderedDict()  # starts answered lately
         self._turn = 0
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
@@ -80,8 +92,16 @@ class RillRouter(RequestRouter):
         live = frozenset(r.unique_id for r in self._replicas)
         registry.publish(self._deployment_id.name, live)
         # A replica that left keeps no count (a restarted one comes back under a new id).
-        self._in_flight = {replica: n for replica, n in self._in_flight.items() if replica in live}
-        self._routed = {request: replica for request, replica in self._routed.items() if replica in live}
+        self._picked = {request: pick for request, pick in self._picked.items() if pick[0] in live}
+
+    def _starts_in_flight(self) -> dict[str, int]:
+        """Starts chosen per replica and not answered yet (stale ones dropped)."""
+        now = time.monotonic()
+        self._picked = {request: pick for request, pick in self._picked.items() if now - pick[1] < PICK_TTL_S}
+        counts: dict[str, int] = {}
+        for replica, _ in self._picked.values():
+            counts[replica] = counts.get(replica, 0) + 1
+        return counts
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -96,17 +116,26 @@ class RillRouter(RequestRouter):
         kwargs = pending_request.kwargs if pending_request is not None else {}
         target = kwargs.get("replica")
         if target is not None:
-            chosen = [r for r in candidate_replicas if r.replica_id.unique_id == target]
-            return [chosen] if chosen else []
+            named = [r for r in candidate_replicas if r.replica_id.unique_id == target]
+            return [named] if named else []
+        chosen = self._choose(candidate_replicas, kwargs)
+        if kwargs.get("prefix_keys") is not None and pending_request is not None:
+            # Counted from now on, so that starts chosen before this one is routed see it.
+            request_id = pending_request.metadata.internal_request_id
+            self._picked[request_id] = (chosen.replica_id.unique_id, time.monotonic())
+        return [[chosen]]
+
+    def _choose(self, candidate_replicas: list[RunningReplica], kwargs: dict[str, Any]) -> RunningReplica:
+        """The replica for a call naming none (see the module docstring)."""
         keys = kwargs.get("prefix_keys")
         if keys is not None and self._mode == "round-robin":
             self._turn += 1
             ordered = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
-            return [[ordered[self._turn % len(ordered)]]]
+            return ordered[self._turn % len(ordered)]
         running = registry.in_flight(self._deployment_id.name)
+        starting = self._starts_in_flight()
         load = {
-            r.replica_id.unique_id: running.get(r.replica_id.unique_id, 0)
-            + self._in_flight.get(r.replica_id.unique_id, 0)
+            r.replica_id.unique_id: running.get(r.replica_id.unique_id, 0) + starting.get(r.replica_id.unique_id, 0)
             for r in candidate_replicas
         }
         least = min(load.values())
@@ -115,26 +144,26 @@ class RillRouter(RequestRouter):
                 owner = self._owner.get(key)
                 if owner is not None and owner in load:
                     if kwargs.get("pinned") or load[owner] <= least + self._imbalance:
-                        return [[r for r in candidate_replicas if r.replica_id.unique_id == owner]]
+                        return next(r for r in candidate_replicas if r.replica_id.unique_id == owner)
                     break  # the longest cached prefix is on a busy replica: balance instead
         lightest = sorted(
             (r for r in candidate_replicas if load[r.replica_id.unique_id] == least),
             key=lambda r: r.replica_id.unique_id,
         )
-        # Ties in turn, not at random: requests routed at the same moment (before any of them
-        # is counted) still spread evenly.
+        # Ties in turn, not at random: an even spread whatever the order of the calls.
         self._turn += 1
-        return [[lightest[self._turn % len(lightest)]]]
+        return lightest[self._turn % len(lightest)]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
-        """Count a generation whose start is in flight to its replica and remember where its
-        prefixes went."""
+        """Count a generation's start on the replica it went to, unless it was answered already,
+        and remember where its prefixes went."""
         keys = pending_request.kwargs.get("prefix_keys")
         if keys is None:
             return
         replica = replica_id.unique_id
-        self._in_flight[replica] = self._in_flight.get(replica, 0) + 1
-        self._routed[pending_request.metadata.internal_request_id] = replica
+        request_id = pending_request.metadata.internal_request_id
+        if request_id not in self._answered:
+            self._picked[request_id] = (replica, time.monotonic())  # (Serve may give it another)
         for key in keys:
             self._owner[key] = replica
             self._owner.move_to_end(key)
@@ -143,6 +172,8 @@ class RillRouter(RequestRouter):
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         """A generation's start was answered: from now on the engine client counts it."""
-        replica = self._routed.pop(internal_request_id, None)
-        if replica is not None:
-            self._in_flight[replica] = max(0, self._in_flight.get(replica, 0) - 1)
+        if self._picked.pop(internal_request_id, None) is None:
+            return  # another call (a control, a stats read, an outputs stream)
+        self._answered[internal_request_id] = None
+        while len(self._answered) > MAX_ANSWERED:
+            self._answered.popitem(last=False)
