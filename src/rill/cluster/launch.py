@@ -95,6 +95,31 @@ def deploy(engine: EngineConfig, cluster: ClusterConfig) -> Deployed:
             # Ray's CPU count is a placement budget: enough for every replica's reservation
             # even where the machine has fewer cores (the engines' threads are --num-threads).
             cpus = max(os.cpu_count() or 1, int(cluster.replicas * cluster.replica_cpus + 0.999))
+            _start_local_ray(ray, cpus)
+            started_ray = True
+    serve.start(http_options={"location": "NoServer"}, logging_config={"log_level": "WARNING"})
+    if not started_ray and APP in serve.status().applications:
+        log.info("using the engine replicas already deployed on the cluster (application %r)", APP)
+        return Deployed(handle=_by_value(serve.get_app_handle(APP)), started_ray=False, owns_app=False)
+    log.info("deploying %d engine replica(s) on Ray", cluster.replicas)
+    handle = serve.run(replica_app(engine, cluster), name=APP, route_prefix=None)
+    return Deployed(handle=_by_value(handle), started_ray=started_ray, owns_app=started_ray)
+
+
+LOCAL_RAY_ATTEMPTS = 2
+"""Starts of Ray's local instance tried before ``rill serve --replicas`` gives up."""
+
+
+def _start_local_ray(ray: Any, cpus: int, attempts: int = LOCAL_RAY_ATTEMPTS) -> None:
+    """Start Ray's local instance, again after a start whose raylet did not register in time.
+
+    Ray waits a fixed 30 s for the raylet it spawned to register with its GCS; on a machine
+    whose cores are all busy that has run out twice in this project's runs, the raylet leaving
+    no log at all, while the next start, a minute later, took seconds. A failed start is shut
+    down before the next one, so no half-started instance is left behind.
+    """
+    for attempt in range(1, attempts + 1):
+        try:
             ray.init(
                 num_cpus=cpus,
                 # Only small objects cross (plans, outputs, the tokenizer once): no need for
@@ -106,14 +131,12 @@ def deploy(engine: EngineConfig, cluster: ClusterConfig) -> Deployed:
                 log_to_driver=False,
                 _system_config={"worker_niceness": WORKER_NICENESS},
             )
-            started_ray = True
-    serve.start(http_options={"location": "NoServer"}, logging_config={"log_level": "WARNING"})
-    if not started_ray and APP in serve.status().applications:
-        log.info("using the engine replicas already deployed on the cluster (application %r)", APP)
-        return Deployed(handle=_by_value(serve.get_app_handle(APP)), started_ray=False, owns_app=False)
-    log.info("deploying %d engine replica(s) on Ray", cluster.replicas)
-    handle = serve.run(replica_app(engine, cluster), name=APP, route_prefix=None)
-    return Deployed(handle=_by_value(handle), started_ray=started_ray, owns_app=started_ray)
+            return
+        except Exception as exc:
+            if attempt == attempts or "timed out during startup" not in str(exc):
+                raise
+            log.warning("Ray's local instance did not start (%s); starting it again", exc)
+            ray.shutdown()
 
 
 def _by_value(handle: Any) -> Any:
