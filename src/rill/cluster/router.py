@@ -121,8 +121,7 @@ class RillRouter(RequestRouter):
         chosen = self._choose(candidate_replicas, kwargs)
         if kwargs.get("prefix_keys") is not None and pending_request is not None:
             # Counted from now on, so that starts chosen before this one is routed see it.
-            request_id = pending_request.metadata.internal_request_id
-            self._picked[request_id] = (chosen.replica_id.unique_id, time.monotonic())
+            self._count_start(pending_request.metadata.internal_request_id, chosen.replica_id.unique_id)
         return [[chosen]]
 
     def _choose(self, candidate_replicas: list[RunningReplica], kwargs: dict[str, Any]) -> RunningReplica:
@@ -161,14 +160,18 @@ class RillRouter(RequestRouter):
         if keys is None:
             return
         replica = replica_id.unique_id
-        request_id = pending_request.metadata.internal_request_id
-        if request_id not in self._answered:
-            self._picked[request_id] = (replica, time.monotonic())  # (Serve may give it another)
+        self._count_start(pending_request.metadata.internal_request_id, replica)  # (Serve may give it another)
         for key in keys:
             self._owner[key] = replica
             self._owner.move_to_end(key)
         while len(self._owner) > self._max_keys:
             self._owner.popitem(last=False)
+
+    def _count_start(self, request_id: str, replica: str) -> None:
+        """Count a start on ``replica`` from now until it is answered; one answered already
+        (by value Serve may report the answer before the routing) is not counted again."""
+        if request_id not in self._answered:
+            self._picked[request_id] = (replica, time.monotonic())
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         """A generation's start was answered: from now on the engine client counts it."""
