@@ -120,9 +120,9 @@ def limit(client: Any, limits: Any, clock: Callable[[], float] | None = None) ->
     replaced, as a server built with those limits would have it."""
     import time
 
-    from rill.frontend.ratelimit import RateLimiter
+    from rill.frontend.ratelimit import LocalLimiter, RateLimiter
 
-    client.policy.limiter = RateLimiter(limits, clock or time.monotonic) if limits.is_on else None
+    client.policy.limiter = LocalLimiter(RateLimiter(limits, clock or time.monotonic)) if limits.is_on else None
 
 
 def embedding_texts() -> list[str]:

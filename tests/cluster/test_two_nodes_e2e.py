@@ -1,7 +1,8 @@
 """``rill serve --ray-address`` on a two-node Ray cluster (simulated on this machine with
 ``ray.cluster_utils.Cluster``: two raylets, one CPU each): one replica per node, streams
 served from both, one principal's rate limit held across the replicas, and a second front door
-that joins the same replicas and reads what the first stored, from PostgreSQL.
+that joins the same replicas, reads what the first stored, from PostgreSQL, and counts a
+principal's requests in the same rate-limit window as the first.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def two_nodes() -> Iterator[Any]:
 def flags(two_nodes: Any, postgres: Any) -> list[str]:
     """The front doors' settings: the cluster, two keys, a rate limit, one PostgreSQL database."""
     flags = ["--ray-address", two_nodes.address, "--replica-cpus", "1", "--api-key", "key-one", "--api-key", "key-two"]
-    flags += ["--api-key", "key-three"]
+    flags += ["--api-key", "key-three", "--api-key", "key-four"]
     flags += ["--rate-limit-requests", str(REQUESTS_PER_WINDOW), "--rate-limit-window", "3600"]
     return [*flags, "--database", str(postgres.new_database())]
 
@@ -106,8 +107,8 @@ async def test_a_second_front_door_joins_the_replicas_and_reads_the_shared_store
     server: ClusterServer, tiny_model_dir: Path, tmp_path: Path, flags: list[str]
 ) -> None:
     """A second ``rill serve`` on the same cluster uses the replicas already there (it starts
-    none), serves through them, reads a response the first one stored (PostgreSQL), and
-    leaves the replicas running when it stops."""
+    none), serves through them, reads a response the first one stored (PostgreSQL), counts
+    in the rate limits the first one counts in, and leaves the replicas running when it stops."""
     replicas = sorted(pid for pids in replicas_by_node().values() for pid in pids)
     second = start_cluster_server(tiny_model_dir, tmp_path, *flags)
     try:
@@ -122,6 +123,12 @@ async def test_a_second_front_door_joins_the_replicas_and_reads_the_shared_store
             read = await second_door.responses.retrieve(made.id)
             assert (read.id, read.output_text, read.status) == (made.id, made.output_text, made.status)
             assert await completion(second, "key-three", "through the second door")
+            # One principal's requests through both doors fill one window, not one per door.
+            for door in (server, second) * (REQUESTS_PER_WINDOW // 2):
+                assert await completion(door, "key-four", "counted once for the cluster")
+            for door in (second, server):
+                with pytest.raises(openai.RateLimitError):
+                    await completion(door, "key-four", "past the cluster's window")
     finally:
         status = stop(second.proc)
     assert status == 0  # SIGTERM stops it gracefully (Ray's own fatal-signal handler would abort it)

@@ -142,7 +142,7 @@ async def test_regenerated_tokens_stay_spent() -> None:
     async with fake_client() as client:
         gate, stream = await _after_three_tokens(client, burst=20)
         await _until(lambda: gate.is_waiting)  # step 4 is planned: the first attempt makes 4 tokens
-        stream.regenerate()  # reserves the 3 it has seen: 20 - 8 - 3 = 9 left
+        await stream.regenerate()  # reserves the 3 it has seen: 20 - 8 - 3 = 9 left
         gate.set()
         used = 0
         async with stream:
@@ -181,7 +181,7 @@ async def test_a_regenerate_the_bucket_cannot_pay_for_is_refused_and_the_stream_
     async with fake_client() as client:
         gate, stream = await _after_three_tokens(client, burst=BURST)
         with pytest.raises(RateLimited) as refused:
-            stream.regenerate()  # 3 asked, 2 left
+            await stream.regenerate()  # 3 asked, 2 left
         assert refused.value.retry_after_s == pytest.approx(1.0)
         gate.set()
         used, restarted = 0, False
@@ -195,8 +195,8 @@ async def test_a_regenerate_the_bucket_cannot_pay_for_is_refused_and_the_stream_
 async def test_a_second_regenerate_before_the_first_is_done_reserves_nothing_more() -> None:
     async with fake_client() as client:
         gate, stream = await _after_three_tokens(client, burst=13)
-        stream.regenerate()  # 3 discarded + 8: 11 of 13 reserved
-        stream.regenerate()  # the same discard: 2 left would not cover 3 more
+        await stream.regenerate()  # 3 discarded + 8: 11 of 13 reserved
+        await stream.regenerate()  # the same discard: 2 left would not cover 3 more
         gate.set()
         used = 0
         async with stream:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rill.errors import RateLimited
-from rill.frontend.ratelimit import RateLimiter, RateLimits
+from rill.frontend.ratelimit import LocalLimiter, RateLimiter, RateLimits, open_account
 
 
 class Clock:
@@ -157,21 +157,21 @@ def test_no_limits_configured_means_off() -> None:
     assert RateLimits(requests=1).is_on and RateLimits(tokens_per_s=1.0).is_on
 
 
-def test_an_account_reserves_only_the_shortfall_of_each_change() -> None:
+async def test_an_account_reserves_only_the_shortfall_of_each_change() -> None:
     """``max_tokens`` 9 -> 5 -> 9 needs nothing more (an extension by each raise's difference
     would ask 4 and be refused here); a restart keeps the discarded tokens covered, once."""
     clock = Clock()
     lim = limiter(clock, tokens_per_s=1.0, burst=14)
-    account = lim.open("a", 9)
-    account.set_max_tokens(5)
-    account.set_max_tokens(9)
+    account = await open_account(LocalLimiter(lim), "a", 9)
+    await account.set_max_tokens(5)
+    await account.set_max_tokens(9)
     assert account.reservation.tokens == 9
     account.observe(3, restarted=False)
-    account.restart()  # 3 discarded + 9 again
-    account.restart()  # asked again before the engine restarted: nothing more
+    await account.restart()  # 3 discarded + 9 again
+    await account.restart()  # asked again before the engine restarted: nothing more
     assert account.reservation.tokens == 12
     with pytest.raises(RateLimited) as info:
-        account.set_max_tokens(12)  # 3 + 12 = 15: 3 more asked, 2 left
+        await account.set_max_tokens(12)  # 3 + 12 = 15: 3 more asked, 2 left
     assert "3 more tokens" in str(info.value)
     assert account.reservation.tokens == 12  # refused: unchanged
     account.observe(1, restarted=True)  # the engine restarted: 3 spent, 1 in the new attempt
@@ -184,12 +184,12 @@ def test_an_account_reserves_only_the_shortfall_of_each_change() -> None:
     lim.admit("a", 2)
 
 
-def test_an_account_charges_what_it_made_past_the_burst() -> None:
+async def test_an_account_charges_what_it_made_past_the_burst() -> None:
     clock = Clock()
     lim = limiter(clock, tokens_per_s=1.0, burst=10)
-    account = lim.open("a", 30)  # reserves the burst, stands for 30
-    account.set_max_tokens(25)
-    account.set_max_tokens(30)  # nothing more: still 30 covered
+    account = await open_account(LocalLimiter(lim), "a", 30)  # reserves the burst, stands for 30
+    await account.set_max_tokens(25)
+    await account.set_max_tokens(30)  # nothing more: still 30 covered
     account.settle(30)  # 20 past the 10 reserved: a debt
     with pytest.raises(RateLimited) as info:
         lim.admit("a", 1)

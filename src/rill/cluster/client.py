@@ -4,7 +4,8 @@ It is ``InprocClient`` with another transport. Everything the server process did
 engine it still does, once, for all replicas: the submission policy (keys, caps, rate limits,
 the queue bound, tokenizing with the model's tokenizer, fetched from a replica), the streams,
 the per-request figures and the rate-limit accounts. What crosses to a replica is the planned
-``Choice``; what comes back is its outputs.
+``Choice``; what comes back is its outputs. The rate limits' state is not this process's: it
+is the cluster's one store (``rill.cluster.limits``), which every front door shares.
 
 * A new request is a call ``start`` on the deployment handle; Ray Serve's router
   (``rill.cluster.router``) picks its replica, whose answer says it took the request (or why
@@ -192,7 +193,8 @@ class RayClient(InprocClient):
         return client
 
     async def _connect(self) -> None:
-        deploying = asyncio.ensure_future(asyncio.to_thread(launch.deploy, self.config, self.cluster))
+        limits = self.policy.limiter.limits if self.policy.limiter is not None else None
+        deploying = asyncio.ensure_future(asyncio.to_thread(launch.deploy, self.config, self.cluster, limits))
         try:
             try:
                 self._deployed = await asyncio.shield(deploying)
@@ -203,6 +205,9 @@ class RayClient(InprocClient):
                     await asyncio.to_thread((await deploying).close)
                 raise
             _reinstall_signal_handlers()  # a stop must stay the server's graceful one
+            if self._deployed.limiter is not None:
+                # From now on every front door of the cluster counts in the same place.
+                self.policy.limiter = self._deployed.limiter
             description: Description = await self._deployed.handle.describe.remote()
         except asyncio.CancelledError:
             raise
@@ -266,8 +271,8 @@ class RayClient(InprocClient):
         """Make the policy's last checks of ``choice`` here, then start it on the replica the
         router picks; raise the replica's refusal as the in-process engine would."""
         engine = self._require_engine()
-        self.policy.check_constrained(choice)
-        stream, _ = self._open(choice, engine)
+        await self.policy.check_constrained(choice)
+        stream, _ = await self._open(choice, engine)
         request_id = choice.request_id
         # Controls made from now on wait for the replica's answer, then go in their order.
         lane = self._lanes[request_id] = _Lane()
@@ -288,18 +293,15 @@ class RayClient(InprocClient):
         except (asyncio.CancelledError, TimeoutError) as exc:
             # The caller left (or no replica answered in time): stop it should it start after all.
             call.add_done_callback(lambda done: self._abandon(request_id, done))
-            self._drop_lane(request_id, lane)
-            await self._withdraw(stream)
+            await self._withdraw(stream, lane)
             if isinstance(exc, TimeoutError):
                 raise ReplicaLost("no engine replica took the request in time; retry") from exc
             raise
         except Exception as exc:
-            self._drop_lane(request_id, lane)
-            await self._withdraw(stream)
+            await self._withdraw(stream, lane)
             raise ReplicaLost("the engine replica went away before the request started; retry") from exc
         if isinstance(answer, Refused):
-            self._drop_lane(request_id, lane)
-            await self._withdraw(stream)
+            await self._withdraw(stream, lane)
             raise answer.error
         replica = answer.replica
         if self._streams.get(request_id) is not stream:
@@ -318,12 +320,6 @@ class RayClient(InprocClient):
             self.abort(request_id)  # its reader left while it was starting (its abort found no replica then)
         return stream
 
-    def _drop_lane(self, request_id: RequestId, lane: _Lane) -> None:
-        """Forget the lane of a request that never started: its waiting controls fail."""
-        if self._lanes.get(request_id) is lane:
-            del self._lanes[request_id]
-        lane.close()
-
     def _abandon(self, request_id: RequestId, call: asyncio.Future[Any]) -> None:
         """Abort a request whose caller left before its replica's answer came (within the time
         a control gets; past it the replica's end of its outputs stream cancels it anyway)."""
@@ -335,10 +331,14 @@ class RayClient(InprocClient):
             task = asyncio.ensure_future(_answer(abort, CONTROL_TIMEOUT_S))
             task.add_done_callback(lambda done: done.cancelled() or done.exception())
 
-    async def _withdraw(self, stream: RequestStream) -> None:
-        """Undo ``_open`` for a request the replica never ran, and close its stream."""
-        self._unopen(stream.request_id)
-        await stream.aclose()
+    async def _withdraw(self, stream: RequestStream, lane: _Lane | None = None) -> None:
+        """Undo ``_open`` for a request no replica runs, and close its stream; the controls
+        waiting in its ``lane`` fail."""
+        if lane is not None:
+            if self._lanes.get(stream.request_id) is lane:
+                del self._lanes[stream.request_id]
+            lane.close()
+        await super()._withdraw(stream)
 
     async def _read(self, replica: str) -> None:
         """Route a replica's outputs to their streams, a step's batch at a time; when its stream
@@ -450,12 +450,13 @@ class RayClient(InprocClient):
         self._live(request_id)
         self._control("resume", request_id)
 
-    def regenerate(self, request_id: RequestId) -> None:
+    async def regenerate(self, request_id: RequestId) -> None:
         """Restart a request from its prompt on its replica (its account as in-process)."""
         self._live(request_id)
         account = self._accounts.get(request_id)
         if account is not None:
-            account.restart()
+            await account.restart()
+            self._live(request_id)
         self._control("regenerate", request_id)
 
     async def set_sampling(self, stream: RequestStream, params: SamplingParams) -> None:
@@ -464,10 +465,11 @@ class RayClient(InprocClient):
         grammar cache is not known here)."""
         request_id = stream.request_id
         old = stream.sampling
-        self.policy.charge_modify(old, params, self._principals[request_id])
+        await self.policy.charge_modify(old, params, self._principals[request_id])
+        self._same(stream)
         account = self._accounts.get(request_id)
         if account is not None:
-            account.set_max_tokens(params.max_tokens)
+            await account.set_max_tokens(params.max_tokens)
         try:
             await self._send(
                 request_id,
@@ -476,7 +478,7 @@ class RayClient(InprocClient):
             self._same(stream)
         except BaseException:
             if account is not None:
-                account.set_max_tokens(old.max_tokens)
+                await account.set_max_tokens(old.max_tokens)  # lower: it reserves nothing, never refused
             raise
         stream.sampling = params
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from rill.config import ClusterConfig, EngineConfig
 from rill.errors import ConfigError
+from rill.frontend.ratelimit import AsyncLimiter, RateLimits
 
 log = logging.getLogger("rill.cluster")
 
@@ -50,12 +51,14 @@ stats reads must never wait behind generations."""
 
 @dataclass
 class Deployed:
-    """The deployed replicas: the deployment handle, whether this server started Ray, and
-    whether the application is this server's to remove."""
+    """The deployed replicas: the deployment handle, whether this server started Ray,
+    whether the application is this server's to remove, and the cluster's shared rate limits
+    (None: none were asked for)."""
 
     handle: Any
     started_ray: bool
     owns_app: bool
+    limiter: AsyncLimiter | None = None
 
     def close(self) -> None:
         """Remove the application if it is ours (its replicas free their memory) and stop Ray
@@ -73,9 +76,10 @@ class Deployed:
                 ray.shutdown()
 
 
-def deploy(engine: EngineConfig, cluster: ClusterConfig) -> Deployed:
-    """Start or join Ray, deploy ``cluster.replicas`` replicas of ``engine`` and wait until
-    they have loaded the model.
+def deploy(engine: EngineConfig, cluster: ClusterConfig, limits: RateLimits | None = None) -> Deployed:
+    """Start or join Ray, start or find the cluster's shared rate limits (``limits``, when
+    given: ``rill.cluster.limits``), deploy ``cluster.replicas`` replicas of ``engine`` and
+    wait until they have loaded the model.
 
     Raises:
         ConfigError: Ray is not installed.
@@ -97,13 +101,19 @@ def deploy(engine: EngineConfig, cluster: ClusterConfig) -> Deployed:
             cpus = max(os.cpu_count() or 1, int(cluster.replicas * cluster.replica_cpus + 0.999))
             _start_local_ray(ray, cpus)
             started_ray = True
+    limiter = None
+    if limits is not None:
+        from rill.cluster.limits import start_store
+
+        limiter = start_store(ray, limits, NAMESPACE)
     serve.start(http_options={"location": "NoServer"}, logging_config={"log_level": "WARNING"})
     if not started_ray and APP in serve.status().applications:
         log.info("using the engine replicas already deployed on the cluster (application %r)", APP)
-        return Deployed(handle=_by_value(serve.get_app_handle(APP)), started_ray=False, owns_app=False)
+        handle = _by_value(serve.get_app_handle(APP))
+        return Deployed(handle=handle, started_ray=False, owns_app=False, limiter=limiter)
     log.info("deploying %d engine replica(s) on Ray", cluster.replicas)
     handle = serve.run(replica_app(engine, cluster), name=APP, route_prefix=None)
-    return Deployed(handle=_by_value(handle), started_ray=started_ray, owns_app=started_ray)
+    return Deployed(handle=_by_value(handle), started_ray=started_ray, owns_app=started_ray, limiter=limiter)
 
 
 LOCAL_RAY_ATTEMPTS = 2

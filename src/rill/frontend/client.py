@@ -204,7 +204,7 @@ class EngineClient(Protocol):
         patch waited its turn."""
         ...
 
-    def regenerate(self, request_id: RequestId) -> None:
+    async def regenerate(self, request_id: RequestId) -> None:
         """Restart the request from its prompt (``REGENERATING`` event follows).
 
         Raises ``RateLimited`` (and the request goes on unchanged) when the principal's bucket

@@ -202,6 +202,15 @@ class EmbeddingService:
         self.require_model()
 
     # -- requests ----------------------------------------------------------------------------
+    def _check_room(self, num_inputs: int) -> None:
+        """``QueueFull`` unless the queue of inputs has room for ``num_inputs`` more."""
+        if self.num_queued_inputs + num_inputs > self.config.embedding_max_queued_inputs:
+            raise QueueFull(
+                f"the embedding queue is full ({self.num_queued_inputs} inputs waiting, at most "
+                f"{self.config.embedding_max_queued_inputs}); retry later",
+                retry_after_s=1.0,
+            )
+
     async def embed(self, request: EmbeddingSubmission) -> Embeddings:
         """Admit ``request``, wait for its turn on the worker and return its vectors.
 
@@ -227,14 +236,10 @@ class EmbeddingService:
                 field="inputs",
             )
         self.embedder.check_dimensions(request.dimensions)
-        if self.num_queued_inputs + num_inputs > self.config.embedding_max_queued_inputs:
-            raise QueueFull(
-                f"the embedding queue is full ({self.num_queued_inputs} inputs waiting, at most "
-                f"{self.config.embedding_max_queued_inputs}); retry later",
-                retry_after_s=1.0,
-            )
+        self._check_room(num_inputs)
         if self.policy is not None:
-            self.policy.count_request(request.principal)  # last: a refusal above counts for nothing
+            await self.policy.count_request(request.principal)  # last: a refusal above counts for nothing
+            self._check_room(num_inputs)  # again: a cluster's rate limits answer from another process
         job = _Job(request, self.loop.create_future())
         self.num_queued_inputs += job.num_inputs
         self._jobs.add(job)

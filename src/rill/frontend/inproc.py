@@ -201,7 +201,7 @@ class InprocClient:
         # and before the checks below, so that nothing changes between them and the submit.
         matcher = await self.policy.matcher(choice, self._require_engine)
         engine = self._require_engine()
-        stream, now = self._open(choice, engine)
+        stream, now = await self._open(choice, engine)
         engine_request = Request(
             request_id=choice.request_id,
             prompt_ids=choice.prompt_ids,
@@ -218,13 +218,14 @@ class InprocClient:
         self._inbox.put(AddCommand(engine_request))
         return stream
 
-    def _open(self, choice: Choice, engine: Engine) -> tuple[RequestStream, float]:
-        """The policy's last checks of ``choice``, then its stream, account and track: the
-        bookkeeping of a request this side of the engine. Returns the stream and its arrival."""
+    async def _open(self, choice: Choice, engine: Engine) -> tuple[RequestStream, float]:
+        """The policy's last checks of ``choice``, then its stream, track and rate-limit account:
+        the bookkeeping of a request this side of the engine. Returns the stream and its arrival.
+
+        The stream is listed before the rate limits are asked (the last check), so that no
+        other request takes its id meanwhile: a cluster's limits answer from another process."""
         request_id = choice.request_id
-        account = self.policy.admit(choice, engine, self._tracks.num_queued, self._streams.__contains__)
-        if account is not None:
-            self._accounts[request_id] = account
+        self.policy.admit(choice, engine, self._tracks.num_queued, self._streams.__contains__)
         now = time.monotonic()
         memory = self.policy.memory
         lease = memory.lease(choice.principal) if memory is not None else None
@@ -232,7 +233,19 @@ class InprocClient:
         self._streams[request_id] = stream
         self._principals[request_id] = choice.principal
         self._tracks.open(request_id, choice.protocol, now)
+        try:
+            account = await self.policy.open_account(choice)
+        except BaseException:
+            await self._withdraw(stream)
+            raise
+        if account is not None:
+            self._accounts[request_id] = account
         return stream, now
+
+    async def _withdraw(self, stream: RequestStream) -> None:
+        """Undo ``_open`` for a request the engine never took, and close its stream."""
+        self._unopen(stream.request_id)
+        await stream.aclose()
 
     def _unopen(self, request_id: RequestId) -> None:
         """Undo ``_open`` for a request the engine never took: its stream, track and principal
@@ -325,11 +338,12 @@ class InprocClient:
         self._same(stream)  # the request may have ended while its grammar compiled
         account = self._accounts.get(request_id)
         if account is not None:
-            account.set_max_tokens(params.max_tokens)  # last of the checks: a refused modify changes nothing more
+            await account.set_max_tokens(params.max_tokens)  # last of the checks: a refused modify changes nothing more
+            self._same(stream)  # (a cluster's limits answer from another process)
         stream.sampling = params
         self._inbox.put(ModifyCommand(request_id, params, matcher))
 
-    def regenerate(self, request_id: RequestId) -> None:
+    async def regenerate(self, request_id: RequestId) -> None:
         """Restart a request from its prompt.
 
         Under a token rate limit the tokens it discards stay spent: the new attempt first
@@ -337,7 +351,8 @@ class InprocClient:
         self._live(request_id)
         account = self._accounts.get(request_id)
         if account is not None:
-            account.restart()
+            await account.restart()
+            self._live(request_id)  # (a cluster's limits answer from another process)
         self._inbox.put(RegenerateCommand(request_id))
 
     def _forget(self, request_id: RequestId) -> None:

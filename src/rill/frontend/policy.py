@@ -43,7 +43,7 @@ from rill.frontend.admission import Prompt, PromptAdmission
 from rill.frontend.budget import MemoryBudget
 from rill.frontend.client import Submission
 from rill.frontend.grammars import GrammarAdmission
-from rill.frontend.ratelimit import Account, RateLimiter, RateLimits
+from rill.frontend.ratelimit import Account, AsyncLimiter, LocalLimiter, RateLimiter, RateLimits, open_account
 from rill.types import MAX_SEED, GenerateRequest, SamplingParams
 
 ANONYMOUS_PRINCIPAL = "anonymous"
@@ -78,7 +78,8 @@ class SubmissionPolicy:
     Attributes:
         max_tokens_cap: clamp of every request's ``max_tokens`` (None: none).
         request_timeout_s: the server's time limit per request (None: none).
-        limiter: the per-principal rate limits, or None when none is set.
+        limiter: the per-principal rate limits, or None when none is set: this process's
+            own, or (``rill.cluster``) the one state every front door of a cluster shares.
         admission: the tokenizer pool (``PromptAdmission``).
         grammars: the grammar-compile pool (``GrammarAdmission``).
     """
@@ -102,7 +103,7 @@ class SubmissionPolicy:
             burst=config.rate_limit_burst,
             audio_s=config.rate_limit_audio_s,
         )
-        self.limiter: RateLimiter | None = RateLimiter(limits, clock) if limits.is_on else None
+        self.limiter: AsyncLimiter | None = LocalLimiter(RateLimiter(limits, clock)) if limits.is_on else None
         self.memory = memory
         self.max_queue = engine.max_queue
         self.max_prompt_logprobs_tokens = engine.max_prompt_logprobs_tokens
@@ -139,19 +140,19 @@ class SubmissionPolicy:
         """
         return self.capped(params.patched(patch).validate(vocab_size=vocab_size))
 
-    def count_request(self, principal: str | None) -> None:
+    async def count_request(self, principal: str | None) -> None:
         """Count one request that generates nothing (``/v1/embeddings``) in its principal's
         request window (``--rate-limit-requests``), or raise ``RateLimited`` and count nothing.
         The token bucket meters generated tokens, so it is not touched."""
         if self.limiter is not None:
-            self.limiter.count_work(principal or ANONYMOUS_PRINCIPAL)
+            await self.limiter.count_work(principal or ANONYMOUS_PRINCIPAL)
 
-    def count_audio(self, principal: str | None, audio_s: float) -> None:
+    async def count_audio(self, principal: str | None, audio_s: float) -> None:
         """Count one audio request of ``audio_s`` seconds (0 when not known before the work:
         speech) in its principal's window (``--rate-limit-requests``, ``--rate-limit-audio-s``),
         or raise ``RateLimited`` and count nothing."""
         if self.limiter is not None:
-            self.limiter.count_audio(principal or ANONYMOUS_PRINCIPAL, audio_s)
+            await self.limiter.count_audio(principal or ANONYMOUS_PRINCIPAL, audio_s)
 
     def charge_audio(self, principal: str | None, audio_s: float) -> None:
         """Add the seconds of speech made for an admitted request to its principal's window."""
@@ -241,24 +242,21 @@ class SubmissionPolicy:
         constraint = choice.params.constraint
         if constraint is None:
             return None
-        self.check_constrained(choice)
+        await self.check_constrained(choice)
         matcher = await self.grammars.matcher(engine().grammars, constraint, choice.principal)
         engine()
         return matcher
 
-    def check_constrained(self, choice: Choice) -> None:
+    async def check_constrained(self, choice: Choice) -> None:
         """Refuse (``RateLimited``) a constrained choice the rate limits would refuse at its end,
         before its grammar compile costs anything."""
         if choice.params.constraint is not None and self.limiter is not None:
-            self.limiter.check(choice.principal, choice.params.max_tokens)
+            await self.limiter.check(choice.principal, choice.params.max_tokens)
 
-    def admit(
-        self, choice: Choice, engine: Engine, num_queued: int, is_running: Callable[[str], bool]
-    ) -> Account | None:
-        """The last checks of one engine request, in order, then its rate-limit account (None
-        without limits): ``InvalidRequest`` (empty prompt, too long for prompt logprobs, an id
-        that runs already), ``MemoryPressure`` (more beams than KV rows), ``QueueFull``,
-        ``RateLimited``."""
+    def admit(self, choice: Choice, engine: Engine, num_queued: int, is_running: Callable[[str], bool]) -> None:
+        """The last checks of one engine request but its rate limits (``open_account``), in
+        order: ``InvalidRequest`` (empty prompt, too long for prompt logprobs, an id that runs
+        already), ``MemoryPressure`` (more beams than KV rows), ``QueueFull``."""
         if not choice.prompt_ids:
             raise InvalidRequest("the prompt is empty", field="prompt")
         params, limit = choice.params, self.max_prompt_logprobs_tokens
@@ -278,10 +276,16 @@ class SubmissionPolicy:
             raise QueueFull(f"the waiting queue is full ({self.max_queue} requests); retry later", retry_after_s=1.0)
         if is_running(choice.request_id):
             raise InvalidRequest(f"request_id '{choice.request_id}' is already running", field="request_id")
-        # Last of the checks, so that a request refused for another reason counts for nothing.
-        return self.limiter.open(choice.principal, params.max_tokens) if self.limiter is not None else None
 
-    def charge_modify(
+    async def open_account(self, choice: Choice) -> Account | None:
+        """The last check of one engine request, after ``admit``'s (so that a request refused
+        for another reason counts for nothing): its principal's rate limits, which count it and
+        reserve its tokens in the account returned (None without limits), or ``RateLimited``."""
+        if self.limiter is None:
+            return None
+        return await open_account(self.limiter, choice.principal, choice.params.max_tokens)
+
+    async def charge_modify(
         self, old: SamplingParams, new: SamplingParams, principal: str, is_cached: Callable[[Any], bool] | None = None
     ) -> bool:
         """Whether a ``modify`` from ``old`` to ``new`` parameters brings a new constraint to
@@ -291,7 +295,7 @@ class SubmissionPolicy:
         if constraint is None or (old.constraint is not None and old.constraint.cache_key() == constraint.cache_key()):
             return False
         if self.limiter is not None and (is_cached is None or not is_cached(constraint)):
-            self.limiter.count_work(principal)
+            await self.limiter.count_work(principal)
         return True
 
     async def new_matcher(
@@ -302,7 +306,7 @@ class SubmissionPolicy:
         principal's rate-limit window (refused with ``RateLimited`` before compiling when it is
         full; counted even if the patch is refused after)."""
         compiler = engine().grammars
-        if new.constraint is None or not self.charge_modify(old, new, principal, compiler.is_cached):
+        if new.constraint is None or not await self.charge_modify(old, new, principal, compiler.is_cached):
             return None
         matcher = await self.grammars.matcher(compiler, new.constraint, principal)
         engine()

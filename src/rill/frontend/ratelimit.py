@@ -28,7 +28,11 @@ A request refused by one limit takes nothing from the others. Principals are cho
 clients (a key, an address), so the state is bounded: past ``max_principals`` the least
 recently seen principal is forgotten (it starts afresh if it comes back).
 
-Pure: the clock is injected (monotonic seconds); no I/O, no threads (the event loop calls it).
+``RateLimiter`` is pure: the clock is injected (monotonic seconds); no I/O, no threads.
+Callers reach it through the asynchronous face ``AsyncLimiter``, so that the state may live
+in this process (``LocalLimiter``: the event loop calls it, and it never waits) or in one
+place for several server processes (``rill.cluster.limits``: a Ray actor a cluster's front
+doors share). ``Account`` keeps one request's reservation through either.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from rill.errors import RateLimited
 
@@ -250,10 +255,6 @@ class RateLimiter:
         else:
             state.bucket.charge(-unused, self._clock())
 
-    def open(self, principal: str, max_tokens: int) -> Account:
-        """``admit`` a request and return its ``Account`` (``RateLimited``: nothing changed)."""
-        return Account(self, self.admit(principal, max_tokens), max_tokens)
-
     def _state(self, principal: str, now: float) -> _Principal:
         state = self._principals.get(principal)
         if state is not None:
@@ -268,6 +269,85 @@ class RateLimiter:
         return state
 
 
+class AsyncLimiter(Protocol):
+    """What the server asks of its rate limits, wherever their state lives: ``RateLimiter``'s
+    methods, awaited where they may refuse; those that never refuse (``release``,
+    ``charge_audio``) return at once and are applied in the order they were made, after
+    every call made before them."""
+
+    limits: RateLimits
+
+    async def admit(self, principal: str, max_tokens: int) -> Reservation:
+        """``RateLimiter.admit``."""
+        ...
+
+    async def check(self, principal: str, max_tokens: int) -> None:
+        """``RateLimiter.check``."""
+        ...
+
+    async def count_work(self, principal: str) -> None:
+        """``RateLimiter.count_work``."""
+        ...
+
+    async def count_audio(self, principal: str, audio_s: float) -> None:
+        """``RateLimiter.count_audio``."""
+        ...
+
+    async def extend(self, reservation: Reservation, more_tokens: int) -> Reservation:
+        """``RateLimiter.extend``."""
+        ...
+
+    def charge_audio(self, principal: str, audio_s: float) -> None:
+        """``RateLimiter.charge_audio``."""
+        ...
+
+    def release(self, reservation: Reservation, num_used: int) -> None:
+        """``RateLimiter.release``."""
+        ...
+
+
+class LocalLimiter:
+    """``AsyncLimiter`` of one server process: a ``RateLimiter`` on its event loop. No method
+    suspends, so each call is applied before the caller goes on, as a plain call would be."""
+
+    def __init__(self, limiter: RateLimiter) -> None:
+        self.limiter = limiter
+        self.limits = limiter.limits
+
+    async def admit(self, principal: str, max_tokens: int) -> Reservation:
+        """``RateLimiter.admit``."""
+        return self.limiter.admit(principal, max_tokens)
+
+    async def check(self, principal: str, max_tokens: int) -> None:
+        """``RateLimiter.check``."""
+        self.limiter.check(principal, max_tokens)
+
+    async def count_work(self, principal: str) -> None:
+        """``RateLimiter.count_work``."""
+        self.limiter.count_work(principal)
+
+    async def count_audio(self, principal: str, audio_s: float) -> None:
+        """``RateLimiter.count_audio``."""
+        self.limiter.count_audio(principal, audio_s)
+
+    async def extend(self, reservation: Reservation, more_tokens: int) -> Reservation:
+        """``RateLimiter.extend``."""
+        return self.limiter.extend(reservation, more_tokens)
+
+    def charge_audio(self, principal: str, audio_s: float) -> None:
+        """``RateLimiter.charge_audio``."""
+        self.limiter.charge_audio(principal, audio_s)
+
+    def release(self, reservation: Reservation, num_used: int) -> None:
+        """``RateLimiter.release``."""
+        self.limiter.release(reservation, num_used)
+
+
+async def open_account(limiter: AsyncLimiter, principal: str, max_tokens: int) -> Account:
+    """``admit`` a request and return its ``Account`` (``RateLimited``: nothing changed)."""
+    return Account(limiter, await limiter.admit(principal, max_tokens), max_tokens)
+
+
 class Account:
     """One admitted request's rate-limit account, from admission to its end.
 
@@ -276,10 +356,11 @@ class Account:
     reservation, so each change reserves only its shortfall (``max_tokens`` 9 -> 5 -> 9 needs
     nothing more) and ``settle`` gives back or charges the difference once. Every method that
     reserves raises ``RateLimited`` and changes nothing when the bucket lacks the tokens.
-    The event loop calls it: one method per client call or engine output.
+    The event loop calls it: one method per client call or engine output; the calls that
+    reserve are awaited one at a time (a request's controls are).
     """
 
-    def __init__(self, limiter: RateLimiter, reservation: Reservation, max_tokens: int) -> None:
+    def __init__(self, limiter: AsyncLimiter, reservation: Reservation, max_tokens: int) -> None:
         self._limiter = limiter
         self.reservation = reservation
         self._covered = max_tokens  # what the reservation stands for (past the burst, more than it took)
@@ -294,17 +375,17 @@ class Account:
         """Tokens generated so far, discarded attempts included."""
         return self._spent + self._seen
 
-    def set_max_tokens(self, max_tokens: int) -> None:
+    async def set_max_tokens(self, max_tokens: int) -> None:
         """The request's ``max_tokens`` changes (``modify``): reserve what the new total lacks."""
-        self._cover(self._spent + self._discarding + max_tokens)
+        await self._cover(self._spent + self._discarding + max_tokens)
         self._max_tokens = max_tokens
 
-    def restart(self) -> None:
+    async def restart(self) -> None:
         """A ``regenerate`` is about to discard the current attempt: its tokens stay spent and the
         new attempt may make ``max_tokens`` again, so reserve what that total lacks. A second
         restart before the engine has done the first asks for nothing more."""
         discarding = max(self._discarding, self._seen)
-        self._cover(self._spent + discarding + self._max_tokens)
+        await self._cover(self._spent + discarding + self._max_tokens)
         self._discarding = discarding
 
     def observe(self, completion_tokens: int, restarted: bool) -> None:
@@ -323,8 +404,13 @@ class Account:
         self._settled = True
         self._limiter.release(self.reservation, self._spent + (self._seen if num_used is None else num_used))
 
-    def _cover(self, need: int) -> None:
+    async def _cover(self, need: int) -> None:
         short = need - self._covered
         if short > 0:
-            self.reservation = self._limiter.extend(self.reservation, short)
+            before = self.reservation
+            after = await self._limiter.extend(before, short)
+            if self._settled:  # the request ended while shared limits answered: give it back
+                self._limiter.release(Reservation(after.principal, after.tokens - before.tokens), 0)
+                return
+            self.reservation = after
             self._covered = need

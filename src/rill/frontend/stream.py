@@ -183,9 +183,9 @@ class RequestStream:
         way nothing changes. ``RequestNotFound`` if the request ended meanwhile."""
         return await self.client.modify(self.request_id, patch)
 
-    def regenerate(self) -> None:
+    async def regenerate(self) -> None:
         """Drop the generation and restart from the prompt with the current parameters.
 
         ``RateLimited`` (the generation goes on unchanged) when the principal's bucket cannot
         cover the discarded tokens."""
-        self.client.regenerate(self.request_id)
+        await self.client.regenerate(self.request_id)

@@ -28,7 +28,6 @@ from typing import Any
 from rill import auth
 from rill.errors import InvalidRequest, PositionOutOfRange, RequestNotFound, ResumeExpired, RillError
 from rill.frontend.resumable import ResumableStream
-from rill.frontend.stream import RequestStream
 from rill.protocols._shared.driver import Driver, Transport
 from rill.protocols._shared.resume import StreamWriter
 from rill.protocols.generate_ws import codec, transcript
@@ -40,13 +39,6 @@ log = logging.getLogger("rill.protocols.generate_ws")
 
 Write = Callable[[m.ServerMessage], Awaitable[None]]
 """Writes one message to a conversation's peer (raises ``Gone`` once the peer has left)."""
-
-_STREAM_CONTROLS: dict[type, Callable[[RequestStream], None]] = {
-    s.Pause: RequestStream.pause,
-    s.Resume: RequestStream.resume,
-    s.Regenerate: RequestStream.regenerate,
-}
-"""The controls that act on the running request at once."""
 
 TAKEN_OVER_CLOSE_CODE = 4000
 """The close code of a socket whose generation another connection resumed."""
@@ -266,7 +258,12 @@ class Conversation(Transport):
     async def _control(self, action: s.Pause | s.Resume | s.Regenerate) -> None:
         if (stream := self.driver.stream()) is not None:
             try:
-                _STREAM_CONTROLS[type(action)](stream)
+                if isinstance(action, s.Regenerate):
+                    await stream.regenerate()  # its rate limits first: they may answer from elsewhere
+                elif isinstance(action, s.Pause):
+                    stream.pause()
+                else:
+                    stream.resume()
             except RillError as exc:  # e.g. the request finished meanwhile
                 await self.driver.perform(self.session.on_invalid(exc))
 

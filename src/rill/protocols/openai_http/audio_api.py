@@ -110,7 +110,7 @@ class AudioApi:
             asr.check_room()  # a full pool refuses before the file is decoded: no samples held
             samples, rate_hz = await asyncio.to_thread(decode_audio, data, asr.max_audio_s)
             del data
-            self._count_audio(request, len(samples) / rate_hz)
+            await self._count_audio(request, len(samples) / rate_hz)
             transcript = await asr.transcribe(
                 samples, sample_rate_hz=rate_hz, language=req.language, where="file", task=req.task
             )
@@ -151,7 +151,7 @@ class AudioApi:
             voices = (*audio.OPENAI_VOICES, self.speech.synth.voice.lower())
             req = audio.decode_speech(body, voices)
             codec.check_model(req.model, self.speech_model, audio.SPEECH_ALIASES, "/v1/audio/speech")
-            self._count_audio(request, 0.0)  # its seconds are charged once spoken
+            await self._count_audio(request, 0.0)  # its seconds are charged once spoken
             chunks = self._encoded(req, auth.scope_principal(request.scope))
             first = await anext(chunks)  # the first sentence: its errors still get a status
         except ClientDisconnect:
@@ -204,10 +204,10 @@ class AudioApi:
         policy = getattr(self.deps.client, "policy", None)
         return policy if isinstance(policy, SubmissionPolicy) else None
 
-    def _count_audio(self, request: Request, audio_s: float) -> None:
+    async def _count_audio(self, request: Request, audio_s: float) -> None:
         policy = self._policy()
         if policy is not None:
-            policy.count_audio(auth.scope_principal(request.scope), audio_s)
+            await policy.count_audio(auth.scope_principal(request.scope), audio_s)
 
     def _refused(self, exc: Exception) -> Response:
         """The OpenAI error response for ``exc``, counted (unexpected errors are logged, not shown)."""
