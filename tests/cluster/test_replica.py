@@ -13,9 +13,11 @@ from typing import Any
 
 import pytest
 
-from rill.cluster.replica import EngineReplica, Origin, _Outbox, _unnice
+from rill.cluster.replica import CONTROLS, EngineReplica, Origin, Refused, _Outbox, _unnice
 from rill.engine.threads import ThreadGovernor
-from rill.types import RequestOutput
+from rill.testing.fake_client import fake_client
+from rill.testing.fake_runner import StepGate
+from rill.types import GenerateRequest, RequestEvent, RequestOutput, SamplingParams
 
 
 class _Stream:
@@ -193,6 +195,36 @@ def _in_a_thread_at_niceness_5(work: Any) -> int:
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="only a privileged process may lower its niceness")
+async def test_every_control_reaches_the_engine() -> None:
+    """Each of ``CONTROLS`` applied on a request the replica's engine runs, in order: pause,
+    resume, regenerate (the engine restarts it), abort (it ends cancelled)."""
+    async with fake_client() as client:
+        replica = _replica(None)
+        replica.client = client
+        gate = client.engine.runner.gate = StepGate()
+        stream = await client.generate(
+            GenerateRequest(prompt="hello", sampling=SamplingParams(max_tokens=64, ignore_eos=True))
+        )
+        gate.allow(2)
+        events: list[RequestEvent] = []
+        async for output in stream:
+            if output.usage.completion_tokens == 2:
+                break
+        for op in ("pause", "resume", "regenerate", "abort"):
+            assert op in CONTROLS
+            assert await replica.control(op, stream.request_id, replica="r1") is None, op
+        gate.set()
+        last = None
+        async with stream:
+            async for output in stream:
+                events += output.events
+                last = output
+        assert last is not None and last.finish_reason == "cancelled", last
+        assert RequestEvent.REGENERATING in events, events
+        refused = await replica.control("regenerate", stream.request_id, replica="r1")
+        assert isinstance(refused, Refused)  # it ended: RequestNotFound, as a value
+
+
 def test_a_replica_started_nicer_brings_its_thread_back_to_0() -> None:
     assert _in_a_thread_at_niceness_5(_unnice) == 0
 

@@ -157,6 +157,10 @@ async def test_generate_controls_reach_the_right_generation(cluster: ClusterServ
         await send(b, type="control", action="modify", parameters={"temperature": 0.9})
         modified = await until(b, is_status("modified"))
         assert modified[-1]["parameters"]["temperature"] == 0.9
+        # Regenerate B: B (not A) starts again from its prompt.
+        await send(b, type="control", action="regenerate")
+        await until(b, is_status("regenerating"))
+        await until(b, is_type("init"))
         # Stop A while paused: A ends cancelled; B still runs to its own end.
         await send(a, type="control", action="stop")
         end_a = await until(a, is_type("completion"))

@@ -295,12 +295,15 @@ class EngineReplica:
         log.info("engine replica %s counts its server process (pid %d) as its own CPU", self.replica, origin.pid)
         return lambda: governor.forget(origin.pid)
 
-    def control(self, op: str, request_id: str, *, replica: str) -> Refused | None:
+    async def control(self, op: str, request_id: str, *, replica: str) -> Refused | None:
         """Apply one of ``CONTROLS`` to a request running here (``replica`` routes the call)."""
         if op not in CONTROLS:
             return Refused(RillError(f"unknown control {op!r}"))
         try:
-            getattr(self.client, op)(request_id)
+            if op == "regenerate":
+                await self.client.regenerate(request_id)  # (its rate limits were the server process's)
+            else:
+                getattr(self.client, op)(request_id)
         except RillError as exc:
             return Refused(exc)
         return None
