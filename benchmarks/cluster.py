@@ -4,7 +4,10 @@
         [--max-tokens 64] [--prompt-len 48] [--quick]
 
 One run, every server in turn on the same machine (each stopped before the next starts), the
-OpenAI API in a closed loop (``rill.bench``), greedy, ``ignore_eos``:
+OpenAI API in a closed loop (``rill.bench``), greedy, ``ignore_eos``, ``--waves`` times the
+concurrency requests per level (default 8, so that the run's start and its ramp-down, when
+fewer streams than the concurrency are left, weigh little: with 2 waves, two replicas made
+1.49x one at c=32 in one run, and 1.63x with 8 in the next):
 
 1. Throughput and TTFT at each concurrency for
    ``single``  one process, the engine on 2 threads (the default server);
@@ -65,7 +68,7 @@ async def levels_of(port: int, levels: list[int], args: argparse.Namespace) -> d
     """Every concurrency level against one running server; a seed per level (no prompt repeats)."""
     results: dict[int, Summary] = {}
     for level in levels:
-        requests = synthetic_prompts(max(2 * level, 8), args.prompt_len, args.max_tokens, args.seed + level)
+        requests = synthetic_prompts(max(args.waves * level, 8), args.prompt_len, args.max_tokens, args.seed + level)
         summary, _ = await measure(
             "openai",
             Target(port=port),
@@ -138,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=48, help="words per prompt")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--waves", type=int, default=8, help="requests per level: this many times the concurrency")
     parser.add_argument("--max-duration-s", type=float, default=600.0)
     parser.add_argument("--system-prompts", type=int, default=12)
     parser.add_argument("--system-len", type=int, default=150, help="words per system prompt")
