@@ -155,12 +155,15 @@ async def _stream_to_terminal(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     async with GenerateClient(args.url, args.api_key) as client:
         num_interrupts = 0
+        stopping: set[asyncio.Task[None]] = set()  # held: a task nobody refers to may be collected
 
         def on_sigint() -> None:
             nonlocal num_interrupts
             num_interrupts += 1
             if num_interrupts == 1:
-                loop.create_task(client.stop())  # the server ends it at the next token
+                task = loop.create_task(client.stop())  # the server ends it at the next token
+                stopping.add(task)
+                task.add_done_callback(stopping.discard)
             else:
                 raise KeyboardInterrupt
 

@@ -300,10 +300,15 @@ class EngineReplica:
         if op not in CONTROLS:
             return Refused(RillError(f"unknown control {op!r}"))
         try:
-            if op == "regenerate":
-                await self.client.regenerate(request_id)  # (its rate limits were the server process's)
+            # Each by name, not looked up: mypy then sees every call (an async one must be awaited).
+            if op == "abort":
+                self.client.abort(request_id)
+            elif op == "pause":
+                self.client.pause(request_id)
+            elif op == "resume":
+                self.client.resume(request_id)
             else:
-                getattr(self.client, op)(request_id)
+                await self.client.regenerate(request_id)
         except RillError as exc:
             return Refused(exc)
         return None
