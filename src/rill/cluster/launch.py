@@ -176,6 +176,9 @@ def replica_app(engine: EngineConfig, cluster: ClusterConfig) -> Any:
         health_check_period_s=HEALTH_CHECK_PERIOD_S,
         health_check_timeout_s=30.0,
         graceful_shutdown_timeout_s=2.0,
+        # As ``serve.start``'s own: Serve's default logs every call (each start, control and
+        # stats read) at INFO into each replica's log file; rill's /metrics counts them.
+        logging_config={"log_level": "WARNING", "enable_access_log": False},
         # The router by import path: Ray ships it to every process that routes.
         request_router_config={
             "request_router_class": "rill.cluster.router.RillRouter",
