@@ -26,12 +26,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from rill.errors import RateLimited
 from rill.frontend.ratelimit import RateLimiter, RateLimits, Reservation
 
 log = logging.getLogger("rill.cluster")
+
+T = TypeVar("T")
 
 ACTOR_NAME = "rill-rate-limits"
 """The name the front doors of a cluster find their shared rate limits under."""
@@ -61,41 +64,23 @@ class RateLimitStore:
 
     def admit(self, principal: str, max_tokens: int) -> Reservation | RateLimited:
         """``RateLimiter.admit``."""
-        try:
-            return self._limiter.admit(principal, max_tokens)
-        except RateLimited as exc:
-            return exc
+        return _refusal(lambda: self._limiter.admit(principal, max_tokens))
 
     def check(self, principal: str, max_tokens: int) -> RateLimited | None:
         """``RateLimiter.check``."""
-        try:
-            self._limiter.check(principal, max_tokens)
-        except RateLimited as exc:
-            return exc
-        return None
+        return _refusal(lambda: self._limiter.check(principal, max_tokens))
 
     def count_work(self, principal: str) -> RateLimited | None:
         """``RateLimiter.count_work``."""
-        try:
-            self._limiter.count_work(principal)
-        except RateLimited as exc:
-            return exc
-        return None
+        return _refusal(lambda: self._limiter.count_work(principal))
 
     def count_audio(self, principal: str, audio_s: float) -> RateLimited | None:
         """``RateLimiter.count_audio``."""
-        try:
-            self._limiter.count_audio(principal, audio_s)
-        except RateLimited as exc:
-            return exc
-        return None
+        return _refusal(lambda: self._limiter.count_audio(principal, audio_s))
 
     def extend(self, reservation: Reservation, more_tokens: int) -> Reservation | RateLimited:
         """``RateLimiter.extend``."""
-        try:
-            return self._limiter.extend(reservation, more_tokens)
-        except RateLimited as exc:
-            return exc
+        return _refusal(lambda: self._limiter.extend(reservation, more_tokens))
 
     def charge_audio(self, principal: str, audio_s: float) -> None:
         """``RateLimiter.charge_audio``."""
@@ -108,6 +93,14 @@ class RateLimitStore:
     def num_principals(self) -> int:
         """How many principals have state now (bounded by ``RateLimits.max_principals``)."""
         return len(self._limiter)
+
+
+def _refusal(call: Callable[[], T]) -> T | RateLimited:
+    """``call``'s result, or the ``RateLimited`` it raised, as a value."""
+    try:
+        return call()
+    except RateLimited as exc:
+        return exc
 
 
 def actor_options(namespace: str) -> dict[str, Any]:
