@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import socket
 import threading
 import time
@@ -116,11 +117,37 @@ def store_where(request: pytest.FixtureRequest, tmp_path: Path) -> str | Path:
     return str(request.getfixturevalue("pg_url"))
 
 
+FREE_PORT_LOW = 20000
+"""The lowest port ``free_port`` offers: above Ray's worker ports (10002-19999)."""
+
+_ports = random.SystemRandom()  # not the tests' seeded random: two runs must not pick alike
+
+
 def free_port() -> int:
-    """A TCP port that is free on loopback right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A TCP port that is free on loopback right now, below the kernel's ephemeral range.
+
+    Every outgoing connection (Ray's, gRPC's, the tests' clients) takes its local port from
+    that range: a port offered from there could be taken between this check and the server's
+    bind, as it once was in CI beside the cluster tests. Below it only explicit binds compete.
+    """
+    low = _ephemeral_low()
+    for _ in range(64):
+        port = _ports.randrange(FREE_PORT_LOW, low) if low > FREE_PORT_LOW else 0
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return int(sock.getsockname()[1])
+    raise RuntimeError("no free port below the ephemeral range")
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default where unknown)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 @dataclass

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -20,16 +19,11 @@ import httpx
 from rill import config as config_mod
 from rill.server import Protocol, protocols, serve
 from rill.testing.fake_client import fake_client
+from tests.conftest import free_port
 from tests.fixtures.lines import adapter as lines
 from tests.protocols.test_purity import FORBIDDEN, forbidden_in, imported_modules
 
 FIXTURE = Path(lines.__file__).parent
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 async def serving_lines(client: Any, body: Any) -> None:
