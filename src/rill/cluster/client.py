@@ -452,11 +452,7 @@ class RayClient(InprocClient):
 
     async def regenerate(self, request_id: RequestId) -> None:
         """Restart a request from its prompt on its replica (its account as in-process)."""
-        self._live(request_id)
-        account = self._accounts.get(request_id)
-        if account is not None:
-            await account.restart()
-            self._live(request_id)
+        await self._restart_account(request_id)
         self._control("regenerate", request_id)
 
     async def set_sampling(self, stream: RequestStream, params: SamplingParams) -> None:

@@ -348,12 +348,17 @@ class InprocClient:
 
         Under a token rate limit the tokens it discards stay spent: the new attempt first
         reserves as many again (``RateLimited`` if the principal's bucket lacks them)."""
+        await self._restart_account(request_id)
+        self._inbox.put(RegenerateCommand(request_id))
+
+    async def _restart_account(self, request_id: RequestId) -> None:
+        """Check that ``request_id`` runs, and have its rate-limit account (if any) reserve a
+        new attempt's tokens (``RateLimited`` if its principal's bucket lacks them)."""
         self._live(request_id)
         account = self._accounts.get(request_id)
         if account is not None:
             await account.restart()
             self._live(request_id)  # (a cluster's limits answer from another process)
-        self._inbox.put(RegenerateCommand(request_id))
 
     def _forget(self, request_id: RequestId) -> None:
         stream = self._streams.get(request_id)
