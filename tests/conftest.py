@@ -127,8 +127,10 @@ def free_port() -> int:
     """A TCP port that is free on loopback right now, below the kernel's ephemeral range.
 
     Every outgoing connection (Ray's, gRPC's, the tests' clients) takes its local port from
-    that range: a port offered from there could be taken between this check and the server's
-    bind, as it once was in CI beside the cluster tests. Below it only explicit binds compete.
+    that range, so none of them can take the port between this check and the server's bind.
+    Another process's explicit bind still can (it happened to a gRPC listener beside the
+    cluster tests, under load, holder unknown): a listener whose test must not depend on
+    that retries on another port (``tests/protocols/evergreen/test_adapter.py``).
     """
     low = _ephemeral_low()
     for _ in range(64):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -82,10 +83,27 @@ def make_deps(client: Any, **overrides: Any) -> Deps:
     return Deps(config=cfg, client=client, api_keys=cfg.api_keys())
 
 
+BIND_TRIES = 5
+"""Ports tried before a listener's bind failure fails its test."""
+
+
 async def started(deps: Deps):
-    stop = await adapter.start(deps)
-    assert stop is not None
-    return stop
+    """Start the gRPC listener of ``deps``; a port taken by another process between
+    ``free_port``'s check and the bind (it happened beside the cluster tests, under load) is
+    replaced by a new one in ``deps``, so that ``address(deps)`` names the port bound."""
+    for attempt in range(BIND_TRIES):
+        try:
+            stop = await adapter.start(deps)
+        except ConfigError as exc:
+            if attempt == BIND_TRIES - 1 or "cannot listen" not in str(exc):
+                raise
+            print(f"retrying on another port: {exc}")  # shown with the test's output if it fails
+            evergreen = dataclasses.replace(deps.config.evergreen, grpc_port=free_port())
+            deps.config = dataclasses.replace(deps.config, evergreen=evergreen)
+            continue
+        assert stop is not None
+        return stop
+    raise AssertionError("unreachable")
 
 
 @contextlib.asynccontextmanager
