@@ -91,19 +91,22 @@ async def started(deps: Deps):
     """Start the gRPC listener of ``deps``; a port taken by another process between
     ``free_port``'s check and the bind (it happened beside the cluster tests, under load) is
     replaced by a new one in ``deps``, so that ``address(deps)`` names the port bound."""
-    for attempt in range(BIND_TRIES):
+    for _ in range(BIND_TRIES - 1):
         try:
-            stop = await adapter.start(deps)
+            return await _start(deps)
         except ConfigError as exc:
-            if attempt == BIND_TRIES - 1 or "cannot listen" not in str(exc):
+            if "cannot listen" not in str(exc):
                 raise
             print(f"retrying on another port: {exc}")  # shown with the test's output if it fails
             evergreen = dataclasses.replace(deps.config.evergreen, grpc_port=free_port())
             deps.config = dataclasses.replace(deps.config, evergreen=evergreen)
-            continue
-        assert stop is not None
-        return stop
-    raise AssertionError("unreachable")
+    return await _start(deps)
+
+
+async def _start(deps: Deps):
+    stop = await adapter.start(deps)
+    assert stop is not None
+    return stop
 
 
 @contextlib.asynccontextmanager
