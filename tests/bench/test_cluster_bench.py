@@ -3,29 +3,17 @@ the median that the verdict reads (nothing is timed here: the summaries are made
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+from tests.bench.helpers import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def cluster() -> ModuleType:
     """The benchmark script as a module (it imports ``compare`` from its own folder)."""
-    spec = importlib.util.spec_from_file_location("cluster_bench", BENCHMARKS / "cluster.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        while str(BENCHMARKS) in sys.path:  # other tests must not import the benchmarks' modules by accident
-            sys.path.remove(str(BENCHMARKS))
-    return module
+    return load_benchmark("cluster.py", "cluster_bench")
 
 
 def summary(tokens_per_s: float, ttft_p50_ms: float) -> SimpleNamespace:

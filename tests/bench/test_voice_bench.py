@@ -4,31 +4,18 @@ tables say."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+from tests.bench.helpers import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def voice() -> ModuleType:
     """The benchmark script as a module (it imports ``compare`` from its own folder)."""
-    spec = importlib.util.spec_from_file_location("voice_bench", BENCHMARKS / "voice.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks itself up there
-    try:
-        spec.loader.exec_module(module)  # adds the benchmarks folder to sys.path, for ``compare``
-    finally:
-        # Other tests must not import the benchmarks' top-level modules (engine, sampler, ...) by accident.
-        while str(BENCHMARKS) in sys.path:
-            sys.path.remove(str(BENCHMARKS))
-    return module
+    return load_benchmark("voice.py", "voice_bench")
 
 
 def test_goals_and_quantiles(voice: ModuleType) -> None:
