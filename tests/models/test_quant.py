@@ -439,13 +439,18 @@ def test_a_quantized_model_decodes_through_the_attention_kernel_like_the_torch_p
     (a prompt arriving while others decode, chunked) too. The same run with the kernel turned
     away (the torch path) gives logits within bf16 rounding and the same greedy tokens nearly
     everywhere (random-init models have near-ties)."""
+    from rill.models import llama
     from rill.testing.checkpoints import make_checkpoint
 
     folder = make_checkpoint(tmp_path / arch, arch=arch, head_dim=32, num_heads=4, num_kv_heads=2, **extra)
-    file = write_gguf(folder, tmp_path / f"{arch}.gguf", _mixed)
+    # A GGUF file keeps no sliding window: the windowed model is quantized from its folder at load.
+    file, weights = (folder, "int4") if extra else (write_gguf(folder, tmp_path / f"{arch}.gguf", _mixed), "auto")
+    assert load_model(file, dtype="bfloat16", weights=weights).model.layers[0].window == extra.get("sliding_window")
     prompts = random_prompts([12, 9, 15], vocab_size=200, seed=3)
     calls = {"kernel": 0}
     kernel = qkernel.decode_attention
+    # Layer by layer (the one-call step has its own test), so every step asks decode_attention.
+    monkeypatch.setattr(llama.LlamaModel, "_step_in_one_call", lambda *a: False)
 
     def counted(*args, **kwargs):
         calls["kernel"] += 1
@@ -454,7 +459,7 @@ def test_a_quantized_model_decodes_through_the_attention_kernel_like_the_torch_p
     outputs = {}
     for mode in ("kernel", "torch"):
         monkeypatch.setattr(qkernel, "decode_attention", counted if mode == "kernel" else lambda *a, **k: None)
-        runner = TorchModelRunner(load_model(file, dtype="bfloat16", weights="auto"), num_rows=4, max_len=64)
+        runner = TorchModelRunner(load_model(file, dtype="bfloat16", weights=weights), num_rows=4, max_len=64)
         sequences = [Sequence(p, row, num_new=12, arrival=2 * row, chunk=5) for row, p in enumerate(prompts)]
         run_greedy(runner, sequences)
         outputs[mode] = sequences
@@ -504,3 +509,92 @@ def test_a_q4_k_m_gguf_serves_its_own_k_quant_scales_and_six_bit_weights_like_it
     # The second load comes from the packed-model cache: the same weights, the same logits.
     again = TorchModelRunner(load_model(file, dtype="bfloat16", weights="auto"), num_rows=1, max_len=64)
     assert torch.equal(again.forward([RowWork(0, prompts[0], 0, all_logits=True)]).float(), logits["auto"][0])
+
+
+def _one_call_schedule(vocab: int) -> list[list[RowWork]]:
+    """Steps over three rows: prompts arriving in chunks beside decoding rows (mixed steps),
+    steps of decode rows only, and steps of speculative drafts only, past a 6-token window."""
+    ids = random_prompts([12, 9, 15], vocab_size=vocab, seed=5)
+    decode = lambda row, at, token: RowWork(row, [token], at)  # noqa: E731
+    return [
+        [RowWork(0, ids[0], 0), RowWork(1, ids[1][:5], 0, need_logits=False)],
+        [decode(0, 12, 3), RowWork(1, ids[1][5:], 5)],
+        [decode(0, 13, 4), decode(1, 9, 5)],
+        [decode(0, 14, 6), decode(1, 10, 7), RowWork(2, ids[2], 0)],
+        [decode(0, 15, 8), decode(1, 11, 9), decode(2, 15, 10)],
+        [
+            RowWork(0, [11, 12, 13, 14], 16, all_logits=True, draft=True),
+            RowWork(2, [15, 16], 16, all_logits=True, draft=True),
+        ],
+        [decode(1, 12, 17)],
+        [RowWork(1, [18, 19, 20], 13, all_logits=True, draft=True)],
+        [decode(0, 20, 21), decode(1, 16, 22), decode(2, 18, 23)],
+    ]
+
+
+@pytest.mark.skipif(
+    not qkernel.available(), reason=f"the VNNI kernel does not run here: {qkernel.unavailable_reason()}"
+)
+@pytest.mark.parametrize(
+    "arch,extra,types",
+    (
+        ("qwen2", {}, _mixed),  # q/k/v biases, int8 attention and int4 MLP
+        # A GGUF file keeps no sliding window: this one is quantized from its folder at load.
+        ("mistral", {"sliding_window": 6}, None),
+        ("llama", {"hidden_size": 256, "intermediate_size": 512, "num_heads": 8}, _q4_k_m),  # 5- and 6-bit
+    ),
+)
+def test_a_decode_step_runs_every_layer_in_one_kernel_call_bit_for_bit(
+    tmp_path, monkeypatch, arch, extra, types
+) -> None:
+    """Steps of decode rows only or of speculative drafts only run every layer in one call of
+    ``kernels/layers.c`` (counted); steps with a prompt chunk take the layers one by one. The
+    same steps with the one-call path turned away give identical logits at every step: the
+    kernel rounds each intermediate where the Python path does."""
+    from rill.models import llama
+    from rill.testing.checkpoints import make_checkpoint
+
+    folder = make_checkpoint(tmp_path / arch, arch=arch, head_dim=32, num_kv_heads=2, **{"num_heads": 4, **extra})
+    file = folder if types is None else write_gguf(folder, tmp_path / f"{arch}.gguf", types)
+    weights = "int4" if types is None else "auto"
+    assert [layer.window for layer in load_model(file, dtype="bfloat16", weights=weights).model.layers] == [
+        extra.get("sliding_window")
+    ] * 2
+    one_call = llama.LlamaModel._step_in_one_call
+    calls = {"one call": 0}
+
+    def counted(self, *args):
+        done = one_call(self, *args)
+        calls["one call"] += done
+        return done
+
+    logits = {}
+    for mode in ("one call", "layers"):
+        monkeypatch.setattr(llama.LlamaModel, "_step_in_one_call", counted if mode == "one call" else lambda *a: False)
+        runner = TorchModelRunner(load_model(file, dtype="bfloat16", weights=weights), num_rows=3, max_len=64)
+        logits[mode] = [runner.forward(step) for step in _one_call_schedule(200)]
+    assert calls["one call"] == 6  # the steps without a prompt chunk
+    for fused, plain in zip(logits["one call"], logits["layers"], strict=True):
+        assert torch.equal(fused, plain)
+
+
+@pytest.mark.skipif(
+    not qkernel.available(), reason=f"the VNNI kernel does not run here: {qkernel.unavailable_reason()}"
+)
+def test_the_one_call_step_declines_float32_models_and_dense_weights(quantized_files, checkpoint) -> None:
+    """Only bfloat16 models whose products are all the kernel's take the one-call step."""
+    for loaded in (
+        load_model(quantized_files["llama"], dtype="float32", weights="auto"),
+        load_model(checkpoint("llama"), dtype="bfloat16", weights="dense"),
+    ):
+        runner = TorchModelRunner(loaded, num_rows=1, max_len=32)
+        runner.forward([RowWork(0, [1, 2, 3], 0)])
+        runner.forward([RowWork(0, [4], 3)])
+        assert loaded.model._decode_layers is False
+    loaded = load_model(quantized_files["llama"], dtype="bfloat16", weights="auto")
+    runner = TorchModelRunner(loaded, num_rows=1, max_len=32)
+    runner.forward([RowWork(0, [1, 2, 3], 0)])
+    runner.forward([RowWork(0, [4], 3)])
+    assert isinstance(loaded.model._decode_layers, qkernel.DecodeLayers)
+    loaded.model.to(torch.bfloat16)  # new storage may come with it: the kernel's pointers are dropped
+    assert loaded.model._decode_layers is None

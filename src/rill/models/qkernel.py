@@ -1,5 +1,6 @@
 """rill's own CPU kernels for x86 CPUs with AVX-512 VNNI: the quantized matmul
-(``kernels/qgemm.c``) and one decode step of attention (``kernels/attention.c``).
+(``kernels/qgemm.c``), one decode step of attention (``kernels/attention.c``), and a whole
+decode step through every layer of a Llama-family model built of both (``kernels/layers.c``).
 
 torch's CPU kernels for int4 and int8 weights (``aten._weight_int4pack_mm_for_cpu``,
 ``aten._weight_int8pack_mm``) read a one-row product's weights at about 18 GB/s where the
@@ -32,6 +33,8 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +46,7 @@ from rill.models.quant_values import GROUP_SIZE, Int4Values, Int6Values, Int8Val
 log = logging.getLogger("rill.models")
 
 KERNELS = Path(__file__).with_name("kernels")
-SOURCES = (KERNELS / "qgemm.c", KERNELS / "attention.c")
+SOURCES = (KERNELS / "qgemm.c", KERNELS / "attention.c", KERNELS / "layers.c")
 HEADERS = (KERNELS / "simd.h",)
 CFLAGS = (
     "-O3",
@@ -151,6 +154,26 @@ def _load() -> ctypes.CDLL | None:
             ptr,
         )
         library.rill_decode_attention.restype = ctypes.c_int
+        library.rill_decode_layers.argtypes = (
+            ptr,
+            i64,
+            ptr,
+            i64,
+            i64,
+            i64,
+            i64,
+            i64,
+            ctypes.c_float,
+            ptr,
+            ptr,
+            ptr,
+            ptr,
+            ptr,
+            ptr,
+            i64,
+            ctypes.c_float,
+        )
+        library.rill_decode_layers.restype = ctypes.c_int
         _library = library
         return library
 
@@ -429,3 +452,184 @@ def decode_attention(
         _ptr(out),
     )
     return out if status == 0 else None
+
+
+class _Product(ctypes.Structure):
+    _fields_ = (
+        ("bits", ctypes.c_int64),
+        ("packed", ctypes.c_void_p),
+        ("scales", ctypes.c_void_p),
+        ("offsets", ctypes.c_void_p),
+        ("rows", ctypes.c_int64),
+        ("cols", ctypes.c_int64),
+        ("bias", ctypes.c_void_p),
+    )
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = (
+        ("qkv", _Product),
+        ("o", _Product),
+        ("gate_up", _Product),
+        ("down", _Product),
+        ("input_norm", ctypes.c_void_p),
+        ("post_norm", ctypes.c_void_p),
+        ("window", ctypes.c_int64),
+    )
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One Llama-family decoder layer as ``DecodeLayers`` takes it: its four products (each a
+    weight and an optional bias), its two RMS norms' weights and its attention window."""
+
+    qkv: tuple[object, torch.Tensor | None]
+    o: tuple[object, torch.Tensor | None]
+    gate_up: tuple[object, torch.Tensor | None]
+    down: tuple[object, torch.Tensor | None]
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    window: int | None
+
+
+class DecodeLayers:
+    """Every layer of a model in ``kernels/layers.c``'s terms, so that a decode step (or a
+    step of speculative drafts) runs all of them in one call: per layer the fused q/k/v
+    product after the input norm, RoPE, cache write and attention, the output product and
+    residual, the gate/up product after the post-attention norm, SwiGLU, the down product and
+    residual, each rounded to bfloat16 where the model's Python path rounds it, so the step's
+    result is that path's bit for bit. Build it with ``build``; it keeps every tensor it
+    points at alive.
+    """
+
+    def __init__(self, layers: list[_Layer], keep: list[torch.Tensor], hidden: int) -> None:
+        self._layers = (_Layer * len(layers))(*layers)
+        self._keep = keep
+        self.num_layers = len(layers)
+        self.hidden = hidden
+
+    @classmethod
+    def build(cls, layers: Sequence[LayerWeights]) -> DecodeLayers | None:
+        """The layers in the kernel's terms, or None where it does not apply: no kernel here,
+        a product that is not a ``BlockedWeight`` with bfloat16 activations, a bias that is
+        not a bfloat16 vector, or a norm of another width."""
+        if _load() is None or not layers:
+            return None
+        keep: list[torch.Tensor] = []
+
+        def product(pair: tuple[object, torch.Tensor | None]) -> _Product | None:
+            weight, bias = pair
+            if not isinstance(weight, BlockedWeight) or weight.dtype != torch.bfloat16:
+                return None
+            rows, cols = weight.shape
+            if bias is not None:
+                if bias.dtype != torch.bfloat16 or bias.device.type != "cpu" or bias.shape != (rows,):
+                    return None
+                bias = bias.detach().contiguous()
+                keep.append(bias)
+            keep.extend((weight.packed, weight.scales, weight.offsets))  # type: ignore[arg-type]
+            return _Product(
+                weight.bits,
+                _ptr(weight.packed),  # type: ignore[arg-type]
+                _ptr(weight.scales),  # type: ignore[arg-type]
+                _ptr(weight.offsets),  # type: ignore[arg-type]
+                rows,
+                cols,
+                None if bias is None else _ptr(bias),
+            )
+
+        built = []
+        hidden = layers[0].input_norm.shape[0]
+        for layer in layers:
+            products = [product(pair) for pair in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+            if any(p is None for p in products):
+                return None
+            qkv, o, gate_up, down = products
+            assert qkv and o and gate_up and down
+            if not (qkv.cols == gate_up.cols == o.rows == down.rows == hidden and down.cols * 2 == gate_up.rows):
+                return None
+            norms = []
+            for norm in (layer.input_norm, layer.post_norm):
+                if norm.shape != (hidden,):
+                    return None
+                # As BlockedWeight.linear_rms takes it: the norm's weight in float32.
+                norms.append(norm.detach().to(device="cpu", dtype=torch.float32).contiguous())
+            keep.extend(norms)
+            built.append(_Layer(qkv, o, gate_up, down, _ptr(norms[0]), _ptr(norms[1]), layer.window or 0))
+        return cls(built, keep, hidden)
+
+    def run(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions: torch.Tensor,
+        k_caches: Sequence[torch.Tensor],
+        v_caches: Sequence[torch.Tensor],
+        num_heads: int,
+        eps: float,
+        cache_rows: torch.Tensor | None = None,
+    ) -> bool:
+        """Every layer on ``x [B, hidden]`` (bfloat16, updated in place), each token attending
+        from ``positions[b]`` of cache row ``b`` or ``cache_rows[b]``, as ``decode_attention``
+        takes them (``k_caches[l]``, ``v_caches[l]`` for layer ``l``).
+
+        Returns False, with nothing touched, where the kernel does not apply (another dtype,
+        device or layout of ``x`` or the caches); the caller then runs the layers one by one.
+
+        Raises:
+            MemoryError: the kernel's scratch could not be had (``x`` and the caches are then
+                partly updated: the step is lost).
+        """
+        library = _load()
+        batch = x.shape[0]
+        first = k_caches[0]
+        rows, kv_heads, max_len, head_dim = first.shape
+        if (
+            library is None
+            or x.dtype != torch.bfloat16
+            or x.device.type != "cpu"
+            or not x.is_contiguous()
+            or x.shape[1] != self.hidden
+            or len(k_caches) != self.num_layers
+            or len(v_caches) != self.num_layers
+            or head_dim % 32
+            or head_dim > 256
+            or num_heads % kv_heads
+            or (cache_rows is None and batch > rows)
+            or not all(
+                t.dtype == torch.bfloat16 and t.is_contiguous() and t.shape == first.shape and t.device.type == "cpu"
+                for caches in (k_caches, v_caches)
+                for t in caches
+            )
+        ):
+            return False
+        cos, sin = cos.reshape(batch, head_dim).contiguous(), sin.reshape(batch, head_dim).contiguous()
+        if cos.dtype != torch.bfloat16 or sin.dtype != torch.bfloat16:
+            return False
+        positions = positions.to(torch.int64).contiguous()
+        if cache_rows is not None:
+            cache_rows = cache_rows.to(torch.int64).contiguous()
+        pointers = ctypes.c_void_p * self.num_layers
+        status = library.rill_decode_layers(
+            self._layers,
+            self.num_layers,
+            _ptr(x),
+            batch,
+            self.hidden,
+            num_heads,
+            kv_heads,
+            head_dim,
+            eps,
+            _ptr(cos),
+            _ptr(sin),
+            _ptr(positions),
+            None if cache_rows is None else _ptr(cache_rows),
+            pointers(*(_ptr(t) for t in k_caches)),
+            pointers(*(_ptr(t) for t in v_caches)),
+            max_len,
+            head_dim**-0.5,
+        )
+        if status != 0:
+            raise MemoryError(f"the decode kernel could not allocate scratch for {batch} tokens")
+        return True
