@@ -65,6 +65,13 @@ CFLAGS = (
 REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma")
 """/proc/cpuinfo flags the kernel needs."""
 
+_C_TYPES = {"i": ctypes.c_int, "l": ctypes.c_int64, "p": ctypes.c_void_p, "f": ctypes.c_float}
+_SIGNATURES = {  # each C function's arguments, a letter each (``_C_TYPES``); all return int
+    "rill_linear": "ipppllpilpipf",  # bits, w, s, z, N, K, x, x_bf16, M, y, pre, norm, eps
+    "rill_decode_attention": "pillllppppppllfp",  # see kernels/attention.c
+    "rill_decode_layers": "plplllllfpppppplf",  # see kernels/layers.c
+}
+
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _reason: str | None = None
@@ -118,62 +125,10 @@ def _load() -> ctypes.CDLL | None:
             _reason = f"the kernel could not be built: {exc}"
             log.warning("quantized kernel: %s; using torch's kernels", _reason)
             return None
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        library.rill_linear.argtypes = (
-            ctypes.c_int,
-            ptr,
-            ptr,
-            ptr,
-            i64,
-            i64,
-            ptr,
-            ctypes.c_int,
-            i64,
-            ptr,
-            ctypes.c_int,
-            ptr,
-            ctypes.c_float,
-        )
-        library.rill_linear.restype = ctypes.c_int
-        library.rill_decode_attention.argtypes = (
-            ptr,
-            ctypes.c_int,
-            i64,
-            i64,
-            i64,
-            i64,
-            ptr,
-            ptr,
-            ptr,
-            ptr,
-            ptr,
-            ptr,
-            i64,
-            i64,
-            ctypes.c_float,
-            ptr,
-        )
-        library.rill_decode_attention.restype = ctypes.c_int
-        library.rill_decode_layers.argtypes = (
-            ptr,
-            i64,
-            ptr,
-            i64,
-            i64,
-            i64,
-            i64,
-            i64,
-            ctypes.c_float,
-            ptr,
-            ptr,
-            ptr,
-            ptr,
-            ptr,
-            ptr,
-            i64,
-            ctypes.c_float,
-        )
-        library.rill_decode_layers.restype = ctypes.c_int
+        for name, letters in _SIGNATURES.items():
+            function = getattr(library, name)
+            function.argtypes = tuple(_C_TYPES[letter] for letter in letters)
+            function.restype = ctypes.c_int
         _library = library
         return library
 
@@ -279,6 +234,19 @@ class BlockedWeight(QuantWeight):
         """``(silu(gate) * up) @ w.T`` for ``gate_up [..., 2K]`` (gate first), in one call."""
         return self._call(gate_up, 2 * self.shape[1], _PRE_SWIGLU)
 
+    def kernel_args(self) -> tuple[int, int, int, int, int, int]:
+        """The weight as the C functions take it: bits, the addresses of its packed values,
+        scales and offsets, its rows and its columns."""
+        rows, cols = self.shape
+        return (
+            self.bits,
+            _ptr(self.packed),  # type: ignore[arg-type]
+            _ptr(self.scales),  # type: ignore[arg-type]
+            _ptr(self.offsets),  # type: ignore[arg-type]
+            rows,
+            cols,
+        )
+
     def _call(
         self, x: torch.Tensor, width: int, pre: int, norm: torch.Tensor | None = None, eps: float = 0.0
     ) -> torch.Tensor:
@@ -294,12 +262,7 @@ class BlockedWeight(QuantWeight):
             return y.view(*x.shape[:-1], rows).to(x.dtype)
         # One call per product (~40 us of Python per call was ~10 % of a 1.5B decode step).
         status = library.rill_linear(
-            self.bits,
-            _ptr(self.packed),  # type: ignore[arg-type]
-            _ptr(self.scales),  # type: ignore[arg-type]
-            _ptr(self.offsets),  # type: ignore[arg-type]
-            rows,
-            cols,
+            *self.kernel_args(),
             _ptr(flat),
             int(flat.dtype == torch.bfloat16),
             m,
@@ -521,22 +484,13 @@ class DecodeLayers:
             weight, bias = pair
             if not isinstance(weight, BlockedWeight) or weight.dtype != torch.bfloat16:
                 return None
-            rows, cols = weight.shape
             if bias is not None:
-                if bias.dtype != torch.bfloat16 or bias.device.type != "cpu" or bias.shape != (rows,):
+                if bias.dtype != torch.bfloat16 or bias.device.type != "cpu" or bias.shape != (weight.shape[0],):
                     return None
                 bias = bias.detach().contiguous()
                 keep.append(bias)
             keep.extend((weight.packed, weight.scales, weight.offsets))  # type: ignore[arg-type]
-            return _Product(
-                weight.bits,
-                _ptr(weight.packed),  # type: ignore[arg-type]
-                _ptr(weight.scales),  # type: ignore[arg-type]
-                _ptr(weight.offsets),  # type: ignore[arg-type]
-                rows,
-                cols,
-                None if bias is None else _ptr(bias),
-            )
+            return _Product(*weight.kernel_args(), None if bias is None else _ptr(bias))
 
         built = []
         hidden = layers[0].input_norm.shape[0]
