@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import logging
 import signal
 import sys
@@ -241,8 +242,13 @@ async def serve(
     if 0 < fd_limit - FD_RESERVE < parts.gate.max_total:
         # Past the open-file limit every listener would stop accepting: refuse before it.
         parts.gate.max_total = max(1, fd_limit - FD_RESERVE)
-    # The embedding model's service first: its model code is imported before the engine
-    # thread imports the same modules (see EmbeddingService.start).
+    # The model package is imported here, on this thread, before any thread that imports
+    # it starts (the engine's, the embedding model's): two threads importing it at once can
+    # deadlock on its module locks, and Python then fails one of the imports (seen under
+    # load: the engine thread loading the model while the speech set-up below imported
+    # rill.models.speech). The embedding model's service still starts first, for the same
+    # reason (see EmbeddingService.start).
+    importlib.import_module("rill.models")
     embeddings = start_embeddings(config, parts)
     if client is None:
         client = start_client(config, parts)
