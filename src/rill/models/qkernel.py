@@ -349,6 +349,40 @@ def _grouped_layout(values: Int4Values | Int8Values, bits: int) -> Layout:
     return packed.contiguous().view(-1), _per_block(scale, rows), _per_block(offset, rows)
 
 
+def _attention_fits(
+    x: torch.Tensor, caches: Sequence[torch.Tensor], num_heads: int, cache_rows: torch.Tensor | None
+) -> bool:
+    """Whether ``kernels/attention.c`` takes the tokens ``x`` over ``caches`` (each
+    ``[rows, KVH, max_len, D]``, all one shape, contiguous, in ``x``'s dtype, on the CPU)."""
+    first = caches[0]
+    rows, kv_heads, _, head_dim = first.shape
+    return not (
+        head_dim % 32
+        or head_dim > 256
+        or num_heads % kv_heads
+        or x.device.type != "cpu"
+        or not x.is_contiguous()
+        or (cache_rows is None and x.shape[0] > rows)
+        or not all(
+            t.dtype == x.dtype and t.is_contiguous() and t.shape == first.shape and t.device.type == "cpu"
+            for t in caches
+        )
+    )
+
+
+def _token_rows(
+    cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, cache_rows: torch.Tensor | None, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Each token's RoPE rows ``[B, D]``, position and cache row as the C kernels read them."""
+    batch = positions.shape[0]
+    return (
+        cos.reshape(batch, head_dim).contiguous(),
+        sin.reshape(batch, head_dim).contiguous(),
+        positions.to(torch.int64).contiguous(),
+        None if cache_rows is None else cache_rows.to(torch.int64).contiguous(),
+    )
+
+
 def decode_attention(
     qkv: torch.Tensor,
     cos: torch.Tensor,
@@ -377,24 +411,16 @@ def decode_attention(
     caller then takes the torch path, which computes the same thing.
     """
     library = _load()
-    rows, kv_heads, max_len, head_dim = k_cache.shape
+    _, kv_heads, max_len, head_dim = k_cache.shape
     batch = qkv.shape[0]
     if (
         library is None
         or qkv.dtype not in (torch.bfloat16, torch.float32)
-        or head_dim % 32
-        or head_dim > 256
-        or not all(t.dtype == qkv.dtype and t.is_contiguous() for t in (qkv, k_cache, v_cache))
-        or qkv.device.type != "cpu"
-        or (cache_rows is None and batch > rows)
-        or num_heads % kv_heads
+        or not _attention_fits(qkv, (k_cache, v_cache), num_heads, cache_rows)
         or qkv.shape[1] != (num_heads + 2 * kv_heads) * head_dim
     ):
         return None
-    cos, sin = cos.reshape(batch, head_dim).contiguous(), sin.reshape(batch, head_dim).contiguous()
-    positions = positions.to(torch.int64).contiguous()
-    if cache_rows is not None:
-        cache_rows = cache_rows.to(torch.int64).contiguous()
+    cos, sin, positions, cache_rows = _token_rows(cos, sin, positions, cache_rows, head_dim)
     out = torch.empty((batch, num_heads * head_dim), dtype=qkv.dtype)
     status = library.rill_decode_attention(
         _ptr(qkv),
@@ -537,33 +563,19 @@ class DecodeLayers:
         """
         library = _load()
         batch = x.shape[0]
-        first = k_caches[0]
-        rows, kv_heads, max_len, head_dim = first.shape
+        _, kv_heads, max_len, head_dim = k_caches[0].shape
         if (
             library is None
             or x.dtype != torch.bfloat16
-            or x.device.type != "cpu"
-            or not x.is_contiguous()
+            or cos.dtype != torch.bfloat16
+            or sin.dtype != torch.bfloat16
             or x.shape[1] != self.hidden
             or len(k_caches) != self.num_layers
             or len(v_caches) != self.num_layers
-            or head_dim % 32
-            or head_dim > 256
-            or num_heads % kv_heads
-            or (cache_rows is None and batch > rows)
-            or not all(
-                t.dtype == torch.bfloat16 and t.is_contiguous() and t.shape == first.shape and t.device.type == "cpu"
-                for caches in (k_caches, v_caches)
-                for t in caches
-            )
+            or not _attention_fits(x, (*k_caches, *v_caches), num_heads, cache_rows)
         ):
             return False
-        cos, sin = cos.reshape(batch, head_dim).contiguous(), sin.reshape(batch, head_dim).contiguous()
-        if cos.dtype != torch.bfloat16 or sin.dtype != torch.bfloat16:
-            return False
-        positions = positions.to(torch.int64).contiguous()
-        if cache_rows is not None:
-            cache_rows = cache_rows.to(torch.int64).contiguous()
+        cos, sin, positions, cache_rows = _token_rows(cos, sin, positions, cache_rows, head_dim)
         pointers = ctypes.c_void_p * self.num_layers
         status = library.rill_decode_layers(
             self._layers,
