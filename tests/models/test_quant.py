@@ -191,6 +191,31 @@ def test_the_vnni_kernel_gives_each_row_the_same_result_at_any_batch_size() -> N
     not qkernel.available(), reason=f"the VNNI kernel does not run here: {qkernel.unavailable_reason()}"
 )
 @pytest.mark.parametrize("bits", (4, 8))
+def test_products_handed_out_to_free_threads_give_the_same_result(bits: int) -> None:
+    """With ``share_cores`` (an engine replica) a product of 8 rows or more hands its weight
+    blocks out in chunks; every block is computed once and as before, so the result is the
+    same bit for bit (40 blocks of 16 weight rows: the last chunk is a short one)."""
+    torch.manual_seed(3)
+    matrix = torch.randn(16 * 40 - 5, 256)
+    values = quant_values.to_int4(matrix) if bits == 4 else quant_values.to_int8(matrix)
+    weight = qkernel.BlockedWeight(values, torch.bfloat16)
+    x = torch.randn(13, 256).to(torch.bfloat16)
+    fixed = [weight.linear(x[:rows]) for rows in (4, 8, 13)]
+    try:
+        qkernel.share_cores(True)
+        shared = [weight.linear(x[:rows]) for rows in (4, 8, 13)]
+    finally:
+        qkernel.share_cores(False)
+    for a, b in zip(fixed, shared):
+        assert torch.equal(a, b)
+    expected = x.float() @ values.dequantize().t()  # and it is the product, not two equal wrong answers
+    assert float((shared[2].float() - expected).norm() / expected.norm()) < 0.02
+
+
+@pytest.mark.skipif(
+    not qkernel.available(), reason=f"the VNNI kernel does not run here: {qkernel.unavailable_reason()}"
+)
+@pytest.mark.parametrize("bits", (4, 8))
 @pytest.mark.parametrize("rows", (1, 3, 6))
 def test_the_vnni_kernel_applies_a_norm_or_a_swiglu_as_the_unfused_steps_do(bits: int, rows: int) -> None:
     """``linear_rms`` is ``RMSNorm`` then the product and ``linear_swiglu`` is ``silu(gate) * up``

@@ -16,6 +16,11 @@ step over in one hop). A stream item costs the same whatever it holds, so one it
 rather than one per request and step, is what keeps the hop cheap under load. When that
 stream ends (the server went away), its requests are cancelled here.
 
+A replica's engine shares its machine's cores with Ray's daemons and often with the server
+process, whose work preempts one of the engine's threads now and then; so its products of many
+rows hand their weight blocks out to whichever thread is free (``qkernel.share_cores``), and a
+preempted thread no longer holds up the other until it runs again.
+
 While a server process on this machine has its outputs stream open, the engine's thread
 governor counts that process's CPU as the replica's own (``ThreadGovernor.ally``): it
 tokenizes, streams and reads this engine's outputs, work that single-process rill does in the
@@ -172,6 +177,9 @@ class EngineReplica:
     async def __init__(self, config: EngineConfig) -> None:  # type: ignore[misc]  # Ray Serve awaits it
         self.replica = _replica_id()
         _unnice()  # before the engine's threads start: they inherit this thread's niceness
+        from rill.models import qkernel  # here, not at the top: the server process imports this module
+
+        qkernel.share_cores()  # Ray's daemons (and the server process) preempt the engine's threads
         self.client = _ReplicaClient.start(config, policy=SubmissionPolicy(engine=config))
         self.client.after_dispatch = self._wake
         self._outboxes: dict[str, _Outbox] = {}

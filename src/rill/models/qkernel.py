@@ -70,6 +70,7 @@ _SIGNATURES = {  # each C function's arguments, a letter each (``_C_TYPES``); al
     "rill_linear": "ipppllpilpipf",  # bits, w, s, z, N, K, x, x_bf16, M, y, pre, norm, eps
     "rill_decode_attention": "pillllppppppllfp",  # see kernels/attention.c
     "rill_decode_layers": "plplllllfpppppplf",  # see kernels/layers.c
+    "rill_set_schedule": "i",  # dynamic (see kernels/qgemm.c)
 }
 
 _lock = threading.Lock()
@@ -93,6 +94,17 @@ def unavailable_reason() -> str | None:
     """Why the kernel does not run here (None when it does)."""
     _load()
     return _reason
+
+
+def share_cores(shared: bool = True) -> None:
+    """Tell this process's products whether the engine shares its cores with other busy
+    processes (an engine replica beside Ray's daemons and the server process). When it does,
+    a product of many rows hands its weight blocks out to whichever thread is free, so that
+    a thread preempted by another process does not hold up the step; otherwise each thread
+    takes a fixed half, which streams the weights best. A no-op where the kernel does not run."""
+    library = _load()
+    if library is not None:
+        library.rill_set_schedule(int(shared))
 
 
 def _cpu_flags() -> set[str]:

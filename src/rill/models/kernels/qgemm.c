@@ -282,24 +282,50 @@ DEFINE_BLOCK6(4)
 
 /* y [M, N] float32 = dequantized activations (xq, dx, dsx, dsh from quantize_rows) times the
  * blocked weights w (bits 4, 5, 6 or 8) with scales s and offsets z. */
+/* Products of at least DYNAMIC_MIN_ROWS activation rows hand their weight blocks out in chunks
+ * to whichever thread is free (rill_set_schedule(1)), instead of half to each thread: where the
+ * engine shares its cores with other busy processes, a thread they preempt no longer stalls
+ * the product until it runs again. Fewer rows stay static: their products are bound by the
+ * weights' read, which a contiguous half per thread streams best. */
+#define DYNAMIC_MIN_ROWS 8
+static int schedule_dynamic = 0;
+
+int rill_set_schedule(int dynamic)
+{
+    schedule_dynamic = dynamic != 0;
+    return 0;
+}
+
+static void qgemm_block(int bits, const uint8_t *w, const void *s, const uint16_t *z, int64_t N, int64_t K,
+                        const int8_t *xq, const float *dx, const float *dsx, const float *dsh, int64_t M, float *y,
+                        int64_t b, int64_t G, int64_t block_bytes)
+{
+    const uint8_t *wb = w + b * block_bytes;
+    if (bits == 6) {
+        OVER_ROWS(block6, wb, (const int8_t *)s + b * G * 32, z + b * (G / 8) * 16, K, xq, dx, dsh);
+    } else if (bits == 5) {
+        OVER_ROWS(block, bits, wb, (const uint16_t *)((const uint8_t *)s + b * G * 32), z + b * (G / 8) * 32, K,
+                  xq, dx, dsx);
+    } else {
+        OVER_ROWS(block, bits, wb, (const uint16_t *)s + b * G * 16, z + b * G * 16, K, xq, dx, dsx);
+    }
+}
+
+/* y [M, N] float32 = dequantized activations (xq, dx, dsx, dsh from quantize_rows) times the
+ * blocked weights w (bits 4, 5, 6 or 8) with scales s and offsets z. */
 static void qgemm(int bits, const uint8_t *w, const void *s, const uint16_t *z, int64_t N, int64_t K,
                   const int8_t *xq, const float *dx, const float *dsx, const float *dsh, int64_t M, float *y)
 {
     const int64_t G = K / GROUP;
     const int64_t blocks = (N + 15) / 16;
     const int64_t block_bytes = G * (bits == 4 || bits == 5 ? 256 : bits == 6 ? 384 : 512);
+    if (schedule_dynamic && M >= DYNAMIC_MIN_ROWS) {
+        const int64_t chunk = blocks / 16 > 1 ? blocks / 16 : 1; /* about 16 chunks a product */
+#pragma omp parallel for schedule(dynamic, chunk)
+        for (int64_t b = 0; b < blocks; b++) qgemm_block(bits, w, s, z, N, K, xq, dx, dsx, dsh, M, y, b, G, block_bytes);
+    } else {
 #pragma omp parallel for schedule(static)
-    for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *wb = w + b * block_bytes;
-        if (bits == 6) {
-            OVER_ROWS(block6, wb, (const int8_t *)s + b * G * 32, z + b * (G / 8) * 16, K, xq, dx, dsh);
-        } else if (bits == 5) {
-            /* u8 sub-scales and mins [block][group][2][16], fp16 [block][group/8][2][16] */
-            OVER_ROWS(block, bits, wb, (const uint16_t *)((const uint8_t *)s + b * G * 32), z + b * (G / 8) * 32, K,
-                      xq, dx, dsx);
-        } else {
-            OVER_ROWS(block, bits, wb, (const uint16_t *)s + b * G * 16, z + b * G * 16, K, xq, dx, dsx);
-        }
+        for (int64_t b = 0; b < blocks; b++) qgemm_block(bits, w, s, z, N, K, xq, dx, dsx, dsh, M, y, b, G, block_bytes);
     }
 }
 
