@@ -194,7 +194,7 @@ def test_the_vnni_kernel_gives_each_row_the_same_result_at_any_batch_size() -> N
 def test_products_handed_out_to_free_threads_give_the_same_result(bits: int) -> None:
     """With ``share_cores`` (an engine replica) a product of 8 rows or more hands its weight
     blocks out in chunks; every block is computed once and as before, so the result is the
-    same bit for bit (40 blocks of 16 weight rows: the last chunk is a short one)."""
+    same bit for bit (635 weight rows: 40 blocks of 16, the last one partial)."""
     torch.manual_seed(3)
     matrix = torch.randn(16 * 40 - 5, 256)
     values = quant_values.to_int4(matrix) if bits == 4 else quant_values.to_int8(matrix)

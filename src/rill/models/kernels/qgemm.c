@@ -280,8 +280,6 @@ DEFINE_BLOCK6(4)
         }                                                                                                 \
     } while (0)
 
-/* y [M, N] float32 = dequantized activations (xq, dx, dsx, dsh from quantize_rows) times the
- * blocked weights w (bits 4, 5, 6 or 8) with scales s and offsets z. */
 /* Products of at least DYNAMIC_MIN_ROWS activation rows hand their weight blocks out in chunks
  * to whichever thread is free (rill_set_schedule(1)), instead of half to each thread: where the
  * engine shares its cores with other busy processes, a thread they preempt no longer stalls
@@ -296,6 +294,7 @@ int rill_set_schedule(int dynamic)
     return 0;
 }
 
+/* One block of 16 weight rows (block b) times every activation row. */
 static void qgemm_block(int bits, const uint8_t *w, const void *s, const uint16_t *z, int64_t N, int64_t K,
                         const int8_t *xq, const float *dx, const float *dsx, const float *dsh, int64_t M, float *y,
                         int64_t b, int64_t G, int64_t block_bytes)
@@ -304,6 +303,7 @@ static void qgemm_block(int bits, const uint8_t *w, const void *s, const uint16_
     if (bits == 6) {
         OVER_ROWS(block6, wb, (const int8_t *)s + b * G * 32, z + b * (G / 8) * 16, K, xq, dx, dsh);
     } else if (bits == 5) {
+        /* u8 sub-scales and mins [block][group][2][16], fp16 [block][group/8][2][16] */
         OVER_ROWS(block, bits, wb, (const uint16_t *)((const uint8_t *)s + b * G * 32), z + b * (G / 8) * 32, K,
                   xq, dx, dsx);
     } else {
