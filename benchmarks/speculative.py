@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         for round_index in range(args.rounds):
             order = live[round_index % len(live) :] + live[: round_index % len(live)]
             for load, level in levels:
-                prompts = LOADS[load] * (2 if level > 1 else 1)
+                prompts = load_prompts(load, level)
                 for name in order:
                     if level > 1 and not name.startswith("rill"):
                         continue
@@ -332,6 +332,17 @@ def print_tables(results: dict, accept: dict, names: list[str], levels: list[tup
             )
 
 
+def load_prompts(load: str, level: int) -> list[str]:
+    """One run of ``load`` at concurrency ``level`` (twice the prompts when concurrent)."""
+    return LOADS[load] * (2 if level > 1 else 1)
+
+
+def _agreement(a: list[dict], b: list[dict]) -> tuple[int, int]:
+    """(equal answers, answers compared) of two runs' rows, prompt by prompt."""
+    pairs = list(zip(a, b))
+    return sum(x["text"] == y["text"] for x, y in pairs), len(pairs)
+
+
 def check_equal(results: dict, levels: list[tuple[str, int]]) -> None:
     """rill's answers with and without speculation, compared text for text.
 
@@ -342,32 +353,28 @@ def check_equal(results: dict, levels: list[tuple[str, int]]) -> None:
     is printed beside each speculating system's agreement with plain rill.
     """
     for other in ("rill-ngram", "rill-draft"):
-        same = total = 0
-        for load, level in levels:
-            if level > 1:
-                continue
-            plain = results.get(("rill", load, level)) or []
-            spec = results.get((other, load, level)) or []
-            for a, b in zip(plain, spec):
-                total += 1
-                same += a["text"] == b["text"]
+        counts = [
+            _agreement(results.get(("rill", load, 1)) or [], results.get((other, load, 1)) or [])
+            for load, level in levels
+            if level == 1
+        ]
+        same, total = sum(c[0] for c in counts), sum(c[1] for c in counts)
         if total:
             print(f"\nrill vs {other}, c=1: {same}/{total} answers identical")
     for load, level in levels:
         if level == 1:
             continue
-        plain = [r["text"] for r in results.get(("rill", load, level)) or []]
-        size = len(LOADS[load]) * 2
+        plain = results.get(("rill", load, level)) or []
+        size = len(load_prompts(load, level))
         rounds = [plain[i : i + size] for i in range(0, len(plain), size)]
-        pairs = [(a, b) for i, x in enumerate(rounds) for y in rounds[i + 1 :] for a, b in zip(x, y)]
-        if pairs:
-            same = sum(a == b for a, b in pairs)
-            print(f"rill vs rill in other rounds, {load} c={level}: {same}/{len(pairs)} answers identical")
+        counts = [_agreement(x, y) for i, x in enumerate(rounds) for y in rounds[i + 1 :]]
+        same, total = sum(c[0] for c in counts), sum(c[1] for c in counts)
+        if total:
+            print(f"rill vs rill in other rounds, {load} c={level}: {same}/{total} answers identical")
         for other in ("rill-ngram", "rill-draft"):
-            spec = [r["text"] for r in results.get((other, load, level)) or []]
-            if spec and plain:
-                same = sum(a == b for a, b in zip(plain, spec))
-                print(f"rill vs {other}, {load} c={level}: {same}/{min(len(plain), len(spec))} answers identical")
+            same, total = _agreement(plain, results.get((other, load, level)) or [])
+            if total:
+                print(f"rill vs {other}, {load} c={level}: {same}/{total} answers identical")
 
 
 if __name__ == "__main__":
