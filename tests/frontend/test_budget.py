@@ -206,7 +206,9 @@ def test_start_up_objects_are_frozen_after_their_garbage_is_collected() -> None:
     try:
         frozen = freeze_startup_objects()
         assert gone() is None
-        assert frozen >= len(alive) and gc.get_freeze_count() == frozen
+        # Frozen objects that die later leave the count: other threads of this test process
+        # (left by earlier tests) may free some between the freeze and this line.
+        assert frozen >= len(alive) and 0 < gc.get_freeze_count() <= frozen
         assert not any(gc.is_tracked(o) and o in gc.get_objects() for o in alive[:1])
     finally:
         thaw_startup_objects()
