@@ -345,6 +345,27 @@ def test_quantized_weights_take_half_the_dense_memory_or_less_and_are_the_only_c
     assert quant_bytes < 0.55 * dense_bytes
 
 
+@pytest.mark.skipif(not qkernel.available(), reason="rill's kernel does not run on this CPU")
+def test_a_tied_lm_head_multiplies_the_files_own_values_in_the_kernel(quantized_files) -> None:
+    """A model whose LM head is its embedding (Q8_0 here) gets the head as a packed weight of
+    its own, the file's values in the kernel's layout (the embedding keeps its int8 rows for
+    lookups); its products are the file's dequantized matrix's, to the kernel's rounding of
+    the activations. A model with a head of its own gets no second one."""
+    file = quantized_files["qwen2-tied"]
+    model = load_model(file, dtype="bfloat16", weights="auto").model
+    head = model.lm_weight()
+    assert isinstance(head, qkernel.BlockedWeight) and head.kind == "int8", head
+    assert isinstance(model.embed_tokens, quant.QuantizedEmbedding)
+    values = load_model(file, dtype="float32", weights="dense").model.embed_tokens.weight
+    x = torch.randn(6, values.shape[1], generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    expected = x.float() @ values.T
+    got = head.linear(x).float()
+    assert float((got - expected).abs().max()) < 0.02 * float(expected.abs().max())
+    untied = load_model(quantized_files["llama"], dtype="bfloat16", weights="auto").model
+    heads = [m for m in untied.modules() if isinstance(m, quant.QuantizedLinear) and m is untied.lm_head]
+    assert len(heads) == 1 and untied.lm_weight() is untied.lm_head.weight
+
+
 def test_weights_modes_are_checked_and_a_folder_quantizes_at_load(checkpoint) -> None:
     folder = checkpoint("qwen2")
     with pytest.raises(ModelLoadError, match="--weights"):

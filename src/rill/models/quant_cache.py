@@ -31,8 +31,9 @@ from rill.cache import build_atomically, cache_root
 
 log = logging.getLogger("rill.models")
 
-FORMAT = 4
-"""Version of the folder's layout; bump it when a weight class's buffers change."""
+FORMAT = 5
+"""Version of the folder's layout; bump it when a weight class's buffers change (5: a tied LM
+head has a packed weight of its own, ``lm_head``)."""
 
 _WEIGHTS_FILE = "weights.safetensors"
 _META_FILE = "meta.json"
