@@ -1,8 +1,10 @@
-"""Starting Ray's local instance: a start whose raylet did not register in time is shut down
-and tried once more; any other failure, or a second timeout, is raised."""
+"""Starting Ray's local instance: a start whose raylet did not register in time, or whose GCS
+did not write its port file in time, is shut down and tried once more; any other failure, or a
+second timeout, is raised."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -10,6 +12,7 @@ import pytest
 from rill.cluster import launch
 
 TIMEOUT = Exception("The current node timed out during startup. This could happen because ...")
+GCS_TIMEOUT = Exception("Timed out waiting for file /tmp/ray/session_x/gcs_server_port_abc")
 
 
 class FakeRay:
@@ -29,10 +32,22 @@ class FakeRay:
         self.calls.append("shutdown")
 
 
-def test_a_start_that_timed_out_is_shut_down_and_tried_again() -> None:
-    ray = FakeRay(TIMEOUT, None)
+@pytest.mark.parametrize("timeout", (TIMEOUT, GCS_TIMEOUT))
+def test_a_start_that_timed_out_is_shut_down_and_tried_again(timeout: Exception) -> None:
+    ray = FakeRay(timeout, None)
     launch._start_local_ray(ray, cpus=2)
     assert ray.calls == ["init", "shutdown", "init"]
+
+
+def test_the_gcs_gets_longer_than_rays_default_to_come_up_unless_the_user_chose(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("RAY_gcs_server_port_wait_time_s", raising=False)
+    launch._start_local_ray(FakeRay(None), cpus=2)
+    assert int(os.environ["RAY_gcs_server_port_wait_time_s"]) > 30
+    monkeypatch.setenv("RAY_gcs_server_port_wait_time_s", "12")
+    launch._start_local_ray(FakeRay(None), cpus=2)
+    assert os.environ["RAY_gcs_server_port_wait_time_s"] == "12"
 
 
 def test_a_second_timeout_or_another_failure_is_raised() -> None:

@@ -120,14 +120,26 @@ LOCAL_RAY_ATTEMPTS = 2
 """Starts of Ray's local instance tried before ``rill serve --replicas`` gives up."""
 
 
-def _start_local_ray(ray: Any, cpus: int, attempts: int = LOCAL_RAY_ATTEMPTS) -> None:
-    """Start Ray's local instance, again after a start whose raylet did not register in time.
+GCS_PORT_WAIT_S = "90"
+"""Seconds Ray waits for a local instance's GCS to write its port file (Ray's default: 30)."""
 
-    Ray waits a fixed 30 s for the raylet it spawned to register with its GCS; on a machine
-    whose cores are all busy that has run out twice in this project's runs, the raylet leaving
-    no log at all, while the next start, a minute later, took seconds. A failed start is shut
-    down before the next one, so no half-started instance is left behind.
+STARTUP_TIMEOUTS = ("timed out during startup", "Timed out waiting for file")
+"""What Ray's errors say when one of its daemons did not come up in time: the raylet did not
+register with the GCS, or the GCS did not write its port file."""
+
+
+def _start_local_ray(ray: Any, cpus: int, attempts: int = LOCAL_RAY_ATTEMPTS) -> None:
+    """Start Ray's local instance, again after a start whose daemons did not come up in time.
+
+    Ray waits a fixed 30 s for the raylet it spawned to register with its GCS, and by default
+    30 s for the GCS to write its port file; on a machine whose cores are all busy each has run
+    out in this project's runs (the GCS's in a test suite run beside two busy loops), the daemon
+    leaving no log at all, while the next start took seconds. So the GCS gets ``GCS_PORT_WAIT_S``
+    (unless ``RAY_gcs_server_port_wait_time_s`` is set), and a start that timed out either way is
+    shut down, so no half-started instance is left behind, and tried again.
     """
+    # Read by ray.init in this process only: the wait is the driver's.
+    os.environ.setdefault("RAY_gcs_server_port_wait_time_s", GCS_PORT_WAIT_S)
     for attempt in range(1, attempts + 1):
         try:
             ray.init(
@@ -143,7 +155,7 @@ def _start_local_ray(ray: Any, cpus: int, attempts: int = LOCAL_RAY_ATTEMPTS) ->
             )
             return
         except Exception as exc:
-            if attempt == attempts or "timed out during startup" not in str(exc):
+            if attempt == attempts or not any(timeout in str(exc) for timeout in STARTUP_TIMEOUTS):
                 raise
             log.warning("Ray's local instance did not start (%s); starting it again", exc)
             ray.shutdown()
