@@ -138,7 +138,7 @@ def _start_local_ray(ray: Any, cpus: int, attempts: int = LOCAL_RAY_ATTEMPTS) ->
     (unless ``RAY_gcs_server_port_wait_time_s`` is set), and a start that timed out either way is
     shut down, so no half-started instance is left behind, and tried again.
     """
-    # Read by ray.init in this process only: the wait is the driver's.
+    # Ray's processes inherit it too, where it only lengthens their retries to reach the GCS.
     os.environ.setdefault("RAY_gcs_server_port_wait_time_s", GCS_PORT_WAIT_S)
     for attempt in range(1, attempts + 1):
         try:
