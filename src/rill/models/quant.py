@@ -185,11 +185,9 @@ def pack(values: QuantValues, dtype: torch.dtype, device: torch.device | str = "
         ValueError: int4 off the CPU (torch's int4 kernel for other devices packs differently).
     """
     device = torch.device(device)
-    if device.type == "cpu" and values.shape[1] % GROUP_SIZE == 0:
-        import rill.models.qkernel as qkernel
-
-        if qkernel.available():
-            return qkernel.BlockedWeight(values, dtype)
+    kernel_form = _kernel_form(values, dtype, device)
+    if kernel_form is not None:
+        return kernel_form
     if isinstance(values, Int6Values):
         values = to_int8(values)  # torch has no 6-bit kernel: the nearest 8-bit values, a scale per 32
     if isinstance(values, Int4Values):
@@ -199,6 +197,16 @@ def pack(values: QuantValues, dtype: torch.dtype, device: torch.device | str = "
             return Int4Weight(values, dtype)
         values = to_int8(values)  # torch's int4 packing takes whole blocks of 16 output rows
     return Int8Weight(Int8Values(values.q.to(device), values.scale.to(device)), dtype)
+
+
+def _kernel_form(values: QuantValues, dtype: torch.dtype, device: torch.device | str) -> QuantWeight | None:
+    """``values`` in rill's own kernel's layout, or None where that kernel does not run (another
+    device, a CPU without it, an input width it does not take)."""
+    if torch.device(device).type != "cpu" or values.shape[1] % GROUP_SIZE:
+        return None
+    import rill.models.qkernel as qkernel
+
+    return qkernel.BlockedWeight(values, dtype) if qkernel.available() else None
 
 
 class QuantizedLinear(nn.Module):
@@ -278,8 +286,7 @@ def _tied_head(values: QuantValues, dtype: torch.dtype, device: torch.device | s
     shares its cores (``qkernel.share_cores``). The price is a second copy of the matrix
     (28 MB for SmolLM2's 8-bit values).
     """
-    head = pack(values, dtype, device)
-    return None if isinstance(head, (Int4Weight, Int8Weight)) else head
+    return _kernel_form(values, dtype, device)
 
 
 def weight_bytes(model: nn.Module) -> int:
