@@ -50,6 +50,17 @@ def test_the_gcs_gets_longer_than_rays_default_to_come_up_unless_the_user_chose(
     assert os.environ["RAY_gcs_server_port_wait_time_s"] == "12"
 
 
+def test_rays_bookkeeping_runs_at_longer_periods_unless_the_user_chose(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in launch.QUIET_RAY:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.2")
+    launch._start_local_ray(FakeRay(None), cpus=2)
+    assert os.environ["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "0.2"
+    # Ray's defaults: the controller's loop 0.1 s, the raylet's resource reports 100 ms.
+    assert os.environ["RAY_raylet_report_resources_period_milliseconds"] == "1000"
+    assert all(os.environ[name] == value for name, value in launch.QUIET_RAY.items() if "CONTROL_LOOP" not in name)
+
+
 def test_a_second_timeout_or_another_failure_is_raised() -> None:
     ray = FakeRay(TIMEOUT, TIMEOUT)
     with pytest.raises(Exception, match="timed out during startup"):
