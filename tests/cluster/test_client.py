@@ -7,6 +7,7 @@ ends its request at once, an outputs stream that never opens ends its requests w
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -75,7 +76,7 @@ class _Handle:
         return _Call(_done(None))
 
     def options(self, **_: Any) -> Any:
-        def outputs(frontend: str, *, replica: str, origin: Any = None) -> _Outputs:
+        def outputs(frontend: str, *, replica: str, origin: Any = None, secret: Any = None) -> _Outputs:
             return self.outputs_of.setdefault(replica, _Outputs())
 
         return SimpleNamespace(outputs=SimpleNamespace(remote=outputs))
@@ -87,20 +88,27 @@ def _done(value: Any) -> asyncio.Future[Any]:
     return future
 
 
-@pytest.fixture
-async def ray_client() -> AsyncIterator[tuple[RayClient, _Handle]]:
+@contextlib.asynccontextmanager
+async def deployed(handle: _Handle) -> AsyncIterator[RayClient]:
+    """A ``RayClient`` whose deployment is ``handle``, with one live replica "r1"."""
     config = EngineConfig(model="fake-model")
     client = RayClient(config, ClusterConfig(replicas=2), asyncio.get_running_loop(), SubmissionPolicy(engine=config))
-    handle = _Handle()
     client.engine = fake_engine(config)
     client._deployed = SimpleNamespace(handle=handle, close=lambda: None)  # type: ignore[assignment]
     client._ready.set()
     registry.publish(launch.DEPLOYMENT, frozenset({"r1"}))
     try:
-        yield client, handle
+        yield client
     finally:
         await client.shutdown()
         registry.publish(launch.DEPLOYMENT, frozenset())
+
+
+@pytest.fixture
+async def ray_client() -> AsyncIterator[tuple[RayClient, _Handle]]:
+    handle = _Handle()
+    async with deployed(handle) as client:
+        yield client, handle
 
 
 def _request(request_id: str) -> GenerateRequest:

@@ -48,6 +48,7 @@ def _replica(governor: ThreadGovernor | None) -> EngineReplica:
     replica.client = SimpleNamespace(engine=engine)  # type: ignore[assignment]
     replica._outboxes = {}
     replica._outbox_of = {}
+    replica._linked = 0
     return replica
 
 

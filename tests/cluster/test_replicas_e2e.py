@@ -106,6 +106,13 @@ async def test_every_protocol_is_served_and_work_spreads_over_both_replicas(clus
         "both replicas' counters",
     )
     assert all(count > 0 for count in made.values()), made
+    # The front door runs on the replicas' machine: each hands its outputs over a local socket.
+    linked = wait_for(
+        lambda: (lambda v: v if len(v) == 2 else None)(cluster.replica_values("rill_replica_engine_linked_frontends")),
+        30,
+        "both replicas' linked front doors",
+    )
+    assert set(linked.values()) == {1.0}, linked
 
 
 def test_replicas_run_at_the_servers_niceness(cluster: ClusterServer) -> None:

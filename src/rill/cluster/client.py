@@ -12,7 +12,8 @@ is the cluster's one store (``rill.cluster.limits``), which every front door sha
   it refused: the error keeps its type).
 * Outputs come back in one stream per replica (``outputs``, opened with the first request
   there), one batch per engine step, routed to each request's ``RequestStream`` as the
-  in-process engine thread's are. The stream names this process (``Origin``): a replica on
+  in-process engine thread's are; a replica on this machine writes them to a socket this
+  process listens on instead, the Ray stream staying open beside it (``rill.cluster.link``). The stream names this process (``Origin``): a replica on
   the same machine counts its CPU as the engine's own while the stream is open.
 * A control (stop, pause, resume, regenerate, a parameter change) is a call naming that
   replica, which the router sends there and nowhere else. The controls of one request go in
@@ -34,11 +35,13 @@ import logging
 import signal
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Self, cast
 
-from rill.cluster import launch, registry
+import msgspec
+
+from rill.cluster import launch, link, registry
 from rill.cluster.replica import Accepted, Description, Origin, Refused
 from rill.cluster.router import prefix_keys
 from rill.config import ClusterConfig, EngineConfig
@@ -171,6 +174,8 @@ class RayClient(InprocClient):
         self._lanes: dict[RequestId, _Lane] = {}
         self._frontend = uuid.uuid4().hex  # names this process's outputs stream on each replica
         self._origin = Origin.here()  # lets a replica on this machine count our CPU as its own
+        self._listener: link.Listener | None = None  # where replicas on this machine hand outputs over
+        self._linked: set[str] = set()  # the replicas whose outputs come over that socket now
         self._readers: dict[str, asyncio.Task[None]] = {}  # replica -> its outputs stream's reader
         self._on_replica: dict[str, set[RequestId]] = {}  # replica -> the requests running there
         self._replica_stats: dict[str, EngineStats] = {}
@@ -205,6 +210,10 @@ class RayClient(InprocClient):
                     await asyncio.to_thread((await deploying).close)
                 raise
             _reinstall_signal_handlers()  # a stop must stay the server's graceful one
+            if self._origin is not None:
+                self._listener = await link.Listener.start()
+                if self._listener is not None:
+                    self._origin = msgspec.structs.replace(self._origin, outputs_address=self._listener.address)
             if self._deployed.limiter is not None:
                 # From now on every front door of the cluster counts in the same place.
                 self.policy.limiter = self._deployed.limiter
@@ -262,6 +271,8 @@ class RayClient(InprocClient):
             lane.close()
         self._lanes.clear()
         self._fail_all()  # the readers are gone: every stream still open ends here
+        if self._listener is not None:
+            await self._listener.close()
         if self._deployed is not None:
             await asyncio.to_thread(self._deployed.close)
         self.policy.close()
@@ -341,19 +352,36 @@ class RayClient(InprocClient):
         await super()._withdraw(stream)
 
     async def _read(self, replica: str) -> None:
-        """Route a replica's outputs to their streams, a step's batch at a time; when its stream
-        ends (the replica died), end every request still running there with ``ReplicaLost``."""
-        call = self._handle().options(stream=True).outputs.remote(self._frontend, replica=replica, origin=self._origin)
+        """Route a replica's outputs to their streams, a step's batch at a time, from its Ray
+        stream or, for a replica on this machine, its socket (``rill.cluster.link``); when they
+        end (the replica died), end every request still running there with ``ReplicaLost``."""
+        listener = self._listener
+        secret, linked = listener.expect() if listener is not None else (None, None)
+        call = (
+            self._handle()
+            .options(stream=True)
+            .outputs.remote(self._frontend, replica=replica, origin=self._origin, secret=secret)
+        )
         reason = "its outputs stream ended"
+        connection: link.Link | None = None
         try:
             batches = aiter(call)
-            # The replica opens the stream with a batch at once: without it in time, the replica
+            # The replica opens the stream with an item at once: without it in time, the replica
             # is gone (a call naming a replica that died is offered none and waits for ever).
             async with asyncio.timeout(CONTROL_TIMEOUT_S):
                 opening = await anext(batches)
+                if isinstance(opening, link.Linked):
+                    assert linked is not None  # a replica links only when given a secret
+                    connection = await linked  # it connected before it answered
+                    opening = []
             self._dispatch(opening)
-            async for batch in batches:
-                self._dispatch(batch)
+            if connection is None:
+                async for batch in batches:
+                    self._dispatch(batch)
+            else:
+                self._linked.add(replica)
+                await self._read_linked(batches, connection)
+                call.cancel()  # the socket ended: the replica let go of it (or died)
         except asyncio.CancelledError:
             call.cancel()
             raise
@@ -362,7 +390,41 @@ class RayClient(InprocClient):
             reason = type(exc).__name__
         finally:
             self._readers.pop(replica, None)
+            self._linked.discard(replica)
+            if listener is not None:
+                assert secret is not None
+                listener.forget(secret)
+                if connection is not None:
+                    listener.release(connection)
         self._lose(replica, reason)
+
+    async def _read_linked(self, batches: AsyncIterator[Any], connection: link.Link) -> None:
+        """Route the batches of a replica's socket until it ends; its Ray stream, which carries
+        nothing more, ends too when the replica dies or lets go."""
+
+        async def over_socket() -> None:
+            with contextlib.suppress(asyncio.IncompleteReadError):  # its end
+                while True:
+                    self._dispatch(await link.read_batch(connection.reader))
+
+        async def over_ray() -> None:
+            async for batch in batches:
+                self._dispatch(batch)
+
+        local = asyncio.ensure_future(over_socket())
+        watch = asyncio.ensure_future(over_ray())
+        try:
+            await asyncio.wait((local, watch), return_when=asyncio.FIRST_COMPLETED)
+            if not local.done():
+                # The Ray stream ended first: what the replica wrote before it closed the socket
+                # is still to be read (a replica that died closed it with nothing more).
+                await asyncio.wait((local,), timeout=CONTROL_TIMEOUT_S)
+        finally:
+            for task in (local, watch):
+                task.cancel()
+            await asyncio.gather(local, watch, return_exceptions=True)
+        if local.done() and not local.cancelled() and local.exception() is not None:
+            raise cast(BaseException, local.exception())
 
     def _lose(self, replica: str, reason: str) -> None:
         """End every request still running on ``replica`` with ``ReplicaLost``."""
@@ -501,6 +563,11 @@ class RayClient(InprocClient):
             if replica not in fresh:
                 _add(self._departed, last, COUNTER_FIELDS)  # it left: its counts stay counted
         self._replica_stats = fresh
+
+    def linked_replicas(self) -> frozenset[str]:
+        """The replicas whose outputs come over a socket on this machine (``rill.cluster.link``)
+        rather than over Ray."""
+        return frozenset(self._linked)
 
     def replica_stats(self) -> dict[str, EngineStats]:
         """Each live replica's gauges and counters, as last read (at most ``STATS_INTERVAL_S`` old)."""

@@ -13,8 +13,10 @@ Outputs go back in one stream per server process (``outputs``), one batch per en
 the step's outputs of every request that server started here, each request's coalesced while
 the server reads slower than the engine makes them (as the in-process engine thread hands a
 step over in one hop). A stream item costs the same whatever it holds, so one item per step,
-rather than one per request and step, is what keeps the hop cheap under load. When that
-stream ends (the server went away), its requests are cancelled here.
+rather than one per request and step, is what keeps the hop cheap under load. A server process
+on this machine takes the batches over a Unix socket instead (``rill.cluster.link``), the Ray
+stream staying open and empty beside it. When either ends (the server went away), its
+requests are cancelled here.
 
 A replica's engine shares its machine's cores with Ray's daemons and often with the server
 process, whose work preempts one of the engine's threads now and then; so its products of many
@@ -39,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from rill.cluster import link
 from rill.config import EngineConfig
 from rill.engine.threads import proc_stat_fields
 from rill.errors import RillError
@@ -93,11 +96,14 @@ class Origin(msgspec.Struct, frozen=True):
         boot_id: the kernel's boot id (``BOOT_ID``).
         pid: its process id.
         started: its start time, in clock ticks after boot (``/proc/<pid>/stat``'s 22nd field).
+        outputs_address: where it takes outputs over a local socket (``rill.cluster.link``),
+            if it does.
     """
 
     boot_id: str
     pid: int
     started: int
+    outputs_address: str | None = None
 
     @classmethod
     def here(cls) -> Origin | None:
@@ -184,6 +190,7 @@ class EngineReplica:
         self.client.after_dispatch = self._wake
         self._outboxes: dict[str, _Outbox] = {}
         self._outbox_of: dict[str, str] = {}  # request id -> the server process it belongs to
+        self._linked = 0  # outputs streams whose batches go over a local socket now
         # Ray counts the replica as started when this returns: only with its model loaded.
         await self.client.wait_ready()
         freeze_startup_objects()
@@ -249,22 +256,31 @@ class EngineReplica:
                 outbox.wake.set()
 
     async def outputs(
-        self, frontend: str, *, replica: str, origin: Origin | None = None
-    ) -> AsyncIterator[list[RequestOutput]]:
+        self, frontend: str, *, replica: str, origin: Origin | None = None, secret: str | None = None
+    ) -> AsyncIterator[list[RequestOutput] | link.Linked]:
         """The outputs of every request ``frontend`` started here, one batch per engine step of
         the requests that made output (an empty batch first, at once, so the server process
-        knows the replica answers). Leaving the stream (the server process went away, or closed
-        it) cancels those requests; a later call for the same process takes them over. While the stream is open, the
-        CPU of ``origin`` (the server process), if it runs on this machine, counts as the
-        engine's own (see the module docstring)."""
+        knows the replica answers). A server process on this machine that names a socket in
+        ``origin`` and gives a ``secret`` gets its batches there instead (``rill.cluster.link``):
+        the first item is then ``Linked`` and no other follows. Leaving the stream, or closing
+        that socket (the server process went away, or closed it), cancels those requests; a
+        later call for the same process takes them over. While the stream is open, the CPU of
+        ``origin`` (the server process), if it runs on this machine, counts as the engine's own
+        (see the module docstring)."""
         outbox = self._outboxes.setdefault(frontend, _Outbox())
         token = outbox.reader = object()  # a later call for the same process takes the outbox over
         if outbox.reaper is not None:
             outbox.reaper.cancel()
             outbox.reaper = None
         unally = self._ally(origin)
+        writer = None
         try:
-            yield []  # at once: the server process knows this replica answers
+            if secret is not None and origin is not None and origin.outputs_address and origin.is_local():
+                writer = await link.connect(origin.outputs_address, secret)
+                if writer is not None:
+                    self._linked += 1
+            # At once: the server process knows this replica answers, and where its batches come.
+            yield [] if writer is None else link.Linked()
             while True:
                 if not outbox.ready:
                     outbox.wake.clear()
@@ -283,9 +299,19 @@ class EngineReplica:
                         del outbox.streams[request_id]
                         self._outbox_of.pop(request_id, None)
                         await stream.aclose()  # type: ignore[union-attr]  # output is not None
-                if batch:
+                if not batch:
+                    continue
+                if writer is None:
                     yield batch
+                    continue
+                try:
+                    await link.write_batch(writer, batch)
+                except ConnectionError:
+                    return  # the server process closed the socket: it is gone
         finally:
+            if writer is not None:
+                writer.close()
+                self._linked -= 1
             unally()
             if outbox.reader is token:  # else a later call reads it now
                 outbox.reader = None
@@ -333,7 +359,7 @@ class EngineReplica:
 
     def stats(self, *, replica: str) -> EngineStats:
         """This replica's engine gauges and counters."""
-        return self.client.stats()
+        return msgspec.structs.replace(self.client.stats(), linked_frontends=self._linked)
 
     def check_health(self) -> None:
         """Ray's health check: raise once the engine has stopped (Ray then replaces the replica)."""

@@ -300,6 +300,12 @@ _ENGINE_METRICS: tuple[tuple[str, str, bool, Callable[[EngineStats], float]], ..
         False,
         lambda s: s.allied_processes,
     ),
+    (
+        "rill_engine_linked_frontends",
+        "Server processes on the replica's machine taking its outputs over a local socket rather than Ray",
+        False,
+        lambda s: s.linked_frontends,
+    ),
 )
 """Each engine figure: name, help, whether it is a counter, and how to read it from ``EngineStats``."""
 
