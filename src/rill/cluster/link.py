@@ -5,7 +5,9 @@ user-code loop, Serve's loop, Ray's gRPC threads, then the server process's), ea
 per engine step on a machine whose cores the engine keeps busy, and each wake-up preempts an
 engine thread. A server process on the replica's machine takes the batches from a socket
 instead: one write, one read. Ray's outputs stream stays open beside it, carrying nothing: its
-end still ends the requests, and Ray still places, checks and restarts the replica.
+end still ends the requests, and Ray still places, checks and restarts the replica. Measured
+on 2 cores at 32 streams: the front door's CPU 0.064 of a core against 0.075, its wake-ups
+about 370 a second against 600 (``benchmarks/README.md``).
 
 The exchange:
 
