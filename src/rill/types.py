@@ -623,7 +623,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     step_ms_ewma: float = 0.0
     requests_finished_total: dict[str, int] = {}
     allied_processes: int = 0  # whose CPU the thread governor counts as the engine's own (a replica's front doors)
-    linked_frontends: int = 0  # server processes taking a replica's outputs over a local socket (rill.cluster.link)
+    linked_frontends: int = 0  # outputs streams a replica sends over a local socket (rill.cluster.link)
 
 
 # ----------------------------------------------------------------------------- speech

@@ -42,7 +42,8 @@ def test_a_start_that_timed_out_is_shut_down_and_tried_again(timeout: Exception)
 def test_the_gcs_gets_longer_than_rays_default_to_come_up_unless_the_user_chose(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.delenv("RAY_gcs_server_port_wait_time_s", raising=False)
+    monkeypatch.setenv("RAY_gcs_server_port_wait_time_s", "")  # so that monkeypatch restores it
+    monkeypatch.delenv("RAY_gcs_server_port_wait_time_s")
     launch._start_local_ray(FakeRay(None), cpus=2)
     assert int(os.environ["RAY_gcs_server_port_wait_time_s"]) > 30
     monkeypatch.setenv("RAY_gcs_server_port_wait_time_s", "12")
@@ -52,7 +53,8 @@ def test_the_gcs_gets_longer_than_rays_default_to_come_up_unless_the_user_chose(
 
 def test_rays_bookkeeping_runs_at_longer_periods_unless_the_user_chose(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in launch.QUIET_RAY:
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")  # so that monkeypatch puts back what was there (or nothing)
+        monkeypatch.delenv(name)
     monkeypatch.setenv("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.2")
     launch._start_local_ray(FakeRay(None), cpus=2)
     assert os.environ["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "0.2"

@@ -4,7 +4,7 @@
 that runs the replica's generator in a task of its own, as Ray does. The batches come over the
 socket while it is there; a replica that cannot connect sends them over Ray; a replica that
 goes away ends its requests with ``ReplicaLost``; a connection without the call's secret is
-closed unread; the socket works under uvloop too."""
+closed unread, and a replica turned away sends over Ray; the socket works under uvloop too."""
 
 from __future__ import annotations
 
@@ -155,14 +155,18 @@ async def test_a_connection_without_the_calls_secret_is_closed_unread() -> None:
         reader, writer = await asyncio.open_unix_connection(sock=sock)
         writer.write(b"0" * link.SECRET_BYTES)
         await writer.drain()
-        assert await reader.read() == b""  # closed
+        assert await reader.read() == b""  # closed, unanswered
+        writer.close()
+        # A replica turned away sends over Ray: it is not left waiting for a reader.
+        assert await link.connect(listener.address, "f" * link.SECRET_BYTES) is None
         assert not expected.done()
         replica_side = await link.connect(listener.address, secret)
         assert replica_side is not None
-        connection = await expected
+        async with asyncio.timeout(10):
+            connection = await expected
         await link.write_batch(replica_side, ["one batch"])
         assert await link.read_batch(connection.reader) == ["one batch"]
         replica_side.close()
-        listener.release(connection)
+        listener.release(secret, expected)
     finally:
         await listener.close()

@@ -112,7 +112,7 @@ async def test_every_protocol_is_served_and_work_spreads_over_both_replicas(clus
         30,
         "both replicas' linked front doors",
     )
-    assert set(linked.values()) == {1.0}, linked
+    assert all(count >= 1 for count in linked.values()), linked
 
 
 def test_replicas_run_at_the_servers_niceness(cluster: ClusterServer) -> None:

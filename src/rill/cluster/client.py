@@ -392,10 +392,8 @@ class RayClient(InprocClient):
             self._readers.pop(replica, None)
             self._linked.discard(replica)
             if listener is not None:
-                assert secret is not None
-                listener.forget(secret)
-                if connection is not None:
-                    listener.release(connection)
+                assert secret is not None and linked is not None
+                listener.release(secret, linked)  # a connection that came too late closes too
         self._lose(replica, reason)
 
     async def _read_linked(self, batches: AsyncIterator[Any], connection: link.Link) -> None:
@@ -423,8 +421,9 @@ class RayClient(InprocClient):
             for task in (local, watch):
                 task.cancel()
             await asyncio.gather(local, watch, return_exceptions=True)
-        if local.done() and not local.cancelled() and local.exception() is not None:
-            raise cast(BaseException, local.exception())
+        for task in (local, watch):  # the socket's error first, else the Ray stream's
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                raise cast(BaseException, task.exception())
 
     def _lose(self, replica: str, reason: str) -> None:
         """End every request still running on ``replica`` with ``ReplicaLost``."""

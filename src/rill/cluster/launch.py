@@ -136,11 +136,12 @@ QUIET_RAY = {
 defaults (each unless the user set it). Ray's processes wake about 1,500 times a second on an
 idle machine by default, mostly for the Serve controller's loop (every 0.1 s), the raylet's
 resource reports to the GCS (every 0.1 s) and exports of Ray's own metrics and task events,
-which rill does not read; every wake-up on a busy machine preempts an engine thread whose partner
-then waits for it. Idle, these take Ray's wake-ups to about 1,000 a second and its CPU from
-0.078 to 0.04-0.07 of a core (samples vary); on 2 cores, 32 streams, a replica made 3-5 % more
-tokens/s in each of three alternating runs. The cost: a replica that died is replaced up to a second later, and Ray's state API
-shows tasks up to 10 s late."""
+which rill does not read (likewise the GCS's pulls of resource loads and Serve's event-loop
+monitor); every wake-up on a busy machine preempts an engine thread whose partner then waits
+for it. Idle, these take Ray's wake-ups to about 1,000 a second and its CPU from 0.078 to
+0.04-0.07 of a core (samples vary); on 2 cores, 32 streams, a replica made 3-5 % more tokens/s
+in each of three alternating runs. The cost: a replica that died is replaced up to a second
+later, and Ray's state API shows tasks up to 10 s late."""
 
 STARTUP_TIMEOUTS = ("timed out during startup", "Timed out waiting for file")
 """What Ray's errors say when one of its daemons did not come up in time: the raylet did not

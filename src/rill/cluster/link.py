@@ -15,12 +15,13 @@ The exchange:
    left behind) and names it in the ``Origin`` it sends with each ``outputs`` call, together
    with a fresh secret for that call (``Listener.expect``).
 2. A replica on the same machine (``Origin.is_local``) connects and sends the secret
-   (``connect``): on success it says so as its stream's first item (``Linked``) and writes
-   every batch to the socket (``write_batch``); if it cannot connect, its first item is an empty
-   batch and its batches go over Ray as before.
-3. The server process hands the connection whose secret it gave to that call's reader, and
-   closes any other. Batches are framed (4-byte length, pickle): only a peer that received the
-   secret over Ray, and runs as the same user, gets as far as being read.
+   (``connect``). The server process hands a connection whose secret it gave out, from a peer
+   of its own user, to that call's reader and answers one byte; any other it closes unread.
+3. With that byte in, the replica says so as its stream's first item (``Linked``) and writes
+   every batch to the socket (``write_batch``); without it (it could not connect, or was
+   turned away), its first item is an empty batch and its batches go over Ray as before.
+   Batches are framed (4-byte length, pickle): only a peer that received the secret over Ray,
+   and runs as the same user, gets as far as being read.
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ MAX_FRAME_BYTES = 256 * 2**20
 
 _HEADER = struct.Struct(">I")
 
+ACK = b"\x01"
+"""The server process's answer to a connection it took."""
+
 
 class Linked(msgspec.Struct, frozen=True):
     """A replica's first outputs item when its batches come over the socket it connected."""
@@ -77,13 +81,14 @@ class Listener:
         if not sys.platform.startswith("linux"):
             return None
         listener = cls("\0rill-outputs-" + secrets.token_hex(8))
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             # Bound here, not by the loop: uvloop's own Unix paths stop at the address's NUL.
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.bind(listener.address)
             sock.setblocking(False)
             listener._server = await asyncio.start_unix_server(listener._accept, sock=sock)
         except OSError as exc:
+            sock.close()
             log.info("no local outputs socket (%s): outputs come over Ray", exc)
             return None
         return listener
@@ -101,10 +106,14 @@ class Listener:
         if future is not None and not future.done():
             future.cancel()
 
-    def release(self, link: Link) -> None:
-        """Close a connection handed out by ``expect``."""
-        self._open.discard(link.writer)
-        link.writer.close()
+    def release(self, secret: str, future: asyncio.Future[Link]) -> None:
+        """Let go of ``expect``'s secret and future: stop waiting, and close the connection it
+        brought, if any."""
+        self.forget(secret)
+        if future.done() and not future.cancelled():
+            writer = future.result().writer
+            self._open.discard(writer)
+            writer.close()
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._open.add(writer)
@@ -116,6 +125,7 @@ class Listener:
             future = self._expected.pop(secret, None)
             if future is None or future.done():
                 raise ConnectionError("a connection with no secret of this process")
+            writer.write(ACK)  # the replica sends over this socket only once it has read this
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
             self._open.discard(writer)
             writer.close()
@@ -147,10 +157,10 @@ def _same_user(writer: asyncio.StreamWriter) -> bool:
     """Whether the connecting process runs as this process's user (``SO_PEERCRED``)."""
     sock = writer.get_extra_info("socket")
     try:
-        credentials = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        credentials = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("iII"))
     except (OSError, AttributeError):
         return False
-    _, uid, _ = struct.unpack("3i", credentials)
+    _, uid, _ = struct.unpack("iII", credentials)  # pid, uid, gid
     return bool(uid == os.getuid())
 
 
@@ -164,21 +174,28 @@ async def read_batch(reader: asyncio.StreamReader) -> list[RequestOutput]:
 
 
 async def connect(address: str, secret: str) -> asyncio.StreamWriter | None:
-    """The replica's end: connect to a server process's ``Listener`` and present ``secret``;
-    None when that fails (the batches then go over Ray)."""
+    """The replica's end: connect to a server process's ``Listener``, present ``secret`` and
+    wait for its answer; None when any of that fails (the batches then go over Ray)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    writer: asyncio.StreamWriter | None = None
     try:
-        # Connected here, not by the loop (as ``Listener.start`` binds); a Unix socket's
-        # connect does not wait unless the listener's backlog is full.
-        sock.settimeout(HELLO_TIMEOUT_S)
-        sock.connect(address)
+        # Connected here, not by the loop (as ``Listener.start`` binds). A Unix socket's
+        # connect completes at once or, the listener's backlog full, fails (BlockingIOError).
         sock.setblocking(False)
+        sock.connect(address)
         async with asyncio.timeout(HELLO_TIMEOUT_S):
-            _, writer = await asyncio.open_unix_connection(sock=sock)
+            reader, writer = await asyncio.open_unix_connection(sock=sock)
             writer.write(secret.encode("ascii"))
             await writer.drain()
-    except (OSError, TimeoutError, UnicodeEncodeError) as exc:
-        sock.close()
+            if await reader.read(len(ACK)) != ACK:
+                raise ConnectionError("the server process turned the connection away")
+    except BaseException as exc:
+        if writer is not None:
+            writer.close()
+        else:
+            sock.close()
+        if not isinstance(exc, OSError | TimeoutError | UnicodeEncodeError):
+            raise
         log.info("no local outputs socket to the server process (%s): outputs go over Ray", exc)
         return None
     return writer

@@ -302,7 +302,7 @@ _ENGINE_METRICS: tuple[tuple[str, str, bool, Callable[[EngineStats], float]], ..
     ),
     (
         "rill_engine_linked_frontends",
-        "Server processes on the replica's machine taking its outputs over a local socket rather than Ray",
+        "Outputs streams to server processes on the replica's machine sent over a local socket rather than Ray",
         False,
         lambda s: s.linked_frontends,
     ),
