@@ -13,8 +13,9 @@ is the cluster's one store (``rill.cluster.limits``), which every front door sha
 * Outputs come back in one stream per replica (``outputs``, opened with the first request
   there), one batch per engine step, routed to each request's ``RequestStream`` as the
   in-process engine thread's are; a replica on this machine writes them to a socket this
-  process listens on instead, the Ray stream staying open beside it (``rill.cluster.link``). The stream names this process (``Origin``): a replica on
-  the same machine counts its CPU as the engine's own while the stream is open.
+  process listens on instead, the Ray stream staying open beside it (``rill.cluster.link``).
+  The stream names this process (``Origin``): a replica on the same machine counts its CPU as
+  the engine's own while the stream is open.
 * A control (stop, pause, resume, regenerate, a parameter change) is a call naming that
   replica, which the router sends there and nowhere else. The controls of one request go in
   the order they were made, one at a time; one made before the replica has answered ``start``

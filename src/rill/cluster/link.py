@@ -100,16 +100,11 @@ class Listener:
         self._expected[secret] = future
         return secret, future
 
-    def forget(self, secret: str) -> None:
-        """Stop waiting for ``secret``'s connection (its call ended)."""
-        future = self._expected.pop(secret, None)
-        if future is not None and not future.done():
-            future.cancel()
-
     def release(self, secret: str, future: asyncio.Future[Link]) -> None:
         """Let go of ``expect``'s secret and future: stop waiting, and close the connection it
         brought, if any."""
-        self.forget(secret)
+        if self._expected.pop(secret, None) is not None and not future.done():
+            future.cancel()
         if future.done() and not future.cancelled():
             writer = future.result().writer
             self._open.discard(writer)
@@ -204,5 +199,5 @@ async def connect(address: str, secret: str) -> asyncio.StreamWriter | None:
 async def write_batch(writer: asyncio.StreamWriter, batch: Any) -> None:
     """Write one batch as a frame; raises ``ConnectionError`` once the server process is gone."""
     payload = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
-    writer.write(_HEADER.pack(len(payload)) + payload)
+    writer.writelines((_HEADER.pack(len(payload)), payload))  # no copy of the payload
     await writer.drain()
