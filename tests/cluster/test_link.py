@@ -3,8 +3,10 @@
 ``RayClient`` reader meet on a real abstract socket; the Ray stream between them is a stand-in
 that runs the replica's generator in a task of its own, as Ray does. The batches come over the
 socket while it is there; a replica that cannot connect sends them over Ray; a replica that
-goes away ends its requests with ``ReplicaLost``; a connection without the call's secret is
-closed unread, and a replica turned away sends over Ray; the socket works under uvloop too."""
+goes away ends its requests with ``ReplicaLost``; what the socket still carries after the Ray
+stream ended is read; shutting down with a link open ends its requests and closes the socket; a
+connection without the call's secret is closed unread, and a replica turned away sends over
+Ray; the socket works under uvloop too."""
 
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ import pytest
 from rill.cluster import link
 from rill.cluster.client import RayClient
 from rill.cluster.replica import Accepted, EngineReplica, Origin, _Outbox
-from rill.errors import ReplicaLost
+from rill.errors import EngineDead, ReplicaLost
+from rill.types import RequestOutput
 from tests.cluster.test_client import _done, _Handle, _request, deployed
 from tests.cluster.test_replica import _replica, _Stream
 
@@ -131,6 +134,109 @@ async def test_a_replica_that_cannot_connect_sends_its_outputs_over_ray(
     [ray_stream] = handle.streams
     assert ray_stream.sent[0] == [] and [o.request_id for o in ray_stream.sent[1]] == ["a"]
     assert client.linked_replicas() == frozenset() and replica._linked == 0
+
+
+class _Ending(_RayStream):
+    """A Ray stream that says when the server process has read its end."""
+
+    def __init__(self, items: AsyncIterator[Any]) -> None:
+        super().__init__(items)
+        self.ended = asyncio.Event()
+
+    async def __anext__(self) -> Any:
+        try:
+            return await super().__anext__()
+        except StopAsyncIteration:
+            self.ended.set()
+            raise
+
+
+class _ScriptedHandle(_Handle):
+    """A handle whose ``outputs`` call connects to the server process's socket as a replica on
+    this machine does (``link.connect``), answers ``Linked`` and then leaves the rest to the
+    test: ``socket`` is the replica's end, ``end_ray`` ends the Ray stream."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.socket: asyncio.Future[asyncio.StreamWriter] = asyncio.get_running_loop().create_future()
+        self._end = asyncio.Event()
+        self.streams: list[_Ending] = []
+
+    def end_ray(self) -> None:
+        self._end.set()
+
+    async def _outputs(self, origin: Origin, secret: str) -> AsyncIterator[Any]:
+        writer = await link.connect(origin.outputs_address, secret)  # type: ignore[arg-type]
+        assert writer is not None
+        self.socket.set_result(writer)
+        yield link.Linked()
+        await self._end.wait()
+
+    def options(self, **_: Any) -> Any:
+        def outputs(frontend: str, *, replica: str, origin: Any = None, secret: Any = None) -> _Ending:
+            stream = _Ending(self._outputs(origin, secret))
+            self.streams.append(stream)
+            return stream
+
+        return SimpleNamespace(outputs=SimpleNamespace(remote=outputs))
+
+
+@pytest.fixture
+async def scripted() -> AsyncIterator[tuple[RayClient, _ScriptedHandle]]:
+    """A ``RayClient`` with its listener and a scripted replica "r1" on this machine."""
+    handle = _ScriptedHandle()
+    async with deployed(handle) as client:
+        client._listener = await link.Listener.start()
+        assert client._listener is not None and client._origin is not None
+        client._origin = msgspec.structs.replace(client._origin, outputs_address=client._listener.address)
+        yield client, handle
+
+
+async def test_what_the_socket_still_carries_after_the_ray_stream_ended_is_read(
+    scripted: tuple[RayClient, _ScriptedHandle],
+) -> None:
+    # A replica letting go of a server process ends its Ray call and closes its socket; the
+    # call's end can come first, with the last batches still in the socket.
+    client, handle = scripted
+    handle.answers = [_done(Accepted("r1")), _done(Accepted("r1"))]
+    a = await client.generate(_request("a"))
+    b = await client.generate(_request("b"))
+    async with asyncio.timeout(10):
+        writer = await handle.socket
+        [ray_stream] = handle.streams
+        handle.end_ray()
+        await ray_stream.ended.wait()
+    await link.write_batch(
+        writer, [RequestOutput(request_id="a", token_ids=[7], finished=True, finish_reason="length")]
+    )
+    writer.close()
+    output = await anext(a)
+    assert output.finished and output.error is None and output.token_ids == [7]
+    output = await anext(b)  # nothing came for it: its replica is gone for it
+    assert output.finished and isinstance(output.error, ReplicaLost)
+    assert client.linked_replicas() == frozenset()
+
+
+async def test_shutting_down_with_a_link_open_ends_its_requests_and_closes_the_socket(
+    scripted: tuple[RayClient, _ScriptedHandle],
+) -> None:
+    client, handle = scripted
+    handle.answers = [_done(Accepted("r1"))]
+    a = await client.generate(_request("a"))
+    async with asyncio.timeout(10):
+        writer = await handle.socket
+        while client.linked_replicas() != {"r1"}:  # the reader takes the link after the opening item
+            await asyncio.sleep(0)
+        await client.shutdown()
+    output = await anext(a)
+    assert output.finished and isinstance(output.error, EngineDead)
+    [ray_stream] = handle.streams
+    async with asyncio.timeout(10):
+        await asyncio.gather(ray_stream.task, return_exceptions=True)
+    assert ray_stream.task.cancelled()  # the Ray call was let go
+    with pytest.raises(ConnectionError):  # and the server process's end of the socket closed
+        await link.write_batch(writer, [])
+    writer.close()
 
 
 def test_the_socket_works_under_uvloop() -> None:
