@@ -23,6 +23,12 @@ fewer streams than the concurrency are left, weigh little: with 2 waves, two rep
    cache is bounded (``--prefix-cache-memory``, default about half the system prompts' KV),
    as a busy server's is: where prompts go then decides what stays cached.
 
+3. With ``--bare-engines``, first: the most ``r2-1t`` could make of ``r1-1t`` here. The engine
+   core alone, stepped in a process of its own on one thread (no server, no load generator, no
+   Ray), holding the highest level's requests in a closed loop (the same prompts and answer
+   length), against two such processes holding half as many each, stepping at the same time,
+   for ``--bare-window-s`` seconds after a warm-up; alternating, ``--rounds`` times.
+
 ``--rounds N`` runs part 1 N times, the servers' order rotating each round, prints every
 round's rows and each goal's ratio per round, and judges the goals on the median of those
 ratios: this machine's own speed moves by a fifth or more within the hour, more than the
@@ -37,8 +43,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -61,6 +69,100 @@ CONFIGS = {
     "r1-1t": ["--replicas", "1", "--num-threads", "1"],
     "r2-1t": ["--replicas", "2", "--num-threads", "1"],
 }
+
+
+def bare_engine(model: str, concurrency: int, args: argparse.Namespace) -> None:
+    """A child of ``bare_engines``: one 1-thread engine core holding ``concurrency`` requests
+    (a finished one replaced at once), stepped after a warm-up for the window the parent
+    starts with a line on stdin; prints its tokens/s and CPU seconds per second as JSON."""
+    from rill.config import EngineConfig
+    from rill.engine.builder import build_engine
+    from rill.engine.request import AddCommand, Request
+    from rill.types import SamplingParams
+
+    engine = build_engine(EngineConfig(model=model, num_threads=1, max_num_seqs=max(concurrency, 1)))
+    core, tokenizer = engine.core, engine.tokenizer
+    prompts = iter(synthetic_prompts(10**5, args.prompt_len, args.max_tokens, args.seed + concurrency))
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0)
+
+    def add() -> None:
+        request = next(prompts)
+        ids = tokenizer.encode(request.prompt)
+        core.apply(
+            AddCommand(
+                Request(
+                    request_id=f"b{request.index}",
+                    prompt_ids=ids,
+                    params=params,
+                    eos_token_ids=engine.eos_token_ids,
+                    arrival_time=time.monotonic(),
+                    seq_no=0,
+                )
+            )
+        )
+
+    def run(seconds: float) -> int:
+        tokens, end = 0, time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            for output in core.step():
+                tokens += len(output.token_ids)
+                if output.finished:
+                    add()
+        return tokens
+
+    for _ in range(concurrency):
+        add()
+    run(args.bare_warmup_s)  # past the first wave's prefill, into the steady mix
+    print("ready", flush=True)
+    sys.stdin.readline()
+    wall, cpu = time.perf_counter(), time.process_time()
+    tokens = run(args.bare_window_s)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    print(json.dumps({"tokens_per_s": tokens / wall, "cpu": cpu / wall}), flush=True)
+
+
+def bare_engines(model: Path, top: int, args: argparse.Namespace) -> list[tuple[float, float, list[dict]]]:
+    """Part 3: per round, one 1-thread engine at ``top`` requests, then two at ``top // 2`` at
+    once: (one's tokens/s, the two's summed, the two's figures)."""
+
+    def start(concurrency: int) -> subprocess.Popen[str]:
+        cmd = [sys.executable, __file__, "--bare-child", str(concurrency), "--model", str(model)]
+        cmd += ["--prompt-len", str(args.prompt_len), "--max-tokens", str(args.max_tokens), "--seed", str(args.seed)]
+        cmd += ["--bare-window-s", str(args.bare_window_s), "--bare-warmup-s", str(args.bare_warmup_s)]
+        return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def together(concurrencies: list[int]) -> list[dict]:
+        children = [start(c) for c in concurrencies]
+        try:
+            for child in children:  # each loaded and warm before any is measured
+                assert child.stdout is not None
+                while (line := child.stdout.readline()) and line.strip() != "ready":
+                    pass
+                if not line:
+                    raise RuntimeError("a bare engine ended before it was ready")
+            for child in children:
+                assert child.stdin is not None
+                child.stdin.write("go\n")
+                child.stdin.flush()
+            return [json.loads(child.stdout.readline()) for child in children]  # type: ignore[union-attr]
+        finally:
+            for child in children:
+                child.kill()
+                child.wait()
+
+    out = []
+    for index in range(args.rounds):
+        [one] = together([top])
+        two = together([top // 2, top - top // 2])
+        out.append((one["tokens_per_s"], sum(t["tokens_per_s"] for t in two), [one, *two]))
+        each = " + ".join(f"{t['tokens_per_s']:.1f}" for t in two)
+        cpus = ", ".join(f"{t['cpu']:.2f}" for t in [one, *two])
+        print(
+            f"  round {index + 1}: one engine at c={top} {one['tokens_per_s']:.1f} tok/s; two at c={top // 2} "
+            f"{each} = {out[-1][1]:.1f} tok/s ({out[-1][1] / out[-1][0]:.2f}x); CPU seconds per second {cpus}",
+            flush=True,
+        )
+    return out
 
 
 def server(name: str, model: Path, flags: list[str], log_dir: Path) -> Server:
@@ -200,19 +302,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--rounds", type=int, default=1, help="part 1 this many times, the servers' order rotating; goals on the median"
     )
+    parser.add_argument(
+        "--bare-engines",
+        action="store_true",
+        help="first, part 3: two bare 1-thread engines at half the highest level against one at all of it",
+    )
+    parser.add_argument("--bare-window-s", type=float, default=20.0)
+    parser.add_argument("--bare-warmup-s", type=float, default=5.0)
+    parser.add_argument("--bare-child", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)
+    if args.bare_child is not None:
+        bare_engine(args.model, args.bare_child, args)
+        return 0
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
     if args.quick:
         args.levels, args.max_tokens, args.system_prompts, args.per_prompt = "2", 8, 3, 2
+        args.bare_window_s, args.bare_warmup_s = 1.0, 0.5
     levels = [int(x) for x in args.levels.split(",")]
     model = resolve_model(args.model)
     print(f"model {model}; levels {levels}; {args.max_tokens} tokens per request, prompts of {args.prompt_len} words")
 
+    if args.bare_engines:
+        print(f"\n## Bare engines (no server, no load generator, no Ray), c={levels[-1]}\n", flush=True)
+        bare = bare_engines(model, levels[-1], args)
+        gains = [two / one for one, two, _ in bare]
+        print(f"two bare 1-thread engines, of one: {statistics.median(gains):.2f}x (median of {len(gains)})\n")
+
     names = [name for name in args.configs.split(",") if name]
     rounds: list[dict[str, dict[int, Summary]]] = []
-    for index in range(args.rounds):
+    for index in range(args.rounds if names else 0):  # --configs "": part 1 skipped
         # The order rotates, so that the machine's own drift (its memory speed moved 20-30 %
         # within an hour here) favours no server: each round compares neighbours in time.
         order = names[index % len(names) :] + names[: index % len(names)]
@@ -228,6 +348,15 @@ def main(argv: list[str] | None = None) -> int:
                 results[name] = asyncio.run(levels_of(srv.port, levels, args))
         rounds.append({name: results[name] for name in names})
 
+    if names:
+        print_rounds(rounds, levels)
+    if args.no_prefix:
+        return 0
+    return prefix_part(model, args)
+
+
+def print_rounds(rounds: list[dict[str, dict[int, Summary]]], levels: list[int]) -> None:
+    """Part 1's table and its goal lines."""
     print("\n## Throughput and TTFT (OpenAI API, closed loop, greedy)\n")
     print("| round | server | c | tokens/s | TTFT p50 ms | TTFT p99 ms | errors |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
@@ -241,9 +370,10 @@ def main(argv: list[str] | None = None) -> int:
     print()
     for line in goal_lines(rounds, levels):
         print(line)
-    if args.no_prefix:
-        return 0
 
+
+def prefix_part(model: Path, args: argparse.Namespace) -> int:
+    """Part 2: the prefix-cache hit rate with and without affinity routing."""
     print("\n## Prefix-cache hit rate, shared system prompts, --replicas 2 --num-threads 1\n")
     print(
         f"{args.system_prompts} system prompts of {args.system_len} words x {args.per_prompt} questions, "
