@@ -123,7 +123,7 @@ def bare_engine(model: str, concurrency: int, args: argparse.Namespace) -> None:
 
 def bare_engines(model: Path, top: int, args: argparse.Namespace) -> list[tuple[float, float, list[dict]]]:
     """Part 3: per round, one 1-thread engine at ``top`` requests, then two at ``top // 2`` at
-    once: (one's tokens/s, the two's summed, the two's figures)."""
+    once: (one's tokens/s, the two's summed, every child's figures)."""
 
     def start(concurrency: int) -> subprocess.Popen[str]:
         cmd = [sys.executable, __file__, "--bare-child", str(concurrency), "--model", str(model)]
