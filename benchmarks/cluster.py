@@ -75,9 +75,9 @@ def bare_engine(model: str, concurrency: int, args: argparse.Namespace) -> None:
     """A child of ``bare_engines``: one 1-thread engine core holding ``concurrency`` requests
     (a finished one replaced at once), stepped after a warm-up for the window the parent
     starts with a line on stdin; prints its tokens/s and CPU seconds per second as JSON."""
+    from engine import submit  # benchmarks/engine.py: it imports torch, which only this child needs
     from rill.config import EngineConfig
     from rill.engine.builder import build_engine
-    from rill.engine.request import AddCommand, Request
     from rill.types import SamplingParams
 
     engine = build_engine(EngineConfig(model=model, num_threads=1, max_num_seqs=max(concurrency, 1)))
@@ -87,19 +87,7 @@ def bare_engine(model: str, concurrency: int, args: argparse.Namespace) -> None:
 
     def add() -> None:
         request = next(prompts)
-        ids = tokenizer.encode(request.prompt)
-        core.apply(
-            AddCommand(
-                Request(
-                    request_id=f"b{request.index}",
-                    prompt_ids=ids,
-                    params=params,
-                    eos_token_ids=engine.eos_token_ids,
-                    arrival_time=time.monotonic(),
-                    seq_no=0,
-                )
-            )
-        )
+        submit(engine, f"b{request.index}", tokenizer.encode(request.prompt), params)
 
     def run(seconds: float) -> int:
         tokens, end = 0, time.perf_counter() + seconds

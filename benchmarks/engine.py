@@ -111,6 +111,19 @@ MIXED = [
 ]
 
 
+def submit(engine: Engine, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    """Add one request to the engine core directly (no server), arriving now."""
+    request = Request(
+        request_id=request_id,
+        prompt_ids=prompt_ids,
+        params=params,
+        eos_token_ids=engine.eos_token_ids,
+        arrival_time=time.monotonic(),
+        seq_no=0,
+    )
+    engine.core.apply(AddCommand(request))
+
+
 def run_rill(engine: Engine, prompts: list[list[int]], new_tokens: int, mixed: bool) -> Figures:
     """All requests arrive at t0; the core is stepped until every one finished."""
     core = engine.core
@@ -121,18 +134,7 @@ def run_rill(engine: Engine, prompts: list[list[int]], new_tokens: int, mixed: b
     last: dict[str, float] = {}
     for i, ids in enumerate(prompts):
         params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, **(MIXED[i] if mixed else {"temperature": 0.0}))
-        core.apply(
-            AddCommand(
-                Request(
-                    request_id=f"b{i}",
-                    prompt_ids=ids,
-                    params=params,
-                    eos_token_ids=engine.eos_token_ids,
-                    arrival_time=time.monotonic(),
-                    seq_no=0,
-                )
-            )
-        )
+        submit(engine, f"b{i}", ids, params)
     while core.has_work():
         outputs = core.step()
         now = time.perf_counter()
