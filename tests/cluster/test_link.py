@@ -11,8 +11,9 @@ Ray; the socket works under uvloop too."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -33,12 +34,14 @@ pytestmark = pytest.mark.skipif(Origin.here() is None, reason="this platform's /
 class _RayStream:
     """What Ray makes of the replica's ``outputs``: the generator runs in a task of its own on
     the replica's side, its items queued for the server process; ``die`` ends it as a replica's
-    death does (its side of the socket closes, the call fails)."""
+    death does (its side of the socket closes, the call fails); ``ended`` is set once the server
+    process has read its end."""
 
     def __init__(self, items: AsyncIterator[Any]) -> None:
         self.items = items
         self.sent: list[Any] = []  # every item that crossed over "Ray"
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.ended = asyncio.Event()
         self.task = asyncio.ensure_future(self._run())
 
     async def _run(self) -> None:
@@ -54,6 +57,8 @@ class _RayStream:
 
     async def __anext__(self) -> Any:
         item = await self.queue.get()
+        if isinstance(item, StopAsyncIteration):
+            self.ended.set()
         if isinstance(item, BaseException):
             raise item
         return item
@@ -68,32 +73,40 @@ class _RayStream:
 
 
 class _LinkHandle(_Handle):
-    """A handle whose ``outputs`` calls reach ``replica``'s real generator."""
+    """A handle whose ``outputs`` calls run ``outputs`` (a replica's real generator, or a
+    test's script of one) behind a ``_RayStream``."""
 
-    def __init__(self, replica: EngineReplica) -> None:
+    def __init__(self, outputs: Callable[..., AsyncIterator[Any]]) -> None:
         super().__init__()
-        self.replica = replica
+        self._outputs = outputs
         self.streams: list[_RayStream] = []
 
     def options(self, **_: Any) -> Any:
         def outputs(frontend: str, *, replica: str, origin: Any = None, secret: Any = None) -> _RayStream:
-            stream = _RayStream(self.replica.outputs(frontend, replica=replica, origin=origin, secret=secret))
+            stream = _RayStream(self._outputs(frontend, replica=replica, origin=origin, secret=secret))
             self.streams.append(stream)
             return stream
 
         return SimpleNamespace(outputs=SimpleNamespace(remote=outputs))
 
 
-@pytest.fixture
-async def linked() -> AsyncIterator[tuple[RayClient, _LinkHandle, EngineReplica]]:
-    """A ``RayClient`` with its listener (as ``_connect`` starts it) and a handle to one replica
-    "r1" on this machine."""
-    replica = _replica(None)
-    handle = _LinkHandle(replica)
+@contextlib.asynccontextmanager
+async def _listening(handle: _LinkHandle) -> AsyncIterator[RayClient]:
+    """``deployed(handle)`` with the client's listener started and named in its ``Origin``, as
+    ``_connect`` does."""
     async with deployed(handle) as client:
         client._listener = await link.Listener.start()
         assert client._listener is not None and client._origin is not None
         client._origin = msgspec.structs.replace(client._origin, outputs_address=client._listener.address)
+        yield client
+
+
+@pytest.fixture
+async def linked() -> AsyncIterator[tuple[RayClient, _LinkHandle, EngineReplica]]:
+    """A ``RayClient`` with its listener and a handle to one real replica "r1" on this machine."""
+    replica = _replica(None)
+    handle = _LinkHandle(replica.outputs)
+    async with _listening(handle) as client:
         yield client, handle, replica
 
 
@@ -136,59 +149,32 @@ async def test_a_replica_that_cannot_connect_sends_its_outputs_over_ray(
     assert client.linked_replicas() == frozenset() and replica._linked == 0
 
 
-class _Ending(_RayStream):
-    """A Ray stream that says when the server process has read its end."""
-
-    def __init__(self, items: AsyncIterator[Any]) -> None:
-        super().__init__(items)
-        self.ended = asyncio.Event()
-
-    async def __anext__(self) -> Any:
-        try:
-            return await super().__anext__()
-        except StopAsyncIteration:
-            self.ended.set()
-            raise
-
-
-class _ScriptedHandle(_Handle):
+class _ScriptedHandle(_LinkHandle):
     """A handle whose ``outputs`` call connects to the server process's socket as a replica on
     this machine does (``link.connect``), answers ``Linked`` and then leaves the rest to the
     test: ``socket`` is the replica's end, ``end_ray`` ends the Ray stream."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__(self._script)
         self.socket: asyncio.Future[asyncio.StreamWriter] = asyncio.get_running_loop().create_future()
         self._end = asyncio.Event()
-        self.streams: list[_Ending] = []
 
     def end_ray(self) -> None:
         self._end.set()
 
-    async def _outputs(self, origin: Origin, secret: str) -> AsyncIterator[Any]:
+    async def _script(self, frontend: str, *, replica: str, origin: Origin, secret: str) -> AsyncIterator[Any]:
         writer = await link.connect(origin.outputs_address, secret)  # type: ignore[arg-type]
         assert writer is not None
         self.socket.set_result(writer)
         yield link.Linked()
         await self._end.wait()
 
-    def options(self, **_: Any) -> Any:
-        def outputs(frontend: str, *, replica: str, origin: Any = None, secret: Any = None) -> _Ending:
-            stream = _Ending(self._outputs(origin, secret))
-            self.streams.append(stream)
-            return stream
-
-        return SimpleNamespace(outputs=SimpleNamespace(remote=outputs))
-
 
 @pytest.fixture
 async def scripted() -> AsyncIterator[tuple[RayClient, _ScriptedHandle]]:
     """A ``RayClient`` with its listener and a scripted replica "r1" on this machine."""
     handle = _ScriptedHandle()
-    async with deployed(handle) as client:
-        client._listener = await link.Listener.start()
-        assert client._listener is not None and client._origin is not None
-        client._origin = msgspec.structs.replace(client._origin, outputs_address=client._listener.address)
+    async with _listening(handle) as client:
         yield client, handle
 
 
