@@ -109,9 +109,9 @@ def bare_engine(model: str, concurrency: int, args: argparse.Namespace) -> None:
     print(json.dumps({"tokens_per_s": tokens / wall, "cpu": cpu / wall}), flush=True)
 
 
-def bare_engines(model: Path, top: int, args: argparse.Namespace) -> list[tuple[float, float, list[dict]]]:
+def bare_engines(model: Path, top: int, args: argparse.Namespace) -> list[tuple[float, float]]:
     """Part 3: per round, one 1-thread engine at ``top`` requests, then two at ``top // 2`` at
-    once: (one's tokens/s, the two's summed, every child's figures)."""
+    once: (one's tokens/s, the two's summed); each round's figures are printed."""
 
     def start(concurrency: int) -> subprocess.Popen[str]:
         cmd = [sys.executable, __file__, "--bare-child", str(concurrency), "--model", str(model)]
@@ -142,7 +142,7 @@ def bare_engines(model: Path, top: int, args: argparse.Namespace) -> list[tuple[
     for index in range(args.rounds):
         [one] = together([top])
         two = together([top // 2, top - top // 2])
-        out.append((one["tokens_per_s"], sum(t["tokens_per_s"] for t in two), [one, *two]))
+        out.append((one["tokens_per_s"], sum(t["tokens_per_s"] for t in two)))
         each = " + ".join(f"{t['tokens_per_s']:.1f}" for t in two)
         cpus = ", ".join(f"{t['cpu']:.2f}" for t in [one, *two])
         print(
@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.bare_engines:
         print(f"\n## Bare engines (no server, no load generator, no Ray), c={levels[-1]}\n", flush=True)
         bare = bare_engines(model, levels[-1], args)
-        gains = [two / one for one, two, _ in bare]
+        gains = [two / one for one, two in bare]
         print(f"two bare 1-thread engines, of one: {statistics.median(gains):.2f}x (median of {len(gains)})\n")
 
     names = [name for name in args.configs.split(",") if name]
