@@ -12,10 +12,12 @@ import torch
 from gguf import GGMLQuantizationType, quants
 from rill_model_helpers import Sequence, random_prompts, run_greedy
 
+from rill.engine import runner as runner_module
 from rill.engine.batch import RowWork
 from rill.engine.runner import TorchModelRunner
 from rill.errors import ModelLoadError
 from rill.models import load_model, qkernel, quant, quant_cache, quant_values
+from rill.models.attention import BY_TOKEN_PREFILL_TOKENS
 from rill.models.gguf_loader import read_gguf
 from rill.testing.gguf_files import write_gguf
 
@@ -593,10 +595,12 @@ def _one_call_schedule(vocab: int) -> list[list[RowWork]]:
 def test_a_decode_step_runs_every_layer_in_one_kernel_call_bit_for_bit(
     tmp_path, monkeypatch, arch, extra, types
 ) -> None:
-    """Steps of decode rows only or of speculative drafts only run every layer in one call of
-    ``kernels/layers.c`` (counted); steps with a prompt chunk take the layers one by one. The
-    same steps with the one-call path turned away give identical logits at every step: the
-    kernel rounds each intermediate where the Python path does."""
+    """Steps of decode rows, of speculative drafts, or of prompt chunks beside decode rows run
+    every layer in one call of ``kernels/layers.c`` (counted); a step of prompt chunks alone,
+    or whose prompt chunks beside decode rows hold more than ``BY_TOKEN_PREFILL_TOKENS``,
+    takes the layers one by one. The same steps with the one-call path turned away give
+    identical logits at every step: the kernel rounds each intermediate where the Python path
+    does."""
     from rill.models import llama
     from rill.testing.checkpoints import make_checkpoint
 
@@ -614,14 +618,20 @@ def test_a_decode_step_runs_every_layer_in_one_kernel_call_bit_for_bit(
         calls["one call"] += done
         return done
 
-    logits = {}
-    for mode in ("one call", "layers"):
+    def run(mode: str, bound: int) -> list[torch.Tensor]:
+        calls["one call"] = 0
+        monkeypatch.setattr(runner_module, "BY_TOKEN_PREFILL_TOKENS", bound)
         monkeypatch.setattr(llama.LlamaModel, "_step_in_one_call", counted if mode == "one call" else lambda *a: False)
         runner = TorchModelRunner(load_model(file, dtype="bfloat16", weights=weights), num_rows=3, max_len=64)
-        logits[mode] = [runner.forward(step) for step in _one_call_schedule(200)]
-    assert calls["one call"] == 6  # the steps without a prompt chunk
-    for fused, plain in zip(logits["one call"], logits["layers"], strict=True):
-        assert torch.equal(fused, plain)
+        return [runner.forward(step) for step in _one_call_schedule(200)]
+
+    # With a bound of 10, the 15-token prompt beside two decode rows goes to the padded attention.
+    for bound, one_call_steps in ((BY_TOKEN_PREFILL_TOKENS, 8), (10, 7)):  # 8: all but the first step
+        plain = run("layers", bound)
+        fused = run("one call", bound)
+        assert calls["one call"] == one_call_steps
+        for a, b in zip(fused, plain, strict=True):
+            assert torch.equal(a, b)
 
 
 @pytest.mark.skipif(

@@ -28,7 +28,7 @@ import torch
 
 import rill.models.packed as packed
 from rill.engine.batch import RowWork, check_work
-from rill.models.attention import PrefillLayout, StepBatch
+from rill.models.attention import BY_TOKEN_PREFILL_TOKENS, PrefillLayout, StepBatch
 from rill.models.loader import LoadedModel
 from rill.models.registry import CausalLM
 
@@ -293,7 +293,11 @@ class TorchModelRunner:
             decode_masks=self._decode_masks(decode, decode_len),
             prefill=self._prefill_layout(prefill) if prefill else None,
             logits_index=logits_index,
-            drafts_only=bool(prefill) and all(item.draft for item in prefill),
+            by_token=bool(prefill)
+            and (
+                all(item.draft for item in prefill)
+                or (bool(decode) and len(ids) - len(decode) <= BY_TOKEN_PREFILL_TOKENS)
+            ),
         )
 
     def _decode_masks(self, decode: list[RowWork], decode_len: int) -> dict[int | None, torch.Tensor | None]:

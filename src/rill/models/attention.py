@@ -13,7 +13,9 @@ length of ``g`` (decode) or ``T * g`` (prefill).
 The runner builds a ``StepBatch`` once per step; layers only index into it. A model with
 quantized projections may do its decode rows in one C call instead
 (``rill.models.qkernel.decode_attention``: RoPE, cache write and attention), then
-``write_kv(..., first=B)`` and ``prefill_attention`` for the step's prefill chunks.
+``write_kv(..., first=B)`` and ``prefill_attention`` for the step's prefill chunks; or, when
+the batch says its chunks may go token by token (``StepBatch.by_token``), every token of the
+step in that one call.
 """
 
 from __future__ import annotations
@@ -22,6 +24,15 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+BY_TOKEN_PREFILL_TOKENS = 128
+"""Most prompt tokens a step with decode rows may hold for its chunks to attend token by token
+as the decode rows do (``StepBatch.by_token``). Under load nearly every step carries a small
+chunk of a newly arrived prompt beside the running streams; in the decode kernel that chunk
+costs what its tokens cost, where the layer-by-layer path adds a fixed cost per step (a 135M
+model's steps took two thirds longer). Past this, the padded attention call of
+``prefill_attention`` is the cheaper way, and the kernel's scratch (one score per token and
+cached position) stays small."""
 
 
 @dataclass(slots=True)
@@ -68,8 +79,11 @@ class StepBatch:
         logits_index: ``[M]`` packed positions whose logits are wanted (may be empty), or
             None for every token in packed order.
         cos, sin: ``[N, 1, head_dim]`` RoPE rows in the activation dtype (set by the model).
-        drafts_only: every prefill chunk is a speculative draft (``RowWork.draft``): a model
-            with a decode kernel may run them through it like decode tokens.
+        by_token: the prefill chunks may attend token by token as decode rows do (each token
+            over its row's cache up to its own position, every key of the step written
+            first), so that a model with a decode kernel may run the whole step through it:
+            when every chunk is a speculative draft (``RowWork.draft``), or when the step
+            has decode rows and its prompt chunks hold at most ``BY_TOKEN_PREFILL_TOKENS``.
     """
 
     input_ids: torch.Tensor
@@ -82,7 +96,7 @@ class StepBatch:
     logits_index: torch.Tensor | None
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
-    drafts_only: bool = False
+    by_token: bool = False
 
 
 def write_kv(

@@ -128,18 +128,15 @@ class DecoderLayer(nn.Module):
         """Cached block on packed tokens ``x [N, hidden]`` (see ``rill.models.attention``).
 
         With quantized projections the decode rows' RoPE, cache writes and attention are one
-        kernel call (``qkernel.decode_attention``), and so are the chunks of a step whose
-        chunks are all speculative drafts (``StepBatch.drafts_only``), token by token exactly as
-        decode steps compute them; prompt chunks, and every model whose projections are dense
-        (bit-for-bit with transformers), take the torch path.
+        kernel call (``qkernel.decode_attention``), and so are the chunks of a step that may
+        go token by token (``StepBatch.by_token``: speculative drafts, or small prompt chunks
+        beside decode rows), exactly as decode steps compute them; other prompt chunks, and
+        every model whose projections are dense (bit-for-bit with transformers), take the
+        torch path.
         """
-        if (
-            self.q_norm is None
-            and isinstance(self.qkv, quant.QuantizedLinear)
-            and (batch.num_decode or batch.drafts_only)
-        ):
+        if self.q_norm is None and isinstance(self.qkv, quant.QuantizedLinear) and (batch.num_decode or batch.by_token):
             qkv = packed.normed_linear(x, self.input_norm, self.qkv.weight, self.qkv.bias)
-            whole = batch.prefill is None or batch.drafts_only
+            whole = batch.prefill is None or batch.by_token
             decode = qkv.shape[0] if whole else batch.num_decode
             attn = qkernel.decode_attention(
                 qkv[:decode],
@@ -251,11 +248,12 @@ class LlamaModel(nn.Module):
         self, x: torch.Tensor, batch: StepBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     ) -> bool:
         """Run every layer on ``x`` in one kernel call (``qkernel.DecodeLayers``), in place, when
-        the step holds only decode tokens or only speculative drafts and every layer's products
+        the step's tokens may all go token by token (decode tokens, speculative drafts, small
+        prompt chunks beside decode rows: ``StepBatch.by_token``) and every layer's products
         are the kernel's; False (nothing done) otherwise. Bit for bit what ``forward_step`` of
         each layer gives: the Python between the layers' calls was an eighth of a 1.5B model's
         decode step and more than half of a 135M one's."""
-        if not (batch.prefill is None or batch.drafts_only) or not (batch.num_decode or batch.drafts_only):
+        if not (batch.prefill is None or batch.by_token) or not (batch.num_decode or batch.by_token):
             return False
         layers = self._decode_layers
         if layers is None:
