@@ -34,6 +34,11 @@ round's rows and each goal's ratio per round, and judges the goals on the median
 ratios: this machine's own speed moves by a fifth or more within the hour, more than the
 effects measured, so a ratio is only read between servers run minutes apart.
 
+``--spread-answers`` gives part 1's answers random lengths from half to 1.5 times
+``--max-tokens`` (the same mean): with answers all alike, a closed loop's streams finish and
+start again in step, so each replica takes its prompts in waves of prompt-only steps; spread,
+new prompts arrive while other streams decode, as a server's traffic does.
+
 ``--quick`` checks the script works (one level, few tokens): its figures mean nothing. On a
 2-core machine the two 1-thread replicas and the server process share the cores: compare rows
 of one run, never across machines.
@@ -53,6 +58,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -166,6 +172,10 @@ async def levels_of(port: int, levels: list[int], args: argparse.Namespace) -> d
     results: dict[int, Summary] = {}
     for level in levels:
         requests = synthetic_prompts(max(args.waves * level, 8), args.prompt_len, args.max_tokens, args.seed + level)
+        if args.spread_answers:
+            rng = random.Random(args.seed + level)
+            low, high = (args.max_tokens + 1) // 2, args.max_tokens * 3 // 2
+            requests = [msgspec.structs.replace(r, max_tokens=rng.randint(low, high)) for r in requests]
         summary, _ = await measure(
             "openai",
             Target(port=port),
@@ -285,6 +295,11 @@ def main(argv: list[str] | None = None) -> int:
         help="each replica's prefix cache in part 2: about half the system prompts' KV on SmolLM2",
     )
     parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument(
+        "--spread-answers",
+        action="store_true",
+        help="part 1's answers of random lengths from half to 1.5x --max-tokens (else all alike)",
+    )
     parser.add_argument("--log-dir", type=Path, default=Path("benchmarks/.cluster-logs"))
     parser.add_argument("--no-prefix", action="store_true", help="skip part 2 (the prefix-cache hit rate)")
     parser.add_argument(
