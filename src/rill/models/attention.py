@@ -30,9 +30,9 @@ BY_TOKEN_PREFILL_TOKENS = 128
 as the decode rows do (``StepBatch.by_token``). Under load nearly every step carries a small
 chunk of a newly arrived prompt beside the running streams; in the decode kernel that chunk
 costs what its tokens cost, where the layer-by-layer path adds a fixed cost per step (a 135M
-model's steps took two thirds longer). Past this, the padded attention call of
-``prefill_attention`` is the cheaper way, and the kernel's scratch (one score per token and
-cached position) stays small."""
+model's steps took two thirds longer). Past this a step is mostly prompt, where that fixed
+cost weighs little, and the kernel's scratch (a score for every token of the step and every
+position up to the longest) would grow with it."""
 
 
 @dataclass(slots=True)
