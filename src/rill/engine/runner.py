@@ -66,6 +66,18 @@ def release_pages(address: int, length: int) -> int:
     return end - start if _madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED) == 0 else 0
 
 
+def _by_token(prefill: list[RowWork], decode: list[RowWork]) -> bool:
+    """Whether a step's chunks may attend token by token (``StepBatch.by_token``): all of them
+    speculative drafts, or prompt chunks of at most ``BY_TOKEN_PREFILL_TOKENS`` tokens beside
+    decode rows."""
+    if not prefill:
+        return False
+    if all(item.draft for item in prefill):
+        return True
+    prompt_tokens = sum(len(item.token_ids) for item in prefill if not item.draft)
+    return bool(decode) and prompt_tokens <= BY_TOKEN_PREFILL_TOKENS
+
+
 class TorchModelRunner:
     """Runs steps of a ``LoadedModel`` over ``num_rows`` KV rows of ``max_len`` tokens each.
 
@@ -293,11 +305,7 @@ class TorchModelRunner:
             decode_masks=self._decode_masks(decode, decode_len),
             prefill=self._prefill_layout(prefill) if prefill else None,
             logits_index=logits_index,
-            by_token=bool(prefill)
-            and (
-                all(item.draft for item in prefill)
-                or (bool(decode) and len(ids) - len(decode) <= BY_TOKEN_PREFILL_TOKENS)
-            ),
+            by_token=_by_token(prefill, decode),
         )
 
     def _decode_masks(self, decode: list[RowWork], decode_len: int) -> dict[int | None, torch.Tensor | None]:
