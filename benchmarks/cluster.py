@@ -81,36 +81,21 @@ def bare_engine(model: str, concurrency: int, args: argparse.Namespace) -> None:
     """A child of ``bare_engines``: one 1-thread engine core holding ``concurrency`` requests
     (a finished one replaced at once), stepped after a warm-up for the window the parent
     starts with a line on stdin; prints its tokens/s and CPU seconds per second as JSON."""
-    from engine import submit  # benchmarks/engine.py: it imports torch, which only this child needs
+    from engine import ClosedLoop  # benchmarks/engine.py: it imports torch, which only this child needs
     from rill.config import EngineConfig
     from rill.engine.builder import build_engine
     from rill.types import SamplingParams
 
     engine = build_engine(EngineConfig(model=model, num_threads=1, max_num_seqs=max(concurrency, 1)))
-    core, tokenizer = engine.core, engine.tokenizer
     prompts = iter(synthetic_prompts(10**5, args.prompt_len, args.max_tokens, args.seed + concurrency))
-    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0)
-
-    def add() -> None:
-        request = next(prompts)
-        submit(engine, f"b{request.index}", tokenizer.encode(request.prompt), params)
-
-    def run(seconds: float) -> int:
-        tokens, end = 0, time.perf_counter() + seconds
-        while time.perf_counter() < end:
-            for output in core.step():
-                tokens += len(output.token_ids)
-                if output.finished:
-                    add()
-        return tokens
-
+    loop = ClosedLoop(engine, prompts, SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0))
     for _ in range(concurrency):
-        add()
-    run(args.bare_warmup_s)  # past the first wave's prefill, into the steady mix
+        loop.add()
+    loop.run(args.bare_warmup_s)  # past the first wave's prefill, into the steady mix
     print("ready", flush=True)
     sys.stdin.readline()
     wall, cpu = time.perf_counter(), time.process_time()
-    tokens = run(args.bare_window_s)
+    tokens = loop.run(args.bare_window_s)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     print(json.dumps({"tokens_per_s": tokens / wall, "cpu": cpu / wall}), flush=True)
 

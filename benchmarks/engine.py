@@ -25,6 +25,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +34,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch
 
+from rill.bench.workload import BenchRequest
 from rill.config import EngineConfig
 from rill.engine.builder import Engine, build_engine
 from rill.engine.request import AddCommand, Request
@@ -122,6 +124,35 @@ def submit(engine: Engine, request_id: str, prompt_ids: list[int], params: Sampl
         seq_no=0,
     )
     engine.core.apply(AddCommand(request))
+
+
+class ClosedLoop:
+    """The engine core holding requests in a closed loop: each finished one replaced at once by
+    the next of ``prompts`` with ``params`` (``add`` starts one, with other parameters if given)."""
+
+    def __init__(self, engine: Engine, prompts: Iterator[BenchRequest], params: SamplingParams) -> None:
+        self.engine, self.prompts, self.params = engine, prompts, params
+        self.step_s: list[float] = []
+        """Each step's time (``run`` appends; clear it between windows)."""
+
+    def add(self, params: SamplingParams | None = None) -> None:
+        """Start the next prompt."""
+        request = next(self.prompts)
+        prompt_ids = self.engine.tokenizer.encode(request.prompt)
+        submit(self.engine, f"b{request.index}", prompt_ids, params or self.params)
+
+    def run(self, seconds: float) -> int:
+        """Step for ``seconds``; the tokens made."""
+        tokens, end = 0, time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            start = time.perf_counter()
+            outputs = self.engine.core.step()
+            self.step_s.append(time.perf_counter() - start)
+            for output in outputs:
+                tokens += len(output.token_ids)
+                if output.finished:
+                    self.add()
+        return tokens
 
 
 def run_rill(engine: Engine, prompts: list[list[int]], new_tokens: int, mixed: bool) -> Figures:

@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 import rill.engine.runner as runner_module
-from engine import submit  # benchmarks/engine.py
+from engine import ClosedLoop  # benchmarks/engine.py
 from rill.bench.workload import synthetic_prompts
 from rill.config import EngineConfig
 from rill.engine.builder import build_engine
@@ -45,16 +45,13 @@ def measure(model: str, concurrency: int, bound: int, args: argparse.Namespace, 
     """One engine on ``model`` in the closed loop with the bound at ``bound``; its figures over the window."""
     runner_module.BY_TOKEN_PREFILL_TOKENS = bound
     engine = build_engine(EngineConfig(model=model, num_threads=1, max_num_seqs=concurrency))
-    core, tokenizer, scheduler = engine.core, engine.tokenizer, engine.core.scheduler
+    scheduler = engine.core.scheduler
     prompts = iter(synthetic_prompts(10**5, 48, 64, seed))
-    params = SamplingParams(max_tokens=64, ignore_eos=True, temperature=0.0)
+    loop = ClosedLoop(engine, prompts, SamplingParams(max_tokens=64, ignore_eos=True, temperature=0.0))
     rng = random.Random(seed)
-    for i in range(concurrency):  # answers of random lengths first: arrivals spread over the steps
-        request = next(prompts)
-        first = SamplingParams(max_tokens=rng.randint(1, 64), ignore_eos=True, temperature=0.0)
-        submit(engine, f"w{i}", tokenizer.encode(request.prompt), first)
+    for _ in range(concurrency):  # answers of random lengths first: arrivals spread over the steps
+        loop.add(SamplingParams(max_tokens=rng.randint(1, 64), ignore_eos=True, temperature=0.0))
     plans: list[tuple[int, int]] = []  # (decode tokens, prompt tokens) of each step
-    times: list[float] = []
     schedule = scheduler.schedule
 
     def counted():  # type: ignore[no-untyped-def]
@@ -64,25 +61,13 @@ def measure(model: str, concurrency: int, bound: int, args: argparse.Namespace, 
 
     scheduler.schedule = counted  # type: ignore[method-assign]
 
-    def run(seconds: float) -> int:
-        tokens, end = 0, time.perf_counter() + seconds
-        while time.perf_counter() < end:
-            start = time.perf_counter()
-            outputs = core.step()
-            times.append(time.perf_counter() - start)
-            for output in outputs:
-                tokens += len(output.token_ids)
-                if output.finished:
-                    request = next(prompts)
-                    submit(engine, f"b{request.index}", tokenizer.encode(request.prompt), params)
-        return tokens
-
-    run(args.warmup_s)
+    loop.run(args.warmup_s)
     plans.clear()
-    times.clear()
+    loop.step_s.clear()
     start = time.perf_counter()
-    tokens = run(args.window_s)
+    tokens = loop.run(args.window_s)
     wall = time.perf_counter() - start
+    times = loop.step_s
     mixed = [t for (decode, prompt), t in zip(plans, times, strict=True) if decode and prompt]
     plain = [t for (decode, prompt), t in zip(plans, times, strict=True) if decode and not prompt]
     return {
