@@ -427,7 +427,9 @@ def _reference_decode(qkv, cos, sin, positions, k_cache, v_cache, num_heads, win
     not qkernel.available(), reason=f"the VNNI kernel does not run here: {qkernel.unavailable_reason()}"
 )
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32))
-@pytest.mark.parametrize("shape", ((1, 12, 2, 128, None), (3, 9, 3, 64, None), (2, 4, 2, 64, 5), (2, 4, 4, 32, 1)))
+@pytest.mark.parametrize(
+    "shape", ((1, 12, 2, 128, None), (3, 9, 3, 64, None), (2, 4, 2, 64, 5), (2, 4, 4, 32, 1), (3, 10, 2, 96, None))
+)
 def test_the_decode_attention_kernel_writes_the_cache_as_torch_does_and_attends_each_row(dtype, shape) -> None:
     """RoPE'd keys and the values land in the caches bit for bit as the torch path writes them
     (RoPE rounded as torch rounds it), nothing else in the caches changes, and each row's

@@ -18,6 +18,7 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -80,25 +81,102 @@ static void softmax(float *s, int64_t n)
     }
 }
 
+/* The lane sums of 16 vectors in one vector: lane n holds the sum of in[n]'s lanes. Every
+ * vector's lanes are added in the same order whatever its place, so a key's score does not
+ * depend on which block of 16 it falls in. A tree of 15 adds, where sixteen horizontal sums
+ * would each wait on the last. */
+static inline __m512 sum16(const __m512 *in)
+{
+    __m512 a[8], c[4], e[2];
+    for (int i = 0; i < 8; i++) /* 128-bit lanes (x0+x2, x1+x3, y0+y2, y1+y3) */
+        a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(in[2 * i], in[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_f32x4(in[2 * i], in[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int i = 0; i < 4; i++) /* 128-bit lane k: four partial sums of in[4i + k] */
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    for (int i = 0; i < 2; i++) /* lane k, elements (0, 2): in[8i + k]; (1, 3): in[8i + 4 + k] */
+        e[i] = _mm512_add_ps(_mm512_unpacklo_ps(c[2 * i], c[2 * i + 1]), _mm512_unpackhi_ps(c[2 * i], c[2 * i + 1]));
+    /* element m of 128-bit lane k: the sum of in[k + 4m] */
+    const __m512 t = _mm512_add_ps(_mm512_shuffle_ps(e[0], e[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_ps(e[0], e[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+    return _mm512_permutexvar_ps(order, t);
+}
+
+/* Weighted values of up to four heads over 16 C lanes of D from lane i (C = 2 or 4): each
+ * head's sum over the keys in order, its accumulators held in registers across the keys. */
+#define WEIGHTED_VALUES(J, C)                                                                                          \
+    static void weighted_##J##_##C(const float *s, int64_t L, const void *v_cache, int bf16, int64_t at, int64_t D,     \
+                                   void *out, int64_t out_at)                                                          \
+    {                                                                                                                  \
+        __m512 acc[J][C];                                                                                              \
+        for (int j = 0; j < J; j++)                                                                                    \
+            for (int c = 0; c < C; c++) acc[j][c] = _mm512_setzero_ps();                                               \
+        for (int64_t l = 0; l < L; l++) {                                                                              \
+            __m512 v[C];                                                                                               \
+            for (int c = 0; c < C; c++) v[c] = load_ps(v_cache, bf16, at + l * D + 16 * c);                           \
+            for (int j = 0; j < J; j++) {                                                                              \
+                const __m512 w = _mm512_set1_ps(s[j * L + l]);                                                         \
+                for (int c = 0; c < C; c++) acc[j][c] = _mm512_fmadd_ps(w, v[c], acc[j][c]);                           \
+            }                                                                                                          \
+        }                                                                                                              \
+        for (int j = 0; j < J; j++)                                                                                    \
+            for (int c = 0; c < C; c++) store_ps(out, bf16, out_at + j * D + 16 * c, acc[j][c]);                       \
+    }
+WEIGHTED_VALUES(1, 2)
+WEIGHTED_VALUES(2, 2)
+WEIGHTED_VALUES(3, 2)
+WEIGHTED_VALUES(4, 2)
+WEIGHTED_VALUES(1, 4)
+WEIGHTED_VALUES(2, 4)
+WEIGHTED_VALUES(3, 4)
+WEIGHTED_VALUES(4, 4)
+
+typedef void (*weighted_fn)(const float *, int64_t, const void *, int, int64_t, int64_t, void *, int64_t);
+static const weighted_fn WEIGHTED[2][4] = {
+    {weighted_1_2, weighted_2_2, weighted_3_2, weighted_4_2},
+    {weighted_1_4, weighted_2_4, weighted_3_4, weighted_4_4},
+};
+
 /* Attention of one (token, KV head) item whose G query heads, rotated, are q: scores over the
- * keys lo..p of the cache head at head_at, softmax, weighted values into out. */
+ * keys lo..p of the cache head at head_at, softmax, weighted values into out. s has room for
+ * G * L scores plus G * 16 vectors of partial sums. */
 static void attend(const float (*q)[MAX_D], int64_t G, int64_t D, int bf16, const void *k_cache,
                    const void *v_cache, int64_t head_at, int64_t lo, int64_t L, float scale, float *s, void *out,
                    int64_t out_at)
 {
-    for (int64_t l = 0; l < L; l++) {
-        for (int64_t j = 0; j < G; j++) s[j * L + l] = scale * dot(q[j], k_cache, bf16, head_at + (lo + l) * D, D);
+    /* Scores 16 keys at a time: each key's chunks read once for every head of the group, each
+     * head's 16 products summed in one tree (sum16). */
+    __m512 *part = (__m512 *)(s + ((G * L + 15) & ~(int64_t)15)); /* [G][16], 64-byte aligned */
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int64_t l0 = 0; l0 < L; l0 += 16) {
+        const int64_t n = L - l0 < 16 ? L - l0 : 16;
+        for (int64_t t = 0; t < 16; t++) {
+            if (t >= n) {
+                for (int64_t j = 0; j < G; j++) part[j * 16 + t] = _mm512_setzero_ps();
+                continue;
+            }
+            const int64_t k_at = head_at + (lo + l0 + t) * D;
+            for (int64_t j = 0; j < G; j++) {
+                __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
+                for (int64_t i = 0; i < D; i += 32) {
+                    even = _mm512_fmadd_ps(_mm512_loadu_ps(q[j] + i), load_ps(k_cache, bf16, k_at + i), even);
+                    odd = _mm512_fmadd_ps(_mm512_loadu_ps(q[j] + i + 16), load_ps(k_cache, bf16, k_at + i + 16), odd);
+                }
+                part[j * 16 + t] = _mm512_add_ps(even, odd);
+            }
+        }
+        const __mmask16 m = n == 16 ? 0xFFFF : (__mmask16)((1u << n) - 1u);
+        for (int64_t j = 0; j < G; j++) _mm512_mask_storeu_ps(s + j * L + l0, m, _mm512_mul_ps(vscale, sum16(part + j * 16)));
     }
     for (int64_t j = 0; j < G; j++) softmax(s + j * L, L);
-    /* Values: each chunk of 16 lanes read once for all G heads of the group. */
-    for (int64_t i = 0; i < D; i += 16) {
-        __m512 acc[G];
-        for (int64_t j = 0; j < G; j++) acc[j] = _mm512_setzero_ps();
-        for (int64_t l = 0; l < L; l++) {
-            const __m512 v = load_ps(v_cache, bf16, head_at + (lo + l) * D + i);
-            for (int64_t j = 0; j < G; j++) acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(s[j * L + l]), v, acc[j]);
-        }
-        for (int64_t j = 0; j < G; j++) store_ps(out, bf16, out_at + j * D + i, acc[j]);
+    /* Values: up to four heads and 64 lanes a pass, so every key's value chunk is read once a
+     * pass and the accumulators stay in registers. */
+    for (int64_t j0 = 0; j0 < G; j0 += 4) {
+        const int64_t J = G - j0 < 4 ? G - j0 : 4;
+        for (int64_t i = 0; i < D; i += D - i >= 64 ? 64 : 32)
+            WEIGHTED[D - i >= 64][J - 1](s + j0 * L, L, v_cache, bf16, head_at + lo * D + i, D, out,
+                                         out_at + j0 * D + i);
     }
 }
 
@@ -126,10 +204,18 @@ int rill_decode_attention(const void *qkv, int bf16, int64_t B, int64_t H, int64
 {
     if (D % 32 || D > MAX_D || H % KVH) return -1;
     const int64_t G = H / KVH, width = (H + 2 * KVH) * D;
-    int64_t longest = 0;
-    for (int64_t b = 0; b < B; b++) longest = pos[b] + 1 > longest ? pos[b] + 1 : longest;
-    float *scores = malloc((size_t)(B * KVH * G * longest) * sizeof(float));
-    if (scores == NULL) return -1;
+    int64_t longest = 0; /* the most keys a token attends */
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t L = window > 0 && pos[b] + 1 > window ? window : pos[b] + 1;
+        longest = L > longest ? L : longest;
+    }
+    /* Scratch for one item at a time: G * longest scores, rounded up to whole vectors, then
+     * G * 16 vectors of partial sums; one per thread, so it grows with the context, never
+     * with the number of tokens. */
+    const int64_t per_item = ((G * longest + 15) & ~(int64_t)15) + G * 16 * 16;
+    const int64_t threads = B * KVH > 1 ? omp_get_max_threads() : 1;
+    float *scratch = aligned_alloc(64, (size_t)(threads * per_item) * sizeof(float));
+    if (scratch == NULL) return -1;
     if (rows != NULL) {
 #pragma omp parallel for schedule(static) if (B * KVH > 1)
         for (int64_t item = 0; item < B * KVH; item++) {
@@ -147,8 +233,8 @@ int rill_decode_attention(const void *qkv, int bf16, int64_t B, int64_t H, int64
         for (int64_t j = 0; j < G; j++) rope(qkv, bf16, b * width + (kv * G + j) * D, cos, sin, b * D, D, q[j]);
         if (rows == NULL) write_key_value(qkv, bf16, b, kv, H, KVH, D, width, cos, sin, k_cache, v_cache, head_at, p);
         attend((const float (*)[MAX_D])q, G, D, bf16, k_cache, v_cache, head_at, lo, L, scale,
-               scores + item * G * longest, out, b * H * D + kv * G * D);
+               scratch + omp_get_thread_num() * per_item, out, b * H * D + kv * G * D);
     }
-    free(scores);
+    free(scratch);
     return 0;
 }
