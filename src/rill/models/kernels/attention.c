@@ -51,13 +51,6 @@ static void rope(const void *x, int bf16, int64_t x_at, const void *cos, const v
     }
 }
 
-static inline float dot(const float *q, const void *k, int bf16, int64_t k_at, int64_t D)
-{
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t i = 0; i < D; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load_ps(k, bf16, k_at + i), acc);
-    return _mm512_reduce_add_ps(acc);
-}
-
 /* s[0..n) = softmax(s), in place, 16 lanes at a time. */
 static void softmax(float *s, int64_t n)
 {
