@@ -60,7 +60,8 @@ def measure(heads: int, kv_heads: int, head_dim: int, batch: int, context: int, 
 
     reps = max(5, args.reps * 128 // context)
     figures: dict[str, list[float]] = {"kernel": [], "torch": []}
-    kernel(), torch_path()  # warm-up
+    kernel()  # warm-up
+    torch_path()
     for _ in range(args.rounds):
         figures["kernel"].append(_timed(kernel, reps))
         figures["torch"].append(_timed(torch_path, reps))

@@ -31,8 +31,8 @@ as the decode rows do (``StepBatch.by_token``). Under load nearly every step car
 chunk of a newly arrived prompt beside the running streams; in the decode kernel that chunk
 costs what its tokens cost, where the layer-by-layer path adds a fixed cost per step (a 135M
 model's steps took two thirds longer). Past this a step is mostly prompt, where that fixed
-cost weighs little, and the kernel's scratch (a score for every token of the step and every
-position up to the longest) would grow with it."""
+cost weighs little and the padded attention takes the prompt in blocks rather than a token
+at a time."""
 
 
 @dataclass(slots=True)
@@ -97,6 +97,12 @@ class StepBatch:
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
     by_token: bool = False
+
+    @property
+    def all_by_token(self) -> bool:
+        """Every token of the step may attend from its own position as a decode row does: the
+        step is decode rows only, or its chunks may go token by token (``by_token``)."""
+        return (self.prefill is None and self.num_decode > 0) or self.by_token
 
 
 def write_kv(

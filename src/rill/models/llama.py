@@ -136,7 +136,7 @@ class DecoderLayer(nn.Module):
         """
         if self.q_norm is None and isinstance(self.qkv, quant.QuantizedLinear) and (batch.num_decode or batch.by_token):
             qkv = packed.normed_linear(x, self.input_norm, self.qkv.weight, self.qkv.bias)
-            whole = batch.prefill is None or batch.by_token
+            whole = batch.all_by_token
             decode = qkv.shape[0] if whole else batch.num_decode
             attn = qkernel.decode_attention(
                 qkv[:decode],
@@ -253,7 +253,7 @@ class LlamaModel(nn.Module):
         are the kernel's; False (nothing done) otherwise. Bit for bit what ``forward_step`` of
         each layer gives: the Python between the layers' calls was an eighth of a 1.5B model's
         decode step and more than half of a 135M one's."""
-        if not (batch.prefill is None or batch.by_token) or not (batch.num_decode or batch.by_token):
+        if not batch.all_by_token:
             return False
         layers = self._decode_layers
         if layers is None:
