@@ -41,6 +41,11 @@ def output_bytes(output: RequestOutput) -> int:
     return num_bytes
 
 
+def _time_up(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
 class RequestStream:
     """Outputs of one request, as an async iterator, plus its controls.
 
@@ -68,7 +73,7 @@ class RequestStream:
         self.sampling = sampling
         self.is_finished = False
         self._pending: RequestOutput | None = None
-        self._ready = asyncio.Event()
+        self._waiters: list[asyncio.Future[None]] = []  # readers waiting for a delta
         self._closed = False
         self._on_close = on_close
         self._lease = lease
@@ -92,7 +97,7 @@ class RequestStream:
             self._overflow()
             return
         self._pending = output if self._pending is None else self._pending.merge(output)
-        self._ready.set()
+        self._wake()
 
     def _overflow(self) -> None:
         """The reader left too much unread: end the request, drop what it has not read."""
@@ -110,7 +115,30 @@ class RequestStream:
             ),
         )
         self._lease.close()
-        self._ready.set()
+        self._wake()
+
+    def _wake(self) -> None:
+        if not self._waiters:
+            return
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def _wait(self, timeout_s: float | None = None) -> None:
+        """Until a delta is put (or ``timeout_s`` passed): one future and at most one timer,
+        which at a token a step is the reader's whole cost of waiting."""
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[None] = loop.create_future()
+        self._waiters.append(waiter)
+        timer = None if timeout_s is None else loop.call_later(timeout_s, _time_up, waiter)
+        try:
+            await waiter
+        finally:
+            if timer is not None:
+                timer.cancel()
+            if waiter in self._waiters:  # timed out or cancelled: no put took it off the list
+                self._waiters.remove(waiter)
 
     def _taken(self) -> None:
         # What was pending is the reader's now: it no longer counts against the budget.
@@ -122,13 +150,27 @@ class RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
-        if self.is_finished and self._pending is None:
-            raise StopAsyncIteration
-        await self._ready.wait()
-        output = self._pending
-        assert output is not None  # _ready is only set together with _pending
+        while self._pending is None:
+            if self.is_finished:
+                raise StopAsyncIteration
+            await self._wait()
+        return self._hand_out(self._pending)
+
+    async def next_within(self, timeout_s: float | None) -> RequestOutput | None:
+        """The next delta, or None if none came within ``timeout_s`` seconds (None: no limit);
+        raises ``StopAsyncIteration`` after the last one, as ``__anext__`` does."""
+        if timeout_s is None:
+            return await self.__anext__()
+        if self._pending is None:
+            if self.is_finished:
+                raise StopAsyncIteration
+            await self._wait(timeout_s)
+            if self._pending is None:
+                return None
+        return self._hand_out(self._pending)
+
+    def _hand_out(self, output: RequestOutput) -> RequestOutput:
         self._pending = None
-        self._ready.clear()
         self._taken()
         if output.finished:
             self.is_finished = True
@@ -137,7 +179,6 @@ class RequestStream:
     def get_nowait(self) -> RequestOutput | None:
         """Take the pending delta if there is one (no waiting)."""
         output, self._pending = self._pending, None
-        self._ready.clear()
         self._taken()
         if output is not None and output.finished:
             self.is_finished = True
