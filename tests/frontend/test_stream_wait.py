@@ -8,28 +8,8 @@ import asyncio
 import pytest
 
 from rill.frontend.stream import RequestStream
-from rill.types import RequestOutput, SamplingParams
-
-
-class Aborts:
-    """The client side a stream calls back: records aborts."""
-
-    def __init__(self) -> None:
-        self.aborted: list[str] = []
-
-    def abort(self, request_id: str) -> None:
-        self.aborted.append(request_id)
-
-
-def delta(text: str, finished: bool = False) -> RequestOutput:
-    return RequestOutput(
-        request_id="r",
-        text=text,
-        token_ids=[7],
-        token_texts=[text],
-        finished=finished,
-        finish_reason="length" if finished else None,
-    )
+from rill.types import SamplingParams
+from tests.frontend.test_stream_budget import Aborts, delta
 
 
 def new_stream() -> RequestStream:
