@@ -197,3 +197,27 @@ async def test_idle_connections_are_refused_past_the_limit_and_closed_after_the_
                 break
             await asyncio.sleep(0.05)
         assert await only_this_client()
+
+
+def test_a_message_over_the_limit_is_refused_with_1009_while_the_client_is_still_sending(
+    server: LiveServer,
+) -> None:
+    """The server reads a message's header, refuses it (close 1009) and would close its socket at
+    once; a client still writing its 12 MiB must get that close, not a reset (lingering close)."""
+    import json
+    import random
+
+    from websockets.exceptions import ConnectionClosed
+    from websockets.sync.client import connect
+
+    noise = random.Random(7).randbytes(24 * 2**20).hex()  # 48 MiB, nothing to compress
+    assert len(noise) > server.config.http.max_body_bytes
+    for _ in range(3):
+        with connect(server.ws_url + "/generate", compression=None, max_size=None) as ws:
+            try:
+                ws.send(json.dumps({"type": "config", "prompt": noise}))
+                ws.recv(timeout=30)
+            except ConnectionClosed as exc:
+                assert exc.rcvd is not None and exc.rcvd.code == 1009, exc
+            else:
+                raise AssertionError("the server answered a message over its limit")

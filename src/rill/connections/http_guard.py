@@ -24,6 +24,13 @@ API's error format (``openai_http.adapter.http_error``) to this module and to
 
 _REASONS = {408: "Request Timeout", 503: "Service Unavailable"}
 
+LINGER_S = 2.0
+"""Longest a connection closed while its client was still sending stays open to read and drop
+that input (``GuardedProtocol`` docstring)."""
+
+LINGER_BYTES = 64 * 2**20
+"""Most input read and dropped while lingering; past it the connection closes at once."""
+
 
 def _raw_response(render: ErrorRenderer, exc: TooManyConnections | IdleTimeout) -> bytes:
     """A whole HTTP/1.1 error response for ``exc``, as the HTTP routes answer it (``render``)."""
@@ -56,6 +63,14 @@ class GuardedProtocol(asyncio.Protocol):
     (``request_done``); disarmed when the app receives a request (``request_started``).
     On expiry the connection is closed, after a 408 if part of a request had arrived.
 
+    Lingering close: uvicorn's protocol closes the socket at once when what it reads fails (a
+    WebSocket message over ``ws_max_size``: close 1009). The client may still be sending then,
+    and a socket closed with unread input answers with a reset, which can reach the client
+    before the close frame does: it would see a dropped connection, not the refusal. So a close
+    made while input is being handled writes what is pending, then the end of output, and
+    reads and drops the client's further bytes until it ends its side, for at most
+    ``LINGER_S`` and ``LINGER_BYTES``, as HTTP servers do after an error answer.
+
     Idle (closable by the gate to make room for another address, ``Lease.evict``): while
     the header timer runs, and while a WebSocket has not sent its first message
     (``set_idle``, from the middleware). Closed that way, a client that had sent part of
@@ -83,6 +98,10 @@ class GuardedProtocol(asyncio.Protocol):
         self._connected = False
         self._websocket = False
         self.evicted = False
+        self._receiving = False  # inside the inner protocol's data_received
+        self._lingering = False
+        self._lingered_bytes = 0
+        self._linger_timer: asyncio.TimerHandle | None = None
 
     # asyncio.Protocol --------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -102,20 +121,31 @@ class GuardedProtocol(asyncio.Protocol):
             self.key = (peername[0], peername[1])
             self.gate.http_connections[self.key] = self
         self._connected = True
-        self.inner.connection_made(transport)
+        self.inner.connection_made(cast(asyncio.Transport, _InnerTransport(transport, self)))
         self._arm()
 
     def data_received(self, data: bytes) -> None:
         """Pass bytes on to the current protocol; adopt a WebSocket it switched to."""
+        if self._lingering:
+            self._lingered_bytes += len(data)
+            if self._lingered_bytes > LINGER_BYTES and self.transport is not None:
+                self.transport.close()
+            return
         if not self._connected:
             return
         if self._timer is not None:
             self._partial = True
-        self.inner.data_received(data)
+        self._receiving = True
+        try:
+            self.inner.data_received(data)
+        finally:
+            self._receiving = False
         self._adopt_switched_protocol()
 
     def eof_received(self) -> bool | None:
-        """Pass the end of input on."""
+        """Pass the end of input on (while lingering: the client is done, close)."""
+        if self._lingering:
+            return False
         if not self._connected:
             return None
         return self.inner.eof_received()
@@ -123,6 +153,9 @@ class GuardedProtocol(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         """Give the lease back and tell the current protocol."""
         self._disarm()
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
+            self._linger_timer = None
         if self.key is not None and self.gate.http_connections.get(self.key) is self:
             del self.gate.http_connections[self.key]
         if self.lease is not None:
@@ -159,8 +192,26 @@ class GuardedProtocol(asyncio.Protocol):
 
     def request_done(self) -> None:
         """A response has ended: the next request's headers are due within the timeout."""
-        if self._connected:
+        if self._connected and not self._lingering:
             self._arm()
+
+    def close_for_inner(self) -> None:
+        """The inner protocol closes the connection: at once, or lingering when it does so while
+        handling input (see the class docstring)."""
+        transport = self.transport
+        if transport is None or transport.is_closing() or self._lingering:
+            return
+        if not self._receiving or not transport.can_write_eof():
+            transport.close()
+            return
+        self._lingering = True
+        self._disarm()
+        transport.write_eof()  # after what is pending (the close frame, the error answer)
+        self._linger_timer = asyncio.get_running_loop().call_later(LINGER_S, transport.close)
+
+    def is_closing_for_inner(self) -> bool:
+        """What the inner protocol sees of ``is_closing``: lingering counts as closing."""
+        return self._lingering or self.transport is None or self.transport.is_closing()
 
     # ------------------------------------------------------------------------------------------
     def _adopt_switched_protocol(self) -> None:
@@ -187,6 +238,9 @@ class GuardedProtocol(asyncio.Protocol):
         transport = self.transport
         if transport is None or transport.is_closing():
             return
+        if self._lingering:  # its answer is written already, and its output ended
+            transport.close()
+            return
         reason = "the server is at its connection limit; this idle connection was closed for another client"
         if self._websocket:
             transport.write(_close_frame(1013, "server busy; retry later"))
@@ -210,6 +264,26 @@ class GuardedProtocol(asyncio.Protocol):
         # With no byte of a request, close without a word: a keep-alive client could take an
         # unasked 408 for the answer to a request it is sending right now.
         transport.close()
+
+
+class _InnerTransport:
+    """The transport as uvicorn's protocol sees it: the connection's own, except that closing
+    goes through ``GuardedProtocol.close_for_inner`` (a lingering close)."""
+
+    def __init__(self, transport: asyncio.Transport, guard: GuardedProtocol) -> None:
+        self._transport = transport
+        self._guard = guard
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+    def close(self) -> None:
+        """Close, lingering if input is being handled."""
+        self._guard.close_for_inner()
+
+    def is_closing(self) -> bool:
+        """True once closed or lingering."""
+        return self._guard.is_closing_for_inner()
 
 
 def http_protocol_factory(
