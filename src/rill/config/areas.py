@@ -181,6 +181,11 @@ class HttpConfig:
         "request may ask for; more is refused (400) before anything runs",
     )
     sse_keepalive_s: float = _f(5.0, "seconds without output after which an SSE stream gets a keep-alive comment")
+    ws_compression: bool = _f(
+        False,
+        "offer WebSocket clients permessage-deflate (each token's frame compressed: fewer bytes on "
+        "a slow link, for about 50 KB of zlib state a connection and the server's CPU a frame)",
+    )
     data_dir: str = _f(
         "data",
         "folder for feedback, recordings and other durable data (the SQLite database, "
