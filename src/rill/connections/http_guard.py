@@ -99,7 +99,7 @@ class GuardedProtocol(asyncio.Protocol):
         self._websocket = False
         self.evicted = False
         self._receiving = False  # inside the inner protocol's data_received
-        self._lingering = False
+        self.lingering = False  # closed while the client was sending: reading and dropping its input
         self._lingered_bytes = 0
         self._linger_timer: asyncio.TimerHandle | None = None
 
@@ -126,7 +126,7 @@ class GuardedProtocol(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         """Pass bytes on to the current protocol; adopt a WebSocket it switched to."""
-        if self._lingering:
+        if self.lingering:
             self._lingered_bytes += len(data)
             if self._lingered_bytes > LINGER_BYTES and self.transport is not None:
                 self.transport.close()
@@ -144,7 +144,7 @@ class GuardedProtocol(asyncio.Protocol):
 
     def eof_received(self) -> bool | None:
         """Pass the end of input on (while lingering: the client is done, close)."""
-        if self._lingering:
+        if self.lingering:
             return False
         if not self._connected:
             return None
@@ -192,26 +192,26 @@ class GuardedProtocol(asyncio.Protocol):
 
     def request_done(self) -> None:
         """A response has ended: the next request's headers are due within the timeout."""
-        if self._connected and not self._lingering:
+        if self._connected and not self.lingering:
             self._arm()
 
     def close_for_inner(self) -> None:
         """The inner protocol closes the connection: at once, or lingering when it does so while
         handling input (see the class docstring)."""
         transport = self.transport
-        if transport is None or transport.is_closing() or self._lingering:
+        if transport is None or transport.is_closing() or self.lingering:
             return
         if not self._receiving or not transport.can_write_eof():
             transport.close()
             return
-        self._lingering = True
+        self.lingering = True
         self._disarm()
         transport.write_eof()  # after what is pending (the close frame, the error answer)
         self._linger_timer = asyncio.get_running_loop().call_later(LINGER_S, transport.close)
 
     def is_closing_for_inner(self) -> bool:
         """What the inner protocol sees of ``is_closing``: lingering counts as closing."""
-        return self._lingering or self.transport is None or self.transport.is_closing()
+        return self.lingering or self.transport is None or self.transport.is_closing()
 
     # ------------------------------------------------------------------------------------------
     def _adopt_switched_protocol(self) -> None:
@@ -238,7 +238,7 @@ class GuardedProtocol(asyncio.Protocol):
         transport = self.transport
         if transport is None or transport.is_closing():
             return
-        if self._lingering:  # its answer is written already, and its output ended
+        if self.lingering:  # its answer is written already, and its output ended
             transport.close()
             return
         reason = "the server is at its connection limit; this idle connection was closed for another client"
@@ -276,6 +276,12 @@ class _InnerTransport:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._transport, name)
+
+    def write(self, data: bytes) -> None:
+        """Write, unless lingering: its output has ended, and a write then would raise where a
+        closed transport drops it."""
+        if not self._guard.lingering:
+            self._transport.write(data)
 
     def close(self) -> None:
         """Close, lingering if input is being handled."""

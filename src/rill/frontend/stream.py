@@ -41,7 +41,7 @@ def output_bytes(output: RequestOutput) -> int:
     return num_bytes
 
 
-def _time_up(waiter: asyncio.Future[None]) -> None:
+def _resolve(waiter: asyncio.Future[None]) -> None:
     if not waiter.done():
         waiter.set_result(None)
 
@@ -122,8 +122,7 @@ class RequestStream:
             return
         waiters, self._waiters = self._waiters, []
         for waiter in waiters:
-            if not waiter.done():
-                waiter.set_result(None)
+            _resolve(waiter)
 
     async def _wait(self, timeout_s: float | None = None) -> None:
         """Until a delta is put (or ``timeout_s`` passed): one future and at most one timer,
@@ -131,7 +130,7 @@ class RequestStream:
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[None] = loop.create_future()
         self._waiters.append(waiter)
-        timer = None if timeout_s is None else loop.call_later(timeout_s, _time_up, waiter)
+        timer = None if timeout_s is None else loop.call_later(timeout_s, _resolve, waiter)
         try:
             await waiter
         finally:
